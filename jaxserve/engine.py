@@ -1,0 +1,219 @@
+"""The engine loop: add_request, then step() until done. Each step is schedule -> run -> postprocess.
+
+A step runs up to two executables, the prefill chunks (query blocks of `prefill_query_block`
+tokens) and the decodes (one token per sequence); both are dispatched before either result is
+fetched, so the host builds the second batch while the device runs the first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import Buckets, EngineConfig, ModelConfig
+from jaxserve.kv_cache import PageAllocator, num_pages_for
+from jaxserve.models import KVPages, build_model
+from jaxserve.output_processor import append_token, token_logprobs
+from jaxserve.request import CompletionOutput, RequestOutput, RequestStatus, SamplingParams, Sequence
+from jaxserve.runner import ModelRunner, kv_cache_bytes_available
+from jaxserve.scheduler import Scheduler
+from jaxserve.tokenizer import Tokenizer
+from jaxserve.weights import load_params
+
+logger = logging.getLogger(__name__)
+
+# Without an explicit max_model_len, the model's own limit is capped here so a fresh engine does not
+# compile page buckets for 128k-token contexts that a CPU will never serve.
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n samples apart
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    def output(self) -> RequestOutput:
+        outputs = [CompletionOutput(index=i, text=seq.text, token_ids=list(seq.output_token_ids),
+                                    finish_reason=seq.finish_reason,
+                                    logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None)
+                   for i, seq in enumerate(self.seqs)]
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs,
+                             num_cached_tokens=self.seqs[0].num_cached_tokens)
+
+
+def _enable_compilation_cache(directory: str | None) -> None:
+    if directory is None or jax.config.jax_compilation_cache_dir:
+        return  # off, or the user already chose a cache
+    if directory == "default":
+        directory = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+class Engine:
+    def __init__(self, model_dir: str, config: EngineConfig):
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"model directory {model_dir!r} does not exist")
+        self.config = config
+        self.model_dir = model_dir
+        self.model_config = ModelConfig.from_model_dir(model_dir)
+        self.tokenizer = Tokenizer.from_model_dir(model_dir)
+        mc = self.model_config
+        self.dtype = mc.checkpoint_dtype if config.dtype == "auto" else config.dtype
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({mc.max_position_embeddings})")
+        eos = set(mc.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.buckets = Buckets.derive(config, self.max_model_len)
+        _enable_compilation_cache(config.compilation_cache_dir)
+
+        abstract_model = nnx.eval_shape(lambda: build_model(mc, self.dtype, rngs=nnx.Rngs(0)))
+        graphdef, abstract_params = nnx.split(abstract_model)
+        model = nnx.merge(graphdef, load_params(abstract_params, model_dir, mc, self.dtype))
+
+        page_bytes = KVPages.bytes_per_page(mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        max_pages_per_seq = num_pages_for(self.max_model_len, config.page_size)
+        useful_pages = config.max_num_seqs * max_pages_per_seq + 1
+        num_pages = config.num_pages or max(2, min(kv_cache_bytes_available(config.kv_cache_memory_gib) // page_bytes,
+                                                   useful_pages))
+        self.allocator = PageAllocator(num_pages, config.page_size)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   prefill_query_block=config.prefill_query_block)
+        kv_pages = KVPages.zeros(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        self.runner = ModelRunner(model, kv_pages=kv_pages, buckets=self.buckets, page_size=config.page_size,
+                                  prefill_query_block=config.prefill_query_block, max_logprobs=config.max_logprobs)
+        self.runner.warm_up(show_progress=config.show_progress)
+        self.requests: dict[str, RequestState] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_steps = 0
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model directory {self.model_dir!r} has no tokenizer.model; pass token ids")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, (int, np.integer)) for t in prompt):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        vocab_size = self.model_config.vocab_size
+        bad = [int(t) for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        return [int(t) for t in prompt]
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+                             f"{total}, more than max_model_len ({self.max_model_len})")
+        if num_pages_for(total, self.config.page_size) > self.allocator.num_usable_pages:
+            raise ValueError(f"a sequence of {total} tokens needs more KV pages than the cache has "
+                             f"({self.allocator.num_usable_pages}); raise num_pages or kv_cache_memory_gib")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.config.max_logprobs})")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = self.tokenize(prompt)
+        self.validate(prompt_token_ids, params)
+        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
+        seqs = [Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=prompt_token_ids,
+                         params=params, sampling_seed=(base_seed + i * CHILD_SEED_STRIDE) % 2**64,
+                         arrival_order=next(self._arrivals))
+                for i in range(params.n)]
+        self.requests[request_id] = RequestState(request_id, prompt if isinstance(prompt, str) else None,
+                                                 prompt_token_ids, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        for seq in state.seqs if state else ():
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; returns the outputs of requests that progressed (finished ones leave)."""
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            return []
+        dispatched = [(chunks, self.runner.execute(chunks, is_decode))
+                      for chunks, is_decode in ((schedule.prefills, False), (schedule.decodes, True)) if chunks]
+        touched: dict[str, RequestState] = {}
+        for chunks, output in dispatched:
+            fetched = ModelRunner.fetch(output)
+            for row, chunk in enumerate(chunks):
+                seq = chunk.seq
+                seq.num_computed_tokens = chunk.end
+                if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                    self.num_prompt_tokens += chunk.num_tokens
+                if not chunk.samples_next_token or seq.status is not RequestStatus.RUNNING:
+                    continue
+                logprobs = token_logprobs(row, fetched, seq.params.logprobs) if seq.params.logprobs is not None else None
+                reason = append_token(seq, int(fetched["token_ids"][row]), logprobs, self.tokenizer,
+                                      self.eos_token_ids, self.max_model_len)
+                self.num_generated_tokens += 1
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                touched[seq.request_id] = self.requests[seq.request_id]
+        self.num_steps += 1
+        outputs = []
+        for request_id, state in touched.items():
+            outputs.append(state.output())
+            if state.finished:
+                del self.requests[request_id]
+        return outputs
+
+    def stats(self) -> dict:
+        return {
+            "kv_pages_total": self.allocator.num_usable_pages,
+            "kv_pages_free": self.allocator.num_free_pages,
+            "page_size": self.config.page_size,
+            "num_executables": len(self.runner.executables),
+            "num_compiles_after_warmup": self.runner.num_compiles_after_warmup,
+            "warmup_seconds": round(self.runner.warmup_seconds, 3),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "max_model_len": self.max_model_len,
+            "dtype": self.dtype,
+        }

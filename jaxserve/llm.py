@@ -1,0 +1,63 @@
+"""The offline API, shaped like vLLM's: LLM(model_dir, **engine_options).generate(prompts, params)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence as SequenceOf
+
+from tqdm.auto import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import Engine
+from jaxserve.request import RequestOutput, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **engine_options):
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine options {unknown}; known: {sorted(known)}")
+        self.engine = Engine(model, EngineConfig(**engine_options))
+        self._request_ids = itertools.count()
+
+    def generate(self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids.
+
+        Every prompt is validated before any is queued, so a bad one raises ValueError and leaves the
+        engine as it was.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        for prompt, params in zip(prompts, sampling_params):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+            self.engine.validate(self.engine.tokenize(prompt), params)
+
+        request_ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
+        for request_id, prompt, params in zip(request_ids, prompts, sampling_params):
+            self.engine.add_request(request_id, prompt, params)
+        show = self.engine.config.show_progress if use_tqdm is None else use_tqdm
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(prompts), desc="generating", disable=not show) as progress:
+            while len(finished) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        progress.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer

@@ -1,0 +1,17 @@
+"""Models: pure functions of (params, tokens, positions, kv pages, attention metadata) -> (hidden, kv pages).
+
+`build_model` returns a flax nnx module for the configured architecture; the runner splits it into a
+static graph and a params pytree, so nothing is stored on modules between steps.
+"""
+
+from jaxserve.models.kv_pages import KVPages, AttentionMetadata
+from jaxserve.models.llama import CausalLM
+
+
+def build_model(config, dtype, attention_impl: str = "reference", rngs=None):
+    from flax import nnx
+
+    return CausalLM(config, dtype=dtype, attention_impl=attention_impl, rngs=rngs or nnx.Rngs(0))
+
+
+__all__ = ["AttentionMetadata", "CausalLM", "KVPages", "build_model"]

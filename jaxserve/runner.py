@@ -1,0 +1,111 @@
+"""Runs the model: one ahead-of-time compiled executable per step shape, the KV pages donated.
+
+Every shape in the bucket set is compiled at warm-up; a step whose shape was not compiled (which
+the scheduler never produces) is compiled on the spot and counted, so a compile after warm-up is
+visible in stats instead of silently stalling the loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxserve.batch import StepInputs, StepShape, build_step_inputs
+from jaxserve.config import Buckets
+from jaxserve.models.kv_pages import KVPages
+from jaxserve.sampler import SamplerOutput, sample
+from jaxserve.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def step(graphdef, params, kv_pages: KVPages, inputs: StepInputs, *, max_logprobs: int):
+    """The pure step: (params, pages, inputs) -> (sampled tokens, updated pages)."""
+    model = nnx.merge(graphdef, params)
+    hidden, kv_pages = model(inputs.token_ids, kv_pages, inputs.attention)
+    logits = model.compute_logits(hidden[inputs.logits_indices])
+    return sample(logits, inputs.sampling, max_logprobs), kv_pages
+
+
+class ModelRunner:
+    def __init__(self, model, *, kv_pages: KVPages, buckets: Buckets, page_size: int, prefill_query_block: int,
+                 max_logprobs: int):
+        self.graphdef, self.params = nnx.split(model)
+        self.kv_pages = kv_pages
+        self.buckets = buckets
+        self.page_size = page_size
+        self.prefill_query_block = prefill_query_block
+        self.max_logprobs = max_logprobs
+        self._jitted = jax.jit(
+            functools.partial(step, self.graphdef, max_logprobs=max_logprobs), donate_argnums=(1,))
+        self.executables: dict[StepShape, jax.stages.Compiled] = {}
+        self.warmed_up = False
+        self.num_compiles_after_warmup = 0
+        self.warmup_seconds = 0.0
+
+    def all_shapes(self) -> list[StepShape]:
+        shapes = [StepShape(s, s, p, 1) for s in self.buckets.decode_seqs for p in self.buckets.pages_per_seq]
+        block = self.prefill_query_block
+        shapes += [StepShape(t, t // block, p, block)
+                   for t in self.buckets.prefill_tokens for p in self.buckets.pages_per_seq]
+        return shapes
+
+    def _compile(self, shape: StepShape) -> jax.stages.Compiled:
+        example_inputs = build_step_inputs([], shape, self.page_size)
+        return self._jitted.lower(_abstract(self.params), _abstract(self.kv_pages), _abstract(example_inputs)).compile()
+
+    def warm_up(self, show_progress: bool = True) -> None:
+        start = time.perf_counter()
+        for shape in tqdm(self.all_shapes(), desc="compiling step buckets", disable=not show_progress):
+            if shape not in self.executables:
+                self.executables[shape] = self._compile(shape)
+        self.warmed_up = True
+        self.warmup_seconds = time.perf_counter() - start
+
+    def shape_for(self, chunks: list[ScheduledChunk], is_decode: bool) -> StepShape:
+        num_pages = max(-(-chunk.end // self.page_size) for chunk in chunks)
+        pages_per_seq = Buckets.fit(num_pages, self.buckets.pages_per_seq)
+        if is_decode:
+            num_seqs = Buckets.fit(len(chunks), self.buckets.decode_seqs)
+            return StepShape(num_seqs, num_seqs, pages_per_seq, 1)
+        block = self.prefill_query_block
+        num_tokens = Buckets.fit(sum(-(-c.num_tokens // block) * block for c in chunks), self.buckets.prefill_tokens)
+        return StepShape(num_tokens, num_tokens // block, pages_per_seq, block)
+
+    def execute(self, chunks: list[ScheduledChunk], is_decode: bool) -> SamplerOutput:
+        """Dispatch one step; returns device arrays without waiting for them (JAX dispatch is async)."""
+        shape = self.shape_for(chunks, is_decode)
+        executable = self.executables.get(shape)
+        if executable is None:
+            logger.warning("compiling step shape %s while serving", shape)
+            executable = self.executables[shape] = self._compile(shape)
+            if self.warmed_up:
+                self.num_compiles_after_warmup += 1
+        inputs = build_step_inputs(chunks, shape, self.page_size)
+        output, self.kv_pages = executable(self.params, self.kv_pages, inputs)
+        return output
+
+    @staticmethod
+    def fetch(output: SamplerOutput) -> dict[str, np.ndarray]:
+        return {name: np.asarray(value) for name, value in vars(jax.device_get(output)).items()}
+
+
+def kv_cache_bytes_available(memory_gib: float | None) -> int:
+    """The KV cache budget: as configured, else 90% of what the device has left after the params."""
+    if memory_gib is not None:
+        return int(memory_gib * 2**30)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    # CPU reports no limit: a modest default that the user raises with kv_cache_memory_gib.
+    return 2**30

@@ -1,0 +1,86 @@
+"""On-device sampling with per-row parameters, inside the step's executable (no host sync inside).
+
+Each row draws its randomness from (its seed, the index of the token being sampled) alone, so a seeded
+request samples the same tokens whatever else shares the batch, and after a preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+# Legend: S = sequences sampled in the step, V = vocab, K = max_logprobs.
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingInputs:
+    temperature: jax.Array  # [S] float32, 0 = greedy
+    top_k: jax.Array  # [S] int32, 0 = no cut
+    top_p: jax.Array  # [S] float32
+    min_p: jax.Array  # [S] float32
+    seeds: jax.Array  # [S, 2] uint32, threefry key data
+    token_indices: jax.Array  # [S] int32, index of the output token being sampled
+    wants_logprobs: jax.Array  # [S] bool
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplerOutput:
+    token_ids: jax.Array  # [S] int32
+    logprobs: jax.Array  # [S] float32, log-probability of the sampled token under the model
+    top_logprobs: jax.Array  # [S, K] float32
+    top_token_ids: jax.Array  # [S, K] int32
+
+
+def _filter_top_k_top_p_min_p(scaled_logits, inputs: SamplingInputs):
+    """Mask (to -inf) every token that top-k, top-p or min-p rules out; the most likely always stays."""
+    vocab_size = scaled_logits.shape[-1]
+    order = jnp.argsort(-scaled_logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled_logits, order, axis=-1)
+    rank = jnp.arange(vocab_size)[None, :]
+    keep = (inputs.top_k[:, None] <= 0) | (rank < inputs.top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < inputs.top_p[:, None]
+    keep &= probs >= inputs.min_p[:, None] * probs[:, :1]
+    keep |= rank == 0
+    filtered_sorted = jnp.where(keep, sorted_logits, -jnp.inf)
+    rows = jnp.arange(scaled_logits.shape[0])[:, None]
+    return jnp.full_like(scaled_logits, -jnp.inf).at[rows, order].set(filtered_sorted)
+
+
+def _sample_random(logits, greedy_token_ids, inputs: SamplingInputs):
+    is_random = inputs.temperature > 0
+    scaled = logits / jnp.where(is_random, inputs.temperature, 1.0)[:, None]
+    needs_filter = jnp.any(is_random & ((inputs.top_k > 0) | (inputs.top_p < 1) | (inputs.min_p > 0)))
+    scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p_min_p, lambda x, _: x, scaled, inputs)
+    keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.wrap_key_data(seed), index))(
+        inputs.seeds, inputs.token_indices)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
+    sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(is_random, sampled, greedy_token_ids)
+
+
+def sample(logits, inputs: SamplingInputs, max_logprobs: int) -> SamplerOutput:
+    """logits [S, V] float32 -> sampled tokens and their log-probabilities."""
+    greedy_token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    token_ids = jax.lax.cond(jnp.any(inputs.temperature > 0), _sample_random, lambda _, g, __: g,
+                             logits, greedy_token_ids, inputs)
+    num_rows, num_top = logits.shape[0], max(max_logprobs, 1)
+
+    def logprobs_of(logits):
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        top_logprobs, top_token_ids = jax.lax.top_k(logprobs, num_top)
+        sampled = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+        return sampled, top_logprobs, top_token_ids.astype(jnp.int32)
+
+    def no_logprobs(_):
+        return (jnp.zeros((num_rows,), jnp.float32), jnp.zeros((num_rows, num_top), jnp.float32),
+                jnp.zeros((num_rows, num_top), jnp.int32))
+
+    sampled_logprobs, top_logprobs, top_token_ids = jax.lax.cond(
+        jnp.any(inputs.wants_logprobs), logprobs_of, no_logprobs, logits)
+    return SamplerOutput(token_ids, sampled_logprobs, top_logprobs, top_token_ids)

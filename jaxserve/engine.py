@@ -114,6 +114,8 @@ class Engine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError(f"model directory {self.model_dir!r} has no tokenizer.model; pass token ids")
             return self.tokenizer.encode(prompt)

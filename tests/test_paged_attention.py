@@ -1,0 +1,93 @@
+"""The paged attention reference against plain dense causal attention."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import ragged_paged_attention, write_kv_pages
+
+
+def dense_attention(q, k, v, sliding_window=None):
+    """q [T, H, D], k/v [T, K, D] of one sequence, causal."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+    scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(q.shape[-1])
+    t = np.arange(q.shape[0])
+    visible = t[None, :] <= t[:, None]
+    if sliding_window:
+        visible &= t[None, :] > t[:, None] - sliding_window
+    scores = np.where(visible[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("hts,shd->thd", probs, v)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,page_size,query_block,sliding_window", [
+    (4, 4, 8, 1, None), (8, 2, 16, 4, None), (6, 1, 4, 8, None), (4, 2, 8, 4, 5)])
+def test_ragged_paged_attention_matches_dense(num_heads, num_kv_heads, page_size, query_block, sliding_window):
+    rng = np.random.default_rng(0)
+    head_dim, num_pages = 16, 40
+    # (context already cached, new query tokens) per sequence: a decode, a fresh prompt, a later chunk.
+    layout = [(9, 1), (0, 11), (13, 6), (0, 1)] if query_block > 1 else [(9, 1), (20, 1), (0, 1)]
+    k_pages = jnp.zeros((num_pages, page_size, num_kv_heads, head_dim))
+    v_pages = jnp.zeros_like(k_pages)
+    free_pages = list(rng.permutation(np.arange(1, num_pages)))
+    max_pages = 6
+    page_table = np.zeros((len(layout) + 1, max_pages), np.int32)  # one padding row
+    tokens_q, token_seq_ids, positions, slot_ids, expected = [], [], [], [], []
+    for row, (num_cached, num_new) in enumerate(layout):
+        total = num_cached + num_new
+        pages = [free_pages.pop() for _ in range(-(-total // page_size))]
+        page_table[row, :len(pages)] = pages
+        q = rng.standard_normal((total, num_heads, head_dim)).astype(np.float32)
+        k = rng.standard_normal((total, num_kv_heads, head_dim)).astype(np.float32)
+        v = rng.standard_normal((total, num_kv_heads, head_dim)).astype(np.float32)
+        slots = np.array([pages[p // page_size] * page_size + p % page_size for p in range(total)], np.int32)
+        # the cached context is written by earlier steps, the new tokens by this one (below)
+        k_pages, v_pages = write_kv_pages(k_pages, v_pages, k[:num_cached], v[:num_cached], slots[:num_cached])
+        padded = -(-num_new // query_block) * query_block
+        pad = padded - num_new
+        tokens_q.append(np.concatenate([q[num_cached:], np.zeros((pad, num_heads, head_dim), np.float32)]))
+        token_seq_ids += [row] * padded
+        positions += list(range(num_cached, total)) + [-1] * pad
+        slot_ids += list(slots[num_cached:]) + [0] * pad
+        new_k = np.concatenate([k[num_cached:], np.zeros((pad, num_kv_heads, head_dim), np.float32)])
+        new_v = np.concatenate([v[num_cached:], np.zeros((pad, num_kv_heads, head_dim), np.float32)])
+        expected.append((len(positions) - padded, num_new, dense_attention(q, k, v, sliding_window)[num_cached:]))
+        tokens_q[-1] = (tokens_q[-1], new_k, new_v)
+    # a whole padding block at the end
+    q_all = np.concatenate([t[0] for t in tokens_q] + [np.zeros((query_block, num_heads, head_dim), np.float32)])
+    k_new = np.concatenate([t[1] for t in tokens_q] + [np.zeros((query_block, num_kv_heads, head_dim), np.float32)])
+    v_new = np.concatenate([t[2] for t in tokens_q] + [np.zeros((query_block, num_kv_heads, head_dim), np.float32)])
+    token_seq_ids += [len(layout)] * query_block
+    positions += [-1] * query_block
+    slot_ids += [0] * query_block
+    k_pages, v_pages = write_kv_pages(k_pages, v_pages, jnp.asarray(k_new), jnp.asarray(v_new),
+                                      jnp.asarray(slot_ids, jnp.int32))
+    out = ragged_paged_attention(jnp.asarray(q_all), k_pages, v_pages, jnp.asarray(page_table),
+                                 jnp.asarray(token_seq_ids, jnp.int32), jnp.asarray(positions, jnp.int32),
+                                 query_block=query_block, sliding_window=sliding_window)
+    out = np.asarray(out)
+    assert np.all(np.isfinite(out))
+    for start, num_new, reference in expected:
+        np.testing.assert_allclose(out[start:start + num_new], reference, rtol=2e-5, atol=2e-5)
+
+
+def test_unknown_attention_impl_is_rejected():
+    q = jnp.zeros((1, 1, 2))
+    pages = jnp.zeros((2, 1, 1, 2))
+    with pytest.raises(ValueError, match="attention_impl"):
+        ragged_paged_attention(q, pages, pages, jnp.zeros((1, 1), jnp.int32), jnp.zeros(1, jnp.int32),
+                               jnp.zeros(1, jnp.int32), query_block=1, impl="cuda-magic")
+
+
+def test_bfloat16_attention_is_close_to_float32():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((4, 4, 8)).astype(np.float32)
+    pages = rng.standard_normal((3, 4, 2, 8)).astype(np.float32)
+    args = (jnp.asarray([[1, 2]], jnp.int32), jnp.zeros(4, jnp.int32), jnp.asarray([3, 4, 5, 6], jnp.int32))
+    f32 = ragged_paged_attention(jnp.asarray(q), jnp.asarray(pages), jnp.asarray(pages), *args, query_block=4)
+    bf16 = ragged_paged_attention(jnp.asarray(q, jnp.bfloat16), jnp.asarray(pages, jnp.bfloat16),
+                                  jnp.asarray(pages, jnp.bfloat16), *args, query_block=4)
+    assert bf16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(bf16, np.float32), np.asarray(f32), atol=5e-2)

@@ -12,10 +12,10 @@ def write_kv_pages(k_pages, v_pages, k, v, slot_ids):
 
     slot_ids[t] = page * page_size + offset; padding tokens write to the reserved page 0.
     """
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
-    k_pages = k_pages.reshape(flat_shape).at[slot_ids].set(k.astype(k_pages.dtype)).reshape(k_pages.shape)
-    v_pages = v_pages.reshape(flat_shape).at[slot_ids].set(v.astype(v_pages.dtype)).reshape(v_pages.shape)
+    page_size = k_pages.shape[1]
+    pages, offsets = slot_ids // page_size, slot_ids % page_size
+    k_pages = k_pages.at[pages, offsets].set(k.astype(k_pages.dtype), mode="promise_in_bounds")
+    v_pages = v_pages.at[pages, offsets].set(v.astype(v_pages.dtype), mode="promise_in_bounds")
     return k_pages, v_pages
 
 

@@ -1,0 +1,158 @@
+"""Offline throughput: jaxserve against Hugging Face transformers on the same checkpoint, in one run.
+
+Default: N requests with random prompt lengths (16-384) and output lengths (8-128, EOS ignored),
+through jaxserve's LLM.generate and through transformers' own continuous batching (its
+ContinuousBatchingManager, each request with its own max_new_tokens). `--single` compares
+one-request decode against `model.generate`. Prints JSON lines; the last one holds the ratios.
+
+    .venv/bin/python bench/throughput.py [--num-requests 64] [--single]
+
+Needs the bench extras (torch, transformers). The checkpoint is a randomly initialized ~32M-parameter
+Llama written to a temporary directory; speed does not depend on the weights' values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+MODEL_PRESETS = {
+    # vocab 32000, tied embeddings: 16.4M embedding + 6 x 2.9M layers = 33.8M parameters
+    "llama-32m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
+                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
+                      max_position_embeddings=1024),
+    "llama-8m": dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+}
+
+
+def emit(**record) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def build_checkpoint(preset: str, directory: str):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**MODEL_PRESETS[preset], bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory)
+    num_params = sum(p.numel() for p in model.parameters())
+    return model, num_params
+
+
+def make_workload(num_requests: int, vocab_size: int, seed: int):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, vocab_size, size=int(n)).tolist() for n in rng.integers(16, 385, size=num_requests)]
+    output_lengths = rng.integers(8, 129, size=num_requests).tolist()
+    return prompts, output_lengths
+
+
+def run_jaxserve(directory: str, prompts, output_lengths, max_num_seqs: int):
+    from jaxserve import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(directory, dtype="float32", max_model_len=512, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=512, show_progress=False)
+    startup = time.perf_counter() - start
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lengths]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    stats = llm.stats()
+    assert stats["num_compiles_after_warmup"] == 0, stats
+    return [o.outputs[0].token_ids for o in outputs], elapsed, startup, stats
+
+
+def run_transformers_continuous_batching(model, prompts, output_lengths):
+    import torch
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(output_lengths))
+    results = {}
+    with torch.inference_mode():
+        with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+            start = time.perf_counter()
+            ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(prompts, output_lengths)]
+            while len(results) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result
+                elif result is None and not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching thread stopped")
+            elapsed = time.perf_counter() - start
+    return [list(results[i].generated_tokens) for i in ids], elapsed
+
+
+def throughput(args) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        model, num_params = build_checkpoint(args.model, directory)
+        prompts, output_lengths = make_workload(args.num_requests, MODEL_PRESETS[args.model]["vocab_size"], args.seed)
+        num_output = sum(output_lengths)
+        emit(bench="throughput", model=args.model, num_params=num_params, num_requests=len(prompts),
+             prompt_tokens=sum(map(len, prompts)), output_tokens=num_output, cpu_count=os.cpu_count())
+        ours, elapsed, startup, stats = run_jaxserve(directory, prompts, output_lengths, args.max_num_seqs)
+        emit(engine="jaxserve", seconds=round(elapsed, 3), output_tokens_per_s=round(num_output / elapsed, 1),
+             startup_seconds=round(startup, 2), num_executables=stats["num_executables"],
+             num_compiles_after_warmup=stats["num_compiles_after_warmup"])
+        theirs, their_elapsed = run_transformers_continuous_batching(model, prompts, output_lengths)
+        their_output = sum(map(len, theirs))
+        emit(engine="transformers-continuous-batching", seconds=round(their_elapsed, 3),
+             output_tokens_per_s=round(their_output / their_elapsed, 1))
+        agree = sum(a == b for a, b in zip(ours, theirs))
+        emit(result="throughput", ratio=round((num_output / elapsed) / (their_output / their_elapsed), 2),
+             identical_greedy_outputs=f"{agree}/{len(prompts)}")
+
+
+def single(args) -> None:
+    import torch
+
+    with tempfile.TemporaryDirectory() as directory:
+        model, num_params = build_checkpoint(args.model, directory)
+        prompts, _ = make_workload(1, MODEL_PRESETS[args.model]["vocab_size"], args.seed)
+        prompt, num_tokens = prompts[0][:128], args.single_tokens
+        emit(bench="single", model=args.model, num_params=num_params, prompt_tokens=len(prompt),
+             output_tokens=num_tokens)
+        ours, elapsed, startup, _ = run_jaxserve(directory, [prompt], [num_tokens], args.max_num_seqs)
+        ours, elapsed, _, _ = run_jaxserve(directory, [prompt], [num_tokens], args.max_num_seqs)  # warm caches
+        emit(engine="jaxserve", seconds=round(elapsed, 3), output_tokens_per_s=round(num_tokens / elapsed, 1),
+             startup_seconds=round(startup, 2))
+        input_ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm up
+            start = time.perf_counter()
+            generated = model.generate(input_ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                                       do_sample=False, pad_token_id=0)
+            their_elapsed = time.perf_counter() - start
+        theirs = generated[0, len(prompt):].tolist()
+        emit(engine="transformers-generate", seconds=round(their_elapsed, 3),
+             output_tokens_per_s=round(num_tokens / their_elapsed, 1))
+        emit(result="single", ratio=round(their_elapsed / elapsed, 2), identical_greedy_output=ours[0] == theirs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default="llama-32m")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--single", action="store_true", help="one-request decode against model.generate")
+    parser.add_argument("--single-tokens", type=int, default=128)
+    args = parser.parse_args()
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        sys.exit("bench/throughput.py needs the bench extras: pip install -e '.[bench]'")
+    (single if args.single else throughput)(args)
+
+
+if __name__ == "__main__":
+    main()

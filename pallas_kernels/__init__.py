@@ -5,7 +5,7 @@ specification the kernels are tested against and the default implementation on C
 `ragged_paged_attention` and `write_kv_pages` from here, never an implementation directly.
 """
 
-from pallas_kernels.ragged_paged_attention import (
+from pallas_kernels.paged_attention import (
     ATTENTION_IMPLS,
     ragged_paged_attention,
     write_kv_pages,

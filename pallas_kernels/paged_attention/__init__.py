@@ -6,7 +6,7 @@ to whole blocks). Each block attends to the pages of its sequence, causally by a
 Padding tokens carry position -1 and attend to nothing.
 """
 
-from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.paged_attention import reference
 
 ATTENTION_IMPLS = ("reference",)
 

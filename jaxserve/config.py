@@ -200,6 +200,7 @@ class EngineConfig:
     """Everything that shapes the engine's memory and compiled executables."""
 
     dtype: str = "auto"
+    attention_impl: str = "auto"  # auto | reference | cpu (see pallas_kernels)
     page_size: int = 16
     num_pages: int | None = None
     kv_cache_memory_gib: float | None = None

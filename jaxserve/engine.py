@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from pallas_kernels import resolve_attention_impl
+
 from jaxserve.config import Buckets, EngineConfig, ModelConfig
 from jaxserve.kv_cache import PageAllocator, num_pages_for
 from jaxserve.models import KVPages, build_model
@@ -85,7 +87,9 @@ class Engine:
         self.buckets = Buckets.derive(config, self.max_model_len)
         _enable_compilation_cache(config.compilation_cache_dir)
 
-        abstract_model = nnx.eval_shape(lambda: build_model(mc, self.dtype, rngs=nnx.Rngs(0)))
+        self.attention_impl = resolve_attention_impl(config.attention_impl, jax.default_backend(), self.dtype)
+        abstract_model = nnx.eval_shape(
+            lambda: build_model(mc, self.dtype, attention_impl=self.attention_impl, rngs=nnx.Rngs(0)))
         graphdef, abstract_params = nnx.split(abstract_model)
         model = nnx.merge(graphdef, load_params(abstract_params, model_dir, mc, self.dtype))
 
@@ -218,4 +222,5 @@ class Engine:
             "num_generated_tokens": self.num_generated_tokens,
             "max_model_len": self.max_model_len,
             "dtype": self.dtype,
+            "attention_impl": self.attention_impl,
         }

@@ -22,17 +22,18 @@ def dense_attention(q, k, v, sliding_window=None):
     return np.einsum("hts,shd->thd", probs, v)
 
 
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,page_size,query_block,sliding_window", [
-    (4, 4, 8, 1, None), (8, 2, 16, 4, None), (6, 1, 4, 8, None), (4, 2, 8, 4, 5)])
-def test_ragged_paged_attention_matches_dense(num_heads, num_kv_heads, page_size, query_block, sliding_window):
+    (4, 4, 8, 1, None), (8, 2, 16, 4, None), (6, 1, 4, 8, None), (4, 2, 8, 4, 5), (4, 2, 4, 1, 70)])
+def test_ragged_paged_attention_matches_dense(num_heads, num_kv_heads, page_size, query_block, sliding_window, impl):
     rng = np.random.default_rng(0)
-    head_dim, num_pages = 16, 40
+    head_dim, num_pages = 16, 80
     # (context already cached, new query tokens) per sequence: a decode, a fresh prompt, a later chunk.
-    layout = [(9, 1), (0, 11), (13, 6), (0, 1)] if query_block > 1 else [(9, 1), (20, 1), (0, 1)]
+    layout = [(9, 1), (0, 11), (13, 6), (0, 1)] if query_block > 1 else [(9, 1), (20, 1), (0, 1), (150, 1)]
     k_pages = jnp.zeros((num_pages, page_size, num_kv_heads, head_dim))
     v_pages = jnp.zeros_like(k_pages)
     free_pages = list(rng.permutation(np.arange(1, num_pages)))
-    max_pages = 6
+    max_pages = 40
     page_table = np.zeros((len(layout) + 1, max_pages), np.int32)  # one padding row
     tokens_q, token_seq_ids, positions, slot_ids, expected = [], [], [], [], []
     for row, (num_cached, num_new) in enumerate(layout):
@@ -66,7 +67,7 @@ def test_ragged_paged_attention_matches_dense(num_heads, num_kv_heads, page_size
                                       jnp.asarray(slot_ids, jnp.int32))
     out = ragged_paged_attention(jnp.asarray(q_all), k_pages, v_pages, jnp.asarray(page_table),
                                  jnp.asarray(token_seq_ids, jnp.int32), jnp.asarray(positions, jnp.int32),
-                                 query_block=query_block, sliding_window=sliding_window)
+                                 query_block=query_block, sliding_window=sliding_window, impl=impl)
     out = np.asarray(out)
     assert np.all(np.isfinite(out))
     for start, num_new, reference in expected:

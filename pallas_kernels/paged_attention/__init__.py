@@ -4,23 +4,41 @@ Layout of a step's tokens: a flat array of T query tokens in blocks of `query_bl
 block belonging to one sequence (a decode step uses query_block=1, a prefill step pads each chunk
 to whole blocks). Each block attends to the pages of its sequence, causally by absolute position.
 Padding tokens carry position -1 and attend to nothing.
+
+Implementations, all with the reference's signature:
+  reference  pure jax.numpy, any dtype, any backend: the specification
+  cpu        a C++ kernel (XLA FFI) for float32 on the CPU, built at first use
 """
 
-from pallas_kernels.paged_attention import reference
+import jax.numpy as jnp
 
-ATTENTION_IMPLS = ("reference",)
+from pallas_kernels.paged_attention import cpu, reference
+
+ATTENTION_IMPLS = ("auto", "reference", "cpu")
+
+
+def resolve_attention_impl(impl: str, platform: str, dtype) -> str:
+    """The concrete implementation `impl` means on this platform for this KV dtype."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention_impl {impl!r}; expected one of {ATTENTION_IMPLS}")
+    if impl == "cpu" and (platform != "cpu" or jnp.dtype(dtype) != jnp.float32):
+        raise ValueError(f"attention_impl='cpu' needs the CPU platform and float32, not {platform}/{jnp.dtype(dtype)}")
+    if impl == "auto":
+        use_cpu_kernel = platform == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu.available()
+        return "cpu" if use_cpu_kernel else "reference"
+    return impl
 
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *,
                            query_block: int, sliding_window: int | None = None, impl: str = "reference"):
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"unknown attention_impl {impl!r}; expected one of {ATTENTION_IMPLS}")
-    return reference.ragged_paged_attention(
+    implementation = {"reference": reference, "cpu": cpu}.get(impl)
+    if implementation is None:
+        raise ValueError(f"unknown attention_impl {impl!r}; resolve 'auto' with resolve_attention_impl first")
+    return implementation.ragged_paged_attention(
         q, k_pages, v_pages, page_table, token_seq_ids, positions,
         query_block=query_block, sliding_window=sliding_window)
 
 
-def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, impl: str = "reference"):
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"unknown attention_impl {impl!r}; expected one of {ATTENTION_IMPLS}")
+def write_kv_pages(k_pages, v_pages, k, v, slot_ids):
+    """Every implementation writes with the reference's in-place scatter."""
     return reference.write_kv_pages(k_pages, v_pages, k, v, slot_ids)

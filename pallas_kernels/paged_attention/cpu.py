@@ -1,0 +1,72 @@
+"""The C++ CPU kernel (cpu_kernel.cc): built with the system's C++ compiler at first use, then cached.
+
+The build is keyed by the source, the JAX version and the host, so a changed kernel or a different
+machine rebuilds. `available()` is False when no compiler works; callers then use the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cc")
+TARGET_NAME = "jaxserve_cpu_paged_attention"
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "kernels")
+
+
+def _build(library_path: str) -> None:
+    compiler = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
+    os.makedirs(os.path.dirname(library_path), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(library_path)) as staging:
+        staged = os.path.join(staging, "kernel.so")
+        command = [compiler, "-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
+                   "-I", jax.ffi.include_dir(), SOURCE, "-o", staged]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"building {SOURCE} failed:\n{result.stderr[-2000:]}")
+        os.replace(staged, library_path)  # atomic: concurrent builders never see a partial library
+
+
+@functools.cache
+def _register() -> bool:
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + jax.__version__.encode() + platform.processor().encode()
+                             + platform.machine().encode()).hexdigest()[:16]
+    library_path = os.path.join(CACHE_DIR, f"paged_attention_{key}.so")
+    try:
+        if not os.path.isfile(library_path):
+            _build(library_path)
+        library = ctypes.cdll.LoadLibrary(library_path)
+        jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.JaxservePagedAttention), platform="cpu")
+    except (RuntimeError, OSError) as error:
+        logger.warning("CPU attention kernel unavailable, using the jax.numpy reference: %s", error)
+        return False
+    return True
+
+
+def available() -> bool:
+    return _register()
+
+
+def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *,
+                           query_block: int, sliding_window: int | None = None):
+    if not _register():
+        raise RuntimeError("the CPU attention kernel could not be built; use attention_impl='reference'")
+    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, k_pages, v_pages, page_table.astype(np.int32), token_seq_ids.astype(np.int32),
+                positions.astype(np.int32), query_block=np.int64(query_block),
+                sliding_window=np.int64(sliding_window or 0))

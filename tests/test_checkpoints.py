@@ -110,3 +110,27 @@ def test_engine_config_validation():
         EngineConfig(max_num_batched_tokens=100, prefill_query_block=16)
     with pytest.raises(ValueError, match="page_size"):
         EngineConfig(page_size=0)
+
+
+def test_mixtral_with_fused_expert_tensors(tmp_path):
+    """transformers >= 5 names experts mlp.experts.gate_up_proj [X, 2F, E] / down_proj [X, E, F]."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    directory = copy_fixture(tmp_path, "mixtral")
+    tensors = load_file(str(directory / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    fused = {k: v for k, v in tensors.items() if "block_sparse_moe" not in k}
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}.block_sparse_moe."
+        experts = range(config["num_local_experts"])
+        fused[f"model.layers.{layer}.mlp.gate.weight"] = tensors[prefix + "gate.weight"]
+        fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([tensors[f"{prefix}experts.{e}.w1.weight"], tensors[f"{prefix}experts.{e}.w3.weight"]])
+             for e in experts])
+        fused[f"model.layers.{layer}.mlp.experts.down_proj"] = np.stack(
+            [tensors[f"{prefix}experts.{e}.w2.weight"] for e in experts])
+    save_file(fused, str(directory / "model.safetensors"))
+    from test_models_vs_hf import check_against_hf
+
+    check_against_hf(LLM(str(directory), **SMALL_ENGINE), "mixtral")

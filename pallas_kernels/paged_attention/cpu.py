@@ -33,7 +33,7 @@ def _build(library_path: str) -> None:
     os.makedirs(os.path.dirname(library_path), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(library_path)) as staging:
         staged = os.path.join(staging, "kernel.so")
-        command = [compiler, "-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
+        command = [compiler, "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC",
                    "-I", jax.ffi.include_dir(), SOURCE, "-o", staged]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <thread>
 #include <vector>
@@ -33,6 +34,26 @@ struct Problem {
   int64_t num_heads, num_kv_heads, head_dim, page_size, pages_per_seq, query_block, sliding_window;
   float scale;
 };
+
+// exp(x) for the x <= 0 of an online softmax, in a form the compiler vectorizes (std::exp is a scalar
+// libm call): Cody-Waite range reduction and Cephes' expf polynomial, within a few ulp of expf.
+// Anything below expf's underflow, -inf included, is exactly 0, so masked keys get no weight.
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float f = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  const float r = p * f * f + f + 1.0f;
+  int32_t exponent_bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &exponent_bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : r * scale;
+}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.0f;
@@ -115,16 +136,22 @@ void AttendBlock(const Problem& p, int64_t block, std::vector<float>& scratch) {
           }
           if (tile_max == kNegativeInfinity) continue;
           const float new_max = std::max(running_max[row], tile_max);
-          const float rescale = std::exp(running_max[row] - new_max);  // exp(-inf) = 0 on the first tile
+          const float rescale = exp_nonpositive(running_max[row] - new_max);  // 0 on the first tile
           float* accumulator = out + row * D;
           if (rescale != 1.0f) {
             denominator[row] *= rescale;
             for (int64_t d = 0; d < D; ++d) accumulator[d] *= rescale;
           }
+          float tile_sum = 0.0f;
+#pragma omp simd reduction(+ : tile_sum)
           for (int64_t t = 0; t < num_keys; ++t) {
-            if (row_scores[t] == kNegativeInfinity) continue;
-            const float weight = std::exp(row_scores[t] - new_max);
-            denominator[row] += weight;
+            row_scores[t] = exp_nonpositive(row_scores[t] - new_max);  // masked keys: 0
+            tile_sum += row_scores[t];
+          }
+          denominator[row] += tile_sum;
+          for (int64_t t = 0; t < num_keys; ++t) {
+            const float weight = row_scores[t];
+            if (weight == 0.0f) continue;
             const float* value = value_rows[t] + kv_offset;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) accumulator[d] += weight * value[d];

@@ -5,7 +5,7 @@ through jaxserve's LLM.generate and through transformers' own continuous batchin
 ContinuousBatchingManager, each request with its own max_new_tokens). `--single` compares
 one-request decode against `model.generate`. Prints JSON lines; the last one holds the ratios.
 
-    .venv/bin/python bench/throughput.py [--num-requests 64] [--single]
+    .venv/bin/python bench/throughput.py [--num-requests 128] [--single]
 
 Needs the bench extras (torch, transformers). The checkpoint is a randomly initialized ~32M-parameter
 Llama written to a temporary directory; speed does not depend on the weights' values.
@@ -140,7 +140,7 @@ def single(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default="llama-32m")
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--single", action="store_true", help="one-request decode against model.generate")

@@ -92,3 +92,21 @@ def test_bfloat16_attention_is_close_to_float32():
                                   jnp.asarray(pages, jnp.bfloat16), *args, query_block=4)
     assert bf16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(bf16, np.float32), np.asarray(f32), atol=5e-2)
+
+
+def test_auto_falls_back_to_reference_without_a_compiler(monkeypatch, tmp_path):
+    from pallas_kernels.paged_attention import cpu, resolve_attention_impl
+
+    cpu._register.cache_clear()
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu, "CACHE_DIR", str(tmp_path))
+            patch.setattr(cpu.shutil, "which", lambda name: None)
+            assert resolve_attention_impl("auto", "cpu", jnp.float32) == "reference"
+    finally:
+        cpu._register.cache_clear()
+    assert resolve_attention_impl("auto", "cpu", jnp.float32) == "cpu"
+    assert resolve_attention_impl("auto", "cpu", jnp.bfloat16) == "reference"
+    assert resolve_attention_impl("auto", "gpu", jnp.float32) == "reference"
+    with pytest.raises(ValueError, match="needs the CPU platform and float32"):
+        resolve_attention_impl("cpu", "cpu", jnp.bfloat16)

@@ -260,7 +260,9 @@ class Buckets:
         decode = engine.decode_seq_buckets or _powers_of(4, 1, engine.max_num_seqs)
         prefill = engine.prefill_token_buckets or _powers_of(
             4, min(4 * engine.prefill_query_block, engine.max_num_batched_tokens), engine.max_num_batched_tokens)
-        pages = engine.page_buckets or _powers_of(4, min(4, max_pages), max_pages)
+        # Attention walks pages only up to each step's longest context, so a wider page table costs a
+        # few bytes, not compute: one page bucket by default keeps warm-up short.
+        pages = engine.page_buckets or (max_pages,)
         if decode[-1] < engine.max_num_seqs:
             raise ValueError(f"decode_seq_buckets must reach max_num_seqs ({engine.max_num_seqs})")
         if prefill[-1] < engine.max_num_batched_tokens:

@@ -202,6 +202,7 @@ class EngineConfig:
     dtype: str = "auto"
     attention_impl: str = "auto"  # auto | reference | cpu (see pallas_kernels)
     page_size: int = 16
+    enable_prefix_caching: bool = True
     num_pages: int | None = None
     kv_cache_memory_gib: float | None = None
     max_model_len: int | None = None

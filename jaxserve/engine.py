@@ -98,7 +98,7 @@ class Engine:
         useful_pages = config.max_num_seqs * max_pages_per_seq + 1
         num_pages = config.num_pages or max(2, min(kv_cache_bytes_available(config.kv_cache_memory_gib) // page_bytes,
                                                    useful_pages))
-        self.allocator = PageAllocator(num_pages, config.page_size)
+        self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefill_query_block=config.prefill_query_block)
@@ -187,6 +187,7 @@ class Engine:
             for row, chunk in enumerate(chunks):
                 seq = chunk.seq
                 seq.num_computed_tokens = chunk.end
+                self.scheduler.cache_full_pages(seq)
                 if seq.num_computed_tokens <= seq.num_prompt_tokens:
                     self.num_prompt_tokens += chunk.num_tokens
                 if not chunk.samples_next_token or seq.status is not RequestStatus.RUNNING:
@@ -223,4 +224,20 @@ class Engine:
             "max_model_len": self.max_model_len,
             "dtype": self.dtype,
             "attention_impl": self.attention_impl,
+            **self.prefix_cache_stats(),
+        }
+
+    def prefix_cache_stats(self) -> dict:
+        cache = self.allocator.stats
+        return {
+            "prefix_cache_enabled": self.allocator.enable_prefix_caching,
+            "prefix_cache_queries": cache.num_queries,
+            "prefix_cache_query_tokens": cache.num_query_tokens,
+            "prefix_cache_hit_tokens": cache.num_hit_tokens,
+            "prefix_cache_hit_rate": round(cache.hit_rate, 4),
+            "prefix_cache_evictions": cache.num_evictions,
+            "prefix_cache_cached_pages": self.allocator.num_cached_pages,
+            "prefix_cache_miss_tokens": {"never_seen": cache.miss_tokens_never_seen,
+                                         "evicted": cache.miss_tokens_evicted,
+                                         "partial_page": cache.miss_tokens_partial_page},
         }

@@ -77,6 +77,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
+    page_keys: list[int] = field(default_factory=list)  # prefix-cache keys of the full pages, in order
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     status: RequestStatus = RequestStatus.WAITING

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from jaxserve.kv_cache import PageAllocator, num_pages_for
+from jaxserve.kv_cache import ROOT_KEY, PageAllocator, num_pages_for
 from jaxserve.request import RequestStatus, Sequence
 
 
@@ -73,20 +73,35 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.allocator.release(seq.page_ids)
-        seq.page_ids = []
+        self._release_pages(seq)
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
+
+    def _release_pages(self, seq: Sequence) -> None:
+        self.allocator.release(seq.page_ids)
+        seq.page_ids = []
+        seq.page_keys = []
+
+    def cache_full_pages(self, seq: Sequence) -> None:
+        """Make the sequence's newly filled pages findable by later requests (prompt and output alike)."""
+        if not self.allocator.enable_prefix_caching:
+            return
+        size = self.allocator.page_size
+        for index in range(len(seq.page_keys), seq.num_computed_tokens // size):
+            parent = seq.page_keys[-1] if seq.page_keys else ROOT_KEY
+            tokens = tuple(seq.token_slice(index * size, (index + 1) * size))
+            seq.page_keys.append(self.allocator.cache_full_page(seq.page_ids[index], parent, tokens))
 
     def _padded(self, num_tokens: int) -> int:
         return -(-num_tokens // self.query_block) * self.query_block
 
-    def _next_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
-        remaining = seq.num_tokens - seq.num_computed_tokens
+    def _next_chunk(self, seq: Sequence, budget: int, start: int | None = None) -> ScheduledChunk | None:
+        start = seq.num_computed_tokens if start is None else start
+        remaining = seq.num_tokens - start
         if remaining == 1:
-            return ScheduledChunk(seq, seq.num_computed_tokens, 1) if budget >= 1 else None
+            return ScheduledChunk(seq, start, 1) if budget >= 1 else None
         num_tokens = min(remaining, budget // self.query_block * self.query_block)
-        return ScheduledChunk(seq, seq.num_computed_tokens, num_tokens) if num_tokens > 0 else None
+        return ScheduledChunk(seq, start, num_tokens) if num_tokens > 0 else None
 
     def _cost(self, chunk: ScheduledChunk) -> int:
         return 1 if chunk.seq.num_tokens - chunk.start == 1 else self._padded(chunk.num_tokens)
@@ -96,8 +111,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.release(seq.page_ids)
-        seq.page_ids = []
+        self._release_pages(seq)  # full pages stay cached, so the resumed sequence finds them again
         seq.num_computed_tokens = 0
         seq.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(seq)
@@ -143,13 +157,35 @@ class Scheduler:
         # Admit waiting sequences in arrival order; never preempt to admit, and never re-admit in the
         # step that preempted, which would only trade one sequence for another.
         while self.waiting and not schedule.preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            chunk = self._next_chunk(seq, budget)
-            if chunk is None or not self.allocator.can_allocate(self._pages_needed(chunk)):
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
                 break
             self.waiting.popleft()
-            seq.status = RequestStatus.RUNNING
-            self.running.append(seq)
+            self.running.append(chunk.seq)
             self._place(chunk, schedule, scheduled)
             budget -= self._cost(chunk)
         return schedule
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        """Reuse the sequence's cached prefix and give it its first chunk, if it fits.
+
+        Admission counts everything the sequence may grow to (prompt + max_tokens), not only its
+        first chunk, so that admitted sequences do not keep preempting each other.
+        """
+        size = self.allocator.page_size
+        hit_pages, hit_keys, miss_reason = self.allocator.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
+        num_cached = len(hit_pages) * size
+        chunk = self._next_chunk(seq, budget, start=num_cached)
+        if chunk is None:
+            return None
+        final_length = seq.num_prompt_tokens + seq.params.max_tokens
+        needed = num_pages_for(max(chunk.end, final_length), size) - len(hit_pages)
+        if needed > self.allocator.num_free_pages - self.allocator.num_reclaimed_by_sharing(hit_pages):
+            return None
+        self.allocator.share(hit_pages)
+        self.allocator.record_query(seq.num_tokens, num_cached, miss_reason)
+        seq.page_ids, seq.page_keys, seq.num_computed_tokens = list(hit_pages), list(hit_keys), num_cached
+        if not seq.output_token_ids:
+            seq.num_cached_tokens = num_cached
+        seq.status = RequestStatus.RUNNING
+        return chunk

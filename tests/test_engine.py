@@ -32,13 +32,17 @@ def test_batch_invariance_and_no_compiles_after_warmup():
 
 
 def test_tiny_cache_preempts_and_outputs_are_unchanged():
-    prompts = [p["token_ids"] for p in expected("llama_gqa")["prompts"]]
-    roomy = LLM(fixture_dir("llama_gqa"), **SMALL_ENGINE).generate(prompts, GREEDY)
-    tiny = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "num_pages": 8})
-    cramped = tiny.generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]
-    assert tiny.stats()["num_preemptions"] > 0
-    assert tiny.stats()["kv_pages_free"] == tiny.stats()["kv_pages_total"]
+    # Each sequence grows to 4 pages; two are admitted at once into 7 usable pages, so they must
+    # preempt each other as they grow.
+    prompts = random_prompts(4, np.random.default_rng(2), low=16, high=17)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    roomy = LLM(fixture_dir("llama_gqa"), **SMALL_ENGINE).generate(prompts, params)
+    for caching in (True, False):
+        tiny = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "num_pages": 8, "enable_prefix_caching": caching})
+        cramped = tiny.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]
+        assert tiny.stats()["num_preemptions"] > 0
+        assert tiny.stats()["kv_pages_free"] == tiny.stats()["kv_pages_total"]
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llama_llm):

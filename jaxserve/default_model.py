@@ -25,8 +25,9 @@ CONFIG = dict(
 )
 
 
-def _random_weights(config: dict) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(SEED)
+def random_llama_weights(config: dict, seed: int = SEED) -> dict[str, np.ndarray]:
+    """Random weights, in Hugging Face names, for a dense Llama config (benchmarks and the default)."""
+    rng = np.random.default_rng(seed)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     head_dim = hidden // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * head_dim
@@ -35,8 +36,9 @@ def _random_weights(config: dict) -> dict[str, np.ndarray]:
         return (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
 
     weights = {"model.embed_tokens.weight": matrix(config["vocab_size"], hidden),
-               "model.norm.weight": np.ones(hidden, np.float32),
-               "lm_head.weight": matrix(config["vocab_size"], hidden)}
+               "model.norm.weight": np.ones(hidden, np.float32)}
+    if not config.get("tie_word_embeddings", False):
+        weights["lm_head.weight"] = matrix(config["vocab_size"], hidden)
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
         weights.update({
@@ -64,7 +66,7 @@ def default_model_dir(cache_dir: str | None = None) -> str:
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(CONFIG, f, indent=1)
         shutil.copy(os.path.join(ASSETS, "tokenizer.model"), staging)
-        save_file(_random_weights(CONFIG), os.path.join(staging, "model.safetensors"))
+        save_file(random_llama_weights(CONFIG), os.path.join(staging, "model.safetensors"))
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(staging, directory)
     return directory

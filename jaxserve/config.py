@@ -203,6 +203,8 @@ class EngineConfig:
     attention_impl: str = "auto"  # auto | reference | cpu (see pallas_kernels)
     page_size: int = 16
     enable_prefix_caching: bool = True
+    swap_space: float = 0.0  # GiB of host memory for evicted prefix pages (needs prefix caching)
+    session_ttl: float = 300.0  # seconds a session's pages are kept in preference to others
     num_pages: int | None = None
     kv_cache_memory_gib: float | None = None
     max_model_len: int | None = None
@@ -230,6 +232,8 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 2 (one page is reserved), got {self.num_pages}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.swap_space < 0 or self.session_ttl < 0:
+            raise ValueError("swap_space and session_ttl must be >= 0")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_num_batched_tokens % self.prefill_query_block:

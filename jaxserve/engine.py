@@ -98,7 +98,9 @@ class Engine:
         useful_pages = config.max_num_seqs * max_pages_per_seq + 1
         num_pages = config.num_pages or max(2, min(kv_cache_bytes_available(config.kv_cache_memory_gib) // page_bytes,
                                                    useful_pages))
-        self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching)
+        host_tier_pages = int(config.swap_space * 2**30) // page_bytes
+        self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching,
+                                       host_tier_pages=host_tier_pages, session_ttl=config.session_ttl)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefill_query_block=config.prefill_query_block)
@@ -106,6 +108,8 @@ class Engine:
         self.runner = ModelRunner(model, kv_pages=kv_pages, buckets=self.buckets, page_size=config.page_size,
                                   prefill_query_block=config.prefill_query_block, max_logprobs=config.max_logprobs)
         self.runner.warm_up(show_progress=config.show_progress)
+        if self.allocator.host_tier is not None:
+            self.runner.warm_up_page_copies()
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -146,7 +150,10 @@ class Engine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.config.max_logprobs})")
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    session_id: str | None = None) -> None:
+        """Queue a request. A session_id hints that the conversation will continue: its pages are kept
+        in preference to others for session_ttl seconds after it finishes."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
@@ -156,7 +163,7 @@ class Engine:
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
         seqs = [Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=prompt_token_ids,
                          params=params, sampling_seed=(base_seed + i * CHILD_SEED_STRIDE) % 2**64,
-                         arrival_order=next(self._arrivals))
+                         arrival_order=next(self._arrivals), session_id=session_id)
                 for i in range(params.n)]
         self.requests[request_id] = RequestState(request_id, prompt if isinstance(prompt, str) else None,
                                                  prompt_token_ids, seqs)
@@ -179,6 +186,7 @@ class Engine:
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return []
+        self._move_host_tier_pages()
         dispatched = [(chunks, self.runner.execute(chunks, is_decode))
                       for chunks, is_decode in ((schedule.prefills, False), (schedule.decodes, True)) if chunks]
         touched: dict[str, RequestState] = {}
@@ -206,6 +214,18 @@ class Engine:
             if state.finished:
                 del self.requests[request_id]
         return outputs
+
+    def _move_host_tier_pages(self) -> None:
+        """Demoted pages are read before promotions or the step overwrite them; promotions land before the step."""
+        allocator = self.allocator
+        if allocator.pending_demotions:
+            demoted, allocator.pending_demotions = allocator.pending_demotions, []
+            data = self.runner.read_pages([page for page, _, _ in demoted])
+            for index, (_, key, contents) in enumerate(demoted):
+                allocator.host_tier.store(key, contents, data[:, index].copy())
+        if allocator.pending_promotions:
+            promoted, allocator.pending_promotions = allocator.pending_promotions, []
+            self.runner.write_pages([page for page, _ in promoted], np.stack([data for _, data in promoted], axis=1))
 
     def stats(self) -> dict:
         return {
@@ -237,6 +257,10 @@ class Engine:
             "prefix_cache_hit_rate": round(cache.hit_rate, 4),
             "prefix_cache_evictions": cache.num_evictions,
             "prefix_cache_cached_pages": self.allocator.num_cached_pages,
+            "host_tier_pages": len(self.allocator.host_tier) if self.allocator.host_tier else 0,
+            "host_tier_hit_tokens": cache.host_tier_hit_tokens,
+            "swapped_out_pages": cache.num_swapped_out_pages,
+            "swapped_in_pages": cache.num_swapped_in_pages,
             "prefix_cache_miss_tokens": {"never_seen": cache.miss_tokens_never_seen,
                                          "evicted": cache.miss_tokens_evicted,
                                          "partial_page": cache.miss_tokens_partial_page},

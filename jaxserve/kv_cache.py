@@ -6,14 +6,21 @@ page ids handed out here. Page 0 is reserved: padding tokens in a bucket write t
 Prefix caching: a full page is content-addressed by a key derived from its parent page's key and
 its own token ids, so equal prefixes map to equal pages whatever request computed them. A page whose
 last holder lets go keeps its key and stays cached until its space is needed; such pages are
-evicted least-recently-released first (a sequence releases its leaf pages before their parents).
+evicted least-recently-released first (a sequence releases its leaf pages before their parents),
+except that pages of a live session are passed over while others remain.
+
+Host tier: with one, an evicted page is demoted (its KV copied to host memory, still findable by
+key) instead of dropped, and a later hit promotes it back into a device page. The allocator only
+decides; the engine moves the bytes (pending_demotions before pending_promotions, both before the
+step that may overwrite or read those pages).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 RESERVED_PAGE = 0
 ROOT_KEY = 0  # the parent key of a sequence's first page
@@ -29,6 +36,42 @@ def page_key(parent_key: int, token_ids: tuple[int, ...]) -> int:
 
 
 @dataclass
+class CachedPrefix:
+    pages: list[int] = field(default_factory=list)  # device pages, in order
+    host_keys: list[tuple[int, tuple]] = field(default_factory=list)  # then (key, contents) in the host tier
+    keys: list[int] = field(default_factory=list)  # keys of all of them
+    miss_reason: str = "never_seen"
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages) + len(self.host_keys)
+
+
+class HostTier:
+    """KV of demoted pages in host memory, by key; the least recently stored is dropped when full."""
+
+    def __init__(self, capacity_pages: int):
+        self.capacity_pages = capacity_pages
+        self.entries: OrderedDict[int, tuple[tuple[int, tuple[int, ...]], object]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def store(self, key: int, contents: tuple[int, tuple[int, ...]], data) -> None:
+        self.entries[key] = (contents, data)
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.capacity_pages:
+            self.entries.popitem(last=False)
+
+    def has(self, key: int, contents: tuple[int, tuple[int, ...]]) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry[0] == contents
+
+    def take(self, key: int):
+        return self.entries.pop(key)[1]
+
+
+@dataclass
 class PrefixCacheStats:
     num_queries: int = 0  # sequences looked up
     num_query_tokens: int = 0  # prompt tokens looked up
@@ -37,6 +80,9 @@ class PrefixCacheStats:
     miss_tokens_never_seen: int = 0
     miss_tokens_evicted: int = 0
     miss_tokens_partial_page: int = 0
+    host_tier_hit_tokens: int = 0
+    num_swapped_out_pages: int = 0
+    num_swapped_in_pages: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -46,7 +92,8 @@ class PrefixCacheStats:
 class PageAllocator:
     """Reference-counted pages; with prefix caching, freed full pages stay findable by their key."""
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = False,
+                 host_tier_pages: int = 0, session_ttl: float = 0.0, clock=time.monotonic):
         if num_pages < 2:
             raise ValueError(f"the KV cache needs at least 2 pages (one is reserved), got {num_pages}")
         self.num_pages = num_pages
@@ -61,6 +108,12 @@ class PageAllocator:
         self.pages_by_key: dict[int, int] = {}
         self.evicted_keys: OrderedDict[int, None] = OrderedDict()
         self.stats = PrefixCacheStats()
+        self.host_tier = HostTier(host_tier_pages) if enable_prefix_caching and host_tier_pages > 0 else None
+        self.pending_demotions: list[tuple[int, int, tuple[int, tuple[int, ...]]]] = []  # (page, key, contents)
+        self.pending_promotions: list[tuple[int, object]] = []  # (page, host data)
+        self.session_ttl = session_ttl
+        self.clock = clock
+        self.kept_until: dict[int, float] = {}  # page -> when its session's preference ends
 
     @property
     def num_usable_pages(self) -> int:
@@ -86,14 +139,35 @@ class PageAllocator:
             if self.free_pages:
                 page = self.free_pages.popleft()
             else:
-                page, _ = self.cached_free_pages.popitem(last=False)
+                page = self._eviction_victim()
+                del self.cached_free_pages[page]
+                if self.host_tier is not None:
+                    self.pending_demotions.append((page, self.page_keys[page], self.page_contents[page]))
+                    self.stats.num_swapped_out_pages += 1
                 self._forget(page)
                 self.stats.num_evictions += 1
             self.ref_counts[page] = 1
             pages.append(page)
         return pages
 
+    def _eviction_victim(self) -> int:
+        """The least recently released cached page, passing over those a live session keeps."""
+        if self.kept_until:
+            now = self.clock()
+            for page in self.cached_free_pages:
+                if self.kept_until.get(page, 0.0) <= now:
+                    return page
+        return next(iter(self.cached_free_pages))
+
+    def keep_for_session(self, pages: list[int]) -> None:
+        """Prefer keeping these pages (a conversation likely to continue) for session_ttl seconds."""
+        if self.session_ttl > 0:
+            until = self.clock() + self.session_ttl
+            for page in pages:
+                self.kept_until[page] = until
+
     def _forget(self, page: int) -> None:
+        self.kept_until.pop(page, None)
         key = self.page_keys[page]
         if key is None:
             return
@@ -134,25 +208,46 @@ class PageAllocator:
             self.evicted_keys.pop(key, None)
         return key
 
-    def find_cached_prefix(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], list[int], str]:
-        """The longest run of cached full pages that starts token_ids, covering at most max_tokens.
+    def find_cached_prefix(self, token_ids: list[int], max_tokens: int) -> "CachedPrefix":
+        """The longest run of cached full pages that starts token_ids, covering at most max_tokens:
+        device pages first, then pages the host tier holds.
 
-        Returns (pages, their keys, why the run ended) without taking references or counting the
-        query: `share` the pages to hold them and `record_query` once the sequence is admitted.
+        Takes no references and counts nothing: `claim` the result once the sequence is admitted.
         """
-        pages, keys, parent, size = [], [], ROOT_KEY, self.page_size
+        found = CachedPrefix()
         if not self.enable_prefix_caching:
-            return pages, keys, "never_seen"
+            return found
+        parent, size = ROOT_KEY, self.page_size
         for start in range(0, max_tokens - size + 1, size):
-            tokens = tuple(token_ids[start:start + size])
-            key = page_key(parent, tokens)
+            contents = (parent, tuple(token_ids[start:start + size]))
+            key = page_key(*contents)
             page = self.pages_by_key.get(key)
-            if page is None or self.page_contents[page] != (parent, tokens):
-                return pages, keys, "evicted" if key in self.evicted_keys else "never_seen"
-            pages.append(page)
-            keys.append(key)
+            if page is not None and self.page_contents[page] == contents and not found.host_keys:
+                found.pages.append(page)
+            elif self.host_tier is not None and self.host_tier.has(key, contents):
+                found.host_keys.append((key, contents))
+            else:
+                found.miss_reason = "evicted" if key in self.evicted_keys else "never_seen"
+                return found
+            found.keys.append(key)
             parent = key
-        return pages, keys, "partial_page"
+        found.miss_reason = "partial_page"
+        return found
+
+    def claim(self, found: "CachedPrefix") -> list[int]:
+        """Hold a found prefix: share its device pages, promote its host pages into new device pages."""
+        self.share(found.pages)
+        promoted = self.allocate(len(found.host_keys))
+        for page, (key, contents) in zip(promoted, found.host_keys):
+            self.cache_full_page(page, *contents)
+            self.pending_promotions.append((page, self.host_tier.take(key)))
+        self.stats.num_swapped_in_pages += len(promoted)
+        self.stats.host_tier_hit_tokens += len(promoted) * self.page_size
+        return found.pages + promoted
+
+    def num_pages_to_claim(self, found: "CachedPrefix") -> int:
+        """Free pages that claiming would use: unheld cached ones it shares, plus one per promotion."""
+        return sum(1 for page in found.pages if self.ref_counts[page] == 0) + len(found.host_keys)
 
     def record_query(self, num_tokens: int, num_hit_tokens: int, miss_reason: str) -> None:
         self.stats.num_queries += 1
@@ -161,6 +256,3 @@ class PageAllocator:
         field = f"miss_tokens_{miss_reason}"
         setattr(self.stats, field, getattr(self.stats, field) + num_tokens - num_hit_tokens)
 
-    def num_reclaimed_by_sharing(self, pages: list[int]) -> int:
-        """How many of these pages sharing would take out of the free pool (cached, unheld ones)."""
-        return sum(1 for page in pages if self.ref_counts[page] == 0)

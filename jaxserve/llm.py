@@ -23,8 +23,12 @@ class LLM:
         self._request_ids = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, session_ids: SequenceOf[str | None] | None = None
+                 ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids.
+
+        session_ids (one per prompt) mark conversations likely to continue, whose cached pages are
+        kept in preference to others for a while (the engine's session_ttl).
 
         Every prompt is validated before any is queued, so a bad one raises ValueError and leaves the
         engine as it was.
@@ -43,9 +47,12 @@ class LLM:
                 raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
             self.engine.validate(self.engine.tokenize(prompt), params)
 
+        session_ids = list(session_ids) if session_ids is not None else [None] * len(prompts)
+        if len(session_ids) != len(prompts):
+            raise ValueError(f"got {len(session_ids)} session ids for {len(prompts)} prompts")
         request_ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
-        for request_id, prompt, params in zip(request_ids, prompts, sampling_params):
-            self.engine.add_request(request_id, prompt, params)
+        for request_id, prompt, params, session_id in zip(request_ids, prompts, sampling_params, session_ids):
+            self.engine.add_request(request_id, prompt, params, session_id=session_id)
         show = self.engine.config.show_progress if use_tqdm is None else use_tqdm
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generating", disable=not show) as progress:

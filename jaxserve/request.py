@@ -74,6 +74,7 @@ class Sequence:
     params: SamplingParams
     sampling_seed: int  # the key all of this sequence's random draws derive from
     arrival_order: int
+    session_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)

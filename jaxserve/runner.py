@@ -18,11 +18,14 @@ from tqdm.auto import tqdm
 
 from jaxserve.batch import StepInputs, StepShape, build_step_inputs
 from jaxserve.config import Buckets
+from jaxserve.kv_cache import RESERVED_PAGE
 from jaxserve.models.kv_pages import KVPages
 from jaxserve.sampler import SamplerOutput, sample
 from jaxserve.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
+
+PAGE_COPY_GROUP = 16  # pages per host-tier copy
 
 
 def _abstract(tree):
@@ -95,9 +98,48 @@ class ModelRunner:
         output, self.kv_pages = executable(self.params, self.kv_pages, inputs)
         return output
 
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        """Host copy of pages' KV: [2 * num_layers, len(pages), page_size, num_kv_heads, head_dim].
+
+        Pages move in groups of PAGE_COPY_GROUP (padded with the reserved page) so that one compiled
+        copy serves every count.
+        """
+        groups = []
+        for start in range(0, len(pages), PAGE_COPY_GROUP):
+            group = pages[start:start + PAGE_COPY_GROUP]
+            index = np.asarray(group + [RESERVED_PAGE] * (PAGE_COPY_GROUP - len(group)), np.int32)
+            groups.append(np.asarray(_gather_pages(self.kv_pages, index))[:, :len(group)])
+        return np.concatenate(groups, axis=1)
+
+    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
+        """Copy host KV (as read_pages returns it) into pages; lands before the next step reads them."""
+        for start in range(0, len(pages), PAGE_COPY_GROUP):
+            group = pages[start:start + PAGE_COPY_GROUP]
+            padding = PAGE_COPY_GROUP - len(group)
+            index = np.asarray(group + [RESERVED_PAGE] * padding, np.int32)
+            chunk = data[:, start:start + len(group)]
+            chunk = np.concatenate([chunk, np.zeros((chunk.shape[0], padding) + chunk.shape[2:], chunk.dtype)], axis=1)
+            self.kv_pages = _scatter_pages(self.kv_pages, index, chunk)
+
+    def warm_up_page_copies(self) -> None:
+        """Compile the host-tier copies (reading and rewriting the reserved page changes nothing)."""
+        self.write_pages([RESERVED_PAGE], self.read_pages([RESERVED_PAGE]))
+
     @staticmethod
     def fetch(output: SamplerOutput) -> dict[str, np.ndarray]:
         return {name: np.asarray(value) for name, value in vars(jax.device_get(output)).items()}
+
+
+@jax.jit
+def _gather_pages(kv_pages: KVPages, pages):
+    return jax.numpy.stack([layer[pages] for layer in kv_pages.keys + kv_pages.values])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_pages(kv_pages: KVPages, pages, data):
+    num_layers = len(kv_pages.keys)
+    layers = [layer.at[pages].set(data[i]) for i, layer in enumerate(kv_pages.keys + kv_pages.values)]
+    return KVPages(keys=layers[:num_layers], values=layers[num_layers:])
 
 
 def kv_cache_bytes_available(memory_gib: float | None) -> int:

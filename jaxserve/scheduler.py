@@ -73,6 +73,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.session_id is not None:
+            self.allocator.keep_for_session(seq.page_ids)
         self._release_pages(seq)
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
@@ -173,18 +175,18 @@ class Scheduler:
         first chunk, so that admitted sequences do not keep preempting each other.
         """
         size = self.allocator.page_size
-        hit_pages, hit_keys, miss_reason = self.allocator.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
-        num_cached = len(hit_pages) * size
+        found = self.allocator.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
+        num_cached = found.num_pages * size
         chunk = self._next_chunk(seq, budget, start=num_cached)
         if chunk is None:
             return None
         final_length = seq.num_prompt_tokens + seq.params.max_tokens
-        needed = num_pages_for(max(chunk.end, final_length), size) - len(hit_pages)
-        if needed > self.allocator.num_free_pages - self.allocator.num_reclaimed_by_sharing(hit_pages):
+        needed = num_pages_for(max(chunk.end, final_length), size) - found.num_pages
+        if needed + self.allocator.num_pages_to_claim(found) > self.allocator.num_free_pages:
             return None
-        self.allocator.share(hit_pages)
-        self.allocator.record_query(seq.num_tokens, num_cached, miss_reason)
-        seq.page_ids, seq.page_keys, seq.num_computed_tokens = list(hit_pages), list(hit_keys), num_cached
+        seq.page_ids, seq.page_keys = self.allocator.claim(found), list(found.keys)
+        self.allocator.record_query(seq.num_tokens, num_cached, found.miss_reason)
+        seq.num_computed_tokens = num_cached
         if not seq.output_token_ids:
             seq.num_cached_tokens = num_cached
         seq.status = RequestStatus.RUNNING

@@ -66,7 +66,7 @@ def test_shared_pages_are_never_written(cached_llm):
     prefix = [1] + rng.integers(3, 384, size=47).tolist()
     cached_llm.generate([prefix + [5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))
     allocator = cached_llm.engine.allocator
-    pages, _, _ = allocator.find_cached_prefix(prefix, len(prefix))
+    pages = allocator.find_cached_prefix(prefix, len(prefix)).pages
     assert len(pages) == 48 // 8
     runner = cached_llm.engine.runner
     before = [np.asarray(layer[np.asarray(pages)]) for layer in runner.kv_pages.keys + runner.kv_pages.values]
@@ -84,14 +84,14 @@ def test_miss_reasons_are_counted():
     key = allocator.cache_full_page(seq_pages[0], 0, (1, 2))
     allocator.cache_full_page(seq_pages[1], key, (3, 4))
     allocator.release(seq_pages)
-    pages, _, reason = allocator.find_cached_prefix([1, 2, 3, 4, 5], 4)
-    assert pages == seq_pages and reason == "partial_page"
-    pages, _, reason = allocator.find_cached_prefix([9, 9, 9], 2)
-    assert pages == [] and reason == "never_seen"
+    found = allocator.find_cached_prefix([1, 2, 3, 4, 5], 4)
+    assert found.pages == seq_pages and found.miss_reason == "partial_page"
+    found = allocator.find_cached_prefix([9, 9, 9], 2)
+    assert found.pages == [] and found.miss_reason == "never_seen"
     allocator.allocate(3)  # takes the free page, then evicts the leaf (3, 4), then its parent
     assert allocator.stats.num_evictions == 2
-    pages, _, reason = allocator.find_cached_prefix([1, 2, 3, 4, 5], 4)
-    assert pages == [] and reason == "evicted"
+    found = allocator.find_cached_prefix([1, 2, 3, 4, 5], 4)
+    assert found.pages == [] and found.miss_reason == "evicted"
 
 
 def test_eviction_is_least_recently_released_leaves_first():
@@ -153,3 +153,54 @@ def assert_no_leaks_with_cache(scheduler):
     for page in range(1, allocator.num_pages):
         assert allocator.ref_counts[page] == holders.get(page, 0), f"page {page} has a wrong reference count"
     assert allocator.num_free_pages + len(holders) == allocator.num_usable_pages
+
+
+def test_host_tier_round_trip_is_bit_exact():
+    rng = np.random.default_rng(3)
+    prefix = [1] + rng.integers(3, 384, size=47).tolist()  # 6 full pages of 8
+    llm = LLM(fixture_dir("llama_gqa"), **{**ENGINE, "num_pages": 16, "swap_space": 0.01})
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = llm.generate([prefix + [5, 6, 7]], params)[0]
+    allocator, runner = llm.engine.allocator, llm.engine.runner
+    pages = allocator.find_cached_prefix(prefix, len(prefix)).pages
+    saved = runner.read_pages(pages)
+    # unrelated prompts fill the 15 usable pages and evict (demote) every page of the prefix
+    llm.generate([[1] + rng.integers(3, 384, size=60).tolist() for _ in range(3)], params)
+    assert allocator.find_cached_prefix(prefix, len(prefix)).pages == []
+    assert llm.stats()["swapped_out_pages"] >= 6 and llm.stats()["host_tier_pages"] >= 6
+    again = llm.generate([prefix + [5, 6, 7]], params)[0]
+    assert again.num_cached_tokens == 48 and llm.stats()["host_tier_hit_tokens"] >= 48
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    promoted = allocator.find_cached_prefix(prefix, len(prefix)).pages
+    np.testing.assert_array_equal(runner.read_pages(promoted), saved)
+
+
+def test_far_too_small_cache_gives_the_same_outputs():
+    rng = np.random.default_rng(4)
+    prompts = shared_prefix_prompts(rng, num_groups=3, per_group=3, prefix_len=40)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = LLM(fixture_dir("llama_gqa"), **ENGINE).generate(prompts, params)
+    for swap_space in (0.0, 0.01):
+        small = LLM(fixture_dir("llama_gqa"), **{**ENGINE, "num_pages": 12, "swap_space": swap_space})
+        cramped = small.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]
+        stats = small.stats()
+        assert stats["prefix_cache_evictions"] > 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+        if swap_space:
+            assert stats["host_tier_hit_tokens"] > 0
+
+
+def test_session_pages_are_kept_in_preference():
+    now = [0.0]
+    allocator = PageAllocator(5, 1, enable_prefix_caching=True, session_ttl=10.0, clock=lambda: now[0])
+    session, other = allocator.allocate(2), allocator.allocate(2)
+    for pages, token in ((session, 1), (other, 2)):
+        parent = 0
+        for page in pages:
+            parent = allocator.cache_full_page(page, parent, (token,))
+    allocator.keep_for_session(session)
+    allocator.release(session)  # released first: plain LRU would evict these first
+    allocator.release(other)
+    assert sorted(allocator.allocate(2)) == sorted(other)
+    now[0] = 11.0  # the session's preference has lapsed
+    assert sorted(allocator.allocate(2)) == sorted(session)

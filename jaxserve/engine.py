@@ -56,6 +56,17 @@ class RequestState:
                              num_cached_tokens=self.seqs[0].num_cached_tokens)
 
 
+# Rough (host link bytes/s, compute FLOP/s) per platform, for choosing between copying a page back
+# from host memory and recomputing its tokens.
+PLATFORM_RATES = {"cpu": (10e9, 1e11), "gpu": (25e9, 3e14), "tpu": (25e9, 3e14)}
+
+
+def swap_in_is_cheaper(page_bytes: int, page_size: int, num_params: int, platform: str) -> bool:
+    """Whether bringing a page's KV back from host memory beats recomputing its tokens' prefill."""
+    bandwidth, flops = PLATFORM_RATES.get(platform, PLATFORM_RATES["gpu"])
+    return page_bytes / bandwidth < 2 * num_params * page_size / flops
+
+
 def _enable_compilation_cache(directory: str | None) -> None:
     if directory is None or jax.config.jax_compilation_cache_dir:
         return  # off, or the user already chose a cache
@@ -98,7 +109,9 @@ class Engine:
         useful_pages = config.max_num_seqs * max_pages_per_seq + 1
         num_pages = config.num_pages or max(2, min(kv_cache_bytes_available(config.kv_cache_memory_gib) // page_bytes,
                                                    useful_pages))
-        host_tier_pages = int(config.swap_space * 2**30) // page_bytes
+        num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+        swapping_pays = swap_in_is_cheaper(page_bytes, config.page_size, num_params, jax.default_backend())
+        host_tier_pages = int(config.swap_space * 2**30) // page_bytes if swapping_pays else 0
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching,
                                        host_tier_pages=host_tier_pages, session_ttl=config.session_ttl)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
@@ -220,12 +233,12 @@ class Engine:
         allocator = self.allocator
         if allocator.pending_demotions:
             demoted, allocator.pending_demotions = allocator.pending_demotions, []
-            data = self.runner.read_pages([page for page, _, _ in demoted])
-            for index, (_, key, contents) in enumerate(demoted):
-                allocator.host_tier.store(key, contents, data[:, index].copy())
+            host_pages = self.runner.read_pages([page for page, _, _ in demoted])
+            for host_page, (_, key, contents) in zip(host_pages, demoted):
+                allocator.host_tier.store(key, contents, host_page)
         if allocator.pending_promotions:
             promoted, allocator.pending_promotions = allocator.pending_promotions, []
-            self.runner.write_pages([page for page, _ in promoted], np.stack([data for _, data in promoted], axis=1))
+            self.runner.write_pages([page for page, _ in promoted], [host_page for _, host_page in promoted])
 
     def stats(self) -> dict:
         return {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -26,6 +27,19 @@ from jaxserve.scheduler import ScheduledChunk
 logger = logging.getLogger(__name__)
 
 PAGE_COPY_GROUP = 16  # pages per host-tier copy
+
+
+@dataclass(frozen=True)
+class HostPage:
+    """One page's KV in host memory: a column of a copied group [2 * num_layers, group, page_size, K, D]."""
+
+    group: jax.Array
+    column: int
+
+
+def host_pages_to_array(host_pages: list[HostPage]) -> np.ndarray:
+    """[2 * num_layers, len(host_pages), page_size, num_kv_heads, head_dim]."""
+    return np.stack([np.asarray(page.group)[:, page.column] for page in host_pages], axis=1)
 
 
 def _abstract(tree):
@@ -55,6 +69,7 @@ class ModelRunner:
         self.warmed_up = False
         self.num_compiles_after_warmup = 0
         self.warmup_seconds = 0.0
+        self.host_device = jax.devices("cpu")[0]
 
     def all_shapes(self) -> list[StepShape]:
         shapes = [StepShape(s, s, p, 1) for s in self.buckets.decode_seqs for p in self.buckets.pages_per_seq]
@@ -98,28 +113,28 @@ class ModelRunner:
         output, self.kv_pages = executable(self.params, self.kv_pages, inputs)
         return output
 
-    def read_pages(self, pages: list[int]) -> np.ndarray:
-        """Host copy of pages' KV: [2 * num_layers, len(pages), page_size, num_kv_heads, head_dim].
+    def read_pages(self, pages: list[int]) -> list[HostPage]:
+        """Start copying pages' KV to host memory; returns a handle per page without waiting.
 
         Pages move in groups of PAGE_COPY_GROUP (padded with the reserved page) so that one compiled
-        copy serves every count.
+        copy serves every count; the transfer to the host device is asynchronous.
         """
-        groups = []
+        handles = []
         for start in range(0, len(pages), PAGE_COPY_GROUP):
             group = pages[start:start + PAGE_COPY_GROUP]
             index = np.asarray(group + [RESERVED_PAGE] * (PAGE_COPY_GROUP - len(group)), np.int32)
-            groups.append(np.asarray(_gather_pages(self.kv_pages, index))[:, :len(group)])
-        return np.concatenate(groups, axis=1)
+            on_host = jax.device_put(_gather_pages(self.kv_pages, index), self.host_device)
+            handles += [HostPage(on_host, column) for column in range(len(group))]
+        return handles
 
-    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
-        """Copy host KV (as read_pages returns it) into pages; lands before the next step reads them."""
+    def write_pages(self, pages: list[int], host_pages: list[HostPage]) -> None:
+        """Copy host KV back into pages; dispatched before the next step, so it lands before it reads them."""
         for start in range(0, len(pages), PAGE_COPY_GROUP):
             group = pages[start:start + PAGE_COPY_GROUP]
-            padding = PAGE_COPY_GROUP - len(group)
-            index = np.asarray(group + [RESERVED_PAGE] * padding, np.int32)
-            chunk = data[:, start:start + len(group)]
-            chunk = np.concatenate([chunk, np.zeros((chunk.shape[0], padding) + chunk.shape[2:], chunk.dtype)], axis=1)
-            self.kv_pages = _scatter_pages(self.kv_pages, index, chunk)
+            data = host_pages_to_array(host_pages[start:start + len(group)])
+            padding = np.zeros((data.shape[0], PAGE_COPY_GROUP - len(group)) + data.shape[2:], data.dtype)
+            index = np.asarray(group + [RESERVED_PAGE] * (PAGE_COPY_GROUP - len(group)), np.int32)
+            self.kv_pages = _scatter_pages(self.kv_pages, index, np.concatenate([data, padding], axis=1))
 
     def warm_up_page_copies(self) -> None:
         """Compile the host-tier copies (reading and rewriting the reserved page changes nothing)."""

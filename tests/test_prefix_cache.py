@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import SMALL_ENGINE, fixture_dir
 from jaxserve import LLM, SamplingParams
 from jaxserve.kv_cache import PageAllocator
+from jaxserve.runner import host_pages_to_array
 from test_scheduler import make_scheduler, make_seq, run_step
 
 ENGINE = {**SMALL_ENGINE, "max_model_len": 256, "page_size": 8}
@@ -163,7 +164,7 @@ def test_host_tier_round_trip_is_bit_exact():
     first = llm.generate([prefix + [5, 6, 7]], params)[0]
     allocator, runner = llm.engine.allocator, llm.engine.runner
     pages = allocator.find_cached_prefix(prefix, len(prefix)).pages
-    saved = runner.read_pages(pages)
+    saved = host_pages_to_array(runner.read_pages(pages))
     # unrelated prompts fill the 15 usable pages and evict (demote) every page of the prefix
     llm.generate([[1] + rng.integers(3, 384, size=60).tolist() for _ in range(3)], params)
     assert allocator.find_cached_prefix(prefix, len(prefix)).pages == []
@@ -172,7 +173,7 @@ def test_host_tier_round_trip_is_bit_exact():
     assert again.num_cached_tokens == 48 and llm.stats()["host_tier_hit_tokens"] >= 48
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     promoted = allocator.find_cached_prefix(prefix, len(prefix)).pages
-    np.testing.assert_array_equal(runner.read_pages(promoted), saved)
+    np.testing.assert_array_equal(host_pages_to_array(runner.read_pages(promoted)), saved)
 
 
 def test_far_too_small_cache_gives_the_same_outputs():
@@ -204,3 +205,13 @@ def test_session_pages_are_kept_in_preference():
     assert sorted(allocator.allocate(2)) == sorted(other)
     now[0] = 11.0  # the session's preference has lapsed
     assert sorted(allocator.allocate(2)) == sorted(session)
+
+
+def test_swap_in_is_chosen_only_when_cheaper_than_recompute():
+    from jaxserve.engine import swap_in_is_cheaper
+
+    # a 16-token page of a 34M-parameter model: 196 KiB to copy vs ~1 GFLOP to recompute
+    assert swap_in_is_cheaper(196 * 1024, 16, 34_000_000, "cpu")
+    assert swap_in_is_cheaper(2 * 2**20, 16, 8_000_000_000, "gpu")
+    # a model with almost no compute per token but fat KV pages is cheaper to recompute
+    assert not swap_in_is_cheaper(64 * 2**20, 16, 1000, "gpu")

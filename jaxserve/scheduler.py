@@ -4,8 +4,11 @@ Plain Python, no JAX. A sequence's next work is always "compute KV for tokens [n
 num_tokens)": one token for a decode, a chunk of the prompt (or of prompt + output after a
 preemption) for a prefill. The per-step token budget is shared: decodes first, so a long prompt
 never holds running sequences back for more than one chunk; then chunks of running prefills; then
-newly admitted sequences. When pages run out the youngest running sequence is preempted: its pages
-are freed and it is recomputed later, which leaves its output unchanged.
+newly admitted sequences. Admission reuses the longest cached prefix of full pages and requires
+room for everything the sequence may grow to (prompt + max_tokens). When pages still run out the
+youngest running sequence is preempted: its pages are released (its full pages stay cached, on the
+device or in the host tier) and it is recomputed from what remains cached, which leaves its output
+unchanged.
 """
 
 from __future__ import annotations

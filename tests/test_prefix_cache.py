@@ -8,7 +8,7 @@ from conftest import SMALL_ENGINE, fixture_dir
 from jaxserve import LLM, SamplingParams
 from jaxserve.kv_cache import PageAllocator
 from jaxserve.runner import host_pages_to_array
-from test_scheduler import make_scheduler, make_seq, run_step
+from test_scheduler import drive, make_scheduler, make_seq
 
 ENGINE = {**SMALL_ENGINE, "max_model_len": 256, "page_size": 8}
 
@@ -124,36 +124,8 @@ def test_random_shared_prefix_workloads_complete_without_leaks(requests, num_pag
         seq.prompt_token_ids = prefixes[group] + [7] * extra
         if -(-(seq.num_prompt_tokens + max_tokens) // 4) <= num_pages - 1:
             pending.append((arrival, seq, cancel))
-    added, step = [], 0
-    while pending or scheduler.has_unfinished:
-        for item in [x for x in pending if x[0] <= step]:
-            pending.remove(item)
-            scheduler.add(item[1])
-            added.append(item)
-        for arrival, seq, cancel in added:
-            if cancel and step == arrival + 3 and not seq.is_finished:
-                scheduler.finish(seq, "abort")
-        schedule = run_step(scheduler)
-        for chunk in schedule.decodes + schedule.prefills:
-            if not chunk.seq.is_finished:
-                scheduler.cache_full_pages(chunk.seq)
-        assert_no_leaks_with_cache(scheduler)
-        step += 1
-        assert step < 5000
-    allocator = scheduler.allocator
-    assert allocator.num_free_pages == num_pages - 1
-    assert all(count == 0 for count in allocator.ref_counts[1:])
-
-
-def assert_no_leaks_with_cache(scheduler):
-    allocator = scheduler.allocator
-    holders = {}
-    for seq in scheduler.running:
-        for page in seq.page_ids:
-            holders[page] = holders.get(page, 0) + 1
-    for page in range(1, allocator.num_pages):
-        assert allocator.ref_counts[page] == holders.get(page, 0), f"page {page} has a wrong reference count"
-    assert allocator.num_free_pages + len(holders) == allocator.num_usable_pages
+    drive(scheduler, pending)
+    assert all(count == 0 for count in scheduler.allocator.ref_counts[1:])
 
 
 def test_host_tier_round_trip_is_bit_exact():

@@ -30,6 +30,7 @@ def run_step(scheduler: Scheduler):
         seq = chunk.seq
         assert len(seq.page_ids) * scheduler.allocator.page_size >= chunk.end
         seq.num_computed_tokens = chunk.end
+        scheduler.cache_full_pages(seq)
         if chunk.samples_next_token:
             seq.output_token_ids.append(7)
             if len(seq.output_token_ids) == seq.params.max_tokens:
@@ -38,10 +39,37 @@ def run_step(scheduler: Scheduler):
 
 
 def assert_no_leaks(scheduler: Scheduler):
-    held = [p for s in scheduler.running for p in s.page_ids]
-    assert len(held) == len(set(held)), "a page is held twice"
-    assert RESERVED_PAGE not in held
-    assert scheduler.allocator.num_free_pages + len(held) == scheduler.allocator.num_usable_pages
+    """Every page's reference count is the number of running sequences holding it; the rest are free."""
+    allocator, holders = scheduler.allocator, {}
+    for seq in scheduler.running:
+        for page in seq.page_ids:
+            holders[page] = holders.get(page, 0) + 1
+    assert RESERVED_PAGE not in holders
+    for page in range(1, allocator.num_pages):
+        assert allocator.ref_counts[page] == holders.get(page, 0), f"page {page} has a wrong reference count"
+    assert allocator.num_free_pages + len(holders) == allocator.num_usable_pages
+
+
+def drive(scheduler: Scheduler, pending: list) -> list:
+    """Run (arrival step, sequence, cancel) requests to completion, cancelling two steps after arrival."""
+    added, step = [], 0
+    while pending or scheduler.has_unfinished:
+        for item in [x for x in pending if x[0] <= step]:
+            pending.remove(item)
+            scheduler.add(item[1])
+            added.append(item)
+        for arrival, seq, cancel in added:
+            if cancel and step == arrival + 2 and not seq.is_finished:
+                scheduler.finish(seq, "abort")
+        run_step(scheduler)
+        assert_no_leaks(scheduler)
+        step += 1
+        assert step < 5000, "the scheduler stopped making progress"
+    assert scheduler.allocator.num_free_pages == scheduler.allocator.num_usable_pages
+    for _, seq, cancel in added:
+        assert seq.is_finished
+        assert seq.finish_reason == "abort" or len(seq.output_token_ids) == seq.params.max_tokens
+    return added
 
 
 def test_allocator_reference_counts():
@@ -124,20 +152,4 @@ def test_random_workloads_complete_without_leaks(requests, num_pages, block, max
                                budget=4 * block, block=block)
     pending = [(arrival, make_seq(p, m), cancel) for p, m, arrival, cancel in requests
                if -(-(p + m) // page_size) <= num_pages - 1]  # the engine rejects what can never fit
-    added, step = [], 0
-    while pending or scheduler.has_unfinished:
-        for item in [x for x in pending if x[0] <= step]:
-            pending.remove(item)
-            scheduler.add(item[1])
-            added.append(item)
-        for arrival, seq, cancel in added:
-            if cancel and step == arrival + 2 and not seq.is_finished:
-                scheduler.finish(seq, "abort")
-        run_step(scheduler)
-        assert_no_leaks(scheduler)
-        step += 1
-        assert step < 5000, "the scheduler stopped making progress"
-    assert scheduler.allocator.num_free_pages == num_pages - 1
-    for _, seq, cancel in added:
-        assert seq.is_finished
-        assert seq.finish_reason == "abort" or len(seq.output_token_ids) == seq.params.max_tokens
+    drive(scheduler, pending)

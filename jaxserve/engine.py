@@ -202,31 +202,34 @@ class Engine:
         self._move_host_tier_pages()
         dispatched = [(chunks, self.runner.execute(chunks, is_decode))
                       for chunks, is_decode in ((schedule.prefills, False), (schedule.decodes, True)) if chunks]
-        touched: dict[str, RequestState] = {}
+        progressed: dict[str, RequestState] = {}
         for chunks, output in dispatched:
-            fetched = ModelRunner.fetch(output)
-            for row, chunk in enumerate(chunks):
-                seq = chunk.seq
-                seq.num_computed_tokens = chunk.end
-                self.scheduler.cache_full_pages(seq)
-                if seq.num_computed_tokens <= seq.num_prompt_tokens:
-                    self.num_prompt_tokens += chunk.num_tokens
-                if not chunk.samples_next_token or seq.status is not RequestStatus.RUNNING:
-                    continue
-                logprobs = token_logprobs(row, fetched, seq.params.logprobs) if seq.params.logprobs is not None else None
-                reason = append_token(seq, int(fetched["token_ids"][row]), logprobs, self.tokenizer,
-                                      self.eos_token_ids, self.max_model_len)
-                self.num_generated_tokens += 1
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
-                touched[seq.request_id] = self.requests[seq.request_id]
+            self._postprocess(chunks, ModelRunner.fetch(output), progressed)
         self.num_steps += 1
         outputs = []
-        for request_id, state in touched.items():
+        for request_id, state in progressed.items():
             outputs.append(state.output())
             if state.finished:
                 del self.requests[request_id]
         return outputs
+
+    def _postprocess(self, chunks, fetched: dict, progressed: dict[str, RequestState]) -> None:
+        """Record computed KV (caching newly full pages), then append sampled tokens and check stops."""
+        for row, chunk in enumerate(chunks):
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.end
+            self.scheduler.cache_full_pages(seq)
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.num_prompt_tokens += chunk.num_tokens
+            if not chunk.samples_next_token or seq.status is not RequestStatus.RUNNING:
+                continue
+            logprobs = token_logprobs(row, fetched, seq.params.logprobs) if seq.params.logprobs is not None else None
+            reason = append_token(seq, int(fetched["token_ids"][row]), logprobs, self.tokenizer,
+                                  self.eos_token_ids, self.max_model_len)
+            self.num_generated_tokens += 1
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            progressed[seq.request_id] = self.requests[seq.request_id]
 
     def _move_host_tier_pages(self) -> None:
         """Demoted pages are read before promotions or the step overwrite them; promotions land before the step."""

@@ -45,7 +45,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        return all(seq.finish_reason is not None for seq in self.seqs)
 
     def output(self) -> RequestOutput:
         outputs = [CompletionOutput(index=i, text=seq.text, token_ids=list(seq.output_token_ids),
@@ -219,6 +219,9 @@ class Engine:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
             self.scheduler.cache_full_pages(seq)
+            if seq.flushing:
+                self.scheduler.finish(seq, seq.finish_reason)
+                continue
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 self.num_prompt_tokens += chunk.num_tokens
             if not chunk.samples_next_token or seq.status is not RequestStatus.RUNNING:
@@ -228,7 +231,7 @@ class Engine:
                                   self.eos_token_ids, self.max_model_len)
             self.num_generated_tokens += 1
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                self.scheduler.finish_or_flush(seq, reason)
             progressed[seq.request_id] = self.requests[seq.request_id]
 
     def _move_host_tier_pages(self) -> None:

@@ -56,7 +56,8 @@ class LLM:
         show = self.engine.config.show_progress if use_tqdm is None else use_tqdm
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generating", disable=not show) as progress:
-            while len(finished) < len(request_ids):
+            # Steps on until the engine is idle: finished sequences may still be caching their last page.
+            while len(finished) < len(request_ids) or self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output

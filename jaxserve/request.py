@@ -83,6 +83,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    flushing: bool = False  # finished for its caller; runs one more step to cache its last page
     text: str = ""
     detokenizer_state: object = None
 

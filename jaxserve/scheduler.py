@@ -82,6 +82,14 @@ class Scheduler:
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
 
+    def finish_or_flush(self, seq: Sequence, reason: str) -> None:
+        """Finish a sequence; but when its newest token would complete a page, first compute that
+        token's KV (one more step, nothing sampled) so the next turn of a chat finds the whole page."""
+        if self.allocator.enable_prefix_caching and seq.num_tokens % self.allocator.page_size == 0:
+            seq.finish_reason, seq.flushing = reason, True
+        else:
+            self.finish(seq, reason)
+
     def _release_pages(self, seq: Sequence) -> None:
         self.allocator.release(seq.page_ids)
         seq.page_ids = []
@@ -115,6 +123,9 @@ class Scheduler:
         return num_pages_for(chunk.end, self.allocator.page_size) - len(chunk.seq.page_ids)
 
     def _preempt(self, seq: Sequence) -> None:
+        if seq.flushing:  # nothing left to give its caller: drop it rather than recompute it
+            self.finish(seq, seq.finish_reason)
+            return
         self.running.remove(seq)
         self._release_pages(seq)  # full pages stay cached, so the resumed sequence finds them again
         seq.num_computed_tokens = 0

@@ -31,10 +31,12 @@ def run_step(scheduler: Scheduler):
         assert len(seq.page_ids) * scheduler.allocator.page_size >= chunk.end
         seq.num_computed_tokens = chunk.end
         scheduler.cache_full_pages(seq)
-        if chunk.samples_next_token:
+        if seq.flushing:
+            scheduler.finish(seq, seq.finish_reason)
+        elif chunk.samples_next_token:
             seq.output_token_ids.append(7)
             if len(seq.output_token_ids) == seq.params.max_tokens:
-                scheduler.finish(seq, "length")
+                scheduler.finish_or_flush(seq, "length")
     return schedule
 
 

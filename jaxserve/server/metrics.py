@@ -1,0 +1,45 @@
+"""Prometheus metrics, all named jaxserve_*, in a registry of their own (one per server)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("jaxserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.rejected = Counter("jaxserve_rejected_requests", "Requests refused, by gRPC status", ["status"],
+                                registry=r)
+        self.running = Gauge("jaxserve_running_requests", "Sequences running", registry=r)
+        self.waiting = Gauge("jaxserve_waiting_requests", "Sequences waiting for a slot", registry=r)
+        self.kv_pages_used = Gauge("jaxserve_kv_pages_used", "KV pages held by sequences", registry=r)
+        self.kv_pages_total = Gauge("jaxserve_kv_pages_total", "Usable KV pages", registry=r)
+        self.kv_usage = Gauge("jaxserve_kv_cache_usage_ratio", "Fraction of KV pages held", registry=r)
+        self.prefix_hit_rate = Gauge("jaxserve_prefix_cache_hit_rate", "Prompt tokens served from the cache",
+                                     registry=r)
+        self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("jaxserve_inter_token_latency_seconds", "Time between a stream's messages",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxserve_request_latency_seconds", "Request end-to-end latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.compiles_after_warmup = Gauge("jaxserve_compiles_after_warmup", "Executables compiled while serving",
+                                           registry=r)
+        self.preemptions = Gauge("jaxserve_preemptions", "Sequences preempted so far", registry=r)
+
+    def observe_engine(self, stats: dict) -> None:
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        used = stats["kv_pages_total"] - stats["kv_pages_free"]
+        self.kv_pages_used.set(used)
+        self.kv_pages_total.set(stats["kv_pages_total"])
+        self.kv_usage.set(used / max(stats["kv_pages_total"], 1))
+        self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
+        self.compiles_after_warmup.set(stats["num_compiles_after_warmup"])
+        self.preemptions.set(stats["num_preemptions"])

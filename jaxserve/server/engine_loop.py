@@ -143,7 +143,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped:
-            self._apply_commands()
+            if self._apply_commands():
+                self.metrics.observe_engine(self.engine.stats())  # an abort frees pages without a step
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=0.1)
                 self._wakeup.clear()
@@ -158,12 +159,15 @@ class EngineLoop:
                 self._deliver(output)
             self.metrics.observe_engine(self.engine.stats())
 
-    def _apply_commands(self) -> None:
+    def _apply_commands(self) -> bool:
+        """Apply queued adds and aborts; returns whether there were any."""
+        applied = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return applied
+            applied = True
             if command[0] == "add":
                 _, request_id, prompt_token_ids, params, session_id = command
                 try:

@@ -40,7 +40,10 @@ class Server:
         jaxserve_pb2_grpc.add_GenerationServicer_to_server(self.service, self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         address = f"{config.server.host}:{config.server.port}"
-        self.port = self.grpc_server.add_insecure_port(address)
+        try:
+            self.port = self.grpc_server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise ValueError(f"cannot listen on {address}: {error}") from None
         if self.port == 0:
             raise ValueError(f"cannot listen on {address}")
         self.loop: EngineLoop | None = None
@@ -55,8 +58,12 @@ class Server:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc_server.start()
         if self.config.server.metrics_port:
-            start_http_server(self.config.server.metrics_port, addr=self.config.server.host,
-                              registry=self.metrics.registry)
+            try:
+                start_http_server(self.config.server.metrics_port, addr=self.config.server.host,
+                                  registry=self.metrics.registry)
+            except OSError as error:
+                self.grpc_server.stop(grace=None)
+                raise ValueError(f"cannot serve metrics on port {self.config.server.metrics_port}: {error}") from None
         logger.info("listening on %s:%d; warming up", self.config.server.host, self.port)
         engine = Engine(self.config.model_dir(), self.config.engine)
         self.loop = EngineLoop(engine, self.metrics, self.config.server.max_queued_requests)
@@ -85,16 +92,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a config key, e.g. --set server.port=50052")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_config(args.config, args.overrides)
-        server = Server(config)
-    except ValueError as error:
-        print(f"jaxserve.serve: {error}", file=sys.stderr)
-        return 2
     stop_requested = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop_requested.set())
-    server.start()
+    try:
+        server = Server(load_config(args.config, args.overrides))
+        server.start()
+    except ValueError as error:
+        print(f"jaxserve.serve: {error}", file=sys.stderr)
+        return 2
     stop_requested.wait()
     logger.info("stopping: draining in-flight requests")
     server.drain_and_stop()

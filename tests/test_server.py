@@ -83,6 +83,8 @@ def test_cancelled_stream_frees_its_pages(server):
         time.sleep(0.05)
     assert server.metric("jaxserve_kv_pages_used") == 0
     assert server.metric('jaxserve_requests_total{finish_reason="abort"}') > aborted_before
+    info = client.server_info()
+    assert info.num_free_pages == info.num_pages and info.num_running == 0
     client.close()
 
 

@@ -86,7 +86,9 @@ class GenerationService(jaxserve_pb2_grpc.GenerationServicer):
                              page_size=engine.config.page_size, num_pages=engine.allocator.num_usable_pages,
                              compiled_buckets=shapes, max_model_len=engine.max_model_len,
                              version=jaxserve.__version__, attention_impl=engine.attention_impl,
-                             max_num_seqs=engine.config.max_num_seqs, vocab_size=engine.model_config.vocab_size)
+                             max_num_seqs=engine.config.max_num_seqs, vocab_size=engine.model_config.vocab_size,
+                             num_free_pages=engine.allocator.num_free_pages,
+                             num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting))
 
     def Tokenize(self, request, context):
         tokenizer = self._ready_loop(context).engine.tokenizer

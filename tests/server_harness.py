@@ -41,8 +41,11 @@ class ServerProcess:
         self.health_statuses = []
 
     def health(self):
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        return stub.Check(health_pb2.HealthCheckRequest(service="jaxserve.v1.Generation"), timeout=2).status
+        # a fresh channel each time: a shared one backs off after failed connects and can sleep
+        # through the whole warm-up
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return stub.Check(health_pb2.HealthCheckRequest(service="jaxserve.v1.Generation"), timeout=2).status
 
     def wait_until_serving(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout

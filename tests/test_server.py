@@ -18,7 +18,9 @@ from server_harness import ServerProcess
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServerProcess(tmp_path_factory.mktemp("server"), engine={"max_num_seqs": 8})
+    # no compilation cache: warm-up then lasts long enough to watch health go NOT_SERVING -> SERVING
+    process = ServerProcess(tmp_path_factory.mktemp("server"), engine={"max_num_seqs": 8,
+                                                                      "compilation_cache_dir": None})
     process.wait_until_serving()
     yield process
     assert process.stop() == 0

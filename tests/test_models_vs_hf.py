@@ -49,3 +49,16 @@ def test_auto_dtype_loads_bf16_checkpoint_as_bf16():
     # bf16 math drifts from the float32 reference, but the first greedy token should mostly agree.
     agree = sum(o.outputs[0].token_ids[0] == p["greedy_token_ids"][0] for o, p in zip(outputs, prompts))
     assert agree >= len(prompts) - 2
+
+
+@pytest.mark.parametrize("name", ["llama_mqa_odd", "mixtral"])
+def test_pallas_attention_matches_transformers(name):
+    llm = LLM(fixture_dir(name), **{**SMALL_ENGINE, "attention_impl": "pallas"})
+    assert llm.stats()["attention_impl"] == "pallas"
+    check_against_hf(llm, name)
+
+
+def test_reference_attention_matches_transformers():
+    llm = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "attention_impl": "reference"})
+    assert llm.stats()["attention_impl"] == "reference"
+    check_against_hf(llm, "llama_gqa")

@@ -22,7 +22,7 @@ def dense_attention(q, k, v, sliding_window=None):
     return np.einsum("hts,shd->thd", probs, v)
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("impl", ["reference", "cpu", "pallas"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,page_size,query_block,sliding_window", [
     (4, 4, 8, 1, None), (8, 2, 16, 4, None), (6, 1, 4, 8, None), (4, 2, 8, 4, 5), (4, 2, 4, 1, 70)])
 def test_ragged_paged_attention_matches_dense(num_heads, num_kv_heads, page_size, query_block, sliding_window, impl):

@@ -8,13 +8,14 @@ Padding tokens carry position -1 and attend to nothing.
 Implementations, all with the reference's signature:
   reference  pure jax.numpy, any dtype, any backend: the specification
   cpu        a C++ kernel (XLA FFI) for float32 on the CPU, built at first use
+  pallas     a Pallas kernel (GPU); on the CPU it runs in interpret mode: exact but slow
 """
 
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import cpu, reference
+from pallas_kernels.paged_attention import cpu, pallas, reference
 
-ATTENTION_IMPLS = ("auto", "reference", "cpu")
+ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
 
 
 def resolve_attention_impl(impl: str, platform: str, dtype) -> str:
@@ -24,6 +25,8 @@ def resolve_attention_impl(impl: str, platform: str, dtype) -> str:
     if impl == "cpu" and (platform != "cpu" or jnp.dtype(dtype) != jnp.float32):
         raise ValueError(f"attention_impl='cpu' needs the CPU platform and float32, not {platform}/{jnp.dtype(dtype)}")
     if impl == "auto":
+        # The Pallas kernel has only run in interpret mode so far; "auto" takes it on GPU/TPU once a
+        # device run has checked its lowering there (bench/gpu_checks.sh).
         use_cpu_kernel = platform == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu.available()
         return "cpu" if use_cpu_kernel else "reference"
     return impl
@@ -31,7 +34,7 @@ def resolve_attention_impl(impl: str, platform: str, dtype) -> str:
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *,
                            query_block: int, sliding_window: int | None = None, impl: str = "reference"):
-    implementation = {"reference": reference, "cpu": cpu}.get(impl)
+    implementation = {"reference": reference, "cpu": cpu, "pallas": pallas}.get(impl)
     if implementation is None:
         raise ValueError(f"unknown attention_impl {impl!r}; resolve 'auto' with resolve_attention_impl first")
     return implementation.ragged_paged_attention(

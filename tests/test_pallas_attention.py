@@ -1,0 +1,63 @@
+"""The Pallas kernel (interpret mode on CPU) against the reference over a grid of shapes and dtypes."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import pallas, reference
+
+TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
+
+
+def ragged_step(rng, page_size, head_dim, groups, dtype, query_block, num_kv_heads=2):
+    """A step's inputs: sequences with contexts ending mid-page, a single-token sequence, padding slots."""
+    num_pages = 64
+    lengths = [1, page_size * 2 + 3, page_size * 3, 5 * page_size + page_size // 2]
+    new_tokens = [1, 1, 1, 1] if query_block == 1 else [1, query_block, 2 * query_block - 3, query_block // 2]
+    max_pages = -(-max(lengths) // page_size) + 1
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    page_table = np.zeros((len(lengths) + 1, max_pages), np.int32)  # + a padding row
+    token_seq_ids, positions = [], []
+    for row, (length, num_new) in enumerate(zip(lengths, new_tokens)):
+        page_table[row, :-(-length // page_size)] = [free.pop() for _ in range(-(-length // page_size))]
+        padded = -(-num_new // query_block) * query_block
+        token_seq_ids += [row] * padded
+        positions += list(range(length - num_new, length)) + [-1] * (padded - num_new)
+    token_seq_ids += [len(lengths)] * query_block  # a whole padding block
+    positions += [-1] * query_block
+    num_tokens = len(positions)
+    heads = num_kv_heads * groups
+    as_dtype = lambda x: jnp.asarray(x, dtype)
+    q = as_dtype(rng.standard_normal((num_tokens, heads, head_dim)))
+    k_pages = as_dtype(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)))
+    v_pages = as_dtype(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)))
+    return (q, k_pages, v_pages, jnp.asarray(page_table), jnp.asarray(token_seq_ids, jnp.int32),
+            jnp.asarray(positions, jnp.int32))
+
+
+GRID = [  # (page_size, head_dim, groups, dtype, query_block): each value of each axis appears
+    (8, 64, 1, jnp.float32, 1), (16, 128, 4, jnp.float32, 1), (32, 64, 8, jnp.float32, 1),
+    (8, 128, 8, jnp.float32, 16), (16, 64, 1, jnp.float32, 16), (32, 128, 4, jnp.float32, 8),
+    (16, 64, 4, jnp.bfloat16, 1), (8, 128, 1, jnp.bfloat16, 16), (32, 64, 8, jnp.bfloat16, 16),
+]
+
+
+@pytest.mark.parametrize("page_size,head_dim,groups,dtype,query_block", GRID)
+def test_kernel_matches_reference(page_size, head_dim, groups, dtype, query_block):
+    args = ragged_step(np.random.default_rng(page_size + head_dim + groups), page_size, head_dim, groups, dtype,
+                       query_block)
+    expected = reference.ragged_paged_attention(*args, query_block=query_block)
+    got = pallas.ragged_paged_attention(*args, query_block=query_block, interpret=True)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    positions = np.asarray(args[5])
+    real = positions >= 0
+    np.testing.assert_allclose(np.asarray(got, np.float32)[real], np.asarray(expected, np.float32)[real],
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert np.all(np.asarray(got, np.float32)[~real] == 0), "padding tokens attend to nothing"
+
+
+def test_block_size_heuristic():
+    assert pallas.block_sizes(128, 16, jnp.float32) == 4
+    assert pallas.block_sizes(128, 16, jnp.bfloat16) == 8
+    assert pallas.block_sizes(256, 32, jnp.float32) == 1
+    assert pallas.block_sizes(64, 128, jnp.float32) == 1

@@ -61,3 +61,18 @@ def test_block_size_heuristic():
     assert pallas.block_sizes(128, 16, jnp.bfloat16) == 8
     assert pallas.block_sizes(256, 32, jnp.float32) == 1
     assert pallas.block_sizes(64, 128, jnp.float32) == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_write_kernel_matches_reference_scatter(dtype):
+    rng = np.random.default_rng(7)
+    pages = jnp.asarray(rng.standard_normal((12, 8, 2, 64)), dtype)
+    k = jnp.asarray(rng.standard_normal((24, 2, 64)), jnp.float32)
+    v = k * 3
+    # real tokens spread over pages (one ending mid-page), then padding tokens all aimed at reserved slot 0
+    slot_ids = jnp.asarray(list(range(8, 21)) + [40, 41, 95] + [0] * 8, jnp.int32)
+    expected = reference.write_kv_pages(pages, pages + 1, k, v, slot_ids)
+    got = pallas.write_kv_pages(jnp.array(pages), jnp.array(pages) + 1, k, v, slot_ids)
+    for want, have in zip(expected, got):
+        assert have.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(have[1:], np.float32), np.asarray(want[1:], np.float32))

@@ -90,7 +90,8 @@ class Attention(nnx.Module):
         inverse_frequencies = jnp.asarray(self.inverse_frequencies, jnp.float32)
         q = apply_rope(q, metadata.positions, inverse_frequencies)
         k = apply_rope(k, metadata.positions, inverse_frequencies)
-        key_pages, value_pages = write_kv_pages(key_pages, value_pages, k, v, metadata.slot_ids)
+        key_pages, value_pages = write_kv_pages(key_pages, value_pages, k, v, metadata.slot_ids,
+                                                impl=self.attention_impl)
         out = ragged_paged_attention(
             q, key_pages, value_pages, metadata.page_table, metadata.token_seq_ids, metadata.positions,
             query_block=metadata.query_block, sliding_window=self.sliding_window, impl=self.attention_impl)

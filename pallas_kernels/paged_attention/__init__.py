@@ -42,6 +42,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
         query_block=query_block, sliding_window=sliding_window)
 
 
-def write_kv_pages(k_pages, v_pages, k, v, slot_ids):
-    """Every implementation writes with the reference's in-place scatter."""
-    return reference.write_kv_pages(k_pages, v_pages, k, v, slot_ids)
+def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, impl: str = "reference"):
+    """The Pallas implementation writes with its own kernel; the others with the reference's in-place scatter."""
+    writer = pallas if impl == "pallas" else reference
+    return writer.write_kv_pages(k_pages, v_pages, k, v, slot_ids)

@@ -103,3 +103,43 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
     )(queries, k_pages, v_pages, block_pages, row_positions)
     out = out[:, :, :rows].reshape(num_blocks, num_kv_heads, query_block, groups, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_heads, head_dim)
+
+
+def _write_kernel(slot_ids_ref, k_ref, v_ref, k_pages_in_ref, v_pages_in_ref, k_pages_ref, v_pages_ref, *,
+                  tokens_per_program: int):
+    del k_pages_in_ref, v_pages_in_ref  # aliased to the outputs: the pages are updated in place
+    page_size = k_pages_ref.shape[1]
+    first = pl.program_id(0) * tokens_per_program
+
+    def write_token(index, carry):
+        slot = slot_ids_ref[first + index]
+        page, offset = slot // page_size, slot % page_size
+        k_pages_ref[page, offset] = k_ref[index].astype(k_pages_ref.dtype)
+        v_pages_ref[page, offset] = v_ref[index].astype(v_pages_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, tokens_per_program, write_token, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0, 1))
+def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, interpret: bool | None = None):
+    """Same contract as reference.write_kv_pages: token t's K/V [K, D] goes to slot slot_ids[t]."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    num_tokens, num_kv_heads, head_dim = k.shape
+    tokens_per_program = next(n for n in (16, 8, 4, 2, 1) if num_tokens % n == 0)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    return pl.pallas_call(
+        functools.partial(_write_kernel, tokens_per_program=tokens_per_program),
+        grid=(num_tokens // tokens_per_program,),
+        in_specs=[whole(slot_ids.shape),
+                  pl.BlockSpec((tokens_per_program, num_kv_heads, head_dim), lambda i: (i, 0, 0)),
+                  pl.BlockSpec((tokens_per_program, num_kv_heads, head_dim), lambda i: (i, 0, 0)),
+                  whole(k_pages.shape), whole(v_pages.shape)],
+        out_specs=[whole(k_pages.shape), whole(v_pages.shape)],
+        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={3: 0, 4: 1},
+        interpret=interpret,
+        name="write_kv_pages",
+    )(slot_ids, k, v, k_pages, v_pages)

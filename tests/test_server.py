@@ -9,7 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from conftest import expected
+from conftest import SMALL_ENGINE, expected, fixture_dir
+from jaxserve import LLM, SamplingParams
 from jaxserve.client import Client, build_request
 from jaxserve.config_file import load_config
 from jaxserve.proto import jaxserve_pb2_grpc
@@ -47,9 +48,11 @@ def test_32_concurrent_streams_equal_transformers_greedy_output(server):
         thread.start()
     for thread in threads:
         thread.join(timeout=300)
-    for job, messages in zip(jobs, results):
+    offline = LLM(fixture_dir("llama_gqa"), **SMALL_ENGINE).generate(
+        [job["token_ids"] for job in jobs], SamplingParams(max_tokens=24, temperature=0.0))
+    for job, messages, offline_output in zip(jobs, results, offline):
         tokens = [t for message in messages for t in message.token_ids]
-        assert tokens == job["greedy_token_ids"]
+        assert tokens == offline_output.outputs[0].token_ids == job["greedy_token_ids"]
         assert messages[-1].finish_reason in ("length", "stop")
         assert all(not m.finish_reason for m in messages[:-1]) and len(messages) > 1, "tokens arrive as a stream"
         assert messages[-1].num_prompt_tokens == len(job["token_ids"])

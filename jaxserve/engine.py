@@ -106,7 +106,8 @@ class Engine:
 
         page_bytes = KVPages.bytes_per_page(mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         max_pages_per_seq = num_pages_for(self.max_model_len, config.page_size)
-        useful_pages = config.max_num_seqs * max_pages_per_seq + 1
+        # Beyond what max_num_seqs full-length sequences can hold, pages only serve as prefix cache.
+        useful_pages = config.max_num_seqs * max_pages_per_seq * (4 if config.enable_prefix_caching else 1) + 1
         num_pages = config.num_pages or max(2, min(kv_cache_bytes_available(config.kv_cache_memory_gib) // page_bytes,
                                                    useful_pages))
         num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))

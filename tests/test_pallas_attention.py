@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import pallas, reference
+from pallas_kernels.paged_attention import pallas, pallas_tpu, reference
 
 TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
 
@@ -54,6 +54,21 @@ def test_kernel_matches_reference(page_size, head_dim, groups, dtype, query_bloc
     np.testing.assert_allclose(np.asarray(got, np.float32)[real], np.asarray(expected, np.float32)[real],
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     assert np.all(np.asarray(got, np.float32)[~real] == 0), "padding tokens attend to nothing"
+
+
+TPU_GRID = [(16, 128, 4, jnp.float32, 1), (8, 64, 1, jnp.float32, 16), (32, 64, 8, jnp.bfloat16, 16)]
+
+
+@pytest.mark.parametrize("page_size,head_dim,groups,dtype,query_block", TPU_GRID)
+def test_tpu_kernel_matches_reference(page_size, head_dim, groups, dtype, query_block):
+    """The Mosaic kernel, in Pallas' TPU interpret mode (DMAs and semaphores emulated) off a TPU."""
+    args = ragged_step(np.random.default_rng(3 * page_size + groups), page_size, head_dim, groups, dtype, query_block)
+    expected = reference.ragged_paged_attention(*args, query_block=query_block)
+    got = pallas_tpu.ragged_paged_attention(*args, query_block=query_block)
+    real = np.asarray(args[5]) >= 0
+    np.testing.assert_allclose(np.asarray(got, np.float32)[real], np.asarray(expected, np.float32)[real],
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert np.all(np.asarray(got, np.float32)[~real] == 0)
 
 
 def test_block_size_heuristic():

@@ -8,12 +8,15 @@ Padding tokens carry position -1 and attend to nothing.
 Implementations, all with the reference's signature:
   reference  pure jax.numpy, any dtype, any backend: the specification
   cpu        a C++ kernel (XLA FFI) for float32 on the CPU, built at first use
-  pallas     a Pallas kernel (GPU); on the CPU it runs in interpret mode: exact but slow
+  pallas     Pallas kernels: Mosaic with DMA'd pages on TPU (pallas_tpu.py), the Triton-style kernel
+             elsewhere (pallas.py); on the CPU they run in interpret mode: exact but slow
 """
 
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import cpu, pallas, reference
+import jax
+
+from pallas_kernels.paged_attention import cpu, pallas, pallas_tpu, reference
 
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
 
@@ -34,7 +37,9 @@ def resolve_attention_impl(impl: str, platform: str, dtype) -> str:
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *,
                            query_block: int, sliding_window: int | None = None, impl: str = "reference"):
-    implementation = {"reference": reference, "cpu": cpu, "pallas": pallas}.get(impl)
+    if impl == "pallas" and jax.default_backend() == "tpu":
+        impl = "pallas_tpu"
+    implementation = {"reference": reference, "cpu": cpu, "pallas": pallas, "pallas_tpu": pallas_tpu}.get(impl)
     if implementation is None:
         raise ValueError(f"unknown attention_impl {impl!r}; resolve 'auto' with resolve_attention_impl first")
     return implementation.ragged_paged_attention(

@@ -1,0 +1,116 @@
+"""Ragged paged attention for TPUs (Mosaic): the reference's contract, pages copied HBM -> VMEM by DMA.
+
+Grid: (query block, kv head). The page table rows and each block's newest position are
+scalar-prefetched into SMEM; a program walks its sequence's pages in spans of `pages_per_span`,
+starting the DMAs of one span's K and V pages (just this kv head's slice of each page, read in place
+from the page pool in HBM) into VMEM scratch, and folds the span into an online softmax in float32.
+Spans past the block's newest position are never copied. On the CPU it runs in Pallas' TPU
+interpret mode, which emulates the DMAs and semaphores.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.paged_attention.pallas import MASK_VALUE, block_sizes
+
+MIN_ROWS = 8  # sublanes of a TPU vector register
+
+
+def _kernel(block_pages_ref, block_max_position_ref, q_ref, positions_ref, k_pages_hbm, v_pages_hbm, o_ref,
+            k_span, v_span, semaphores, *, pages_per_seq: int, pages_per_span: int, sliding_window: int | None):
+    block, kv_head = pl.program_id(0), pl.program_id(1)
+    rows, head_dim = q_ref.shape
+    page_size = k_span.shape[1]
+    span = pages_per_span * page_size
+    queries = q_ref[...].astype(jnp.float32) * (head_dim ** -0.5)
+    positions = positions_ref[...]  # [R, 1]; -1 for padding rows
+    num_spans = (block_max_position_ref[block] + span) // span
+
+    def attend_span(index, carry):
+        running_max, denominator, accumulator = carry
+        copies = []
+        for slot in range(pages_per_span):
+            page = block_pages_ref[block * pages_per_seq + index * pages_per_span + slot]
+            for source, target, kind in ((k_pages_hbm, k_span, 0), (v_pages_hbm, v_span, 1)):
+                copy = pltpu.make_async_copy(source.at[page, :, kv_head, :], target.at[slot],
+                                             semaphores.at[kind, slot])
+                copy.start()
+                copies.append(copy)
+        for copy in copies:
+            copy.wait()
+        keys = k_span[...].reshape(span, head_dim).astype(jnp.float32)
+        values = v_span[...].reshape(span, head_dim).astype(jnp.float32)
+        scores = jnp.dot(queries, keys.T, preferred_element_type=jnp.float32)  # [R, L]
+        key_positions = index * span + jax.lax.broadcasted_iota(jnp.int32, (1, span), 1)
+        visible = key_positions <= positions
+        if sliding_window:
+            visible &= key_positions > positions - sliding_window
+        scores = jnp.where(visible, scores, MASK_VALUE)
+        new_max = jnp.maximum(running_max, scores.max(axis=-1, keepdims=True))
+        rescale = jnp.exp(running_max - new_max)
+        weights = jnp.exp(scores - new_max)
+        denominator = denominator * rescale + weights.sum(axis=-1, keepdims=True)
+        accumulator = accumulator * rescale + jnp.dot(weights, values, preferred_element_type=jnp.float32)
+        return new_max, denominator, accumulator
+
+    init = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    _, denominator, accumulator = jax.lax.fori_loop(0, num_spans, attend_span, init)
+    out = accumulator / jnp.where(denominator > 0, denominator, 1.0)
+    o_ref[...] = jnp.where(positions >= 0, out, 0.0).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("query_block", "sliding_window", "interpret"))
+def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *, query_block: int,
+                           sliding_window: int | None = None, interpret: bool | None = None):
+    """Same arguments and result as reference.ragged_paged_attention."""
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    num_tokens, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    groups = num_heads // num_kv_heads
+    num_blocks = num_tokens // query_block
+    pages_per_span = block_sizes(head_dim, page_size, k_pages.dtype)
+
+    block_pages = page_table[token_seq_ids[::query_block]]  # [N, P]
+    block_pages = jnp.pad(block_pages, ((0, 0), (0, -block_pages.shape[1] % pages_per_span)))
+    pages_per_seq = block_pages.shape[1]
+    block_max_position = positions.reshape(num_blocks, query_block).max(axis=1)  # [N]
+    rows = query_block * groups
+    padded_rows = -(-rows // MIN_ROWS) * MIN_ROWS
+    queries = q.reshape(num_blocks, query_block, num_kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    queries = queries.reshape(num_blocks, num_kv_heads, rows, head_dim)
+    queries = jnp.pad(queries, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+    row_positions = jnp.repeat(positions.reshape(num_blocks, query_block), groups, axis=1)
+    row_positions = jnp.pad(row_positions, ((0, 0), (0, padded_rows - rows)), constant_values=-1)[..., None]
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(num_blocks, num_kv_heads),
+        in_specs=[
+            pl.BlockSpec((None, None, padded_rows, head_dim), lambda n, k, *_: (n, k, 0, 0)),
+            pl.BlockSpec((None, padded_rows, 1), lambda n, k, *_: (n, 0, 0)),
+            pl.BlockSpec(memory_space=pl.ANY),  # the page pools stay in HBM: pages are DMA'd in place
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=pl.BlockSpec((None, None, padded_rows, head_dim), lambda n, k, *_: (n, k, 0, 0)),
+        scratch_shapes=[pltpu.VMEM((pages_per_span, page_size, head_dim), k_pages.dtype),
+                        pltpu.VMEM((pages_per_span, page_size, head_dim), v_pages.dtype),
+                        pltpu.SemaphoreType.DMA((2, pages_per_span))],
+    )
+    out = pl.pallas_call(
+        functools.partial(_kernel, pages_per_seq=pages_per_seq, pages_per_span=pages_per_span,
+                          sliding_window=sliding_window),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, padded_rows, head_dim), q.dtype),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="ragged_paged_attention_tpu",
+    )(block_pages.reshape(-1), block_max_position, queries, row_positions, k_pages, v_pages)
+    out = out[:, :, :rows].reshape(num_blocks, num_kv_heads, query_block, groups, head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_heads, head_dim)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-MIN_ROWS = 16  # matmul tiles on GPUs want at least 16 rows
+MIN_ROWS = 16  # matmul tiles on GPUs want at least 16 rows (and Triton, a power of two)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked span gives no NaN
 
 
@@ -78,7 +78,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
     block_pages = page_table[token_seq_ids[::query_block]]  # [N, P]: page-table rows, not pages
     block_pages = jnp.pad(block_pages, ((0, 0), (0, -block_pages.shape[1] % pages_per_span)))
     rows = query_block * groups
-    padded_rows = -(-rows // MIN_ROWS) * MIN_ROWS
+    padded_rows = max(MIN_ROWS, 1 << (rows - 1).bit_length())  # Triton blocks are powers of two
     # [N, K, B*G, D]: a block's rows for one kv head are contiguous
     queries = q.reshape(num_blocks, query_block, num_kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
     queries = queries.reshape(num_blocks, num_kv_heads, rows, head_dim)

@@ -200,7 +200,8 @@ class EngineConfig:
     """Everything that shapes the engine's memory and compiled executables."""
 
     dtype: str = "auto"
-    attention_impl: str = "auto"  # auto | reference | cpu (see pallas_kernels)
+    attention_impl: str = "auto"  # auto | reference | cpu | pallas (see pallas_kernels)
+    tensor_parallel_size: int = 1  # Megatron-style: heads and MLP columns split over this many devices
     page_size: int = 16
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB of host memory for evicted prefix pages (needs prefix caching)
@@ -224,7 +225,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype != "auto":
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        positive = ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_query_block")
+        positive = ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_query_block", "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

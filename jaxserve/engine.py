@@ -16,7 +16,11 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jax.sharding import NamedSharding
+
 from pallas_kernels import resolve_attention_impl
+from sharding import build_mesh, param_logical_axes, partition_spec
+from sharding.rules import logical_sizes
 
 from jaxserve.config import Buckets, EngineConfig, ModelConfig
 from jaxserve.kv_cache import PageAllocator, num_pages_for
@@ -98,11 +102,14 @@ class Engine:
         self.buckets = Buckets.derive(config, self.max_model_len)
         _enable_compilation_cache(config.compilation_cache_dir)
 
-        self.attention_impl = resolve_attention_impl(config.attention_impl, jax.default_backend(), self.dtype)
+        self.mesh = build_mesh(tensor_parallel_size=config.tensor_parallel_size) \
+            if config.tensor_parallel_size > 1 else None
+        self.attention_impl = resolve_attention_impl(config.attention_impl, jax.default_backend(), self.dtype,
+                                                     partitioned=self.mesh is not None)
         abstract_model = nnx.eval_shape(
             lambda: build_model(mc, self.dtype, attention_impl=self.attention_impl, rngs=nnx.Rngs(0)))
         graphdef, abstract_params = nnx.split(abstract_model)
-        model = nnx.merge(graphdef, load_params(abstract_params, model_dir, mc, self.dtype))
+        model = nnx.merge(graphdef, load_params(abstract_params, model_dir, mc, self.dtype, self._param_sharding))
 
         page_bytes = KVPages.bytes_per_page(mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         max_pages_per_seq = num_pages_for(self.max_model_len, config.page_size)
@@ -119,8 +126,12 @@ class Engine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefill_query_block=config.prefill_query_block)
         kv_pages = KVPages.zeros(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if self.mesh is not None:
+            spec = partition_spec(("pages", "page_offset", "kv_heads", "head_dim"), self.mesh, logical_sizes(mc))
+            kv_pages = jax.device_put(kv_pages, NamedSharding(self.mesh, spec))
         self.runner = ModelRunner(model, kv_pages=kv_pages, buckets=self.buckets, page_size=config.page_size,
-                                  prefill_query_block=config.prefill_query_block, max_logprobs=config.max_logprobs)
+                                  prefill_query_block=config.prefill_query_block, max_logprobs=config.max_logprobs,
+                                  mesh=self.mesh)
         self.runner.warm_up(show_progress=config.show_progress)
         if self.allocator.host_tier is not None:
             self.runner.warm_up_page_copies()
@@ -131,6 +142,13 @@ class Engine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_steps = 0
+
+    def _param_sharding(self, path: tuple) -> NamedSharding | None:
+        """Where a param lives, by the logical-axis rules (None: the default device)."""
+        if self.mesh is None:
+            return None
+        axes = param_logical_axes(path, self.model_config)
+        return NamedSharding(self.mesh, partition_spec(axes, self.mesh, logical_sizes(self.model_config)))
 
     # -- requests ---------------------------------------------------------------------------------
 

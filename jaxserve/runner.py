@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxserve.batch import StepInputs, StepShape, build_step_inputs
@@ -42,8 +43,10 @@ def host_pages_to_array(host_pages: list[HostPage]) -> np.ndarray:
     return np.stack([np.asarray(page.group)[:, page.column] for page in host_pages], axis=1)
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+def _abstract(tree, sharding=None):
+    """Shapes (and, for placed arrays, shardings) of a pytree, for lowering ahead of time."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or getattr(x, "sharding", None)), tree)
 
 
 def step(graphdef, params_treedef, param_leaves, kv_pages: KVPages, inputs: StepInputs, *, max_logprobs: int):
@@ -60,21 +63,29 @@ def step(graphdef, params_treedef, param_leaves, kv_pages: KVPages, inputs: Step
 
 class ModelRunner:
     def __init__(self, model, *, kv_pages: KVPages, buckets: Buckets, page_size: int, prefill_query_block: int,
-                 max_logprobs: int):
+                 max_logprobs: int, mesh: Mesh | None = None):
+        """With a mesh, params and KV pages arrive already placed on it; step inputs are replicated."""
         self.graphdef, params = nnx.split(model)
-        self.param_leaves, params_treedef = jax.tree.flatten(params)
+        self.param_leaves, self.params_treedef = jax.tree.flatten(params)
         self.kv_pages = kv_pages
+        self.input_sharding = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
         self.buckets = buckets
         self.page_size = page_size
         self.prefill_query_block = prefill_query_block
         self.max_logprobs = max_logprobs
-        self._jitted = jax.jit(
-            functools.partial(step, self.graphdef, params_treedef, max_logprobs=max_logprobs), donate_argnums=(1,))
+        # On a mesh the pages must come back laid out as they went in, so that donation reuses them.
+        out_shardings = None if mesh is None else (
+            self.input_sharding, jax.tree.map(lambda x: x.sharding, kv_pages))
+        self._jitted = jax.jit(functools.partial(step, self.graphdef, self.params_treedef, max_logprobs=max_logprobs),
+                               donate_argnums=(1,), out_shardings=out_shardings)
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.num_compiles_after_warmup = 0
         self.warmup_seconds = 0.0
         self.host_device = jax.devices("cpu")[0]
+
+    def params(self) -> nnx.State:
+        return jax.tree.unflatten(self.params_treedef, self.param_leaves)
 
     def all_shapes(self) -> list[StepShape]:
         shapes = [StepShape(s, s, p, 1) for s in self.buckets.decode_seqs for p in self.buckets.pages_per_seq]
@@ -86,7 +97,7 @@ class ModelRunner:
     def _compile(self, shape: StepShape) -> jax.stages.Compiled:
         example_inputs = build_step_inputs([], shape, self.page_size)
         return self._jitted.lower(_abstract(self.param_leaves), _abstract(self.kv_pages),
-                                  _abstract(example_inputs)).compile()
+                                  _abstract(example_inputs, self.input_sharding)).compile()
 
     def warm_up(self, show_progress: bool = True) -> None:
         start = time.perf_counter()
@@ -116,6 +127,8 @@ class ModelRunner:
             if self.warmed_up:
                 self.num_compiles_after_warmup += 1
         inputs = build_step_inputs(chunks, shape, self.page_size)
+        if self.input_sharding is not None:
+            inputs = jax.device_put(inputs, self.input_sharding)
         output, self.kv_pages = executable(self.param_leaves, self.kv_pages, inputs)
         return output
 

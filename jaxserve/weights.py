@@ -97,8 +97,13 @@ def _read_param(reader: CheckpointReader, config: ModelConfig, path: tuple) -> j
     return tensor.T if leaf == "kernel" else tensor
 
 
-def load_params(abstract_state: nnx.State, model_dir: str, config: ModelConfig, dtype) -> nnx.State:
-    """Fill an abstract (shape-only) model state from the checkpoint in model_dir."""
+def load_params(abstract_state: nnx.State, model_dir: str, config: ModelConfig, dtype,
+                placement=lambda path: None) -> nnx.State:
+    """Fill an abstract (shape-only) model state from the checkpoint in model_dir.
+
+    placement(path) gives each param's sharding; each tensor is placed as soon as it is read, so the
+    full model is never gathered on one device.
+    """
     reader = CheckpointReader(model_dir)
     loaded = []
     for path, variable in nnx.to_flat_state(abstract_state):
@@ -108,5 +113,7 @@ def load_params(abstract_state: nnx.State, model_dir: str, config: ModelConfig, 
             raise ValueError(
                 f"checkpoint tensor for {'.'.join(map(str, path))} has shape {tuple(tensor.shape)}, "
                 f"config.json implies {tuple(expected.shape)}")
-        loaded.append((path, variable.replace(jnp.asarray(tensor, dtype=dtype))))
+        value = jnp.asarray(tensor, dtype=dtype)
+        sharding = placement(path)
+        loaded.append((path, variable.replace(value if sharding is None else jax.device_put(value, sharding))))
     return nnx.from_flat_state(loaded)

@@ -21,10 +21,15 @@ from pallas_kernels.paged_attention import cpu, pallas, pallas_tpu, reference
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
 
 
-def resolve_attention_impl(impl: str, platform: str, dtype) -> str:
-    """The concrete implementation `impl` means on this platform for this KV dtype."""
+def resolve_attention_impl(impl: str, platform: str, dtype, partitioned: bool = False) -> str:
+    """The concrete implementation `impl` means on this platform for this KV dtype; `partitioned` when
+    the step runs sharded over several devices (only the jax.numpy reference partitions itself)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention_impl {impl!r}; expected one of {ATTENTION_IMPLS}")
+    if partitioned:
+        if impl not in ("auto", "reference"):
+            raise ValueError(f"attention_impl={impl!r} does not run sharded yet; use 'reference' or 'auto'")
+        return "reference"
     if impl == "cpu" and (platform != "cpu" or jnp.dtype(dtype) != jnp.float32):
         raise ValueError(f"attention_impl='cpu' needs the CPU platform and float32, not {platform}/{jnp.dtype(dtype)}")
     if impl == "auto":

@@ -1,0 +1,35 @@
+"""Run as a subprocess by test_sharding.py, with 8 fake CPU devices set up before JAX starts.
+
+Prints one JSON object: per (fixture, tensor_parallel_size), whether greedy outputs and first-token
+logprobs equal transformers', and the partition specs that params and KV pages were given.
+"""
+
+import json
+import sys
+
+import jax
+from flax import nnx
+
+from conftest import SMALL_ENGINE, expected, fixture_dir
+from jaxserve import LLM, SamplingParams
+
+results = {"num_devices": len(jax.devices())}
+for name, tp in [(arg.split(":")[0], int(arg.split(":")[1])) for arg in sys.argv[1:]]:
+    llm = LLM(fixture_dir(name), **{**SMALL_ENGINE, "tensor_parallel_size": tp})
+    prompts = expected(name)["prompts"]
+    outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0,
+                                                                             logprobs=8))
+    runner = llm.engine.runner
+    specs = {".".join(map(str, path)): [str(axis) for axis in variable.get_value().sharding.spec]
+             for path, variable in nnx.to_flat_state(runner.params())}
+    results[f"{name}:{tp}"] = {
+        "greedy_equal": [o.outputs[0].token_ids == p["greedy_token_ids"] for o, p in zip(outputs, prompts)],
+        "max_logprob_error": max(abs(o.outputs[0].logprobs[0][t] - v) for o, p in zip(outputs, prompts)
+                                 for t, v in zip(p["first_top_token_ids"], p["first_top_logprobs"])),
+        "param_specs": specs,
+        "kv_pages_spec": [str(axis) for axis in runner.kv_pages.keys[0].sharding.spec],
+        "num_devices_holding_kv": len(runner.kv_pages.keys[0].sharding.device_set),
+        "attention_impl": llm.stats()["attention_impl"],
+        "compiles_after_warmup": llm.stats()["num_compiles_after_warmup"],
+    }
+print(json.dumps(results))

@@ -1,0 +1,65 @@
+"""Tensor parallelism on 8 fake CPU devices (a subprocess: the device count is fixed when JAX starts),
+and the logical-axis rules."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from jax.sharding import PartitionSpec
+
+from sharding import partition_spec
+from sharding.rules import LOGICAL_AXIS_RULES
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def multi_device_results():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2"]
+    result = subprocess.run([sys.executable, os.path.join(TESTS, "multi_device_run.py"), *runs], cwd=TESTS, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("run", ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2"])
+def test_tensor_parallel_outputs_equal_transformers(multi_device_results, run):
+    assert multi_device_results["num_devices"] == 8
+    outcome = multi_device_results[run]
+    assert all(outcome["greedy_equal"]), outcome["greedy_equal"]
+    assert outcome["max_logprob_error"] < 1e-3
+    assert outcome["compiles_after_warmup"] == 0 and outcome["attention_impl"] == "reference"
+
+
+def test_params_and_pages_are_sharded_by_the_rules(multi_device_results):
+    gqa2 = multi_device_results["llama_gqa:2"]["param_specs"]
+    assert gqa2["layers.0.self_attn.q_proj.kernel"] == ["None", "tensor"]  # heads split
+    assert gqa2["layers.0.self_attn.o_proj.kernel"] == ["tensor", "None"]  # its input side
+    assert gqa2["layers.0.mlp.down_proj.kernel"] == ["tensor", "None"]
+    assert gqa2["layers.0.input_layernorm.weight"] == ["None"]
+    assert multi_device_results["llama_gqa:2"]["kv_pages_spec"][2] == "tensor"
+    # 2 KV heads cannot be split 4 ways: they are replicated, the 4 query heads are not
+    gqa4 = multi_device_results["llama_gqa:4"]
+    assert gqa4["param_specs"]["layers.0.self_attn.k_proj.kernel"] == ["None", "None"]
+    assert gqa4["param_specs"]["layers.0.self_attn.q_proj.kernel"] == ["None", "tensor"]
+    assert gqa4["kv_pages_spec"] == ["None", "None", "None", "None"]
+    moe = multi_device_results["mixtral:2"]["param_specs"]
+    assert moe["layers.0.mlp.gate_proj"] == ["None", "None", "tensor"]  # each expert's columns
+    # 5 heads do not split over 2 devices
+    assert multi_device_results["llama_mqa_odd:2"]["param_specs"]["layers.0.self_attn.q_proj.kernel"] == ["None", "None"]
+
+
+def test_partition_spec_rules():
+    mesh = SimpleNamespace(shape={"data": 1, "tensor": 2})
+    assert partition_spec(("embed", "heads"), mesh, {"heads": 4}) == PartitionSpec(None, "tensor")
+    assert partition_spec(("embed", "heads"), mesh, {"heads": 3}) == PartitionSpec(None, None)
+    with pytest.raises(ValueError, match="both map to mesh axis 'tensor'"):
+        partition_spec(("heads", "mlp"), mesh, {"heads": 4, "mlp": 8})
+    with pytest.raises(ValueError, match="no sharding rule"):
+        partition_spec(("nonsense",), mesh)
+    assert set(LOGICAL_AXIS_RULES) >= {"batch", "sequence", "heads", "kv_heads", "head_dim", "embed", "mlp", "vocab",
+                                       "expert"}

@@ -22,6 +22,7 @@ from pallas_kernels import resolve_attention_impl
 from sharding import build_mesh, param_logical_axes, partition_spec
 from sharding.rules import logical_sizes
 
+from jaxserve.checkpoint import checkpoint_dtype, is_orbax_checkpoint, restore_params, save_checkpoint
 from jaxserve.config import Buckets, EngineConfig, ModelConfig
 from jaxserve.kv_cache import PageAllocator, num_pages_for
 from jaxserve.models import KVPages, build_model
@@ -90,7 +91,9 @@ class Engine:
         self.model_config = ModelConfig.from_model_dir(model_dir)
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         mc = self.model_config
-        self.dtype = mc.checkpoint_dtype if config.dtype == "auto" else config.dtype
+        self.is_orbax = is_orbax_checkpoint(model_dir)
+        saved_dtype = checkpoint_dtype(model_dir) if self.is_orbax else mc.checkpoint_dtype
+        self.dtype = saved_dtype if config.dtype == "auto" else config.dtype
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
@@ -109,7 +112,11 @@ class Engine:
         abstract_model = nnx.eval_shape(
             lambda: build_model(mc, self.dtype, attention_impl=self.attention_impl, rngs=nnx.Rngs(0)))
         graphdef, abstract_params = nnx.split(abstract_model)
-        model = nnx.merge(graphdef, load_params(abstract_params, model_dir, mc, self.dtype, self._param_sharding))
+        if self.is_orbax:
+            params = restore_params(abstract_params, model_dir, self.dtype, self._param_sharding)
+        else:
+            params = load_params(abstract_params, model_dir, mc, self.dtype, self._param_sharding)
+        model = nnx.merge(graphdef, params)
 
         page_bytes = KVPages.bytes_per_page(mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         max_pages_per_seq = num_pages_for(self.max_model_len, config.page_size)
@@ -142,6 +149,10 @@ class Engine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_steps = 0
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Save the params (orbax, as sharded now) with the model's config and tokenizer."""
+        save_checkpoint(self.runner.params(), self.dtype, self.model_dir, directory)
 
     def _param_sharding(self, path: tuple) -> NamedSharding | None:
         """Where a param lives, by the logical-axis rules (None: the default device)."""

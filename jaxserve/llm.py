@@ -67,5 +67,9 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def save_checkpoint(self, directory: str) -> None:
+        """An orbax checkpoint that LLM(directory) opens again, on this mesh or any other."""
+        self.engine.save_checkpoint(directory)
+
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -14,7 +14,20 @@ from conftest import SMALL_ENGINE, expected, fixture_dir
 from jaxserve import LLM, SamplingParams
 
 results = {"num_devices": len(jax.devices())}
-for name, tp in [(arg.split(":")[0], int(arg.split(":")[1])) for arg in sys.argv[1:]]:
+runs = [arg for arg in sys.argv[1:] if not arg.startswith("--orbax=")]
+orbax_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("--orbax=")]
+for directory in orbax_dirs:
+    # saved from a 2-way tensor-parallel engine, restored onto 4 devices and onto 1
+    LLM(fixture_dir("mixtral"), **{**SMALL_ENGINE, "tensor_parallel_size": 2}).save_checkpoint(directory)
+    prompts = expected("mixtral")["prompts"]
+    for tp in (4, 1):
+        llm = LLM(directory, **{**SMALL_ENGINE, "tensor_parallel_size": tp})
+        outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0))
+        spec = next(iter(nnx.to_flat_state(llm.engine.runner.params())))[1].get_value().sharding
+        results[f"orbax:{tp}"] = {"greedy_equal": [o.outputs[0].token_ids == p["greedy_token_ids"]
+                                                   for o, p in zip(outputs, prompts)],
+                                  "num_devices_holding_embedding": len(spec.device_set)}
+for name, tp in [(arg.split(":")[0], int(arg.split(":")[1])) for arg in runs]:
     llm = LLM(fixture_dir(name), **{**SMALL_ENGINE, "tensor_parallel_size": tp})
     prompts = expected(name)["prompts"]
     outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0,

@@ -17,9 +17,10 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
-def multi_device_results():
+def multi_device_results(tmp_path_factory):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2"]
+    runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2",
+            f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}"]
     result = subprocess.run([sys.executable, os.path.join(TESTS, "multi_device_run.py"), *runs], cwd=TESTS, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -51,6 +52,25 @@ def test_params_and_pages_are_sharded_by_the_rules(multi_device_results):
     assert moe["layers.0.mlp.gate_proj"] == ["None", "None", "tensor"]  # each expert's columns
     # 5 heads do not split over 2 devices
     assert multi_device_results["llama_mqa_odd:2"]["param_specs"]["layers.0.self_attn.q_proj.kernel"] == ["None", "None"]
+
+
+def test_orbax_checkpoint_restores_onto_another_mesh(multi_device_results):
+    assert all(multi_device_results["orbax:4"]["greedy_equal"])
+    assert all(multi_device_results["orbax:1"]["greedy_equal"])
+    assert multi_device_results["orbax:4"]["num_devices_holding_embedding"] == 4
+
+
+def test_orbax_checkpoint_round_trip_on_one_device(tmp_path):
+    from conftest import SMALL_ENGINE, fixture_dir
+    from jaxserve import LLM
+    from test_models_vs_hf import check_against_hf
+
+    LLM(fixture_dir("llama_bf16"), **SMALL_ENGINE).save_checkpoint(str(tmp_path / "saved"))
+    restored = LLM(str(tmp_path / "saved"), **{**SMALL_ENGINE, "dtype": "auto"})
+    assert restored.stats()["dtype"] == "float32"  # as it was saved, not as the original checkpoint
+    check_against_hf(restored, "llama_bf16")
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        restored.save_checkpoint(str(tmp_path / "saved"))
 
 
 def test_partition_spec_rules():

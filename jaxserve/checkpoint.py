@@ -1,0 +1,63 @@
+"""Orbax checkpoints of a loaded model: saved from any mesh, restored straight onto any other.
+
+A jaxserve checkpoint directory holds the Hugging Face files that describe the model (config.json,
+tokenizer files) beside `params/` (orbax) and `jaxserve_checkpoint.json`, so `LLM(directory)` opens
+it like a Hugging Face directory. Each param is restored directly into the sharding the restoring
+engine's rules give it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+MARKER = "jaxserve_checkpoint.json"
+DESCRIPTION_FILES = ("config.json", "generation_config.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def is_orbax_checkpoint(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, MARKER))
+
+
+def checkpoint_dtype(directory: str) -> str:
+    with open(os.path.join(directory, MARKER)) as f:
+        return json.load(f)["dtype"]
+
+
+def _flat(state: nnx.State) -> dict:
+    return {".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(state)}
+
+
+def save_checkpoint(params: nnx.State, dtype: str, source_dir: str, directory: str) -> None:
+    directory = os.path.abspath(directory)
+    if os.path.exists(os.path.join(directory, "params")):
+        raise ValueError(f"{directory} already holds a checkpoint")
+    os.makedirs(directory, exist_ok=True)
+    for name in DESCRIPTION_FILES:
+        if os.path.isfile(os.path.join(source_dir, name)):
+            shutil.copy(os.path.join(source_dir, name), directory)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(directory, "params"), _flat(params))
+    checkpointer.wait_until_finished()
+    with open(os.path.join(directory, MARKER), "w") as f:
+        json.dump({"format": 1, "dtype": dtype}, f)
+
+
+def restore_params(abstract_state: nnx.State, directory: str, dtype, placement) -> nnx.State:
+    """Restore into the abstract state's shapes, each param placed where placement(path) says."""
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    flat = list(nnx.to_flat_state(abstract_state))
+    target = {".".join(map(str, path)): jax.ShapeDtypeStruct(variable.get_value().shape, dtype,
+                                                             sharding=placement(path) or default)
+              for path, variable in flat}
+    try:
+        restored = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(directory), "params"), target)
+    except (ValueError, KeyError, FileNotFoundError) as error:
+        raise ValueError(f"cannot restore the orbax checkpoint in {directory}: {error}") from None
+    return nnx.from_flat_state([(path, variable.replace(restored[".".join(map(str, path))]))
+                                for path, variable in flat])

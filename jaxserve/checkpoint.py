@@ -13,7 +13,6 @@ import os
 import shutil
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 MARKER = "jaxserve_checkpoint.json"
@@ -41,6 +40,8 @@ def save_checkpoint(params: nnx.State, dtype: str, source_dir: str, directory: s
     for name in DESCRIPTION_FILES:
         if os.path.isfile(os.path.join(source_dir, name)):
             shutil.copy(os.path.join(source_dir, name), directory)
+    import orbax.checkpoint as ocp  # imported when used: it is slow to import and claims the root logger
+
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.join(directory, "params"), _flat(params))
     checkpointer.wait_until_finished()
@@ -55,6 +56,8 @@ def restore_params(abstract_state: nnx.State, directory: str, dtype, placement) 
     target = {".".join(map(str, path)): jax.ShapeDtypeStruct(variable.get_value().shape, dtype,
                                                              sharding=placement(path) or default)
               for path, variable in flat}
+    import orbax.checkpoint as ocp
+
     try:
         restored = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(directory), "params"), target)
     except (ValueError, KeyError, FileNotFoundError) as error:

@@ -33,7 +33,8 @@ class ServerProcess:
         }
         path = tmp_path / "server.yaml"
         path.write_text(yaml.safe_dump(config))
-        self.log = open(tmp_path / "server.log", "w+")
+        self.log_path = tmp_path / "server.log"
+        self.log = open(self.log_path, "w")
         self.process = subprocess.Popen([sys.executable, "-m", "jaxserve.serve", "--config", str(path)],
                                         stdout=self.log, stderr=subprocess.STDOUT, cwd=os.getcwd())
         self.target = f"127.0.0.1:{self.port}"
@@ -74,9 +75,7 @@ class ServerProcess:
         raise KeyError(name)
 
     def read_log(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
+        return self.log_path.read_text()
 
     def stop(self) -> int:
         if self.process.poll() is None:

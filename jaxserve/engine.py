@@ -148,6 +148,7 @@ class Engine:
         self._seed_rng = np.random.default_rng(config.seed)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.expert_tokens = np.zeros((mc.num_layers, mc.num_experts), np.int64)  # cumulative, real tokens
         self.num_steps = 0
 
     def save_checkpoint(self, directory: str) -> None:
@@ -233,8 +234,10 @@ class Engine:
         dispatched = [(chunks, self.runner.execute(chunks, is_decode))
                       for chunks, is_decode in ((schedule.prefills, False), (schedule.decodes, True)) if chunks]
         progressed: dict[str, RequestState] = {}
-        for chunks, output in dispatched:
+        for chunks, (output, expert_counts) in dispatched:
             self._postprocess(chunks, ModelRunner.fetch(output), progressed)
+            if self.model_config.is_moe:
+                self.expert_tokens += np.asarray(expert_counts)
         self.num_steps += 1
         outputs = []
         for request_id, state in progressed.items():
@@ -294,7 +297,17 @@ class Engine:
             "dtype": self.dtype,
             "attention_impl": self.attention_impl,
             **self.prefix_cache_stats(),
+            **self.expert_load_stats(),
         }
+
+    def expert_load_stats(self) -> dict:
+        """Tokens routed to each expert so far (per layer), and how uneven that is (max / mean)."""
+        if not self.model_config.is_moe:
+            return {}
+        per_expert = self.expert_tokens.sum(axis=0)
+        mean = per_expert.mean()
+        return {"expert_tokens": self.expert_tokens.tolist(),
+                "expert_load_max_over_mean": round(float(per_expert.max() / mean), 4) if mean else 0.0}
 
     def prefix_cache_stats(self) -> dict:
         cache = self.allocator.stats

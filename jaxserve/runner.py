@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -56,9 +57,23 @@ def step(graphdef, params_treedef, param_leaves, kv_pages: KVPages, inputs: Step
     millisecond of host time, a quarter of a one-sequence decode step on a CPU.
     """
     model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, param_leaves))
-    hidden, kv_pages = model(inputs.token_ids, kv_pages, inputs.attention)
+    (hidden, kv_pages), intermediates = nnx.capture(model, nnx.Intermediate)(
+        inputs.token_ids, kv_pages, inputs.attention)
     logits = model.compute_logits(hidden[inputs.logits_indices])
-    return sample(logits, inputs.sampling, max_logprobs), kv_pages
+    counts = expert_token_counts(model, jax.tree.leaves(intermediates), inputs)
+    return sample(logits, inputs.sampling, max_logprobs), counts, kv_pages
+
+
+def expert_token_counts(model, routed: list, inputs: StepInputs):
+    """[layers, experts] tokens routed to each expert this step, padding excluded ([0, 0] when dense).
+
+    routed: per MoE layer, the [T, k] expert ids its router chose (sown by SparseMoE)."""
+    if not routed:
+        return jnp.zeros((0, 0), jnp.int32)
+    num_experts = model.layers[0].mlp.num_experts
+    real = (inputs.attention.positions >= 0).astype(jnp.int32)
+    return jnp.stack([jnp.bincount(experts.reshape(-1), weights=jnp.repeat(real, experts.shape[1]),
+                                   length=num_experts) for experts in routed]).astype(jnp.int32)
 
 
 class ModelRunner:
@@ -75,7 +90,7 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         # On a mesh the pages must come back laid out as they went in, so that donation reuses them.
         out_shardings = None if mesh is None else (
-            self.input_sharding, jax.tree.map(lambda x: x.sharding, kv_pages))
+            self.input_sharding, self.input_sharding, jax.tree.map(lambda x: x.sharding, kv_pages))
         self._jitted = jax.jit(functools.partial(step, self.graphdef, self.params_treedef, max_logprobs=max_logprobs),
                                donate_argnums=(1,), out_shardings=out_shardings)
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
@@ -117,8 +132,9 @@ class ModelRunner:
         num_tokens = Buckets.fit(sum(-(-c.num_tokens // block) * block for c in chunks), self.buckets.prefill_tokens)
         return StepShape(num_tokens, num_tokens // block, pages_per_seq, block)
 
-    def execute(self, chunks: list[ScheduledChunk], is_decode: bool) -> SamplerOutput:
-        """Dispatch one step; returns device arrays without waiting for them (JAX dispatch is async)."""
+    def execute(self, chunks: list[ScheduledChunk], is_decode: bool) -> tuple[SamplerOutput, jax.Array]:
+        """Dispatch one step; returns the sampled tokens and the step's [layers, experts] routing counts
+        as device arrays, without waiting for them (JAX dispatch is async)."""
         shape = self.shape_for(chunks, is_decode)
         executable = self.executables.get(shape)
         if executable is None:
@@ -129,8 +145,8 @@ class ModelRunner:
         inputs = build_step_inputs(chunks, shape, self.page_size)
         if self.input_sharding is not None:
             inputs = jax.device_put(inputs, self.input_sharding)
-        output, self.kv_pages = executable(self.param_leaves, self.kv_pages, inputs)
-        return output
+        output, expert_counts, self.kv_pages = executable(self.param_leaves, self.kv_pages, inputs)
+        return output, expert_counts
 
     def read_pages(self, pages: list[int]) -> list[HostPage]:
         """Start copying pages' KV to host memory; returns a handle per page without waiting.

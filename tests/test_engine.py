@@ -146,3 +146,20 @@ def test_bad_sampling_params(kwargs, message):
 def test_unknown_engine_option():
     with pytest.raises(ValueError, match="unknown engine options"):
         LLM(fixture_dir("llama_gqa"), max_num_seq=4)
+
+
+def test_expert_load_is_reported_and_follows_routing():
+    llm = LLM(fixture_dir("mixtral"), **SMALL_ENGINE)
+    assert "expert_tokens" not in LLM(fixture_dir("llama_gqa"), **SMALL_ENGINE).stats()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([[1] + [5] * 29], params)  # one distinct token, repeated: a skewed load
+    first = np.asarray(llm.stats()["expert_tokens"])
+    assert first.shape == (2, 4)
+    top_k = 2
+    # every real token passes every layer and picks top_k experts; the 30-token prompt is the only work
+    assert first.sum(axis=1).tolist() == [30 * top_k] * 2, "padding tokens are not counted"
+    llm.generate([[1] + np.random.default_rng(0).integers(3, 384, size=40).tolist()], params)
+    second = np.asarray(llm.stats()["expert_tokens"]) - first
+    assert second.sum(axis=1).tolist() == [41 * top_k] * 2
+    assert not np.allclose(first / first.sum(), second / second.sum()), "the report follows the routing"
+    assert llm.stats()["expert_load_max_over_mean"] >= 1.0

@@ -33,6 +33,7 @@ class SparseMoE(nnx.Module):
     def __call__(self, x):
         num_tokens = x.shape[0]
         weights, experts = self.route(x)
+        self.sow(nnx.Intermediate, "routed_experts", experts)  # [T, k]: read back for expert-load stats
         # Group the routed copies of tokens by expert and run one grouped matmul per projection.
         flat_experts = experts.reshape(-1)  # [R]
         order = jnp.argsort(flat_experts, stable=True)

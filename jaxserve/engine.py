@@ -24,11 +24,11 @@ from sharding.rules import logical_sizes
 
 from jaxserve.checkpoint import checkpoint_dtype, is_orbax_checkpoint, restore_params, save_checkpoint
 from jaxserve.config import Buckets, EngineConfig, ModelConfig
-from jaxserve.kv_cache import PageAllocator, num_pages_for
+from jaxserve.kv_cache import PageAllocator, num_pages_for, swap_in_is_cheaper
 from jaxserve.models import KVPages, build_model
 from jaxserve.output_processor import append_token, token_logprobs
 from jaxserve.request import CompletionOutput, RequestOutput, RequestStatus, SamplingParams, Sequence
-from jaxserve.runner import ModelRunner, kv_cache_bytes_available
+from jaxserve.runner import ModelRunner, enable_compilation_cache, kv_cache_bytes_available
 from jaxserve.scheduler import Scheduler
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.weights import load_params
@@ -61,27 +61,6 @@ class RequestState:
                              num_cached_tokens=self.seqs[0].num_cached_tokens)
 
 
-# Rough (host link bytes/s, compute FLOP/s) per platform, for choosing between copying a page back
-# from host memory and recomputing its tokens.
-PLATFORM_RATES = {"cpu": (10e9, 1e11), "gpu": (25e9, 3e14), "tpu": (25e9, 3e14)}
-
-
-def swap_in_is_cheaper(page_bytes: int, page_size: int, num_params: int, platform: str) -> bool:
-    """Whether bringing a page's KV back from host memory beats recomputing its tokens' prefill."""
-    bandwidth, flops = PLATFORM_RATES.get(platform, PLATFORM_RATES["gpu"])
-    return page_bytes / bandwidth < 2 * num_params * page_size / flops
-
-
-def _enable_compilation_cache(directory: str | None) -> None:
-    if directory is None or jax.config.jax_compilation_cache_dir:
-        return  # off, or the user already chose a cache
-    if directory == "default":
-        directory = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
-    os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
 class Engine:
     def __init__(self, model_dir: str, config: EngineConfig):
         if not os.path.isdir(model_dir):
@@ -103,7 +82,7 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.buckets = Buckets.derive(config, self.max_model_len)
-        _enable_compilation_cache(config.compilation_cache_dir)
+        enable_compilation_cache(config.compilation_cache_dir)
 
         self.mesh = build_mesh(tensor_parallel_size=config.tensor_parallel_size) \
             if config.tensor_parallel_size > 1 else None

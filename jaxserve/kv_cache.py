@@ -27,6 +27,17 @@ ROOT_KEY = 0  # the parent key of a sequence's first page
 EVICTED_KEYS_REMEMBERED = 1 << 16  # for telling "evicted" misses from "never seen" ones
 
 
+# Rough (host link bytes/s, compute FLOP/s) per platform, for choosing between copying a page back
+# from host memory and recomputing its tokens.
+PLATFORM_RATES = {"cpu": (10e9, 1e11), "gpu": (25e9, 3e14), "tpu": (25e9, 3e14)}
+
+
+def swap_in_is_cheaper(page_bytes: int, page_size: int, num_params: int, platform: str) -> bool:
+    """Whether bringing a page's KV back from host memory beats recomputing its tokens' prefill."""
+    bandwidth, flops = PLATFORM_RATES.get(platform, PLATFORM_RATES["gpu"])
+    return page_bytes / bandwidth < 2 * num_params * page_size / flops
+
+
 def num_pages_for(num_tokens: int, page_size: int) -> int:
     return math.ceil(num_tokens / page_size)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -190,6 +191,16 @@ def _scatter_pages(kv_pages: KVPages, pages, data):
     num_layers = len(kv_pages.keys)
     layers = [layer.at[pages].set(data[i]) for i, layer in enumerate(kv_pages.keys + kv_pages.values)]
     return KVPages(keys=layers[:num_layers], values=layers[num_layers:])
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    if directory is None or jax.config.jax_compilation_cache_dir:
+        return  # off, or the user already chose a cache
+    if directory == "default":
+        directory = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def kv_cache_bytes_available(memory_gib: float | None) -> int:

@@ -180,7 +180,7 @@ def test_session_pages_are_kept_in_preference():
 
 
 def test_swap_in_is_chosen_only_when_cheaper_than_recompute():
-    from jaxserve.engine import swap_in_is_cheaper
+    from jaxserve.kv_cache import swap_in_is_cheaper
 
     # a 16-token page of a 34M-parameter model: 196 KiB to copy vs ~1 GFLOP to recompute
     assert swap_in_is_cheaper(196 * 1024, 16, 34_000_000, "cpu")

@@ -52,6 +52,7 @@ def test_chat_turns_reuse_the_previous_prompt_and_answer(cached_llm):
     rng = np.random.default_rng(1)
     conversation = [1] + rng.integers(3, 384, size=27).tolist()  # 28 + 12 answer tokens: 5 full pages
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    previous_length = 0
     for turn in range(4):
         output = cached_llm.generate([conversation], params)[0]
         if turn > 0:

@@ -83,3 +83,33 @@ def test_partition_spec_rules():
         partition_spec(("nonsense",), mesh)
     assert set(LOGICAL_AXIS_RULES) >= {"batch", "sequence", "heads", "kv_heads", "head_dim", "embed", "mlp", "vocab",
                                        "expert"}
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_results():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, os.path.join(TESTS, "ep_run.py")], cwd=TESTS, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("run", ["random:2", "random:8", "skewed:2", "skewed:8"])
+def test_expert_parallel_layer_equals_dense_math(expert_parallel_results, run):
+    """All-to-all dispatch and combine over 2 and 8 devices, with contiguous and rebalanced placements."""
+    for placement in ("blocks", "balanced"):
+        outcome = expert_parallel_results[run][placement]
+        assert outcome["max_error"] < 1e-4
+        devices = int(run.split(":")[1])
+        assert outcome["experts_per_device"] == [16 // devices] * devices
+        assert outcome["devices_holding_expert_weights"] == devices  # each holds 1/devices of the experts
+
+
+def test_skewed_routing_leaves_experts_empty_and_rebalancing_evens_devices(expert_parallel_results):
+    skewed = expert_parallel_results["skewed:8"]
+    assert skewed["empty_experts"] == 14
+    assert skewed["blocks"]["imbalance"] == 8.0  # both hot experts on one device
+    assert skewed["balanced"]["imbalance"] == 4.0  # the best two hot experts allow on 8 devices
+    random = expert_parallel_results["random:8"]
+    assert random["balanced"]["imbalance"] <= random["blocks"]["imbalance"]
+    assert "do not divide" in expert_parallel_results["indivisible_error"]

@@ -92,3 +92,15 @@ def build_step_inputs(chunks: list[ScheduledChunk], shape: StepShape, page_size:
     sampling = SamplingInputs(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
                               token_indices=token_indices, wants_logprobs=wants_logprobs)
     return StepInputs(token_ids=token_ids, attention=attention, logits_indices=logits_indices, sampling=sampling)
+
+
+def build_ranked_inputs(per_rank_chunks: list[list[ScheduledChunk]], shape: StepShape, page_size: int) -> StepInputs:
+    """One step for every data-parallel rank: each rank's inputs (with its own local page ids) laid end
+    to end, so that splitting every array evenly over the ranks hands each its own part. Only
+    logits_indices point into the whole token array."""
+    per_rank = [build_step_inputs(chunks, shape, page_size) for chunks in per_rank_chunks]
+    if len(per_rank) == 1:
+        return per_rank[0]
+    for rank, inputs in enumerate(per_rank):
+        inputs.logits_indices = inputs.logits_indices + rank * shape.num_tokens
+    return jax.tree.map(lambda *arrays: np.concatenate(arrays), *per_rank)

@@ -202,6 +202,8 @@ class EngineConfig:
     dtype: str = "auto"
     attention_impl: str = "auto"  # auto | reference | cpu | pallas (see pallas_kernels)
     tensor_parallel_size: int = 1  # Megatron-style: heads and MLP columns split over this many devices
+    data_parallel_size: int = 1  # device groups that each run attention for their own sequences and pages
+    enable_expert_parallel: bool = False  # MoE experts split over all data x tensor devices
     page_size: int = 16
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB of host memory for evicted prefix pages (needs prefix caching)
@@ -225,7 +227,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype != "auto":
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        positive = ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_query_block", "tensor_parallel_size")
+        positive = ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_query_block", "tensor_parallel_size",
+                    "data_parallel_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -233,6 +236,8 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 2 (one page is reserved), got {self.num_pages}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.data_parallel_size > 1 and self.swap_space:
+            raise ValueError("swap_space (the host tier) is not available with data_parallel_size > 1 yet")
         if self.swap_space < 0 or self.session_ttl < 0:
             raise ValueError("swap_space and session_ttl must be >= 0")
         if self.max_logprobs < 0:

@@ -20,10 +20,11 @@ from jax.sharding import NamedSharding
 
 from pallas_kernels import resolve_attention_impl
 from sharding import build_mesh, param_logical_axes, partition_spec
-from sharding.rules import logical_sizes
+from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES, logical_sizes
 
 from jaxserve.checkpoint import checkpoint_dtype, is_orbax_checkpoint, restore_params, save_checkpoint
 from jaxserve.config import Buckets, EngineConfig, ModelConfig
+from jaxserve.data_parallel import RankedAllocator, RankedScheduler
 from jaxserve.kv_cache import PageAllocator, num_pages_for, swap_in_is_cheaper
 from jaxserve.models import KVPages, build_model
 from jaxserve.output_processor import append_token, token_logprobs
@@ -84,12 +85,22 @@ class Engine:
         self.buckets = Buckets.derive(config, self.max_model_len)
         enable_compilation_cache(config.compilation_cache_dir)
 
-        self.mesh = build_mesh(tensor_parallel_size=config.tensor_parallel_size) \
-            if config.tensor_parallel_size > 1 else None
-        self.attention_impl = resolve_attention_impl(config.attention_impl, jax.default_backend(), self.dtype,
-                                                     partitioned=self.mesh is not None)
-        abstract_model = nnx.eval_shape(
-            lambda: build_model(mc, self.dtype, attention_impl=self.attention_impl, rngs=nnx.Rngs(0)))
+        num_ranks = config.data_parallel_size
+        self.mesh = build_mesh(num_ranks, config.tensor_parallel_size) \
+            if num_ranks * config.tensor_parallel_size > 1 else None
+        self.expert_parallel = config.enable_expert_parallel and mc.is_moe and self.mesh is not None
+        if self.expert_parallel and mc.num_experts % self.mesh.devices.size:
+            raise ValueError(f"{mc.num_experts} experts do not divide over the {self.mesh.devices.size} devices of "
+                             f"data_parallel_size x tensor_parallel_size")
+        # Data-parallel attention runs the single-device kernels inside shard_map; tensor parallelism
+        # alone relies on XLA's partitioner, which only the jax.numpy reference goes through.
+        self.attention_impl = resolve_attention_impl(
+            config.attention_impl, jax.default_backend(), self.dtype,
+            partitioned=self.mesh is not None and num_ranks == 1)
+        abstract_model = nnx.eval_shape(lambda: build_model(
+            mc, self.dtype, attention_impl=self.attention_impl, rngs=nnx.Rngs(0),
+            data_parallel_mesh=self.mesh if num_ranks > 1 else None,
+            expert_parallel_mesh=self.mesh if self.expert_parallel else None))
         graphdef, abstract_params = nnx.split(abstract_model)
         if self.is_orbax:
             params = restore_params(abstract_params, model_dir, self.dtype, self._param_sharding)
@@ -106,14 +117,23 @@ class Engine:
         num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
         swapping_pays = swap_in_is_cheaper(page_bytes, config.page_size, num_params, jax.default_backend())
         host_tier_pages = int(config.swap_space * 2**30) // page_bytes if swapping_pays else 0
-        self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_caching,
-                                       host_tier_pages=host_tier_pages, session_ttl=config.session_ttl)
-        self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   prefill_query_block=config.prefill_query_block)
-        kv_pages = KVPages.zeros(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        allocators = [PageAllocator(num_pages, config.page_size, config.enable_prefix_caching,
+                                    host_tier_pages=host_tier_pages, session_ttl=config.session_ttl)
+                      for _ in range(num_ranks)]
+        schedulers = [Scheduler(allocator, max_num_seqs=config.max_num_seqs,
+                                max_num_batched_tokens=config.max_num_batched_tokens,
+                                prefill_query_block=config.prefill_query_block) for allocator in allocators]
+        if num_ranks == 1:
+            self.allocator, self.scheduler = allocators[0], schedulers[0]
+        else:
+            self.allocator, self.scheduler = RankedAllocator(allocators), RankedScheduler(schedulers)
+        # Rank r's pages are rows [r * num_pages, (r + 1) * num_pages) of the pool, addressed locally.
+        kv_pages = KVPages.zeros(mc.num_layers, num_ranks * num_pages, config.page_size, mc.num_kv_heads,
+                                 mc.head_dim, self.dtype)
         if self.mesh is not None:
-            spec = partition_spec(("pages", "page_offset", "kv_heads", "head_dim"), self.mesh, logical_sizes(mc))
+            # Under data parallelism each rank's attention needs all KV heads of its own pages.
+            kv_axes = ("pages", "page_offset", "kv_heads" if num_ranks == 1 else None, "head_dim")
+            spec = partition_spec(kv_axes, self.mesh, logical_sizes(mc))
             kv_pages = jax.device_put(kv_pages, NamedSharding(self.mesh, spec))
         self.runner = ModelRunner(model, kv_pages=kv_pages, buckets=self.buckets, page_size=config.page_size,
                                   prefill_query_block=config.prefill_query_block, max_logprobs=config.max_logprobs,
@@ -139,7 +159,8 @@ class Engine:
         if self.mesh is None:
             return None
         axes = param_logical_axes(path, self.model_config)
-        return NamedSharding(self.mesh, partition_spec(axes, self.mesh, logical_sizes(self.model_config)))
+        rules = EXPERT_PARALLEL_RULES if self.expert_parallel else LOGICAL_AXIS_RULES
+        return NamedSharding(self.mesh, partition_spec(axes, self.mesh, logical_sizes(self.model_config), rules))
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -167,9 +188,9 @@ class Engine:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
                              f"{total}, more than max_model_len ({self.max_model_len})")
-        if num_pages_for(total, self.config.page_size) > self.allocator.num_usable_pages:
+        if num_pages_for(total, self.config.page_size) > self.allocator.max_pages_per_sequence:
             raise ValueError(f"a sequence of {total} tokens needs more KV pages than the cache has "
-                             f"({self.allocator.num_usable_pages}); raise num_pages or kv_cache_memory_gib")
+                             f"({self.allocator.max_pages_per_sequence}); raise num_pages or kv_cache_memory_gib")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.config.max_logprobs})")
 
@@ -206,15 +227,21 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step; returns the outputs of requests that progressed (finished ones leave)."""
-        schedule = self.scheduler.schedule()
-        if schedule.is_empty:
+        schedules = self.scheduler.schedule_ranks()  # one per data-parallel rank
+        if all(schedule.is_empty for schedule in schedules):
             return []
         self._move_host_tier_pages()
-        dispatched = [(chunks, self.runner.execute(chunks, is_decode))
-                      for chunks, is_decode in ((schedule.prefills, False), (schedule.decodes, True)) if chunks]
+        dispatched = []
+        for is_decode in (False, True):
+            per_rank = [schedule.decodes if is_decode else schedule.prefills for schedule in schedules]
+            if any(per_rank):
+                dispatched.append((per_rank, self.runner.execute(per_rank, is_decode)))
         progressed: dict[str, RequestState] = {}
-        for chunks, (output, expert_counts) in dispatched:
-            self._postprocess(chunks, ModelRunner.fetch(output), progressed)
+        for per_rank, (output, expert_counts) in dispatched:
+            fetched = ModelRunner.fetch(output)
+            rows_per_rank = len(fetched["token_ids"]) // len(per_rank)
+            for rank, chunks in enumerate(per_rank):
+                self._postprocess(chunks, fetched, rank * rows_per_rank, progressed)
             if self.model_config.is_moe:
                 self.expert_tokens += np.asarray(expert_counts)
         self.num_steps += 1
@@ -225,9 +252,9 @@ class Engine:
                 del self.requests[request_id]
         return outputs
 
-    def _postprocess(self, chunks, fetched: dict, progressed: dict[str, RequestState]) -> None:
+    def _postprocess(self, chunks, fetched: dict, first_row: int, progressed: dict[str, RequestState]) -> None:
         """Record computed KV (caching newly full pages), then append sampled tokens and check stops."""
-        for row, chunk in enumerate(chunks):
+        for row, chunk in enumerate(chunks, start=first_row):
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
             self.scheduler.cache_full_pages(seq)

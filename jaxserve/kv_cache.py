@@ -131,6 +131,10 @@ class PageAllocator:
         return self.num_pages - 1
 
     @property
+    def max_pages_per_sequence(self) -> int:
+        return self.num_usable_pages
+
+    @property
     def num_free_pages(self) -> int:
         """Pages that an allocation can take: free ones and cached ones nobody holds."""
         return len(self.free_pages) + len(self.cached_free_pages)

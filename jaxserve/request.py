@@ -75,6 +75,7 @@ class Sequence:
     sampling_seed: int  # the key all of this sequence's random draws derive from
     arrival_order: int
     session_id: str | None = None
+    rank: int = 0  # the data-parallel rank whose devices and pages hold this sequence
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from jaxserve.batch import StepInputs, StepShape, build_step_inputs
+from jaxserve.batch import StepInputs, StepShape, build_ranked_inputs
 from jaxserve.config import Buckets
 from jaxserve.kv_cache import RESERVED_PAGE
 from jaxserve.models.kv_pages import KVPages
@@ -84,14 +84,16 @@ class ModelRunner:
         self.graphdef, params = nnx.split(model)
         self.param_leaves, self.params_treedef = jax.tree.flatten(params)
         self.kv_pages = kv_pages
-        self.input_sharding = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+        # Step inputs are split over the data-parallel ranks (a no-op on one), replicated otherwise.
+        self.input_sharding = NamedSharding(mesh, PartitionSpec("data")) if mesh is not None else None
+        self.num_ranks = mesh.shape["data"] if mesh is not None else 1
         self.buckets = buckets
         self.page_size = page_size
         self.prefill_query_block = prefill_query_block
         self.max_logprobs = max_logprobs
         # On a mesh the pages must come back laid out as they went in, so that donation reuses them.
         out_shardings = None if mesh is None else (
-            self.input_sharding, self.input_sharding, jax.tree.map(lambda x: x.sharding, kv_pages))
+            self.input_sharding, NamedSharding(mesh, PartitionSpec()), jax.tree.map(lambda x: x.sharding, kv_pages))
         self._jitted = jax.jit(functools.partial(step, self.graphdef, self.params_treedef, max_logprobs=max_logprobs),
                                donate_argnums=(1,), out_shardings=out_shardings)
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
@@ -111,7 +113,7 @@ class ModelRunner:
         return shapes
 
     def _compile(self, shape: StepShape) -> jax.stages.Compiled:
-        example_inputs = build_step_inputs([], shape, self.page_size)
+        example_inputs = build_ranked_inputs([[]] * self.num_ranks, shape, self.page_size)
         return self._jitted.lower(_abstract(self.param_leaves), _abstract(self.kv_pages),
                                   _abstract(example_inputs, self.input_sharding)).compile()
 
@@ -123,27 +125,32 @@ class ModelRunner:
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - start
 
-    def shape_for(self, chunks: list[ScheduledChunk], is_decode: bool) -> StepShape:
-        num_pages = max(-(-chunk.end // self.page_size) for chunk in chunks)
+    def shape_for(self, per_rank_chunks: list[list[ScheduledChunk]], is_decode: bool) -> StepShape:
+        """The smallest bucket every rank's chunks fit in (ranks share one shape)."""
+        every = [chunk for chunks in per_rank_chunks for chunk in chunks]
+        num_pages = max(-(-chunk.end // self.page_size) for chunk in every)
         pages_per_seq = Buckets.fit(num_pages, self.buckets.pages_per_seq)
         if is_decode:
-            num_seqs = Buckets.fit(len(chunks), self.buckets.decode_seqs)
+            num_seqs = Buckets.fit(max(len(chunks) for chunks in per_rank_chunks), self.buckets.decode_seqs)
             return StepShape(num_seqs, num_seqs, pages_per_seq, 1)
         block = self.prefill_query_block
-        num_tokens = Buckets.fit(sum(-(-c.num_tokens // block) * block for c in chunks), self.buckets.prefill_tokens)
+        num_tokens = Buckets.fit(max(sum(-(-c.num_tokens // block) * block for c in chunks)
+                                     for chunks in per_rank_chunks), self.buckets.prefill_tokens)
         return StepShape(num_tokens, num_tokens // block, pages_per_seq, block)
 
-    def execute(self, chunks: list[ScheduledChunk], is_decode: bool) -> tuple[SamplerOutput, jax.Array]:
-        """Dispatch one step; returns the sampled tokens and the step's [layers, experts] routing counts
-        as device arrays, without waiting for them (JAX dispatch is async)."""
-        shape = self.shape_for(chunks, is_decode)
+    def execute(self, per_rank_chunks: list[list[ScheduledChunk]], is_decode: bool
+                ) -> tuple[SamplerOutput, jax.Array]:
+        """Dispatch one step (chunks per data-parallel rank); returns the sampled tokens, rank r's rows
+        at r * num_seqs, and the step's [layers, experts] routing counts, as device arrays without
+        waiting for them (JAX dispatch is async)."""
+        shape = self.shape_for(per_rank_chunks, is_decode)
         executable = self.executables.get(shape)
         if executable is None:
             logger.warning("compiling step shape %s while serving", shape)
             executable = self.executables[shape] = self._compile(shape)
             if self.warmed_up:
                 self.num_compiles_after_warmup += 1
-        inputs = build_step_inputs(chunks, shape, self.page_size)
+        inputs = build_ranked_inputs(per_rank_chunks, shape, self.page_size)
         if self.input_sharding is not None:
             inputs = jax.device_put(inputs, self.input_sharding)
         output, expert_counts, self.kv_pages = executable(self.param_leaves, self.kv_pages, inputs)

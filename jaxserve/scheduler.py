@@ -155,6 +155,10 @@ class Scheduler:
         (schedule.decodes if is_decode else schedule.prefills).append(chunk)
         scheduled.add(chunk.seq.seq_id)
 
+    def schedule_ranks(self) -> list[Schedule]:
+        """The engine's entry point; a single scheduler is one data-parallel rank."""
+        return [self.schedule()]
+
     def schedule(self) -> Schedule:
         schedule, scheduled = Schedule(), set()
         budget = self.max_num_batched_tokens

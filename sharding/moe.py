@@ -70,9 +70,14 @@ def expert_parallel_moe(x, router, gate_proj, up_proj, down_proj, expert_to_devi
     """x [T, E] split over `axis`; gate/up [X, E, F] and down [X, F, E] stored per device (expert_slot
     orders each device's experts); router [E, X] replicated. Returns [T, E], split like x."""
     num_experts = router.shape[1]
-    num_devices = mesh.shape[axis]
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    num_devices = 1
+    for name in axes:
+        num_devices *= mesh.shape[name]
     if num_experts % num_devices:
         raise ValueError(f"{num_experts} experts do not divide over {num_devices} devices on mesh axis {axis!r}")
+    num_tokens = x.shape[0]
+    x = jnp.pad(x, ((0, -num_tokens % num_devices), (0, 0)))  # every device gets the same number of tokens
     body = jax.shard_map(
         lambda *args: _local_moe(*args, axis=axis, top_k=top_k, activation=activation),
         mesh=mesh,
@@ -80,7 +85,7 @@ def expert_parallel_moe(x, router, gate_proj, up_proj, down_proj, expert_to_devi
         out_specs=P(axis),
         check_vma=False,
     )
-    return body(x, router, gate_proj, up_proj, down_proj, expert_to_device, expert_slot)
+    return body(x, router, gate_proj, up_proj, down_proj, expert_to_device, expert_slot)[:num_tokens]
 
 
 def place_experts(load: jax.Array | None, num_experts: int, num_devices: int):

@@ -11,10 +11,10 @@ if TYPE_CHECKING:  # sharding/ sits below jaxserve: no runtime import back into 
 
 # Logical axis -> mesh axis (None: replicated). Megatron-style tensor parallelism: attention heads and
 # MLP columns split over "tensor"; their output projections are split on their input side.
-LOGICAL_AXIS_RULES: dict[str, str | None] = {
-    "batch": None,
+LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": "data",
     "sequence": None,
-    "pages": None,
+    "pages": "data",  # each data-parallel rank owns its own range of KV pages
     "page_offset": None,
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -23,7 +23,10 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "mlp": "tensor",
     "vocab": "tensor",
     "expert": None,
+    "expert_mlp": "tensor",  # inside each expert, as "mlp"
 }
+# With expert parallelism the experts themselves are spread over every device instead.
+EXPERT_PARALLEL_RULES = {**LOGICAL_AXIS_RULES, "expert": ("data", "tensor"), "expert_mlp": None}
 
 
 def partition_spec(logical_axes: tuple[str | None, ...], mesh: Mesh, sizes: dict[str, int] | None = None,
@@ -36,14 +39,19 @@ def partition_spec(logical_axes: tuple[str | None, ...], mesh: Mesh, sizes: dict
         if name is not None and name not in rules:
             raise ValueError(f"no sharding rule for logical axis {name!r}")
         if mesh_axis is not None:
+            axes = mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)
+            split = 1
+            for axis in axes:
+                split *= mesh.shape[axis]
             count = (sizes or {}).get(name)
-            if mesh.shape[mesh_axis] == 1 or (count is not None and count % mesh.shape[mesh_axis]):
+            if split == 1 or (count is not None and count % split):
                 mesh_axis = None
         if mesh_axis is not None:
-            if mesh_axis in used:
-                raise ValueError(f"logical axes {used[mesh_axis]!r} and {name!r} of one array both map to "
-                                 f"mesh axis {mesh_axis!r}")
-            used[mesh_axis] = name
+            for axis in axes:
+                if axis in used:
+                    raise ValueError(f"logical axes {used[axis]!r} and {name!r} of one array both map to "
+                                     f"mesh axis {axis!r}")
+                used[axis] = name
         spec.append(mesh_axis)
     return PartitionSpec(*spec)
 
@@ -69,9 +77,9 @@ PARAM_AXES = {
     ("gate", "kernel"): ("embed", None),  # the MoE router: small, replicated
 }
 EXPERT_PARAM_AXES = {  # Mixtral experts, stacked [X, ...]
-    "gate_proj": ("expert", "embed", "mlp"),
-    "up_proj": ("expert", "embed", "mlp"),
-    "down_proj": ("expert", "mlp", "embed"),
+    "gate_proj": ("expert", "embed", "expert_mlp"),
+    "up_proj": ("expert", "embed", "expert_mlp"),
+    "down_proj": ("expert", "expert_mlp", "embed"),
 }
 
 

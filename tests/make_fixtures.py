@@ -54,6 +54,9 @@ MODELS = {
     "mixtral_top1_tied": ("mixtral", dict(hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=3,
                                           num_experts_per_tok=1, tie_word_embeddings=True)),
+    # eight experts: enough to spread one per device over 8 devices
+    "mixtral_8x": ("mixtral", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)),
 }
 
 

@@ -27,15 +27,35 @@ for directory in orbax_dirs:
         results[f"orbax:{tp}"] = {"greedy_equal": [o.outputs[0].token_ids == p["greedy_token_ids"]
                                                    for o, p in zip(outputs, prompts)],
                                   "num_devices_holding_embedding": len(spec.device_set)}
-for name, tp in [(arg.split(":")[0], int(arg.split(":")[1])) for arg in runs]:
-    llm = LLM(fixture_dir(name), **{**SMALL_ENGINE, "tensor_parallel_size": tp})
+for run in runs:
+    # name:tp[:dp[:ep]]
+    name, tp, dp, ep = (run.split(":") + ["1", "0"])[:4] if run.count(":") < 3 else run.split(":")
+    tp, dp, ep = int(tp), int(dp), ep == "ep"
+    try:
+        llm = LLM(fixture_dir(name), **{**SMALL_ENGINE, "tensor_parallel_size": tp, "data_parallel_size": dp,
+                                        "enable_expert_parallel": ep})
+    except ValueError as error:
+        results[run] = {"error": str(error)}
+        continue
     prompts = expected(name)["prompts"]
     outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0,
                                                                              logprobs=8))
     runner = llm.engine.runner
+    flat_params = list(nnx.to_flat_state(runner.params()))
     specs = {".".join(map(str, path)): [str(axis) for axis in variable.get_value().sharding.spec]
-             for path, variable in nnx.to_flat_state(runner.params())}
-    results[f"{name}:{tp}"] = {
+             for path, variable in flat_params}
+    device0 = jax.devices()[0]
+
+    def bytes_on_device0(names):
+        held = total = 0
+        for path, variable in flat_params:
+            if any(n in ".".join(map(str, path)) for n in names):
+                array = variable.get_value()
+                total += array.nbytes
+                held += sum(s.data.nbytes for s in array.addressable_shards if s.device == device0)
+        return held / total
+
+    results[run] = {
         "greedy_equal": [o.outputs[0].token_ids == p["greedy_token_ids"] for o, p in zip(outputs, prompts)],
         "max_logprob_error": max(abs(o.outputs[0].logprobs[0][t] - v) for o, p in zip(outputs, prompts)
                                  for t, v in zip(p["first_top_token_ids"], p["first_top_logprobs"])),
@@ -44,5 +64,8 @@ for name, tp in [(arg.split(":")[0], int(arg.split(":")[1])) for arg in runs]:
         "num_devices_holding_kv": len(runner.kv_pages.keys[0].sharding.device_set),
         "attention_impl": llm.stats()["attention_impl"],
         "compiles_after_warmup": llm.stats()["num_compiles_after_warmup"],
+        "device0_expert_fraction": bytes_on_device0(["gate_proj", "up_proj", "down_proj"]) if "mixtral" in name
+        else None,
+        "device0_attention_fraction": bytes_on_device0(["self_attn"]),
     }
 print(json.dumps(results))

@@ -20,6 +20,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 def multi_device_results(tmp_path_factory):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2",
+            "llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep", "mixtral:1:8:ep",
             f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}"]
     result = subprocess.run([sys.executable, os.path.join(TESTS, "multi_device_run.py"), *runs], cwd=TESTS, env=env,
                             capture_output=True, text=True, timeout=900)
@@ -34,6 +35,23 @@ def test_tensor_parallel_outputs_equal_transformers(multi_device_results, run):
     assert all(outcome["greedy_equal"]), outcome["greedy_equal"]
     assert outcome["max_logprob_error"] < 1e-3
     assert outcome["compiles_after_warmup"] == 0 and outcome["attention_impl"] == "reference"
+
+
+@pytest.mark.parametrize("run", ["llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep"])
+def test_data_and_expert_parallel_outputs_equal_transformers(multi_device_results, run):
+    """Attention per data-parallel rank over its own pages; experts spread over every device."""
+    outcome = multi_device_results[run]
+    assert all(outcome["greedy_equal"]), outcome["greedy_equal"]
+    assert outcome["max_logprob_error"] < 1e-3 and outcome["compiles_after_warmup"] == 0
+    assert outcome["kv_pages_spec"][0] == "data", "each rank holds its own range of pages"
+
+
+def test_expert_parallel_placement(multi_device_results):
+    ep8 = multi_device_results["mixtral_8x:1:8:ep"]
+    assert ep8["device0_expert_fraction"] == pytest.approx(1 / 8)
+    assert ep8["device0_attention_fraction"] == 1.0  # attention replicated on every rank
+    assert ep8["param_specs"]["layers.0.mlp.gate_proj"][0] == "('data', 'tensor')"
+    assert "do not divide" in multi_device_results["mixtral:1:8:ep"]["error"]
 
 
 def test_params_and_pages_are_sharded_by_the_rules(multi_device_results):

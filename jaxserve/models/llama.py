@@ -14,11 +14,12 @@ from jaxserve.models.mixtral import SparseMoE
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs, data_parallel_mesh=None,
+                 expert_parallel_mesh=None):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype, attention_impl, rngs)
+        self.self_attn = Attention(config, dtype, attention_impl, rngs, data_parallel_mesh)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = SparseMoE(config, dtype, rngs) if config.is_moe else MLP(config, dtype, rngs)
+        self.mlp = SparseMoE(config, dtype, rngs, expert_parallel_mesh) if config.is_moe else MLP(config, dtype, rngs)
 
     def __call__(self, x, key_pages, value_pages, metadata: AttentionMetadata):
         attended, key_pages, value_pages = self.self_attn(self.input_layernorm(x), key_pages, value_pages, metadata)
@@ -27,10 +28,12 @@ class DecoderLayer(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, attention_impl: str = "reference", rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype, attention_impl: str = "reference", rngs: nnx.Rngs,
+                 data_parallel_mesh=None, expert_parallel_mesh=None):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
                                       rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, dtype, attention_impl, rngs) for _ in range(config.num_layers)])
+        self.layers = nnx.List([DecoderLayer(config, dtype, attention_impl, rngs, data_parallel_mesh,
+                                             expert_parallel_mesh) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else linear(
             config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs)

@@ -8,12 +8,13 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers import ACTIVATIONS, linear
+from sharding.moe import expert_parallel_moe, place_experts
 
 # Legend: T = tokens, E = embed, X = experts, F = expert mlp, R = routed copies (T * top_k).
 
 
 class SparseMoE(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs, expert_parallel_mesh=None):
         e, f, x = config.hidden_size, config.intermediate_size, config.num_experts
         init = nnx.initializers.lecun_normal()
         self.gate = linear(e, x, bias=False, dtype=dtype, rngs=rngs)
@@ -23,6 +24,7 @@ class SparseMoE(nnx.Module):
         self.top_k = config.num_experts_per_token
         self.num_experts = x
         self.activation = config.hidden_act
+        self.expert_parallel_mesh = expert_parallel_mesh  # set: experts spread over all its devices
 
     def route(self, x):
         """As HF: softmax over all experts in float32, keep the top k, renormalize them to sum to 1."""
@@ -34,6 +36,12 @@ class SparseMoE(nnx.Module):
         num_tokens = x.shape[0]
         weights, experts = self.route(x)
         self.sow(nnx.Intermediate, "routed_experts", experts)  # [T, k]: read back for expert-load stats
+        if self.expert_parallel_mesh is not None:
+            mesh = self.expert_parallel_mesh
+            device_of, slot_of, _ = place_experts(None, self.num_experts, mesh.devices.size)
+            return expert_parallel_moe(x, self.gate.kernel[...], self.gate_proj[...], self.up_proj[...],
+                                       self.down_proj[...], device_of, slot_of, mesh=mesh, axis=mesh.axis_names,
+                                       top_k=self.top_k, activation=ACTIVATIONS[self.activation])
         # Group the routed copies of tokens by expert and run one grouped matmul per projection.
         flat_experts = experts.reshape(-1)  # [R]
         order = jnp.argsort(flat_experts, stable=True)

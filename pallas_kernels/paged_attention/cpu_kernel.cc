@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -183,18 +184,30 @@ ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, 
   if (query_block < 1 || q_dims[0] % query_block || p.num_heads % p.num_kv_heads || page_dims[3] != p.head_dim) {
     return ffi::Error::InvalidArgument("paged attention: inconsistent shapes");
   }
-  const int64_t num_blocks = q_dims[0] / query_block;
-  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(thread_pool.num_threads(), num_blocks));
-  std::atomic<int64_t> next_block{0};
-  std::atomic<int64_t> workers_done{0};
-  auto work = [&]() {
-    std::vector<float> scratch;
-    for (int64_t block = next_block++; block < num_blocks; block = next_block++) AttendBlock(p, block, scratch);
-    workers_done++;
+  // Workers share a block counter; the caller works too and waits only for the blocks, never for
+  // the helpers to start: with several devices' programs on one pool (data parallelism on a CPU),
+  // a helper may not start until this call has long returned. It then finds no block left, and
+  // the state it touches is kept alive by the shared_ptr.
+  struct Shared {
+    Problem problem;
+    int64_t num_blocks;
+    std::atomic<int64_t> next_block{0};
+    std::atomic<int64_t> blocks_done{0};
   };
-  for (int64_t w = 1; w < num_workers; ++w) thread_pool.Schedule([&work] { work(); });
+  auto shared = std::make_shared<Shared>();
+  shared->problem = p;
+  shared->num_blocks = q_dims[0] / query_block;
+  auto work = [shared]() {
+    std::vector<float> scratch;
+    for (int64_t block = shared->next_block++; block < shared->num_blocks; block = shared->next_block++) {
+      AttendBlock(shared->problem, block, scratch);
+      shared->blocks_done++;
+    }
+  };
+  const int64_t num_helpers = std::min<int64_t>(thread_pool.num_threads(), shared->num_blocks) - 1;
+  for (int64_t helper = 0; helper < num_helpers; ++helper) thread_pool.Schedule([work] { work(); });
   work();
-  while (workers_done.load() < num_workers) std::this_thread::yield();
+  while (shared->blocks_done.load() < shared->num_blocks) std::this_thread::yield();
   return ffi::Error::Success();
 }
 

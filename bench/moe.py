@@ -1,7 +1,7 @@
 """The mixture-of-experts layer: expert parallelism across 8 fake CPU devices against one device.
 
 For EP = 1, 2, 4, 8 it checks the all-to-all layer (sharding/moe.py) against dense math and times it,
-then times the whole engine on a small Mixtral with tensor parallelism 1, 2, 4. On a CPU the fake
+then times the whole engine on a small Mixtral at EP = 1, 2, 4 (data-parallel attention, experts spread). On a CPU the fake
 devices share two cores, so these numbers show overhead, not speedup. Prints JSON lines.
 
     .venv/bin/python bench/moe.py
@@ -78,16 +78,18 @@ def engine_bench() -> None:
     prompts = [[1] + rng.integers(3, 384, size=int(n)).tolist() for n in rng.integers(8, 60, size=16)]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     baseline = None
-    for tp in (1, 2, 4):
-        llm = LLM(fixture_dir("mixtral"), **{**SMALL_ENGINE, "tensor_parallel_size": tp})
+    for ep in (1, 2, 4):
+        llm = LLM(fixture_dir("mixtral"), **{**SMALL_ENGINE, "data_parallel_size": ep,
+                                             "enable_expert_parallel": ep > 1})
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - start
         tokens = [o.outputs[0].token_ids for o in outputs]
         baseline = baseline or tokens
-        emit(bench="moe_engine", tensor_parallel_size=tp, output_tokens_per_s=round(16 * 32 / seconds, 1),
-             same_outputs_as_one_device=tokens == baseline, note=NOTE)
+        emit(bench="moe_engine", data_parallel_size=ep, expert_parallel=ep > 1,
+             output_tokens_per_s=round(16 * 32 / seconds, 1), same_outputs_as_one_device=tokens == baseline,
+             device_imbalance=llm.stats().get("expert_device_imbalance"), note=NOTE)
 
 
 if __name__ == "__main__":

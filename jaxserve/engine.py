@@ -312,8 +312,13 @@ class Engine:
             return {}
         per_expert = self.expert_tokens.sum(axis=0)
         mean = per_expert.mean()
-        return {"expert_tokens": self.expert_tokens.tolist(),
-                "expert_load_max_over_mean": round(float(per_expert.max() / mean), 4) if mean else 0.0}
+        stats = {"expert_tokens": self.expert_tokens.tolist(),
+                 "expert_load_max_over_mean": round(float(per_expert.max() / mean), 4) if mean else 0.0}
+        if self.expert_parallel:  # experts sit on devices in contiguous blocks (sharding/moe.py)
+            per_device = per_expert.reshape(self.mesh.devices.size, -1).sum(axis=1)
+            stats["expert_device_tokens"] = per_device.tolist()
+            stats["expert_device_imbalance"] = round(float(per_device.max() / per_device.mean()), 4) if mean else 0.0
+        return stats
 
     def prefix_cache_stats(self) -> dict:
         cache = self.allocator.stats

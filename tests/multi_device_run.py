@@ -67,5 +67,7 @@ for run in runs:
         "device0_expert_fraction": bytes_on_device0(["gate_proj", "up_proj", "down_proj"]) if "mixtral" in name
         else None,
         "device0_attention_fraction": bytes_on_device0(["self_attn"]),
+        "device_tokens": llm.stats().get("expert_device_tokens"),
+        "device_imbalance": llm.stats().get("expert_device_imbalance"),
     }
 print(json.dumps(results))

@@ -52,6 +52,7 @@ def test_expert_parallel_placement(multi_device_results):
     assert ep8["device0_attention_fraction"] == 1.0  # attention replicated on every rank
     assert ep8["param_specs"]["layers.0.mlp.gate_proj"][0] == "('data', 'tensor')"
     assert "do not divide" in multi_device_results["mixtral:1:8:ep"]["error"]
+    assert len(ep8["device_tokens"]) == 8 and sum(ep8["device_tokens"]) > 0 and ep8["device_imbalance"] >= 1.0
 
 
 def test_params_and_pages_are_sharded_by_the_rules(multi_device_results):

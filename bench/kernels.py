@@ -13,27 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ragged_paged_attention
+from timing import best_time
 
 
 def emit(**record) -> None:
     print(json.dumps(record), flush=True)
-
-
-def best_time(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def copy_bandwidth(num_bytes: int, repeats: int) -> float:

@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 
 from sharding import build_mesh  # noqa: E402
 from sharding.moe import expert_parallel_moe, place_experts  # noqa: E402
+from timing import best_time  # noqa: E402
 
 NOTE = "fake CPU devices share the machine's cores: these times show overhead, not speedup"
 
@@ -37,16 +38,6 @@ def dense_moe(x, router, gate, up, down, top_k):
     hidden = jax.nn.silu(jnp.einsum("te,xef->txf", x, gate)) * jnp.einsum("te,xef->txf", x, up)
     every = jnp.einsum("txf,xfe->txe", hidden, down)
     return (jnp.take_along_axis(every, experts[:, :, None], axis=1) * weights[:, :, None]).sum(1)
-
-
-def best_time(fn, *args, repeats=5) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def layer_bench(rng, tokens=512, embed=256, mlp=512, num_experts=8, top_k=2) -> None:

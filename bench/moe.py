@@ -70,7 +70,7 @@ def engine_bench() -> None:
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     baseline = None
     for ep in (1, 2, 4):
-        llm = LLM(fixture_dir("mixtral"), **{**SMALL_ENGINE, "data_parallel_size": ep,
+        llm = LLM(fixture_dir("mixtral_8x"), **{**SMALL_ENGINE, "data_parallel_size": ep, "enable_prefix_caching": False,
                                              "enable_expert_parallel": ep > 1})
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))
         start = time.perf_counter()
@@ -81,6 +81,19 @@ def engine_bench() -> None:
         emit(bench="moe_engine", data_parallel_size=ep, expert_parallel=ep > 1,
              output_tokens_per_s=round(16 * 32 / seconds, 1), same_outputs_as_one_device=tokens == baseline,
              device_imbalance=llm.stats().get("expert_device_imbalance"), note=NOTE)
+        if ep > 1:  # place experts by the load just routed, then serve the same workload again
+            before = llm.stats()
+            llm.rebalance_experts()
+            outputs = llm.generate(prompts, params)
+            devices = np.asarray(llm.stats()["expert_devices"])
+            rerun = np.asarray(llm.stats()["expert_tokens"]) - np.asarray(before["expert_tokens"])
+            per_layer = np.stack([np.bincount(d, weights=t, minlength=ep) for d, t in zip(devices, rerun)])
+            emit(bench="moe_engine_rebalanced", data_parallel_size=ep, device_tokens_before=before["expert_device_tokens"],
+                 device_tokens_after=per_layer.sum(0).astype(int).tolist(),
+                 device_imbalance_before=before["expert_device_imbalance"],
+                 device_imbalance_after=round(per_layer.max(1).sum() / per_layer.mean(1).sum(), 4),
+                 same_outputs_as_one_device=[o.outputs[0].token_ids for o in outputs] == baseline,
+                 compiles_after_warmup=llm.stats()["num_compiles_after_warmup"])
 
 
 if __name__ == "__main__":

@@ -204,6 +204,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # Megatron-style: heads and MLP columns split over this many devices
     data_parallel_size: int = 1  # device groups that each run attention for their own sequences and pages
     enable_expert_parallel: bool = False  # MoE experts split over all data x tensor devices
+    # Tokens routed per expert ([layers][experts] JSON, e.g. llm.stats()["expert_tokens"] of an earlier
+    # run): experts are placed at start-up so that device loads even out (expert parallelism only).
+    expert_load_profile: str | None = None
     page_size: int = 16
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB of host memory for evicted prefix pages (needs prefix caching)

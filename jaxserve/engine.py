@@ -25,6 +25,8 @@ from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES, logical_si
 from jaxserve.checkpoint import checkpoint_dtype, is_orbax_checkpoint, restore_params, save_checkpoint
 from jaxserve.config import Buckets, EngineConfig, ModelConfig
 from jaxserve.data_parallel import RankedAllocator, RankedScheduler
+from jaxserve.expert_placement import (canonical_params, device_of_experts, initial_placement, read_load_profile,
+                                       rebalance)
 from jaxserve.kv_cache import PageAllocator, num_pages_for, swap_in_is_cheaper
 from jaxserve.models import KVPages, build_model
 from jaxserve.output_processor import append_token, token_logprobs
@@ -101,12 +103,19 @@ class Engine:
             mc, self.dtype, attention_impl=self.attention_impl, rngs=nnx.Rngs(0),
             data_parallel_mesh=self.mesh if num_ranks > 1 else None,
             expert_parallel_mesh=self.mesh if self.expert_parallel else None))
-        graphdef, abstract_params = nnx.split(abstract_model)
+        if config.expert_load_profile is not None and not self.expert_parallel:
+            raise ValueError("expert_load_profile places experts on devices: it needs a mixture-of-experts model "
+                             "with enable_expert_parallel and data_parallel_size x tensor_parallel_size > 1")
+        # Params come from the checkpoint; the expert placements (expert parallelism only) are not params.
+        graphdef, abstract_params, abstract_placement = nnx.split(abstract_model, nnx.Param, ...)
         if self.is_orbax:
             params = restore_params(abstract_params, model_dir, self.dtype, self._param_sharding)
         else:
             params = load_params(abstract_params, model_dir, mc, self.dtype, self._param_sharding)
-        model = nnx.merge(graphdef, params)
+        if self.expert_parallel:
+            model = nnx.merge(graphdef, params, initial_placement(abstract_placement, mc.num_experts, self.mesh))
+        else:
+            model = nnx.merge(graphdef, params)
 
         page_bytes = KVPages.bytes_per_page(mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         max_pages_per_seq = num_pages_for(self.max_model_len, config.page_size)
@@ -138,6 +147,8 @@ class Engine:
         self.runner = ModelRunner(model, kv_pages=kv_pages, buckets=self.buckets, page_size=config.page_size,
                                   prefill_query_block=config.prefill_query_block, max_logprobs=config.max_logprobs,
                                   mesh=self.mesh)
+        if config.expert_load_profile is not None:
+            self.rebalance_experts(read_load_profile(config.expert_load_profile, mc.num_layers, mc.num_experts))
         self.runner.warm_up(show_progress=config.show_progress)
         if self.allocator.host_tier is not None:
             self.runner.warm_up_page_copies()
@@ -148,11 +159,27 @@ class Engine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.expert_tokens = np.zeros((mc.num_layers, mc.num_experts), np.int64)  # cumulative, real tokens
+        # [layers, experts]: the device each expert sits on (expert parallelism only)
+        self.expert_devices = device_of_experts(self.runner.params()) if self.expert_parallel else None
         self.num_steps = 0
 
     def save_checkpoint(self, directory: str) -> None:
         """Save the params (orbax, as sharded now) with the model's config and tokenizer."""
-        save_checkpoint(self.runner.params(), self.dtype, self.model_dir, directory)
+        save_checkpoint(canonical_params(self.runner.params()), self.dtype, self.model_dir, directory)
+
+    def rebalance_experts(self, load=None) -> None:
+        """Move experts between devices so that, under `load` (tokens per expert, [layers, experts] or
+        [experts]; default: what this engine has routed so far), each device's load evens out. The
+        step's executables take the placement as an input: nothing recompiles."""
+        if not self.expert_parallel:
+            raise ValueError("rebalance_experts needs a mixture-of-experts model with enable_expert_parallel "
+                             "over more than one device")
+        mc = self.model_config
+        load = read_load_profile(self.expert_tokens if load is None else load, mc.num_layers, mc.num_experts)
+        if not load.any():
+            raise ValueError("the expert load profile is all zeros: nothing to balance by")
+        self.runner.replace_params(rebalance(self.runner.params(), load))
+        self.expert_devices = device_of_experts(self.runner.params())
 
     def _param_sharding(self, path: tuple) -> NamedSharding | None:
         """Where a param lives, by the logical-axis rules (None: the default device)."""
@@ -314,10 +341,16 @@ class Engine:
         mean = per_expert.mean()
         stats = {"expert_tokens": self.expert_tokens.tolist(),
                  "expert_load_max_over_mean": round(float(per_expert.max() / mean), 4) if mean else 0.0}
-        if self.expert_parallel:  # experts sit on devices in contiguous blocks (sharding/moe.py)
-            per_device = per_expert.reshape(self.mesh.devices.size, -1).sum(axis=1)
-            stats["expert_device_tokens"] = per_device.tolist()
-            stats["expert_device_imbalance"] = round(float(per_device.max() / per_device.mean()), 4) if mean else 0.0
+        if self.expert_parallel:
+            num_devices = self.mesh.devices.size
+            per_layer = np.stack([np.bincount(devices, weights=tokens, minlength=num_devices)
+                                  for devices, tokens in zip(self.expert_devices, self.expert_tokens)])  # [L, D]
+            stats["expert_device_tokens"] = per_layer.sum(axis=0).astype(np.int64).tolist()
+            stats["expert_devices"] = self.expert_devices.tolist()
+            # Every layer waits for its busiest device: the imbalance that costs time is per layer,
+            # sum over layers of (busiest device) / sum over layers of (mean device).
+            stats["expert_device_imbalance"] = round(float(per_layer.max(axis=1).sum() / per_layer.mean(axis=1).sum()),
+                                                     4) if mean else 0.0
         return stats
 
     def prefix_cache_stats(self) -> dict:

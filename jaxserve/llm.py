@@ -71,5 +71,10 @@ class LLM:
         """An orbax checkpoint that LLM(directory) opens again, on this mesh or any other."""
         self.engine.save_checkpoint(directory)
 
+    def rebalance_experts(self, load=None) -> None:
+        """Expert parallelism: move experts so device loads even out under `load` (tokens per expert,
+        [layers][experts]; default: the load routed so far, as `stats()["expert_tokens"]`). No recompile."""
+        self.engine.rebalance_experts(load)
+
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -20,6 +20,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+from sharding import partition_spec
+
 from jaxserve.batch import StepInputs, StepShape, build_ranked_inputs
 from jaxserve.config import Buckets
 from jaxserve.kv_cache import RESERVED_PAGE
@@ -84,8 +86,9 @@ class ModelRunner:
         self.graphdef, params = nnx.split(model)
         self.param_leaves, self.params_treedef = jax.tree.flatten(params)
         self.kv_pages = kv_pages
-        # Step inputs are split over the data-parallel ranks (a no-op on one), replicated otherwise.
-        self.input_sharding = NamedSharding(mesh, PartitionSpec("data")) if mesh is not None else None
+        # Every step input's leading axis is the ranks' rows laid end to end: the "batch" logical axis,
+        # split over the data-parallel ranks by the rules table (replicated when there is one rank).
+        self.input_sharding = NamedSharding(mesh, partition_spec(("batch",), mesh)) if mesh is not None else None
         self.num_ranks = mesh.shape["data"] if mesh is not None else 1
         self.buckets = buckets
         self.page_size = page_size
@@ -104,6 +107,16 @@ class ModelRunner:
 
     def params(self) -> nnx.State:
         return jax.tree.unflatten(self.params_treedef, self.param_leaves)
+
+    def replace_params(self, params: nnx.State) -> None:
+        """New values for the params (and expert placements), which must match the old ones in shape,
+        dtype and sharding: the compiled executables take them as they are."""
+        leaves, treedef = jax.tree.flatten(params)
+        if treedef != self.params_treedef or any(
+                (new.shape, new.dtype, new.sharding) != (old.shape, old.dtype, old.sharding)
+                for new, old in zip(leaves, self.param_leaves)):
+            raise ValueError("replacement params differ from the compiled ones in structure, shape or placement")
+        self.param_leaves = leaves
 
     def all_shapes(self) -> list[StepShape]:
         shapes = [StepShape(s, s, p, 1) for s in self.buckets.decode_seqs for p in self.buckets.pages_per_seq]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import ragged_paged_attention, write_kv_pages
+from sharding.rules import partition_spec
 
 
 def _write_and_attend(q, k, v, key_pages, value_pages, positions, slot_ids, token_seq_ids, page_table, *,
@@ -24,10 +24,15 @@ def _write_and_attend(q, k, v, key_pages, value_pages, positions, slot_ids, toke
 
 
 def data_parallel_write_and_attend(mesh, q, k, v, key_pages, value_pages, metadata, *, sliding_window, impl):
-    split = P("data")
+    # Tokens and their metadata follow the "batch" rule, the page pool the "pages" rule: both put
+    # each rank's share on its own "data" device, which is what lets every rank attend alone.
+    tokens, pages = partition_spec(("batch",), mesh), partition_spec(("pages",), mesh)
+    if tokens != pages:
+        raise ValueError(f"data-parallel attention needs tokens and pages split alike, got {tokens} and {pages}")
     body = jax.shard_map(
         functools.partial(_write_and_attend, query_block=metadata.query_block, sliding_window=sliding_window,
                           impl=impl),
-        mesh=mesh, in_specs=(split,) * 9, out_specs=(split, split, split), check_vma=False)
+        mesh=mesh, in_specs=(tokens,) * 3 + (pages,) * 2 + (tokens,) * 4, out_specs=(tokens, pages, pages),
+        check_vma=False)
     return body(q, k, v, key_pages, value_pages, metadata.positions, metadata.slot_ids, metadata.token_seq_ids,
                 metadata.page_table)

@@ -5,17 +5,59 @@ logprobs equal transformers', and the partition specs that params and KV pages w
 """
 
 import json
+import os
 import sys
 
 import jax
+import numpy as np
 from flax import nnx
 
 from conftest import SMALL_ENGINE, expected, fixture_dir
 from jaxserve import LLM, SamplingParams
 
 results = {"num_devices": len(jax.devices())}
-runs = [arg for arg in sys.argv[1:] if not arg.startswith("--orbax=")]
+runs = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
 orbax_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("--orbax=")]
+rebalance_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("--rebalance=")]
+
+
+def greedy_equal(llm, name):
+    prompts = expected(name)["prompts"]
+    outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0))
+    return [o.outputs[0].token_ids == p["greedy_token_ids"] for o, p in zip(outputs, prompts)]
+
+
+for directory in rebalance_dirs:
+    # DP=4 x EP: serve, rebalance by what was routed, serve again; the profile and checkpoint go to directory
+    ep4 = {**SMALL_ENGINE, "data_parallel_size": 4, "enable_expert_parallel": True}
+    llm = LLM(fixture_dir("mixtral_8x"), **ep4)
+    before_equal = greedy_equal(llm, "mixtral_8x")
+    before = llm.stats()
+    llm.rebalance_experts()
+    moved = llm.stats()  # the same routed tokens, counted on the devices their experts sit on now
+    after_equal = greedy_equal(llm, "mixtral_8x")
+    profile = os.path.join(directory, "profile.json")
+    with open(profile, "w") as f:
+        json.dump({"expert_tokens": before["expert_tokens"]}, f)
+    llm.save_checkpoint(os.path.join(directory, "checkpoint"))
+    gate = next(v.get_value() for p, v in nnx.to_flat_state(llm.engine.runner.params())
+                if ".".join(map(str, p)) == "layers.0.mlp.gate_proj")
+    device0_rows = np.asarray(next(s.data for s in gate.addressable_shards if s.device == jax.devices()[0]))
+    restored = LLM(os.path.join(directory, "checkpoint"), **SMALL_ENGINE)  # one device, experts in canonical order
+    canonical = np.asarray(next(v.get_value() for p, v in nnx.to_flat_state(restored.engine.runner.params())
+                                if ".".join(map(str, p)) == "layers.0.mlp.gate_proj"))
+    device_of = np.asarray(moved["expert_devices"][0])
+    at_start = LLM(fixture_dir("mixtral_8x"), **{**ep4, "expert_load_profile": profile})
+    results["rebalance"] = {
+        "before_equal": before_equal, "after_equal": after_equal, "before": before["expert_device_tokens"],
+        "moved": moved["expert_device_tokens"], "before_imbalance": before["expert_device_imbalance"],
+        "moved_imbalance": moved["expert_device_imbalance"], "expert_devices_layer0": moved["expert_devices"][0],
+        "compiles_after_warmup": llm.stats()["num_compiles_after_warmup"],
+        "device0_holds_its_experts": bool(np.array_equal(device0_rows, canonical[np.flatnonzero(device_of == 0)])),
+        "restored_equal": greedy_equal(restored, "mixtral_8x"),
+        "start_up_devices_equal": at_start.stats()["expert_devices"] == moved["expert_devices"],
+        "start_up_equal": greedy_equal(at_start, "mixtral_8x"),
+    }
 for directory in orbax_dirs:
     # saved from a 2-way tensor-parallel engine, restored onto 4 devices and onto 1
     LLM(fixture_dir("mixtral"), **{**SMALL_ENGINE, "tensor_parallel_size": 2}).save_checkpoint(directory)

@@ -21,7 +21,7 @@ def multi_device_results(tmp_path_factory):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2",
             "llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep", "mixtral:1:8:ep",
-            f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}"]
+            f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}", f"--rebalance={tmp_path_factory.mktemp('rb')}"]
     result = subprocess.run([sys.executable, os.path.join(TESTS, "multi_device_run.py"), *runs], cwd=TESTS, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -53,6 +53,19 @@ def test_expert_parallel_placement(multi_device_results):
     assert ep8["param_specs"]["layers.0.mlp.gate_proj"][0] == "('data', 'tensor')"
     assert "do not divide" in multi_device_results["mixtral:1:8:ep"]["error"]
     assert len(ep8["device_tokens"]) == 8 and sum(ep8["device_tokens"]) > 0 and ep8["device_imbalance"] >= 1.0
+
+
+def test_rebalancing_experts_moves_weights_without_recompiling(multi_device_results):
+    """Placed by the routed load, at run time and at start-up from a profile: device loads even out,
+    outputs stay transformers', nothing recompiles, and checkpoints keep the canonical expert order."""
+    outcome = multi_device_results["rebalance"]
+    assert all(outcome["before_equal"]) and all(outcome["after_equal"]) and outcome["compiles_after_warmup"] == 0
+    assert sum(outcome["moved"]) == sum(outcome["before"])
+    assert outcome["moved_imbalance"] < outcome["before_imbalance"]
+    assert outcome["expert_devices_layer0"] != [0, 0, 1, 1, 2, 2, 3, 3]  # the contiguous start moved
+    assert outcome["device0_holds_its_experts"]
+    assert all(outcome["restored_equal"]) and all(outcome["start_up_equal"])
+    assert outcome["start_up_devices_equal"]
 
 
 def test_params_and_pages_are_sharded_by_the_rules(multi_device_results):
@@ -132,3 +145,24 @@ def test_skewed_routing_leaves_experts_empty_and_rebalancing_evens_devices(exper
     random = expert_parallel_results["random:8"]
     assert random["balanced"]["imbalance"] <= random["blocks"]["imbalance"]
     assert "do not divide" in expert_parallel_results["indivisible_error"]
+
+
+def test_expert_load_profiles_are_validated(tmp_path, llama_llm):
+    from conftest import SMALL_ENGINE, fixture_dir
+    from jaxserve import LLM
+    from jaxserve.expert_placement import read_load_profile
+
+    assert read_load_profile([1, 2, 3, 4], 2, 4).tolist() == [[1, 2, 3, 4], [1, 2, 3, 4]]  # one row: every layer
+    (tmp_path / "stats.json").write_text(json.dumps({"expert_tokens": [[0, 5], [7, 1]], "num_steps": 3}))
+    assert read_load_profile(str(tmp_path / "stats.json"), 2, 2).tolist() == [[0, 5], [7, 1]]
+    for bad, message in (([[1, 2]], r"shape \(1, 2\)"), ([-1, 2], ">= 0"), ([[1, "x"]], "must be numbers"),
+                         (str(tmp_path / "missing.json"), "cannot read"), ({"tokens": [1, 2]}, "expert_tokens")):
+        with pytest.raises(ValueError, match=message):
+            if isinstance(bad, dict):
+                (tmp_path / "bad.json").write_text(json.dumps(bad))
+                bad = str(tmp_path / "bad.json")
+            read_load_profile(bad, 2, 2)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model with enable_expert_parallel"):
+        LLM(fixture_dir("mixtral"), **SMALL_ENGINE, expert_load_profile=str(tmp_path / "stats.json"))
+    with pytest.raises(ValueError, match="rebalance_experts needs"):
+        llama_llm.rebalance_experts([1.0])

@@ -13,6 +13,14 @@ from sharding.moe import expert_parallel_moe, place_experts
 # Legend: T = tokens, E = embed, X = experts, F = expert mlp, R = routed copies (T * top_k).
 
 
+class ExpertPlacement(nnx.Variable):
+    """Which device holds each expert, and where among that device's experts ([X] int32 each).
+
+    Not a param: it lives beside the params so the compiled step takes it as an input, and moving
+    experts between devices (jaxserve/expert_placement.py) changes values, never shapes.
+    """
+
+
 class SparseMoE(nnx.Module):
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs, expert_parallel_mesh=None):
         e, f, x = config.hidden_size, config.intermediate_size, config.num_experts
@@ -25,6 +33,10 @@ class SparseMoE(nnx.Module):
         self.num_experts = x
         self.activation = config.hidden_act
         self.expert_parallel_mesh = expert_parallel_mesh  # set: experts spread over all its devices
+        if expert_parallel_mesh is not None:  # contiguous blocks until a load profile says otherwise
+            device_of, slot_of, _ = place_experts(None, x, expert_parallel_mesh.devices.size)
+            self.expert_device = ExpertPlacement(device_of)
+            self.expert_slot = ExpertPlacement(slot_of)
 
     def route(self, x):
         """As HF: softmax over all experts in float32, keep the top k, renormalize them to sum to 1."""
@@ -38,9 +50,9 @@ class SparseMoE(nnx.Module):
         self.sow(nnx.Intermediate, "routed_experts", experts)  # [T, k]: read back for expert-load stats
         if self.expert_parallel_mesh is not None:
             mesh = self.expert_parallel_mesh
-            device_of, slot_of, _ = place_experts(None, self.num_experts, mesh.devices.size)
             return expert_parallel_moe(x, self.gate.kernel[...], self.gate_proj[...], self.up_proj[...],
-                                       self.down_proj[...], device_of, slot_of, mesh=mesh, axis=mesh.axis_names,
+                                       self.down_proj[...], self.expert_device[...], self.expert_slot[...],
+                                       mesh=mesh, axis=mesh.axis_names,
                                        top_k=self.top_k, activation=ACTIVATIONS[self.activation])
         # Group the routed copies of tokens by expert and run one grouped matmul per projection.
         flat_experts = experts.reshape(-1)  # [R]

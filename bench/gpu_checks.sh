@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
 # The GPU checks for the Pallas kernels, as one script for a lent GPU machine (the device tool):
-#   1. the kernel-vs-reference tests on the GPU backend (real lowering, not interpret mode),
+#   1. the kernel-vs-reference tests and the start-up probe on the GPU backend (real lowering),
 #   2. bench/kernels.py over the full grid (fraction of copy bandwidth; target >= 0.7 at context >= 1k),
-#   3. end-to-end decode of a ~32M Llama with attention_impl=pallas vs reference.
-# Writes everything under $OUT (default bench/results). JAX with CUDA must already be installed there;
-# the machine has no network, so this project's other dependencies travel as wheels (see the device
-# tool's notes) and are installed by the caller before this script runs.
+#   3. end-to-end decode of a ~32M Llama with attention_impl=pallas vs reference (and what auto picks).
+# Writes everything under $OUT (default bench/results). JAX with CUDA must already be installed there,
+# and the image has flax, orbax, safetensors, sentencepiece and pytest. Should a package there be too
+# old, carry wheels: `bash bench/gpu_wheels.sh flax==X` here, then name .whl in the tool's carry; this
+# script installs whatever .whl/ holds first. From the device tool:
+#   run(command="bash bench/gpu_checks.sh", carry=[".whl"], timeout_s=540)
 set -uo pipefail
 OUT=${OUT:-bench/results}
+PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
+$PYTHON -m pip list 2>/dev/null | grep -E "^(jax|jaxlib|flax|numpy) " > "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/device.txt" 2>&1
-python -c "import jax; print(jax.devices())" >> "$OUT/device.txt" 2>&1
-python -m pytest -q -p no:cacheprovider tests/test_pallas_attention.py 2>&1 | tee "$OUT/gpu_kernel_tests.txt"
-python bench/kernels.py --impls reference,pallas --full 2>&1 | tee "$OUT/kernels_gpu.jsonl"
-python - <<'PY' 2>&1 | tee "$OUT/decode_e2e_gpu.jsonl"
+$PYTHON -c "import jax; print(jax.devices())" >> "$OUT/device.txt" 2>&1
+timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/test_pallas_attention.py 2>&1 | tee "$OUT/gpu_kernel_tests.txt"
+timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/test_paged_attention.py -k "pallas or probe" 2>&1 \
+  | tee -a "$OUT/gpu_kernel_tests.txt"
+timeout 240 $PYTHON bench/kernels.py --impls reference,pallas --full 2>&1 | tee "$OUT/kernels_gpu.jsonl"
+timeout 240 $PYTHON - <<'PY' 2>&1 | tee "$OUT/decode_e2e_gpu.jsonl"
 import json, os, tempfile, time
 from safetensors.numpy import save_file
 from jaxserve import LLM, SamplingParams
@@ -27,13 +38,13 @@ json.dump(config, open(os.path.join(directory, "config.json"), "w"))
 save_file(random_llama_weights(config), os.path.join(directory, "model.safetensors"))
 prompts = [[1] + list(range(3, 3 + 1000))] * 32
 params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
-for impl in ("reference", "pallas"):
+for impl in ("reference", "pallas", "auto"):
     llm = LLM(directory, dtype="bfloat16", attention_impl=impl, max_model_len=2048, max_num_seqs=32,
               max_num_batched_tokens=2048, show_progress=False)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    print(json.dumps(dict(impl=impl, output_tokens_per_s=round(32 * 256 / seconds, 1), seconds=round(seconds, 3),
+    print(json.dumps(dict(impl=impl, resolved=llm.stats()["attention_impl"], output_tokens_per_s=round(32 * 256 / seconds, 1), seconds=round(seconds, 3),
                           compiles_after_warmup=llm.stats()["num_compiles_after_warmup"])))
 PY

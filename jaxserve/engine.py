@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from pallas_kernels import resolve_attention_impl
+from pallas_kernels.paged_attention.probe import pallas_problem
 from sharding import build_mesh, param_logical_axes, partition_spec
 from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES, logical_sizes
 
@@ -98,7 +99,14 @@ class Engine:
         # alone relies on XLA's partitioner, which only the jax.numpy reference goes through.
         self.attention_impl = resolve_attention_impl(
             config.attention_impl, jax.default_backend(), self.dtype,
-            partitioned=self.mesh is not None and num_ranks == 1)
+            partitioned=self.mesh is not None and num_ranks == 1, head_dim=mc.head_dim, page_size=config.page_size)
+        if config.attention_impl == "auto" and self.attention_impl == "pallas":
+            problem = pallas_problem(mc.num_heads, mc.num_kv_heads, mc.head_dim, config.page_size, self.dtype,
+                                     query_blocks=(1, config.prefill_query_block))
+            if problem is not None:
+                logger.warning("Pallas attention kernels fail their start-up check on %s (%s); using the "
+                               "reference attention", jax.default_backend(), problem)
+                self.attention_impl = "reference"
         abstract_model = nnx.eval_shape(lambda: build_model(
             mc, self.dtype, attention_impl=self.attention_impl, rngs=nnx.Rngs(0),
             data_parallel_mesh=self.mesh if num_ranks > 1 else None,

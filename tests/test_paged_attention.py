@@ -1,5 +1,6 @@
 """The paged attention reference against plain dense causal attention."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,6 +108,49 @@ def test_auto_falls_back_to_reference_without_a_compiler(monkeypatch, tmp_path):
         cpu._register.cache_clear()
     assert resolve_attention_impl("auto", "cpu", jnp.float32) == "cpu"
     assert resolve_attention_impl("auto", "cpu", jnp.bfloat16) == "reference"
-    assert resolve_attention_impl("auto", "gpu", jnp.float32) == "reference"
     with pytest.raises(ValueError, match="needs the CPU platform and float32"):
         resolve_attention_impl("cpu", "cpu", jnp.bfloat16)
+
+
+def test_auto_takes_pallas_on_accelerators_where_the_kernel_fits():
+    from pallas_kernels.paged_attention import resolve_attention_impl
+
+    for platform in ("gpu", "tpu"):
+        assert resolve_attention_impl("auto", platform, jnp.bfloat16, head_dim=128, page_size=16) == "pallas"
+    # Triton wants power-of-two tiles: other sizes keep the reference under auto and are refused when asked for
+    assert resolve_attention_impl("auto", "gpu", jnp.bfloat16, head_dim=96, page_size=16) == "reference"
+    with pytest.raises(ValueError, match="power-of-two head_dim and page_size, got head_dim=96"):
+        resolve_attention_impl("pallas", "gpu", jnp.bfloat16, head_dim=96, page_size=16)
+    assert resolve_attention_impl("pallas", "cpu", jnp.float32, head_dim=96, page_size=12) == "pallas"  # interpret
+    assert resolve_attention_impl("auto", "gpu", jnp.bfloat16, partitioned=True, head_dim=128, page_size=16) == \
+        "reference"
+
+
+def test_start_up_probe_checks_the_kernels_against_the_reference(monkeypatch):
+    from pallas_kernels.paged_attention import pallas
+    from pallas_kernels.paged_attention.probe import pallas_problem
+
+    # the kernels agree for GQA and both step kinds (here in interpret mode; on a GPU, as lowered)
+    assert pallas_problem(8, 2, 64, 16, jnp.float32, query_blocks=(1, 16)) is None
+    odd_sizes = pallas_problem(5, 1, 12, 8, jnp.bfloat16, query_blocks=(1, 4))
+    assert odd_sizes is None if jax.default_backend() != "gpu" else odd_sizes  # Triton: power-of-two tiles only
+    with monkeypatch.context() as patch:
+        patch.setattr(pallas, "ragged_paged_attention", lambda q, *args, **kwargs: q * 2)
+        assert "differ from the reference" in pallas_problem(4, 4, 16, 8, jnp.float32, query_blocks=(1,))
+
+        def fails_to_lower(*args, **kwargs):
+            raise NotImplementedError("Unimplemented primitive in Pallas GPU lowering: gather")
+
+        patch.setattr(pallas, "ragged_paged_attention", fails_to_lower)
+        assert pallas_problem(4, 4, 16, 8, jnp.float32, query_blocks=(1,)).startswith("NotImplementedError: ")
+
+
+def test_auto_falls_back_to_the_reference_when_the_probe_fails(monkeypatch):
+    """What an accelerator whose Pallas lowering breaks would see: a warning, then the reference."""
+    from conftest import SMALL_ENGINE, fixture_dir
+    from jaxserve import LLM, engine
+
+    monkeypatch.setattr(engine, "resolve_attention_impl", lambda *args, **kwargs: "pallas")
+    monkeypatch.setattr(engine, "pallas_problem", lambda *args, **kwargs: "LoweringError: no gather")
+    llm = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "attention_impl": "auto"})
+    assert llm.stats()["attention_impl"] == "reference"

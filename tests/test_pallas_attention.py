@@ -56,6 +56,30 @@ def test_kernel_matches_reference(page_size, head_dim, groups, dtype, query_bloc
     assert np.all(np.asarray(got, np.float32)[~real] == 0), "padding tokens attend to nothing"
 
 
+@pytest.mark.parametrize("num_splits,query_block,dtype,sliding_window", [
+    (2, 1, jnp.float32, None), (3, 1, jnp.bfloat16, None), (4, 16, jnp.float32, None), (3, 1, jnp.float32, 20),
+    (1, 16, jnp.float32, 20)])
+def test_context_splits_and_sliding_window_match_reference(num_splits, query_block, dtype, sliding_window):
+    """Flash-decoding splits of the page table (3 splits do not divide the spans evenly), merged outside."""
+    args = ragged_step(np.random.default_rng(num_splits), 8, 64, 4, dtype, query_block)
+    expected = reference.ragged_paged_attention(*args, query_block=query_block, sliding_window=sliding_window)
+    got = pallas.ragged_paged_attention(*args, query_block=query_block, sliding_window=sliding_window,
+                                        num_splits=num_splits)
+    real = np.asarray(args[5]) >= 0
+    np.testing.assert_allclose(np.asarray(got, np.float32)[real], np.asarray(expected, np.float32)[real],
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert np.all(np.asarray(got, np.float32)[~real] == 0)
+
+
+def test_split_heuristic_fills_the_device():
+    assert pallas.default_num_splits(num_programs=8, num_spans=64, cores=132) == 33  # batch 1, 8 kv heads
+    assert pallas.default_num_splits(num_programs=512, num_spans=64, cores=132) == 1  # batch 64: enough programs
+    assert pallas.default_num_splits(num_programs=8, num_spans=4, cores=132) == 4  # no more than spans
+    assert pallas.default_num_splits(num_programs=8, num_spans=64, cores=0) == 1  # CPU interpret mode
+    assert pallas.supported(96, 16, "gpu") and pallas.supported(128, 12, "gpu")
+    assert pallas.supported(128, 16, "gpu") is None and pallas.supported(96, 12, "cpu") is None
+
+
 TPU_GRID = [(16, 128, 4, jnp.float32, 1), (8, 64, 1, jnp.float32, 16), (32, 64, 8, jnp.bfloat16, 16)]
 
 

@@ -10,6 +10,7 @@ Implementations, all with the reference's signature:
   cpu        a C++ kernel (XLA FFI) for float32 on the CPU, built at first use
   pallas     Pallas kernels: Mosaic with DMA'd pages on TPU (pallas_tpu.py), the Triton-style kernel
              elsewhere (pallas.py); on the CPU they run in interpret mode: exact but slow
+  auto       cpu on CPU/float32, pallas on GPU/TPU (checked at start-up by probe.py), else reference
 """
 
 import jax.numpy as jnp
@@ -21,9 +22,12 @@ from pallas_kernels.paged_attention import cpu, pallas, pallas_tpu, reference
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
 
 
-def resolve_attention_impl(impl: str, platform: str, dtype, partitioned: bool = False) -> str:
+def resolve_attention_impl(impl: str, platform: str, dtype, partitioned: bool = False,
+                           head_dim: int | None = None, page_size: int | None = None) -> str:
     """The concrete implementation `impl` means on this platform for this KV dtype; `partitioned` when
-    the step runs sharded over several devices (only the jax.numpy reference partitions itself)."""
+    the step runs sharded over several devices by XLA's partitioner (only the jax.numpy reference
+    partitions itself). "auto": the C++ kernel on CPU/float32, Pallas on GPU/TPU where the kernel
+    supports the sizes (the engine then checks it with probe.pallas_problem), else the reference."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention_impl {impl!r}; expected one of {ATTENTION_IMPLS}")
     if partitioned:
@@ -32,27 +36,37 @@ def resolve_attention_impl(impl: str, platform: str, dtype, partitioned: bool = 
         return "reference"
     if impl == "cpu" and (platform != "cpu" or jnp.dtype(dtype) != jnp.float32):
         raise ValueError(f"attention_impl='cpu' needs the CPU platform and float32, not {platform}/{jnp.dtype(dtype)}")
+    unsupported = pallas.supported(head_dim, page_size, platform) if head_dim is not None else None
+    if impl == "pallas" and unsupported:
+        raise ValueError(f"attention_impl='pallas': {unsupported}; use 'reference' or 'auto'")
     if impl == "auto":
-        # The Pallas kernel has only run in interpret mode so far; "auto" takes it on GPU/TPU once a
-        # device run has checked its lowering there (bench/gpu_checks.sh).
-        use_cpu_kernel = platform == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu.available()
-        return "cpu" if use_cpu_kernel else "reference"
+        if platform == "cpu":
+            return "cpu" if jnp.dtype(dtype) == jnp.float32 and cpu.available() else "reference"
+        return "pallas" if platform in ("gpu", "tpu") and not unsupported else "reference"
     return impl
+
+
+def kernel_modules(impl: str):
+    """(attention module, KV-writer module) for a concrete implementation on this backend.
+
+    On TPU the Mosaic attention kernel; its pages are written by XLA's in-place scatter, since the
+    generic write kernel maps the whole page pool as one block, which Mosaic would stage in VMEM."""
+    on_tpu = jax.default_backend() == "tpu"
+    if impl == "pallas":
+        return (pallas_tpu, reference) if on_tpu else (pallas, pallas)
+    implementation = {"reference": reference, "cpu": cpu}.get(impl)
+    if implementation is None:
+        raise ValueError(f"unknown attention_impl {impl!r}; resolve 'auto' with resolve_attention_impl first")
+    return implementation, reference
 
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *,
                            query_block: int, sliding_window: int | None = None, impl: str = "reference"):
-    if impl == "pallas" and jax.default_backend() == "tpu":
-        impl = "pallas_tpu"
-    implementation = {"reference": reference, "cpu": cpu, "pallas": pallas, "pallas_tpu": pallas_tpu}.get(impl)
-    if implementation is None:
-        raise ValueError(f"unknown attention_impl {impl!r}; resolve 'auto' with resolve_attention_impl first")
-    return implementation.ragged_paged_attention(
+    return kernel_modules(impl)[0].ragged_paged_attention(
         q, k_pages, v_pages, page_table, token_seq_ids, positions,
         query_block=query_block, sliding_window=sliding_window)
 
 
 def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, impl: str = "reference"):
-    """The Pallas implementation writes with its own kernel; the others with the reference's in-place scatter."""
-    writer = pallas if impl == "pallas" else reference
-    return writer.write_kv_pages(k_pages, v_pages, k, v, slot_ids)
+    """Token t's K/V [K, D] into slot slot_ids[t] of the pages, in place (the pages are donated)."""
+    return kernel_modules(impl)[1].write_kv_pages(k_pages, v_pages, k, v, slot_ids)

@@ -1,12 +1,20 @@
 """Ragged paged attention as a Pallas kernel: the reference's contract, reading K/V pages in place.
 
-Grid: (query block, kv head). A program holds its block's query rows for one kv head (B tokens x G
-query heads, padded to a multiple of MIN_ROWS for the matmul units) and walks the block's sequence
-pages in spans of `pages_per_span` pages: it gathers those pages straight from the page pool through
-the page table (no dense copy of the context), scores them with one matmul, and folds them into an
-online softmax kept in float32. Spans past the block's newest position are never visited.
+Grid: (query block, kv head, context split). A program holds its block's query rows for one kv head
+(B tokens x G query heads, padded to a power of two of at least MIN_ROWS rows for the matmul units)
+and walks its split of the block's sequence pages in spans of `pages_per_span` pages: it gathers
+those pages straight from the page pool through the page table (no dense copy of the context),
+scores them with one matmul in the KV dtype accumulating in float32, and folds them into an online
+softmax kept in float32. Spans past the block's newest position are never visited.
 
-Written to Pallas' generic (Triton-style) GPU model; on the CPU it runs with interpret=True.
+Context splits (flash-decoding): a decode step of a few sequences has too few (block, kv head)
+programs to keep a GPU's cores busy, so the page table is cut into `num_splits` parts that run in
+parallel; each writes its unnormalized output with its running max and denominator, and a small
+combine outside the kernel merges them. With one split the kernel normalizes in place.
+
+Written to Pallas' generic (Triton) GPU model, whose arrays must have power-of-two sizes: on a GPU
+head_dim and page_size must be powers of two (`supported`); the dispatch falls back to the
+reference otherwise. On the CPU it runs with interpret=True, any sizes.
 """
 
 from __future__ import annotations
@@ -19,6 +27,19 @@ from jax.experimental import pallas as pl
 
 MIN_ROWS = 16  # matmul tiles on GPUs want at least 16 rows (and Triton, a power of two)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked span gives no NaN
+PROGRAMS_PER_CORE = 2  # context splits aim for this many programs per GPU core (SM)
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supported(head_dim: int, page_size: int, platform: str) -> str | None:
+    """Why the kernel cannot run with these sizes on this platform (None: it can)."""
+    if platform == "gpu" and not (_is_power_of_two(head_dim) and _is_power_of_two(page_size)):
+        return (f"the Pallas GPU (Triton) kernel needs power-of-two head_dim and page_size, "
+                f"got head_dim={head_dim}, page_size={page_size}")
+    return None
 
 
 def block_sizes(head_dim: int, page_size: int, dtype) -> int:
@@ -29,44 +50,79 @@ def block_sizes(head_dim: int, page_size: int, dtype) -> int:
     return max(1, keys // page_size)
 
 
-def _kernel(q_ref, k_pages_ref, v_pages_ref, pages_ref, positions_ref, o_ref, *, pages_per_span: int,
-            sliding_window: int | None):
+def default_num_splits(num_programs: int, num_spans: int, cores: int | None = None) -> int:
+    """Context splits so that (blocks x kv heads x splits) covers the device's cores about
+    PROGRAMS_PER_CORE times over, never more splits than spans in the page table. One on a CPU,
+    where interpret mode runs programs one after another."""
+    if cores is None:
+        cores = getattr(jax.devices()[0], "core_count", 0) if jax.default_backend() == "gpu" else 0
+    if not cores:
+        return 1
+    return max(1, min(num_spans, (PROGRAMS_PER_CORE * cores) // max(1, num_programs)))
+
+
+def _kernel(q_ref, k_pages_ref, v_pages_ref, pages_ref, positions_ref, *out_refs, pages_per_span: int,
+            sliding_window: int | None, normalize: bool):
     rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     span = pages_per_span * page_size
-    queries = q_ref[...].astype(jnp.float32) * (head_dim ** -0.5)
+    spans_per_split = pages_ref.shape[0] // pages_per_span
+    first_span = pl.program_id(2) * spans_per_split
+    keys_dtype = k_pages_ref.dtype
+    precision = jax.lax.Precision.HIGHEST if keys_dtype == jnp.float32 else None  # no TF32 for float32
+    queries = q_ref[...].astype(keys_dtype)
     positions = positions_ref[...]  # [R]; -1 for padding rows
-    num_spans = (jnp.max(positions) + span) // span
+    num_spans = jnp.clip((jnp.max(positions) + span) // span - first_span, 0, spans_per_split)
 
     def attend_span(index, carry):
         running_max, denominator, accumulator = carry
         pages = pages_ref[pl.ds(index * pages_per_span, pages_per_span)]
-        keys = k_pages_ref[pages].reshape(span, head_dim).astype(jnp.float32)
-        values = v_pages_ref[pages].reshape(span, head_dim).astype(jnp.float32)
-        scores = jnp.dot(queries, keys.T, preferred_element_type=jnp.float32)  # [R, L]
-        key_positions = index * span + jnp.arange(span)[None, :]
+        keys = k_pages_ref[pages].reshape(span, head_dim)
+        values = v_pages_ref[pages].reshape(span, head_dim)
+        scores = jnp.dot(queries, keys.T, preferred_element_type=jnp.float32, precision=precision)  # [R, L]
+        scores = scores * (head_dim ** -0.5)
+        key_positions = (first_span + index) * span + jnp.arange(span)[None, :]
         visible = key_positions <= positions[:, None]
         if sliding_window:
             visible &= key_positions > positions[:, None] - sliding_window
         scores = jnp.where(visible, scores, MASK_VALUE)
         new_max = jnp.maximum(running_max, scores.max(axis=-1))
         rescale = jnp.exp(running_max - new_max)
-        weights = jnp.exp(scores - new_max[:, None])
+        weights = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
         denominator = denominator * rescale + weights.sum(axis=-1)
-        accumulator = accumulator * rescale[:, None] + jnp.dot(weights, values, preferred_element_type=jnp.float32)
+        accumulator = accumulator * rescale[:, None] + jnp.dot(
+            weights.astype(keys_dtype), values, preferred_element_type=jnp.float32, precision=precision)
         return new_max, denominator, accumulator
 
     init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
-    _, denominator, accumulator = jax.lax.fori_loop(0, num_spans, attend_span, init)
-    out = accumulator / jnp.where(denominator > 0, denominator, 1.0)[:, None]
-    o_ref[...] = jnp.where((positions >= 0)[:, None], out, 0.0).astype(o_ref.dtype)
+    running_max, denominator, accumulator = jax.lax.fori_loop(0, num_spans, attend_span, init)
+    if normalize:
+        (o_ref,) = out_refs
+        out = accumulator / jnp.where(denominator > 0, denominator, 1.0)[:, None]
+        o_ref[...] = jnp.where((positions >= 0)[:, None], out, 0.0).astype(o_ref.dtype)
+    else:
+        accumulator_ref, max_ref, denominator_ref = out_refs
+        accumulator_ref[...] = accumulator
+        max_ref[...] = running_max
+        denominator_ref[...] = denominator
 
 
-@functools.partial(jax.jit, static_argnames=("query_block", "sliding_window", "interpret"))
+def _combine_splits(accumulator, running_max, denominator):
+    """Merge per-split online-softmax states [S, ..., R(, D)] into normalized outputs [..., R, D]."""
+    overall_max = running_max.max(axis=0)
+    weight = jnp.exp(running_max - overall_max[None])
+    denominator = (denominator * weight).sum(axis=0)
+    accumulator = (accumulator * weight[..., None]).sum(axis=0)
+    return accumulator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("query_block", "sliding_window", "interpret", "num_splits"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *, query_block: int,
-                           sliding_window: int | None = None, interpret: bool | None = None):
-    """Same arguments and result as reference.ragged_paged_attention."""
+                           sliding_window: int | None = None, interpret: bool | None = None,
+                           num_splits: int | None = None):
+    """Same arguments and result as reference.ragged_paged_attention; num_splits: context splits
+    (default: default_num_splits for this device)."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     num_tokens, num_heads, head_dim = q.shape
@@ -74,9 +130,12 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
     groups = num_heads // num_kv_heads
     num_blocks = num_tokens // query_block
     pages_per_span = block_sizes(head_dim, page_size, k_pages.dtype)
+    table_spans = -(-page_table.shape[1] // pages_per_span)
+    splits = num_splits or default_num_splits(num_blocks * num_kv_heads, table_spans)
+    pages_per_split = -(-table_spans // splits) * pages_per_span
 
     block_pages = page_table[token_seq_ids[::query_block]]  # [N, P]: page-table rows, not pages
-    block_pages = jnp.pad(block_pages, ((0, 0), (0, -block_pages.shape[1] % pages_per_span)))
+    block_pages = jnp.pad(block_pages, ((0, 0), (0, splits * pages_per_split - block_pages.shape[1])))
     rows = query_block * groups
     padded_rows = max(MIN_ROWS, 1 << (rows - 1).bit_length())  # Triton blocks are powers of two
     # [N, K, B*G, D]: a block's rows for one kv head are contiguous
@@ -86,28 +145,41 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
     row_positions = jnp.repeat(positions.reshape(num_blocks, query_block), groups, axis=1)
     row_positions = jnp.pad(row_positions, ((0, 0), (0, padded_rows - rows)), constant_values=-1)
 
-    out = pl.pallas_call(
-        functools.partial(_kernel, pages_per_span=pages_per_span, sliding_window=sliding_window),
-        grid=(num_blocks, num_kv_heads),
+    normalize = splits == 1
+    rows_spec = pl.BlockSpec((None, None, None, padded_rows), lambda n, k, s: (s, n, k, 0))
+    rows_shape = jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, padded_rows), jnp.float32)
+    out_spec = pl.BlockSpec((None, None, None, padded_rows, head_dim), lambda n, k, s: (s, n, k, 0, 0))
+    out_shape = jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, padded_rows, head_dim),
+                                     q.dtype if normalize else jnp.float32)
+    outs = pl.pallas_call(
+        functools.partial(_kernel, pages_per_span=pages_per_span, sliding_window=sliding_window,
+                          normalize=normalize),
+        grid=(num_blocks, num_kv_heads, splits),
         in_specs=[
-            pl.BlockSpec((None, None, padded_rows, head_dim), lambda n, k: (n, k, 0, 0)),
-            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda n, k: (0, 0, k, 0)),
-            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda n, k: (0, 0, k, 0)),
-            pl.BlockSpec((None, block_pages.shape[1]), lambda n, k: (n, 0)),
-            pl.BlockSpec((None, padded_rows), lambda n, k: (n, 0)),
+            pl.BlockSpec((None, None, padded_rows, head_dim), lambda n, k, s: (n, k, 0, 0)),
+            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda n, k, s: (0, 0, k, 0)),
+            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda n, k, s: (0, 0, k, 0)),
+            pl.BlockSpec((None, pages_per_split), lambda n, k, s: (n, s)),
+            pl.BlockSpec((None, padded_rows), lambda n, k, s: (n, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, padded_rows, head_dim), lambda n, k: (n, k, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, padded_rows, head_dim), q.dtype),
+        out_specs=[out_spec] if normalize else [out_spec, rows_spec, rows_spec],
+        out_shape=[out_shape] if normalize else [out_shape, rows_shape, rows_shape],
         interpret=interpret,
         name="ragged_paged_attention",
     )(queries, k_pages, v_pages, block_pages, row_positions)
+    if normalize:
+        out = outs[0][0]
+    else:
+        out = _combine_splits(*outs)
+        out = jnp.where((row_positions >= 0)[:, None, :, None], out, 0.0).astype(q.dtype)
     out = out[:, :, :rows].reshape(num_blocks, num_kv_heads, query_block, groups, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_heads, head_dim)
 
 
 def _write_kernel(slot_ids_ref, k_ref, v_ref, k_pages_in_ref, v_pages_in_ref, k_pages_ref, v_pages_ref, *,
                   tokens_per_program: int):
-    del k_pages_in_ref, v_pages_in_ref  # aliased to the outputs: the pages are updated in place
+    """One kv head's [D] vectors of a group of tokens, each into its slot (pages updated in place)."""
+    del k_pages_in_ref, v_pages_in_ref  # aliased to the outputs
     page_size = k_pages_ref.shape[1]
     first = pl.program_id(0) * tokens_per_program
 
@@ -123,20 +195,20 @@ def _write_kernel(slot_ids_ref, k_ref, v_ref, k_pages_in_ref, v_pages_in_ref, k_
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0, 1))
 def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, interpret: bool | None = None):
-    """Same contract as reference.write_kv_pages: token t's K/V [K, D] goes to slot slot_ids[t]."""
+    """Same contract as reference.write_kv_pages: token t's K/V [K, D] goes to slot slot_ids[t].
+    Grid: (token group, kv head); each program stores [D] vectors, whatever the number of kv heads."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     num_tokens, num_kv_heads, head_dim = k.shape
+    num_pages, page_size = k_pages.shape[:2]
     tokens_per_program = next(n for n in (16, 8, 4, 2, 1) if num_tokens % n == 0)
-    whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    tokens_spec = pl.BlockSpec((tokens_per_program, None, head_dim), lambda i, h: (i, h, 0))
+    pages_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda i, h: (0, 0, h, 0))
     return pl.pallas_call(
         functools.partial(_write_kernel, tokens_per_program=tokens_per_program),
-        grid=(num_tokens // tokens_per_program,),
-        in_specs=[whole(slot_ids.shape),
-                  pl.BlockSpec((tokens_per_program, num_kv_heads, head_dim), lambda i: (i, 0, 0)),
-                  pl.BlockSpec((tokens_per_program, num_kv_heads, head_dim), lambda i: (i, 0, 0)),
-                  whole(k_pages.shape), whole(v_pages.shape)],
-        out_specs=[whole(k_pages.shape), whole(v_pages.shape)],
+        grid=(num_tokens // tokens_per_program, num_kv_heads),
+        in_specs=[pl.BlockSpec(slot_ids.shape, lambda i, h: (0,)), tokens_spec, tokens_spec, pages_spec, pages_spec],
+        out_specs=[pages_spec, pages_spec],
         out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
         input_output_aliases={3: 0, 4: 1},

@@ -119,7 +119,7 @@ def test_auto_takes_pallas_on_accelerators_where_the_kernel_fits():
         assert resolve_attention_impl("auto", platform, jnp.bfloat16, head_dim=128, page_size=16) == "pallas"
     # Triton wants power-of-two tiles: other sizes keep the reference under auto and are refused when asked for
     assert resolve_attention_impl("auto", "gpu", jnp.bfloat16, head_dim=96, page_size=16) == "reference"
-    with pytest.raises(ValueError, match="power-of-two head_dim and page_size, got head_dim=96"):
+    with pytest.raises(ValueError, match="power-of-two head_dim >= 16 and page_size, got head_dim=96"):
         resolve_attention_impl("pallas", "gpu", jnp.bfloat16, head_dim=96, page_size=16)
     assert resolve_attention_impl("pallas", "cpu", jnp.float32, head_dim=96, page_size=12) == "pallas"  # interpret
     assert resolve_attention_impl("auto", "gpu", jnp.bfloat16, partitioned=True, head_dim=128, page_size=16) == \

@@ -76,7 +76,7 @@ def test_split_heuristic_fills_the_device():
     assert pallas.default_num_splits(num_programs=512, num_spans=64, cores=132) == 1  # batch 64: enough programs
     assert pallas.default_num_splits(num_programs=8, num_spans=4, cores=132) == 4  # no more than spans
     assert pallas.default_num_splits(num_programs=8, num_spans=64, cores=0) == 1  # CPU interpret mode
-    assert pallas.supported(96, 16, "gpu") and pallas.supported(128, 12, "gpu")
+    assert pallas.supported(96, 16, "gpu") and pallas.supported(128, 12, "gpu") and pallas.supported(8, 16, "gpu")
     assert pallas.supported(128, 16, "gpu") is None and pallas.supported(96, 12, "cpu") is None
 
 

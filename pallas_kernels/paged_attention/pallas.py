@@ -36,8 +36,9 @@ def _is_power_of_two(n: int) -> bool:
 
 def supported(head_dim: int, page_size: int, platform: str) -> str | None:
     """Why the kernel cannot run with these sizes on this platform (None: it can)."""
-    if platform == "gpu" and not (_is_power_of_two(head_dim) and _is_power_of_two(page_size)):
-        return (f"the Pallas GPU (Triton) kernel needs power-of-two head_dim and page_size, "
+    # Triton: every loaded tile has a power-of-two size, and tl.dot wants each dimension >= 16.
+    if platform == "gpu" and not (_is_power_of_two(head_dim) and head_dim >= 16 and _is_power_of_two(page_size)):
+        return (f"the Pallas GPU (Triton) kernel needs power-of-two head_dim >= 16 and page_size, "
                 f"got head_dim={head_dim}, page_size={page_size}")
     return None
 

@@ -8,8 +8,10 @@
 # old, carry wheels: `bash bench/gpu_wheels.sh flax==X` here, then name .whl in the tool's carry; this
 # script installs whatever .whl/ holds first. From the device tool:
 #   run(command="bash bench/gpu_checks.sh", carry=[".whl"], timeout_s=540)
+# QUICK=1 shrinks the bench and the e2e run, to try the script itself on a CPU.
 set -uo pipefail
 OUT=${OUT:-bench/results}
+export QUICK=${QUICK:-0}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -17,14 +19,14 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 $PYTHON -m pip list 2>/dev/null | grep -E "^(jax|jaxlib|flax|numpy) " > "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/device.txt" 2>&1
 $PYTHON -c "import jax; print(jax.devices())" >> "$OUT/device.txt" 2>&1
 timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/test_pallas_attention.py 2>&1 | tee "$OUT/gpu_kernel_tests.txt"
 timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/test_paged_attention.py -k "pallas or probe" 2>&1 \
   | tee -a "$OUT/gpu_kernel_tests.txt"
-timeout 240 $PYTHON bench/kernels.py --impls reference,pallas --full 2>&1 | tee "$OUT/kernels_gpu.jsonl"
+timeout 240 $PYTHON bench/kernels.py --impls reference,pallas $([ "$QUICK" = 1 ] || echo --full) 2>&1 | tee "$OUT/kernels_gpu.jsonl"
 timeout 240 $PYTHON - <<'PY' 2>&1 | tee "$OUT/decode_e2e_gpu.jsonl"
 import json, os, tempfile, time
 from safetensors.numpy import save_file
@@ -36,15 +38,22 @@ config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size
 directory = tempfile.mkdtemp()
 json.dump(config, open(os.path.join(directory, "config.json"), "w"))
 save_file(random_llama_weights(config), os.path.join(directory, "model.safetensors"))
-prompts = [[1] + list(range(3, 3 + 1000))] * 32
-params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+quick = os.environ.get("QUICK") == "1"
+num_prompts, new_tokens = (4, 16) if quick else (32, 256)
+prompts = [[1] + list(range(3, 3 + (100 if quick else 1000)))] * num_prompts
+params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+first = None
 for impl in ("reference", "pallas", "auto"):
-    llm = LLM(directory, dtype="bfloat16", attention_impl=impl, max_model_len=2048, max_num_seqs=32,
-              max_num_batched_tokens=2048, show_progress=False)
+    llm = LLM(directory, dtype="bfloat16", attention_impl=impl, max_model_len=256 if quick else 2048,
+              max_num_seqs=num_prompts, max_num_batched_tokens=256 if quick else 2048, show_progress=False)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    print(json.dumps(dict(impl=impl, resolved=llm.stats()["attention_impl"], output_tokens_per_s=round(32 * 256 / seconds, 1), seconds=round(seconds, 3),
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    first = first or tokens
+    print(json.dumps(dict(impl=impl, resolved=llm.stats()["attention_impl"],
+                          output_tokens_per_s=round(num_prompts * new_tokens / seconds, 1), seconds=round(seconds, 3),
+                          same_tokens_as_reference=tokens == first,
                           compiles_after_warmup=llm.stats()["num_compiles_after_warmup"])))
 PY

@@ -95,11 +95,16 @@ class Engine:
         if self.expert_parallel and mc.num_experts % self.mesh.devices.size:
             raise ValueError(f"{mc.num_experts} experts do not divide over the {self.mesh.devices.size} devices of "
                              f"data_parallel_size x tensor_parallel_size")
-        # Data-parallel attention runs the single-device kernels inside shard_map; tensor parallelism
-        # alone relies on XLA's partitioner, which only the jax.numpy reference goes through.
+        # Attention runs the single-device kernels per shard under shard_map (sharding/attention.py)
+        # when the ranks or the KV heads split the work; tensor parallelism over KV heads that do not
+        # divide relies on XLA's partitioner, which only the jax.numpy reference goes through.
+        tensor_parallel = config.tensor_parallel_size
+        kv_heads_split = tensor_parallel > 1 and mc.num_kv_heads % tensor_parallel == 0
+        self.attention_mesh = self.mesh if self.mesh is not None and (num_ranks > 1 or kv_heads_split) else None
         self.attention_impl = resolve_attention_impl(
             config.attention_impl, jax.default_backend(), self.dtype,
-            partitioned=self.mesh is not None and num_ranks == 1, head_dim=mc.head_dim, page_size=config.page_size)
+            partitioned=self.mesh is not None and self.attention_mesh is None, head_dim=mc.head_dim,
+            page_size=config.page_size)
         if config.attention_impl == "auto" and self.attention_impl == "pallas":
             problem = pallas_problem(mc.num_heads, mc.num_kv_heads, mc.head_dim, config.page_size, self.dtype,
                                      query_blocks=(1, config.prefill_query_block))
@@ -109,7 +114,7 @@ class Engine:
                 self.attention_impl = "reference"
         abstract_model = nnx.eval_shape(lambda: build_model(
             mc, self.dtype, attention_impl=self.attention_impl, rngs=nnx.Rngs(0),
-            data_parallel_mesh=self.mesh if num_ranks > 1 else None,
+            attention_mesh=self.attention_mesh,
             expert_parallel_mesh=self.mesh if self.expert_parallel else None))
         if config.expert_load_profile is not None and not self.expert_parallel:
             raise ValueError("expert_load_profile places experts on devices: it needs a mixture-of-experts model "
@@ -148,8 +153,8 @@ class Engine:
         kv_pages = KVPages.zeros(mc.num_layers, num_ranks * num_pages, config.page_size, mc.num_kv_heads,
                                  mc.head_dim, self.dtype)
         if self.mesh is not None:
-            # Under data parallelism each rank's attention needs all KV heads of its own pages.
-            kv_axes = ("pages", "page_offset", "kv_heads" if num_ranks == 1 else None, "head_dim")
+            # Each data-parallel rank holds its own pages; each tensor shard its KV heads' slice of them.
+            kv_axes = ("pages", "page_offset", "kv_heads", "head_dim")
             spec = partition_spec(kv_axes, self.mesh, logical_sizes(mc))
             kv_pages = jax.device_put(kv_pages, NamedSharding(self.mesh, spec))
         self.runner = ModelRunner(model, kv_pages=kv_pages, buckets=self.buckets, page_size=config.page_size,

@@ -1,8 +1,14 @@
-"""Data-parallel attention: every rank attends over its own sequences and its own range of KV pages.
+"""Sharded attention: every device attends over its own sequences and its own KV heads, with the
+single-device kernels, under `shard_map`.
 
-The step's tokens, page tables and page pool are laid out rank by rank (jaxserve/batch.py), with
-page ids local to each rank, so under `shard_map` over the "data" axis each device runs the plain
-single-device attention on exactly its part. (Across "tensor" the heads are gathered, for now.)
+Data parallelism: the step's tokens, page tables and page pool are laid out rank by rank
+(jaxserve/batch.py), with page ids local to each rank, so each "data" shard holds exactly its
+sequences and their pages. Tensor parallelism: when the KV heads divide over "tensor", each shard
+holds its KV heads' slice of every page and the query heads that read them (query head h reads KV
+head h // groups, so equal contiguous slices of both line up). When they do not divide, the KV
+heads are replicated and the query heads gathered on every tensor shard (the engine only takes
+this path with data parallelism; tensor parallelism alone then goes through XLA's partitioner).
+All specs come from the logical-axis rules.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.sharding import PartitionSpec
 
 from pallas_kernels import ragged_paged_attention, write_kv_pages
 from sharding.rules import partition_spec
@@ -23,16 +30,25 @@ def _write_and_attend(q, k, v, key_pages, value_pages, positions, slot_ids, toke
     return out, key_pages, value_pages
 
 
-def data_parallel_write_and_attend(mesh, q, k, v, key_pages, value_pages, metadata, *, sliding_window, impl):
-    # Tokens and their metadata follow the "batch" rule, the page pool the "pages" rule: both put
-    # each rank's share on its own "data" device, which is what lets every rank attend alone.
-    tokens, pages = partition_spec(("batch",), mesh), partition_spec(("pages",), mesh)
-    if tokens != pages:
-        raise ValueError(f"data-parallel attention needs tokens and pages split alike, got {tokens} and {pages}")
+def attention_specs(mesh, num_kv_heads: int) -> dict[str, PartitionSpec]:
+    """Partition specs of the sharded attention's operands, from the rules table."""
+    sizes = {"kv_heads": num_kv_heads}
+    kv = partition_spec(("batch", "kv_heads"), mesh, sizes)
+    pages = partition_spec(("pages", "page_offset", "kv_heads"), mesh, sizes)
+    tokens = partition_spec(("batch",), mesh)
+    if pages[0] != tokens[0]:
+        raise ValueError(f"sharded attention needs tokens and pages split alike, got {tokens} and {pages}")
+    # query heads follow their kv heads (split exactly when those are): the "heads" spec is kv's
+    return {"tokens": tokens, "heads": kv, "pages": pages}
+
+
+def sharded_write_and_attend(mesh, q, k, v, key_pages, value_pages, metadata, *, sliding_window, impl):
+    specs = attention_specs(mesh, k.shape[1])
+    tokens, heads, pages = specs["tokens"], specs["heads"], specs["pages"]
     body = jax.shard_map(
         functools.partial(_write_and_attend, query_block=metadata.query_block, sliding_window=sliding_window,
                           impl=impl),
-        mesh=mesh, in_specs=(tokens,) * 3 + (pages,) * 2 + (tokens,) * 4, out_specs=(tokens, pages, pages),
+        mesh=mesh, in_specs=(heads, heads, heads, pages, pages) + (tokens,) * 4, out_specs=(heads, pages, pages),
         check_vma=False)
     return body(q, k, v, key_pages, value_pages, metadata.positions, metadata.slot_ids, metadata.token_seq_ids,
                 metadata.page_table)

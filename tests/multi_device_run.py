@@ -70,12 +70,12 @@ for directory in orbax_dirs:
                                                    for o, p in zip(outputs, prompts)],
                                   "num_devices_holding_embedding": len(spec.device_set)}
 for run in runs:
-    # name:tp[:dp[:ep]]
-    name, tp, dp, ep = (run.split(":") + ["1", "0"])[:4] if run.count(":") < 3 else run.split(":")
+    # name:tp[:dp[:ep[:attention_impl]]]
+    name, tp, dp, ep, impl = (run.split(":") + ["1", "-", "auto"][run.count(":") - 1:])
     tp, dp, ep = int(tp), int(dp), ep == "ep"
     try:
         llm = LLM(fixture_dir(name), **{**SMALL_ENGINE, "tensor_parallel_size": tp, "data_parallel_size": dp,
-                                        "enable_expert_parallel": ep})
+                                        "enable_expert_parallel": ep, "attention_impl": impl})
     except ValueError as error:
         results[run] = {"error": str(error)}
         continue

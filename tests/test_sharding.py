@@ -21,6 +21,7 @@ def multi_device_results(tmp_path_factory):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2",
             "llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep", "mixtral:1:8:ep",
+            "llama_gqa:2:2:-:pallas",
             f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}", f"--rebalance={tmp_path_factory.mktemp('rb')}"]
     result = subprocess.run([sys.executable, os.path.join(TESTS, "multi_device_run.py"), *runs], cwd=TESTS, env=env,
                             capture_output=True, text=True, timeout=900)
@@ -34,16 +35,23 @@ def test_tensor_parallel_outputs_equal_transformers(multi_device_results, run):
     outcome = multi_device_results[run]
     assert all(outcome["greedy_equal"]), outcome["greedy_equal"]
     assert outcome["max_logprob_error"] < 1e-3
-    assert outcome["compiles_after_warmup"] == 0 and outcome["attention_impl"] == "reference"
+    assert outcome["compiles_after_warmup"] == 0
+    # KV heads that divide over the tensor shards: the kernels run per shard; else XLA partitions the reference
+    assert outcome["attention_impl"] == ("cpu" if run in ("llama_gqa:2", "mixtral:2") else "reference")
 
 
-@pytest.mark.parametrize("run", ["llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep"])
+@pytest.mark.parametrize("run", ["llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep",
+                                 "llama_gqa:2:2:-:pallas"])
 def test_data_and_expert_parallel_outputs_equal_transformers(multi_device_results, run):
-    """Attention per data-parallel rank over its own pages; experts spread over every device."""
+    """Attention per data-parallel rank over its own pages (and per tensor shard over its KV heads, here
+    also with the Pallas kernels); experts spread over every device."""
     outcome = multi_device_results[run]
     assert all(outcome["greedy_equal"]), outcome["greedy_equal"]
     assert outcome["max_logprob_error"] < 1e-3 and outcome["compiles_after_warmup"] == 0
     assert outcome["kv_pages_spec"][0] == "data", "each rank holds its own range of pages"
+    # and with 2 tensor shards per rank, each holds one of the 2 KV heads of its pages
+    assert outcome["kv_pages_spec"][2] == ("tensor" if run in ("mixtral:2:2:ep", "llama_gqa:2:2:-:pallas") else "None")
+    assert outcome["attention_impl"] == ("pallas" if run.endswith("pallas") else "cpu")
 
 
 def test_expert_parallel_placement(multi_device_results):

@@ -8,13 +8,14 @@ from jaxserve.models.kv_pages import KVPages, AttentionMetadata
 from jaxserve.models.llama import CausalLM
 
 
-def build_model(config, dtype, attention_impl: str = "reference", rngs=None, data_parallel_mesh=None,
+def build_model(config, dtype, attention_impl: str = "reference", rngs=None, attention_mesh=None,
                 expert_parallel_mesh=None):
-    """data_parallel_mesh: ranks attend over their own pages; expert_parallel_mesh: experts spread over it."""
+    """attention_mesh: each device attends over its own sequences and kv heads (sharding/attention.py);
+    expert_parallel_mesh: experts spread over it."""
     from flax import nnx
 
     return CausalLM(config, dtype=dtype, attention_impl=attention_impl, rngs=rngs or nnx.Rngs(0),
-                    data_parallel_mesh=data_parallel_mesh, expert_parallel_mesh=expert_parallel_mesh)
+                    attention_mesh=attention_mesh, expert_parallel_mesh=expert_parallel_mesh)
 
 
 __all__ = ["AttentionMetadata", "CausalLM", "KVPages", "build_model"]

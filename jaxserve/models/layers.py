@@ -12,7 +12,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models.kv_pages import AttentionMetadata
 from pallas_kernels import ragged_paged_attention, write_kv_pages
-from sharding.attention import data_parallel_write_and_attend
+from sharding.attention import sharded_write_and_attend
 
 # Legend: T = tokens in the step, E = embed (hidden), H = query heads, K = kv heads, D = head dim, F = mlp.
 
@@ -71,7 +71,7 @@ def linear(in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs, data_parallel_mesh=None):
+    def __init__(self, config: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs, attention_mesh=None):
         e, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.q_proj = linear(e, config.num_heads * d, bias=config.attention_bias, dtype=dtype, rngs=rngs)
@@ -80,7 +80,7 @@ class Attention(nnx.Module):
         self.o_proj = linear(config.num_heads * d, e, bias=config.attention_bias, dtype=dtype, rngs=rngs)
         self.sliding_window = config.sliding_window
         self.attention_impl = attention_impl
-        self.data_parallel_mesh = data_parallel_mesh  # set: each data-parallel rank attends over its own pages
+        self.attention_mesh = attention_mesh  # set: attention runs per shard (sharding/attention.py)
         # A tuple, not an array: module attributes that are not params must be static and hashable.
         self.inverse_frequencies = tuple(rope_inverse_frequencies(d, config.rope_theta, config.rope_scaling).tolist())
 
@@ -92,9 +92,9 @@ class Attention(nnx.Module):
         inverse_frequencies = jnp.asarray(self.inverse_frequencies, jnp.float32)
         q = apply_rope(q, metadata.positions, inverse_frequencies)
         k = apply_rope(k, metadata.positions, inverse_frequencies)
-        if self.data_parallel_mesh is not None:
-            out, key_pages, value_pages = data_parallel_write_and_attend(
-                self.data_parallel_mesh, q, k, v, key_pages, value_pages, metadata,
+        if self.attention_mesh is not None:
+            out, key_pages, value_pages = sharded_write_and_attend(
+                self.attention_mesh, q, k, v, key_pages, value_pages, metadata,
                 sliding_window=self.sliding_window, impl=self.attention_impl)
         else:
             key_pages, value_pages = write_kv_pages(key_pages, value_pages, k, v, metadata.slot_ids,

@@ -14,10 +14,10 @@ from jaxserve.models.mixtral import SparseMoE
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs, data_parallel_mesh=None,
+    def __init__(self, config: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs, attention_mesh=None,
                  expert_parallel_mesh=None):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype, attention_impl, rngs, data_parallel_mesh)
+        self.self_attn = Attention(config, dtype, attention_impl, rngs, attention_mesh)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = SparseMoE(config, dtype, rngs, expert_parallel_mesh) if config.is_moe else MLP(config, dtype, rngs)
 
@@ -29,10 +29,10 @@ class DecoderLayer(nnx.Module):
 
 class CausalLM(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, attention_impl: str = "reference", rngs: nnx.Rngs,
-                 data_parallel_mesh=None, expert_parallel_mesh=None):
+                 attention_mesh=None, expert_parallel_mesh=None):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
                                       rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, dtype, attention_impl, rngs, data_parallel_mesh,
+        self.layers = nnx.List([DecoderLayer(config, dtype, attention_impl, rngs, attention_mesh,
                                              expert_parallel_mesh) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else linear(

@@ -207,6 +207,8 @@ class EngineConfig:
     # Tokens routed per expert ([layers][experts] JSON, e.g. llm.stats()["expert_tokens"] of an earlier
     # run): experts are placed at start-up so that device loads even out (expert parallelism only).
     expert_load_profile: str | None = None
+    # Every this many engine steps, move experts by the load routed since the last move (0: never).
+    expert_rebalance_interval: int = 0
     page_size: int = 16
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB of host memory for evicted prefix pages (needs prefix caching)
@@ -235,6 +237,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_rebalance_interval < 0:
+            raise ValueError(f"expert_rebalance_interval must be >= 0, got {self.expert_rebalance_interval}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (one page is reserved), got {self.num_pages}")
         if self.max_model_len is not None and self.max_model_len < 1:

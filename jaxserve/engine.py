@@ -116,9 +116,11 @@ class Engine:
             mc, self.dtype, attention_impl=self.attention_impl, rngs=nnx.Rngs(0),
             attention_mesh=self.attention_mesh,
             expert_parallel_mesh=self.mesh if self.expert_parallel else None))
-        if config.expert_load_profile is not None and not self.expert_parallel:
-            raise ValueError("expert_load_profile places experts on devices: it needs a mixture-of-experts model "
-                             "with enable_expert_parallel and data_parallel_size x tensor_parallel_size > 1")
+        self.num_expert_rebalances = 0
+        for option in ("expert_load_profile", "expert_rebalance_interval"):
+            if getattr(config, option) and not self.expert_parallel:
+                raise ValueError(f"{option} places experts on devices: it needs a mixture-of-experts model with "
+                                 "enable_expert_parallel and data_parallel_size x tensor_parallel_size > 1")
         # Params come from the checkpoint; the expert placements (expert parallelism only) are not params.
         graphdef, abstract_params, abstract_placement = nnx.split(abstract_model, nnx.Param, ...)
         if self.is_orbax:
@@ -174,6 +176,7 @@ class Engine:
         self.expert_tokens = np.zeros((mc.num_layers, mc.num_experts), np.int64)  # cumulative, real tokens
         # [layers, experts]: the device each expert sits on (expert parallelism only)
         self.expert_devices = device_of_experts(self.runner.params()) if self.expert_parallel else None
+        self._expert_tokens_at_rebalance = self.expert_tokens.copy()  # the periodic rebalance's window starts here
         self.num_steps = 0
 
     def save_checkpoint(self, directory: str) -> None:
@@ -193,6 +196,7 @@ class Engine:
             raise ValueError("the expert load profile is all zeros: nothing to balance by")
         self.runner.replace_params(rebalance(self.runner.params(), load))
         self.expert_devices = device_of_experts(self.runner.params())
+        self.num_expert_rebalances += 1
 
     def _param_sharding(self, path: tuple) -> NamedSharding | None:
         """Where a param lives, by the logical-axis rules (None: the default device)."""
@@ -285,6 +289,12 @@ class Engine:
             if self.model_config.is_moe:
                 self.expert_tokens += np.asarray(expert_counts)
         self.num_steps += 1
+        interval = self.config.expert_rebalance_interval
+        if interval and self.num_steps % interval == 0:
+            window = self.expert_tokens - self._expert_tokens_at_rebalance
+            if window.any():
+                self.rebalance_experts(window)
+                self._expert_tokens_at_rebalance = self.expert_tokens.copy()
         outputs = []
         for request_id, state in progressed.items():
             outputs.append(state.output())
@@ -360,6 +370,7 @@ class Engine:
                                   for devices, tokens in zip(self.expert_devices, self.expert_tokens)])  # [L, D]
             stats["expert_device_tokens"] = per_layer.sum(axis=0).astype(np.int64).tolist()
             stats["expert_devices"] = self.expert_devices.tolist()
+            stats["expert_rebalances"] = self.num_expert_rebalances
             # Every layer waits for its busiest device: the imbalance that costs time is per layer,
             # sum over layers of (busiest device) / sum over layers of (mean device).
             stats["expert_device_imbalance"] = round(float(per_layer.max(axis=1).sum() / per_layer.mean(axis=1).sum()),

@@ -120,6 +120,9 @@ def rebalance(state: nnx.State, load: np.ndarray) -> nnx.State:
         placed = flat[prefix + ("expert_device",)].get_value()
         num_experts, num_devices = placed.shape[0], placed.sharding.mesh.devices.size
         device_of, slot_of, storage_order = place_experts(load[layer], num_experts, num_devices)
+        if (np.array_equal(device_of, placed) and
+                np.array_equal(slot_of, flat[prefix + ("expert_slot",)].get_value())):
+            continue  # this layer's experts already sit where they should
         gather = _stored_rows(flat, prefix)[np.asarray(storage_order)]  # new row j <- expert storage_order[j]
         for name in EXPERT_WEIGHTS:
             variable = flat[prefix + (name,)]

@@ -48,6 +48,8 @@ for directory in rebalance_dirs:
                                 if ".".join(map(str, p)) == "layers.0.mlp.gate_proj"))
     device_of = np.asarray(moved["expert_devices"][0])
     at_start = LLM(fixture_dir("mixtral_8x"), **{**ep4, "expert_load_profile": profile})
+    periodic = LLM(fixture_dir("mixtral_8x"), **{**ep4, "expert_rebalance_interval": 3})
+    periodic_equal = greedy_equal(periodic, "mixtral_8x")
     results["rebalance"] = {
         "before_equal": before_equal, "after_equal": after_equal, "before": before["expert_device_tokens"],
         "moved": moved["expert_device_tokens"], "before_imbalance": before["expert_device_imbalance"],
@@ -57,6 +59,11 @@ for directory in rebalance_dirs:
         "restored_equal": greedy_equal(restored, "mixtral_8x"),
         "start_up_devices_equal": at_start.stats()["expert_devices"] == moved["expert_devices"],
         "start_up_equal": greedy_equal(at_start, "mixtral_8x"),
+        "start_up_rebalances": at_start.stats()["expert_rebalances"],
+        "periodic_equal": periodic_equal,
+        "periodic_rebalances": periodic.stats()["expert_rebalances"],
+        "periodic_steps": periodic.stats()["num_steps"],
+        "periodic_compiles": periodic.stats()["num_compiles_after_warmup"],
     }
 for directory in orbax_dirs:
     # saved from a 2-way tensor-parallel engine, restored onto 4 devices and onto 1

@@ -140,6 +140,24 @@ def test_metrics_scrape(server):
                  "jaxserve_preemptions"):
         assert name in text, name
     assert server.metric("jaxserve_compiles_after_warmup") == 0
+    assert "jaxserve_expert" not in text  # a dense model has no expert metrics
+
+
+def test_expert_load_metrics_follow_the_engine_stats():
+    from prometheus_client import generate_latest
+
+    from jaxserve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    stats = {"num_running": 1, "num_waiting": 0, "kv_pages_total": 10, "kv_pages_free": 4, "prefix_cache_hit_rate": 0.5,
+             "num_compiles_after_warmup": 0, "num_preemptions": 0, "expert_load_max_over_mean": 1.75,
+             "expert_device_tokens": [30, 10], "expert_device_imbalance": 1.5, "expert_rebalances": 2}
+    metrics.observe_engine(stats)
+    text = generate_latest(metrics.registry).decode()
+    for line in ('jaxserve_expert_device_tokens{device="0"} 30.0', 'jaxserve_expert_device_tokens{device="1"} 10.0',
+                 "jaxserve_expert_device_imbalance 1.5", "jaxserve_expert_load_max_over_mean 1.75",
+                 "jaxserve_expert_rebalances 2.0", "jaxserve_kv_cache_usage_ratio 0.6"):
+        assert line in text, line
 
 
 def test_overload_is_refused_and_sigterm_drains(tmp_path):

@@ -73,7 +73,10 @@ def test_rebalancing_experts_moves_weights_without_recompiling(multi_device_resu
     assert outcome["expert_devices_layer0"] != [0, 0, 1, 1, 2, 2, 3, 3]  # the contiguous start moved
     assert outcome["device0_holds_its_experts"]
     assert all(outcome["restored_equal"]) and all(outcome["start_up_equal"])
-    assert outcome["start_up_devices_equal"]
+    assert outcome["start_up_devices_equal"] and outcome["start_up_rebalances"] == 1
+    # every 3 steps, by the load routed since the last move: still transformers' tokens, still no compile
+    assert all(outcome["periodic_equal"]) and outcome["periodic_compiles"] == 0
+    assert 1 <= outcome["periodic_rebalances"] <= outcome["periodic_steps"] // 3
 
 
 def test_params_and_pages_are_sharded_by_the_rules(multi_device_results):
@@ -170,7 +173,11 @@ def test_expert_load_profiles_are_validated(tmp_path, llama_llm):
                 (tmp_path / "bad.json").write_text(json.dumps(bad))
                 bad = str(tmp_path / "bad.json")
             read_load_profile(bad, 2, 2)
-    with pytest.raises(ValueError, match="needs a mixture-of-experts model with enable_expert_parallel"):
+    with pytest.raises(ValueError, match="expert_load_profile places experts on devices: it needs"):
         LLM(fixture_dir("mixtral"), **SMALL_ENGINE, expert_load_profile=str(tmp_path / "stats.json"))
+    with pytest.raises(ValueError, match="expert_rebalance_interval places experts on devices"):
+        LLM(fixture_dir("mixtral"), **SMALL_ENGINE, expert_rebalance_interval=100)
+    with pytest.raises(ValueError, match="expert_rebalance_interval must be >= 0"):
+        LLM(fixture_dir("mixtral"), **SMALL_ENGINE, expert_rebalance_interval=-1)
     with pytest.raises(ValueError, match="rebalance_experts needs"):
         llama_llm.rebalance_experts([1.0])

@@ -32,6 +32,24 @@ class ServerMetrics:
         self.compiles_after_warmup = Gauge("jaxserve_compiles_after_warmup", "Executables compiled while serving",
                                            registry=r)
         self.preemptions = Gauge("jaxserve_preemptions", "Sequences preempted so far", registry=r)
+        self.expert_gauges: dict[str, Gauge] | None = None  # registered with a mixture-of-experts model's stats
+
+    def _register_expert_gauges(self) -> dict[str, Gauge]:
+        r = self.registry
+        return {
+            "expert_load_max_over_mean": Gauge(
+                "jaxserve_expert_load_max_over_mean",
+                "Tokens routed to the busiest expert over the mean expert, all layers", registry=r),
+            "expert_device_tokens": Gauge(
+                "jaxserve_expert_device_tokens", "Routed tokens computed on each device (expert parallelism)",
+                ["device"], registry=r),
+            "expert_device_imbalance": Gauge(
+                "jaxserve_expert_device_imbalance",
+                "Busiest device's routed tokens over the mean device's, summed over layers (expert parallelism)",
+                registry=r),
+            "expert_rebalances": Gauge("jaxserve_expert_rebalances", "Times experts were moved between devices",
+                                       registry=r),
+        }
 
     def observe_engine(self, stats: dict) -> None:
         self.running.set(stats["num_running"])
@@ -43,3 +61,14 @@ class ServerMetrics:
         self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
         self.compiles_after_warmup.set(stats["num_compiles_after_warmup"])
         self.preemptions.set(stats["num_preemptions"])
+        if "expert_load_max_over_mean" not in stats:
+            return
+        if self.expert_gauges is None:
+            self.expert_gauges = self._register_expert_gauges()
+        gauges = self.expert_gauges
+        gauges["expert_load_max_over_mean"].set(stats["expert_load_max_over_mean"])
+        if "expert_device_tokens" in stats:
+            for device, tokens in enumerate(stats["expert_device_tokens"]):
+                gauges["expert_device_tokens"].labels(device=str(device)).set(tokens)
+            gauges["expert_device_imbalance"].set(stats["expert_device_imbalance"])
+            gauges["expert_rebalances"].set(stats["expert_rebalances"])

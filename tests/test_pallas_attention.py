@@ -146,3 +146,46 @@ def test_write_kernel_updates_pages_in_place():
     assert consumers == {"k_pages": ["pallas_call"], "v_pages": ["pallas_call"]}
     (call,) = [eqn for eqn in inner.eqns if eqn.primitive.name == "pallas_call"]
     assert dict(call.params["input_output_aliases"]) == {3: 0, 4: 1}  # outputs alias the donated pages
+
+
+LOWERING_GRID = [  # (page_size, head_dim, groups, dtype, query_block, num_splits)
+    (16, 128, 4, jnp.bfloat16, 1, 1), (16, 128, 4, jnp.bfloat16, 1, 4), (16, 128, 8, jnp.bfloat16, 16, 1),
+    (32, 64, 1, jnp.float32, 1, 2), (8, 64, 4, jnp.float32, 8, 1), (16, 256, 2, jnp.bfloat16, 1, 1)]
+
+
+@pytest.mark.parametrize("page_size,head_dim,groups,dtype,query_block,num_splits", LOWERING_GRID)
+def test_kernels_lower_for_gpu_and_tpu_without_one(page_size, head_dim, groups, dtype, query_block, num_splits):
+    """The real (not interpret-mode) lowerings run in Python, so they are checked here: the Triton kernel
+    for CUDA (compute capability 9.0 when no GPU is present) and the Mosaic kernel for a TPU v5e."""
+    import functools
+
+    import jax
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    args = ragged_step(np.random.default_rng(0), page_size, head_dim, groups, dtype, query_block)
+    gpu = jax.jit(functools.partial(pallas.ragged_paged_attention, query_block=query_block, num_splits=num_splits,
+                                    interpret=False))
+    assert "triton" in gpu.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    tpu = jax.jit(functools.partial(pallas_tpu.ragged_paged_attention, query_block=query_block, interpret=False))
+    v5e = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5 lite", num_cores=1,
+                                                                     platform="tpu"))
+    with jax.sharding.use_abstract_mesh(v5e):
+        assert "tpu_custom_call" in tpu.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    if query_block == 1 and num_splits == 1:  # the write kernel too
+        pages, kv = args[1], args[1][:8, 0]
+        write = jax.jit(functools.partial(pallas.write_kv_pages, interpret=False))
+        assert "triton" in write.trace(pages, pages, kv, kv, jnp.zeros(8, jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("page_size,head_dim", [(16, 96), (12, 128)])
+def test_sizes_refused_on_gpu_are_those_triton_cannot_lower(page_size, head_dim):
+    import functools
+
+    import jax
+
+    assert pallas.supported(head_dim, page_size, "gpu") is not None
+    args = ragged_step(np.random.default_rng(0), page_size, head_dim, 4, jnp.bfloat16, 1)
+    kernel = jax.jit(functools.partial(pallas.ragged_paged_attention, query_block=1, interpret=False))
+    with pytest.raises(ValueError, match="power of 2"):
+        kernel.trace(*args).lower(lowering_platforms=("cuda",))

@@ -12,7 +12,8 @@ programs to keep a GPU's cores busy, so the page table is cut into `num_splits` 
 parallel; each writes its unnormalized output with its running max and denominator, and a small
 combine outside the kernel merges them. With one split the kernel normalizes in place.
 
-Written to Pallas' generic (Triton) GPU model, whose arrays must have power-of-two sizes: on a GPU
+Lowered with Triton on a GPU (chosen through its compiler params: JAX would otherwise pick Mosaic GPU
+and stage whole blocks in shared memory), whose arrays must have power-of-two sizes: on a GPU
 head_dim and page_size must be powers of two (`supported`); the dispatch falls back to the
 reference otherwise. On the CPU it runs with interpret=True, any sizes.
 """
@@ -24,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 MIN_ROWS = 16  # matmul tiles on GPUs want at least 16 rows (and Triton, a power of two)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked span gives no NaN
@@ -166,6 +168,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
         out_specs=[out_spec] if normalize else [out_spec, rows_spec, rows_spec],
         out_shape=[out_shape] if normalize else [out_shape, rows_shape, rows_shape],
         interpret=interpret,
+        # Triton, not Mosaic GPU (JAX's default for pallas_call on GPU), which would stage whole blocks,
+        # here a kv head's slice of the page pool, in shared memory.
+        compiler_params=pltriton.CompilerParams(num_warps=4 if padded_rows <= 32 else 8, num_stages=2),
         name="ragged_paged_attention",
     )(queries, k_pages, v_pages, block_pages, row_positions)
     if normalize:
@@ -214,5 +219,6 @@ def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, interpret: bool | None =
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
         input_output_aliases={3: 0, 4: 1},
         interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),  # [D] vector stores
         name="write_kv_pages",
     )(slot_ids, k, v, k_pages, v_pages)

@@ -4,9 +4,10 @@
 #   2. bench/kernels.py over the full grid (fraction of copy bandwidth; target >= 0.7 at context >= 1k),
 #   3. end-to-end decode of a ~32M Llama with attention_impl=pallas vs reference (and what auto picks).
 # Writes everything under $OUT (default bench/results). JAX with CUDA must already be installed there,
-# and the image has flax, orbax, safetensors, sentencepiece and pytest. Should a package there be too
-# old, carry wheels: `bash bench/gpu_wheels.sh flax==X` here, then name .whl in the tool's carry; this
-# script installs whatever .whl/ holds first. From the device tool:
+# and the image has flax, orbax, safetensors, sentencepiece and pytest; its flax may lack what this
+# project uses (nnx.capture), so carry the one pyproject resolves here. Here, before the device call:
+#   bash bench/gpu_wheels.sh "flax==$(.venv/bin/python -c 'import flax; print(flax.__version__)')"
+# then, from the device tool (this script installs whatever .whl/ holds first):
 #   run(command="bash bench/gpu_checks.sh", carry=[".whl"], timeout_s=540)
 # QUICK=1 shrinks the bench and the e2e run, to try the script itself on a CPU.
 set -uo pipefail

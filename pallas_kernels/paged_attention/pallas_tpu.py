@@ -2,8 +2,9 @@
 
 Grid: (query block, kv head). The page table rows and each block's newest position are
 scalar-prefetched into SMEM; a program walks its sequence's pages in spans of `pages_per_span`,
-starting the DMAs of one span's K and V pages (just this kv head's slice of each page, read in place
-from the page pool in HBM) into VMEM scratch, and folds the span into an online softmax in float32.
+DMAing each span's K and V pages (just this kv head's slice of each page, read in place from the
+page pool in HBM) into one of two VMEM buffers while the other span is computed (double buffering),
+and folds the span into an online softmax in float32 (matmuls in the KV dtype).
 Spans past the block's newest position are never copied. On the CPU it runs in Pallas' TPU
 interpret mode, which emulates the DMAs and semaphores.
 """
@@ -23,30 +24,47 @@ MIN_ROWS = 8  # sublanes of a TPU vector register
 
 
 def _kernel(block_pages_ref, block_max_position_ref, q_ref, positions_ref, k_pages_hbm, v_pages_hbm, o_ref,
-            k_span, v_span, semaphores, *, pages_per_seq: int, pages_per_span: int, sliding_window: int | None):
+            k_buffers, v_buffers, semaphores, *, pages_per_seq: int, pages_per_span: int, sliding_window: int | None):
     block, kv_head = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
-    page_size = k_span.shape[1]
+    page_size = k_buffers.shape[2]
     span = pages_per_span * page_size
-    queries = q_ref[...].astype(jnp.float32) * (head_dim ** -0.5)
+    dtype = k_buffers.dtype
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # float32 stays float32 on the MXU
+    queries = q_ref[...].astype(dtype)
     positions = positions_ref[...]  # [R, 1]; -1 for padding rows
     num_spans = (block_max_position_ref[block] + span) // span
 
-    def attend_span(index, carry):
-        running_max, denominator, accumulator = carry
+    def span_copies(index, buffer):
+        """The DMAs of span `index`'s K and V pages (this kv head's slice of each) into `buffer`."""
         copies = []
         for slot in range(pages_per_span):
             page = block_pages_ref[block * pages_per_seq + index * pages_per_span + slot]
-            for source, target, kind in ((k_pages_hbm, k_span, 0), (v_pages_hbm, v_span, 1)):
-                copy = pltpu.make_async_copy(source.at[page, :, kv_head, :], target.at[slot],
-                                             semaphores.at[kind, slot])
+            for source, target, kind in ((k_pages_hbm, k_buffers, 0), (v_pages_hbm, v_buffers, 1)):
+                copies.append(pltpu.make_async_copy(source.at[page, :, kv_head, :], target.at[buffer, slot],
+                                                    semaphores.at[kind, buffer, slot]))
+        return copies
+
+    @pl.when(num_spans > 0)
+    def _():
+        for copy in span_copies(0, 0):
+            copy.start()
+
+    def attend_span(index, carry):
+        running_max, denominator, accumulator = carry
+        buffer = index % 2
+
+        @pl.when(index + 1 < num_spans)
+        def _():  # double buffering: the next span's pages travel while this one is computed
+            for copy in span_copies(index + 1, 1 - buffer):
                 copy.start()
-                copies.append(copy)
-        for copy in copies:
+
+        for copy in span_copies(index, buffer):
             copy.wait()
-        keys = k_span[...].reshape(span, head_dim).astype(jnp.float32)
-        values = v_span[...].reshape(span, head_dim).astype(jnp.float32)
-        scores = jnp.dot(queries, keys.T, preferred_element_type=jnp.float32)  # [R, L]
+        keys = k_buffers[buffer].reshape(span, head_dim)
+        values = v_buffers[buffer].reshape(span, head_dim)
+        scores = jax.lax.dot_general(queries, keys, (((1,), (1,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32) * (head_dim ** -0.5)  # [R, L]
         key_positions = index * span + jax.lax.broadcasted_iota(jnp.int32, (1, span), 1)
         visible = key_positions <= positions
         if sliding_window:
@@ -56,7 +74,8 @@ def _kernel(block_pages_ref, block_max_position_ref, q_ref, positions_ref, k_pag
         rescale = jnp.exp(running_max - new_max)
         weights = jnp.exp(scores - new_max)
         denominator = denominator * rescale + weights.sum(axis=-1, keepdims=True)
-        accumulator = accumulator * rescale + jnp.dot(weights, values, preferred_element_type=jnp.float32)
+        accumulator = accumulator * rescale + jnp.dot(weights.astype(dtype), values, precision=precision,
+                                                      preferred_element_type=jnp.float32)
         return new_max, denominator, accumulator
 
     init = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
@@ -68,8 +87,9 @@ def _kernel(block_pages_ref, block_max_position_ref, q_ref, positions_ref, k_pag
 
 @functools.partial(jax.jit, static_argnames=("query_block", "sliding_window", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *, query_block: int,
-                           sliding_window: int | None = None, interpret: bool | None = None):
-    """Same arguments and result as reference.ragged_paged_attention."""
+                           sliding_window: int | None = None, interpret: bool | pltpu.InterpretParams | None = None):
+    """Same arguments and result as reference.ragged_paged_attention. interpret: Pallas' TPU
+    interpret mode (default: off a TPU), or its InterpretParams (to detect DMA races, say)."""
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     num_tokens, num_heads, head_dim = q.shape
@@ -100,16 +120,17 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
             pl.BlockSpec(memory_space=pl.ANY),
         ],
         out_specs=pl.BlockSpec((None, None, padded_rows, head_dim), lambda n, k, *_: (n, k, 0, 0)),
-        scratch_shapes=[pltpu.VMEM((pages_per_span, page_size, head_dim), k_pages.dtype),
-                        pltpu.VMEM((pages_per_span, page_size, head_dim), v_pages.dtype),
-                        pltpu.SemaphoreType.DMA((2, pages_per_span))],
+        scratch_shapes=[pltpu.VMEM((2, pages_per_span, page_size, head_dim), k_pages.dtype),  # two buffers
+                        pltpu.VMEM((2, pages_per_span, page_size, head_dim), v_pages.dtype),
+                        pltpu.SemaphoreType.DMA((2, 2, pages_per_span))],  # (K or V, buffer, page)
     )
     out = pl.pallas_call(
         functools.partial(_kernel, pages_per_seq=pages_per_seq, pages_per_span=pages_per_span,
                           sliding_window=sliding_window),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, padded_rows, head_dim), q.dtype),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=interpret if isinstance(interpret, pltpu.InterpretParams) else (
+            pltpu.InterpretParams() if interpret else False),
         name="ragged_paged_attention_tpu",
     )(block_pages.reshape(-1), block_max_position, queries, row_positions, k_pages, v_pages)
     out = out[:, :, :rows].reshape(num_blocks, num_kv_heads, query_block, groups, head_dim)

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from pallas_kernels import resolve_attention_impl
 from pallas_kernels.paged_attention.probe import pallas_problem
 from sharding import build_mesh, param_logical_axes, partition_spec
+from sharding.attention import kv_head_replicas
 from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES, logical_sizes
 
 from jaxserve.checkpoint import checkpoint_dtype, is_orbax_checkpoint, restore_params, save_checkpoint
@@ -96,11 +97,13 @@ class Engine:
             raise ValueError(f"{mc.num_experts} experts do not divide over the {self.mesh.devices.size} devices of "
                              f"data_parallel_size x tensor_parallel_size")
         # Attention runs the single-device kernels per shard under shard_map (sharding/attention.py)
-        # when the ranks or the KV heads split the work; tensor parallelism over KV heads that do not
-        # divide relies on XLA's partitioner, which only the jax.numpy reference goes through.
+        # when the ranks or the KV heads split the work (the cache storing copies of each KV head when
+        # there are fewer than tensor shards); tensor parallelism over heads that cannot split relies
+        # on XLA's partitioner, which only the jax.numpy reference goes through.
         tensor_parallel = config.tensor_parallel_size
-        kv_heads_split = tensor_parallel > 1 and mc.num_kv_heads % tensor_parallel == 0
-        self.attention_mesh = self.mesh if self.mesh is not None and (num_ranks > 1 or kv_heads_split) else None
+        replicas = kv_head_replicas(mc.num_heads, mc.num_kv_heads, tensor_parallel) if tensor_parallel > 1 else None
+        self.num_cache_kv_heads = mc.num_kv_heads * (replicas or 1)
+        self.attention_mesh = self.mesh if self.mesh is not None and (num_ranks > 1 or replicas) else None
         self.attention_impl = resolve_attention_impl(
             config.attention_impl, jax.default_backend(), self.dtype,
             partitioned=self.mesh is not None and self.attention_mesh is None, head_dim=mc.head_dim,
@@ -132,7 +135,8 @@ class Engine:
         else:
             model = nnx.merge(graphdef, params)
 
-        page_bytes = KVPages.bytes_per_page(mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        page_bytes = KVPages.bytes_per_page(mc.num_layers, config.page_size, self.num_cache_kv_heads, mc.head_dim,
+                                            self.dtype)
         max_pages_per_seq = num_pages_for(self.max_model_len, config.page_size)
         # Beyond what max_num_seqs full-length sequences can hold, pages only serve as prefix cache.
         useful_pages = config.max_num_seqs * max_pages_per_seq * (4 if config.enable_prefix_caching else 1) + 1
@@ -152,12 +156,12 @@ class Engine:
         else:
             self.allocator, self.scheduler = RankedAllocator(allocators), RankedScheduler(schedulers)
         # Rank r's pages are rows [r * num_pages, (r + 1) * num_pages) of the pool, addressed locally.
-        kv_pages = KVPages.zeros(mc.num_layers, num_ranks * num_pages, config.page_size, mc.num_kv_heads,
+        kv_pages = KVPages.zeros(mc.num_layers, num_ranks * num_pages, config.page_size, self.num_cache_kv_heads,
                                  mc.head_dim, self.dtype)
         if self.mesh is not None:
             # Each data-parallel rank holds its own pages; each tensor shard its KV heads' slice of them.
             kv_axes = ("pages", "page_offset", "kv_heads", "head_dim")
-            spec = partition_spec(kv_axes, self.mesh, logical_sizes(mc))
+            spec = partition_spec(kv_axes, self.mesh, {"kv_heads": self.num_cache_kv_heads})
             kv_pages = jax.device_put(kv_pages, NamedSharding(self.mesh, spec))
         self.runner = ModelRunner(model, kv_pages=kv_pages, buckets=self.buckets, page_size=config.page_size,
                                   prefill_query_block=config.prefill_query_block, max_logprobs=config.max_logprobs,

@@ -3,12 +3,15 @@ single-device kernels, under `shard_map`.
 
 Data parallelism: the step's tokens, page tables and page pool are laid out rank by rank
 (jaxserve/batch.py), with page ids local to each rank, so each "data" shard holds exactly its
-sequences and their pages. Tensor parallelism: when the KV heads divide over "tensor", each shard
-holds its KV heads' slice of every page and the query heads that read them (query head h reads KV
-head h // groups, so equal contiguous slices of both line up). When they do not divide, the KV
-heads are replicated and the query heads gathered on every tensor shard (the engine only takes
-this path with data parallelism; tensor parallelism alone then goes through XLA's partitioner).
-All specs come from the logical-axis rules.
+sequences and their pages. Tensor parallelism: each "tensor" shard holds its KV heads' slice of
+every page and the query heads that read them (query head h reads KV head h // groups, so equal
+contiguous slices of both line up). With fewer KV heads than tensor shards (MQA, GQA on many
+devices), the cache stores each KV head `kv_head_replicas` times so that every shard holds one copy
+of the head its query heads read, as vLLM does: a shard's cache is one head wide instead of all of
+them. Where neither works (query heads that do not split evenly), the KV heads are replicated and
+the query heads gathered on every tensor shard (the engine only takes this path with data
+parallelism; tensor parallelism alone then goes through XLA's partitioner). All specs come from the
+logical-axis rules.
 """
 
 from __future__ import annotations
@@ -30,25 +33,48 @@ def _write_and_attend(q, k, v, key_pages, value_pages, positions, slot_ids, toke
     return out, key_pages, value_pages
 
 
-def attention_specs(mesh, num_kv_heads: int) -> dict[str, PartitionSpec]:
-    """Partition specs of the sharded attention's operands, from the rules table."""
-    sizes = {"kv_heads": num_kv_heads}
-    kv = partition_spec(("batch", "kv_heads"), mesh, sizes)
+def kv_head_replicas(num_heads: int, num_kv_heads: int, tensor_parallel_size: int) -> int | None:
+    """How many copies of each KV head the cache stores so that the KV heads split over the tensor
+    shards: 1 when they already divide, tp / K when K divides tp and the query heads split evenly
+    (each shard's query heads then read a single KV head), None when the heads cannot be split."""
+    if num_kv_heads % tensor_parallel_size == 0:
+        return 1
+    if tensor_parallel_size % num_kv_heads == 0 and num_heads % tensor_parallel_size == 0:
+        return tensor_parallel_size // num_kv_heads
+    return None
+
+
+def attention_specs(mesh, num_cache_heads: int) -> dict[str, PartitionSpec]:
+    """Partition specs of the sharded attention's operands, from the rules table; num_cache_heads:
+    the KV heads the cache stores (replicas included)."""
+    sizes = {"kv_heads": num_cache_heads}
     pages = partition_spec(("pages", "page_offset", "kv_heads"), mesh, sizes)
     tokens = partition_spec(("batch",), mesh)
     if pages[0] != tokens[0]:
         raise ValueError(f"sharded attention needs tokens and pages split alike, got {tokens} and {pages}")
-    # query heads follow their kv heads (split exactly when those are): the "heads" spec is kv's
-    return {"tokens": tokens, "heads": kv, "pages": pages}
+    # query heads split exactly when the cache's KV heads do, over the same mesh axis
+    return {"tokens": tokens, "heads": PartitionSpec(tokens[0], pages[2]), "pages": pages}
+
+
+def _write_and_attend_replicated(q, k, v, key_pages, value_pages, *rest, head_axis: str, replicas: int, **kwargs):
+    """k/v arrive with all K heads; this shard keeps the one head its cache slice copies."""
+    head = jax.lax.axis_index(head_axis) // replicas
+    k, v = (jax.lax.dynamic_slice_in_dim(x, head, 1, axis=1) for x in (k, v))
+    return _write_and_attend(q, k, v, key_pages, value_pages, *rest, **kwargs)
 
 
 def sharded_write_and_attend(mesh, q, k, v, key_pages, value_pages, metadata, *, sliding_window, impl):
-    specs = attention_specs(mesh, k.shape[1])
+    replicas = key_pages.shape[2] // k.shape[1]
+    specs = attention_specs(mesh, key_pages.shape[2])
     tokens, heads, pages = specs["tokens"], specs["heads"], specs["pages"]
-    body = jax.shard_map(
-        functools.partial(_write_and_attend, query_block=metadata.query_block, sliding_window=sliding_window,
-                          impl=impl),
-        mesh=mesh, in_specs=(heads, heads, heads, pages, pages) + (tokens,) * 4, out_specs=(heads, pages, pages),
-        check_vma=False)
-    return body(q, k, v, key_pages, value_pages, metadata.positions, metadata.slot_ids, metadata.token_seq_ids,
-                metadata.page_table)
+    body = functools.partial(_write_and_attend, query_block=metadata.query_block, sliding_window=sliding_window,
+                             impl=impl)
+    kv_heads = heads
+    if replicas > 1:  # k/v replicated over the head axis; each shard picks its head
+        body = functools.partial(_write_and_attend_replicated, head_axis=pages[2], replicas=replicas,
+                                 query_block=metadata.query_block, sliding_window=sliding_window, impl=impl)
+        kv_heads = PartitionSpec(tokens[0], None)
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, pages, pages) + (tokens,) * 4,
+                            out_specs=(heads, pages, pages), check_vma=False)
+    return sharded(q, k, v, key_pages, value_pages, metadata.positions, metadata.slot_ids, metadata.token_seq_ids,
+                   metadata.page_table)

@@ -110,6 +110,7 @@ for run in runs:
                                  for t, v in zip(p["first_top_token_ids"], p["first_top_logprobs"])),
         "param_specs": specs,
         "kv_pages_spec": [str(axis) for axis in runner.kv_pages.keys[0].sharding.spec],
+        "kv_pages_heads": runner.kv_pages.keys[0].shape[2],
         "num_devices_holding_kv": len(runner.kv_pages.keys[0].sharding.device_set),
         "attention_impl": llm.stats()["attention_impl"],
         "compiles_after_warmup": llm.stats()["num_compiles_after_warmup"],

@@ -19,7 +19,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope="module")
 def multi_device_results(tmp_path_factory):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2",
+    runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2", "mixtral_top1_tied:2",
             "llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep", "mixtral:1:8:ep",
             "llama_gqa:2:2:-:pallas",
             f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}", f"--rebalance={tmp_path_factory.mktemp('rb')}"]
@@ -29,15 +29,16 @@ def multi_device_results(tmp_path_factory):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("run", ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2"])
+@pytest.mark.parametrize("run", ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2", "mixtral_top1_tied:2"])
 def test_tensor_parallel_outputs_equal_transformers(multi_device_results, run):
     assert multi_device_results["num_devices"] == 8
     outcome = multi_device_results[run]
     assert all(outcome["greedy_equal"]), outcome["greedy_equal"]
     assert outcome["max_logprob_error"] < 1e-3
     assert outcome["compiles_after_warmup"] == 0
-    # KV heads that divide over the tensor shards: the kernels run per shard; else XLA partitions the reference
-    assert outcome["attention_impl"] == ("cpu" if run in ("llama_gqa:2", "mixtral:2") else "reference")
+    # KV heads that divide over the tensor shards (or are copied until they do): the kernels run per shard;
+    # 5 query heads do not split over 2 devices, so XLA partitions the reference there
+    assert outcome["attention_impl"] == ("reference" if run == "llama_mqa_odd:2" else "cpu")
 
 
 @pytest.mark.parametrize("run", ["llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep",
@@ -86,11 +87,12 @@ def test_params_and_pages_are_sharded_by_the_rules(multi_device_results):
     assert gqa2["layers.0.mlp.down_proj.kernel"] == ["tensor", "None"]
     assert gqa2["layers.0.input_layernorm.weight"] == ["None"]
     assert multi_device_results["llama_gqa:2"]["kv_pages_spec"][2] == "tensor"
-    # 2 KV heads cannot be split 4 ways: they are replicated, the 4 query heads are not
+    # 2 KV heads cannot be split 4 ways: their projections are replicated, the 4 query heads are not, and
+    # the cache stores each KV head twice so that each device holds the one head its query head reads
     gqa4 = multi_device_results["llama_gqa:4"]
     assert gqa4["param_specs"]["layers.0.self_attn.k_proj.kernel"] == ["None", "None"]
     assert gqa4["param_specs"]["layers.0.self_attn.q_proj.kernel"] == ["None", "tensor"]
-    assert gqa4["kv_pages_spec"] == ["None", "None", "None", "None"]
+    assert gqa4["kv_pages_spec"] == ["None", "None", "tensor", "None"] and gqa4["kv_pages_heads"] == 4
     moe = multi_device_results["mixtral:2"]["param_specs"]
     assert moe["layers.0.mlp.gate_proj"] == ["None", "None", "tensor"]  # each expert's columns
     # 5 heads do not split over 2 devices

@@ -1,0 +1,107 @@
+"""Random Llama and Mixtral configurations against transformers: greedy tokens must be identical.
+
+Each seed draws an architecture (GQA/MQA/MHA, explicit head_dim, tied or untied embeddings, rope
+theta, linear or llama3 rope scaling, attention/MLP biases, experts and top-k, sliding windows, odd
+vocabularies) and engine settings (page size, chunk budget, query block, attention implementation),
+builds a random checkpoint with transformers, and compares 5 prompts x 20 greedy tokens. Prints a
+JSON line per seed; the failing ones carry their configs. Needs the bench extras (torch, transformers):
+
+    .venv/bin/python tools/fuzz_vs_hf.py --seeds 0:30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+NUM_PROMPTS, NEW_TOKENS = 5, 20
+
+
+def random_config(rng) -> tuple[str, dict]:
+    num_kv_heads = int(rng.choice([1, 2, 3, 4]))
+    num_heads = num_kv_heads * int(rng.choice([1, 2, 3, 4]))
+    config = dict(vocab_size=int(rng.choice([97, 256, 333, 512, 1000])),
+                  hidden_size=num_heads * int(rng.choice([4, 6, 8, 12, 16])),  # transformers wants heads | hidden
+                  intermediate_size=int(rng.choice([36, 64, 90, 128])), num_hidden_layers=int(rng.choice([1, 2, 3])),
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  head_dim=int(rng.choice([8, 12, 16, 20, 32])), rope_theta=float(rng.choice([1e4, 5e5, 1e6, 1234.5])),
+                  rms_norm_eps=float(rng.choice([1e-5, 1e-6])), tie_word_embeddings=bool(rng.random() < 0.4),
+                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    scaling = rng.random()
+    if scaling < 0.2:
+        config["rope_scaling"] = dict(rope_type="linear", factor=2.0)
+    elif scaling < 0.4:
+        config["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=128)
+    if rng.random() < 0.4:
+        num_experts = int(rng.choice([2, 3, 4, 6, 8]))
+        config.update(num_local_experts=num_experts, num_experts_per_tok=int(rng.integers(1, min(num_experts, 3) + 1)))
+        if rng.random() < 0.3:
+            config["sliding_window"] = int(rng.choice([8, 16, 40]))
+        return "mixtral", config
+    config.update(attention_bias=bool(rng.random() < 0.3), mlp_bias=bool(rng.random() < 0.2))
+    return "llama", config
+
+
+def random_engine(rng) -> dict:
+    query_block = int(rng.choice([4, 8, 16]))
+    return dict(dtype="float32", max_model_len=160, max_num_seqs=int(rng.choice([2, 8])),
+                max_num_batched_tokens=max(query_block, int(rng.choice([16, 32, 64]))),
+                page_size=int(rng.choice([4, 8, 16])), prefill_query_block=query_block,
+                attention_impl=str(rng.choice(["auto", "reference"])), show_progress=False)
+
+
+def run(seed: int) -> dict:
+    import torch
+    import transformers
+
+    from jaxserve import LLM, SamplingParams
+
+    rng = np.random.default_rng(seed)
+    kind, config_dict = random_config(rng)
+    torch.manual_seed(seed)
+    config = (transformers.LlamaConfig if kind == "llama" else transformers.MixtralConfig)(**config_dict)
+    config.initializer_range = 0.2  # larger weights: less flat distributions, more varied tokens
+    config._experts_implementation = "eager"  # transformers' grouped_mm wants 16-byte strides
+    model = (transformers.LlamaForCausalLM if kind == "llama" else transformers.MixtralForCausalLM)(config).eval()
+    directory = tempfile.mkdtemp()
+    model.save_pretrained(directory)
+    prompts = [[1] + rng.integers(3, config_dict["vocab_size"], size=int(n)).tolist()
+               for n in rng.integers(1, 90, size=NUM_PROMPTS)]
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    engine = random_engine(rng)
+    outputs = LLM(directory, **engine).generate(
+        prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    equal = sum(o.outputs[0].token_ids == e for o, e in zip(outputs, expected))
+    record = dict(seed=seed, kind=kind, equal=equal, of=len(prompts))
+    if equal < len(prompts):
+        record.update(config=config_dict, engine=engine)
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="0:20", help="first:last (exclusive)")
+    args = parser.parse_args()
+    first, last = map(int, args.seeds.split(":"))
+    failures = 0
+    for seed in range(first, last):
+        try:
+            record = run(seed)
+        except Exception as error:  # report and go on: one broken draw should not hide the others
+            record = dict(seed=seed, error=f"{type(error).__name__}: {error}"[:500])
+        failures += "error" in record or record["equal"] < record["of"]
+        print(json.dumps(record), flush=True)
+    print(json.dumps(dict(seeds=last - first, failures=failures)))
+
+
+if __name__ == "__main__":
+    main()

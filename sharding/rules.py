@@ -98,4 +98,5 @@ def param_logical_axes(path: tuple, config: ModelConfig) -> tuple[str | None, ..
 def logical_sizes(config: ModelConfig) -> dict[str, int]:
     """How many independent units each logical axis has: a split must not cut through a head."""
     return {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "mlp": config.intermediate_size,
-            "vocab": config.vocab_size, "expert": config.num_experts or 1}
+            "expert_mlp": config.intermediate_size, "vocab": config.vocab_size, "embed": config.hidden_size,
+            "head_dim": config.head_dim, "expert": config.num_experts or 1}

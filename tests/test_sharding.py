@@ -130,6 +130,22 @@ def test_partition_spec_rules():
                                        "expert"}
 
 
+def test_expert_columns_that_do_not_split_are_replicated():
+    """A Mixtral whose expert MLP width (90) does not divide over 4 tensor shards (found by tools/fuzz_vs_hf.py)."""
+    from sharding.rules import logical_sizes, param_logical_axes
+
+    config = SimpleNamespace(num_heads=8, num_kv_heads=4, intermediate_size=90, vocab_size=1000, hidden_size=64,
+                             head_dim=8, num_experts=3, is_moe=True)
+    mesh = SimpleNamespace(shape={"data": 1, "tensor": 4})
+    for name, expected in (("down_proj", PartitionSpec(None, None, None)),
+                           ("gate_proj", PartitionSpec(None, None, None))):
+        axes = param_logical_axes(("layers", 0, "mlp", name), config)
+        assert partition_spec(axes, mesh, logical_sizes(config)) == expected
+    config.intermediate_size = 96
+    assert partition_spec(param_logical_axes(("layers", 0, "mlp", "down_proj"), config), mesh,
+                          logical_sizes(config)) == PartitionSpec(None, "tensor", None)
+
+
 @pytest.fixture(scope="module")
 def expert_parallel_results():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}

@@ -7,6 +7,8 @@ builds a random checkpoint with transformers, and compares 5 prompts x 20 greedy
 JSON line per seed; the failing ones carry their configs. Needs the bench extras (torch, transformers):
 
     .venv/bin/python tools/fuzz_vs_hf.py --seeds 0:30
+    .venv/bin/python tools/fuzz_vs_hf.py --seeds 0:10 --fake-devices 8 --tensor-parallel 2 --data-parallel 2 \
+        --expert-parallel   # meshes on fake CPU devices; expert counts drawn as multiples of the devices
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 NUM_PROMPTS, NEW_TOKENS = 5, 20
 
 
-def random_config(rng) -> tuple[str, dict]:
+def random_config(rng, expert_multiple: int = 1) -> tuple[str, dict]:
     num_kv_heads = int(rng.choice([1, 2, 3, 4]))
     num_heads = num_kv_heads * int(rng.choice([1, 2, 3, 4]))
     config = dict(vocab_size=int(rng.choice([97, 256, 333, 512, 1000])),
@@ -41,7 +43,7 @@ def random_config(rng) -> tuple[str, dict]:
         config["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                       original_max_position_embeddings=128)
     if rng.random() < 0.4:
-        num_experts = int(rng.choice([2, 3, 4, 6, 8]))
+        num_experts = int(rng.choice([n for n in (2, 3, 4, 6, 8) if n % expert_multiple == 0] or [expert_multiple]))
         config.update(num_local_experts=num_experts, num_experts_per_tok=int(rng.integers(1, min(num_experts, 3) + 1)))
         if rng.random() < 0.3:
             config["sliding_window"] = int(rng.choice([8, 16, 40]))
@@ -58,14 +60,15 @@ def random_engine(rng) -> dict:
                 attention_impl=str(rng.choice(["auto", "reference"])), show_progress=False)
 
 
-def run(seed: int) -> dict:
+def run(seed: int, mesh: dict) -> dict:
     import torch
     import transformers
 
     from jaxserve import LLM, SamplingParams
 
     rng = np.random.default_rng(seed)
-    kind, config_dict = random_config(rng)
+    devices = mesh["tensor_parallel_size"] * mesh["data_parallel_size"]
+    kind, config_dict = random_config(rng, devices if mesh["enable_expert_parallel"] else 1)
     torch.manual_seed(seed)
     config = (transformers.LlamaConfig if kind == "llama" else transformers.MixtralConfig)(**config_dict)
     config.initializer_range = 0.2  # larger weights: less flat distributions, more varied tokens
@@ -77,7 +80,7 @@ def run(seed: int) -> dict:
                for n in rng.integers(1, 90, size=NUM_PROMPTS)]
     expected = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    engine = random_engine(rng)
+    engine = {**random_engine(rng), **mesh}
     outputs = LLM(directory, **engine).generate(
         prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
     equal = sum(o.outputs[0].token_ids == e for o, e in zip(outputs, expected))
@@ -90,12 +93,21 @@ def run(seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0:20", help="first:last (exclusive)")
+    parser.add_argument("--fake-devices", type=int, default=0, help="CPU devices to simulate (before JAX starts)")
+    parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument("--data-parallel", type=int, default=1)
+    parser.add_argument("--expert-parallel", action="store_true")
     args = parser.parse_args()
+    if args.fake_devices:
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.fake_devices}"
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    mesh = dict(tensor_parallel_size=args.tensor_parallel, data_parallel_size=args.data_parallel,
+                enable_expert_parallel=args.expert_parallel)
     first, last = map(int, args.seeds.split(":"))
     failures = 0
     for seed in range(first, last):
         try:
-            record = run(seed)
+            record = run(seed, mesh)
         except Exception as error:  # report and go on: one broken draw should not hide the others
             record = dict(seed=seed, error=f"{type(error).__name__}: {error}"[:500])
         failures += "error" in record or record["equal"] < record["of"]

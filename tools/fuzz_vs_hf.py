@@ -57,7 +57,7 @@ def random_engine(rng) -> dict:
     return dict(dtype="float32", max_model_len=160, max_num_seqs=int(rng.choice([2, 8])),
                 max_num_batched_tokens=max(query_block, int(rng.choice([16, 32, 64]))),
                 page_size=int(rng.choice([4, 8, 16])), prefill_query_block=query_block,
-                attention_impl=str(rng.choice(["auto", "reference"])), show_progress=False)
+                attention_impl=str(rng.choice(["auto", "reference", "pallas"])), show_progress=False)
 
 
 def run(seed: int, mesh: dict) -> dict:

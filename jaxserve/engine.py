@@ -18,7 +18,7 @@ from flax import nnx
 
 from jax.sharding import NamedSharding
 
-from pallas_kernels import resolve_attention_impl
+from pallas_kernels import kv_cache_head_dim, resolve_attention_impl
 from pallas_kernels.paged_attention.probe import pallas_problem
 from sharding import build_mesh, param_logical_axes, partition_spec
 from sharding.attention import kv_head_replicas
@@ -108,13 +108,17 @@ class Engine:
             config.attention_impl, jax.default_backend(), self.dtype,
             partitioned=self.mesh is not None and self.attention_mesh is None, head_dim=mc.head_dim,
             page_size=config.page_size)
+        platform = jax.default_backend()
         if config.attention_impl == "auto" and self.attention_impl == "pallas":
             problem = pallas_problem(mc.num_heads, mc.num_kv_heads, mc.head_dim, config.page_size, self.dtype,
-                                     query_blocks=(1, config.prefill_query_block))
+                                     query_blocks=(1, config.prefill_query_block),
+                                     cache_head_dim=kv_cache_head_dim("pallas", platform, mc.head_dim))
             if problem is not None:
                 logger.warning("Pallas attention kernels fail their start-up check on %s (%s); using the "
                                "reference attention", jax.default_backend(), problem)
                 self.attention_impl = "reference"
+        # KV pages may be wider than the model's head dim where a kernel needs it (zero padded).
+        self.cache_head_dim = kv_cache_head_dim(self.attention_impl, platform, mc.head_dim)
         abstract_model = nnx.eval_shape(lambda: build_model(
             mc, self.dtype, attention_impl=self.attention_impl, rngs=nnx.Rngs(0),
             attention_mesh=self.attention_mesh,
@@ -135,8 +139,8 @@ class Engine:
         else:
             model = nnx.merge(graphdef, params)
 
-        page_bytes = KVPages.bytes_per_page(mc.num_layers, config.page_size, self.num_cache_kv_heads, mc.head_dim,
-                                            self.dtype)
+        page_bytes = KVPages.bytes_per_page(mc.num_layers, config.page_size, self.num_cache_kv_heads,
+                                            self.cache_head_dim, self.dtype)
         max_pages_per_seq = num_pages_for(self.max_model_len, config.page_size)
         # Beyond what max_num_seqs full-length sequences can hold, pages only serve as prefix cache.
         useful_pages = config.max_num_seqs * max_pages_per_seq * (4 if config.enable_prefix_caching else 1) + 1
@@ -157,7 +161,7 @@ class Engine:
             self.allocator, self.scheduler = RankedAllocator(allocators), RankedScheduler(schedulers)
         # Rank r's pages are rows [r * num_pages, (r + 1) * num_pages) of the pool, addressed locally.
         kv_pages = KVPages.zeros(mc.num_layers, num_ranks * num_pages, config.page_size, self.num_cache_kv_heads,
-                                 mc.head_dim, self.dtype)
+                                 self.cache_head_dim, self.dtype)
         if self.mesh is not None:
             # Each data-parallel rank holds its own pages; each tensor shard its KV heads' slice of them.
             kv_axes = ("pages", "page_offset", "kv_heads", "head_dim")

@@ -7,9 +7,10 @@ specification the kernels are tested against. Models call `ragged_paged_attentio
 
 from pallas_kernels.paged_attention import (
     ATTENTION_IMPLS,
+    kv_cache_head_dim,
     ragged_paged_attention,
     resolve_attention_impl,
     write_kv_pages,
 )
 
-__all__ = ["ATTENTION_IMPLS", "ragged_paged_attention", "resolve_attention_impl", "write_kv_pages"]
+__all__ = ["ATTENTION_IMPLS", "kv_cache_head_dim", "ragged_paged_attention", "resolve_attention_impl", "write_kv_pages"]

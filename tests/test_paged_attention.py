@@ -1,6 +1,5 @@
 """The paged attention reference against plain dense causal attention."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -117,10 +116,12 @@ def test_auto_takes_pallas_on_accelerators_where_the_kernel_fits():
 
     for platform in ("gpu", "tpu"):
         assert resolve_attention_impl("auto", platform, jnp.bfloat16, head_dim=128, page_size=16) == "pallas"
-    # Triton wants power-of-two tiles: other sizes keep the reference under auto and are refused when asked for
-    assert resolve_attention_impl("auto", "gpu", jnp.bfloat16, head_dim=96, page_size=16) == "reference"
-    with pytest.raises(ValueError, match="power-of-two head_dim >= 16 and page_size, got head_dim=96"):
-        resolve_attention_impl("pallas", "gpu", jnp.bfloat16, head_dim=96, page_size=16)
+    # Triton wants power-of-two tiles: a head dim that is not gets wider (padded) pages, a page size that is
+    # not keeps the reference under auto and is refused when asked for
+    assert resolve_attention_impl("auto", "gpu", jnp.bfloat16, head_dim=96, page_size=16) == "pallas"
+    assert resolve_attention_impl("auto", "gpu", jnp.bfloat16, head_dim=128, page_size=12) == "reference"
+    with pytest.raises(ValueError, match="needs a power-of-two page_size, got 12"):
+        resolve_attention_impl("pallas", "gpu", jnp.bfloat16, head_dim=128, page_size=12)
     assert resolve_attention_impl("pallas", "cpu", jnp.float32, head_dim=96, page_size=12) == "pallas"  # interpret
     assert resolve_attention_impl("auto", "gpu", jnp.bfloat16, partitioned=True, head_dim=128, page_size=16) == \
         "reference"
@@ -132,8 +133,8 @@ def test_start_up_probe_checks_the_kernels_against_the_reference(monkeypatch):
 
     # the kernels agree for GQA and both step kinds (here in interpret mode; on a GPU, as lowered)
     assert pallas_problem(8, 2, 64, 16, jnp.float32, query_blocks=(1, 16)) is None
-    odd_sizes = pallas_problem(5, 1, 12, 8, jnp.bfloat16, query_blocks=(1, 4))
-    assert odd_sizes is None if jax.default_backend() != "gpu" else odd_sizes  # Triton: power-of-two tiles only
+    # odd sizes, on pages padded as the engine would allocate them on a GPU
+    assert pallas_problem(5, 1, 12, 8, jnp.bfloat16, query_blocks=(1, 4), cache_head_dim=16) is None
     with monkeypatch.context() as patch:
         patch.setattr(pallas, "ragged_paged_attention", lambda q, *args, **kwargs: q * 2)
         assert "differ from the reference" in pallas_problem(4, 4, 16, 8, jnp.float32, query_blocks=(1,))
@@ -143,6 +144,18 @@ def test_start_up_probe_checks_the_kernels_against_the_reference(monkeypatch):
 
         patch.setattr(pallas, "ragged_paged_attention", fails_to_lower)
         assert pallas_problem(4, 4, 16, 8, jnp.float32, query_blocks=(1,)).startswith("NotImplementedError: ")
+
+
+def test_engine_serves_from_padded_pages(monkeypatch):
+    """What a GPU does for a head dim Triton cannot tile (12 here): pages 16 wide, zero padded."""
+    from conftest import SMALL_ENGINE, fixture_dir
+    from jaxserve import LLM, engine
+    from test_models_vs_hf import check_against_hf
+
+    monkeypatch.setattr(engine, "kv_cache_head_dim", lambda impl, platform, head_dim: 16)
+    llm = LLM(fixture_dir("llama_mqa_odd"), **{**SMALL_ENGINE, "attention_impl": "pallas"})
+    assert llm.engine.runner.kv_pages.keys[0].shape[-1] == 16
+    check_against_hf(llm, "llama_mqa_odd")
 
 
 def test_auto_falls_back_to_the_reference_when_the_probe_fails(monkeypatch):

@@ -76,8 +76,10 @@ def test_split_heuristic_fills_the_device():
     assert pallas.default_num_splits(num_programs=512, num_spans=64, cores=132) == 1  # batch 64: enough programs
     assert pallas.default_num_splits(num_programs=8, num_spans=4, cores=132) == 4  # no more than spans
     assert pallas.default_num_splits(num_programs=8, num_spans=64, cores=0) == 1  # CPU interpret mode
-    assert pallas.supported(96, 16, "gpu") and pallas.supported(128, 12, "gpu") and pallas.supported(8, 16, "gpu")
+    assert pallas.supported(128, 12, "gpu") and pallas.supported(96, 16, "gpu") is None
     assert pallas.supported(128, 16, "gpu") is None and pallas.supported(96, 12, "cpu") is None
+    assert [pallas.cache_head_dim(d, "gpu") for d in (8, 12, 64, 80, 96, 100, 128)] == [16, 16, 64, 128, 128, 128, 128]
+    assert pallas.cache_head_dim(96, "cpu") == pallas.cache_head_dim(96, "tpu") == 96
 
 
 TPU_GRID = [(16, 128, 4, jnp.float32, 1), (8, 64, 1, jnp.float32, 16), (32, 64, 8, jnp.bfloat16, 16)]
@@ -193,14 +195,44 @@ def test_kernels_lower_for_gpu_and_tpu_without_one(page_size, head_dim, groups, 
             lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("page_size,head_dim", [(16, 96), (12, 128)])
-def test_sizes_refused_on_gpu_are_those_triton_cannot_lower(page_size, head_dim):
+def _pad_pages(args, width):
+    q, k_pages, v_pages, *rest = args
+    pad = ((0, 0),) * 3 + ((0, width - k_pages.shape[-1]),)
+    return (q, jnp.pad(k_pages, pad), jnp.pad(v_pages, pad), *rest)
+
+
+def test_what_triton_cannot_lower_is_refused_or_padded():
+    """Page sizes that are not powers of two are refused on GPU; head dims that are not lower once the
+    pages are padded to cache_head_dim (96 -> 128), and only then."""
     import functools
 
     import jax
 
-    assert pallas.supported(head_dim, page_size, "gpu") is not None
-    args = ragged_step(np.random.default_rng(0), page_size, head_dim, 4, jnp.bfloat16, 1)
-    kernel = jax.jit(functools.partial(pallas.ragged_paged_attention, query_block=1, interpret=False))
+    lower = lambda args: jax.jit(functools.partial(pallas.ragged_paged_attention, query_block=1, interpret=False)
+                                 ).trace(*args).lower(lowering_platforms=("cuda",))
+    assert pallas.supported(128, 12, "gpu") is not None
     with pytest.raises(ValueError, match="power of 2"):
-        kernel.trace(*args).lower(lowering_platforms=("cuda",))
+        lower(ragged_step(np.random.default_rng(0), 12, 128, 4, jnp.bfloat16, 1))
+    odd = ragged_step(np.random.default_rng(0), 16, 96, 4, jnp.bfloat16, 1)
+    with pytest.raises(ValueError, match="power of 2"):
+        lower(odd)
+    assert "triton" in lower(_pad_pages(odd, pallas.cache_head_dim(96, "gpu"))).as_text()
+
+
+@pytest.mark.parametrize("head_dim,query_block,num_splits,dtype", [
+    (12, 1, 1, jnp.float32), (12, 16, 1, jnp.float32), (96, 1, 3, jnp.bfloat16), (20, 8, 2, jnp.float32)])
+def test_padded_pages_match_the_reference(head_dim, query_block, num_splits, dtype):
+    """Pages wider than the head dim, written by the write kernel (zero lanes), read with the real scale."""
+    args = ragged_step(np.random.default_rng(head_dim), 8, head_dim, 4, dtype, query_block)
+    expected = reference.ragged_paged_attention(*args, query_block=query_block)
+    width = pallas.cache_head_dim(head_dim, "gpu")
+    q, k_pages, v_pages, page_table, token_seq_ids, positions = _pad_pages(args, width)
+    k_pages, v_pages = pallas.write_kv_pages(k_pages, v_pages, args[1][:4, 0], args[2][:4, 0],
+                                             jnp.asarray([0, 1, 2, 3], jnp.int32))  # reserved page 0: never read
+    assert np.all(np.asarray(k_pages[0, :4, :, head_dim:], np.float32) == 0), "extra lanes written as zeros"
+    got = pallas.ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions,
+                                        query_block=query_block, num_splits=num_splits)
+    assert got.shape == expected.shape
+    real = np.asarray(positions) >= 0
+    np.testing.assert_allclose(np.asarray(got, np.float32)[real], np.asarray(expected, np.float32)[real],
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

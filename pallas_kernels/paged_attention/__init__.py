@@ -46,6 +46,12 @@ def resolve_attention_impl(impl: str, platform: str, dtype, partitioned: bool = 
     return impl
 
 
+def kv_cache_head_dim(impl: str, platform: str, head_dim: int) -> int:
+    """The head dim to allocate KV pages with: wider than the model's (zero padded) where the kernel
+    needs it (the Triton kernel's power-of-two tiles), the model's own otherwise."""
+    return pallas.cache_head_dim(head_dim, platform) if impl == "pallas" else head_dim
+
+
 def kernel_modules(impl: str):
     """(attention module, KV-writer module) for a concrete implementation on this backend.
 

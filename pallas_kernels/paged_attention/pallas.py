@@ -13,9 +13,11 @@ parallel; each writes its unnormalized output with its running max and denominat
 combine outside the kernel merges them. With one split the kernel normalizes in place.
 
 Lowered with Triton on a GPU (chosen through its compiler params: JAX would otherwise pick Mosaic GPU
-and stage whole blocks in shared memory), whose arrays must have power-of-two sizes: on a GPU
-head_dim and page_size must be powers of two (`supported`); the dispatch falls back to the
-reference otherwise. On the CPU it runs with interpret=True, any sizes.
+and stage whole blocks in shared memory), whose tiles must have power-of-two sizes and whose matmuls
+want every dimension >= 16. page_size must then be a power of two (`supported`); a head_dim that is
+not is served from a cache whose pages are wider (`cache_head_dim`, zero padded): the engine
+allocates them so, the write kernel zero-fills the extra lanes, queries are padded to match, and
+the softmax scale stays that of the real head_dim. On the CPU it runs with interpret=True, any sizes.
 """
 
 from __future__ import annotations
@@ -38,11 +40,17 @@ def _is_power_of_two(n: int) -> bool:
 
 def supported(head_dim: int, page_size: int, platform: str) -> str | None:
     """Why the kernel cannot run with these sizes on this platform (None: it can)."""
-    # Triton: every loaded tile has a power-of-two size, and tl.dot wants each dimension >= 16.
-    if platform == "gpu" and not (_is_power_of_two(head_dim) and head_dim >= 16 and _is_power_of_two(page_size)):
-        return (f"the Pallas GPU (Triton) kernel needs power-of-two head_dim >= 16 and page_size, "
-                f"got head_dim={head_dim}, page_size={page_size}")
+    if platform == "gpu" and not _is_power_of_two(page_size):  # Triton: power-of-two tiles
+        return f"the Pallas GPU (Triton) kernel needs a power-of-two page_size, got {page_size}"
     return None
+
+
+def cache_head_dim(head_dim: int, platform: str) -> int:
+    """The head dim of the KV pages the kernel reads on this platform: on a GPU a power of two >= 16
+    (Triton's tiles and matmuls), zero padded; the real head_dim elsewhere."""
+    if platform != "gpu":
+        return head_dim
+    return max(16, 1 << (head_dim - 1).bit_length())
 
 
 def block_sizes(head_dim: int, page_size: int, dtype) -> int:
@@ -65,7 +73,7 @@ def default_num_splits(num_programs: int, num_spans: int, cores: int | None = No
 
 
 def _kernel(q_ref, k_pages_ref, v_pages_ref, pages_ref, positions_ref, *out_refs, pages_per_span: int,
-            sliding_window: int | None, normalize: bool):
+            sliding_window: int | None, normalize: bool, scale: float):
     rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     span = pages_per_span * page_size
@@ -83,7 +91,7 @@ def _kernel(q_ref, k_pages_ref, v_pages_ref, pages_ref, positions_ref, *out_refs
         keys = k_pages_ref[pages].reshape(span, head_dim)
         values = v_pages_ref[pages].reshape(span, head_dim)
         scores = jnp.dot(queries, keys.T, preferred_element_type=jnp.float32, precision=precision)  # [R, L]
-        scores = scores * (head_dim ** -0.5)
+        scores = scores * scale  # the real head_dim's, when the pages are padded wider
         key_positions = (first_span + index) * span + jnp.arange(span)[None, :]
         visible = key_positions <= positions[:, None]
         if sliding_window:
@@ -125,11 +133,13 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
                            sliding_window: int | None = None, interpret: bool | None = None,
                            num_splits: int | None = None):
     """Same arguments and result as reference.ragged_paged_attention; num_splits: context splits
-    (default: default_num_splits for this device)."""
+    (default: default_num_splits for this device). The pages may be wider than q's head dim
+    (cache_head_dim): their extra lanes hold zeros."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    num_tokens, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_tokens, num_heads, true_head_dim = q.shape
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, head_dim - true_head_dim)))  # zero lanes add nothing to scores
     groups = num_heads // num_kv_heads
     num_blocks = num_tokens // query_block
     pages_per_span = block_sizes(head_dim, page_size, k_pages.dtype)
@@ -156,7 +166,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
                                      q.dtype if normalize else jnp.float32)
     outs = pl.pallas_call(
         functools.partial(_kernel, pages_per_span=pages_per_span, sliding_window=sliding_window,
-                          normalize=normalize),
+                          normalize=normalize, scale=true_head_dim ** -0.5),
         grid=(num_blocks, num_kv_heads, splits),
         in_specs=[
             pl.BlockSpec((None, None, padded_rows, head_dim), lambda n, k, s: (n, k, 0, 0)),
@@ -178,8 +188,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
     else:
         out = _combine_splits(*outs)
         out = jnp.where((row_positions >= 0)[:, None, :, None], out, 0.0).astype(q.dtype)
-    out = out[:, :, :rows].reshape(num_blocks, num_kv_heads, query_block, groups, head_dim)
-    return out.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_heads, head_dim)
+    out = out[:, :, :rows, :true_head_dim].reshape(num_blocks, num_kv_heads, query_block, groups, true_head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_heads, true_head_dim)
 
 
 def _write_kernel(slot_ids_ref, k_ref, v_ref, k_pages_in_ref, v_pages_in_ref, k_pages_ref, v_pages_ref, *,
@@ -201,10 +211,13 @@ def _write_kernel(slot_ids_ref, k_ref, v_ref, k_pages_in_ref, v_pages_in_ref, k_
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0, 1))
 def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, interpret: bool | None = None):
-    """Same contract as reference.write_kv_pages: token t's K/V [K, D] goes to slot slot_ids[t].
+    """Same contract as reference.write_kv_pages: token t's K/V [K, D] goes to slot slot_ids[t]; pages
+    wider than D (cache_head_dim) get zeros in their extra lanes.
     Grid: (token group, kv head); each program stores [D] vectors, whatever the number of kv heads."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
+    padding = ((0, 0), (0, 0), (0, k_pages.shape[-1] - k.shape[-1]))
+    k, v = jnp.pad(k, padding), jnp.pad(v, padding)
     num_tokens, num_kv_heads, head_dim = k.shape
     num_pages, page_size = k_pages.shape[:2]
     tokens_per_program = next(n for n in (16, 8, 4, 2, 1) if num_tokens % n == 0)

@@ -17,7 +17,7 @@ from pallas_kernels.paged_attention import pallas, pallas_tpu, reference
 TOLERANCE = {2: 5e-2, 4: 2e-3}  # by dtype itemsize: bfloat16/float16, float32
 
 
-def _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block):
+def _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block, cache_head_dim):
     """Two sequences (one mid-page, one several pages long) and a padding block; new tokens' K/V."""
     lengths, num_pages = [page_size + 3, 4 * page_size + 1], 12
     page_table = np.zeros((3, 6), np.int32)
@@ -36,8 +36,8 @@ def _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block)
     cast = lambda shape: jnp.asarray(rng.standard_normal(shape), dtype)
     return dict(q=cast((tokens, num_heads, head_dim)), k=cast((tokens, num_kv_heads, head_dim)),
                 v=cast((tokens, num_kv_heads, head_dim)),
-                k_pages=cast((num_pages, page_size, num_kv_heads, head_dim)),
-                v_pages=cast((num_pages, page_size, num_kv_heads, head_dim)), page_table=jnp.asarray(page_table),
+                k_pages=cast((num_pages, page_size, num_kv_heads, cache_head_dim)),
+                v_pages=cast((num_pages, page_size, num_kv_heads, cache_head_dim)), page_table=jnp.asarray(page_table),
                 token_seq_ids=jnp.asarray(token_seq_ids, jnp.int32), positions=jnp.asarray(positions),
                 slot_ids=jnp.asarray(slot_ids))
 
@@ -50,20 +50,24 @@ def _write_and_attend(module, writer, step, query_block):
 
 
 def pallas_problem(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
-                   query_blocks: tuple[int, ...]) -> str | None:
+                   query_blocks: tuple[int, ...], cache_head_dim: int | None = None) -> str | None:
     """None when the Pallas kernels (as the dispatch would pick them here) match the reference on a
-    step of this shape for every query block; otherwise what went wrong."""
+    step of this shape for every query block; otherwise what went wrong. cache_head_dim: the width
+    the engine gives its KV pages (kv_cache_head_dim)."""
     from pallas_kernels.paged_attention import kernel_modules  # the dispatch's own choice
 
     module, writer = kernel_modules("pallas")
+    cache_head_dim = cache_head_dim or head_dim
     rng = np.random.default_rng(0)
     for query_block in query_blocks:
-        step = _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block)
+        step = _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block, cache_head_dim)
         try:
             got = np.asarray(_write_and_attend(module, writer, step, query_block), np.float32)
         except Exception as error:  # a lowering or compile failure on this backend: report, do not crash
             return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        want = np.asarray(_write_and_attend(reference, reference, step, query_block), np.float32)
+        # the reference reads pages of the model's width: the same data without the padding lanes
+        unpadded = {**step, "k_pages": step["k_pages"][..., :head_dim], "v_pages": step["v_pages"][..., :head_dim]}
+        want = np.asarray(_write_and_attend(reference, reference, unpadded, query_block), np.float32)
         real = np.asarray(step["positions"]) >= 0
         error = float(np.abs(got[real] - want[real]).max())
         if not np.isfinite(error) or error > TOLERANCE.get(jnp.dtype(dtype).itemsize, 5e-2):

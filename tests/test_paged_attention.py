@@ -167,3 +167,31 @@ def test_auto_falls_back_to_the_reference_when_the_probe_fails(monkeypatch):
     monkeypatch.setattr(engine, "pallas_problem", lambda *args, **kwargs: "LoweringError: no gather")
     llm = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "attention_impl": "auto"})
     assert llm.stats()["attention_impl"] == "reference"
+
+
+def test_the_whole_engine_step_lowers_for_a_gpu(monkeypatch):
+    """Every step executable of a Mixtral engine with attention_impl="pallas", lowered for CUDA on this
+    machine as a GPU engine would build it (padded pages, Triton kernels), not in interpret mode."""
+    import jax
+
+    from conftest import SMALL_ENGINE, fixture_dir
+    from jaxserve import LLM, engine
+    from jaxserve.batch import build_ranked_inputs
+    from jaxserve.runner import _abstract
+    from pallas_kernels.paged_attention import pallas
+
+    monkeypatch.setattr(engine, "kv_cache_head_dim", lambda impl, platform, head_dim: pallas.cache_head_dim(
+        head_dim, "gpu"))
+    llm = LLM(fixture_dir("mixtral"), **{**SMALL_ENGINE, "attention_impl": "pallas", "dtype": "bfloat16"})
+    runner = llm.engine.runner
+    jax.clear_caches()  # the kernels' traces chose interpret mode by the backend: trace them again
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(jax, "default_backend", lambda: "gpu")
+            for shape in runner.all_shapes():
+                inputs = build_ranked_inputs([[]], shape, runner.page_size)
+                lowered = runner._jitted.trace(_abstract(runner.param_leaves), _abstract(runner.kv_pages),
+                                               _abstract(inputs)).lower(lowering_platforms=("cuda",))
+                assert "triton" in lowered.as_text()
+    finally:
+        jax.clear_caches()

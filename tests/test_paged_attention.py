@@ -195,3 +195,31 @@ def test_the_whole_engine_step_lowers_for_a_gpu(monkeypatch):
                 assert "triton" in lowered.as_text()
     finally:
         jax.clear_caches()
+
+
+def test_the_whole_engine_step_lowers_for_a_tpu(monkeypatch):
+    """The same for a TPU v5e (abstract device): the Mosaic kernel with DMA'd pages, XLA's page writes."""
+    import jax
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    from conftest import SMALL_ENGINE, fixture_dir
+    from jaxserve import LLM
+    from jaxserve.batch import build_ranked_inputs
+    from jaxserve.runner import _abstract
+
+    llm = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "attention_impl": "pallas", "dtype": "bfloat16"})
+    runner = llm.engine.runner
+    v5e = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5 lite", num_cores=1,
+                                                                     platform="tpu"))
+    jax.clear_caches()
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(jax, "default_backend", lambda: "tpu")
+            for shape in runner.all_shapes():
+                inputs = build_ranked_inputs([[]], shape, runner.page_size)
+                with jax.sharding.use_abstract_mesh(v5e):
+                    lowered = runner._jitted.trace(_abstract(runner.param_leaves), _abstract(runner.kv_pages),
+                                                   _abstract(inputs)).lower(lowering_platforms=("tpu",))
+                assert "tpu_custom_call" in lowered.as_text()
+    finally:
+        jax.clear_caches()

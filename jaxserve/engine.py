@@ -96,29 +96,7 @@ class Engine:
         if self.expert_parallel and mc.num_experts % self.mesh.devices.size:
             raise ValueError(f"{mc.num_experts} experts do not divide over the {self.mesh.devices.size} devices of "
                              f"data_parallel_size x tensor_parallel_size")
-        # Attention runs the single-device kernels per shard under shard_map (sharding/attention.py)
-        # when the ranks or the KV heads split the work (the cache storing copies of each KV head when
-        # there are fewer than tensor shards); tensor parallelism over heads that cannot split relies
-        # on XLA's partitioner, which only the jax.numpy reference goes through.
-        tensor_parallel = config.tensor_parallel_size
-        replicas = kv_head_replicas(mc.num_heads, mc.num_kv_heads, tensor_parallel) if tensor_parallel > 1 else None
-        self.num_cache_kv_heads = mc.num_kv_heads * (replicas or 1)
-        self.attention_mesh = self.mesh if self.mesh is not None and (num_ranks > 1 or replicas) else None
-        self.attention_impl = resolve_attention_impl(
-            config.attention_impl, jax.default_backend(), self.dtype,
-            partitioned=self.mesh is not None and self.attention_mesh is None, head_dim=mc.head_dim,
-            page_size=config.page_size)
-        platform = jax.default_backend()
-        if config.attention_impl == "auto" and self.attention_impl == "pallas":
-            problem = pallas_problem(mc.num_heads, mc.num_kv_heads, mc.head_dim, config.page_size, self.dtype,
-                                     query_blocks=(1, config.prefill_query_block),
-                                     cache_head_dim=kv_cache_head_dim("pallas", platform, mc.head_dim))
-            if problem is not None:
-                logger.warning("Pallas attention kernels fail their start-up check on %s (%s); using the "
-                               "reference attention", jax.default_backend(), problem)
-                self.attention_impl = "reference"
-        # KV pages may be wider than the model's head dim where a kernel needs it (zero padded).
-        self.cache_head_dim = kv_cache_head_dim(self.attention_impl, platform, mc.head_dim)
+        self._choose_attention(num_ranks)
         abstract_model = nnx.eval_shape(lambda: build_model(
             mc, self.dtype, attention_impl=self.attention_impl, rngs=nnx.Rngs(0),
             attention_mesh=self.attention_mesh,
@@ -186,6 +164,35 @@ class Engine:
         self.expert_devices = device_of_experts(self.runner.params()) if self.expert_parallel else None
         self._expert_tokens_at_rebalance = self.expert_tokens.copy()  # the periodic rebalance's window starts here
         self.num_steps = 0
+
+    def _choose_attention(self, num_ranks: int) -> None:
+        """Where attention runs (attention_mesh), with which implementation, over what cache layout.
+
+        Attention runs the single-device kernels per shard under shard_map (sharding/attention.py)
+        when the ranks or the KV heads split the work (the cache storing copies of each KV head when
+        there are fewer than tensor shards); tensor parallelism over heads that cannot split relies
+        on XLA's partitioner, which only the jax.numpy reference goes through. Under "auto", the
+        Pallas kernels must first pass a start-up check on this device (probe.py).
+        """
+        mc, config, platform = self.model_config, self.config, jax.default_backend()
+        tensor_parallel = config.tensor_parallel_size
+        replicas = kv_head_replicas(mc.num_heads, mc.num_kv_heads, tensor_parallel) if tensor_parallel > 1 else None
+        self.num_cache_kv_heads = mc.num_kv_heads * (replicas or 1)
+        self.attention_mesh = self.mesh if self.mesh is not None and (num_ranks > 1 or replicas) else None
+        self.attention_impl = resolve_attention_impl(
+            config.attention_impl, platform, self.dtype,
+            partitioned=self.mesh is not None and self.attention_mesh is None, head_dim=mc.head_dim,
+            page_size=config.page_size)
+        if config.attention_impl == "auto" and self.attention_impl == "pallas":
+            problem = pallas_problem(mc.num_heads, mc.num_kv_heads, mc.head_dim, config.page_size, self.dtype,
+                                     query_blocks=(1, config.prefill_query_block),
+                                     cache_head_dim=kv_cache_head_dim("pallas", platform, mc.head_dim))
+            if problem is not None:
+                logger.warning("Pallas attention kernels fail their start-up check on %s (%s); using the "
+                               "reference attention", platform, problem)
+                self.attention_impl = "reference"
+        # KV pages may be wider than the model's head dim where a kernel needs it (zero padded).
+        self.cache_head_dim = kv_cache_head_dim(self.attention_impl, platform, mc.head_dim)
 
     def save_checkpoint(self, directory: str) -> None:
         """Save the params (orbax, as sharded now) with the model's config and tokenizer."""

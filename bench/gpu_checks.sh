@@ -24,15 +24,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 $PYTHON -m pip list 2>/dev/null | grep -E "^(jax|jaxlib|flax|numpy) " > "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/device.txt" 2>&1
 $PYTHON -c "import jax; print(jax.devices())" >> "$OUT/device.txt" 2>&1
-timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/test_pallas_attention.py 2>&1 | tee "$OUT/gpu_kernel_tests.txt"
-timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/test_paged_attention.py -k "pallas or probe" 2>&1 \
+timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_pallas_attention.py 2>&1 | tee "$OUT/gpu_kernel_tests.txt"
+timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py -k "pallas or probe" 2>&1 \
   | tee -a "$OUT/gpu_kernel_tests.txt"
 timeout 240 $PYTHON bench/kernels.py --impls reference,pallas $([ "$QUICK" = 1 ] || echo --full) 2>&1 | tee "$OUT/kernels_gpu.jsonl"
 timeout 240 $PYTHON - <<'PY' 2>&1 | tee "$OUT/decode_e2e_gpu.jsonl"
 import json, os, tempfile, time
 from safetensors.numpy import save_file
 from jaxserve import LLM, SamplingParams
-from jaxserve.default_model import random_llama_weights
+from jaxserve.loading.default_model import random_llama_weights
 config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=512,
               intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
               tie_word_embeddings=True, max_position_embeddings=4096, torch_dtype="bfloat16")

@@ -24,7 +24,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.default_model import random_llama_weights
+from jaxserve.loading.default_model import random_llama_weights
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=512,
               intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,

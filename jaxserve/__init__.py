@@ -8,7 +8,7 @@ output_processor (append tokens, detokenize, stop checks) -> pages freed as sequ
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.llm import LLM
-from jaxserve.request import CompletionOutput, RequestOutput, SamplingParams
+from jaxserve.host.request import CompletionOutput, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
 

@@ -4,7 +4,7 @@ import argparse
 import json
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.default_model import default_model_dir
+from jaxserve.loading.default_model import default_model_dir
 
 
 def main() -> None:

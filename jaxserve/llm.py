@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
-from jaxserve.request import RequestOutput, SamplingParams
+from jaxserve.host.request import RequestOutput, SamplingParams
 
 
 class LLM:

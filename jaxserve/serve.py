@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from jaxserve.config_file import ServeConfig, load_config
+from jaxserve.server.config_file import ServeConfig, load_config
 from jaxserve.engine import Engine
 from jaxserve.proto import jaxserve_pb2_grpc
 from jaxserve.server.engine_loop import EngineLoop

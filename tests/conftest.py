@@ -1,23 +1,6 @@
-import json
-import os
-
 import pytest
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
-MODEL_NAMES = sorted(d for d in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, d)))
-
-# Small limits keep the number of compiled buckets (and so the suite's time) low.
-SMALL_ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
-                    show_progress=False)
-
-
-def fixture_dir(name: str) -> str:
-    return os.path.join(FIXTURES, name)
-
-
-def expected(name: str) -> dict:
-    with open(os.path.join(FIXTURES, name, "expected.json")) as f:
-        return json.load(f)
+from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ static graph and a params pytree, so nothing is stored on modules between steps.
 """
 
 from jaxserve.models.kv_pages import KVPages, AttentionMetadata
-from jaxserve.models.llama import CausalLM
+from jaxserve.models.decoder import CausalLM
 
 
 def build_model(config, dtype, attention_impl: str = "reference", rngs=None, attention_mesh=None,

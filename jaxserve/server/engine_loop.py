@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from jaxserve.engine import Engine
-from jaxserve.request import RequestOutput, SamplingParams
+from jaxserve.host.request import RequestOutput, SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

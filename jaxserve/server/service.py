@@ -9,7 +9,7 @@ import grpc
 import jaxserve
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc
-from jaxserve.request import SamplingParams
+from jaxserve.host.request import SamplingParams
 from jaxserve.server.engine_loop import Delta, Draining, EngineLoop, Overloaded
 
 DEFAULT_MAX_TOKENS = 16

@@ -1,0 +1,106 @@
+"""The one place host state becomes device arrays: scheduled chunks -> padded, bucketed step inputs.
+
+Tokens are laid out flat, each chunk starting on a multiple of `query_block` (1 for decode steps).
+Padding tokens have position -1 (they attend to nothing) and write their KV to the reserved page 0;
+padding rows sample garbage that nobody reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from jaxserve.host.page_allocator import RESERVED_PAGE, num_pages_for
+from jaxserve.models.kv_pages import AttentionMetadata
+from jaxserve.device.sampler import SamplingInputs
+from jaxserve.host.scheduler import ScheduledChunk
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepInputs:
+    token_ids: jax.Array  # [T] int32
+    attention: AttentionMetadata
+    logits_indices: jax.Array  # [S] int32, the last token of each chunk
+    sampling: SamplingInputs
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The bucket a step is padded to; one compiled executable per distinct shape."""
+
+    num_tokens: int  # T
+    num_seqs: int  # S
+    pages_per_seq: int  # P
+    query_block: int = field(default=1)
+
+    @property
+    def kind(self) -> str:
+        return "decode" if self.query_block == 1 else "prefill"
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A 64-bit seed as the two uint32 words of a threefry key."""
+    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+def build_step_inputs(chunks: list[ScheduledChunk], shape: StepShape, page_size: int) -> StepInputs:
+    """Host numpy arrays for one step; the runner moves them to the device."""
+    num_tokens, num_seqs, block = shape.num_tokens, shape.num_seqs, shape.query_block
+    token_ids = np.zeros(num_tokens, np.int32)
+    positions = np.full(num_tokens, -1, np.int32)
+    slot_ids = np.full(num_tokens, RESERVED_PAGE * page_size, np.int32)
+    token_seq_ids = np.zeros(num_tokens, np.int32)
+    page_table = np.full((num_seqs, shape.pages_per_seq), RESERVED_PAGE, np.int32)
+    logits_indices = np.zeros(num_seqs, np.int32)
+    temperature = np.zeros(num_seqs, np.float32)
+    top_k = np.zeros(num_seqs, np.int32)
+    top_p = np.ones(num_seqs, np.float32)
+    min_p = np.zeros(num_seqs, np.float32)
+    seeds = np.zeros((num_seqs, 2), np.uint32)
+    token_indices = np.zeros(num_seqs, np.int32)
+    wants_logprobs = np.zeros(num_seqs, np.bool_)
+
+    cursor = 0
+    for row, chunk in enumerate(chunks):
+        seq, n = chunk.seq, chunk.num_tokens
+        pages = np.asarray(seq.page_ids[:num_pages_for(chunk.end, page_size)], np.int32)
+        chunk_positions = np.arange(chunk.start, chunk.end, dtype=np.int32)
+        token_ids[cursor:cursor + n] = seq.token_slice(chunk.start, chunk.end)
+        positions[cursor:cursor + n] = chunk_positions
+        slot_ids[cursor:cursor + n] = pages[chunk_positions // page_size] * page_size + chunk_positions % page_size
+        padded = -(-n // block) * block
+        token_seq_ids[cursor:cursor + padded] = row
+        page_table[row, :len(pages)] = pages
+        logits_indices[row] = cursor + n - 1
+        params = seq.params
+        temperature[row] = params.temperature
+        top_k[row] = params.top_k
+        top_p[row] = params.top_p
+        min_p[row] = params.min_p
+        seeds[row] = seed_words(seq.sampling_seed)
+        token_indices[row] = len(seq.output_token_ids)
+        wants_logprobs[row] = params.logprobs is not None
+        cursor += padded
+    if cursor > num_tokens or len(chunks) > num_seqs:
+        raise AssertionError(f"{len(chunks)} chunks of {cursor} tokens do not fit the bucket {shape}")
+
+    attention = AttentionMetadata(positions=positions, slot_ids=slot_ids, token_seq_ids=token_seq_ids,
+                                  page_table=page_table, query_block=block)
+    sampling = SamplingInputs(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+                              token_indices=token_indices, wants_logprobs=wants_logprobs)
+    return StepInputs(token_ids=token_ids, attention=attention, logits_indices=logits_indices, sampling=sampling)
+
+
+def build_ranked_inputs(per_rank_chunks: list[list[ScheduledChunk]], shape: StepShape, page_size: int) -> StepInputs:
+    """One step for every data-parallel rank: each rank's inputs (with its own local page ids) laid end
+    to end, so that splitting every array evenly over the ranks hands each its own part. Only
+    logits_indices point into the whole token array."""
+    per_rank = [build_step_inputs(chunks, shape, page_size) for chunks in per_rank_chunks]
+    if len(per_rank) == 1:
+        return per_rank[0]
+    for rank, inputs in enumerate(per_rank):
+        inputs.logits_indices = inputs.logits_indices + rank * shape.num_tokens
+    return jax.tree.map(lambda *arrays: np.concatenate(arrays), *per_rank)

@@ -1,0 +1,111 @@
+"""YAML config files: one section per concern (model, engine, server), every key checked.
+
+    model:  {path: PATH | default, dtype: auto}
+    engine: {any EngineConfig field but dtype}
+    server: {host, port, metrics_port, max_queued_requests, drain_timeout}
+
+`--set section.key=value` overrides (the value is read as YAML). `path: default` is the embedded model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import yaml
+
+from jaxserve.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = "default"
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9090  # 0: no metrics endpoint
+    max_queued_requests: int = 256  # beyond this many waiting requests, RESOURCE_EXHAUSTED
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+
+    def __post_init__(self):
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"server.{name} must be a port number, got {getattr(self, name)}")
+        if self.max_queued_requests < 1 or self.drain_timeout < 0:
+            raise ValueError("server.max_queued_requests must be >= 1 and server.drain_timeout >= 0")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: ModelSection
+    engine: EngineConfig
+    server: ServerConfig
+
+    def model_dir(self) -> str:
+        if self.model.path == "default":
+            from jaxserve.loading.default_model import default_model_dir
+
+            return default_model_dir()
+        return self.model.path
+
+
+SECTIONS = {"model": ModelSection, "engine": EngineConfig, "server": ServerConfig}
+
+
+def _set(tree: dict, dotted_key: str, value) -> None:
+    section, _, key = dotted_key.partition(".")
+    if section not in SECTIONS or not key or "." in key:
+        raise ValueError(f"unknown config key {dotted_key!r}; keys look like section.name, sections: "
+                         f"{', '.join(SECTIONS)}")
+    tree.setdefault(section, {})[key] = value
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise ValueError(f"--set expects KEY=VALUE, got {text!r}")
+    return key.strip(), yaml.safe_load(value)
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ServeConfig:
+    tree: dict = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                loaded = yaml.safe_load(f) or {}
+        except OSError as error:
+            raise ValueError(f"cannot read config file {path}: {error}") from None
+        except yaml.YAMLError as error:
+            raise ValueError(f"malformed YAML in {path}: {error}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping of sections")
+        for section, values in loaded.items():
+            if section not in SECTIONS:
+                raise ValueError(f"unknown config section {section!r} in {path}; expected {', '.join(SECTIONS)}")
+            if not isinstance(values, dict):
+                raise ValueError(f"config section {section!r} must be a mapping")
+            for key, value in values.items():
+                _set(tree, f"{section}.{key}", value)
+    for override in overrides:
+        _set(tree, *parse_override(override))
+    built = {}
+    for section, cls in SECTIONS.items():
+        values = dict(tree.get(section, {}))
+        known = {f.name for f in dataclasses.fields(cls)} - ({"dtype"} if cls is EngineConfig else set())
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown config key {section}.{unknown[0]}")
+        if cls is EngineConfig:
+            values["dtype"] = tree.get("model", {}).get("dtype", "auto")
+            for name in ("decode_seq_buckets", "prefill_token_buckets", "page_buckets"):
+                if values.get(name) is not None:
+                    values[name] = tuple(values[name])
+        try:
+            built[section] = cls(**values)
+        except TypeError as error:
+            raise ValueError(f"config section {section!r}: {error}") from None
+    return ServeConfig(**built)

@@ -1,0 +1,165 @@
+"""End-to-end behaviour of the engine on a tiny checkpoint: batching, compilation, sampling, bad input."""
+
+import numpy as np
+import pytest
+
+from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
+from jaxserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def random_prompts(count, rng, low=1, high=90):
+    return [[1] + rng.integers(3, 384, size=int(n)).tolist() for n in rng.integers(low, high, size=count)]
+
+
+def test_batch_invariance_and_no_compiles_after_warmup():
+    llm = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "max_num_seqs": 32})
+    rng = np.random.default_rng(0)
+    target = expected("llama_gqa")["prompts"][5]
+    others = random_prompts(30, rng)
+    lengths = rng.integers(1, 30, size=30)
+    params = [GREEDY] + [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in lengths]
+    alone = llm.generate([target["token_ids"]], GREEDY)[0].outputs[0].token_ids
+    together = llm.generate([target["token_ids"]] + others, params)
+    assert alone == target["greedy_token_ids"][:12]
+    assert together[0].outputs[0].token_ids == alone
+    assert [len(o.outputs[0].token_ids) for o in together[1:]] == lengths.tolist()
+    stats = llm.stats()
+    assert stats["num_compiles_after_warmup"] == 0
+    assert stats["num_executables"] == len(llm.engine.runner.all_shapes())
+    assert stats["kv_pages_free"] == stats["kv_pages_total"], "every page is free once all requests finish"
+
+
+def test_tiny_cache_preempts_and_outputs_are_unchanged():
+    # Each sequence grows to 4 pages; two are admitted at once into 7 usable pages, so they must
+    # preempt each other as they grow.
+    prompts = random_prompts(4, np.random.default_rng(2), low=16, high=17)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    roomy = LLM(fixture_dir("llama_gqa"), **SMALL_ENGINE).generate(prompts, params)
+    for caching in (True, False):
+        tiny = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "num_pages": 8, "enable_prefix_caching": caching})
+        cramped = tiny.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]
+        assert tiny.stats()["num_preemptions"] > 0
+        assert tiny.stats()["kv_pages_free"] == tiny.stats()["kv_pages_total"]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llama_llm):
+    prompt = expected("llama_gqa")["prompts"][3]["token_ids"]
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
+    alone = llama_llm.generate([prompt], seeded)[0].outputs[0].token_ids
+    rng = np.random.default_rng(1)
+    crowd = llama_llm.generate([prompt] + random_prompts(6, rng),
+                               [seeded] + [SamplingParams(max_tokens=8, temperature=0.8)] * 6)
+    assert crowd[0].outputs[0].token_ids == alone
+    other_seed = llama_llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=99))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_sampling_filters(llama_llm):
+    prompt = expected("llama_gqa")["prompts"][4]
+    greedy = prompt["greedy_token_ids"][:10]
+    top1 = SamplingParams(max_tokens=10, temperature=1.0, top_k=1, seed=3)
+    assert llama_llm.generate([prompt["token_ids"]], top1)[0].outputs[0].token_ids == greedy
+    tiny_p = SamplingParams(max_tokens=10, temperature=1.0, top_p=1e-6, seed=3)
+    assert llama_llm.generate([prompt["token_ids"]], tiny_p)[0].outputs[0].token_ids == greedy
+    min_p = SamplingParams(max_tokens=10, temperature=1.0, min_p=1.0, seed=3)
+    assert llama_llm.generate([prompt["token_ids"]], min_p)[0].outputs[0].token_ids == greedy
+    # top_k=3 only ever picks among the three most likely tokens
+    out = llama_llm.generate([prompt["token_ids"]], SamplingParams(max_tokens=1, temperature=5.0, top_k=3, n=8,
+                                                                   logprobs=3, seed=5))[0]
+    for completion in out.outputs:
+        top3 = sorted(completion.logprobs[0].items(), key=lambda kv: -kv[1])[:3]
+        assert completion.token_ids[0] in {t for t, _ in top3}
+
+
+def test_n_samples_differ_and_logprobs_are_consistent(llama_llm):
+    prompt = expected("llama_gqa")["prompts"][6]["token_ids"]
+    out = llama_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, n=3, logprobs=2, seed=7))[0]
+    assert len(out.outputs) == 3 and [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    for completion in out.outputs:
+        assert len(completion.logprobs) == 8
+        for token_id, logprobs in zip(completion.token_ids, completion.logprobs):
+            assert token_id in logprobs and len(logprobs) <= 3
+            assert all(v <= 0 for v in logprobs.values())
+
+
+def test_stop_strings_and_stop_tokens(llama_llm):
+    prompt = expected("llama_gqa")["prompts"][0]
+    full = llama_llm.generate([prompt["token_ids"]], GREEDY)[0].outputs[0]
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    stopped = llama_llm.generate([prompt["token_ids"]], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                       stop=[stop]))[0].outputs[0]
+    assert stopped.finish_reason == "stop"
+    assert stop not in stopped.text and full.text.startswith(stopped.text)
+    assert stopped.text == full.text[:full.text.index(stop)]
+    stop_token = full.token_ids[3]
+    by_token = llama_llm.generate([prompt["token_ids"]], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                        stop_token_ids=[stop_token]))[0].outputs[0]
+    assert by_token.finish_reason == "stop"
+    assert by_token.token_ids == full.token_ids[:full.token_ids.index(stop_token) + 1]
+
+
+def test_eos_stops_unless_ignored(llama_llm):
+    prompt = expected("llama_gqa")["prompts"][2]["token_ids"]
+    eos_engine = llama_llm.engine
+    first = llama_llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0].outputs[0].token_ids[0]
+    eos_engine.eos_token_ids, saved = frozenset([first]), eos_engine.eos_token_ids
+    try:
+        stopped = llama_llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0].outputs[0]
+        ignored = llama_llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    finally:
+        eos_engine.eos_token_ids = saved
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    assert len(ignored.outputs[0].token_ids) == 3 and ignored.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ([1, 384], GREEDY, "outside the vocabulary"),
+    ([1, -3], GREEDY, "outside the vocabulary"),
+    ([], GREEDY, "empty"),
+    ("", GREEDY, "empty"),
+    ([1] * 120, SamplingParams(max_tokens=20), "max_model_len"),
+    ([1, 2], SamplingParams(max_tokens=2, logprobs=50), "max_logprobs"),
+    ([1, "a"], GREEDY, "token ids"),
+])
+def test_bad_requests_raise_and_engine_keeps_serving(llama_llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llama_llm.generate([prompt], params)
+    good = expected("llama_gqa")["prompts"][4]
+    assert llama_llm.generate([good["token_ids"]], GREEDY)[0].outputs[0].token_ids == good["greedy_token_ids"][:12]
+    assert not llama_llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(n=0), "n must"), (dict(min_p=2.0), "min_p"), (dict(top_k=-2), "top_k"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_engine_option():
+    with pytest.raises(ValueError, match="unknown engine options"):
+        LLM(fixture_dir("llama_gqa"), max_num_seq=4)
+
+
+def test_expert_load_is_reported_and_follows_routing():
+    llm = LLM(fixture_dir("mixtral"), **SMALL_ENGINE)
+    assert "expert_tokens" not in LLM(fixture_dir("llama_gqa"), **SMALL_ENGINE).stats()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([[1] + [5] * 29], params)  # one distinct token, repeated: a skewed load
+    first = np.asarray(llm.stats()["expert_tokens"])
+    assert first.shape == (2, 4)
+    top_k = 2
+    # every real token passes every layer and picks top_k experts; the 30-token prompt is the only work
+    assert first.sum(axis=1).tolist() == [30 * top_k] * 2, "padding tokens are not counted"
+    llm.generate([[1] + np.random.default_rng(0).integers(3, 384, size=40).tolist()], params)
+    second = np.asarray(llm.stats()["expert_tokens"]) - first
+    assert second.sum(axis=1).tolist() == [41 * top_k] * 2
+    assert not np.allclose(first / first.sum(), second / second.sum()), "the report follows the routing"
+    assert llm.stats()["expert_load_max_over_mean"] >= 1.0

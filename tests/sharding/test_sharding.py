@@ -1,0 +1,201 @@
+"""Tensor parallelism on 8 fake CPU devices (a subprocess: the device count is fixed when JAX starts),
+and the logical-axis rules."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from jax.sharding import PartitionSpec
+
+from sharding import partition_spec
+from sharding.rules import LOGICAL_AXIS_RULES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # helpers run as tests.support.*
+
+
+@pytest.fixture(scope="module")
+def multi_device_results(tmp_path_factory):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2", "mixtral_top1_tied:2",
+            "llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep", "mixtral:1:8:ep",
+            "llama_gqa:2:2:-:pallas",
+            f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}", f"--rebalance={tmp_path_factory.mktemp('rb')}"]
+    result = subprocess.run([sys.executable, "-m", "tests.support.multi_device_run", *runs], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("run", ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2", "mixtral_top1_tied:2"])
+def test_tensor_parallel_outputs_equal_transformers(multi_device_results, run):
+    assert multi_device_results["num_devices"] == 8
+    outcome = multi_device_results[run]
+    assert all(outcome["greedy_equal"]), outcome["greedy_equal"]
+    assert outcome["max_logprob_error"] < 1e-3
+    assert outcome["compiles_after_warmup"] == 0
+    # KV heads that divide over the tensor shards (or are copied until they do): the kernels run per shard;
+    # 5 query heads do not split over 2 devices, so XLA partitions the reference there
+    assert outcome["attention_impl"] == ("reference" if run == "llama_mqa_odd:2" else "cpu")
+
+
+@pytest.mark.parametrize("run", ["llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep",
+                                 "llama_gqa:2:2:-:pallas"])
+def test_data_and_expert_parallel_outputs_equal_transformers(multi_device_results, run):
+    """Attention per data-parallel rank over its own pages (and per tensor shard over its KV heads, here
+    also with the Pallas kernels); experts spread over every device."""
+    outcome = multi_device_results[run]
+    assert all(outcome["greedy_equal"]), outcome["greedy_equal"]
+    assert outcome["max_logprob_error"] < 1e-3 and outcome["compiles_after_warmup"] == 0
+    assert outcome["kv_pages_spec"][0] == "data", "each rank holds its own range of pages"
+    # and with 2 tensor shards per rank, each holds one of the 2 KV heads of its pages
+    assert outcome["kv_pages_spec"][2] == ("tensor" if run in ("mixtral:2:2:ep", "llama_gqa:2:2:-:pallas") else "None")
+    assert outcome["attention_impl"] == ("pallas" if run.endswith("pallas") else "cpu")
+
+
+def test_expert_parallel_placement(multi_device_results):
+    ep8 = multi_device_results["mixtral_8x:1:8:ep"]
+    assert ep8["device0_expert_fraction"] == pytest.approx(1 / 8)
+    assert ep8["device0_attention_fraction"] == 1.0  # attention replicated on every rank
+    assert ep8["param_specs"]["layers.0.mlp.gate_proj"][0] == "('data', 'tensor')"
+    assert "do not divide" in multi_device_results["mixtral:1:8:ep"]["error"]
+    assert len(ep8["device_tokens"]) == 8 and sum(ep8["device_tokens"]) > 0 and ep8["device_imbalance"] >= 1.0
+
+
+def test_rebalancing_experts_moves_weights_without_recompiling(multi_device_results):
+    """Placed by the routed load, at run time and at start-up from a profile: device loads even out,
+    outputs stay transformers', nothing recompiles, and checkpoints keep the canonical expert order."""
+    outcome = multi_device_results["rebalance"]
+    assert all(outcome["before_equal"]) and all(outcome["after_equal"]) and outcome["compiles_after_warmup"] == 0
+    assert sum(outcome["moved"]) == sum(outcome["before"])
+    assert outcome["moved_imbalance"] < outcome["before_imbalance"]
+    assert outcome["expert_devices_layer0"] != [0, 0, 1, 1, 2, 2, 3, 3]  # the contiguous start moved
+    assert outcome["device0_holds_its_experts"]
+    assert all(outcome["restored_equal"]) and all(outcome["start_up_equal"])
+    assert outcome["start_up_devices_equal"] and outcome["start_up_rebalances"] == 1
+    # every 3 steps, by the load routed since the last move: still transformers' tokens, still no compile
+    assert all(outcome["periodic_equal"]) and outcome["periodic_compiles"] == 0
+    assert 1 <= outcome["periodic_rebalances"] <= outcome["periodic_steps"] // 3
+
+
+def test_params_and_pages_are_sharded_by_the_rules(multi_device_results):
+    gqa2 = multi_device_results["llama_gqa:2"]["param_specs"]
+    assert gqa2["layers.0.self_attn.q_proj.kernel"] == ["None", "tensor"]  # heads split
+    assert gqa2["layers.0.self_attn.o_proj.kernel"] == ["tensor", "None"]  # its input side
+    assert gqa2["layers.0.mlp.down_proj.kernel"] == ["tensor", "None"]
+    assert gqa2["layers.0.input_layernorm.weight"] == ["None"]
+    assert multi_device_results["llama_gqa:2"]["kv_pages_spec"][2] == "tensor"
+    # 2 KV heads cannot be split 4 ways: their projections are replicated, the 4 query heads are not, and
+    # the cache stores each KV head twice so that each device holds the one head its query head reads
+    gqa4 = multi_device_results["llama_gqa:4"]
+    assert gqa4["param_specs"]["layers.0.self_attn.k_proj.kernel"] == ["None", "None"]
+    assert gqa4["param_specs"]["layers.0.self_attn.q_proj.kernel"] == ["None", "tensor"]
+    assert gqa4["kv_pages_spec"] == ["None", "None", "tensor", "None"] and gqa4["kv_pages_heads"] == 4
+    moe = multi_device_results["mixtral:2"]["param_specs"]
+    assert moe["layers.0.mlp.gate_proj"] == ["None", "None", "tensor"]  # each expert's columns
+    # 5 heads do not split over 2 devices
+    assert multi_device_results["llama_mqa_odd:2"]["param_specs"]["layers.0.self_attn.q_proj.kernel"] == ["None", "None"]
+
+
+def test_orbax_checkpoint_restores_onto_another_mesh(multi_device_results):
+    assert all(multi_device_results["orbax:4"]["greedy_equal"])
+    assert all(multi_device_results["orbax:1"]["greedy_equal"])
+    assert multi_device_results["orbax:4"]["num_devices_holding_embedding"] == 4
+
+
+def test_orbax_checkpoint_round_trip_on_one_device(tmp_path):
+    from tests.support.fixtures import SMALL_ENGINE, fixture_dir
+    from jaxserve import LLM
+    from tests.support.hf_parity import check_against_hf
+
+    LLM(fixture_dir("llama_bf16"), **SMALL_ENGINE).save_checkpoint(str(tmp_path / "saved"))
+    restored = LLM(str(tmp_path / "saved"), **{**SMALL_ENGINE, "dtype": "auto"})
+    assert restored.stats()["dtype"] == "float32"  # as it was saved, not as the original checkpoint
+    check_against_hf(restored, "llama_bf16")
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        restored.save_checkpoint(str(tmp_path / "saved"))
+
+
+def test_partition_spec_rules():
+    mesh = SimpleNamespace(shape={"data": 1, "tensor": 2})
+    assert partition_spec(("embed", "heads"), mesh, {"heads": 4}) == PartitionSpec(None, "tensor")
+    assert partition_spec(("embed", "heads"), mesh, {"heads": 3}) == PartitionSpec(None, None)
+    with pytest.raises(ValueError, match="both map to mesh axis 'tensor'"):
+        partition_spec(("heads", "mlp"), mesh, {"heads": 4, "mlp": 8})
+    with pytest.raises(ValueError, match="no sharding rule"):
+        partition_spec(("nonsense",), mesh)
+    assert set(LOGICAL_AXIS_RULES) >= {"batch", "sequence", "heads", "kv_heads", "head_dim", "embed", "mlp", "vocab",
+                                       "expert"}
+
+
+def test_expert_columns_that_do_not_split_are_replicated():
+    """A Mixtral whose expert MLP width (90) does not divide over 4 tensor shards (found by tools/fuzz_vs_hf.py)."""
+    from sharding.rules import logical_sizes, param_logical_axes
+
+    config = SimpleNamespace(num_heads=8, num_kv_heads=4, intermediate_size=90, vocab_size=1000, hidden_size=64,
+                             head_dim=8, num_experts=3, is_moe=True)
+    mesh = SimpleNamespace(shape={"data": 1, "tensor": 4})
+    for name, expected in (("down_proj", PartitionSpec(None, None, None)),
+                           ("gate_proj", PartitionSpec(None, None, None))):
+        axes = param_logical_axes(("layers", 0, "mlp", name), config)
+        assert partition_spec(axes, mesh, logical_sizes(config)) == expected
+    config.intermediate_size = 96
+    assert partition_spec(param_logical_axes(("layers", 0, "mlp", "down_proj"), config), mesh,
+                          logical_sizes(config)) == PartitionSpec(None, "tensor", None)
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_results():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-m", "tests.support.ep_run"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("run", ["random:2", "random:8", "skewed:2", "skewed:8"])
+def test_expert_parallel_layer_equals_dense_math(expert_parallel_results, run):
+    """All-to-all dispatch and combine over 2 and 8 devices, with contiguous and rebalanced placements."""
+    for placement in ("blocks", "balanced"):
+        outcome = expert_parallel_results[run][placement]
+        assert outcome["max_error"] < 1e-4
+        devices = int(run.split(":")[1])
+        assert outcome["experts_per_device"] == [16 // devices] * devices
+        assert outcome["devices_holding_expert_weights"] == devices  # each holds 1/devices of the experts
+
+
+def test_skewed_routing_leaves_experts_empty_and_rebalancing_evens_devices(expert_parallel_results):
+    skewed = expert_parallel_results["skewed:8"]
+    assert skewed["empty_experts"] == 14
+    assert skewed["blocks"]["imbalance"] == 8.0  # both hot experts on one device
+    assert skewed["balanced"]["imbalance"] == 4.0  # the best two hot experts allow on 8 devices
+    random = expert_parallel_results["random:8"]
+    assert random["balanced"]["imbalance"] <= random["blocks"]["imbalance"]
+    assert "do not divide" in expert_parallel_results["indivisible_error"]
+
+
+def test_expert_load_profiles_are_validated(tmp_path, llama_llm):
+    from tests.support.fixtures import SMALL_ENGINE, fixture_dir
+    from jaxserve import LLM
+    from sharding.expert_placement import read_load_profile
+
+    assert read_load_profile([1, 2, 3, 4], 2, 4).tolist() == [[1, 2, 3, 4], [1, 2, 3, 4]]  # one row: every layer
+    (tmp_path / "stats.json").write_text(json.dumps({"expert_tokens": [[0, 5], [7, 1]], "num_steps": 3}))
+    assert read_load_profile(str(tmp_path / "stats.json"), 2, 2).tolist() == [[0, 5], [7, 1]]
+    for bad, message in (([[1, 2]], r"shape \(1, 2\)"), ([-1, 2], ">= 0"), ([[1, "x"]], "must be numbers"),
+                         (str(tmp_path / "missing.json"), "cannot read"), ({"tokens": [1, 2]}, "expert_tokens")):
+        with pytest.raises(ValueError, match=message):
+            if isinstance(bad, dict):
+                (tmp_path / "bad.json").write_text(json.dumps(bad))
+                bad = str(tmp_path / "bad.json")
+            read_load_profile(bad, 2, 2)
+    with pytest.raises(ValueError, match="expert_load_profile places experts on devices: it needs"):
+        LLM(fixture_dir("mixtral"), **SMALL_ENGINE, expert_load_profile=str(tmp_path / "stats.json"))
+    with pytest.raises(ValueError, match="expert_rebalance_interval places experts on devices"):
+        LLM(fixture_dir("mixtral"), **SMALL_ENGINE, expert_rebalance_interval=100)
+    with pytest.raises(ValueError, match="expert_rebalance_interval must be >= 0"):
+        LLM(fixture_dir("mixtral"), **SMALL_ENGINE, expert_rebalance_interval=-1)
+    with pytest.raises(ValueError, match="rebalance_experts needs"):
+        llama_llm.rebalance_experts([1.0])

@@ -1,0 +1,135 @@
+"""Build the tiny Hugging Face checkpoints in tests/fixtures and record transformers' outputs on them.
+
+Run once, when the fixtures need to change (needs the bench extras: torch and transformers):
+
+    .venv/bin/python tests/support/make_fixtures.py
+
+Each fixture directory holds config.json, model.safetensors, tokenizer.model and expected.json:
+the prompts (as token ids, plus the text they came from), transformers' greedy continuation and the
+log-probabilities of the first generated position. The suite itself never imports torch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import sentencepiece
+import torch
+import transformers
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+TOKENIZER = os.path.join(FIXTURES, "tokenizer.model")
+VOCAB_SIZE = 384
+MAX_NEW_TOKENS = 24
+NUM_TOP_LOGPROBS = 8
+
+TEXT_PROMPTS = [
+    "def forward(self, x):",
+    "The quick brown fox jumps over the lazy dog.",
+    "Return a new dictionary",
+]
+TOKEN_PROMPT_LENGTHS = [1, 5, 17, 40, 70]
+
+COMMON = dict(vocab_size=VOCAB_SIZE, bos_token_id=1, eos_token_id=2, max_position_embeddings=256)
+MODELS = {
+    "llama_gqa": ("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6)),
+    "llama_mha_tied": ("llama", dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=3,
+                                     num_key_value_heads=3, tie_word_embeddings=True, rope_theta=500000.0,
+                                     rms_norm_eps=1e-5)),
+    "llama_mqa_odd": ("llama", dict(hidden_size=40, intermediate_size=72, num_hidden_layers=3, num_attention_heads=5,
+                                    num_key_value_heads=1, head_dim=12, attention_bias=True, rope_theta=70000.0,
+                                    rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0,
+                                                      high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "llama_bf16": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                                 num_key_value_heads=4, torch_dtype="bfloat16")),
+    "mixtral": ("mixtral", dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                rope_theta=1e6)),
+    "mixtral_top1_tied": ("mixtral", dict(hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, num_local_experts=3,
+                                          num_experts_per_tok=1, tie_word_embeddings=True)),
+    # eight experts: enough to spread one per device over 8 devices
+    "mixtral_8x": ("mixtral", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)),
+}
+
+
+def train_tokenizer() -> None:
+    """A small byte-fallback BPE over Python's own docstrings: real text, reproducible, no download."""
+    import collections, functools, itertools, json as json_module, re, string  # noqa: E401
+
+    corpus = []
+    for module in (collections, functools, itertools, json_module, re, string, inspect, os):
+        for _, member in inspect.getmembers(module):
+            doc = inspect.getdoc(member)
+            if doc:
+                corpus.extend(line for line in doc.splitlines() if line.strip())
+    corpus.extend(TEXT_PROMPTS)
+    sentencepiece.SentencePieceTrainer.Train(
+        sentence_iterator=iter(corpus), model_prefix=TOKENIZER[:-len(".model")], vocab_size=VOCAB_SIZE,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+        split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", minloglevel=2)
+    os.remove(TOKENIZER[:-len(".model")] + ".vocab")
+
+
+def token_prompts(rng: np.random.Generator) -> list[list[int]]:
+    return [[1] + rng.integers(3, VOCAB_SIZE, size=n - 1).tolist() for n in TOKEN_PROMPT_LENGTHS]
+
+
+def build(name: str, model_type: str, overrides: dict, seed: int) -> None:
+    directory = os.path.join(FIXTURES, name)
+    shutil.rmtree(directory, ignore_errors=True)
+    torch.manual_seed(seed)
+    dtype = overrides.pop("torch_dtype", "float32")
+    config_class = transformers.MixtralConfig if model_type == "mixtral" else transformers.LlamaConfig
+    config = config_class(**COMMON, **overrides)
+    model_class = transformers.MixtralForCausalLM if model_type == "mixtral" else transformers.LlamaForCausalLM
+    model = model_class(config).eval()
+    # Larger-than-default weights make the tiny random models' distributions less flat, so greedy
+    # decoding is decided by margins far above float32 noise.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.mul_(4.0)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(directory)
+    shutil.copy(TOKENIZER, os.path.join(directory, "tokenizer.model"))
+    # Expectations are float32 math on the saved (possibly bf16-rounded) weights, loaded as a user would.
+    model = model_class.from_pretrained(directory, dtype=torch.float32).eval()
+
+    processor = sentencepiece.SentencePieceProcessor(model_file=TOKENIZER)
+    prompts = [dict(text=text, token_ids=[1] + processor.EncodeAsIds(text)) for text in TEXT_PROMPTS]
+    prompts += [dict(text=None, token_ids=ids) for ids in token_prompts(np.random.default_rng(seed))]
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt["token_ids"]])
+        with torch.no_grad():
+            logits = model(input_ids).logits[0, -1].float()
+            generated = model.generate(input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                                       eos_token_id=2, pad_token_id=0)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        top = torch.topk(logprobs, NUM_TOP_LOGPROBS)
+        prompt["greedy_token_ids"] = generated[0, input_ids.shape[1]:].tolist()
+        prompt["first_top_token_ids"] = top.indices.tolist()
+        prompt["first_top_logprobs"] = top.values.tolist()
+    with open(os.path.join(directory, "expected.json"), "w") as f:
+        json.dump(dict(model_type=model_type, dtype=dtype, transformers_version=transformers.__version__,
+                       prompts=prompts), f, indent=1)
+
+
+def main() -> None:
+    os.makedirs(FIXTURES, exist_ok=True)
+    train_tokenizer()
+    for seed, (name, (model_type, overrides)) in enumerate(MODELS.items()):
+        build(name, model_type, dict(overrides), seed)
+        print("built", name, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

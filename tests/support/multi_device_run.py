@@ -1,0 +1,123 @@
+"""Run as a subprocess by test_sharding.py, with 8 fake CPU devices set up before JAX starts.
+
+Prints one JSON object: per (fixture, tensor_parallel_size), whether greedy outputs and first-token
+logprobs equal transformers', and the partition specs that params and KV pages were given.
+"""
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
+from jaxserve import LLM, SamplingParams
+
+results = {"num_devices": len(jax.devices())}
+runs = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
+orbax_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("--orbax=")]
+rebalance_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("--rebalance=")]
+
+
+def greedy_equal(llm, name):
+    prompts = expected(name)["prompts"]
+    outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0))
+    return [o.outputs[0].token_ids == p["greedy_token_ids"] for o, p in zip(outputs, prompts)]
+
+
+for directory in rebalance_dirs:
+    # DP=4 x EP: serve, rebalance by what was routed, serve again; the profile and checkpoint go to directory
+    ep4 = {**SMALL_ENGINE, "data_parallel_size": 4, "enable_expert_parallel": True}
+    llm = LLM(fixture_dir("mixtral_8x"), **ep4)
+    before_equal = greedy_equal(llm, "mixtral_8x")
+    before = llm.stats()
+    llm.rebalance_experts()
+    moved = llm.stats()  # the same routed tokens, counted on the devices their experts sit on now
+    after_equal = greedy_equal(llm, "mixtral_8x")
+    profile = os.path.join(directory, "profile.json")
+    with open(profile, "w") as f:
+        json.dump({"expert_tokens": before["expert_tokens"]}, f)
+    llm.save_checkpoint(os.path.join(directory, "checkpoint"))
+    gate = next(v.get_value() for p, v in nnx.to_flat_state(llm.engine.runner.params())
+                if ".".join(map(str, p)) == "layers.0.mlp.gate_proj")
+    device0_rows = np.asarray(next(s.data for s in gate.addressable_shards if s.device == jax.devices()[0]))
+    restored = LLM(os.path.join(directory, "checkpoint"), **SMALL_ENGINE)  # one device, experts in canonical order
+    canonical = np.asarray(next(v.get_value() for p, v in nnx.to_flat_state(restored.engine.runner.params())
+                                if ".".join(map(str, p)) == "layers.0.mlp.gate_proj"))
+    device_of = np.asarray(moved["expert_devices"][0])
+    at_start = LLM(fixture_dir("mixtral_8x"), **{**ep4, "expert_load_profile": profile})
+    periodic = LLM(fixture_dir("mixtral_8x"), **{**ep4, "expert_rebalance_interval": 3})
+    periodic_equal = greedy_equal(periodic, "mixtral_8x")
+    results["rebalance"] = {
+        "before_equal": before_equal, "after_equal": after_equal, "before": before["expert_device_tokens"],
+        "moved": moved["expert_device_tokens"], "before_imbalance": before["expert_device_imbalance"],
+        "moved_imbalance": moved["expert_device_imbalance"], "expert_devices_layer0": moved["expert_devices"][0],
+        "compiles_after_warmup": llm.stats()["num_compiles_after_warmup"],
+        "device0_holds_its_experts": bool(np.array_equal(device0_rows, canonical[np.flatnonzero(device_of == 0)])),
+        "restored_equal": greedy_equal(restored, "mixtral_8x"),
+        "start_up_devices_equal": at_start.stats()["expert_devices"] == moved["expert_devices"],
+        "start_up_equal": greedy_equal(at_start, "mixtral_8x"),
+        "start_up_rebalances": at_start.stats()["expert_rebalances"],
+        "periodic_equal": periodic_equal,
+        "periodic_rebalances": periodic.stats()["expert_rebalances"],
+        "periodic_steps": periodic.stats()["num_steps"],
+        "periodic_compiles": periodic.stats()["num_compiles_after_warmup"],
+    }
+for directory in orbax_dirs:
+    # saved from a 2-way tensor-parallel engine, restored onto 4 devices and onto 1
+    LLM(fixture_dir("mixtral"), **{**SMALL_ENGINE, "tensor_parallel_size": 2}).save_checkpoint(directory)
+    prompts = expected("mixtral")["prompts"]
+    for tp in (4, 1):
+        llm = LLM(directory, **{**SMALL_ENGINE, "tensor_parallel_size": tp})
+        outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0))
+        spec = next(iter(nnx.to_flat_state(llm.engine.runner.params())))[1].get_value().sharding
+        results[f"orbax:{tp}"] = {"greedy_equal": [o.outputs[0].token_ids == p["greedy_token_ids"]
+                                                   for o, p in zip(outputs, prompts)],
+                                  "num_devices_holding_embedding": len(spec.device_set)}
+for run in runs:
+    # name:tp[:dp[:ep[:attention_impl]]]
+    name, tp, dp, ep, impl = (run.split(":") + ["1", "-", "auto"][run.count(":") - 1:])
+    tp, dp, ep = int(tp), int(dp), ep == "ep"
+    try:
+        llm = LLM(fixture_dir(name), **{**SMALL_ENGINE, "tensor_parallel_size": tp, "data_parallel_size": dp,
+                                        "enable_expert_parallel": ep, "attention_impl": impl})
+    except ValueError as error:
+        results[run] = {"error": str(error)}
+        continue
+    prompts = expected(name)["prompts"]
+    outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0,
+                                                                             logprobs=8))
+    runner = llm.engine.runner
+    flat_params = list(nnx.to_flat_state(runner.params()))
+    specs = {".".join(map(str, path)): [str(axis) for axis in variable.get_value().sharding.spec]
+             for path, variable in flat_params}
+    device0 = jax.devices()[0]
+
+    def bytes_on_device0(names):
+        held = total = 0
+        for path, variable in flat_params:
+            if any(n in ".".join(map(str, path)) for n in names):
+                array = variable.get_value()
+                total += array.nbytes
+                held += sum(s.data.nbytes for s in array.addressable_shards if s.device == device0)
+        return held / total
+
+    results[run] = {
+        "greedy_equal": [o.outputs[0].token_ids == p["greedy_token_ids"] for o, p in zip(outputs, prompts)],
+        "max_logprob_error": max(abs(o.outputs[0].logprobs[0][t] - v) for o, p in zip(outputs, prompts)
+                                 for t, v in zip(p["first_top_token_ids"], p["first_top_logprobs"])),
+        "param_specs": specs,
+        "kv_pages_spec": [str(axis) for axis in runner.kv_pages.keys[0].sharding.spec],
+        "kv_pages_heads": runner.kv_pages.keys[0].shape[2],
+        "num_devices_holding_kv": len(runner.kv_pages.keys[0].sharding.device_set),
+        "attention_impl": llm.stats()["attention_impl"],
+        "compiles_after_warmup": llm.stats()["num_compiles_after_warmup"],
+        "device0_expert_fraction": bytes_on_device0(["gate_proj", "up_proj", "down_proj"]) if "mixtral" in name
+        else None,
+        "device0_attention_fraction": bytes_on_device0(["self_attn"]),
+        "device_tokens": llm.stats().get("expert_device_tokens"),
+        "device_imbalance": llm.stats().get("expert_device_imbalance"),
+    }
+print(json.dumps(results))

@@ -1,0 +1,85 @@
+"""Starts a real `python -m jaxserve.serve` process on free local ports for the server tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.support.fixtures import fixture_dir
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, tmp_path, engine: dict, server: dict | None = None, model: str = "llama_gqa"):
+        self.port, self.metrics_port = free_port(), free_port()
+        config = {
+            "model": {"path": fixture_dir(model), "dtype": "float32"},
+            "engine": {"max_model_len": 128, "max_num_batched_tokens": 64, "show_progress": False, **engine},
+            "server": {"host": "127.0.0.1", "port": self.port, "metrics_port": self.metrics_port,
+                       "drain_timeout": 20, **(server or {})},
+        }
+        path = tmp_path / "server.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.log_path = tmp_path / "server.log"
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen([sys.executable, "-m", "jaxserve.serve", "--config", str(path)],
+                                        stdout=self.log, stderr=subprocess.STDOUT, cwd=os.getcwd())
+        self.target = f"127.0.0.1:{self.port}"
+        self.channel = grpc.insecure_channel(self.target)
+        self.health_statuses = []
+
+    def health(self):
+        # a fresh channel each time: a shared one backs off after failed connects and can sleep
+        # through the whole warm-up
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return stub.Check(health_pb2.HealthCheckRequest(service="jaxserve.v1.Generation"), timeout=2).status
+
+    def wait_until_serving(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"server exited early:\n{self.read_log()}"
+            try:
+                status = self.health()
+            except grpc.RpcError:
+                time.sleep(0.05)
+                continue
+            if not self.health_statuses or self.health_statuses[-1] != status:
+                self.health_statuses.append(status)
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"server did not start:\n{self.read_log()}")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+            return response.read().decode()
+
+    def metric(self, name: str) -> float:
+        for line in self.metrics().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def read_log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+        code = self.process.wait(timeout=60)
+        self.channel.close()
+        return code

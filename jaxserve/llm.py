@@ -19,7 +19,7 @@ class LLM:
         unknown = sorted(set(engine_options) - known)
         if unknown:
             raise ValueError(f"unknown engine options {unknown}; known: {sorted(known)}")
-        self.engine = Engine(model, EngineConfig(**engine_options))
+        self.engine = Engine.from_model(model, EngineConfig(**engine_options))
         self._request_ids = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,

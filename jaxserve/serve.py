@@ -65,7 +65,7 @@ class Server:
                 self.grpc_server.stop(grace=None)
                 raise ValueError(f"cannot serve metrics on port {self.config.server.metrics_port}: {error}") from None
         logger.info("listening on %s:%d; warming up", self.config.server.host, self.port)
-        engine = Engine(self.config.model_dir(), self.config.engine)
+        engine = Engine.from_model(self.config.model_dir(), self.config.engine)
         self.loop = EngineLoop(engine, self.metrics, self.config.server.max_queued_requests)
         self.service.loop = self.loop
         self.metrics.observe_engine(engine.stats())

@@ -44,11 +44,16 @@ def kv_head_replicas(num_heads: int, num_kv_heads: int, tensor_parallel_size: in
     return None
 
 
+def kv_pages_spec(mesh, num_cache_heads: int) -> PartitionSpec:
+    """[pages, page_size, kv heads, head dim] pools: each data-parallel rank holds its own pages, each
+    tensor shard its KV heads' slice of them; num_cache_heads: the KV heads the cache stores
+    (replicas included)."""
+    return partition_spec(("pages", "page_offset", "kv_heads", "head_dim"), mesh, {"kv_heads": num_cache_heads})
+
+
 def attention_specs(mesh, num_cache_heads: int) -> dict[str, PartitionSpec]:
-    """Partition specs of the sharded attention's operands, from the rules table; num_cache_heads:
-    the KV heads the cache stores (replicas included)."""
-    sizes = {"kv_heads": num_cache_heads}
-    pages = partition_spec(("pages", "page_offset", "kv_heads"), mesh, sizes)
+    """Partition specs of the sharded attention's operands, from the rules table."""
+    pages = kv_pages_spec(mesh, num_cache_heads)
     tokens = partition_spec(("batch",), mesh)
     if pages[0] != tokens[0]:
         raise ValueError(f"sharded attention needs tokens and pages split alike, got {tokens} and {pages}")

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from jaxserve.host.page_allocator import RESERVED_PAGE, num_pages_for
-from jaxserve.models.kv_pages import AttentionMetadata
+from jaxserve.config import Buckets
 from jaxserve.device.sampler import SamplingInputs
-from jaxserve.host.scheduler import ScheduledChunk
+from jaxserve.host.page_allocator import RESERVED_PAGE, num_pages_for
+from jaxserve.host.scheduler import ScheduledChunk, padded_to_blocks
+from jaxserve.models.kv_pages import AttentionMetadata
 
 
 @jax.tree_util.register_dataclass
@@ -71,7 +72,7 @@ def build_step_inputs(chunks: list[ScheduledChunk], shape: StepShape, page_size:
         token_ids[cursor:cursor + n] = seq.token_slice(chunk.start, chunk.end)
         positions[cursor:cursor + n] = chunk_positions
         slot_ids[cursor:cursor + n] = pages[chunk_positions // page_size] * page_size + chunk_positions % page_size
-        padded = -(-n // block) * block
+        padded = padded_to_blocks(n, block)
         token_seq_ids[cursor:cursor + padded] = row
         page_table[row, :len(pages)] = pages
         logits_indices[row] = cursor + n - 1
@@ -104,3 +105,24 @@ def build_ranked_inputs(per_rank_chunks: list[list[ScheduledChunk]], shape: Step
     for rank, inputs in enumerate(per_rank):
         inputs.logits_indices = inputs.logits_indices + rank * shape.num_tokens
     return jax.tree.map(lambda *arrays: np.concatenate(arrays), *per_rank)
+
+
+def all_step_shapes(buckets: Buckets, prefill_query_block: int) -> list[StepShape]:
+    """Every shape the runner compiles at warm-up: decode buckets, then prefill buckets."""
+    shapes = [StepShape(s, s, p, 1) for s in buckets.decode_seqs for p in buckets.pages_per_seq]
+    block = prefill_query_block
+    return shapes + [StepShape(t, t // block, p, block) for t in buckets.prefill_tokens for p in buckets.pages_per_seq]
+
+
+def step_shape(per_rank_chunks: list[list[ScheduledChunk]], is_decode: bool, buckets: Buckets, page_size: int,
+               prefill_query_block: int) -> StepShape:
+    """The smallest bucket every rank's chunks fit in (ranks share one shape)."""
+    every = [chunk for chunks in per_rank_chunks for chunk in chunks]
+    pages_per_seq = Buckets.fit(max(num_pages_for(chunk.end, page_size) for chunk in every), buckets.pages_per_seq)
+    if is_decode:
+        num_seqs = Buckets.fit(max(len(chunks) for chunks in per_rank_chunks), buckets.decode_seqs)
+        return StepShape(num_seqs, num_seqs, pages_per_seq, 1)
+    block = prefill_query_block
+    num_tokens = Buckets.fit(max(sum(padded_to_blocks(c.num_tokens, block) for c in chunks)
+                                 for chunks in per_rank_chunks), buckets.prefill_tokens)
+    return StepShape(num_tokens, num_tokens // block, pages_per_seq, block)

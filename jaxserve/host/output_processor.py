@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from jaxserve.host.request import Sequence
+from jaxserve.host.request import RequestStatus, SequenceState
+from jaxserve.host.stop_strings import find_stop_string
 from jaxserve.loading.tokenizer import Tokenizer, detokenize_incrementally, start_detokenizer
 
 
-def token_logprobs(row: int, fetched: dict, num_top: int) -> dict[int, float]:
+def token_logprobs(row: int, sampled, num_top: int) -> dict[int, float]:
     """{token_id: logprob} for the row's top `num_top` tokens plus the sampled one."""
     logprobs = {int(t): float(v) for t, v in
-                zip(fetched["top_token_ids"][row, :num_top], fetched["top_logprobs"][row, :num_top])}
-    logprobs[int(fetched["token_ids"][row])] = float(fetched["logprobs"][row])
+                zip(sampled.top_token_ids[row, :num_top], sampled.top_logprobs[row, :num_top])}
+    logprobs[int(sampled.token_ids[row])] = float(sampled.logprobs[row])
     return logprobs
 
 
-def _find_stop_string(seq: Sequence, num_new_chars: int) -> int:
+def _find_stop_string(seq: SequenceState, num_new_chars: int) -> int:
     """Index in seq.text where a stop string begins, looking only where the new text could complete one."""
     best = -1
     for stop in seq.params.stop:
@@ -25,7 +26,7 @@ def _find_stop_string(seq: Sequence, num_new_chars: int) -> int:
     return best
 
 
-def append_token(seq: Sequence, token_id: int, logprobs: dict[int, float] | None, tokenizer: Tokenizer | None,
+def append_token(seq: SequenceState, token_id: int, logprobs: dict[int, float] | None, tokenizer: Tokenizer | None,
                  eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
     """Record one sampled token; returns the finish reason ("stop" or "length") or None to go on."""
     seq.output_token_ids.append(token_id)
@@ -37,7 +38,7 @@ def append_token(seq: Sequence, token_id: int, logprobs: dict[int, float] | None
         new_text = detokenize_incrementally(tokenizer, seq.token_ids, seq.detokenizer_state)
         seq.text += new_text
         if seq.params.stop and new_text:
-            index = _find_stop_string(seq, len(new_text))
+            index = find_stop_string(seq, new_text)
             if index != -1:
                 seq.text = seq.text[:index]  # the stop string never reaches the caller
                 return "stop"
@@ -46,3 +47,40 @@ def append_token(seq: Sequence, token_id: int, logprobs: dict[int, float] | None
     if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
         return "length"
     return None
+
+
+class OutputProcessor:
+    """After a step: record the KV each chunk computed (caching newly full pages), then append the
+    sampled tokens, detokenize, and finish the sequences that stop."""
+
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+
+    def process(self, chunks, scheduler, sampled, first_row: int) -> set[str]:
+        """chunks ran on scheduler's rank; their sampled rows (numpy SamplerOutput fields) start at
+        first_row. Returns the ids of the requests that produced a token."""
+        progressed = set()
+        for row, chunk in enumerate(chunks, start=first_row):
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.end
+            scheduler.cache_full_pages(seq)
+            if seq.flushing:
+                scheduler.finish(seq, seq.finish_reason)
+                continue
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.num_prompt_tokens += chunk.num_tokens
+            if not chunk.samples_next_token or seq.status is not RequestStatus.RUNNING:
+                continue
+            num_top = seq.params.logprobs
+            logprobs = token_logprobs(row, sampled, num_top) if num_top is not None else None
+            reason = append_token(seq, int(sampled.token_ids[row]), logprobs, self.tokenizer, self.eos_token_ids,
+                                  self.max_model_len)
+            self.num_generated_tokens += 1
+            if reason is not None:
+                scheduler.finish_or_flush(seq, reason)
+            progressed.add(seq.request_id)
+        return progressed

@@ -44,14 +44,12 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a non-negative integer below 2**63, got {self.seed!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {min(self.stop_token_ids)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 class RequestStatus(enum.Enum):
@@ -62,7 +60,7 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(eq=False)  # identity, not field-by-field, equality: sequences are compared in queues
-class Sequence:
+class SequenceState:
     """One generated sequence: the prompt plus what has been sampled so far, and where its KV lives.
 
     A request with n > 1 owns n sequences that share the prompt.
@@ -87,6 +85,7 @@ class Sequence:
     flushing: bool = False  # finished for its caller; runs one more step to cache its last page
     text: str = ""
     detokenizer_state: object = None
+    stop_matcher: object = None  # where the stop-string search stands in text (host/stop_strings.py)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without concatenating prompt and output (this runs every step)."""
@@ -113,10 +112,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def is_prefilling(self) -> bool:
-        """True while tokens other than the newest one still lack KV (prompt, or everything after preemption)."""
-        return self.num_computed_tokens < self.num_tokens - 1
 
 
 @dataclass
@@ -143,3 +138,25 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(output.finished for output in self.outputs)
+
+
+@dataclass
+class Request:
+    """A request as the engine holds it: its prompt and its n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[SequenceState]
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finish_reason is not None for seq in self.seqs)
+
+    def output(self) -> RequestOutput:
+        outputs = [CompletionOutput(index=i, text=seq.text, token_ids=list(seq.output_token_ids),
+                                    finish_reason=seq.finish_reason,
+                                    logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None)
+                   for i, seq in enumerate(self.seqs)]
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs,
+                             num_cached_tokens=self.seqs[0].num_cached_tokens)

@@ -17,12 +17,17 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jaxserve.host.page_allocator import ROOT_KEY, PageAllocator, num_pages_for
-from jaxserve.host.request import RequestStatus, Sequence
+from jaxserve.host.request import RequestStatus, SequenceState
+
+
+def padded_to_blocks(num_tokens: int, block: int) -> int:
+    """Prefill chunks start on multiples of the query block: a chunk's tokens rounded up to whole blocks."""
+    return -(-num_tokens // block) * block
 
 
 @dataclass
 class ScheduledChunk:
-    seq: Sequence
+    seq: SequenceState
     start: int  # position of the first token whose KV this step computes
     num_tokens: int
 
@@ -40,7 +45,7 @@ class ScheduledChunk:
 class Schedule:
     decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[SequenceState] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -58,19 +63,24 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.query_block = prefill_query_block
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last is the youngest
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # in admission order: the last is the youngest
         self.num_preemptions = 0
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
+    @property
+    def num_sequences(self) -> int:
+        """Running and waiting: how loaded this data-parallel rank is."""
+        return len(self.running) + len(self.waiting)
+
+    def add(self, seq: SequenceState) -> None:
         seq.status = RequestStatus.WAITING
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: SequenceState, reason: str) -> None:
         """Drop a sequence (finished or aborted) wherever it is and free its pages at once."""
         if seq in self.running:
             self.running.remove(seq)
@@ -82,7 +92,7 @@ class Scheduler:
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
 
-    def finish_or_flush(self, seq: Sequence, reason: str) -> None:
+    def finish_or_flush(self, seq: SequenceState, reason: str) -> None:
         """Finish a sequence; but when its newest token would complete a page, first compute that
         token's KV (one more step, nothing sampled) so the next turn of a chat finds the whole page."""
         if self.allocator.enable_prefix_caching and seq.num_tokens % self.allocator.page_size == 0:
@@ -90,12 +100,12 @@ class Scheduler:
         else:
             self.finish(seq, reason)
 
-    def _release_pages(self, seq: Sequence) -> None:
+    def _release_pages(self, seq: SequenceState) -> None:
         self.allocator.release(seq.page_ids)
         seq.page_ids = []
         seq.page_keys = []
 
-    def cache_full_pages(self, seq: Sequence) -> None:
+    def cache_full_pages(self, seq: SequenceState) -> None:
         """Make the sequence's newly filled pages findable by later requests (prompt and output alike)."""
         if not self.allocator.enable_prefix_caching:
             return
@@ -105,10 +115,7 @@ class Scheduler:
             tokens = tuple(seq.token_slice(index * size, (index + 1) * size))
             seq.page_keys.append(self.allocator.cache_full_page(seq.page_ids[index], parent, tokens))
 
-    def _padded(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.query_block) * self.query_block
-
-    def _next_chunk(self, seq: Sequence, budget: int, start: int | None = None) -> ScheduledChunk | None:
+    def _next_chunk(self, seq: SequenceState, budget: int, start: int | None = None) -> ScheduledChunk | None:
         start = seq.num_computed_tokens if start is None else start
         remaining = seq.num_tokens - start
         if remaining == 1:
@@ -117,12 +124,12 @@ class Scheduler:
         return ScheduledChunk(seq, start, num_tokens) if num_tokens > 0 else None
 
     def _cost(self, chunk: ScheduledChunk) -> int:
-        return 1 if chunk.seq.num_tokens - chunk.start == 1 else self._padded(chunk.num_tokens)
+        return 1 if chunk.seq.num_tokens - chunk.start == 1 else padded_to_blocks(chunk.num_tokens, self.query_block)
 
     def _pages_needed(self, chunk: ScheduledChunk) -> int:
         return num_pages_for(chunk.end, self.allocator.page_size) - len(chunk.seq.page_ids)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         if seq.flushing:  # nothing left to give its caller: drop it rather than recompute it
             self.finish(seq, seq.finish_reason)
             return
@@ -155,10 +162,6 @@ class Scheduler:
         (schedule.decodes if is_decode else schedule.prefills).append(chunk)
         scheduled.add(chunk.seq.seq_id)
 
-    def schedule_ranks(self) -> list[Schedule]:
-        """The engine's entry point; a single scheduler is one data-parallel rank."""
-        return [self.schedule()]
-
     def schedule(self) -> Schedule:
         schedule, scheduled = Schedule(), set()
         budget = self.max_num_batched_tokens
@@ -186,7 +189,7 @@ class Scheduler:
             budget -= self._cost(chunk)
         return schedule
 
-    def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+    def _admit(self, seq: SequenceState, budget: int) -> ScheduledChunk | None:
         """Reuse the sequence's cached prefix and give it its first chunk, if it fits.
 
         Admission counts everything the sequence may grow to (prompt + max_tokens), not only its

@@ -79,16 +79,15 @@ class GenerationService(jaxserve_pb2_grpc.GenerationServicer):
 
     def GetServerInfo(self, request, context):
         loop = self._ready_loop(context)
-        engine = loop.engine
-        shapes = [f"{s.kind}(tokens={s.num_tokens}, seqs={s.num_seqs}, pages={s.pages_per_seq})"
-                  for s in sorted(engine.runner.executables, key=lambda s: (s.kind, s.num_tokens))]
-        return pb.ServerInfo(model=self.model_name, dtype=engine.dtype, mesh=f"single device: {_device_name()}",
-                             page_size=engine.config.page_size, num_pages=engine.allocator.num_usable_pages,
-                             compiled_buckets=shapes, max_model_len=engine.max_model_len,
-                             version=jaxserve.__version__, attention_impl=engine.attention_impl,
-                             max_num_seqs=engine.config.max_num_seqs, vocab_size=engine.model_config.vocab_size,
-                             num_free_pages=engine.allocator.num_free_pages,
-                             num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting))
+        info, load = loop.engine.describe(), loop.engine.load()
+        shapes = [f"{kind}(tokens={tokens}, seqs={seqs}, pages={pages})"
+                  for kind, tokens, seqs, pages in info.compiled_buckets]
+        return pb.ServerInfo(model=self.model_name, dtype=info.dtype, mesh=info.mesh, page_size=info.page_size,
+                             num_pages=info.num_pages, compiled_buckets=shapes, max_model_len=info.max_model_len,
+                             version=jaxserve.__version__, attention_impl=info.attention_impl,
+                             max_num_seqs=info.max_num_seqs, vocab_size=info.vocab_size,
+                             num_free_pages=load.num_free_pages, num_running=load.num_running,
+                             num_waiting=load.num_waiting)
 
     def Tokenize(self, request, context):
         tokenizer = self._ready_loop(context).engine.tokenizer

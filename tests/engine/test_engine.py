@@ -5,6 +5,7 @@ import pytest
 
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 from jaxserve import LLM, SamplingParams
+from jaxserve.device.step_inputs import all_step_shapes
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -27,7 +28,7 @@ def test_batch_invariance_and_no_compiles_after_warmup():
     assert [len(o.outputs[0].token_ids) for o in together[1:]] == lengths.tolist()
     stats = llm.stats()
     assert stats["num_compiles_after_warmup"] == 0
-    assert stats["num_executables"] == len(llm.engine.runner.all_shapes())
+    assert stats["num_executables"] == len(all_step_shapes(llm.engine.runner.buckets, llm.engine.config.prefill_query_block))
     assert stats["kv_pages_free"] == stats["kv_pages_total"], "every page is free once all requests finish"
 
 
@@ -105,14 +106,14 @@ def test_stop_strings_and_stop_tokens(llama_llm):
 
 def test_eos_stops_unless_ignored(llama_llm):
     prompt = expected("llama_gqa")["prompts"][2]["token_ids"]
-    eos_engine = llama_llm.engine
+    outputs = llama_llm.engine.outputs  # the output processor decides what stops
     first = llama_llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0].outputs[0].token_ids[0]
-    eos_engine.eos_token_ids, saved = frozenset([first]), eos_engine.eos_token_ids
+    outputs.eos_token_ids, saved = frozenset([first]), outputs.eos_token_ids
     try:
         stopped = llama_llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0].outputs[0]
         ignored = llama_llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
     finally:
-        eos_engine.eos_token_ids = saved
+        outputs.eos_token_ids = saved
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
     assert len(ignored.outputs[0].token_ids) == 3 and ignored.outputs[0].finish_reason == "length"
 

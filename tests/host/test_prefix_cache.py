@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 from jaxserve import LLM, SamplingParams
 from jaxserve.host.page_allocator import PageAllocator
-from jaxserve.device.runner import host_pages_to_array
+from jaxserve.device.page_copies import host_pages_to_array
 from tests.support.scheduling import drive, make_scheduler, make_seq
 
 ENGINE = {**SMALL_ENGINE, "max_model_len": 256, "page_size": 8}
@@ -67,7 +67,7 @@ def test_shared_pages_are_never_written(cached_llm):
     rng = np.random.default_rng(2)
     prefix = [1] + rng.integers(3, 384, size=47).tolist()
     cached_llm.generate([prefix + [5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))
-    allocator = cached_llm.engine.allocator
+    allocator = cached_llm.engine.schedulers[0].allocator
     pages = allocator.find_cached_prefix(prefix, len(prefix)).pages
     assert len(pages) == 48 // 8
     runner = cached_llm.engine.runner
@@ -135,7 +135,7 @@ def test_host_tier_round_trip_is_bit_exact():
     llm = LLM(fixture_dir("llama_gqa"), **{**ENGINE, "num_pages": 16, "swap_space": 0.01})
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first = llm.generate([prefix + [5, 6, 7]], params)[0]
-    allocator, runner = llm.engine.allocator, llm.engine.runner
+    allocator, runner = llm.engine.schedulers[0].allocator, llm.engine.runner
     pages = allocator.find_cached_prefix(prefix, len(prefix)).pages
     saved = host_pages_to_array(runner.read_pages(pages))
     # unrelated prompts fill the 15 usable pages and evict (demote) every page of the prefix

@@ -3,15 +3,15 @@
 import itertools
 
 from jaxserve.host.page_allocator import RESERVED_PAGE, PageAllocator
-from jaxserve.host.request import SamplingParams, Sequence
+from jaxserve.host.request import SamplingParams, SequenceState
 from jaxserve.host.scheduler import Scheduler
 
 _ids = itertools.count()
 
 
-def make_seq(prompt_len: int, max_tokens: int) -> Sequence:
+def make_seq(prompt_len: int, max_tokens: int) -> SequenceState:
     seq_id = next(_ids)
-    return Sequence(seq_id=seq_id, request_id=str(seq_id), prompt_token_ids=[1] * prompt_len,
+    return SequenceState(seq_id=seq_id, request_id=str(seq_id), prompt_token_ids=[1] * prompt_len,
                     params=SamplingParams(max_tokens=max_tokens), sampling_seed=0, arrival_order=seq_id)
 
 

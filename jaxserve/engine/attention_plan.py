@@ -1,0 +1,51 @@
+"""Where attention runs, with which kernel, over what cache layout: decided once at start-up."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh
+
+from jaxserve.config import EngineConfig, ModelConfig
+from pallas_kernels import kv_cache_head_dim, resolve_attention_impl
+from pallas_kernels.paged_attention.probe import pallas_problem
+from sharding.attention import kv_head_replicas
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    impl: str  # a concrete kernel: reference | cpu | pallas
+    # Set: every device attends over its own sequences and KV heads under shard_map
+    # (sharding/attention.py). None: one device, or XLA's partitioner splits the reference.
+    mesh: Mesh | None
+    num_cache_kv_heads: int  # KV heads the cache stores: the model's, times copies under tensor parallelism
+    cache_head_dim: int  # the model's head dim, or wider (zero padded) where a kernel needs it
+
+
+def choose_attention(model: ModelConfig, config: EngineConfig, dtype: str, mesh: Mesh | None) -> AttentionPlan:
+    """Attention runs the single-device kernels per shard when data-parallel ranks or KV heads split the
+    work (the cache storing copies of each KV head when there are fewer than tensor shards); tensor
+    parallelism over heads that cannot split relies on XLA's partitioner, which only the jax.numpy
+    reference goes through. Under "auto", the Pallas kernels must first pass a start-up check on this
+    device (probe.py): a lowering error or mismatch falls back to the reference with a warning."""
+    platform = jax.default_backend()
+    tensor_parallel = config.tensor_parallel_size
+    replicas = kv_head_replicas(model.num_heads, model.num_kv_heads, tensor_parallel) if tensor_parallel > 1 else None
+    attention_mesh = mesh if mesh is not None and (config.data_parallel_size > 1 or replicas) else None
+    impl = resolve_attention_impl(config.attention_impl, platform, dtype,
+                                  partitioned=mesh is not None and attention_mesh is None,
+                                  head_dim=model.head_dim, page_size=config.page_size)
+    if config.attention_impl == "auto" and impl == "pallas":
+        problem = pallas_problem(model.num_heads, model.num_kv_heads, model.head_dim, config.page_size, dtype,
+                                 query_blocks=(1, config.prefill_query_block),
+                                 cache_head_dim=kv_cache_head_dim("pallas", platform, model.head_dim))
+        if problem is not None:
+            logger.warning("Pallas attention kernels fail their start-up check on %s (%s); using the "
+                           "reference attention", platform, problem)
+            impl = "reference"
+    return AttentionPlan(impl=impl, mesh=attention_mesh, num_cache_kv_heads=model.num_kv_heads * (replicas or 1),
+                         cache_head_dim=kv_cache_head_dim(impl, platform, model.head_dim))

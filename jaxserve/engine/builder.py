@@ -1,0 +1,159 @@
+"""Start-up: from a model path and an EngineConfig to the parts the engine loop runs.
+
+    open the checkpoint -> the mesh -> the attention plan -> the model, its params placed as they
+    are read -> the KV page pool and one scheduler per data-parallel rank -> the runner, warmed up
+
+Everything here runs once; `Engine` takes the result and only loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxserve.config import Buckets, EngineConfig, ModelConfig
+from jaxserve.device.runner import ModelRunner, enable_compilation_cache, kv_cache_bytes_available
+from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
+from jaxserve.engine.expert_balancer import ExpertBalancer
+from jaxserve.host.page_allocator import PageAllocator, num_pages_for, swap_in_is_cheaper
+from jaxserve.host.scheduler import Scheduler
+from jaxserve.loading.model_source import ModelSource, open_model
+from jaxserve.models import KVPages, build_model
+from sharding import build_mesh, param_logical_axes, partition_spec
+from sharding.attention import kv_pages_spec
+from sharding.expert_placement import initial_placement, read_load_profile
+from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES, logical_sizes
+
+# Without an explicit max_model_len, the model's own limit is capped here so a fresh engine does not
+# compile page buckets for 128k-token contexts that a CPU will never serve.
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    config: EngineConfig
+    source: ModelSource
+    dtype: str
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    mesh: Mesh | None  # None: one device
+    attention: AttentionPlan
+    schedulers: list[Scheduler]  # one per data-parallel rank, each over its own range of KV pages
+    runner: ModelRunner
+    experts: ExpertBalancer | None  # mixture-of-experts models only
+
+
+def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
+    source = open_model(model_path)
+    model_config = source.config
+    dtype = source.checkpoint_dtype if config.dtype == "auto" else config.dtype
+    max_model_len = _max_model_len(model_config, config)
+    enable_compilation_cache(config.compilation_cache_dir)
+    mesh = build_mesh(config.data_parallel_size, config.tensor_parallel_size) \
+        if config.data_parallel_size * config.tensor_parallel_size > 1 else None
+    expert_parallel = _expert_parallel(model_config, config, mesh)
+    attention = choose_attention(model_config, config, dtype, mesh)
+    model = _load_model(source, dtype, attention, mesh, expert_parallel)
+    schedulers, kv_pages = _kv_cache(model_config, config, dtype, attention, mesh, max_model_len, model)
+    runner = ModelRunner(model, kv_pages=kv_pages, buckets=Buckets.derive(config, max_model_len),
+                         page_size=config.page_size, prefill_query_block=config.prefill_query_block,
+                         max_logprobs=config.max_logprobs, num_experts=model_config.num_experts, mesh=mesh)
+    experts = None
+    if model_config.is_moe:
+        experts = ExpertBalancer(model_config, runner, mesh.devices.size if expert_parallel else None,
+                                 config.expert_rebalance_interval)
+        if config.expert_load_profile is not None:
+            experts.rebalance(read_load_profile(config.expert_load_profile, model_config.num_layers,
+                                                model_config.num_experts))
+    runner.warm_up(show_progress=config.show_progress)
+    if schedulers[0].allocator.host_tier is not None:
+        runner.warm_up_page_copies()
+    return EngineParts(config=config, source=source, dtype=dtype, max_model_len=max_model_len,
+                       eos_token_ids=_eos_token_ids(source), mesh=mesh, attention=attention,
+                       schedulers=schedulers, runner=runner, experts=experts)
+
+
+def _max_model_len(model: ModelConfig, config: EngineConfig) -> int:
+    max_model_len = config.max_model_len or min(model.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                         f"({model.max_position_embeddings})")
+    return max_model_len
+
+
+def _eos_token_ids(source: ModelSource) -> frozenset[int]:
+    """What generation stops on: the config's (and generation_config's) EOS ids, else the tokenizer's."""
+    eos = set(source.config.eos_token_ids)
+    tokenizer = source.tokenizer
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return frozenset(eos)
+
+
+def _expert_parallel(model: ModelConfig, config: EngineConfig, mesh: Mesh | None) -> bool:
+    expert_parallel = config.enable_expert_parallel and model.is_moe and mesh is not None
+    if expert_parallel and model.num_experts % mesh.devices.size:
+        raise ValueError(f"{model.num_experts} experts do not divide over the {mesh.devices.size} devices of "
+                         f"data_parallel_size x tensor_parallel_size")
+    for option in ("expert_load_profile", "expert_rebalance_interval"):
+        if getattr(config, option) and not expert_parallel:
+            raise ValueError(f"{option} places experts on devices: it needs a mixture-of-experts model with "
+                             "enable_expert_parallel and data_parallel_size x tensor_parallel_size > 1")
+    return expert_parallel
+
+
+def _load_model(source: ModelSource, dtype: str, attention: AttentionPlan, mesh: Mesh | None,
+                expert_parallel: bool):
+    """The model with its params read from the checkpoint, each placed on the mesh as it is read; expert
+    placements (expert parallelism only) are not params: they start contiguous."""
+    abstract_model = nnx.eval_shape(lambda: build_model(
+        source.config, dtype, attention_impl=attention.impl, rngs=nnx.Rngs(0), attention_mesh=attention.mesh,
+        expert_parallel_mesh=mesh if expert_parallel else None))
+    graphdef, abstract_params, abstract_placement = nnx.split(abstract_model, nnx.Param, ...)
+    params = source.read_params(abstract_params, dtype, _param_placement(source.config, mesh, expert_parallel))
+    if expert_parallel:
+        return nnx.merge(graphdef, params, initial_placement(abstract_placement, source.config.num_experts, mesh))
+    return nnx.merge(graphdef, params)
+
+
+def _param_placement(model: ModelConfig, mesh: Mesh | None, expert_parallel: bool):
+    """path -> where that param lives, by the logical-axis rules (None: the default device)."""
+    rules = EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_AXIS_RULES
+
+    def placement(path: tuple) -> NamedSharding | None:
+        if mesh is None:
+            return None
+        axes = param_logical_axes(path, model)
+        return NamedSharding(mesh, partition_spec(axes, mesh, logical_sizes(model), rules))
+
+    return placement
+
+
+def _kv_cache(model: ModelConfig, config: EngineConfig, dtype: str, attention: AttentionPlan, mesh: Mesh | None,
+              max_model_len: int, loaded_model) -> tuple[list[Scheduler], KVPages]:
+    """The page pool (rank r's pages are rows [r * num_pages, (r + 1) * num_pages), addressed locally)
+    and one scheduler per rank over its own pages."""
+    page_bytes = KVPages.bytes_per_page(model.num_layers, config.page_size, attention.num_cache_kv_heads,
+                                        attention.cache_head_dim, dtype)
+    # Beyond what max_num_seqs full-length sequences can hold, pages only serve as prefix cache.
+    useful_pages = config.max_num_seqs * num_pages_for(max_model_len, config.page_size) * (
+        4 if config.enable_prefix_caching else 1) + 1
+    num_pages = config.num_pages or max(2, min(kv_cache_bytes_available(config.kv_cache_memory_gib) // page_bytes,
+                                               useful_pages))
+    num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded_model)))
+    swapping_pays = swap_in_is_cheaper(page_bytes, config.page_size, num_params, jax.default_backend())
+    host_tier_pages = int(config.swap_space * 2**30) // page_bytes if swapping_pays else 0
+    num_ranks = config.data_parallel_size
+    schedulers = [Scheduler(PageAllocator(num_pages, config.page_size, config.enable_prefix_caching,
+                                          host_tier_pages=host_tier_pages, session_ttl=config.session_ttl),
+                            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            prefill_query_block=config.prefill_query_block) for _ in range(num_ranks)]
+    kv_pages = KVPages.zeros(model.num_layers, num_ranks * num_pages, config.page_size,
+                             attention.num_cache_kv_heads, attention.cache_head_dim, dtype)
+    if mesh is not None:
+        # Each data-parallel rank holds its own pages; each tensor shard its KV heads' slice of them.
+        kv_pages = jax.device_put(kv_pages, NamedSharding(mesh, kv_pages_spec(mesh, attention.num_cache_kv_heads)))
+    return schedulers, kv_pages

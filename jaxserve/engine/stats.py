@@ -1,0 +1,112 @@
+"""What the engine reports: `describe()` (what it serves and how, fixed at start-up), `load()` (how
+busy it is now) and `stats()` (every counter, for logs, metrics and tests). The server reads these
+and nothing else of the engine's insides."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+
+from jaxserve.host.page_allocator import PrefixCacheStats
+
+
+@dataclass(frozen=True)
+class EngineDescription:
+    model_name: str  # the checkpoint's name, never a host path
+    dtype: str
+    mesh: str  # e.g. "1 cpu device", "data 2 x tensor 2 over 4 cpu devices"
+    attention_impl: str
+    page_size: int
+    num_pages: int  # usable KV pages over all data-parallel ranks
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    compiled_buckets: tuple[tuple[str, int, int, int], ...]  # (kind, num_tokens, num_seqs, pages_per_seq)
+    num_executables: int
+    warmup_seconds: float
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_tokens_waiting_prefill: int  # prompt tokens (of running and waiting sequences) not yet computed
+
+
+def _mesh_description(mesh) -> str:
+    if mesh is None:
+        return f"1 {jax.default_backend()} device"
+    kind = mesh.devices.flat[0].platform
+    axes = " x ".join(f"{name} {size}" for name, size in mesh.shape.items())
+    return f"{axes} over {mesh.devices.size} {kind} devices"
+
+
+def describe_engine(engine) -> EngineDescription:
+    buckets = tuple(sorted((shape.kind, shape.num_tokens, shape.num_seqs, shape.pages_per_seq)
+                           for shape in engine.runner.executables))
+    return EngineDescription(
+        model_name=engine.parts.source.name, dtype=engine.dtype, mesh=_mesh_description(engine.parts.mesh),
+        attention_impl=engine.parts.attention.impl, page_size=engine.config.page_size,
+        num_pages=sum(s.allocator.num_usable_pages for s in engine.schedulers),
+        max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs,
+        vocab_size=engine.model_config.vocab_size, compiled_buckets=buckets,
+        num_executables=len(engine.runner.executables), warmup_seconds=round(engine.runner.warmup_seconds, 3))
+
+
+def engine_load(engine) -> EngineLoad:
+    schedulers = engine.schedulers
+    return EngineLoad(
+        num_running=sum(len(s.running) for s in schedulers), num_waiting=sum(len(s.waiting) for s in schedulers),
+        num_free_pages=sum(s.allocator.num_free_pages for s in schedulers),
+        num_tokens_waiting_prefill=sum(seq.num_tokens - seq.num_computed_tokens - 1 for s in schedulers
+                                       for seq in list(s.running) + list(s.waiting)
+                                       if seq.num_tokens - seq.num_computed_tokens > 1))
+
+
+def engine_stats(engine) -> dict:
+    load = engine.load()
+    return {
+        "kv_pages_total": sum(s.allocator.num_usable_pages for s in engine.schedulers),
+        "kv_pages_free": load.num_free_pages,
+        "page_size": engine.config.page_size,
+        "num_executables": len(engine.runner.executables),
+        "num_compiles_after_warmup": engine.runner.num_compiles_after_warmup,
+        "warmup_seconds": round(engine.runner.warmup_seconds, 3),
+        "num_running": load.num_running,
+        "num_waiting": load.num_waiting,
+        "num_preemptions": sum(s.num_preemptions for s in engine.schedulers),
+        "num_steps": engine.num_steps,
+        "num_prompt_tokens": engine.outputs.num_prompt_tokens,
+        "num_generated_tokens": engine.outputs.num_generated_tokens,
+        "max_model_len": engine.max_model_len,
+        "dtype": engine.dtype,
+        "attention_impl": engine.parts.attention.impl,
+        **prefix_cache_stats([s.allocator for s in engine.schedulers]),
+        **(engine.experts.stats() if engine.experts is not None else {}),
+    }
+
+
+def prefix_cache_stats(allocators) -> dict:
+    """Summed over the data-parallel ranks' allocators."""
+    cache = PrefixCacheStats()
+    for field in dataclasses.fields(PrefixCacheStats):
+        setattr(cache, field.name, sum(getattr(a.stats, field.name) for a in allocators))
+    return {
+        "prefix_cache_enabled": allocators[0].enable_prefix_caching,
+        "prefix_cache_queries": cache.num_queries,
+        "prefix_cache_query_tokens": cache.num_query_tokens,
+        "prefix_cache_hit_tokens": cache.num_hit_tokens,
+        "prefix_cache_hit_rate": round(cache.hit_rate, 4),
+        "prefix_cache_evictions": cache.num_evictions,
+        "prefix_cache_cached_pages": sum(a.num_cached_pages for a in allocators),
+        "host_tier_pages": sum(len(a.host_tier) for a in allocators if a.host_tier is not None),
+        "host_tier_hit_tokens": cache.host_tier_hit_tokens,
+        "swapped_out_pages": cache.num_swapped_out_pages,
+        "swapped_in_pages": cache.num_swapped_in_pages,
+        "prefix_cache_miss_tokens": {"never_seen": cache.miss_tokens_never_seen,
+                                     "evicted": cache.miss_tokens_evicted,
+                                     "partial_page": cache.miss_tokens_partial_page},
+    }

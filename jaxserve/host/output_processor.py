@@ -15,17 +15,6 @@ def token_logprobs(row: int, sampled, num_top: int) -> dict[int, float]:
     return logprobs
 
 
-def _find_stop_string(seq: SequenceState, num_new_chars: int) -> int:
-    """Index in seq.text where a stop string begins, looking only where the new text could complete one."""
-    best = -1
-    for stop in seq.params.stop:
-        search_from = max(0, len(seq.text) - num_new_chars - len(stop) + 1)
-        index = seq.text.find(stop, search_from)
-        if index != -1 and (best == -1 or index < best):
-            best = index
-    return best
-
-
 def append_token(seq: SequenceState, token_id: int, logprobs: dict[int, float] | None, tokenizer: Tokenizer | None,
                  eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
     """Record one sampled token; returns the finish reason ("stop" or "length") or None to go on."""

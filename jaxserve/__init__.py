@@ -1,9 +1,10 @@
 """jaxserve: an LLM inference engine on JAX.
 
-A request flows: LLM.generate / Engine.add_request -> Scheduler.schedule (host: which sequences run
-which tokens, on which KV pages) -> batch.build_step_inputs (padded to a compiled bucket) -> the
-jit-compiled step (model forward over the paged KV cache, then on-device sampling) ->
-output_processor (append tokens, detokenize, stop checks) -> pages freed as sequences finish.
+A request flows: LLM.generate / Engine.add_request -> host/scheduler.py (which sequences run which
+tokens, on which KV pages of host/page_allocator.py) -> device/step_inputs.py (padded to a compiled
+bucket) -> device/runner.py runs the compiled step (the model over the paged KV cache, then
+on-device sampling) -> host/output_processor.py (append tokens, detokenize, stop checks) -> pages
+freed or kept cached as sequences finish. docs/architecture.md tells it file by file.
 """
 
 from jaxserve.config import EngineConfig, ModelConfig

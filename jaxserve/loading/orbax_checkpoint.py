@@ -16,7 +16,8 @@ import jax
 from flax import nnx
 
 MARKER = "jaxserve_checkpoint.json"
-DESCRIPTION_FILES = ("config.json", "generation_config.json", "tokenizer.model", "tokenizer_config.json")
+DESCRIPTION_FILES = ("config.json", "generation_config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "chat_template.jinja")
 
 
 def is_orbax_checkpoint(directory: str) -> bool:

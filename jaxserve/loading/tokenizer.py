@@ -1,85 +1,75 @@
-"""SentencePiece tokenization as Hugging Face's Llama tokenizer does it, and incremental detokenization."""
+"""Text <-> token ids, as transformers' tokenizer for the same files does it.
+
+A model directory's tokenizer.json is read by Hugging Face's `tokenizers` (FastTokenizer); a directory
+with only a sentencepiece tokenizer.model keeps sentencepiece (SentencePieceTokenizer); a GGUF file's
+embedded vocabulary becomes a FastTokenizer too (gguf_tokenizer.py). Each honours what
+tokenizer_config.json says (tokenizer_config.py) and exposes what the engine stops on
+(`eos_token_ids`) and what chat templates read (`special_tokens`, `chat_template`).
+"""
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
 
-import sentencepiece
-
-# How many tokens before the newest ones are re-decoded, so that merges across the boundary
-# (a leading space, a multi-byte character split over tokens) come out right.
-DETOKENIZE_CONTEXT_TOKENS = 5
+from jaxserve.loading.detokenizer import (  # noqa: F401  (the engine's output processor imports them from here)
+    DetokenizerState, detokenize_incrementally, start_detokenizer)
+from jaxserve.loading.tokenizer_config import TokenizerSettings, read_tokenizer_settings
 
 
 class Tokenizer:
-    def __init__(self, model_path: str, add_bos_token: bool = True, add_eos_token: bool = False):
-        self.processor = sentencepiece.SentencePieceProcessor()
-        try:
-            self.processor.Load(model_path)
-        except (OSError, RuntimeError) as error:
-            raise ValueError(f"malformed tokenizer model {model_path}: {error}") from None
-        self.add_bos_token = add_bos_token
-        self.add_eos_token = add_eos_token
-        self.bos_token_id = self.processor.bos_id() if self.processor.bos_id() >= 0 else None
-        self.eos_token_id = self.processor.eos_id() if self.processor.eos_id() >= 0 else None
+    """The interface every backend implements; subclasses set up their backend, then call __init__."""
+
+    settings: TokenizerSettings
+
+    def __init__(self, settings: TokenizerSettings):
+        self.settings = settings
+        self.special_tokens = dict(settings.special_tokens)  # "bos_token" -> "<s>", as chat templates read them
+        self.chat_template = settings.chat_template
+        self.chat_template_source = settings.chat_template_source
+        self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
+        self.eos_token_id = self.token_to_id(self.special_tokens.get("eos_token"))
+        eos = set(settings.config_eos_token_ids)
+        eos.update(i for i in (self.token_to_id(t) for t in settings.eos_tokens) if i is not None)
+        # Every id generation stops on: config.json's and generation_config.json's EOS ids and the
+        # tokenizer's own EOS token(s) (a chat model's end-of-turn token is often only the latter).
+        self.eos_token_ids = frozenset(eos)
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> "Tokenizer | None":
-        """The directory's tokenizer.model, or None when it has none (token-id prompts only)."""
+        """The directory's tokenizer.json (preferred) or tokenizer.model; None when it has neither
+        (token-id prompts only). Raises ValueError naming the file when one is malformed."""
+        from jaxserve.loading.fast_tokenizer import FastTokenizer  # the backends subclass this class
+        from jaxserve.loading.sentencepiece_tokenizer import SentencePieceTokenizer
+
+        json_path = os.path.join(model_dir, "tokenizer.json")
         model_path = os.path.join(model_dir, "tokenizer.model")
-        if not os.path.isfile(model_path):
+        if not os.path.isfile(json_path) and not os.path.isfile(model_path):
             return None
-        options = {}
-        config_path = os.path.join(model_dir, "tokenizer_config.json")
-        if os.path.isfile(config_path):
-            try:
-                with open(config_path) as f:
-                    tokenizer_config = json.load(f)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ValueError(f"malformed tokenizer_config.json in {model_dir!r}: {error}") from None
-            for key in ("add_bos_token", "add_eos_token"):
-                if isinstance(tokenizer_config.get(key), bool):
-                    options[key] = tokenizer_config[key]
-        return cls(model_path, **options)
+        settings = read_tokenizer_settings(model_dir)
+        if os.path.isfile(json_path):
+            return FastTokenizer.from_file(json_path, settings)
+        return SentencePieceTokenizer(model_path, settings)
 
     @property
     def vocab_size(self) -> int:
-        return self.processor.GetPieceSize()
+        raise NotImplementedError
 
-    def encode(self, text: str) -> list[int]:
-        token_ids = list(self.processor.EncodeAsIds(text))
-        if self.add_bos_token and self.bos_token_id is not None:
-            token_ids = [self.bos_token_id] + token_ids
-        if self.add_eos_token and self.eos_token_id is not None:
-            token_ids = token_ids + [self.eos_token_id]
-        return token_ids
+    def token_to_id(self, token: str | None) -> int | None:
+        raise NotImplementedError
 
-    def decode(self, token_ids: list[int]) -> str:
-        size = self.vocab_size
-        return self.processor.DecodeIds([t for t in token_ids if 0 <= t < size])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """add_special_tokens: BOS/EOS as the tokenizer's rule says (off for rendered chat templates,
+        which write their own)."""
+        raise NotImplementedError
 
-
-@dataclass
-class DetokenizerState:
-    prefix_offset: int
-    read_offset: int
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Ids outside the vocabulary are left out."""
+        raise NotImplementedError
 
 
-def start_detokenizer(num_prompt_tokens: int) -> DetokenizerState:
-    return DetokenizerState(max(num_prompt_tokens - DETOKENIZE_CONTEXT_TOKENS, 0), num_prompt_tokens)
-
-
-def detokenize_incrementally(tokenizer: Tokenizer, token_ids: list[int], state: DetokenizerState) -> str:
-    """The text that token_ids[state.read_offset:] add, decoded in the context of the tokens before them.
-
-    Holds text back while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD).
-    """
-    prefix_text = tokenizer.decode(token_ids[state.prefix_offset:state.read_offset])
-    full_text = tokenizer.decode(token_ids[state.prefix_offset:])
-    if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
-        return ""
-    state.prefix_offset = state.read_offset
-    state.read_offset = len(token_ids)
-    return full_text[len(prefix_text):]
+def clean_up_tokenization(text: str) -> str:
+    """transformers' clean-up of spaces before punctuation (WordPiece-era; never applied to BPE)."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text

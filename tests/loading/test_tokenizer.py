@@ -1,36 +1,133 @@
-"""SentencePiece encoding and incremental detokenization."""
+"""Tokenizers against transformers (its outputs recorded by tests/support/record_tokenizers.py), and
+incremental detokenization against full decodes."""
+
+import json
+import os
+import shutil
 
 import numpy as np
+import pytest
 
-from tests.support.fixtures import fixture_dir
+from jaxserve.loading.detokenizer import flush_detokenizer
 from jaxserve.loading.tokenizer import Tokenizer, detokenize_incrementally, start_detokenizer
+from tests.support.fixtures import fixture_dir
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+JSON_TOKENIZERS = ["qwen_byte_level", "smollm_byte_level", "llama_metaspace"]
+SENTENCEPIECE_DIR = fixture_dir("llama_gqa")
 
 
-def test_incremental_detokenization_equals_full_decode():
-    tokenizer = Tokenizer.from_model_dir(fixture_dir("llama_gqa"))
+def recorded(name: str) -> dict:
+    with open(os.path.join(FIXTURES, name, "expected.json")) as f:
+        return json.load(f)
+
+
+def load(name: str) -> Tokenizer:
+    return Tokenizer.from_model_dir(SENTENCEPIECE_DIR if name == "sentencepiece" else os.path.join(FIXTURES, name))
+
+
+@pytest.mark.parametrize("name", JSON_TOKENIZERS)
+def test_encode_and_special_tokens_match_transformers(name):
+    tokenizer, expected = load(name), recorded(name)
+    for case in expected["encodings"]:
+        assert tokenizer.encode(case["text"], case["add_special_tokens"]) == case["ids"], case
+    assert tokenizer.bos_token_id == expected["bos_token_id"]
+    assert tokenizer.eos_token_id == expected["eos_token_id"]
+    assert tokenizer.vocab_size == expected["vocab_size"]
+    assert tokenizer.special_tokens == expected["special_tokens"]
+
+
+@pytest.mark.parametrize("name", JSON_TOKENIZERS + ["sentencepiece"])
+def test_decode_matches_transformers(name):
+    tokenizer = load(name)
+    for case in recorded(name)["decodes"]:
+        assert tokenizer.decode(case["ids"], case["skip_special_tokens"]) == case["text"], case
+
+
+def test_sentencepiece_encodes_like_transformers_apart_from_bos():
+    # transformers 5 adds no BOS for a directory without tokenizer_config.json; Llama's rule (and
+    # llama.cpp's, and these fixtures' recorded prompts) puts BOS first, which jaxserve keeps.
+    tokenizer = load("sentencepiece")
+    for case in recorded("sentencepiece")["encodings"]:
+        if not case["add_special_tokens"]:
+            assert tokenizer.encode(case["text"], add_special_tokens=False) == case["ids"], case
+    assert tokenizer.encode("hi")[0] == tokenizer.bos_token_id == 1
+
+
+def test_eos_token_ids_join_config_generation_config_and_tokenizer():
+    # qwen_byte_level: config.json eos 0, generation_config.json [2, 0], tokenizer eos "<|im_end|>" (2)
+    assert load("qwen_byte_level").eos_token_ids == {0, 2}
+    assert load("llama_metaspace").eos_token_ids == {2}
+    assert load("sentencepiece").eos_token_ids == {2}
+
+
+def stream(tokenizer, prompt_ids, output_ids, skip_special_tokens=True) -> list[str]:
+    token_ids, state, pieces = list(prompt_ids), start_detokenizer(len(prompt_ids)), []
+    for token_id in output_ids:
+        token_ids.append(token_id)
+        pieces.append(detokenize_incrementally(tokenizer, token_ids, state, skip_special_tokens))
+    pieces.append(flush_detokenizer(tokenizer, token_ids, state, skip_special_tokens))
+    return pieces
+
+
+@pytest.mark.parametrize("name", JSON_TOKENIZERS + ["sentencepiece"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_detokenization_equals_full_decode(name, skip_special_tokens):
+    """Streamed text, token by token, equals decoding prompt + output and cutting the prompt's text off;
+    multi-byte characters split over byte-level tokens come out whole."""
+    tokenizer = load(name)
+    texts = ["héllo wörld — ünïcode ✓ 日本語 text", "emoji 🙂🎉 and 👩‍👩‍👧", "def forward(self, x):\n    return x"]
+    sequences = [(tokenizer.encode("Say:"), tokenizer.encode(text, add_special_tokens=False)) for text in texts]
     rng = np.random.default_rng(0)
-    texts = ["héllo wörld — ünïcode ✓ 日本語 text", "def forward(self, x):\n    return x * 2"]
-    for text in texts:
-        prompt = tokenizer.encode("Say:")
-        output = tokenizer.encode(text)[1:]  # without BOS
-        state, pieces, token_ids = start_detokenizer(len(prompt)), [], list(prompt)
-        for token_id in output:
-            token_ids.append(token_id)
-            pieces.append(detokenize_incrementally(tokenizer, token_ids, state))
-        # sentencepiece encodes text with a leading "▁", which reads as a space after the prompt
-        assert "".join(pieces) == " " + text
-    # random token streams (byte fallback pieces that never complete a character) never raise
-    token_ids = [1]
-    state = start_detokenizer(1)
-    for token_id in rng.integers(0, tokenizer.vocab_size, size=200):
-        token_ids.append(int(token_id))
-        detokenize_incrementally(tokenizer, token_ids, state)
+    for ids in (case["ids"] for case in recorded(name)["decodes"][::2]):
+        split = int(rng.integers(1, len(ids))) if len(ids) > 1 else 1
+        sequences.append((ids[:split], ids[split:] + rng.integers(0, tokenizer.vocab_size, 4).tolist()))
+    for prompt_ids, output_ids in sequences:
+        full = tokenizer.decode(prompt_ids + output_ids, skip_special_tokens)
+        prompt = tokenizer.decode(prompt_ids, skip_special_tokens)
+        pieces = stream(tokenizer, prompt_ids, output_ids, skip_special_tokens)
+        # Invalid UTF-8 (random byte tokens) can rewrite text already streamed: byte fallback turns a
+        # run of byte tokens into one U+FFFD per byte once the run turns out invalid. Valid text streams exactly.
+        if "\ufffd" not in full and full.startswith(prompt):
+            assert "".join(pieces) == full[len(prompt):], (prompt_ids, output_ids)
 
 
-def test_bos_follows_tokenizer_config(tmp_path):
-    import shutil
+def test_byte_level_streams_whole_characters():
+    tokenizer = load("qwen_byte_level")
+    output_ids = tokenizer.encode("👩‍👩‍👧日本", add_special_tokens=False)
+    pieces = stream(tokenizer, tokenizer.encode("x"), output_ids)
+    assert len(output_ids) > 4 and "".join(pieces) == "👩‍👩‍👧日本"
+    assert "" in pieces  # some tokens carried only part of a character, and were held back
 
-    shutil.copy(fixture_dir("llama_gqa") + "/tokenizer.model", tmp_path / "tokenizer.model")
+
+def test_sentencepiece_stream_keeps_the_leading_space():
+    tokenizer = load("sentencepiece")
+    text = "héllo wörld — ünïcode ✓ 日本語 text"
+    output_ids = tokenizer.encode(text)[1:]  # without BOS
+    assert "".join(stream(tokenizer, tokenizer.encode("Say:"), output_ids)) == " " + text
+
+
+def test_sentencepiece_bos_follows_tokenizer_config(tmp_path):
+    shutil.copy(os.path.join(SENTENCEPIECE_DIR, "tokenizer.model"), tmp_path / "tokenizer.model")
     (tmp_path / "tokenizer_config.json").write_text('{"add_bos_token": false}')
     assert Tokenizer.from_model_dir(str(tmp_path)).encode("hi")[0] != 1
-    assert Tokenizer.from_model_dir(fixture_dir("llama_gqa")).encode("hi")[0] == 1
+
+
+def test_malformed_files_raise_value_errors_naming_them(tmp_path):
+    (tmp_path / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": ')
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
+        Tokenizer.from_model_dir(str(tmp_path))
+    (tmp_path / "tokenizer.json").unlink()
+    shutil.copy(os.path.join(SENTENCEPIECE_DIR, "tokenizer.model"), tmp_path / "tokenizer.model")
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json"):
+        Tokenizer.from_model_dir(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": 7}')
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json"):
+        Tokenizer.from_model_dir(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "tokenizer.model").write_bytes(b"\x00garbage")
+    with pytest.raises(ValueError, match=r"tokenizer\.model"):
+        Tokenizer.from_model_dir(str(tmp_path))
+    (tmp_path / "tokenizer.model").unlink()
+    assert Tokenizer.from_model_dir(str(tmp_path)) is None  # no tokenizer: token-id prompts only

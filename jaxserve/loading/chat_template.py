@@ -1,0 +1,202 @@
+"""Chat templates, rendered exactly as transformers' `apply_chat_template(..., tokenize=False)` renders them.
+
+A template is the model's own jinja2 program (tokenizer_config.json's `chat_template`,
+chat_template.jinja, or a GGUF's `tokenizer.chat_template`), so it is untrusted code: it runs in
+jinja2's ImmutableSandboxedEnvironment, with transformers' settings (trim_blocks, lstrip_blocks, loop
+controls) and extras (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text and does
+not escape HTML, a `namespace` that refuses underscore names). The variables are the conversation as
+plain JSON data, `add_generation_prompt`, `tools`, `documents`, the tokenizer's special tokens
+(`bos_token`, `eos_token`, ...) and any extra keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from datetime import datetime
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# transformers marks the end of a message to continue with this, then cuts the render there.
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def select_chat_template(tokenizer, chat_template: str | None, tools) -> tuple[str, str]:
+    """(template text, where it came from): a named template of the model's, the model's default, or
+    chat_template itself as a template. ValueError when the model has none and none is given."""
+    own, source = getattr(tokenizer, "chat_template", None), getattr(tokenizer, "chat_template_source", None)
+    if isinstance(own, dict):
+        if chat_template is not None and chat_template in own:
+            return own[chat_template], f"{source} (template {chat_template!r})"
+        if chat_template is None:
+            name = "tool_use" if tools is not None and "tool_use" in own else "default"
+            if name not in own:
+                raise ValueError(f"{source} names chat templates {sorted(own)} but none is 'default'; "
+                                 f"pass chat_template=<name or template>")
+            return own[name], f"{source} (template {name!r})"
+    if chat_template is not None:
+        return chat_template, "the chat_template argument"
+    if own is None:
+        raise ValueError("this model has no chat template (no chat_template in tokenizer_config.json, no "
+                         "chat_template.jinja, none in the GGUF); pass chat_template=<a jinja template>")
+    return own, source
+
+
+def render_chat(tokenizer, messages: list, chat_template: str | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list | None = None, documents: list | None = None,
+                **template_kwargs) -> str:
+    """One conversation (a list of {"role", "content", ...} messages) as the model's prompt text.
+
+    Raises ValueError naming the template's source when the template fails (including its own
+    raise_exception, e.g. on roles out of order)."""
+    if not messages:
+        raise ValueError("cannot render an empty conversation: give at least one message")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt are exclusive: one continues the last "
+                         "message, the other starts a new assistant message")
+    template, source = select_chat_template(tokenizer, chat_template, tools)
+    messages = _alias_reasoning_fields([_drop_none(m) for m in plain_data(messages)])
+    if any(not isinstance(m, dict) for m in messages):
+        raise ValueError("chat messages must be dicts like {'role': 'user', 'content': '...'}")
+    final_message = None
+    if continue_final_message:
+        final_message = messages[-1].get("content")
+        if not isinstance(final_message, str):
+            raise ValueError("continue_final_message needs a final message with text content")
+        messages[-1]["content"] = final_message + CONTINUE_TAG
+    variables = {**tokenizer.special_tokens, **plain_data(template_kwargs)} if tokenizer is not None \
+        else plain_data(template_kwargs)
+    try:
+        rendered = _compile(template).render(messages=messages, tools=plain_data(tools), documents=plain_data(documents),
+                                             add_generation_prompt=add_generation_prompt, **variables)
+    except Exception as error:  # templates are untrusted programs: any failure is the template's, reported as such
+        raise ValueError(f"chat template from {source} failed: {type(error).__name__}: {error}") from None
+    if final_message is not None:
+        rendered = _cut_at_continue_tag(rendered, final_message, source)
+    return rendered
+
+
+def text_content(messages: list) -> list:
+    """Messages whose content is OpenAI-style text parts ([{"type": "text", "text": ...}]) with the parts
+    joined into one string, as vLLM gives text-only templates."""
+    flattened = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
+        flattened.append(message)
+    return flattened
+
+
+def plain_data(value):
+    """JSON-like data only: the sandbox cannot know which methods of a caller's objects are dangerous."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base in (str, int, float):  # subclasses (enums, numpy floats) carry extra methods: back to the base type
+        if isinstance(value, base):
+            return base(value) if base is not str else str.__str__(value)
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():  # numpy scalars, np.bool_ too
+        return plain_data(value.item())
+    if isinstance(value, dict):
+        return {plain_data(k): plain_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain_data(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):  # pydantic models, as the OpenAI SDK returns them
+        return plain_data(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _drop_none(message):
+    # APIs send content=None or tool_calls=None; templates handle a missing key, not a None.
+    return {k: v for k, v in message.items() if v is not None} if isinstance(message, dict) else message
+
+
+def _alias_reasoning_fields(messages: list) -> list:
+    aliased = []
+    for message in messages:
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+        aliased.append({"thinking": reasoning, **message, "reasoning_content": reasoning}
+                       if reasoning is not None else message)
+    return aliased
+
+
+def _cut_at_continue_tag(rendered: str, final_message: str, source: str) -> str:
+    if final_message.strip() not in rendered or CONTINUE_TAG.strip() not in rendered:
+        raise ValueError(f"continue_final_message: the chat template from {source} does not render the final "
+                         f"message as given, so it cannot be continued")
+    at = rendered.rindex(CONTINUE_TAG.strip())
+    if rendered[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the message's trailing space
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja's namespace, refusing underscore names that could reach Python internals."""
+
+    def __init__(*args, **kwargs):  # noqa: N805  (jinja's own signature trick, so namespace(self=...) works)
+        self, args = args[0], args[1:]
+        attributes = dict(*args, **kwargs)
+        for name in attributes:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attributes)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+
+class _TemplateDict:
+    """`dict(...)` and `dict.fromkeys(...)` for templates, without the type's other attributes."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format_string):
+    return datetime.now().strftime(format_string)
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker) renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[_Generation, jinja2.ext.loopcontrols])
+    environment.filters["tojson"] = _tojson
+    environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
+                               namespace=_TemplateNamespace)
+    return environment.from_string(template)

@@ -1,0 +1,80 @@
+"""Chat templates render as transformers' apply_chat_template(..., tokenize=False) does (recorded by
+tests/support/record_tokenizers.py), sandboxed, with clear errors."""
+
+from datetime import datetime
+
+import pytest
+
+from jaxserve.loading.chat_template import render_chat, text_content
+from tests.loading.test_tokenizer import JSON_TOKENIZERS, load, recorded
+
+
+@pytest.mark.parametrize("name", JSON_TOKENIZERS)
+def test_render_matches_transformers(name):
+    tokenizer = load(name)
+    for case in recorded(name)["chats"]:
+        options = {k: case[k] for k in ("add_generation_prompt", "tools", "continue_final_message") if k in case}
+        if case["text"] is None:
+            with pytest.raises(ValueError, match="raise|failed"):
+                render_chat(tokenizer, case["messages"], **options)
+        else:
+            assert render_chat(tokenizer, case["messages"], **options) == case["text"], case
+
+
+def test_the_template_comes_from_the_model_or_the_caller():
+    tokenizer = load("llama_metaspace")
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(tokenizer, messages) == "<s>[INST] hi [/INST]"
+    assert render_chat(tokenizer, messages, chat_template="{{ bos_token }}|{{ messages[0].content }}") == "<s>|hi"
+    with pytest.raises(ValueError, match="no chat template"):
+        render_chat(load("sentencepiece"), messages)
+    assert render_chat(load("sentencepiece"), messages, chat_template="{{ eos_token }}") == "</s>"
+
+
+def test_template_failures_name_the_template_and_the_problem():
+    tokenizer = load("llama_metaspace")
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json.*Conversation roles must alternate"):
+        render_chat(tokenizer, [{"role": "assistant", "content": "first"}])
+    with pytest.raises(ValueError, match="chat_template argument.*TemplateSyntaxError"):
+        render_chat(tokenizer, [{"role": "user", "content": "x"}], chat_template="{% for %}")
+    with pytest.raises(ValueError, match="empty conversation"):
+        render_chat(tokenizer, [])
+    with pytest.raises(ValueError, match="exclusive"):
+        render_chat(tokenizer, [{"role": "user", "content": "x"}], continue_final_message=True)
+
+
+def test_templates_are_sandboxed():
+    tokenizer = load("qwen_byte_level")
+    messages = [{"role": "user", "content": "x"}]
+    for escape in ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "{% set ns = namespace() %}{% set ns._x = 1 %}",
+                   "{{ messages.append(1) }}"):
+        with pytest.raises(ValueError, match="SecurityError"):
+            render_chat(tokenizer, messages, chat_template=escape)
+
+    class Secret:
+        def dangerous(self):
+            raise AssertionError("a template reached a caller's object")
+
+    rendered = render_chat(tokenizer, [{"role": "user", "content": "x", "extra": Secret()}],
+                           chat_template="{{ messages[0].extra }}")
+    assert rendered == "<Secret>"
+
+
+def test_transformers_extras():
+    tokenizer = load("qwen_byte_level")
+    messages = [{"role": "user", "content": "é<b>"}]
+    assert render_chat(tokenizer, messages, chat_template="{{ messages[0] | tojson }}") == \
+        '{"role": "user", "content": "é<b>"}'
+    assert render_chat(tokenizer, messages, chat_template="{{ strftime_now('%Y') }}") == str(datetime.now().year)
+    loop = "{% for m in [1, 2, 3] %}{% if m == 2 %}{% break %}{% endif %}{{ m }}{% endfor %}"
+    assert render_chat(tokenizer, messages, chat_template=loop) == "1"
+    blocks = "{% if true %}\n  {{ eos_token }}\n{% endif %}\n"
+    assert render_chat(tokenizer, messages, chat_template=blocks) == "  <|im_end|>\n"  # trim and lstrip blocks
+    assert render_chat(tokenizer, messages, chat_template="{{ mode }}", mode="fast") == "fast"
+    generation = "{% generation %}{{ messages[0].content }}{% endgeneration %}"
+    assert render_chat(tokenizer, messages, chat_template=generation) == "é<b>"
+
+
+def test_text_parts_are_joined_for_text_templates():
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert text_content(messages) == [{"role": "user", "content": "a\nb"}]

@@ -61,7 +61,8 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Streams the tokens and text of one completion as they are produced; the last message has
-        finish_reason set. Cancelling the call aborts the request and frees its KV pages.
+        finish_reason set. Cancelling the call aborts the request and frees its KV pages; so does not
+        reading it for server.stream_idle_timeout seconds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,6 +1,7 @@
 """Clients for the jaxserve gRPC API (sync and asyncio), and a CLI:
 
     python -m jaxserve.client "def forward(self, x):" --max-tokens 64 --stream [--target HOST:PORT]
+        [--api-key-file FILE] [--tls-ca CA.pem [--tls-cert CERT.pem --tls-key KEY.pem]]
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Completion:
     finish_reason: str = ""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    request_id: str = ""
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.token_ids += response.token_ids
@@ -54,16 +56,41 @@ class Completion:
         self.finish_reason = response.finish_reason or self.finish_reason
         self.num_prompt_tokens = response.num_prompt_tokens
         self.num_cached_tokens = response.num_cached_tokens
+        self.request_id = response.request_id or self.request_id
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How to reach a server: TLS (root_certificates: the CA that signed the server's certificate;
+    private_key and certificate_chain: this client's, for mutual TLS) and an API key. PEM bytes."""
+
+    api_key: str | None = None
+    root_certificates: bytes | None = None
+    private_key: bytes | None = None
+    certificate_chain: bytes | None = None
+
+    @property
+    def uses_tls(self) -> bool:
+        return any(v is not None for v in (self.root_certificates, self.private_key, self.certificate_chain))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
 
 
 class Client:
-    def __init__(self, target: str = DEFAULT_TARGET):
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str = DEFAULT_TARGET, connection: Connection = Connection()):
+        self.channel = grpc.secure_channel(target, connection.credentials()) if connection.uses_tls \
+            else grpc.insecure_channel(target)
+        self.metadata = connection.metadata
         self.stub = jaxserve_pb2_grpc.GenerationStub(self.channel)
 
     def stream(self, prompt: str | list[int], **sampling) -> Iterator[pb.GenerateResponse]:
         """The responses as they arrive; cancel with .cancel() on the returned call, or break out."""
-        return self.stub.Generate(build_request(prompt, **sampling))
+        return self.stub.Generate(build_request(prompt, **sampling), metadata=self.metadata)
 
     def generate(self, prompt: str | list[int], **sampling) -> Completion:
         completion = Completion()
@@ -72,25 +99,30 @@ class Client:
         return completion
 
     def server_info(self) -> pb.ServerInfo:
-        return self.stub.GetServerInfo(pb.ServerInfoRequest())
+        return self.stub.GetServerInfo(pb.ServerInfoRequest(), metadata=self.metadata)
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=self.metadata).token_ids)
 
     def detokenize(self, token_ids: list[int]) -> str:
-        return self.stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids)).text
+        return self.stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids), metadata=self.metadata).text
 
     def close(self) -> None:
         self.channel.close()
 
 
 class AsyncClient:
-    def __init__(self, target: str = DEFAULT_TARGET):
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str = DEFAULT_TARGET, connection: Connection = Connection()):
+        self.channel = grpc.aio.secure_channel(target, connection.credentials()) if connection.uses_tls \
+            else grpc.aio.insecure_channel(target)
+        self.metadata = connection.metadata
         self.stub = jaxserve_pb2_grpc.GenerationStub(self.channel)
 
     def stream(self, prompt: str | list[int], **sampling) -> AsyncIterator[pb.GenerateResponse]:
-        return self.stub.Generate(build_request(prompt, **sampling))
+        return self.stub.Generate(build_request(prompt, **sampling), metadata=self.metadata)
+
+    async def server_info(self) -> pb.ServerInfo:
+        return await self.stub.GetServerInfo(pb.ServerInfoRequest(), metadata=self.metadata)
 
     async def generate(self, prompt: str | list[int], **sampling) -> Completion:
         completion = Completion()
@@ -102,6 +134,25 @@ class AsyncClient:
         await self.channel.close()
 
 
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key-file", help="a file whose first line is the API key")
+    parser.add_argument("--tls-ca", help="PEM: the CA that signed the server's certificate (turns TLS on)")
+    parser.add_argument("--tls-cert", help="PEM: this client's certificate, for mutual TLS")
+    parser.add_argument("--tls-key", help="PEM: this client's private key, for mutual TLS")
+
+
+def connection_from_arguments(args: argparse.Namespace) -> Connection:
+    def read(path):
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    api_key = read(args.api_key_file).decode().splitlines()[0].strip() if args.api_key_file else None
+    return Connection(api_key=api_key, root_certificates=read(args.tls_ca), private_key=read(args.tls_key),
+                      certificate_chain=read(args.tls_cert))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt")
@@ -110,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stream", action="store_true", help="print text as it arrives")
+    add_connection_arguments(parser)
     args = parser.parse_args(argv)
-    client = Client(args.target)
+    client = Client(args.target, connection_from_arguments(args))
     try:
         completion = Completion()
         for response in client.stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,

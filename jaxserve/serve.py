@@ -1,77 +1,113 @@
 """`python -m jaxserve.serve [--config FILE] [--set section.key=value ...]`: the gRPC server.
 
-Without a config it serves the embedded default model. The gRPC port opens first, with health
-NOT_SERVING while the engine warms up, then SERVING. SIGTERM (or Ctrl-C) drains: new requests
+Without a config it serves the embedded default model on 127.0.0.1. The gRPC port opens first, with
+health NOT_SERVING while the engine warms up, then SERVING. SIGTERM (or Ctrl-C) drains: new requests
 get UNAVAILABLE, in-flight ones finish (up to server.drain_timeout), and the process exits 0.
+Before binding anything but loopback, set server.tls (and server.api_keys): see configs/.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import signal
 import sys
 import threading
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import start_http_server
+from grpc_health.v1 import health, health_pb2
 
-from jaxserve.server.config_file import ServeConfig, load_config
 from jaxserve.engine import Engine
-from jaxserve.proto import jaxserve_pb2_grpc
+from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
+from jaxserve.server.config_file import ServeConfig, load_config
 from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.metrics_http import start_metrics_server
+from jaxserve.server.rpc import GENERATION_SERVICE, ThreadPools, generation_handler, health_handler
 from jaxserve.server.service import GenerationService
 
 logger = logging.getLogger("jaxserve.serve")
-SERVICE_NAME = "jaxserve.v1.Generation"
+KEEPALIVE_MS = 60_000  # ping idle connections so that vanished clients' streams are cancelled and freed
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Server:
     def __init__(self, config: ServeConfig):
         self.config = config
+        server = config.server
         self.metrics = ServerMetrics()
         self.health = health.HealthServicer()
-        self.service = GenerationService(config.model.path)
-        max_workers = config.engine.max_num_seqs + config.server.max_queued_requests + 16
-        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
-        jaxserve_pb2_grpc.add_GenerationServicer_to_server(self.service, self.grpc_server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
-        address = f"{config.server.host}:{config.server.port}"
+        self.service = GenerationService()
+        self.api_keys = ApiKeys.from_file(server.api_keys) if server.api_keys else None
+        self.pools = ThreadPools.for_limits(config.engine.max_num_seqs + server.max_queued_requests)
+        options = [("grpc.max_receive_message_length", server.max_message_bytes),
+                   ("grpc.max_send_message_length", server.max_message_bytes),
+                   ("grpc.keepalive_time_ms", KEEPALIVE_MS)]
+        interceptors = [ApiKeyInterceptor(self.api_keys, self.pools.quick)] if self.api_keys else []
+        self.grpc_server = grpc.server(
+            self.pools.default, handlers=[generation_handler(self.service, self.pools),
+                                          health_handler(self.health, self.pools)],
+            interceptors=interceptors, options=options)
+        address = f"{server.host}:{server.port}"
         try:
-            self.port = self.grpc_server.add_insecure_port(address)
+            if server.tls is not None:
+                self.port = self.grpc_server.add_secure_port(address, grpc_server_credentials(server.tls))
+            else:
+                self.port = self.grpc_server.add_insecure_port(address)
         except RuntimeError as error:
             raise ValueError(f"cannot listen on {address}: {error}") from None
         if self.port == 0:
             raise ValueError(f"cannot listen on {address}")
+        if not is_loopback(server.host) and (server.tls is None or self.api_keys is None):
+            logger.warning("serving %s without %s: anyone who can reach this port can use it", address,
+                           " and ".join(name for name, value in (("server.tls", server.tls),
+                                                                 ("server.api_keys", self.api_keys)) if value is None))
         self.loop: EngineLoop | None = None
+        self.metrics_server = None
         self.stopped = threading.Event()
 
     def _set_health(self, status) -> None:
-        for name in ("", SERVICE_NAME):
+        for name in ("", GENERATION_SERVICE):
             self.health.set(name, status)
+
+    def _start_metrics(self) -> None:
+        server = self.config.server
+        tls = server_ssl_context(server.tls) if server.tls is not None else None
+        try:
+            self.metrics_server = start_metrics_server(server.host, server.metrics_port, self.metrics.registry, tls,
+                                                       self.api_keys)
+        except OSError as error:
+            self.grpc_server.stop(grace=None)
+            raise ValueError(f"cannot serve metrics on port {server.metrics_port}: {error}") from None
 
     def start(self) -> None:
         """Open the ports, then warm the engine up (health NOT_SERVING meanwhile), then serve."""
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc_server.start()
         if self.config.server.metrics_port:
-            try:
-                start_http_server(self.config.server.metrics_port, addr=self.config.server.host,
-                                  registry=self.metrics.registry)
-            except OSError as error:
-                self.grpc_server.stop(grace=None)
-                raise ValueError(f"cannot serve metrics on port {self.config.server.metrics_port}: {error}") from None
-        logger.info("listening on %s:%d; warming up", self.config.server.host, self.port)
+            self._start_metrics()
+        logger.info("listening on %s:%d%s; warming up", self.config.server.host, self.port,
+                    " (TLS)" if self.config.server.tls else "")
         engine = Engine.from_model(self.config.model_dir(), self.config.engine)
-        self.loop = EngineLoop(engine, self.metrics, self.config.server.max_queued_requests)
-        self.service.loop = self.loop
+        self.loop = EngineLoop(engine, self.metrics, self.config.server.max_queued_requests,
+                               self.config.server.stream_idle_timeout)
+        info = self.loop.description
+        self.service.attach(self.loop, RequestLimits.for_engine(info.max_model_len, info.vocab_size,
+                                                                **self.config.server.request_caps()))
         self.metrics.observe_engine(engine.stats())
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        logger.info("serving (%d executables, warm-up %.1fs)", len(engine.runner.executables),
-                    engine.runner.warmup_seconds)
+        logger.info("serving %s (%d executables, warm-up %.1fs)", info.model_name, info.num_executables,
+                    info.warmup_seconds)
 
     def drain_and_stop(self) -> None:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -82,6 +118,9 @@ class Server:
         self.grpc_server.stop(grace=2).wait()
         if self.loop is not None:
             self.loop.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+        self.pools.shutdown()
         self.stopped.set()
 
 

@@ -2,7 +2,9 @@
 
     model:  {path: PATH | default, dtype: auto}
     engine: {any EngineConfig field but dtype}
-    server: {host, port, metrics_port, max_queued_requests, drain_timeout}
+    server: {host, port, metrics_port, max_queued_requests, drain_timeout, stream_idle_timeout,
+             max_message_bytes, tls: {cert, key, client_ca}, api_keys: FILE, and the per-request caps
+             max_prompt_bytes, max_stop_strings, max_stop_string_bytes, max_stop_token_ids, max_id_length}
 
 `--set section.key=value` overrides (the value is read as YAML). `path: default` is the embedded model.
 """
@@ -24,19 +26,59 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
+class TLSConfig:
+    cert: str  # PEM certificate chain of the server
+    key: str  # PEM private key
+    client_ca: str | None = None  # PEM CA certificates: clients must present a certificate they signed (mTLS)
+
+    @classmethod
+    def parse(cls, value) -> "TLSConfig | None":
+        if value is None or isinstance(value, TLSConfig):
+            return value
+        names = set(value) if isinstance(value, dict) else set()
+        if not {"cert", "key"} <= names or names - {"cert", "key", "client_ca"}:
+            raise ValueError(f"server.tls must be a mapping with cert, key and optionally client_ca, got {value!r}")
+        return cls(**{name: str(path) if path is not None else None for name, path in value.items()})
+
+
+@dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # 0.0.0.0 opens the server to the network: set tls and api_keys first
     port: int = 50051
     metrics_port: int = 9090  # 0: no metrics endpoint
     max_queued_requests: int = 256  # beyond this many waiting requests, RESOURCE_EXHAUSTED
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+    stream_idle_timeout: float = 30.0  # seconds a stream may wait on a client that does not read; then aborted
+    max_message_bytes: int = 4 * 1024 * 1024  # largest gRPC message received (and sent)
+    tls: TLSConfig | None = None
+    api_keys: str | None = None  # a file of keys, one a line; calls must send 'authorization: Bearer KEY'
+    max_prompt_bytes: int | None = None  # UTF-8 bytes of a text prompt; None: 16 x max_model_len
+    max_stop_strings: int = 64
+    max_stop_string_bytes: int = 8192  # all of one request's stop strings together
+    max_stop_token_ids: int = 256
+    max_id_length: int = 256  # characters of a request_id or session_id
 
     def __post_init__(self):
+        object.__setattr__(self, "tls", TLSConfig.parse(self.tls))
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"server.{name} must be a port number, got {getattr(self, name)}")
         if self.max_queued_requests < 1 or self.drain_timeout < 0:
             raise ValueError("server.max_queued_requests must be >= 1 and server.drain_timeout >= 0")
+        if not self.stream_idle_timeout > 0:
+            raise ValueError(f"server.stream_idle_timeout must be > 0 seconds, got {self.stream_idle_timeout}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"server.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        caps = ("max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids", "max_id_length")
+        for name in caps + (("max_prompt_bytes",) if self.max_prompt_bytes is not None else ()):
+            if getattr(self, name) < 0:
+                raise ValueError(f"server.{name} must be >= 0, got {getattr(self, name)}")
+
+    def request_caps(self) -> dict:
+        """The per-request caps, as keyword arguments of RequestLimits.for_engine."""
+        names = ("max_prompt_bytes", "max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids",
+                 "max_id_length")
+        return {name: getattr(self, name) for name in names}
 
 
 @dataclass(frozen=True)

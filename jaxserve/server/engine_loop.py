@@ -1,4 +1,13 @@
-"""The engine on its own thread: handlers submit and abort; the loop steps and streams deltas back."""
+"""The engine on its own thread: handlers submit and release streams; the loop steps and streams deltas back.
+
+Every request gets a handle, the engine's id for it, made here and never reused: the client's
+request_id is only a label, so two clients may use the same one, and an abort (a cancelled or
+finished RPC, an expired stream) reaches exactly the request it was meant for.
+
+A stream counts toward the in-flight limit from submit until its RPC ends (release), not until the
+engine finishes it: a client that stops reading keeps its slot until it reads, goes away, or is
+expired after stream_idle_timeout.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +16,16 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+import uuid
 
 from jaxserve.engine import Engine
 from jaxserve.host.request import RequestOutput, SamplingParams
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
+
+EXPIRY_CHECK_INTERVAL = 0.25  # seconds between looks for streams stuck on a client that does not read
 
 
 class Overloaded(Exception):
@@ -24,69 +36,24 @@ class Draining(Exception):
     """The server is shutting down and takes no new requests."""
 
 
-@dataclass
-class Delta:
-    """What a stream's next message carries: what is new since the previous one."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-
-@dataclass
-class RequestStream:
-    request_id: str
-    params: SamplingParams
-    submitted_at: float
-    deltas: queue.Queue = field(default_factory=queue.Queue)
-    num_sent_tokens: int = 0
-    num_sent_chars: int = 0
-    last_message_at: float | None = None
-    holdback_chars: int = 0  # text held back while it could still turn out to start a stop string
-
-    def __post_init__(self):
-        self.holdback_chars = max((len(stop) for stop in self.params.stop), default=1) - 1
-
-    def delta_from(self, output: RequestOutput) -> Delta:
-        completion = output.outputs[0]
-        finished = completion.finish_reason is not None
-        visible = len(completion.text) if finished else max(len(completion.text) - self.holdback_chars, 0)
-        visible = max(visible, self.num_sent_chars)
-        delta = Delta(
-            token_ids=completion.token_ids[self.num_sent_tokens:],
-            text=completion.text[self.num_sent_chars:visible],
-            logprobs=completion.logprobs[self.num_sent_tokens:] if completion.logprobs is not None else None,
-            finish_reason=completion.finish_reason,
-            num_prompt_tokens=len(output.prompt_token_ids),
-            num_cached_tokens=output.num_cached_tokens)
-        self.num_sent_tokens = len(completion.token_ids)
-        self.num_sent_chars = visible
-        return delta
-
-    def __iter__(self):
-        """Deltas until the one with a finish reason."""
-        while True:
-            delta = self.deltas.get()
-            yield delta
-            if delta.finish_reason is not None:
-                return
-
-
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queued_requests: int):
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queued_requests: int,
+                 stream_idle_timeout: float = 30.0):
         self.engine = engine
         self.metrics = metrics
-        self.max_in_flight = engine.config.max_num_seqs + max_queued_requests
-        self.streams: dict[str, RequestStream] = {}
+        self.description = engine.describe()  # fixed once warm: read by info calls without the engine
+        self.load = engine.load()  # refreshed on the loop thread after every change
+        self.max_in_flight = self.description.max_num_seqs + max_queued_requests
+        self.stream_idle_timeout = stream_idle_timeout
+        self.streams: dict[str, RequestStream] = {}  # by handle, from submit until release
+        self._num_reserved = 0  # submits past the capacity check, still tokenizing
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._lock = threading.Lock()  # guards streams and draining against handler threads
+        self._lock = threading.Lock()  # guards streams, reservations and draining against handler threads
         self._draining = False
         self._stopped = False
-        self._ids = itertools.count()
+        self._handles = itertools.count()
+        self._next_expiry_check = 0.0
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -97,30 +64,41 @@ class EngineLoop:
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str = "",
                session_id: str | None = None) -> RequestStream:
-        """Validate (raising ValueError) and queue a request; called from handler threads."""
-        prompt_token_ids = self.engine.tokenize(prompt)  # read-only: safe off the loop thread
-        self.engine.validate(prompt_token_ids, params)
-        if params.n != 1:
-            raise ValueError("the server streams one completion per request (n = 1)")
+        """Check capacity, validate (raising ValueError) and queue a request; called from handler threads."""
         with self._lock:
             if self._draining:
                 raise Draining("the server is shutting down")
-            if len(self.streams) >= self.max_in_flight:
-                raise Overloaded(f"{len(self.streams)} requests in flight, the limit is {self.max_in_flight}")
-            request_id = request_id or f"req-{next(self._ids)}"
-            if request_id in self.streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            stream = RequestStream(request_id, params, time.perf_counter())
-            self.streams[request_id] = stream
+            in_flight = len(self.streams) + self._num_reserved
+            if in_flight >= self.max_in_flight:
+                raise Overloaded(f"{in_flight} requests in flight, the limit is {self.max_in_flight}")
+            self._num_reserved += 1
+        try:
+            if params.n != 1:
+                raise ValueError("the server streams one completion per request (n = 1)")
+            prompt_token_ids = self.engine.tokenize(prompt)  # read-only: safe off the loop thread
+            self.engine.validate(prompt_token_ids, params)
+            request_id = request_id or f"req-{uuid.uuid4().hex}"
+            stream = RequestStream(f"{request_id}#{next(self._handles)}", request_id, params, len(prompt_token_ids))
+            with self._lock:
+                self.streams[stream.handle] = stream
+                self.metrics.streams_in_flight.set(len(self.streams))
+        finally:
+            with self._lock:
+                self._num_reserved -= 1
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
-        self._commands.put(("add", request_id, prompt_token_ids, params, session_id))
+        self._commands.put(("add", stream, prompt_token_ids, session_id))
         self._wakeup.set()
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (a no-op once it has finished); its pages are freed on the loop thread."""
-        self._commands.put(("abort", request_id))
-        self._wakeup.set()
+    def release(self, stream: RequestStream) -> None:
+        """The stream's RPC has ended (finished, cancelled, expired): free its slot, and abort its request
+        if the engine still runs it. Any thread; returns at once."""
+        with self._lock:
+            self.streams.pop(stream.handle, None)
+            self.metrics.streams_in_flight.set(len(self.streams))
+        if not stream.finished:
+            self._commands.put(("abort", stream))
+            self._wakeup.set()
 
     def begin_drain(self) -> None:
         with self._lock:
@@ -143,8 +121,10 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped:
-            if self._apply_commands():
-                self.metrics.observe_engine(self.engine.stats())  # an abort frees pages without a step
+            changed = self._apply_commands()
+            changed |= self._expire_stuck_streams()
+            if changed:
+                self._observe()  # an abort frees pages without a step
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=0.1)
                 self._wakeup.clear()
@@ -157,7 +137,11 @@ class EngineLoop:
                 continue
             for output in outputs:
                 self._deliver(output)
-            self.metrics.observe_engine(self.engine.stats())
+            self._observe()
+
+    def _observe(self) -> None:
+        self.load = self.engine.load()
+        self.metrics.observe_engine(self.engine.stats())
 
     def _apply_commands(self) -> bool:
         """Apply queued adds and aborts; returns whether there were any."""
@@ -169,16 +153,34 @@ class EngineLoop:
                 return applied
             applied = True
             if command[0] == "add":
-                _, request_id, prompt_token_ids, params, session_id = command
+                _, stream, prompt_token_ids, session_id = command
                 try:
-                    self.engine.add_request(request_id, prompt_token_ids, params, session_id=session_id)
-                except ValueError as error:  # raced with another request of the same id
-                    self._close(request_id, "abort", str(error))
+                    self.engine.add_request(stream.handle, prompt_token_ids, stream.params, session_id=session_id)
+                except ValueError as error:  # validated already; a failure here is a bug, but not a hang
+                    logger.error("add_request refused a validated request: %s", error)
+                    self._finish(stream, "error", str(error))
             else:
-                request_id = command[1]
-                if request_id in self.engine.requests:
-                    self.engine.abort_request(request_id)
-                    self._close(request_id, "abort")
+                self._abort(command[1], "abort")
+
+    def _abort(self, stream: RequestStream, reason: str) -> None:
+        if self.engine.has_request(stream.handle):
+            self.engine.abort_request(stream.handle)
+            self._finish(stream, reason)
+
+    def _expire_stuck_streams(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_expiry_check:
+            return False
+        self._next_expiry_check = now + EXPIRY_CHECK_INTERVAL
+        with self._lock:
+            stuck = [s for s in self.streams.values() if not s.expired and s.is_stuck(now, self.stream_idle_timeout)]
+        for stream in stuck:
+            logger.warning("request %s: its client has not read for %.0fs (server.stream_idle_timeout); aborting",
+                           stream.request_id, self.stream_idle_timeout)
+            self.metrics.idle_streams_expired.inc()
+            self._abort(stream, "abort")
+            stream.expire()
+        return bool(stuck)
 
     def _deliver(self, output: RequestOutput) -> None:
         with self._lock:
@@ -194,24 +196,20 @@ class EngineLoop:
                 self.metrics.itl.observe(now - stream.last_message_at)
             stream.last_message_at = now
             self.metrics.generation_tokens.inc(len(delta.token_ids))
-        stream.deltas.put(delta)
+        stream.put(delta)
         if delta.finish_reason is not None:
             self.metrics.requests.labels(delta.finish_reason).inc()
             self.metrics.e2e.observe(now - stream.submitted_at)
-            with self._lock:
-                self.streams.pop(output.request_id, None)
 
-    def _close(self, request_id: str, reason: str, message: str = "") -> None:
-        with self._lock:
-            stream = self.streams.pop(request_id, None)
-        if stream is not None:
+    def _finish(self, stream: RequestStream, reason: str, message: str = "") -> None:
+        if not stream.finished:
             self.metrics.requests.labels(reason).inc()
-            stream.deltas.put(Delta([], message, None, reason, 0, 0))
+            stream.finish(reason, message)
 
     def _fail_all(self) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort_request(request_id)
+        for handle in self.engine.request_ids():
+            self.engine.abort_request(handle)
         with self._lock:
-            request_ids = list(self.streams)
-        for request_id in request_ids:
-            self._close(request_id, "error", "the engine failed while running this request")
+            streams = list(self.streams.values())
+        for stream in streams:
+            self._finish(stream, "error", "the engine failed while running this request")

@@ -14,6 +14,11 @@ class ServerMetrics:
         self.requests = Counter("jaxserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.rejected = Counter("jaxserve_rejected_requests", "Requests refused, by gRPC status", ["status"],
                                 registry=r)
+        self.idle_streams_expired = Counter(
+            "jaxserve_idle_streams_expired", "Streams aborted because their client stopped reading for longer "
+            "than server.stream_idle_timeout", registry=r)
+        self.streams_in_flight = Gauge("jaxserve_streams_in_flight", "Generate calls holding an in-flight slot "
+                                       "(running, waiting, or finished but not yet read)", registry=r)
         self.running = Gauge("jaxserve_running_requests", "Sequences running", registry=r)
         self.waiting = Gauge("jaxserve_waiting_requests", "Sequences waiting for a slot", registry=r)
         self.kv_pages_used = Gauge("jaxserve_kv_pages_used", "KV pages held by sequences", registry=r)

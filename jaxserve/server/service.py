@@ -1,4 +1,5 @@
-"""The jaxserve.v1.Generation gRPC service over an EngineLoop."""
+"""The jaxserve.v1.Generation gRPC service over an EngineLoop (methods take parsed requests; rpc.py
+parses the bytes and places each method on its thread pool)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import math
 import grpc
 
 import jaxserve
-from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.proto import jaxserve_pb2_grpc
 from jaxserve.host.request import SamplingParams
-from jaxserve.server.engine_loop import Delta, Draining, EngineLoop, Overloaded
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.server import limits as request_limits
+from jaxserve.server.engine_loop import Draining, EngineLoop, Overloaded
+from jaxserve.server.limits import RequestLimits
+from jaxserve.server.request_stream import Delta
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -33,7 +36,16 @@ def sampling_params_from_proto(sampling: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def response_from_delta(delta: Delta) -> pb.GenerateResponse:
+def checked_request(limits: RequestLimits, request: pb.GenerateRequest) -> tuple[str | list[int], SamplingParams]:
+    """The prompt and sampling params of a request within the server's limits; cheap checks first,
+    all before tokenizing. Raises ValueError naming the limit."""
+    request_limits.check_ids(limits, request_id=request.request_id, session_id=request.session_id)
+    prompt = request_limits.check_prompt(limits, request.text, request.token_ids)
+    request_limits.check_stops(limits, request.sampling.stop, request.sampling.stop_token_ids)
+    return prompt, sampling_params_from_proto(request.sampling)
+
+
+def response_from_delta(delta: Delta, request_id: str) -> pb.GenerateResponse:
     logprobs = []
     for token_id, top in zip(delta.token_ids, delta.logprobs or []):
         logprobs.append(pb.TokenLogprobs(
@@ -41,74 +53,79 @@ def response_from_delta(delta: Delta) -> pb.GenerateResponse:
             top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in sorted(top.items(), key=lambda kv: -kv[1])]))
     return pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text, finish_reason=delta.finish_reason or "",
                                num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
-                               logprobs=logprobs)
+                               logprobs=logprobs, request_id=request_id)
 
 
-class GenerationService(jaxserve_pb2_grpc.GenerationServicer):
-    def __init__(self, model_name: str):
-        self.model_name = model_name
-        self.loop: EngineLoop | None = None  # set once the engine has warmed up
+class GenerationService:
+    def __init__(self):
+        self.loop: EngineLoop | None = None  # set, with the limits, once the engine has warmed up
+        self.limits: RequestLimits | None = None
+
+    def attach(self, loop: EngineLoop, limits: RequestLimits) -> None:
+        self.limits = limits
+        self.loop = loop
 
     def _ready_loop(self, context) -> EngineLoop:
         if self.loop is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still warming up")
         return self.loop
 
-    def Generate(self, request, context):
+    def Generate(self, request: pb.GenerateRequest, context):
         loop = self._ready_loop(context)
-        metrics = loop.metrics
         try:
-            if bool(request.text) == bool(request.token_ids):
-                raise ValueError("set exactly one of text and token_ids")
-            prompt = request.text if request.text else list(request.token_ids)
-            stream = loop.submit(prompt, sampling_params_from_proto(request.sampling), request.request_id,
-                                 request.session_id or None)
+            prompt, params = checked_request(self.limits, request)
+            stream = loop.submit(prompt, params, request.request_id, request.session_id or None)
         except ValueError as error:
-            metrics.rejected.labels("INVALID_ARGUMENT").inc()
+            loop.metrics.rejected.labels("INVALID_ARGUMENT").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except Overloaded as error:
-            metrics.rejected.labels("RESOURCE_EXHAUSTED").inc()
+            loop.metrics.rejected.labels("RESOURCE_EXHAUSTED").inc()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         except Draining as error:
-            metrics.rejected.labels("UNAVAILABLE").inc()
+            loop.metrics.rejected.labels("UNAVAILABLE").inc()
             context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        # Runs when the RPC ends for any reason; after a normal finish the abort is a no-op.
-        context.add_callback(lambda: loop.abort(stream.request_id))
+        # The slot is freed (and the request aborted if still running) when the RPC ends for any reason.
+        if not context.add_callback(lambda: loop.release(stream)):
+            loop.release(stream)  # the RPC ended already
+            return
+        stream.on_expire = context.cancel
         for delta in stream:
-            yield response_from_delta(delta)
+            yield response_from_delta(delta, stream.request_id)
 
-    def GetServerInfo(self, request, context):
+    def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
         loop = self._ready_loop(context)
-        info, load = loop.engine.describe(), loop.engine.load()
+        info, load = loop.description, loop.load
         shapes = [f"{kind}(tokens={tokens}, seqs={seqs}, pages={pages})"
                   for kind, tokens, seqs, pages in info.compiled_buckets]
-        return pb.ServerInfo(model=self.model_name, dtype=info.dtype, mesh=info.mesh, page_size=info.page_size,
+        return pb.ServerInfo(model=info.model_name, dtype=info.dtype, mesh=info.mesh, page_size=info.page_size,
                              num_pages=info.num_pages, compiled_buckets=shapes, max_model_len=info.max_model_len,
                              version=jaxserve.__version__, attention_impl=info.attention_impl,
                              max_num_seqs=info.max_num_seqs, vocab_size=info.vocab_size,
                              num_free_pages=load.num_free_pages, num_running=load.num_running,
                              num_waiting=load.num_waiting)
 
-    def Tokenize(self, request, context):
+    def _tokenizer(self, context):
         tokenizer = self._ready_loop(context).engine.tokenizer
         if tokenizer is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the model has no tokenizer.model")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the model has no tokenizer")
+        return tokenizer
+
+    def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        tokenizer = self._tokenizer(context)
+        try:
+            request_limits.check_text(self.limits, request.text)
+        except ValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return pb.TokenizeResponse(token_ids=tokenizer.encode(request.text))
 
-    def Detokenize(self, request, context):
-        loop = self._ready_loop(context)
-        tokenizer = loop.engine.tokenizer
-        if tokenizer is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the model has no tokenizer.model")
-        vocab_size = loop.engine.model_config.vocab_size
+    def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        tokenizer = self._tokenizer(context)
+        vocab_size = self.limits.vocab_size
+        try:
+            request_limits.check_token_ids(self.limits, request.token_ids, "the request")
+        except ValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         bad = [t for t in request.token_ids if not 0 <= t < vocab_size]
         if bad:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids {bad[:5]} are outside [0, {vocab_size})")
-        return pb.DetokenizeResponse(text=tokenizer.decode(list(request.token_ids)))
-
-
-def _device_name() -> str:
-    import jax
-
-    device = jax.devices()[0]
-    return f"{device.platform}:{device.id} ({device.device_kind})"
+        return pb.DetokenizeResponse(text=tokenizer.decode(list(request.token_ids), skip_special_tokens=True))

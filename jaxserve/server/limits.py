@@ -1,0 +1,88 @@
+"""What one request may ask of the server, checked before any costly work (tokenizing, queueing).
+
+Every refusal is a ValueError whose message names the limit and the config key that sets it; the
+gRPC service turns it into INVALID_ARGUMENT, and the OpenAI HTTP API is to call the same functions
+(and answer 400). Limits that hold for the offline API too (stop token ids inside the vocabulary,
+max_model_len) are also checked by SamplingParams and Engine.validate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# A token rarely spans more bytes than this; a longer text cannot fit into max_model_len tokens.
+PROMPT_BYTES_PER_TOKEN = 16
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_prompt_bytes: int  # UTF-8 bytes of a text prompt (and of a Tokenize call)
+    max_prompt_tokens: int  # token ids of a prompt (and of a Detokenize call): max_model_len
+    vocab_size: int
+    max_stop_strings: int = 64
+    max_stop_string_bytes: int = 8192  # all of a request's stop strings together, UTF-8
+    max_stop_token_ids: int = 256
+    max_id_length: int = 256  # request_id and session_id, in characters
+
+    @classmethod
+    def for_engine(cls, max_model_len: int, vocab_size: int, max_prompt_bytes: int | None = None,
+                   **caps) -> "RequestLimits":
+        """max_prompt_bytes None: what max_model_len tokens can plausibly hold."""
+        return cls(max_prompt_bytes=max_prompt_bytes or max_model_len * PROMPT_BYTES_PER_TOKEN,
+                   max_prompt_tokens=max_model_len, vocab_size=vocab_size, **caps)
+
+
+def utf8_size_exceeds(text: str, limit: int) -> bool:
+    """len(text.encode()) > limit, without encoding when the length alone decides (1-4 bytes a character)."""
+    if len(text) > limit:
+        return True
+    if 4 * len(text) <= limit:
+        return False
+    return len(text.encode("utf-8", "surrogatepass")) > limit
+
+
+def check_text(limits: RequestLimits, text: str) -> None:
+    if utf8_size_exceeds(text, limits.max_prompt_bytes):
+        raise ValueError(f"the text is longer than {limits.max_prompt_bytes} bytes (server.max_prompt_bytes)")
+
+
+def check_token_ids(limits: RequestLimits, token_ids: Sequence[int], what: str = "the prompt") -> None:
+    if len(token_ids) > limits.max_prompt_tokens:
+        raise ValueError(f"{what} has {len(token_ids)} token ids, more than max_model_len "
+                         f"({limits.max_prompt_tokens})")
+
+
+def check_prompt(limits: RequestLimits, text: str, token_ids: Sequence[int]) -> str | list[int]:
+    """The prompt: exactly one of text and token ids, within the size limits."""
+    if bool(text) == bool(token_ids):
+        raise ValueError("set exactly one of text and token_ids")
+    if text:
+        check_text(limits, text)
+        return text
+    check_token_ids(limits, token_ids)
+    return list(token_ids)
+
+
+def check_stops(limits: RequestLimits, stop: Sequence[str], stop_token_ids: Sequence[int]) -> None:
+    if len(stop) > limits.max_stop_strings:
+        raise ValueError(f"{len(stop)} stop strings, more than {limits.max_stop_strings} "
+                         "(server.max_stop_strings)")
+    budget = limits.max_stop_string_bytes
+    if utf8_size_exceeds("".join(stop), budget):
+        raise ValueError(f"the stop strings together are longer than {budget} bytes "
+                         "(server.max_stop_string_bytes)")
+    if len(stop_token_ids) > limits.max_stop_token_ids:
+        raise ValueError(f"{len(stop_token_ids)} stop_token_ids, more than {limits.max_stop_token_ids} "
+                         "(server.max_stop_token_ids)")
+    outside = [t for t in stop_token_ids if not 0 <= t < limits.vocab_size]
+    if outside:
+        raise ValueError(f"stop_token_ids {outside[:5]} are outside the vocabulary [0, {limits.vocab_size})")
+
+
+def check_ids(limits: RequestLimits, **ids: str) -> None:
+    """request_id=..., session_id=...: each at most max_id_length characters."""
+    for name, value in ids.items():
+        if len(value) > limits.max_id_length:
+            raise ValueError(f"{name} is {len(value)} characters long, more than {limits.max_id_length} "
+                             "(server.max_id_length)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -13,18 +13,25 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jaxserve.client import Connection
 from tests.support.fixtures import fixture_dir
 
 
 def free_port() -> int:
+    import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 class ServerProcess:
-    def __init__(self, tmp_path, engine: dict, server: dict | None = None, model: str = "llama_gqa"):
+    """`connection` is how the harness itself calls the server (TLS files, API key) when it needs one."""
+
+    def __init__(self, tmp_path, engine: dict, server: dict | None = None, model: str = "llama_gqa",
+                 connection: Connection = Connection()):
         self.port, self.metrics_port = free_port(), free_port()
+        self.connection = connection
         config = {
             "model": {"path": fixture_dir(model), "dtype": "float32"},
             "engine": {"max_model_len": 128, "max_num_batched_tokens": 64, "show_progress": False, **engine},
@@ -38,15 +45,20 @@ class ServerProcess:
         self.process = subprocess.Popen([sys.executable, "-m", "jaxserve.serve", "--config", str(path)],
                                         stdout=self.log, stderr=subprocess.STDOUT, cwd=os.getcwd())
         self.target = f"127.0.0.1:{self.port}"
-        self.channel = grpc.insecure_channel(self.target)
+        self.channel = self.new_channel()
         self.health_statuses = []
 
-    def health(self):
+    def new_channel(self, options=()) -> grpc.Channel:
+        if self.connection.uses_tls:
+            return grpc.secure_channel(self.target, self.connection.credentials(), options=options)
+        return grpc.insecure_channel(self.target, options=options)
+
+    def health(self, timeout: float = 2):
         # a fresh channel each time: a shared one backs off after failed connects and can sleep
         # through the whole warm-up
-        with grpc.insecure_channel(self.target) as channel:
+        with self.new_channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            return stub.Check(health_pb2.HealthCheckRequest(service="jaxserve.v1.Generation"), timeout=2).status
+            return stub.Check(health_pb2.HealthCheckRequest(service="jaxserve.v1.Generation"), timeout=timeout).status
 
     def wait_until_serving(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
@@ -64,14 +76,20 @@ class ServerProcess:
             time.sleep(0.05)
         raise TimeoutError(f"server did not start:\n{self.read_log()}")
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+    def metrics(self, tls: ssl.SSLContext | None = None) -> str:
+        scheme = "https" if tls is not None else "http"
+        request = urllib.request.Request(f"{scheme}://127.0.0.1:{self.metrics_port}/metrics")
+        if self.connection.api_key:
+            request.add_header("Authorization", f"Bearer {self.connection.api_key}")
+        with urllib.request.urlopen(request, timeout=5, context=tls) as response:
             return response.read().decode()
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, default: float | None = None) -> float:
         for line in self.metrics().splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
+        if default is not None:
+            return default
         raise KeyError(name)
 
     def read_log(self) -> str:

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
 from jaxserve.host.request import RequestOutput, SamplingParams
+from jaxserve.loading.chat_template import render_chat, text_content
 
 
 class LLM:
@@ -63,6 +64,32 @@ class LLM:
                         finished[output.request_id] = output
                         progress.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+             use_tqdm: bool | None = None, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role": ..., "content": ...} messages) or a list of
+        them, each rendered with the model's chat template (or chat_template: a template, or the name of
+        one of the model's), then generated as generate() does; one RequestOutput per conversation, its
+        .prompt the rendered text. Generation stops on the tokenizer's EOS ids, the template's end-of-turn
+        token among them. Every conversation renders before any is queued: a template error (ValueError)
+        leaves the engine as it was."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot render chats; pass token ids to generate()")
+        conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
+        prompts = [render_chat(tokenizer, text_content(list(conversation)), chat_template=chat_template,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               **(chat_template_kwargs or {}))
+                   for conversation in conversations]
+        # The template writes its own BOS where the model wants one.
+        token_ids = [tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
+        outputs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        for output, prompt in zip(outputs, prompts):
+            output.prompt = prompt
+        return outputs
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -6,10 +6,10 @@ from datetime import datetime
 import pytest
 
 from jaxserve.loading.chat_template import render_chat, text_content
-from tests.loading.test_tokenizer import JSON_TOKENIZERS, load, recorded
+from tests.loading.test_tokenizer import FAST_TOKENIZERS, load, recorded
 
 
-@pytest.mark.parametrize("name", JSON_TOKENIZERS)
+@pytest.mark.parametrize("name", FAST_TOKENIZERS)
 def test_render_matches_transformers(name):
     tokenizer = load(name)
     for case in recorded(name)["chats"]:

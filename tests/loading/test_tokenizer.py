@@ -1,20 +1,28 @@
 """Tokenizers against transformers (its outputs recorded by tests/support/record_tokenizers.py), and
 incremental detokenization against full decodes."""
 
+import functools
 import json
 import os
 import shutil
+import tempfile
 
 import numpy as np
 import pytest
 
 from jaxserve.loading.detokenizer import flush_detokenizer
+from jaxserve.loading.gguf import GGUFFile
+from jaxserve.loading.gguf_tokenizer import gguf_tokenizer
 from jaxserve.loading.tokenizer import Tokenizer, detokenize_incrementally, start_detokenizer
+from tests.support import record_tokenizers
 from tests.support.fixtures import fixture_dir
+from tests.support.gguf_files import write_gguf
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 JSON_TOKENIZERS = ["qwen_byte_level", "smollm_byte_level", "llama_metaspace"]
+GGUF_TOKENIZERS = list(record_tokenizers.GGUF_TOKENIZERS)  # vocabularies embedded in GGUF files
 SENTENCEPIECE_DIR = fixture_dir("llama_gqa")
+FAST_TOKENIZERS = JSON_TOKENIZERS + GGUF_TOKENIZERS
 
 
 def recorded(name: str) -> dict:
@@ -22,11 +30,18 @@ def recorded(name: str) -> dict:
         return json.load(f)
 
 
+@functools.cache
 def load(name: str) -> Tokenizer:
+    if name in GGUF_TOKENIZERS:
+        directory = tempfile.mkdtemp()
+        try:
+            return gguf_tokenizer(GGUFFile(record_tokenizers.write_tokenizer_gguf(name, directory)))
+        finally:
+            shutil.rmtree(directory)
     return Tokenizer.from_model_dir(SENTENCEPIECE_DIR if name == "sentencepiece" else os.path.join(FIXTURES, name))
 
 
-@pytest.mark.parametrize("name", JSON_TOKENIZERS)
+@pytest.mark.parametrize("name", FAST_TOKENIZERS)
 def test_encode_and_special_tokens_match_transformers(name):
     tokenizer, expected = load(name), recorded(name)
     for case in expected["encodings"]:
@@ -37,7 +52,7 @@ def test_encode_and_special_tokens_match_transformers(name):
     assert tokenizer.special_tokens == expected["special_tokens"]
 
 
-@pytest.mark.parametrize("name", JSON_TOKENIZERS + ["sentencepiece"])
+@pytest.mark.parametrize("name", FAST_TOKENIZERS + ["sentencepiece"])
 def test_decode_matches_transformers(name):
     tokenizer = load(name)
     for case in recorded(name)["decodes"]:
@@ -61,6 +76,20 @@ def test_eos_token_ids_join_config_generation_config_and_tokenizer():
     assert load("sentencepiece").eos_token_ids == {2}
 
 
+def test_gguf_byte_level_vocabulary_tokenizes_as_its_tokenizer_json(tmp_path):
+    """llama.cpp's "smollm" pre-tokenizer splits digits one by one, as SmolLM's tokenizer.json does
+    (transformers' GGUF loader knows no split for it, and keeps digits together)."""
+    source = os.path.join(FIXTURES, "smollm_byte_level", "tokenizer.json")
+    path = str(tmp_path / "smollm.gguf")
+    write_gguf(path, dict(num_hidden_layers=1, hidden_size=64, intermediate_size=96, num_attention_heads=4), {}, {},
+               tokenizer=("gpt2:smollm", source))
+    from_gguf, from_json = gguf_tokenizer(GGUFFile(path)), load("smollm_byte_level")
+    for text in record_tokenizers.TEXTS:
+        assert from_gguf.encode(text) == from_json.encode(text), text
+    assert from_gguf.encode("12345") == [from_gguf.token_to_id(digit) for digit in "12345"]
+    assert from_gguf.eos_token_ids == {from_gguf.token_to_id("<|im_end|>")}
+
+
 def stream(tokenizer, prompt_ids, output_ids, skip_special_tokens=True) -> list[str]:
     token_ids, state, pieces = list(prompt_ids), start_detokenizer(len(prompt_ids)), []
     for token_id in output_ids:
@@ -70,7 +99,7 @@ def stream(tokenizer, prompt_ids, output_ids, skip_special_tokens=True) -> list[
     return pieces
 
 
-@pytest.mark.parametrize("name", JSON_TOKENIZERS + ["sentencepiece"])
+@pytest.mark.parametrize("name", FAST_TOKENIZERS + ["sentencepiece"])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_incremental_detokenization_equals_full_decode(name, skip_special_tokens):
     """Streamed text, token by token, equals decoding prompt + output and cutting the prompt's text off;

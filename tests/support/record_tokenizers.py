@@ -160,6 +160,24 @@ def build() -> None:
     llama_metaspace()
 
 
+GGUF_TOKENIZERS = ("gguf_llama", "gguf_qwen2")  # the embedded vocabularies transformers' GGUF loader rebuilds
+
+
+def write_tokenizer_gguf(name: str, directory: str) -> str:
+    """A GGUF holding only a vocabulary (no tensors), as llama.cpp would embed the named tokenizer."""
+    from tests.support.gguf_files import write_gguf
+
+    config = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=96, num_attention_heads=4)
+    if name == "gguf_llama":
+        tokenizer, template = ("llama", os.path.join(HERE, "fixtures", "llama_gqa", "tokenizer.model")), LLAMA2_TEMPLATE
+    else:
+        tokenizer, template = ("gpt2:qwen2", os.path.join(FIXTURES, "qwen_byte_level", "tokenizer.json")), QWEN_TEMPLATE
+    path = os.path.join(directory, f"{name}.gguf")
+    write_gguf(path, config, {}, {}, architecture="llama" if name == "gguf_llama" else "qwen2", tokenizer=tokenizer,
+               chat_template=template)
+    return path
+
+
 def random_id_sequences(vocab_size: int, rng: np.random.Generator, count: int = 300) -> list[list[int]]:
     return [rng.integers(0, vocab_size, size=int(rng.integers(1, 16))).tolist() for _ in range(count)]
 
@@ -206,7 +224,15 @@ def main() -> None:
     sentencepiece_dir = os.path.join(HERE, "fixtures", "llama_gqa")
     os.makedirs(os.path.join(FIXTURES, "sentencepiece"), exist_ok=True)
     record(os.path.join(FIXTURES, "sentencepiece"), transformers.AutoTokenizer.from_pretrained(sentencepiece_dir))
-    print("recorded", *BUILT, "sentencepiece")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        for name in GGUF_TOKENIZERS:
+            path = write_tokenizer_gguf(name, directory)
+            os.makedirs(os.path.join(FIXTURES, name), exist_ok=True)
+            record(os.path.join(FIXTURES, name),
+                   transformers.AutoTokenizer.from_pretrained(directory, gguf_file=os.path.basename(path)))
+    print("recorded", *BUILT, "sentencepiece", *GGUF_TOKENIZERS)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,190 @@
+"""llama.cpp's GGUF files: the architecture from the metadata, the weights dequantized under Hugging Face names.
+
+    GGUFFile(path)          parse and check everything up front (metadata, architecture, every tensor's
+                            type and extent), so a bad file fails before anything is loaded
+      .hf_config()          the config.json dict that ModelConfig.from_hf_dict reads
+      .tensor_reader()      `hf_name in reader`, `reader.read(hf_name)`: float32 numpy arrays in the layout
+                            a safetensors checkpoint would hold, for loading.weights
+
+llama.cpp's converter permutes the query and key rows of llama-architecture models (its rotary
+embedding pairs adjacent dimensions, Hugging Face's pairs the two halves); reading undoes that.
+Mixtral is "llama" with experts in GGUF; its stacked expert tensors are served per expert.
+The embedded tokenizer is read by gguf_tokenizer.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF architecture -> HF model_type
+GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                  "output.weight": "lm_head.weight"}
+LAYER_TENSORS = {  # blk.N.<name> -> model.layers.N.<name>
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "block_sparse_moe.gate",
+}
+EXPERT_TENSORS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}  # stacked -> Mixtral's names
+REQUIRED_LAYER_TENSORS = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
+
+
+def find_gguf_file(path: str) -> str | None:
+    """path itself when it is a .gguf file, or the one .gguf file in directory path; None otherwise."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return path
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    found = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
+    if len(found) > 1:
+        raise ValueError(f"{path!r} holds several GGUF files ({', '.join(found)}); name the one to load")
+    return os.path.join(path, found[0]) if found else None
+
+
+class GGUFFile:
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.reader = GGUFReader(path)
+            # contents() decodes every value; an array's elements decode lazily otherwise, and late failures are
+            # what this constructor exists to rule out.
+            self.metadata = {key: field.contents() for key, field in self.reader.fields.items()}
+        except Exception as error:  # the reader raises ValueError, IndexError, struct errors... for a bad file
+            raise ValueError(f"malformed GGUF file {path}: {type(error).__name__}: {error}") from None
+        self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
+        self.architecture = self.metadata.get("general.architecture")
+        if self.architecture not in MODEL_TYPES:
+            raise ValueError(f"GGUF file {path}: architecture {self.architecture!r} is not supported "
+                             f"(supported: {', '.join(MODEL_TYPES)})")
+        for tensor in self.reader.tensors:
+            if not can_dequantize(tensor.tensor_type):
+                raise ValueError(f"GGUF file {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which "
+                                 f"the gguf package cannot dequantize")
+        if "rope_freqs.weight" in self.tensors:
+            raise ValueError(f"GGUF file {path}: per-dimension rotary frequencies (rope_freqs, as in Llama 3.1) are "
+                             f"not supported yet; load the Hugging Face checkpoint instead")
+
+    def _get(self, key: str, default=None):
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def hf_config(self) -> dict:
+        try:
+            hidden_size = int(self._get("embedding_length"))
+            num_heads = int(self._get("attention.head_count"))
+            num_layers = int(self._get("block_count"))
+            intermediate_size = int(self._get("expert_feed_forward_length") or self._get("feed_forward_length"))
+        except TypeError:
+            raise ValueError(f"GGUF file {self.path}: metadata lacks the model's sizes ({self.architecture}."
+                             f"embedding_length, attention.head_count, block_count, feed_forward_length)") from None
+        num_experts = int(self._get("expert_count") or 0)
+        model_type = "mixtral" if self.architecture == "llama" and num_experts else MODEL_TYPES[self.architecture]
+        if "token_embd.weight" not in self.tensors:
+            raise ValueError(f"GGUF file {self.path} has no token_embd.weight tensor")
+        config = dict(
+            architectures=[{"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                            "qwen3": "Qwen3ForCausalLM"}[model_type]],
+            model_type=model_type, hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=num_heads,
+            num_key_value_heads=int(self._get("attention.head_count_kv") or num_heads),
+            head_dim=int(self._get("attention.key_length") or hidden_size // num_heads),
+            vocab_size=int(self.tensors["token_embd.weight"].data.shape[0]),
+            max_position_embeddings=int(self._get("context_length") or 2048),
+            rms_norm_eps=float(self._get("attention.layer_norm_rms_epsilon") or 1e-6),
+            rope_theta=float(self._get("rope.freq_base") or 10000.0),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.metadata.get("tokenizer.ggml.eos_token_id"),
+            torch_dtype=self.checkpoint_dtype(),
+        )
+        if self._get("rope.scaling.type") == "linear":
+            config["rope_scaling"] = dict(rope_type="linear", factor=float(self._get("rope.scaling.factor")))
+        if num_experts:
+            config.update(num_local_experts=num_experts, num_experts_per_tok=int(self._get("expert_used_count")))
+        self._check_layers(num_layers, num_experts)
+        return config
+
+    def _check_layers(self, num_layers: int, num_experts: int) -> None:
+        mlp = ("ffn_gate_inp", *EXPERT_TENSORS) if num_experts else ("ffn_gate", "ffn_up", "ffn_down")
+        for layer in range(num_layers):
+            for name in REQUIRED_LAYER_TENSORS + mlp:
+                if f"blk.{layer}.{name}.weight" not in self.tensors:
+                    raise ValueError(f"GGUF file {self.path} lacks tensor blk.{layer}.{name}.weight")
+
+    def checkpoint_dtype(self) -> str:
+        """The dtype a Hugging Face checkpoint of these weights would have: float16 / bfloat16 files keep theirs;
+        quantized weights dequantize exactly to float32 (as llama.cpp and transformers compute them)."""
+        matrix_types = {t.tensor_type for t in self.reader.tensors if len(t.shape) > 1}
+        for dtype, name in ((GGMLQuantizationType.F16, "float16"), (GGMLQuantizationType.BF16, "bfloat16")):
+            if matrix_types == {dtype}:
+                return name
+        return "float32"
+
+    def tensor_reader(self) -> "GGUFTensorReader":
+        return GGUFTensorReader(self)
+
+
+@functools.cache
+def can_dequantize(qtype: GGMLQuantizationType) -> bool:
+    """Whether gguf.quants dequantizes this type (F32, F16, BF16, the Q*, K and IQ quants; not the integer
+    or intermediate types): asked of the package itself, on one block of zeros."""
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        dequantize(np.zeros((1, type_size), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf.py's permute(): per head, rows (pair, half) -> (half, pair)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+class GGUFTensorReader:
+    """The checkpoint-reader interface of loading.weights over a GGUF file."""
+
+    def __init__(self, gguf: GGUFFile):
+        self.gguf = gguf
+        self.names: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, expert index or None)
+        for name, tensor in gguf.tensors.items():
+            if name in GLOBAL_TENSORS:
+                self.names[GLOBAL_TENSORS[name]] = (name, None)
+                continue
+            parts = name.split(".")  # blk.N.<tensor>.<weight|bias>
+            if len(parts) != 4 or parts[0] != "blk":
+                continue
+            prefix = f"model.layers.{parts[1]}."
+            if parts[2] in LAYER_TENSORS:
+                self.names[prefix + LAYER_TENSORS[parts[2]] + "." + parts[3]] = (name, None)
+            elif parts[2] in EXPERT_TENSORS:
+                for expert in range(tensor.data.shape[0]):
+                    hf_name = f"{prefix}block_sparse_moe.experts.{expert}.{EXPERT_TENSORS[parts[2]]}.{parts[3]}"
+                    self.names[hf_name] = (name, expert)
+        config = gguf.hf_config()
+        self.rotary_heads = {}
+        if gguf.architecture == "llama":
+            self.rotary_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+        self._cached = (None, None)  # (GGUF name, dequantized): the expert tensors are read once per expert
+
+    def __contains__(self, hf_name: str) -> bool:
+        return hf_name in self.names
+
+    def read(self, hf_name: str) -> np.ndarray:
+        if hf_name not in self.names:
+            raise ValueError(f"GGUF file {self.gguf.path} has no tensor for {hf_name!r}")
+        name, expert = self.names[hf_name]
+        if self._cached[0] != name:
+            tensor = self.gguf.tensors[name]
+            self._cached = (name, np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        values = self._cached[1] if expert is None else self._cached[1][expert]
+        projection = hf_name.split(".")[-2]
+        if projection in self.rotary_heads:
+            values = unpermute_rotary_rows(values, self.rotary_heads[projection])
+        return values

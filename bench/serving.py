@@ -8,6 +8,9 @@ ITL (time between streamed messages), E2E latency; mean, p50, p90, p99, as one J
 
     python -m jaxserve.serve &                      # or any config
     .venv/bin/python bench/serving.py --num-prompts 64 --request-rate 8 [--plot latency.png]
+
+--hostile KIND (bench/hostile.py: big-prompts, many-stops, stop-ids, unread) runs the same requests
+twice, alone and then beside hostile clients, and reports both and the ratio of their latencies.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxserve.client import AsyncClient, Client
+from jaxserve.client import AsyncClient, Client, add_connection_arguments, connection_from_arguments
 
 
 @dataclass
@@ -167,10 +170,9 @@ def plot(results: list[RequestResult], start: float, path: str) -> None:
     figure.savefig(path, dpi=120)
 
 
-async def main_async(args) -> None:
-    info = Client(args.target).server_info()
+async def run_once(args, info, connection) -> tuple[list[RequestResult], float, float]:
     rng = np.random.default_rng(args.seed)
-    client = AsyncClient(args.target)
+    client = AsyncClient(args.target, connection)
     start = time.perf_counter()
     if args.dataset == "multi-turn":
         results = await run_multi_turn(client, args, rng, info.vocab_size)
@@ -179,9 +181,29 @@ async def main_async(args) -> None:
         results = await run_independent(client, make(rng, args, info.vocab_size), args, rng)
     elapsed = time.perf_counter() - start
     await client.close()
-    print(json.dumps({"model": info.model, "attention_impl": info.attention_impl, **report(results, elapsed, args)}))
+    return results, start, elapsed
+
+
+async def main_async(args) -> None:
+    connection = connection_from_arguments(args)
+    info = Client(args.target, connection).server_info()
+    header = {"model": info.model, "attention_impl": info.attention_impl}
+    results, start, elapsed = await run_once(args, info, connection)
+    alone = report(results, elapsed, args)
+    print(json.dumps({**header, **alone}))
     if args.plot:
         plot(results, start, args.plot)
+    if args.hostile:
+        import hostile
+
+        stop, counts = hostile.start(args.hostile, args.target, connection, info.max_num_seqs)
+        await asyncio.sleep(2.0)  # let the hostile clients get going
+        results, start, elapsed = await run_once(args, info, connection)
+        stop.set()
+        beside = report(results, elapsed, args)
+        ratios = {f"{metric}_p50_ratio": round(beside[metric]["p50_ms"] / alone[metric]["p50_ms"], 3)
+                  for metric in ("ttft", "e2e_latency") if alone[metric] and beside[metric]}
+        print(json.dumps({**header, "hostile": args.hostile, "hostile_outcomes": counts, **beside, **ratios}))
 
 
 def main() -> None:
@@ -201,6 +223,8 @@ def main() -> None:
     parser.add_argument("--question-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", help="write latency CDFs and throughput to this PNG (needs matplotlib)")
+    parser.add_argument("--hostile", help="also run beside these hostile clients (bench/hostile.py) and compare")
+    add_connection_arguments(parser)
     args = parser.parse_args()
     asyncio.run(main_async(args))
 

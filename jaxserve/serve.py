@@ -104,7 +104,7 @@ class Server:
         info = self.loop.description
         self.service.attach(self.loop, RequestLimits.for_engine(info.max_model_len, info.vocab_size,
                                                                 **self.config.server.request_caps()))
-        self.metrics.observe_engine(engine.stats())
+        self.metrics.observe_engine(self.loop.stats)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s (%d executables, warm-up %.1fs)", info.model_name, info.num_executables,
                     info.warmup_seconds)

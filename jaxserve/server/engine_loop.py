@@ -42,7 +42,7 @@ class EngineLoop:
         self.engine = engine
         self.metrics = metrics
         self.description = engine.describe()  # fixed once warm: read by info calls without the engine
-        self.load = engine.load()  # refreshed on the loop thread after every change
+        self.stats = engine.stats()  # refreshed on the loop thread after every change; read by info calls
         self.max_in_flight = self.description.max_num_seqs + max_queued_requests
         self.stream_idle_timeout = stream_idle_timeout
         self.streams: dict[str, RequestStream] = {}  # by handle, from submit until release
@@ -140,8 +140,8 @@ class EngineLoop:
             self._observe()
 
     def _observe(self) -> None:
-        self.load = self.engine.load()
-        self.metrics.observe_engine(self.engine.stats())
+        self.stats = self.engine.stats()
+        self.metrics.observe_engine(self.stats)
 
     def _apply_commands(self) -> bool:
         """Apply queued adds and aborts; returns whether there were any."""

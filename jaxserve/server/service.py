@@ -94,15 +94,15 @@ class GenerationService:
 
     def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
         loop = self._ready_loop(context)
-        info, load = loop.description, loop.load
+        info, stats = loop.description, loop.stats
         shapes = [f"{kind}(tokens={tokens}, seqs={seqs}, pages={pages})"
                   for kind, tokens, seqs, pages in info.compiled_buckets]
         return pb.ServerInfo(model=info.model_name, dtype=info.dtype, mesh=info.mesh, page_size=info.page_size,
                              num_pages=info.num_pages, compiled_buckets=shapes, max_model_len=info.max_model_len,
                              version=jaxserve.__version__, attention_impl=info.attention_impl,
                              max_num_seqs=info.max_num_seqs, vocab_size=info.vocab_size,
-                             num_free_pages=load.num_free_pages, num_running=load.num_running,
-                             num_waiting=load.num_waiting)
+                             num_free_pages=stats["kv_pages_free"], num_running=stats["num_running"],
+                             num_waiting=stats["num_waiting"])
 
     def _tokenizer(self, context):
         tokenizer = self._ready_loop(context).engine.tokenizer

@@ -24,9 +24,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 $PYTHON -m pip list 2>/dev/null | grep -E "^(jax|jaxlib|flax|numpy) " > "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/device.txt" 2>&1
 $PYTHON -c "import jax; print(jax.devices())" >> "$OUT/device.txt" 2>&1
-timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_pallas_attention.py 2>&1 | tee "$OUT/gpu_kernel_tests.txt"
-timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py -k "pallas or probe" 2>&1 \
-  | tee -a "$OUT/gpu_kernel_tests.txt"
+# the Pallas kernels' tests and the start-up probe; the C++ CPU kernels' and the reference's alone run on CPUs
+timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_vs_reference.py \
+  tests/kernels/test_kernel_lowering.py tests/kernels/test_pages_in_place.py \
+  -k "not cpu and not (dense and not pallas) and not bfloat16_attention and not pool_check" 2>&1 \
+  | tee "$OUT/gpu_kernel_tests.txt"
+timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_attention_choice.py \
+  tests/kernels/test_paged_attention.py -k "pallas or probe or heuristic" 2>&1 | tee -a "$OUT/gpu_kernel_tests.txt"
 timeout 240 $PYTHON bench/kernels.py --impls reference,pallas $([ "$QUICK" = 1 ] || echo --full) 2>&1 | tee "$OUT/kernels_gpu.jsonl"
 timeout 240 $PYTHON - <<'PY' 2>&1 | tee "$OUT/decode_e2e_gpu.jsonl"
 import json, os, tempfile, time

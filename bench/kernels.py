@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ragged_paged_attention
-from pallas_kernels.paged_attention import pallas
+from pallas_kernels.paged_attention import pallas_gpu
 from timing import best_time
 
 
@@ -91,8 +91,8 @@ def main() -> None:
             if "reference" in outputs:
                 extra["max_error_vs_reference"] = float(np.abs(outputs[impl] - outputs["reference"]).max())
             if impl == "pallas" and backend != "tpu":
-                spans = -(-(-(-context // page_size)) // pallas.block_sizes(head_dim, page_size, dtype))
-                extra["num_splits"] = pallas.default_num_splits(batch * -(-new_tokens // query_block) * num_kv_heads,
+                spans = -(-(-(-context // page_size)) // pallas_gpu.block_sizes(head_dim, page_size, dtype))
+                extra["num_splits"] = pallas_gpu.default_num_splits(batch * -(-new_tokens // query_block) * num_kv_heads,
                                                                 spans)
             emit(kind=kind, impl=impl, batch=batch, context=context, new_tokens=new_tokens,
                  ms=round(seconds * 1e3, 3), gb_s=round(bytes_read / seconds / 1e9, 2),

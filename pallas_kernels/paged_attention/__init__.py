@@ -8,8 +8,8 @@ Padding tokens carry position -1 and attend to nothing.
 Implementations, all with the reference's signature:
   reference  pure jax.numpy, any dtype, any backend: the specification
   cpu        a C++ kernel (XLA FFI) for float32 on the CPU, built at first use
-  pallas     Pallas kernels: Mosaic with DMA'd pages on TPU (pallas_tpu.py), the Triton-style kernel
-             elsewhere (pallas.py); on the CPU they run in interpret mode: exact but slow
+  pallas     Pallas kernels: Mosaic with DMA'd pages on TPU (pallas_tpu.py), the Triton kernel
+             elsewhere (pallas_gpu.py); on the CPU they run in interpret mode: exact but slow
   auto       cpu on CPU/float32, pallas on GPU/TPU (checked at start-up by probe.py), else reference
 """
 
@@ -17,7 +17,9 @@ import jax.numpy as jnp
 
 import jax
 
-from pallas_kernels.paged_attention import cpu, pallas, pallas_tpu, reference
+from pallas_kernels.paged_attention import cpu, pallas_gpu, pallas_tpu, reference
+
+pallas = pallas_gpu  # its name before issue #10, still imported by the engine lowering test in tests/kernels
 
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
 
@@ -36,7 +38,7 @@ def resolve_attention_impl(impl: str, platform: str, dtype, partitioned: bool = 
         return "reference"
     if impl == "cpu" and (platform != "cpu" or jnp.dtype(dtype) != jnp.float32):
         raise ValueError(f"attention_impl='cpu' needs the CPU platform and float32, not {platform}/{jnp.dtype(dtype)}")
-    unsupported = pallas.supported(head_dim, page_size, platform) if head_dim is not None else None
+    unsupported = pallas_gpu.supported(head_dim, page_size, platform) if head_dim is not None else None
     if impl == "pallas" and unsupported:
         raise ValueError(f"attention_impl='pallas': {unsupported}; use 'reference' or 'auto'")
     if impl == "auto":
@@ -49,7 +51,7 @@ def resolve_attention_impl(impl: str, platform: str, dtype, partitioned: bool = 
 def kv_cache_head_dim(impl: str, platform: str, head_dim: int) -> int:
     """The head dim to allocate KV pages with: wider than the model's (zero padded) where the kernel
     needs it (the Triton kernel's power-of-two tiles), the model's own otherwise."""
-    return pallas.cache_head_dim(head_dim, platform) if impl == "pallas" else head_dim
+    return pallas_gpu.cache_head_dim(head_dim, platform) if impl == "pallas" else head_dim
 
 
 def kernel_modules(impl: str):
@@ -59,7 +61,7 @@ def kernel_modules(impl: str):
     generic write kernel maps the whole page pool as one block, which Mosaic would stage in VMEM."""
     on_tpu = jax.default_backend() == "tpu"
     if impl == "pallas":
-        return (pallas_tpu, reference) if on_tpu else (pallas, pallas)
+        return (pallas_tpu, reference) if on_tpu else (pallas_gpu, pallas_gpu)
     implementation = {"reference": reference, "cpu": cpu}.get(impl)
     if implementation is None:
         raise ValueError(f"unknown attention_impl {impl!r}; resolve 'auto' with resolve_attention_impl first")

@@ -1,6 +1,7 @@
 """Ragged paged attention for TPUs (Mosaic): the reference's contract, pages copied HBM -> VMEM by DMA.
 
-Grid: (query block, kv head). The page table rows and each block's newest position are
+Grid: (query block, kv head); a program holds its block's query rows for one kv head (pallas_layout.py;
+padded to whole tiles of MIN_ROWS sublanes). The page table rows and each block's newest position are
 scalar-prefetched into SMEM; a program walks its sequence's pages in spans of `pages_per_span`,
 DMAing each span's K and V pages (just this kv head's slice of each page, read in place from the
 page pool in HBM) into one of two VMEM buffers while the other span is computed (double buffering),
@@ -18,7 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention.pallas import MASK_VALUE, block_sizes
+from pallas_kernels.paged_attention.pallas_layout import (MASK_VALUE, block_page_rows, block_sizes, cdiv, query_rows,
+                                                          row_positions, tokens_from_rows)
 
 MIN_ROWS = 8  # sublanes of a TPU vector register
 
@@ -93,22 +95,18 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     num_tokens, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
     groups = num_heads // num_kv_heads
     num_blocks = num_tokens // query_block
     pages_per_span = block_sizes(head_dim, page_size, k_pages.dtype)
 
-    block_pages = page_table[token_seq_ids[::query_block]]  # [N, P]
-    block_pages = jnp.pad(block_pages, ((0, 0), (0, -block_pages.shape[1] % pages_per_span)))
+    block_pages = block_page_rows(page_table, token_seq_ids, query_block,
+                                  cdiv(page_table.shape[1], pages_per_span) * pages_per_span)
     pages_per_seq = block_pages.shape[1]
     block_max_position = positions.reshape(num_blocks, query_block).max(axis=1)  # [N]
-    rows = query_block * groups
-    padded_rows = -(-rows // MIN_ROWS) * MIN_ROWS
-    queries = q.reshape(num_blocks, query_block, num_kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
-    queries = queries.reshape(num_blocks, num_kv_heads, rows, head_dim)
-    queries = jnp.pad(queries, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
-    row_positions = jnp.repeat(positions.reshape(num_blocks, query_block), groups, axis=1)
-    row_positions = jnp.pad(row_positions, ((0, 0), (0, padded_rows - rows)), constant_values=-1)[..., None]
+    padded_rows = cdiv(query_block * groups, MIN_ROWS) * MIN_ROWS
+    queries = query_rows(q, query_block, num_kv_heads, padded_rows)
+    positions_by_row = row_positions(positions, query_block, groups, padded_rows)[..., None]  # [N, R, 1]
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -132,6 +130,5 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
         interpret=interpret if isinstance(interpret, pltpu.InterpretParams) else (
             pltpu.InterpretParams() if interpret else False),
         name="ragged_paged_attention_tpu",
-    )(block_pages.reshape(-1), block_max_position, queries, row_positions, k_pages, v_pages)
-    out = out[:, :, :rows].reshape(num_blocks, num_kv_heads, query_block, groups, head_dim)
-    return out.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_heads, head_dim)
+    )(block_pages.reshape(-1), block_max_position, queries, positions_by_row, k_pages, v_pages)
+    return tokens_from_rows(out, query_block, groups)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.paged_attention import pallas, pallas_tpu, reference
+from pallas_kernels.paged_attention import reference
 
 TOLERANCE = {2: 5e-2, 4: 2e-3}  # by dtype itemsize: bfloat16/float16, float32
 

@@ -1,7 +1,7 @@
-"""Ragged paged attention as a Pallas kernel: the reference's contract, reading K/V pages in place.
+"""Ragged paged attention as a Pallas (Triton) kernel: the reference's contract, reading K/V pages in place.
 
 Grid: (query block, kv head, context split). A program holds its block's query rows for one kv head
-(B tokens x G query heads, padded to a power of two of at least MIN_ROWS rows for the matmul units)
+(pallas_layout.py; padded to a power of two of at least MIN_ROWS rows for the matmul units)
 and walks its split of the block's sequence pages in spans of `pages_per_span` pages: it gathers
 those pages straight from the page pool through the page table (no dense copy of the context),
 scores them with one matmul in the KV dtype accumulating in float32, and folds them into an online
@@ -29,8 +29,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.paged_attention.pallas_layout import (MASK_VALUE, block_page_rows, block_sizes, cdiv, query_rows,
+                                                          row_positions, tokens_from_rows)
+
 MIN_ROWS = 16  # matmul tiles on GPUs want at least 16 rows (and Triton, a power of two)
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked span gives no NaN
 PROGRAMS_PER_CORE = 2  # context splits aim for this many programs per GPU core (SM)
 
 
@@ -51,14 +53,6 @@ def cache_head_dim(head_dim: int, platform: str) -> int:
     if platform != "gpu":
         return head_dim
     return max(16, 1 << (head_dim - 1).bit_length())
-
-
-def block_sizes(head_dim: int, page_size: int, dtype) -> int:
-    """Pages per span: about 64 keys of float32 (128 of 16-bit types) per step of the online softmax,
-    so a span's K and V tiles stay within fast memory for head dims up to 256."""
-    keys = 128 if jnp.dtype(dtype).itemsize <= 2 else 64
-    keys = keys if head_dim <= 128 else keys // 2
-    return max(1, keys // page_size)
 
 
 def default_num_splits(num_programs: int, num_spans: int, cores: int | None = None) -> int:
@@ -143,20 +137,14 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
     groups = num_heads // num_kv_heads
     num_blocks = num_tokens // query_block
     pages_per_span = block_sizes(head_dim, page_size, k_pages.dtype)
-    table_spans = -(-page_table.shape[1] // pages_per_span)
+    table_spans = cdiv(page_table.shape[1], pages_per_span)
     splits = num_splits or default_num_splits(num_blocks * num_kv_heads, table_spans)
-    pages_per_split = -(-table_spans // splits) * pages_per_span
+    pages_per_split = cdiv(table_spans, splits) * pages_per_span
 
-    block_pages = page_table[token_seq_ids[::query_block]]  # [N, P]: page-table rows, not pages
-    block_pages = jnp.pad(block_pages, ((0, 0), (0, splits * pages_per_split - block_pages.shape[1])))
-    rows = query_block * groups
-    padded_rows = max(MIN_ROWS, 1 << (rows - 1).bit_length())  # Triton blocks are powers of two
-    # [N, K, B*G, D]: a block's rows for one kv head are contiguous
-    queries = q.reshape(num_blocks, query_block, num_kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
-    queries = queries.reshape(num_blocks, num_kv_heads, rows, head_dim)
-    queries = jnp.pad(queries, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
-    row_positions = jnp.repeat(positions.reshape(num_blocks, query_block), groups, axis=1)
-    row_positions = jnp.pad(row_positions, ((0, 0), (0, padded_rows - rows)), constant_values=-1)
+    block_pages = block_page_rows(page_table, token_seq_ids, query_block, splits * pages_per_split)
+    padded_rows = max(MIN_ROWS, 1 << (query_block * groups - 1).bit_length())  # Triton blocks are powers of two
+    queries = query_rows(q, query_block, num_kv_heads, padded_rows)
+    positions_by_row = row_positions(positions, query_block, groups, padded_rows)
 
     normalize = splits == 1
     rows_spec = pl.BlockSpec((None, None, None, padded_rows), lambda n, k, s: (s, n, k, 0))
@@ -182,14 +170,13 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
         # here a kv head's slice of the page pool, in shared memory.
         compiler_params=pltriton.CompilerParams(num_warps=4 if padded_rows <= 32 else 8, num_stages=2),
         name="ragged_paged_attention",
-    )(queries, k_pages, v_pages, block_pages, row_positions)
+    )(queries, k_pages, v_pages, block_pages, positions_by_row)
     if normalize:
         out = outs[0][0]
     else:
         out = _combine_splits(*outs)
-        out = jnp.where((row_positions >= 0)[:, None, :, None], out, 0.0).astype(q.dtype)
-    out = out[:, :, :rows, :true_head_dim].reshape(num_blocks, num_kv_heads, query_block, groups, true_head_dim)
-    return out.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_heads, true_head_dim)
+        out = jnp.where((positions_by_row >= 0)[:, None, :, None], out, 0.0).astype(q.dtype)
+    return tokens_from_rows(out[..., :true_head_dim], query_block, groups)
 
 
 def _write_kernel(slot_ids_ref, k_ref, v_ref, k_pages_in_ref, v_pages_in_ref, k_pages_ref, v_pages_ref, *,

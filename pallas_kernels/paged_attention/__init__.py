@@ -7,10 +7,12 @@ Padding tokens carry position -1 and attend to nothing.
 
 Implementations, all with the reference's signature:
   reference  pure jax.numpy, any dtype, any backend: the specification
-  cpu        a C++ kernel (XLA FFI) for float32 on the CPU, built at first use
+  cpu        C++ kernels (XLA FFI) on the CPU for float32, bfloat16 and float16 pages, built at first
+             use; they also write the pages, in place
   pallas     Pallas kernels: Mosaic with DMA'd pages on TPU (pallas_tpu.py), the Triton kernel
              elsewhere (pallas_gpu.py); on the CPU they run in interpret mode: exact but slow
-  auto       cpu on CPU/float32, pallas on GPU/TPU (checked at start-up by probe.py), else reference
+  auto       cpu on CPU (for those dtypes), pallas on GPU/TPU (checked at start-up by probe.py), else
+             reference
 """
 
 import jax.numpy as jnp
@@ -28,22 +30,24 @@ def resolve_attention_impl(impl: str, platform: str, dtype, partitioned: bool = 
                            head_dim: int | None = None, page_size: int | None = None) -> str:
     """The concrete implementation `impl` means on this platform for this KV dtype; `partitioned` when
     the step runs sharded over several devices by XLA's partitioner (only the jax.numpy reference
-    partitions itself). "auto": the C++ kernel on CPU/float32, Pallas on GPU/TPU where the kernel
-    supports the sizes (the engine then checks it with probe.pallas_problem), else the reference."""
+    partitions itself). "auto": the C++ kernels on the CPU for the dtypes they serve, Pallas on
+    GPU/TPU where the kernel supports the sizes (the engine then checks it with probe.pallas_problem),
+    else the reference."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention_impl {impl!r}; expected one of {ATTENTION_IMPLS}")
     if partitioned:
         if impl not in ("auto", "reference"):
             raise ValueError(f"attention_impl={impl!r} does not run sharded yet; use 'reference' or 'auto'")
         return "reference"
-    if impl == "cpu" and (platform != "cpu" or jnp.dtype(dtype) != jnp.float32):
-        raise ValueError(f"attention_impl='cpu' needs the CPU platform and float32, not {platform}/{jnp.dtype(dtype)}")
+    if impl == "cpu" and (platform != "cpu" or jnp.dtype(dtype) not in cpu.DTYPES):
+        raise ValueError(f"attention_impl='cpu' needs the CPU platform and one of {[str(d) for d in cpu.DTYPES]}, "
+                         f"not {platform}/{jnp.dtype(dtype)}")
     unsupported = pallas_gpu.supported(head_dim, page_size, platform) if head_dim is not None else None
     if impl == "pallas" and unsupported:
         raise ValueError(f"attention_impl='pallas': {unsupported}; use 'reference' or 'auto'")
     if impl == "auto":
         if platform == "cpu":
-            return "cpu" if jnp.dtype(dtype) == jnp.float32 and cpu.available() else "reference"
+            return "cpu" if jnp.dtype(dtype) in cpu.DTYPES and cpu.available() else "reference"
         return "pallas" if platform in ("gpu", "tpu") and not unsupported else "reference"
     return impl
 
@@ -65,7 +69,7 @@ def kernel_modules(impl: str):
     implementation = {"reference": reference, "cpu": cpu}.get(impl)
     if implementation is None:
         raise ValueError(f"unknown attention_impl {impl!r}; resolve 'auto' with resolve_attention_impl first")
-    return implementation, reference
+    return implementation, implementation
 
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *,

@@ -1,4 +1,8 @@
-"""The C++ CPU kernel (cpu_kernel.cc): built with the system's C++ compiler at first use, then cached.
+"""The C++ CPU kernels (cpu_kernel.cc): built with the system's C++ compiler at first use, then cached.
+
+They serve float32, bfloat16 and float16 pages (accumulating in float32) and write new K/V into the
+donated pages in place. The reference cannot do that with 16-bit pages: XLA:CPU computes 16-bit
+gathers and scatters in float32, converting the whole page pool (and back) every step (issue #16).
 
 The build is keyed by the source, the JAX version and the host, so a changed kernel or a different
 machine rebuilds. `available()` is False when no compiler works; callers then use the reference.
@@ -17,12 +21,15 @@ import subprocess
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cc")
-TARGET_NAME = "jaxserve_cpu_paged_attention"
+ATTENTION_TARGET = "jaxserve_cpu_paged_attention"
+WRITE_TARGET = "jaxserve_cpu_write_kv_pages"
+DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))  # of the pages it serves
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "kernels")
 
 
@@ -51,7 +58,8 @@ def _register() -> bool:
         if not os.path.isfile(library_path):
             _build(library_path)
         library = ctypes.cdll.LoadLibrary(library_path)
-        jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.JaxservePagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(library.JaxservePagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(library.JaxserveWriteKvPages), platform="cpu")
     except (RuntimeError, OSError) as error:
         logger.warning("CPU attention kernel unavailable, using the jax.numpy reference: %s", error)
         return False
@@ -62,11 +70,28 @@ def available() -> bool:
     return _register()
 
 
-def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *,
-                           query_block: int, sliding_window: int | None = None):
+def _require(dtype) -> None:
+    if jnp.dtype(dtype) not in DTYPES:
+        raise ValueError(f"the CPU kernels serve {[str(d) for d in DTYPES]} pages, not {jnp.dtype(dtype)}")
     if not _register():
         raise RuntimeError("the CPU attention kernel could not be built; use attention_impl='reference'")
-    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, q.dtype))
+
+
+def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *,
+                           query_block: int, sliding_window: int | None = None):
+    """The reference's contract, with q in the pages' dtype."""
+    _require(k_pages.dtype)
+    if q.dtype != k_pages.dtype or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"the CPU kernel wants q and pages of one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages, page_table.astype(np.int32), token_seq_ids.astype(np.int32),
                 positions.astype(np.int32), query_block=np.int64(query_block),
                 sliding_window=np.int64(sliding_window or 0))
+
+
+def write_kv_pages(k_pages, v_pages, k, v, slot_ids):
+    """The reference's contract; the results alias the pages, so donated pages are updated in place."""
+    _require(k_pages.dtype)
+    pages = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
+    call = jax.ffi.ffi_call(WRITE_TARGET, pages, input_output_aliases={0: 0, 1: 1})
+    return tuple(call(k_pages, v_pages, k.astype(k_pages.dtype), v.astype(v_pages.dtype), slot_ids.astype(np.int32)))

@@ -1,9 +1,16 @@
-// Ragged paged attention for the CPU, as an XLA FFI custom call: the same contract as reference.py.
+// Paged attention for the CPU, as XLA FFI custom calls: the same contracts as reference.py, for
+// float32, bfloat16 and float16 pages.
 //
-// Work is split by query block: each block (one sequence's query tokens) walks its sequence's pages
-// in tiles of kKeysPerTile keys, reading K/V in place through the page table, with an online
-// softmax in float32. Blocks are spread over XLA's intra-op thread pool. Compiled at first use by
-// cpu.py with -march=native.
+// Attention is split by query block: each block (one sequence's query tokens) walks its sequence's
+// pages in tiles of kKeysPerTile keys, reading K/V in place through the page table, with an online
+// softmax in float32. 16-bit keys and values are widened to float32 a tile at a time, so a step
+// converts only the keys it reads: XLA:CPU itself widens 16-bit gathers and scatters over the whole
+// page pool. Blocks are spread over XLA's intra-op thread pool.
+//
+// The KV write copies each token's [K, D] row into its slot of the pages, which the call returns
+// aliased (XLA passes the donated pool itself, so the write is in place).
+//
+// Compiled at first use by cpu.py with -march=native.
 
 #include <algorithm>
 #include <atomic>
@@ -13,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -24,16 +32,82 @@ namespace {
 constexpr int64_t kKeysPerTile = 64;
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
+// 16-bit floats as stored in a buffer: their bits.
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
+
+inline float ToFloat(float x) { return x; }
+
+inline float ToFloat(BFloat16 x) {
+  const uint32_t bits = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float ToFloat(Float16 x) {
+  _Float16 h;
+  std::memcpy(&h, &x.bits, sizeof(h));
+  return float(h);
+}
+
+template <typename T>
+T FromFloat(float x);
+
+template <>
+inline float FromFloat<float>(float x) {
+  return x;
+}
+
+// Rounded to nearest even, as XLA's convert does.
+template <>
+inline BFloat16 FromFloat<BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if (std::isnan(x)) return {uint16_t((bits >> 16) | 0x40)};  // stays a (quiet) NaN
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return {uint16_t(bits >> 16)};
+}
+
+template <>
+inline Float16 FromFloat<Float16>(float x) {
+  const _Float16 h = _Float16(x);
+  Float16 out;
+  std::memcpy(&out.bits, &h, sizeof(h));
+  return out;
+}
+
+// n values as float32: the source itself when it is float32, else widened into `scratch`.
+template <typename T>
+inline const float* AsFloat(const T* source, int64_t n, float* scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    return source;
+  } else {
+    for (int64_t i = 0; i < n; ++i) scratch[i] = ToFloat(source[i]);
+    return scratch;
+  }
+}
+
+template <typename T>
 struct Problem {
-  const float* q;            // [T, H, D]
-  const float* k_pages;      // [num_pages, page_size, K, D]
-  const float* v_pages;      // [num_pages, page_size, K, D]
-  const int32_t* page_table; // [S, P]
+  const T* q;                    // [T, H, D]
+  const T* k_pages;              // [num_pages, page_size, K, D]
+  const T* v_pages;              // [num_pages, page_size, K, D]
+  const int32_t* page_table;     // [S, P]
   const int32_t* token_seq_ids;  // [T]
-  const int32_t* positions;  // [T]
-  float* out;                // [T, H, D]
+  const int32_t* positions;      // [T]
+  T* out;                        // [T, H, D]
   int64_t num_heads, num_kv_heads, head_dim, page_size, pages_per_seq, query_block, sliding_window;
   float scale;
+};
+
+// A worker's buffers, kept across the blocks it takes.
+struct Scratch {
+  std::vector<float> queries, accumulator, scores, running_max, denominator, keys_transposed, key_tile, value_tile;
 };
 
 // exp(x) for the x <= 0 of an online softmax, in a form the compiler vectorizes (std::exp is a scalar
@@ -64,9 +138,10 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // Rows of a block are (token b, query head h): row = b * H + h, its kv head is h / (H / K).
-void AttendBlock(const Problem& p, int64_t block, std::vector<float>& scratch) {
+template <typename T>
+void AttendBlock(const Problem<T>& p, int64_t block, Scratch& s) {
   const int64_t B = p.query_block, H = p.num_heads, D = p.head_dim, K = p.num_kv_heads;
-  const int64_t groups = H / K, rows = B * H, first_token = block * B;
+  const int64_t groups = H / K, rows = B * H, first_token = block * B, row_width = K * D;
   const int32_t* positions = p.positions + first_token;
   const int32_t* pages = p.page_table + int64_t(p.token_seq_ids[first_token]) * p.pages_per_seq;
   int32_t max_position = -1, min_position = std::numeric_limits<int32_t>::max();
@@ -75,21 +150,23 @@ void AttendBlock(const Problem& p, int64_t block, std::vector<float>& scratch) {
     max_position = std::max(max_position, positions[b]);
     min_position = std::min(min_position, positions[b]);
   }
-  float* out = p.out + first_token * H * D;
-  std::fill(out, out + rows * D, 0.0f);
+  T* out = p.out + first_token * H * D;
+  std::fill(out, out + rows * D, FromFloat<T>(0.0f));
   if (max_position < 0) return;  // a block of padding
 
-  scratch.resize(rows * (kKeysPerTile + 2));
-  float* scores = scratch.data();                     // [rows, tile]
-  float* running_max = scores + rows * kKeysPerTile;  // [rows]
-  float* denominator = running_max + rows;            // [rows]
-  std::fill(running_max, running_max + rows, kNegativeInfinity);
-  std::fill(denominator, denominator + rows, 0.0f);
+  s.queries.resize(rows * D);
+  s.accumulator.assign(rows * D, 0.0f);
+  s.scores.resize(rows * kKeysPerTile);
+  s.running_max.assign(rows, kNegativeInfinity);
+  s.denominator.assign(rows, 0.0f);
+  s.keys_transposed.assign(D * kKeysPerTile, 0.0f);
+  s.key_tile.resize(kKeysPerTile * row_width);
+  s.value_tile.resize(kKeysPerTile * row_width);
+  const float* block_queries = AsFloat(p.q + first_token * H * D, rows * D, s.queries.data());
 
   int64_t first_key = 0;
   if (p.sliding_window > 0) first_key = std::max<int64_t>(0, min_position - p.sliding_window + 1);
   first_key -= first_key % kKeysPerTile;
-  std::vector<float> keys_transposed(D * kKeysPerTile, 0.0f);  // [D, tile]
   const float* key_rows[kKeysPerTile];
   const float* value_rows[kKeysPerTile];
   for (int64_t tile_start = first_key; tile_start <= max_position; tile_start += kKeysPerTile) {
@@ -97,8 +174,8 @@ void AttendBlock(const Problem& p, int64_t block, std::vector<float>& scratch) {
     for (int64_t t = 0; t < num_keys; ++t) {
       const int64_t key = tile_start + t;
       const int64_t slot = int64_t(pages[key / p.page_size]) * p.page_size + key % p.page_size;
-      key_rows[t] = p.k_pages + slot * K * D;
-      value_rows[t] = p.v_pages + slot * K * D;
+      key_rows[t] = AsFloat(p.k_pages + slot * row_width, row_width, s.key_tile.data() + t * row_width);
+      value_rows[t] = AsFloat(p.v_pages + slot * row_width, row_width, s.value_tile.data() + t * row_width);
     }
     for (int64_t kv_head = 0; kv_head < K; ++kv_head) {
       const int64_t kv_offset = kv_head * D;
@@ -107,7 +184,7 @@ void AttendBlock(const Problem& p, int64_t block, std::vector<float>& scratch) {
       const bool transpose_keys = B * groups >= 4;
       if (transpose_keys) {
         for (int64_t t = 0; t < num_keys; ++t)
-          for (int64_t d = 0; d < D; ++d) keys_transposed[d * kKeysPerTile + t] = key_rows[t][kv_offset + d];
+          for (int64_t d = 0; d < D; ++d) s.keys_transposed[d * kKeysPerTile + t] = key_rows[t][kv_offset + d];
       }
       for (int64_t b = 0; b < B; ++b) {
         const int64_t position = positions[b];
@@ -115,13 +192,13 @@ void AttendBlock(const Problem& p, int64_t block, std::vector<float>& scratch) {
         const int64_t lowest_visible = p.sliding_window > 0 ? position - p.sliding_window + 1 : 0;
         for (int64_t h = kv_head * groups; h < (kv_head + 1) * groups; ++h) {
           const int64_t row = b * H + h;
-          const float* query = p.q + ((first_token + b) * H + h) * D;
-          float* row_scores = scores + row * kKeysPerTile;
+          const float* query = block_queries + row * D;
+          float* row_scores = s.scores.data() + row * kKeysPerTile;
           if (transpose_keys) {
             std::fill(row_scores, row_scores + kKeysPerTile, 0.0f);
             for (int64_t d = 0; d < D; ++d) {
               const float q_d = query[d];
-              const float* keys_d = keys_transposed.data() + d * kKeysPerTile;
+              const float* keys_d = s.keys_transposed.data() + d * kKeysPerTile;
 #pragma omp simd
               for (int64_t t = 0; t < kKeysPerTile; ++t) row_scores[t] += q_d * keys_d[t];
             }
@@ -136,11 +213,11 @@ void AttendBlock(const Problem& p, int64_t block, std::vector<float>& scratch) {
             tile_max = std::max(tile_max, row_scores[t]);
           }
           if (tile_max == kNegativeInfinity) continue;
-          const float new_max = std::max(running_max[row], tile_max);
-          const float rescale = exp_nonpositive(running_max[row] - new_max);  // 0 on the first tile
-          float* accumulator = out + row * D;
+          const float new_max = std::max(s.running_max[row], tile_max);
+          const float rescale = exp_nonpositive(s.running_max[row] - new_max);  // 0 on the first tile
+          float* accumulator = s.accumulator.data() + row * D;
           if (rescale != 1.0f) {
-            denominator[row] *= rescale;
+            s.denominator[row] *= rescale;
             for (int64_t d = 0; d < D; ++d) accumulator[d] *= rescale;
           }
           float tile_sum = 0.0f;
@@ -149,7 +226,7 @@ void AttendBlock(const Problem& p, int64_t block, std::vector<float>& scratch) {
             row_scores[t] = exp_nonpositive(row_scores[t] - new_max);  // masked keys: 0
             tile_sum += row_scores[t];
           }
-          denominator[row] += tile_sum;
+          s.denominator[row] += tile_sum;
           for (int64_t t = 0; t < num_keys; ++t) {
             const float weight = row_scores[t];
             if (weight == 0.0f) continue;
@@ -157,57 +234,129 @@ void AttendBlock(const Problem& p, int64_t block, std::vector<float>& scratch) {
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) accumulator[d] += weight * value[d];
           }
-          running_max[row] = new_max;
+          s.running_max[row] = new_max;
         }
       }
     }
   }
   for (int64_t row = 0; row < rows; ++row) {
-    if (denominator[row] <= 0.0f) continue;
-    const float inverse = 1.0f / denominator[row];
-    for (int64_t d = 0; d < D; ++d) out[row * D + d] *= inverse;
+    if (s.denominator[row] <= 0.0f) continue;  // saw no key: stays zero
+    const float inverse = 1.0f / s.denominator[row];
+    for (int64_t d = 0; d < D; ++d) out[row * D + d] = FromFloat<T>(s.accumulator[row * D + d] * inverse);
   }
 }
 
-ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                          ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> page_table,
-                          ffi::Buffer<ffi::S32> token_seq_ids, ffi::Buffer<ffi::S32> positions,
-                          int64_t query_block, int64_t sliding_window, ffi::ResultBuffer<ffi::F32> out) {
-  const auto q_dims = q.dimensions(), page_dims = k_pages.dimensions(), table_dims = page_table.dimensions();
-  if (q_dims.size() != 3 || page_dims.size() != 4 || table_dims.size() != 2) {
-    return ffi::Error::InvalidArgument("paged attention: q must be [T, H, D], pages [N, page_size, K, D]");
-  }
-  Problem p{q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), page_table.typed_data(),
-            token_seq_ids.typed_data(), positions.typed_data(), out->typed_data(),
-            q_dims[1], page_dims[2], q_dims[2], page_dims[1], table_dims[1], query_block, sliding_window,
-            1.0f / std::sqrt(float(q_dims[2]))};
-  if (query_block < 1 || q_dims[0] % query_block || p.num_heads % p.num_kv_heads || page_dims[3] != p.head_dim) {
-    return ffi::Error::InvalidArgument("paged attention: inconsistent shapes");
-  }
+template <typename T>
+void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T>& p, int64_t num_blocks) {
   // Workers share a block counter; the caller works too and waits only for the blocks, never for
   // the helpers to start: with several devices' programs on one pool (data parallelism on a CPU),
   // a helper may not start until this call has long returned. It then finds no block left, and
   // the state it touches is kept alive by the shared_ptr.
   struct Shared {
-    Problem problem;
+    Problem<T> problem;
     int64_t num_blocks;
     std::atomic<int64_t> next_block{0};
     std::atomic<int64_t> blocks_done{0};
   };
   auto shared = std::make_shared<Shared>();
   shared->problem = p;
-  shared->num_blocks = q_dims[0] / query_block;
+  shared->num_blocks = num_blocks;
   auto work = [shared]() {
-    std::vector<float> scratch;
+    Scratch scratch;
     for (int64_t block = shared->next_block++; block < shared->num_blocks; block = shared->next_block++) {
       AttendBlock(shared->problem, block, scratch);
       shared->blocks_done++;
     }
   };
-  const int64_t num_helpers = std::min<int64_t>(thread_pool.num_threads(), shared->num_blocks) - 1;
+  const int64_t num_helpers = std::min<int64_t>(thread_pool.num_threads(), num_blocks) - 1;
   for (int64_t helper = 0; helper < num_helpers; ++helper) thread_pool.Schedule([work] { work(); });
   work();
-  while (shared->blocks_done.load() < shared->num_blocks) std::this_thread::yield();
+  while (shared->blocks_done.load() < num_blocks) std::this_thread::yield();
+}
+
+template <typename T>
+void Attend(ffi::ThreadPool& thread_pool, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_pages,
+            const ffi::AnyBuffer& v_pages, const ffi::Buffer<ffi::S32>& page_table,
+            const ffi::Buffer<ffi::S32>& token_seq_ids, const ffi::Buffer<ffi::S32>& positions, int64_t query_block,
+            int64_t sliding_window, ffi::AnyBuffer& out) {
+  const auto q_dims = q.dimensions(), page_dims = k_pages.dimensions();
+  Problem<T> p{static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k_pages.untyped_data()),
+               static_cast<const T*>(v_pages.untyped_data()), page_table.typed_data(), token_seq_ids.typed_data(),
+               positions.typed_data(), static_cast<T*>(out.untyped_data()), q_dims[1], page_dims[2], q_dims[2],
+               page_dims[1], page_table.dimensions()[1], query_block, sliding_window,
+               1.0f / std::sqrt(float(q_dims[2]))};
+  AttendAllBlocks(thread_pool, p, q_dims[0] / query_block);
+}
+
+bool IsServedType(ffi::DataType type) {
+  return type == ffi::DataType::F32 || type == ffi::DataType::BF16 || type == ffi::DataType::F16;
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
+                          ffi::Buffer<ffi::S32> token_seq_ids, ffi::Buffer<ffi::S32> positions,
+                          int64_t query_block, int64_t sliding_window, ffi::Result<ffi::AnyBuffer> out) {
+  const auto q_dims = q.dimensions(), page_dims = k_pages.dimensions(), table_dims = page_table.dimensions();
+  if (q_dims.size() != 3 || page_dims.size() != 4 || table_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("paged attention: q must be [T, H, D], pages [N, page_size, K, D]");
+  }
+  if (query_block < 1 || q_dims[0] % query_block || q_dims[1] % page_dims[2] || page_dims[3] != q_dims[2]) {
+    return ffi::Error::InvalidArgument("paged attention: inconsistent shapes");
+  }
+  const ffi::DataType type = q.element_type();
+  if (!IsServedType(type) || k_pages.element_type() != type || v_pages.element_type() != type ||
+      out->element_type() != type) {
+    return ffi::Error::InvalidArgument("paged attention: q, pages and output must share a float32/bfloat16/float16 type");
+  }
+  switch (type) {
+    case ffi::DataType::BF16:
+      Attend<BFloat16>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block,
+                       sliding_window, *out);
+      break;
+    case ffi::DataType::F16:
+      Attend<Float16>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block,
+                      sliding_window, *out);
+      break;
+    default:
+      Attend<float>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block,
+                    sliding_window, *out);
+  }
+  return ffi::Error::Success();
+}
+
+// Token t's row of `rows` into slot slots[t] of `target`, the result aliased to `pages`.
+void WriteRows(const ffi::AnyBuffer& pages, ffi::AnyBuffer& target, const ffi::AnyBuffer& rows, const int32_t* slots,
+               int64_t num_tokens, size_t row_bytes) {
+  char* target_data = static_cast<char*>(target.untyped_data());
+  if (pages.untyped_data() != target.untyped_data()) {  // XLA could not alias (pages not donated): copy first
+    std::memcpy(target_data, pages.untyped_data(), pages.size_bytes());
+  }
+  const char* row_data = static_cast<const char*>(rows.untyped_data());
+  for (int64_t t = 0; t < num_tokens; ++t) std::memcpy(target_data + slots[t] * row_bytes, row_data + t * row_bytes, row_bytes);
+}
+
+// Token t's row [K, D] into slot slot_ids[t] of each pool; the results alias the pools.
+ffi::Error WriteKvPages(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::Buffer<ffi::S32> slot_ids, ffi::Result<ffi::AnyBuffer> k_pages_out,
+                        ffi::Result<ffi::AnyBuffer> v_pages_out) {
+  const auto page_dims = k_pages.dimensions(), token_dims = k.dimensions();
+  if (page_dims.size() != 4 || token_dims.size() != 3 || token_dims[1] != page_dims[2] ||
+      token_dims[2] != page_dims[3] || slot_ids.element_count() != size_t(token_dims[0]) ||
+      v.element_count() != k.element_count() || v_pages.element_count() != k_pages.element_count()) {
+    return ffi::Error::InvalidArgument("write_kv_pages: k/v must be [T, K, D] and pages [N, page_size, K, D]");
+  }
+  const ffi::DataType type = k_pages.element_type();
+  if (!IsServedType(type) || k.element_type() != type || v.element_type() != type || v_pages.element_type() != type) {
+    return ffi::Error::InvalidArgument("write_kv_pages: k, v and pages must share a float32/bfloat16/float16 type");
+  }
+  const int64_t num_slots = page_dims[0] * page_dims[1];
+  const size_t row_bytes = k.size_bytes() / std::max<int64_t>(1, token_dims[0]);
+  const int32_t* slots = slot_ids.typed_data();
+  for (int64_t t = 0; t < token_dims[0]; ++t) {
+    if (slots[t] < 0 || slots[t] >= num_slots) return ffi::Error::InvalidArgument("write_kv_pages: slot out of range");
+  }
+  WriteRows(k_pages, *k_pages_out, k, slots, token_dims[0], row_bytes);
+  WriteRows(v_pages, *v_pages_out, v, slots, token_dims[0], row_bytes);
   return ffi::Error::Success();
 }
 
@@ -216,12 +365,22 @@ ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("query_block")
                                   .Attr<int64_t>("sliding_window")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKvPages, WriteKvPages,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

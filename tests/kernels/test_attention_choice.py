@@ -25,12 +25,18 @@ def test_auto_falls_back_to_reference_without_a_compiler(monkeypatch, tmp_path):
             patch.setattr(cpu, "CACHE_DIR", str(tmp_path))
             patch.setattr(cpu.shutil, "which", lambda name: None)
             assert resolve_attention_impl("auto", "cpu", jnp.float32) == "reference"
+            assert resolve_attention_impl("auto", "cpu", jnp.bfloat16) == "reference"
     finally:
         cpu._register.cache_clear()
+    # the C++ kernels serve float32 and 16-bit pages (issue #16: bfloat16 is what most checkpoints are)
     assert resolve_attention_impl("auto", "cpu", jnp.float32) == "cpu"
-    assert resolve_attention_impl("auto", "cpu", jnp.bfloat16) == "reference"
-    with pytest.raises(ValueError, match="needs the CPU platform and float32"):
-        resolve_attention_impl("cpu", "cpu", jnp.bfloat16)
+    assert resolve_attention_impl("auto", "cpu", jnp.bfloat16) == "cpu"
+    assert resolve_attention_impl("auto", "cpu", jnp.float16) == "cpu"
+    assert resolve_attention_impl("auto", "cpu", jnp.float64) == "reference"
+    with pytest.raises(ValueError, match="needs the CPU platform and one of"):
+        resolve_attention_impl("cpu", "cpu", jnp.float64)
+    with pytest.raises(ValueError, match="needs the CPU platform and one of"):
+        resolve_attention_impl("cpu", "gpu", jnp.float32)
 
 
 def test_auto_takes_pallas_on_accelerators_where_the_kernel_fits():

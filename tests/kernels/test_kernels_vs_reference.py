@@ -1,5 +1,5 @@
 """Every implementation against the specification: the reference against dense causal attention, and
-each kernel (the C++ CPU kernel, the Pallas GPU and TPU kernels in interpret mode) against the
+each kernel (the C++ CPU kernels, the Pallas GPU and TPU kernels in interpret mode) against the
 reference over a grid of shapes and dtypes, reading and writing pages."""
 
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention, write_kv_pages
-from pallas_kernels.paged_attention import pallas_gpu, pallas_tpu, reference
+from pallas_kernels.paged_attention import cpu, pallas_gpu, pallas_tpu, reference
 from tests.kernels.steps import (TOLERANCE, assert_matches_on_real_tokens, cdiv, dense_attention, pad_pages,
                                  ragged_step)
 
@@ -131,7 +131,24 @@ def test_tpu_kernel_double_buffering_has_no_dma_races():
     assert_matches_on_real_tokens(got, expected, args[5], 1e-4)
 
 
-@pytest.mark.parametrize("kernel,dtype", [(pallas_gpu, jnp.float32), (pallas_gpu, jnp.bfloat16)],
+CPU_GRID = [  # (page_size, head_dim, groups, dtype, query_block, sliding_window): 16-bit pages, float32 sums
+    (8, 64, 1, jnp.bfloat16, 1, None), (16, 128, 4, jnp.bfloat16, 16, None), (32, 64, 8, jnp.bfloat16, 8, 20),
+    (8, 128, 4, jnp.float16, 1, None), (16, 64, 8, jnp.float16, 16, 20), (32, 128, 1, jnp.float16, 8, None),
+    (16, 64, 4, jnp.float32, 1, 20), (8, 64, 8, jnp.float32, 16, None),
+]
+
+
+@pytest.mark.parametrize("page_size,head_dim,groups,dtype,query_block,sliding_window", CPU_GRID)
+def test_cpu_kernel_matches_reference(page_size, head_dim, groups, dtype, query_block, sliding_window):
+    args = ragged_step(np.random.default_rng(page_size + groups), page_size, head_dim, groups, dtype, query_block)
+    expected = reference.ragged_paged_attention(*args, query_block=query_block, sliding_window=sliding_window)
+    got = cpu.ragged_paged_attention(*args, query_block=query_block, sliding_window=sliding_window)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert_matches_on_real_tokens(got, expected, args[5], TOLERANCE[jnp.dtype(dtype)])
+
+
+@pytest.mark.parametrize("kernel,dtype", [(pallas_gpu, jnp.float32), (pallas_gpu, jnp.bfloat16), (cpu, jnp.float32),
+                                          (cpu, jnp.bfloat16), (cpu, jnp.float16)],
                          ids=lambda value: value.__name__.rsplit(".", 1)[-1])
 def test_write_kernel_matches_reference_scatter(kernel, dtype):
     rng = np.random.default_rng(7)

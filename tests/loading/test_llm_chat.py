@@ -1,0 +1,33 @@
+"""LLM.chat on a fixture model: the rendered template is the prompt, tokenized without an extra BOS;
+template errors leave the engine untouched. (The default model's test covers a model's own template.)"""
+
+import pytest
+
+from jaxserve import SamplingParams
+
+TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}bot:{% endif %}"
+
+
+def test_chat_renders_then_generates(llama_llm):
+    tokenizer = llama_llm.get_tokenizer()
+    conversations = [[{"role": "user", "content": "def forward(self, x):"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Return a new dict"}]]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    outputs = llama_llm.chat(conversations, params, chat_template=TEMPLATE)
+    assert [o.prompt for o in outputs] == ["user: def forward(self, x):\nbot:",
+                                           "system: Be brief.\nuser: Return a new dict\nbot:"]
+    for output in outputs:
+        token_ids = tokenizer.encode(output.prompt, add_special_tokens=False)
+        assert output.prompt_token_ids == token_ids and token_ids[0] != tokenizer.bos_token_id
+        assert output.outputs[0].token_ids == llama_llm.generate([token_ids], params)[0].outputs[0].token_ids
+    single = llama_llm.chat(conversations[0], params, chat_template=TEMPLATE, add_generation_prompt=False)
+    assert single[0].prompt == "user: def forward(self, x):\n"
+
+
+def test_chat_errors_leave_the_engine_idle(llama_llm):
+    with pytest.raises(ValueError, match="no chat template"):
+        llama_llm.chat([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="refused"):
+        llama_llm.chat([[{"role": "user", "content": "fine"}], [{"role": "user", "content": "bad"}]],
+                       chat_template="{% if messages[0].content == 'bad' %}{{ raise_exception('refused') }}{% endif %}")
+    assert not llama_llm.engine.has_unfinished_requests()

@@ -22,6 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from sharding import build_mesh  # noqa: E402
+from jaxserve.models.moe import route  # noqa: E402
 from sharding.moe import expert_parallel_moe, place_experts  # noqa: E402
 from timing import best_time  # noqa: E402
 
@@ -52,7 +53,8 @@ def layer_bench(rng, tokens=512, embed=256, mlp=512, num_experts=8, top_k=2) -> 
     for ep in (2, 4, 8):
         mesh = build_mesh(data_parallel_size=ep, devices=jax.devices()[:ep])
         device_of, slot_of, order = place_experts(None, num_experts, ep)
-        layer = jax.jit(lambda *a: expert_parallel_moe(*a, mesh=mesh, axis="data", top_k=top_k))
+        layer = jax.jit(lambda x, router, *rest: expert_parallel_moe(x, *route(x @ router, top_k), *rest, mesh=mesh,
+                                                                     axis="data"))
         args = (x, router, gate[order], up[order], down[order], device_of, slot_of)
         error = float(jnp.abs(layer(*args) - expected).max())
         emit(bench="moe_layer", ep=ep, impl="all-to-all, grouped matmuls", ms=round(best_time(layer, *args) * 1e3, 2),

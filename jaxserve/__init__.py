@@ -7,9 +7,10 @@ on-device sampling) -> host/output_processor.py (append tokens, detokenize, stop
 freed or kept cached as sequences finish. docs/architecture.md tells it file by file.
 """
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig
 from jaxserve.llm import LLM
 from jaxserve.host.request import CompletionOutput, RequestOutput, SamplingParams
+from jaxserve.models.config import ModelConfig
 
 __version__ = "0.1.0"
 

@@ -12,14 +12,18 @@ them. Where neither works (query heads that do not split evenly), the KV heads a
 the query heads gathered on every tensor shard (the engine only takes this path with data
 parallelism; tensor parallelism alone then goes through XLA's partitioner). All specs come from the
 logical-axis rules.
+
+A model is built with one of the two as its `write_and_attend` function (`attention_dispatch`):
+`WriteAndAttend` on one device, `ShardedWriteAndAttend` per shard of a mesh.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from pallas_kernels import ragged_paged_attention, write_kv_pages
 from sharding.rules import partition_spec
@@ -83,3 +87,33 @@ def sharded_write_and_attend(mesh, q, k, v, key_pages, value_pages, metadata, *,
                             out_specs=(heads, pages, pages), check_vma=False)
     return sharded(q, k, v, key_pages, value_pages, metadata.positions, metadata.slot_ids, metadata.token_seq_ids,
                    metadata.page_table)
+
+
+@dataclass(frozen=True)
+class WriteAndAttend:
+    """The single-device kernels as the model calls them: this step's keys and values into their pages,
+    then attention over the pages (XLA may still partition the reference over the tensor shards)."""
+
+    impl: str  # reference | cpu | pallas
+
+    def __call__(self, q, k, v, key_pages, value_pages, metadata, *, sliding_window):
+        return _write_and_attend(q, k, v, key_pages, value_pages, metadata.positions, metadata.slot_ids,
+                                 metadata.token_seq_ids, metadata.page_table, query_block=metadata.query_block,
+                                 sliding_window=sliding_window, impl=self.impl)
+
+
+@dataclass(frozen=True)
+class ShardedWriteAndAttend:
+    """The same, per shard of the mesh: each device over its own sequences and KV heads."""
+
+    mesh: Mesh
+    impl: str
+
+    def __call__(self, q, k, v, key_pages, value_pages, metadata, *, sliding_window):
+        return sharded_write_and_attend(self.mesh, q, k, v, key_pages, value_pages, metadata,
+                                        sliding_window=sliding_window, impl=self.impl)
+
+
+def attention_dispatch(impl: str, mesh: Mesh | None = None) -> WriteAndAttend | ShardedWriteAndAttend:
+    """The attention dispatch a model is built with: per shard of `mesh`, or on one device without one."""
+    return WriteAndAttend(impl) if mesh is None else ShardedWriteAndAttend(mesh, impl)

@@ -2,7 +2,7 @@
 
 Each MoE layer stores its experts' weights device by device: row `device * per_device + slot` of its
 [X, ...] weight arrays holds the expert that the layer's placement puts at (device, slot). The
-placement is two [X] int32 arrays per layer (ExpertPlacement, below), kept beside the
+placement is two [X] int32 arrays per layer (sharding.moe.ExpertPlacement), kept beside the
 params so the compiled step takes them as inputs: moving experts changes values, never shapes, and
 compiles nothing. Checkpoints are always written with experts in their canonical order.
 
@@ -22,16 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sharding.moe import place_experts
-
-
-class ExpertPlacement(nnx.Variable):
-    """Which device holds each expert, and where among that device's experts ([X] int32 each).
-
-    Not a param: it lives beside the params so the compiled step takes it as an input, and moving
-    experts between devices (below) changes values, never shapes.
-    """
-
+from sharding.moe import ExpertPlacement, place_experts
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 

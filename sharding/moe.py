@@ -1,35 +1,99 @@
-"""Expert parallelism for a mixture-of-experts layer: tokens travel to their experts' devices and back.
+"""How a mixture-of-experts layer's routed tokens reach their experts: the `experts` functions a model
+is built with (jaxserve/models/moe.py routes; these run the experts and combine their outputs).
 
-Inside `shard_map` over one mesh axis: every device holds a share of the tokens and a share of the
-experts (`expert_to_device` / `expert_slot` say which device holds expert e, and where among its
-local experts). Each device routes its tokens, packs each routed copy into a per-destination buffer,
-exchanges buffers with one all-to-all, runs grouped matmuls over its local experts, and sends the
-results back with a second all-to-all, where they are weighted and summed per token.
+`LocalExperts`: every device holds every expert (or XLA splits each expert's columns over the tensor
+shards); the routed copies of the tokens are grouped by expert and each projection is one grouped
+matmul (`grouped_expert_mlp`).
 
-Buffers are sized for the worst case (every copy to one device), so nothing is ever dropped. The
-placement arrays are inputs, not constants: moving experts between devices changes no shapes and
-compiles nothing.
+`ExpertParallel`: inside `shard_map` over the whole mesh, every device holds a share of the tokens
+and a share of the experts (`expert_to_device` / `expert_slot` say which device holds expert e, and
+where among its local experts). Each device packs each routed copy of its tokens into a
+per-destination buffer, exchanges buffers with one all-to-all, runs the same grouped matmuls over
+its local experts, and sends the results back with a second all-to-all, where they are weighted and
+summed per token. Buffers are sized for the worst case (every copy to one device), so nothing is
+ever dropped. The placement arrays are inputs, not constants: moving experts between devices changes
+no shapes and compiles nothing.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-# Legend: D = devices on the axis, t = tokens per device, k = experts per token, C = t * k routed
-# copies per device, E = embed, F = expert mlp, L = experts per device.
+# Legend: T = tokens, D = devices on the axis, t = tokens per device, k = experts per token, C = t * k
+# routed copies per device, R = routed copies, E = embed, X = experts, F = expert mlp, L = experts per device.
 
 
-def _local_moe(x, router, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *, axis: str, top_k: int,
+class ExpertPlacement(nnx.Variable):
+    """Which device holds each expert, and where among that device's experts ([X] int32 each).
+
+    Not a param: it lives beside the params so the compiled step takes it as an input, and moving
+    experts between devices (sharding/expert_placement.py) changes values, never shapes.
+    """
+
+
+def grouped_expert_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, activation):
+    """rows [R, E] sorted by expert, group_sizes [X] (rows past their sum are left out) -> [R, E]:
+    each expert's gated MLP over its own rows; gate/up [X, E, F], down [X, F, E]."""
+    hidden = activation(jax.lax.ragged_dot(rows, gate_proj, group_sizes)) * jax.lax.ragged_dot(
+        rows, up_proj, group_sizes)
+    return jax.lax.ragged_dot(hidden, down_proj, group_sizes)
+
+
+@dataclass(frozen=True)
+class LocalExperts:
+    """Every expert on every device: one grouped matmul per projection over all routed copies."""
+
+    def initial_placement(self, num_experts: int) -> tuple:
+        return ()  # nothing to place: every expert is everywhere
+
+    def __call__(self, x, weights, expert_ids, gate_proj, up_proj, down_proj, placement: tuple, *, activation):
+        """x [T, E], weights / expert_ids [T, k] -> [T, E]; placement: () as initial_placement gave."""
+        num_tokens, top_k = expert_ids.shape
+        flat_experts = expert_ids.reshape(-1)  # [R]
+        order = jnp.argsort(flat_experts, stable=True)
+        token_of_copy = order // top_k  # [R]
+        group_sizes = jnp.bincount(flat_experts, length=gate_proj.shape[0]).astype(jnp.int32)
+        out = grouped_expert_mlp(x[token_of_copy], group_sizes, gate_proj, up_proj, down_proj, activation)
+        out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+        combined = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token_of_copy].add(out)
+        return combined.astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Experts spread over every device of the mesh; tokens travel to them and back."""
+
+    mesh: Mesh
+
+    def initial_placement(self, num_experts: int) -> tuple[ExpertPlacement, ExpertPlacement]:
+        """Contiguous blocks of experts per device, until a load profile says otherwise."""
+        device_of, slot_of, _ = place_experts(None, num_experts, self.mesh.devices.size)
+        return ExpertPlacement(device_of), ExpertPlacement(slot_of)
+
+    def __call__(self, x, weights, expert_ids, gate_proj, up_proj, down_proj, placement: tuple, *, activation):
+        expert_to_device, expert_slot = placement
+        return expert_parallel_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device,
+                                   expert_slot, mesh=self.mesh, axis=self.mesh.axis_names, activation=activation)
+
+
+def expert_dispatch(mesh: Mesh | None = None) -> LocalExperts | ExpertParallel:
+    """The experts function a mixture-of-experts model is built with: spread over `mesh`, or local."""
+    return LocalExperts() if mesh is None else ExpertParallel(mesh)
+
+
+def _local_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *, axis,
                activation):
     num_devices = jax.lax.psum(1, axis)
     tokens, embed = x.shape
+    top_k = expert_ids.shape[1]
     copies = tokens * top_k
-    probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # [t, X]
-    weights, experts = jax.lax.top_k(probs, top_k)
-    weights = weights / weights.sum(axis=-1, keepdims=True)
-    flat_experts = experts.reshape(-1)  # [C]
+    flat_experts = expert_ids.reshape(-1)  # [C]
     destination = expert_to_device[flat_experts]  # [C]
     # Pack copies per destination device: slot j of buffer d holds the j-th copy bound for d.
     order = jnp.argsort(destination, stable=True)
@@ -51,10 +115,7 @@ def _local_moe(x, router, gate_proj, up_proj, down_proj, expert_to_device, exper
     sort_key = jnp.where(slots < 0, local_experts, slots)
     row_order = jnp.argsort(sort_key, stable=True)
     group_sizes = jnp.bincount(sort_key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
-    grouped = rows[row_order]
-    hidden = activation(jax.lax.ragged_dot(grouped, gate_proj, group_sizes)) * jax.lax.ragged_dot(
-        grouped, up_proj, group_sizes)
-    out_grouped = jax.lax.ragged_dot(hidden, down_proj, group_sizes)
+    out_grouped = grouped_expert_mlp(rows[row_order], group_sizes, gate_proj, up_proj, down_proj, activation)
     out_rows = jnp.zeros_like(out_grouped).at[row_order].set(out_grouped)
     returned = jax.lax.all_to_all(out_rows.reshape(num_devices, copies, embed), axis, 0, 0, tiled=False)
 
@@ -65,11 +126,11 @@ def _local_moe(x, router, gate_proj, up_proj, down_proj, expert_to_device, exper
     return combined.astype(x.dtype)
 
 
-def expert_parallel_moe(x, router, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *, mesh,
-                        axis: str, top_k: int, activation=jax.nn.silu):
-    """x [T, E] split over `axis`; gate/up [X, E, F] and down [X, F, E] stored per device (expert_slot
-    orders each device's experts); router [E, X] replicated. Returns [T, E], split like x."""
-    num_experts = router.shape[1]
+def expert_parallel_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *,
+                        mesh, axis, activation=jax.nn.silu):
+    """x [T, E] and its routing (weights / expert_ids [T, k]) split over `axis`; gate/up [X, E, F] and
+    down [X, F, E] stored per device (expert_slot orders each device's experts). Returns [T, E], split like x."""
+    num_experts = gate_proj.shape[0]
     axes = axis if isinstance(axis, tuple) else (axis,)
     num_devices = 1
     for name in axes:
@@ -77,15 +138,16 @@ def expert_parallel_moe(x, router, gate_proj, up_proj, down_proj, expert_to_devi
     if num_experts % num_devices:
         raise ValueError(f"{num_experts} experts do not divide over {num_devices} devices on mesh axis {axis!r}")
     num_tokens = x.shape[0]
-    x = jnp.pad(x, ((0, -num_tokens % num_devices), (0, 0)))  # every device gets the same number of tokens
+    padding = ((0, -num_tokens % num_devices), (0, 0))  # every device gets the same number of tokens
+    x, weights, expert_ids = (jnp.pad(a, padding) for a in (x, weights, expert_ids))  # padding: weight 0
     body = jax.shard_map(
-        lambda *args: _local_moe(*args, axis=axis, top_k=top_k, activation=activation),
+        lambda *args: _local_moe(*args, axis=axis, activation=activation),
         mesh=mesh,
-        in_specs=(P(axis), P(), P(axis), P(axis), P(axis), P(), P()),
+        in_specs=(P(axis),) * 6 + (P(), P()),  # tokens, routing, expert weights; placements
         out_specs=P(axis),
         check_vma=False,
     )
-    return body(x, router, gate_proj, up_proj, down_proj, expert_to_device, expert_slot)[:num_tokens]
+    return body(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot)[:num_tokens]
 
 
 def place_experts(load: jax.Array | None, num_experts: int, num_devices: int):

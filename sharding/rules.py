@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from jax.sharding import Mesh, PartitionSpec
-
-if TYPE_CHECKING:  # sharding/ sits below jaxserve: no runtime import back into it
-    from jaxserve.config import ModelConfig
 
 # Logical axis -> mesh axis (None: replicated). Megatron-style tensor parallelism: attention heads and
 # MLP columns split over "tensor"; their output projections are split on their input side.
@@ -54,49 +49,3 @@ def partition_spec(logical_axes: tuple[str | None, ...], mesh: Mesh, sizes: dict
                 used[axis] = name
         spec.append(mesh_axis)
     return PartitionSpec(*spec)
-
-
-# The last path entries of each param -> its logical axes (nnx Linear kernels are [in, out]).
-PARAM_AXES = {
-    ("embed_tokens", "embedding"): ("vocab", "embed"),
-    ("lm_head", "kernel"): ("embed", "vocab"),
-    ("q_proj", "kernel"): ("embed", "heads"),
-    ("k_proj", "kernel"): ("embed", "kv_heads"),
-    ("v_proj", "kernel"): ("embed", "kv_heads"),
-    ("o_proj", "kernel"): ("heads", "embed"),
-    ("q_proj", "bias"): ("heads",),
-    ("k_proj", "bias"): ("kv_heads",),
-    ("v_proj", "bias"): ("kv_heads",),
-    ("o_proj", "bias"): ("embed",),
-    ("gate_proj", "kernel"): ("embed", "mlp"),
-    ("up_proj", "kernel"): ("embed", "mlp"),
-    ("down_proj", "kernel"): ("mlp", "embed"),
-    ("gate_proj", "bias"): ("mlp",),
-    ("up_proj", "bias"): ("mlp",),
-    ("down_proj", "bias"): ("embed",),
-    ("gate", "kernel"): ("embed", None),  # the MoE router: small, replicated
-}
-EXPERT_PARAM_AXES = {  # Mixtral experts, stacked [X, ...]
-    "gate_proj": ("expert", "embed", "expert_mlp"),
-    "up_proj": ("expert", "embed", "expert_mlp"),
-    "down_proj": ("expert", "expert_mlp", "embed"),
-}
-
-
-def param_logical_axes(path: tuple, config: ModelConfig) -> tuple[str | None, ...]:
-    names = tuple(str(p) for p in path)
-    if names[-1] == "weight":  # RMSNorm scales
-        return ("embed",)
-    if config.is_moe and len(names) >= 2 and names[-2] == "mlp" and names[-1] in EXPERT_PARAM_AXES:
-        return EXPERT_PARAM_AXES[names[-1]]
-    axes = PARAM_AXES.get(names[-2:])
-    if axes is None:
-        raise ValueError(f"no logical axes for param {'.'.join(names)}")
-    return axes
-
-
-def logical_sizes(config: ModelConfig) -> dict[str, int]:
-    """How many independent units each logical axis has: a split must not cut through a head."""
-    return {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "mlp": config.intermediate_size,
-            "expert_mlp": config.intermediate_size, "vocab": config.vocab_size, "embed": config.hidden_size,
-            "head_dim": config.head_dim, "expert": config.num_experts or 1}

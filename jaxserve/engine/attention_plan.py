@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import Mesh
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig
+from jaxserve.models.config import ModelConfig
 from pallas_kernels import kv_cache_head_dim, resolve_attention_impl
 from pallas_kernels.paged_attention.probe import pallas_problem
 from sharding.attention import kv_head_replicas

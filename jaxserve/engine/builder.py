@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxserve.config import Buckets, EngineConfig, ModelConfig
+from jaxserve.config import Buckets, EngineConfig
 from jaxserve.device.runner import ModelRunner, enable_compilation_cache, kv_cache_bytes_available
 from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
 from jaxserve.engine.expert_balancer import ExpertBalancer
@@ -22,10 +22,12 @@ from jaxserve.host.page_allocator import PageAllocator, num_pages_for, swap_in_i
 from jaxserve.host.scheduler import Scheduler
 from jaxserve.loading.model_source import ModelSource, open_model
 from jaxserve.models import KVPages, build_model
-from sharding import build_mesh, param_logical_axes, partition_spec
-from sharding.attention import kv_pages_spec
+from jaxserve.models.config import ModelConfig
+from sharding import build_mesh, param_shardings
+from sharding.attention import attention_dispatch, kv_pages_spec
 from sharding.expert_placement import initial_placement, read_load_profile
-from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES, logical_sizes
+from sharding.moe import expert_dispatch
+from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES
 
 # Without an explicit max_model_len, the model's own limit is capped here so a fresh engine does not
 # compile page buckets for 128k-token contexts that a CPU will never serve.
@@ -110,26 +112,15 @@ def _load_model(source: ModelSource, dtype: str, attention: AttentionPlan, mesh:
     """The model with its params read from the checkpoint, each placed on the mesh as it is read; expert
     placements (expert parallelism only) are not params: they start contiguous."""
     abstract_model = nnx.eval_shape(lambda: build_model(
-        source.config, dtype, attention_impl=attention.impl, rngs=nnx.Rngs(0), attention_mesh=attention.mesh,
-        expert_parallel_mesh=mesh if expert_parallel else None))
+        source.config, dtype, write_and_attend=attention_dispatch(attention.impl, attention.mesh),
+        experts=expert_dispatch(mesh if expert_parallel else None), rngs=nnx.Rngs(0)))
     graphdef, abstract_params, abstract_placement = nnx.split(abstract_model, nnx.Param, ...)
-    params = source.read_params(abstract_params, dtype, _param_placement(source.config, mesh, expert_parallel))
+    rules = EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_AXIS_RULES
+    shardings = param_shardings(abstract_params, mesh, source.config.logical_axis_sizes(), rules)
+    params = source.read_params(abstract_params, dtype, shardings.get)  # None: the default device
     if expert_parallel:
         return nnx.merge(graphdef, params, initial_placement(abstract_placement, source.config.num_experts, mesh))
     return nnx.merge(graphdef, params)
-
-
-def _param_placement(model: ModelConfig, mesh: Mesh | None, expert_parallel: bool):
-    """path -> where that param lives, by the logical-axis rules (None: the default device)."""
-    rules = EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_AXIS_RULES
-
-    def placement(path: tuple) -> NamedSharding | None:
-        if mesh is None:
-            return None
-        axes = param_logical_axes(path, model)
-        return NamedSharding(mesh, partition_spec(axes, mesh, logical_sizes(model), rules))
-
-    return placement
 
 
 def _kv_cache(model: ModelConfig, config: EngineConfig, dtype: str, attention: AttentionPlan, mesh: Mesh | None,

@@ -12,7 +12,8 @@ import itertools
 
 import numpy as np
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig
+from jaxserve.models.config import ModelConfig
 from jaxserve.device.step_inputs import build_ranked_inputs, step_shape
 from jaxserve.engine.builder import EngineParts, build_engine
 from jaxserve.engine.stats import EngineDescription, EngineLoad, describe_engine, engine_load, engine_stats

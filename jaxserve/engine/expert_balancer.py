@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.models.config import ModelConfig
 from sharding.expert_placement import device_of_experts, read_load_profile, rebalance
 
 

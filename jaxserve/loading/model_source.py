@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from jaxserve.config import ModelConfig
+from jaxserve.models.config import ModelConfig
 from jaxserve.loading.orbax_checkpoint import checkpoint_dtype, is_orbax_checkpoint, restore_params
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.weights import load_params

@@ -1,7 +1,9 @@
 """Hugging Face safetensors checkpoints -> the params of a jaxserve model.
 
-The model is first built abstractly (shapes only); every param is then read from the checkpoint by
-a name derived from its nnx path, transposed where torch stores [out, in], cast, and checked.
+The model is first built abstractly (shapes only); every param is then read through its family's
+name mapping (jaxserve/models/llama.py, mixtral.py, ...), which names the checkpoint tensor(s) for
+its nnx path and lays them out as ours; here each is cast, checked against the expected shape and
+placed.
 """
 
 from __future__ import annotations
@@ -9,16 +11,14 @@ from __future__ import annotations
 import glob
 import json
 import os
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
-from jaxserve.config import ModelConfig
-
-# Mixtral experts, by our param name: (legacy per-expert tensor name, slice of the fused gate_up_proj).
-EXPERT_PARAMS = {"gate_proj": ("w1", 0), "up_proj": ("w3", 1), "down_proj": ("w2", None)}
+from jaxserve.models import CHECKPOINT_NAMES, ModelConfig
 
 
 class CheckpointReader:
@@ -67,53 +67,30 @@ class CheckpointReader:
             raise ValueError(f"cannot read tensor {key!r} from {self.location[key]}: {error}") from None
 
 
-def _read_expert_param(reader: CheckpointReader, layer: int, name: str, num_experts: int) -> jax.Array:
-    legacy_name, fused_half = EXPERT_PARAMS[name]
-    legacy = f"model.layers.{layer}.block_sparse_moe.experts.{{}}.{legacy_name}.weight"
-    if legacy.format(0) in reader:
-        return jnp.stack([reader.read(legacy.format(e)).T for e in range(num_experts)])
-    # transformers >= 5 in-memory layout: gate_up_proj [X, 2F, E], down_proj [X, E, F].
-    prefix = f"model.layers.{layer}.mlp.experts."
-    if fused_half is None:
-        return jnp.swapaxes(reader.read(prefix + "down_proj"), 1, 2)
-    gate_up = reader.read(prefix + "gate_up_proj")
-    half = gate_up.shape[1] // 2
-    return jnp.swapaxes(gate_up[:, fused_half * half:(fused_half + 1) * half, :], 1, 2)
-
-
-def _read_param(reader: CheckpointReader, config: ModelConfig, path: tuple) -> jax.Array:
-    names = [str(p) for p in path]
-    if names[0] == "lm_head":
-        return reader.read("lm_head.weight").T
-    if names[0] == "layers" and names[2] == "mlp" and config.is_moe:
-        layer = int(names[1])
-        if names[3] == "gate":  # the router
-            key = f"model.layers.{layer}.block_sparse_moe.gate.weight"
-            return reader.read(key if key in reader else f"model.layers.{layer}.mlp.gate.weight").T
-        return _read_expert_param(reader, layer, names[3], config.num_experts)
-    leaf = names[-1]
-    key = "model." + ".".join(names[:-1]) + "." + {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
-    tensor = reader.read(key)
-    return tensor.T if leaf == "kernel" else tensor
-
-
-def load_params(abstract_state: nnx.State, model_dir: str, config: ModelConfig, dtype,
-                placement=lambda path: None) -> nnx.State:
-    """Fill an abstract (shape-only) model state from the checkpoint in model_dir.
+def read_params(abstract_state: nnx.State, reader, read_param: Callable, dtype,
+                placement: Callable = lambda path: None) -> nnx.State:
+    """Fill an abstract (shape-only) model state from a reader (`name in reader`, `reader.read(name)`)
+    through a family's name mapping (read_param(reader, path, shape), jaxserve.models.CHECKPOINT_NAMES).
 
     placement(path) gives each param's sharding; each tensor is placed as soon as it is read, so the
     full model is never gathered on one device.
     """
-    reader = CheckpointReader(model_dir)
     loaded = []
     for path, variable in nnx.to_flat_state(abstract_state):
-        expected = variable.get_value()
-        tensor = _read_param(reader, config, path)
-        if tuple(tensor.shape) != tuple(expected.shape):
+        expected = tuple(variable.get_value().shape)
+        tensor = read_param(reader, tuple(str(p) for p in path), expected)
+        if tuple(tensor.shape) != expected:
             raise ValueError(
                 f"checkpoint tensor for {'.'.join(map(str, path))} has shape {tuple(tensor.shape)}, "
-                f"config.json implies {tuple(expected.shape)}")
+                f"config.json implies {expected}")
         value = jnp.asarray(tensor, dtype=dtype)
         sharding = placement(path)
         loaded.append((path, variable.replace(value if sharding is None else jax.device_put(value, sharding))))
     return nnx.from_flat_state(loaded)
+
+
+def load_params(abstract_state: nnx.State, model_dir: str, config: ModelConfig, dtype,
+                placement: Callable = lambda path: None) -> nnx.State:
+    """The params of a Hugging Face safetensors checkpoint, by the tensor names of config's family."""
+    return read_params(abstract_state, CheckpointReader(model_dir), CHECKPOINT_NAMES[config.model_type], dtype,
+                       placement)

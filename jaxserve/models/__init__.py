@@ -1,21 +1,38 @@
 """Models: pure functions of (params, tokens, positions, kv pages, attention metadata) -> (hidden, kv pages).
 
 `build_model` returns a flax nnx module for the configured architecture; the runner splits it into a
-static graph and a params pytree, so nothing is stored on modules between steps.
+static graph and a params pytree, so nothing is stored on modules between steps. Each param carries
+its logical axes (sharding/placement.py places it by them); how attention reaches the KV pages and
+how routed tokens reach their experts are functions passed in (sharding/attention.py,
+sharding/moe.py), so the model code is the same on one device and on a mesh. Each family's
+Hugging Face tensor names sit in its own module (llama.py, mixtral.py, qwen3_moe.py).
 """
 
-from jaxserve.models.kv_pages import KVPages, AttentionMetadata
+from __future__ import annotations
+
+from flax import nnx
+
+from jaxserve.models import llama, mixtral, qwen3_moe
+from jaxserve.models.config import ModelConfig, RopeScaling
 from jaxserve.models.decoder import CausalLM
+from jaxserve.models.kv_pages import AttentionMetadata, KVPages
+from jaxserve.models.layers import WriteAndAttend
+from jaxserve.models.moe import Experts
+
+# model_type -> read_param(reader, our param path, its shape) -> the checkpoint tensor laid out as ours
+CHECKPOINT_NAMES = {"llama": llama.read_param, "mistral": llama.read_param, "qwen2": llama.read_param,
+                    "qwen3": llama.read_param, "mixtral": mixtral.read_param, "qwen3_moe": qwen3_moe.read_param}
 
 
-def build_model(config, dtype, attention_impl: str = "reference", rngs=None, attention_mesh=None,
-                expert_parallel_mesh=None):
-    """attention_mesh: each device attends over its own sequences and kv heads (sharding/attention.py);
-    expert_parallel_mesh: experts spread over it."""
-    from flax import nnx
+def build_model(config: ModelConfig, dtype, *, write_and_attend: WriteAndAttend, experts: Experts | None = None,
+                rngs=None) -> CausalLM:
+    """write_and_attend: the attention kernels, on one device or per shard; experts: how routed tokens
+    reach their experts (mixture-of-experts models only)."""
+    if config.is_moe and experts is None:
+        raise ValueError(f"a {config.model_type} model with experts needs an experts function (sharding/moe.py)")
+    return CausalLM(config, dtype=dtype, write_and_attend=write_and_attend, experts=experts,
+                    rngs=rngs or nnx.Rngs(0))
 
-    return CausalLM(config, dtype=dtype, attention_impl=attention_impl, rngs=rngs or nnx.Rngs(0),
-                    attention_mesh=attention_mesh, expert_parallel_mesh=expert_parallel_mesh)
 
-
-__all__ = ["AttentionMetadata", "CausalLM", "KVPages", "build_model"]
+__all__ = ["AttentionMetadata", "CHECKPOINT_NAMES", "CausalLM", "Experts", "KVPages", "ModelConfig", "RopeScaling",
+           "WriteAndAttend", "build_model"]

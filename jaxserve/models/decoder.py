@@ -1,25 +1,25 @@
-"""The Llama-family causal LM (Llama, Mistral, and Mixtral when the config has experts)."""
+"""The decoder-only causal LM every supported family shares (Llama, Mistral, Qwen2/3 and their MoE kin)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import ModelConfig
+from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pages import AttentionMetadata, KVPages
-from jaxserve.models.layers import MLP, Attention, RMSNorm, linear
-from jaxserve.models.moe import SparseMoE
+from jaxserve.models.layers import MLP, Attention, RMSNorm, WriteAndAttend, linear
+from jaxserve.models.moe import Experts, SparseMoE
 
 # Legend: T = tokens in the step, E = embed, V = vocab, S = sequences sampled this step.
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs, attention_mesh=None,
-                 expert_parallel_mesh=None):
+    def __init__(self, config: ModelConfig, layer: int, dtype, write_and_attend: WriteAndAttend,
+                 experts: Experts | None, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype, attention_impl, rngs, attention_mesh)
+        self.self_attn = Attention(config, layer, dtype, write_and_attend, rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = SparseMoE(config, dtype, rngs, expert_parallel_mesh) if config.is_moe else MLP(config, dtype, rngs)
+        self.mlp = SparseMoE(config, dtype, rngs, experts) if config.is_moe else MLP(config, dtype, rngs)
 
     def __call__(self, x, key_pages, value_pages, metadata: AttentionMetadata):
         attended, key_pages, value_pages = self.self_attn(self.input_layernorm(x), key_pages, value_pages, metadata)
@@ -28,15 +28,15 @@ class DecoderLayer(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, attention_impl: str = "reference", rngs: nnx.Rngs,
-                 attention_mesh=None, expert_parallel_mesh=None):
+    def __init__(self, config: ModelConfig, *, dtype, write_and_attend: WriteAndAttend, experts: Experts | None,
+                 rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
-                                      rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, dtype, attention_impl, rngs, attention_mesh,
-                                             expert_parallel_mesh) for _ in range(config.num_layers)])
+                                      rngs=rngs, embedding_metadata={"logical_axes": ("vocab", "embed")})
+        self.layers = nnx.List([DecoderLayer(config, layer, dtype, write_and_attend, experts, rngs)
+                                for layer in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else linear(
-            config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+            config.hidden_size, config.vocab_size, ("embed", "vocab"), bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, token_ids, kv_pages: KVPages, metadata: AttentionMetadata):
         """token_ids [T] -> final hidden states [T, E] and the updated pages."""

@@ -1,18 +1,22 @@
-"""Layers shared by the Llama-family models, numerically matched to Hugging Face transformers."""
+"""Layers shared by the decoder models, numerically matched to Hugging Face transformers.
+
+Every param names its logical axes where it is created (`logical_axes` metadata); sharding/placement.py
+reads them back to place each param by the rules table. Attention takes the kernel dispatch
+(`write_and_attend`) as a function, so the same module runs on one device or per shard.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.models.config import ModelConfig, RopeScaling
 from jaxserve.models.kv_pages import AttentionMetadata
-from pallas_kernels import ragged_paged_attention, write_kv_pages
-from sharding.attention import sharded_write_and_attend
 
 # Legend: T = tokens in the step, E = embed (hidden), H = query heads, K = kv heads, D = head dim, F = mlp.
 
@@ -25,9 +29,17 @@ ACTIVATIONS = {
 }
 
 
+class WriteAndAttend(Protocol):
+    """Writes this step's keys and values into their pages, then attends over the pages: on one
+    device or per shard (sharding/attention.py provides both)."""
+
+    def __call__(self, q, k, v, key_pages, value_pages, metadata: AttentionMetadata, *, sliding_window: int | None):
+        """q [T, H, D], k / v [T, K, D] -> (out [T, H, D], key_pages, value_pages)."""
+
+
 class RMSNorm(nnx.Module):
-    def __init__(self, size: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((size,), dtype))  # [E]
+    def __init__(self, size: int, eps: float, dtype, axis: str = "embed"):
+        self.weight = nnx.Param(jnp.ones((size,), dtype), logical_axes=(axis,))  # [E] (or [D] per head)
         self.eps = eps
 
     def __call__(self, x):
@@ -66,21 +78,28 @@ def apply_rope(x, positions, inverse_frequencies):
     return x * cos + rotated * sin
 
 
-def linear(in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-    return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+def linear(in_features: int, out_features: int, axes: tuple[str | None, str | None], *, bias: bool, dtype,
+           rngs: nnx.Rngs):
+    """An nnx Linear (kernel [in, out]) whose kernel and bias carry their logical axes."""
+    return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                      kernel_metadata={"logical_axes": axes}, bias_metadata={"logical_axes": axes[1:]})
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype, attention_impl: str, rngs: nnx.Rngs, attention_mesh=None):
+    def __init__(self, config: ModelConfig, layer: int, dtype, write_and_attend: WriteAndAttend, rngs: nnx.Rngs):
         e, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = linear(e, config.num_heads * d, bias=config.attention_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(e, config.num_kv_heads * d, bias=config.attention_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(e, config.num_kv_heads * d, bias=config.attention_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(config.num_heads * d, e, bias=config.attention_bias, dtype=dtype, rngs=rngs)
-        self.sliding_window = config.sliding_window
-        self.attention_impl = attention_impl
-        self.attention_mesh = attention_mesh  # set: attention runs per shard (sharding/attention.py)
+        qkv_bias = config.attention_bias
+        self.q_proj = linear(e, config.num_heads * d, ("embed", "heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = linear(e, config.num_kv_heads * d, ("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = linear(e, config.num_kv_heads * d, ("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(config.num_heads * d, e, ("heads", "embed"), bias=config.attention_output_bias,
+                             dtype=dtype, rngs=rngs)
+        # Qwen3 normalizes each query and key head on its own
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, axis="head_dim") if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, axis="head_dim") if config.qk_norm else None
+        self.sliding_window = config.layer_sliding_window(layer)
+        self.write_and_attend = write_and_attend
         # A tuple, not an array: module attributes that are not params must be static and hashable.
         self.inverse_frequencies = tuple(rope_inverse_frequencies(d, config.rope_theta, config.rope_scaling).tolist())
 
@@ -89,28 +108,22 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         inverse_frequencies = jnp.asarray(self.inverse_frequencies, jnp.float32)
         q = apply_rope(q, metadata.positions, inverse_frequencies)
         k = apply_rope(k, metadata.positions, inverse_frequencies)
-        if self.attention_mesh is not None:
-            out, key_pages, value_pages = sharded_write_and_attend(
-                self.attention_mesh, q, k, v, key_pages, value_pages, metadata,
-                sliding_window=self.sliding_window, impl=self.attention_impl)
-        else:
-            key_pages, value_pages = write_kv_pages(key_pages, value_pages, k, v, metadata.slot_ids,
-                                                    impl=self.attention_impl)
-            out = ragged_paged_attention(
-                q, key_pages, value_pages, metadata.page_table, metadata.token_seq_ids, metadata.positions,
-                query_block=metadata.query_block, sliding_window=self.sliding_window, impl=self.attention_impl)
+        out, key_pages, value_pages = self.write_and_attend(q, k, v, key_pages, value_pages, metadata,
+                                                            sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)), key_pages, value_pages
 
 
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
-        e, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = linear(e, f, bias=config.mlp_bias, dtype=dtype, rngs=rngs)
-        self.up_proj = linear(e, f, bias=config.mlp_bias, dtype=dtype, rngs=rngs)
-        self.down_proj = linear(f, e, bias=config.mlp_bias, dtype=dtype, rngs=rngs)
+        e, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = linear(e, f, ("embed", "mlp"), bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = linear(e, f, ("embed", "mlp"), bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(f, e, ("mlp", "embed"), bias=bias, dtype=dtype, rngs=rngs)
         self.activation = config.hidden_act
 
     def __call__(self, x):

@@ -27,7 +27,7 @@ def edit_config(directory, **changes):
 def test_unknown_model_type(tmp_path):
     directory = copy_fixture(tmp_path)
     edit_config(directory, model_type="gpt2")
-    with pytest.raises(ValueError, match="unknown model type 'gpt2'"):
+    with pytest.raises(ValueError, match="unknown model type 'gpt2'.*supported: llama, mistral, mixtral, qwen2, qwen3"):
         LLM(str(directory), **SMALL_ENGINE)
 
 
@@ -103,6 +103,36 @@ def test_config_variants_are_read():
         ModelConfig.from_hf_dict(dict(legacy_dict, num_key_value_heads=3, num_attention_heads=4))
 
 
+def test_qwen_configs_are_read_as_transformers_reads_them():
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2)
+    # Hub Qwen2 configs carry a window that use_sliding_window (default false) leaves off
+    qwen2 = ModelConfig.from_hf_dict(dict(base, model_type="qwen2", sliding_window=32, max_window_layers=2))
+    assert qwen2.sliding_window is None and qwen2.layer_types == ("full_attention",) * 4
+    assert (qwen2.attention_bias, qwen2.attention_output_bias, qwen2.qk_norm) == (True, False, False)
+    sliding = ModelConfig.from_hf_dict(dict(base, model_type="qwen2", sliding_window=32, max_window_layers=2,
+                                            use_sliding_window=True))
+    assert [sliding.layer_sliding_window(layer) for layer in range(4)] == [None, None, 32, 32]
+    listed = ModelConfig.from_hf_dict(dict(base, model_type="qwen3", sliding_window=8, use_sliding_window=True,
+                                           layer_types=["sliding_attention", "full_attention"] * 2))
+    assert [listed.layer_sliding_window(layer) for layer in range(4)] == [8, None, 8, None] and listed.qk_norm
+    assert not listed.attention_bias and not listed.attention_output_bias
+    moe = ModelConfig.from_hf_dict(dict(base, model_type="qwen3_moe", num_experts=6, num_experts_per_tok=2,
+                                        moe_intermediate_size=4, norm_topk_prob=True))
+    assert (moe.num_experts, moe.expert_intermediate_size, moe.normalize_expert_weights) == (6, 4, True)
+    assert moe.logical_axis_sizes()["expert_mlp"] == 4 and moe.logical_axis_sizes()["mlp"] == 16
+    with pytest.raises(ValueError, match="dense MLP layers between the MoE layers"):
+        ModelConfig.from_hf_dict(dict(base, model_type="qwen3_moe", mlp_only_layers=[1]))
+    with pytest.raises(ValueError, match="layer_types must be 4 of"):
+        ModelConfig.from_hf_dict(dict(base, model_type="qwen3", layer_types=["full_attention"]))
+
+
+def test_every_supported_model_type_has_checkpoint_names():
+    from jaxserve.models import CHECKPOINT_NAMES
+    from jaxserve.models.config import SUPPORTED_MODEL_TYPES
+
+    assert set(CHECKPOINT_NAMES) == set(SUPPORTED_MODEL_TYPES)
+
+
 def test_engine_config_validation():
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="int8")
@@ -112,25 +142,28 @@ def test_engine_config_validation():
         EngineConfig(page_size=0)
 
 
-def test_mixtral_with_fused_expert_tensors(tmp_path):
+@pytest.mark.parametrize("name, router, per_expert, expert_names", [
+    ("mixtral", "block_sparse_moe.gate", "block_sparse_moe.experts.{}.{}.weight", ("w1", "w3", "w2")),
+    ("qwen3_moe", "mlp.gate", "mlp.experts.{}.{}.weight", ("gate_proj", "up_proj", "down_proj"))])
+def test_moe_with_fused_expert_tensors(tmp_path, name, router, per_expert, expert_names):
     """transformers >= 5 names experts mlp.experts.gate_up_proj [X, 2F, E] / down_proj [X, E, F]."""
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    directory = copy_fixture(tmp_path, "mixtral")
+    directory = copy_fixture(tmp_path, name)
     tensors = load_file(str(directory / "model.safetensors"))
     config = json.loads((directory / "config.json").read_text())
-    fused = {k: v for k, v in tensors.items() if "block_sparse_moe" not in k}
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k and router not in k}
+    gate, up, down = expert_names
     for layer in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}.block_sparse_moe."
+        prefix = f"model.layers.{layer}."
+        expert = (prefix + per_expert).format
         experts = range(config["num_local_experts"])
-        fused[f"model.layers.{layer}.mlp.gate.weight"] = tensors[prefix + "gate.weight"]
-        fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = np.stack(
-            [np.concatenate([tensors[f"{prefix}experts.{e}.w1.weight"], tensors[f"{prefix}experts.{e}.w3.weight"]])
-             for e in experts])
-        fused[f"model.layers.{layer}.mlp.experts.down_proj"] = np.stack(
-            [tensors[f"{prefix}experts.{e}.w2.weight"] for e in experts])
+        fused[prefix + "mlp.gate.weight"] = tensors[prefix + router + ".weight"]
+        fused[prefix + "mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([tensors[expert(e, gate)], tensors[expert(e, up)]]) for e in experts])
+        fused[prefix + "mlp.experts.down_proj"] = np.stack([tensors[expert(e, down)] for e in experts])
     save_file(fused, str(directory / "model.safetensors"))
     from tests.support.hf_parity import check_against_hf
 
-    check_against_hf(LLM(str(directory), **SMALL_ENGINE), "mixtral")
+    check_against_hf(LLM(str(directory), **SMALL_ENGINE), name)

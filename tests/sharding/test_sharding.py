@@ -8,9 +8,13 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from jax.sharding import PartitionSpec
+from flax import nnx
+from jax.sharding import AbstractMesh, PartitionSpec
 
-from sharding import partition_spec
+from jaxserve.models import ModelConfig, build_model
+from sharding import param_shardings, partition_spec
+from sharding.attention import attention_dispatch
+from sharding.moe import expert_dispatch
 from sharding.rules import LOGICAL_AXIS_RULES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # helpers run as tests.support.*
@@ -19,9 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def multi_device_results(tmp_path_factory):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2", "mixtral_top1_tied:2",
-            "llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep", "mixtral:1:8:ep",
-            "llama_gqa:2:2:-:pallas",
+    runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2", "mixtral_top1_tied:2", "qwen2:2",
+            "qwen3:2", "llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep", "mixtral:1:8:ep",
+            "qwen3_moe:1:4:ep", "llama_gqa:2:2:-:pallas",
             f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}", f"--rebalance={tmp_path_factory.mktemp('rb')}"]
     result = subprocess.run([sys.executable, "-m", "tests.support.multi_device_run", *runs], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=900)
@@ -29,7 +33,8 @@ def multi_device_results(tmp_path_factory):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("run", ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2", "mixtral_top1_tied:2"])
+@pytest.mark.parametrize("run", ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2", "mixtral_top1_tied:2",
+                                 "qwen2:2", "qwen3:2"])
 def test_tensor_parallel_outputs_equal_transformers(multi_device_results, run):
     assert multi_device_results["num_devices"] == 8
     outcome = multi_device_results[run]
@@ -42,7 +47,7 @@ def test_tensor_parallel_outputs_equal_transformers(multi_device_results, run):
 
 
 @pytest.mark.parametrize("run", ["llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep",
-                                 "llama_gqa:2:2:-:pallas"])
+                                 "qwen3_moe:1:4:ep", "llama_gqa:2:2:-:pallas"])
 def test_data_and_expert_parallel_outputs_equal_transformers(multi_device_results, run):
     """Attention per data-parallel rank over its own pages (and per tensor shard over its KV heads, here
     also with the Pallas kernels); experts spread over every device."""
@@ -97,6 +102,9 @@ def test_params_and_pages_are_sharded_by_the_rules(multi_device_results):
     assert moe["layers.0.mlp.gate_proj"] == ["None", "None", "tensor"]  # each expert's columns
     # 5 heads do not split over 2 devices
     assert multi_device_results["llama_mqa_odd:2"]["param_specs"]["layers.0.self_attn.q_proj.kernel"] == ["None", "None"]
+    qwen2 = multi_device_results["qwen2:2"]["param_specs"]  # q/k/v biases split with their heads; o_proj has none
+    assert qwen2["layers.0.self_attn.k_proj.bias"] == ["tensor"] and "layers.0.self_attn.o_proj.bias" not in qwen2
+    assert multi_device_results["qwen3:2"]["param_specs"]["layers.0.self_attn.q_norm.weight"] == ["None"]
 
 
 def test_orbax_checkpoint_restores_onto_another_mesh(multi_device_results):
@@ -130,20 +138,41 @@ def test_partition_spec_rules():
                                        "expert"}
 
 
+def abstract_params(config: ModelConfig):
+    model = nnx.eval_shape(lambda: build_model(config, "float32", write_and_attend=attention_dispatch("reference"),
+                                               experts=expert_dispatch()))
+    return nnx.state(model, nnx.Param)
+
+
+def test_every_param_declares_its_logical_axes():
+    """Read back from the params themselves: Megatron splits by the rules, on a 2-way tensor mesh."""
+    config = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=8, attention_bias=True, attention_output_bias=True,
+                         qk_norm=True)
+    shardings = param_shardings(abstract_params(config), AbstractMesh((1, 2), ("data", "tensor")),
+                                config.logical_axis_sizes())
+    specs = {".".join(map(str, path)): sharding.spec for path, sharding in shardings.items()}
+    assert specs["layers.0.self_attn.q_proj.kernel"] == PartitionSpec(None, "tensor")
+    assert specs["layers.0.self_attn.q_proj.bias"] == PartitionSpec("tensor")
+    assert specs["layers.0.self_attn.o_proj.kernel"] == PartitionSpec("tensor", None)
+    assert specs["layers.0.self_attn.o_proj.bias"] == PartitionSpec(None)
+    assert specs["layers.0.self_attn.q_norm.weight"] == PartitionSpec(None)
+    assert specs["layers.0.mlp.down_proj.kernel"] == PartitionSpec("tensor", None)
+    assert specs["embed_tokens.embedding"] == PartitionSpec("tensor", None)
+    assert specs["lm_head.kernel"] == PartitionSpec(None, "tensor")
+    assert param_shardings(abstract_params(config), None, config.logical_axis_sizes()) == {}
+
+
 def test_expert_columns_that_do_not_split_are_replicated():
     """A Mixtral whose expert MLP width (90) does not divide over 4 tensor shards (found by tools/fuzz_vs_hf.py)."""
-    from sharding.rules import logical_sizes, param_logical_axes
-
-    config = SimpleNamespace(num_heads=8, num_kv_heads=4, intermediate_size=90, vocab_size=1000, hidden_size=64,
-                             head_dim=8, num_experts=3, is_moe=True)
-    mesh = SimpleNamespace(shape={"data": 1, "tensor": 4})
-    for name, expected in (("down_proj", PartitionSpec(None, None, None)),
-                           ("gate_proj", PartitionSpec(None, None, None))):
-        axes = param_logical_axes(("layers", 0, "mlp", name), config)
-        assert partition_spec(axes, mesh, logical_sizes(config)) == expected
-    config.intermediate_size = 96
-    assert partition_spec(param_logical_axes(("layers", 0, "mlp", "down_proj"), config), mesh,
-                          logical_sizes(config)) == PartitionSpec(None, "tensor", None)
+    mesh = AbstractMesh((1, 4), ("data", "tensor"))
+    for width, expected in ((90, PartitionSpec(None, None, None)), (96, PartitionSpec(None, "tensor", None))):
+        config = ModelConfig(model_type="mixtral", vocab_size=1000, hidden_size=64, intermediate_size=width,
+                             num_layers=1, num_heads=8, num_kv_heads=4, head_dim=8, num_experts=3,
+                             num_experts_per_token=1)
+        shardings = param_shardings(abstract_params(config), mesh, config.logical_axis_sizes())
+        assert shardings[("layers", 0, "mlp", "down_proj")].spec == expected
+        assert shardings[("layers", 0, "mlp", "gate_proj")].spec == PartitionSpec(None, None, expected[1])
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +186,9 @@ def expert_parallel_results():
 
 @pytest.mark.parametrize("run", ["random:2", "random:8", "skewed:2", "skewed:8"])
 def test_expert_parallel_layer_equals_dense_math(expert_parallel_results, run):
-    """All-to-all dispatch and combine over 2 and 8 devices, with contiguous and rebalanced placements."""
+    """All-to-all dispatch and combine over 2 and 8 devices, with contiguous and rebalanced placements;
+    and the grouped matmuls of one device, which share their expert math."""
+    assert expert_parallel_results[run]["local_max_error"] < 1e-4
     for placement in ("blocks", "balanced"):
         outcome = expert_parallel_results[run][placement]
         assert outcome["max_error"] < 1e-4

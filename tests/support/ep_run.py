@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharding import build_mesh
-from sharding.moe import expert_parallel_moe, place_experts
+from sharding.moe import LocalExperts, expert_parallel_moe, place_experts
 
 
 def dense_moe(x, router, gate, up, down, top_k):
@@ -18,7 +18,7 @@ def dense_moe(x, router, gate, up, down, top_k):
     every = jax.nn.silu(every) * jnp.einsum("td,xdf->txf", x, up)
     every = jnp.einsum("txf,xfd->txd", every, down)  # [T, X, E]
     chosen = jnp.take_along_axis(every, experts[:, :, None], axis=1)
-    return (chosen * weights[:, :, None]).sum(1), experts
+    return (chosen * weights[:, :, None]).sum(1), weights, experts
 
 
 def run(case, num_devices, rng, top_k=2, num_experts=16, tokens=64, embed=32, mlp=48):
@@ -31,13 +31,14 @@ def run(case, num_devices, rng, top_k=2, num_experts=16, tokens=64, embed=32, ml
         x = jnp.abs(x) * jnp.sign(x.mean(0))
     gate, up = (jnp.asarray(rng.standard_normal((num_experts, embed, mlp)) * 0.2, jnp.float32) for _ in range(2))
     down = jnp.asarray(rng.standard_normal((num_experts, mlp, embed)) * 0.2, jnp.float32)
-    expected, experts = dense_moe(x, router, gate, up, down, top_k)
+    expected, weights, experts = dense_moe(x, router, gate, up, down, top_k)
     load = np.bincount(np.asarray(experts).reshape(-1), minlength=num_experts)
-    results = {}
+    local = LocalExperts()(x, weights, experts, gate, up, down, (), activation=jax.nn.silu)
+    results = {"local_max_error": float(jnp.abs(local - expected).max())}
     for placement in ("blocks", "balanced"):
         device_of, slot_of, order = place_experts(None if placement == "blocks" else load, num_experts, num_devices)
-        got = expert_parallel_moe(x, router, gate[order], up[order], down[order], device_of, slot_of, mesh=mesh,
-                                  axis="data", top_k=top_k)
+        got = expert_parallel_moe(x, weights, experts, gate[order], up[order], down[order], device_of, slot_of,
+                                  mesh=mesh, axis="data")
         device_load = np.bincount(np.asarray(device_of), weights=load, minlength=num_devices)
         results[placement] = {"max_error": float(jnp.abs(got - expected).max()),
                               "imbalance": float(device_load.max() / device_load.mean()),

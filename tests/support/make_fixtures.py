@@ -2,7 +2,8 @@
 
 Run once, when the fixtures need to change (needs the bench extras: torch and transformers):
 
-    .venv/bin/python tests/support/make_fixtures.py
+    .venv/bin/python tests/support/make_fixtures.py            # every fixture, and the tokenizer
+    .venv/bin/python tests/support/make_fixtures.py qwen2 qwen3  # only these, leaving the others as they are
 
 Each fixture directory holds config.json, model.safetensors, tokenizer.model and expected.json:
 the prompts (as token ids, plus the text they came from), transformers' greedy continuation and the
@@ -57,6 +58,24 @@ MODELS = {
     # eight experts: enough to spread one per device over 8 devices
     "mixtral_8x": ("mixtral", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)),
+    # q/k/v biases without an o_proj bias; only layers from max_window_layers on slide their window
+    "qwen2": ("qwen2", dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True,
+                            sliding_window=16, max_window_layers=1, random_vectors=True, weight_scale=10.0)),
+    # per-head q/k norms; head_dim 16 is not hidden_size / heads
+    "qwen3": ("qwen3", dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, rope_theta=1e6, random_vectors=True)),
+    # experts' own MLP width; router weights not renormalized (norm_topk_prob false)
+    "qwen3_moe": ("qwen3_moe", dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, random_vectors=True)),
+}
+HF_CLASSES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
 }
 
 
@@ -88,16 +107,20 @@ def build(name: str, model_type: str, overrides: dict, seed: int) -> None:
     shutil.rmtree(directory, ignore_errors=True)
     torch.manual_seed(seed)
     dtype = overrides.pop("torch_dtype", "float32")
-    config_class = transformers.MixtralConfig if model_type == "mixtral" else transformers.LlamaConfig
+    random_vectors = overrides.pop("random_vectors", False)
+    weight_scale = overrides.pop("weight_scale", 4.0)
+    config_class, model_class = HF_CLASSES[model_type]
     config = config_class(**COMMON, **overrides)
-    model_class = transformers.MixtralForCausalLM if model_type == "mixtral" else transformers.LlamaForCausalLM
     model = model_class(config).eval()
     # Larger-than-default weights make the tiny random models' distributions less flat, so greedy
-    # decoding is decided by margins far above float32 noise.
+    # decoding is decided by margins far above float32 noise. Biases start at zero and norm scales at
+    # one: random_vectors perturbs them, so that reading them wrongly shows.
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
-                param.mul_(4.0)
+                param.mul_(weight_scale)
+            elif random_vectors:
+                param.add_(0.3 * torch.randn_like(param))
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(directory)
     shutil.copy(TOKENIZER, os.path.join(directory, "tokenizer.model"))
@@ -124,11 +147,17 @@ def build(name: str, model_type: str, overrides: dict, seed: int) -> None:
 
 
 def main() -> None:
+    only = sys.argv[1:]
+    unknown = set(only) - set(MODELS)
+    if unknown:
+        raise SystemExit(f"unknown fixtures {sorted(unknown)}; known: {', '.join(MODELS)}")
     os.makedirs(FIXTURES, exist_ok=True)
-    train_tokenizer()
-    for seed, (name, (model_type, overrides)) in enumerate(MODELS.items()):
-        build(name, model_type, dict(overrides), seed)
-        print("built", name, file=sys.stderr)
+    if not only:
+        train_tokenizer()
+    for seed, (name, (model_type, overrides)) in enumerate(MODELS.items()):  # a fixture's seed is its position
+        if not only or name in only:
+            build(name, model_type, dict(overrides), seed)
+            print("built", name, file=sys.stderr)
 
 
 if __name__ == "__main__":

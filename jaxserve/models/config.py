@@ -1,0 +1,225 @@
+"""The architecture of a model, read from a Hugging Face config.json as transformers reads it.
+
+One `ModelConfig` describes every supported family: Llama, Mistral and Qwen2/Qwen3 are the same
+decoder with different attention details (biases, per-head q/k norms, which layers slide their
+window); Mixtral and Qwen3-MoE swap the MLP for a sparse mixture of experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+from jaxserve.config import canonical_dtype
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are stretched for long contexts (HF's rope_scaling / rope_parameters)."""
+
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope scaling type {self.rope_type!r}; supported: default, linear, llama3")
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be positive, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer; its MLPs are sparse mixtures of experts when num_experts > 0."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # on the q, k and v projections
+    attention_output_bias: bool = False  # on o_proj (Qwen2 has the first without this one)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before rope
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    expert_intermediate_size: int = 0  # each expert's MLP width (Mixtral: intermediate_size)
+    normalize_expert_weights: bool = True  # the top k router probabilities rescaled to sum to 1
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer, full or sliding attention; default: every layer alike
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unknown model type {self.model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"config.json: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"config.json: unsupported hidden_act {self.hidden_act!r}")
+        if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"config.json: num_experts_per_tok ({self.num_experts_per_token}) must be in "
+                f"[1, num_experts={self.num_experts}]")
+        if self.num_experts and not self.expert_intermediate_size:
+            object.__setattr__(self, "expert_intermediate_size", self.intermediate_size)
+        if not self.layer_types:
+            every = "sliding_attention" if self.sliding_window else "full_attention"
+            object.__setattr__(self, "layer_types", (every,) * self.num_layers)
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"config.json: layer_types must be {self.num_layers} of {', '.join(LAYER_TYPES)}, "
+                             f"got {list(self.layer_types)}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def logical_axis_sizes(self) -> dict[str, int]:
+        """How many independent units each logical axis of the params has: a split must not cut a head."""
+        return {"heads": self.num_heads, "kv_heads": self.num_kv_heads, "mlp": self.intermediate_size,
+                "expert_mlp": self.expert_intermediate_size, "vocab": self.vocab_size, "embed": self.hidden_size,
+                "head_dim": self.head_dim, "expert": self.num_experts or 1}
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> "ModelConfig":
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unknown model type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        try:
+            hidden_size = int(hf["hidden_size"])
+            num_heads = int(hf["num_attention_heads"])
+            sizes = dict(vocab_size=int(hf["vocab_size"]), hidden_size=hidden_size,
+                         intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
+                         num_heads=num_heads)
+        except KeyError as missing:
+            raise ValueError(f"config.json is missing required key {missing}") from None
+        eos = hf.get("eos_token_id")
+        return cls(
+            model_type=model_type,
+            **sizes,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            **_rope_fields(hf),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            **_attention_fields(model_type, hf, sizes["num_layers"]),
+            mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
+            hidden_act=hf.get("hidden_act", "silu"),
+            **_expert_fields(model_type, hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            checkpoint_dtype=canonical_dtype(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"no config.json in model directory {model_dir!r}")
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"malformed config.json in {model_dir!r}: {error}") from None
+        if not isinstance(hf, dict):
+            raise ValueError(f"malformed config.json in {model_dir!r}: expected a JSON object")
+        generation_path = os.path.join(model_dir, "generation_config.json")
+        config = cls.from_hf_dict(hf)
+        if os.path.isfile(generation_path):
+            # generation_config.json is what HF generate() stops on; it may list several EOS ids.
+            try:
+                with open(generation_path) as f:
+                    eos = json.load(f).get("eos_token_id")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                eos = None
+            if eos is not None:
+                config = dataclasses.replace(config, eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
+        return config
+
+
+def _rope_fields(hf: dict) -> dict:
+    # transformers 5 nests rope settings in rope_parameters; older configs use rope_theta + rope_scaling.
+    rope = dict(hf.get("rope_parameters") or {})
+    scaling_source = rope if rope.get("rope_type", "default") != "default" else hf.get("rope_scaling") or {}
+    rope_scaling = RopeScaling()
+    if scaling_source:
+        rope_scaling = RopeScaling(
+            rope_type=scaling_source.get("rope_type", scaling_source.get("type", "default")),
+            factor=float(scaling_source.get("factor", 1.0)),
+            low_freq_factor=float(scaling_source.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling_source.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(scaling_source.get("original_max_position_embeddings", 8192)),
+        )
+    return dict(rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_scaling=rope_scaling)
+
+
+def _attention_fields(model_type: str, hf: dict, num_layers: int) -> dict:
+    """Biases, q/k norms and sliding windows, each family as its transformers attention reads them."""
+    bias = bool(hf.get("attention_bias", False))
+    fields = dict(attention_bias=bias, attention_output_bias=bias, qk_norm=model_type in ("qwen3", "qwen3_moe"))
+    if model_type == "qwen2":  # q/k/v biases hard-wired on, o_proj's off
+        fields.update(attention_bias=True, attention_output_bias=False)
+    window = hf.get("sliding_window") if model_type != "llama" else None
+    # Qwen's windows are off unless use_sliding_window says so; Mistral's only when it says not.
+    if model_type.startswith("qwen") and not hf.get("use_sliding_window", False):
+        window = None
+    if model_type == "mistral" and hf.get("use_sliding_window") is False:
+        window = None
+    fields["sliding_window"] = int(window) if window else None
+    if model_type in ("qwen2", "qwen3"):
+        # Only layers from max_window_layers on slide, unless config.json lists each layer's type.
+        first_sliding = int(hf.get("max_window_layers", 28))
+        fields["layer_types"] = tuple(hf.get("layer_types") or (
+            "sliding_attention" if window and layer >= first_sliding else "full_attention"
+            for layer in range(num_layers)))
+    return fields
+
+
+def _expert_fields(model_type: str, hf: dict) -> dict:
+    # transformers >= 5 writes num_local_experts for both families, older Qwen3-MoE configs num_experts.
+    if model_type == "mixtral":
+        num_experts = int(hf.get("num_local_experts", hf.get("num_experts", 0)))
+        return dict(num_experts=num_experts,
+                    num_experts_per_token=int(hf.get("num_experts_per_tok", 2)) if num_experts else 0)
+    if model_type == "qwen3_moe":
+        # Released Qwen3-MoE models put experts in every layer; expert statistics and placement assume so.
+        if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+            raise ValueError("config.json: Qwen3-MoE with dense MLP layers between the MoE layers "
+                             "(mlp_only_layers, decoder_sparse_step > 1) is not supported")
+        return dict(num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 128))),
+                    num_experts_per_token=int(hf.get("num_experts_per_tok", 8)),
+                    expert_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
+                    normalize_expert_weights=bool(hf.get("norm_topk_prob", False)))
+    return {}

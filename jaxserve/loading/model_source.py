@@ -1,17 +1,26 @@
-"""Opening a model: whatever the path holds (a Hugging Face directory, a jaxserve orbax checkpoint),
-the engine gets one `ModelSource`: the architecture, the tokenizer, the checkpoint's dtype, and a
-function that fills an abstract param tree with placed arrays."""
+"""Opening a model: whatever the path holds (a Hugging Face directory, a jaxserve orbax checkpoint, a
+llama.cpp GGUF file or a directory holding one), the engine gets one `ModelSource`: the architecture,
+the tokenizer, the checkpoint's dtype, and a function that fills an abstract param tree with placed
+arrays."""
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
 from jaxserve.models.config import ModelConfig
+from jaxserve.loading.default_model import MODEL_NAMES, resolve_model_path
+from jaxserve.loading.gguf import GGUFFile, find_gguf_file
+from jaxserve.loading.gguf_tokenizer import gguf_tokenizer
 from jaxserve.loading.orbax_checkpoint import checkpoint_dtype, is_orbax_checkpoint, restore_params
 from jaxserve.loading.tokenizer import Tokenizer
-from jaxserve.loading.weights import load_params
+from jaxserve.loading.weights import load_params, read_params as read_named_params
+from jaxserve.models import CHECKPOINT_NAMES
 
 
 @dataclass(frozen=True)
@@ -31,8 +40,14 @@ class ModelSource:
 
 
 def open_model(path: str) -> ModelSource:
-    """A Hugging Face model directory (config.json, *.safetensors, a tokenizer) or an orbax checkpoint
-    that LLM.save_checkpoint wrote. Raises ValueError naming the path when it is neither."""
+    """A Hugging Face model directory (config.json, *.safetensors, a tokenizer), an orbax checkpoint
+    that LLM.save_checkpoint wrote, or a GGUF file; or a model name ("default", "tiny-random") where no
+    such path exists. Raises ValueError naming the path when it is none of these."""
+    if path in MODEL_NAMES and not os.path.exists(path):
+        path = resolve_model_path(path)
+    gguf_path = find_gguf_file(path)
+    if gguf_path is not None:
+        return open_gguf(gguf_path)
     if not os.path.isdir(path):
         raise ValueError(f"model directory {path!r} does not exist")
     config = ModelConfig.from_model_dir(path)
@@ -47,3 +62,38 @@ def open_model(path: str) -> ModelSource:
         return load_params(abstract, path, config, dtype, placement)
 
     return ModelSource(path, config, tokenizer, config.checkpoint_dtype, read_params, path)
+
+
+def open_gguf(path: str) -> ModelSource:
+    """Everything is read and checked here (metadata, tensor types, tokenizer); weights dequantize later,
+    one tensor at a time, as read_params places them."""
+    gguf = GGUFFile(path)
+    hf_config = gguf.hf_config()
+    try:
+        config = ModelConfig.from_hf_dict(hf_config)
+    except ValueError as error:
+        raise ValueError(f"GGUF file {path}: {error}") from None
+    tokenizer = gguf_tokenizer(gguf)
+
+    def read_params(abstract, dtype, placement):
+        return read_named_params(abstract, gguf.tensor_reader(), CHECKPOINT_NAMES[config.model_type], dtype,
+                                 placement)
+
+    return ModelSource(path, config, tokenizer, gguf.checkpoint_dtype(), read_params,
+                       _gguf_description_dir(hf_config, tokenizer))
+
+
+def _gguf_description_dir(hf_config: dict, tokenizer) -> str:
+    """The Hugging Face files a GGUF's metadata amounts to (config.json, tokenizer.json, tokenizer_config.json),
+    written where save_checkpoint copies description files from, so a saved checkpoint opens on its own."""
+    directory = tempfile.mkdtemp(prefix="jaxserve-gguf-")
+    atexit.register(shutil.rmtree, directory, True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=1)
+    if tokenizer is not None:
+        tokenizer.backend.save(os.path.join(directory, "tokenizer.json"))
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump(dict(tokenizer.special_tokens, chat_template=tokenizer.chat_template), f, indent=1)
+        with open(os.path.join(directory, "generation_config.json"), "w") as f:
+            json.dump(dict(eos_token_id=sorted(tokenizer.eos_token_ids)), f, indent=1)
+    return directory

@@ -6,7 +6,8 @@
              max_message_bytes, tls: {cert, key, client_ca}, api_keys: FILE, and the per-request caps
              max_prompt_bytes, max_stop_strings, max_stop_string_bytes, max_stop_token_ids, max_id_length}
 
-`--set section.key=value` overrides (the value is read as YAML). `path: default` is the embedded model.
+`--set section.key=value` overrides (the value is read as YAML). `path: default` is SmolLM2-135M-Instruct
+(fetched on first use), `path: tiny-random` a small random-weight model.
 """
 
 from __future__ import annotations
@@ -88,11 +89,9 @@ class ServeConfig:
     server: ServerConfig
 
     def model_dir(self) -> str:
-        if self.model.path == "default":
-            from jaxserve.loading.default_model import default_model_dir
+        from jaxserve.loading.default_model import resolve_model_path
 
-            return default_model_dir()
-        return self.model.path
+        return resolve_model_path(self.model.path)
 
 
 SECTIONS = {"model": ModelSection, "engine": EngineConfig, "server": ServerConfig}

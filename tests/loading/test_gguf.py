@@ -1,0 +1,143 @@
+"""GGUF files, written from the committed fixtures as llama.cpp would write them: exact against
+transformers in float32, quantized ones against a safetensors checkpoint of the same dequantized
+weights, and bad files refused before anything loads."""
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from safetensors.numpy import load_file, save_file
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.loading.gguf import GGUFFile
+from jaxserve.loading.model_source import open_model
+from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
+from tests.support.gguf_files import write_gguf
+from tests.support.hf_parity import check_against_hf
+
+TOKENIZER_MODEL = os.path.join(fixture_dir("llama_gqa"), "tokenizer.model")
+
+
+def fixture_gguf(name: str, path: str, quant_types: dict | None = None) -> str:
+    directory = fixture_dir(name)
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    architecture = config["model_type"] if config["model_type"].startswith("qwen") else "llama"
+    write_gguf(path, config, load_file(os.path.join(directory, "model.safetensors")), quant_types or {},
+               architecture=architecture, tokenizer=("llama", TOKENIZER_MODEL))
+    return path
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mixtral", "qwen3"])
+def test_float32_gguf_matches_transformers(name, tmp_path):
+    """The llama converter's permuted query/key rows are undone; Mixtral's stacked experts are split;
+    Qwen3's per-head q/k norms are found."""
+    llm = LLM(fixture_gguf(name, str(tmp_path / f"{name}.gguf")), **SMALL_ENGINE)
+    check_against_hf(llm, name)
+    for prompt in expected(name)["prompts"]:
+        if prompt["text"] is not None:  # the embedded vocabulary tokenizes as tokenizer.model does
+            assert llm.get_tokenizer().encode(prompt["text"]) == prompt["token_ids"]
+
+
+QUANTIZED_CONFIG = dict(model_type="llama", vocab_size=384, hidden_size=256, intermediate_size=512,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1,
+                        eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32")
+QUANT_TYPES = {"token_embd": T.Q8_0, "attn_q": T.Q4_K, "attn_k": T.Q6_K, "attn_v": T.Q4_0, "attn_output": T.Q4_1,
+               "ffn_gate": T.F16, "ffn_up": T.BF16, "blk.0.ffn_down": T.Q5_K, "blk.1.ffn_down": T.Q5_0,
+               "output": T.Q6_K}
+
+
+def test_quantized_gguf_matches_its_dequantized_weights(tmp_path):
+    """Every supported quantization (256-wide rows for the k-quants), against a safetensors checkpoint
+    of the very weights the GGUF dequantizes to."""
+    from jaxserve.loading.default_model import random_llama_weights
+
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    write_gguf(str(gguf_dir / "model.gguf"), QUANTIZED_CONFIG, random_llama_weights(QUANTIZED_CONFIG), QUANT_TYPES,
+               tokenizer=("llama", TOKENIZER_MODEL))
+    gguf = GGUFFile(str(gguf_dir / "model.gguf"))
+    assert {t.tensor_type for t in gguf.reader.tensors} >= set(QUANT_TYPES.values())
+    reader = gguf.tensor_reader()
+    weights = {name: np.ascontiguousarray(reader.read(name)) for name in reader.names}
+    assert all(np.isfinite(w).all() for w in weights.values())
+    reference_dir = tmp_path / "safetensors"
+    reference_dir.mkdir()
+    save_file(weights, str(reference_dir / "model.safetensors"))
+    (reference_dir / "config.json").write_text(json.dumps(QUANTIZED_CONFIG))
+
+    prompts = [[1] + np.random.default_rng(seed).integers(3, 384, size=n).tolist() for seed, n in enumerate((4, 30))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=4)
+    from_gguf = LLM(str(gguf_dir), **SMALL_ENGINE).generate(prompts, params)  # a directory holding one .gguf
+    reference = LLM(str(reference_dir), **SMALL_ENGINE).generate(prompts, params)
+    for a, b in zip(from_gguf, reference):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert step_a == pytest.approx(step_b, abs=1e-5)
+
+
+def test_gguf_metadata_becomes_the_config(tmp_path):
+    source = open_model(fixture_gguf("llama_mqa_odd", str(tmp_path / "m.gguf"), {"ffn": T.F16}))
+    config = source.config
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.num_layers) == (5, 1, 12, 3)
+    assert config.attention_bias and not config.tie_word_embeddings
+    assert source.checkpoint_dtype == "float32" and source.name == "m.gguf"
+    assert source.tokenizer.eos_token_ids == {2} and source.tokenizer.bos_token_id == 1
+    with open(os.path.join(source.description_dir, "config.json")) as f:
+        assert json.load(f)["num_key_value_heads"] == 1
+    assert open_model(fixture_gguf("llama_mha_tied", str(tmp_path / "t.gguf"))).config.tie_word_embeddings
+
+
+def test_qwen2_gguf_reads_back_its_checkpoint(tmp_path):
+    """Qwen2 (q/k/v biases, tied embeddings; not permuted) tensor for tensor. Its sliding window is not in
+    GGUF metadata, as llama.cpp runs it with full attention, so there is no engine run against transformers."""
+    weights = load_file(os.path.join(fixture_dir("qwen2"), "model.safetensors"))
+    gguf = GGUFFile(fixture_gguf("qwen2", str(tmp_path / "qwen2.gguf")))
+    reader = gguf.tensor_reader()
+    assert set(reader.names) == set(weights)
+    for name, value in weights.items():
+        np.testing.assert_array_equal(reader.read(name), value, err_msg=name)
+    config = open_model(gguf.path).config
+    assert config.model_type == "qwen2" and config.attention_bias and config.tie_word_embeddings
+    assert config.sliding_window is None
+
+
+def _patch_tensor_type(path: str, tensor_name: str, type_id: int) -> None:
+    """Overwrite one tensor's type in the tensor-info table: name (u64 length + bytes), n_dims (u32),
+    dims (u64 each), type (u32)."""
+    data = bytearray(open(path, "rb").read())
+    name = tensor_name.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, type_id)
+    open(path, "wb").write(bytes(data))
+
+
+def test_bad_gguf_files_raise_value_errors_naming_them(tmp_path):
+    good = fixture_gguf("llama_gqa", str(tmp_path / "good.gguf"))
+    size = os.path.getsize(good)
+
+    def refused(path, match):
+        with pytest.raises(ValueError, match=match) as error:
+            open_model(path)
+        assert os.path.basename(path) in str(error.value)
+
+    for name, cut in (("truncated.gguf", size - 1000), ("header_only.gguf", 200)):
+        open(tmp_path / name, "wb").write(open(good, "rb").read()[:cut])
+        refused(str(tmp_path / name), "malformed GGUF")
+    unknown = fixture_gguf("llama_gqa", str(tmp_path / "unknown_type.gguf"))
+    _patch_tensor_type(unknown, "blk.0.attn_q.weight", 99)
+    refused(unknown, "malformed GGUF")
+    unsupported = fixture_gguf("llama_gqa", str(tmp_path / "iq.gguf"))
+    _patch_tensor_type(unsupported, "output_norm.weight", int(T.I32))  # same size as F32; not a weight type
+    refused(unsupported, r"output_norm\.weight has type I32")
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        fixture_gguf("llama_gqa", str(two / name))
+    with pytest.raises(ValueError, match="several GGUF files"):
+        open_model(str(two))

@@ -9,7 +9,8 @@
 llama.cpp's converter permutes the query and key rows of llama-architecture models (its rotary
 embedding pairs adjacent dimensions, Hugging Face's pairs the two halves); reading undoes that.
 Mixtral is "llama" with experts in GGUF; its stacked expert tensors are served per expert.
-The embedded tokenizer is read by gguf_tokenizer.py.
+Llama 3.1's rotary scaling is read back from its rope_freqs tensor (gguf_rope.py). The embedded
+tokenizer is read by gguf_tokenizer.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import os
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
+
+from jaxserve.loading.gguf_rope import llama3_rope_scaling
 
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF architecture -> HF model_type
 GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -65,9 +68,6 @@ class GGUFFile:
             if not can_dequantize(tensor.tensor_type):
                 raise ValueError(f"GGUF file {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which "
                                  f"the gguf package cannot dequantize")
-        if "rope_freqs.weight" in self.tensors:
-            raise ValueError(f"GGUF file {path}: per-dimension rotary frequencies (rope_freqs, as in Llama 3.1) are "
-                             f"not supported yet; load the Hugging Face checkpoint instead")
 
     def _get(self, key: str, default=None):
         return self.metadata.get(f"{self.architecture}.{key}", default)
@@ -104,6 +104,15 @@ class GGUFFile:
         )
         if self._get("rope.scaling.type") == "linear":
             config["rope_scaling"] = dict(rope_type="linear", factor=float(self._get("rope.scaling.factor")))
+        if "rope_freqs.weight" in self.tensors:  # Llama 3.1's scaling, stored as per-frequency divisors
+            tensor = self.tensors["rope_freqs.weight"]
+            try:
+                scaling = llama3_rope_scaling(dequantize(tensor.data, tensor.tensor_type), config["rope_theta"],
+                                              int(self._get("rope.dimension_count") or config["head_dim"]))
+            except ValueError as error:
+                raise ValueError(f"GGUF file {self.path}: {error}") from None
+            if scaling is not None:
+                config["rope_scaling"] = scaling
         if num_experts:
             config.update(num_local_experts=num_experts, num_experts_per_tok=int(self._get("expert_used_count")))
         self._check_layers(num_layers, num_experts)

@@ -31,10 +31,10 @@ def fixture_gguf(name: str, path: str, quant_types: dict | None = None) -> str:
     return path
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "mixtral", "qwen3"])
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa_odd", "mixtral", "qwen3"])
 def test_float32_gguf_matches_transformers(name, tmp_path):
-    """The llama converter's permuted query/key rows are undone; Mixtral's stacked experts are split;
-    Qwen3's per-head q/k norms are found."""
+    """The llama converter's permuted query/key rows are undone; Llama 3 rope scaling is read back from
+    rope_freqs (llama_mqa_odd); Mixtral's stacked experts are split; Qwen3's per-head q/k norms are found."""
     llm = LLM(fixture_gguf(name, str(tmp_path / f"{name}.gguf")), **SMALL_ENGINE)
     check_against_hf(llm, name)
     for prompt in expected(name)["prompts"]:
@@ -90,6 +90,26 @@ def test_gguf_metadata_becomes_the_config(tmp_path):
     with open(os.path.join(source.description_dir, "config.json")) as f:
         assert json.load(f)["num_key_value_heads"] == 1
     assert open_model(fixture_gguf("llama_mha_tied", str(tmp_path / "t.gguf"))).config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("theta, head_dim, scaling", [
+    (500000.0, 128, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    (500000.0, 64, dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    (10000.0, 64, dict(factor=4.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=512)),
+])
+def test_llama3_rope_scaling_is_read_back_from_rope_freqs(theta, head_dim, scaling):
+    """Llama 3.1 (8B/70B), Llama 3.2 (1B/3B), and unusual frequency factors."""
+    from jaxserve.loading.gguf_rope import llama3_divisors, llama3_rope_scaling
+    from tests.support.gguf_files import llama3_rope_factors
+
+    factors = llama3_rope_factors(scaling, theta, head_dim)
+    found = llama3_rope_scaling(factors, theta, head_dim)
+    wavelengths = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    np.testing.assert_allclose(llama3_divisors(found, wavelengths), factors, rtol=1e-5)
+    assert found["factor"] == scaling["factor"] and found["rope_type"] == "llama3"
+    assert llama3_rope_scaling(np.ones(head_dim // 2, np.float32), theta, head_dim) is None
+    with pytest.raises(ValueError, match="no Llama 3"):
+        llama3_rope_scaling(factors[::-1].copy(), theta, head_dim)
 
 
 def test_qwen2_gguf_reads_back_its_checkpoint(tmp_path):

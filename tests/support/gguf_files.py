@@ -39,8 +39,8 @@ def gguf_tensors(hf_config: dict, weights: dict[str, np.ndarray], architecture: 
     tensors, experts = {}, {}
     for name, value in weights.items():
         value = np.asarray(value, np.float32)
-        if name in GLOBAL_NAMES:
-            tensors[GLOBAL_NAMES[name]] = value
+        if name in GLOBAL_NAMES or name == "rope_freqs.weight":
+            tensors[GLOBAL_NAMES.get(name, name)] = value
             continue
         _, _, layer, rest = name.split(".", 3)
         module, suffix = rest.rsplit(".", 1)
@@ -55,6 +55,23 @@ def gguf_tensors(hf_config: dict, weights: dict[str, np.ndarray], architecture: 
     for (layer, kind), by_expert in experts.items():
         tensors[f"blk.{layer}.{kind}.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     return tensors
+
+
+def llama3_rope_factors(scaling: dict, rope_theta: float, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: one divisor per rotary frequency."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+        wavelength = 2 * np.pi / freq
+        if wavelength < context / high:
+            factors.append(1)
+        elif wavelength > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, np.float32)
 
 
 def random_blocks(shape: tuple[int, ...], qtype: T, rng: np.random.Generator) -> np.ndarray:
@@ -88,6 +105,10 @@ def write_gguf(path: str, hf_config: dict, weights: dict[str, np.ndarray], quant
     rope = hf_config.get("rope_parameters") or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta", hf_config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(hf_config.get("rms_norm_eps", 1e-6)))
+    scaling = hf_config.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
+    if scaling and scaling.get("rope_type") == "llama3":
+        weights = {**weights, "rope_freqs.weight": llama3_rope_factors(scaling, rope.get("rope_theta", 10000.0),
+                                                                       head_dim)}
     if hf_config.get("num_local_experts"):
         writer.add_expert_count(hf_config["num_local_experts"])
         writer.add_expert_used_count(hf_config["num_experts_per_tok"])

@@ -21,8 +21,6 @@ import jax
 
 from pallas_kernels.paged_attention import cpu, pallas_gpu, pallas_tpu, reference
 
-pallas = pallas_gpu  # its name before issue #10, still imported by the engine lowering test in tests/kernels
-
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
 
 

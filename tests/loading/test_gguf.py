@@ -87,8 +87,15 @@ def test_gguf_metadata_becomes_the_config(tmp_path):
     assert config.attention_bias and not config.tie_word_embeddings
     assert source.checkpoint_dtype == "float32" and source.name == "m.gguf"
     assert source.tokenizer.eos_token_ids == {2} and source.tokenizer.bos_token_id == 1
-    with open(os.path.join(source.description_dir, "config.json")) as f:
-        assert json.load(f)["num_key_value_heads"] == 1
+    # save_checkpoint copies these files: the saved checkpoint must describe the same model and tokenizer
+    from jaxserve.loading.tokenizer import Tokenizer
+    from jaxserve.models import ModelConfig
+
+    assert ModelConfig.from_model_dir(source.description_dir) == config
+    described = Tokenizer.from_model_dir(source.description_dir)
+    for text in ("Hello world", "<s>hi</s> ünïcode", "def f(x):\n    return x"):
+        assert described.encode(text) == source.tokenizer.encode(text)
+    assert described.eos_token_ids == source.tokenizer.eos_token_ids
     assert open_model(fixture_gguf("llama_mha_tied", str(tmp_path / "t.gguf"))).config.tie_word_embeddings
 
 

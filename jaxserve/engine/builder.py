@@ -87,12 +87,10 @@ def _max_model_len(model: ModelConfig, config: EngineConfig) -> int:
 
 
 def _eos_token_ids(source: ModelSource) -> frozenset[int]:
-    """What generation stops on: the config's (and generation_config's) EOS ids, else the tokenizer's."""
-    eos = set(source.config.eos_token_ids)
-    tokenizer = source.tokenizer
-    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return frozenset(eos)
+    """What generation stops on, as vLLM does: the config's and generation_config's EOS ids and the
+    tokenizer's (a chat model's end-of-turn token may be only the tokenizer's)."""
+    tokenizer_eos = source.tokenizer.eos_token_ids if source.tokenizer is not None else frozenset()
+    return frozenset(source.config.eos_token_ids) | tokenizer_eos
 
 
 def _expert_parallel(model: ModelConfig, config: EngineConfig, mesh: Mesh | None) -> bool:

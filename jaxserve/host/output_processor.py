@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from jaxserve.host.request import RequestStatus, SequenceState
 from jaxserve.host.stop_strings import find_stop_string
-from jaxserve.loading.tokenizer import Tokenizer, detokenize_incrementally, start_detokenizer
+from jaxserve.loading.detokenizer import detokenize_incrementally, flush_detokenizer, start_detokenizer
+from jaxserve.loading.tokenizer import Tokenizer
 
 
 def token_logprobs(row: int, sampled, num_top: int) -> dict[int, float]:
@@ -21,21 +22,24 @@ def append_token(seq: SequenceState, token_id: int, logprobs: dict[int, float] |
     seq.output_token_ids.append(token_id)
     if logprobs is not None:
         seq.output_logprobs.append(logprobs)
+    reason = None
+    if token_id in seq.params.stop_token_ids or (not seq.params.ignore_eos and token_id in eos_token_ids):
+        reason = "stop"
+    elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
+        reason = "length"
     if tokenizer is not None:
         if seq.detokenizer_state is None:
             seq.detokenizer_state = start_detokenizer(seq.num_prompt_tokens)
         new_text = detokenize_incrementally(tokenizer, seq.token_ids, seq.detokenizer_state)
+        if reason is not None:  # the last token: nothing held back waiting for the rest of a character
+            new_text += flush_detokenizer(tokenizer, seq.token_ids, seq.detokenizer_state)
         seq.text += new_text
         if seq.params.stop and new_text:
             index = find_stop_string(seq, new_text)
             if index != -1:
                 seq.text = seq.text[:index]  # the stop string never reaches the caller
                 return "stop"
-    if token_id in seq.params.stop_token_ids or (not seq.params.ignore_eos and token_id in eos_token_ids):
-        return "stop"
-    if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
-        return "length"
-    return None
+    return reason
 
 
 class OutputProcessor:

@@ -13,14 +13,22 @@ Host tier: with one, an evicted page is demoted (its KV copied to host memory, s
 key) instead of dropped, and a later hit promotes it back into a device page. The allocator only
 decides; the engine moves the bytes (pending_demotions before pending_promotions, both before the
 step that may overwrite or read those pages).
+
+Events: every change to which keys a tier holds is recorded (kv_events.py) for whoever mirrors this
+cache from another process, a prefix-aware router. Keys are a stable hash (blake2b), not Python's
+hash(), so that such a mirror computes the same chain from token ids whatever its interpreter.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+
+from jaxserve.host.kv_events import DEVICE, HOST, NO_EVENTS, RankEvents
 
 RESERVED_PAGE = 0
 ROOT_KEY = 0  # the parent key of a sequence's first page
@@ -43,7 +51,9 @@ def num_pages_for(num_tokens: int, page_size: int) -> int:
 
 
 def page_key(parent_key: int, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_key, token_ids))
+    """A signed 64-bit key (a protobuf int64) for a page: the same in every process and on every platform."""
+    data = struct.pack(f"<q{len(token_ids)}q", parent_key, *token_ids)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 @dataclass
@@ -64,22 +74,29 @@ class HostTier:
     def __init__(self, capacity_pages: int):
         self.capacity_pages = capacity_pages
         self.entries: OrderedDict[int, tuple[tuple[int, tuple[int, ...]], object]] = OrderedDict()
+        self.events: RankEvents = NO_EVENTS
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def store(self, key: int, contents: tuple[int, tuple[int, ...]], data) -> None:
+        if key not in self.entries:  # a key demoted again (recomputed meanwhile) is one page, one event
+            self.events.stored(key, contents[0], len(contents[1]), HOST)
         self.entries[key] = (contents, data)
         self.entries.move_to_end(key)
         while len(self.entries) > self.capacity_pages:
-            self.entries.popitem(last=False)
+            self.events.removed(self.entries.popitem(last=False)[0], HOST)
 
     def has(self, key: int, contents: tuple[int, tuple[int, ...]]) -> bool:
         entry = self.entries.get(key)
         return entry is not None and entry[0] == contents
 
     def take(self, key: int):
+        self.events.removed(key, HOST)
         return self.entries.pop(key)[1]
+
+    def clear(self) -> None:
+        self.entries.clear()
 
 
 @dataclass
@@ -125,6 +142,14 @@ class PageAllocator:
         self.session_ttl = session_ttl
         self.clock = clock
         self.kept_until: dict[int, float] = {}  # page -> when its session's preference ends
+        self.events: RankEvents = NO_EVENTS
+
+    def attach_events(self, events: RankEvents) -> None:
+        """Record cache changes from now on; the cache must still be empty, so no change goes unrecorded."""
+        assert not self.pages_by_key and not (self.host_tier and len(self.host_tier)), "attach before caching"
+        self.events = events
+        if self.host_tier is not None:
+            self.host_tier.events = events
 
     @property
     def num_usable_pages(self) -> int:
@@ -187,6 +212,7 @@ class PageAllocator:
         if key is None:
             return
         del self.pages_by_key[key]
+        self.events.removed(key, DEVICE)
         self.page_keys[page] = None
         self.page_contents[page] = None
         self.evicted_keys[key] = None
@@ -221,7 +247,25 @@ class PageAllocator:
             self.page_keys[page] = key
             self.page_contents[page] = (parent_key, token_ids)
             self.evicted_keys.pop(key, None)
+            self.events.stored(key, parent_key, len(token_ids), DEVICE)
         return key
+
+    def clear_prefix_cache(self) -> bool:
+        """Forget every cached page, on the device and in the host tier (as vLLM's reset_prefix_cache).
+        Refused (False) while a sequence holds a cached page: its pages cannot be dropped under it."""
+        if any(self.ref_counts[page] for page in self.pages_by_key.values()):
+            return False
+        for page in list(self.cached_free_pages):
+            self.page_keys[page] = self.page_contents[page] = None
+            self.free_pages.append(page)
+        self.cached_free_pages.clear()
+        self.pages_by_key.clear()
+        self.kept_until.clear()
+        self.pending_demotions.clear()  # their pages have new holders already; only the old bytes would move
+        if self.host_tier is not None:
+            self.host_tier.clear()
+        self.events.cleared()
+        return True
 
     def find_cached_prefix(self, token_ids: list[int], max_tokens: int) -> "CachedPrefix":
         """The longest run of cached full pages that starts token_ids, covering at most max_tokens:

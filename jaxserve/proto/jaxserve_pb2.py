@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1djaxserve/proto/jaxserve.proto\x12\x0bjaxserve.v1\"\xf2\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x89\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\"\xc2\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.jaxserve.v1.TokenLogprobs\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\x13\n\x11ServerInfoRequest\"\xa4\x02\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04mesh\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x11\n\tnum_pages\x18\x05 \x01(\x05\x12\x18\n\x10\x63ompiled_buckets\x18\x06 \x03(\t\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x16\n\x0e\x61ttention_impl\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\x05\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\x16\n\x0enum_free_pages\x18\x0c \x01(\x05\x12\x13\n\x0bnum_running\x18\r \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x0e \x01(\x05\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xb9\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12H\n\rGetServerInfo\x12\x1e.jaxserve.v1.ServerInfoRequest\x1a\x17.jaxserve.v1.ServerInfo\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxserve.v1.DetokenizeRequest\x1a\x1f.jaxserve.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1djaxserve/proto/jaxserve.proto\x12\x0bjaxserve.v1\"\xfd\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\t\n\x01n\x18\x0b \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x89\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\"\xd1\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.jaxserve.v1.TokenLogprobs\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xee\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x06 \x01(\x08\x42\x18\n\x16_add_generation_prompt\"\x13\n\x11ServerInfoRequest\"\xc0\x02\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04mesh\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x11\n\tnum_pages\x18\x05 \x01(\x05\x12\x18\n\x10\x63ompiled_buckets\x18\x06 \x03(\t\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x16\n\x0e\x61ttention_impl\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\x05\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\x16\n\x0enum_free_pages\x18\x0c \x01(\x05\x12\x13\n\x0bnum_running\x18\r \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x0e \x01(\x05\x12\x1a\n\x12system_fingerprint\x18\x0f \x01(\t\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xfc\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12\x41\n\x04\x43hat\x12\x18.jaxserve.v1.ChatRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12H\n\rGetServerInfo\x12\x1e.jaxserve.v1.ServerInfoRequest\x1a\x17.jaxserve.v1.ServerInfo\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxserve.v1.DetokenizeRequest\x1a\x1f.jaxserve.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,27 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxserve.proto.jaxserve_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=47
-  _globals['_SAMPLINGPARAMS']._serialized_end=289
-  _globals['_GENERATEREQUEST']._serialized_start=292
-  _globals['_GENERATEREQUEST']._serialized_end=429
-  _globals['_TOKENLOGPROB']._serialized_start=431
-  _globals['_TOKENLOGPROB']._serialized_end=480
-  _globals['_TOKENLOGPROBS']._serialized_start=482
-  _globals['_TOKENLOGPROBS']._serialized_end=572
-  _globals['_GENERATERESPONSE']._serialized_start=575
-  _globals['_GENERATERESPONSE']._serialized_end=769
-  _globals['_SERVERINFOREQUEST']._serialized_start=771
-  _globals['_SERVERINFOREQUEST']._serialized_end=790
-  _globals['_SERVERINFO']._serialized_start=793
-  _globals['_SERVERINFO']._serialized_end=1085
-  _globals['_TOKENIZEREQUEST']._serialized_start=1087
-  _globals['_TOKENIZEREQUEST']._serialized_end=1118
-  _globals['_TOKENIZERESPONSE']._serialized_start=1120
-  _globals['_TOKENIZERESPONSE']._serialized_end=1157
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1159
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1197
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1199
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1233
-  _globals['_GENERATION']._serialized_start=1236
-  _globals['_GENERATION']._serialized_end=1549
+  _globals['_SAMPLINGPARAMS']._serialized_end=300
+  _globals['_GENERATEREQUEST']._serialized_start=303
+  _globals['_GENERATEREQUEST']._serialized_end=440
+  _globals['_TOKENLOGPROB']._serialized_start=442
+  _globals['_TOKENLOGPROB']._serialized_end=491
+  _globals['_TOKENLOGPROBS']._serialized_start=493
+  _globals['_TOKENLOGPROBS']._serialized_end=583
+  _globals['_GENERATERESPONSE']._serialized_start=586
+  _globals['_GENERATERESPONSE']._serialized_end=795
+  _globals['_CHATMESSAGE']._serialized_start=797
+  _globals['_CHATMESSAGE']._serialized_end=841
+  _globals['_CHATREQUEST']._serialized_start=844
+  _globals['_CHATREQUEST']._serialized_end=1082
+  _globals['_SERVERINFOREQUEST']._serialized_start=1084
+  _globals['_SERVERINFOREQUEST']._serialized_end=1103
+  _globals['_SERVERINFO']._serialized_start=1106
+  _globals['_SERVERINFO']._serialized_end=1426
+  _globals['_TOKENIZEREQUEST']._serialized_start=1428
+  _globals['_TOKENIZEREQUEST']._serialized_end=1459
+  _globals['_TOKENIZERESPONSE']._serialized_start=1461
+  _globals['_TOKENIZERESPONSE']._serialized_end=1498
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1500
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1538
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1540
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1574
+  _globals['_GENERATION']._serialized_start=1577
+  _globals['_GENERATION']._serialized_end=1957
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logprobs", "stop_token_ids")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logprobs", "stop_token_ids", "n")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -28,7 +29,8 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     logprobs: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    n: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "sampling", "session_id")
@@ -63,7 +65,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "logprobs", "request_id")
+    __slots__ = ("token_ids", "text", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "logprobs", "request_id", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +73,7 @@ class GenerateResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
@@ -78,14 +81,39 @@ class GenerateResponse(_message.Message):
     num_cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     request_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatRequest(_message.Message):
+    __slots__ = ("request_id", "messages", "sampling", "session_id", "add_generation_prompt", "continue_final_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    sampling: SamplingParams
+    session_id: str
+    add_generation_prompt: bool
+    continue_final_message: bool
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class ServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "dtype", "mesh", "page_size", "num_pages", "compiled_buckets", "max_model_len", "version", "attention_impl", "max_num_seqs", "vocab_size", "num_free_pages", "num_running", "num_waiting")
+    __slots__ = ("model", "dtype", "mesh", "page_size", "num_pages", "compiled_buckets", "max_model_len", "version", "attention_impl", "max_num_seqs", "vocab_size", "num_free_pages", "num_running", "num_waiting", "system_fingerprint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +128,7 @@ class ServerInfo(_message.Message):
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     mesh: str
@@ -114,7 +143,8 @@ class ServerInfo(_message.Message):
     num_free_pages: int
     num_running: int
     num_waiting: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., mesh: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., compiled_buckets: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ..., attention_impl: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+    system_fingerprint: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., mesh: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., compiled_buckets: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ..., attention_impl: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., system_fingerprint: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)

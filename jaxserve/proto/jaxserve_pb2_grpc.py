@@ -39,6 +39,11 @@ class GenerationStub:
                 request_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/jaxserve.v1.Generation/Chat',
+                request_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.ChatRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/jaxserve.v1.Generation/GetServerInfo',
                 request_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.ServerInfoRequest.SerializeToString,
@@ -68,6 +73,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Chat(self, request, context):
+        """Generate for a conversation: the messages rendered through the model's chat template (or the
+        server's server.chat_template), the rendered text tokenized without adding special tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetServerInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -92,6 +105,11 @@ def add_GenerationServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.GenerateRequest.FromString,
+                    response_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.ChatRequest.FromString,
                     response_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.GenerateResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
@@ -136,6 +154,33 @@ class Generation:
             target,
             '/jaxserve.v1.Generation/Generate',
             jaxserve_dot_proto_dot_jaxserve__pb2.GenerateRequest.SerializeToString,
+            jaxserve_dot_proto_dot_jaxserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/jaxserve.v1.Generation/Chat',
+            jaxserve_dot_proto_dot_jaxserve__pb2.ChatRequest.SerializeToString,
             jaxserve_dot_proto_dot_jaxserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,

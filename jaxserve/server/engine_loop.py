@@ -21,7 +21,7 @@ import uuid
 from jaxserve.engine import Engine
 from jaxserve.host.request import RequestOutput, SamplingParams
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.request_stream import RequestStream
+from jaxserve.server.request_stream import Delta, RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,9 @@ class EngineLoop:
                 raise Overloaded(f"{in_flight} requests in flight, the limit is {self.max_in_flight}")
             self._num_reserved += 1
         try:
-            if params.n != 1:
-                raise ValueError("the server streams one completion per request (n = 1)")
+            if params.n > self.description.max_num_seqs:  # n sequences for one in-flight slot: bounded
+                raise ValueError(f"n ({params.n}) is more than the engine runs at once "
+                                 f"(engine.max_num_seqs = {self.description.max_num_seqs})")
             prompt_token_ids = self.engine.tokenize(prompt)  # read-only: safe off the loop thread
             self.engine.validate(prompt_token_ids, params)
             request_id = request_id or f"req-{uuid.uuid4().hex}"
@@ -103,6 +104,10 @@ class EngineLoop:
     def begin_drain(self) -> None:
         with self._lock:
             self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     def wait_until_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -142,6 +147,7 @@ class EngineLoop:
     def _observe(self) -> None:
         self.stats = self.engine.stats()
         self.metrics.observe_engine(self.stats)
+        self.engine.kv_events().publish(self.stats)  # wakes SubscribeKVEvents streams (routers)
 
     def _apply_commands(self) -> bool:
         """Apply queued adds and aborts; returns whether there were any."""
@@ -187,8 +193,14 @@ class EngineLoop:
             stream = self.streams.get(output.request_id)
         if stream is None:
             return
+        for completion in output.outputs:
+            delta = stream.delta_from(output, completion.index)
+            # with n > 1 an output carries every completion, most with nothing new for their clients
+            if delta is not None and (delta.token_ids or delta.text or delta.finish_reason is not None):
+                self._deliver_delta(stream, delta)
+
+    def _deliver_delta(self, stream: RequestStream, delta: Delta) -> None:
         now = time.perf_counter()
-        delta = stream.delta_from(output)
         if delta.token_ids:
             if stream.last_message_at is None:
                 self.metrics.ttft.observe(now - stream.submitted_at)
@@ -199,7 +211,8 @@ class EngineLoop:
         stream.put(delta)
         if delta.finish_reason is not None:
             self.metrics.requests.labels(delta.finish_reason).inc()
-            self.metrics.e2e.observe(now - stream.submitted_at)
+            if stream.finished:
+                self.metrics.e2e.observe(now - stream.submitted_at)
 
     def _finish(self, stream: RequestStream, reason: str, message: str = "") -> None:
         if not stream.finished:

@@ -5,6 +5,10 @@ into the waiting one. A slow reader therefore costs its own output (bounded by m
 never a growing queue, and the engine thread never blocks on a client. A stream whose consumer has
 been stuck handing a message to its client for longer than the idle timeout is expired: its request
 is aborted and its RPC cancelled (on_expire).
+
+A request with n > 1 streams n completions; each delta names its completion (index), and each
+completion has its own waiting message. The stream ends once every completion's last delta is taken.
+A consumer on an asyncio loop (the HTTP API) sets on_put to be woken instead of blocking in take().
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ class Delta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    index: int = 0  # which of the request's n completions this continues
 
     def merged(self, later: "Delta") -> "Delta":
         logprobs = None if self.logprobs is None and later.logprobs is None else \
             (self.logprobs or []) + (later.logprobs or [])
         return Delta(self.token_ids + later.token_ids, self.text + later.text, logprobs, later.finish_reason,
                      later.num_prompt_tokens or self.num_prompt_tokens,
-                     later.num_cached_tokens or self.num_cached_tokens)
+                     later.num_cached_tokens or self.num_cached_tokens, self.index)
 
 
 class RequestStream:
@@ -44,63 +49,79 @@ class RequestStream:
         self.num_prompt_tokens = num_prompt_tokens
         self.submitted_at = time.perf_counter()
         self.last_message_at: float | None = None
-        self.num_sent_tokens = 0
-        self.num_sent_chars = 0
+        self.num_sent_tokens = [0] * params.n  # per completion
+        self.num_sent_chars = [0] * params.n
+        self._made_final: set[int] = set()  # completions whose last delta delta_from has made
+        self._unfinished = set(range(params.n))  # completions whose last delta has not been put
         # text held back while it could still turn out to start a stop string
         self.holdback_chars = max((len(stop) for stop in params.stop), default=1) - 1
         self.finished = False  # the engine is done with it: its last delta is waiting or taken
         self.expired = False
         self.on_expire: Callable[[], None] | None = None  # cancels the RPC (set by the service)
         self.sending_since: float | None = None  # monotonic time the consumer began handing over a message
-        self._pending: Delta | None = None
+        self.on_put: Callable[[], None] | None = None  # wakes an asyncio consumer (engine thread; must not block)
+        self._pending: dict[int, Delta] = {}  # by completion index
         self._condition = threading.Condition()
 
-    def delta_from(self, output: RequestOutput) -> Delta:
-        """The engine thread's view of what is new in `output` (called once per output)."""
-        completion = output.outputs[0]
+    def delta_from(self, output: RequestOutput, index: int = 0) -> Delta | None:
+        """The engine thread's view of what is new in completion `index` of `output` (called once per
+        output and completion); None once that completion's last delta has been made."""
+        if index in self._made_final:
+            return None
+        completion = output.outputs[index]
         finished = completion.finish_reason is not None
+        sent_tokens, sent_chars = self.num_sent_tokens[index], self.num_sent_chars[index]
         visible = len(completion.text) if finished else max(len(completion.text) - self.holdback_chars, 0)
-        visible = max(visible, self.num_sent_chars)
+        visible = max(visible, sent_chars)
         delta = Delta(
-            token_ids=completion.token_ids[self.num_sent_tokens:],
-            text=completion.text[self.num_sent_chars:visible],
-            logprobs=completion.logprobs[self.num_sent_tokens:] if completion.logprobs is not None else None,
+            token_ids=completion.token_ids[sent_tokens:],
+            text=completion.text[sent_chars:visible],
+            logprobs=completion.logprobs[sent_tokens:] if completion.logprobs is not None else None,
             finish_reason=completion.finish_reason,
             num_prompt_tokens=len(output.prompt_token_ids),
-            num_cached_tokens=output.num_cached_tokens)
-        self.num_sent_tokens = len(completion.token_ids)
-        self.num_sent_chars = visible
+            num_cached_tokens=output.num_cached_tokens, index=index)
+        self.num_sent_tokens[index] = len(completion.token_ids)
+        self.num_sent_chars[index] = visible
+        if finished:
+            self._made_final.add(index)
         return delta
 
     def put(self, delta: Delta) -> None:
         """Never blocks: merges into a message the consumer has not taken yet."""
         with self._condition:
-            if self.finished:
+            if delta.index not in self._unfinished:
                 return
-            self.finished = delta.finish_reason is not None
-            self._pending = delta if self._pending is None else self._pending.merged(delta)
+            if delta.finish_reason is not None:
+                self._unfinished.discard(delta.index)
+                self.finished = not self._unfinished
+            waiting = self._pending.get(delta.index)
+            self._pending[delta.index] = delta if waiting is None else waiting.merged(delta)
             self._condition.notify()
+        if self.on_put is not None:
+            self.on_put()
 
     def finish(self, reason: str, message: str = "") -> None:
-        self.put(Delta([], message, None, reason, self.num_prompt_tokens, 0))
+        """End every completion still running (an abort, an error, an expiry)."""
+        for index in sorted(self._unfinished):
+            self.put(Delta([], message, None, reason, self.num_prompt_tokens, 0, index))
 
     def take(self, timeout: float | None = None) -> Delta | None:
-        """The next message (everything new since the last one), or None after `timeout` seconds."""
+        """The next message (everything new in one completion since its last one), or None after
+        `timeout` seconds."""
         with self._condition:
-            if not self._condition.wait_for(lambda: self._pending is not None, timeout):
+            if not self._condition.wait_for(lambda: self._pending, timeout):
                 return None
-            delta, self._pending = self._pending, None
-            return delta
+            return self._pending.pop(min(self._pending))
 
     def __iter__(self):
-        """Messages until the one with a finish reason; time spent handing each over is watched."""
-        while True:
+        """Messages until every completion's last one; time spent handing each over is watched."""
+        num_finished = 0
+        while num_finished < len(self.num_sent_tokens):
             delta = self.take()
             self.sending_since = time.monotonic()
             yield delta
             self.sending_since = None
-            if delta.finish_reason is not None:
-                return
+            num_finished += delta.finish_reason is not None
 
     def is_stuck(self, now: float, idle_timeout: float) -> bool:
         since = self.sending_since

@@ -11,6 +11,8 @@ import jaxserve
 from jaxserve.host.request import SamplingParams
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server import limits as request_limits
+from jaxserve.server.chat_prompt import chat_prompt_token_ids
+from jaxserve.server.kv_events_service import router_info
 from jaxserve.server.engine_loop import Draining, EngineLoop, Overloaded
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.request_stream import Delta
@@ -23,6 +25,7 @@ def sampling_params_from_proto(sampling: pb.SamplingParams) -> SamplingParams:
     if any(not math.isfinite(v) for v in (sampling.temperature, sampling.top_p, sampling.min_p)):
         raise ValueError("temperature, top_p and min_p must be finite numbers")
     return SamplingParams(
+        n=sampling.n or 1,
         max_tokens=sampling.max_tokens or DEFAULT_MAX_TOKENS,
         temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
         top_k=sampling.top_k,
@@ -53,16 +56,21 @@ def response_from_delta(delta: Delta, request_id: str) -> pb.GenerateResponse:
             top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in sorted(top.items(), key=lambda kv: -kv[1])]))
     return pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text, finish_reason=delta.finish_reason or "",
                                num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
-                               logprobs=logprobs, request_id=request_id)
+                               logprobs=logprobs, request_id=request_id, index=delta.index)
 
 
 class GenerationService:
     def __init__(self):
         self.loop: EngineLoop | None = None  # set, with the limits, once the engine has warmed up
         self.limits: RequestLimits | None = None
+        self.chat_template: str | None = None  # server.chat_template; None: the model's own
+        self.system_fingerprint = ""
 
-    def attach(self, loop: EngineLoop, limits: RequestLimits) -> None:
+    def attach(self, loop: EngineLoop, limits: RequestLimits, chat_template: str | None = None,
+               system_fingerprint: str = "") -> None:
         self.limits = limits
+        self.chat_template = chat_template
+        self.system_fingerprint = system_fingerprint
         self.loop = loop
 
     def _ready_loop(self, context) -> EngineLoop:
@@ -72,9 +80,30 @@ class GenerationService:
 
     def Generate(self, request: pb.GenerateRequest, context):
         loop = self._ready_loop(context)
+        yield from self._stream(loop, context, request.request_id, request.session_id,
+                                lambda: checked_request(self.limits, request))
+
+    def Chat(self, request: pb.ChatRequest, context):
+        loop = self._ready_loop(context)
+        yield from self._stream(loop, context, request.request_id, request.session_id,
+                                lambda: self._checked_chat(loop, request))
+
+    def _checked_chat(self, loop: EngineLoop, request: pb.ChatRequest) -> tuple[list[int], SamplingParams]:
+        request_limits.check_ids(self.limits, request_id=request.request_id, session_id=request.session_id)
+        request_limits.check_stops(self.limits, request.sampling.stop, request.sampling.stop_token_ids)
+        params = sampling_params_from_proto(request.sampling)
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") \
+            else not request.continue_final_message
+        token_ids = chat_prompt_token_ids(loop.engine.tokenizer, self.limits, messages, self.chat_template,
+                                          add_generation_prompt, request.continue_final_message)
+        return token_ids, params
+
+    def _stream(self, loop: EngineLoop, context, request_id: str, session_id: str, checked):
+        """Submit what checked() returns (prompt, params) and yield its messages."""
         try:
-            prompt, params = checked_request(self.limits, request)
-            stream = loop.submit(prompt, params, request.request_id, request.session_id or None)
+            prompt, params = checked()
+            stream = loop.submit(prompt, params, request_id, session_id or None)
         except ValueError as error:
             loop.metrics.rejected.labels("INVALID_ARGUMENT").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -97,12 +126,14 @@ class GenerationService:
         info, stats = loop.description, loop.stats
         shapes = [f"{kind}(tokens={tokens}, seqs={seqs}, pages={pages})"
                   for kind, tokens, seqs, pages in info.compiled_buckets]
-        return pb.ServerInfo(model=info.model_name, dtype=info.dtype, mesh=info.mesh, page_size=info.page_size,
+        reply = pb.ServerInfo(model=info.model_name, dtype=info.dtype, mesh=info.mesh, page_size=info.page_size,
                              num_pages=info.num_pages, compiled_buckets=shapes, max_model_len=info.max_model_len,
                              version=jaxserve.__version__, attention_impl=info.attention_impl,
                              max_num_seqs=info.max_num_seqs, vocab_size=info.vocab_size,
                              num_free_pages=stats["kv_pages_free"], num_running=stats["num_running"],
-                             num_waiting=stats["num_waiting"])
+                             num_waiting=stats["num_waiting"], system_fingerprint=self.system_fingerprint)
+        reply.MergeFrom(router_info(info, stats))
+        return reply
 
     def _tokenizer(self, context):
         tokenizer = self._ready_loop(context).engine.tokenizer

@@ -1,0 +1,52 @@
+"""Conversations as prompt token ids, for both APIs (gRPC Chat, OpenAI /v1/chat/completions).
+
+The same steps as LLM.chat: loading/chat_template.py renders the messages (OpenAI text parts
+joined), and the text is tokenized without adding special tokens, since the template writes its own
+BOS. The messages' text is held to server.max_prompt_bytes before the template, an untrusted
+program, runs over it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxserve.loading.chat_template import render_chat, text_content
+from jaxserve.server import limits as request_limits
+from jaxserve.server.limits import RequestLimits
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """server.chat_template: a file holding a jinja template, or the template itself (as vLLM's
+    --chat-template); None: the model's own."""
+    if value is None or not os.path.isfile(value):
+        return value
+    try:
+        with open(value) as f:
+            return f.read()
+    except OSError as error:
+        raise ValueError(f"cannot read server.chat_template {value}: {error}") from None
+
+
+def message_text(messages: list) -> str:
+    """All the text a conversation carries (string contents and text parts), for the size check."""
+    texts = []
+    for message in text_content(messages):
+        if not isinstance(message, dict):
+            raise ValueError("chat messages must be objects like {'role': 'user', 'content': '...'}")
+        texts += [str(message.get("role", "")), str(message.get("content") or "")]
+    return "".join(texts)
+
+
+def chat_prompt_token_ids(tokenizer, limits: RequestLimits, messages: list, chat_template: str | None = None,
+                          add_generation_prompt: bool = True, continue_final_message: bool = False,
+                          tools: list | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """The prompt's token ids; ValueError for messages over the limits, a model without a tokenizer or
+    a template, or a template that fails."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, so it cannot render chats")
+    request_limits.check_text(limits, message_text(messages))
+    text = render_chat(tokenizer, text_content(messages), chat_template=chat_template,
+                       add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       tools=tools, **(template_kwargs or {}))
+    request_limits.check_text(limits, text)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -22,6 +22,7 @@ from jaxserve.engine import Engine
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
 from jaxserve.server.config_file import ServeConfig, load_config
 from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.kv_events_service import kv_events_handler
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.metrics_http import start_metrics_server
@@ -53,9 +54,10 @@ class Server:
         options = [("grpc.max_receive_message_length", server.max_message_bytes),
                    ("grpc.max_send_message_length", server.max_message_bytes),
                    ("grpc.keepalive_time_ms", KEEPALIVE_MS)]
+        kv_events, self.kv_events_pool = kv_events_handler(self.service)
         interceptors = [ApiKeyInterceptor(self.api_keys, self.pools.quick)] if self.api_keys else []
         self.grpc_server = grpc.server(
-            self.pools.default, handlers=[generation_handler(self.service, self.pools),
+            self.pools.default, handlers=[generation_handler(self.service, self.pools), kv_events,
                                           health_handler(self.health, self.pools)],
             interceptors=interceptors, options=options)
         address = f"{server.host}:{server.port}"
@@ -121,6 +123,7 @@ class Server:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         self.pools.shutdown()
+        self.kv_events_pool.shutdown(wait=False, cancel_futures=True)
         self.stopped.set()
 
 

@@ -9,6 +9,7 @@ rank has its own scheduler over its own pages; a step runs all ranks' chunks at 
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 
@@ -16,7 +17,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.models.config import ModelConfig
 from jaxserve.device.step_inputs import build_ranked_inputs, step_shape
 from jaxserve.engine.builder import EngineParts, build_engine
-from jaxserve.engine.stats import EngineDescription, EngineLoad, describe_engine, engine_load, engine_stats
+from jaxserve.engine.stats import (EngineDescription, EngineLoad, StepTimings, describe_engine, engine_load,
+                                   engine_stats)
+from jaxserve.host.kv_events import KVEventLog
 from jaxserve.host.output_processor import OutputProcessor
 from jaxserve.host.page_allocator import num_pages_for
 from jaxserve.host.request import Request, RequestOutput, SamplingParams, SequenceState
@@ -43,6 +46,10 @@ class Engine:
         self._arrivals = itertools.count()
         self._seed_rng = np.random.default_rng(parts.config.seed)
         self.num_steps = 0
+        self.timings = StepTimings()
+        self._kv_events = KVEventLog()
+        for rank, scheduler in enumerate(self.schedulers):
+            scheduler.allocator.attach_events(self._kv_events.for_rank(rank))
 
     @classmethod
     def from_model(cls, model_path: str, config: EngineConfig) -> "Engine":
@@ -128,11 +135,15 @@ class Engine:
         if all(schedule.is_empty for schedule in schedules):
             return []
         self._move_host_tier_pages()
+        started = time.perf_counter()
+        num_prefill_tokens = sum(chunk.num_tokens for s in schedules for chunk in s.prefills)
         dispatched = [(per_rank, self._dispatch(per_rank, is_decode)) for is_decode in (False, True)
                       if any(per_rank := [s.decodes if is_decode else s.prefills for s in schedules])]
         progressed = set()
-        for per_rank, pending in dispatched:
+        for index, (per_rank, pending) in enumerate(dispatched):
             progressed |= self._postprocess(per_rank, pending.fetch())
+            if index == 0 and num_prefill_tokens:  # prefills go first: this is when they are done
+                self.timings.observe_prefill(time.perf_counter() - started, num_prefill_tokens)
         self.num_steps += 1
         if self.experts is not None:
             self.experts.maybe_rebalance(self.num_steps)
@@ -174,8 +185,10 @@ class Engine:
                     allocator.host_tier.store(key, contents, host_page)
             if allocator.pending_promotions:
                 promoted, allocator.pending_promotions = allocator.pending_promotions, []
+                started = time.perf_counter()
                 self.runner.write_pages([offset + page for page, _ in promoted],
                                         [host_page for _, host_page in promoted])
+                self.timings.observe_swap_in(time.perf_counter() - started, len(promoted))
 
     # -- checkpoints, experts, reporting ----------------------------------------------------------
 
@@ -201,3 +214,13 @@ class Engine:
 
     def load(self) -> EngineLoad:
         return engine_load(self)
+
+    def kv_events(self) -> KVEventLog:
+        """The prefix cache's page events (host/kv_events.py): what a router subscribes to."""
+        return self._kv_events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached page on every rank; False (nothing forgotten) while requests run."""
+        if self.has_unfinished_requests():
+            return False
+        return all([scheduler.allocator.clear_prefix_cache() for scheduler in self.schedulers])

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import jax
 
+from jaxserve.engine.fingerprint import model_fingerprint
 from jaxserve.host.page_allocator import PrefixCacheStats
 
 
@@ -26,6 +27,28 @@ class EngineDescription:
     compiled_buckets: tuple[tuple[str, int, int, int], ...]  # (kind, num_tokens, num_seqs, pages_per_seq)
     num_executables: int
     warmup_seconds: float
+    model_fingerprint: str = ""  # engine/fingerprint.py: equal on two replicas means the same model
+    host_tier_pages: int = 0  # what the host tier can hold, over all ranks
+
+
+@dataclass
+class StepTimings:
+    """Measured while serving, for a router's time-to-first-token predictions: moving averages of the
+    wall time per prefill token (of the steps that prefill; their decodes ride along) and per page
+    brought back from the host tier. 0 until measured."""
+
+    prefill_seconds_per_token: float = 0.0
+    swap_in_seconds_per_page: float = 0.0
+    weight: float = 0.2  # of the newest measurement
+
+    def _average(self, old: float, new: float) -> float:
+        return new if old == 0.0 else (1 - self.weight) * old + self.weight * new
+
+    def observe_prefill(self, seconds: float, num_tokens: int) -> None:
+        self.prefill_seconds_per_token = self._average(self.prefill_seconds_per_token, seconds / num_tokens)
+
+    def observe_swap_in(self, seconds: float, num_pages: int) -> None:
+        self.swap_in_seconds_per_page = self._average(self.swap_in_seconds_per_page, seconds / num_pages)
 
 
 @dataclass(frozen=True)
@@ -53,7 +76,10 @@ def describe_engine(engine) -> EngineDescription:
         num_pages=sum(s.allocator.num_usable_pages for s in engine.schedulers),
         max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs,
         vocab_size=engine.model_config.vocab_size, compiled_buckets=buckets,
-        num_executables=len(engine.runner.executables), warmup_seconds=round(engine.runner.warmup_seconds, 3))
+        num_executables=len(engine.runner.executables), warmup_seconds=round(engine.runner.warmup_seconds, 3),
+        model_fingerprint=model_fingerprint(engine.parts.source),
+        host_tier_pages=sum(s.allocator.host_tier.capacity_pages for s in engine.schedulers
+                            if s.allocator.host_tier is not None))
 
 
 def engine_load(engine) -> EngineLoad:
@@ -77,6 +103,9 @@ def engine_stats(engine) -> dict:
         "warmup_seconds": round(engine.runner.warmup_seconds, 3),
         "num_running": load.num_running,
         "num_waiting": load.num_waiting,
+        "num_tokens_waiting_prefill": load.num_tokens_waiting_prefill,
+        "prefill_seconds_per_token": engine.timings.prefill_seconds_per_token,
+        "swap_in_seconds_per_page": engine.timings.swap_in_seconds_per_page,
         "num_preemptions": sum(s.num_preemptions for s in engine.schedulers),
         "num_steps": engine.num_steps,
         "num_prompt_tokens": engine.outputs.num_prompt_tokens,

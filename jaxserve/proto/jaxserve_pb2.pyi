@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -113,7 +114,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "dtype", "mesh", "page_size", "num_pages", "compiled_buckets", "max_model_len", "version", "attention_impl", "max_num_seqs", "vocab_size", "num_free_pages", "num_running", "num_waiting", "system_fingerprint")
+    __slots__ = ("model", "dtype", "mesh", "page_size", "num_pages", "compiled_buckets", "max_model_len", "version", "attention_impl", "max_num_seqs", "vocab_size", "num_free_pages", "num_running", "num_waiting", "system_fingerprint", "model_fingerprint", "prefill_seconds_per_token", "swap_in_seconds_per_page", "num_tokens_waiting_prefill", "host_tier_pages", "instance_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +130,12 @@ class ServerInfo(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_SECONDS_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_WAITING_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_PAGES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     mesh: str
@@ -144,7 +151,13 @@ class ServerInfo(_message.Message):
     num_running: int
     num_waiting: int
     system_fingerprint: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., mesh: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., compiled_buckets: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ..., attention_impl: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., system_fingerprint: _Optional[str] = ...) -> None: ...
+    model_fingerprint: str
+    prefill_seconds_per_token: float
+    swap_in_seconds_per_page: float
+    num_tokens_waiting_prefill: int
+    host_tier_pages: int
+    instance_id: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., mesh: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., compiled_buckets: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ..., attention_impl: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., system_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., host_tier_pages: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)
@@ -169,3 +182,69 @@ class DetokenizeResponse(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class SubscribeKVEventsRequest(_message.Message):
+    __slots__ = ("heartbeat_ms",)
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_ms: int
+    def __init__(self, heartbeat_ms: _Optional[int] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("kind", "key", "parent_key", "num_tokens", "tier", "rank")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STORED: _ClassVar[KVEvent.Kind]
+        REMOVED: _ClassVar[KVEvent.Kind]
+        CLEARED: _ClassVar[KVEvent.Kind]
+    STORED: KVEvent.Kind
+    REMOVED: KVEvent.Kind
+    CLEARED: KVEvent.Kind
+    class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        DEVICE: _ClassVar[KVEvent.Tier]
+        HOST: _ClassVar[KVEvent.Tier]
+    DEVICE: KVEvent.Tier
+    HOST: KVEvent.Tier
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    kind: KVEvent.Kind
+    key: int
+    parent_key: int
+    num_tokens: int
+    tier: KVEvent.Tier
+    rank: int
+    def __init__(self, kind: _Optional[_Union[KVEvent.Kind, str]] = ..., key: _Optional[int] = ..., parent_key: _Optional[int] = ..., num_tokens: _Optional[int] = ..., tier: _Optional[_Union[KVEvent.Tier, str]] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class ReplicaLoad(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "num_free_pages", "num_tokens_waiting_prefill", "prefill_seconds_per_token", "swap_in_seconds_per_page")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_WAITING_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_SECONDS_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_tokens_waiting_prefill: int
+    prefill_seconds_per_token: float
+    swap_in_seconds_per_page: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("sequence", "snapshot", "events", "load", "instance_id")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    snapshot: bool
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    load: ReplicaLoad
+    instance_id: str
+    def __init__(self, sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...

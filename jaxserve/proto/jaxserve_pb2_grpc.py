@@ -59,6 +59,11 @@ class GenerationStub:
                 request_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKVEvents = channel.unary_stream(
+                '/jaxserve.v1.Generation/SubscribeKVEvents',
+                request_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.SubscribeKVEventsRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -99,6 +104,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKVEvents(self, request, context):
+        """The replica's prefix cache as numbered page events, for a prefix-aware router: first a snapshot,
+        then the changes as they happen, each batch with the replica's load; a batch at least every
+        heartbeat. A subscriber that sees a gap in the numbers subscribes again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +140,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.DetokenizeRequest.FromString,
                     response_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'SubscribeKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKVEvents,
+                    request_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.SubscribeKVEventsRequest.FromString,
+                    response_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +282,33 @@ class Generation:
             '/jaxserve.v1.Generation/Detokenize',
             jaxserve_dot_proto_dot_jaxserve__pb2.DetokenizeRequest.SerializeToString,
             jaxserve_dot_proto_dot_jaxserve__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/jaxserve.v1.Generation/SubscribeKVEvents',
+            jaxserve_dot_proto_dot_jaxserve__pb2.SubscribeKVEventsRequest.SerializeToString,
+            jaxserve_dot_proto_dot_jaxserve__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,7 @@
-"""Hostile clients for bench/serving.py --hostile KIND: each kind runs in background threads, one
-closed loop per thread (resend as soon as the previous call ends), until stopped. They are the
-cases of issue #18; the benchmark compares well-behaved clients' latency with and without them.
+"""Hostile clients for bench/serving.py --hostile KIND: each kind runs in threads of a process of its
+own (so that building and sending its requests does not slow the measuring client), one closed loop
+per thread (resend as soon as the previous call ends), until stopped. They are the cases of issue
+#18; the benchmark compares well-behaved clients' latency with and without them.
 
     big-prompts   4 clients sending 3.9 MB text prompts
     many-stops    1 client sending requests with 200k stop strings (about 2.5 MB)
@@ -10,6 +11,7 @@ cases of issue #18; the benchmark compares well-behaved clients' latency with an
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 
 import grpc
@@ -32,7 +34,7 @@ def _requests(kind: str):
     raise ValueError(f"unknown hostile kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 
-def _loop(target: str, connection: Connection, request, stop: threading.Event, counts: dict) -> None:
+def _loop(target: str, connection: Connection, request, stop, counts: dict) -> None:
     client = Client(target, connection)
     while not stop.is_set():
         try:
@@ -44,7 +46,7 @@ def _loop(target: str, connection: Connection, request, stop: threading.Event, c
     client.close()
 
 
-def _unread_loop(target: str, connection: Connection, stop: threading.Event, counts: dict) -> None:
+def _unread_loop(target: str, connection: Connection, stop, counts: dict) -> None:
     """Opens a stream that is never read, and a new one whenever the server ends it."""
     request = build_request([1, 4, 4], max_tokens=200, ignore_eos=True, logprobs=5)
     while not stop.is_set():
@@ -58,9 +60,8 @@ def _unread_loop(target: str, connection: Connection, stop: threading.Event, cou
         channel.close()
 
 
-def start(kind: str, target: str, connection: Connection, max_num_seqs: int) -> tuple[threading.Event, dict]:
-    """Starts the hostile clients; set the returned event to stop them. The dict counts outcomes."""
-    stop = threading.Event()
+def _run(kind: str, target: str, connection: Connection, max_num_seqs: int, stop, results) -> None:
+    """The hostile process: runs the clients until `stop` is set, then reports their outcomes."""
     counts = {"accepted": 0, "opened": 0}
     if kind == "unread":
         threads = [threading.Thread(target=_unread_loop, args=(target, connection, stop, counts), daemon=True)
@@ -71,4 +72,23 @@ def start(kind: str, target: str, connection: Connection, max_num_seqs: int) -> 
                    for _ in range(num_clients)]
     for thread in threads:
         thread.start()
-    return stop, counts
+    stop.wait()
+    for thread in threads:
+        thread.join(timeout=70)
+    results.put(counts)
+
+
+class HostileClients:
+    def __init__(self, kind: str, target: str, connection: Connection, max_num_seqs: int):
+        context = multiprocessing.get_context("spawn")
+        self._stop, self._results = context.Event(), context.Queue()
+        self._process = context.Process(target=_run, args=(kind, target, connection, max_num_seqs, self._stop,
+                                                           self._results), daemon=True)
+        self._process.start()
+
+    def stop(self) -> dict:
+        """Stops the clients; returns how their calls ended, by status."""
+        self._stop.set()
+        counts = self._results.get(timeout=120)
+        self._process.join(timeout=10)
+        return counts

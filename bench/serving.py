@@ -196,10 +196,10 @@ async def main_async(args) -> None:
     if args.hostile:
         import hostile
 
-        stop, counts = hostile.start(args.hostile, args.target, connection, info.max_num_seqs)
-        await asyncio.sleep(2.0)  # let the hostile clients get going
+        clients = hostile.HostileClients(args.hostile, args.target, connection, info.max_num_seqs)
+        await asyncio.sleep(5.0)  # let the hostile process start and its clients get going
         results, start, elapsed = await run_once(args, info, connection)
-        stop.set()
+        counts = clients.stop()
         beside = report(results, elapsed, args)
         ratios = {f"{metric}_p50_ratio": round(beside[metric]["p50_ms"] / alone[metric]["p50_ms"], 3)
                   for metric in ("ttft", "e2e_latency") if alone[metric] and beside[metric]}

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 # A token rarely spans more bytes than this; a longer text cannot fit into max_model_len tokens.
 PROMPT_BYTES_PER_TOKEN = 16
+# Room for a request's small fields (sampling numbers, tags and lengths) in the size bounds below.
+SMALL_FIELDS_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,22 @@ class RequestLimits:
         return cls(max_prompt_bytes=max_prompt_bytes or max_model_len * PROMPT_BYTES_PER_TOKEN,
                    max_prompt_tokens=max_model_len, vocab_size=vocab_size, **caps)
 
+    @property
+    def max_generate_request_bytes(self) -> int:
+        """The most bytes a GenerateRequest within every limit can take on the wire: a larger one is
+        refused before it is parsed. Token ids take at most 5 bytes, a stop string 4 besides its own,
+        an id character 4."""
+        return (self.max_prompt_bytes + 5 * self.max_prompt_tokens + self.max_stop_string_bytes
+                + 4 * self.max_stop_strings + 5 * self.max_stop_token_ids + 8 * self.max_id_length + SMALL_FIELDS_BYTES)
+
+    @property
+    def max_tokenize_request_bytes(self) -> int:
+        return self.max_prompt_bytes + SMALL_FIELDS_BYTES
+
+    @property
+    def max_detokenize_request_bytes(self) -> int:
+        return 5 * self.max_prompt_tokens + SMALL_FIELDS_BYTES
+
 
 def utf8_size_exceeds(text: str, limit: int) -> bool:
     """len(text.encode()) > limit, without encoding when the length alone decides (1-4 bytes a character)."""
@@ -40,6 +58,13 @@ def utf8_size_exceeds(text: str, limit: int) -> bool:
     if 4 * len(text) <= limit:
         return False
     return len(text.encode("utf-8", "surrogatepass")) > limit
+
+
+def check_request_size(num_bytes: int, limit: int) -> None:
+    """Before parsing: a request larger than any within the limits is refused unread."""
+    if num_bytes > limit:
+        raise ValueError(f"the request is {num_bytes} bytes, more than a request within this server's limits "
+                         f"can take ({limit}; see server.max_prompt_bytes and the other caps)")
 
 
 def check_text(limits: RequestLimits, text: str) -> None:

@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.server.limits import check_request_size
 
 GENERATION_SERVICE = "jaxserve.v1.Generation"
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -46,36 +47,56 @@ class ThreadPools:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def parse(request_type, request_bytes: bytes, context):
-    """The request message, or INVALID_ARGUMENT naming what is wrong with the bytes."""
+def parse(request_type, request_bytes: bytes, context, max_bytes: int | None = None):
+    """The request message, or INVALID_ARGUMENT naming what is wrong with the bytes. A request over
+    max_bytes is refused unparsed: parsing megabytes only to refuse them would cost every client."""
     try:
+        if max_bytes is not None:
+            check_request_size(len(request_bytes), max_bytes)
         return request_type.FromString(request_bytes)
     except DecodeError as error:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_type.DESCRIPTOR.full_name}: {error}")
+    except ValueError as error:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
 
-def _unary(method, request_type, response_type, pool):
+def _no_limit() -> None:
+    return None
+
+
+def _unary(method, request_type, response_type, pool, max_bytes=_no_limit):
     def handle(request_bytes, context):
-        return method(parse(request_type, request_bytes, context), context)
+        return method(parse(request_type, request_bytes, context, max_bytes()), context)
 
     handle.experimental_thread_pool = pool  # read by grpc's sync server: this method runs on `pool`
     return grpc.unary_unary_rpc_method_handler(handle, response_serializer=response_type.SerializeToString)
 
 
-def _server_stream(method, request_type, response_type, pool):
+def _server_stream(method, request_type, response_type, pool, max_bytes=_no_limit):
     def handle(request_bytes, context):
-        return method(parse(request_type, request_bytes, context), context)
+        return method(parse(request_type, request_bytes, context, max_bytes()), context)
 
     handle.experimental_thread_pool = pool
     return grpc.unary_stream_rpc_method_handler(handle, response_serializer=response_type.SerializeToString)
 
 
 def generation_handler(service, pools: ThreadPools) -> grpc.GenericRpcHandler:
+    """service.limits is None until the engine has warmed up (and the service then refuses anyway)."""
+
+    def size_limit(name: str):
+        return lambda: getattr(service.limits, name) if service.limits is not None else None
+
     return grpc.method_handlers_generic_handler(GENERATION_SERVICE, {
-        "Generate": _server_stream(service.Generate, pb.GenerateRequest, pb.GenerateResponse, pools.streams),
+        "Generate": _server_stream(service.Generate, pb.GenerateRequest, pb.GenerateResponse, pools.streams,
+                                   size_limit("max_generate_request_bytes")),
+        # a conversation's text is held to the same caps as a prompt's, so the same bound holds
+        "Chat": _server_stream(service.Chat, pb.ChatRequest, pb.GenerateResponse, pools.streams,
+                               size_limit("max_generate_request_bytes")),
         "GetServerInfo": _unary(service.GetServerInfo, pb.ServerInfoRequest, pb.ServerInfo, pools.quick),
-        "Tokenize": _unary(service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse, pools.tokenizer),
-        "Detokenize": _unary(service.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse, pools.tokenizer),
+        "Tokenize": _unary(service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse, pools.tokenizer,
+                           size_limit("max_tokenize_request_bytes")),
+        "Detokenize": _unary(service.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse, pools.tokenizer,
+                             size_limit("max_detokenize_request_bytes")),
     })
 
 

@@ -134,6 +134,8 @@ def test_unread_streams_hold_their_slots_until_expired_and_never_block_health(se
     (dict(stop_token_ids=[-1]), "outside the vocabulary"),
     (dict(stop_token_ids=[10**9]), "outside the vocabulary"),
     (dict(prompt="\u00e9" * 2100), "server.max_prompt_bytes"),
+    (dict(prompt="a" * 3_000_000), "server.max_prompt_bytes"),  # refused before it is parsed
+    (dict(stop_token_ids=[2] * 1_500_000), "server.max_prompt_bytes"),
     (dict(prompt=[1] * 129), "max_model_len"),
     (dict(request_id="r" * 65), "server.max_id_length"),
     (dict(session_id="s" * 65), "server.max_id_length"),

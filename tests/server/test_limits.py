@@ -39,6 +39,21 @@ def test_stop_limits(stop, stop_token_ids, message):
         limits.check_stops(LIMITS, stop, stop_token_ids)
 
 
+def test_a_request_at_every_limit_fits_the_size_checked_before_parsing():
+    from jaxserve.client import build_request
+
+    wide = "\U0001F600"  # 4 bytes in UTF-8
+    stops = [wide * (LIMITS.max_stop_string_bytes // 4 // LIMITS.max_stop_strings)] * LIMITS.max_stop_strings
+    common = dict(max_tokens=2**31 - 1, temperature=1.5, top_k=2**31 - 1, top_p=0.5, min_p=0.5, seed=2**63 - 1,
+                  stop=stops, stop_token_ids=[LIMITS.vocab_size - 1] * LIMITS.max_stop_token_ids, ignore_eos=True,
+                  logprobs=2**31 - 1, request_id=wide * LIMITS.max_id_length, session_id=wide * LIMITS.max_id_length)
+    for prompt in (wide * (LIMITS.max_prompt_bytes // 4), [2**31 - 1] * LIMITS.max_prompt_tokens):
+        size = len(build_request(prompt, **common).SerializeToString())
+        assert size <= LIMITS.max_generate_request_bytes
+    with pytest.raises(ValueError, match="server.max_prompt_bytes"):
+        limits.check_request_size(LIMITS.max_generate_request_bytes + 1, LIMITS.max_generate_request_bytes)
+
+
 def test_id_lengths_and_offline_stop_token_ids():
     limits.check_ids(LIMITS, request_id="r" * 16, session_id="")
     with pytest.raises(ValueError, match="session_id.*server.max_id_length"):

@@ -1,8 +1,10 @@
-"""Random Llama and Mixtral configurations against transformers: greedy tokens must be identical.
+"""Random Llama, Mixtral, Qwen2, Qwen3 and Qwen3-MoE configurations against transformers: greedy
+tokens must be identical.
 
-Each seed draws an architecture (GQA/MQA/MHA, explicit head_dim, tied or untied embeddings, rope
-theta, linear or llama3 rope scaling, attention/MLP biases, experts and top-k, sliding windows, odd
-vocabularies) and engine settings (page size, chunk budget, query block, attention implementation),
+Each seed draws an architecture (the family; GQA/MQA/MHA, explicit head_dim, tied or untied
+embeddings, rope theta, linear or llama3 rope scaling, attention/MLP biases, experts, top-k and
+whether their weights are renormalized, sliding windows on every layer or from max_window_layers on,
+odd vocabularies) and engine settings (page size, chunk budget, query block, attention implementation),
 builds a random checkpoint with transformers, and compares 5 prompts x 20 greedy tokens. Prints a
 JSON line per seed; the failing ones carry their configs. Needs the bench extras (torch, transformers):
 
@@ -24,6 +26,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 NUM_PROMPTS, NEW_TOKENS = 5, 20
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 def random_config(rng, expert_multiple: int = 1) -> tuple[str, dict]:
@@ -42,14 +47,34 @@ def random_config(rng, expert_multiple: int = 1) -> tuple[str, dict]:
     elif scaling < 0.4:
         config["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                       original_max_position_embeddings=128)
-    if rng.random() < 0.4:
-        num_experts = int(rng.choice([n for n in (2, 3, 4, 6, 8) if n % expert_multiple == 0] or [expert_multiple]))
-        config.update(num_local_experts=num_experts, num_experts_per_tok=int(rng.integers(1, min(num_experts, 3) + 1)))
-        if rng.random() < 0.3:
-            config["sliding_window"] = int(rng.choice([8, 16, 40]))
-        return "mixtral", config
-    config.update(attention_bias=bool(rng.random() < 0.3), mlp_bias=bool(rng.random() < 0.2))
-    return "llama", config
+    kind = str(rng.choice(["llama", "llama", "mixtral", "mixtral", "qwen2", "qwen3", "qwen3_moe"]))
+    return kind, {**config, **FAMILY_DRAWS[kind](rng, config["num_hidden_layers"], expert_multiple)}
+
+
+def _experts(rng, expert_multiple: int, name: str) -> dict:
+    num_experts = int(rng.choice([n for n in (2, 3, 4, 6, 8) if n % expert_multiple == 0] or [expert_multiple]))
+    return {name: num_experts, "num_experts_per_tok": int(rng.integers(1, min(num_experts, 3) + 1))}
+
+
+def _qwen_window(rng, num_layers: int) -> dict:
+    """Windows are off unless use_sliding_window; then only layers from max_window_layers on slide."""
+    return dict(use_sliding_window=bool(rng.random() < 0.5), sliding_window=int(rng.choice([8, 16, 40])),
+                max_window_layers=int(rng.integers(0, num_layers + 1)))
+
+
+FAMILY_DRAWS = {
+    "llama": lambda rng, layers, multiple: dict(attention_bias=bool(rng.random() < 0.3),
+                                                mlp_bias=bool(rng.random() < 0.2)),
+    "mixtral": lambda rng, layers, multiple: {**_experts(rng, multiple, "num_local_experts"),
+                                              **({"sliding_window": int(rng.choice([8, 16, 40]))}
+                                                 if rng.random() < 0.3 else {})},
+    "qwen2": lambda rng, layers, multiple: _qwen_window(rng, layers),
+    "qwen3": lambda rng, layers, multiple: dict(attention_bias=bool(rng.random() < 0.3), **_qwen_window(rng, layers)),
+    "qwen3_moe": lambda rng, layers, multiple: dict(
+        **_experts(rng, multiple, "num_experts"), moe_intermediate_size=int(rng.choice([24, 36, 64])),
+        norm_topk_prob=bool(rng.random() < 0.5), attention_bias=bool(rng.random() < 0.3),
+        use_sliding_window=bool(rng.random() < 0.3), sliding_window=int(rng.choice([8, 16, 40]))),
+}
 
 
 def random_engine(rng) -> dict:
@@ -70,10 +95,15 @@ def run(seed: int, mesh: dict) -> dict:
     devices = mesh["tensor_parallel_size"] * mesh["data_parallel_size"]
     kind, config_dict = random_config(rng, devices if mesh["enable_expert_parallel"] else 1)
     torch.manual_seed(seed)
-    config = (transformers.LlamaConfig if kind == "llama" else transformers.MixtralConfig)(**config_dict)
+    config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[kind])
+    config = config_class(**config_dict)
     config.initializer_range = 0.2  # larger weights: less flat distributions, more varied tokens
     config._experts_implementation = "eager"  # transformers' grouped_mm wants 16-byte strides
-    model = (transformers.LlamaForCausalLM if kind == "llama" else transformers.MixtralForCausalLM)(config).eval()
+    model = model_class(config).eval()
+    with torch.no_grad():  # biases start at zero and norm scales at one: perturbed, reading them wrongly shows
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.3 * torch.randn_like(param))
     directory = tempfile.mkdtemp()
     model.save_pretrained(directory)
     prompts = [[1] + rng.integers(3, config_dict["vocab_size"], size=int(n)).tolist()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from flax import nnx
 
 from jaxserve.models import llama, mixtral, qwen3_moe
-from jaxserve.models.config import ModelConfig, RopeScaling
+from jaxserve.models.config import ModelConfig
 from jaxserve.models.decoder import CausalLM
 from jaxserve.models.kv_pages import AttentionMetadata, KVPages
 from jaxserve.models.layers import WriteAndAttend
@@ -34,5 +34,5 @@ def build_model(config: ModelConfig, dtype, *, write_and_attend: WriteAndAttend,
                     rngs=rngs or nnx.Rngs(0))
 
 
-__all__ = ["AttentionMetadata", "CHECKPOINT_NAMES", "CausalLM", "Experts", "KVPages", "ModelConfig", "RopeScaling",
-           "WriteAndAttend", "build_model"]
+__all__ = ["AttentionMetadata", "CHECKPOINT_NAMES", "CausalLM", "Experts", "KVPages", "ModelConfig", "WriteAndAttend",
+           "build_model"]

@@ -18,6 +18,7 @@ def hf_name(path: tuple[str, ...]) -> str:
 
 
 def read_param(reader, path: tuple[str, ...], shape: tuple[int, ...]):
-    """The checkpoint tensor for our param at `path`, laid out as ours (shape is checked by the caller)."""
+    """The checkpoint tensor for our param at `path`, laid out as ours. Every family's read_param takes
+    the shape the model expects (stacked experts need their count); the caller checks it."""
     tensor = reader.read(hf_name(path))
     return tensor.T if path[-1] == "kernel" else tensor

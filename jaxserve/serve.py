@@ -1,8 +1,8 @@
-"""`python -m jaxserve.serve [--config FILE] [--set section.key=value ...]`: the gRPC server.
+"""`python -m jaxserve.serve [--config FILE] [--set section.key=value ...]`: gRPC and the OpenAI HTTP API.
 
 Without a config it serves the embedded default model on 127.0.0.1. The gRPC port opens first, with
 health NOT_SERVING while the engine warms up, then SERVING. SIGTERM (or Ctrl-C) drains: new requests
-get UNAVAILABLE, in-flight ones finish (up to server.drain_timeout), and the process exits 0.
+get UNAVAILABLE (HTTP 503), in-flight ones finish (up to server.drain_timeout), and the process exits 0.
 Before binding anything but loopback, set server.tls (and server.api_keys): see configs/.
 """
 
@@ -20,12 +20,15 @@ from grpc_health.v1 import health, health_pb2
 
 from jaxserve.engine import Engine
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
+from jaxserve.server.chat_prompt import load_chat_template
 from jaxserve.server.config_file import ServeConfig, load_config
 from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.fingerprint import system_fingerprint
 from jaxserve.server.kv_events_service import kv_events_handler
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.metrics_http import start_metrics_server
+from jaxserve.server.openai import HTTPServer, ServingContext, build_app
 from jaxserve.server.rpc import GENERATION_SERVICE, ThreadPools, generation_handler, health_handler
 from jaxserve.server.service import GenerationService
 
@@ -76,6 +79,11 @@ class Server:
                                                                  ("server.api_keys", self.api_keys)) if value is None))
         self.loop: EngineLoop | None = None
         self.metrics_server = None
+        self.chat_template = load_chat_template(server.chat_template)
+        # The OpenAI HTTP API: its own event-loop thread (the gRPC server is thread-pool based), one engine loop.
+        self.http_context = ServingContext(self.metrics)
+        self.http_server = HTTPServer(build_app(self.http_context, self.api_keys, server.max_message_bytes),
+                                      server.host, server.http_port, server.tls) if server.http_port else None
         self.stopped = threading.Event()
 
     def _set_health(self, status) -> None:
@@ -98,14 +106,24 @@ class Server:
         self.grpc_server.start()
         if self.config.server.metrics_port:
             self._start_metrics()
+        if self.http_server is not None:
+            try:
+                self.http_server.start()
+            except ValueError:
+                self.grpc_server.stop(grace=None)
+                raise
+            logger.info("OpenAI HTTP API on %s:%d", self.config.server.host, self.http_server.port)
         logger.info("listening on %s:%d%s; warming up", self.config.server.host, self.port,
                     " (TLS)" if self.config.server.tls else "")
-        engine = Engine.from_model(self.config.model_dir(), self.config.engine)
+        model_dir = self.config.model_dir()
+        engine = Engine.from_model(model_dir, self.config.engine)
         self.loop = EngineLoop(engine, self.metrics, self.config.server.max_queued_requests,
                                self.config.server.stream_idle_timeout)
         info = self.loop.description
-        self.service.attach(self.loop, RequestLimits.for_engine(info.max_model_len, info.vocab_size,
-                                                                **self.config.server.request_caps()))
+        limits = RequestLimits.for_engine(info.max_model_len, info.vocab_size, **self.config.server.request_caps())
+        fingerprint = system_fingerprint(info, model_dir)
+        self.service.attach(self.loop, limits, self.chat_template, fingerprint)
+        self.http_context.attach(self.loop, limits, self.chat_template, fingerprint)
         self.metrics.observe_engine(self.loop.stats)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s (%d executables, warm-up %.1fs)", info.model_name, info.num_executables,
@@ -118,6 +136,9 @@ class Server:
             if not self.loop.wait_until_idle(self.config.server.drain_timeout):
                 logger.warning("drain timeout: %d requests still in flight", self.loop.num_in_flight)
         self.grpc_server.stop(grace=2).wait()
+        if self.http_server is not None:
+            self.http_server.stop()
+        self.http_context.shutdown()
         if self.loop is not None:
             self.loop.stop()
         if self.metrics_server is not None:

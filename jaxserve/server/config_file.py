@@ -2,8 +2,8 @@
 
     model:  {path: PATH | default, dtype: auto}
     engine: {any EngineConfig field but dtype}
-    server: {host, port, metrics_port, max_queued_requests, drain_timeout, stream_idle_timeout,
-             max_message_bytes, tls: {cert, key, client_ca}, api_keys: FILE, and the per-request caps
+    server: {host, port, http_port, metrics_port, chat_template, max_queued_requests, drain_timeout,
+             stream_idle_timeout, max_message_bytes, tls: {cert, key, client_ca}, api_keys: FILE, and the caps
              max_prompt_bytes, max_stop_strings, max_stop_string_bytes, max_stop_token_ids, max_id_length}
 
 `--set section.key=value` overrides (the value is read as YAML). `path: default` is SmolLM2-135M-Instruct
@@ -46,7 +46,9 @@ class TLSConfig:
 class ServerConfig:
     host: str = "127.0.0.1"  # 0.0.0.0 opens the server to the network: set tls and api_keys first
     port: int = 50051
+    http_port: int | None = 8000  # the OpenAI-compatible HTTP API; 0 or null: none
     metrics_port: int = 9090  # 0: no metrics endpoint
+    chat_template: str | None = None  # a jinja template or a file holding one, for chats; None: the model's own
     max_queued_requests: int = 256  # beyond this many waiting requests, RESOURCE_EXHAUSTED
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
     stream_idle_timeout: float = 30.0  # seconds a stream may wait on a client that does not read; then aborted
@@ -61,7 +63,8 @@ class ServerConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "tls", TLSConfig.parse(self.tls))
-        for name in ("port", "metrics_port"):
+        object.__setattr__(self, "http_port", self.http_port or 0)
+        for name in ("port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"server.{name} must be a port number, got {getattr(self, name)}")
         if self.max_queued_requests < 1 or self.drain_timeout < 0:

@@ -30,13 +30,13 @@ class ServerProcess:
 
     def __init__(self, tmp_path, engine: dict, server: dict | None = None, model: str = "llama_gqa",
                  connection: Connection = Connection()):
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.connection = connection
         config = {
             "model": {"path": fixture_dir(model), "dtype": "float32"},
             "engine": {"max_model_len": 128, "max_num_batched_tokens": 64, "show_progress": False, **engine},
             "server": {"host": "127.0.0.1", "port": self.port, "metrics_port": self.metrics_port,
-                       "drain_timeout": 20, **(server or {})},
+                       "http_port": self.http_port, "drain_timeout": 20, **(server or {})},
         }
         path = tmp_path / "server.yaml"
         path.write_text(yaml.safe_dump(config))

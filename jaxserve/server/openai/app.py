@@ -1,0 +1,81 @@
+"""The ASGI app: the OpenAI routes (completions.py, chat.py) and vLLM's side routes (/v1/models,
+/tokenize, /detokenize, /health, /metrics), behind the guard (API keys, body size)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import jaxserve
+from jaxserve.server import limits as request_limits
+from jaxserve.server.auth import ApiKeys
+from jaxserve.server.chat_prompt import chat_prompt_token_ids
+from jaxserve.server.openai import chat, completions
+from jaxserve.server.openai.context import ServingContext
+from jaxserve.server.openai.errors import APIError, error_response, install_error_handlers
+from jaxserve.server.openai.guard import Guard
+from jaxserve.server.openai.protocol import DetokenizeRequest, TokenizeRequest
+
+
+def build_app(context: ServingContext, api_keys: ApiKeys | None, max_body_bytes: int) -> Guard:
+    app = FastAPI(title="jaxserve", version=jaxserve.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.context = context
+    install_error_handlers(app, context.on_refusal)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+
+    @app.get("/health")
+    async def health():
+        try:
+            context.ready_loop()
+        except APIError as error:  # 503 while warming up or draining; a probe is not a refused request
+            return error_response(error.status, error.message)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(context.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        loop = context.ready_loop()
+        name = context.model_name
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": context.created, "owned_by": "jaxserve", "root": name,
+            "parent": None, "max_model_len": loop.description.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        context.ready_loop()
+        context.check_model(body.model)
+        token_ids = await context.run(tokenized, context, body)
+        return {"count": len(token_ids), "max_model_len": context.limits.max_prompt_tokens, "tokens": token_ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        context.ready_loop()
+        context.check_model(body.model)
+        return {"prompt": await context.run(detokenized, context, body.tokens)}
+
+    return Guard(app, api_keys, max_body_bytes, context.on_refusal)
+
+
+def tokenized(context: ServingContext, body: TokenizeRequest) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages")
+    if body.messages is not None:
+        return chat_prompt_token_ids(context.tokenizer, context.limits, body.messages, context.chat_template,
+                                     body.add_generation_prompt and not body.continue_final_message,
+                                     body.continue_final_message)
+    request_limits.check_text(context.limits, body.prompt)
+    return context.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+
+def detokenized(context: ServingContext, token_ids: list[int]) -> str:
+    limits = context.limits
+    request_limits.check_token_ids(limits, token_ids, "the request")
+    outside = [t for t in token_ids if not 0 <= t < limits.vocab_size]
+    if outside:
+        raise APIError(400, f"token ids {outside[:5]} are outside the vocabulary [0, {limits.vocab_size})")
+    return context.tokenizer.decode(token_ids, skip_special_tokens=True)

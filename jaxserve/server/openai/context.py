@@ -1,0 +1,96 @@
+"""What the HTTP handlers share: the engine loop once warm, the limits, the model's name, and a
+small pool for the blocking part of admitting a request (checks, the chat template, tokenizing)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from jaxserve.host.request import SamplingParams
+from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.limits import RequestLimits
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.openai.errors import APIError, api_error
+from jaxserve.server.openai.streams import StreamGroup, submit_all
+
+ADMISSION_THREADS = 4  # tokenizing is short; more threads would only contend for the GIL
+# HTTP refusals are counted beside gRPC's, under the gRPC status each one stands for.
+REFUSAL_LABELS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "INVALID_ARGUMENT",
+                  429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+
+
+class ServingContext:
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.loop: EngineLoop | None = None  # set once the engine has warmed up
+        self.limits: RequestLimits | None = None
+        self.chat_template: str | None = None
+        self.system_fingerprint = ""
+        self.created = int(time.time())
+        self.executor = ThreadPoolExecutor(ADMISSION_THREADS, thread_name_prefix="jaxserve-http-admit")
+
+    def attach(self, loop: EngineLoop, limits: RequestLimits, chat_template: str | None,
+               system_fingerprint: str) -> None:
+        self.limits = limits
+        self.chat_template = chat_template
+        self.system_fingerprint = system_fingerprint
+        self.loop = loop
+
+    def ready_loop(self) -> EngineLoop:
+        if self.loop is None:
+            raise APIError(503, "the engine is still warming up")
+        if self.loop.draining:
+            raise APIError(503, "the server is shutting down")
+        return self.loop
+
+    @property
+    def model_name(self) -> str:
+        return self.loop.description.model_name if self.loop is not None else ""
+
+    @property
+    def tokenizer(self):
+        tokenizer = self.ready_loop().engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "the model has no tokenizer: send token ids")
+        return tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           "model")
+
+    def on_refusal(self, status: int) -> None:
+        self.metrics.rejected.labels(REFUSAL_LABELS.get(status, str(status))).inc()
+
+    async def run(self, function, *args, **kwargs):
+        """function(*args, **kwargs) on the admission pool; its refusals become APIErrors."""
+        call = functools.partial(function, *args, **kwargs)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, call)
+        except (ValueError, APIError) as error:
+            raise api_error(error) from None
+
+    async def submit(self, prompts: list, params: SamplingParams, request_id: str,
+                     session_id: str | None) -> StreamGroup:
+        loop = self.ready_loop()
+        submitted = asyncio.get_running_loop().run_in_executor(
+            self.executor, submit_all, loop, prompts, params, request_id, session_id)
+        try:
+            streams = await asyncio.shield(submitted)
+        except asyncio.CancelledError:  # the client left while its request was being admitted
+            submitted.add_done_callback(functools.partial(_release_when_submitted, loop))
+            raise
+        except Exception as error:
+            raise api_error(error) from None
+        return StreamGroup(loop, streams)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _release_when_submitted(loop: EngineLoop, submitted: asyncio.Future) -> None:
+    if not submitted.cancelled() and submitted.exception() is None:
+        for stream in submitted.result():
+            loop.release(stream)

@@ -1,0 +1,137 @@
+"""Request bodies of the OpenAI-compatible API, as vLLM's server accepts them (its extras included:
+top_k, min_p, ignore_eos, stop_token_ids, session_id, request_id, return_token_ids).
+
+Fields the engine cannot honour are refused with the reason rather than silently ignored when a
+client sets them to anything but their neutral value (penalties, logit_bias, best_of, suffix, tools'
+calls); fields that change nothing here (user, parallel_tool_calls...) are accepted and unknown ones
+ignored, as vLLM and OpenAI do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxserve.host.request import SamplingParams
+from jaxserve.server import limits as request_limits
+from jaxserve.server.limits import RequestLimits
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's and OpenAI's default for /v1/completions
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    session_id: str | None = None  # marks a conversation that will continue: its prefix stays cached
+    request_id: str | None = None  # a label for logs and metrics; the X-Request-Id header works too
+    return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
+    # refused unless neutral: the engine has no penalties or biases
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check(self, limits: RequestLimits, request_id: str) -> None:
+        """The server's caps (limits.py) and the features the engine lacks; ValueError naming the field."""
+        request_limits.check_ids(limits, request_id=request_id, session_id=self.session_id or "",
+                                 user=self.user or "")
+        request_limits.check_stops(limits, self.stop_strings, self.stop_token_ids or [])
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise ValueError(f"{name} is not supported by this server (only {neutral})")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported by this server (only best_of = n)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream = true")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError (SamplingParams checks every value)."""
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p or 0.0,
+            seed=self.seed, stop=self.stop_strings, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            logprobs=logprobs)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None  # top logprobs per token (the sampled token's is always given)
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a batch of strings or of token-id lists, or a single one of either."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return list(prompt)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None  # passed to the template; tool calls are not parsed out
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def engine_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs = true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)

@@ -1,0 +1,132 @@
+"""Response pieces shared by completions and chat: choices gathered from deltas, usage, logprobs in
+both of OpenAI's shapes, and server-sent events.
+
+An event stream releases its streams around the whole response, not in its generator: Starlette
+stops the response of a client that disconnects by cancelling it, and a generator cancelled before
+its first step never runs its own cleanup. So the engine's request is aborted (its pages freed) in
+every case: finished, disconnected, expired or failed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from starlette.responses import StreamingResponse
+
+from jaxserve.server.openai.streams import StreamGroup
+from jaxserve.server.request_stream import Delta
+
+DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer the stream
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    def __init__(self, events, group: StreamGroup):
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.group = group
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.group.release()
+
+
+def response_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+@dataclass
+class Choice:
+    """One completion, gathered from its deltas (a non-streamed response)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+@dataclass
+class UsageCounter:
+    """Prompt tokens count once per prompt (not once per choice), as OpenAI and vLLM count them."""
+
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # by prompt position
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+    def add(self, position: int, delta: Delta) -> None:
+        self.prompt_tokens[position] = delta.num_prompt_tokens
+        self.cached_tokens[position] = max(self.cached_tokens.get(position, 0), delta.num_cached_tokens)
+        self.completion_tokens += len(delta.token_ids)
+
+    def usage(self) -> dict:
+        prompt = sum(self.prompt_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
+
+
+def failure(delta: Delta) -> str | None:
+    """The engine's message when it failed the request (finish reason "error")."""
+    return (delta.text or "the engine failed while running this request") if delta.finish_reason == "error" else None
+
+
+class TokenText:
+    """Each token's own text (as vLLM shows tokens in logprobs), decoded once per token id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+            self._cache[token_id] = text
+        return text
+
+
+def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float]],
+                        text_offset: int) -> dict:
+    """/v1/completions' shape: parallel lists; text_offset counts from the start of the choice's text."""
+    tokens, offsets = [], []
+    for token_id in token_ids:
+        tokens.append(token_text(token_id))
+        offsets.append(text_offset)
+        text_offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [top[t] for t, top in zip(token_ids, logprobs)],
+            "top_logprobs": [{token_text(t): v for t, v in _ranked(top)} for top in logprobs],
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float]],
+                  num_top: int) -> dict:
+    """/v1/chat/completions' shape: one entry per token with its num_top most likely alternatives."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t, top[t]), "top_logprobs": [entry(a, v) for a, v in _ranked(top)[:num_top]]}
+                        for t, top in zip(token_ids, logprobs)]}
+
+
+def _ranked(top: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(top.items(), key=lambda item: -item[1])

@@ -1,0 +1,154 @@
+"""The OpenAI HTTP API of a live server, through the real openai client: completions and chat, streamed
+and not, n choices, logprobs, usage, prompt forms, the side routes, and a client that leaves mid-stream."""
+
+from http.client import HTTPConnection
+import json
+import time
+
+import pytest
+
+from jaxserve import SamplingParams
+from jaxserve.client import Client
+from tests.support.fixtures import expected
+from tests.support.openai_harness import CHAT_TEMPLATE, http, openai_client
+from tests.support.server_harness import ServerProcess
+
+PROMPT = "def forward(self, x):"
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Return a new dict"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process = ServerProcess(tmp_path_factory.mktemp("openai"), engine={"max_num_seqs": 8},
+                            server={"chat_template": CHAT_TEMPLATE})
+    process.wait_until_serving()
+    yield process
+    assert process.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai_client(server) as client:
+        yield client
+
+
+def test_models_health_metrics_and_fingerprint(server, client):
+    assert [model.id for model in client.models.list().data] == ["llama_gqa"]
+    assert http(server, "GET", "/health")[0] == 200
+    status, headers, body = http(server, "GET", "/metrics")
+    assert status == 200 and b"jaxserve_kv_pages_used" in body and headers["content-type"].startswith("text/plain")
+    fingerprint = Client(server.target).server_info().system_fingerprint
+    completion = client.completions.create(model="llama_gqa", prompt=PROMPT, max_tokens=2, temperature=0.0)
+    assert fingerprint.startswith("fp_") and completion.system_fingerprint == fingerprint
+
+
+def test_streamed_completion_concatenates_to_the_unstreamed_one(server, client):
+    options = dict(model="llama_gqa", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=11,
+                   extra_body={"return_token_ids": True})
+    whole = client.completions.create(**options)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **options))
+    *deltas, last = chunks
+    assert "".join(c.choices[0].text for c in deltas) == whole.choices[0].text
+    token_ids = [t for c in deltas for t in c.choices[0].token_ids]
+    assert token_ids == whole.choices[0].token_ids and len(token_ids) == 20
+    assert deltas[-1].choices[0].finish_reason == "length" and all(c.choices[0].finish_reason is None
+                                                                    for c in deltas[:-1])
+    assert last.choices == [] and last.usage.model_dump() == whole.usage.model_dump()
+    num_prompt_tokens = json.loads(http(server, "POST", "/tokenize", {"prompt": PROMPT})[2])["count"]
+    usage = whole.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (num_prompt_tokens, 20,
+                                                                                  num_prompt_tokens + 20)
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_greedy_batch_of_token_id_prompts_equals_the_recorded_output(client):
+    prompts = expected("llama_gqa")["prompts"]
+    completion = client.completions.create(model="llama_gqa", prompt=[p["token_ids"] for p in prompts],
+                                           max_tokens=24, temperature=0.0, extra_body={"return_token_ids": True})
+    assert [c.index for c in completion.choices] == list(range(len(prompts)))
+    for choice, prompt in zip(completion.choices, prompts):
+        assert choice.token_ids == prompt["greedy_token_ids"]
+    assert completion.usage.prompt_tokens == sum(len(p["token_ids"]) for p in prompts)
+    assert completion.usage.completion_tokens == sum(len(c.token_ids) for c in completion.choices)
+
+
+def test_n_choices_per_prompt_in_order(client):
+    completion = client.completions.create(model="llama_gqa", prompt=[PROMPT, "Return a new"], n=3, max_tokens=6,
+                                           temperature=1.0, seed=5, echo=True, extra_body={"return_token_ids": True})
+    assert [c.index for c in completion.choices] == list(range(6))
+    for choice in completion.choices:
+        assert choice.text.startswith(PROMPT if choice.index < 3 else "Return a new")
+    assert len({tuple(c.token_ids) for c in completion.choices[:3]}) > 1, "n samples differ"
+    assert completion.usage.completion_tokens == sum(len(c.token_ids) for c in completion.choices) == 36
+
+
+def test_stop_strings_and_completion_logprobs(client):
+    full = client.completions.create(model="llama_gqa", prompt=PROMPT, max_tokens=12, temperature=0.0)
+    text = full.choices[0].text
+    stop = text[3:5]
+    stopped = client.completions.create(model="llama_gqa", prompt=PROMPT, max_tokens=12, temperature=0.0, stop=stop)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[:text.index(stop)]
+    scored = client.completions.create(model="llama_gqa", prompt=[1, 5, 9], max_tokens=3, temperature=0.0, logprobs=2)
+    logprobs = scored.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 3
+    assert all(v <= 0 for v in logprobs.token_logprobs) and all(len(top) >= 2 for top in logprobs.top_logprobs)
+
+
+def test_chat_streamed_equals_unstreamed_and_offline(client, llama_llm):
+    options = dict(model="llama_gqa", messages=CONVERSATION, max_tokens=10, temperature=0.0,
+                   extra_body={"return_token_ids": True})
+    whole = client.chat.completions.create(**options)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **options))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *deltas, last = chunks
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == whole.choices[0].message.content
+    assert deltas[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+    assert last.choices == [] and last.usage.completion_tokens == 10 == whole.usage.completion_tokens
+    offline = llama_llm.chat(CONVERSATION, SamplingParams(max_tokens=10, temperature=0.0),
+                             chat_template=CHAT_TEMPLATE)[0]
+    assert whole.choices[0].token_ids == offline.outputs[0].token_ids
+    assert whole.choices[0].message.content == offline.outputs[0].text
+    assert whole.usage.prompt_tokens == len(offline.prompt_token_ids)
+
+
+def test_chat_n_with_logprobs_and_seed(client):
+    options = dict(model="llama_gqa", messages=CONVERSATION, max_completion_tokens=5, n=3, temperature=1.0,
+                   seed=3, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True})
+    first, again = client.chat.completions.create(**options), client.chat.completions.create(**options)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.token_ids for c in first.choices] == [c.token_ids for c in again.choices], "seeded: repeatable"
+    for choice in first.choices:
+        content = choice.logprobs.content
+        assert len(content) == len(choice.token_ids) == 5
+        assert all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 for entry in content)
+    assert first.usage.completion_tokens == 15
+
+
+def test_tokenize_and_detokenize(server):
+    grpc_ids = Client(server.target).tokenize("Return a new dictionary")
+    status, _, body = http(server, "POST", "/tokenize", {"prompt": "Return a new dictionary"})
+    assert status == 200 and json.loads(body)["tokens"] == grpc_ids
+    _, _, body = http(server, "POST", "/tokenize", {"messages": CONVERSATION})
+    assert json.loads(body)["count"] == len(json.loads(body)["tokens"]) > len(grpc_ids)
+    _, _, body = http(server, "POST", "/detokenize", {"tokens": grpc_ids})
+    assert json.loads(body)["prompt"] == "Return a new dictionary"
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
+    aborted = 'jaxserve_requests_total{finish_reason="abort"}'
+    aborted_before = server.metric(aborted, default=0.0)
+    connection = HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    connection.request("POST", "/v1/completions", json.dumps(
+        {"prompt": [1] + [7] * 20, "max_tokens": 100, "temperature": 0.0, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    connection.close()  # mid-stream: about 100 tokens are still to come
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if server.metric(aborted, default=0.0) > aborted_before and server.metric("jaxserve_kv_pages_used") == 0:
+            break
+        time.sleep(0.05)
+    assert server.metric(aborted) > aborted_before and server.metric("jaxserve_kv_pages_used") == 0
+    info = Client(server.target).server_info()
+    assert info.num_free_pages == info.num_pages and info.num_running == 0

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.client import Client
+from jaxserve.client import Client, build_request
 from tests.support.fixtures import expected
 from tests.support.openai_harness import CHAT_TEMPLATE, http, openai_client
 from tests.support.server_harness import ServerProcess
@@ -152,3 +152,16 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
     assert server.metric(aborted) > aborted_before and server.metric("jaxserve_kv_pages_used") == 0
     info = Client(server.target).server_info()
     assert info.num_free_pages == info.num_pages and info.num_running == 0
+
+
+def test_n_over_grpc_equals_n_over_http_and_offline(server, client, llama_llm):
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=21)
+    offline = [o.token_ids for o in llama_llm.generate([[1, 5, 9]], params)[0].outputs]
+    over_http = client.completions.create(model="llama_gqa", prompt=[1, 5, 9], n=3, max_tokens=6, temperature=1.0,
+                                          seed=21, extra_body={"return_token_ids": True})
+    request = build_request([1, 5, 9], max_tokens=6, temperature=1.0, seed=21)
+    request.sampling.n = 3
+    over_grpc = [[], [], []]
+    for message in Client(server.target).stub.Generate(request):
+        over_grpc[message.index] += message.token_ids
+    assert [c.token_ids for c in over_http.choices] == over_grpc == offline and len(set(map(tuple, offline))) > 1

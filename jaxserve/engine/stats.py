@@ -92,11 +92,18 @@ def engine_load(engine) -> EngineLoad:
                                        if seq.num_tokens - seq.num_computed_tokens > 1))
 
 
+def _device_bytes(tree) -> int:
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards)
+
+
 def engine_stats(engine) -> dict:
     load = engine.load()
     return {
         "kv_pages_total": sum(s.allocator.num_usable_pages for s in engine.schedulers),
         "kv_pages_free": load.num_free_pages,
+        # bytes on the devices, summed over every device's shards (replicas counted on each device)
+        "weights_device_bytes": _device_bytes(engine.runner.param_leaves),
+        "kv_cache_device_bytes": _device_bytes(engine.runner.kv_pages),
         "page_size": engine.config.page_size,
         "num_executables": len(engine.runner.executables),
         "num_compiles_after_warmup": engine.runner.num_compiles_after_warmup,

@@ -164,3 +164,14 @@ def test_expert_load_is_reported_and_follows_routing():
     assert second.sum(axis=1).tolist() == [41 * top_k] * 2
     assert not np.allclose(first / first.sum(), second / second.sum()), "the report follows the routing"
     assert llm.stats()["expert_load_max_over_mean"] >= 1.0
+
+
+def test_stats_report_device_bytes_of_weights_and_kv_pages():
+    from jaxserve.models import KVPages
+
+    llm = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "num_pages": 32})
+    stats, config = llm.stats(), llm.engine.model_config
+    weights = sum(leaf.size * leaf.dtype.itemsize for leaf in llm.engine.runner.param_leaves)
+    assert stats["weights_device_bytes"] == weights > 0
+    page_bytes = KVPages.bytes_per_page(config.num_layers, 16, config.num_kv_heads, config.head_dim, "float32")
+    assert stats["kv_cache_device_bytes"] == 32 * page_bytes

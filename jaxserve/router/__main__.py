@@ -1,0 +1,44 @@
+"""`python -m jaxserve.router --config configs/router.yaml [--set section.key=value ...]`: the router.
+
+Serves the jaxserve gRPC API in front of the replicas the config lists or launches, sending each
+request where its prefix is cached (router.policy). SIGTERM (or Ctrl-C) stops it, and the replicas
+it launched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from jaxserve.router.config import load_router_config
+from jaxserve.router.server import RouterServer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxserve.router", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the router's YAML config (see configs/router.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set router.policy=round_robin")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    stop_requested = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop_requested.set())
+    try:
+        server = RouterServer(load_router_config(args.config, args.overrides))
+        server.start()
+    except ValueError as error:
+        print(f"jaxserve.router: {error}", file=sys.stderr)
+        return 2
+    print(f"jaxserve.router: serving on {server.config.router.host}:{server.port}", flush=True)
+    stop_requested.wait()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Which replica a request goes to.
+
+`prefix` predicts each replica's time to first token and takes the smallest: the wait for the prefill
+already queued there, plus this request's own cost, where a page cached on the device costs nothing, a
+page in the host tier costs a swap-in, and a missing page costs its tokens' prefill at the replica's
+measured rate. Predictions within TIE_TOLERANCE of the best are ties, broken by load; a cold prefix
+(no hits anywhere) is therefore routed by load. `round_robin`, `least_load` and `session` (sticky by
+session id, rendezvous hashing so that a replica going away moves only its own sessions) are there to
+compare against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+from jaxserve.router.cache_view import PrefixMatch, prefix_keys
+
+TIE_TOLERANCE = 0.05  # relative: predictions this close are ties
+DEFAULT_PREFILL_SECONDS_PER_TOKEN = 1e-4  # until some replica has measured its own
+SWAP_IN_FRACTION = 0.1  # an unmeasured swap-in, as a fraction of recomputing the page
+
+
+@dataclass
+class RouteRequest:
+    """What the policy sees of a request; page keys are computed once per page size."""
+
+    token_ids: list[int]
+    session_id: str = ""
+    _keys: dict[int, list[int]] = field(default_factory=dict)
+
+    def keys(self, page_size: int) -> list[int]:
+        if page_size not in self._keys:
+            self._keys[page_size] = prefix_keys(self.token_ids, page_size)
+        return self._keys[page_size]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    replica: object
+    match: PrefixMatch
+    num_hit_tokens: int
+    num_uncached_tokens: int
+    ttft: float  # seconds
+    load: int
+
+
+def replica_load(replica) -> int:
+    """Sequences there, as the replica last said plus what the router has sent since."""
+    return replica.num_outstanding + replica.load.num_running + replica.load.num_waiting
+
+
+def prefill_rate(replica, replicas) -> float:
+    """The replica's measured seconds per prefill token; before it has measured, its peers' slowest."""
+    if replica.load.prefill_seconds_per_token > 0:
+        return replica.load.prefill_seconds_per_token
+    measured = [r.load.prefill_seconds_per_token for r in replicas if r.load.prefill_seconds_per_token > 0]
+    return max(measured, default=DEFAULT_PREFILL_SECONDS_PER_TOKEN)
+
+
+def predict(replica, request: RouteRequest, replicas) -> Prediction:
+    page_size = replica.page_size
+    match = replica.view.match(request.keys(page_size))
+    num_hit_tokens = match.num_pages * page_size
+    num_uncached = len(request.token_ids) - num_hit_tokens
+    per_token = prefill_rate(replica, replicas)
+    swap_in = replica.load.swap_in_seconds_per_page or SWAP_IN_FRACTION * per_token * page_size
+    queued_tokens = max(replica.load.num_tokens_waiting_prefill, replica.outstanding_prefill_tokens)
+    ttft = (queued_tokens + num_uncached) * per_token + match.num_host_pages * swap_in
+    return Prediction(replica, match, num_hit_tokens, num_uncached, ttft, replica_load(replica))
+
+
+class PrefixPolicy:
+    name = "prefix"
+
+    def choose(self, request: RouteRequest, replicas: list) -> Prediction:
+        predictions = [predict(replica, request, replicas) for replica in replicas]
+        best = min(p.ttft for p in predictions)
+        ties = [p for p in predictions if p.ttft <= best * (1 + TIE_TOLERANCE) + 1e-9]
+        return min(ties, key=lambda p: (p.load, p.ttft))
+
+
+class RoundRobinPolicy:
+    name = "round_robin"
+
+    def __init__(self):
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+
+    def choose(self, request: RouteRequest, replicas: list) -> Prediction:
+        with self._lock:
+            index = next(self._counter)
+        return predict(replicas[index % len(replicas)], request, replicas)
+
+
+class LeastLoadPolicy:
+    name = "least_load"
+
+    def choose(self, request: RouteRequest, replicas: list) -> Prediction:
+        return predict(min(replicas, key=lambda r: (replica_load(r), r.outstanding_prefill_tokens)), request,
+                       replicas)
+
+
+class SessionPolicy:
+    """Sticky by session id; requests without one go by load."""
+
+    name = "session"
+
+    def choose(self, request: RouteRequest, replicas: list) -> Prediction:
+        if not request.session_id:
+            return LeastLoadPolicy().choose(request, replicas)
+
+        def weight(replica) -> bytes:
+            return hashlib.blake2b(f"{request.session_id}@{replica.address}".encode(), digest_size=8).digest()
+
+        return predict(max(replicas, key=weight), request, replicas)
+
+
+POLICIES = {cls.name: cls for cls in (PrefixPolicy, RoundRobinPolicy, LeastLoadPolicy, SessionPolicy)}

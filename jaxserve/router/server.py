@@ -1,0 +1,161 @@
+"""The router process: start (or find) the replicas, check each serves the router's model, follow their
+page events, and serve the Generation API in front of them.
+
+Start-up fails with a ValueError naming the problem: a replica address that does not resolve or does
+not answer within router.startup_timeout, a replica serving another model. Afterwards replicas may
+come and go; the router keeps nothing that the replicas do not send again on resubscription.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from jaxserve.engine.fingerprint import model_fingerprint
+from jaxserve.loading.model_source import open_model
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.proto import jaxserve_pb2_grpc
+from jaxserve.router.config import RouterConfig
+from jaxserve.router.launcher import Supervisor, launch_replicas
+from jaxserve.router.metrics import RouterMetrics
+from jaxserve.router.policy import POLICIES
+from jaxserve.router.replica import Replica, check_info
+from jaxserve.router.service import RouterService
+from jaxserve.server.limits import RequestLimits
+from jaxserve.server.metrics_http import start_metrics_server
+from jaxserve.server.rpc import GENERATION_SERVICE, ThreadPools, health_handler, parse
+
+logger = logging.getLogger("jaxserve.router")
+
+
+def first_info(address: str, fingerprint: str, timeout: float) -> pb.ServerInfo:
+    """The replica's ServerInfo once it answers (it may still be warming up), checked against the model."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except socket.gaierror as error:
+        raise ValueError(f"replica {address}: unknown host {host!r} ({error.strerror})") from None
+    deadline, last_error = time.monotonic() + timeout, ""
+    with grpc.insecure_channel(address) as channel:
+        stub = jaxserve_pb2_grpc.GenerationStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                info = stub.GetServerInfo(pb.ServerInfoRequest(), timeout=min(5.0, timeout), wait_for_ready=True)
+                check_info(address, info, fingerprint)
+                return info
+            except grpc.RpcError as error:
+                last_error = f"{error.code().name}: {error.details()}"
+                time.sleep(0.2)
+    raise ValueError(f"replica {address} did not answer GetServerInfo within {timeout:.0f}s "
+                     f"(router.startup_timeout): {last_error}")
+
+
+def _handlers(service: RouterService, pools: ThreadPools) -> grpc.GenericRpcHandler:
+    def method(function, request_type, response_type, pool, streaming: bool):
+        def handle(request_bytes, context):
+            return function(parse(request_type, request_bytes, context), context)
+
+        handle.experimental_thread_pool = pool
+        make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+        return make(handle, response_serializer=response_type.SerializeToString)
+
+    return grpc.method_handlers_generic_handler(GENERATION_SERVICE, {
+        "Generate": method(service.Generate, pb.GenerateRequest, pb.GenerateResponse, pools.streams, True),
+        "Chat": method(service.Chat, pb.ChatRequest, pb.GenerateResponse, pools.streams, True),
+        "GetServerInfo": method(service.GetServerInfo, pb.ServerInfoRequest, pb.ServerInfo, pools.quick, False),
+        "Tokenize": method(service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse, pools.tokenizer, False),
+        "Detokenize": method(service.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse, pools.tokenizer,
+                             False),
+    })
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.launched = []
+        self.supervisor: Supervisor | None = None
+        self.replicas: list[Replica] = []
+        self.grpc_server = None
+        self.metrics_server = None
+        self.pools = ThreadPools.for_limits(config.router.max_in_flight)
+        self.port = 0
+
+    def start(self) -> None:
+        """Raises ValueError (after cleaning up) when the replicas or the model are not as configured."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        config, section = self.config, self.config.router
+        source = open_model(config.model_path)  # the tokenizer and the fingerprint; no weights are read
+        fingerprint = model_fingerprint(source)
+        addresses = list(config.replicas)
+        if config.launch is not None:
+            launch = config.launch
+            self.launched = launch_replicas(launch.num_replicas, config.model_path, launch.config, launch.set,
+                                            launch.log_dir, section.startup_timeout)
+            addresses = [replica.address for replica in self.launched]
+            if launch.restart:
+                self.supervisor = Supervisor(self.launched)
+                self.supervisor.start()
+        infos = [first_info(address, fingerprint, section.startup_timeout) for address in addresses]
+        limits = RequestLimits.for_engine(min(i.max_model_len for i in infos), infos[0].vocab_size)
+        self.replicas = [Replica(address, fingerprint, section.blind_window, section.heartbeat,
+                                 section.health_interval, self.metrics) for address in addresses]
+        for replica in self.replicas:
+            replica.start()
+        service = RouterService(self.replicas, POLICIES[section.policy](), source.tokenizer, limits, self.metrics,
+                                section.max_in_flight, section.max_resends)
+        self._serve(service)
+        self._wait_for_replicas(min(section.startup_timeout, 60.0))
+        logger.info("routing %s over %d replicas (%s) on %s:%d", source.name, len(self.replicas), section.policy,
+                    section.host, self.port)
+
+    def _serve(self, service: RouterService) -> None:
+        section = self.config.router
+        self.health = health.HealthServicer()
+        self.grpc_server = grpc.server(self.pools.default, handlers=[_handlers(service, self.pools),
+                                                                     health_handler(self.health, self.pools)])
+        address = f"{section.host}:{section.port}"
+        try:
+            self.port = self.grpc_server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise ValueError(f"cannot listen on {address}: {error}") from None
+        self.grpc_server.start()
+        if section.metrics_port:
+            try:
+                self.metrics_server = start_metrics_server(section.host, section.metrics_port, self.metrics.registry)
+            except OSError as error:
+                raise ValueError(f"cannot serve metrics on port {section.metrics_port}: {error}") from None
+        for name in ("", GENERATION_SERVICE):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def _wait_for_replicas(self, timeout: float) -> None:
+        """Each replica's first snapshot; a slow one is routed to once it arrives."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(replica.is_up for replica in self.replicas):
+            time.sleep(0.05)
+        for replica in self.replicas:
+            if not replica.is_up:
+                logger.warning("replica %s is not up yet: %s", replica.address, replica.down_reason)
+
+    def stop(self) -> None:
+        if self.grpc_server is not None:
+            self.grpc_server.stop(grace=1).wait()
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        for replica in self.replicas:
+            replica.stop()
+        for launched in self.launched:
+            launched.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+        self.pools.shutdown()

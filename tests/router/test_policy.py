@@ -1,0 +1,119 @@
+"""The routing policies on fake replicas (a CacheView fed STORED events and a load): no servers."""
+
+from collections import Counter
+
+import pytest
+
+from jaxserve.host.kv_events import DEVICE, HOST, STORED, KVEvent
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.router.cache_view import CacheView
+from jaxserve.router.policy import (LeastLoadPolicy, PrefixPolicy, RoundRobinPolicy, RouteRequest, SessionPolicy,
+                                    predict)
+
+PAGE_SIZE = 16
+SYSTEM = list(range(3, 3 + 8 * PAGE_SIZE))  # an 8-page system prompt
+
+
+class FakeReplica:
+    def __init__(self, address: str, prefill_seconds_per_token: float = 1e-3, swap_in_seconds_per_page: float = 0.0):
+        self.address, self.page_size, self.is_up = address, PAGE_SIZE, True
+        self.view = CacheView()
+        self.view.reset(0, [])
+        self.load = pb.ReplicaLoad(prefill_seconds_per_token=prefill_seconds_per_token,
+                                   swap_in_seconds_per_page=swap_in_seconds_per_page)
+        self.num_outstanding = self.outstanding_prefill_tokens = 0
+
+    def cache(self, token_ids: list[int], tier: str = DEVICE, num_pages: int | None = None) -> None:
+        keys = RouteRequest(token_ids + [0]).keys(PAGE_SIZE)[:num_pages]
+        parents = [0] + keys[:-1]
+        self.view.reset(0, [KVEvent(STORED, key, parent, PAGE_SIZE, tier) for key, parent in zip(keys, parents)])
+
+
+def request(suffix: int = 0, session_id: str = "") -> RouteRequest:
+    return RouteRequest(SYSTEM + [suffix + 1] * 20, session_id)
+
+
+def test_prefix_goes_where_the_prefix_is_cached():
+    replicas = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
+    replicas[1].cache(SYSTEM)
+    choice = PrefixPolicy().choose(request(), replicas)
+    assert choice.replica is replicas[1] and choice.num_hit_tokens == len(SYSTEM)
+    assert choice.ttft == pytest.approx(20 * 1e-3)
+
+
+def test_a_loaded_replica_loses_its_prefix_advantage():
+    replicas = [FakeReplica("a"), FakeReplica("b")]
+    replicas[0].cache(SYSTEM)
+    replicas[0].load.num_tokens_waiting_prefill = 1000  # a queue longer than the whole prompt
+    assert PrefixPolicy().choose(request(), replicas).replica is replicas[1]
+    replicas[0].load.num_tokens_waiting_prefill = 50
+    assert PrefixPolicy().choose(request(), replicas).replica is replicas[0]
+
+
+def test_the_routers_own_outstanding_tokens_count_before_the_replica_reports_them():
+    replicas = [FakeReplica("a"), FakeReplica("b")]
+    replicas[0].cache(SYSTEM)
+    replicas[0].outstanding_prefill_tokens = 1000
+    assert PrefixPolicy().choose(request(), replicas).replica is replicas[1]
+
+
+def test_host_tier_pages_cost_their_swap_in():
+    device, host = FakeReplica("device"), FakeReplica("host", swap_in_seconds_per_page=1e-3)
+    device.cache(SYSTEM, num_pages=4)  # half the system prompt on the device
+    host.cache(SYSTEM, tier=HOST)  # all of it in the host tier: 8 swap-ins of 1 ms beat 64 tokens of 1 ms
+    choice = PrefixPolicy().choose(request(), [device, host])
+    assert choice.replica is host and choice.match.num_host_pages == 8
+    assert choice.ttft == pytest.approx(8 * 1e-3 + 20 * 1e-3)
+    host.load.swap_in_seconds_per_page = 0.1  # a slow host link: recomputing is cheaper
+    assert PrefixPolicy().choose(request(), [device, host]).replica is device
+
+
+def test_ties_and_cold_prefixes_go_by_load():
+    replicas = [FakeReplica(name) for name in "abc"]
+    replicas[0].load.num_running, replicas[1].load.num_running, replicas[2].load.num_running = 5, 1, 3
+    assert PrefixPolicy().choose(request(), replicas).replica is replicas[1]
+
+
+def test_pages_routed_a_moment_ago_count_as_hits_before_their_events_arrive():
+    """Requests sharing a prefix, each routed once the one before has started streaming but before any
+    page event has arrived, go to one replica: the first one's pages are pending hits there."""
+    replicas = [FakeReplica(name) for name in "abc"]
+    policy, chosen = PrefixPolicy(), []
+    for suffix in range(3):
+        choice = policy.choose(request(suffix), replicas)
+        choice.replica.view.note_routed(request(suffix).keys(PAGE_SIZE))
+        chosen.append(choice.replica.address)
+    assert len(set(chosen)) == 1
+
+
+def test_the_prediction_counts_the_prompt_tokens_the_cache_does_not_cover():
+    replica = FakeReplica("a")
+    replica.cache(SYSTEM, num_pages=3)
+    prediction = predict(replica, request(), [replica])
+    assert prediction.num_uncached_tokens == len(SYSTEM) + 20 - 3 * PAGE_SIZE
+
+
+def test_round_robin_cycles():
+    replicas = [FakeReplica(name) for name in "abc"]
+    policy = RoundRobinPolicy()
+    assert [policy.choose(request(), replicas).replica.address for _ in range(6)] == list("abcabc")
+
+
+def test_least_load_takes_the_emptiest():
+    replicas = [FakeReplica(name) for name in "abc"]
+    replicas[0].num_outstanding, replicas[2].load.num_waiting = 2, 1
+    assert LeastLoadPolicy().choose(request(), replicas).replica.address == "b"
+
+
+def test_sessions_stick_and_a_removed_replica_moves_only_its_own():
+    replicas = [FakeReplica(name) for name in "abcd"]
+    policy = SessionPolicy()
+    before = {f"s{i}": policy.choose(request(session_id=f"s{i}"), replicas).replica.address for i in range(200)}
+    assert all(policy.choose(request(i, session_id=s), replicas).replica.address == address
+               for i, (s, address) in enumerate(before.items()))
+    assert min(Counter(before.values()).values()) > 20  # spread over all four
+    remaining = [r for r in replicas if r.address != "b"]
+    after = {s: policy.choose(request(session_id=s), remaining).replica.address for s in before}
+    assert all(after[s] == before[s] for s in before if before[s] != "b")
+    assert PrefixPolicy().choose(request(), replicas)  # and no session id: by load
+    assert policy.choose(request(), replicas).replica.address == "a"

@@ -1,0 +1,143 @@
+"""The router in front of two replicas it launches (real `python -m jaxserve.serve` processes on free
+loopback ports): forwarding, prefix routing, metrics; then a replica killed mid-run (no request lost
+that had not streamed a token, streams under way end UNAVAILABLE, the router keeps serving) and
+restarted by the router (used again). Every wait is bounded."""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from jaxserve.client import Client
+from jaxserve.router.config import parse_config
+from jaxserve.router.server import RouterServer
+from tests.support.fixtures import expected, fixture_dir
+
+REPLICA_ENGINE = ["model.dtype=float32", "engine.max_model_len=128", "engine.max_num_seqs=2",
+                  "engine.max_num_batched_tokens=64", "engine.page_size=8", "engine.num_pages=48",
+                  "engine.show_progress=false", "server.drain_timeout=5"]
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    config = parse_config({
+        "model": {"path": fixture_dir("llama_gqa")},
+        "router": {"port": 0, "policy": "prefix", "heartbeat": 0.2, "health_interval": 0.5, "startup_timeout": 240},
+        "launch": {"num_replicas": 2, "set": REPLICA_ENGINE, "log_dir": str(tmp_path_factory.mktemp("replicas"))},
+    })
+    server = RouterServer(config)
+    server.start()
+    yield server
+    server.stop()
+    assert all(launched.has_exited() for launched in server.launched)
+
+
+def counter(server, metric, *labels) -> float:
+    return getattr(server.metrics, metric).labels(*labels)._value.get()
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_streams_through_the_router_equal_the_models_greedy_output(router):
+    client = Client(f"127.0.0.1:{router.port}")
+    for job in expected("llama_gqa")["prompts"][:4]:
+        messages = list(client.stream(job["token_ids"], max_tokens=24, temperature=0.0))
+        assert [t for m in messages for t in m.token_ids] == job["greedy_token_ids"]
+        assert len(messages) > 1 and messages[-1].finish_reason in ("length", "stop")
+        if job["text"]:  # the router tokenizes text itself and forwards the ids: the same completion
+            assert client.generate(job["text"], max_tokens=24, temperature=0.0).token_ids == job["greedy_token_ids"]
+    client.close()
+
+
+def test_a_conversation_stays_where_its_prefix_is_cached(router):
+    client = Client(f"127.0.0.1:{router.port}")
+    conversation = [1] + list(range(10, 50))
+    before = {r.address: counter(router, "requests", r.address) for r in router.replicas}
+    for turn in range(4):
+        completion = client.generate(conversation, max_tokens=8, temperature=0.0, ignore_eos=True)
+        if turn:
+            assert completion.num_cached_tokens >= (len(conversation) - 16) // 8 * 8
+        conversation += completion.token_ids + list(range(60 + turn, 70 + turn))
+        time.sleep(0.3)  # as a person would: the page events arrive meanwhile
+    client.close()
+    gained = sorted(counter(router, "requests", r.address) - before[r.address] for r in router.replicas)
+    assert gained == [0, 4]
+    assert sum(counter(router, "hit_tokens", r.address) for r in router.replicas) > 0
+
+
+def test_the_requests_own_errors_pass_through(router):
+    client = Client(f"127.0.0.1:{router.port}")
+    with pytest.raises(grpc.RpcError) as error:
+        client.generate([1, 2, 3], max_tokens=500)  # beyond max_model_len: the replica says so
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in error.value.details()
+    with pytest.raises(grpc.RpcError) as error:
+        client.generate("", max_tokens=5)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    info = client.server_info()
+    assert info.num_pages == 2 * 47 and info.model_fingerprint
+    client.close()
+
+
+def run_long_requests(target: str, num_requests: int, started: list, outcomes: list) -> list[threading.Thread]:
+    def run(index: int) -> None:
+        client = Client(target)
+        try:
+            tokens = []
+            for message in client.stream([1] + [100 + index] * 9, max_tokens=96, temperature=0.0, ignore_eos=True):
+                if not tokens:
+                    started[index] = time.monotonic()
+                tokens += message.token_ids
+            outcomes[index] = ("ok", len(tokens))
+        except grpc.RpcError as error:
+            outcomes[index] = (error.code().name, error.details())
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(num_requests)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def test_a_killed_replica_loses_no_unstarted_request_and_comes_back(router):
+    victim = router.launched[0]
+    num_requests = 8  # 2 running + 2 waiting on each replica (max_num_seqs = 2)
+    started, outcomes = [None] * num_requests, [None] * num_requests
+    threads = run_long_requests(f"127.0.0.1:{router.port}", num_requests, started, outcomes)
+    wait_for(lambda: sum(s is not None for s in started) >= 3, "streams under way")
+    killed_at = time.monotonic()
+    victim.process.kill()
+    for thread in threads:
+        thread.join(timeout=180)
+        assert not thread.is_alive()
+    for started_at, outcome in zip(started, outcomes):
+        if started_at is None or started_at > killed_at:  # had not streamed when the replica died: not lost
+            assert outcome == ("ok", 96)
+        else:
+            assert outcome == ("ok", 96) or (outcome[0] == "UNAVAILABLE" and victim.address in outcome[1])
+    assert any(outcome[0] == "UNAVAILABLE" for outcome in outcomes), "a stream on the killed replica was under way"
+    assert sum(counter(router, "resends", reason) for reason in ("UNAVAILABLE", "CANCELLED")) > 0
+    # the router keeps serving on the other replica meanwhile
+    client = Client(f"127.0.0.1:{router.port}")
+    assert client.generate([1, 5, 6, 7], max_tokens=4).finish_reason == "length"
+    # the router starts the replica again; once it has sent a fresh snapshot, it is used again
+    replica = next(r for r in router.replicas if r.address == victim.address)
+    wait_for(lambda: victim.num_starts == 2 and replica.is_up, "the restarted replica", timeout=240)
+    before = counter(router, "requests", victim.address)
+    results = [None] * 4
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+        i, Client(f"127.0.0.1:{router.port}").generate([1] + [200 + i] * 30, max_tokens=16).finish_reason))
+        for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert results == ["length"] * 4
+    assert counter(router, "requests", victim.address) > before
+    client.close()

@@ -37,7 +37,7 @@ def event_from_proto(event: pb.KVEvent) -> KVEvent:
                    HOST if event.tier == pb.KVEvent.HOST else DEVICE, event.rank)
 
 
-class ModelMismatch(Exception):
+class ModelMismatch(ValueError):
     """The replica serves another model than the router's."""
 
 

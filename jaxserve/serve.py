@@ -55,7 +55,6 @@ class Server:
         self.api_keys = ApiKeys.from_file(server.api_keys) if server.api_keys else None
         self.pools = ThreadPools.for_limits(config.engine.max_num_seqs + server.max_queued_requests)
         options = [("grpc.max_receive_message_length", server.max_message_bytes),
-                   ("grpc.max_send_message_length", server.max_message_bytes),
                    ("grpc.keepalive_time_ms", KEEPALIVE_MS)]
         kv_events, self.kv_events_pool = kv_events_handler(self.service)
         interceptors = [ApiKeyInterceptor(self.api_keys, self.pools.quick)] if self.api_keys else []

@@ -52,7 +52,8 @@ class ServerConfig:
     max_queued_requests: int = 256  # beyond this many waiting requests, RESOURCE_EXHAUSTED
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
     stream_idle_timeout: float = 30.0  # seconds a stream may wait on a client that does not read; then aborted
-    max_message_bytes: int = 4 * 1024 * 1024  # largest gRPC message received (and sent)
+    # largest message received; None: twice the largest request within the caps below (>= 64 KiB)
+    max_message_bytes: int | None = None
     tls: TLSConfig | None = None
     api_keys: str | None = None  # a file of keys, one a line; calls must send 'authorization: Bearer KEY'
     max_prompt_bytes: int | None = None  # UTF-8 bytes of a text prompt; None: 16 x max_model_len
@@ -71,7 +72,7 @@ class ServerConfig:
             raise ValueError("server.max_queued_requests must be >= 1 and server.drain_timeout >= 0")
         if not self.stream_idle_timeout > 0:
             raise ValueError(f"server.stream_idle_timeout must be > 0 seconds, got {self.stream_idle_timeout}")
-        if self.max_message_bytes < 1024:
+        if self.max_message_bytes is not None and self.max_message_bytes < 1024:
             raise ValueError(f"server.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         caps = ("max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids", "max_id_length")
         for name in caps + (("max_prompt_bytes",) if self.max_prompt_bytes is not None else ()):
@@ -90,6 +91,15 @@ class ServeConfig:
     model: ModelSection
     engine: EngineConfig
     server: ServerConfig
+
+    def __post_init__(self):
+        if self.server.max_message_bytes is None:
+            from jaxserve.engine.builder import DEFAULT_MAX_MODEL_LEN_CAP
+            from jaxserve.server.limits import default_max_message_bytes
+
+            limit = default_max_message_bytes(self.engine.max_model_len or DEFAULT_MAX_MODEL_LEN_CAP,
+                                              **self.server.request_caps())
+            object.__setattr__(self, "server", dataclasses.replace(self.server, max_message_bytes=limit))
 
     def model_dir(self) -> str:
         from jaxserve.loading.default_model import resolve_model_path

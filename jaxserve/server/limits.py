@@ -15,6 +15,7 @@ from dataclasses import dataclass
 PROMPT_BYTES_PER_TOKEN = 16
 # Room for a request's small fields (sampling numbers, tags and lengths) in the size bounds below.
 SMALL_FIELDS_BYTES = 1024
+MIN_MESSAGE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,14 @@ def utf8_size_exceeds(text: str, limit: int) -> bool:
     if 4 * len(text) <= limit:
         return False
     return len(text.encode("utf-8", "surrogatepass")) > limit
+
+
+def default_max_message_bytes(max_model_len: int, **caps) -> int:
+    """The receive limit when server.max_message_bytes is not set: twice the largest request within
+    the caps (at least 64 KiB). gRPC refuses a larger message (RESOURCE_EXHAUSTED) as soon as its
+    length is known, before the server spends anything on it."""
+    largest = RequestLimits.for_engine(max_model_len, vocab_size=1, **caps).max_generate_request_bytes
+    return max(MIN_MESSAGE_BYTES, 2 * largest)
 
 
 def check_request_size(num_bytes: int, limit: int) -> None:

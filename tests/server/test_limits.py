@@ -86,6 +86,9 @@ def test_server_config_keys():
     with pytest.raises(ValueError, match="stream_idle_timeout"):
         load_config(None, ["server.stream_idle_timeout=0"])
     assert load_config("configs/llama-cpu.yaml").server.host == "127.0.0.1"
+    derived = load_config(None, ["engine.max_model_len=4096"]).server.max_message_bytes
+    assert derived == limits.default_max_message_bytes(4096) and 64 * 1024 < derived < 1024 * 1024
+    assert load_config(None, ["engine.max_model_len=128"]).server.max_message_bytes == limits.MIN_MESSAGE_BYTES
 
 
 def output(token_ids, text, finish_reason=None):

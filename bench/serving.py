@@ -1,4 +1,5 @@
-"""Serving benchmark: drive a running jaxserve server over gRPC and report latency and throughput.
+"""Serving benchmark: drive a running jaxserve server over gRPC or its OpenAI HTTP API and report latency
+and throughput.
 
 Arrivals: Poisson at --request-rate (req/s), Gamma with --burstiness (< 1 burstier, 1 = Poisson), or a
 fixed --max-concurrency. Datasets: random prompt/output lengths, shared-prefix groups (a long system
@@ -8,6 +9,11 @@ ITL (time between streamed messages), E2E latency; mean, p50, p90, p99, as one J
 
     python -m jaxserve.serve &                      # or any config
     .venv/bin/python bench/serving.py --num-prompts 64 --request-rate 8 [--plot latency.png]
+
+--backend grpc|openai|grpc,openai picks the API (openai: POST /v1/completions streamed, at --http-target,
+bench/serving_openai.py); with both, each runs the same load in turn on the same server (--rounds N
+alternates their order; each run draws its own prompts, so no run finds another's prefixes cached),
+and a last line compares them: the p50s and throughputs, and openai's over grpc's.
 
 --hostile KIND (bench/hostile.py: big-prompts, many-stops, stop-ids, unread) runs the same requests
 twice, alone and then beside hostile clients, and reports both and the ratio of their latencies.
@@ -170,9 +176,33 @@ def plot(results: list[RequestResult], start: float, path: str) -> None:
     figure.savefig(path, dpi=120)
 
 
-async def run_once(args, info, connection) -> tuple[list[RequestResult], float, float]:
-    rng = np.random.default_rng(args.seed)
-    client = AsyncClient(args.target, connection)
+def make_client(backend: str, args, info, connection):
+    if backend == "grpc":
+        return AsyncClient(args.target, connection)
+    from serving_openai import OpenAIStreamClient
+
+    return OpenAIStreamClient(args.http_target, info.model, connection.api_key, args.tls_ca, args.tls_cert,
+                              args.tls_key)
+
+
+def compare(runs: dict[str, list[dict]]) -> dict:
+    """Each backend's medians over its runs of the headline numbers, and the second's over the first's."""
+    first, second = list(runs)[:2]
+    line = {"compare": f"{second} / {first}"}
+    for name, read in (("ttft_p50_ms", lambda r: r["ttft"].get("p50_ms")),
+                       ("itl_p50_ms", lambda r: r["itl"].get("p50_ms")),
+                       ("e2e_latency_p50_ms", lambda r: r["e2e_latency"].get("p50_ms")),
+                       ("output_token_throughput", lambda r: r["output_token_throughput"])):
+        medians = {backend: float(np.median([read(r) or 0.0 for r in reports])) for backend, reports in runs.items()}
+        line[name] = medians
+        line[f"{name}_ratio"] = round(medians[second] / medians[first], 3) if medians[first] else None
+    return line
+
+
+async def run_once(args, info, connection, backend: str = "grpc",
+                   seed_offset: int = 0) -> tuple[list[RequestResult], float, float]:
+    rng = np.random.default_rng(args.seed + seed_offset)
+    client = make_client(backend, args, info, connection)
     start = time.perf_counter()
     if args.dataset == "multi-turn":
         results = await run_multi_turn(client, args, rng, info.vocab_size)
@@ -188,9 +218,16 @@ async def main_async(args) -> None:
     connection = connection_from_arguments(args)
     info = Client(args.target, connection).server_info()
     header = {"model": info.model, "attention_impl": info.attention_impl}
-    results, start, elapsed = await run_once(args, info, connection)
-    alone = report(results, elapsed, args)
-    print(json.dumps({**header, **alone}))
+    backends, runs = args.backend.split(","), {}
+    for round_index in range(args.rounds):
+        for backend in backends if round_index % 2 == 0 else backends[::-1]:
+            seed_offset = sum(len(r) for r in runs.values())
+            results, start, elapsed = await run_once(args, info, connection, backend, seed_offset)
+            alone = report(results, elapsed, args)
+            runs.setdefault(backend, []).append(alone)
+            print(json.dumps({**header, "backend": backend, **alone}), flush=True)
+    if len(runs) > 1:
+        print(json.dumps(compare(runs)))
     if args.plot:
         plot(results, start, args.plot)
     if args.hostile:
@@ -198,7 +235,8 @@ async def main_async(args) -> None:
 
         clients = hostile.HostileClients(args.hostile, args.target, connection, info.max_num_seqs)
         await asyncio.sleep(5.0)  # let the hostile process start and its clients get going
-        results, start, elapsed = await run_once(args, info, connection)
+        alone = runs[backends[0]][0]
+        results, start, elapsed = await run_once(args, info, connection, backends[0])
         counts = clients.stop()
         beside = report(results, elapsed, args)
         ratios = {f"{metric}_p50_ratio": round(beside[metric]["p50_ms"] / alone[metric]["p50_ms"], 3)
@@ -208,7 +246,10 @@ async def main_async(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="127.0.0.1:50051")
+    parser.add_argument("--target", default="127.0.0.1:50051", help="the gRPC port (server info comes from it)")
+    parser.add_argument("--http-target", default="http://127.0.0.1:8000", help="the OpenAI HTTP API")
+    parser.add_argument("--backend", default="grpc", help="grpc, openai, or both as grpc,openai")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each backend, in alternating order")
     parser.add_argument("--dataset", choices=["random", "shared-prefix", "multi-turn"], default="random")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests (conversations for multi-turn)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf: all at once")
@@ -226,6 +267,8 @@ def main() -> None:
     parser.add_argument("--hostile", help="also run beside these hostile clients (bench/hostile.py) and compare")
     add_connection_arguments(parser)
     args = parser.parse_args()
+    if not args.backend or set(args.backend.split(",")) - {"grpc", "openai"}:
+        parser.error(f"--backend takes grpc, openai or grpc,openai, not {args.backend!r}")
     asyncio.run(main_async(args))
 
 

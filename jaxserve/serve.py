@@ -114,13 +114,12 @@ class Server:
             logger.info("OpenAI HTTP API on %s:%d", self.config.server.host, self.http_server.port)
         logger.info("listening on %s:%d%s; warming up", self.config.server.host, self.port,
                     " (TLS)" if self.config.server.tls else "")
-        model_dir = self.config.model_dir()
-        engine = Engine.from_model(model_dir, self.config.engine)
+        engine = Engine.from_model(self.config.model_dir(), self.config.engine)
         self.loop = EngineLoop(engine, self.metrics, self.config.server.max_queued_requests,
                                self.config.server.stream_idle_timeout)
         info = self.loop.description
         limits = RequestLimits.for_engine(info.max_model_len, info.vocab_size, **self.config.server.request_caps())
-        fingerprint = system_fingerprint(info, model_dir)
+        fingerprint = system_fingerprint(info)
         self.service.attach(self.loop, limits, self.chat_template, fingerprint)
         self.http_context.attach(self.loop, limits, self.chat_template, fingerprint)
         self.metrics.observe_engine(self.loop.stats)

@@ -1,14 +1,16 @@
 """The OpenAI HTTP API of a live server, through the real openai client: completions and chat, streamed
 and not, n choices, logprobs, usage, prompt forms, the side routes, and a client that leaves mid-stream."""
 
-from http.client import HTTPConnection
+import dataclasses
 import json
 import time
+from http.client import HTTPConnection
 
 import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.client import Client, build_request
+from jaxserve.server.fingerprint import system_fingerprint
 from tests.support.fixtures import expected
 from tests.support.openai_harness import CHAT_TEMPLATE, http, openai_client
 from tests.support.server_harness import ServerProcess
@@ -165,3 +167,12 @@ def test_n_over_grpc_equals_n_over_http_and_offline(server, client, llama_llm):
     for message in Client(server.target).stub.Generate(request):
         over_grpc[message.index] += message.token_ids
     assert [c.token_ids for c in over_http.choices] == over_grpc == offline and len(set(map(tuple, offline))) > 1
+
+
+def test_system_fingerprint_follows_the_serving_configuration(llama_llm):
+    description = llama_llm.engine.describe()
+    fingerprint = system_fingerprint(description)
+    assert fingerprint == system_fingerprint(llama_llm.engine.describe())
+    for change in (dict(model_fingerprint="another checkpoint"), dict(dtype="bfloat16"),
+                   dict(mesh="tensor 2 over 2 cpu devices"), dict(compiled_buckets=description.compiled_buckets[:-1])):
+        assert system_fingerprint(dataclasses.replace(description, **change)) != fingerprint, change

@@ -81,6 +81,7 @@ def test_503_until_warm_up_ends(warming):
     ("/v1/completions", {**SMALL, "echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {**SMALL, "logprobs": 50}, "max_logprobs"),
     ("/v1/completions", {"model": "llama_gqa", "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {**SMALL, "prompt": ["fine", ""]}, "a prompt is empty"),
     ("/v1/completions", {**SMALL, "prompt": "x" * 5000}, "server.max_prompt_bytes"),
     ("/v1/chat/completions", {"model": "llama_gqa", "messages": []}, "empty conversation"),
     ("/v1/chat/completions", {"model": "llama_gqa", "messages": [{"role": "user", "content": "hi"}],

@@ -33,6 +33,8 @@ def checked_completion(context: ServingContext, body: CompletionRequest,
     if len(prompts) > context.ready_loop().max_in_flight:
         raise ValueError(f"{len(prompts)} prompts in one request, more than the server runs at once")
     for prompt in prompts:
+        if not prompt:
+            raise ValueError("a prompt is empty")
         if isinstance(prompt, str):
             request_limits.check_prompt(limits, prompt, [])
         else:

@@ -62,6 +62,13 @@ class EngineConfig:
     prefill_query_block: int = 16
     compilation_cache_dir: str | None = "default"
     show_progress: bool = True
+    # Prefill/decode disaggregation (jaxserve/disagg): "prefill" runs a request to its first token and
+    # parks it, pages held, until a decode replica takes them; "decode" also admits requests that
+    # arrive with their KV pages; "both" serves whole requests.
+    role: str = "both"
+    # Indices into jax.devices() this engine runs on (None: the first ones), so that two engines in one
+    # process can use disjoint devices.
+    device_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.dtype != "auto":
@@ -71,6 +78,10 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.device_ids is not None:
+            object.__setattr__(self, "device_ids", tuple(int(i) for i in self.device_ids))
         if self.expert_rebalance_interval < 0:
             raise ValueError(f"expert_rebalance_interval must be >= 0, got {self.expert_rebalance_interval}")
         if self.num_pages is not None and self.num_pages < 2:

@@ -55,6 +55,17 @@ def write_pages(kv_pages: KVPages, pages: list[int], host_pages: list[HostPage])
     return kv_pages
 
 
+def gather_pages(kv_pages: KVPages, pages: list[int]) -> jax.Array:
+    """[2 * num_layers, len(pages), page_size, K, D] on the pool's devices, exactly these pages (a KV
+    handover moves no padding; one compile per count)."""
+    return _gather_pages(kv_pages, np.asarray(pages, np.int32))
+
+
+def scatter_pages(kv_pages: KVPages, pages: list[int], data: jax.Array) -> KVPages:
+    """Write gather_pages' layout into pages (the pool is donated and returned)."""
+    return _scatter_pages(kv_pages, np.asarray(pages, np.int32), data)
+
+
 @jax.jit
 def _gather_pages(kv_pages: KVPages, pages):
     return jax.numpy.stack([layer[pages] for layer in kv_pages.keys + kv_pages.values])

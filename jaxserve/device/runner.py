@@ -130,6 +130,22 @@ class ModelRunner:
         """Dispatched before the next step, so it lands before that step reads the pages."""
         self.kv_pages = page_copies.write_pages(self.kv_pages, pages, host_pages)
 
+    def gather_pages(self, pages: list[int]) -> jax.Array:
+        """The pages' KV as one array on this runner's devices (for a KV handover)."""
+        return page_copies.gather_pages(self.kv_pages, pages)
+
+    def scatter_pages(self, pages: list[int], data: jax.Array) -> None:
+        """Write handed-over KV (gather_pages' layout, already on this runner's devices) into pages."""
+        self.kv_pages = page_copies.scatter_pages(self.kv_pages, pages, data)
+
+    def page_array_sharding(self):
+        """Where gather_pages' layout lives on this runner: the pool's sharding with the stacked
+        layer axis in front."""
+        sharding = self.kv_pages.keys[0].sharding
+        if isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+        return sharding
+
     def warm_up_page_copies(self) -> None:
         """Compile the host-tier copies (reading and rewriting the reserved page changes nothing)."""
         self.write_pages([page_copies.RESERVED_PAGE], self.read_pages([page_copies.RESERVED_PAGE]))

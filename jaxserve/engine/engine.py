@@ -16,6 +16,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.models.config import ModelConfig
 from jaxserve.device.step_inputs import build_ranked_inputs, step_shape
+from jaxserve.disagg.roles import handovers_for
 from jaxserve.engine.builder import EngineParts, build_engine
 from jaxserve.engine.stats import (EngineDescription, EngineLoad, StepTimings, describe_engine, engine_load,
                                    engine_stats)
@@ -50,6 +51,7 @@ class Engine:
         self._kv_events = KVEventLog()
         for rank, scheduler in enumerate(self.schedulers):
             scheduler.allocator.attach_events(self._kv_events.for_rank(rank))
+        self.handovers = handovers_for(self)  # None unless disaggregated (role prefill or decode)
 
     @classmethod
     def from_model(cls, model_path: str, config: EngineConfig) -> "Engine":
@@ -131,23 +133,30 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step; returns the outputs of requests that progressed (finished ones leave)."""
+        started = time.perf_counter()
         schedules = [scheduler.schedule() for scheduler in self.schedulers]
         if all(schedule.is_empty for schedule in schedules):
             return []
         self._move_host_tier_pages()
-        started = time.perf_counter()
-        num_prefill_tokens = sum(chunk.num_tokens for s in schedules for chunk in s.prefills)
         dispatched = [(per_rank, self._dispatch(per_rank, is_decode)) for is_decode in (False, True)
                       if any(per_rank := [s.decodes if is_decode else s.prefills for s in schedules])]
         progressed = set()
-        for index, (per_rank, pending) in enumerate(dispatched):
+        for per_rank, pending in dispatched:
             progressed |= self._postprocess(per_rank, pending.fetch())
-            if index == 0 and num_prefill_tokens:  # prefills go first: this is when they are done
-                self.timings.observe_prefill(time.perf_counter() - started, num_prefill_tokens)
+        self.timings.observe_step(time.perf_counter() - started, self._prefill_room(schedules))
         self.num_steps += 1
         if self.experts is not None:
             self.experts.maybe_rebalance(self.num_steps)
-        return self._collect(progressed)
+        outputs = self._collect(progressed)
+        if self.handovers is not None:
+            self.handovers.after_step(outputs)
+        return outputs
+
+    def _prefill_room(self, schedules) -> int:
+        """Prompt tokens the step had room for after its decodes (whole query blocks, on every rank)."""
+        block = self.config.prefill_query_block
+        return sum(max(self.config.max_num_batched_tokens - len(s.decodes), block) // block * block
+                   for s in schedules)
 
     def _dispatch(self, per_rank_chunks, is_decode: bool):
         config = self.config

@@ -92,6 +92,20 @@ class Scheduler:
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
 
+    def park(self, seq: SequenceState) -> None:
+        """Stop scheduling a running sequence but keep its pages held (a prefill replica's sequence
+        waiting for a decode replica to take its KV); `finish` releases them later."""
+        self.running.remove(seq)
+        seq.status = RequestStatus.PREEMPTED
+
+    def admit_prefilled(self, seq: SequenceState) -> None:
+        """Run a sequence whose pages already hold its KV (handed over by a prefill replica): its
+        page_ids, page_keys and num_computed_tokens are set, so its next chunk is a decode."""
+        if len(self.running) >= self.max_num_seqs:
+            raise RuntimeError("admit_prefilled needs a free slot; reserve one first")
+        seq.status = RequestStatus.RUNNING
+        self.running.append(seq)
+
     def finish_or_flush(self, seq: SequenceState, reason: str) -> None:
         """Finish a sequence; but when its newest token would complete a page, first compute that
         token's KV (one more step, nothing sampled) so the next turn of a chat finds the whole page."""

@@ -1,0 +1,85 @@
+"""Prefill on one engine, decode on another, in one process: outputs equal the colocated engine's, only
+the pages the decode side lacks travel, and no page is leaked on either side."""
+
+import numpy as np
+import pytest
+
+from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
+from jaxserve import LLM, SamplingParams
+from jaxserve.disagg.handover import DisaggregatedPair, HandoverStats
+from jaxserve.models.kv_pages import KVPages
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    prefill = LLM(fixture_dir("llama_gqa"), role="prefill", **SMALL_ENGINE).engine
+    decode = LLM(fixture_dir("llama_gqa"), role="decode", **SMALL_ENGINE).engine
+    return DisaggregatedPair(prefill, decode)
+
+
+def all_pages_free(engine):
+    stats = engine.stats()
+    return stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def page_bytes(engine):
+    config = engine.model_config
+    return KVPages.bytes_per_page(config.num_layers, engine.config.page_size, config.num_kv_heads,
+                                  engine.runner.kv_pages.keys[0].shape[-1], engine.runner.kv_pages.keys[0].dtype)
+
+
+def test_greedy_outputs_equal_colocated(pair, llama_llm):
+    prompts = [p["token_ids"] for p in expected("llama_gqa")["prompts"]]
+    colocated = llama_llm.generate(prompts, GREEDY)
+    disaggregated = pair.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in disaggregated] == [o.outputs[0].token_ids for o in colocated]
+    assert [o.outputs[0].text for o in disaggregated] == [o.outputs[0].text for o in colocated]
+    assert pair.stats.num_handovers == sum(1 for o in colocated if len(o.outputs[0].token_ids) > 1)
+    assert all_pages_free(pair.prefill_engine) and all_pages_free(pair.decode_engine)
+    assert not pair.prefill_engine.handovers.parked and not pair.decode_engine.handovers.reservations
+
+
+def test_only_missing_pages_travel(pair, llama_llm):
+    rng = np.random.default_rng(7)
+    shared = [1] + rng.integers(3, 384, size=31).tolist()  # two full pages of 16
+    warm, prompt = shared + rng.integers(3, 384, size=5).tolist(), shared + rng.integers(3, 384, size=20).tolist()
+    pair.decode_engine.add_request("warm", warm, GREEDY)  # the decode side computes the shared prefix itself
+    while pair.decode_engine.has_unfinished_requests():
+        pair.decode_engine.step()
+    before = HandoverStats(**vars(pair.stats))
+    [output] = pair.generate([prompt], GREEDY)
+    assert output.outputs[0].token_ids == llama_llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    # 52 prompt tokens fill 4 pages; the decode side holds the first 2, so pages 3 and 4 travel
+    assert pair.stats.num_pages_moved - before.num_pages_moved == 2
+    assert pair.stats.num_pages_reused - before.num_pages_reused == 2
+    assert pair.stats.bytes_moved - before.bytes_moved == 2 * page_bytes(pair.decode_engine)
+    assert output.num_cached_tokens == 32
+    assert all_pages_free(pair.prefill_engine) and all_pages_free(pair.decode_engine)
+
+
+def test_timeouts_and_cancels_free_pages(pair):
+    prefill, decode = pair.prefill_engine, pair.decode_engine
+    prompt = list(range(3, 40))
+    prefill.add_request("slow", prompt, GREEDY)
+    while "slow" not in prefill.handovers.parked:
+        prefill.step()
+    reservation = decode.handovers.reserve("slow", prompt, GREEDY)
+    assert reservation is not None and not all_pages_free(decode) and not all_pages_free(prefill)
+    prefill.handovers.parked["slow"].deadline = decode.handovers.reservations["slow"].deadline = 0.0
+    assert prefill.handovers.expire() == ["slow"] and decode.handovers.expire() == ["slow"]
+    assert all_pages_free(prefill) and all_pages_free(decode)
+    assert not prefill.has_request("slow")
+
+
+def test_decode_side_recomputes_when_prefill_is_lost(pair, llama_llm):
+    prompt = list(range(5, 60))
+    reservation = pair.decode_engine.handovers.reserve("lost", prompt, GREEDY)
+    assert reservation is not None
+    pair.decode_engine.handovers.recompute("lost", prompt, GREEDY)
+    outputs = {}
+    while pair.decode_engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in pair.decode_engine.step())
+    assert outputs["lost"].outputs[0].token_ids == llama_llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert all_pages_free(pair.decode_engine)

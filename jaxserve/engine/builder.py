@@ -54,8 +54,10 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
     dtype = source.checkpoint_dtype if config.dtype == "auto" else config.dtype
     max_model_len = _max_model_len(model_config, config)
     enable_compilation_cache(config.compilation_cache_dir)
-    mesh = build_mesh(config.data_parallel_size, config.tensor_parallel_size) \
-        if config.data_parallel_size * config.tensor_parallel_size > 1 else None
+    # Chosen devices get a mesh even when there is one, so that everything is placed on them.
+    devices = [jax.devices()[i] for i in config.device_ids] if config.device_ids is not None else None
+    mesh = build_mesh(config.data_parallel_size, config.tensor_parallel_size, devices) \
+        if config.data_parallel_size * config.tensor_parallel_size > 1 or devices else None
     expert_parallel = _expert_parallel(model_config, config, mesh)
     attention = choose_attention(model_config, config, dtype, mesh)
     model = _load_model(source, dtype, attention, mesh, expert_parallel)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 
 import grpc
 
@@ -61,7 +62,8 @@ def _unread_loop(target: str, connection: Connection, stop, counts: dict) -> Non
 
 
 def _run(kind: str, target: str, connection: Connection, max_num_seqs: int, stop, results) -> None:
-    """The hostile process: runs the clients until `stop` is set, then reports their outcomes."""
+    """The hostile process: runs the clients until `stop` is set, then reports their outcomes. Its
+    first message says the clients are running."""
     counts = {"accepted": 0, "opened": 0}
     if kind == "unread":
         threads = [threading.Thread(target=_unread_loop, args=(target, connection, stop, counts), daemon=True)
@@ -72,6 +74,8 @@ def _run(kind: str, target: str, connection: Connection, max_num_seqs: int, stop
                    for _ in range(num_clients)]
     for thread in threads:
         thread.start()
+    time.sleep(1.0)  # the first hostile calls are in flight
+    results.put("started")
     stop.wait()
     for thread in threads:
         thread.join(timeout=70)
@@ -85,6 +89,7 @@ class HostileClients:
         self._process = context.Process(target=_run, args=(kind, target, connection, max_num_seqs, self._stop,
                                                            self._results), daemon=True)
         self._process.start()
+        assert self._results.get(timeout=300) == "started"  # the measuring starts once they run
 
     def stop(self) -> dict:
         """Stops the clients; returns how their calls ended, by status."""

@@ -33,19 +33,24 @@ class EngineDescription:
 
 @dataclass
 class StepTimings:
-    """Measured while serving, for a router's time-to-first-token predictions: moving averages of the
-    wall time per prefill token (of the steps that prefill; their decodes ride along) and per page
-    brought back from the host tier. 0 until measured."""
+    """Measured while serving, for a router's time-to-first-token predictions (0 until measured), as moving
+    averages. prefill_seconds_per_token: a step's wall time over the prompt tokens it has room for after
+    its decodes; with chunked prefill, what each uncached prompt token adds to a request's time to first
+    token at the current load (more running sequences: slower steps with less room). step_seconds: a
+    step's wall time (a new request waits for the step under way). And the wall time per page brought
+    back from the host tier."""
 
     prefill_seconds_per_token: float = 0.0
+    step_seconds: float = 0.0
     swap_in_seconds_per_page: float = 0.0
     weight: float = 0.2  # of the newest measurement
 
     def _average(self, old: float, new: float) -> float:
         return new if old == 0.0 else (1 - self.weight) * old + self.weight * new
 
-    def observe_prefill(self, seconds: float, num_tokens: int) -> None:
-        self.prefill_seconds_per_token = self._average(self.prefill_seconds_per_token, seconds / num_tokens)
+    def observe_step(self, seconds: float, num_prefill_room: int) -> None:
+        self.prefill_seconds_per_token = self._average(self.prefill_seconds_per_token, seconds / num_prefill_room)
+        self.step_seconds = self._average(self.step_seconds, seconds)
 
     def observe_swap_in(self, seconds: float, num_pages: int) -> None:
         self.swap_in_seconds_per_page = self._average(self.swap_in_seconds_per_page, seconds / num_pages)
@@ -113,6 +118,7 @@ def engine_stats(engine) -> dict:
         "num_tokens_waiting_prefill": load.num_tokens_waiting_prefill,
         "prefill_seconds_per_token": engine.timings.prefill_seconds_per_token,
         "swap_in_seconds_per_page": engine.timings.swap_in_seconds_per_page,
+        "step_seconds": engine.timings.step_seconds,
         "num_preemptions": sum(s.num_preemptions for s in engine.schedulers),
         "num_steps": engine.num_steps,
         "num_prompt_tokens": engine.outputs.num_prompt_tokens,

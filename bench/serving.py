@@ -13,7 +13,9 @@ ITL (time between streamed messages), E2E latency; mean, p50, p90, p99, as one J
 --backend grpc|openai|grpc,openai picks the API (openai: POST /v1/completions streamed, at --http-target,
 bench/serving_openai.py); with both, each runs the same load in turn on the same server (--rounds N
 alternates their order; each run draws its own prompts, so no run finds another's prefixes cached),
-and a last line compares them: the p50s and throughputs, and openai's over grpc's.
+or, with --interleave, one run sends every other request to each, so that both meet the same load
+at every moment (on a shared machine, the fairer comparison); a last line compares them: the p50s
+and throughputs, and openai's over grpc's.
 
 --hostile KIND (bench/hostile.py: big-prompts, many-stops, stop-ids, unread) runs the same requests
 twice, alone and then beside hostile clients, and reports both and the ratio of their latencies.
@@ -43,6 +45,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     error: str | None = None
     answer: list[int] = field(default_factory=list)
+    backend: str = ""
 
     @property
     def e2e(self) -> float:
@@ -96,29 +99,35 @@ async def one_request(client: AsyncClient, prompt, max_tokens, session_id="") ->
     return result
 
 
-async def run_independent(client, dataset, args, rng) -> list[RequestResult]:
+async def run_independent(clients, dataset, args, rng) -> list[RequestResult]:
+    """clients: (backend, client) pairs; request i goes to pair i mod len(clients)."""
     semaphore = asyncio.Semaphore(args.max_concurrency or len(dataset))
 
-    async def limited(prompt, max_tokens):
+    async def limited(index, prompt, max_tokens):
+        backend, client = clients[index % len(clients)]
         async with semaphore:
-            return await one_request(client, prompt, max_tokens)
+            result = await one_request(client, prompt, max_tokens)
+        result.backend = backend
+        return result
 
     tasks = []
-    for (prompt, max_tokens), gap in zip(dataset, arrival_gaps(rng, args, len(dataset))):
-        tasks.append(asyncio.create_task(limited(prompt, max_tokens)))
+    for index, ((prompt, max_tokens), gap) in enumerate(zip(dataset, arrival_gaps(rng, args, len(dataset)))):
+        tasks.append(asyncio.create_task(limited(index, prompt, max_tokens)))
         await asyncio.sleep(gap)
     return list(await asyncio.gather(*tasks))
 
 
-async def run_multi_turn(client, args, rng, vocab_size) -> list[RequestResult]:
+async def run_multi_turn(clients, args, rng, vocab_size) -> list[RequestResult]:
     semaphore = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
 
     async def conversation(index):
+        backend, client = clients[index % len(clients)]
         history = rng.integers(3, vocab_size, size=args.question_len).tolist()
         results = []
         for _ in range(int(rng.integers(4, 9))):
             async with semaphore:
                 result = await one_request(client, history, args.max_output, session_id=f"chat-{index}")
+            result.backend = backend
             results.append(result)
             history = history + result.answer + rng.integers(3, vocab_size, size=args.question_len).tolist()
         return results
@@ -199,18 +208,20 @@ def compare(runs: dict[str, list[dict]]) -> dict:
     return line
 
 
-async def run_once(args, info, connection, backend: str = "grpc",
+async def run_once(args, info, connection, backends: list[str] | tuple[str, ...] = ("grpc",),
                    seed_offset: int = 0) -> tuple[list[RequestResult], float, float]:
+    """One run of the load; with several backends, its requests alternate between them."""
     rng = np.random.default_rng(args.seed + seed_offset)
-    client = make_client(backend, args, info, connection)
+    clients = [(backend, make_client(backend, args, info, connection)) for backend in backends]
     start = time.perf_counter()
     if args.dataset == "multi-turn":
-        results = await run_multi_turn(client, args, rng, info.vocab_size)
+        results = await run_multi_turn(clients, args, rng, info.vocab_size)
     else:
         make = random_dataset if args.dataset == "random" else shared_prefix_dataset
-        results = await run_independent(client, make(rng, args, info.vocab_size), args, rng)
+        results = await run_independent(clients, make(rng, args, info.vocab_size), args, rng)
     elapsed = time.perf_counter() - start
-    await client.close()
+    for _, client in clients:
+        await client.close()
     return results, start, elapsed
 
 
@@ -218,14 +229,16 @@ async def main_async(args) -> None:
     connection = connection_from_arguments(args)
     info = Client(args.target, connection).server_info()
     header = {"model": info.model, "attention_impl": info.attention_impl}
-    backends, runs = args.backend.split(","), {}
+    backends, runs, seed_offset = args.backend.split(","), {}, 0
+    groups = [backends] if args.interleave else [[backend] for backend in backends]
     for round_index in range(args.rounds):
-        for backend in backends if round_index % 2 == 0 else backends[::-1]:
-            seed_offset = sum(len(r) for r in runs.values())
-            results, start, elapsed = await run_once(args, info, connection, backend, seed_offset)
-            alone = report(results, elapsed, args)
-            runs.setdefault(backend, []).append(alone)
-            print(json.dumps({**header, "backend": backend, **alone}), flush=True)
+        for group in groups if round_index % 2 == 0 else groups[::-1]:
+            results, start, elapsed = await run_once(args, info, connection, group, seed_offset)
+            seed_offset += 1
+            for backend in group:
+                alone = report([r for r in results if r.backend == backend], elapsed, args)
+                runs.setdefault(backend, []).append(alone)
+                print(json.dumps({**header, "backend": backend, "interleaved": len(group) > 1, **alone}), flush=True)
     if len(runs) > 1:
         print(json.dumps(compare(runs)))
     if args.plot:
@@ -236,7 +249,7 @@ async def main_async(args) -> None:
         clients = hostile.HostileClients(args.hostile, args.target, connection, info.max_num_seqs)
         await asyncio.sleep(5.0)  # let the hostile process start and its clients get going
         alone = runs[backends[0]][0]
-        results, start, elapsed = await run_once(args, info, connection, backends[0])
+        results, start, elapsed = await run_once(args, info, connection, backends[:1])
         counts = clients.stop()
         beside = report(results, elapsed, args)
         ratios = {f"{metric}_p50_ratio": round(beside[metric]["p50_ms"] / alone[metric]["p50_ms"], 3)
@@ -250,6 +263,8 @@ def main() -> None:
     parser.add_argument("--http-target", default="http://127.0.0.1:8000", help="the OpenAI HTTP API")
     parser.add_argument("--backend", default="grpc", help="grpc, openai, or both as grpc,openai")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each backend, in alternating order")
+    parser.add_argument("--interleave", action="store_true",
+                        help="with several backends: one run whose requests alternate between them")
     parser.add_argument("--dataset", choices=["random", "shared-prefix", "multi-turn"], default="random")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests (conversations for multi-turn)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf: all at once")

@@ -78,7 +78,6 @@ class ChatCall:
         return sse(chunk)
 
     async def events(self):
-        self.group.cancel_on_expiry()
         for index in range(self.body.n):
             yield self.chunk(index, {"role": "assistant", "content": ""})
         usage = UsageCounter()

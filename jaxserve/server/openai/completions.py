@@ -79,7 +79,6 @@ class CompletionCall:
         return choice
 
     async def events(self):
-        self.group.cancel_on_expiry()
         usage, echoed, offsets = UsageCounter(), set(), defaultdict(int)
         async for position, delta in self.group.deltas():
             if (message := failure(delta)) is not None:

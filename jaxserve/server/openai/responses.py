@@ -33,6 +33,9 @@ class EventStreamResponse(StreamingResponse):
         self.group = group
 
     async def __call__(self, scope, receive, send) -> None:
+        # This task, not the one Starlette streams the events on: cancelling that one alone would leave
+        # this one waiting for a disconnect that a stuck client never sends.
+        self.group.cancel_on_expiry()
         try:
             await super().__call__(scope, receive, send)
         finally:

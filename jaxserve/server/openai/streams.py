@@ -52,8 +52,8 @@ class StreamGroup:
             stream.on_put = wake
 
     def cancel_on_expiry(self) -> None:
-        """End the calling task when the engine loop expires one of these streams (stuck on its client
-        for server.stream_idle_timeout): the response is cut and the connection closed."""
+        """End the calling task (the response's) when the engine loop expires one of these streams
+        (stuck on its client for server.stream_idle_timeout): uvicorn then closes the connection."""
         task, event_loop = asyncio.current_task(), asyncio.get_running_loop()
 
         def cancel() -> None:  # engine thread

@@ -114,7 +114,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "dtype", "mesh", "page_size", "num_pages", "compiled_buckets", "max_model_len", "version", "attention_impl", "max_num_seqs", "vocab_size", "num_free_pages", "num_running", "num_waiting", "system_fingerprint", "model_fingerprint", "prefill_seconds_per_token", "swap_in_seconds_per_page", "num_tokens_waiting_prefill", "host_tier_pages", "instance_id")
+    __slots__ = ("model", "dtype", "mesh", "page_size", "num_pages", "compiled_buckets", "max_model_len", "version", "attention_impl", "max_num_seqs", "vocab_size", "num_free_pages", "num_running", "num_waiting", "system_fingerprint", "model_fingerprint", "prefill_seconds_per_token", "swap_in_seconds_per_page", "num_tokens_waiting_prefill", "host_tier_pages", "instance_id", "step_seconds")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class ServerInfo(_message.Message):
     NUM_TOKENS_WAITING_PREFILL_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_PAGES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     mesh: str
@@ -157,7 +158,8 @@ class ServerInfo(_message.Message):
     num_tokens_waiting_prefill: int
     host_tier_pages: int
     instance_id: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., mesh: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., compiled_buckets: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ..., attention_impl: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., system_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., host_tier_pages: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    step_seconds: float
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., mesh: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., compiled_buckets: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ..., attention_impl: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., system_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., host_tier_pages: _Optional[int] = ..., instance_id: _Optional[str] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)
@@ -220,20 +222,22 @@ class KVEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[KVEvent.Kind, str]] = ..., key: _Optional[int] = ..., parent_key: _Optional[int] = ..., num_tokens: _Optional[int] = ..., tier: _Optional[_Union[KVEvent.Tier, str]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_pages", "num_tokens_waiting_prefill", "prefill_seconds_per_token", "swap_in_seconds_per_page")
+    __slots__ = ("num_running", "num_waiting", "num_free_pages", "num_tokens_waiting_prefill", "prefill_seconds_per_token", "swap_in_seconds_per_page", "step_seconds")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_WAITING_PREFILL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_SECONDS_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_pages: int
     num_tokens_waiting_prefill: int
     prefill_seconds_per_token: float
     swap_in_seconds_per_page: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ...) -> None: ...
+    step_seconds: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("sequence", "snapshot", "events", "load", "instance_id")

@@ -35,4 +35,6 @@ class RouterMetrics:
                                 "page events and healthy)", ["replica"], registry=r)
         self.resubscribes = Counter("jaxserve_router_resubscribes", "Page event subscriptions restarted after a gap",
                                     ["replica"], registry=r)
+        self.page_events = Counter("jaxserve_router_page_events", "Page events received (after snapshots): pages "
+                                   "stored and removed, per tier", ["replica", "kind", "tier"], registry=r)
         self.in_flight = Gauge("jaxserve_router_streams_in_flight", "Streams being forwarded", registry=r)

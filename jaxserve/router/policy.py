@@ -1,10 +1,12 @@
 """Which replica a request goes to.
 
-`prefix` predicts each replica's time to first token and takes the smallest: the wait for the prefill
-already queued there, plus this request's own cost, where a page cached on the device costs nothing, a
-page in the host tier costs a swap-in, and a missing page costs its tokens' prefill at the replica's
-measured rate. Predictions within TIE_TOLERANCE of the best are ties, broken by load; a cold prefix
-(no hits anywhere) is therefore routed by load. `round_robin`, `least_load` and `session` (sticky by
+`prefix` predicts each replica's time to first token and takes the smallest: the wait for the step under
+way and for the prefill already queued there, plus this request's own cost, where a page cached on the
+device costs nothing, a page in the host tier costs a swap-in, and a missing page costs its tokens' prefill
+at the replica's measured rate (in whole steps: see prefill_seconds). A replica without free pages for the request (it would wait for running
+sequences to finish, which no rate predicts) is chosen only when none has them. Predictions within TIE_TOLERANCE of the best are ties: among them the replica with the
+most of the prompt cached keeps it (its next turn will find the pages there too), then the least loaded;
+a cold prefix (no hits anywhere) is therefore routed by load. `round_robin`, `least_load` and `session` (sticky by
 session id, rendezvous hashing so that a replica going away moves only its own sessions) are there to
 compare against.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -29,6 +32,7 @@ class RouteRequest:
 
     token_ids: list[int]
     session_id: str = ""
+    max_new_tokens: int = 16  # what the request may grow by: the pages it needs
     _keys: dict[int, list[int]] = field(default_factory=dict)
 
     def keys(self, page_size: int) -> list[int]:
@@ -45,6 +49,8 @@ class Prediction:
     num_uncached_tokens: int
     ttft: float  # seconds
     load: int
+    num_pages_needed: int  # free pages its admission takes, beyond its cached device pages
+    fits: bool  # the replica has them, after what the router has sent there already
 
 
 def replica_load(replica) -> int:
@@ -60,6 +66,24 @@ def prefill_rate(replica, replicas) -> float:
     return max(measured, default=DEFAULT_PREFILL_SECONDS_PER_TOKEN)
 
 
+def queued_prefill_tokens(replica) -> int:
+    """The queue ahead of a new request: the uncached tokens of the requests the router sent there that have
+    not streamed a token yet. The replica's own count (num_tokens_waiting_prefill) includes the cached
+    prefixes its waiting requests will find, so it overstates; it stands in only while the router has
+    nothing outstanding there (traffic from other clients, or a report not yet caught up)."""
+    if replica.num_outstanding > 0:
+        return replica.outstanding_prefill_tokens
+    return replica.load.num_tokens_waiting_prefill
+
+
+def prefill_seconds(step_seconds: float, num_tokens: int, per_token: float) -> float:
+    """Half the step under way, then whole steps: chunked prefill computes a step's room of prompt tokens
+    (step_seconds / per_token) per step, and a partial chunk still takes a whole step."""
+    if step_seconds <= 0:  # not measured yet
+        return num_tokens * per_token
+    return step_seconds * (0.5 + max(1, math.ceil(num_tokens * per_token / step_seconds - 1e-9)))
+
+
 def predict(replica, request: RouteRequest, replicas) -> Prediction:
     page_size = replica.page_size
     match = replica.view.match(request.keys(page_size))
@@ -67,9 +91,14 @@ def predict(replica, request: RouteRequest, replicas) -> Prediction:
     num_uncached = len(request.token_ids) - num_hit_tokens
     per_token = prefill_rate(replica, replicas)
     swap_in = replica.load.swap_in_seconds_per_page or SWAP_IN_FRACTION * per_token * page_size
-    queued_tokens = max(replica.load.num_tokens_waiting_prefill, replica.outstanding_prefill_tokens)
-    ttft = (queued_tokens + num_uncached) * per_token + match.num_host_pages * swap_in
-    return Prediction(replica, match, num_hit_tokens, num_uncached, ttft, replica_load(replica))
+    queued_tokens = queued_prefill_tokens(replica)
+    ttft = prefill_seconds(replica.load.step_seconds, queued_tokens + num_uncached, per_token) + \
+        match.num_host_pages * swap_in
+    num_pages = math.ceil((len(request.token_ids) + request.max_new_tokens) / page_size)
+    num_pages_needed = num_pages - match.num_device_pages - match.num_pending_pages
+    fits = num_pages_needed <= replica.load.num_free_pages - replica.outstanding_pages
+    return Prediction(replica, match, num_hit_tokens, num_uncached, ttft, replica_load(replica), num_pages_needed,
+                      fits)
 
 
 class PrefixPolicy:
@@ -77,9 +106,10 @@ class PrefixPolicy:
 
     def choose(self, request: RouteRequest, replicas: list) -> Prediction:
         predictions = [predict(replica, request, replicas) for replica in replicas]
+        predictions = [p for p in predictions if p.fits] or predictions
         best = min(p.ttft for p in predictions)
         ties = [p for p in predictions if p.ttft <= best * (1 + TIE_TOLERANCE) + 1e-9]
-        return min(ties, key=lambda p: (p.load, p.ttft))
+        return min(ties, key=lambda p: (-p.num_hit_tokens, p.load, p.ttft))
 
 
 class RoundRobinPolicy:

@@ -73,6 +73,7 @@ class Replica:
         self.num_outstanding = 0  # requests routed here that have not streamed a token yet
         self._calls: set = set()  # forwarded calls in progress, to cancel when the replica is taken out
         self.outstanding_prefill_tokens = 0  # their uncached tokens
+        self.outstanding_pages = 0  # the free pages their admission will take
         self._stopped = threading.Event()
         self._threads = [threading.Thread(target=target, name=f"router-{name}-{address}", daemon=True)
                          for name, target in (("follow", self._follow_forever), ("watch", self._watch_forever))]
@@ -98,18 +99,21 @@ class Replica:
 
     # -- routing bookkeeping (request threads) ----------------------------------------------------
 
-    def routed(self, call, num_uncached_tokens: int) -> None:
-        """A forwarded call (a grpc future) waiting for its first message: its prefill is queued here."""
+    def routed(self, call, prediction) -> None:
+        """A forwarded call (a grpc future) waiting for its first message: its prefill is queued here, and
+        the pages it will take are not yet in the replica's count of free pages."""
         with self._lock:
             self._calls.add(call)
             self.num_outstanding += 1
-            self.outstanding_prefill_tokens += num_uncached_tokens
+            self.outstanding_prefill_tokens += prediction.num_uncached_tokens
+            self.outstanding_pages += prediction.num_pages_needed
 
-    def started(self, call, num_uncached_tokens: int) -> None:
+    def started(self, call, prediction) -> None:
         """Its first message arrived, or it failed, or was cancelled: its prefill is no longer queued."""
         with self._lock:
             self.num_outstanding -= 1
-            self.outstanding_prefill_tokens -= num_uncached_tokens
+            self.outstanding_prefill_tokens -= prediction.num_uncached_tokens
+            self.outstanding_pages -= prediction.num_pages_needed
 
     def finished(self, call) -> None:
         with self._lock:
@@ -188,9 +192,16 @@ class Replica:
                 self._count("resubscribes")
                 self._call.cancel()
                 return
+            else:
+                self._count_events(events)
             self.load = batch.load
             if batch.snapshot:
                 self._set_up_state(subscribed=True)
+
+    def _count_events(self, events: list[KVEvent]) -> None:
+        if self.metrics is not None:
+            for event in events:
+                self.metrics.page_events.labels(self.address, event.kind, event.tier).inc()
 
     def _count(self, name: str) -> None:
         if self.metrics is not None:

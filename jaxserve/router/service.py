@@ -19,12 +19,19 @@ from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.policy import Prediction, RouteRequest
 from jaxserve.server import limits as request_limits
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
-from jaxserve.server.service import checked_request, sampling_params_from_proto
+from jaxserve.server.service import DEFAULT_MAX_TOKENS, checked_request, sampling_params_from_proto
 
 # The replica is broken (dead, unreachable, taken out: CANCELLED by the router itself): take it out, re-send.
 REPLICA_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                     grpc.StatusCode.CANCELLED}
 BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED  # the replica is full: re-send, but it stays in
+
+
+def route_request(token_ids: list[int], request) -> RouteRequest:
+    """What the policy needs of a GenerateRequest or ChatRequest: its prompt and what it may grow by."""
+    sampling = request.sampling
+    max_new_tokens = (sampling.max_tokens or DEFAULT_MAX_TOKENS) * max(sampling.n, 1)
+    return RouteRequest(token_ids, request.session_id, max_new_tokens)
 
 
 class RouterService:
@@ -60,7 +67,7 @@ class RouterService:
         forwarded.CopyFrom(request)
         forwarded.token_ids[:] = token_ids  # tokenized once, here: the replica need not again
         forwarded.ClearField("text")
-        yield from self._serve("Generate", forwarded, RouteRequest(token_ids, request.session_id), context)
+        yield from self._serve("Generate", forwarded, route_request(token_ids, request), context)
 
     def Chat(self, request: pb.ChatRequest, context):
         """Rendered here only to know the prompt's pages; the replica renders it again, with its own
@@ -75,7 +82,7 @@ class RouterService:
                                               request.continue_final_message)
         except ValueError as error:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        yield from self._serve("Chat", request, RouteRequest(token_ids, request.session_id), context)
+        yield from self._serve("Chat", request, route_request(token_ids, request), context)
 
     def _tokenize(self, prompt) -> list[int]:
         if not isinstance(prompt, str):
@@ -123,14 +130,14 @@ class RouterService:
         sent_at, waiting_first = time.perf_counter(), True
         call = getattr(replica.stub, method)(request)
         context.add_callback(call.cancel)
-        replica.routed(call, prediction.num_uncached_tokens)
+        replica.routed(call, prediction)
         try:
             for response in call:
                 if waiting_first:
                     if not response.token_ids and response.finish_reason in ("abort", "error"):
                         return f"{response.finish_reason}: replica {replica.address} ended the request unstarted"
                     waiting_first = False
-                    replica.started(call, prediction.num_uncached_tokens)
+                    replica.started(call, prediction)
                     self._observe_first(prediction, response, time.perf_counter() - sent_at, len(route.token_ids))
                 yield response
             return None
@@ -148,7 +155,7 @@ class RouterService:
             return reason
         finally:
             if waiting_first:
-                replica.started(call, prediction.num_uncached_tokens)
+                replica.started(call, prediction)
             replica.finished(call)
 
     def _observe_first(self, prediction: Prediction, response, ttft: float, num_prompt_tokens: int) -> None:

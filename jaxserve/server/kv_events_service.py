@@ -40,7 +40,8 @@ def load_to_proto(stats: dict) -> pb.ReplicaLoad:
                           num_free_pages=stats["kv_pages_free"],
                           num_tokens_waiting_prefill=stats["num_tokens_waiting_prefill"],
                           prefill_seconds_per_token=stats["prefill_seconds_per_token"],
-                          swap_in_seconds_per_page=stats["swap_in_seconds_per_page"])
+                          swap_in_seconds_per_page=stats["swap_in_seconds_per_page"],
+                          step_seconds=stats["step_seconds"])
 
 
 class KVEventsService:
@@ -104,4 +105,5 @@ def router_info(description, stats: dict) -> pb.ServerInfo:
                          prefill_seconds_per_token=stats["prefill_seconds_per_token"],
                          swap_in_seconds_per_page=stats["swap_in_seconds_per_page"],
                          num_tokens_waiting_prefill=stats["num_tokens_waiting_prefill"],
-                         host_tier_pages=description.host_tier_pages, instance_id=INSTANCE_ID)
+                         host_tier_pages=description.host_tier_pages, instance_id=INSTANCE_ID,
+                         step_seconds=stats["step_seconds"])

@@ -21,7 +21,8 @@ class FakeReplica:
         self.view.reset(0, [])
         self.load = pb.ReplicaLoad(prefill_seconds_per_token=prefill_seconds_per_token,
                                    swap_in_seconds_per_page=swap_in_seconds_per_page)
-        self.num_outstanding = self.outstanding_prefill_tokens = 0
+        self.load.num_free_pages = 1000
+        self.num_outstanding = self.outstanding_prefill_tokens = self.outstanding_pages = 0
 
     def cache(self, token_ids: list[int], tier: str = DEVICE, num_pages: int | None = None) -> None:
         keys = RouteRequest(token_ids + [0]).keys(PAGE_SIZE)[:num_pages]
@@ -53,7 +54,7 @@ def test_a_loaded_replica_loses_its_prefix_advantage():
 def test_the_routers_own_outstanding_tokens_count_before_the_replica_reports_them():
     replicas = [FakeReplica("a"), FakeReplica("b")]
     replicas[0].cache(SYSTEM)
-    replicas[0].outstanding_prefill_tokens = 1000
+    replicas[0].num_outstanding, replicas[0].outstanding_prefill_tokens = 1, 1000
     assert PrefixPolicy().choose(request(), replicas).replica is replicas[1]
 
 
@@ -117,3 +118,26 @@ def test_sessions_stick_and_a_removed_replica_moves_only_its_own():
     assert all(after[s] == before[s] for s in before if before[s] != "b")
     assert PrefixPolicy().choose(request(), replicas)  # and no session id: by load
     assert policy.choose(request(), replicas).replica.address == "a"
+
+
+def test_a_replica_without_free_pages_for_the_request_is_passed_over():
+    """Admission waits for room for prompt + max_tokens: a replica without it would keep the request
+    waiting for running sequences to finish, however much of the prompt it has cached."""
+    full, roomy = FakeReplica("full"), FakeReplica("roomy")
+    full.cache(SYSTEM)
+    full.load.num_free_pages = 5  # the prompt needs 10 pages (148 tokens + 16), 8 of them cached: 2 free ones
+    assert PrefixPolicy().choose(request(), [full, roomy]).replica is full
+    full.outstanding_pages = 4  # ... but the router has sent requests there that will take 4 of the 5
+    assert PrefixPolicy().choose(request(), [full, roomy]).replica is roomy
+    roomy.load.num_free_pages = 0  # neither has room: the better prediction
+    assert PrefixPolicy().choose(request(), [full, roomy]).replica is full
+
+
+def test_a_replica_with_slow_steps_makes_new_requests_wait():
+    fast, slow = FakeReplica("fast"), FakeReplica("slow")
+    slow.load.step_seconds = 0.5
+    assert PrefixPolicy().choose(request(), [slow, fast]).replica is fast
+    # 148 uncached tokens at 1 ms each: 0.3 s of prefill in steps of 0.5 s; plus half the step under way
+    assert predict(slow, request(), [slow]).ttft == pytest.approx(0.25 + 0.5)
+    slow.load.step_seconds = 0.1
+    assert predict(slow, request(), [slow]).ttft == pytest.approx(0.05 + 0.2)

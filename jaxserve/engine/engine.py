@@ -144,6 +144,10 @@ class Engine:
         for per_rank, pending in dispatched:
             progressed |= self._postprocess(per_rank, pending.fetch())
         self.timings.observe_step(time.perf_counter() - started, self._prefill_room(schedules))
+        return self._end_step(progressed)
+
+    def _end_step(self, progressed: set[str]) -> list[RequestOutput]:
+        """Count the step, let experts move, and hand back the outputs (finished requests leave)."""
         self.num_steps += 1
         if self.experts is not None:
             self.experts.maybe_rebalance(self.num_steps)

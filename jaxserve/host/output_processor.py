@@ -23,7 +23,7 @@ def append_token(seq: SequenceState, token_id: int, logprobs: dict[int, float] |
     if logprobs is not None:
         seq.output_logprobs.append(logprobs)
     reason = None
-    if token_id in seq.params.stop_token_ids or (not seq.params.ignore_eos and token_id in eos_token_ids):
+    if token_id in seq.params.stop_token_id_set or (not seq.params.ignore_eos and token_id in eos_token_ids):
         reason = "stop"
     elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
         reason = "length"

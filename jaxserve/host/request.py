@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -50,6 +51,11 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+
+    @functools.cached_property
+    def stop_token_id_set(self) -> frozenset[int]:
+        """stop_token_ids for the per-token check: O(1) however many a request names."""
+        return frozenset(self.stop_token_ids)
 
 
 class RequestStatus(enum.Enum):

@@ -2,7 +2,7 @@
 
     model:    {path: PATH | default | tiny-random}   the replicas' model: the router tokenizes with its
                                                       tokenizer and refuses a replica serving another
-    router:   {host, port, metrics_port, policy, blind_window, heartbeat, health_interval, startup_timeout,
+    router:   {host, port, http_port, metrics_port, policy, blind_window, heartbeat, health_interval, startup_timeout,
                max_in_flight, max_resends}
     replicas: [HOST:PORT, ...]                        replicas already running; or
     launch:   {num_replicas, config, set: [KEY=VALUE, ...], log_dir, restart}
@@ -26,6 +26,7 @@ KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 class RouterSection:
     host: str = "127.0.0.1"
     port: int = 50050
+    http_port: int = 0  # the OpenAI-compatible HTTP API in front of the replicas; 0: none
     metrics_port: int = 0  # 0: no metrics endpoint
     policy: str = "prefix"  # prefix | round_robin | least_load | session
     blind_window: float = 2.0  # seconds a page routed but not yet stored counts as cached there
@@ -43,7 +44,7 @@ class RouterSection:
                 raise ValueError(f"router.{option.name} must be {KIND_NAMES[kind]}, got {value!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"router.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"router.{name} must be a port number, got {getattr(self, name)!r}")
         for name in ("heartbeat", "health_interval", "startup_timeout"):

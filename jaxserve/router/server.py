@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from types import SimpleNamespace
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -20,6 +21,7 @@ from jaxserve.loading.model_source import open_model
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc
 from jaxserve.router.config import RouterConfig
+from jaxserve.router.http_api import RoutedLoop
 from jaxserve.router.launcher import Supervisor, launch_replicas
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.policy import POLICIES
@@ -27,9 +29,11 @@ from jaxserve.router.replica import Replica, check_info
 from jaxserve.router.service import RouterService
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics_http import start_metrics_server
+from jaxserve.server.openai import HTTPServer, ServingContext, build_app
 from jaxserve.server.rpc import GENERATION_SERVICE, ThreadPools, health_handler, parse
 
 logger = logging.getLogger("jaxserve.router")
+MIN_HTTP_BODY_BYTES = 64 * 1024
 
 
 def first_info(address: str, fingerprint: str, timeout: float) -> pb.ServerInfo:
@@ -82,6 +86,8 @@ class RouterServer:
         self.replicas: list[Replica] = []
         self.grpc_server = None
         self.metrics_server = None
+        self.http_server = None
+        self.http_context = None
         self.pools = ThreadPools.for_limits(config.router.max_in_flight)
         self.port = 0
 
@@ -115,6 +121,8 @@ class RouterServer:
         service = RouterService(self.replicas, POLICIES[section.policy](), source.tokenizer, limits, self.metrics,
                                 section.max_in_flight, section.max_resends)
         self._serve(service)
+        if section.http_port:
+            self._serve_http(service, infos[0].model, limits, source.tokenizer)
         self._wait_for_replicas(min(section.startup_timeout, 60.0))
         logger.info("routing %s over %d replicas (%s) on %s:%d", source.name, len(self.replicas), section.policy,
                     section.host, self.port)
@@ -138,6 +146,16 @@ class RouterServer:
         for name in ("", GENERATION_SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
+    def _serve_http(self, service: RouterService, model_name: str, limits: RequestLimits, tokenizer) -> None:
+        section = self.config.router
+        self.http_context = ServingContext(self.metrics)
+        app = build_app(self.http_context, None, max(2 * limits.max_generate_request_bytes, MIN_HTTP_BODY_BYTES))
+        self.http_server = HTTPServer(app, section.host, section.http_port, None)
+        self.http_server.start()
+        description = SimpleNamespace(model_name=model_name, max_model_len=limits.max_prompt_tokens)
+        self.http_context.attach(RoutedLoop(service, description, tokenizer), limits, None, "")
+        logger.info("OpenAI HTTP API on %s:%d", section.host, self.http_server.port)
+
     def _wait_for_replicas(self, timeout: float) -> None:
         """Each replica's first snapshot; a slow one is routed to once it arrives."""
         deadline = time.monotonic() + timeout
@@ -150,6 +168,9 @@ class RouterServer:
     def stop(self) -> None:
         if self.grpc_server is not None:
             self.grpc_server.stop(grace=1).wait()
+        if self.http_server is not None:
+            self.http_server.stop()
+            self.http_context.shutdown()
         if self.supervisor is not None:
             self.supervisor.stop()
         for replica in self.replicas:

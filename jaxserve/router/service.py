@@ -59,7 +59,7 @@ class RouterService:
     def Generate(self, request: pb.GenerateRequest, context):
         try:
             prompt, _ = checked_request(self.limits, request)
-            token_ids = self._tokenize(prompt)
+            token_ids = self.tokenize_prompt(prompt)
             request_limits.check_token_ids(self.limits, token_ids, "the prompt")
         except ValueError as error:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -84,7 +84,7 @@ class RouterService:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         yield from self._serve("Chat", request, route_request(token_ids, request), context)
 
-    def _tokenize(self, prompt) -> list[int]:
+    def tokenize_prompt(self, prompt) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
         if self.tokenizer is None:
@@ -186,7 +186,7 @@ class RouterService:
     def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         try:
             request_limits.check_text(self.limits, request.text)
-            return pb.TokenizeResponse(token_ids=self._tokenize(request.text))
+            return pb.TokenizeResponse(token_ids=self.tokenize_prompt(request.text))
         except ValueError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 

@@ -11,6 +11,7 @@ import pytest
 
 from jaxserve.client import Client
 from jaxserve.router.config import parse_config
+from jaxserve.router.launcher import free_port
 from jaxserve.router.server import RouterServer
 from tests.support.fixtures import expected, fixture_dir
 
@@ -23,7 +24,8 @@ REPLICA_ENGINE = ["model.dtype=float32", "engine.max_model_len=128", "engine.max
 def router(tmp_path_factory):
     config = parse_config({
         "model": {"path": fixture_dir("llama_gqa")},
-        "router": {"port": 0, "policy": "prefix", "heartbeat": 0.2, "health_interval": 0.5, "startup_timeout": 240},
+        "router": {"port": 0, "http_port": free_port(), "policy": "prefix", "heartbeat": 0.2, "health_interval": 0.5,
+                   "startup_timeout": 240},
         "launch": {"num_replicas": 2, "set": REPLICA_ENGINE, "log_dir": str(tmp_path_factory.mktemp("replicas"))},
     })
     server = RouterServer(config)
@@ -82,6 +84,25 @@ def test_the_requests_own_errors_pass_through(router):
     info = client.server_info()
     assert info.num_pages == 2 * 47 and info.model_fingerprint
     client.close()
+
+
+def test_the_openai_http_api_is_routed_too(router):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.config.router.http_port}/v1", api_key="-",
+                           max_retries=0, timeout=120)
+    job = expected("llama_gqa")["prompts"][1]
+    grpc_client = Client(f"127.0.0.1:{router.port}")
+    text = grpc_client.generate(job["token_ids"], max_tokens=16, temperature=0.0).text
+    grpc_client.close()
+    model = client.models.list().data[0].id
+    assert model == "llama_gqa"
+    completion = client.completions.create(model=model, prompt=job["token_ids"], max_tokens=16, temperature=0.0)
+    assert completion.choices[0].text == text and completion.usage.prompt_tokens == len(job["token_ids"])
+    chunks = client.completions.create(model=model, prompt=job["text"], max_tokens=16, temperature=0.0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == text
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=model, prompt=job["token_ids"], max_tokens=500)
 
 
 def run_long_requests(target: str, num_requests: int, started: list, outcomes: list) -> list[threading.Thread]:

@@ -1,0 +1,125 @@
+"""The OpenAI HTTP API in front of the replicas: server/openai's app, unchanged, over a `RoutedLoop`, which
+offers what those handlers use of an EngineLoop (submit, release, description, engine.tokenizer, draining,
+max_in_flight)
+but sends each prompt through the router's gRPC forwarding (RouterService.Generate: routed by the policy,
+re-sent if its replica fails before the first token) on a thread of its own, turning the forwarded messages
+back into the stream's deltas. The handlers tokenize and render chats with the router's tokenizer, so the
+router sees token ids, as it needs to.
+
+A refusal the router can make itself (an empty or too long prompt) is a 400 at once; one that only a
+replica makes arrives as the stream's error (a 500 carrying the replica's reason).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from types import SimpleNamespace
+
+import grpc
+
+from jaxserve.host.request import SamplingParams
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.server.request_stream import Delta, RequestStream
+
+
+class RelayAbort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class RelayContext:
+    """The part of a grpc.ServicerContext that RouterService uses, for a call made from this process."""
+
+    def __init__(self):
+        self._active = True
+        self._callbacks = []
+        self._lock = threading.Lock()
+
+    def is_active(self) -> bool:
+        return self._active
+
+    def add_callback(self, callback) -> bool:
+        with self._lock:
+            if self._active:
+                self._callbacks.append(callback)
+                return True
+        return False
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise RelayAbort(code, details)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._active, callbacks = False, self._callbacks
+            self._callbacks = []
+        for callback in callbacks:
+            callback()
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    sampling = pb.SamplingParams(n=params.n, max_tokens=params.max_tokens, temperature=params.temperature,
+                                 top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, stop=list(params.stop),
+                                 stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                                 logprobs=params.logprobs or 0)
+    if params.seed is not None:
+        sampling.seed = params.seed
+    return sampling
+
+
+def delta_from_response(response: pb.GenerateResponse) -> Delta:
+    logprobs = [{**{top.token_id: top.logprob for top in entry.top}, entry.token_id: entry.logprob}
+                for entry in response.logprobs] if response.logprobs else None
+    return Delta(list(response.token_ids), response.text, logprobs, response.finish_reason or None,
+                 response.num_prompt_tokens, response.num_cached_tokens, response.index)
+
+
+class RoutedLoop:
+    def __init__(self, service, description, tokenizer):
+        self.service = service  # a RouterService
+        self.description = description  # model_name, max_model_len, max_num_seqs
+        self.engine = SimpleNamespace(tokenizer=tokenizer)
+        self.draining = False
+        self.max_in_flight = service.max_in_flight
+        self._handles = itertools.count()
+        self._relays: dict[str, RelayContext] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str = "",
+               session_id: str | None = None) -> RequestStream:
+        """Check what the router can, then forward on a thread of its own; raises ValueError."""
+        token_ids = self.service.tokenize_prompt(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) + params.max_tokens > self.description.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is more than "
+                             f"max_model_len ({self.description.max_model_len})")
+        request = pb.GenerateRequest(request_id=request_id, token_ids=token_ids, sampling=sampling_to_proto(params),
+                                     session_id=session_id or "")
+        stream = RequestStream(f"{request_id}#{next(self._handles)}", request_id, params, len(token_ids))
+        relay = RelayContext()
+        with self._lock:
+            self._relays[stream.handle] = relay
+        threading.Thread(target=self._relay, args=(request, stream, relay), name="router-http-relay",
+                         daemon=True).start()
+        return stream
+
+    def release(self, stream: RequestStream) -> None:
+        """The HTTP call has ended: cancel the forwarded call if it still runs."""
+        with self._lock:
+            relay = self._relays.pop(stream.handle, None)
+        if relay is not None:
+            relay.cancel()
+
+    def _relay(self, request: pb.GenerateRequest, stream: RequestStream, relay: RelayContext) -> None:
+        try:
+            for response in self.service.Generate(request, relay):
+                stream.put(delta_from_response(response))
+        except RelayAbort as error:
+            stream.finish("error", f"{error.code.name}: {error.details}")
+        except grpc.RpcError as error:  # cancelled by release: nobody reads any more
+            stream.finish("abort", str(error.code()))
+        finally:
+            if not stream.finished:
+                stream.finish("abort")

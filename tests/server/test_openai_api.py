@@ -11,6 +11,7 @@ import pytest
 from jaxserve import SamplingParams
 from jaxserve.client import Client, build_request
 from jaxserve.server.fingerprint import system_fingerprint
+from jaxserve.server.openai.context import INLINE_ADMISSION_BYTES
 from tests.support.fixtures import expected
 from tests.support.openai_harness import CHAT_TEMPLATE, http, openai_client
 from tests.support.server_harness import ServerProcess
@@ -176,3 +177,13 @@ def test_system_fingerprint_follows_the_serving_configuration(llama_llm):
     for change in (dict(model_fingerprint="another checkpoint"), dict(dtype="bfloat16"),
                    dict(mesh="tensor 2 over 2 cpu devices"), dict(compiled_buckets=description.compiled_buckets[:-1])):
         assert system_fingerprint(dataclasses.replace(description, **change)) != fingerprint, change
+
+
+def test_a_large_request_is_admitted_off_the_event_loop_alike(server):
+    body = {"model": "llama_gqa", "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0, "return_token_ids": True}
+    small = json.loads(http(server, "POST", "/v1/completions", body)[2])
+    padded = json.dumps(body, separators=(",", ":" + " " * 5000)).encode()  # over INLINE_ADMISSION_BYTES
+    assert len(padded) > INLINE_ADMISSION_BYTES
+    status, _, answer = http(server, "POST", "/v1/completions", raw=padded)
+    assert status == 200, answer
+    assert json.loads(answer)["choices"][0]["token_ids"] == small["choices"][0]["token_ids"]

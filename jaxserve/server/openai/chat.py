@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from jaxserve.host.request import SamplingParams
 from jaxserve.server import limits as request_limits
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
-from jaxserve.server.openai.context import ServingContext
+from jaxserve.server.openai.context import ServingContext, request_size
 from jaxserve.server.openai.errors import APIError, error_body
 from jaxserve.server.openai.protocol import ChatCompletionRequest
 from jaxserve.server.openai.responses import (DONE, Choice, EventStreamResponse, TokenText, UsageCounter,
@@ -23,7 +23,7 @@ router = APIRouter()
 
 
 def checked_chat(context: ServingContext, body: ChatCompletionRequest,
-                 request_id: str) -> tuple[list[int], SamplingParams]:
+                 request_id: str) -> tuple[list[list[int]], SamplingParams, None]:
     """The rendered prompt's token ids and the sampling params, within the server's limits; ValueError."""
     limits = context.limits
     body.check(limits, request_id)
@@ -37,7 +37,7 @@ def checked_chat(context: ServingContext, body: ChatCompletionRequest,
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # as vLLM: whatever room the context leaves
         max_tokens = max(limits.max_prompt_tokens - len(token_ids), 0)
-    return token_ids, body.sampling_params(max_tokens, logprobs)
+    return [token_ids], body.sampling_params(max_tokens, logprobs), None
 
 
 @router.post("/v1/chat/completions")
@@ -46,8 +46,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     context.ready_loop()
     context.check_model(body.model)
     request_id = body.request_id or request.headers.get("x-request-id", "")
-    token_ids, params = await context.run(checked_chat, context, body, request_id)
-    group = await context.submit([token_ids], params, request_id, body.session_id)
+    group, _ = await context.admit(request_size(request), lambda: checked_chat(context, body, request_id), request_id,
+                                   body.session_id)
     call = ChatCall(context, body, group)
     if body.stream:
         return EventStreamResponse(call.events(), group)

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from jaxserve.host.request import SamplingParams
 from jaxserve.server import limits as request_limits
-from jaxserve.server.openai.context import ServingContext
+from jaxserve.server.openai.context import ServingContext, request_size
 from jaxserve.server.openai.errors import APIError, error_body
 from jaxserve.server.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from jaxserve.server.openai.responses import (DONE, Choice, EventStreamResponse, TokenText, UsageCounter,
@@ -51,8 +51,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     context.ready_loop()
     context.check_model(body.model)
     request_id = body.request_id or request.headers.get("x-request-id", "")
-    prompts, params, echo_texts = await context.run(checked_completion, context, body, request_id)
-    group = await context.submit(prompts, params, request_id, body.session_id)
+    group, echo_texts = await context.admit(
+        request_size(request), lambda: checked_completion(context, body, request_id), request_id, body.session_id)
     call = CompletionCall(context, body, group, echo_texts)
     if body.stream:
         return EventStreamResponse(call.events(), group)

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from jaxserve.client import Connection
+from jaxserve.server.openai.guard import JSON_EXPANSION
 from tests.support.openai_harness import CHAT_TEMPLATE, error_of, http, openai_client, sse_events
 from tests.support.server_harness import ServerProcess
 
@@ -124,7 +125,7 @@ def test_missing_or_unknown_key_is_401_and_health_needs_none(server, client):
 
 
 def test_oversized_body_is_413(server, client):
-    body = json.dumps({**SMALL, "prompt": "x" * MAX_BODY}).encode()
+    body = json.dumps({**SMALL, "prompt": "x" * (JSON_EXPANSION * MAX_BODY)}).encode()
     status, _, answer = http(server, "POST", "/v1/completions", raw=body, headers=AUTH)
     assert status == 413 and "server.max_message_bytes" in error_of(answer)["message"]
     still_serving(client)

@@ -18,7 +18,7 @@ from jaxserve.server.openai.guard import Guard
 from jaxserve.server.openai.protocol import DetokenizeRequest, TokenizeRequest
 
 
-def build_app(context: ServingContext, api_keys: ApiKeys | None, max_body_bytes: int) -> Guard:
+def build_app(context: ServingContext, api_keys: ApiKeys | None, max_message_bytes: int) -> Guard:
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.context = context
     install_error_handlers(app, context.on_refusal)
@@ -58,7 +58,7 @@ def build_app(context: ServingContext, api_keys: ApiKeys | None, max_body_bytes:
         context.check_model(body.model)
         return {"prompt": await context.run(detokenized, context, body.tokens)}
 
-    return Guard(app, api_keys, max_body_bytes, context.on_refusal)
+    return Guard(app, api_keys, max_message_bytes, context.on_refusal)
 
 
 def tokenized(context: ServingContext, body: TokenizeRequest) -> list[int]:

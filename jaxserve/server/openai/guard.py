@@ -14,6 +14,10 @@ from jaxserve.server.auth import ApiKeys
 from jaxserve.server.openai.errors import error_body
 
 EXEMPT_PATHS = ("/health",)
+# A body may be this many times server.max_message_bytes (the gRPC bound): JSON spends up to 6 bytes
+# (12 for a character outside the BMP) on a character that protobuf spends 1-4 bytes on, and chat
+# messages carry their keys, so a request within every cap can be several times its protobuf size.
+JSON_EXPANSION = 4
 
 
 async def send_error(send, status: int, message: str, headers: tuple = ()) -> None:
@@ -27,10 +31,10 @@ async def send_error(send, status: int, message: str, headers: tuple = ()) -> No
 class Guard:
     """ASGI middleware around the whole app; on_refusal(status) counts refusals."""
 
-    def __init__(self, app, api_keys: ApiKeys | None, max_body_bytes: int, on_refusal=lambda status: None):
+    def __init__(self, app, api_keys: ApiKeys | None, max_message_bytes: int, on_refusal=lambda status: None):
         self.app = app
         self.api_keys = api_keys
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes = JSON_EXPANSION * max_message_bytes
         self.on_refusal = on_refusal
 
     async def __call__(self, scope, receive, send):
@@ -69,7 +73,7 @@ class Guard:
     async def _too_large(self, send) -> None:
         self.on_refusal(413)
         await send_error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes "
-                                    "(server.max_message_bytes)")
+                                    f"({JSON_EXPANSION} x server.max_message_bytes)")
 
 
 def _replay(body: bytes, receive):

@@ -240,15 +240,17 @@ class ReplicaLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("sequence", "snapshot", "events", "load", "instance_id")
+    __slots__ = ("sequence", "snapshot", "events", "load", "instance_id", "more")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     snapshot: bool
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     load: ReplicaLoad
     instance_id: str
-    def __init__(self, sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    more: bool
+    def __init__(self, sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., instance_id: _Optional[str] = ..., more: _Optional[bool] = ...) -> None: ...

@@ -30,6 +30,7 @@ FAILED_HEALTH_CHECKS = 2  # in a row: taken out (one may be a busy machine)
 HEALTH_TIMEOUT = 2.0  # seconds, at least
 MAX_BACKOFF = 2.0  # seconds between attempts to reach a replica that is down
 INFO_TIMEOUT = 5.0
+MAX_RECEIVE_BYTES = 64 * 2**20  # event batches are bounded far below this; ServerInfo lists the compiled buckets
 
 
 def event_from_proto(event: pb.KVEvent) -> KVEvent:
@@ -56,7 +57,8 @@ class Replica:
         self.heartbeat = heartbeat
         self.health_interval = health_interval
         self.metrics = metrics
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length",
+                                                                MAX_RECEIVE_BYTES)])
         self.stub = jaxserve_pb2_grpc.GenerationStub(self.channel)
         self.view = CacheView(blind_window)
         self.info: pb.ServerInfo | None = None
@@ -179,24 +181,32 @@ class Replica:
         self._call = self.stub.SubscribeKVEvents(request)
         if self._stopped.is_set():
             self._call.cancel()
+        snapshot: list[KVEvent] | None = None  # a snapshot's events while more of them are coming
         for batch in self._call:
             self._last_batch_at = time.monotonic()
             events = [event_from_proto(event) for event in batch.events]
-            if batch.snapshot:
-                self.view.reset(batch.sequence, events)
+            if batch.snapshot or snapshot is not None:
+                if batch.snapshot:
+                    snapshot = events
+                else:
+                    snapshot.extend(events)
+                if batch.more:
+                    continue
+                self.view.reset(batch.sequence, snapshot)
+                snapshot = None
                 self.num_snapshots += 1
                 self.instance_id = batch.instance_id
+                self._set_up_state(subscribed=True)
             elif not self.view.apply(batch.sequence, events):
                 logger.warning("replica %s: gap in page events after %s; resubscribing", self.address,
                                self.view.sequence)
                 self._count("resubscribes")
+                self._last_batch_at = time.monotonic()  # the silence clock restarts with the new subscription
                 self._call.cancel()
                 return
             else:
                 self._count_events(events)
             self.load = batch.load
-            if batch.snapshot:
-                self._set_up_state(subscribed=True)
 
     def _count_events(self, events: list[KVEvent]) -> None:
         if self.metrics is not None:

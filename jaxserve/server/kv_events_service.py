@@ -4,6 +4,8 @@ A subscription starts with a snapshot (every cached page, as STORED events, numb
 latest event), then sends the events after it in batches, each with the replica's load: whenever the
 engine loop publishes (after each step) and at least every heartbeat, so that a silent replica is a
 dead one. A subscriber that has fallen further behind than the log retains is sent a new snapshot.
+No batch holds more than MAX_EVENTS_PER_BATCH events, so that a cache of a million pages is still a
+stream of small messages: a snapshot continues over several batches (`more`), a long delta is split.
 
 Subscriptions run on a pool of their own: each holds a thread for its whole life, and must take
 neither the threads of Generate streams nor those of health checks.
@@ -25,6 +27,7 @@ INSTANCE_ID = uuid.uuid4().hex  # one per server process: a router sees a restar
 MAX_SUBSCRIBERS = 8  # routers, not clients: a few each
 DEFAULT_HEARTBEAT = 0.5  # seconds
 MIN_HEARTBEAT = 0.05
+MAX_EVENTS_PER_BATCH = 4096  # about 140 KB a message
 KINDS = {STORED: pb.KVEvent.STORED, REMOVED: pb.KVEvent.REMOVED}
 
 
@@ -50,10 +53,26 @@ class KVEventsService:
         self._lock = threading.Lock()
         self.num_subscribers = 0
 
-    def _batch(self, sequence: int, events: list[KVEvent], load, snapshot: bool) -> pb.KVEventBatch:
+    def _snapshot(self, sequence: int, events: list[KVEvent], load):
+        """The first batch replaces what the subscriber knows; the rest add to it, all at `sequence`."""
+        chunks = [events[start:start + MAX_EVENTS_PER_BATCH] for start in range(0, len(events), MAX_EVENTS_PER_BATCH)]
+        for index, chunk in enumerate(chunks or [[]]):
+            yield self._batch(sequence, chunk, load, snapshot=index == 0, more=index < len(chunks) - 1)
+
+    def _deltas(self, sequence: int, events: list[KVEvent], load):
+        """Events numbered up to `sequence`, in batches each ending at the number of its last event."""
+        first = sequence - len(events) + 1
+        for start in range(0, len(events), MAX_EVENTS_PER_BATCH):
+            chunk = events[start:start + MAX_EVENTS_PER_BATCH]
+            yield self._batch(first + start + len(chunk) - 1, chunk, load)
+        if not events:
+            yield self._batch(sequence, [], load)  # a heartbeat, with the load
+
+    def _batch(self, sequence: int, events: list[KVEvent], load, snapshot: bool = False,
+               more: bool = False) -> pb.KVEventBatch:
         stats = load if load is not None else self.generation.loop.stats
         return pb.KVEventBatch(sequence=sequence, snapshot=snapshot, events=[event_to_proto(e) for e in events],
-                               load=load_to_proto(stats), instance_id=INSTANCE_ID)
+                               load=load_to_proto(stats), instance_id=INSTANCE_ID, more=more)
 
     def SubscribeKVEvents(self, request: pb.SubscribeKVEventsRequest, context):
         if self.generation.loop is None:
@@ -73,16 +92,16 @@ class KVEventsService:
         log = self.generation.loop.engine.kv_events()
         version = log.wait(-1, 0)
         sequence, events, load = log.snapshot()
-        yield self._batch(sequence, events, load, snapshot=True)
+        yield from self._snapshot(sequence, events, load)
         while context.is_active():
             version = log.wait(version, heartbeat)
             after = log.events_after(sequence)
             if after is None:  # fell behind what the log retains
                 sequence, events, load = log.snapshot()
-                yield self._batch(sequence, events, load, snapshot=True)
+                yield from self._snapshot(sequence, events, load)
                 continue
             sequence, events, load = after
-            yield self._batch(sequence, events, load, snapshot=False)
+            yield from self._deltas(sequence, events, load)
 
 
 def kv_events_handler(generation_service) -> tuple[grpc.GenericRpcHandler, futures.ThreadPoolExecutor]:

@@ -15,6 +15,7 @@ from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.launcher import free_port, http_port_off
 from jaxserve.router.replica import Replica
 from jaxserve.serve import Server
+from jaxserve.server import kv_events_service
 from jaxserve.server.config_file import load_config
 from tests.support.fixtures import fixture_dir
 
@@ -114,6 +115,34 @@ def test_a_gap_resubscribes_and_the_view_is_whole_again(server, follower):
     run_random_workload(follower.address, seed=1, num_requests=8)
     wait_for(lambda: follower.num_snapshots > snapshots and caught_up(server, follower), "a resubscription")
     assert view_pages(follower) == cache_pages(server)
+
+
+def test_snapshots_and_deltas_split_into_small_batches(server, monkeypatch):
+    """A cache of a million pages is still a stream of small messages: here, batches of at most 3 events."""
+    monkeypatch.setattr(kv_events_service, "MAX_EVENTS_PER_BATCH", 3)
+    run_random_workload(f"127.0.0.1:{server.port}", seed=2, num_requests=8)  # a cache worth splitting
+    wait_for(lambda: not server.loop.engine.has_unfinished_requests(), "the workload")
+    client = Client(f"127.0.0.1:{server.port}")
+    call = client.stub.SubscribeKVEvents(pb.SubscribeKVEventsRequest(heartbeat_ms=50))
+    try:
+        batches = [next(call)]
+        while batches[-1].more:
+            batches.append(next(call))
+        assert len(batches) > 3 and batches[0].snapshot and not any(b.snapshot for b in batches[1:])
+        assert all(len(b.events) <= 3 and b.sequence == batches[0].sequence for b in batches)
+    finally:
+        call.cancel()
+        client.close()
+    replica = Replica(f"127.0.0.1:{server.port}", server.loop.description.model_fingerprint, blind_window=2.0,
+                      heartbeat=0.1, health_interval=0.5)
+    replica.start()
+    try:
+        wait_for(lambda: replica.is_up, "the replica to come up")
+        run_random_workload(replica.address, seed=3, num_requests=16)
+        wait_for(lambda: caught_up(server, replica), "the events to arrive")
+        assert view_pages(replica) == cache_pages(server)
+    finally:
+        replica.stop()
 
 
 def test_a_new_subscriber_gets_a_snapshot_then_deltas(server):

@@ -117,7 +117,8 @@ class RouterService:
             tried.add(prediction.replica.address)
             self.metrics.resends.labels(last_error.split(":")[0]).inc()
         down = "; ".join(f"{r.address}: {r.down_reason}" for r in self.replicas if not r.is_up)
-        self._refuse(context, grpc.StatusCode.UNAVAILABLE,
+        busy = last_error.startswith(BUSY.name)  # every replica tried was full: the client may retry later
+        self._refuse(context, BUSY if busy else grpc.StatusCode.UNAVAILABLE,
                      f"no replica could take the request (tried {len(tried)}{': ' + last_error if last_error else ''})"
                      f"{'; down: ' + down if down else ''}")
 

@@ -1,10 +1,12 @@
 """Where each expert lives under expert parallelism, and moving experts so device loads even out.
 
-Each MoE layer stores its experts' weights device by device: row `device * per_device + slot` of its
-[X, ...] weight arrays holds the expert that the layer's placement puts at (device, slot). The
-placement is two [X] int32 arrays per layer (sharding.moe.ExpertPlacement), kept beside the
-params so the compiled step takes them as inputs: moving experts changes values, never shapes, and
-compiles nothing. Checkpoints are always written with experts in their canonical order.
+Each MoE layer stores its experts' weights device by device: row `device * rows_per_device + slot` of
+its [S, ...] weight arrays holds the expert that the layer's placement puts at (device, slot). When
+the X experts do not divide over the D devices, S = D * ceil(X / D) and the rows no expert holds are
+zero padding (sharding.moe.place_experts). The placement is two [X] int32 arrays per layer
+(sharding.moe.ExpertPlacement), kept beside the params so the compiled step takes them as inputs:
+moving experts changes values, never shapes, and compiles nothing. Checkpoints hold exactly the X
+experts in their canonical order; reading one (`expert_parallel_reader`) lays them out again.
 
 A load profile is tokens routed per expert, [layers, experts] (`llm.stats()["expert_tokens"]`, or a
 JSON file holding it); each layer is placed on its own, heaviest experts first onto the least loaded
@@ -13,6 +15,7 @@ device with room (sharding.moe.place_experts).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -22,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sharding.moe import ExpertPlacement, place_experts
+from sharding.moe import ExpertPlacement, place_experts, store_experts
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -73,7 +76,8 @@ def _stored_rows(flat: dict, prefix: tuple) -> np.ndarray:
     """Row of the weight arrays where each expert currently is, [X]."""
     placed = flat[prefix + ("expert_device",)].get_value()
     device_of, slot_of = np.asarray(placed), np.asarray(flat[prefix + ("expert_slot",)].get_value())
-    return device_of * (len(device_of) // placed.sharding.mesh.devices.size) + slot_of
+    rows_per_device = flat[prefix + (EXPERT_WEIGHTS[0],)].get_value().shape[0] // placed.sharding.mesh.devices.size
+    return device_of * rows_per_device + slot_of
 
 
 def device_of_experts(state: nnx.State) -> np.ndarray:
@@ -122,7 +126,7 @@ def rebalance(state: nnx.State, load: np.ndarray) -> nnx.State:
         if (np.array_equal(device_of, placed) and
                 np.array_equal(slot_of, flat[prefix + ("expert_slot",)].get_value())):
             continue  # this layer's experts already sit where they should
-        gather = _stored_rows(flat, prefix)[np.asarray(storage_order)]  # new row j <- expert storage_order[j]
+        gather = _rebalance_gather(_stored_rows(flat, prefix), np.asarray(storage_order))
         for name in EXPERT_WEIGHTS:
             variable = flat[prefix + (name,)]
             flat[prefix + (name,)] = variable.replace(move_rows(variable.get_value(), gather))
@@ -132,13 +136,81 @@ def rebalance(state: nnx.State, load: np.ndarray) -> nnx.State:
     return nnx.from_flat_state(list(flat.items()))
 
 
+def _rebalance_gather(stored_rows: np.ndarray, storage_order: np.ndarray) -> np.ndarray:
+    """New row j <- old row gather[j]: expert storage_order[j]'s, or for a padding row (-1) an old padding
+    row, paired in order so that padding which stays put is not copied from another device."""
+    gather = np.empty(len(storage_order), np.int64)
+    padding = storage_order < 0
+    gather[~padding] = stored_rows[storage_order[~padding]]
+    gather[padding] = np.setdiff1d(np.arange(len(storage_order)), stored_rows)
+    return gather
+
+
 def canonical_params(state: nnx.State) -> nnx.State:
-    """The params alone, each layer's experts back in checkpoint order (as sharded now)."""
+    """The params alone, each layer's X experts back in checkpoint order (padding rows left out)."""
     flat = dict(nnx.to_flat_state(state))
     for prefix in _moe_layers(flat):
         rows = _stored_rows(flat, prefix)  # expert e <- its current row
         for name in EXPERT_WEIGHTS:
             variable = flat[prefix + (name,)]
-            flat[prefix + (name,)] = variable.replace(move_rows(variable.get_value(), rows))
+            stored = variable.get_value()
+            if len(rows) == stored.shape[0]:
+                canonical = move_rows(stored, rows)  # the same sharding fits X rows
+            else:  # X rows do not split over the devices: gather them where another axis is split
+                sharding = canonical_sharding((len(rows),) + stored.shape[1:], stored.sharding.mesh)
+                canonical = _gather_rows(jax.device_put(stored, sharding), jnp.asarray(rows), sharding)
+            flat[prefix + (name,)] = variable.replace(canonical)
     return nnx.from_flat_state([(path, variable) for path, variable in flat.items()
                                 if not isinstance(variable, ExpertPlacement)])
+
+
+def canonical_sharding(shape: tuple[int, ...], mesh) -> NamedSharding:
+    """Where a canonical [X, ...] expert weight whose X does not divide the devices lives while read or
+    saved: its largest other axis split over every device if it divides (each device holds 1/D, as
+    stored), replicated if none does (tiny models only)."""
+    num_devices = mesh.size
+    for dim in sorted(range(1, len(shape)), key=lambda d: -shape[d]):
+        if shape[dim] % num_devices == 0:
+            return NamedSharding(mesh, PartitionSpec(*[mesh.axis_names if d == dim else None
+                                                       for d in range(len(shape))]))
+    return NamedSharding(mesh, PartitionSpec())
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _gather_rows(array, order, sharding):
+    """store_experts(array, order), split as `sharding`: with the row axis unsplit, every device gathers
+    its own share of the rows."""
+    return jax.lax.with_sharding_constraint(store_experts(array, order), sharding)
+
+
+def expert_parallel_reader(read_params, num_experts: int, mesh):
+    """A ModelSource's read_params (abstract params, dtype, placement) for a model whose experts are spread
+    over `mesh`: each expert weight is read as the checkpoint holds it, X experts in canonical order (split
+    by canonical_sharding where X does not divide the devices), then laid out in its stored rows as the
+    initial placement puts them, padding rows zero."""
+    _, _, storage_order = place_experts(None, num_experts, mesh.devices.size)
+
+    def read(abstract: nnx.State, dtype, placement) -> nnx.State:
+        flat = list(nnx.to_flat_state(abstract))
+        as_checkpointed = {path: jax.ShapeDtypeStruct((num_experts,) + variable.get_value().shape[1:],
+                                                      variable.get_value().dtype)
+                           for path, variable in flat
+                           if _is_expert_weight(variable) and variable.get_value().shape[0] != num_experts}
+        if not as_checkpointed:  # X divides the devices: the initial placement keeps the canonical order
+            return read_params(abstract, dtype, placement)
+        canonical = {path: canonical_sharding(shape.shape, mesh) for path, shape in as_checkpointed.items()}
+        params = read_params(
+            nnx.from_flat_state([(path, variable.replace(as_checkpointed[path]) if path in canonical else variable)
+                                 for path, variable in flat]),
+            dtype, lambda path: canonical[path] if path in canonical else placement(path))
+        return nnx.from_flat_state([
+            (path, variable.replace(jax.device_put(_gather_rows(variable.get_value(), storage_order, canonical[path]),
+                                                   placement(path))) if path in canonical else variable)
+            for path, variable in nnx.to_flat_state(params)])
+
+    return read
+
+
+def _is_expert_weight(variable) -> bool:
+    axes = variable.get_metadata("logical_axes", None)
+    return bool(axes) and axes[0] == "expert"

@@ -13,6 +13,12 @@ its local experts, and sends the results back with a second all-to-all, where th
 summed per token. Buffers are sized for the worst case (every copy to one device), so nothing is
 ever dropped. The placement arrays are inputs, not constants: moving experts between devices changes
 no shapes and compiles nothing.
+
+An expert count that does not divide the devices is spread unevenly, as vLLM does: each device holds
+floor(X / D) or ceil(X / D) experts, and the weight arrays are padded with zero rows to ceil(X / D)
+per device (`num_expert_rows`), so that every device's share has one shape. No expert id points at a
+padding row: its group in the grouped matmuls is always empty, and the all-to-all buffers, sized by
+routed copies rather than by experts, do not change.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 # Legend: T = tokens, D = devices on the axis, t = tokens per device, k = experts per token, C = t * k
-# routed copies per device, R = routed copies, E = embed, X = experts, F = expert mlp, L = experts per device.
+# routed copies per device, R = routed copies, E = embed, X = experts, F = expert mlp, L = expert rows per device
+# (ceil(X / D)), S = D * L stored expert rows (X plus padding).
 
 
 class ExpertPlacement(nnx.Variable):
@@ -48,6 +55,9 @@ def grouped_expert_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, activat
 @dataclass(frozen=True)
 class LocalExperts:
     """Every expert on every device: one grouped matmul per projection over all routed copies."""
+
+    def num_expert_rows(self, num_experts: int) -> int:
+        return num_experts
 
     def initial_placement(self, num_experts: int) -> tuple:
         return ()  # nothing to place: every expert is everywhere
@@ -71,9 +81,12 @@ class ExpertParallel:
 
     mesh: Mesh
 
+    def num_expert_rows(self, num_experts: int) -> int:
+        return num_expert_rows(num_experts, self.mesh.size)
+
     def initial_placement(self, num_experts: int) -> tuple[ExpertPlacement, ExpertPlacement]:
         """Contiguous blocks of experts per device, until a load profile says otherwise."""
-        device_of, slot_of, _ = place_experts(None, num_experts, self.mesh.devices.size)
+        device_of, slot_of, _ = place_experts(None, num_experts, self.mesh.size)
         return ExpertPlacement(device_of), ExpertPlacement(slot_of)
 
     def __call__(self, x, weights, expert_ids, gate_proj, up_proj, down_proj, placement: tuple, *, activation):
@@ -108,7 +121,8 @@ def _local_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_
     received = jax.lax.all_to_all(send_tokens, axis, 0, 0, tiled=False)  # [D, C, E] from each source
     received_slots = jax.lax.all_to_all(send_slots, axis, 0, 0, tiled=False)  # -1: an empty slot
 
-    # Grouped matmuls over this device's experts; empty slots sort last, past every group.
+    # Grouped matmuls over this device's L rows; empty buffer slots sort last, past every group, and a
+    # padding row (no expert id maps to it) is a group of none.
     rows = received.reshape(num_devices * copies, embed)
     slots = received_slots.reshape(-1)
     local_experts = gate_proj.shape[0]
@@ -128,15 +142,17 @@ def _local_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_
 
 def expert_parallel_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *,
                         mesh, axis, activation=jax.nn.silu):
-    """x [T, E] and its routing (weights / expert_ids [T, k]) split over `axis`; gate/up [X, E, F] and
-    down [X, F, E] stored per device (expert_slot orders each device's experts). Returns [T, E], split like x."""
-    num_experts = gate_proj.shape[0]
+    """x [T, E] and its routing (weights / expert_ids [T, k], ids < X) split over `axis`; gate/up [S, E, F] and
+    down [S, F, E] stored per device, L rows each (expert_to_device / expert_slot [X] say where each expert
+    is; `store_experts` lays canonical weights out so). Returns [T, E], split like x."""
+    num_rows = gate_proj.shape[0]
     axes = axis if isinstance(axis, tuple) else (axis,)
     num_devices = 1
     for name in axes:
         num_devices *= mesh.shape[name]
-    if num_experts % num_devices:
-        raise ValueError(f"{num_experts} experts do not divide over {num_devices} devices on mesh axis {axis!r}")
+    if num_rows % num_devices:
+        raise ValueError(f"{num_rows} stored expert rows do not divide over {num_devices} devices on mesh axis "
+                         f"{axis!r}: pad them to num_expert_rows (store_experts)")
     num_tokens = x.shape[0]
     padding = ((0, -num_tokens % num_devices), (0, 0))  # every device gets the same number of tokens
     x, weights, expert_ids = (jnp.pad(a, padding) for a in (x, weights, expert_ids))  # padding: weight 0
@@ -150,25 +166,45 @@ def expert_parallel_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, e
     return body(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot)[:num_tokens]
 
 
-def place_experts(load: jax.Array | None, num_experts: int, num_devices: int):
-    """Expert -> (device, slot) maps and the order to store expert weights in ([X] each).
+def num_expert_rows(num_experts: int, num_devices: int) -> int:
+    """Rows of each stored expert weight array: ceil(X / D) per device, every device's share one shape."""
+    return num_devices * -(-num_experts // num_devices)
 
-    Without a load profile, experts go to devices in contiguous blocks. With one (tokens routed to
-    each expert), the heaviest experts are dealt out first, each to the device with the least load so
-    far that still has room, which evens out the devices' loads.
+
+def place_experts(load: jax.Array | None, num_experts: int, num_devices: int):
+    """Expert -> (device, slot) maps ([X] each) and the expert each stored row holds ([S]; -1: padding).
+
+    Each device holds floor(X / D) or ceil(X / D) experts, as in vLLM. Without a load profile, experts
+    go to devices in contiguous blocks, the first X mod D devices holding one more. With one (tokens
+    routed to each expert), the heaviest experts are dealt out first, each to the device with the least
+    load so far that still has room, which evens out the devices' loads; the load also decides which
+    devices hold the extra experts.
     """
-    per_device = num_experts // num_devices
+    base, extra = divmod(num_experts, num_devices)
     if load is None:
-        device_of = [e // per_device for e in range(num_experts)]
+        device_of = [device for device in range(num_devices) for _ in range(base + (device < extra))]
     else:
         device_load, device_count, device_of = [0.0] * num_devices, [0] * num_devices, [0] * num_experts
         for expert in sorted(range(num_experts), key=lambda e: -float(load[e])):
-            device = min((d for d in range(num_devices) if device_count[d] < per_device), key=lambda d: device_load[d])
+            # room: below floor, or at floor while fewer than X mod D devices have taken an extra expert
+            extra_left = extra - sum(count > base for count in device_count)
+            device = min((d for d in range(num_devices)
+                          if device_count[d] < base or (device_count[d] == base and extra_left > 0)),
+                         key=lambda d: device_load[d])
             device_of[expert] = device
             device_load[device] += float(load[expert])
             device_count[device] += 1
-    storage_order = sorted(range(num_experts), key=lambda e: (device_of[e], e))  # weights stored device by device
-    slot_of = [0] * num_experts
-    for position, expert in enumerate(storage_order):
-        slot_of[expert] = position % per_device
+    rows_per_device = -(-num_experts // num_devices)
+    storage_order, slot_of, num_placed = [-1] * (rows_per_device * num_devices), [0] * num_experts, [0] * num_devices
+    for expert, device in enumerate(device_of):  # each device's experts in id order, padding after them
+        slot_of[expert] = num_placed[device]
+        storage_order[device * rows_per_device + num_placed[device]] = expert
+        num_placed[device] += 1
     return (jnp.asarray(device_of, jnp.int32), jnp.asarray(slot_of, jnp.int32), jnp.asarray(storage_order, jnp.int32))
+
+
+def store_experts(weights, storage_order):
+    """Canonical expert weights [X, ...] -> the stored layout [S, ...] that storage_order (from place_experts)
+    gives, padding rows zero."""
+    padded = jnp.concatenate([weights, jnp.zeros_like(weights[:1])])  # row X: the zero row padding copies
+    return padded[jnp.where(storage_order < 0, weights.shape[0], storage_order)]

@@ -14,7 +14,8 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh | None, sizes: dict[st
     """Param path -> its NamedSharding on `mesh` ({} without a mesh: everything on the default device).
 
     sizes: how many units each logical axis has (heads, kv_heads, mlp, vocab, ...); an axis whose
-    units the mesh axis does not divide is replicated rather than cut through a head."""
+    units the mesh axis does not divide is replicated rather than cut through a head. An expert axis's
+    units are its array's rows: padded to a whole number per device under expert parallelism."""
     if mesh is None:
         return {}
     shardings = {}
@@ -22,5 +23,6 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh | None, sizes: dict[st
         axes = variable.get_metadata("logical_axes", None)
         if axes is None:
             raise ValueError(f"param {'.'.join(map(str, path))} declares no logical axes")
-        shardings[path] = NamedSharding(mesh, partition_spec(axes, mesh, sizes, rules))
+        units = {**sizes, "expert": variable.get_value().shape[axes.index("expert")]} if "expert" in axes else sizes
+        shardings[path] = NamedSharding(mesh, partition_spec(axes, mesh, units, rules))
     return shardings

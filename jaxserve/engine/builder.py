@@ -25,7 +25,7 @@ from jaxserve.models import KVPages, build_model
 from jaxserve.models.config import ModelConfig
 from sharding import build_mesh, param_shardings
 from sharding.attention import attention_dispatch, kv_pages_spec
-from sharding.expert_placement import initial_placement, read_load_profile
+from sharding.expert_placement import expert_parallel_reader, initial_placement, read_load_profile
 from sharding.moe import expert_dispatch
 from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES
 
@@ -96,10 +96,8 @@ def _eos_token_ids(source: ModelSource) -> frozenset[int]:
 
 
 def _expert_parallel(model: ModelConfig, config: EngineConfig, mesh: Mesh | None) -> bool:
+    # Any expert count spreads: where it does not divide the devices, some hold one more (sharding/moe.py).
     expert_parallel = config.enable_expert_parallel and model.is_moe and mesh is not None
-    if expert_parallel and model.num_experts % mesh.devices.size:
-        raise ValueError(f"{model.num_experts} experts do not divide over the {mesh.devices.size} devices of "
-                         f"data_parallel_size x tensor_parallel_size")
     for option in ("expert_load_profile", "expert_rebalance_interval"):
         if getattr(config, option) and not expert_parallel:
             raise ValueError(f"{option} places experts on devices: it needs a mixture-of-experts model with "
@@ -117,7 +115,10 @@ def _load_model(source: ModelSource, dtype: str, attention: AttentionPlan, mesh:
     graphdef, abstract_params, abstract_placement = nnx.split(abstract_model, nnx.Param, ...)
     rules = EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_AXIS_RULES
     shardings = param_shardings(abstract_params, mesh, source.config.logical_axis_sizes(), rules)
-    params = source.read_params(abstract_params, dtype, shardings.get)  # None: the default device
+    # Under expert parallelism, experts are read in checkpoint order and then laid out device by device.
+    read_params = expert_parallel_reader(source.read_params, source.config.num_experts, mesh) if expert_parallel \
+        else source.read_params
+    params = read_params(abstract_params, dtype, shardings.get)  # None: the default device
     if expert_parallel:
         return nnx.merge(graphdef, params, initial_placement(abstract_placement, source.config.num_experts, mesh))
     return nnx.merge(graphdef, params)

@@ -16,15 +16,19 @@ from flax import nnx
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.layers import ACTIVATIONS, linear
 
-# Legend: T = tokens, E = embed, X = experts, F = expert mlp, k = experts per token.
+# Legend: T = tokens, E = embed, X = experts, F = expert mlp, k = experts per token, S = stored expert rows
+# (X, or X padded to an even number per device under expert parallelism: rows no expert id points at).
 
 
 class Experts(Protocol):
+    def num_expert_rows(self, num_experts: int) -> int:
+        """Rows of each expert weight array: num_experts, or more where spreading them over devices pads them."""
+
     def initial_placement(self, num_experts: int) -> tuple:
         """Variables saying where each expert lives, kept beside its weights; () when every device holds all."""
 
     def __call__(self, x, weights, expert_ids, gate_proj, up_proj, down_proj, placement: tuple, *, activation):
-        """x [T, E], weights / expert_ids [T, k], gate/up [X, E, F], down [X, F, E] -> [T, E]."""
+        """x [T, E], weights / expert_ids [T, k], gate/up [S, E, F], down [S, F, E] -> [T, E]."""
 
 
 def route(router_logits, top_k: int, normalize: bool = True):
@@ -40,14 +44,15 @@ def route(router_logits, top_k: int, normalize: bool = True):
 class SparseMoE(nnx.Module):
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs, experts: Experts):
         e, f, x = config.hidden_size, config.expert_intermediate_size, config.num_experts
+        s = experts.num_expert_rows(x)
         init = nnx.initializers.lecun_normal()
         self.gate = linear(e, x, ("embed", None), bias=False, dtype=dtype, rngs=rngs)  # the router: small, replicated
-        self.gate_proj = nnx.Param(init(rngs.params(), (x, e, f), dtype),
-                                   logical_axes=("expert", "embed", "expert_mlp"))  # [X, E, F]
-        self.up_proj = nnx.Param(init(rngs.params(), (x, e, f), dtype),
-                                 logical_axes=("expert", "embed", "expert_mlp"))  # [X, E, F]
-        self.down_proj = nnx.Param(init(rngs.params(), (x, f, e), dtype),
-                                   logical_axes=("expert", "expert_mlp", "embed"))  # [X, F, E]
+        self.gate_proj = nnx.Param(init(rngs.params(), (s, e, f), dtype),
+                                   logical_axes=("expert", "embed", "expert_mlp"))  # [S, E, F]
+        self.up_proj = nnx.Param(init(rngs.params(), (s, e, f), dtype),
+                                 logical_axes=("expert", "embed", "expert_mlp"))  # [S, E, F]
+        self.down_proj = nnx.Param(init(rngs.params(), (s, f, e), dtype),
+                                   logical_axes=("expert", "expert_mlp", "embed"))  # [S, F, E]
         self.top_k = config.num_experts_per_token
         self.normalize_weights = config.normalize_expert_weights
         self.activation = config.hidden_act

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
@@ -14,8 +15,9 @@ from jax.sharding import AbstractMesh, PartitionSpec
 from jaxserve.models import ModelConfig, build_model
 from sharding import param_shardings, partition_spec
 from sharding.attention import attention_dispatch
-from sharding.moe import expert_dispatch
-from sharding.rules import LOGICAL_AXIS_RULES
+from sharding.expert_placement import canonical_sharding
+from sharding.moe import ExpertParallel, expert_dispatch, place_experts, store_experts
+from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # helpers run as tests.support.*
 
@@ -25,8 +27,9 @@ def multi_device_results(tmp_path_factory):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2", "mixtral_top1_tied:2", "qwen2:2",
             "qwen3:2", "llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep", "mixtral:1:8:ep",
-            "qwen3_moe:1:4:ep", "llama_gqa:2:2:-:pallas",
-            f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}", f"--rebalance={tmp_path_factory.mktemp('rb')}"]
+            "qwen3_moe:1:4:ep", "mixtral_6x:1:4:ep", "mixtral_6x:2:2:ep", "qwen3_moe_60x:1:8:ep",
+            "llama_gqa:2:2:-:pallas", f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}",
+            f"--rebalance={tmp_path_factory.mktemp('rb')}", f"--uneven={tmp_path_factory.mktemp('uneven')}"]
     result = subprocess.run([sys.executable, "-m", "tests.support.multi_device_run", *runs], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -47,16 +50,19 @@ def test_tensor_parallel_outputs_equal_transformers(multi_device_results, run):
 
 
 @pytest.mark.parametrize("run", ["llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep",
-                                 "qwen3_moe:1:4:ep", "llama_gqa:2:2:-:pallas"])
+                                 "qwen3_moe:1:4:ep", "llama_gqa:2:2:-:pallas", "mixtral:1:8:ep", "mixtral_6x:1:4:ep",
+                                 "mixtral_6x:2:2:ep", "qwen3_moe_60x:1:8:ep"])
 def test_data_and_expert_parallel_outputs_equal_transformers(multi_device_results, run):
     """Attention per data-parallel rank over its own pages (and per tensor shard over its KV heads, here
-    also with the Pallas kernels); experts spread over every device."""
+    also with the Pallas kernels); experts spread over every device, evenly or not (4 experts on 8 devices,
+    6 on 4, 6 on data 2 x tensor 2, 60 on 8)."""
     outcome = multi_device_results[run]
     assert all(outcome["greedy_equal"]), outcome["greedy_equal"]
     assert outcome["max_logprob_error"] < 1e-3 and outcome["compiles_after_warmup"] == 0
     assert outcome["kv_pages_spec"][0] == "data", "each rank holds its own range of pages"
     # and with 2 tensor shards per rank, each holds one of the 2 KV heads of its pages
-    assert outcome["kv_pages_spec"][2] == ("tensor" if run in ("mixtral:2:2:ep", "llama_gqa:2:2:-:pallas") else "None")
+    assert outcome["kv_pages_spec"][2] == ("tensor" if run in ("mixtral:2:2:ep", "mixtral_6x:2:2:ep",
+                                                               "llama_gqa:2:2:-:pallas") else "None")
     assert outcome["attention_impl"] == ("pallas" if run.endswith("pallas") else "cpu")
 
 
@@ -65,8 +71,23 @@ def test_expert_parallel_placement(multi_device_results):
     assert ep8["device0_expert_fraction"] == pytest.approx(1 / 8)
     assert ep8["device0_attention_fraction"] == 1.0  # attention replicated on every rank
     assert ep8["param_specs"]["layers.0.mlp.gate_proj"][0] == "('data', 'tensor')"
-    assert "do not divide" in multi_device_results["mixtral:1:8:ep"]["error"]
     assert len(ep8["device_tokens"]) == 8 and sum(ep8["device_tokens"]) > 0 and ep8["device_imbalance"] >= 1.0
+
+
+@pytest.mark.parametrize("run, per_device, rows", [("mixtral:1:8:ep", [1] * 4 + [0] * 4, 8),
+                                                   ("mixtral_6x:1:4:ep", [2, 2, 1, 1], 8),
+                                                   ("mixtral_6x:2:2:ep", [2, 2, 1, 1], 8),
+                                                   ("qwen3_moe_60x:1:8:ep", [8] * 4 + [7] * 4, 64)])
+def test_experts_that_do_not_divide_the_devices_are_spread_unevenly(multi_device_results, run, per_device, rows):
+    """As vLLM: the first X mod D devices hold one more expert; the weights are padded to ceil(X / D) rows
+    per device, so each device still holds 1/D of them, and only real experts are counted."""
+    outcome = multi_device_results[run]
+    assert all(layer == per_device for layer in outcome["experts_per_device"])
+    assert outcome["stored_expert_rows"] == rows
+    assert outcome["device0_expert_fraction"] == pytest.approx(1 / len(per_device))
+    assert len(outcome["device_tokens"]) == len(per_device)
+    if run == "mixtral:1:8:ep":  # devices that hold no expert receive no tokens
+        assert outcome["device_tokens"][4:] == [0] * 4 and sum(outcome["device_tokens"]) > 0
 
 
 def test_rebalancing_experts_moves_weights_without_recompiling(multi_device_results):
@@ -107,6 +128,23 @@ def test_params_and_pages_are_sharded_by_the_rules(multi_device_results):
     assert multi_device_results["qwen3:2"]["param_specs"]["layers.0.self_attn.q_norm.weight"] == ["None"]
 
 
+def test_rebalancing_uneven_experts_saves_and_restores_onto_other_meshes(multi_device_results):
+    """6 experts on data 2 x tensor 2: placed by load, the extra experts may go to any device but counts stay
+    2, 2, 1, 1; outputs stay transformers' without a compile; the checkpoint holds exactly the 6 experts in
+    canonical order and restores onto 1 device and onto 8 (six holding one each)."""
+    outcome = multi_device_results["uneven"]
+    assert all(outcome["before_equal"]) and all(outcome["after_equal"]) and outcome["compiles_after_warmup"] == 0
+    assert all(layer == [2, 2, 1, 1] for layer in outcome["before_per_device"])
+    assert all(sorted(layer) == [1, 1, 2, 2] for layer in outcome["moved_per_device"])
+    assert outcome["moved_per_device"] != outcome["before_per_device"]  # the load chose other devices for the pairs
+    assert sum(outcome["moved"]) == sum(outcome["before"]) and outcome["moved_imbalance"] < outcome["before_imbalance"]
+    assert outcome["stored_rows"] == 8 and outcome["canonical_rows"] == 6
+    assert outcome["device0_holds_its_experts_then_zeros"]
+    assert all(outcome["restored_equal"]) and all(outcome["restored_ep8_equal"])
+    assert all(layer == [1] * 6 + [0] * 2 for layer in outcome["restored_ep8_per_device"])
+    assert outcome["start_up_devices_equal"] and all(outcome["start_up_equal"])
+
+
 def test_orbax_checkpoint_restores_onto_another_mesh(multi_device_results):
     assert all(multi_device_results["orbax:4"]["greedy_equal"])
     assert all(multi_device_results["orbax:1"]["greedy_equal"])
@@ -138,9 +176,9 @@ def test_partition_spec_rules():
                                        "expert"}
 
 
-def abstract_params(config: ModelConfig):
+def abstract_params(config: ModelConfig, experts=None):
     model = nnx.eval_shape(lambda: build_model(config, "float32", write_and_attend=attention_dispatch("reference"),
-                                               experts=expert_dispatch()))
+                                               experts=experts or expert_dispatch()))
     return nnx.state(model, nnx.Param)
 
 
@@ -175,6 +213,45 @@ def test_expert_columns_that_do_not_split_are_replicated():
         assert shardings[("layers", 0, "mlp", "gate_proj")].spec == PartitionSpec(None, None, expected[1])
 
 
+def test_experts_that_do_not_divide_are_placed_floor_or_ceil_per_device():
+    device_of, slot_of, order = place_experts(None, 6, 4)  # the first 6 mod 4 devices hold one more
+    assert device_of.tolist() == [0, 0, 1, 1, 2, 3] and slot_of.tolist() == [0, 1, 0, 1, 0, 0]
+    assert order.tolist() == [0, 1, 2, 3, 4, -1, 5, -1]  # 2 rows per device, padding after each device's experts
+    device_of, _, order = place_experts(None, 3, 8)  # fewer experts than devices: five hold none
+    assert device_of.tolist() == [0, 1, 2] and len(order) == 8 and (order < 0).sum() == 5
+    load = np.asarray([100.0, 90.0, 1.0, 1.0, 1.0, 1.0])  # two hot experts: each alone on a device
+    device_of, slot_of, order = place_experts(load, 6, 4)
+    counts = np.bincount(device_of, minlength=4)
+    assert sorted(counts) == [1, 1, 2, 2] and counts[device_of[0]] == counts[device_of[1]] == 1
+    rng = np.random.default_rng(0)
+    for num_experts, num_devices in ((60, 8), (16, 3), (7, 4), (8, 4)):
+        for load in (None, rng.random(num_experts)):
+            device_of, slot_of, order = (np.asarray(a) for a in place_experts(load, num_experts, num_devices))
+            floor, extra = divmod(num_experts, num_devices)
+            assert sorted(np.bincount(device_of, minlength=num_devices), reverse=True) == \
+                [floor + 1] * extra + [floor] * (num_devices - extra)
+            rows_per_device = -(-num_experts // num_devices)
+            assert len(order) == num_devices * rows_per_device
+            assert (order[device_of * rows_per_device + slot_of] == np.arange(num_experts)).all()
+            assert sorted(order[order >= 0]) == list(range(num_experts))
+    stored = store_experts(np.arange(6.0)[:, None] + 1, place_experts(None, 6, 4)[2])
+    assert stored[:, 0].tolist() == [1, 2, 3, 4, 5, 0, 6, 0]
+
+
+def test_uneven_expert_weights_are_padded_and_split_over_every_device():
+    """6 experts on data 2 x tensor 2: 8 stored rows, 2 per device; read and saved as 6 rows split on another axis."""
+    mesh = AbstractMesh((2, 2), ("data", "tensor"))
+    config = ModelConfig(model_type="mixtral", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=8, num_experts=6, num_experts_per_token=2)
+    params = abstract_params(config, ExpertParallel(mesh))
+    gate = params["layers"][0]["mlp"]["gate_proj"]
+    assert gate.get_value().shape == (8, 32, 48)
+    shardings = param_shardings(params, mesh, config.logical_axis_sizes(), EXPERT_PARALLEL_RULES)
+    assert shardings[("layers", 0, "mlp", "gate_proj")].spec == PartitionSpec(("data", "tensor"), None, None)
+    assert canonical_sharding((6, 32, 48), mesh).spec == PartitionSpec(None, None, ("data", "tensor"))
+    assert canonical_sharding((6, 30, 30), mesh).spec == PartitionSpec()  # nothing divides: replicated
+
+
 @pytest.fixture(scope="module")
 def expert_parallel_results():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
@@ -184,17 +261,24 @@ def expert_parallel_results():
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("run", ["random:2", "random:8", "skewed:2", "skewed:8"])
+@pytest.mark.parametrize("run", ["random:2", "random:8", "skewed:2", "skewed:8", "random:3:16", "random:4:6",
+                                 "random:8:60", "random:8:6", "skewed:4:6"])
 def test_expert_parallel_layer_equals_dense_math(expert_parallel_results, run):
-    """All-to-all dispatch and combine over 2 and 8 devices, with contiguous and rebalanced placements;
-    and the grouped matmuls of one device, which share their expert math."""
+    """All-to-all dispatch and combine over 2 to 8 devices, 16 experts or as many as named (16 on 3, 6 on 4,
+    60 on 8 and 6 on 8 do not divide), with contiguous and rebalanced placements; and the grouped matmuls
+    of one device, which share their expert math."""
     assert expert_parallel_results[run]["local_max_error"] < 1e-4
+    devices, num_experts = (int(n) for n in (run.split(":")[1:] + ["16"])[:2])
+    floor, extra = divmod(num_experts, devices)
     for placement in ("blocks", "balanced"):
         outcome = expert_parallel_results[run][placement]
         assert outcome["max_error"] < 1e-4
-        devices = int(run.split(":")[1])
-        assert outcome["experts_per_device"] == [16 // devices] * devices
-        assert outcome["devices_holding_expert_weights"] == devices  # each holds 1/devices of the experts
+        # floor or ceil experts per device; contiguous blocks give the first X mod D devices the extra one
+        assert sorted(outcome["experts_per_device"], reverse=True) == [floor + 1] * extra + [floor] * (devices - extra)
+        if placement == "blocks":
+            assert outcome["experts_per_device"] == [floor + 1] * extra + [floor] * (devices - extra)
+        assert outcome["stored_rows"] == devices * -(-num_experts // devices) and outcome["padding_rows_zero"]
+        assert outcome["devices_holding_expert_weights"] == devices  # each holds 1/devices of the rows
 
 
 def test_skewed_routing_leaves_experts_empty_and_rebalancing_evens_devices(expert_parallel_results):
@@ -204,7 +288,12 @@ def test_skewed_routing_leaves_experts_empty_and_rebalancing_evens_devices(exper
     assert skewed["balanced"]["imbalance"] == 4.0  # the best two hot experts allow on 8 devices
     random = expert_parallel_results["random:8"]
     assert random["balanced"]["imbalance"] <= random["blocks"]["imbalance"]
-    assert "do not divide" in expert_parallel_results["indivisible_error"]
+    # 6 on 4: the two hot experts first shared a device; by load each sits on one of the devices holding one
+    uneven = expert_parallel_results["skewed:4:6"]
+    assert uneven["blocks"]["imbalance"] == 4.0 and uneven["balanced"]["imbalance"] == 2.0
+    assert expert_parallel_results["random:8:60"]["balanced"]["imbalance"] < expert_parallel_results["random:8:60"][
+        "blocks"]["imbalance"]
+    assert "do not divide" in expert_parallel_results["unpadded_error"]  # weights must come padded
 
 
 def test_expert_load_profiles_are_validated(tmp_path, llama_llm):

@@ -69,6 +69,14 @@ MODELS = {
     "qwen3_moe": ("qwen3_moe", dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                     num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, random_vectors=True)),
+    # six experts do not divide 4 devices (they hold 2, 2, 1, 1) nor 8 (two hold none)
+    "mixtral_6x": ("mixtral", dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2)),
+    # Qwen2-MoE's 60 experts, top 4, not renormalized: over 8 devices, four hold 8 and four hold 7
+    "qwen3_moe_60x": ("qwen3_moe", dict(hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+                                        random_vectors=True)),
 }
 HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),

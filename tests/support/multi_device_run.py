@@ -19,12 +19,24 @@ results = {"num_devices": len(jax.devices())}
 runs = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
 orbax_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("--orbax=")]
 rebalance_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("--rebalance=")]
+uneven_dirs = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith("--uneven=")]
 
 
 def greedy_equal(llm, name):
     prompts = expected(name)["prompts"]
     outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0))
     return [o.outputs[0].token_ids == p["greedy_token_ids"] for o, p in zip(outputs, prompts)]
+
+
+def expert_weight(llm, name="layers.0.mlp.gate_proj"):
+    return next(v.get_value() for p, v in nnx.to_flat_state(llm.engine.runner.params()) if ".".join(map(str, p)) == name)
+
+
+def experts_per_device(llm):
+    """[layers][devices]: how many experts each device holds."""
+    stats = llm.stats()
+    return [np.bincount(devices, minlength=len(stats["expert_device_tokens"])).tolist()
+            for devices in stats["expert_devices"]]
 
 
 for directory in rebalance_dirs:
@@ -64,6 +76,42 @@ for directory in rebalance_dirs:
         "periodic_rebalances": periodic.stats()["expert_rebalances"],
         "periodic_steps": periodic.stats()["num_steps"],
         "periodic_compiles": periodic.stats()["num_compiles_after_warmup"],
+    }
+for directory in uneven_dirs:
+    # 6 experts over data 2 x tensor 2 (2, 2, 1, 1 per device): rebalance, save, restore onto 1 device and onto
+    # 8 (six hold one), and place at start-up from the load profile
+    mesh = {**SMALL_ENGINE, "data_parallel_size": 2, "tensor_parallel_size": 2, "enable_expert_parallel": True}
+    llm = LLM(fixture_dir("mixtral_6x"), **mesh)
+    before_equal, before, before_per_device = greedy_equal(llm, "mixtral_6x"), llm.stats(), experts_per_device(llm)
+    llm.rebalance_experts()
+    moved, moved_per_device = llm.stats(), experts_per_device(llm)
+    after_equal = greedy_equal(llm, "mixtral_6x")
+    profile = os.path.join(directory, "profile.json")
+    with open(profile, "w") as f:
+        json.dump({"expert_tokens": before["expert_tokens"]}, f)
+    llm.save_checkpoint(os.path.join(directory, "checkpoint"))
+    stored = expert_weight(llm)
+    device0_rows = np.asarray(next(s.data for s in stored.addressable_shards if s.device == jax.devices()[0]))
+    restored = LLM(os.path.join(directory, "checkpoint"), **SMALL_ENGINE)
+    canonical = np.asarray(expert_weight(restored))
+    on_device0 = canonical[np.flatnonzero(np.asarray(moved["expert_devices"][0]) == 0)]
+    restored_ep8 = LLM(os.path.join(directory, "checkpoint"), **{**SMALL_ENGINE, "data_parallel_size": 8,
+                                                                   "enable_expert_parallel": True})
+    at_start = LLM(fixture_dir("mixtral_6x"), **{**mesh, "expert_load_profile": profile})
+    results["uneven"] = {
+        "before_equal": before_equal, "after_equal": after_equal, "before_per_device": before_per_device,
+        "moved_per_device": moved_per_device, "stored_rows": stored.shape[0],
+        "before_imbalance": before["expert_device_imbalance"], "moved_imbalance": moved["expert_device_imbalance"],
+        "before": before["expert_device_tokens"], "moved": moved["expert_device_tokens"],
+        "compiles_after_warmup": llm.stats()["num_compiles_after_warmup"],
+        "canonical_rows": canonical.shape[0],
+        "device0_holds_its_experts_then_zeros": bool(
+            np.array_equal(device0_rows[:len(on_device0)], on_device0) and not device0_rows[len(on_device0):].any()),
+        "restored_equal": greedy_equal(restored, "mixtral_6x"),
+        "restored_ep8_equal": greedy_equal(restored_ep8, "mixtral_6x"),
+        "restored_ep8_per_device": experts_per_device(restored_ep8),
+        "start_up_devices_equal": at_start.stats()["expert_devices"] == moved["expert_devices"],
+        "start_up_equal": greedy_equal(at_start, "mixtral_6x"),
     }
 for directory in orbax_dirs:
     # saved from a 2-way tensor-parallel engine, restored onto 4 devices and onto 1
@@ -114,8 +162,9 @@ for run in runs:
         "num_devices_holding_kv": len(runner.kv_pages.keys[0].sharding.device_set),
         "attention_impl": llm.stats()["attention_impl"],
         "compiles_after_warmup": llm.stats()["num_compiles_after_warmup"],
-        "device0_expert_fraction": bytes_on_device0(["gate_proj", "up_proj", "down_proj"]) if "mixtral" in name
-        else None,
+        "device0_expert_fraction": bytes_on_device0(["gate_proj", "up_proj", "down_proj"]) if ep else None,
+        "experts_per_device": experts_per_device(llm) if ep else None,
+        "stored_expert_rows": expert_weight(llm).shape[0] if ep else None,
         "device0_attention_fraction": bytes_on_device0(["self_attn"]),
         "device_tokens": llm.stats().get("expert_device_tokens"),
         "device_imbalance": llm.stats().get("expert_device_imbalance"),

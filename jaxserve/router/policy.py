@@ -3,12 +3,15 @@
 `prefix` predicts each replica's time to first token and takes the smallest: the wait for the step under
 way and for the prefill already queued there, plus this request's own cost, where a page cached on the
 device costs nothing, a page in the host tier costs a swap-in, and a missing page costs its tokens' prefill
-at the replica's measured rate (in whole steps: see prefill_seconds). A replica without free pages for the request (it would wait for running
-sequences to finish, which no rate predicts) is chosen only when none has them. Predictions within TIE_TOLERANCE of the best are ties: among them the replica with the
-most of the prompt cached keeps it (its next turn will find the pages there too), then the least loaded;
-a cold prefix (no hits anywhere) is therefore routed by load. `round_robin`, `least_load` and `session` (sticky by
-session id, rendezvous hashing so that a replica going away moves only its own sessions) are there to
-compare against.
+at the replica's measured rate (in whole steps: see prefill_seconds). A replica without free pages for the
+request (it would wait for running sequences to finish, which no rate predicts) is chosen only when none
+has them. Predictions less than a step apart (the replicas' median step time, or TIE_TOLERANCE of the best)
+are ties, since a prediction counts whole steps of a noisy measured length: among them the replica with the
+most of the prompt cached keeps it (its next turn will find the pages there too), then the least loaded; a
+cold prefix (no hits anywhere) is therefore routed by load.
+
+`round_robin`, `least_load` and `session` (sticky by session id, rendezvous hashing so that a replica going
+away moves only its own sessions) are there to compare against.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import statistics
 import threading
 from dataclasses import dataclass, field
 
@@ -108,7 +112,8 @@ class PrefixPolicy:
         predictions = [predict(replica, request, replicas) for replica in replicas]
         predictions = [p for p in predictions if p.fits] or predictions
         best = min(p.ttft for p in predictions)
-        ties = [p for p in predictions if p.ttft <= best * (1 + TIE_TOLERANCE) + 1e-9]
+        step = statistics.median(p.replica.load.step_seconds for p in predictions)
+        ties = [p for p in predictions if p.ttft <= best + max(best * TIE_TOLERANCE, step) + 1e-9]
         return min(ties, key=lambda p: (-p.num_hit_tokens, p.load, p.ttft))
 
 

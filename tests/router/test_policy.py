@@ -141,3 +141,16 @@ def test_a_replica_with_slow_steps_makes_new_requests_wait():
     assert predict(slow, request(), [slow]).ttft == pytest.approx(0.25 + 0.5)
     slow.load.step_seconds = 0.1
     assert predict(slow, request(), [slow]).ttft == pytest.approx(0.05 + 0.2)
+
+
+def test_predictions_less_than_a_step_apart_keep_the_prompt_where_it_is_cached():
+    """Step times are measured, and noisy: a replica whose last steps were a little slower keeps a
+    conversation whose pages it holds, unless the other is faster by more than a step."""
+    home, other = FakeReplica("home", 0.02 / 48), FakeReplica("other", 0.01 / 48)
+    home.load.step_seconds, other.load.step_seconds = 0.02, 0.01
+    home.cache(SYSTEM, num_pages=6)  # the prompt is 8 pages + 20 tokens: 52 uncached here (2 steps), 148 there (4)
+    home_prediction, other_prediction = (predict(r, request(), [home, other]) for r in (home, other))
+    assert other_prediction.ttft < home_prediction.ttft < other_prediction.ttft + 0.015
+    assert PrefixPolicy().choose(request(), [home, other]).replica is home
+    home.load.step_seconds, home.load.prefill_seconds_per_token = 0.2, 0.2 / 48  # ten times slower: it loses
+    assert PrefixPolicy().choose(request(), [home, other]).replica is other

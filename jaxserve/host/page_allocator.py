@@ -28,7 +28,8 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from jaxserve.host.kv_events import DEVICE, HOST, NO_EVENTS, RankEvents
+from jaxserve.host.host_tier import HostTier
+from jaxserve.host.kv_events import DEVICE, NO_EVENTS, RankEvents
 
 RESERVED_PAGE = 0
 ROOT_KEY = 0  # the parent key of a sequence's first page
@@ -66,37 +67,6 @@ class CachedPrefix:
     @property
     def num_pages(self) -> int:
         return len(self.pages) + len(self.host_keys)
-
-
-class HostTier:
-    """KV of demoted pages in host memory, by key; the least recently stored is dropped when full."""
-
-    def __init__(self, capacity_pages: int):
-        self.capacity_pages = capacity_pages
-        self.entries: OrderedDict[int, tuple[tuple[int, tuple[int, ...]], object]] = OrderedDict()
-        self.events: RankEvents = NO_EVENTS
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def store(self, key: int, contents: tuple[int, tuple[int, ...]], data) -> None:
-        if key not in self.entries:  # a key demoted again (recomputed meanwhile) is one page, one event
-            self.events.stored(key, contents[0], len(contents[1]), HOST)
-        self.entries[key] = (contents, data)
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.capacity_pages:
-            self.events.removed(self.entries.popitem(last=False)[0], HOST)
-
-    def has(self, key: int, contents: tuple[int, tuple[int, ...]]) -> bool:
-        entry = self.entries.get(key)
-        return entry is not None and entry[0] == contents
-
-    def take(self, key: int):
-        self.events.removed(key, HOST)
-        return self.entries.pop(key)[1]
-
-    def clear(self) -> None:
-        self.entries.clear()
 
 
 @dataclass

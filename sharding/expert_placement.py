@@ -199,14 +199,15 @@ def expert_parallel_reader(read_params, num_experts: int, mesh):
         if not as_checkpointed:  # X divides the devices: the initial placement keeps the canonical order
             return read_params(abstract, dtype, placement)
         canonical = {path: canonical_sharding(shape.shape, mesh) for path, shape in as_checkpointed.items()}
-        params = read_params(
+        loaded = dict(nnx.to_flat_state(read_params(
             nnx.from_flat_state([(path, variable.replace(as_checkpointed[path]) if path in canonical else variable)
                                  for path, variable in flat]),
-            dtype, lambda path: canonical[path] if path in canonical else placement(path))
-        return nnx.from_flat_state([
-            (path, variable.replace(jax.device_put(_gather_rows(variable.get_value(), storage_order, canonical[path]),
-                                                   placement(path))) if path in canonical else variable)
-            for path, variable in nnx.to_flat_state(params)])
+            dtype, lambda path: canonical[path] if path in canonical else placement(path))))
+        for path, sharding in canonical.items():  # one at a time: each read copy is freed as its rows are stored
+            variable = loaded[path]
+            loaded[path] = variable.replace(jax.device_put(
+                _gather_rows(variable.get_value(), storage_order, sharding), placement(path)))
+        return nnx.from_flat_state(list(loaded.items()))
 
     return read
 

@@ -10,7 +10,7 @@ JSON line per seed; the failing ones carry their configs. Needs the bench extras
 
     .venv/bin/python tools/fuzz_vs_hf.py --seeds 0:30
     .venv/bin/python tools/fuzz_vs_hf.py --seeds 0:10 --fake-devices 8 --tensor-parallel 2 --data-parallel 2 \
-        --expert-parallel   # meshes on fake CPU devices; expert counts drawn as multiples of the devices
+        --expert-parallel   # meshes on fake CPU devices; expert counts that divide the devices and ones that do not
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mixtral": ("Mixtral
               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
-def random_config(rng, expert_multiple: int = 1) -> tuple[str, dict]:
+def random_config(rng, expert_parallel: bool = False) -> tuple[str, dict]:
     num_kv_heads = int(rng.choice([1, 2, 3, 4]))
     num_heads = num_kv_heads * int(rng.choice([1, 2, 3, 4]))
     config = dict(vocab_size=int(rng.choice([97, 256, 333, 512, 1000])),
@@ -48,11 +48,13 @@ def random_config(rng, expert_multiple: int = 1) -> tuple[str, dict]:
         config["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                       original_max_position_embeddings=128)
     kind = str(rng.choice(["llama", "llama", "mixtral", "mixtral", "qwen2", "qwen3", "qwen3_moe"]))
-    return kind, {**config, **FAMILY_DRAWS[kind](rng, config["num_hidden_layers"], expert_multiple)}
+    return kind, {**config, **FAMILY_DRAWS[kind](rng, config["num_hidden_layers"], expert_parallel)}
 
 
-def _experts(rng, expert_multiple: int, name: str) -> dict:
-    num_experts = int(rng.choice([n for n in (2, 3, 4, 6, 8) if n % expert_multiple == 0] or [expert_multiple]))
+def _experts(rng, expert_parallel: bool, name: str) -> dict:
+    # Spread over 4 or 8 devices: fewer experts than devices, counts that leave some devices one more
+    # expert (Qwen2-MoE's 60 on 8), and counts that divide.
+    num_experts = int(rng.choice([3, 5, 6, 7, 8, 10, 60] if expert_parallel else [2, 3, 4, 6, 8]))
     return {name: num_experts, "num_experts_per_tok": int(rng.integers(1, min(num_experts, 3) + 1))}
 
 
@@ -63,15 +65,15 @@ def _qwen_window(rng, num_layers: int) -> dict:
 
 
 FAMILY_DRAWS = {
-    "llama": lambda rng, layers, multiple: dict(attention_bias=bool(rng.random() < 0.3),
-                                                mlp_bias=bool(rng.random() < 0.2)),
-    "mixtral": lambda rng, layers, multiple: {**_experts(rng, multiple, "num_local_experts"),
-                                              **({"sliding_window": int(rng.choice([8, 16, 40]))}
-                                                 if rng.random() < 0.3 else {})},
-    "qwen2": lambda rng, layers, multiple: _qwen_window(rng, layers),
-    "qwen3": lambda rng, layers, multiple: dict(attention_bias=bool(rng.random() < 0.3), **_qwen_window(rng, layers)),
-    "qwen3_moe": lambda rng, layers, multiple: dict(
-        **_experts(rng, multiple, "num_experts"), moe_intermediate_size=int(rng.choice([24, 36, 64])),
+    "llama": lambda rng, layers, spread: dict(attention_bias=bool(rng.random() < 0.3),
+                                              mlp_bias=bool(rng.random() < 0.2)),
+    "mixtral": lambda rng, layers, spread: {**_experts(rng, spread, "num_local_experts"),
+                                            **({"sliding_window": int(rng.choice([8, 16, 40]))}
+                                               if rng.random() < 0.3 else {})},
+    "qwen2": lambda rng, layers, spread: _qwen_window(rng, layers),
+    "qwen3": lambda rng, layers, spread: dict(attention_bias=bool(rng.random() < 0.3), **_qwen_window(rng, layers)),
+    "qwen3_moe": lambda rng, layers, spread: dict(
+        **_experts(rng, spread, "num_experts"), moe_intermediate_size=int(rng.choice([24, 36, 64])),
         norm_topk_prob=bool(rng.random() < 0.5), attention_bias=bool(rng.random() < 0.3),
         use_sliding_window=bool(rng.random() < 0.3), sliding_window=int(rng.choice([8, 16, 40]))),
 }
@@ -92,8 +94,7 @@ def run(seed: int, mesh: dict) -> dict:
     from jaxserve import LLM, SamplingParams
 
     rng = np.random.default_rng(seed)
-    devices = mesh["tensor_parallel_size"] * mesh["data_parallel_size"]
-    kind, config_dict = random_config(rng, devices if mesh["enable_expert_parallel"] else 1)
+    kind, config_dict = random_config(rng, mesh["enable_expert_parallel"])
     torch.manual_seed(seed)
     config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[kind])
     config = config_class(**config_dict)
@@ -115,6 +116,9 @@ def run(seed: int, mesh: dict) -> dict:
         prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
     equal = sum(o.outputs[0].token_ids == e for o, e in zip(outputs, expected))
     record = dict(seed=seed, kind=kind, equal=equal, of=len(prompts))
+    num_experts = config_dict.get("num_local_experts", config_dict.get("num_experts"))
+    if num_experts:
+        record["num_experts"] = num_experts
     if equal < len(prompts):
         record.update(config=config_dict, engine=engine)
     return record

@@ -9,6 +9,7 @@ tokenizer_config.json says (tokenizer_config.py) and exposes what the engine sto
 
 from __future__ import annotations
 
+import abc
 import os
 
 from jaxserve.loading.detokenizer import (  # noqa: F401  (the engine's output processor imports them from here)
@@ -16,8 +17,9 @@ from jaxserve.loading.detokenizer import (  # noqa: F401  (the engine's output p
 from jaxserve.loading.tokenizer_config import TokenizerSettings, read_tokenizer_settings
 
 
-class Tokenizer:
-    """The interface every backend implements; subclasses set up their backend, then call __init__."""
+class Tokenizer(abc.ABC):
+    """The interface both backends (fast_tokenizer.py, sentencepiece_tokenizer.py) implement; they set up
+    their backend, then call __init__."""
 
     settings: TokenizerSettings
 
@@ -51,20 +53,20 @@ class Tokenizer:
         return SentencePieceTokenizer(model_path, settings)
 
     @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
 
-    def token_to_id(self, token: str | None) -> int | None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def token_to_id(self, token: str | None) -> int | None: ...
 
+    @abc.abstractmethod
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """add_special_tokens: BOS/EOS as the tokenizer's rule says (off for rendered chat templates,
         which write their own)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         """Ids outside the vocabulary are left out."""
-        raise NotImplementedError
 
 
 def clean_up_tokenization(text: str) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import signal
 import sys
 import threading
 
@@ -21,6 +20,7 @@ from grpc_health.v1 import health, health_pb2
 from jaxserve.engine import Engine
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
 from jaxserve.server.chat_prompt import load_chat_template
+from jaxserve.server.process import run_until_signalled
 from jaxserve.server.config_file import ServeConfig, load_config
 from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.fingerprint import system_fingerprint
@@ -152,23 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set server.port=50052")
     args = parser.parse_args(argv)
-    # force: libraries imported earlier (orbax, via absl) may have claimed the root logger already
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    stop_requested = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop_requested.set())
-    try:
+
+    def start() -> Server:
         server = Server(load_config(args.config, args.overrides))
         server.start()
-    except ValueError as error:
-        print(f"jaxserve.serve: {error}", file=sys.stderr)
-        return 2
-    stop_requested.wait()
-    logger.info("stopping: draining in-flight requests")
-    server.drain_and_stop()
-    logger.info("stopped")
-    return 0
+        return server
 
+    def stop(server: Server) -> None:
+        logger.info("stopping: draining in-flight requests")
+        server.drain_and_stop()
+        logger.info("stopped")
+
+    return run_until_signalled("jaxserve.serve", start, stop)
 
 if __name__ == "__main__":
     sys.exit(main())

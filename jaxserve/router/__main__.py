@@ -8,13 +8,11 @@ it launched.
 from __future__ import annotations
 
 import argparse
-import logging
-import signal
 import sys
-import threading
 
 from jaxserve.router.config import load_router_config
 from jaxserve.router.server import RouterServer
+from jaxserve.server.process import run_until_signalled
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,21 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set router.policy=round_robin")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    stop_requested = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop_requested.set())
-    try:
+
+    def start() -> RouterServer:
         server = RouterServer(load_router_config(args.config, args.overrides))
         server.start()
-    except ValueError as error:
-        print(f"jaxserve.router: {error}", file=sys.stderr)
-        return 2
-    print(f"jaxserve.router: serving on {server.config.router.host}:{server.port}", flush=True)
-    stop_requested.wait()
-    server.stop()
-    return 0
+        print(f"jaxserve.router: serving on {server.config.router.host}:{server.port}", flush=True)
+        return server
 
+    return run_until_signalled("jaxserve.router", start, RouterServer.stop)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,9 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import yaml
-
 from jaxserve.router.policy import POLICIES
+from jaxserve.server.config_file import parse_override, read_yaml
 
 KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
@@ -129,17 +128,11 @@ def parse_config(tree) -> RouterConfig:
 
 def load_router_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> RouterConfig:
     """overrides: SECTION.KEY=VALUE (YAML values), as jaxserve.serve's --set."""
-    try:
-        with open(path) as f:
-            tree = yaml.safe_load(f) or {}
-    except OSError as error:
-        raise ValueError(f"cannot read router config {path}: {error}") from None
-    except yaml.YAMLError as error:
-        raise ValueError(f"malformed YAML in {path}: {error}") from None
+    tree = read_yaml(path)
     for override in overrides:
-        key, sep, value = override.partition("=")
-        section, _, name = key.strip().partition(".")
-        if not sep or not name or not isinstance(tree, dict) or not isinstance(tree.get(section, {}), dict):
+        key, value = parse_override(override)
+        section, _, name = key.partition(".")
+        if not name or not isinstance(tree, dict) or not isinstance(tree.get(section, {}), dict):
             raise ValueError(f"--set expects SECTION.KEY=VALUE for a mapping section, got {override!r}")
-        tree.setdefault(section, {})[name] = yaml.safe_load(value)
+        tree.setdefault(section, {})[name] = value
     return parse_config(tree)

@@ -125,16 +125,21 @@ def parse_override(text: str) -> tuple[str, object]:
     return key.strip(), yaml.safe_load(value)
 
 
+def read_yaml(path: str) -> object:
+    """A config file's YAML (an empty file is {}); a missing or malformed file is a ValueError naming it."""
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f) or {}
+    except OSError as error:
+        raise ValueError(f"cannot read config file {path}: {error}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"malformed YAML in {path}: {error}") from None
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ServeConfig:
     tree: dict = {}
     if path is not None:
-        try:
-            with open(path) as f:
-                loaded = yaml.safe_load(f) or {}
-        except OSError as error:
-            raise ValueError(f"cannot read config file {path}: {error}") from None
-        except yaml.YAMLError as error:
-            raise ValueError(f"malformed YAML in {path}: {error}") from None
+        loaded = read_yaml(path)
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {path} must hold a mapping of sections")
         for section, values in loaded.items():

@@ -4,7 +4,6 @@ content, the last content chunk carrying the finish reason) or answered whole.""
 
 from __future__ import annotations
 
-from collections import defaultdict
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -13,9 +12,9 @@ from jaxserve.host.request import SamplingParams
 from jaxserve.server import limits as request_limits
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
 from jaxserve.server.openai.context import ServingContext, request_size
-from jaxserve.server.openai.errors import APIError, error_body
+from jaxserve.server.openai.errors import error_body
 from jaxserve.server.openai.protocol import ChatCompletionRequest
-from jaxserve.server.openai.responses import (DONE, Choice, EventStreamResponse, TokenText, UsageCounter,
+from jaxserve.server.openai.responses import (DONE, EventStreamResponse, TokenText, UsageCounter, gather_choices,
                                               chat_logprobs, failure, now, response_id, sse)
 from jaxserve.server.openai.streams import StreamGroup, until_disconnected
 
@@ -97,15 +96,7 @@ class ChatCall:
         yield DONE
 
     async def collect(self) -> dict:
-        choices, usage = defaultdict(Choice), UsageCounter()
-        try:
-            async for position, delta in self.group.deltas():
-                if (message := failure(delta)) is not None:
-                    raise APIError(500, message)
-                usage.add(position, delta)
-                choices[delta.index].add(delta)
-        finally:
-            self.group.release()
+        choices, usage = await gather_choices(self.group, lambda position, delta: delta.index)
         listed = []
         for index in sorted(choices):
             gathered = choices[index]

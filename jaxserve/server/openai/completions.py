@@ -11,9 +11,9 @@ from fastapi.responses import JSONResponse, Response
 from jaxserve.host.request import SamplingParams
 from jaxserve.server import limits as request_limits
 from jaxserve.server.openai.context import ServingContext, request_size
-from jaxserve.server.openai.errors import APIError, error_body
+from jaxserve.server.openai.errors import error_body
 from jaxserve.server.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
-from jaxserve.server.openai.responses import (DONE, Choice, EventStreamResponse, TokenText, UsageCounter,
+from jaxserve.server.openai.responses import (DONE, EventStreamResponse, TokenText, UsageCounter, gather_choices,
                                               completion_logprobs, failure, now, response_id, sse)
 from jaxserve.server.openai.streams import StreamGroup, until_disconnected
 
@@ -104,15 +104,7 @@ class CompletionCall:
         yield DONE
 
     async def collect(self) -> dict:
-        choices, usage = defaultdict(Choice), UsageCounter()
-        try:
-            async for position, delta in self.group.deltas():
-                if (message := failure(delta)) is not None:
-                    raise APIError(500, message)
-                usage.add(position, delta)
-                choices[position * self.body.n + delta.index].add(delta)
-        finally:
-            self.group.release()
+        choices, usage = await gather_choices(self.group, lambda position, delta: position * self.body.n + delta.index)
         listed = []
         for index in sorted(choices):
             echo = self.echo_texts[index // self.body.n] if self.echo_texts else ""

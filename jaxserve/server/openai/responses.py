@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from starlette.responses import StreamingResponse
 
+from jaxserve.server.openai.errors import APIError
 from jaxserve.server.openai.streams import StreamGroup
 from jaxserve.server.request_stream import Delta
 
@@ -89,6 +91,21 @@ class UsageCounter:
 def failure(delta: Delta) -> str | None:
     """The engine's message when it failed the request (finish reason "error")."""
     return (delta.text or "the engine failed while running this request") if delta.finish_reason == "error" else None
+
+
+async def gather_choices(group: StreamGroup, choice_index) -> tuple[dict[int, Choice], UsageCounter]:
+    """Every delta of a non-streamed response, gathered per choice (choice_index(position, delta)); the
+    group's streams are released however it ends."""
+    choices, usage = defaultdict(Choice), UsageCounter()
+    try:
+        async for position, delta in group.deltas():
+            if (message := failure(delta)) is not None:
+                raise APIError(500, message)
+            usage.add(position, delta)
+            choices[choice_index(position, delta)].add(delta)
+    finally:
+        group.release()
+    return choices, usage
 
 
 class TokenText:

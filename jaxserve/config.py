@@ -69,6 +69,9 @@ class EngineConfig:
     # Indices into jax.devices() this engine runs on (None: the first ones), so that two engines in one
     # process can use disjoint devices.
     device_ids: tuple[int, ...] | None = None
+    # Seconds a prefill replica holds a request's pages for a decode replica to take (and a decode
+    # replica waits for them) before freeing them; the decode side then recomputes the prompt.
+    handover_timeout: float = 30.0
 
     def __post_init__(self):
         if self.dtype != "auto":
@@ -82,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.device_ids is not None:
             object.__setattr__(self, "device_ids", tuple(int(i) for i in self.device_ids))
+        if not self.handover_timeout > 0:
+            raise ValueError(f"handover_timeout must be > 0 seconds, got {self.handover_timeout}")
         if self.expert_rebalance_interval < 0:
             raise ValueError(f"expert_rebalance_interval must be >= 0, got {self.expert_rebalance_interval}")
         if self.num_pages is not None and self.num_pages < 2:

@@ -17,6 +17,7 @@ import threading
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from jaxserve.disagg.service import DisaggService
 from jaxserve.engine import Engine
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
 from jaxserve.server.chat_prompt import load_chat_template
@@ -52,6 +53,7 @@ class Server:
         self.metrics = ServerMetrics()
         self.health = health.HealthServicer()
         self.service = GenerationService()
+        self.disagg = DisaggService()  # prefill/decode handover services, live on a replica with engine.role set
         self.api_keys = ApiKeys.from_file(server.api_keys) if server.api_keys else None
         self.pools = ThreadPools.for_limits(config.engine.max_num_seqs + server.max_queued_requests)
         options = [("grpc.max_receive_message_length", server.max_message_bytes),
@@ -60,7 +62,7 @@ class Server:
         interceptors = [ApiKeyInterceptor(self.api_keys, self.pools.quick)] if self.api_keys else []
         self.grpc_server = grpc.server(
             self.pools.default, handlers=[generation_handler(self.service, self.pools), kv_events,
-                                          health_handler(self.health, self.pools)],
+                                          health_handler(self.health, self.pools), *self.disagg.handlers(self.pools)],
             interceptors=interceptors, options=options)
         address = f"{server.host}:{server.port}"
         try:
@@ -122,6 +124,7 @@ class Server:
         fingerprint = system_fingerprint(info)
         self.service.attach(self.loop, limits, self.chat_template, fingerprint)
         self.http_context.attach(self.loop, limits, self.chat_template, fingerprint)
+        self.disagg.attach(self.loop, limits)
         self.metrics.observe_engine(self.loop.stats)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s (%d executables, warm-up %.1fs)", info.model_name, info.num_executables,
@@ -137,6 +140,7 @@ class Server:
         if self.http_server is not None:
             self.http_server.stop()
         self.http_context.shutdown()
+        self.disagg.stop()
         if self.loop is not None:
             self.loop.stop()
         if self.metrics_server is not None:

@@ -1,4 +1,4 @@
-"""Regenerate jaxserve/proto/*_pb2*.py from jaxserve/proto/jaxserve.proto with grpcio-tools.
+"""Regenerate jaxserve/proto/*_pb2*.py from jaxserve/proto/*.proto with grpcio-tools.
 
     .venv/bin/python tools/gen_proto.py
 """
@@ -13,5 +13,5 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":
     os.chdir(ROOT)
     status = protoc.main(["grpc_tools.protoc", "-I.", "--python_out=.", "--pyi_out=.", "--grpc_python_out=.",
-                          "jaxserve/proto/jaxserve.proto"])
+                          "jaxserve/proto/jaxserve.proto", "jaxserve/proto/disagg.proto"])
     sys.exit(status)

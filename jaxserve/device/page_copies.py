@@ -1,12 +1,17 @@
-"""Copying KV pages between the device pool and host memory (the prefix cache's host tier).
+"""Copying KV pages out of and into the device pool: to host memory and back (the prefix cache's host
+tier), and for a KV handover between a prefill and a decode replica.
 
-Pages move in groups of PAGE_COPY_GROUP (padded with the reserved page) so that one compiled copy
-serves every count; the transfer to the host device is asynchronous.
+Host-tier pages move in groups of PAGE_COPY_GROUP (padded with the reserved page) so that one compiled
+copy serves every count; the transfer to the host device is asynchronous. Handover pages move in
+power-of-two chunks (handover_chunk_sizes), each size compiled at warm-up, so that the bytes that travel
+are exactly the missing pages' and a handover never compiles while serving.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from dataclasses import dataclass
 
 import jax
@@ -15,6 +20,7 @@ import numpy as np
 from jaxserve.host.page_allocator import RESERVED_PAGE
 from jaxserve.models.kv_pages import KVPages
 
+logger = logging.getLogger(__name__)
 PAGE_COPY_GROUP = 16  # pages per host-tier copy
 
 
@@ -55,15 +61,85 @@ def write_pages(kv_pages: KVPages, pages: list[int], host_pages: list[HostPage])
     return kv_pages
 
 
-def gather_pages(kv_pages: KVPages, pages: list[int]) -> jax.Array:
-    """[2 * num_layers, len(pages), page_size, K, D] on the pool's devices, exactly these pages (a KV
-    handover moves no padding; one compile per count)."""
-    return _gather_pages(kv_pages, np.asarray(pages, np.int32))
+def handover_chunk_sizes(num_pages: int) -> list[int]:
+    """num_pages as a sum of powers of two, largest first (13 -> 8, 4, 1). A handover copies its pages in
+    chunks of these sizes: the copies of every power of two up to a sequence's pages compile at warm-up,
+    and no padding page is ever moved (the bytes sent are exactly the pages asked for)."""
+    sizes, size = [], 1 << max(num_pages.bit_length() - 1, 0)
+    while num_pages:
+        if size <= num_pages:
+            sizes.append(size)
+            num_pages -= size
+        size >>= 1
+    return sizes
 
 
-def scatter_pages(kv_pages: KVPages, pages: list[int], data: jax.Array) -> KVPages:
-    """Write gather_pages' layout into pages (the pool is donated and returned)."""
-    return _scatter_pages(kv_pages, np.asarray(pages, np.int32), data)
+def _chunks(pages: list[int]) -> list[np.ndarray]:
+    chunks, start = [], 0
+    for size in handover_chunk_sizes(len(pages)):
+        chunks.append(np.asarray(pages[start:start + size], np.int32))
+        start += size
+    return chunks
+
+
+def gather_pages(kv_pages: KVPages, pages: list[int]) -> list[jax.Array]:
+    """The pages' KV as chunks [2 * num_layers, chunk, page_size, K, D] on the pool's devices, in page
+    order (handover_chunk_sizes); exactly these pages, no padding."""
+    return [_gather_pages(kv_pages, chunk) for chunk in _chunks(pages)]
+
+
+def scatter_pages(kv_pages: KVPages, pages: list[int], chunks: list[jax.Array]) -> KVPages:
+    """Write gather_pages' chunks into pages (the pool is donated and returned)."""
+    indices = _chunks(pages)
+    if [len(i) for i in indices] != [chunk.shape[1] for chunk in chunks]:
+        raise ValueError(f"{len(pages)} pages to write but chunks of {[chunk.shape[1] for chunk in chunks]} pages")
+    for index, chunk in zip(indices, chunks):
+        kv_pages = _scatter_pages(kv_pages, index, chunk)
+    return kv_pages
+
+
+def warm_up_handover_copies(kv_pages: KVPages, max_pages: int, chunk_sharding) -> KVPages:
+    """Compile the gather and the scatter of every chunk size up to max_pages, the scatter taking its
+    chunk where a handover puts it (chunk_sharding). They copy the reserved page onto itself. The first
+    copy runs twice: a fresh pool is not committed to its devices, while every pool a step returns is
+    (another executable)."""
+    sizes = [1] + [1 << power for power in range(max(max_pages, 1).bit_length())]
+    for size in sizes:
+        pages = np.full(size, RESERVED_PAGE, np.int32)
+        chunk = jax.device_put(_gather_pages(kv_pages, pages), chunk_sharding)
+        kv_pages = _scatter_pages(kv_pages, pages, chunk)
+    return kv_pages
+
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_counting = threading.local()  # compiles seen on this thread while a CountingCompiles is open
+
+
+def _on_event_duration(event: str, duration: float, **kwargs) -> None:
+    if event == BACKEND_COMPILE_EVENT and getattr(_counting, "depth", 0):
+        _counting.num_compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
+
+
+class CountingCompiles:
+    """Around a copy on a warm runner: adds any executable compiled meanwhile (on this thread: jit compiles
+    where it is called) to the runner's count."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __enter__(self):
+        _counting.depth = getattr(_counting, "depth", 0) + 1
+        _counting.num_compiles = self.before = getattr(_counting, "num_compiles", 0)
+
+    def __exit__(self, *exc_info):
+        _counting.depth -= 1
+        compiled = _counting.num_compiles - self.before
+        if compiled and self.runner.warmed_up:
+            logger.warning("compiled %d page copies while serving", compiled)
+            self.runner.num_compiles_after_warmup += compiled
 
 
 @jax.jit

@@ -130,13 +130,15 @@ class ModelRunner:
         """Dispatched before the next step, so it lands before that step reads the pages."""
         self.kv_pages = page_copies.write_pages(self.kv_pages, pages, host_pages)
 
-    def gather_pages(self, pages: list[int]) -> jax.Array:
-        """The pages' KV as one array on this runner's devices (for a KV handover)."""
-        return page_copies.gather_pages(self.kv_pages, pages)
+    def gather_pages(self, pages: list[int]) -> list[jax.Array]:
+        """The pages' KV as power-of-two chunks on this runner's devices (for a KV handover)."""
+        with page_copies.CountingCompiles(self):
+            return page_copies.gather_pages(self.kv_pages, pages)
 
-    def scatter_pages(self, pages: list[int], data: jax.Array) -> None:
-        """Write handed-over KV (gather_pages' layout, already on this runner's devices) into pages."""
-        self.kv_pages = page_copies.scatter_pages(self.kv_pages, pages, data)
+    def scatter_pages(self, pages: list[int], chunks: list[jax.Array]) -> None:
+        """Write handed-over KV (gather_pages' chunks, already on page_array_sharding) into pages."""
+        with page_copies.CountingCompiles(self):
+            self.kv_pages = page_copies.scatter_pages(self.kv_pages, pages, chunks)
 
     def page_array_sharding(self):
         """Where gather_pages' layout lives on this runner: the pool's sharding with the stacked

@@ -22,7 +22,7 @@ def move_pages(prefill_engine, source_pages: list[int], decode_engine, target_pa
         raise ValueError(f"{len(source_pages)} pages to send but {len(target_pages)} reserved")
     if not source_pages:
         return 0
-    data = prefill_engine.runner.gather_pages(source_pages)
-    data = jax.device_put(data, decode_engine.runner.page_array_sharding())
-    decode_engine.runner.scatter_pages(target_pages, data)
-    return data.nbytes
+    chunks = prefill_engine.runner.gather_pages(source_pages)
+    chunks = jax.device_put(chunks, decode_engine.runner.page_array_sharding())
+    decode_engine.runner.scatter_pages(target_pages, chunks)
+    return sum(chunk.nbytes for chunk in chunks)

@@ -11,6 +11,7 @@ expired after stream_idle_timeout.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -63,8 +64,10 @@ class EngineLoop:
             return len(self.streams)
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str = "",
-               session_id: str | None = None) -> RequestStream:
-        """Check capacity, validate (raising ValueError) and queue a request; called from handler threads."""
+               session_id: str | None = None, admit=None) -> RequestStream:
+        """Check capacity, validate (raising ValueError) and queue a request; called from handler threads.
+        admit(engine, stream, prompt_token_ids), when given, runs on the loop thread instead of add_request
+        (a decode replica admits a handed-over request so; jaxserve/disagg/decode_service.py)."""
         with self._lock:
             if self._draining:
                 raise Draining("the server is shutting down")
@@ -87,9 +90,17 @@ class EngineLoop:
             with self._lock:
                 self._num_reserved -= 1
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
-        self._commands.put(("add", stream, prompt_token_ids, session_id))
+        self._commands.put(("add", stream, prompt_token_ids, session_id, admit))
         self._wakeup.set()
         return stream
+
+    def call(self, function) -> concurrent.futures.Future:
+        """Run function(engine) on the loop thread between steps; any thread. Its result or exception
+        comes back in the future."""
+        future = concurrent.futures.Future()
+        self._commands.put(("call", function, future))
+        self._wakeup.set()
+        return future
 
     def release(self, stream: RequestStream) -> None:
         """The stream's RPC has ended (finished, cancelled, expired): free its slot, and abort its request
@@ -158,10 +169,15 @@ class EngineLoop:
             except queue.Empty:
                 return applied
             applied = True
-            if command[0] == "add":
-                _, stream, prompt_token_ids, session_id = command
+            if command[0] == "call":
+                _run_call(self.engine, *command[1:])
+            elif command[0] == "add":
+                _, stream, prompt_token_ids, session_id, admit = command
                 try:
-                    self.engine.add_request(stream.handle, prompt_token_ids, stream.params, session_id=session_id)
+                    if admit is not None:
+                        admit(self.engine, stream, prompt_token_ids)
+                    else:
+                        self.engine.add_request(stream.handle, prompt_token_ids, stream.params, session_id=session_id)
                 except ValueError as error:  # validated already; a failure here is a bug, but not a hang
                     logger.error("add_request refused a validated request: %s", error)
                     self._finish(stream, "error", str(error))
@@ -226,3 +242,10 @@ class EngineLoop:
             streams = list(self.streams.values())
         for stream in streams:
             self._finish(stream, "error", "the engine failed while running this request")
+
+
+def _run_call(engine: Engine, function, future: concurrent.futures.Future) -> None:
+    try:
+        future.set_result(function(engine))
+    except Exception as error:  # the caller's to handle; the loop goes on
+        future.set_exception(error)

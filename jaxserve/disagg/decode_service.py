@@ -1,0 +1,209 @@
+"""The Decode service of a decode replica (engine.role decode), over its EngineLoop.
+
+Decode.Generate(request, prefill_address), one handler thread per request:
+  1. submit: on the loop thread, reserve pages for the prompt (its cached prefix shared), or, with no
+     room, run the whole request here as a colocated replica would;
+  2. Prefill.Prefill on the prefill replica with the keys of the prompt pages held here;
+  3. pull the missing pages from its transfer server;
+  4. on the loop thread, write them into the reserved pages and admit the request at its first token;
+  5. Prefill.Release (best effort: the prefill side frees them on its own timeout anyway);
+  6. stream the engine's messages, as jaxserve.v1.Generation/Generate does.
+The prefill replica failing, timing out or answering nonsense at 2-4 -> the prompt is recomputed here
+(the request completes). The RPC ending early (the router gave up) frees the reservation and releases
+the prefill side's pages.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import jax
+
+from jaxserve.disagg.handover import HandoverStats
+from jaxserve.disagg.metadata import PrefilledRequest
+from jaxserve.proto import disagg_pb2 as dpb
+from jaxserve.proto import disagg_pb2_grpc
+from jaxserve.server.engine_loop import Draining, Overloaded
+from jaxserve.server.request_stream import Delta, RequestStream
+from jaxserve.server.service import checked_request, response_from_delta
+
+RELEASE_TIMEOUT = 5.0  # seconds; a release that does not arrive is done by the prefill side's own timeout
+
+
+@dataclass
+class Handover:
+    stream: RequestStream
+    prefill_address: str
+    request: object  # the GenerateRequest
+    params: object
+    prompt_token_ids: list[int] = field(default_factory=list)
+    reserved: concurrent.futures.Future | None = None  # (reservation, prompt ids), or None: run here whole
+    handover_id: str = ""  # once the prefill side holds pages for it
+    ended: bool = False  # the RPC is over: nothing more to do for it
+
+
+class DecodeService:
+    def __init__(self, loop, limits, transfers, timeout: float):
+        self.loop = loop
+        self.limits = limits
+        self.transfers = transfers
+        self.timeout = timeout
+        self.stats = HandoverStats()
+        self.num_local = 0  # requests run whole here: no room to reserve for a handover
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def Generate(self, request: dpb.DecodeRequest, context):
+        handover = self._submit(request, context)
+        stream = handover.stream
+        if not context.add_callback(functools.partial(self._end, handover)):
+            self._end(handover)
+            return
+        stream.on_expire = context.cancel
+        try:
+            reservation = handover.reserved.result(self.timeout)
+        except Exception:  # refused on the loop thread: the stream says why
+            reservation = None
+        if reservation is not None:
+            self._hand_over(handover, reservation)
+        for delta in stream:
+            yield response_from_delta(delta, stream.request_id)
+
+    def _submit(self, request: dpb.DecodeRequest, context) -> Handover:
+        try:
+            if not request.prefill_address:
+                raise ValueError("prefill_address is empty: name the prefill replica (HOST:PORT)")
+            prompt, params = checked_request(self.limits, request.request)
+            if params.n != 1:
+                raise ValueError(f"a handed-over request has one sequence (n = 1), got n = {params.n}")
+            reserved = concurrent.futures.Future()
+            stream = self.loop.submit(prompt, params, request.request.request_id,
+                                      request.request.session_id or None,
+                                      admit=functools.partial(self._reserve, reserved))
+        except ValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except Overloaded as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except Draining as error:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        return Handover(stream, request.prefill_address, request.request, params, reserved=reserved)
+
+    def _reserve(self, reserved: concurrent.futures.Future, engine, stream: RequestStream, prompt: list[int]):
+        """Loop thread: pages for the prompt, or the whole request run here when there is no room."""
+        try:
+            reservation = engine.handovers.reserve(stream.handle, prompt, stream.params)
+            if reservation is None:
+                self.num_local += 1
+                engine.add_request(stream.handle, prompt, stream.params)
+            reserved.set_result(reservation and (reservation, prompt))
+        except Exception as error:
+            reserved.set_exception(error)
+            raise ValueError(f"reserving pages failed: {error}") from error  # the loop ends the stream so
+
+    def _hand_over(self, handover: Handover, reserved) -> None:
+        reservation, handover.prompt_token_ids = reserved
+        started = time.perf_counter()
+        try:
+            response = self._stub(handover.prefill_address).Prefill(dpb.PrefillRequest(
+                request_id=handover.stream.request_id, token_ids=handover.prompt_token_ids,
+                sampling=handover.request.sampling, held_page_keys=reservation.held_keys), timeout=self.timeout)
+        except grpc.RpcError as error:
+            return self._recompute(handover, f"{error.code().name}: {error.details()}")
+        if response.finish_reason:  # the first token ended it: deliver that token, free the reservation
+            self.loop.call(lambda engine: engine.handovers.cancel(handover.stream.handle))
+            logprobs = [first_logprobs(response)] if response.HasField("first_logprobs") else None
+            handover.stream.put(Delta([response.first_token_id], response.first_text, logprobs,
+                                      response.finish_reason, len(handover.prompt_token_ids),
+                                      response.num_cached_tokens))
+            return None
+        handover.handover_id = response.handover_id
+        chunks = self.transfers.pull(response.transfer_address, response.transfer_id, response.chunks, self.timeout)
+        installed = chunks is not None and self.loop.call(
+            lambda engine: self._install(engine, handover, response, chunks)).result(self.timeout)
+        self._release(handover)
+        if not installed:
+            return self._recompute(handover, "the pages did not arrive" if chunks is None else "reservation gone")
+        self.stats.num_handovers += 1
+        self.stats.bytes_moved += sum(chunk.nbytes for chunk in chunks)
+        self.stats.num_pages_moved += len(reservation.missing_page_ids)
+        self.stats.num_pages_reused += len(reservation.held_keys)
+        self.stats.seconds_moving += time.perf_counter() - started
+        return None
+
+    def _install(self, engine, handover: Handover, response: dpb.PrefillResponse, chunks) -> bool:
+        """Loop thread: the pulled KV into the reserved pages, and the request admitted at its first token."""
+        handle = handover.stream.handle
+        reservation = engine.handovers.reservations.get(handle)
+        if reservation is None or handover.ended:
+            return False
+        if sum(chunk.shape[1] for chunk in chunks) != len(reservation.missing_page_ids):
+            return False
+        if chunks:
+            engine.runner.scatter_pages(reservation.missing_page_ids,
+                                        jax.device_put(chunks, engine.runner.page_array_sharding()))
+        logprobs = first_logprobs(response) if response.HasField("first_logprobs") else None
+        engine.handovers.complete(PrefilledRequest(handle, handover.prompt_token_ids, handover.params,
+                                                   response.sampling_seed, response.first_token_id, logprobs))
+        return True
+
+    def _recompute(self, handover: Handover, reason: str) -> None:
+        """The prefill side could not hand over: run the prompt here (unless the client has left)."""
+        handle = handover.stream.handle
+
+        def recompute(engine):
+            if not handover.ended and handle in engine.handovers.reservations:
+                engine.handovers.recompute(handle, handover.prompt_token_ids, handover.params)
+                self.stats.num_recomputed += 1
+
+        self.loop.call(recompute)
+        return None
+
+    def _release(self, handover: Handover) -> None:
+        handover_id, handover.handover_id = handover.handover_id, ""
+        if handover_id:
+            try:
+                self._stub(handover.prefill_address).Release(dpb.ReleaseRequest(handover_id=handover_id),
+                                                             timeout=RELEASE_TIMEOUT)
+            except grpc.RpcError:
+                pass  # the prefill side frees them on its own timeout
+
+    def _end(self, handover: Handover) -> None:
+        """The RPC is over (finished, cancelled): free what is still held, here and there."""
+        handover.ended = True
+        self.loop.release(handover.stream)
+        self.loop.call(lambda engine: engine.handovers.cancel(handover.stream.handle))
+        if handover.handover_id:
+            threading.Thread(target=self._release, args=(handover,), daemon=True).start()
+
+    def _stub(self, address: str) -> disagg_pb2_grpc.PrefillStub:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = grpc.insecure_channel(address)
+            return disagg_pb2_grpc.PrefillStub(self._channels[address])
+
+    def expire(self) -> None:
+        self.loop.call(lambda engine: engine.handovers.expire())
+
+    def status(self, engine) -> dpb.StatusResponse:
+        """On the loop thread."""
+        stats = self.stats
+        return dpb.StatusResponse(num_reservations=len(engine.handovers.reservations),
+                                  num_expired=engine.handovers.num_expired, num_handovers=stats.num_handovers,
+                                  bytes_moved=stats.bytes_moved, num_pages_moved=stats.num_pages_moved,
+                                  num_pages_reused=stats.num_pages_reused, num_recomputed=stats.num_recomputed,
+                                  seconds_moving=stats.seconds_moving)
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            channel.close()
+
+
+def first_logprobs(response: dpb.PrefillResponse) -> dict[int, float]:
+    return {entry.token_id: entry.logprob for entry in response.first_logprobs.top}

@@ -1,0 +1,112 @@
+from jaxserve.proto import jaxserve_pb2 as _jaxserve_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "held_page_keys")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    HELD_PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _jaxserve_pb2.SamplingParams
+    held_page_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_jaxserve_pb2.SamplingParams, _Mapping]] = ..., held_page_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PageChunk(_message.Message):
+    __slots__ = ("shape", "dtype")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("handover_id", "first_token_id", "first_logprobs", "sampling_seed", "finish_reason", "first_text", "transfer_address", "transfer_id", "chunks", "num_pages_sent", "num_cached_tokens")
+    HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SEED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TEXT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_SENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    handover_id: str
+    first_token_id: int
+    first_logprobs: _jaxserve_pb2.TokenLogprobs
+    sampling_seed: int
+    finish_reason: str
+    first_text: str
+    transfer_address: str
+    transfer_id: int
+    chunks: _containers.RepeatedCompositeFieldContainer[PageChunk]
+    num_pages_sent: int
+    num_cached_tokens: int
+    def __init__(self, handover_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_jaxserve_pb2.TokenLogprobs, _Mapping]] = ..., sampling_seed: _Optional[int] = ..., finish_reason: _Optional[str] = ..., first_text: _Optional[str] = ..., transfer_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[PageChunk, _Mapping]]] = ..., num_pages_sent: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("handover_id",)
+    HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
+    handover_id: str
+    def __init__(self, handover_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("role", "serving", "transfer_address", "num_parked", "num_reservations", "num_free_pages", "num_pages", "num_expired", "num_handovers", "bytes_moved", "num_pages_moved", "num_pages_reused", "num_recomputed", "num_compiles_after_warmup", "seconds_moving")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARKED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDOVERS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_REUSED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPILES_AFTER_WARMUP_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_MOVING_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    serving: bool
+    transfer_address: str
+    num_parked: int
+    num_reservations: int
+    num_free_pages: int
+    num_pages: int
+    num_expired: int
+    num_handovers: int
+    bytes_moved: int
+    num_pages_moved: int
+    num_pages_reused: int
+    num_recomputed: int
+    num_compiles_after_warmup: int
+    seconds_moving: float
+    def __init__(self, role: _Optional[str] = ..., serving: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., num_parked: _Optional[int] = ..., num_reservations: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_expired: _Optional[int] = ..., num_handovers: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_pages_moved: _Optional[int] = ..., num_pages_reused: _Optional[int] = ..., num_recomputed: _Optional[int] = ..., num_compiles_after_warmup: _Optional[int] = ..., seconds_moving: _Optional[float] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request", "prefill_address")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request: _jaxserve_pb2.GenerateRequest
+    prefill_address: str
+    def __init__(self, request: _Optional[_Union[_jaxserve_pb2.GenerateRequest, _Mapping]] = ..., prefill_address: _Optional[str] = ...) -> None: ...

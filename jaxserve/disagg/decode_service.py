@@ -1,6 +1,7 @@
 """The Decode service of a decode replica (engine.role decode), over its EngineLoop.
 
-Decode.Generate(request, prefill_address), one handler thread per request:
+Decode.Generate(request, prefill_address), one handler thread per request (an empty prefill_address:
+the request runs whole here, as on a colocated replica):
   1. submit: on the loop thread, reserve pages for the prompt (its cached prefix shared), or, with no
      room, run the whole request here as a colocated replica would;
   2. Prefill.Prefill on the prefill replica with the keys of the prompt pages held here;
@@ -76,15 +77,16 @@ class DecodeService:
 
     def _submit(self, request: dpb.DecodeRequest, context) -> Handover:
         try:
-            if not request.prefill_address:
-                raise ValueError("prefill_address is empty: name the prefill replica (HOST:PORT)")
             prompt, params = checked_request(self.limits, request.request)
             if params.n != 1:
                 raise ValueError(f"a handed-over request has one sequence (n = 1), got n = {params.n}")
             reserved = concurrent.futures.Future()
+            if not request.prefill_address:  # no prefill replica to ask: prefill here, as a colocated replica
+                reserved.set_result(None)
             stream = self.loop.submit(prompt, params, request.request.request_id,
                                       request.request.session_id or None,
-                                      admit=functools.partial(self._reserve, reserved))
+                                      admit=functools.partial(self._reserve, reserved) if request.prefill_address
+                                      else None)
         except ValueError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except Overloaded as error:

@@ -2,12 +2,15 @@
 
     model:    {path: PATH | default | tiny-random}   the replicas' model: the router tokenizes with its
                                                       tokenizer and refuses a replica serving another
-    router:   {host, port, http_port, metrics_port, policy, blind_window, heartbeat, health_interval, startup_timeout,
-               max_in_flight, max_resends}
-    replicas: [HOST:PORT, ...]                        replicas already running; or
-    launch:   {num_replicas, config, set: [KEY=VALUE, ...], log_dir, restart}
-                                                      local `python -m jaxserve.serve` processes the router
-                                                      starts on free ports (config: their serve config)
+    router:   {host, port, http_port, metrics_port, mode, policy, blind_window, heartbeat, health_interval,
+               startup_timeout, max_in_flight, max_resends, resend_wait}
+    replicas: [HOST:PORT, ...]                        replicas already running (mode colocated); or
+    prefill_replicas: [HOST:PORT, ...]                mode disaggregated: replicas with engine.role prefill
+    decode_replicas: [HOST:PORT, ...]                 ... and with engine.role decode; or
+    launch:   {num_replicas, num_prefill_replicas, num_decode_replicas, config, set: [KEY=VALUE, ...], log_dir,
+               restart}                               local `python -m jaxserve.serve` processes the router
+                                                      starts on free ports (config: their serve config); in
+                                                      mode disaggregated with engine.role set for each pool
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from jaxserve.router.policy import POLICIES
 from jaxserve.server.config_file import parse_override, read_yaml
 
 KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
+MODES = ("colocated", "disaggregated")
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,7 @@ class RouterSection:
     port: int = 50050
     http_port: int = 0  # the OpenAI-compatible HTTP API in front of the replicas; 0: none
     metrics_port: int = 0  # 0: no metrics endpoint
+    mode: str = "colocated"  # colocated | disaggregated (a prefill pool hands each prompt's KV to a decode pool)
     policy: str = "prefix"  # prefix | round_robin | least_load | session
     blind_window: float = 2.0  # seconds a page routed but not yet stored counts as cached there
     heartbeat: float = 0.5  # seconds; a replica silent for 10 heartbeats is taken out
@@ -34,6 +39,8 @@ class RouterSection:
     startup_timeout: float = 300.0  # seconds to wait for every replica at start-up (warm-up included)
     max_in_flight: int = 1024  # streams forwarded at once; beyond, RESOURCE_EXHAUSTED
     max_resends: int = 3  # times a request that has not streamed a token is sent to another replica
+    # mode disaggregated: seconds a request whose decode replica failed waits for one to be up again
+    resend_wait: float = 60.0
 
     def __post_init__(self):
         for option in dataclasses.fields(self):
@@ -41,12 +48,14 @@ class RouterSection:
             kind = int if isinstance(default, int) else float if isinstance(default, float) else str
             if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
                 raise ValueError(f"router.{option.name} must be {KIND_NAMES[kind]}, got {value!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"router.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"router.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name in ("port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"router.{name} must be a port number, got {getattr(self, name)!r}")
-        for name in ("heartbeat", "health_interval", "startup_timeout"):
+        for name in ("heartbeat", "health_interval", "startup_timeout", "resend_wait"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"router.{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.blind_window < 0 or self.max_in_flight < 1 or self.max_resends < 0:
@@ -55,15 +64,19 @@ class RouterSection:
 
 @dataclass(frozen=True)
 class LaunchSection:
-    num_replicas: int
+    num_replicas: int = 0  # mode colocated
+    num_prefill_replicas: int = 0  # mode disaggregated
+    num_decode_replicas: int = 0
     config: str | None = None  # the replicas' serve config; their ports are chosen here
     set: tuple[str, ...] = ()  # overrides for every replica, as `jaxserve.serve --set`
     log_dir: str | None = None  # where each replica's log goes; default: a temporary directory
     restart: bool = True  # start a replica whose process exits again, on the same port
 
     def __post_init__(self):
-        if not isinstance(self.num_replicas, int) or self.num_replicas < 1:
-            raise ValueError(f"launch.num_replicas must be a positive integer, got {self.num_replicas!r}")
+        for name in ("num_replicas", "num_prefill_replicas", "num_decode_replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"launch.{name} must be a positive integer, got {value!r}")
         if isinstance(self.set, str) or not all(isinstance(item, str) and "=" in item for item in self.set):
             raise ValueError(f"launch.set must be a list of KEY=VALUE strings, got {self.set!r}")
         object.__setattr__(self, "set", tuple(self.set))
@@ -87,12 +100,44 @@ class RouterConfig:
     router: RouterSection = field(default_factory=RouterSection)
     replicas: tuple[str, ...] = ()
     launch: LaunchSection | None = None
+    prefill_replicas: tuple[str, ...] = ()
+    decode_replicas: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if bool(self.replicas) == (self.launch is not None):
-            raise ValueError("the router config needs exactly one of replicas (a list of HOST:PORT) and launch")
-        if len(set(self.replicas)) != len(self.replicas):
-            raise ValueError(f"replicas lists an address twice: {list(self.replicas)}")
+        if self.router.mode == "disaggregated":
+            self._check_disaggregated()
+        else:
+            if self.prefill_replicas or self.decode_replicas:
+                raise ValueError("prefill_replicas and decode_replicas need router.mode: disaggregated")
+            if bool(self.replicas) == (self.launch is not None):
+                raise ValueError("the router config needs exactly one of replicas (a list of HOST:PORT) and launch")
+            if self.launch is not None and (self.launch.num_replicas < 1 or self.launch.num_prefill_replicas
+                                            or self.launch.num_decode_replicas):
+                raise ValueError(f"launch.num_replicas must be a positive integer, got {self.launch.num_replicas!r} "
+                                 f"(num_prefill_replicas and num_decode_replicas: router.mode disaggregated)")
+        addresses = self.replicas + self.prefill_replicas + self.decode_replicas
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"replicas lists an address twice: {list(addresses)}")
+
+    def _check_disaggregated(self) -> None:
+        if self.replicas:
+            raise ValueError("router.mode disaggregated takes prefill_replicas and decode_replicas, not replicas")
+        listed = bool(self.prefill_replicas) or bool(self.decode_replicas)
+        if listed == (self.launch is not None):
+            raise ValueError("router.mode disaggregated needs exactly one of prefill_replicas + decode_replicas "
+                             "and launch")
+        if listed and not (self.prefill_replicas and self.decode_replicas):
+            raise ValueError("router.mode disaggregated needs at least one of each: prefill_replicas, decode_replicas")
+        launch = self.launch
+        if launch is not None and (launch.num_replicas or launch.num_prefill_replicas < 1
+                                   or launch.num_decode_replicas < 1):
+            raise ValueError("router.mode disaggregated launches num_prefill_replicas >= 1 and num_decode_replicas "
+                             ">= 1 (not num_replicas)")
+
+    @property
+    def all_replicas(self) -> tuple[str, ...]:
+        """Every replica address listed, of either pool."""
+        return self.replicas + self.prefill_replicas + self.decode_replicas
 
 
 def _section(cls, name: str, values):
@@ -111,19 +156,22 @@ def _section(cls, name: str, values):
 def parse_config(tree) -> RouterConfig:
     if not isinstance(tree, dict):
         raise ValueError("a router config must be a mapping of sections (model, router, replicas or launch)")
-    unknown = sorted(set(tree) - {"model", "router", "replicas", "launch"})
+    unknown = sorted(set(tree) - {"model", "router", "replicas", "launch", "prefill_replicas", "decode_replicas"})
     if unknown:
-        raise ValueError(f"unknown config section {unknown[0]!r}; expected model, router, replicas or launch")
+        raise ValueError(f"unknown config section {unknown[0]!r}; expected model, router, replicas "
+                         f"(or prefill_replicas and decode_replicas) or launch")
     model = tree.get("model") or {}
     if not isinstance(model, dict) or set(model) - {"path"} or not isinstance(model.get("path"), str):
         raise ValueError("the router config needs model.path (the replicas' model), and nothing else under model")
-    replicas = tree.get("replicas") or []
-    if not isinstance(replicas, list):
-        raise ValueError(f"replicas must be a list of HOST:PORT, got {replicas!r}")
+    lists = {}
+    for name in ("replicas", "prefill_replicas", "decode_replicas"):
+        addresses = tree.get(name) or []
+        if not isinstance(addresses, list):
+            raise ValueError(f"{name} must be a list of HOST:PORT, got {addresses!r}")
+        lists[name] = tuple(parse_address(address) for address in addresses)
     launch = tree.get("launch")
     return RouterConfig(model_path=model["path"], router=_section(RouterSection, "router", tree.get("router") or {}),
-                        replicas=tuple(parse_address(address) for address in replicas),
-                        launch=_section(LaunchSection, "launch", launch) if launch is not None else None)
+                        launch=_section(LaunchSection, "launch", launch) if launch is not None else None, **lists)
 
 
 def load_router_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> RouterConfig:

@@ -83,12 +83,14 @@ class LaunchedReplica:
 
 
 def launch_replicas(num_replicas: int, model_path: str, config: str | None, overrides: tuple[str, ...],
-                    log_dir: str | None, timeout: float) -> list[LaunchedReplica]:
+                    log_dir: str | None, timeout: float, roles: list[str] | None = None) -> list[LaunchedReplica]:
     """Start them all at once (they warm up in parallel), then wait for each; on any failure stop all
-    and raise ValueError with the failing replica's log."""
+    and raise ValueError with the failing replica's log. roles: each replica's engine.role (disaggregated)."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="jaxserve-router-")
     os.makedirs(log_dir, exist_ok=True)
-    replicas = [LaunchedReplica(index, model_path, config, overrides, log_dir) for index in range(num_replicas)]
+    roles = roles or [None] * num_replicas
+    replicas = [LaunchedReplica(index, model_path, config, overrides + ((f"engine.role={role}",) if role else ()),
+                                log_dir) for index, role in zip(range(num_replicas), roles)]
     for replica in replicas:
         replica.start()
     logger.info("launched %d replicas (logs in %s); waiting for them to warm up", num_replicas, log_dir)

@@ -21,6 +21,7 @@ from jaxserve.loading.model_source import open_model
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc
 from jaxserve.router.config import RouterConfig
+from jaxserve.router.disaggregated import DisaggregatedRouterService
 from jaxserve.router.http_api import RoutedLoop
 from jaxserve.router.launcher import Supervisor, launch_replicas
 from jaxserve.router.metrics import RouterMetrics
@@ -103,29 +104,43 @@ class RouterServer:
         config, section = self.config, self.config.router
         source = open_model(config.model_path)  # the tokenizer and the fingerprint; no weights are read
         fingerprint = model_fingerprint(source)
-        addresses = list(config.replicas)
-        if config.launch is not None:
-            launch = config.launch
-            self.launched = launch_replicas(launch.num_replicas, config.model_path, launch.config, launch.set,
-                                            launch.log_dir, section.startup_timeout)
-            addresses = [replica.address for replica in self.launched]
-            if launch.restart:
-                self.supervisor = Supervisor(self.launched)
-                self.supervisor.start()
+        roles = self._launch() if config.launch is not None else \
+            [None] * len(config.replicas) + ["prefill"] * len(config.prefill_replicas) + \
+            ["decode"] * len(config.decode_replicas)
+        addresses = [replica.address for replica in self.launched] or list(config.all_replicas)
         infos = [first_info(address, fingerprint, section.startup_timeout) for address in addresses]
         limits = RequestLimits.for_engine(min(i.max_model_len for i in infos), infos[0].vocab_size)
         self.replicas = [Replica(address, fingerprint, section.blind_window, section.heartbeat,
                                  section.health_interval, self.metrics) for address in addresses]
         for replica in self.replicas:
             replica.start()
-        service = RouterService(self.replicas, POLICIES[section.policy](), source.tokenizer, limits, self.metrics,
-                                section.max_in_flight, section.max_resends)
+        if section.mode == "disaggregated":
+            pools = {role: [r for r, r_role in zip(self.replicas, roles) if r_role == role]
+                     for role in ("prefill", "decode")}
+            service = DisaggregatedRouterService(pools["prefill"], pools["decode"], POLICIES[section.policy](),
+                                                 source.tokenizer, limits, self.metrics, section.max_in_flight,
+                                                 section.max_resends, section.resend_wait)
+        else:
+            service = RouterService(self.replicas, POLICIES[section.policy](), source.tokenizer, limits, self.metrics,
+                                    section.max_in_flight, section.max_resends)
         self._serve(service)
         if section.http_port:
             self._serve_http(service, infos[0].model, limits, source.tokenizer)
         self._wait_for_replicas(min(section.startup_timeout, 60.0))
-        logger.info("routing %s over %d replicas (%s) on %s:%d", source.name, len(self.replicas), section.policy,
-                    section.host, self.port)
+        logger.info("routing %s over %d replicas (%s, %s) on %s:%d", source.name, len(self.replicas), section.mode,
+                    section.policy, section.host, self.port)
+
+    def _launch(self) -> list[str | None]:
+        """Start the configured local replicas; returns each one's role (None: colocated)."""
+        config, launch = self.config, self.config.launch
+        roles = [None] * launch.num_replicas + ["prefill"] * launch.num_prefill_replicas + \
+            ["decode"] * launch.num_decode_replicas
+        self.launched = launch_replicas(len(roles), config.model_path, launch.config, launch.set, launch.log_dir,
+                                        config.router.startup_timeout, roles)
+        if launch.restart:
+            self.supervisor = Supervisor(self.launched)
+            self.supervisor.start()
+        return roles
 
     def _serve(self, service: RouterService) -> None:
         section = self.config.router

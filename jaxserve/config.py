@@ -60,6 +60,9 @@ class EngineConfig:
     page_buckets: tuple[int, ...] | None = None
     # Prefill chunks of different sequences start on multiples of this, so attention works block by block.
     prefill_query_block: int = 16
+    # Plan and dispatch step N+1 while step N runs on the device (the host learns N's tokens a step later;
+    # outputs are the same). Off on a prefill replica, which parks each request at its first token.
+    overlap_steps: bool = True
     compilation_cache_dir: str | None = "default"
     show_progress: bool = True
     # Prefill/decode disaggregation (jaxserve/disagg): "prefill" runs a request to its first token and

@@ -24,7 +24,8 @@ from jaxserve.config import Buckets
 from jaxserve.device import page_copies
 from jaxserve.device.sampler import SamplerOutput
 from jaxserve.device.step import step
-from jaxserve.device.step_inputs import StepInputs, StepShape, all_step_shapes, build_ranked_inputs
+from jaxserve.device.step_inputs import (StepInputs, StepShape, all_step_shapes, build_ranked_inputs,
+                                         token_buffer_size)
 from jaxserve.models.kv_pages import KVPages
 from sharding import partition_spec
 
@@ -59,8 +60,9 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model, *, kv_pages: KVPages, buckets: Buckets, page_size: int, prefill_query_block: int,
-                 max_logprobs: int, num_experts: int = 0, mesh: Mesh | None = None):
-        """With a mesh, params and KV pages arrive already placed on it."""
+                 max_logprobs: int, num_experts: int = 0, mesh: Mesh | None = None, slots_per_rank: int = 1):
+        """With a mesh, params and KV pages arrive already placed on it. slots_per_rank: the token
+        slots (step_inputs.py) each data-parallel rank's scheduler hands out, its max_num_seqs."""
         self.graphdef, params = nnx.split(model)
         self.param_leaves, self.params_treedef = jax.tree.flatten(params)
         self.kv_pages = kv_pages
@@ -71,12 +73,16 @@ class ModelRunner:
         self.buckets = buckets
         self.page_size = page_size
         self.prefill_query_block = prefill_query_block
+        self.slots_per_rank = slots_per_rank
+        replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self.token_buffer = jax.device_put(np.zeros(token_buffer_size(self.num_ranks, slots_per_rank), np.int32),
+                                           replicated)
         # On a mesh the pages must come back laid out as they went in, so that donation reuses them.
         out_shardings = None if mesh is None else (
-            self.input_sharding, NamedSharding(mesh, PartitionSpec()), jax.tree.map(lambda x: x.sharding, kv_pages))
+            self.input_sharding, replicated, jax.tree.map(lambda x: x.sharding, kv_pages), replicated)
         self._jitted = jax.jit(functools.partial(step, self.graphdef, self.params_treedef, max_logprobs=max_logprobs,
                                                  num_experts=num_experts),
-                               donate_argnums=(1,), out_shardings=out_shardings)
+                               donate_argnums=(1, 2), out_shardings=out_shardings)
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.num_compiles_after_warmup = 0
@@ -97,9 +103,12 @@ class ModelRunner:
         self.param_leaves = leaves
 
     def _compile(self, shape: StepShape) -> jax.stages.Compiled:
-        example_inputs = build_ranked_inputs([[]] * self.num_ranks, shape, self.page_size)
-        return self._jitted.lower(_abstract(self.param_leaves), _abstract(self.kv_pages),
+        example_inputs = self.build_inputs([[]] * self.num_ranks, shape)
+        return self._jitted.lower(_abstract(self.param_leaves), _abstract(self.kv_pages), _abstract(self.token_buffer),
                                   _abstract(example_inputs, self.input_sharding)).compile()
+
+    def build_inputs(self, per_rank_chunks, shape: StepShape) -> StepInputs:
+        return build_ranked_inputs(per_rank_chunks, shape, self.page_size, self.slots_per_rank)
 
     def warm_up(self, show_progress: bool = True) -> None:
         start = time.perf_counter()
@@ -120,7 +129,8 @@ class ModelRunner:
                 self.num_compiles_after_warmup += 1
         if self.input_sharding is not None:
             inputs = jax.device_put(inputs, self.input_sharding)
-        sampled, expert_counts, self.kv_pages = executable(self.param_leaves, self.kv_pages, inputs)
+        sampled, expert_counts, self.kv_pages, self.token_buffer = executable(self.param_leaves, self.kv_pages,
+                                                                              self.token_buffer, inputs)
         return PendingStep(sampled, expert_counts)
 
     def read_pages(self, pages: list[int]) -> list[page_copies.HostPage]:

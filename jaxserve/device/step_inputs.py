@@ -3,6 +3,11 @@
 Tokens are laid out flat, each chunk starting on a multiple of `query_block` (1 for decode steps).
 Padding tokens have position -1 (they attend to nothing) and write their KV to the reserved page 0;
 padding rows sample garbage that nobody reads.
+
+Token slots: the step writes each sampled token into the device's token buffer at its sequence's slot,
+and reads a token the host has not seen yet (sampled by the step still running, when steps overlap)
+from there. Rank r's slot s is buffer entry r * slots_per_rank + s; the last entry is scratch, where
+rows that sample nothing anyone reads write.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ class StepInputs:
     attention: AttentionMetadata
     logits_indices: jax.Array  # [S] int32, the last token of each chunk
     sampling: SamplingInputs
+    token_sources: jax.Array  # [T] int32: token buffer entry to read the token from, or -1 (token_ids has it)
+    sampled_slots: jax.Array  # [S] int32: token buffer entry each row's sampled token goes to
 
 
 @dataclass(frozen=True)
@@ -47,10 +54,18 @@ def seed_words(seed: int) -> tuple[int, int]:
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
 
 
-def build_step_inputs(chunks: list[ScheduledChunk], shape: StepShape, page_size: int) -> StepInputs:
-    """Host numpy arrays for one step; the runner moves them to the device."""
+def token_buffer_size(num_ranks: int, slots_per_rank: int) -> int:
+    return num_ranks * slots_per_rank + 1  # the last entry is scratch
+
+
+def build_step_inputs(chunks: list[ScheduledChunk], shape: StepShape, page_size: int, first_slot: int = 0,
+                      scratch_slot: int = 0) -> StepInputs:
+    """Host numpy arrays for one step; the runner moves them to the device. first_slot: this rank's
+    first token buffer entry."""
     num_tokens, num_seqs, block = shape.num_tokens, shape.num_seqs, shape.query_block
     token_ids = np.zeros(num_tokens, np.int32)
+    token_sources = np.full(num_tokens, -1, np.int32)
+    sampled_slots = np.full(num_seqs, scratch_slot, np.int32)
     positions = np.full(num_tokens, -1, np.int32)
     slot_ids = np.full(num_tokens, RESERVED_PAGE * page_size, np.int32)
     token_seq_ids = np.zeros(num_tokens, np.int32)
@@ -69,7 +84,12 @@ def build_step_inputs(chunks: list[ScheduledChunk], shape: StepShape, page_size:
         seq, n = chunk.seq, chunk.num_tokens
         pages = np.asarray(seq.page_ids[:num_pages_for(chunk.end, page_size)], np.int32)
         chunk_positions = np.arange(chunk.start, chunk.end, dtype=np.int32)
-        token_ids[cursor:cursor + n] = seq.token_slice(chunk.start, chunk.end)
+        known_end = min(chunk.end, seq.num_tokens)  # beyond it: the token the running step samples
+        token_ids[cursor:cursor + known_end - chunk.start] = seq.token_slice(chunk.start, known_end)
+        if known_end < chunk.end:
+            token_sources[cursor + known_end - chunk.start:cursor + n] = first_slot + seq.token_slot
+        if chunk.samples_next_token:
+            sampled_slots[row] = first_slot + seq.token_slot
         positions[cursor:cursor + n] = chunk_positions
         slot_ids[cursor:cursor + n] = pages[chunk_positions // page_size] * page_size + chunk_positions % page_size
         padded = padded_to_blocks(n, block)
@@ -82,7 +102,7 @@ def build_step_inputs(chunks: list[ScheduledChunk], shape: StepShape, page_size:
         top_p[row] = params.top_p
         min_p[row] = params.min_p
         seeds[row] = seed_words(seq.sampling_seed)
-        token_indices[row] = len(seq.output_token_ids)
+        token_indices[row] = seq.num_planned_tokens - seq.num_prompt_tokens  # this row samples output token #
         wants_logprobs[row] = params.logprobs is not None
         cursor += padded
     if cursor > num_tokens or len(chunks) > num_seqs:
@@ -92,14 +112,18 @@ def build_step_inputs(chunks: list[ScheduledChunk], shape: StepShape, page_size:
                                   page_table=page_table, query_block=block)
     sampling = SamplingInputs(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
                               token_indices=token_indices, wants_logprobs=wants_logprobs)
-    return StepInputs(token_ids=token_ids, attention=attention, logits_indices=logits_indices, sampling=sampling)
+    return StepInputs(token_ids=token_ids, attention=attention, logits_indices=logits_indices, sampling=sampling,
+                      token_sources=token_sources, sampled_slots=sampled_slots)
 
 
-def build_ranked_inputs(per_rank_chunks: list[list[ScheduledChunk]], shape: StepShape, page_size: int) -> StepInputs:
+def build_ranked_inputs(per_rank_chunks: list[list[ScheduledChunk]], shape: StepShape, page_size: int,
+                        slots_per_rank: int = 0) -> StepInputs:
     """One step for every data-parallel rank: each rank's inputs (with its own local page ids) laid end
     to end, so that splitting every array evenly over the ranks hands each its own part. Only
-    logits_indices point into the whole token array."""
-    per_rank = [build_step_inputs(chunks, shape, page_size) for chunks in per_rank_chunks]
+    logits_indices and the token buffer entries point into the whole."""
+    scratch = token_buffer_size(len(per_rank_chunks), slots_per_rank) - 1
+    per_rank = [build_step_inputs(chunks, shape, page_size, rank * slots_per_rank, scratch)
+                for rank, chunks in enumerate(per_rank_chunks)]
     if len(per_rank) == 1:
         return per_rank[0]
     for rank, inputs in enumerate(per_rank):

@@ -64,7 +64,8 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
     schedulers, kv_pages = _kv_cache(model_config, config, dtype, attention, mesh, max_model_len, model)
     runner = ModelRunner(model, kv_pages=kv_pages, buckets=Buckets.derive(config, max_model_len),
                          page_size=config.page_size, prefill_query_block=config.prefill_query_block,
-                         max_logprobs=config.max_logprobs, num_experts=model_config.num_experts, mesh=mesh)
+                         max_logprobs=config.max_logprobs, num_experts=model_config.num_experts, mesh=mesh,
+                         slots_per_rank=config.max_num_seqs)
     experts = None
     if model_config.is_moe:
         experts = ExpertBalancer(model_config, runner, mesh.devices.size if expert_parallel else None,

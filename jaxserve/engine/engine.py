@@ -4,6 +4,10 @@ A step runs up to two executables, the prefill chunks (query blocks of `prefill_
 tokens) and the decodes (one token per sequence); both are dispatched before either result is
 fetched, so the host builds the second batch while the device runs the first. Every data-parallel
 rank has its own scheduler over its own pages; a step runs all ranks' chunks at once.
+
+With overlap_steps (the default) the host never makes the device wait for it: step() plans and
+dispatches step N+1 first, then fetches and processes step N, whose sampled tokens N+1 already reads
+on the device (the scheduler's token slots). Outputs trail by one step and are otherwise the same.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.models.config import ModelConfig
-from jaxserve.device.step_inputs import build_ranked_inputs, step_shape
+from jaxserve.device.step_inputs import step_shape
 from jaxserve.disagg.roles import handovers_for
 from jaxserve.engine.builder import EngineParts, build_engine
+from jaxserve.engine.device_clock import DeviceClock
 from jaxserve.engine.stats import (EngineDescription, EngineLoad, StepTimings, describe_engine, engine_load,
                                    engine_stats)
 from jaxserve.host.kv_events import KVEventLog
@@ -52,6 +57,11 @@ class Engine:
         for rank, scheduler in enumerate(self.schedulers):
             scheduler.allocator.attach_events(self._kv_events.for_rank(rank))
         self.handovers = handovers_for(self)  # None unless disaggregated (role prefill or decode)
+        # A prefill replica parks each request as its first token arrives, before another step runs.
+        self.overlap_steps = self.config.overlap_steps and self.config.role != "prefill"
+        self._in_flight: list = []  # the dispatched step not yet processed: [(per-rank chunks, PendingStep)]
+        self._was_busy = False  # whether the last step() did any work (else the device waited for requests)
+        self.device_clock = DeviceClock()
 
     @classmethod
     def from_model(cls, model_path: str, config: EngineConfig) -> "Engine":
@@ -127,23 +137,38 @@ class Engine:
         return list(self.requests)
 
     def has_unfinished_requests(self) -> bool:
-        return any(scheduler.has_unfinished for scheduler in self.schedulers)
+        return bool(self._in_flight) or any(scheduler.has_unfinished for scheduler in self.schedulers)
 
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step; returns the outputs of requests that progressed (finished ones leave)."""
+        """One scheduling step; returns the outputs of requests that progressed (finished ones leave).
+        Overlapped, these are the outputs of the step dispatched by the previous call."""
         started = time.perf_counter()
         schedules = [scheduler.schedule() for scheduler in self.schedulers]
-        if all(schedule.is_empty for schedule in schedules):
+        dispatched = []
+        if not all(schedule.is_empty for schedule in schedules):
+            self._move_host_tier_pages()
+            for is_decode in (False, True):
+                if any(per_rank := [s.decodes if is_decode else s.prefills for s in schedules]):
+                    continues = bool(dispatched or self._in_flight) or self._was_busy
+                    dispatched.append((per_rank, self._dispatch(per_rank, is_decode, continues)))
+        to_process = self._in_flight if self.overlap_steps else dispatched
+        self._in_flight = dispatched if self.overlap_steps else []
+        if not to_process and not dispatched:
+            self._was_busy = False
             return []
-        self._move_host_tier_pages()
-        dispatched = [(per_rank, self._dispatch(per_rank, is_decode)) for is_decode in (False, True)
-                      if any(per_rank := [s.decodes if is_decode else s.prefills for s in schedules])]
-        progressed = set()
-        for per_rank, pending in dispatched:
-            progressed |= self._postprocess(per_rank, pending.fetch())
-        self.timings.observe_step(time.perf_counter() - started, self._prefill_room(schedules))
+        progressed, waited = set(), 0.0
+        for per_rank, pending in to_process:
+            fetch_started = time.perf_counter()
+            result = pending.fetch()
+            waited += time.perf_counter() - fetch_started
+            progressed |= self._postprocess(per_rank, result)
+        elapsed = time.perf_counter() - started
+        self.device_clock.observe_step(elapsed - waited)
+        if dispatched:
+            self.timings.observe_step(elapsed, self._prefill_room(schedules))
+        self._was_busy = bool(dispatched) and self.has_unfinished_requests()
         return self._end_step(progressed)
 
     def _end_step(self, progressed: set[str]) -> list[RequestOutput]:
@@ -162,11 +187,15 @@ class Engine:
         return sum(max(self.config.max_num_batched_tokens - len(s.decodes), block) // block * block
                    for s in schedules)
 
-    def _dispatch(self, per_rank_chunks, is_decode: bool):
+    def _dispatch(self, per_rank_chunks, is_decode: bool, continues_busy_period: bool):
         config = self.config
         shape = step_shape(per_rank_chunks, is_decode, self.runner.buckets, config.page_size,
                            config.prefill_query_block)
-        return self.runner.execute(shape, build_ranked_inputs(per_rank_chunks, shape, config.page_size))
+        pending = self.runner.execute(shape, self.runner.build_inputs(per_rank_chunks, shape))
+        for scheduler, chunks in zip(self.schedulers, per_rank_chunks):
+            scheduler.mark_dispatched(chunks)
+        self.device_clock.dispatched(pending.sampled.token_ids, continues_busy_period)
+        return pending
 
     def _postprocess(self, per_rank_chunks, result) -> set[str]:
         rows_per_rank = len(result.sampled.token_ids) // len(per_rank_chunks)
@@ -207,7 +236,7 @@ class Engine:
 
     def save_checkpoint(self, directory: str) -> None:
         """Save the params (orbax, as sharded now) with the model's config and tokenizer."""
-        save_checkpoint(canonical_params(self.runner.params()), self.dtype, self.parts.source.description_dir,
+        save_checkpoint(self.runner.params(), self.dtype, self.parts.source.description_dir,
                         directory)
 
     def rebalance_experts(self, load=None) -> None:

@@ -119,6 +119,8 @@ def engine_stats(engine) -> dict:
         "prefill_seconds_per_token": engine.timings.prefill_seconds_per_token,
         "swap_in_seconds_per_page": engine.timings.swap_in_seconds_per_page,
         "step_seconds": engine.timings.step_seconds,
+        "overlap_steps": engine.overlap_steps,
+        **engine.device_clock.stats(),  # host_seconds_per_step, device_idle_seconds_per_step
         "num_preemptions": sum(s.num_preemptions for s in engine.schedulers),
         "num_steps": engine.num_steps,
         "num_prompt_tokens": engine.outputs.num_prompt_tokens,

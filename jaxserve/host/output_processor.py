@@ -59,10 +59,14 @@ class OutputProcessor:
         progressed = set()
         for row, chunk in enumerate(chunks, start=first_row):
             seq = chunk.seq
+            scheduler.mark_processed(chunk)
+            if seq.is_finished:
+                continue  # aborted (or finished) while its step ran: its KV and token go nowhere
             seq.num_computed_tokens = chunk.end
             scheduler.cache_full_pages(seq)
-            if seq.flushing:
-                scheduler.finish(seq, seq.finish_reason)
+            if seq.flushing:  # finished for its caller; the token this chunk sampled is dropped
+                if not seq.num_inflight_tokens:
+                    scheduler.finish(seq, seq.finish_reason)
                 continue
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 self.num_prompt_tokens += chunk.num_tokens

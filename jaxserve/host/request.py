@@ -85,6 +85,10 @@ class SequenceState:
     page_ids: list[int] = field(default_factory=list)
     page_keys: list[int] = field(default_factory=list)  # prefix-cache keys of the full pages, in order
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    # Overlapped steps: the scheduler plans a step while the previous one still runs on the device.
+    num_inflight_tokens: int = 0  # tokens whose KV a dispatched, not yet processed, step computes
+    num_pending_tokens: int = 0  # tokens a dispatched step samples that the host has not seen yet
+    token_slot: int = -1  # where the device keeps this sequence's newest sampled token (-1: not running)
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -109,6 +113,16 @@ class SequenceState:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Known tokens plus the ones dispatched steps are sampling: what the scheduler plans over."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def next_kv_position(self) -> int:
+        """The first position whose KV no step has computed or is computing."""
+        return self.num_computed_tokens + self.num_inflight_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,12 @@ room for everything the sequence may grow to (prompt + max_tokens). When pages s
 youngest running sequence is preempted: its pages are released (its full pages stay cached, on the
 device or in the host tier) and it is recomputed from what remains cached, which leaves its output
 unchanged.
+
+With overlapped steps the scheduler plans step N+1 while step N still runs: a sequence's next chunk
+starts after the KV that N computes (`next_kv_position`), and a token that N samples is planned over
+before the host has seen it (`num_planned_tokens`; the device feeds it to N+1 from the sequence's token
+slot). A sequence in a running step is never preempted, and one that will finish by length once its
+pending token lands is not planned further, so no step computes a token beyond max_tokens.
 """
 
 from __future__ import annotations
@@ -30,15 +36,16 @@ class ScheduledChunk:
     seq: SequenceState
     start: int  # position of the first token whose KV this step computes
     num_tokens: int
+    # Only the chunk that reaches the newest token yields logits worth sampling; fixed when planned,
+    # because the sequence grows before an overlapped step's results are processed.
+    samples_next_token: bool = field(init=False)
+
+    def __post_init__(self):
+        self.samples_next_token = self.end == self.seq.num_planned_tokens
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples_next_token(self) -> bool:
-        """Only the chunk that reaches the newest token yields logits worth sampling."""
-        return self.end == self.seq.num_tokens
 
 
 @dataclass
@@ -66,6 +73,9 @@ class Scheduler:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []  # in admission order: the last is the youngest
         self.num_preemptions = 0
+        # Each running sequence holds one of max_num_seqs token slots: where the device keeps the
+        # newest token it sampled, so an overlapped step can read it before the host has.
+        self._free_token_slots = list(range(max_num_seqs - 1, -1, -1))
 
     @property
     def has_unfinished(self) -> bool:
@@ -81,9 +91,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: SequenceState, reason: str) -> None:
-        """Drop a sequence (finished or aborted) wherever it is and free its pages at once."""
+        """Drop a sequence (finished or aborted) wherever it is and free its pages at once. A step still
+        running may write its KV into them: any later step that reuses them runs after it on the device."""
         if seq in self.running:
-            self.running.remove(seq)
+            self._leave_running(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.session_id is not None:
@@ -95,21 +106,43 @@ class Scheduler:
     def park(self, seq: SequenceState) -> None:
         """Stop scheduling a running sequence but keep its pages held (a prefill replica's sequence
         waiting for a decode replica to take its KV); `finish` releases them later."""
-        self.running.remove(seq)
+        self._leave_running(seq)
         seq.status = RequestStatus.PREEMPTED
+
+    def _enter_running(self, seq: SequenceState) -> None:
+        seq.token_slot = self._free_token_slots.pop()
+        seq.status = RequestStatus.RUNNING
+        self.running.append(seq)
+
+    def _leave_running(self, seq: SequenceState) -> None:
+        self.running.remove(seq)
+        self._free_token_slots.append(seq.token_slot)
+        seq.token_slot = -1
+
+    def mark_dispatched(self, chunks: list[ScheduledChunk]) -> None:
+        """The chunks' step is on the device: plan the next one after it."""
+        for chunk in chunks:
+            chunk.seq.num_inflight_tokens += chunk.num_tokens
+            chunk.seq.num_pending_tokens += chunk.samples_next_token
+
+    def mark_processed(self, chunk: ScheduledChunk) -> None:
+        chunk.seq.num_inflight_tokens -= chunk.num_tokens
+        chunk.seq.num_pending_tokens -= chunk.samples_next_token
 
     def admit_prefilled(self, seq: SequenceState) -> None:
         """Run a sequence whose pages already hold its KV (handed over by a prefill replica): its
         page_ids, page_keys and num_computed_tokens are set, so its next chunk is a decode."""
         if len(self.running) >= self.max_num_seqs:
             raise RuntimeError("admit_prefilled needs a free slot; reserve one first")
-        seq.status = RequestStatus.RUNNING
-        self.running.append(seq)
+        self._enter_running(seq)
 
     def finish_or_flush(self, seq: SequenceState, reason: str) -> None:
         """Finish a sequence; but when its newest token would complete a page, first compute that
-        token's KV (one more step, nothing sampled) so the next turn of a chat finds the whole page."""
-        if self.allocator.enable_prefix_caching and seq.num_tokens % self.allocator.page_size == 0:
+        token's KV (one more step, nothing sampled) so the next turn of a chat finds the whole page.
+        A sequence with a step in flight is computing that KV already: it finishes once that step is
+        processed, and the token the step samples is dropped."""
+        if seq.num_inflight_tokens or (self.allocator.enable_prefix_caching
+                                       and seq.num_tokens % self.allocator.page_size == 0):
             seq.finish_reason, seq.flushing = reason, True
         else:
             self.finish(seq, reason)
@@ -130,15 +163,16 @@ class Scheduler:
             seq.page_keys.append(self.allocator.cache_full_page(seq.page_ids[index], parent, tokens))
 
     def _next_chunk(self, seq: SequenceState, budget: int, start: int | None = None) -> ScheduledChunk | None:
-        start = seq.num_computed_tokens if start is None else start
-        remaining = seq.num_tokens - start
+        start = seq.next_kv_position if start is None else start
+        remaining = seq.num_planned_tokens - start
         if remaining == 1:
             return ScheduledChunk(seq, start, 1) if budget >= 1 else None
         num_tokens = min(remaining, budget // self.query_block * self.query_block)
         return ScheduledChunk(seq, start, num_tokens) if num_tokens > 0 else None
 
     def _cost(self, chunk: ScheduledChunk) -> int:
-        return 1 if chunk.seq.num_tokens - chunk.start == 1 else padded_to_blocks(chunk.num_tokens, self.query_block)
+        return 1 if chunk.seq.num_planned_tokens - chunk.start == 1 else padded_to_blocks(chunk.num_tokens,
+                                                                                          self.query_block)
 
     def _pages_needed(self, chunk: ScheduledChunk) -> int:
         return num_pages_for(chunk.end, self.allocator.page_size) - len(chunk.seq.page_ids)
@@ -147,7 +181,7 @@ class Scheduler:
         if seq.flushing:  # nothing left to give its caller: drop it rather than recompute it
             self.finish(seq, seq.finish_reason)
             return
-        self.running.remove(seq)
+        self._leave_running(seq)
         self._release_pages(seq)  # full pages stay cached, so the resumed sequence finds them again
         seq.num_computed_tokens = 0
         seq.status = RequestStatus.PREEMPTED
@@ -161,7 +195,8 @@ class Scheduler:
         """
         needed = self._pages_needed(chunk)
         while not self.allocator.can_allocate(needed):
-            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
+            victim = next((s for s in reversed(self.running)
+                           if s.seq_id not in scheduled and not s.num_inflight_tokens), None)
             if victim is None:
                 return False
             self._preempt(victim)
@@ -172,15 +207,16 @@ class Scheduler:
 
     def _place(self, chunk: ScheduledChunk, schedule: Schedule, scheduled: set[int]) -> None:
         chunk.seq.page_ids.extend(self.allocator.allocate(self._pages_needed(chunk)))
-        is_decode = chunk.seq.num_tokens - chunk.start == 1
+        is_decode = chunk.seq.num_planned_tokens - chunk.start == 1
         (schedule.decodes if is_decode else schedule.prefills).append(chunk)
         scheduled.add(chunk.seq.seq_id)
 
     def schedule(self) -> Schedule:
         schedule, scheduled = Schedule(), set()
         budget = self.max_num_batched_tokens
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        plannable = [s for s in self.running if self._has_work(s)]
+        decoding = [s for s in plannable if s.num_planned_tokens - s.next_kv_position == 1]
+        prefilling = [s for s in plannable if s.num_planned_tokens - s.next_kv_position > 1]
         for seq in decoding + prefilling:
             if seq.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
@@ -198,10 +234,20 @@ class Scheduler:
             if chunk is None:
                 break
             self.waiting.popleft()
-            self.running.append(chunk.seq)
+            self._enter_running(chunk.seq)
             self._place(chunk, schedule, scheduled)
             budget -= self._cost(chunk)
         return schedule
+
+    @staticmethod
+    def _has_work(seq: SequenceState) -> bool:
+        """Whether a running sequence has KV left to compute: not while a flushing one's last token is
+        in flight, nor when the token in flight is its last by max_tokens."""
+        if seq.flushing:
+            return seq.next_kv_position < seq.num_tokens
+        if seq.num_pending_tokens and len(seq.output_token_ids) + seq.num_pending_tokens >= seq.params.max_tokens:
+            return False
+        return seq.next_kv_position < seq.num_planned_tokens
 
     def _admit(self, seq: SequenceState, budget: int) -> ScheduledChunk | None:
         """Reuse the sequence's cached prefix and give it its first chunk, if it fits.
@@ -224,5 +270,4 @@ class Scheduler:
         seq.num_computed_tokens = num_cached
         if not seq.output_token_ids:
             seq.num_cached_tokens = num_cached
-        seq.status = RequestStatus.RUNNING
         return chunk

@@ -8,7 +8,7 @@ from jax._src.mesh import AbstractDevice, AbstractMesh
 
 from jaxserve import LLM
 from jaxserve.device.runner import _abstract
-from jaxserve.device.step_inputs import all_step_shapes, build_ranked_inputs
+from jaxserve.device.step_inputs import all_step_shapes
 from jaxserve.engine import attention_plan
 from pallas_kernels.paged_attention import pallas_gpu
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
@@ -41,10 +41,10 @@ def _lower_every_step(monkeypatch, llm, platform: str, lowering_platform: str, a
         with monkeypatch.context() as patch:
             patch.setattr(jax, "default_backend", lambda: platform)
             for shape in all_step_shapes(runner.buckets, runner.prefill_query_block):
-                inputs = build_ranked_inputs([[]], shape, runner.page_size)
+                inputs = runner.build_inputs([[]], shape)
                 with jax.sharding.use_abstract_mesh(abstract_mesh) if abstract_mesh else contextlib.nullcontext():
                     traced = runner._jitted.trace(_abstract(runner.param_leaves), _abstract(runner.kv_pages),
-                                                  _abstract(inputs))
+                                                  _abstract(runner.token_buffer), _abstract(inputs))
                     texts.append(traced.lower(lowering_platforms=(lowering_platform,)).as_text())
     finally:
         jax.clear_caches()

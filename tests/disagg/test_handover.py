@@ -6,6 +6,7 @@ import pytest
 
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 from jaxserve import LLM, SamplingParams
+from jaxserve.device.page_copies import handover_chunk_sizes
 from jaxserve.disagg.handover import DisaggregatedPair, HandoverStats
 from jaxserve.models.kv_pages import KVPages
 
@@ -39,6 +40,8 @@ def test_greedy_outputs_equal_colocated(pair, llama_llm):
     assert pair.stats.num_handovers == sum(1 for o in colocated if len(o.outputs[0].token_ids) > 1)
     assert all_pages_free(pair.prefill_engine) and all_pages_free(pair.decode_engine)
     assert not pair.prefill_engine.handovers.parked and not pair.decode_engine.handovers.reservations
+    # the page copies compiled at warm-up: handing over (any page count) compiles nothing
+    assert [e.runner.num_compiles_after_warmup for e in (pair.prefill_engine, pair.decode_engine)] == [0, 0]
 
 
 def test_only_missing_pages_travel(pair, llama_llm):
@@ -83,3 +86,25 @@ def test_decode_side_recomputes_when_prefill_is_lost(pair, llama_llm):
         outputs.update((o.request_id, o) for o in pair.decode_engine.step())
     assert outputs["lost"].outputs[0].token_ids == llama_llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
     assert all_pages_free(pair.decode_engine)
+
+
+@pytest.mark.parametrize("num_pages, sizes", [(0, []), (1, [1]), (2, [2]), (7, [4, 2, 1]), (13, [8, 4, 1]),
+                                              (16, [16])])
+def test_handover_chunks_are_powers_of_two_without_padding(num_pages, sizes):
+    assert handover_chunk_sizes(num_pages) == sizes
+
+
+def test_chunked_copies_move_exactly_the_pages(pair):  # last: it overwrites free decode pages
+    prefill, decode = pair.prefill_engine, pair.decode_engine
+    source, target = [3, 9, 4, 12, 5, 6, 7], [20, 21, 22, 23, 24, 25, 26]
+    chunks = prefill.runner.gather_pages(source)
+    assert [chunk.shape[1] for chunk in chunks] == [4, 2, 1]
+    assert sum(chunk.nbytes for chunk in chunks) == len(source) * page_bytes(prefill)
+    decode.runner.scatter_pages(target, chunks)
+    moved = np.concatenate([np.asarray(chunk) for chunk in decode.runner.gather_pages(target)], axis=1)
+    layers = prefill.runner.kv_pages.keys + prefill.runner.kv_pages.values
+    original = np.stack([np.asarray(layer)[source] for layer in layers])
+    np.testing.assert_array_equal(moved, original)
+    with pytest.raises(ValueError, match="7 pages to write"):
+        decode.runner.scatter_pages(target, chunks[:2])
+    assert prefill.runner.num_compiles_after_warmup == decode.runner.num_compiles_after_warmup == 0

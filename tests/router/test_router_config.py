@@ -34,11 +34,34 @@ GOOD = {"model": {"path": "tiny-random"}, "replicas": ["127.0.0.1:50051"]}
     ({"replicas": None, "launch": {"num_replicas": 1, "set": "engine.num_pages=8"}}, "KEY=VALUE"),
     ({"replicas": None, "launch": {"num_replicas": 1, "restart": "yes"}}, "launch.restart"),
     ({"extra": 1}, "unknown config section 'extra'"),
+    ({"router": {"mode": "split"}}, "router.mode must be one of colocated, disaggregated"),
+    ({"prefill_replicas": ["127.0.0.1:2"]}, "need router.mode: disaggregated"),
+    ({"router": {"mode": "disaggregated"}}, "takes prefill_replicas and decode_replicas, not replicas"),
+    ({"router": {"mode": "disaggregated"}, "replicas": None, "prefill_replicas": ["127.0.0.1:2"]},
+     "at least one of each"),
+    ({"router": {"mode": "disaggregated"}, "replicas": None, "prefill_replicas": ["127.0.0.1:2"],
+      "decode_replicas": ["127.0.0.1:2"]}, "twice"),
+    ({"router": {"mode": "disaggregated"}, "replicas": None, "launch": {"num_replicas": 2}},
+     "num_prefill_replicas >= 1 and num_decode_replicas >= 1"),
+    ({"router": {"mode": "disaggregated"}, "replicas": None, "prefill_replicas": ["127.0.0.1:2"],
+      "decode_replicas": ["127.0.0.1:3"], "launch": {"num_prefill_replicas": 1, "num_decode_replicas": 1}},
+     "exactly one of prefill_replicas"),
+    ({"replicas": None, "launch": {"num_replicas": 1, "num_decode_replicas": 1}}, "router.mode disaggregated"),
+    ({"router": {"resend_wait": 0}}, "router.resend_wait must be > 0"),
 ])
 def test_a_malformed_config_names_what_is_wrong(change, message):
     tree = {**GOOD, **change}
     with pytest.raises(ValueError, match=message):
         parse_config({key: value for key, value in tree.items() if value is not None})
+
+
+def test_a_disaggregated_config_reads_both_pools():
+    listed = parse_config({"model": {"path": "tiny-random"}, "router": {"mode": "disaggregated"},
+                           "prefill_replicas": ["127.0.0.1:2"], "decode_replicas": ["127.0.0.1:3", "127.0.0.1:4"]})
+    assert listed.all_replicas == ("127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4") and listed.router.resend_wait == 60.0
+    launched = parse_config({"model": {"path": "tiny-random"}, "router": {"mode": "disaggregated"},
+                             "launch": {"num_prefill_replicas": 1, "num_decode_replicas": 2}})
+    assert (launched.launch.num_prefill_replicas, launched.launch.num_decode_replicas) == (1, 2)
 
 
 def test_files_and_overrides(tmp_path):

@@ -124,6 +124,7 @@ class DecodeService:
                                       response.num_cached_tokens))
             return None
         handover.handover_id = response.handover_id
+        answered = time.perf_counter()
         chunks = self.transfers.pull(response.transfer_address, response.transfer_id, response.chunks, self.timeout)
         installed = chunks is not None and self.loop.call(
             lambda engine: self._install(engine, handover, response, chunks)).result(self.timeout)
@@ -134,7 +135,8 @@ class DecodeService:
         self.stats.bytes_moved += sum(chunk.nbytes for chunk in chunks)
         self.stats.num_pages_moved += len(reservation.missing_page_ids)
         self.stats.num_pages_reused += len(reservation.held_keys)
-        self.stats.seconds_moving += time.perf_counter() - started
+        self.stats.seconds_moving += time.perf_counter() - answered
+        self.stats.seconds_prefilling += answered - started
         return None
 
     def _install(self, engine, handover: Handover, response: dpb.PrefillResponse, chunks) -> bool:
@@ -151,6 +153,11 @@ class DecodeService:
         logprobs = first_logprobs(response) if response.HasField("first_logprobs") else None
         engine.handovers.complete(PrefilledRequest(handle, handover.prompt_token_ids, handover.params,
                                                    response.sampling_seed, response.first_token_id, logprobs))
+        request = engine.requests[handle]
+        if not request.finished:  # the first token goes out now, not with the second
+            delta = handover.stream.delta_from(request.output())
+            if delta is not None and delta.token_ids:
+                handover.stream.put(delta)
         return True
 
     def _recompute(self, handover: Handover, reason: str) -> None:
@@ -198,7 +205,7 @@ class DecodeService:
                                   num_expired=engine.handovers.num_expired, num_handovers=stats.num_handovers,
                                   bytes_moved=stats.bytes_moved, num_pages_moved=stats.num_pages_moved,
                                   num_pages_reused=stats.num_pages_reused, num_recomputed=stats.num_recomputed,
-                                  seconds_moving=stats.seconds_moving)
+                                  seconds_moving=stats.seconds_moving, seconds_prefilling=stats.seconds_prefilling)
 
     def close(self) -> None:
         with self._lock:

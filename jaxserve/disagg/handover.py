@@ -15,7 +15,8 @@ class HandoverStats:
     num_pages_moved: int = 0
     num_pages_reused: int = 0  # prompt pages the decode side already held
     bytes_moved: int = 0
-    seconds_moving: float = 0.0
+    seconds_moving: float = 0.0  # pulling (or copying) and writing the pages
+    seconds_prefilling: float = 0.0  # across processes: waiting for the prefill side's answers
     num_recomputed: int = 0
 
 

@@ -70,7 +70,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("role", "serving", "transfer_address", "num_parked", "num_reservations", "num_free_pages", "num_pages", "num_expired", "num_handovers", "bytes_moved", "num_pages_moved", "num_pages_reused", "num_recomputed", "num_compiles_after_warmup", "seconds_moving")
+    __slots__ = ("role", "serving", "transfer_address", "num_parked", "num_reservations", "num_free_pages", "num_pages", "num_expired", "num_handovers", "bytes_moved", "num_pages_moved", "num_pages_reused", "num_recomputed", "num_compiles_after_warmup", "seconds_moving", "seconds_prefilling")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class StatusResponse(_message.Message):
     NUM_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPILES_AFTER_WARMUP_FIELD_NUMBER: _ClassVar[int]
     SECONDS_MOVING_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PREFILLING_FIELD_NUMBER: _ClassVar[int]
     role: str
     serving: bool
     transfer_address: str
@@ -101,7 +102,8 @@ class StatusResponse(_message.Message):
     num_recomputed: int
     num_compiles_after_warmup: int
     seconds_moving: float
-    def __init__(self, role: _Optional[str] = ..., serving: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., num_parked: _Optional[int] = ..., num_reservations: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_expired: _Optional[int] = ..., num_handovers: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_pages_moved: _Optional[int] = ..., num_pages_reused: _Optional[int] = ..., num_recomputed: _Optional[int] = ..., num_compiles_after_warmup: _Optional[int] = ..., seconds_moving: _Optional[float] = ...) -> None: ...
+    seconds_prefilling: float
+    def __init__(self, role: _Optional[str] = ..., serving: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., num_parked: _Optional[int] = ..., num_reservations: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_expired: _Optional[int] = ..., num_handovers: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_pages_moved: _Optional[int] = ..., num_pages_reused: _Optional[int] = ..., num_recomputed: _Optional[int] = ..., num_compiles_after_warmup: _Optional[int] = ..., seconds_moving: _Optional[float] = ..., seconds_prefilling: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request", "prefill_address")

@@ -67,7 +67,7 @@ class DecodeService:
             return
         stream.on_expire = context.cancel
         try:
-            reservation = handover.reserved.result(self.timeout)
+            reservation = handover.reserved.result()  # the loop thread answers between two steps
         except Exception:  # refused on the loop thread: the stream says why
             reservation = None
         if reservation is not None:
@@ -126,8 +126,11 @@ class DecodeService:
         handover.handover_id = response.handover_id
         answered = time.perf_counter()
         chunks = self.transfers.pull(response.transfer_address, response.transfer_id, response.chunks, self.timeout)
-        installed = chunks is not None and self.loop.call(
-            lambda engine: self._install(engine, handover, response, chunks)).result(self.timeout)
+        try:
+            installed = chunks is not None and self.loop.call(
+                lambda engine: self._install(engine, handover, response, chunks)).result(self.timeout)
+        except Exception:  # late (it still completes; recomputing then does nothing) or failed: recompute
+            installed = False
         self._release(handover)
         if not installed:
             return self._recompute(handover, "the pages did not arrive" if chunks is None else "reservation gone")

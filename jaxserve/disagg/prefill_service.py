@@ -47,10 +47,11 @@ class PrefillService:
     def Prefill(self, request: dpb.PrefillRequest, context) -> dpb.PrefillResponse:
         stream = self._submit(request, context)
         delta = stream.take(timeout=self.timeout)
-        if delta is None or delta.finish_reason == "error":
+        if delta is None or not delta.token_ids:  # not in time, or ended unstarted (an error, a drain)
             self.loop.release(stream)
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if delta is None else grpc.StatusCode.INTERNAL,
-                          "the prompt was not prefilled in time" if delta is None else delta.text)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if delta is None else grpc.StatusCode.UNAVAILABLE,
+                          "the prompt was not prefilled in time" if delta is None else
+                          f"the prefill replica ended the request unstarted ({delta.finish_reason}: {delta.text})")
         if delta.finish_reason is not None:  # done at its first token: nothing to hand over
             self.loop.release(stream)
             return dpb.PrefillResponse(first_token_id=delta.token_ids[0], finish_reason=delta.finish_reason,

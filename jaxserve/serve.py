@@ -4,6 +4,8 @@ Without a config it serves the embedded default model on 127.0.0.1. The gRPC por
 health NOT_SERVING while the engine warms up, then SERVING. SIGTERM (or Ctrl-C) drains: new requests
 get UNAVAILABLE (HTTP 503), in-flight ones finish (up to server.drain_timeout), and the process exits 0.
 Before binding anything but loopback, set server.tls (and server.api_keys): see configs/.
+With a `distributed` section every process runs this same command: process 0 serves, the others
+follow its step plans (jaxserve/distributed) and open no ports.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from jaxserve.disagg.service import DisaggService
+from jaxserve.distributed import runtime as distributed
 from jaxserve.engine import Engine
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
 from jaxserve.server.chat_prompt import load_chat_template
@@ -116,6 +119,7 @@ class Server:
             logger.info("OpenAI HTTP API on %s:%d", self.config.server.host, self.http_server.port)
         logger.info("listening on %s:%d%s; warming up", self.config.server.host, self.port,
                     " (TLS)" if self.config.server.tls else "")
+        distributed.on_fatal(lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
         engine = Engine.from_model(self.config.model_dir(), self.config.engine)
         self.loop = EngineLoop(engine, self.metrics, self.config.server.max_queued_requests,
                                self.config.server.stream_idle_timeout)
@@ -147,6 +151,7 @@ class Server:
             self.metrics_server.shutdown()
         self.pools.shutdown()
         self.kv_events_pool.shutdown(wait=False, cancel_futures=True)
+        distributed.shutdown()  # several processes: the followers stop too
         self.stopped.set()
 
 
@@ -158,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def start() -> Server:
-        server = Server(load_config(args.config, args.overrides))
+        config = load_config(args.config, args.overrides)
+        if distributed.initialize(config.distributed) > 0:
+            sys.exit(follow(config))
+        server = Server(config)
         server.start()
         return server
 
@@ -168,6 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("stopped")
 
     return run_until_signalled("jaxserve.serve", start, stop)
+
+
+def follow(config: ServeConfig) -> int:
+    """A follower process: build the same engine as process 0, then run its plans until it stops."""
+    from jaxserve.distributed.follower import run_follower
+
+    engine = Engine.from_model(config.model_dir(), config.engine)
+    logger.info("following process 0's plans")
+    run_follower(engine.parts)
+    distributed.shutdown()
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,6 +17,8 @@ from jax.sharding import Mesh, NamedSharding
 from jaxserve.config import Buckets, EngineConfig
 from jaxserve.device.runner import ModelRunner, enable_compilation_cache, kv_cache_bytes_available
 from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
+from jaxserve.distributed.agreement import agree_on_engine, expert_balancer_type
+from jaxserve.distributed.leader_runner import wrap_runner
 from jaxserve.engine.expert_balancer import ExpertBalancer
 from jaxserve.host.page_allocator import PageAllocator, num_pages_for, swap_in_is_cheaper
 from jaxserve.host.scheduler import Scheduler
@@ -61,15 +63,18 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
     expert_parallel = _expert_parallel(model_config, config, mesh)
     attention = choose_attention(model_config, config, dtype, mesh)
     model = _load_model(source, dtype, attention, mesh, expert_parallel)
+    config = agree_on_engine(config, model_config)  # several processes: the same engine everywhere
     schedulers, kv_pages = _kv_cache(model_config, config, dtype, attention, mesh, max_model_len, model)
     runner = ModelRunner(model, kv_pages=kv_pages, buckets=Buckets.derive(config, max_model_len),
                          page_size=config.page_size, prefill_query_block=config.prefill_query_block,
                          max_logprobs=config.max_logprobs, num_experts=model_config.num_experts, mesh=mesh,
                          slots_per_rank=config.max_num_seqs)
+    runner = wrap_runner(runner, mesh, schedulers)  # several processes: process 0 sends plans
     experts = None
     if model_config.is_moe:
-        experts = ExpertBalancer(model_config, runner, mesh.devices.size if expert_parallel else None,
-                                 config.expert_rebalance_interval)
+        experts = expert_balancer_type(ExpertBalancer)(model_config, runner,
+                                                       mesh.devices.size if expert_parallel else None,
+                                                       config.expert_rebalance_interval)
         if config.expert_load_profile is not None:
             experts.rebalance(read_load_profile(config.expert_load_profile, model_config.num_layers,
                                                 model_config.num_experts))

@@ -4,6 +4,11 @@ A jaxserve checkpoint directory holds the Hugging Face files that describe the m
 tokenizer files) beside `params/` (orbax) and `jaxserve_checkpoint.json`, so `LLM(directory)` opens
 it like a Hugging Face directory. Each param is restored directly into the sharding the restoring
 engine's rules give it.
+
+On several processes (jaxserve.distributed) every process writes and reads its own shards: process 0
+sends the save to the followers as a plan, each writes its shards into the same directory (shared
+storage: GCS, NFS), and only process 0 writes the description files. Such a checkpoint restores
+onto any mesh, one process included.
 """
 
 from __future__ import annotations
@@ -34,20 +39,41 @@ def _flat(state: nnx.State) -> dict:
 
 
 def save_checkpoint(params: nnx.State, dtype: str, source_dir: str, directory: str) -> None:
+    """params as the runner holds them (experts in their placed rows) or already canonical."""
+    from jaxserve.distributed import runtime
+    from jaxserve.distributed.plan import SAVE
+
     directory = os.path.abspath(directory)
     if os.path.exists(os.path.join(directory, "params")):
         raise ValueError(f"{directory} already holds a checkpoint")
-    os.makedirs(directory, exist_ok=True)
-    for name in DESCRIPTION_FILES:
-        if os.path.isfile(os.path.join(source_dir, name)):
-            shutil.copy(os.path.join(source_dir, name), directory)
+    leader = runtime.active_leader()
+    if leader is None:
+        write_checkpoint(params, dtype, source_dir, directory)
+    else:  # every process writes its own shards
+        leader.run_everywhere(SAVE, (dtype, source_dir, directory),
+                              lambda: write_checkpoint(params, dtype, source_dir, directory))
+
+
+def write_checkpoint(params: nnx.State, dtype: str, source_dir: str, directory: str) -> None:
+    from jaxserve.distributed.experts import canonical_everywhere
+    from jaxserve.distributed.runtime import is_multiprocess
+    from sharding.expert_placement import canonical_params
+
+    params = canonical_everywhere(params) if is_multiprocess() else canonical_params(params)
+    writes_description = jax.process_index() == 0
+    if writes_description:
+        os.makedirs(directory, exist_ok=True)
+        for name in DESCRIPTION_FILES:
+            if os.path.isfile(os.path.join(source_dir, name)):
+                shutil.copy(os.path.join(source_dir, name), directory)
     import orbax.checkpoint as ocp  # imported when used: it is slow to import and claims the root logger
 
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.join(directory, "params"), _flat(params))
     checkpointer.wait_until_finished()
-    with open(os.path.join(directory, MARKER), "w") as f:
-        json.dump({"format": 1, "dtype": dtype}, f)
+    if writes_description:
+        with open(os.path.join(directory, MARKER), "w") as f:
+            json.dump({"format": 1, "dtype": dtype}, f)
 
 
 def restore_params(abstract_state: nnx.State, directory: str, dtype, placement) -> nnx.State:

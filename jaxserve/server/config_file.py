@@ -5,6 +5,8 @@
     server: {host, port, http_port, metrics_port, chat_template, max_queued_requests, drain_timeout,
              stream_idle_timeout, max_message_bytes, tls: {cert, key, client_ca}, api_keys: FILE, and the caps
              max_prompt_bytes, max_stop_strings, max_stop_string_bytes, max_stop_token_ids, max_id_length}
+    distributed: {coordinator_address, num_processes, process_id, local_device_ids, num_cpu_devices, peer_timeout,
+                  hash_check_interval, initialization_timeout}   (several processes: jaxserve/distributed)
 
 `--set section.key=value` overrides (the value is read as YAML). `path: default` is SmolLM2-135M-Instruct
 (fetched on first use), `path: tiny-random` a small random-weight model.
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import yaml
 
 from jaxserve.config import EngineConfig
+from jaxserve.distributed.config import DistributedConfig
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class ServeConfig:
     model: ModelSection
     engine: EngineConfig
     server: ServerConfig
+    distributed: DistributedConfig | None = None  # None: one process
 
     def __post_init__(self):
         if self.server.max_message_bytes is None:
@@ -107,7 +111,7 @@ class ServeConfig:
         return resolve_model_path(self.model.path)
 
 
-SECTIONS = {"model": ModelSection, "engine": EngineConfig, "server": ServerConfig}
+SECTIONS = {"model": ModelSection, "engine": EngineConfig, "server": ServerConfig, "distributed": DistributedConfig}
 
 
 def _set(tree: dict, dotted_key: str, value) -> None:
@@ -153,6 +157,8 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         _set(tree, *parse_override(override))
     built = {}
     for section, cls in SECTIONS.items():
+        if section == "distributed" and section not in tree:
+            continue  # one process
         values = dict(tree.get(section, {}))
         known = {f.name for f in dataclasses.fields(cls)} - ({"dtype"} if cls is EngineConfig else set())
         unknown = sorted(set(values) - known)

@@ -1,0 +1,45 @@
+"""Before the KV cache is sized: every process must build the same engine. Options that are not
+available on several processes are refused, the KV budget is the smallest any process can afford, and
+the config and model must be the same everywhere (else the first collective would hang)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxserve.distributed import runtime
+
+
+def agree_on_engine(config, model_config):
+    """The EngineConfig every process builds with (unchanged on one process)."""
+    if not runtime.is_multiprocess():
+        return config
+    if config.swap_space:
+        raise ValueError("swap_space (the host KV tier) is not available on several processes yet")
+    if config.role != "both":
+        raise ValueError("prefill/decode disaggregation (role) is not available on several processes yet")
+    if config.num_pages is None and config.kv_cache_memory_gib is None:
+        budgets = runtime.exchange("kv_budget", str(_local_kv_budget()))
+        config = dataclasses.replace(config, kv_cache_memory_gib=min(int(b) for b in budgets) / 2**30)
+    described = dataclasses.replace(config, show_progress=False)
+    runtime.agree_across_processes("engine config and model",
+                                   f"{described!r} {model_config!r} {jax.device_count()}")
+    return config
+
+
+def _local_kv_budget() -> int:
+    """runner.kv_cache_bytes_available, from a device of this process (process 0's are not addressable here)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    return 2**30
+
+
+def expert_balancer_type(default: type) -> type:
+    """The builder's ExpertBalancer, or on several processes one whose moves travel as plans."""
+    if not runtime.is_multiprocess():
+        return default
+    from jaxserve.distributed.experts import DistributedExpertBalancer  # imports the engine package
+
+    return DistributedExpertBalancer

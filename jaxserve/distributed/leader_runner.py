@@ -1,0 +1,202 @@
+"""Process 0's runner: ModelRunner's interface, each device call first sent to the followers as a plan.
+
+Every process then issues the same call on the global mesh. A step's sampled tokens come back
+replicated on every device (one more small collective on every process), so that process 0 can fetch
+rows that data-parallel ranks on other processes sampled. A watchdog thread ends process 0 with a
+clear error when a follower stops beating or a step does not complete within peer_timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+import time
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.distributed import runtime
+from jaxserve.distributed.plan import END, EXECUTE, PlanSender
+
+
+def global_inputs(inputs, sharding):
+    """Host inputs (the same on every process) as global arrays, each process filling its own shards.
+    jax.device_put would do it too, but first compares the values across processes with a collective
+    on every call; the plan digests check that more cheaply."""
+    return jax.tree.map(lambda array: jax.make_array_from_callback(array.shape, sharding, lambda index: array[index]),
+                        inputs)
+
+
+def execute_everywhere(runner, mesh, shape, inputs):
+    """What every process runs for one step plan: the step over global inputs, its results replicated."""
+    return replicated_results(runner.execute(shape, global_inputs(inputs, runner.input_sharding)), mesh)
+
+
+def replicated_results(pending, mesh):
+    """The pending step with every result array replicated: addressable on every process."""
+    replicate = _replicator(mesh)
+    return dataclasses.replace(pending, **{f.name: replicate(getattr(pending, f.name))
+                                           for f in dataclasses.fields(pending)})
+
+
+_replicators: dict = {}
+
+
+def _replicator(mesh):
+    if mesh not in _replicators:
+        _replicators[mesh] = jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    return _replicators[mesh]
+
+
+def allocator_digest(schedulers) -> str:
+    """The leader's page allocators in brief: which pages are referenced how often, how many are free."""
+    digest = hashlib.blake2b(digest_size=8)
+    for scheduler in schedulers:
+        allocator = scheduler.allocator
+        digest.update(repr((allocator.ref_counts, allocator.num_free_pages)).encode())
+    return digest.hexdigest()
+
+
+class LeaderRunner:
+    """Wraps a ModelRunner; everything not overridden here is the inner runner's own."""
+
+    def __init__(self, runner, mesh, schedulers, session: str):
+        self.inner = runner
+        self.mesh = mesh
+        self.schedulers = schedulers
+        self.session = session
+        config = runtime.config()
+        self.peer_timeout = config.peer_timeout
+        self.plans = PlanSender(session, config.hash_check_interval)
+        self.serving = False  # before warm-up ends, every process runs the builder's calls by itself
+        self._lock = threading.Lock()  # one plan at a time, sent and run in the same order
+        self._busy: tuple[str, float] | None = None  # the device call in flight and since when
+        self._beats = runtime.Beats(session, config.beat_interval)
+        self._stop = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    # -- the calls every process makes ------------------------------------------------------------
+
+    def warm_up(self, show_progress: bool = True) -> None:
+        self.inner.warm_up(show_progress)
+        self._start_serving()
+
+    def execute(self, shape, inputs):
+        step = self.plans.num_steps
+        with self._guard(f"step {step}"):
+            self._send(EXECUTE, (shape, inputs))
+            pending = execute_everywhere(self.inner, self.mesh, shape, inputs)
+        return _WatchedFetch(pending, self, step)
+
+    def run_everywhere(self, op: str, args: tuple, local):
+        """Send a plan (op, args) and run its local part here (expert moves, checkpoint saves)."""
+        if not self.serving:
+            return local()
+        with self._guard(op):
+            self._send(op, args)
+            return local()
+
+    def replace_params(self, params) -> None:
+        if self.serving:
+            raise ValueError("on several processes, params change only through plans (expert re-placement)")
+        self.inner.replace_params(params)
+
+    def read_pages(self, pages):
+        raise ValueError("the host KV tier (swap_space) is not available on several processes yet")
+
+    write_pages = warm_up_page_copies = read_pages
+
+    def gather_pages(self, pages):
+        raise ValueError("prefill/decode disaggregation is not available on several processes yet")
+
+    scatter_pages = gather_pages
+
+    def shutdown(self) -> None:
+        """Tell the followers this engine is done (they return from their loop), stop watching."""
+        if self.serving and not self._stop.is_set():
+            with self._lock:
+                self._send(END, ())
+            self._stop.set()
+            self._beats.stop()
+        if runtime.active_leader() is self:
+            runtime.set_active_leader(None)
+
+    # -- plans and the watchdog -------------------------------------------------------------------
+
+    def _send(self, op, args) -> None:
+        self.plans.send(op, args, lambda: allocator_digest(self.schedulers))
+
+    def _guard(self, what: str):
+        return _Guard(self, what)
+
+    def _start_serving(self) -> None:
+        self.serving = True
+        runtime.set_active_leader(self)
+        self._beats.start()
+        threading.Thread(target=self._watch, daemon=True, name="jaxserve-leader-watchdog").start()
+
+    def _watch(self) -> None:
+        peers = runtime.PeerWatch(self.session, list(range(1, jax.process_count())))
+        interval = runtime.config().beat_interval
+        while not self._stop.wait(interval):
+            peer, silent = peers.stalest()
+            busy, error = self._busy, peers.reported_error()
+            if error is not None:
+                runtime.fatal(f"{error}; the leader stops")
+            elif silent > self.peer_timeout:
+                runtime.fatal(f"process {peer} stopped answering ({silent:.1f} s without a beat, peer_timeout "
+                              f"{self.peer_timeout:g} s): it died or hangs; the leader stops")
+            elif busy is not None and time.monotonic() - busy[1] > self.peer_timeout:
+                runtime.fatal(f"{busy[0]} did not complete within peer_timeout ({self.peer_timeout:g} s): a "
+                              "process stopped answering inside a collective; the leader stops")
+
+
+class _Guard:
+    """Marks a device call in flight for the watchdog; holds the plan lock; a runtime error is fatal."""
+
+    def __init__(self, leader: LeaderRunner, what: str, lock: bool = True):
+        self.leader, self.what, self.lock = leader, what, lock
+
+    def __enter__(self):
+        if self.lock:
+            self.leader._lock.acquire()
+        self.leader._busy = (self.what, time.monotonic())
+
+    def __exit__(self, kind, error, traceback):
+        self.leader._busy = None
+        if self.lock:
+            self.leader._lock.release()
+        if isinstance(error, jax.errors.JaxRuntimeError):
+            runtime.fatal(f"{self.what} failed on the devices: {error}")
+
+
+class _WatchedFetch:
+    """A dispatched step whose fetch is watched too: it waits on every process's collectives."""
+
+    def __init__(self, pending, leader: LeaderRunner, step: int):
+        self.pending, self.leader, self.step = pending, leader, step
+
+    def __getattr__(self, name):
+        return getattr(self.pending, name)
+
+    def fetch(self):
+        with _Guard(self.leader, f"fetching step {self.step}", lock=False):
+            return self.pending.fetch()
+
+
+def wrap_runner(runner, mesh, schedulers):
+    """Process 0 of several: a LeaderRunner; otherwise the runner itself."""
+    if not runtime.is_multiprocess():
+        return runner
+    if mesh is None:
+        raise ValueError("several processes need a mesh over their devices: set data_parallel_size x "
+                         "tensor_parallel_size to the number of devices")
+    session = runtime.next_session()  # drawn on every process, in the same order
+    if jax.process_index() != 0:
+        runner.plan_session = session  # where the follower loop reads this engine's plans
+        return runner
+    return LeaderRunner(runner, mesh, schedulers, session)
+

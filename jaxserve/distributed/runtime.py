@@ -1,0 +1,202 @@
+"""This process's place in the multi-controller program: joining it, the coordination service's key-value
+store (the side channel plans and beats travel on), and stopping every process with a clear error.
+
+Plans travel on the coordination service's key-value store rather than as device collectives: a
+broadcast on the devices would queue behind the running step, and a dead peer makes it hang; a
+key-value read takes a timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+import jax
+
+from jaxserve.distributed.config import DistributedConfig
+
+logger = logging.getLogger(__name__)
+
+FATAL_EXIT_CODE = 3
+FATAL_GRACE_SECONDS = 1.0  # between health turning NOT_SERVING and the exit, so a health check can see it
+KEY_PREFIX = "jaxserve"
+
+_config: DistributedConfig | None = None
+_fatal_hooks: list[Callable[[], None]] = []
+_sessions = iter(range(1 << 62))  # one per engine built, in the same order on every process
+_exchanges = iter(range(1 << 62))
+_active_leader = None  # the LeaderRunner serving now (process 0 only)
+_exit: Callable[[int], None] = os._exit  # tests replace it
+
+
+def initialize(config: DistributedConfig | None) -> int:
+    """Join the program (before anything touches a device); returns this process's index (0 alone)."""
+    global _config
+    if config is None:
+        return 0
+    if config.num_cpu_devices is not None:
+        jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
+    # CPU collectives across processes (tests, bench); accelerators use their own (ICI, NCCL).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # The coordination service aborts every process (no clear error, no NOT_SERVING) once a peer misses
+    # heartbeats this long: leave our own, shorter, peer_timeout the first word.
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator_address, num_processes=config.num_processes,
+        process_id=config.process_id, local_device_ids=config.local_device_ids,
+        initialization_timeout=config.initialization_timeout,
+        heartbeat_timeout_seconds=int(2 * config.peer_timeout) + 10)
+    _config = config
+    logger.info("process %d of %d; %d devices, %d local", jax.process_index(), jax.process_count(),
+                jax.device_count(), jax.local_device_count())
+    return jax.process_index()
+
+
+def is_multiprocess() -> bool:
+    return _config is not None and jax.process_count() > 1
+
+
+def config() -> DistributedConfig:
+    if _config is None:
+        raise RuntimeError("jax.distributed is not initialized by jaxserve.distributed.initialize")
+    return _config
+
+
+def client():
+    """The coordination service's client (JAX keeps it private; it is the runtime's own channel)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def next_session() -> str:
+    """Keys of one engine's plans; engines are built in the same order on every process."""
+    return f"{KEY_PREFIX}/{next(_sessions)}"
+
+
+def on_fatal(hook: Callable[[], None]) -> None:
+    """Run hook (e.g. health NOT_SERVING) before a fatal error ends this process."""
+    _fatal_hooks.append(hook)
+
+
+def fatal(message: str) -> None:
+    """End this process with a clear error: hooks first, then a short grace, then exit."""
+    print(f"jaxserve.distributed: process {jax.process_index()}: {message}", file=sys.stderr, flush=True)
+    logger.error("%s", message)
+    for hook in list(_fatal_hooks):
+        try:
+            hook()
+        except Exception:  # the exit below must happen whatever a hook does
+            logger.exception("fatal hook failed")
+    time.sleep(FATAL_GRACE_SECONDS)
+    sys.stdout.flush()
+    _exit(FATAL_EXIT_CODE)
+
+
+def set_active_leader(leader) -> None:
+    global _active_leader
+    _active_leader = leader
+
+
+def active_leader():
+    return _active_leader
+
+
+def shutdown() -> None:
+    """Process 0: tell the followers to stop, then leave the program."""
+    leader = _active_leader
+    if leader is not None:
+        leader.shutdown()
+    if _config is not None:
+        jax.distributed.shutdown()
+
+
+def exchange(what: str, value: str) -> list[str]:
+    """Every process's value, by process index (each process publishes its own and waits for the rest)."""
+    key = f"{KEY_PREFIX}/exchange/{next(_exchanges)}/{what}"
+    kv = client()
+    kv.key_value_set(f"{key}/{jax.process_index()}", value)
+    timeout_ms = int(config().initialization_timeout * 1000)
+    return [kv.blocking_key_value_get(f"{key}/{process}", timeout_ms) for process in range(jax.process_count())]
+
+
+def agree_across_processes(what: str, value: str) -> None:
+    """Every process describes what it is about to build; the descriptions must be equal, or the engines
+    would compile different programs and hang in their first collective."""
+    digest = hashlib.blake2b(value.encode(), digest_size=16).hexdigest()
+    mismatched = [process for process, other in enumerate(exchange(what, digest)) if other != digest]
+    if mismatched:
+        raise ValueError(f"process {jax.process_index()}'s {what} differs from that of process(es) {mismatched}: "
+                         "every process must be started with the same model and engine config")
+
+
+class Beats:
+    """A counter each process bumps in the key-value store every beat interval from a thread of its own,
+    so that a process that died (or whose Python stopped) is noticed while everything is idle."""
+
+    def __init__(self, session: str, interval: float):
+        self.key = f"{session}/beat"
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="jaxserve-beat")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        count = 0
+        kv = client()
+        while not self._stop.wait(self.interval):
+            count += 1
+            try:
+                kv.key_value_set(f"{self.key}/{jax.process_index()}", str(count), allow_overwrite=True)
+            except Exception as error:  # the coordination service (process 0) is gone
+                if not self._stop.is_set():
+                    fatal(f"lost the coordination service (process 0): {error}")
+                return
+
+
+def report_and_stop(session: str, message: str) -> None:
+    """A follower's fatal error: published first, so that process 0 stops with the same message."""
+    try:
+        client().key_value_set(f"{session}/error/{jax.process_index()}", message, allow_overwrite=True)
+    finally:
+        fatal(message)
+
+
+class PeerWatch:
+    """Seconds since each peer's beat last changed, and the errors peers reported."""
+
+    def __init__(self, session: str, peers: list[int]):
+        self.key = f"{session}/beat"
+        self.session = session
+        self.seen = {peer: (None, time.monotonic()) for peer in peers}
+
+    def reported_error(self) -> str | None:
+        kv = client()
+        for peer in self.seen:
+            try:
+                return f"process {peer}: {kv.key_value_try_get(f'{self.session}/error/{peer}')}"
+            except Exception:  # no error reported
+                continue
+        return None
+
+    def stalest(self) -> tuple[int, float]:
+        """(peer, seconds since its beat last changed) of the peer silent longest."""
+        kv, now = client(), time.monotonic()
+        for peer, (last, since) in self.seen.items():
+            try:
+                value = kv.key_value_try_get(f"{self.key}/{peer}")
+            except Exception:  # not written yet
+                value = None
+            if value != last:
+                self.seen[peer] = (value, now)
+        peer = min(self.seen, key=lambda p: self.seen[p][1])
+        return peer, now - self.seen[peer][1]

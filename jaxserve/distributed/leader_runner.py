@@ -70,6 +70,7 @@ class LeaderRunner:
         self.peer_timeout = config.peer_timeout
         self.plans = PlanSender(session, config.hash_check_interval)
         self.serving = False  # before warm-up ends, every process runs the builder's calls by itself
+        self.seconds_sending_plans = 0.0  # for bench/multihost.py
         self._lock = threading.Lock()  # one plan at a time, sent and run in the same order
         self._busy: tuple[str, float] | None = None  # the device call in flight and since when
         self._beats = runtime.Beats(session, config.beat_interval)
@@ -127,7 +128,9 @@ class LeaderRunner:
     # -- plans and the watchdog -------------------------------------------------------------------
 
     def _send(self, op, args) -> None:
+        started = time.perf_counter()
         self.plans.send(op, args, lambda: allocator_digest(self.schedulers))
+        self.seconds_sending_plans += time.perf_counter() - started
 
     def _guard(self, what: str):
         return _Guard(self, what)

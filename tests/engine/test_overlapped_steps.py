@@ -22,7 +22,7 @@ def _workload(seed: int, num_requests: int):
         temperature = 0.0 if i % 3 else 0.8
         params.append(SamplingParams(temperature=temperature, seed=1000 + i, max_tokens=int(rng.integers(1, 40)),
                                      stop_token_ids=[7, 11, 23], logprobs=2 if i % 4 == 0 else None,
-                                     n=2 if i % 5 == 0 else 1))
+                                     n=2 if i % 5 == 0 else 1, stop=["e", "an"] if i % 3 == 1 else None))
     return prompts, params
 
 

@@ -185,6 +185,8 @@ def test_decode_replica_killed_mid_stream_the_router_resends(router):
     client.close()
     assert tokens == reference and len(tokens) == 200
     assert sum(router.metrics.resends.labels(code)._value.get() for code in ("UNAVAILABLE", "CANCELLED")) > 0
+    for survivor in (prefill_of(router), *(r for r in decodes_of(router) if r is not victim)):
+        wait_for(lambda: nothing_held(survivor.address), f"{survivor.address} to free every page", timeout=30)
 
 
 def running(address: str) -> bool:

@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pages import AttentionMetadata, KVPages
-from jaxserve.models.layers import MLP, Attention, RMSNorm, WriteAndAttend, linear
+from jaxserve.models.layers import MLP, Attention, RMSNorm, WriteAndAttend, linear, project
 from jaxserve.models.moe import Experts, SparseMoE
 
 # Legend: T = tokens in the step, E = embed, V = vocab, S = sequences sampled this step.
@@ -50,6 +50,6 @@ class CausalLM(nnx.Module):
 
     def compute_logits(self, hidden):
         """hidden [S, E] -> float32 logits [S, V]."""
-        if self.lm_head is None:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+        if self.lm_head is None:  # tied: the embedding [V, E] is the head, contracted on E as it lies
+            return project(hidden, self.embed_tokens.embedding[...], transposed=True).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)

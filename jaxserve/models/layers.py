@@ -78,11 +78,64 @@ def apply_rope(x, positions, inverse_frequencies):
     return x * cos + rotated * sin
 
 
+SMALL_MATMUL_MAX_ROWS = 8  # up to here the CPU kernel beats XLA:CPU's dots on 16-bit weights (bench/decode_step.py)
+
+
+def _use_small_matmul(num_rows: int, weight) -> bool:
+    """The C++ kernel (pallas_kernels/paged_attention/cpu_matmul.cc) for decode-sized 16-bit dots, on a
+    process with one CPU device: it is a custom call XLA's partitioner cannot split, so it must never
+    see a weight sharded over devices."""
+    if num_rows > SMALL_MATMUL_MAX_ROWS or weight.dtype not in (jnp.bfloat16, jnp.float16):
+        return False
+    if jax.default_backend() != "cpu" or jax.device_count() != 1:
+        return False
+    from pallas_kernels.paged_attention import cpu  # the kernel is built at first use
+    return cpu.available()
+
+
+def project(x, weight, bias=None, *, transposed: bool = False):
+    """x [..., in] times weight [in, out] ([out, in] when transposed), plus bias: accumulated in float32,
+    returned in the weight's dtype (x is cast to it first, as nnx.Linear does).
+
+    On XLA:CPU a dot with 16-bit weights and few rows (a decode step) converts the whole weight to
+    float32 first, every step: five times the weight bytes (issue #16). So: up to SMALL_MATMUL_MAX_ROWS
+    rows, the C++ kernel that widens each element in registers; otherwise a dot asking for float32
+    results with at least two rows, which XLA:CPU gives its YNNPACK fusion (it reads 16-bit weights as
+    they are; a one-row dot becomes a matrix-vector product without it, so one row is padded to two).
+    Float32 weights keep XLA's plain dot (its matrix-vector product reads them at memory speed).
+    """
+    *lead, size = x.shape
+    rows = x.reshape(-1, size).astype(weight.dtype)  # as nnx.Linear, computing in the params' dtype
+    num_rows = rows.shape[0]
+    if _use_small_matmul(num_rows, weight):
+        from pallas_kernels.paged_attention import cpu
+        y = cpu.small_matmul(rows, weight, transposed=transposed)
+    else:
+        if num_rows == 1 and weight.dtype != jnp.float32:
+            rows = jnp.pad(rows, ((0, 1), (0, 0)))
+        contracting = (1,) if transposed else (0,)
+        y = jax.lax.dot_general(rows, weight, (((1,), contracting), ((), ())),
+                                preferred_element_type=jnp.float32)[:num_rows]
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(rows.dtype).reshape(*lead, y.shape[-1])
+
+
+class Linear(nnx.Linear):
+    """nnx.Linear's params and names (checkpoints, sharding rules and the HF names see no difference),
+    computed by `project`."""
+
+    def __call__(self, inputs, out_sharding=None):
+        if out_sharding is not None or self.dtype not in (None, self.kernel.dtype):
+            return super().__call__(inputs, out_sharding)
+        return project(inputs, self.kernel[...], None if self.bias is None else self.bias[...])
+
+
 def linear(in_features: int, out_features: int, axes: tuple[str | None, str | None], *, bias: bool, dtype,
            rngs: nnx.Rngs):
-    """An nnx Linear (kernel [in, out]) whose kernel and bias carry their logical axes."""
-    return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                      kernel_metadata={"logical_axes": axes}, bias_metadata={"logical_axes": axes[1:]})
+    """A Linear (kernel [in, out]) whose kernel and bias carry their logical axes."""
+    return Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                  kernel_metadata={"logical_axes": axes}, bias_metadata={"logical_axes": axes[1:]})
 
 
 class Attention(nnx.Module):

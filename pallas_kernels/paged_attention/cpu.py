@@ -26,9 +26,12 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cc")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = (os.path.join(HERE, "cpu_kernel.cc"), os.path.join(HERE, "cpu_matmul.cc"))  # one library
 ATTENTION_TARGET = "jaxserve_cpu_paged_attention"
 WRITE_TARGET = "jaxserve_cpu_write_kv_pages"
+MATMUL_TARGET = "jaxserve_cpu_small_matmul"
+MATMUL_MAX_ROWS = 64  # cpu_matmul.cc's kMaxRows
 DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))  # of the pages it serves
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "kernels")
 
@@ -41,18 +44,21 @@ def _build(library_path: str) -> None:
     with tempfile.TemporaryDirectory(dir=os.path.dirname(library_path)) as staging:
         staged = os.path.join(staging, "kernel.so")
         command = [compiler, "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC",
-                   "-I", jax.ffi.include_dir(), SOURCE, "-o", staged]
+                   "-I", jax.ffi.include_dir(), *SOURCES, "-o", staged]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"building {SOURCE} failed:\n{result.stderr[-2000:]}")
+            raise RuntimeError(f"building {SOURCES} failed:\n{result.stderr[-2000:]}")
         os.replace(staged, library_path)  # atomic: concurrent builders never see a partial library
 
 
 @functools.cache
 def _register() -> bool:
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + jax.__version__.encode() + platform.processor().encode()
-                             + platform.machine().encode()).hexdigest()[:16]
+    sources = b""
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            sources += f.read()
+    key = hashlib.sha256(sources + jax.__version__.encode() + platform.processor().encode()
+                         + platform.machine().encode()).hexdigest()[:16]
     library_path = os.path.join(CACHE_DIR, f"paged_attention_{key}.so")
     try:
         if not os.path.isfile(library_path):
@@ -60,6 +66,7 @@ def _register() -> bool:
         library = ctypes.cdll.LoadLibrary(library_path)
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(library.JaxservePagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(library.JaxserveWriteKvPages), platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.JaxserveSmallMatmul), platform="cpu")
     except (RuntimeError, OSError) as error:
         logger.warning("CPU attention kernel unavailable, using the jax.numpy reference: %s", error)
         return False
@@ -95,3 +102,15 @@ def write_kv_pages(k_pages, v_pages, k, v, slot_ids):
     pages = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
     call = jax.ffi.ffi_call(WRITE_TARGET, pages, input_output_aliases={0: 0, 1: 1})
     return tuple(call(k_pages, v_pages, k.astype(k_pages.dtype), v.astype(v_pages.dtype), slot_ids.astype(np.int32)))
+
+
+def small_matmul(x, w, *, transposed: bool = False):
+    """x [M, K] @ w [K, N] (w [N, K] when transposed) -> float32 [M, N], for M <= MATMUL_MAX_ROWS, x and w
+    of one dtype: each weight element read once and widened in registers (cpu_matmul.cc)."""
+    _require(w.dtype)
+    if x.dtype != w.dtype or x.ndim != 2 or w.ndim != 2 or x.shape[0] > MATMUL_MAX_ROWS:
+        raise ValueError(f"small_matmul wants x [M <= {MATMUL_MAX_ROWS}, K] and a 2-d w of x's dtype, "
+                         f"got {x.shape} {x.dtype} and {w.shape} {w.dtype}")
+    columns = w.shape[0] if transposed else w.shape[1]
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32))
+    return call(x, w, transposed=transposed)

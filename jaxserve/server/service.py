@@ -101,6 +101,9 @@ class GenerationService:
 
     def _stream(self, loop: EngineLoop, context, request_id: str, session_id: str, checked):
         """Submit what checked() returns (prompt, params) and yield its messages."""
+        if loop.engine.config.role == "prefill":  # it would stop at the first token: the router's Decode path only
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this replica prefills for decode replicas "
+                          "(engine.role prefill): send requests to a router in mode disaggregated")
         try:
             prompt, params = checked()
             stream = loop.submit(prompt, params, request_id, session_id or None)

@@ -150,6 +150,14 @@ def test_a_handover_nobody_takes_is_freed_by_the_prefill_side(router):
     assert nothing_held(prefill)
 
 
+def test_a_prefill_replica_refuses_whole_requests(router):
+    client = Client(prefill_of(router).address)
+    with pytest.raises(grpc.RpcError) as error:
+        client.generate([1, 5, 6], max_tokens=4)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "engine.role prefill" in error.value.details()
+    client.close()
+
+
 def test_prefill_replica_killed_mid_handover_request_completes(router):
     victim, decode = prefill_of(router), decodes_of(router)[0].address
     prompt = [1] + list(range(300, 340))

@@ -78,14 +78,16 @@ def apply_rope(x, positions, inverse_frequencies):
     return x * cos + rotated * sin
 
 
-SMALL_MATMUL_MAX_ROWS = 8  # up to here the CPU kernel beats XLA:CPU's dots on 16-bit weights (bench/decode_step.py)
+# Rows up to which the CPU kernel serves a dot: for bfloat16 it beats XLA:CPU's YNNPACK dot up to about 8
+# rows; XLA has no float16 dot that reads the weight as stored, so float16 uses the kernel as far as it goes.
+SMALL_MATMUL_MAX_ROWS = {jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.float16): 64}
 
 
 def _use_small_matmul(num_rows: int, weight) -> bool:
     """The C++ kernel (pallas_kernels/paged_attention/cpu_matmul.cc) for decode-sized 16-bit dots, on a
     process with one CPU device: it is a custom call XLA's partitioner cannot split, so it must never
     see a weight sharded over devices."""
-    if num_rows > SMALL_MATMUL_MAX_ROWS or weight.dtype not in (jnp.bfloat16, jnp.float16):
+    if num_rows > SMALL_MATMUL_MAX_ROWS.get(jnp.dtype(weight.dtype), 0):
         return False
     if jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
@@ -102,7 +104,8 @@ def project(x, weight, bias=None, *, transposed: bool = False):
     rows, the C++ kernel that widens each element in registers; otherwise a dot asking for float32
     results with at least two rows, which XLA:CPU gives its YNNPACK fusion (it reads 16-bit weights as
     they are; a one-row dot becomes a matrix-vector product without it, so one row is padded to two).
-    Float32 weights keep XLA's plain dot (its matrix-vector product reads them at memory speed).
+    Float32 weights keep XLA's plain dot (its matrix-vector product reads them at memory speed). Float16
+    beyond the kernel's rows (prefill) is still widened by XLA, once per step for many tokens.
     """
     *lead, size = x.shape
     rows = x.reshape(-1, size).astype(weight.dtype)  # as nnx.Linear, computing in the params' dtype

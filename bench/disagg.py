@@ -114,11 +114,11 @@ def drive(generate, args, seed: int) -> dict:
     elapsed = time.perf_counter() - started
     if timings.errors:
         raise RuntimeError(f"requests failed: {timings.errors[:3]}")
-    percentile = lambda values, q: round(1e3 * float(np.percentile(values, q)), 2)  # noqa: E731
-    return {"itl_p50_ms": percentile(timings.gaps, 50), "itl_p99_ms": percentile(timings.gaps, 99),
-            "ttft_short_p50_ms": percentile(timings.ttft_short, 50), "ttft_short_p99_ms": percentile(timings.ttft_short, 99),
-            "ttft_long_p50_ms": percentile(timings.ttft_long, 50), "ttft_long_p99_ms": percentile(timings.ttft_long, 99),
-            "tokens_per_s": round(timings.num_tokens / elapsed, 1)}
+    result = {}
+    for name, values in (("itl", timings.gaps), ("ttft_short", timings.ttft_short), ("ttft_long", timings.ttft_long)):
+        for q in (50, 99):
+            result[f"{name}_p{q}_ms"] = round(1e3 * float(np.percentile(values, q)), 2)
+    return {**result, "tokens_per_s": round(timings.num_tokens / elapsed, 1)}
 
 
 def run_colocated(args, log_dir) -> dict:

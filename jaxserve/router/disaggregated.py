@@ -68,8 +68,8 @@ class DisaggregatedRouterService(RouterService):
 
     def _route(self, method: str, request, route: RouteRequest, context):
         if request.sampling.n > 1:
-            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"disaggregated serving hands over one sequence per request (n = 1), got n = {request.sampling.n}")
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "disaggregated serving hands over one "
+                         f"sequence per request (n = 1), got n = {request.sampling.n}")
         original = pb.GenerateRequest(request_id=request.request_id, token_ids=route.token_ids,
                                       sampling=request.sampling, session_id=request.session_id)
         streamed: list[int] = []  # the tokens the client has received

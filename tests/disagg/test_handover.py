@@ -108,3 +108,15 @@ def test_chunked_copies_move_exactly_the_pages(pair):  # last: it overwrites fre
     with pytest.raises(ValueError, match="7 pages to write"):
         decode.runner.scatter_pages(target, chunks[:2])
     assert prefill.runner.num_compiles_after_warmup == decode.runner.num_compiles_after_warmup == 0
+
+
+def test_seeded_sampling_continues_as_colocated(llama_llm):
+    """The decode side draws later tokens from the prefill side's sampling seed: a seeded sampled request
+    is the same disaggregated as colocated."""
+    prefill = LLM(fixture_dir("llama_gqa"), role="prefill", **SMALL_ENGINE).engine
+    decode = LLM(fixture_dir("llama_gqa"), role="decode", **SMALL_ENGINE).engine
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+    prompts = [p["token_ids"] for p in expected("llama_gqa")["prompts"][:3]]
+    disaggregated = DisaggregatedPair(prefill, decode).generate(prompts, sampled)
+    colocated = llama_llm.generate(prompts, sampled)
+    assert [o.outputs[0].token_ids for o in disaggregated] == [o.outputs[0].token_ids for o in colocated]

@@ -21,6 +21,7 @@ from jaxserve.proto import disagg_pb2_grpc
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc
 from jaxserve.router.config import parse_config
+from jaxserve.router.launcher import free_port
 from jaxserve.router.server import RouterServer
 from tests.support.fixtures import expected, fixture_dir
 
@@ -35,8 +36,8 @@ GREEDY = pb.SamplingParams(max_tokens=24, temperature=0.0)
 def router(tmp_path_factory):
     config = parse_config({
         "model": {"path": fixture_dir("llama_gqa")},
-        "router": {"port": 0, "mode": "disaggregated", "heartbeat": 0.2, "health_interval": 0.5,
-                   "startup_timeout": 300, "resend_wait": 120},
+        "router": {"port": 0, "http_port": free_port(), "mode": "disaggregated", "heartbeat": 0.2,
+                   "health_interval": 0.5, "startup_timeout": 300, "resend_wait": 120},
         "launch": {"num_prefill_replicas": 1, "num_decode_replicas": 2, "set": REPLICA_ENGINE,
                    "log_dir": str(tmp_path_factory.mktemp("replicas"))},
     })
@@ -98,6 +99,21 @@ def test_greedy_outputs_through_the_router_equal_transformers(router):
     assert all(d.num_recomputed == 0 and d.num_compiles_after_warmup == 0 for d in decodes)
     assert status(prefill_of(router).address).num_compiles_after_warmup == 0
     assert_nothing_leaked(router)
+
+
+def test_the_openai_http_api_is_disaggregated_too(router):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.config.router.http_port}/v1", api_key="-",
+                           max_retries=0, timeout=120)
+    job = expected("llama_gqa")["prompts"][2]
+    before = sum(status(replica.address).num_handovers for replica in decodes_of(router))
+    completion = client.completions.create(model="llama_gqa", prompt=job["token_ids"], max_tokens=24, temperature=0.0)
+    streamed = client.completions.create(model="llama_gqa", prompt=job["token_ids"], max_tokens=24, temperature=0.0,
+                                         stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == completion.choices[0].text
+    assert completion.usage.completion_tokens == len(job["greedy_token_ids"])
+    assert sum(status(replica.address).num_handovers for replica in decodes_of(router)) == before + 2
 
 
 def test_two_decode_replicas_share_one_prefill_replica(router):

@@ -3,8 +3,8 @@ same computations in the same order.
 
 A plan is an operation name and its arguments (for a step: the StepShape, which picks the compiled
 bucket, and the padded host inputs, any pytree of numpy arrays). Plan n is pickled under the key
-`<session>/plan/<n>` of the coordination service's key-value store; followers read the keys in
-order. Each process keeps a digest of every plan it ran; every `hash_check_interval` plans the
+`<session>/plan/<n // 64>/<n>` of the coordination service's key-value store; followers read the keys
+in order. Each process keeps a digest of every plan it ran; every `hash_check_interval` plans the
 leader sends its digests with a plan and each follower compares them with its own, so a divergence
 becomes an error naming the step instead of a hang or silently different outputs.
 """
@@ -21,6 +21,7 @@ import numpy as np
 from jaxserve.distributed import runtime
 
 MAX_PLAN_BYTES = 64 << 20
+PLANS_PER_BLOCK = 64  # plans are keyed <session>/plan/<block>/<n>, deleted a block at a time
 EXECUTE, REBALANCE, SAVE, END = "execute", "rebalance", "save", "end"
 
 
@@ -47,6 +48,10 @@ def plan_digest(plan: Plan) -> bytes:
         else:
             digest.update(repr(leaf).encode())
     return digest.digest()
+
+
+def plan_key(prefix: str, seq: int) -> str:
+    return f"{prefix}/{seq // PLANS_PER_BLOCK}/{seq}"
 
 
 class DivergenceError(RuntimeError):
@@ -106,9 +111,10 @@ class PlanSender:
         if len(payload) > MAX_PLAN_BYTES:
             raise ValueError(f"a {op} plan of {len(payload)} bytes exceeds {MAX_PLAN_BYTES}")
         kv = runtime.client()
-        kv.key_value_set_bytes(f"{self.key}/{self.seq}", payload)
-        if self.seq >= 64:  # followers are in lockstep through the step's collectives: old plans are read
-            kv.key_value_delete(f"{self.key}/{self.seq - 64}")
+        kv.key_value_set_bytes(plan_key(self.key, self.seq), payload)
+        if self.seq % PLANS_PER_BLOCK == 0 and self.seq >= 2 * PLANS_PER_BLOCK:
+            # followers are in lockstep through the steps' collectives: the block before last is read
+            kv.key_value_delete(f"{self.key}/{self.seq // PLANS_PER_BLOCK - 2}")
         self.seq += 1
         self.num_steps += op == EXECUTE
         return plan
@@ -125,7 +131,7 @@ class PlanReceiver:
 
     def receive(self, timeout: float) -> Plan | None:
         try:
-            payload = runtime.client().blocking_key_value_get_bytes(f"{self.key}/{self.seq}", int(timeout * 1000))
+            payload = runtime.client().blocking_key_value_get_bytes(plan_key(self.key, self.seq), int(timeout * 1000))
         except Exception as error:
             if "DEADLINE_EXCEEDED" in str(error) or "timed out" in str(error).lower():
                 return None

@@ -151,6 +151,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
                 raise ValueError(f"unknown config section {section!r} in {path}; expected {', '.join(SECTIONS)}")
             if not isinstance(values, dict):
                 raise ValueError(f"config section {section!r} must be a mapping")
+            tree.setdefault(section, {})  # an empty `distributed:` section still means several processes
             for key, value in values.items():
                 _set(tree, f"{section}.{key}", value)
     for override in overrides:

@@ -27,7 +27,7 @@ NOT_SERVING, SERVING = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.He
 def main_run(tmp_path_factory):
     directory = tmp_path_factory.mktemp("multihost")
     started = time.monotonic()
-    codes, logs = run_workers(directory, timeout=420)
+    codes, logs = run_workers(directory, timeout=600)
     assert (directory / "results.json").exists(), f"exit codes {codes}\n--- process 0\n{logs[0][-3000:]}\n" \
                                                   f"--- process 1\n{logs[1][-3000:]}"
     with open(directory / "results.json") as f:
@@ -82,13 +82,14 @@ def _health(port: int):
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
 
 
-def test_killed_follower_ends_the_leader_with_a_clear_error(tmp_path):
+def test_killed_follower_ends_the_leader_with_a_clear_error(tmp_path, main_run):
     """`python -m jaxserve.serve` on both processes; SIGKILL process 1 while serving: process 0's health
-    turns NOT_SERVING and it exits (code 3) naming the silent process, within peer_timeout and a margin."""
+    turns NOT_SERVING and it exits (code 3) naming the silent process, within peer_timeout and a margin.
+    The engine is the main run's first, whose executables are in that run's persistent cache."""
     peer_timeout, coordinator, grpc_port = 4.0, free_port(), free_port()
     config = {"model": {"path": fixture_dir("llama_gqa"), "dtype": "float32"},
-              "engine": {**{k: v for k, v in SMALL_ENGINE.items() if k != "dtype"}, "decode_seq_buckets": [8], "tensor_parallel_size": 8,
-                         "compilation_cache_dir": None, "num_pages": 64},
+              "engine": {**{k: v for k, v in SMALL_ENGINE.items() if k != "dtype"}, "decode_seq_buckets": [8],
+                         "tensor_parallel_size": 8, "compilation_cache_dir": str(main_run["directory"] / "xla_cache")},
               "server": {"port": grpc_port, "http_port": 0, "metrics_port": 0},
               "distributed": {"coordinator_address": f"127.0.0.1:{coordinator}", "num_processes": 2,
                               "num_cpu_devices": 4, "peer_timeout": peer_timeout, "initialization_timeout": 60}}

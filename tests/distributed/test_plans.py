@@ -11,8 +11,10 @@ from jaxserve.distributed.plan import EXECUTE, DigestWindow, DivergenceError, Pl
 from jaxserve.server.config_file import load_config
 
 
-def test_distributed_config_section():
+def test_distributed_config_section(tmp_path):
     assert load_config(None, []).distributed is None  # one process
+    (tmp_path / "slice.yaml").write_text("distributed: {}\n")  # a TPU slice: jax.distributed detects the rest
+    assert load_config(str(tmp_path / "slice.yaml")).distributed == DistributedConfig()
     config = load_config(None, ["distributed.coordinator_address=10.0.0.1:1234", "distributed.num_processes=2",
                                 "distributed.process_id=1", "distributed.peer_timeout=5"]).distributed
     assert (config.coordinator_address, config.num_processes, config.process_id) == ("10.0.0.1:1234", 2, 1)

@@ -52,7 +52,8 @@ def compare_with_hf(llm, name):
 
 def lead(key, llm, name):
     result = compare_with_hf(llm, name)
-    result["devices_holding_kv"] = sorted({d.process_index for d in llm.engine.runner.kv_pages.keys[0].sharding.device_set})
+    kv_devices = llm.engine.runner.kv_pages.keys[0].sharding.device_set
+    result["devices_holding_kv"] = sorted({device.process_index for device in kv_devices})
     if key == "tp8":
         llm.save_checkpoint(os.path.join(out_dir, "checkpoint"))
     if key == "ep8":

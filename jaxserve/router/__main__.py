@@ -1,7 +1,8 @@
 """`python -m jaxserve.router --config configs/router.yaml [--set section.key=value ...]`: the router.
 
 Serves the jaxserve gRPC API in front of the replicas the config lists or launches, sending each
-request where its prefix is cached (router.policy). SIGTERM (or Ctrl-C) stops it, and the replicas
+request where its prefix is cached (router.policy); with router.mode disaggregated, to a prefill replica
+and a decode replica, which hands the prompt's KV pages from one to the other. SIGTERM (or Ctrl-C) stops it, and the replicas
 it launched.
 """
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from jaxserve.server.engine_loop import Draining, Overloaded
 from jaxserve.server.request_stream import Delta, RequestStream
 from jaxserve.server.service import checked_request, response_from_delta
 
+logger = logging.getLogger(__name__)
 RELEASE_TIMEOUT = 5.0  # seconds; a release that does not arrive is done by the prefill side's own timeout
 
 
@@ -166,6 +168,8 @@ class DecodeService:
     def _recompute(self, handover: Handover, reason: str) -> None:
         """The prefill side could not hand over: run the prompt here (unless the client has left)."""
         handle = handover.stream.handle
+        logger.warning("request %s: no handover from %s (%s); prefilling it here", handover.stream.request_id,
+                       handover.prefill_address, reason)
 
         def recompute(engine):
             if not handover.ended and handle in engine.handovers.reservations:

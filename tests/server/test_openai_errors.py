@@ -176,3 +176,21 @@ def test_503_while_draining_and_in_flight_streams_finish(server):
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     connection.close()
     assert server.process.wait(timeout=60) == 0
+
+
+def test_a_prefill_replica_refuses_http_generation():
+    """Like gRPC's FAILED_PRECONDITION: a request there would stop at its first token."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from jaxserve.server.openai.context import ServingContext
+    from jaxserve.server.openai.errors import APIError
+
+    context = ServingContext(metrics=None)
+    context.loop = SimpleNamespace(draining=False, engine=SimpleNamespace(config=SimpleNamespace(role="prefill")))
+    try:
+        with pytest.raises(APIError) as error:
+            asyncio.run(context.admit(10, lambda: ([[1, 2]], [None], None), "r", None))
+        assert error.value.status == 400 and "engine.role prefill" in error.value.message
+    finally:
+        context.shutdown()

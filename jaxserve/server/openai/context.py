@@ -82,6 +82,9 @@ class ServingContext:
         loop; a larger one (or one of unknown size) on the admission pool, so that tokenizing it never
         stalls the other streams."""
         loop = self.ready_loop()
+        if loop.engine.config.role == "prefill":  # it would stop at its first token (as gRPC refuses it)
+            raise APIError(400, "this replica prefills for decode replicas (engine.role prefill): send requests "
+                                "to a router in mode disaggregated")
 
         def admission():
             prompts, params, extra = check()

@@ -19,9 +19,10 @@ import functools
 import os
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from jaxserve.loading.gguf_metadata import GGUFMetadataReader
 from jaxserve.loading.gguf_rope import llama3_rope_scaling
 
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF architecture -> HF model_type
@@ -53,15 +54,14 @@ class GGUFFile:
     def __init__(self, path: str):
         self.path = path
         try:
-            self.reader = GGUFReader(path)
+            self.reader = GGUFMetadataReader(path)
             # contents() decodes every value; an array's elements decode lazily otherwise, and late failures are
             # what this constructor exists to rule out.
             self.metadata = {key: field.contents() for key, field in self.reader.fields.items()}
+            self.metadata.update(self.reader.arrays)
         except Exception as error:  # the reader raises ValueError, IndexError, struct errors... for a bad file
             raise ValueError(f"malformed GGUF file {path}: {type(error).__name__}: {error}") from None
-        # The reader's parsed fields (numpy views of every vocabulary string: ~160 MB for a 49k-token
-        # vocabulary) are done with once decoded; freed here, they do not add to the weights' peak.
-        self.reader.fields.clear()
+        self.reader.fields.clear()  # decoded above: numpy views are not kept beside the values
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
         self.architecture = self.metadata.get("general.architecture")
         if self.architecture not in MODEL_TYPES:

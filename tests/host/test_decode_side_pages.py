@@ -1,0 +1,61 @@
+"""A decode replica's reservations (jaxserve/disagg/decode_side.py) against its own cache and scheduler.
+
+Both tests show bugs found in review (left for the lead: the fixes are in jaxserve/disagg): remove the
+xfail marks with the fixes."""
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.device.page_copies import host_pages_to_array
+from jaxserve.disagg.handover import DisaggregatedPair
+from jaxserve.disagg.metadata import PrefilledRequest
+from tests.support.fixtures import SMALL_ENGINE, fixture_dir
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="reserve() evicts a cached page into pending_demotions, the handover scatters the prompt's "
+                          "KV into it, and only the next step reads it for the host tier: the host tier keeps the "
+                          "new KV under the old page's key (a later hit promotes wrong KV)")
+def test_a_page_demoted_by_a_reservation_reaches_the_host_tier_unchanged():
+    engine = {**SMALL_ENGINE, "page_size": 8}
+    prefill = LLM(fixture_dir("llama_gqa"), role="prefill", **engine).engine
+    decode = LLM(fixture_dir("llama_gqa"), role="decode", **{**engine, "num_pages": 8, "swap_space": 0.01}).engine
+    allocator = decode.schedulers[0].allocator
+    assert allocator.host_tier is not None
+    rng = np.random.default_rng(5)
+    warm = [1] + rng.integers(3, 384, size=15).tolist()  # two full pages of 8, cached on the decode side
+    decode.add_request("warm", warm, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while decode.has_unfinished_requests():
+        decode.step()
+    found = allocator.find_cached_prefix(warm, len(warm))
+    assert len(found.pages) == 2
+    saved = {key: host_pages_to_array(decode.runner.read_pages([page])) for key, page in zip(found.keys, found.pages)}
+    # a 48-token prompt (6 pages, 7 with its reply) takes the 5 free pages and evicts (demotes) a cached one
+    prompt = [1] + rng.integers(3, 384, size=47).tolist()
+    DisaggregatedPair(prefill, decode).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    demoted = [key for key in saved if key in allocator.host_tier.entries]
+    assert demoted
+    for key in demoted:
+        np.testing.assert_array_equal(host_pages_to_array([allocator.host_tier.entries[key][1]]), saved[key])
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="Scheduler.schedule admits waiting sequences into slots that reservations hold, so "
+                          "complete() -> admit_prefilled raises (the request stays in engine.requests, its pages "
+                          "are never freed, and decode_service's recompute finds no reservation: the stream hangs)")
+def test_a_reservation_keeps_its_sequence_slot():
+    decode = LLM(fixture_dir("llama_gqa"), role="decode", **{**SMALL_ENGINE, "max_num_seqs": 2}).engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = {f"h{i}": list(range(3 + 20 * i, 11 + 20 * i)) for i in range(3)}
+    assert decode.handovers.reserve("h0", prompts["h0"], params)
+    assert decode.handovers.reserve("h1", prompts["h1"], params)
+    assert decode.handovers.reserve("h2", prompts["h2"], params) is None  # both slots are reserved
+    decode.add_request("h2", prompts["h2"], params)  # so decode_service runs it whole here
+    decode.step()
+    for i in range(2):  # the prefill replicas answer (the KV's contents do not matter here)
+        decode.handovers.complete(PrefilledRequest(f"h{i}", prompts[f"h{i}"], params, 0, 5, None))
+    while decode.has_unfinished_requests():
+        decode.step()
+    stats = decode.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and not decode.requests

@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# The GPU checks for the Pallas kernels, as one script for a lent GPU machine (the device tool):
+# The GPU checks (issue #16 item 5), as one script for a lent GPU machine (the device tool):
 #   1. the kernel-vs-reference tests and the start-up probe on the GPU backend (real lowering),
-#   2. bench/kernels.py over the full grid (fraction of copy bandwidth; target >= 0.7 at context >= 1k),
-#   3. end-to-end decode of a ~32M Llama with attention_impl=pallas vs reference (and what auto picks).
-# Writes everything under $OUT (default bench/results). JAX with CUDA must already be installed there,
-# and the image has flax, orbax, safetensors, sentencepiece and pytest; its flax may lack what this
-# project uses (nnx.capture), so carry the one pyproject resolves here. Here, before the device call:
-#   bash bench/gpu_wheels.sh "flax==$(.venv/bin/python -c 'import flax; print(flax.__version__)')"
+#   2. bench/kernels.py over the full grid: the Pallas decode kernel as a fraction of measured copy
+#      bandwidth (target >= 0.7 at contexts >= 1k),
+#   3. end-to-end decode of a ~32M Llama with attention_impl=pallas vs reference (and what auto picks),
+#   4. a ~0.5B bf16 Llama (Qwen2.5-0.5B's shape, random weights: nothing can be downloaded there):
+#      throughput against transformers' generate_batch (continuous batching, CUDA graphs) in the same
+#      run (goal >= 3x), with the warm-up compile time (no compilation cache: startup_seconds),
+#   5. the same model's single-stream decode against model.generate (goal >= 2x) and as a fraction of
+#      the GPU's read bandwidth (the roofline).
+# Writes everything under $OUT (default bench/results); summary.txt holds the lines that matter. JAX with
+# CUDA, torch and transformers are in the device image; gguf is not, and its flax may lack what this
+# project uses (nnx.capture), so carry both as wheels. Here, before the device call:
+#   bash bench/gpu_wheels.sh "flax==$(.venv/bin/python -c 'import flax; print(flax.__version__)')" \
+#     "gguf==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 # then, from the device tool (this script installs whatever .whl/ holds first):
-#   run(command="bash bench/gpu_checks.sh", carry=[".whl"], timeout_s=540)
-# QUICK=1 shrinks the bench and the e2e run, to try the script itself on a CPU.
+#   run(command="bash bench/gpu_checks.sh", carry=[".whl"], timeout_s=600)
+# and commit $OUT's files under bench/results/<gpu name>/. QUICK=1 shrinks every step, to try the script
+# on a CPU (PYTHON=.venv/bin/python QUICK=1 OUT=/tmp/gpu_quick bash bench/gpu_checks.sh); the step
+# timeouts add up to under the device tool's 600 s per call.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 export QUICK=${QUICK:-0}
@@ -25,14 +34,14 @@ $PYTHON -m pip list 2>/dev/null | grep -E "^(jax|jaxlib|flax|numpy) " > "$OUT/ve
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/device.txt" 2>&1
 $PYTHON -c "import jax; print(jax.devices())" >> "$OUT/device.txt" 2>&1
 # the Pallas kernels' tests and the start-up probe; the C++ CPU kernels' and the reference's alone run on CPUs
-timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_vs_reference.py \
+timeout 80 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_vs_reference.py \
   tests/kernels/test_kernel_lowering.py tests/kernels/test_pages_in_place.py \
   -k "not cpu and not (dense and not pallas) and not bfloat16_attention and not pool_check" 2>&1 \
   | tee "$OUT/gpu_kernel_tests.txt"
-timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_attention_choice.py \
+timeout 50 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_attention_choice.py \
   tests/kernels/test_paged_attention.py -k "pallas or probe or heuristic" 2>&1 | tee -a "$OUT/gpu_kernel_tests.txt"
-timeout 240 $PYTHON bench/kernels.py --impls reference,pallas $([ "$QUICK" = 1 ] || echo --full) 2>&1 | tee "$OUT/kernels_gpu.jsonl"
-timeout 240 $PYTHON - <<'PY' 2>&1 | tee "$OUT/decode_e2e_gpu.jsonl"
+timeout 100 $PYTHON bench/kernels.py --impls reference,pallas $([ "$QUICK" = 1 ] || echo --full) 2>&1 | tee "$OUT/kernels_gpu.jsonl"
+timeout 80 $PYTHON - <<'PY' 2>&1 | tee "$OUT/decode_e2e_gpu.jsonl"
 import json, os, tempfile, time
 from safetensors.numpy import save_file
 from jaxserve import LLM, SamplingParams
@@ -62,3 +71,16 @@ for impl in ("reference", "pallas", "auto"):
                           same_tokens_as_reference=tokens == first,
                           compiles_after_warmup=llm.stats()["num_compiles_after_warmup"])))
 PY
+# 4 and 5: the ~0.5B bf16 model, written once and shared by both runs
+DEVICE=$($PYTHON -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')" 2>/dev/null || echo cpu)
+if [ "$QUICK" = 1 ]; then MODEL=llama-8m REQUESTS=4 OUTPUT=8 TOKENS=16; else MODEL=qwen2.5-0.5b REQUESTS=256 OUTPUT=128 TOKENS=128; fi
+CKPT=$(mktemp -d)
+timeout 170 $PYTHON bench/throughput.py --model $MODEL --dtype bfloat16 --device "$DEVICE" --checkpoint-dir "$CKPT" \
+  --num-requests $REQUESTS --output-len $OUTPUT --max-num-seqs 64 --cold-compile 2>&1 | tee "$OUT/e2e_throughput.jsonl"
+timeout 100 $PYTHON bench/throughput.py --single --model $MODEL --dtype bfloat16 --device "$DEVICE" \
+  --checkpoint-dir "$CKPT" --single-tokens $TOKENS --repeats 2 2>&1 | tee "$OUT/e2e_single.jsonl"
+rm -rf "$CKPT"
+{ cat "$OUT/device.txt"; grep -h -E "passed|failed|error" "$OUT/gpu_kernel_tests.txt"
+  grep -h -E '"(result|impl|engine)"' "$OUT"/kernels_gpu.jsonl "$OUT"/decode_e2e_gpu.jsonl "$OUT"/e2e_*.jsonl; } \
+  > "$OUT/summary.txt" 2>&1
+cat "$OUT/summary.txt"

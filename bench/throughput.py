@@ -17,6 +17,7 @@ Llama written to a temporary directory; speed does not depend on the weights' va
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -32,6 +33,10 @@ MODEL_PRESETS = {
                       max_position_embeddings=1024),
     "llama-8m": dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+    # Qwen2.5-0.5B's shape as a Llama (no q/k/v biases), 494M parameters: the GPU check (bench/gpu_checks.sh)
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                         rope_theta=1000000.0, max_position_embeddings=4096),
 }
 
 
@@ -39,31 +44,47 @@ def emit(**record) -> None:
     print(json.dumps(record), flush=True)
 
 
-def build_checkpoint(preset: str, directory: str):
+def build_checkpoint(args, directory: str):
+    """The preset's random-weight model in args.dtype on args.device, saved to directory (loaded from there
+    when it already holds one: runs with the same --checkpoint-dir share it)."""
     import torch
     import transformers
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**MODEL_PRESETS[preset], bos_token_id=1, eos_token_id=2)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(directory)
-    num_params = sum(p.numel() for p in model.parameters())
-    return model, num_params
+    dtype = getattr(torch, args.dtype)
+    if os.path.isfile(os.path.join(directory, "config.json")):
+        model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=dtype)
+    else:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(**MODEL_PRESETS[args.model], bos_token_id=1, eos_token_id=2)
+        model = transformers.LlamaForCausalLM(config).to(dtype)
+        model.save_pretrained(directory)
+    model = model.eval().to(args.device)
+    return model, sum(p.numel() for p in model.parameters())
 
 
-def make_workload(num_requests: int, vocab_size: int, seed: int):
+def checkpoint_dir(args):
+    """args.checkpoint_dir, or a temporary directory removed afterwards."""
+    if args.checkpoint_dir:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        return contextlib.nullcontext(args.checkpoint_dir)
+    return tempfile.TemporaryDirectory()
+
+
+def make_workload(num_requests: int, vocab_size: int, seed: int, output_len: int | None = None):
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, vocab_size, size=int(n)).tolist() for n in rng.integers(16, 385, size=num_requests)]
     output_lengths = rng.integers(8, 129, size=num_requests).tolist()
-    return prompts, output_lengths
+    return prompts, [output_len] * num_requests if output_len else output_lengths
 
 
-def run_jaxserve(directory: str, prompts, output_lengths, max_num_seqs: int):
+def run_jaxserve(directory: str, prompts, output_lengths, args):
     from jaxserve import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(directory, dtype="float32", max_model_len=512, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=512, show_progress=False)
+    # --cold-compile: no persistent compilation cache, so startup_seconds is the whole warm-up compile
+    llm = LLM(directory, dtype=args.dtype, max_model_len=512, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=512, show_progress=False,
+              **(dict(compilation_cache_dir=None) if args.cold_compile else {}))
     startup = time.perf_counter() - start
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lengths]
     start = time.perf_counter()
@@ -94,20 +115,44 @@ def run_transformers_continuous_batching(model, prompts, output_lengths):
     return [list(results[i].generated_tokens) for i in ids], elapsed
 
 
+def run_transformers_generate_batch(model, prompts, num_tokens: int):
+    """transformers' own batch API (CUDA graphs on a GPU), every request num_tokens long: one untimed run
+    to capture its graphs and warm up, then the timed one."""
+    import inspect
+
+    import torch
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=num_tokens)
+    options = {"warmup": True} if "warmup" in inspect.signature(model.generate_batch).parameters else {}
+    with torch.inference_mode():
+        model.generate_batch(prompts, generation_config=config, **options)
+        start = time.perf_counter()
+        outputs = model.generate_batch(prompts, generation_config=config, **options)
+        elapsed = time.perf_counter() - start
+    return [list(output.generated_tokens) for output in outputs.values()], elapsed
+
+
 def throughput(args) -> None:
-    with tempfile.TemporaryDirectory() as directory:
-        model, num_params = build_checkpoint(args.model, directory)
-        prompts, output_lengths = make_workload(args.num_requests, MODEL_PRESETS[args.model]["vocab_size"], args.seed)
+    with checkpoint_dir(args) as directory:
+        model, num_params = build_checkpoint(args, directory)
+        prompts, output_lengths = make_workload(args.num_requests, MODEL_PRESETS[args.model]["vocab_size"], args.seed,
+                                                args.output_len)
         num_output = sum(output_lengths)
-        emit(bench="throughput", model=args.model, num_params=num_params, num_requests=len(prompts),
+        emit(bench="throughput", model=args.model, num_params=num_params, dtype=args.dtype, num_requests=len(prompts),
              prompt_tokens=sum(map(len, prompts)), output_tokens=num_output, cpu_count=os.cpu_count())
-        ours, elapsed, startup, stats = run_jaxserve(directory, prompts, output_lengths, args.max_num_seqs)
+        ours, elapsed, startup, stats = run_jaxserve(directory, prompts, output_lengths, args)
         emit(engine="jaxserve", seconds=round(elapsed, 3), output_tokens_per_s=round(num_output / elapsed, 1),
-             startup_seconds=round(startup, 2), num_executables=stats["num_executables"],
-             num_compiles_after_warmup=stats["num_compiles_after_warmup"])
-        theirs, their_elapsed = run_transformers_continuous_batching(model, prompts, output_lengths)
+             startup_seconds=round(startup, 2), cold_compile=args.cold_compile,
+             num_executables=stats["num_executables"], num_compiles_after_warmup=stats["num_compiles_after_warmup"])
+        if args.output_len:
+            theirs, their_elapsed = run_transformers_generate_batch(model, prompts, args.output_len)
+            their_name = "transformers-generate_batch"
+        else:
+            theirs, their_elapsed = run_transformers_continuous_batching(model, prompts, output_lengths)
+            their_name = "transformers-continuous-batching"
         their_output = sum(map(len, theirs))
-        emit(engine="transformers-continuous-batching", seconds=round(their_elapsed, 3),
+        emit(engine=their_name, seconds=round(their_elapsed, 3), output_tokens=their_output,
              output_tokens_per_s=round(their_output / their_elapsed, 1))
         agree = sum(a == b for a, b in zip(ours, theirs))
         emit(result="throughput", ratio=round((num_output / elapsed) / (their_output / their_elapsed), 2),
@@ -120,6 +165,10 @@ def memory_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> dict:
     threaded sum (one slice per core). The faster is the roofline's bandwidth."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return device_bandwidth(4 * num_bytes, repeats)
     cols = 8192
     matrix = np.ones((num_bytes // 4 // cols, cols), np.float32)
     vector = np.ones(cols, np.float32)
@@ -141,6 +190,27 @@ def memory_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> dict:
     return dict(rates, best=max(rates.values()))
 
 
+def device_bandwidth(num_bytes: int, repeats: int) -> dict:
+    """An accelerator's read bandwidth: a jitted sum over num_bytes (and a copy, counting bytes read and
+    written, for reference); the sum's is the roofline's."""
+    import jax
+    import jax.numpy as jnp
+
+    def best_time(fn, x, repeats):
+        jax.block_until_ready(fn(x))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    x = jnp.ones(num_bytes // 4, jnp.float32)
+    rates = dict(sum=num_bytes / best_time(jax.jit(jnp.sum), x, repeats=repeats),
+                 copy_read_write=2 * num_bytes / best_time(jax.jit(lambda v: v + 1), x, repeats=repeats))
+    return dict(rates, best=rates["sum"])
+
+
 def decode_bytes_per_token(llm, context: float) -> dict:
     """What one decode step of one sequence reads: every weight matrix (the input embedding only a row of
     it, unless tied to the output) and the KV cache of `context` tokens, in the served dtype."""
@@ -158,8 +228,8 @@ def single(args) -> None:
     import torch
     from jaxserve import LLM, SamplingParams
 
-    with tempfile.TemporaryDirectory() as directory:
-        model, num_params = build_checkpoint(args.model, directory)
+    with checkpoint_dir(args) as directory:
+        model, num_params = build_checkpoint(args, directory)
         prompts, _ = make_workload(1, MODEL_PRESETS[args.model]["vocab_size"], args.seed)
         prompt, num_tokens = prompts[0][:128], args.single_tokens
         emit(bench="single", model=args.model, num_params=num_params, prompt_tokens=len(prompt),
@@ -167,7 +237,8 @@ def single(args) -> None:
         start = time.perf_counter()
         # Without prefix caching each run prefills afresh, as transformers' generate does.
         llm = LLM(directory, dtype=args.dtype, max_model_len=512, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=512, enable_prefix_caching=False, show_progress=False)
+                  max_num_batched_tokens=512, enable_prefix_caching=False, show_progress=False,
+                  **(dict(compilation_cache_dir=None) if args.cold_compile else {}))
         startup = time.perf_counter() - start
 
         def generate(n: int):
@@ -188,15 +259,15 @@ def single(args) -> None:
         emit(result="roofline", bytes_per_token=read, bandwidth_gb_s={k: round(v / 1e9, 1) for k, v in bandwidth.items()},
              roofline_tokens_per_s=round(roofline, 1), decode_tokens_per_s=round(decode_rate, 1),
              fraction_of_roofline=round(decode_rate / roofline, 2))
-        del llm
-        torch_dtype = getattr(torch, args.dtype)
-        model = model.to(torch_dtype)
-        input_ids = torch.tensor([prompt])
+        llm = None  # its memory goes before transformers runs
+        input_ids = torch.tensor([prompt], device=args.device)
         with torch.inference_mode():
             model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm up
             start = time.perf_counter()
             generated = model.generate(input_ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
                                        do_sample=False, pad_token_id=0)
+            if args.device != "cpu":
+                torch.cuda.synchronize()
             their_elapsed = time.perf_counter() - start
         theirs = generated[0, len(prompt):].tolist()
         emit(engine="transformers-generate", seconds=round(their_elapsed, 3),
@@ -213,7 +284,11 @@ def main() -> None:
     parser.add_argument("--single", action="store_true", help="one-request decode against model.generate")
     parser.add_argument("--single-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="--single runs; the fastest counts")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--single only")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both engines'")
+    parser.add_argument("--device", default="cpu", help="transformers' torch device (cuda on a GPU)")
+    parser.add_argument("--output-len", type=int, help="every request this long; transformers runs generate_batch")
+    parser.add_argument("--checkpoint-dir", help="write the random checkpoint here once (default: a temporary dir)")
+    parser.add_argument("--cold-compile", action="store_true", help="no compilation cache: startup = compile time")
     args = parser.parse_args()
     try:
         import torch  # noqa: F401

@@ -45,14 +45,17 @@ class DecodeHandovers:
         rank = min(range(len(engine.schedulers)), key=lambda r: engine.schedulers[r].num_sequences)
         scheduler, size = engine.schedulers[rank], engine.config.page_size
         allocator = scheduler.allocator
-        num_reserved = sum(1 for r in self.reservations.values() if r.rank == rank)
         found = allocator.find_cached_prefix(prompt_token_ids, len(prompt_token_ids))
         final_pages = num_pages_for(len(prompt_token_ids) + params.max_tokens, size)
         needed = final_pages - found.num_pages + allocator.num_pages_to_claim(found)
-        if len(scheduler.running) + num_reserved >= scheduler.max_num_seqs or needed > allocator.num_free_pages:
+        if len(scheduler.running) + scheduler.reserved_slots >= scheduler.max_num_seqs or \
+                needed > allocator.num_free_pages:
             return None
         page_ids = allocator.claim(found)
         page_ids += allocator.allocate(num_pages_for(len(prompt_token_ids), size) - len(page_ids))
+        # Cached pages evicted for these go to the host tier now, before the handover overwrites them.
+        engine.move_host_tier_pages()
+        scheduler.reserved_slots += 1  # local requests admitted meanwhile must leave the slot free
         num_cached = found.num_pages * size
         allocator.record_query(len(prompt_token_ids), num_cached, found.miss_reason)
         missing = missing_page_indices(prompt_token_ids, size, found.keys)
@@ -65,6 +68,7 @@ class DecodeHandovers:
         """The missing pages hold the prompt's KV now: run the request from its first token on."""
         reservation = self.reservations.pop(prefilled.request_id)
         engine, prompt = self.engine, prefilled.prompt_token_ids
+        engine.schedulers[reservation.rank].reserved_slots -= 1
         seq = SequenceState(seq_id=next(engine._seq_ids), request_id=prefilled.request_id, prompt_token_ids=prompt,
                             params=prefilled.params, sampling_seed=prefilled.sampling_seed,
                             arrival_order=next(engine._arrivals), rank=reservation.rank,
@@ -82,7 +86,9 @@ class DecodeHandovers:
     def cancel(self, request_id: str) -> None:
         reservation = self.reservations.pop(request_id, None)
         if reservation is not None:
-            self.engine.schedulers[reservation.rank].allocator.release(reservation.page_ids)
+            scheduler = self.engine.schedulers[reservation.rank]
+            scheduler.reserved_slots -= 1
+            scheduler.allocator.release(reservation.page_ids)
 
     def recompute(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The prefill side is gone: free the reservation and run the whole request here."""

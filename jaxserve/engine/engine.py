@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,6 +34,12 @@ from jaxserve.loading.orbax_checkpoint import save_checkpoint
 from sharding.expert_placement import canonical_params
 
 CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n samples apart
+
+
+@dataclass
+class DispatchedStep:
+    executables: list  # [(each rank's chunks, PendingStep)]: the prefill and the decode executables
+    prefill_room: int  # prompt tokens the step had room for (StepTimings)
 
 
 class Engine:
@@ -59,7 +66,7 @@ class Engine:
         self.handovers = handovers_for(self)  # None unless disaggregated (role prefill or decode)
         # A prefill replica parks each request as its first token arrives, before another step runs.
         self.overlap_steps = self.config.overlap_steps and self.config.role != "prefill"
-        self._in_flight: list = []  # the dispatched step not yet processed: [(per-rank chunks, PendingStep)]
+        self._in_flight: DispatchedStep | None = None  # overlapped: the step on the device, processed next call
         self._was_busy = False  # whether the last step() did any work (else the device waited for requests)
         self.device_clock = DeviceClock()
 
@@ -137,7 +144,7 @@ class Engine:
         return list(self.requests)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._in_flight) or any(scheduler.has_unfinished for scheduler in self.schedulers)
+        return self._in_flight is not None or any(scheduler.has_unfinished for scheduler in self.schedulers)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -145,31 +152,38 @@ class Engine:
         """One scheduling step; returns the outputs of requests that progressed (finished ones leave).
         Overlapped, these are the outputs of the step dispatched by the previous call."""
         started = time.perf_counter()
-        schedules = [scheduler.schedule() for scheduler in self.schedulers]
-        dispatched = []
-        if not all(schedule.is_empty for schedule in schedules):
-            self._move_host_tier_pages()
-            for is_decode in (False, True):
-                if any(per_rank := [s.decodes if is_decode else s.prefills for s in schedules]):
-                    continues = bool(dispatched or self._in_flight) or self._was_busy
-                    dispatched.append((per_rank, self._dispatch(per_rank, is_decode, continues)))
-        to_process = self._in_flight if self.overlap_steps else dispatched
-        self._in_flight = dispatched if self.overlap_steps else []
-        if not to_process and not dispatched:
+        dispatched = self._schedule_and_dispatch()
+        if self.overlap_steps:
+            to_process, self._in_flight = self._in_flight, dispatched
+        else:
+            to_process = dispatched
+        if to_process is None and dispatched is None:
             self._was_busy = False
             return []
         progressed, waited = set(), 0.0
-        for per_rank, pending in to_process:
+        for per_rank, pending in to_process.executables if to_process else ():
             fetch_started = time.perf_counter()
             result = pending.fetch()
             waited += time.perf_counter() - fetch_started
             progressed |= self._postprocess(per_rank, result)
         elapsed = time.perf_counter() - started
         self.device_clock.observe_step(elapsed - waited)
-        if dispatched:
-            self.timings.observe_step(elapsed, self._prefill_room(schedules))
-        self._was_busy = bool(dispatched) and self.has_unfinished_requests()
+        if to_process is not None:  # a step's time: the wait for its results plus the host work around it
+            self.timings.observe_step(elapsed, to_process.prefill_room)
+        self._was_busy = dispatched is not None and self.has_unfinished_requests()
         return self._end_step(progressed)
+
+    def _schedule_and_dispatch(self) -> DispatchedStep | None:
+        schedules = [scheduler.schedule() for scheduler in self.schedulers]
+        if all(schedule.is_empty for schedule in schedules):
+            return None
+        self.move_host_tier_pages()
+        executables = []
+        for is_decode in (False, True):
+            if any(per_rank := [s.decodes if is_decode else s.prefills for s in schedules]):
+                continues_busy_period = bool(executables) or self._in_flight is not None or self._was_busy
+                executables.append((per_rank, self._dispatch(per_rank, is_decode, continues_busy_period)))
+        return DispatchedStep(executables, self._prefill_room(schedules))
 
     def _end_step(self, progressed: set[str]) -> list[RequestOutput]:
         """Count the step, let experts move, and hand back the outputs (finished requests leave)."""
@@ -215,9 +229,9 @@ class Engine:
                 del self.requests[request_id]
         return outputs
 
-    def _move_host_tier_pages(self) -> None:
-        """Demoted pages are read before promotions or the step overwrite them; promotions land before
-        the step. Rank r's page p is row r * num_pages + p of the pool."""
+    def move_host_tier_pages(self) -> None:
+        """Demoted pages are read before promotions, a step or a KV handover overwrite them; promotions
+        land before the step. Rank r's page p is row r * num_pages + p of the pool."""
         for rank, scheduler in enumerate(self.schedulers):
             allocator, offset = scheduler.allocator, rank * scheduler.allocator.num_pages
             if allocator.pending_demotions:

@@ -92,9 +92,9 @@ def engine_load(engine) -> EngineLoad:
     return EngineLoad(
         num_running=sum(len(s.running) for s in schedulers), num_waiting=sum(len(s.waiting) for s in schedulers),
         num_free_pages=sum(s.allocator.num_free_pages for s in schedulers),
-        num_tokens_waiting_prefill=sum(seq.num_tokens - seq.num_computed_tokens - 1 for s in schedulers
+        num_tokens_waiting_prefill=sum(seq.num_tokens - seq.next_kv_position - 1 for s in schedulers
                                        for seq in list(s.running) + list(s.waiting)
-                                       if seq.num_tokens - seq.num_computed_tokens > 1))
+                                       if seq.num_tokens - seq.next_kv_position > 1))
 
 
 def _device_bytes(tree) -> int:

@@ -72,6 +72,7 @@ class Scheduler:
         self.query_block = prefill_query_block
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []  # in admission order: the last is the youngest
+        self.reserved_slots = 0  # held for KV handovers under way (a decode replica's reservations)
         self.num_preemptions = 0
         # Each running sequence holds one of max_num_seqs token slots: where the device keeps the
         # newest token it sampled, so an overlapped step can read it before the host has.
@@ -229,7 +230,7 @@ class Scheduler:
             budget -= self._cost(chunk)
         # Admit waiting sequences in arrival order; never preempt to admit, and never re-admit in the
         # step that preempted, which would only trade one sequence for another.
-        while self.waiting and not schedule.preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and not schedule.preempted and len(self.running) + self.reserved_slots < self.max_num_seqs:
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
                 break

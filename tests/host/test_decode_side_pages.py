@@ -1,10 +1,6 @@
-"""A decode replica's reservations (jaxserve/disagg/decode_side.py) against its own cache and scheduler.
-
-Both tests show bugs found in review (left for the lead: the fixes are in jaxserve/disagg): remove the
-xfail marks with the fixes."""
+"""A decode replica's reservations (jaxserve/disagg/decode_side.py) against its own cache and scheduler."""
 
 import numpy as np
-import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.device.page_copies import host_pages_to_array
@@ -13,10 +9,6 @@ from jaxserve.disagg.metadata import PrefilledRequest
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="reserve() evicts a cached page into pending_demotions, the handover scatters the prompt's "
-                          "KV into it, and only the next step reads it for the host tier: the host tier keeps the "
-                          "new KV under the old page's key (a later hit promotes wrong KV)")
 def test_a_page_demoted_by_a_reservation_reaches_the_host_tier_unchanged():
     engine = {**SMALL_ENGINE, "page_size": 8}
     prefill = LLM(fixture_dir("llama_gqa"), role="prefill", **engine).engine
@@ -40,10 +32,6 @@ def test_a_page_demoted_by_a_reservation_reaches_the_host_tier_unchanged():
         np.testing.assert_array_equal(host_pages_to_array([allocator.host_tier.entries[key][1]]), saved[key])
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="Scheduler.schedule admits waiting sequences into slots that reservations hold, so "
-                          "complete() -> admit_prefilled raises (the request stays in engine.requests, its pages "
-                          "are never freed, and decode_service's recompute finds no reservation: the stream hangs)")
 def test_a_reservation_keeps_its_sequence_slot():
     decode = LLM(fixture_dir("llama_gqa"), role="decode", **{**SMALL_ENGINE, "max_num_seqs": 2}).engine
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -30,7 +30,7 @@ def view_pages(view: CacheView, rank: int = 0) -> dict[str, dict[int, tuple[int,
 
 
 def move_host_tier_pages(allocator: PageAllocator) -> None:
-    """What Engine._move_host_tier_pages does, without bytes."""
+    """What Engine.move_host_tier_pages does, without bytes."""
     demoted, allocator.pending_demotions = allocator.pending_demotions, []
     for _, key, contents in demoted:
         allocator.host_tier.store(key, contents, None)

@@ -43,6 +43,8 @@ def initialize(config: DistributedConfig | None) -> int:
         jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
     # CPU collectives across processes (tests, bench); accelerators use their own (ICI, NCCL).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption notifier would take SIGTERM from the server, which drains on it (process.py).
+    jax.config.update("jax_enable_preemption_service", False)
     # The coordination service aborts every process (no clear error, no NOT_SERVING) once a peer misses
     # heartbeats this long: leave our own, shorter, peer_timeout the first word.
     jax.distributed.initialize(

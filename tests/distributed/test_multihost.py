@@ -8,6 +8,7 @@ divergence (a test hook in process 1) that must stop both processes with an erro
 """
 
 import json
+import signal
 import sys
 import time
 
@@ -17,6 +18,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.client import Client
 from tests.distributed.launch import ProcessPair, free_port, run_workers
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
@@ -82,11 +84,10 @@ def _health(port: int):
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
 
 
-def test_killed_follower_ends_the_leader_with_a_clear_error(tmp_path, main_run):
-    """`python -m jaxserve.serve` on both processes; SIGKILL process 1 while serving: process 0's health
-    turns NOT_SERVING and it exits (code 3) naming the silent process, within peer_timeout and a margin.
-    The engine is the main run's first, whose executables are in that run's persistent cache."""
-    peer_timeout, coordinator, grpc_port = 4.0, free_port(), free_port()
+def _serve_pair(tmp_path, main_run, peer_timeout: float) -> tuple[ProcessPair, int]:
+    """`python -m jaxserve.serve` as processes 0 and 1 (the main run's first engine, whose executables are in
+    that run's persistent cache), once process 0 is SERVING; its gRPC port."""
+    coordinator, grpc_port = free_port(), free_port()
     config = {"model": {"path": fixture_dir("llama_gqa"), "dtype": "float32"},
               "engine": {**{k: v for k, v in SMALL_ENGINE.items() if k != "dtype"}, "decode_seq_buckets": [8],
                          "tensor_parallel_size": 8, "compilation_cache_dir": str(main_run["directory"] / "xla_cache")},
@@ -99,18 +100,43 @@ def test_killed_follower_ends_the_leader_with_a_clear_error(tmp_path, main_run):
         paths[-1].write_text(yaml.safe_dump({**config, "distributed": {**config["distributed"],
                                                                         "process_id": process_id}}))
     pair = ProcessPair(tmp_path, lambda i: [sys.executable, "-m", "jaxserve.serve", "--config", str(paths[i])])
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if pair.processes[0].poll() is not None:
+            pair.kill()
+            raise AssertionError(pair.log(0)[-3000:])
+        try:
+            if _health(grpc_port) == SERVING:
+                return pair, grpc_port
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    pair.kill()
+    raise AssertionError(f"the leader never served:\n{pair.log(0)[-3000:]}")
+
+
+def test_serve_on_two_processes_answers_then_stops_both_on_sigterm(tmp_path, main_run):
+    """Completions over gRPC from the two-process server equal transformers' greedy tokens; SIGTERM on
+    process 0 drains it, ends process 1's plan loop, and both leave the program with exit code 0."""
+    pair, grpc_port = _serve_pair(tmp_path, main_run, peer_timeout=30.0)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert pair.processes[0].poll() is None, pair.log(0)[-3000:]
-            try:
-                if _health(grpc_port) == SERVING:
-                    break
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"the leader never served:\n{pair.log(0)[-3000:]}")
+        client = Client(f"127.0.0.1:{grpc_port}")
+        for prompt in expected("llama_gqa")["prompts"][:2]:
+            completion = client.generate(prompt["token_ids"], max_tokens=24, temperature=0.0)
+            assert completion.token_ids == prompt["greedy_token_ids"]
+        client.close()
+        pair.processes[0].send_signal(signal.SIGTERM)
+        assert pair.wait(timeout=60) == [0, 0], pair.log(0)[-2000:] + pair.log(1)[-2000:]
+    finally:
+        pair.kill()
+
+
+def test_killed_follower_ends_the_leader_with_a_clear_error(tmp_path, main_run):
+    """SIGKILL process 1 while serving: process 0's health turns NOT_SERVING and it exits (code 3) naming
+    the silent process, within peer_timeout and a margin."""
+    peer_timeout = 4.0
+    pair, grpc_port = _serve_pair(tmp_path, main_run, peer_timeout)
+    try:
         pair.processes[1].kill()
         killed = time.monotonic()
         statuses = []

@@ -36,8 +36,9 @@ def execute_everywhere(runner, mesh, shape, inputs):
 def replicated_results(pending, mesh):
     """The pending step with every result array replicated: addressable on every process."""
     replicate = _replicator(mesh)
-    return dataclasses.replace(pending, **{f.name: replicate(getattr(pending, f.name))
-                                           for f in dataclasses.fields(pending)})
+    arrays = {f.name: getattr(pending, f.name) for f in dataclasses.fields(pending)}
+    return dataclasses.replace(pending, **{name: replicate(value) for name, value in arrays.items()
+                                           if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(value))})
 
 
 _replicators: dict = {}

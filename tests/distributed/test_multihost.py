@@ -62,13 +62,17 @@ def test_expert_parallel_across_processes_equals_transformers_and_moves(main_run
     assert outcome["compiles_after_warmup"] == 0
 
 
-def test_checkpoint_of_two_processes_restores_into_one(main_run):
-    llm = LLM(str(main_run["directory"] / "checkpoint"), **SMALL_ENGINE)
-    prompts = expected("llama_gqa")["prompts"]
-    outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0),
-                           use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == main_run["tp8"]["token_ids"]
-    assert [o.outputs[0].token_ids for o in outputs] == [p["greedy_token_ids"] for p in prompts]
+def test_checkpoints_of_two_processes_restore_into_one(main_run):
+    """Both processes wrote their shards: the tensor-parallel model, and the expert-parallel one after its
+    experts moved across processes (saved in canonical order); each restores onto one device."""
+    for checkpoint, name, tokens in (("checkpoint", "llama_gqa", main_run["tp8"]["token_ids"]),
+                                     ("ep_checkpoint", "mixtral_6x", main_run["ep8"]["token_ids"])):
+        llm = LLM(str(main_run["directory"] / checkpoint), **SMALL_ENGINE)
+        prompts = expected(name)["prompts"]
+        outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0),
+                               use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == tokens
+        assert [o.outputs[0].token_ids for o in outputs] == [p["greedy_token_ids"] for p in prompts]
 
 
 def test_plan_divergence_stops_every_process_naming_the_step(main_run):

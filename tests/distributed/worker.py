@@ -63,6 +63,7 @@ def lead(key, llm, name):
         result.update(expert_devices_before=before["expert_devices"], expert_devices_moved=moved["expert_devices"],
                       after_rebalance=compare_with_hf(llm, name),
                       compiles_after_warmup=moved["num_compiles_after_warmup"])
+        llm.save_checkpoint(os.path.join(out_dir, "ep_checkpoint"))  # experts moved across processes
     llm.engine.runner.shutdown()
     return result
 

@@ -65,7 +65,6 @@ def time_all_reduce(hidden_size: int, num_tokens: int, repeats: int = 50) -> flo
     """Milliseconds for one all-reduce of a [tokens, hidden] float32 activation over all 8 devices (what a
     tensor-parallel layer does twice), issued by every process."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 

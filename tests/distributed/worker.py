@@ -21,8 +21,6 @@ initialize(DistributedConfig(coordinator_address=f"127.0.0.1:{port}", num_proces
                              initialization_timeout=60))
 
 import jax  # noqa: E402  (after initialize: the devices are the program's)
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir  # noqa: E402

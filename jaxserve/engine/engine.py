@@ -31,7 +31,6 @@ from jaxserve.host.output_processor import OutputProcessor
 from jaxserve.host.page_allocator import num_pages_for
 from jaxserve.host.request import Request, RequestOutput, SamplingParams, SequenceState
 from jaxserve.loading.orbax_checkpoint import save_checkpoint
-from sharding.expert_placement import canonical_params
 
 CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n samples apart
 

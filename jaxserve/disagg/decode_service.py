@@ -30,9 +30,8 @@ from jaxserve.disagg.handover import HandoverStats
 from jaxserve.disagg.metadata import PrefilledRequest
 from jaxserve.proto import disagg_pb2 as dpb
 from jaxserve.proto import disagg_pb2_grpc
-from jaxserve.server.engine_loop import Draining, Overloaded
 from jaxserve.server.request_stream import Delta, RequestStream
-from jaxserve.server.service import checked_request, response_from_delta
+from jaxserve.server.service import checked_request, refusals_as_status, response_from_delta
 
 logger = logging.getLogger(__name__)
 RELEASE_TIMEOUT = 5.0  # seconds; a release that does not arrive is done by the prefill side's own timeout
@@ -78,7 +77,7 @@ class DecodeService:
             yield response_from_delta(delta, stream.request_id)
 
     def _submit(self, request: dpb.DecodeRequest, context) -> Handover:
-        try:
+        with refusals_as_status(context):
             prompt, params = checked_request(self.limits, request.request)
             if params.n != 1:
                 raise ValueError(f"a handed-over request has one sequence (n = 1), got n = {params.n}")
@@ -89,12 +88,6 @@ class DecodeService:
                                       request.request.session_id or None,
                                       admit=functools.partial(self._reserve, reserved) if request.prefill_address
                                       else None)
-        except ValueError as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except Overloaded as error:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except Draining as error:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         return Handover(stream, request.prefill_address, request.request, params, reserved=reserved)
 
     def _reserve(self, reserved: concurrent.futures.Future, engine, stream: RequestStream, prompt: list[int]):

@@ -17,9 +17,8 @@ import grpc
 
 from jaxserve.proto import disagg_pb2 as dpb
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.server.engine_loop import Draining, Overloaded
 from jaxserve.server.request_stream import RequestStream
-from jaxserve.server.service import sampling_params_from_proto
+from jaxserve.server.service import refusals_as_status, sampling_params_from_proto
 
 
 @dataclass
@@ -71,19 +70,13 @@ class PrefillService:
         return response
 
     def _submit(self, request: dpb.PrefillRequest, context) -> RequestStream:
-        try:
+        with refusals_as_status(context):
             params = sampling_params_from_proto(request.sampling)
             if params.n != 1:
                 raise ValueError(f"a handed-over request has one sequence (n = 1), got n = {params.n}")
             if not request.token_ids:
                 raise ValueError("the prompt is empty")
             return self.loop.submit(list(request.token_ids), params, request.request_id)
-        except ValueError as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except Overloaded as error:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except Draining as error:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
     def _offer(self, engine, handle: str, held_keys: list[int]) -> dpb.PrefillResponse:
         """On the loop thread, before the parked pages can change."""

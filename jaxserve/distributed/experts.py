@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.distributed.plan import REBALANCE
 from jaxserve.engine.expert_balancer import ExpertBalancer
 from sharding.expert_placement import (EXPERT_WEIGHTS, _moe_layers, _rebalance_gather, _stored_rows,
-                                       canonical_sharding, device_of_experts, read_load_profile)
+                                       canonical_sharding, device_of_experts)
 from sharding.moe import ExpertPlacement, place_experts
 
 
@@ -77,12 +77,7 @@ class DistributedExpertBalancer(ExpertBalancer):
     """Process 0 sends each move as a plan; every process applies it with rebalance_everywhere."""
 
     def rebalance(self, load=None) -> None:
-        if not self.num_devices:
-            raise ValueError("rebalance_experts needs a mixture-of-experts model with enable_expert_parallel "
-                             "over more than one device")
-        load = read_load_profile(self.expert_tokens if load is None else load, self.num_layers, self.num_experts)
-        if not load.any():
-            raise ValueError("the expert load profile is all zeros: nothing to balance by")
+        load = self.checked_load(load)
         run_everywhere = getattr(self.runner, "run_everywhere", None)
         if run_everywhere is None:  # a follower, or the builder (every process runs it by itself)
             self.apply(load)

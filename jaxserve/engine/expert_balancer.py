@@ -42,12 +42,19 @@ class ExpertBalancer:
     def rebalance(self, load=None) -> None:
         """Move experts so that, under `load` (tokens per expert: [layers, experts], [experts], or a JSON
         file; default: everything routed so far), each layer's devices carry even loads."""
+        self.apply(self.checked_load(load))
+
+    def checked_load(self, load) -> np.ndarray:
+        """rebalance's load as a [layers, experts] array, or a ValueError naming what is wrong."""
         if not self.num_devices:
             raise ValueError("rebalance_experts needs a mixture-of-experts model with enable_expert_parallel "
                              "over more than one device")
         load = read_load_profile(self.expert_tokens if load is None else load, self.num_layers, self.num_experts)
         if not load.any():
             raise ValueError("the expert load profile is all zeros: nothing to balance by")
+        return load
+
+    def apply(self, load: np.ndarray) -> None:
         self.runner.replace_params(rebalance(self.runner.params(), load))
         self.expert_devices = device_of_experts(self.runner.params())
         self.num_rebalances += 1

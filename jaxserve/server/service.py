@@ -3,6 +3,7 @@ parses the bytes and places each method on its thread pool)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import grpc
@@ -59,6 +60,23 @@ def response_from_delta(delta: Delta, request_id: str) -> pb.GenerateResponse:
                                logprobs=logprobs, request_id=request_id, index=delta.index)
 
 
+# How the engine loop's refusals of a request answer on the wire (the first matching kind).
+REFUSAL_STATUS = ((Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED), (Draining, grpc.StatusCode.UNAVAILABLE),
+                  (ValueError, grpc.StatusCode.INVALID_ARGUMENT))
+
+
+@contextlib.contextmanager
+def refusals_as_status(context, metrics=None):
+    """Inside: checking and submitting a request. A refusal aborts the RPC with its status (and counts it)."""
+    try:
+        yield
+    except (Overloaded, Draining, ValueError) as error:
+        code = next(code for kind, code in REFUSAL_STATUS if isinstance(error, kind))
+        if metrics is not None:
+            metrics.rejected.labels(code.name).inc()
+        context.abort(code, str(error))
+
+
 class GenerationService:
     def __init__(self):
         self.loop: EngineLoop | None = None  # set, with the limits, once the engine has warmed up
@@ -104,18 +122,9 @@ class GenerationService:
         if loop.engine.config.role == "prefill":  # it would stop at the first token: the router's Decode path only
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this replica prefills for decode replicas "
                           "(engine.role prefill): send requests to a router in mode disaggregated")
-        try:
+        with refusals_as_status(context, loop.metrics):
             prompt, params = checked()
             stream = loop.submit(prompt, params, request_id, session_id or None)
-        except ValueError as error:
-            loop.metrics.rejected.labels("INVALID_ARGUMENT").inc()
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except Overloaded as error:
-            loop.metrics.rejected.labels("RESOURCE_EXHAUSTED").inc()
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except Draining as error:
-            loop.metrics.rejected.labels("UNAVAILABLE").inc()
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         # The slot is freed (and the request aborted if still running) when the RPC ends for any reason.
         if not context.add_callback(lambda: loop.release(stream)):
             loop.release(stream)  # the RPC ended already

@@ -116,9 +116,13 @@ def project(x, weight, bias=None, *, transposed: bool = False):
     else:
         if num_rows == 1 and weight.dtype != jnp.float32:
             rows = jnp.pad(rows, ((0, 1), (0, 0)))
-        contracting = (1,) if transposed else (0,)
-        y = jax.lax.dot_general(rows, weight, (((1,), contracting), ((), ())),
-                                preferred_element_type=jnp.float32)[:num_rows]
+        if transposed and weight.dtype == jnp.float32:  # as nnx's Embed.attend: the same HLO as before (#16)
+            y = jnp.dot(rows, weight.T)
+        else:  # a 16-bit weight.T would be widened: contract its second axis where it lies
+            contracting = (1,) if transposed else (0,)
+            y = jax.lax.dot_general(rows, weight, (((1,), contracting), ((), ())), preferred_element_type=jnp.float32)
+        if y.shape[0] != num_rows:
+            y = y[:num_rows]
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(rows.dtype).reshape(*lead, y.shape[-1])

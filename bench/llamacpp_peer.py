@@ -156,7 +156,9 @@ class LlamaServer:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {self._log_tail()}")
+                message = f"llama-server exited with status {self.process.returncode} while loading: {self._log_tail()}"
+                self.log.close()
+                raise RuntimeError(message)
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
                     if response.status == 200:
@@ -177,7 +179,8 @@ class LlamaServer:
 
     def _log_tail(self) -> str:
         self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-2000:]
+        lines = self.log.read().decode(errors="replace").splitlines()
+        return "\n".join(line for line in lines[-40:] if " E " in line or "error" in line.lower())[-2000:]
 
     def complete(self, prompt: list[int], max_tokens: int) -> dict:
         """Greedy completion of token ids, EOS ignored: {"tokens": [...], "timings": {...}}."""

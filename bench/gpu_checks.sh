@@ -39,7 +39,7 @@ timeout 80 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_v
   -k "not cpu and not (dense and not pallas) and not bfloat16_attention and not pool_check" 2>&1 \
   | tee "$OUT/gpu_kernel_tests.txt"
 timeout 50 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_attention_choice.py \
-  tests/kernels/test_paged_attention.py -k "pallas or probe or heuristic" 2>&1 | tee -a "$OUT/gpu_kernel_tests.txt"
+  tests/engine/test_attention_plan.py -k "pallas or probe or heuristic or gpu" 2>&1 | tee -a "$OUT/gpu_kernel_tests.txt"
 timeout 100 $PYTHON bench/kernels.py --impls reference,pallas $([ "$QUICK" = 1 ] || echo --full) 2>&1 | tee "$OUT/kernels_gpu.jsonl"
 timeout 80 $PYTHON - <<'PY' 2>&1 | tee "$OUT/decode_e2e_gpu.jsonl"
 import json, os, tempfile, time

@@ -34,11 +34,11 @@ $PYTHON -m pip list 2>/dev/null | grep -E "^(jax|jaxlib|flax|numpy) " > "$OUT/ve
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/device.txt" 2>&1
 $PYTHON -c "import jax; print(jax.devices())" >> "$OUT/device.txt" 2>&1
 # the Pallas kernels' tests and the start-up probe; the C++ CPU kernels' and the reference's alone run on CPUs
-timeout 80 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_vs_reference.py \
+timeout 80 $PYTHON -m pytest -p no:cacheprovider tests/kernels/test_kernels_vs_reference.py \
   tests/kernels/test_kernel_lowering.py tests/kernels/test_pages_in_place.py \
   -k "not cpu and not (dense and not pallas) and not bfloat16_attention and not pool_check" 2>&1 \
   | tee "$OUT/gpu_kernel_tests.txt"
-timeout 50 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_attention_choice.py \
+timeout 50 $PYTHON -m pytest -p no:cacheprovider tests/kernels/test_attention_choice.py \
   tests/engine/test_attention_plan.py -k "pallas or probe or heuristic or gpu" 2>&1 | tee -a "$OUT/gpu_kernel_tests.txt"
 timeout 100 $PYTHON bench/kernels.py --impls reference,pallas $([ "$QUICK" = 1 ] || echo --full) 2>&1 | tee "$OUT/kernels_gpu.jsonl"
 timeout 80 $PYTHON - <<'PY' 2>&1 | tee "$OUT/decode_e2e_gpu.jsonl"

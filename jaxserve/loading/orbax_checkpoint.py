@@ -18,6 +18,7 @@ import os
 import shutil
 
 import jax
+import numpy as np
 from flax import nnx
 
 MARKER = "jaxserve_checkpoint.json"
@@ -76,8 +77,13 @@ def write_checkpoint(params: nnx.State, dtype: str, source_dir: str, directory: 
             json.dump({"format": 1, "dtype": dtype}, f)
 
 
+RESTORE_GROUP_BYTES = 16 * 2**20  # params restored per orbax call: bounds the host buffers held at once
+
+
 def restore_params(abstract_state: nnx.State, directory: str, dtype, placement) -> nnx.State:
-    """Restore into the abstract state's shapes, each param placed where placement(path) says."""
+    """Restore into the abstract state's shapes, each param placed where placement(path) says. Params
+    come in groups of about RESTORE_GROUP_BYTES (orbax's partial restore), so that loading holds the
+    weights once plus one group, not a second copy of the whole checkpoint in read buffers."""
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     flat = list(nnx.to_flat_state(abstract_state))
     target = {".".join(map(str, path)): jax.ShapeDtypeStruct(variable.get_value().shape, dtype,
@@ -85,9 +91,30 @@ def restore_params(abstract_state: nnx.State, directory: str, dtype, placement) 
               for path, variable in flat}
     import orbax.checkpoint as ocp
 
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    params_dir = os.path.join(os.path.abspath(directory), "params")
+    restored = {}
     try:
-        restored = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(directory), "params"), target)
+        for group in _groups_of_bytes(target, RESTORE_GROUP_BYTES):
+            restore_args = ocp.checkpoint_utils.construct_restore_args(group)
+            restored.update(checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(
+                item=group, restore_args=restore_args, partial_restore=True)))
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise ValueError(f"cannot restore the orbax checkpoint in {directory}: {error}") from None
+    missing = sorted(set(target) - set(restored))
+    if missing:
+        raise ValueError(f"the orbax checkpoint in {directory} lacks params {missing[:5]}")
     return nnx.from_flat_state([(path, variable.replace(restored[".".join(map(str, path))]))
                                 for path, variable in flat])
+
+
+def _groups_of_bytes(target: dict, limit: int) -> list[dict]:
+    groups, group, size = [], {}, 0
+    for name, struct in target.items():
+        nbytes = int(np.prod(struct.shape)) * np.dtype(struct.dtype).itemsize
+        if group and size + nbytes > limit:
+            groups.append(group)
+            group, size = {}, 0
+        group[name] = struct
+        size += nbytes
+    return groups + [group] if group else groups

@@ -82,7 +82,9 @@ class ServingContext:
         loop; a larger one (or one of unknown size) on the admission pool, so that tokenizing it never
         stalls the other streams."""
         loop = self.ready_loop()
-        if loop.engine.config.role == "prefill":  # it would stop at its first token (as gRPC refuses it)
+        # A prefill replica's requests would stop at their first token (gRPC refuses them too). The
+        # router serves this app over a stand-in engine without a config: it never prefills only.
+        if getattr(getattr(loop.engine, "config", None), "role", "both") == "prefill":
             raise APIError(400, "this replica prefills for decode replicas (engine.role prefill): send requests "
                                 "to a router in mode disaggregated")
 

@@ -59,8 +59,9 @@ class Server:
         self.disagg = DisaggService()  # prefill/decode handover services, live on a replica with engine.role set
         self.api_keys = ApiKeys.from_file(server.api_keys) if server.api_keys else None
         self.pools = ThreadPools.for_limits(config.engine.max_num_seqs + server.max_queued_requests)
+        # SO_REUSEPORT off: a second server on a taken port must fail to start, not silently share it.
         options = [("grpc.max_receive_message_length", server.max_message_bytes),
-                   ("grpc.keepalive_time_ms", KEEPALIVE_MS)]
+                   ("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.so_reuseport", 0)]
         kv_events, self.kv_events_pool = kv_events_handler(self.service)
         interceptors = [ApiKeyInterceptor(self.api_keys, self.pools.quick)] if self.api_keys else []
         self.grpc_server = grpc.server(

@@ -19,10 +19,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 logger = logging.getLogger("jaxserve.router")
 
 
+_ports_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port nobody listens on, never one this process handed out before: the kernel may offer
+    a just-closed port again, and replicas launched together would then try to share it."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _ports_handed_out:
+            _ports_handed_out.add(port)
+            return port
+    raise RuntimeError("no free loopback port found")
 
 
 def is_serving(address: str, timeout: float = 1.0) -> bool:

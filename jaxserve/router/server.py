@@ -146,7 +146,8 @@ class RouterServer:
         section = self.config.router
         self.health = health.HealthServicer()
         self.grpc_server = grpc.server(self.pools.default, handlers=[_handlers(service, self.pools),
-                                                                     health_handler(self.health, self.pools)])
+                                                                     health_handler(self.health, self.pools)],
+                                       options=[("grpc.so_reuseport", 0)])  # a taken port fails, never shared
         address = f"{section.host}:{section.port}"
         try:
             self.port = self.grpc_server.add_insecure_port(address)

@@ -7,15 +7,9 @@ import subprocess
 import sys
 import time
 
+from jaxserve.router.launcher import free_port  # never the same port twice in one process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ProcessPair:

@@ -14,15 +14,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve.client import Connection
+from jaxserve.router.launcher import free_port  # never the same port twice in one process
 from tests.support.fixtures import fixture_dir
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:

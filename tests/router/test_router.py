@@ -137,8 +137,12 @@ def test_a_killed_replica_loses_no_unstarted_request_and_comes_back(router):
     for thread in threads:
         thread.join(timeout=180)
         assert not thread.is_alive()
+    # A first token the router forwarded just before the kill can reach the client's thread a moment after
+    # it (two busy cores): such a stream was under way for the router, which may fail it. Streams that first
+    # streamed well after the kill were re-sent and must complete.
+    in_transit = 1.0
     for started_at, outcome in zip(started, outcomes):
-        if started_at is None or started_at > killed_at:  # had not streamed when the replica died: not lost
+        if started_at is None or started_at > killed_at + in_transit:  # had not streamed when it died: not lost
             assert outcome == ("ok", 96)
         else:
             assert outcome == ("ok", 96) or (outcome[0] == "UNAVAILABLE" and victim.address in outcome[1])

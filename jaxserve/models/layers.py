@@ -78,9 +78,11 @@ def apply_rope(x, positions, inverse_frequencies):
     return x * cos + rotated * sin
 
 
-# Rows up to which the CPU kernel serves a dot: for bfloat16 it beats XLA:CPU's YNNPACK dot up to about 8
-# rows; XLA has no float16 dot that reads the weight as stored, so float16 uses the kernel as far as it goes.
-SMALL_MATMUL_MAX_ROWS = {jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.float16): 64}
+# Rows up to which the CPU kernel serves a dot. bfloat16: it beats XLA:CPU's YNNPACK dot up to about 8
+# rows. float16: XLA has no dot that reads the weight as stored, so the kernel goes as far as it can.
+# float32: XLA's matrix-vector product reads one row's weights at about 0.85x the kernel's speed (its
+# threads split the work less evenly); from two rows on, XLA's matrix product is as fast (issue #16).
+SMALL_MATMUL_MAX_ROWS = {jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.float16): 64, jnp.dtype(jnp.float32): 1}
 
 
 def _use_small_matmul(num_rows: int, weight) -> bool:
@@ -104,8 +106,8 @@ def project(x, weight, bias=None, *, transposed: bool = False):
     rows, the C++ kernel that widens each element in registers; otherwise a dot asking for float32
     results with at least two rows, which XLA:CPU gives its YNNPACK fusion (it reads 16-bit weights as
     they are; a one-row dot becomes a matrix-vector product without it, so one row is padded to two).
-    Float32 weights keep XLA's plain dot (its matrix-vector product reads them at memory speed). Float16
-    beyond the kernel's rows (prefill) is still widened by XLA, once per step for many tokens.
+    Float32 weights use the kernel for one row and XLA's plain dot beyond. Float16 beyond the kernel's
+    rows (prefill) is still widened by XLA, once per step for many tokens.
     """
     *lead, size = x.shape
     rows = x.reshape(-1, size).astype(weight.dtype)  # as nnx.Linear, computing in the params' dtype
@@ -123,9 +125,31 @@ def project(x, weight, bias=None, *, transposed: bool = False):
             y = jax.lax.dot_general(rows, weight, (((1,), contracting), ((), ())), preferred_element_type=jnp.float32)
         if y.shape[0] != num_rows:
             y = y[:num_rows]
+    return _finish(y, bias, rows.dtype, lead)
+
+
+def _finish(y, bias, dtype, lead):
+    """A float32 projection [rows, out] plus bias, in `dtype`, with x's leading axes back."""
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    return y.astype(rows.dtype).reshape(*lead, y.shape[-1])
+    return y.astype(dtype).reshape(*lead, y.shape[-1])
+
+
+def project_many(x, linears):
+    """The same x through several Linears (a layer's q, k and v; gate and up): on the CPU kernel's path
+    one call for all of them, so that its threads share their work and a decode step makes fewer calls;
+    otherwise each Linear on its own. Same results as [linear(x) for linear in linears]."""
+    weights = [linear.kernel[...] for linear in linears]
+    *lead, size = x.shape
+    dtype = weights[0].dtype
+    rows = x.reshape(-1, size).astype(dtype)
+    if (all(isinstance(linear, Linear) and linear.dtype in (None, dtype) for linear in linears)
+            and all(w.dtype == dtype for w in weights) and _use_small_matmul(rows.shape[0], weights[0])):
+        from pallas_kernels.paged_attention import cpu
+        ys = cpu.small_matmuls(rows, weights)
+        return [_finish(y, None if linear.bias is None else linear.bias[...], dtype, lead)
+                for y, linear in zip(ys, linears)]
+    return [linear(x) for linear in linears]
 
 
 class Linear(nnx.Linear):
@@ -165,9 +189,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x, key_pages, value_pages, metadata: AttentionMetadata):
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = project_many(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inverse_frequencies = jnp.asarray(self.inverse_frequencies, jnp.float32)
@@ -187,4 +212,5 @@ class MLP(nnx.Module):
         self.activation = config.hidden_act
 
     def __call__(self, x):
-        return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project_many(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(ACTIVATIONS[self.activation](gate) * up)

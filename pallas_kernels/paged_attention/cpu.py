@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = (os.path.join(HERE, "cpu_kernel.cc"), os.path.join(HERE, "cpu_matmul.cc"))  # one library
+HEADERS = (os.path.join(HERE, "cpu_workers.h"),)  # part of the build's cache key
 ATTENTION_TARGET = "jaxserve_cpu_paged_attention"
 WRITE_TARGET = "jaxserve_cpu_write_kv_pages"
 MATMUL_TARGET = "jaxserve_cpu_small_matmul"
@@ -43,7 +44,7 @@ def _build(library_path: str) -> None:
     os.makedirs(os.path.dirname(library_path), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(library_path)) as staging:
         staged = os.path.join(staging, "kernel.so")
-        command = [compiler, "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC",
+        command = [compiler, "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC",
                    "-I", jax.ffi.include_dir(), *SOURCES, "-o", staged]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
@@ -54,7 +55,7 @@ def _build(library_path: str) -> None:
 @functools.cache
 def _register() -> bool:
     sources = b""
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         with open(source, "rb") as f:
             sources += f.read()
     key = hashlib.sha256(sources + jax.__version__.encode() + platform.processor().encode()
@@ -107,10 +108,22 @@ def write_kv_pages(k_pages, v_pages, k, v, slot_ids):
 def small_matmul(x, w, *, transposed: bool = False):
     """x [M, K] @ w [K, N] (w [N, K] when transposed) -> float32 [M, N], for M <= MATMUL_MAX_ROWS, x and w
     of one dtype: each weight element read once and widened in registers (cpu_matmul.cc)."""
-    _require(w.dtype)
-    if x.dtype != w.dtype or x.ndim != 2 or w.ndim != 2 or x.shape[0] > MATMUL_MAX_ROWS:
-        raise ValueError(f"small_matmul wants x [M <= {MATMUL_MAX_ROWS}, K] and a 2-d w of x's dtype, "
-                         f"got {x.shape} {x.dtype} and {w.shape} {w.dtype}")
-    columns = w.shape[0] if transposed else w.shape[1]
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32))
-    return call(x, w, transposed=transposed)
+    return small_matmuls(x, (w,), transposed=transposed)[0]
+
+
+def small_matmuls(x, weights, *, transposed: bool = False):
+    """small_matmul of one x by several weights in one call (a layer's q, k and v): the threads share the
+    work of all of them. Returns a tuple of float32 [M, N_i]."""
+    weights = tuple(weights)
+    for w in weights:
+        _require(w.dtype)
+        depth = w.shape[-1] if transposed else w.shape[0]
+        if x.dtype != w.dtype or x.ndim != 2 or w.ndim != 2 or x.shape[0] > MATMUL_MAX_ROWS or depth != x.shape[1]:
+            raise ValueError(f"small_matmul wants x [M <= {MATMUL_MAX_ROWS}, K] and 2-d weights of x's dtype "
+                             f"with K {'columns' if transposed else 'rows'}, got {x.shape} {x.dtype} and "
+                             f"{w.shape} {w.dtype}")
+    if not weights:
+        raise ValueError("small_matmuls wants at least one weight")
+    results = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transposed else w.shape[1]), jnp.float32)
+                    for w in weights)
+    return tuple(jax.ffi.ffi_call(MATMUL_TARGET, results)(x, *weights, transposed=transposed))

@@ -1,15 +1,16 @@
-// A few rows times a 16-bit weight matrix, for decode steps on the CPU, as an XLA FFI custom call:
-// out [M, N] float32 = x [M, K] @ w, with w [K, N] or (transposed) [N, K], all in one of float32,
-// bfloat16, float16, accumulated in float32.
+// A few rows times 16-bit (or float32) weight matrices, for decode steps on the CPU, as an XLA FFI
+// custom call: out_i [M, N_i] float32 = x [M, K] @ w_i, with each w_i [K, N_i] or (transposed)
+// [N_i, K], all in one of float32, bfloat16, float16, accumulated in float32.
 //
 // Why: XLA:CPU widens a 16-bit weight to float32 as a whole before a dot with few rows (issue #16),
 // so a bfloat16 decode step moved five times its weights' bytes. Here each weight element is read
 // once and widened in registers: the step costs the weights' bytes, which is the memory roofline.
 //
-// Work is split into column tiles of the output (rows of w when transposed) over XLA's intra-op
-// thread pool. Built by cpu.py together with cpu_kernel.cc.
+// Work is split into small items shared by the caller and helper threads (cpu_workers.h). Built by
+// cpu.py together with cpu_kernel.cc.
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -18,15 +19,28 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kColumns = 4096;  // output columns per tile ([K, N] weights): 8 KiB of a 16-bit row
-constexpr int64_t kWeightRowsPerTile = 256;  // outputs per tile ([N, K] weights)
-constexpr int64_t kMaxRows = 64;    // the wrapper sends no more
+constexpr int64_t kColumns = 4096;          // output columns per item ([K, N] weights): 8 KiB of a 16-bit row
+constexpr int64_t kItemBytes = 32 * 1024;    // weight bytes per work item: enough items to balance the threads
+constexpr int64_t kMaxRows = 64;             // the wrapper sends no more
+
+// Software prefetch, this many bytes ahead of the rows being read. Measured on a 2-core Xeon: a
+// bfloat16 stream read at 6 GB/s per core without (the out-of-order window, full of widening and
+// multiplying, issues too few misses at a time) and 8.5 with; float32 gains less.
+constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kLineBytes = 64;
+
+// Weight rows to prefetch ahead, rows of `row_bytes` apart: at least kPrefetchBytes, a multiple of 4.
+inline int64_t PrefetchRows(int64_t row_bytes) {
+  const int64_t rows = (kPrefetchBytes + row_bytes - 1) / std::max<int64_t>(1, row_bytes);
+  return std::max<int64_t>(4, (rows + 3) / 4 * 4);
+}
 
 inline float Widen(uint16_t bits, std::true_type /*bfloat16*/) {
   const uint32_t wide = uint32_t(bits) << 16;
@@ -69,17 +83,38 @@ struct Problem {
 };
 
 // Rows [k0, k1) of w [K, N] times x's columns [k0, k1), result columns [c0, c0 + width), added into
-// partial [M, N], for x rows [r0, r0 + R). Weight rows are walked in address order (whole rows, or
-// segments of kColumns elements: a stream the hardware prefetcher follows); each element is widened
-// in a register and used for all R rows.
+// partial [M, N], for x rows [r0, r0 + R). Four weight rows at a time: each accumulator is loaded and
+// stored once per four weight rows, and each weight element, widened in a register, serves all R rows.
+// The item's weight rows are walked in address order (a stream the hardware prefetcher follows).
 template <typename Tag, int R>
 void RowGroup(const Problem& p, int64_t r0, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
   using E = Element<Tag>;
   const auto* w = static_cast<const typename E::Stored*>(p.w);
   float* acc[R];
   for (int r = 0; r < R; ++r) acc[r] = partial + (r0 + r) * p.columns + c0;
-  for (int64_t k = k0; k < k1; ++k) {
-    const auto* segment = w + k * p.columns + c0;
+  constexpr int64_t kPerLine = kLineBytes / int64_t(sizeof(typename E::Stored));
+  const int64_t ahead = PrefetchRows(width * int64_t(sizeof(typename E::Stored))) * p.columns;
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    const auto* __restrict s0 = w + k * p.columns + c0;
+    const auto* __restrict s1 = s0 + p.columns;
+    const auto* __restrict s2 = s1 + p.columns;
+    const auto* __restrict s3 = s2 + p.columns;
+    float xv[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) xv[r][j] = p.x[(r0 + r) * p.depth + k + j];
+    for (int64_t line = 0; line < width; line += kPerLine) {
+      for (int64_t j = 0; j < 4; ++j) __builtin_prefetch(s0 + ahead + j * p.columns + line);
+      const int64_t end = std::min(width, line + kPerLine);
+#pragma omp simd
+      for (int64_t c = line; c < end; ++c) {
+        const float w0 = E::ToFloat(s0[c]), w1 = E::ToFloat(s1[c]), w2 = E::ToFloat(s2[c]), w3 = E::ToFloat(s3[c]);
+        for (int r = 0; r < R; ++r) acc[r][c] += (xv[r][0] * w0 + xv[r][1] * w1) + (xv[r][2] * w2 + xv[r][3] * w3);
+      }
+    }
+  }
+  for (; k < k1; ++k) {
+    const auto* __restrict segment = w + k * p.columns + c0;
     float xv[R];
     for (int r = 0; r < R; ++r) xv[r] = p.x[(r0 + r) * p.depth + k];
 #pragma omp simd
@@ -102,14 +137,41 @@ void RowBlock(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t widt
   }
 }
 
-// Outputs [n0, n0 + count) of every row, w [N, K]: each is a dot product of two contiguous rows.
+// Outputs [n0, n0 + count) of every row, w [N, K]: each is a dot product of two contiguous rows. One
+// row of x: four weight rows at a time, widened and multiplied in one pass; more: each weight row is
+// widened once into `wide` (in L1) and reused for every row of x.
 template <typename Tag>
-void TransposedTile(const Problem& p, int64_t n0, int64_t count) {
+void TransposedItem(const Problem& p, int64_t n0, int64_t count, float* wide) {
   using E = Element<Tag>;
   const auto* w = static_cast<const typename E::Stored*>(p.w);
-  std::vector<float> wide(p.depth);
+  constexpr int64_t kPerLine = kLineBytes / int64_t(sizeof(typename E::Stored));
+  const int64_t ahead = PrefetchRows(p.depth * int64_t(sizeof(typename E::Stored))) * p.depth;
   for (int64_t n = n0; n < n0 + count; ++n) {
-    const auto* row = w + n * p.depth;
+    const auto* __restrict row = w + n * p.depth;
+    for (int64_t line = 0; line < p.depth; line += kPerLine) __builtin_prefetch(row + ahead + line);
+    if (p.rows == 1 && n + 4 <= n0 + count) {  // four outputs at once: four independent sums
+      for (int64_t j = 1; j < 4; ++j) {
+        for (int64_t line = 0; line < p.depth; line += kPerLine) __builtin_prefetch(row + ahead + j * p.depth + line);
+      }
+      const auto* __restrict row1 = row + p.depth;
+      const auto* __restrict row2 = row1 + p.depth;
+      const auto* __restrict row3 = row2 + p.depth;
+      float sum0 = 0.0f, sum1 = 0.0f, sum2 = 0.0f, sum3 = 0.0f;
+#pragma omp simd reduction(+ : sum0, sum1, sum2, sum3)
+      for (int64_t k = 0; k < p.depth; ++k) {
+        const float xk = p.x[k];
+        sum0 += xk * E::ToFloat(row[k]);
+        sum1 += xk * E::ToFloat(row1[k]);
+        sum2 += xk * E::ToFloat(row2[k]);
+        sum3 += xk * E::ToFloat(row3[k]);
+      }
+      p.out[n] = sum0;
+      p.out[n + 1] = sum1;
+      p.out[n + 2] = sum2;
+      p.out[n + 3] = sum3;
+      n += 3;
+      continue;
+    }
 #pragma omp simd
     for (int64_t k = 0; k < p.depth; ++k) wide[k] = E::ToFloat(row[k]);
     for (int64_t r = 0; r < p.rows; ++r) {
@@ -122,55 +184,92 @@ void TransposedTile(const Problem& p, int64_t n0, int64_t count) {
   }
 }
 
-// Tiles handed out from a shared counter to the caller and the pool's helpers (as cpu_kernel.cc's
-// attention: the caller waits for the tiles, never for helpers to start).
-void ParallelTiles(ffi::ThreadPool& pool, int64_t num_tiles, std::function<void(int64_t)> tile) {
-  struct Shared {
-    std::function<void(int64_t)> tile;
-    int64_t num_tiles = 0;
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  shared->tile = std::move(tile);
-  shared->num_tiles = num_tiles;
-  auto work = [shared]() {
-    for (int64_t t = shared->next++; t < shared->num_tiles; t = shared->next++) {
-      shared->tile(t);
-      shared->done++;
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tiles) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work(); });
-  work();
-  while (shared->done.load() < num_tiles) std::this_thread::yield();
+// How one weight's work is cut into items. [K, N] weights: column blocks of kColumns times runs of
+// about kItemBytes of weight rows; each worker accumulates into its own [M, N] partial (zeroed at its
+// first item), summed at the end. Transposed [N, K]: runs of weight rows (outputs), each written once.
+struct Plan {
+  Problem problem;
+  int64_t first_item = 0, num_items = 0;
+  int64_t blocks = 1, rows_per_item = 1;  // [K, N]
+  int64_t outputs_per_item = 1;           // [N, K]
+  int64_t partial_offset = 0;             // into each worker's partials, [K, N]
+};
+
+template <typename Tag>
+Plan MakePlan(const Problem& p, bool transposed) {
+  const int64_t element = sizeof(typename Element<Tag>::Stored);
+  Plan plan;
+  plan.problem = p;
+  if (transposed) {
+    plan.outputs_per_item = std::max<int64_t>(1, kItemBytes / (p.depth * element));
+    plan.num_items = (p.columns + plan.outputs_per_item - 1) / plan.outputs_per_item;
+    return plan;
+  }
+  plan.blocks = (p.columns + kColumns - 1) / kColumns;
+  plan.rows_per_item = std::max<int64_t>(4, kItemBytes / (std::min(kColumns, p.columns) * element));
+  plan.num_items = plan.blocks * ((p.depth + plan.rows_per_item - 1) / plan.rows_per_item);
+  return plan;
 }
 
-// Tiles: column blocks of kColumns times parts of K, so that every thread has work even when N fits
-// one block; each part accumulates into its own [M, N] partial, summed at the end.
+// Several weights times the same x (a layer's q, k and v, or gate and up) in one call: the items of
+// all of them in one schedule, so the threads stay busy across the weights' boundaries.
 template <typename Tag>
-void Run(ffi::ThreadPool& pool, const Problem& p, bool transposed) {
-  if (transposed) {
-    ParallelTiles(pool, (p.columns + kWeightRowsPerTile - 1) / kWeightRowsPerTile, [p](int64_t t) {
-      TransposedTile<Tag>(p, t * kWeightRowsPerTile, std::min(kWeightRowsPerTile, p.columns - t * kWeightRowsPerTile));
-    });
-    return;
+void Run(ffi::ThreadPool& pool, std::vector<Problem> problems, bool transposed) {
+  const int64_t num_workers = std::max<int64_t>(1, pool.num_threads());
+  std::vector<Plan> plans;
+  int64_t num_items = 0, partial_size = 0, depth = 0;
+  for (const Problem& p : problems) {
+    plans.push_back(MakePlan<Tag>(p, transposed));
+    plans.back().first_item = num_items;
+    plans.back().partial_offset = partial_size;
+    num_items += plans.back().num_items;
+    if (!transposed) partial_size += p.rows * p.columns;
+    depth = std::max(depth, p.depth);
   }
-  const int64_t blocks = (p.columns + kColumns - 1) / kColumns;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = std::min<int64_t>(p.depth, (threads + blocks - 1) / blocks);
-  std::vector<float> partials(parts * p.rows * p.columns, 0.0f);
-  float* partial_data = partials.data();
-  ParallelTiles(pool, blocks * parts, [p, blocks, parts, partial_data](int64_t t) {
-    const int64_t block = t % blocks, part = t / blocks;
-    const int64_t c0 = block * kColumns, k0 = p.depth * part / parts, k1 = p.depth * (part + 1) / parts;
-    RowBlock<Tag>(p, k0, k1, c0, std::min(kColumns, p.columns - c0), partial_data + part * p.rows * p.columns);
-  });
-  const int64_t size = p.rows * p.columns;
-  std::memcpy(p.out, partial_data, size * sizeof(float));
-  for (int64_t part = 1; part < parts; ++part) {
+  // Per worker: its partials ([K, N]) or one widened weight row ([N, K], more than one row of x).
+  const int64_t scratch_size = transposed ? depth : partial_size;
+  std::vector<float> scratch(num_workers * scratch_size);
+  std::vector<char> used(num_workers, 0);
+  float* scratch_data = scratch.data();
+  char* used_data = used.data();
+  const Plan* plan_data = plans.data();
+  const int64_t num_plans = int64_t(plans.size());
+  jaxserve_cpu::RunItems(num_workers, num_items, [=](int64_t worker, int64_t item) {
+    const Plan* plan = plan_data;
+    while (plan + 1 < plan_data + num_plans && item >= plan[1].first_item) ++plan;
+    const Problem& p = plan->problem;
+    const int64_t i = item - plan->first_item;
+    float* mine = scratch_data + worker * scratch_size;
+    if (transposed) {
+      const int64_t n0 = i * plan->outputs_per_item;
+      TransposedItem<Tag>(p, n0, std::min(plan->outputs_per_item, p.columns - n0), mine);
+      return;
+    }
+    if (!used_data[worker]) {
+      std::memset(mine, 0, scratch_size * sizeof(float));
+      used_data[worker] = 1;
+    }
+    const int64_t block = i % plan->blocks, run = i / plan->blocks;
+    const int64_t c0 = block * kColumns, k0 = run * plan->rows_per_item;
+    RowBlock<Tag>(p, k0, std::min(p.depth, k0 + plan->rows_per_item), c0, std::min(kColumns, p.columns - c0),
+                  mine + plan->partial_offset);
+  }, getenv("JS_XLA_POOL") ? std::function<void(std::function<void()>)>([&pool](std::function<void()> f) { pool.Schedule([f] { f(); }); }) : nullptr);
+  if (transposed) return;
+  for (const Plan& plan : plans) {
+    const Problem& p = plan.problem;
+    const int64_t size = p.rows * p.columns;
+    bool first = true;
+    for (int64_t worker = 0; worker < num_workers; ++worker) {
+      if (!used_data[worker]) continue;
+      const float* partial = scratch_data + worker * scratch_size + plan.partial_offset;
+      if (first) {
+        std::memcpy(p.out, partial, size * sizeof(float));
+        first = false;
+        continue;
+      }
 #pragma omp simd
-    for (int64_t i = 0; i < size; ++i) p.out[i] += partial_data[part * size + i];
+      for (int64_t i = 0; i < size; ++i) p.out[i] += partial[i];
+    }
   }
 }
 
@@ -180,34 +279,45 @@ void WidenRows(const void* x, int64_t count, float* out) {
   for (int64_t i = 0; i < count; ++i) out[i] = Element<Tag>::ToFloat(in[i]);
 }
 
-ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, bool transposed,
-                       ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  const auto x_dims = x.dimensions(), w_dims = w.dimensions();
-  if (x_dims.size() != 2 || w_dims.size() != 2) return ffi::Error::InvalidArgument("small_matmul: x, w must be 2-d");
+template <typename Tag>
+void WidenAndRun(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, std::vector<Problem> problems, bool transposed) {
+  const int64_t count = problems[0].rows * problems[0].depth;
+  std::vector<float> x_wide(count);
+  WidenRows<Tag>(x.untyped_data(), count, x_wide.data());
+  for (Problem& p : problems) p.x = x_wide.data();
+  Run<Tag>(pool, std::move(problems), transposed);
+}
+
+// x [M, K] times each weight w_i ([K, N_i], or [N_i, K] when transposed), into out_i [M, N_i] float32.
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs weights, ffi::RemainingRets outs,
+                       bool transposed) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() != 2) return ffi::Error::InvalidArgument("small_matmul: x must be 2-d");
   const int64_t rows = x_dims[0], depth = x_dims[1];
-  const int64_t columns = transposed ? w_dims[0] : w_dims[1];
-  if ((transposed ? w_dims[1] : w_dims[0]) != depth || rows > kMaxRows || out->element_count() != size_t(rows * columns)) {
-    return ffi::Error::InvalidArgument("small_matmul: inconsistent shapes");
+  if (rows > kMaxRows) return ffi::Error::InvalidArgument("small_matmul: too many rows");
+  if (weights.size() == 0 || weights.size() != outs.size()) {
+    return ffi::Error::InvalidArgument("small_matmul: one result per weight, at least one weight");
   }
-  const ffi::DataType type = w.element_type();
-  if (x.element_type() != type) return ffi::Error::InvalidArgument("small_matmul: x and w must share a dtype");
-  std::vector<float> x_wide(rows * depth);
-  Problem p{w.untyped_data(), x_wide.data(), out->typed_data(), rows, depth, columns};
+  const ffi::DataType type = x.element_type();
+  std::vector<Problem> problems;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    auto w = weights.get<ffi::AnyBuffer>(i);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("small_matmul: bad weight or result");
+    const auto w_dims = w->dimensions();
+    if (w_dims.size() != 2) return ffi::Error::InvalidArgument("small_matmul: weights must be 2-d");
+    const int64_t columns = transposed ? w_dims[0] : w_dims[1];
+    if ((transposed ? w_dims[1] : w_dims[0]) != depth || (*out)->element_count() != size_t(rows * columns)) {
+      return ffi::Error::InvalidArgument("small_matmul: inconsistent shapes");
+    }
+    if (w->element_type() != type) return ffi::Error::InvalidArgument("small_matmul: x and w must share a dtype");
+    problems.push_back(Problem{w->untyped_data(), nullptr, (*out)->typed_data(), rows, depth, columns});
+  }
   switch (type) {
-    case ffi::DataType::BF16:
-      WidenRows<BF16Tag>(x.untyped_data(), rows * depth, x_wide.data());
-      Run<BF16Tag>(pool, p, transposed);
-      break;
-    case ffi::DataType::F16:
-      WidenRows<F16Tag>(x.untyped_data(), rows * depth, x_wide.data());
-      Run<F16Tag>(pool, p, transposed);
-      break;
-    case ffi::DataType::F32:
-      WidenRows<float>(x.untyped_data(), rows * depth, x_wide.data());
-      Run<float>(pool, p, transposed);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("small_matmul: float32, bfloat16 or float16 only");
+    case ffi::DataType::BF16: WidenAndRun<BF16Tag>(pool, x, std::move(problems), transposed); break;
+    case ffi::DataType::F16: WidenAndRun<F16Tag>(pool, x, std::move(problems), transposed); break;
+    case ffi::DataType::F32: WidenAndRun<float>(pool, x, std::move(problems), transposed); break;
+    default: return ffi::Error::InvalidArgument("small_matmul: float32, bfloat16 or float16 only");
   }
   return ffi::Error::Success();
 }
@@ -218,6 +328,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmul, SmallMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attr<bool>("transposed")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<bool>("transposed"));

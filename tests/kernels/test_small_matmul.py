@@ -70,3 +70,58 @@ def test_the_widening_check_sees_xla_widening_a_weight():
     x, w = jnp.ones((1, 64), jnp.bfloat16), jnp.ones((64, 96), jnp.bfloat16)
     hlo = jax.jit(jnp.dot).lower(x, w).compile().as_text()
     assert _widened_weights(hlo, (64, 96))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_several_weights_in_one_call_match_numpy(dtype, transposed):
+    """A layer's q, k and v (or gate and up) in one call: each result as its own product, for weights of
+    different widths whose work items the threads share across the weights' boundaries."""
+    rng = np.random.default_rng(2)
+    rows, depth = 3, 72
+    x = jnp.asarray(rng.standard_normal((rows, depth)), dtype)
+    widths = (96, 24, 4100)
+    weights = [jnp.asarray(rng.standard_normal((n, depth) if transposed else (depth, n)), dtype) for n in widths]
+    got = jax.jit(lambda x, *ws: cpu.small_matmuls(x, ws, transposed=transposed))(x, *weights)
+    assert len(got) == len(weights)
+    for result, w in zip(got, weights):
+        wide_w = np.asarray(w, np.float64)
+        expected = np.asarray(x, np.float64) @ (wide_w.T if transposed else wide_w)
+        assert result.dtype == jnp.float32 and result.shape == expected.shape
+        np.testing.assert_allclose(np.asarray(result), expected, rtol=1e-5, atol=1e-4 * np.sqrt(depth))
+
+
+def test_several_weights_refuse_mismatched_depth_or_dtype():
+    x = jnp.ones((1, 8), jnp.float32)
+    with pytest.raises(ValueError, match="small_matmul"):
+        cpu.small_matmuls(x, (jnp.ones((8, 4), jnp.float32), jnp.ones((9, 4), jnp.float32)))
+    with pytest.raises(ValueError, match="small_matmul"):
+        cpu.small_matmuls(x, (jnp.ones((8, 4), jnp.float32), jnp.ones((8, 4), jnp.bfloat16)))
+    with pytest.raises(ValueError, match="at least one"):
+        cpu.small_matmuls(x, ())
+
+
+@pytest.mark.parametrize("dtype,rows", [(jnp.float32, 1), (jnp.float32, 2), (jnp.bfloat16, 1), (jnp.bfloat16, 8),
+                                        (jnp.bfloat16, 9)])
+def test_project_many_is_each_linear_and_one_call_where_the_kernel_serves(dtype, rows):
+    """project_many (q, k, v; gate, up) gives each Linear's own result, biases included, and makes one
+    kernel call for all of them where the kernel serves that many rows (float32: one row only)."""
+    from flax import nnx
+
+    from jaxserve.models.layers import linear, project_many
+
+    rngs = nnx.Rngs(0)
+    linears = [linear(48, n, ("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs)
+               for n, bias in [(48, True), (16, False), (16, True)]]
+    for module in linears:
+        if module.bias is not None:
+            module.bias[...] = jnp.asarray(np.random.default_rng(3).standard_normal(module.bias.shape), dtype)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((rows, 48)), dtype)
+    fused = nnx.jit(lambda x: project_many(x, linears))
+    got = fused(x)
+    expected = [module(x) for module in linears]
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+    hlo = jax.jit(lambda x: project_many(x, linears)).lower(x).compile().as_text()
+    calls = hlo.count(f'custom_call_target="{cpu.MATMUL_TARGET}"')
+    assert calls == (1 if rows <= SMALL_MATMUL_MAX_ROWS[jnp.dtype(dtype)] else 0)

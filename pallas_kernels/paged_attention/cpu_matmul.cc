@@ -10,7 +10,6 @@
 // cpu.py together with cpu_kernel.cc.
 
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -253,7 +252,7 @@ void Run(ffi::ThreadPool& pool, std::vector<Problem> problems, bool transposed) 
     const int64_t c0 = block * kColumns, k0 = run * plan->rows_per_item;
     RowBlock<Tag>(p, k0, std::min(p.depth, k0 + plan->rows_per_item), c0, std::min(kColumns, p.columns - c0),
                   mine + plan->partial_offset);
-  }, getenv("JS_XLA_POOL") ? std::function<void(std::function<void()>)>([&pool](std::function<void()> f) { pool.Schedule([f] { f(); }); }) : nullptr);
+  });
   if (transposed) return;
   for (const Plan& plan : plans) {
     const Problem& p = plan.problem;

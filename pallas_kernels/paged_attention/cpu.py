@@ -94,7 +94,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages, page_table.astype(np.int32), token_seq_ids.astype(np.int32),
                 positions.astype(np.int32), query_block=np.int64(query_block),
-                sliding_window=np.int64(sliding_window or 0))
+                sliding_window=np.int64(sliding_window or 0), own_helpers=jax.device_count() == 1)
 
 
 def write_kv_pages(k_pages, v_pages, k, v, slot_ids):

@@ -5,7 +5,8 @@
 // pages in tiles of kKeysPerTile keys, reading K/V in place through the page table, with an online
 // softmax in float32. 16-bit keys and values are widened to float32 a tile at a time, so a step
 // converts only the keys it reads: XLA:CPU itself widens 16-bit gathers and scatters over the whole
-// page pool. Blocks are spread over XLA's intra-op thread pool.
+// page pool. Blocks (and, when there are few, ranges of their keys) are spread over the caller and
+// helper threads (cpu_workers.h).
 //
 // The KV write copies each token's [K, D] row into its slot of the pages, which the call returns
 // aliased (XLA passes the donated pool itself, so the write is in place).
@@ -23,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -137,9 +139,20 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// One block's softmax state over a range of keys, for merging with the block's other ranges: per row
+// the running max, the denominator and the unnormalized [D] accumulator.
+struct PartialState {
+  float* max;          // [rows]
+  float* denominator;  // [rows]
+  float* accumulator;  // [rows, D]
+};
+
 // Rows of a block are (token b, query head h): row = b * H + h, its kv head is h / (H / K).
+// Keys [key_begin, key_end) of the block (a multiple of kKeysPerTile apart from the start, or the
+// whole sequence): the block's output when `partial` is null, else its softmax state there.
 template <typename T>
-void AttendBlock(const Problem<T>& p, int64_t block, Scratch& s) {
+void AttendRange(const Problem<T>& p, int64_t block, int64_t key_begin, int64_t key_end, Scratch& s,
+                 const PartialState* partial) {
   const int64_t B = p.query_block, H = p.num_heads, D = p.head_dim, K = p.num_kv_heads;
   const int64_t groups = H / K, rows = B * H, first_token = block * B, row_width = K * D;
   const int32_t* positions = p.positions + first_token;
@@ -151,7 +164,12 @@ void AttendBlock(const Problem<T>& p, int64_t block, Scratch& s) {
     min_position = std::min(min_position, positions[b]);
   }
   T* out = p.out + first_token * H * D;
-  std::fill(out, out + rows * D, FromFloat<T>(0.0f));
+  if (partial == nullptr) std::fill(out, out + rows * D, FromFloat<T>(0.0f));
+  if (partial != nullptr) {
+    std::fill(partial->max, partial->max + rows, kNegativeInfinity);
+    std::fill(partial->denominator, partial->denominator + rows, 0.0f);
+    std::fill(partial->accumulator, partial->accumulator + rows * D, 0.0f);
+  }
   if (max_position < 0) return;  // a block of padding
 
   s.queries.resize(rows * D);
@@ -167,10 +185,12 @@ void AttendBlock(const Problem<T>& p, int64_t block, Scratch& s) {
   int64_t first_key = 0;
   if (p.sliding_window > 0) first_key = std::max<int64_t>(0, min_position - p.sliding_window + 1);
   first_key -= first_key % kKeysPerTile;
+  first_key = std::max(first_key, key_begin);
+  const int64_t last_key = std::min<int64_t>(max_position, key_end - 1);
   const float* key_rows[kKeysPerTile];
   const float* value_rows[kKeysPerTile];
-  for (int64_t tile_start = first_key; tile_start <= max_position; tile_start += kKeysPerTile) {
-    const int64_t num_keys = std::min<int64_t>(kKeysPerTile, max_position + 1 - tile_start);
+  for (int64_t tile_start = first_key; tile_start <= last_key; tile_start += kKeysPerTile) {
+    const int64_t num_keys = std::min<int64_t>(kKeysPerTile, last_key + 1 - tile_start);
     for (int64_t t = 0; t < num_keys; ++t) {
       const int64_t key = tile_start + t;
       const int64_t slot = int64_t(pages[key / p.page_size]) * p.page_size + key % p.page_size;
@@ -239,6 +259,12 @@ void AttendBlock(const Problem<T>& p, int64_t block, Scratch& s) {
       }
     }
   }
+  if (partial != nullptr) {
+    std::copy(s.running_max.begin(), s.running_max.begin() + rows, partial->max);
+    std::copy(s.denominator.begin(), s.denominator.begin() + rows, partial->denominator);
+    std::copy(s.accumulator.begin(), s.accumulator.begin() + rows * D, partial->accumulator);
+    return;
+  }
   for (int64_t row = 0; row < rows; ++row) {
     if (s.denominator[row] <= 0.0f) continue;  // saw no key: stays zero
     const float inverse = 1.0f / s.denominator[row];
@@ -246,46 +272,92 @@ void AttendBlock(const Problem<T>& p, int64_t block, Scratch& s) {
   }
 }
 
+// A block's output from the softmax states of its key ranges.
 template <typename T>
-void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T>& p, int64_t num_blocks) {
-  // Workers share a block counter; the caller works too and waits only for the blocks, never for
-  // the helpers to start: with several devices' programs on one pool (data parallelism on a CPU),
-  // a helper may not start until this call has long returned. It then finds no block left, and
-  // the state it touches is kept alive by the shared_ptr.
-  struct Shared {
-    Problem<T> problem;
-    int64_t num_blocks;
-    std::atomic<int64_t> next_block{0};
-    std::atomic<int64_t> blocks_done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  shared->problem = p;
-  shared->num_blocks = num_blocks;
-  auto work = [shared]() {
-    Scratch scratch;
-    for (int64_t block = shared->next_block++; block < shared->num_blocks; block = shared->next_block++) {
-      AttendBlock(shared->problem, block, scratch);
-      shared->blocks_done++;
+void MergeRanges(const Problem<T>& p, int64_t block, const PartialState* ranges, int64_t num_ranges) {
+  const int64_t rows = p.query_block * p.num_heads, D = p.head_dim;
+  T* out = p.out + block * rows * D;
+  std::vector<float> merged(D);
+  for (int64_t row = 0; row < rows; ++row) {
+    float max = kNegativeInfinity;
+    for (int64_t r = 0; r < num_ranges; ++r) max = std::max(max, ranges[r].max[row]);
+    std::fill(merged.begin(), merged.end(), 0.0f);
+    float denominator = 0.0f;
+    if (max != kNegativeInfinity) {
+      for (int64_t r = 0; r < num_ranges; ++r) {
+        if (ranges[r].denominator[row] <= 0.0f) continue;  // saw no key in this range
+        const float weight = exp_nonpositive(ranges[r].max[row] - max);
+        denominator += weight * ranges[r].denominator[row];
+        const float* accumulator = ranges[r].accumulator + row * D;
+        for (int64_t d = 0; d < D; ++d) merged[d] += weight * accumulator[d];
+      }
     }
+    const float inverse = denominator > 0.0f ? 1.0f / denominator : 0.0f;  // saw no key: zero
+    for (int64_t d = 0; d < D; ++d) out[row * D + d] = FromFloat<T>(merged[d] * inverse);
+  }
+}
+
+// Work items are (block, key range). A block is cut into ranges of whole tiles only when there are too
+// few blocks to keep the threads busy (one long sequence decoding): each range then leaves its softmax
+// state, merged into the block's output once all items are done (as flash-decoding does on a GPU).
+template <typename T>
+void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T>& p, int64_t num_blocks, bool own_helpers) {
+  const int64_t num_workers = std::max<int64_t>(1, thread_pool.num_threads());
+  const int64_t rows = p.query_block * p.num_heads, D = p.head_dim;
+  const int64_t wanted_items = 2 * num_workers;
+  const int64_t ranges_wanted = num_blocks >= wanted_items ? 1 : (wanted_items + num_blocks - 1) / num_blocks;
+  // Per block: its ranges' first item and the keys each range covers.
+  std::vector<int64_t> first_item(num_blocks + 1, 0), keys_per_range(num_blocks, 0);
+  for (int64_t block = 0; block < num_blocks; ++block) {
+    int32_t max_position = -1;
+    for (int64_t b = 0; b < p.query_block; ++b) max_position = std::max(max_position, p.positions[block * p.query_block + b]);
+    const int64_t tiles = (int64_t(max_position) + kKeysPerTile) / kKeysPerTile;  // 0 for padding
+    const int64_t ranges = std::max<int64_t>(1, std::min(ranges_wanted, tiles));
+    keys_per_range[block] = ranges == 1 ? std::numeric_limits<int32_t>::max() : (tiles + ranges - 1) / ranges * kKeysPerTile;
+    first_item[block + 1] = first_item[block] + ranges;
+  }
+  const int64_t num_items = first_item[num_blocks];
+  const bool split = num_items > num_blocks;
+  std::vector<float> states(split ? num_items * rows * (D + 2) : 0);
+  std::vector<PartialState> partials(split ? num_items : 0);
+  for (int64_t i = 0; i < int64_t(partials.size()); ++i) {
+    float* base = states.data() + i * rows * (D + 2);
+    partials[i] = PartialState{base, base + rows, base + 2 * rows};
+  }
+  std::vector<Scratch> scratch(num_workers);
+  const int64_t* first_item_data = first_item.data();
+  const int64_t* keys_per_range_data = keys_per_range.data();
+  const PartialState* partial_data = partials.data();
+  Scratch* scratch_data = scratch.data();
+  auto item = [&p, num_blocks, split, first_item_data, keys_per_range_data, partial_data, scratch_data](int64_t worker,
+                                                                                                     int64_t i) {
+    const int64_t block = std::upper_bound(first_item_data, first_item_data + num_blocks + 1, i) - first_item_data - 1;
+    const int64_t range = i - first_item_data[block];
+    const int64_t begin = range * keys_per_range_data[block];
+    AttendRange(p, block, begin, begin + keys_per_range_data[block], scratch_data[worker], split ? partial_data + i : nullptr);
   };
-  const int64_t num_helpers = std::min<int64_t>(thread_pool.num_threads(), num_blocks) - 1;
-  for (int64_t helper = 0; helper < num_helpers; ++helper) thread_pool.Schedule([work] { work(); });
-  work();
-  while (shared->blocks_done.load() < num_blocks) std::this_thread::yield();
+  // Several device programs share XLA's pool on a CPU mesh: there the helpers come from it.
+  std::function<void(std::function<void()>)> schedule = nullptr;
+  if (!own_helpers) schedule = [&thread_pool](std::function<void()> work) { thread_pool.Schedule([work] { work(); }); };
+  jaxserve_cpu::RunItems(num_workers, num_items, item, schedule);
+  if (!split) return;
+  for (int64_t block = 0; block < num_blocks; ++block) {
+    MergeRanges(p, block, partial_data + first_item[block], first_item[block + 1] - first_item[block]);
+  }
 }
 
 template <typename T>
 void Attend(ffi::ThreadPool& thread_pool, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_pages,
             const ffi::AnyBuffer& v_pages, const ffi::Buffer<ffi::S32>& page_table,
             const ffi::Buffer<ffi::S32>& token_seq_ids, const ffi::Buffer<ffi::S32>& positions, int64_t query_block,
-            int64_t sliding_window, ffi::AnyBuffer& out) {
+            int64_t sliding_window, bool own_helpers, ffi::AnyBuffer& out) {
   const auto q_dims = q.dimensions(), page_dims = k_pages.dimensions();
   Problem<T> p{static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k_pages.untyped_data()),
                static_cast<const T*>(v_pages.untyped_data()), page_table.typed_data(), token_seq_ids.typed_data(),
                positions.typed_data(), static_cast<T*>(out.untyped_data()), q_dims[1], page_dims[2], q_dims[2],
                page_dims[1], page_table.dimensions()[1], query_block, sliding_window,
                1.0f / std::sqrt(float(q_dims[2]))};
-  AttendAllBlocks(thread_pool, p, q_dims[0] / query_block);
+  AttendAllBlocks(thread_pool, p, q_dims[0] / query_block, own_helpers);
 }
 
 bool IsServedType(ffi::DataType type) {
@@ -295,7 +367,8 @@ bool IsServedType(ffi::DataType type) {
 ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                           ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
                           ffi::Buffer<ffi::S32> token_seq_ids, ffi::Buffer<ffi::S32> positions,
-                          int64_t query_block, int64_t sliding_window, ffi::Result<ffi::AnyBuffer> out) {
+                          int64_t query_block, int64_t sliding_window, bool own_helpers,
+                          ffi::Result<ffi::AnyBuffer> out) {
   const auto q_dims = q.dimensions(), page_dims = k_pages.dimensions(), table_dims = page_table.dimensions();
   if (q_dims.size() != 3 || page_dims.size() != 4 || table_dims.size() != 2) {
     return ffi::Error::InvalidArgument("paged attention: q must be [T, H, D], pages [N, page_size, K, D]");
@@ -311,15 +384,15 @@ ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::An
   switch (type) {
     case ffi::DataType::BF16:
       Attend<BFloat16>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block,
-                       sliding_window, *out);
+                       sliding_window, own_helpers, *out);
       break;
     case ffi::DataType::F16:
       Attend<Float16>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block,
-                      sliding_window, *out);
+                      sliding_window, own_helpers, *out);
       break;
     default:
       Attend<float>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block,
-                    sliding_window, *out);
+                    sliding_window, own_helpers, *out);
   }
   return ffi::Error::Success();
 }
@@ -373,6 +446,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("query_block")
                                   .Attr<int64_t>("sliding_window")
+                                  .Attr<bool>("own_helpers")
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKvPages, WriteKvPages,

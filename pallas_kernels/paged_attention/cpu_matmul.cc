@@ -124,11 +124,17 @@ void RowGroup(const Problem& p, int64_t r0, int64_t k0, int64_t k1, int64_t c0, 
   }
 }
 
+// x's rows in groups of up to eight, each group one pass over the item's weights: a decode step of up
+// to eight sequences reads its weights once.
 template <typename Tag>
 void RowBlock(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
   int64_t r0 = 0;
-  for (; r0 + 4 <= p.rows; r0 += 4) RowGroup<Tag, 4>(p, r0, k0, k1, c0, width, partial);
+  for (; r0 + 8 <= p.rows; r0 += 8) RowGroup<Tag, 8>(p, r0, k0, k1, c0, width, partial);
   switch (p.rows - r0) {
+    case 7: RowGroup<Tag, 7>(p, r0, k0, k1, c0, width, partial); break;
+    case 6: RowGroup<Tag, 6>(p, r0, k0, k1, c0, width, partial); break;
+    case 5: RowGroup<Tag, 5>(p, r0, k0, k1, c0, width, partial); break;
+    case 4: RowGroup<Tag, 4>(p, r0, k0, k1, c0, width, partial); break;
     case 3: RowGroup<Tag, 3>(p, r0, k0, k1, c0, width, partial); break;
     case 2: RowGroup<Tag, 2>(p, r0, k0, k1, c0, width, partial); break;
     case 1: RowGroup<Tag, 1>(p, r0, k0, k1, c0, width, partial); break;

@@ -105,7 +105,10 @@ class HelperThreads {
 // that join (workers 1, 2, ... in the order they start; at most max_workers in all). Items are taken
 // in contiguous runs that shrink as the work runs out (a guided schedule): each worker streams long
 // runs of memory at first, and the last items balance the threads however late a helper joined.
-inline void RunItems(int64_t max_workers, int64_t num_items, std::function<void(int64_t, int64_t)> item) {
+// `schedule`, when given, starts each helper instead (XLA's intra-op pool, where several device programs
+// share a CPU and spinning helpers would take cores from them).
+inline void RunItems(int64_t max_workers, int64_t num_items, std::function<void(int64_t, int64_t)> item,
+                     const std::function<void(std::function<void()>)>& schedule = nullptr) {
   if (num_items <= 0) return;
   struct Shared {
     std::function<void(int64_t, int64_t)> item;
@@ -131,7 +134,9 @@ inline void RunItems(int64_t max_workers, int64_t num_items, std::function<void(
     }
   };
   const int64_t wanted = shared->max_workers - 1;
-  if (wanted > 0) {
+  if (wanted > 0 && schedule) {
+    for (int64_t h = 0; h < wanted; ++h) schedule(work);
+  } else if (wanted > 0) {
     HelperThreads& helpers = HelperThreads::Get(max_workers - 1);
     if (helpers.size() > 0) helpers.Offer(std::make_shared<std::function<void()>>(work), wanted);
   }

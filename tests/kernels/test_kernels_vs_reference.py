@@ -179,3 +179,28 @@ def test_padded_pages_match_the_reference(head_dim, query_block, num_splits, dty
                                             query_block=query_block, num_splits=num_splits)
     assert got.shape == expected.shape
     assert_matches_on_real_tokens(got, expected, positions, TOLERANCE[jnp.dtype(dtype)])
+
+
+@pytest.mark.parametrize("dtype,query_block,sliding_window,length", [
+    (jnp.float32, 1, None, 700), (jnp.bfloat16, 1, None, 700), (jnp.float32, 1, 100, 700),
+    (jnp.float16, 8, None, 333), (jnp.float32, 8, 50, 333), (jnp.float32, 1, None, 40)])
+def test_cpu_kernel_splits_a_lone_sequence_over_its_keys(dtype, query_block, sliding_window, length):
+    """One sequence in the step (a single long decode, or one prefill chunk), next to a padding block: too
+    few blocks for the threads, so the kernel cuts the sequence's keys into ranges and merges their softmax
+    states. Ranges wholly outside a sliding window, or past some query rows' positions, see no key."""
+    rng = np.random.default_rng(length + query_block)
+    page_size, num_kv_heads, groups, head_dim, num_pages = 16, 2, 3, 64, 64
+    num_new = query_block if query_block == 1 else query_block - 3  # a chunk with padding rows
+    pages = cdiv(length, page_size)
+    page_table = np.zeros((2, pages + 1), np.int32)
+    page_table[0, :pages] = rng.permutation(np.arange(1, num_pages))[:pages]
+    positions = list(range(length - num_new, length)) + [-1] * (query_block - num_new) + [-1] * query_block
+    token_seq_ids = [0] * query_block + [1] * query_block
+    as_dtype = lambda x: jnp.asarray(x, dtype)
+    args = (as_dtype(rng.standard_normal((2 * query_block, num_kv_heads * groups, head_dim))),
+            as_dtype(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim))),
+            as_dtype(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim))),
+            jnp.asarray(page_table), jnp.asarray(token_seq_ids, jnp.int32), jnp.asarray(positions, jnp.int32))
+    expected = reference.ragged_paged_attention(*args, query_block=query_block, sliding_window=sliding_window)
+    got = cpu.ragged_paged_attention(*args, query_block=query_block, sliding_window=sliding_window)
+    assert_matches_on_real_tokens(got, expected, args[5], TOLERANCE[jnp.dtype(dtype)])

@@ -101,11 +101,11 @@ def test_several_weights_refuse_mismatched_depth_or_dtype():
         cpu.small_matmuls(x, ())
 
 
-@pytest.mark.parametrize("dtype,rows", [(jnp.float32, 1), (jnp.float32, 2), (jnp.bfloat16, 1), (jnp.bfloat16, 8),
+@pytest.mark.parametrize("dtype,rows", [(jnp.float32, 1), (jnp.float32, 8), (jnp.float32, 9), (jnp.bfloat16, 1), (jnp.bfloat16, 8),
                                         (jnp.bfloat16, 9)])
 def test_project_many_is_each_linear_and_one_call_where_the_kernel_serves(dtype, rows):
     """project_many (q, k, v; gate, up) gives each Linear's own result, biases included, and makes one
-    kernel call for all of them where the kernel serves that many rows (float32: one row only)."""
+    kernel call for all of them where the kernel serves that many rows."""
     from flax import nnx
 
     from jaxserve.models.layers import linear, project_many

@@ -1,0 +1,76 @@
+"""A one-device CPU engine's weights in transparent huge pages (issue #16).
+
+A decode step streams every weight once, and on the CPU that stream is what a step costs. Measured on
+a 2-core Xeon VM: a read over 4 KiB pages runs at 6-7 GB/s a core (15 GB/s on two); over 2 MiB huge
+pages at 13-14 GB/s a core (27 GB/s on two). XLA:CPU allocates its buffers with malloc, in 4 KiB pages
+(transparent huge pages are usually "madvise" only), so the weights are moved into one arena that asks
+for huge pages, and each weight is handed to XLA without a copy (a CPU `device_put` of a suitably aligned
+numpy array aliases it).
+
+One weight at a time: its old buffer is dropped as soon as its copy is in place, so loading never holds
+two copies of the weights. Wherever something does not hold (another platform, a mesh, XLA copying
+instead of aliasing), the weights stay where they are: a slower read, never a different result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE_BYTES = 2 << 20
+ALIGNMENT = 4096  # each weight's start in the arena (XLA aliases host buffers aligned to at least 64 bytes)
+MADV_HUGEPAGE = 14
+
+
+def _ask_for_huge_pages(arena: np.ndarray) -> bool:
+    """madvise(MADV_HUGEPAGE) before the arena is first touched, so its pages are faulted in huge."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return libc.madvise(arena.ctypes.data, arena.nbytes, MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _weights(model) -> list[nnx.Variable]:
+    return [node for _, node in nnx.iter_graph(model)
+            if isinstance(node, nnx.Variable) and isinstance(node.get_value(), jax.Array)]
+
+
+def move_weights_to_huge_pages(model) -> int:
+    """Moves a one-device CPU model's weights into a huge-page arena, in place. Returns the bytes moved
+    (0 where it does not apply or the platform refuses)."""
+    if not sys.platform.startswith("linux") or jax.default_backend() != "cpu" or jax.device_count() != 1:
+        return 0
+    variables = _weights(model)
+    sizes = [-(-variable.get_value().nbytes // ALIGNMENT) * ALIGNMENT for variable in variables]
+    total = sum(sizes)
+    if total < HUGE_PAGE_BYTES:
+        return 0
+    # Untouched memory: pages come into being as weights are copied in, while old buffers are freed.
+    raw = np.empty(total + HUGE_PAGE_BYTES, np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE_BYTES
+    arena = raw[start:start + total]
+    if not _ask_for_huge_pages(arena):
+        logger.info("madvise(MADV_HUGEPAGE) refused: weights stay in XLA's own buffers")
+        return 0
+    offset = 0
+    for variable, size in zip(variables, sizes):
+        old = variable.get_value()
+        view = arena[offset:offset + old.nbytes].view(old.dtype).reshape(old.shape)
+        np.copyto(view, np.asarray(old))
+        new = jax.device_put(view, old.sharding)
+        if new.unsafe_buffer_pointer() != view.ctypes.data:  # XLA copied: keep the weights where they were
+            logger.info("XLA copied a host buffer instead of aliasing it: weights stay in its own buffers")
+            return offset
+        variable.set_value(new)
+        del old, new
+        offset += size
+    return offset

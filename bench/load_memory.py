@@ -59,8 +59,9 @@ def child(path: str, dtype: str) -> None:
 
 
 def measure(path: str, dtype: str) -> dict:
-    result = subprocess.run([sys.executable, __file__, "--child", path, "--dtypes", dtype], capture_output=True,
-                            text=True, timeout=1800)
+    result = subprocess.run(
+        [sys.executable, __file__, "--child", path, "--dtypes", dtype], capture_output=True, text=True, timeout=1800
+    )
     if result.returncode != 0:
         raise RuntimeError(f"loading {path} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -87,14 +88,17 @@ def write_formats(model_path: str, directory: str, formats: list[str], dtypes: l
         os.makedirs(hf_dir)
         with open(os.path.join(hf_dir, "config.json"), "w") as f:
             json.dump(dict(config, torch_dtype="float32"), f)
-        save_file({name: np.ascontiguousarray(reader.read(name)) for name in reader.names},
-                  os.path.join(hf_dir, "model.safetensors"))
+        save_file(
+            {name: np.ascontiguousarray(reader.read(name)) for name in reader.names},
+            os.path.join(hf_dir, "model.safetensors"),
+        )
         paths["safetensors"] = dict.fromkeys(dtypes, hf_dir)
     if "gguf-f32" in formats:
         paths["gguf-f32"] = dict.fromkeys(dtypes, write_f32_gguf(gguf_path, directory))
     if "orbax" in formats:
-        paths["orbax"] = {dtype: write_orbax(hf_dir, os.path.join(directory, f"orbax-{dtype}"), dtype)
-                          for dtype in dtypes}
+        paths["orbax"] = {
+            dtype: write_orbax(hf_dir, os.path.join(directory, f"orbax-{dtype}"), dtype) for dtype in dtypes
+        }
     return {name: paths[name] for name in formats if name in paths}
 
 
@@ -113,8 +117,10 @@ def write_f32_gguf(gguf_path: str, directory: str) -> str:
 
 
 def write_orbax(hf_dir: str, directory: str, dtype: str) -> str:
-    script = (f"from jaxserve import LLM; LLM({hf_dir!r}, dtype={dtype!r}, num_pages=4, max_model_len=64, max_num_seqs=1, "
-              f"max_num_batched_tokens=64, show_progress=False).save_checkpoint({directory!r})")
+    script = (
+        f"from jaxserve import LLM; LLM({hf_dir!r}, dtype={dtype!r}, num_pages=4, max_model_len=64, max_num_seqs=1, "
+        f"max_num_batched_tokens=64, show_progress=False).save_checkpoint({directory!r})"
+    )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=1800)
     return directory
 
@@ -133,15 +139,26 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     worst = 0.0
     with tempfile.TemporaryDirectory(prefix="jaxserve-load-memory-") as directory:
-        for fmt, by_dtype in write_formats(resolve_model_path(args.model), directory, args.formats.split(","),
-                                           dtypes).items():
+        for fmt, by_dtype in write_formats(
+            resolve_model_path(args.model), directory, args.formats.split(","), dtypes
+        ).items():
             for dtype, path in by_dtype.items():
                 record = measure(path, dtype)
                 ratio = record["load_peak_rss_bytes"] / record["weights_bytes"]
                 worst = max(worst, ratio)
-                print(json.dumps(dict(format=fmt, dtype=dtype, weights_mb=round(record["weights_bytes"] / 2**20, 1),
-                                      load_peak_rss_mb=round(record["load_peak_rss_bytes"] / 2**20, 1),
-                                      ratio=round(ratio, 2), within_limit=ratio <= LIMIT)), flush=True)
+                print(
+                    json.dumps(
+                        dict(
+                            format=fmt,
+                            dtype=dtype,
+                            weights_mb=round(record["weights_bytes"] / 2**20, 1),
+                            load_peak_rss_mb=round(record["load_peak_rss_bytes"] / 2**20, 1),
+                            ratio=round(ratio, 2),
+                            within_limit=ratio <= LIMIT,
+                        )
+                    ),
+                    flush=True,
+                )
     print(json.dumps(dict(result="load_memory", worst_ratio=round(worst, 2), limit=LIMIT)))
 
 

@@ -22,11 +22,11 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-from sharding import build_mesh  # noqa: E402
-from jaxserve.models.moe import route  # noqa: E402
-from sharding.moe import expert_parallel_moe, place_experts, store_experts  # noqa: E402
 from timing import best_time  # noqa: E402
+
+from jaxserve.models.moe import route  # noqa: E402
+from sharding import build_mesh  # noqa: E402
+from sharding.moe import expert_parallel_moe, place_experts, store_experts  # noqa: E402
 
 NOTE = "fake CPU devices share the machine's cores: these times show overhead, not speedup"
 
@@ -50,42 +50,70 @@ def layer_bench(rng, tokens=512, embed=256, mlp=512, num_experts=8, top_k=2) -> 
     down = jnp.asarray(rng.standard_normal((num_experts, mlp, embed)) * 0.05, jnp.float32)
     reference = jax.jit(dense_moe, static_argnums=5)
     expected = reference(x, router, gate, up, down, top_k)
-    emit(bench="moe_layer", ep=1, num_experts=num_experts, impl="every expert on every token, one device", note=NOTE,
-         ms=round(best_time(reference, x, router, gate, up, down, top_k) * 1e3, 2))
+    emit(
+        bench="moe_layer",
+        ep=1,
+        num_experts=num_experts,
+        impl="every expert on every token, one device",
+        note=NOTE,
+        ms=round(best_time(reference, x, router, gate, up, down, top_k) * 1e3, 2),
+    )
     for ep in (2, 4, 8):
         mesh = build_mesh(data_parallel_size=ep, devices=jax.devices()[:ep])
         device_of, slot_of, order = place_experts(None, num_experts, ep)
-        layer = jax.jit(lambda x, router, *rest: expert_parallel_moe(x, *route(x @ router, top_k), *rest, mesh=mesh,
-                                                                     axis="data"))
+        layer = jax.jit(
+            lambda x, router, *rest, mesh=mesh: expert_parallel_moe(
+                x, *route(x @ router, top_k), *rest, mesh=mesh, axis="data"
+            )
+        )
         args = (x, router, *(store_experts(w, order) for w in (gate, up, down)), device_of, slot_of)
         error = float(jnp.abs(layer(*args) - expected).max())
-        emit(bench="moe_layer", ep=ep, num_experts=num_experts, stored_rows=len(order),
-             impl="all-to-all, grouped matmuls", ms=round(best_time(layer, *args) * 1e3, 2),
-             max_error_vs_single_device=error)
+        emit(
+            bench="moe_layer",
+            ep=ep,
+            num_experts=num_experts,
+            stored_rows=len(order),
+            impl="all-to-all, grouped matmuls",
+            ms=round(best_time(layer, *args) * 1e3, 2),
+            max_error_vs_single_device=error,
+        )
 
 
 def engine_bench(fixture: str, eps: tuple[int, ...]) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from tests.support.fixtures import SMALL_ENGINE, fixture_dir
-
     from jaxserve import LLM, SamplingParams
+    from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 
     rng = np.random.default_rng(0)
     prompts = [[1] + rng.integers(3, 384, size=int(n)).tolist() for n in rng.integers(8, 60, size=16)]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     baseline = None
     for ep in eps:
-        llm = LLM(fixture_dir(fixture), **{**SMALL_ENGINE, "data_parallel_size": ep, "enable_prefix_caching": False,
-                                           "enable_expert_parallel": ep > 1})
+        llm = LLM(
+            fixture_dir(fixture),
+            **{
+                **SMALL_ENGINE,
+                "data_parallel_size": ep,
+                "enable_prefix_caching": False,
+                "enable_expert_parallel": ep > 1,
+            },
+        )
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - start
         tokens = [o.outputs[0].token_ids for o in outputs]
         baseline = baseline or tokens
-        emit(bench="moe_engine", fixture=fixture, data_parallel_size=ep, expert_parallel=ep > 1,
-             output_tokens_per_s=round(16 * 32 / seconds, 1), same_outputs_as_one_device=tokens == baseline,
-             device_imbalance=llm.stats().get("expert_device_imbalance"), note=NOTE)
+        emit(
+            bench="moe_engine",
+            fixture=fixture,
+            data_parallel_size=ep,
+            expert_parallel=ep > 1,
+            output_tokens_per_s=round(16 * 32 / seconds, 1),
+            same_outputs_as_one_device=tokens == baseline,
+            device_imbalance=llm.stats().get("expert_device_imbalance"),
+            note=NOTE,
+        )
         if ep > 1:  # place experts by the load just routed, then serve the same workload again
             before = llm.stats()
             llm.rebalance_experts()
@@ -93,12 +121,17 @@ def engine_bench(fixture: str, eps: tuple[int, ...]) -> None:
             devices = np.asarray(llm.stats()["expert_devices"])
             rerun = np.asarray(llm.stats()["expert_tokens"]) - np.asarray(before["expert_tokens"])
             per_layer = np.stack([np.bincount(d, weights=t, minlength=ep) for d, t in zip(devices, rerun)])
-            emit(bench="moe_engine_rebalanced", fixture=fixture, data_parallel_size=ep,
-                 device_tokens_before=before["expert_device_tokens"], device_tokens_after=per_layer.sum(0).astype(int).tolist(),
-                 device_imbalance_before=before["expert_device_imbalance"],
-                 device_imbalance_after=round(per_layer.max(1).sum() / per_layer.mean(1).sum(), 4),
-                 same_outputs_as_one_device=[o.outputs[0].token_ids for o in outputs] == baseline,
-                 compiles_after_warmup=llm.stats()["num_compiles_after_warmup"])
+            emit(
+                bench="moe_engine_rebalanced",
+                fixture=fixture,
+                data_parallel_size=ep,
+                device_tokens_before=before["expert_device_tokens"],
+                device_tokens_after=per_layer.sum(0).astype(int).tolist(),
+                device_imbalance_before=before["expert_device_imbalance"],
+                device_imbalance_after=round(per_layer.max(1).sum() / per_layer.mean(1).sum(), 4),
+                same_outputs_as_one_device=[o.outputs[0].token_ids for o in outputs] == baseline,
+                compiles_after_warmup=llm.stats()["num_compiles_after_warmup"],
+            )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,15 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MESHES = {"tp8": {"tensor_parallel_size": 8}, "dp2tp4": {"data_parallel_size": 2, "tensor_parallel_size": 4},
-          "dp8": {"data_parallel_size": 8}}
-NOTE = ("fake CPU devices share the machine's cores, and so do the two processes: the ratio is overhead "
-        "(collectives over loopback TCP, plans, two Pythons), not what separate hosts would see")
+MESHES = {
+    "tp8": {"tensor_parallel_size": 8},
+    "dp2tp4": {"data_parallel_size": 2, "tensor_parallel_size": 4},
+    "dp8": {"data_parallel_size": 8},
+}
+NOTE = (
+    "fake CPU devices share the machine's cores, and so do the two processes: the ratio is overhead "
+    "(collectives over loopback TCP, plans, two Pythons), not what separate hosts would see"
+)
 
 
 def emit(**record) -> None:
@@ -33,13 +38,21 @@ def emit(**record) -> None:
 
 def serve(model: str, mesh: str, num_prompts: int, num_tokens: int) -> dict:
     """In a child process: build the engine (a follower runs plans instead) and time the workload."""
-    from jaxserve import LLM, SamplingParams
-    from jaxserve.distributed.follower import run_follower
     import jax
 
-    engine = dict(dtype="float32", max_model_len=256, max_num_seqs=num_prompts, max_num_batched_tokens=128,
-                  decode_seq_buckets=(num_prompts,), show_progress=False, compilation_cache_dir=None,
-                  **MESHES[mesh])
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.distributed.follower import run_follower
+
+    engine = dict(
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=num_prompts,
+        max_num_batched_tokens=128,
+        decode_seq_buckets=(num_prompts,),
+        show_progress=False,
+        compilation_cache_dir=None,
+        **MESHES[mesh],
+    )
     llm = LLM(model, **engine)
     if jax.process_index() > 0:
         run_follower(llm.engine.parts)
@@ -53,8 +66,12 @@ def serve(model: str, mesh: str, num_prompts: int, num_tokens: int) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     steps = llm.engine.num_steps - steps
-    result = {"steps": steps, "ms_per_step": 1000 * seconds / steps, "seconds": seconds,
-              "tokens": [o.outputs[0].token_ids for o in outputs]}
+    result = {
+        "steps": steps,
+        "ms_per_step": 1000 * seconds / steps,
+        "seconds": seconds,
+        "tokens": [o.outputs[0].token_ids for o in outputs],
+    }
     if hasattr(runner, "seconds_sending_plans"):
         result["ms_sending_plans_per_step"] = 1000 * (runner.seconds_sending_plans - sending) / steps
         runner.shutdown()
@@ -69,10 +86,14 @@ def time_all_reduce(hidden_size: int, num_tokens: int, repeats: int = 50) -> flo
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     mesh = Mesh(np.asarray(jax.devices()), ("tensor",))
-    partial = jax.make_array_from_callback((8 * num_tokens, hidden_size), NamedSharding(mesh, PartitionSpec("tensor")),
-                                           lambda index: np.ones((num_tokens, hidden_size), np.float32))
-    summed = jax.jit(lambda x: x.reshape(8, num_tokens, hidden_size).sum(0),
-                     out_shardings=NamedSharding(mesh, PartitionSpec()))
+    partial = jax.make_array_from_callback(
+        (8 * num_tokens, hidden_size),
+        NamedSharding(mesh, PartitionSpec("tensor")),
+        lambda index: np.ones((num_tokens, hidden_size), np.float32),
+    )
+    summed = jax.jit(
+        lambda x: x.reshape(8, num_tokens, hidden_size).sum(0), out_shardings=NamedSharding(mesh, PartitionSpec())
+    )
     summed(partial).block_until_ready()
     started = time.perf_counter()
     for _ in range(repeats):
@@ -85,8 +106,15 @@ def child(args) -> None:
         from jaxserve.distributed.config import DistributedConfig
         from jaxserve.distributed.runtime import initialize
 
-        initialize(DistributedConfig(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
-                                     process_id=args.process, num_cpu_devices=4, peer_timeout=120))
+        initialize(
+            DistributedConfig(
+                coordinator_address=f"127.0.0.1:{args.port}",
+                num_processes=2,
+                process_id=args.process,
+                num_cpu_devices=4,
+                peer_timeout=120,
+            )
+        )
     result = serve(args.model, args.mesh, args.prompts, args.tokens)
     all_reduce = time_all_reduce(hidden_size=256, num_tokens=args.prompts)
     if result:
@@ -99,8 +127,17 @@ def child(args) -> None:
 
 
 def run(args, processes: int) -> dict:
-    common = ["--child", "--model", args.model, "--mesh", args.mesh, "--prompts", str(args.prompts),
-              "--tokens", str(args.tokens)]
+    common = [
+        "--child",
+        "--model",
+        args.model,
+        "--mesh",
+        args.mesh,
+        "--prompts",
+        str(args.prompts),
+        "--tokens",
+        str(args.tokens),
+    ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     if processes == 1:
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -111,8 +148,10 @@ def run(args, processes: int) -> dict:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         commands = [[sys.executable, __file__, *common, "--process", str(i), "--port", str(port)] for i in range(2)]
-    children = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                 text=True) for command in commands]
+    children = [
+        subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for command in commands
+    ]
     try:
         outputs = [c.communicate(timeout=1200)[0] for c in children]
     finally:
@@ -139,13 +178,22 @@ def main() -> None:
     for mesh in args.mesh.split(","):
         args.mesh = mesh
         one, two = run(args, 1), run(args, 2)
-        emit(bench="multihost", model=args.model, mesh=mesh, prompts=args.prompts, tokens=args.tokens,
-             steps=one["steps"], ms_per_step_1x8=round(one["ms_per_step"], 2),
-             ms_per_step_2x4=round(two["ms_per_step"], 2), ratio=round(two["ms_per_step"] / one["ms_per_step"], 3),
-             ms_sending_plans_per_step=round(two["ms_sending_plans_per_step"], 3),
-             ms_per_all_reduce_1x8=round(one["ms_per_all_reduce"], 3),
-             ms_per_all_reduce_2x4=round(two["ms_per_all_reduce"], 3),
-             same_tokens=one["tokens"] == two["tokens"], note=NOTE)
+        emit(
+            bench="multihost",
+            model=args.model,
+            mesh=mesh,
+            prompts=args.prompts,
+            tokens=args.tokens,
+            steps=one["steps"],
+            ms_per_step_1x8=round(one["ms_per_step"], 2),
+            ms_per_step_2x4=round(two["ms_per_step"], 2),
+            ratio=round(two["ms_per_step"] / one["ms_per_step"], 3),
+            ms_sending_plans_per_step=round(two["ms_sending_plans_per_step"], 3),
+            ms_per_all_reduce_1x8=round(one["ms_per_all_reduce"], 3),
+            ms_per_all_reduce_2x4=round(two["ms_per_all_reduce"], 3),
+            same_tokens=one["tokens"] == two["tokens"],
+            note=NOTE,
+        )
 
 
 if __name__ == "__main__":

@@ -26,10 +26,23 @@ from safetensors.numpy import save_file
 from jaxserve import LLM, SamplingParams
 from jaxserve.loading.default_model import random_llama_weights
 
-CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=512,
-              intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-              tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
-              bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+CONFIG = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+)
 
 
 def emit(**record) -> None:
@@ -81,8 +94,9 @@ def run_multi_turn(llm: LLM, args, seed: int):
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     turns = rng.integers(4, 9, size=args.conversations)
-    conversations = [[1] + rng.integers(3, CONFIG["vocab_size"], size=args.turn_len).tolist()
-                     for _ in range(args.conversations)]
+    conversations = [
+        [1] + rng.integers(3, CONFIG["vocab_size"], size=args.turn_len).tolist() for _ in range(args.conversations)
+    ]
     all_tokens, ttft, num_output, elapsed = [], [], 0, 0.0
     for turn in range(int(turns.max())):
         active = [i for i in range(args.conversations) if turns[i] > turn]
@@ -94,8 +108,9 @@ def run_multi_turn(llm: LLM, args, seed: int):
             answer = output.outputs[0].token_ids
             all_tokens.append(answer)
             num_output += len(answer)
-            conversations[i] = conversations[i] + answer + rng.integers(3, CONFIG["vocab_size"],
-                                                                          size=args.turn_len).tolist()
+            conversations[i] = (
+                conversations[i] + answer + rng.integers(3, CONFIG["vocab_size"], size=args.turn_len).tolist()
+            )
     return all_tokens, elapsed, ttft, num_output
 
 
@@ -112,13 +127,24 @@ def main() -> None:
     directory = tempfile.mkdtemp()
     try:
         write_checkpoint(directory)
-        engines = {caching: LLM(directory, dtype="float32", max_model_len=2048, max_num_seqs=64,
-                                max_num_batched_tokens=512, enable_prefix_caching=caching,
-                                kv_cache_memory_gib=2.0, show_progress=False)
-                   for caching in (True, False)}
+        engines = {
+            caching: LLM(
+                directory,
+                dtype="float32",
+                max_model_len=2048,
+                max_num_seqs=64,
+                max_num_batched_tokens=512,
+                enable_prefix_caching=caching,
+                kv_cache_memory_gib=2.0,
+                show_progress=False,
+            )
+            for caching in (True, False)
+        }
         prompts = shared_prefix_workload(args, np.random.default_rng(args.seed))
-        workloads = {"shared_prefix": lambda llm: run_shared_prefix(llm, prompts, args),
-                     "multi_turn": lambda llm: run_multi_turn(llm, args, args.seed)}
+        workloads = {
+            "shared_prefix": lambda llm: run_shared_prefix(llm, prompts, args),
+            "multi_turn": lambda llm: run_multi_turn(llm, args, args.seed),
+        }
         for name, run in workloads.items():
             results = {}
             for caching, llm in engines.items():
@@ -128,12 +154,22 @@ def main() -> None:
                 queried = after["prefix_cache_query_tokens"] - before["prefix_cache_query_tokens"]
                 hits = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
                 results[caching] = (tokens, num_output / elapsed, float(np.mean(ttft)))
-                emit(workload=name, prefix_caching=caching, requests=len(ttft), seconds=round(elapsed, 3),
-                     output_tokens_per_s=round(num_output / elapsed, 1), mean_ttft_s=round(float(np.mean(ttft)), 3),
-                     hit_rate=round(hits / queried, 3) if queried else 0.0)
-            emit(workload=name, result="on/off", throughput_ratio=round(results[True][1] / results[False][1], 2),
-                 ttft_ratio=round(results[False][2] / results[True][2], 2),
-                 identical_outputs=results[True][0] == results[False][0])
+                emit(
+                    workload=name,
+                    prefix_caching=caching,
+                    requests=len(ttft),
+                    seconds=round(elapsed, 3),
+                    output_tokens_per_s=round(num_output / elapsed, 1),
+                    mean_ttft_s=round(float(np.mean(ttft)), 3),
+                    hit_rate=round(hits / queried, 3) if queried else 0.0,
+                )
+            emit(
+                workload=name,
+                result="on/off",
+                throughput_ratio=round(results[True][1] / results[False][1], 2),
+                ttft_ratio=round(results[False][2] / results[True][2], 2),
+                identical_outputs=results[True][0] == results[False][0],
+            )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

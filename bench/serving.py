@@ -59,14 +59,21 @@ class RequestResult:
 
 
 def random_dataset(rng, args, vocab_size):
-    return [(rng.integers(3, vocab_size, size=int(rng.integers(args.min_input, args.max_input + 1))).tolist(),
-             int(rng.integers(args.min_output, args.max_output + 1))) for _ in range(args.num_prompts)]
+    return [
+        (
+            rng.integers(3, vocab_size, size=int(rng.integers(args.min_input, args.max_input + 1))).tolist(),
+            int(rng.integers(args.min_output, args.max_output + 1)),
+        )
+        for _ in range(args.num_prompts)
+    ]
 
 
 def shared_prefix_dataset(rng, args, vocab_size):
     systems = [rng.integers(3, vocab_size, size=args.system_len).tolist() for _ in range(args.groups)]
-    items = [(systems[i % args.groups] + rng.integers(3, vocab_size, size=args.question_len).tolist(),
-              args.max_output) for i in range(args.num_prompts)]
+    items = [
+        (systems[i % args.groups] + rng.integers(3, vocab_size, size=args.question_len).tolist(), args.max_output)
+        for i in range(args.num_prompts)
+    ]
     return [items[i] for i in rng.permutation(len(items))]
 
 
@@ -81,8 +88,9 @@ async def one_request(client: AsyncClient, prompt, max_tokens, session_id="") ->
     result = RequestResult(prompt_tokens=len(prompt), start=time.perf_counter())
     last = result.start
     try:
-        async for response in client.stream(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                             session_id=session_id):
+        async for response in client.stream(
+            prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, session_id=session_id
+        ):
             now = time.perf_counter()
             if response.token_ids:
                 if result.ttft is None:
@@ -144,8 +152,12 @@ def summary(values) -> dict:
     if not values:
         return {}
     ms = np.asarray(values) * 1000
-    return {"mean_ms": round(float(ms.mean()), 2), "p50_ms": round(float(np.percentile(ms, 50)), 2),
-            "p90_ms": round(float(np.percentile(ms, 90)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 2)}
+    return {
+        "mean_ms": round(float(ms.mean()), 2),
+        "p50_ms": round(float(np.percentile(ms, 50)), 2),
+        "p90_ms": round(float(np.percentile(ms, 90)), 2),
+        "p99_ms": round(float(np.percentile(ms, 99)), 2),
+    }
 
 
 def report(results: list[RequestResult], elapsed: float, args) -> dict:
@@ -153,14 +165,21 @@ def report(results: list[RequestResult], elapsed: float, args) -> dict:
     output_tokens = sum(r.output_tokens for r in done)
     prompt_tokens = sum(r.prompt_tokens for r in done)
     return {
-        "dataset": args.dataset, "request_rate": args.request_rate, "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency, "completed": len(done), "failed": len(results) - len(done),
-        "duration_s": round(elapsed, 3), "request_throughput": round(len(done) / elapsed, 3),
+        "dataset": args.dataset,
+        "request_rate": args.request_rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": round(elapsed, 3),
+        "request_throughput": round(len(done) / elapsed, 3),
         "output_token_throughput": round(output_tokens / elapsed, 1),
         "total_token_throughput": round((output_tokens + prompt_tokens) / elapsed, 1),
         "cached_prompt_token_fraction": round(sum(r.cached_tokens for r in done) / max(prompt_tokens, 1), 3),
-        "ttft": summary(r.ttft for r in done), "tpot": summary(r.tpot for r in done),
-        "itl": summary(gap for r in done for gap in r.itl), "e2e_latency": summary(r.e2e for r in done),
+        "ttft": summary(r.ttft for r in done),
+        "tpot": summary(r.tpot for r in done),
+        "itl": summary(gap for r in done for gap in r.itl),
+        "e2e_latency": summary(r.e2e for r in done),
     }
 
 
@@ -172,8 +191,12 @@ def plot(results: list[RequestResult], start: float, path: str) -> None:
 
     done = [r for r in results if r.error is None]
     figure, (latency, throughput) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, values in (("TTFT", [r.ttft for r in done]), ("TPOT", [r.tpot for r in done if r.tpot]),
-                          ("ITL", [g for r in done for g in r.itl]), ("E2E", [r.e2e for r in done])):
+    for label, values in (
+        ("TTFT", [r.ttft for r in done]),
+        ("TPOT", [r.tpot for r in done if r.tpot]),
+        ("ITL", [g for r in done for g in r.itl]),
+        ("E2E", [r.e2e for r in done]),
+    ):
         ordered = np.sort(np.asarray(values) * 1000)
         latency.plot(ordered, np.arange(1, len(ordered) + 1) / max(len(ordered), 1), label=label)
     latency.set(xscale="log", xlabel="milliseconds", ylabel="fraction of requests", title="latency CDF")
@@ -190,26 +213,30 @@ def make_client(backend: str, args, info, connection):
         return AsyncClient(args.target, connection)
     from serving_openai import OpenAIStreamClient
 
-    return OpenAIStreamClient(args.http_target, info.model, connection.api_key, args.tls_ca, args.tls_cert,
-                              args.tls_key)
+    return OpenAIStreamClient(
+        args.http_target, info.model, connection.api_key, args.tls_ca, args.tls_cert, args.tls_key
+    )
 
 
 def compare(runs: dict[str, list[dict]]) -> dict:
     """Each backend's medians over its runs of the headline numbers, and the second's over the first's."""
     first, second = list(runs)[:2]
     line = {"compare": f"{second} / {first}"}
-    for name, read in (("ttft_p50_ms", lambda r: r["ttft"].get("p50_ms")),
-                       ("itl_p50_ms", lambda r: r["itl"].get("p50_ms")),
-                       ("e2e_latency_p50_ms", lambda r: r["e2e_latency"].get("p50_ms")),
-                       ("output_token_throughput", lambda r: r["output_token_throughput"])):
+    for name, read in (
+        ("ttft_p50_ms", lambda r: r["ttft"].get("p50_ms")),
+        ("itl_p50_ms", lambda r: r["itl"].get("p50_ms")),
+        ("e2e_latency_p50_ms", lambda r: r["e2e_latency"].get("p50_ms")),
+        ("output_token_throughput", lambda r: r["output_token_throughput"]),
+    ):
         medians = {backend: float(np.median([read(r) or 0.0 for r in reports])) for backend, reports in runs.items()}
         line[name] = medians
         line[f"{name}_ratio"] = round(medians[second] / medians[first], 3) if medians[first] else None
     return line
 
 
-async def run_once(args, info, connection, backends: list[str] | tuple[str, ...] = ("grpc",),
-                   seed_offset: int = 0) -> tuple[list[RequestResult], float, float]:
+async def run_once(
+    args, info, connection, backends: list[str] | tuple[str, ...] = ("grpc",), seed_offset: int = 0
+) -> tuple[list[RequestResult], float, float]:
     """One run of the load; with several backends, its requests alternate between them."""
     rng = np.random.default_rng(args.seed + seed_offset)
     clients = [(backend, make_client(backend, args, info, connection)) for backend in backends]
@@ -252,8 +279,11 @@ async def main_async(args) -> None:
         results, start, elapsed = await run_once(args, info, connection, backends[:1])
         counts = clients.stop()
         beside = report(results, elapsed, args)
-        ratios = {f"{metric}_p50_ratio": round(beside[metric]["p50_ms"] / alone[metric]["p50_ms"], 3)
-                  for metric in ("ttft", "e2e_latency") if alone[metric] and beside[metric]}
+        ratios = {
+            f"{metric}_p50_ratio": round(beside[metric]["p50_ms"] / alone[metric]["p50_ms"], 3)
+            for metric in ("ttft", "e2e_latency")
+            if alone[metric] and beside[metric]
+        }
         print(json.dumps({**header, "hostile": args.hostile, "hostile_outcomes": counts, **beside, **ratios}))
 
 
@@ -263,8 +293,9 @@ def main() -> None:
     parser.add_argument("--http-target", default="http://127.0.0.1:8000", help="the OpenAI HTTP API")
     parser.add_argument("--backend", default="grpc", help="grpc, openai, or both as grpc,openai")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each backend, in alternating order")
-    parser.add_argument("--interleave", action="store_true",
-                        help="with several backends: one run whose requests alternate between them")
+    parser.add_argument(
+        "--interleave", action="store_true", help="with several backends: one run whose requests alternate between them"
+    )
     parser.add_argument("--dataset", choices=["random", "shared-prefix", "multi-turn"], default="random")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests (conversations for multi-turn)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf: all at once")

@@ -25,8 +25,15 @@ class Message:
 
 
 class OpenAIStreamClient:
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ):
         """TLS as bench/serving.py's --tls-* arguments give it (PEM files); the API key as a string."""
         options = {}
         if tls_ca is not None:
@@ -35,21 +42,29 @@ class OpenAIStreamClient:
                 context.load_cert_chain(tls_cert, tls_key)
             options["http_client"] = openai.DefaultAsyncHttpxClient(verify=context)
         self.model = model
-        self.client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "none",
-                                         max_retries=0, timeout=600, **options)
+        self.client = openai.AsyncOpenAI(
+            base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0, timeout=600, **options
+        )
 
-    async def stream(self, prompt, max_tokens: int, temperature: float = 0.0, ignore_eos: bool = False,
-                     session_id: str = ""):
+    async def stream(
+        self, prompt, max_tokens: int, temperature: float = 0.0, ignore_eos: bool = False, session_id: str = ""
+    ):
         extra = {"ignore_eos": ignore_eos, "return_token_ids": True}
         if session_id:
             extra["session_id"] = session_id
         async with self.client.completions.with_streaming_response.create(
-                model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, stream=True,
-                stream_options={"include_usage": True}, extra_body=extra) as response:
+            model=self.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        ) as response:
             async for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     raise RuntimeError(chunk["error"]["message"])
                 if chunk["choices"]:

@@ -28,15 +28,37 @@ import numpy as np
 
 MODEL_PRESETS = {
     # vocab 32000, tied embeddings: 16.4M embedding + 6 x 2.9M layers = 33.8M parameters
-    "llama-32m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
-                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
-                      max_position_embeddings=1024),
-    "llama-8m": dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+    "llama-32m": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+    ),
+    "llama-8m": dict(
+        vocab_size=8000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    ),
     # Qwen2.5-0.5B's shape as a Llama (no q/k/v biases), 494M parameters: the GPU check (bench/gpu_checks.sh)
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                         rope_theta=1000000.0, max_position_embeddings=4096),
+    "qwen2.5-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=4096,
+    ),
 }
 
 
@@ -82,9 +104,15 @@ def run_jaxserve(directory: str, prompts, output_lengths, args):
 
     start = time.perf_counter()
     # --cold-compile: no persistent compilation cache, so startup_seconds is the whole warm-up compile
-    llm = LLM(directory, dtype=args.dtype, max_model_len=512, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=512, show_progress=False,
-              **(dict(compilation_cache_dir=None) if args.cold_compile else {}))
+    llm = LLM(
+        directory,
+        dtype=args.dtype,
+        max_model_len=512,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=512,
+        show_progress=False,
+        **(dict(compilation_cache_dir=None) if args.cold_compile else {}),
+    )
     startup = time.perf_counter() - start
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lengths]
     start = time.perf_counter()
@@ -136,15 +164,30 @@ def run_transformers_generate_batch(model, prompts, num_tokens: int):
 def throughput(args) -> None:
     with checkpoint_dir(args) as directory:
         model, num_params = build_checkpoint(args, directory)
-        prompts, output_lengths = make_workload(args.num_requests, MODEL_PRESETS[args.model]["vocab_size"], args.seed,
-                                                args.output_len)
+        prompts, output_lengths = make_workload(
+            args.num_requests, MODEL_PRESETS[args.model]["vocab_size"], args.seed, args.output_len
+        )
         num_output = sum(output_lengths)
-        emit(bench="throughput", model=args.model, num_params=num_params, dtype=args.dtype, num_requests=len(prompts),
-             prompt_tokens=sum(map(len, prompts)), output_tokens=num_output, cpu_count=os.cpu_count())
+        emit(
+            bench="throughput",
+            model=args.model,
+            num_params=num_params,
+            dtype=args.dtype,
+            num_requests=len(prompts),
+            prompt_tokens=sum(map(len, prompts)),
+            output_tokens=num_output,
+            cpu_count=os.cpu_count(),
+        )
         ours, elapsed, startup, stats = run_jaxserve(directory, prompts, output_lengths, args)
-        emit(engine="jaxserve", seconds=round(elapsed, 3), output_tokens_per_s=round(num_output / elapsed, 1),
-             startup_seconds=round(startup, 2), cold_compile=args.cold_compile,
-             num_executables=stats["num_executables"], num_compiles_after_warmup=stats["num_compiles_after_warmup"])
+        emit(
+            engine="jaxserve",
+            seconds=round(elapsed, 3),
+            output_tokens_per_s=round(num_output / elapsed, 1),
+            startup_seconds=round(startup, 2),
+            cold_compile=args.cold_compile,
+            num_executables=stats["num_executables"],
+            num_compiles_after_warmup=stats["num_compiles_after_warmup"],
+        )
         if args.output_len:
             theirs, their_elapsed = run_transformers_generate_batch(model, prompts, args.output_len)
             their_name = "transformers-generate_batch"
@@ -152,11 +195,18 @@ def throughput(args) -> None:
             theirs, their_elapsed = run_transformers_continuous_batching(model, prompts, output_lengths)
             their_name = "transformers-continuous-batching"
         their_output = sum(map(len, theirs))
-        emit(engine=their_name, seconds=round(their_elapsed, 3), output_tokens=their_output,
-             output_tokens_per_s=round(their_output / their_elapsed, 1))
+        emit(
+            engine=their_name,
+            seconds=round(their_elapsed, 3),
+            output_tokens=their_output,
+            output_tokens_per_s=round(their_output / their_elapsed, 1),
+        )
         agree = sum(a == b for a, b in zip(ours, theirs))
-        emit(result="throughput", ratio=round((num_output / elapsed) / (their_output / their_elapsed), 2),
-             identical_greedy_outputs=f"{agree}/{len(prompts)}")
+        emit(
+            result="throughput",
+            ratio=round((num_output / elapsed) / (their_output / their_elapsed), 2),
+            identical_greedy_outputs=f"{agree}/{len(prompts)}",
+        )
 
 
 def memory_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> dict:
@@ -185,8 +235,7 @@ def memory_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> dict:
         return matrix.nbytes / min(times)
 
     with ThreadPoolExecutor(threads) as pool:
-        rates = dict(matvec=best(lambda: matrix @ vector),
-                     threaded_sum=best(lambda: list(pool.map(np.sum, slices))))
+        rates = dict(matvec=best(lambda: matrix @ vector), threaded_sum=best(lambda: list(pool.map(np.sum, slices))))
     return dict(rates, best=max(rates.values()))
 
 
@@ -206,8 +255,10 @@ def device_bandwidth(num_bytes: int, repeats: int) -> dict:
         return min(times)
 
     x = jnp.ones(num_bytes // 4, jnp.float32)
-    rates = dict(sum=num_bytes / best_time(jax.jit(jnp.sum), x, repeats=repeats),
-                 copy_read_write=2 * num_bytes / best_time(jax.jit(lambda v: v + 1), x, repeats=repeats))
+    rates = dict(
+        sum=num_bytes / best_time(jax.jit(jnp.sum), x, repeats=repeats),
+        copy_read_write=2 * num_bytes / best_time(jax.jit(lambda v: v + 1), x, repeats=repeats),
+    )
     return dict(rates, best=rates["sum"])
 
 
@@ -226,19 +277,33 @@ def decode_bytes_per_token(llm, context: float) -> dict:
 
 def single(args) -> None:
     import torch
+
     from jaxserve import LLM, SamplingParams
 
     with checkpoint_dir(args) as directory:
         model, num_params = build_checkpoint(args, directory)
         prompts, _ = make_workload(1, MODEL_PRESETS[args.model]["vocab_size"], args.seed)
         prompt, num_tokens = prompts[0][:128], args.single_tokens
-        emit(bench="single", model=args.model, num_params=num_params, prompt_tokens=len(prompt),
-             output_tokens=num_tokens, dtype=args.dtype)
+        emit(
+            bench="single",
+            model=args.model,
+            num_params=num_params,
+            prompt_tokens=len(prompt),
+            output_tokens=num_tokens,
+            dtype=args.dtype,
+        )
         start = time.perf_counter()
         # Without prefix caching each run prefills afresh, as transformers' generate does.
-        llm = LLM(directory, dtype=args.dtype, max_model_len=512, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=512, enable_prefix_caching=False, show_progress=False,
-                  **(dict(compilation_cache_dir=None) if args.cold_compile else {}))
+        llm = LLM(
+            directory,
+            dtype=args.dtype,
+            max_model_len=512,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=512,
+            enable_prefix_caching=False,
+            show_progress=False,
+            **(dict(compilation_cache_dir=None) if args.cold_compile else {}),
+        )
         startup = time.perf_counter() - start
 
         def generate(n: int):
@@ -251,27 +316,41 @@ def single(args) -> None:
         ours, elapsed = min((generate(num_tokens) for _ in range(args.repeats)), key=lambda r: r[1])
         first = min(generate(1)[1] for _ in range(args.repeats))  # prefill and one step
         decode_rate = (num_tokens - 1) / (elapsed - first)
-        emit(engine="jaxserve", seconds=round(elapsed, 3), output_tokens_per_s=round(num_tokens / elapsed, 1),
-             decode_tokens_per_s=round(decode_rate, 1), startup_seconds=round(startup, 2))
+        emit(
+            engine="jaxserve",
+            seconds=round(elapsed, 3),
+            output_tokens_per_s=round(num_tokens / elapsed, 1),
+            decode_tokens_per_s=round(decode_rate, 1),
+            startup_seconds=round(startup, 2),
+        )
         read = decode_bytes_per_token(llm, context=len(prompt) + num_tokens / 2)
         bandwidth = memory_bandwidth()
         roofline = bandwidth["best"] / read["total"]
-        emit(result="roofline", bytes_per_token=read, bandwidth_gb_s={k: round(v / 1e9, 1) for k, v in bandwidth.items()},
-             roofline_tokens_per_s=round(roofline, 1), decode_tokens_per_s=round(decode_rate, 1),
-             fraction_of_roofline=round(decode_rate / roofline, 2))
+        emit(
+            result="roofline",
+            bytes_per_token=read,
+            bandwidth_gb_s={k: round(v / 1e9, 1) for k, v in bandwidth.items()},
+            roofline_tokens_per_s=round(roofline, 1),
+            decode_tokens_per_s=round(decode_rate, 1),
+            fraction_of_roofline=round(decode_rate / roofline, 2),
+        )
         llm = None  # its memory goes before transformers runs
         input_ids = torch.tensor([prompt], device=args.device)
         with torch.inference_mode():
             model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm up
             start = time.perf_counter()
-            generated = model.generate(input_ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                                       do_sample=False, pad_token_id=0)
+            generated = model.generate(
+                input_ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False, pad_token_id=0
+            )
             if args.device != "cpu":
                 torch.cuda.synchronize()
             their_elapsed = time.perf_counter() - start
-        theirs = generated[0, len(prompt):].tolist()
-        emit(engine="transformers-generate", seconds=round(their_elapsed, 3),
-             output_tokens_per_s=round(num_tokens / their_elapsed, 1))
+        theirs = generated[0, len(prompt) :].tolist()
+        emit(
+            engine="transformers-generate",
+            seconds=round(their_elapsed, 3),
+            output_tokens_per_s=round(num_tokens / their_elapsed, 1),
+        )
         emit(result="single", ratio=round(their_elapsed / elapsed, 2), identical_greedy_output=ours == theirs)
 
 

@@ -40,12 +40,14 @@ DTYPES = {"f32": ("float32", "F32"), "bf16": ("bfloat16", "BF16")}  # precision 
 TEXT_PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when",
     "Here is a short recipe for a tomato soup. First,",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Photosynthesis is the process by which green plants",
 ]
-SINGLE_TEXT = ("Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker "
-               "who repaired every clock in the valley. Each morning he opened his shop, wound the tall clock by "
-               "the door, and waited for the first customer of the day, who was usually the baker's daughter.")
+SINGLE_TEXT = (
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker "
+    "who repaired every clock in the valley. Each morning he opened his shop, wound the tall clock by "
+    "the door, and waited for the first customer of the day, who was usually the baker's daughter."
+)
 
 
 def emit(**record) -> None:
@@ -65,8 +67,10 @@ def common_prefix(a, b) -> int:
 
 def agreement(ours, theirs) -> dict:
     prefixes = [common_prefix(a, b) / max(len(a), 1) for a, b in zip(ours, theirs)]
-    return dict(identical=f"{sum(list(a) == list(b) for a, b in zip(ours, theirs))}/{len(ours)}",
-                mean_agreeing_prefix=round(float(np.mean(prefixes)), 3))
+    return dict(
+        identical=f"{sum(list(a) == list(b) for a, b in zip(ours, theirs))}/{len(ours)}",
+        mean_agreeing_prefix=round(float(np.mean(prefixes)), 3),
+    )
 
 
 class Jaxserve:
@@ -75,8 +79,14 @@ class Jaxserve:
 
         self.SamplingParams = SamplingParams
         start = time.perf_counter()
-        self.llm = LLM(path, dtype=dtype, max_model_len=512, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
-                       show_progress=False)
+        self.llm = LLM(
+            path,
+            dtype=dtype,
+            max_model_len=512,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=512,
+            show_progress=False,
+        )
         self.startup_s = time.perf_counter() - start
 
     def generate(self, prompts, lengths):
@@ -104,8 +114,12 @@ def measure(engine: str, generate, single, batch, text_prompts, repeats: int) ->
     single_out, single_s = best_of(repeats, lambda: generate([single[0]], [single[1]]))
     text_out, _ = generate(text_prompts, [32] * len(text_prompts))
     batch_out, batch_s = generate(*batch)
-    record = dict(engine=engine, single_tokens_per_s=round(single[1] / single_s, 1),
-                  batched_output_tokens_per_s=round(sum(batch[1]) / batch_s, 1), batched_seconds=round(batch_s, 2))
+    record = dict(
+        engine=engine,
+        single_tokens_per_s=round(single[1] / single_s, 1),
+        batched_output_tokens_per_s=round(sum(batch[1]) / batch_s, 1),
+        batched_seconds=round(batch_s, 2),
+    )
     emit(**record)
     return dict(record, outputs=dict(single=single_out, text=text_out, batch=batch_out))
 
@@ -115,25 +129,36 @@ def run_precision(args, precision: str, jax_path: str | None, gguf: str, single,
     if jax_path is not None:
         dtype = DTYPES[precision][0]
         ours = Jaxserve(jax_path, dtype, args.max_num_seqs)
-        results["jaxserve"] = measure(f"jaxserve-{precision}", ours.generate, single, batch, text_prompts,
-                                      args.repeats)
+        results["jaxserve"] = measure(f"jaxserve-{precision}", ours.generate, single, batch, text_prompts, args.repeats)
         stats = ours.llm.stats()
-        emit(engine=f"jaxserve-{precision}", startup_s=round(ours.startup_s, 1),
-             compiles_after_warmup=stats.get("num_compiles_after_warmup"), attention_impl=stats.get("attention_impl"))
+        emit(
+            engine=f"jaxserve-{precision}",
+            startup_s=round(ours.startup_s, 1),
+            compiles_after_warmup=stats.get("num_compiles_after_warmup"),
+            attention_impl=stats.get("attention_impl"),
+        )
         del ours
         gc.collect()
     with peer.LlamaServer(CACHE_DIR, gguf, args.threads, args.slots, context_per_slot=512) as server:
-        results["llamacpp"] = measure(f"llamacpp-{precision}", lambda p, n: llamacpp_generate(server, p, n), single,
-                                      batch, text_prompts, args.repeats)
+        results["llamacpp"] = measure(
+            f"llamacpp-{precision}",
+            lambda p, n: llamacpp_generate(server, p, n),
+            single,
+            batch,
+            text_prompts,
+            args.repeats,
+        )
     if args.llama_bench:
         rates = peer.llama_bench(CACHE_DIR, gguf, args.threads, len(single[0]), single[1], repetitions=2)
         results["llamacpp"]["llama_bench"] = rates
         emit(engine=f"llamacpp-{precision}", llama_bench=rates)
     if jax_path is not None:
         ours, theirs = results["jaxserve"]["outputs"], results["llamacpp"]["outputs"]
-        results["greedy"] = dict(single=agreement(ours["single"], theirs["single"]),
-                                 text=agreement(ours["text"], theirs["text"]),
-                                 batch=agreement(ours["batch"], theirs["batch"]))
+        results["greedy"] = dict(
+            single=agreement(ours["single"], theirs["single"]),
+            text=agreement(ours["text"], theirs["text"]),
+            batch=agreement(ours["batch"], theirs["batch"]),
+        )
         emit(precision=precision, greedy_agreement=results["greedy"])
     return results
 
@@ -157,7 +182,7 @@ def workload(jax_path: str, args):
 
     source = open_model(jax_path)
     tokenize = source.tokenizer.encode
-    single_prompt = tokenize(SINGLE_TEXT)[:args.single_prompt]
+    single_prompt = tokenize(SINGLE_TEXT)[: args.single_prompt]
     if len(single_prompt) < args.single_prompt:
         raise SystemExit(f"the single-stream text has only {len(single_prompt)} tokens")
     batch = make_workload(args.num_requests, source.config.vocab_size, args.seed)
@@ -166,15 +191,16 @@ def workload(jax_path: str, args):
 
 def print_table(results: dict) -> None:
     """One row per precision: both engines' numbers and jaxserve / llama.cpp (> 1: jaxserve faster)."""
-    print("\n| precision | single tok/s jaxserve | llama.cpp | ratio | batched out tok/s jaxserve | llama.cpp | ratio "
-          "| greedy identical (text, batch) |\n|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| precision | single tok/s jaxserve | llama.cpp | ratio | batched out tok/s jaxserve | llama.cpp | ratio "
+        "| greedy identical (text, batch) |\n|---|---|---|---|---|---|---|---|"
+    )
     for precision, by_engine in results.items():
         cells = [precision]
         for key in ("single_tokens_per_s", "batched_output_tokens_per_s"):
             theirs = by_engine["llamacpp"][key]
             ours = by_engine.get("jaxserve", {}).get(key)
-            cells += ["-" if ours is None else str(ours), str(theirs),
-                      "-" if ours is None else f"{ours / theirs:.2f}x"]
+            cells += ["-" if ours is None else str(ours), str(theirs), "-" if ours is None else f"{ours / theirs:.2f}x"]
         greedy = by_engine.get("greedy")
         cells.append("-" if greedy is None else f"{greedy['text']['identical']}, {greedy['batch']['identical']}")
         print("| " + " | ".join(cells) + " |")
@@ -199,16 +225,27 @@ def main() -> None:
     peer.ensure_built(CACHE_DIR)
     jax_path, ggufs, name = model_files(args)
     single, batch, text_prompts = workload(jax_path, args)
-    emit(bench="vs_llamacpp", model=name, threads=args.threads, cpu_count=os.cpu_count(),
-         single=dict(prompt_tokens=len(single[0]), new_tokens=single[1]),
-         batched=dict(num_requests=len(batch[0]), prompt_tokens=sum(map(len, batch[0])), output_tokens=sum(batch[1]),
-                      llamacpp_slots=args.slots, jaxserve_max_num_seqs=args.max_num_seqs))
+    emit(
+        bench="vs_llamacpp",
+        model=name,
+        threads=args.threads,
+        cpu_count=os.cpu_count(),
+        single=dict(prompt_tokens=len(single[0]), new_tokens=single[1]),
+        batched=dict(
+            num_requests=len(batch[0]),
+            prompt_tokens=sum(map(len, batch[0])),
+            output_tokens=sum(batch[1]),
+            llamacpp_slots=args.slots,
+            jaxserve_max_num_seqs=args.max_num_seqs,
+        ),
+    )
     results = {}
     for precision in args.precisions.split(","):
         if precision not in DTYPES:
             raise SystemExit(f"unknown precision {precision!r}; expected f32 or bf16")
-        results[precision] = run_precision(args, precision, jax_path, ggufs[DTYPES[precision][1]], single, batch,
-                                           text_prompts)
+        results[precision] = run_precision(
+            args, precision, jax_path, ggufs[DTYPES[precision][1]], single, batch, text_prompts
+        )
     if args.q8:  # a reference line only: its failure does not cost the rows above
         try:
             results["q8_0"] = run_precision(args, "q8_0", None, ggufs["Q8_0"], single, batch, text_prompts)

@@ -8,8 +8,8 @@ freed or kept cached as sequences finish. docs/architecture.md tells it file by 
 """
 
 from jaxserve.config import EngineConfig
-from jaxserve.llm import LLM
 from jaxserve.host.request import CompletionOutput, RequestOutput, SamplingParams
+from jaxserve.llm import LLM
 from jaxserve.models.config import ModelConfig
 
 __version__ = "0.1.0"

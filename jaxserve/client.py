@@ -1,7 +1,7 @@
 """Clients for the jaxserve gRPC API (sync and asyncio), and a CLI:
 
-    python -m jaxserve.client "def forward(self, x):" --max-tokens 64 --stream [--target HOST:PORT]
-        [--api-key-file FILE] [--tls-ca CA.pem [--tls-cert CERT.pem --tls-key KEY.pem]]
+python -m jaxserve.client "def forward(self, x):" --max-tokens 64 --stream [--target HOST:PORT]
+    [--api-key-file FILE] [--tls-ca CA.pem [--tls-cert CERT.pem --tls-key KEY.pem]]
 """
 
 from __future__ import annotations
@@ -19,12 +19,31 @@ from jaxserve.proto import jaxserve_pb2_grpc
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
-def build_request(prompt: str | list[int], *, max_tokens: int = 16, temperature: float | None = None,
-                  top_k: int = 0, top_p: float | None = None, min_p: float = 0.0, seed: int | None = None,
-                  stop: list[str] | None = None, stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
-                  logprobs: int = 0, request_id: str = "", session_id: str = "") -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(max_tokens=max_tokens, top_k=top_k, min_p=min_p, stop=stop or [],
-                                 stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos, logprobs=logprobs)
+def build_request(
+    prompt: str | list[int],
+    *,
+    max_tokens: int = 16,
+    temperature: float | None = None,
+    top_k: int = 0,
+    top_p: float | None = None,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool = False,
+    logprobs: int = 0,
+    request_id: str = "",
+    session_id: str = "",
+) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(
+        max_tokens=max_tokens,
+        top_k=top_k,
+        min_p=min_p,
+        stop=stop or [],
+        stop_token_ids=stop_token_ids or [],
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+    )
     if temperature is not None:
         sampling.temperature = temperature
     if top_p is not None:
@@ -83,8 +102,11 @@ class Connection:
 
 class Client:
     def __init__(self, target: str = DEFAULT_TARGET, connection: Connection = Connection()):
-        self.channel = grpc.secure_channel(target, connection.credentials()) if connection.uses_tls \
+        self.channel = (
+            grpc.secure_channel(target, connection.credentials())
+            if connection.uses_tls
             else grpc.insecure_channel(target)
+        )
         self.metadata = connection.metadata
         self.stub = jaxserve_pb2_grpc.GenerationStub(self.channel)
 
@@ -113,8 +135,11 @@ class Client:
 
 class AsyncClient:
     def __init__(self, target: str = DEFAULT_TARGET, connection: Connection = Connection()):
-        self.channel = grpc.aio.secure_channel(target, connection.credentials()) if connection.uses_tls \
+        self.channel = (
+            grpc.aio.secure_channel(target, connection.credentials())
+            if connection.uses_tls
             else grpc.aio.insecure_channel(target)
+        )
         self.metadata = connection.metadata
         self.stub = jaxserve_pb2_grpc.GenerationStub(self.channel)
 
@@ -149,8 +174,12 @@ def connection_from_arguments(args: argparse.Namespace) -> Connection:
             return f.read()
 
     api_key = read(args.api_key_file).decode().splitlines()[0].strip() if args.api_key_file else None
-    return Connection(api_key=api_key, root_certificates=read(args.tls_ca), private_key=read(args.tls_key),
-                      certificate_chain=read(args.tls_cert))
+    return Connection(
+        api_key=api_key,
+        root_certificates=read(args.tls_ca),
+        private_key=read(args.tls_key),
+        certificate_chain=read(args.tls_cert),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     client = Client(args.target, connection_from_arguments(args))
     try:
         completion = Completion()
-        for response in client.stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                      seed=args.seed):
+        for response in client.stream(
+            args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        ):
             completion.add(response)
             if args.stream:
                 print(response.text, end="", flush=True)

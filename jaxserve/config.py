@@ -6,9 +6,14 @@ import math
 from dataclasses import dataclass
 
 DTYPE_NAMES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
@@ -79,8 +84,14 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype != "auto":
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        positive = ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_query_block", "tensor_parallel_size",
-                    "data_parallel_size")
+        positive = (
+            "page_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "prefill_query_block",
+            "tensor_parallel_size",
+            "data_parallel_size",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -105,7 +116,8 @@ class EngineConfig:
         if self.max_num_batched_tokens % self.prefill_query_block:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be a multiple of "
-                f"prefill_query_block ({self.prefill_query_block})")
+                f"prefill_query_block ({self.prefill_query_block})"
+            )
         for name in ("decode_seq_buckets", "prefill_token_buckets", "page_buckets"):
             buckets = getattr(self, name)
             if buckets is not None:
@@ -114,7 +126,9 @@ class EngineConfig:
                     raise ValueError(f"{name} must be positive sizes, got {buckets}")
                 object.__setattr__(self, name, buckets)
         if self.prefill_token_buckets and any(b % self.prefill_query_block for b in self.prefill_token_buckets):
-            raise ValueError(f"prefill_token_buckets must be multiples of prefill_query_block ({self.prefill_query_block})")
+            raise ValueError(
+                f"prefill_token_buckets must be multiples of prefill_query_block ({self.prefill_query_block})"
+            )
 
 
 @dataclass(frozen=True)
@@ -126,18 +140,21 @@ class Buckets:
     pages_per_seq: tuple[int, ...]
 
     @classmethod
-    def derive(cls, engine: EngineConfig, max_model_len: int) -> "Buckets":
+    def derive(cls, engine: EngineConfig, max_model_len: int) -> Buckets:
         max_pages = math.ceil(max_model_len / engine.page_size)
         decode = engine.decode_seq_buckets or _powers_of(4, 1, engine.max_num_seqs)
         prefill = engine.prefill_token_buckets or _powers_of(
-            4, min(4 * engine.prefill_query_block, engine.max_num_batched_tokens), engine.max_num_batched_tokens)
+            4, min(4 * engine.prefill_query_block, engine.max_num_batched_tokens), engine.max_num_batched_tokens
+        )
         # Attention walks pages only up to each step's longest context, so a wider page table costs a
         # few bytes, not compute: one page bucket by default keeps warm-up short.
         pages = engine.page_buckets or (max_pages,)
         if decode[-1] < engine.max_num_seqs:
             raise ValueError(f"decode_seq_buckets must reach max_num_seqs ({engine.max_num_seqs})")
         if prefill[-1] < engine.max_num_batched_tokens:
-            raise ValueError(f"prefill_token_buckets must reach max_num_batched_tokens ({engine.max_num_batched_tokens})")
+            raise ValueError(
+                f"prefill_token_buckets must reach max_num_batched_tokens ({engine.max_num_batched_tokens})"
+            )
         if pages[-1] < max_pages:
             raise ValueError(f"page_buckets must reach {max_pages} pages (max_model_len / page_size)")
         return cls(decode_seqs=tuple(decode), prefill_tokens=tuple(prefill), pages_per_seq=tuple(pages))

@@ -23,9 +23,13 @@ class LLM:
         self.engine = Engine.from_model(model, EngineConfig(**engine_options))
         self._request_ids = itertools.count()
 
-    def generate(self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, session_ids: SequenceOf[str | None] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        session_ids: SequenceOf[str | None] | None = None,
+    ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids.
 
         session_ids (one per prompt) mark conversations likely to continue, whose cached pages are
@@ -65,10 +69,17 @@ class LLM:
                         progress.update(1)
         return [finished[request_id] for request_id in request_ids]
 
-    def chat(self, messages, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-             use_tqdm: bool | None = None, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role": ..., "content": ...} messages) or a list of
         them, each rendered with the model's chat template (or chat_template: a template, or the name of
         one of the model's), then generated as generate() does; one RequestOutput per conversation, its
@@ -79,11 +90,18 @@ class LLM:
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot render chats; pass token ids to generate()")
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
-        prompts = [render_chat(tokenizer, text_content(list(conversation)), chat_template=chat_template,
-                               add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message, tools=tools,
-                               **(chat_template_kwargs or {}))
-                   for conversation in conversations]
+        prompts = [
+            render_chat(
+                tokenizer,
+                text_content(list(conversation)),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
+        ]
         # The template writes its own BOS where the model wants one.
         token_ids = [tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
         outputs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)

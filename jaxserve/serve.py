@@ -24,7 +24,6 @@ from jaxserve.distributed import runtime as distributed
 from jaxserve.engine import Engine
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
 from jaxserve.server.chat_prompt import load_chat_template
-from jaxserve.server.process import run_until_signalled
 from jaxserve.server.config_file import ServeConfig, load_config
 from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.fingerprint import system_fingerprint
@@ -33,6 +32,7 @@ from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.metrics_http import start_metrics_server
 from jaxserve.server.openai import HTTPServer, ServingContext, build_app
+from jaxserve.server.process import run_until_signalled
 from jaxserve.server.rpc import GENERATION_SERVICE, ThreadPools, generation_handler, health_handler
 from jaxserve.server.service import GenerationService
 
@@ -60,14 +60,24 @@ class Server:
         self.api_keys = ApiKeys.from_file(server.api_keys) if server.api_keys else None
         self.pools = ThreadPools.for_limits(config.engine.max_num_seqs + server.max_queued_requests)
         # SO_REUSEPORT off: a second server on a taken port must fail to start, not silently share it.
-        options = [("grpc.max_receive_message_length", server.max_message_bytes),
-                   ("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.so_reuseport", 0)]
+        options = [
+            ("grpc.max_receive_message_length", server.max_message_bytes),
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.so_reuseport", 0),
+        ]
         kv_events, self.kv_events_pool = kv_events_handler(self.service)
         interceptors = [ApiKeyInterceptor(self.api_keys, self.pools.quick)] if self.api_keys else []
         self.grpc_server = grpc.server(
-            self.pools.default, handlers=[generation_handler(self.service, self.pools), kv_events,
-                                          health_handler(self.health, self.pools), *self.disagg.handlers(self.pools)],
-            interceptors=interceptors, options=options)
+            self.pools.default,
+            handlers=[
+                generation_handler(self.service, self.pools),
+                kv_events,
+                health_handler(self.health, self.pools),
+                *self.disagg.handlers(self.pools),
+            ],
+            interceptors=interceptors,
+            options=options,
+        )
         address = f"{server.host}:{server.port}"
         try:
             if server.tls is not None:
@@ -79,16 +89,30 @@ class Server:
         if self.port == 0:
             raise ValueError(f"cannot listen on {address}")
         if not is_loopback(server.host) and (server.tls is None or self.api_keys is None):
-            logger.warning("serving %s without %s: anyone who can reach this port can use it", address,
-                           " and ".join(name for name, value in (("server.tls", server.tls),
-                                                                 ("server.api_keys", self.api_keys)) if value is None))
+            logger.warning(
+                "serving %s without %s: anyone who can reach this port can use it",
+                address,
+                " and ".join(
+                    name
+                    for name, value in (("server.tls", server.tls), ("server.api_keys", self.api_keys))
+                    if value is None
+                ),
+            )
         self.loop: EngineLoop | None = None
         self.metrics_server = None
         self.chat_template = load_chat_template(server.chat_template)
         # The OpenAI HTTP API: its own event-loop thread (the gRPC server is thread-pool based), one engine loop.
         self.http_context = ServingContext(self.metrics)
-        self.http_server = HTTPServer(build_app(self.http_context, self.api_keys, server.max_message_bytes),
-                                      server.host, server.http_port, server.tls) if server.http_port else None
+        self.http_server = (
+            HTTPServer(
+                build_app(self.http_context, self.api_keys, server.max_message_bytes),
+                server.host,
+                server.http_port,
+                server.tls,
+            )
+            if server.http_port
+            else None
+        )
         self.stopped = threading.Event()
 
     def _set_health(self, status) -> None:
@@ -99,8 +123,9 @@ class Server:
         server = self.config.server
         tls = server_ssl_context(server.tls) if server.tls is not None else None
         try:
-            self.metrics_server = start_metrics_server(server.host, server.metrics_port, self.metrics.registry, tls,
-                                                       self.api_keys)
+            self.metrics_server = start_metrics_server(
+                server.host, server.metrics_port, self.metrics.registry, tls, self.api_keys
+            )
         except OSError as error:
             self.grpc_server.stop(grace=None)
             raise ValueError(f"cannot serve metrics on port {server.metrics_port}: {error}") from None
@@ -118,12 +143,17 @@ class Server:
                 self.grpc_server.stop(grace=None)
                 raise
             logger.info("OpenAI HTTP API on %s:%d", self.config.server.host, self.http_server.port)
-        logger.info("listening on %s:%d%s; warming up", self.config.server.host, self.port,
-                    " (TLS)" if self.config.server.tls else "")
+        logger.info(
+            "listening on %s:%d%s; warming up",
+            self.config.server.host,
+            self.port,
+            " (TLS)" if self.config.server.tls else "",
+        )
         distributed.on_fatal(lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
         engine = Engine.from_model(self.config.model_dir(), self.config.engine)
-        self.loop = EngineLoop(engine, self.metrics, self.config.server.max_queued_requests,
-                               self.config.server.stream_idle_timeout)
+        self.loop = EngineLoop(
+            engine, self.metrics, self.config.server.max_queued_requests, self.config.server.stream_idle_timeout
+        )
         info = self.loop.description
         limits = RequestLimits.for_engine(info.max_model_len, info.vocab_size, **self.config.server.request_caps())
         fingerprint = system_fingerprint(info)
@@ -132,8 +162,9 @@ class Server:
         self.disagg.attach(self.loop, limits)
         self.metrics.observe_engine(self.loop.stats)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        logger.info("serving %s (%d executables, warm-up %.1fs)", info.model_name, info.num_executables,
-                    info.warmup_seconds)
+        logger.info(
+            "serving %s (%d executables, warm-up %.1fs)", info.model_name, info.num_executables, info.warmup_seconds
+        )
 
     def drain_and_stop(self) -> None:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -159,8 +190,14 @@ class Server:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a YAML config (see configs/); default: the embedded model")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set server.port=50052")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set server.port=50052",
+    )
     args = parser.parse_args(argv)
 
     def start() -> Server:
@@ -188,6 +225,7 @@ def follow(config: ServeConfig) -> int:
     run_follower(engine.parts)
     distributed.shutdown()
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

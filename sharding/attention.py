@@ -29,11 +29,33 @@ from pallas_kernels import ragged_paged_attention, write_kv_pages
 from sharding.rules import partition_spec
 
 
-def _write_and_attend(q, k, v, key_pages, value_pages, positions, slot_ids, token_seq_ids, page_table, *,
-                      query_block: int, sliding_window: int | None, impl: str):
+def _write_and_attend(
+    q,
+    k,
+    v,
+    key_pages,
+    value_pages,
+    positions,
+    slot_ids,
+    token_seq_ids,
+    page_table,
+    *,
+    query_block: int,
+    sliding_window: int | None,
+    impl: str,
+):
     key_pages, value_pages = write_kv_pages(key_pages, value_pages, k, v, slot_ids, impl=impl)
-    out = ragged_paged_attention(q, key_pages, value_pages, page_table, token_seq_ids, positions,
-                                 query_block=query_block, sliding_window=sliding_window, impl=impl)
+    out = ragged_paged_attention(
+        q,
+        key_pages,
+        value_pages,
+        page_table,
+        token_seq_ids,
+        positions,
+        query_block=query_block,
+        sliding_window=sliding_window,
+        impl=impl,
+    )
     return out, key_pages, value_pages
 
 
@@ -76,17 +98,38 @@ def sharded_write_and_attend(mesh, q, k, v, key_pages, value_pages, metadata, *,
     replicas = key_pages.shape[2] // k.shape[1]
     specs = attention_specs(mesh, key_pages.shape[2])
     tokens, heads, pages = specs["tokens"], specs["heads"], specs["pages"]
-    body = functools.partial(_write_and_attend, query_block=metadata.query_block, sliding_window=sliding_window,
-                             impl=impl)
+    body = functools.partial(
+        _write_and_attend, query_block=metadata.query_block, sliding_window=sliding_window, impl=impl
+    )
     kv_heads = heads
     if replicas > 1:  # k/v replicated over the head axis; each shard picks its head
-        body = functools.partial(_write_and_attend_replicated, head_axis=pages[2], replicas=replicas,
-                                 query_block=metadata.query_block, sliding_window=sliding_window, impl=impl)
+        body = functools.partial(
+            _write_and_attend_replicated,
+            head_axis=pages[2],
+            replicas=replicas,
+            query_block=metadata.query_block,
+            sliding_window=sliding_window,
+            impl=impl,
+        )
         kv_heads = PartitionSpec(tokens[0], None)
-    sharded = jax.shard_map(body, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, pages, pages) + (tokens,) * 4,
-                            out_specs=(heads, pages, pages), check_vma=False)
-    return sharded(q, k, v, key_pages, value_pages, metadata.positions, metadata.slot_ids, metadata.token_seq_ids,
-                   metadata.page_table)
+    sharded = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(heads, kv_heads, kv_heads, pages, pages) + (tokens,) * 4,
+        out_specs=(heads, pages, pages),
+        check_vma=False,
+    )
+    return sharded(
+        q,
+        k,
+        v,
+        key_pages,
+        value_pages,
+        metadata.positions,
+        metadata.slot_ids,
+        metadata.token_seq_ids,
+        metadata.page_table,
+    )
 
 
 @dataclass(frozen=True)
@@ -97,9 +140,20 @@ class WriteAndAttend:
     impl: str  # reference | cpu | pallas
 
     def __call__(self, q, k, v, key_pages, value_pages, metadata, *, sliding_window):
-        return _write_and_attend(q, k, v, key_pages, value_pages, metadata.positions, metadata.slot_ids,
-                                 metadata.token_seq_ids, metadata.page_table, query_block=metadata.query_block,
-                                 sliding_window=sliding_window, impl=self.impl)
+        return _write_and_attend(
+            q,
+            k,
+            v,
+            key_pages,
+            value_pages,
+            metadata.positions,
+            metadata.slot_ids,
+            metadata.token_seq_ids,
+            metadata.page_table,
+            query_block=metadata.query_block,
+            sliding_window=sliding_window,
+            impl=self.impl,
+        )
 
 
 @dataclass(frozen=True)
@@ -110,8 +164,9 @@ class ShardedWriteAndAttend:
     impl: str
 
     def __call__(self, q, k, v, key_pages, value_pages, metadata, *, sliding_window):
-        return sharded_write_and_attend(self.mesh, q, k, v, key_pages, value_pages, metadata,
-                                        sliding_window=sliding_window, impl=self.impl)
+        return sharded_write_and_attend(
+            self.mesh, q, k, v, key_pages, value_pages, metadata, sliding_window=sliding_window, impl=self.impl
+        )
 
 
 def attention_dispatch(impl: str, mesh: Mesh | None = None) -> WriteAndAttend | ShardedWriteAndAttend:

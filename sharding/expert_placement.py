@@ -50,8 +50,10 @@ def read_load_profile(source, num_layers: int, num_experts: int) -> np.ndarray:
     if load.ndim == 1:
         load = np.broadcast_to(load, (num_layers, load.shape[0]))
     if load.shape != (num_layers, num_experts):
-        raise ValueError(f"expert load profile has shape {load.shape}; this model needs "
-                         f"({num_layers}, {num_experts}) (or ({num_experts},) for every layer)")
+        raise ValueError(
+            f"expert load profile has shape {load.shape}; this model needs "
+            f"({num_layers}, {num_experts}) (or ({num_experts},) for every layer)"
+        )
     if not np.all(np.isfinite(load)) or (load < 0).any():
         raise ValueError("expert load profile entries must be finite and >= 0")
     return load
@@ -62,14 +64,20 @@ def initial_placement(abstract_placement: nnx.State, num_experts: int, mesh) -> 
     device_of, slot_of, _ = place_experts(None, num_experts, mesh.devices.size)
     replicated = NamedSharding(mesh, PartitionSpec())
     values = {"expert_device": device_of, "expert_slot": slot_of}
-    return nnx.from_flat_state([(path, variable.replace(jax.device_put(values[path[-1]], replicated)))
-                                for path, variable in nnx.to_flat_state(abstract_placement)])
+    return nnx.from_flat_state(
+        [
+            (path, variable.replace(jax.device_put(values[path[-1]], replicated)))
+            for path, variable in nnx.to_flat_state(abstract_placement)
+        ]
+    )
 
 
 def _moe_layers(flat: dict) -> list[tuple]:
     """Path prefixes of the MoE layers (those with a placement), in layer order."""
-    return sorted((path[:-1] for path in flat if path[-1] == "expert_device"),
-                  key=lambda prefix: [p for p in prefix if isinstance(p, int)])
+    return sorted(
+        (path[:-1] for path in flat if path[-1] == "expert_device"),
+        key=lambda prefix: [p for p in prefix if isinstance(p, int)],
+    )
 
 
 def _stored_rows(flat: dict, prefix: tuple) -> np.ndarray:
@@ -104,13 +112,13 @@ def move_rows(array: jax.Array, gather) -> jax.Array:
         while j < rows:
             source_index, shard = min(
                 ((i, s) for i, s in shards if i[1:] == index[1:] and i[0].start <= gather[j] < i[0].stop),
-                key=lambda item: item[1].device != device)  # a copy already on this device first
+                key=lambda item: item[1].device != device,
+            )  # a copy already on this device first
             run = 1
-            while (j + run < rows and gather[j + run] == gather[j] + run
-                   and gather[j + run] < source_index[0].stop):
+            while j + run < rows and gather[j + run] == gather[j] + run and gather[j + run] < source_index[0].stop:
                 run += 1
             local = gather[j] - source_index[0].start
-            pieces.append(jax.device_put(shard.data[local:local + run], device))
+            pieces.append(jax.device_put(shard.data[local : local + run], device))
             j += run
         new_shards.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
     return jax.make_array_from_single_device_arrays(dims, array.sharding, new_shards)
@@ -123,8 +131,7 @@ def rebalance(state: nnx.State, load: np.ndarray) -> nnx.State:
         placed = flat[prefix + ("expert_device",)].get_value()
         num_experts, num_devices = placed.shape[0], placed.sharding.mesh.devices.size
         device_of, slot_of, storage_order = place_experts(load[layer], num_experts, num_devices)
-        if (np.array_equal(device_of, placed) and
-                np.array_equal(slot_of, flat[prefix + ("expert_slot",)].get_value())):
+        if np.array_equal(device_of, placed) and np.array_equal(slot_of, flat[prefix + ("expert_slot",)].get_value()):
             continue  # this layer's experts already sit where they should
         gather = _rebalance_gather(_stored_rows(flat, prefix), np.asarray(storage_order))
         for name in EXPERT_WEIGHTS:
@@ -160,8 +167,9 @@ def canonical_params(state: nnx.State) -> nnx.State:
                 sharding = canonical_sharding((len(rows),) + stored.shape[1:], stored.sharding.mesh)
                 canonical = _gather_rows(jax.device_put(stored, sharding), jnp.asarray(rows), sharding)
             flat[prefix + (name,)] = variable.replace(canonical)
-    return nnx.from_flat_state([(path, variable) for path, variable in flat.items()
-                                if not isinstance(variable, ExpertPlacement)])
+    return nnx.from_flat_state(
+        [(path, variable) for path, variable in flat.items() if not isinstance(variable, ExpertPlacement)]
+    )
 
 
 def canonical_sharding(shape: tuple[int, ...], mesh) -> NamedSharding:
@@ -171,8 +179,9 @@ def canonical_sharding(shape: tuple[int, ...], mesh) -> NamedSharding:
     num_devices = mesh.size
     for dim in sorted(range(1, len(shape)), key=lambda d: -shape[d]):
         if shape[dim] % num_devices == 0:
-            return NamedSharding(mesh, PartitionSpec(*[mesh.axis_names if d == dim else None
-                                                       for d in range(len(shape))]))
+            return NamedSharding(
+                mesh, PartitionSpec(*[mesh.axis_names if d == dim else None for d in range(len(shape))])
+            )
     return NamedSharding(mesh, PartitionSpec())
 
 
@@ -192,21 +201,33 @@ def expert_parallel_reader(read_params, num_experts: int, mesh):
 
     def read(abstract: nnx.State, dtype, placement) -> nnx.State:
         flat = list(nnx.to_flat_state(abstract))
-        as_checkpointed = {path: jax.ShapeDtypeStruct((num_experts,) + variable.get_value().shape[1:],
-                                                      variable.get_value().dtype)
-                           for path, variable in flat
-                           if _is_expert_weight(variable) and variable.get_value().shape[0] != num_experts}
+        as_checkpointed = {
+            path: jax.ShapeDtypeStruct((num_experts,) + variable.get_value().shape[1:], variable.get_value().dtype)
+            for path, variable in flat
+            if _is_expert_weight(variable) and variable.get_value().shape[0] != num_experts
+        }
         if not as_checkpointed:  # X divides the devices: the initial placement keeps the canonical order
             return read_params(abstract, dtype, placement)
         canonical = {path: canonical_sharding(shape.shape, mesh) for path, shape in as_checkpointed.items()}
-        loaded = dict(nnx.to_flat_state(read_params(
-            nnx.from_flat_state([(path, variable.replace(as_checkpointed[path]) if path in canonical else variable)
-                                 for path, variable in flat]),
-            dtype, lambda path: canonical[path] if path in canonical else placement(path))))
+        loaded = dict(
+            nnx.to_flat_state(
+                read_params(
+                    nnx.from_flat_state(
+                        [
+                            (path, variable.replace(as_checkpointed[path]) if path in canonical else variable)
+                            for path, variable in flat
+                        ]
+                    ),
+                    dtype,
+                    lambda path: canonical[path] if path in canonical else placement(path),
+                )
+            )
+        )
         for path, sharding in canonical.items():  # one at a time: each read copy is freed as its rows are stored
             variable = loaded[path]
-            loaded[path] = variable.replace(jax.device_put(
-                _gather_rows(variable.get_value(), storage_order, sharding), placement(path)))
+            loaded[path] = variable.replace(
+                jax.device_put(_gather_rows(variable.get_value(), storage_order, sharding), placement(path))
+            )
         return nnx.from_flat_state(list(loaded.items()))
 
     return read

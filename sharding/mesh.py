@@ -15,7 +15,8 @@ def build_mesh(data_parallel_size: int = 1, tensor_parallel_size: int = 1, devic
     if data_parallel_size < 1 or tensor_parallel_size < 1:
         raise ValueError("data_parallel_size and tensor_parallel_size must be >= 1")
     if needed > len(devices):
-        raise ValueError(f"data_parallel_size x tensor_parallel_size = {needed} devices, but only "
-                         f"{len(devices)} are available")
+        raise ValueError(
+            f"data_parallel_size x tensor_parallel_size = {needed} devices, but only {len(devices)} are available"
+        )
     grid = np.asarray(devices[:needed]).reshape(data_parallel_size, tensor_parallel_size)
     return Mesh(grid, MESH_AXES)

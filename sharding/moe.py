@@ -48,7 +48,8 @@ def grouped_expert_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, activat
     """rows [R, E] sorted by expert, group_sizes [X] (rows past their sum are left out) -> [R, E]:
     each expert's gated MLP over its own rows; gate/up [X, E, F], down [X, F, E]."""
     hidden = activation(jax.lax.ragged_dot(rows, gate_proj, group_sizes)) * jax.lax.ragged_dot(
-        rows, up_proj, group_sizes)
+        rows, up_proj, group_sizes
+    )
     return jax.lax.ragged_dot(hidden, down_proj, group_sizes)
 
 
@@ -91,8 +92,19 @@ class ExpertParallel:
 
     def __call__(self, x, weights, expert_ids, gate_proj, up_proj, down_proj, placement: tuple, *, activation):
         expert_to_device, expert_slot = placement
-        return expert_parallel_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device,
-                                   expert_slot, mesh=self.mesh, axis=self.mesh.axis_names, activation=activation)
+        return expert_parallel_moe(
+            x,
+            weights,
+            expert_ids,
+            gate_proj,
+            up_proj,
+            down_proj,
+            expert_to_device,
+            expert_slot,
+            mesh=self.mesh,
+            axis=self.mesh.axis_names,
+            activation=activation,
+        )
 
 
 def expert_dispatch(mesh: Mesh | None = None) -> LocalExperts | ExpertParallel:
@@ -100,8 +112,9 @@ def expert_dispatch(mesh: Mesh | None = None) -> LocalExperts | ExpertParallel:
     return LocalExperts() if mesh is None else ExpertParallel(mesh)
 
 
-def _local_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *, axis,
-               activation):
+def _local_moe(
+    x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *, axis, activation
+):
     num_devices = jax.lax.psum(1, axis)
     tokens, embed = x.shape
     top_k = expert_ids.shape[1]
@@ -114,10 +127,16 @@ def _local_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_
     counts = jnp.bincount(destination, length=num_devices)  # [D]
     starts = jnp.cumsum(counts) - counts
     position_in_buffer = jnp.arange(copies) - starts[sorted_destination]
-    send_tokens = jnp.zeros((num_devices, copies, embed), x.dtype).at[sorted_destination, position_in_buffer].set(
-        x[order // top_k])
-    send_slots = jnp.full((num_devices, copies), -1, jnp.int32).at[sorted_destination, position_in_buffer].set(
-        expert_slot[flat_experts[order]])
+    send_tokens = (
+        jnp.zeros((num_devices, copies, embed), x.dtype)
+        .at[sorted_destination, position_in_buffer]
+        .set(x[order // top_k])
+    )
+    send_slots = (
+        jnp.full((num_devices, copies), -1, jnp.int32)
+        .at[sorted_destination, position_in_buffer]
+        .set(expert_slot[flat_experts[order]])
+    )
     received = jax.lax.all_to_all(send_tokens, axis, 0, 0, tiled=False)  # [D, C, E] from each source
     received_slots = jax.lax.all_to_all(send_slots, axis, 0, 0, tiled=False)  # -1: an empty slot
 
@@ -134,14 +153,29 @@ def _local_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_
     returned = jax.lax.all_to_all(out_rows.reshape(num_devices, copies, embed), axis, 0, 0, tiled=False)
 
     # Unpack: copy i (in destination order) comes back at [its destination, its position].
-    out_copies = jnp.zeros((copies, embed), jnp.float32).at[order].set(
-        returned[sorted_destination, position_in_buffer].astype(jnp.float32))
+    out_copies = (
+        jnp.zeros((copies, embed), jnp.float32)
+        .at[order]
+        .set(returned[sorted_destination, position_in_buffer].astype(jnp.float32))
+    )
     combined = (out_copies * weights.reshape(-1)[:, None]).reshape(tokens, top_k, embed).sum(axis=1)
     return combined.astype(x.dtype)
 
 
-def expert_parallel_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *,
-                        mesh, axis, activation=jax.nn.silu):
+def expert_parallel_moe(
+    x,
+    weights,
+    expert_ids,
+    gate_proj,
+    up_proj,
+    down_proj,
+    expert_to_device,
+    expert_slot,
+    *,
+    mesh,
+    axis,
+    activation=jax.nn.silu,
+):
     """x [T, E] and its routing (weights / expert_ids [T, k], ids < X) split over `axis`; gate/up [S, E, F] and
     down [S, F, E] stored per device, L rows each (expert_to_device / expert_slot [X] say where each expert
     is; `store_experts` lays canonical weights out so). Returns [T, E], split like x."""
@@ -151,8 +185,10 @@ def expert_parallel_moe(x, weights, expert_ids, gate_proj, up_proj, down_proj, e
     for name in axes:
         num_devices *= mesh.shape[name]
     if num_rows % num_devices:
-        raise ValueError(f"{num_rows} stored expert rows do not divide over {num_devices} devices on mesh axis "
-                         f"{axis!r}: pad them to num_expert_rows (store_experts)")
+        raise ValueError(
+            f"{num_rows} stored expert rows do not divide over {num_devices} devices on mesh axis "
+            f"{axis!r}: pad them to num_expert_rows (store_experts)"
+        )
     num_tokens = x.shape[0]
     padding = ((0, -num_tokens % num_devices), (0, 0))  # every device gets the same number of tokens
     x, weights, expert_ids = (jnp.pad(a, padding) for a in (x, weights, expert_ids))  # padding: weight 0
@@ -188,9 +224,14 @@ def place_experts(load: jax.Array | None, num_experts: int, num_devices: int):
         for expert in sorted(range(num_experts), key=lambda e: -float(load[e])):
             # room: below floor, or at floor while fewer than X mod D devices have taken an extra expert
             extra_left = extra - sum(count > base for count in device_count)
-            device = min((d for d in range(num_devices)
-                          if device_count[d] < base or (device_count[d] == base and extra_left > 0)),
-                         key=lambda d: device_load[d])
+            device = min(
+                (
+                    d
+                    for d in range(num_devices)
+                    if device_count[d] < base or (device_count[d] == base and extra_left > 0)
+                ),
+                key=lambda d: device_load[d],
+            )
             device_of[expert] = device
             device_load[device] += float(load[expert])
             device_count[device] += 1

@@ -9,8 +9,9 @@ from jax.sharding import Mesh, NamedSharding
 from sharding.rules import LOGICAL_AXIS_RULES, partition_spec
 
 
-def param_shardings(abstract_state: nnx.State, mesh: Mesh | None, sizes: dict[str, int],
-                    rules: dict = LOGICAL_AXIS_RULES) -> dict[tuple, NamedSharding]:
+def param_shardings(
+    abstract_state: nnx.State, mesh: Mesh | None, sizes: dict[str, int], rules: dict = LOGICAL_AXIS_RULES
+) -> dict[tuple, NamedSharding]:
     """Param path -> its NamedSharding on `mesh` ({} without a mesh: everything on the default device).
 
     sizes: how many units each logical axis has (heads, kv_heads, mlp, vocab, ...); an axis whose

@@ -24,8 +24,12 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
 EXPERT_PARALLEL_RULES = {**LOGICAL_AXIS_RULES, "expert": ("data", "tensor"), "expert_mlp": None}
 
 
-def partition_spec(logical_axes: tuple[str | None, ...], mesh: Mesh, sizes: dict[str, int] | None = None,
-                   rules: dict[str, str | None] = LOGICAL_AXIS_RULES) -> PartitionSpec:
+def partition_spec(
+    logical_axes: tuple[str | None, ...],
+    mesh: Mesh,
+    sizes: dict[str, int] | None = None,
+    rules: dict[str, str | None] = LOGICAL_AXIS_RULES,
+) -> PartitionSpec:
     """Map logical axes to mesh axes. An axis whose count (sizes[name], e.g. the number of heads)
     the mesh axis does not divide is replicated. Two logical axes of one array may not share a mesh axis."""
     spec, used = [], {}
@@ -44,8 +48,9 @@ def partition_spec(logical_axes: tuple[str | None, ...], mesh: Mesh, sizes: dict
         if mesh_axis is not None:
             for axis in axes:
                 if axis in used:
-                    raise ValueError(f"logical axes {used[axis]!r} and {name!r} of one array both map to "
-                                     f"mesh axis {axis!r}")
+                    raise ValueError(
+                        f"logical axes {used[axis]!r} and {name!r} of one array both map to mesh axis {axis!r}"
+                    )
                 used[axis] = name
         spec.append(mesh_axis)
     return PartitionSpec(*spec)

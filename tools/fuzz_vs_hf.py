@@ -26,27 +26,44 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 NUM_PROMPTS, NEW_TOKENS = 5, 20
-HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
 
 
 def random_config(rng, expert_parallel: bool = False) -> tuple[str, dict]:
     num_kv_heads = int(rng.choice([1, 2, 3, 4]))
     num_heads = num_kv_heads * int(rng.choice([1, 2, 3, 4]))
-    config = dict(vocab_size=int(rng.choice([97, 256, 333, 512, 1000])),
-                  hidden_size=num_heads * int(rng.choice([4, 6, 8, 12, 16])),  # transformers wants heads | hidden
-                  intermediate_size=int(rng.choice([36, 64, 90, 128])), num_hidden_layers=int(rng.choice([1, 2, 3])),
-                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                  head_dim=int(rng.choice([8, 12, 16, 20, 32])), rope_theta=float(rng.choice([1e4, 5e5, 1e6, 1234.5])),
-                  rms_norm_eps=float(rng.choice([1e-5, 1e-6])), tie_word_embeddings=bool(rng.random() < 0.4),
-                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    config = dict(
+        vocab_size=int(rng.choice([97, 256, 333, 512, 1000])),
+        hidden_size=num_heads * int(rng.choice([4, 6, 8, 12, 16])),  # transformers wants heads | hidden
+        intermediate_size=int(rng.choice([36, 64, 90, 128])),
+        num_hidden_layers=int(rng.choice([1, 2, 3])),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=int(rng.choice([8, 12, 16, 20, 32])),
+        rope_theta=float(rng.choice([1e4, 5e5, 1e6, 1234.5])),
+        rms_norm_eps=float(rng.choice([1e-5, 1e-6])),
+        tie_word_embeddings=bool(rng.random() < 0.4),
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     scaling = rng.random()
     if scaling < 0.2:
         config["rope_scaling"] = dict(rope_type="linear", factor=2.0)
     elif scaling < 0.4:
-        config["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                      original_max_position_embeddings=128)
+        config["rope_scaling"] = dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=128,
+        )
     kind = str(rng.choice(["llama", "llama", "mixtral", "mixtral", "qwen2", "qwen3", "qwen3_moe"]))
     return kind, {**config, **FAMILY_DRAWS[kind](rng, config["num_hidden_layers"], expert_parallel)}
 
@@ -60,31 +77,46 @@ def _experts(rng, expert_parallel: bool, name: str) -> dict:
 
 def _qwen_window(rng, num_layers: int) -> dict:
     """Windows are off unless use_sliding_window; then only layers from max_window_layers on slide."""
-    return dict(use_sliding_window=bool(rng.random() < 0.5), sliding_window=int(rng.choice([8, 16, 40])),
-                max_window_layers=int(rng.integers(0, num_layers + 1)))
+    return dict(
+        use_sliding_window=bool(rng.random() < 0.5),
+        sliding_window=int(rng.choice([8, 16, 40])),
+        max_window_layers=int(rng.integers(0, num_layers + 1)),
+    )
 
 
 FAMILY_DRAWS = {
-    "llama": lambda rng, layers, spread: dict(attention_bias=bool(rng.random() < 0.3),
-                                              mlp_bias=bool(rng.random() < 0.2)),
-    "mixtral": lambda rng, layers, spread: {**_experts(rng, spread, "num_local_experts"),
-                                            **({"sliding_window": int(rng.choice([8, 16, 40]))}
-                                               if rng.random() < 0.3 else {})},
+    "llama": lambda rng, layers, spread: dict(
+        attention_bias=bool(rng.random() < 0.3), mlp_bias=bool(rng.random() < 0.2)
+    ),
+    "mixtral": lambda rng, layers, spread: {
+        **_experts(rng, spread, "num_local_experts"),
+        **({"sliding_window": int(rng.choice([8, 16, 40]))} if rng.random() < 0.3 else {}),
+    },
     "qwen2": lambda rng, layers, spread: _qwen_window(rng, layers),
     "qwen3": lambda rng, layers, spread: dict(attention_bias=bool(rng.random() < 0.3), **_qwen_window(rng, layers)),
     "qwen3_moe": lambda rng, layers, spread: dict(
-        **_experts(rng, spread, "num_experts"), moe_intermediate_size=int(rng.choice([24, 36, 64])),
-        norm_topk_prob=bool(rng.random() < 0.5), attention_bias=bool(rng.random() < 0.3),
-        use_sliding_window=bool(rng.random() < 0.3), sliding_window=int(rng.choice([8, 16, 40]))),
+        **_experts(rng, spread, "num_experts"),
+        moe_intermediate_size=int(rng.choice([24, 36, 64])),
+        norm_topk_prob=bool(rng.random() < 0.5),
+        attention_bias=bool(rng.random() < 0.3),
+        use_sliding_window=bool(rng.random() < 0.3),
+        sliding_window=int(rng.choice([8, 16, 40])),
+    ),
 }
 
 
 def random_engine(rng) -> dict:
     query_block = int(rng.choice([4, 8, 16]))
-    return dict(dtype="float32", max_model_len=160, max_num_seqs=int(rng.choice([2, 8])),
-                max_num_batched_tokens=max(query_block, int(rng.choice([16, 32, 64]))),
-                page_size=int(rng.choice([4, 8, 16])), prefill_query_block=query_block,
-                attention_impl=str(rng.choice(["auto", "reference", "pallas"])), show_progress=False)
+    return dict(
+        dtype="float32",
+        max_model_len=160,
+        max_num_seqs=int(rng.choice([2, 8])),
+        max_num_batched_tokens=max(query_block, int(rng.choice([16, 32, 64]))),
+        page_size=int(rng.choice([4, 8, 16])),
+        prefill_query_block=query_block,
+        attention_impl=str(rng.choice(["auto", "reference", "pallas"])),
+        show_progress=False,
+    )
 
 
 def run(seed: int, mesh: dict) -> dict:
@@ -107,13 +139,20 @@ def run(seed: int, mesh: dict) -> dict:
                 param.add_(0.3 * torch.randn_like(param))
     directory = tempfile.mkdtemp()
     model.save_pretrained(directory)
-    prompts = [[1] + rng.integers(3, config_dict["vocab_size"], size=int(n)).tolist()
-               for n in rng.integers(1, 90, size=NUM_PROMPTS)]
-    expected = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    prompts = [
+        [1] + rng.integers(3, config_dict["vocab_size"], size=int(n)).tolist()
+        for n in rng.integers(1, 90, size=NUM_PROMPTS)
+    ]
+    expected = [
+        model.generate(
+            torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]
     engine = {**random_engine(rng), **mesh}
     outputs = LLM(directory, **engine).generate(
-        prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
     equal = sum(o.outputs[0].token_ids == e for o, e in zip(outputs, expected))
     record = dict(seed=seed, kind=kind, equal=equal, of=len(prompts))
     num_experts = config_dict.get("num_local_experts", config_dict.get("num_experts"))
@@ -135,8 +174,11 @@ def main() -> None:
     if args.fake_devices:
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.fake_devices}"
         os.environ["JAX_PLATFORMS"] = "cpu"
-    mesh = dict(tensor_parallel_size=args.tensor_parallel, data_parallel_size=args.data_parallel,
-                enable_expert_parallel=args.expert_parallel)
+    mesh = dict(
+        tensor_parallel_size=args.tensor_parallel,
+        data_parallel_size=args.data_parallel,
+        enable_expert_parallel=args.expert_parallel,
+    )
     first, last = map(int, args.seeds.split(":"))
     failures = 0
     for seed in range(first, last):

@@ -44,13 +44,16 @@ def huge_page_arena(num_bytes: int) -> np.ndarray | None:
     the platform refuses): its pages come into being, huge, as it is first written."""
     raw = np.empty(num_bytes + HUGE_PAGE_BYTES, np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE_BYTES
-    arena = raw[start:start + num_bytes]
+    arena = raw[start : start + num_bytes]
     return arena if sys.platform.startswith("linux") and _ask_for_huge_pages(arena) else None
 
 
 def _weights(model) -> list[nnx.Variable]:
-    return [node for _, node in nnx.iter_graph(model)
-            if isinstance(node, nnx.Variable) and isinstance(node.get_value(), jax.Array)]
+    return [
+        node
+        for _, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Variable) and isinstance(node.get_value(), jax.Array)
+    ]
 
 
 def move_weights_to_huge_pages(model) -> int:
@@ -71,7 +74,7 @@ def move_weights_to_huge_pages(model) -> int:
     offset = 0
     for variable, size in zip(variables, sizes):
         old = variable.get_value()
-        view = arena[offset:offset + old.nbytes].view(old.dtype).reshape(old.shape)
+        view = arena[offset : offset + old.nbytes].view(old.dtype).reshape(old.shape)
         np.copyto(view, np.asarray(old))
         # As committed as before: committed arguments cost the compiled step's dispatch ~3 us each.
         new = jax.device_put(view, old.sharding if old.committed else None)

@@ -45,7 +45,7 @@ def read_pages(kv_pages: KVPages, pages: list[int], host_device) -> list[HostPag
     """Start copying pages' KV to host memory; returns a handle per page without waiting."""
     handles = []
     for start in range(0, len(pages), PAGE_COPY_GROUP):
-        group = pages[start:start + PAGE_COPY_GROUP]
+        group = pages[start : start + PAGE_COPY_GROUP]
         on_host = jax.device_put(_gather_pages(kv_pages, _padded_group(group)), host_device)
         handles += [HostPage(on_host, column) for column in range(len(group))]
     return handles
@@ -54,8 +54,8 @@ def read_pages(kv_pages: KVPages, pages: list[int], host_device) -> list[HostPag
 def write_pages(kv_pages: KVPages, pages: list[int], host_pages: list[HostPage]) -> KVPages:
     """Copy host KV back into pages (the pool is donated and returned)."""
     for start in range(0, len(pages), PAGE_COPY_GROUP):
-        group = pages[start:start + PAGE_COPY_GROUP]
-        data = host_pages_to_array(host_pages[start:start + len(group)])
+        group = pages[start : start + PAGE_COPY_GROUP]
+        data = host_pages_to_array(host_pages[start : start + len(group)])
         padding = np.zeros((data.shape[0], PAGE_COPY_GROUP - len(group)) + data.shape[2:], data.dtype)
         kv_pages = _scatter_pages(kv_pages, _padded_group(group), np.concatenate([data, padding], axis=1))
     return kv_pages
@@ -77,7 +77,7 @@ def handover_chunk_sizes(num_pages: int) -> list[int]:
 def _chunks(pages: list[int]) -> list[np.ndarray]:
     chunks, start = [], 0
     for size in handover_chunk_sizes(len(pages)):
-        chunks.append(np.asarray(pages[start:start + size], np.int32))
+        chunks.append(np.asarray(pages[start : start + size], np.int32))
         start += size
     return chunks
 

@@ -24,8 +24,7 @@ from jaxserve.config import Buckets
 from jaxserve.device import page_copies
 from jaxserve.device.sampler import SamplerOutput
 from jaxserve.device.step import step
-from jaxserve.device.step_inputs import (StepInputs, StepShape, all_step_shapes, build_ranked_inputs,
-                                         token_buffer_size)
+from jaxserve.device.step_inputs import StepInputs, StepShape, all_step_shapes, build_ranked_inputs, token_buffer_size
 from jaxserve.models.kv_pages import KVPages
 from sharding import partition_spec
 
@@ -35,7 +34,8 @@ logger = logging.getLogger(__name__)
 def _abstract(tree, sharding=None):
     """Shapes (and, for placed arrays, shardings) of a pytree, for lowering ahead of time."""
     return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or getattr(x, "sharding", None)), tree)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or getattr(x, "sharding", None)), tree
+    )
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,19 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, model, *, kv_pages: KVPages, buckets: Buckets, page_size: int, prefill_query_block: int,
-                 max_logprobs: int, num_experts: int = 0, mesh: Mesh | None = None, slots_per_rank: int = 1):
+    def __init__(
+        self,
+        model,
+        *,
+        kv_pages: KVPages,
+        buckets: Buckets,
+        page_size: int,
+        prefill_query_block: int,
+        max_logprobs: int,
+        num_experts: int = 0,
+        mesh: Mesh | None = None,
+        slots_per_rank: int = 1,
+    ):
         """With a mesh, params and KV pages arrive already placed on it. slots_per_rank: the token
         slots (step_inputs.py) each data-parallel rank's scheduler hands out, its max_num_seqs."""
         self.graphdef, params = nnx.split(model)
@@ -75,14 +86,22 @@ class ModelRunner:
         self.prefill_query_block = prefill_query_block
         self.slots_per_rank = slots_per_rank
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        self.token_buffer = jax.device_put(np.zeros(token_buffer_size(self.num_ranks, slots_per_rank), np.int32),
-                                           replicated)
+        self.token_buffer = jax.device_put(
+            np.zeros(token_buffer_size(self.num_ranks, slots_per_rank), np.int32), replicated
+        )
         # On a mesh the pages must come back laid out as they went in, so that donation reuses them.
-        out_shardings = None if mesh is None else (
-            self.input_sharding, replicated, jax.tree.map(lambda x: x.sharding, kv_pages), replicated)
-        self._jitted = jax.jit(functools.partial(step, self.graphdef, self.params_treedef, max_logprobs=max_logprobs,
-                                                 num_experts=num_experts),
-                               donate_argnums=(1, 2), out_shardings=out_shardings)
+        out_shardings = (
+            None
+            if mesh is None
+            else (self.input_sharding, replicated, jax.tree.map(lambda x: x.sharding, kv_pages), replicated)
+        )
+        self._jitted = jax.jit(
+            functools.partial(
+                step, self.graphdef, self.params_treedef, max_logprobs=max_logprobs, num_experts=num_experts
+            ),
+            donate_argnums=(1, 2),
+            out_shardings=out_shardings,
+        )
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.num_compiles_after_warmup = 0
@@ -97,23 +116,31 @@ class ModelRunner:
         dtype and sharding: the compiled executables take them as they are."""
         leaves, treedef = jax.tree.flatten(params)
         if treedef != self.params_treedef or any(
-                (new.shape, new.dtype, new.sharding) != (old.shape, old.dtype, old.sharding)
-                for new, old in zip(leaves, self.param_leaves)):
+            (new.shape, new.dtype, new.sharding) != (old.shape, old.dtype, old.sharding)
+            for new, old in zip(leaves, self.param_leaves)
+        ):
             raise ValueError("replacement params differ from the compiled ones in structure, shape or placement")
         self.param_leaves = leaves
 
     def _compile(self, shape: StepShape) -> jax.stages.Compiled:
         example_inputs = self.build_inputs([[]] * self.num_ranks, shape)
-        return self._jitted.lower(_abstract(self.param_leaves), _abstract(self.kv_pages), _abstract(self.token_buffer),
-                                  _abstract(example_inputs, self.input_sharding)).compile()
+        return self._jitted.lower(
+            _abstract(self.param_leaves),
+            _abstract(self.kv_pages),
+            _abstract(self.token_buffer),
+            _abstract(example_inputs, self.input_sharding),
+        ).compile()
 
     def build_inputs(self, per_rank_chunks, shape: StepShape) -> StepInputs:
         return build_ranked_inputs(per_rank_chunks, shape, self.page_size, self.slots_per_rank)
 
     def warm_up(self, show_progress: bool = True) -> None:
         start = time.perf_counter()
-        for shape in tqdm(all_step_shapes(self.buckets, self.prefill_query_block), desc="compiling step buckets",
-                          disable=not show_progress):
+        for shape in tqdm(
+            all_step_shapes(self.buckets, self.prefill_query_block),
+            desc="compiling step buckets",
+            disable=not show_progress,
+        ):
             if shape not in self.executables:
                 self.executables[shape] = self._compile(shape)
         self.warmed_up = True
@@ -129,8 +156,9 @@ class ModelRunner:
                 self.num_compiles_after_warmup += 1
         if self.input_sharding is not None:
             inputs = jax.device_put(inputs, self.input_sharding)
-        sampled, expert_counts, self.kv_pages, self.token_buffer = executable(self.param_leaves, self.kv_pages,
-                                                                              self.token_buffer, inputs)
+        sampled, expert_counts, self.kv_pages, self.token_buffer = executable(
+            self.param_leaves, self.kv_pages, self.token_buffer, inputs
+        )
         return PendingStep(sampled, expert_counts)
 
     def read_pages(self, pages: list[int]) -> list[page_copies.HostPage]:

@@ -70,7 +70,8 @@ def _sample_random(logits, greedy_token_ids, inputs: SamplingInputs):
     needs_filter = jnp.any(is_random & ((inputs.top_k > 0) | (inputs.top_p < 1) | (inputs.min_p > 0)))
     scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p_min_p, lambda x, _: x, scaled, inputs)
     keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.wrap_key_data(seed), index))(
-        inputs.seeds, inputs.token_indices)
+        inputs.seeds, inputs.token_indices
+    )
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
     sampled = first_argmax(scaled + gumbel)
     return jnp.where(is_random, sampled, greedy_token_ids)
@@ -79,8 +80,9 @@ def _sample_random(logits, greedy_token_ids, inputs: SamplingInputs):
 def sample(logits, inputs: SamplingInputs, max_logprobs: int) -> SamplerOutput:
     """logits [S, V] float32 -> sampled tokens and their log-probabilities."""
     greedy_token_ids = first_argmax(logits)
-    token_ids = jax.lax.cond(jnp.any(inputs.temperature > 0), _sample_random, lambda _, g, __: g,
-                             logits, greedy_token_ids, inputs)
+    token_ids = jax.lax.cond(
+        jnp.any(inputs.temperature > 0), _sample_random, lambda _, g, __: g, logits, greedy_token_ids, inputs
+    )
     num_rows, num_top = logits.shape[0], max(max_logprobs, 1)
 
     def logprobs_of(logits):
@@ -90,9 +92,13 @@ def sample(logits, inputs: SamplingInputs, max_logprobs: int) -> SamplerOutput:
         return sampled, top_logprobs, top_token_ids.astype(jnp.int32)
 
     def no_logprobs(_):
-        return (jnp.zeros((num_rows,), jnp.float32), jnp.zeros((num_rows, num_top), jnp.float32),
-                jnp.zeros((num_rows, num_top), jnp.int32))
+        return (
+            jnp.zeros((num_rows,), jnp.float32),
+            jnp.zeros((num_rows, num_top), jnp.float32),
+            jnp.zeros((num_rows, num_top), jnp.int32),
+        )
 
     sampled_logprobs, top_logprobs, top_token_ids = jax.lax.cond(
-        jnp.any(inputs.wants_logprobs), logprobs_of, no_logprobs, logits)
+        jnp.any(inputs.wants_logprobs), logprobs_of, no_logprobs, logits
+    )
     return SamplerOutput(token_ids, sampled_logprobs, top_logprobs, top_token_ids)

@@ -58,8 +58,9 @@ def token_buffer_size(num_ranks: int, slots_per_rank: int) -> int:
     return num_ranks * slots_per_rank + 1  # the last entry is scratch
 
 
-def build_step_inputs(chunks: list[ScheduledChunk], shape: StepShape, page_size: int, first_slot: int = 0,
-                      scratch_slot: int = 0) -> StepInputs:
+def build_step_inputs(
+    chunks: list[ScheduledChunk], shape: StepShape, page_size: int, first_slot: int = 0, scratch_slot: int = 0
+) -> StepInputs:
     """Host numpy arrays for one step; the runner moves them to the device. first_slot: this rank's
     first token buffer entry."""
     num_tokens, num_seqs, block = shape.num_tokens, shape.num_seqs, shape.query_block
@@ -82,19 +83,19 @@ def build_step_inputs(chunks: list[ScheduledChunk], shape: StepShape, page_size:
     cursor = 0
     for row, chunk in enumerate(chunks):
         seq, n = chunk.seq, chunk.num_tokens
-        pages = np.asarray(seq.page_ids[:num_pages_for(chunk.end, page_size)], np.int32)
+        pages = np.asarray(seq.page_ids[: num_pages_for(chunk.end, page_size)], np.int32)
         chunk_positions = np.arange(chunk.start, chunk.end, dtype=np.int32)
         known_end = min(chunk.end, seq.num_tokens)  # beyond it: the token the running step samples
-        token_ids[cursor:cursor + known_end - chunk.start] = seq.token_slice(chunk.start, known_end)
+        token_ids[cursor : cursor + known_end - chunk.start] = seq.token_slice(chunk.start, known_end)
         if known_end < chunk.end:
-            token_sources[cursor + known_end - chunk.start:cursor + n] = first_slot + seq.token_slot
+            token_sources[cursor + known_end - chunk.start : cursor + n] = first_slot + seq.token_slot
         if chunk.samples_next_token:
             sampled_slots[row] = first_slot + seq.token_slot
-        positions[cursor:cursor + n] = chunk_positions
-        slot_ids[cursor:cursor + n] = pages[chunk_positions // page_size] * page_size + chunk_positions % page_size
+        positions[cursor : cursor + n] = chunk_positions
+        slot_ids[cursor : cursor + n] = pages[chunk_positions // page_size] * page_size + chunk_positions % page_size
         padded = padded_to_blocks(n, block)
-        token_seq_ids[cursor:cursor + padded] = row
-        page_table[row, :len(pages)] = pages
+        token_seq_ids[cursor : cursor + padded] = row
+        page_table[row, : len(pages)] = pages
         logits_indices[row] = cursor + n - 1
         params = seq.params
         temperature[row] = params.temperature
@@ -108,22 +109,39 @@ def build_step_inputs(chunks: list[ScheduledChunk], shape: StepShape, page_size:
     if cursor > num_tokens or len(chunks) > num_seqs:
         raise AssertionError(f"{len(chunks)} chunks of {cursor} tokens do not fit the bucket {shape}")
 
-    attention = AttentionMetadata(positions=positions, slot_ids=slot_ids, token_seq_ids=token_seq_ids,
-                                  page_table=page_table, query_block=block)
-    sampling = SamplingInputs(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
-                              token_indices=token_indices, wants_logprobs=wants_logprobs)
-    return StepInputs(token_ids=token_ids, attention=attention, logits_indices=logits_indices, sampling=sampling,
-                      token_sources=token_sources, sampled_slots=sampled_slots)
+    attention = AttentionMetadata(
+        positions=positions, slot_ids=slot_ids, token_seq_ids=token_seq_ids, page_table=page_table, query_block=block
+    )
+    sampling = SamplingInputs(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seeds=seeds,
+        token_indices=token_indices,
+        wants_logprobs=wants_logprobs,
+    )
+    return StepInputs(
+        token_ids=token_ids,
+        attention=attention,
+        logits_indices=logits_indices,
+        sampling=sampling,
+        token_sources=token_sources,
+        sampled_slots=sampled_slots,
+    )
 
 
-def build_ranked_inputs(per_rank_chunks: list[list[ScheduledChunk]], shape: StepShape, page_size: int,
-                        slots_per_rank: int = 0) -> StepInputs:
+def build_ranked_inputs(
+    per_rank_chunks: list[list[ScheduledChunk]], shape: StepShape, page_size: int, slots_per_rank: int = 0
+) -> StepInputs:
     """One step for every data-parallel rank: each rank's inputs (with its own local page ids) laid end
     to end, so that splitting every array evenly over the ranks hands each its own part. Only
     logits_indices and the token buffer entries point into the whole."""
     scratch = token_buffer_size(len(per_rank_chunks), slots_per_rank) - 1
-    per_rank = [build_step_inputs(chunks, shape, page_size, rank * slots_per_rank, scratch)
-                for rank, chunks in enumerate(per_rank_chunks)]
+    per_rank = [
+        build_step_inputs(chunks, shape, page_size, rank * slots_per_rank, scratch)
+        for rank, chunks in enumerate(per_rank_chunks)
+    ]
     if len(per_rank) == 1:
         return per_rank[0]
     for rank, inputs in enumerate(per_rank):
@@ -138,8 +156,13 @@ def all_step_shapes(buckets: Buckets, prefill_query_block: int) -> list[StepShap
     return shapes + [StepShape(t, t // block, p, block) for t in buckets.prefill_tokens for p in buckets.pages_per_seq]
 
 
-def step_shape(per_rank_chunks: list[list[ScheduledChunk]], is_decode: bool, buckets: Buckets, page_size: int,
-               prefill_query_block: int) -> StepShape:
+def step_shape(
+    per_rank_chunks: list[list[ScheduledChunk]],
+    is_decode: bool,
+    buckets: Buckets,
+    page_size: int,
+    prefill_query_block: int,
+) -> StepShape:
     """The smallest bucket every rank's chunks fit in (ranks share one shape)."""
     every = [chunk for chunks in per_rank_chunks for chunk in chunks]
     pages_per_seq = Buckets.fit(max(num_pages_for(chunk.end, page_size) for chunk in every), buckets.pages_per_seq)
@@ -147,6 +170,8 @@ def step_shape(per_rank_chunks: list[list[ScheduledChunk]], is_decode: bool, buc
         num_seqs = Buckets.fit(max(len(chunks) for chunks in per_rank_chunks), buckets.decode_seqs)
         return StepShape(num_seqs, num_seqs, pages_per_seq, 1)
     block = prefill_query_block
-    num_tokens = Buckets.fit(max(sum(padded_to_blocks(c.num_tokens, block) for c in chunks)
-                                 for chunks in per_rank_chunks), buckets.prefill_tokens)
+    num_tokens = Buckets.fit(
+        max(sum(padded_to_blocks(c.num_tokens, block) for c in chunks) for chunks in per_rank_chunks),
+        buckets.prefill_tokens,
+    )
     return StepShape(num_tokens, num_tokens // block, pages_per_seq, block)

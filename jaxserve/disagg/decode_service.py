@@ -84,10 +84,13 @@ class DecodeService:
             reserved = concurrent.futures.Future()
             if not request.prefill_address:  # no prefill replica to ask: prefill here, as a colocated replica
                 reserved.set_result(None)
-            stream = self.loop.submit(prompt, params, request.request.request_id,
-                                      request.request.session_id or None,
-                                      admit=functools.partial(self._reserve, reserved) if request.prefill_address
-                                      else None)
+            stream = self.loop.submit(
+                prompt,
+                params,
+                request.request.request_id,
+                request.request.session_id or None,
+                admit=functools.partial(self._reserve, reserved) if request.prefill_address else None,
+            )
         return Handover(stream, request.prefill_address, request.request, params, reserved=reserved)
 
     def _reserve(self, reserved: concurrent.futures.Future, engine, stream: RequestStream, prompt: list[int]):
@@ -106,24 +109,38 @@ class DecodeService:
         reservation, handover.prompt_token_ids = reserved
         started = time.perf_counter()
         try:
-            response = self._stub(handover.prefill_address).Prefill(dpb.PrefillRequest(
-                request_id=handover.stream.request_id, token_ids=handover.prompt_token_ids,
-                sampling=handover.request.sampling, held_page_keys=reservation.held_keys), timeout=self.timeout)
+            response = self._stub(handover.prefill_address).Prefill(
+                dpb.PrefillRequest(
+                    request_id=handover.stream.request_id,
+                    token_ids=handover.prompt_token_ids,
+                    sampling=handover.request.sampling,
+                    held_page_keys=reservation.held_keys,
+                ),
+                timeout=self.timeout,
+            )
         except grpc.RpcError as error:
             return self._recompute(handover, f"{error.code().name}: {error.details()}")
         if response.finish_reason:  # the first token ended it: deliver that token, free the reservation
             self.loop.call(lambda engine: engine.handovers.cancel(handover.stream.handle))
             logprobs = [first_logprobs(response)] if response.HasField("first_logprobs") else None
-            handover.stream.put(Delta([response.first_token_id], response.first_text, logprobs,
-                                      response.finish_reason, len(handover.prompt_token_ids),
-                                      response.num_cached_tokens))
+            handover.stream.put(
+                Delta(
+                    [response.first_token_id],
+                    response.first_text,
+                    logprobs,
+                    response.finish_reason,
+                    len(handover.prompt_token_ids),
+                    response.num_cached_tokens,
+                )
+            )
             return None
         handover.handover_id = response.handover_id
         answered = time.perf_counter()
         chunks = self.transfers.pull(response.transfer_address, response.transfer_id, response.chunks, self.timeout)
         try:
             installed = chunks is not None and self.loop.call(
-                lambda engine: self._install(engine, handover, response, chunks)).result(self.timeout)
+                lambda engine: self._install(engine, handover, response, chunks)
+            ).result(self.timeout)
         except Exception:  # late (it still completes; recomputing then does nothing) or failed: recompute
             installed = False
         self._release(handover)
@@ -146,11 +163,20 @@ class DecodeService:
         if sum(chunk.shape[1] for chunk in chunks) != len(reservation.missing_page_ids):
             return False
         if chunks:
-            engine.runner.scatter_pages(reservation.missing_page_ids,
-                                        jax.device_put(chunks, engine.runner.page_array_sharding()))
+            engine.runner.scatter_pages(
+                reservation.missing_page_ids, jax.device_put(chunks, engine.runner.page_array_sharding())
+            )
         logprobs = first_logprobs(response) if response.HasField("first_logprobs") else None
-        engine.handovers.complete(PrefilledRequest(handle, handover.prompt_token_ids, handover.params,
-                                                   response.sampling_seed, response.first_token_id, logprobs))
+        engine.handovers.complete(
+            PrefilledRequest(
+                handle,
+                handover.prompt_token_ids,
+                handover.params,
+                response.sampling_seed,
+                response.first_token_id,
+                logprobs,
+            )
+        )
         request = engine.requests[handle]
         if not request.finished:  # the first token goes out now, not with the second
             delta = handover.stream.delta_from(request.output())
@@ -161,8 +187,12 @@ class DecodeService:
     def _recompute(self, handover: Handover, reason: str) -> None:
         """The prefill side could not hand over: run the prompt here (unless the client has left)."""
         handle = handover.stream.handle
-        logger.warning("request %s: no handover from %s (%s); prefilling it here", handover.stream.request_id,
-                       handover.prefill_address, reason)
+        logger.warning(
+            "request %s: no handover from %s (%s); prefilling it here",
+            handover.stream.request_id,
+            handover.prefill_address,
+            reason,
+        )
 
         def recompute(engine):
             if not handover.ended and handle in engine.handovers.reservations:
@@ -176,8 +206,9 @@ class DecodeService:
         handover_id, handover.handover_id = handover.handover_id, ""
         if handover_id:
             try:
-                self._stub(handover.prefill_address).Release(dpb.ReleaseRequest(handover_id=handover_id),
-                                                             timeout=RELEASE_TIMEOUT)
+                self._stub(handover.prefill_address).Release(
+                    dpb.ReleaseRequest(handover_id=handover_id), timeout=RELEASE_TIMEOUT
+                )
             except grpc.RpcError:
                 pass  # the prefill side frees them on its own timeout
 
@@ -201,11 +232,17 @@ class DecodeService:
     def status(self, engine) -> dpb.StatusResponse:
         """On the loop thread."""
         stats = self.stats
-        return dpb.StatusResponse(num_reservations=len(engine.handovers.reservations),
-                                  num_expired=engine.handovers.num_expired, num_handovers=stats.num_handovers,
-                                  bytes_moved=stats.bytes_moved, num_pages_moved=stats.num_pages_moved,
-                                  num_pages_reused=stats.num_pages_reused, num_recomputed=stats.num_recomputed,
-                                  seconds_moving=stats.seconds_moving, seconds_prefilling=stats.seconds_prefilling)
+        return dpb.StatusResponse(
+            num_reservations=len(engine.handovers.reservations),
+            num_expired=engine.handovers.num_expired,
+            num_handovers=stats.num_handovers,
+            bytes_moved=stats.bytes_moved,
+            num_pages_moved=stats.num_pages_moved,
+            num_pages_reused=stats.num_pages_reused,
+            num_recomputed=stats.num_recomputed,
+            seconds_moving=stats.seconds_moving,
+            seconds_prefilling=stats.seconds_prefilling,
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -48,8 +48,10 @@ class DecodeHandovers:
         found = allocator.find_cached_prefix(prompt_token_ids, len(prompt_token_ids))
         final_pages = num_pages_for(len(prompt_token_ids) + params.max_tokens, size)
         needed = final_pages - found.num_pages + allocator.num_pages_to_claim(found)
-        if len(scheduler.running) + scheduler.reserved_slots >= scheduler.max_num_seqs or \
-                needed > allocator.num_free_pages:
+        if (
+            len(scheduler.running) + scheduler.reserved_slots >= scheduler.max_num_seqs
+            or needed > allocator.num_free_pages
+        ):
             return None
         page_ids = allocator.claim(found)
         page_ids += allocator.allocate(num_pages_for(len(prompt_token_ids), size) - len(page_ids))
@@ -59,8 +61,15 @@ class DecodeHandovers:
         num_cached = found.num_pages * size
         allocator.record_query(len(prompt_token_ids), num_cached, found.miss_reason)
         missing = missing_page_indices(prompt_token_ids, size, found.keys)
-        reservation = Reservation(request_id, page_ids, list(found.keys), [page_ids[i] for i in missing],
-                                  num_cached, rank, self.clock() + self.timeout)
+        reservation = Reservation(
+            request_id,
+            page_ids,
+            list(found.keys),
+            [page_ids[i] for i in missing],
+            num_cached,
+            rank,
+            self.clock() + self.timeout,
+        )
         self.reservations[request_id] = reservation
         return reservation
 
@@ -69,16 +78,31 @@ class DecodeHandovers:
         reservation = self.reservations.pop(prefilled.request_id)
         engine, prompt = self.engine, prefilled.prompt_token_ids
         engine.schedulers[reservation.rank].reserved_slots -= 1
-        seq = SequenceState(seq_id=next(engine._seq_ids), request_id=prefilled.request_id, prompt_token_ids=prompt,
-                            params=prefilled.params, sampling_seed=prefilled.sampling_seed,
-                            arrival_order=next(engine._arrivals), rank=reservation.rank,
-                            page_ids=reservation.page_ids, page_keys=[], num_computed_tokens=len(prompt),
-                            num_cached_tokens=reservation.num_cached_tokens, status=RequestStatus.RUNNING)
+        seq = SequenceState(
+            seq_id=next(engine._seq_ids),
+            request_id=prefilled.request_id,
+            prompt_token_ids=prompt,
+            params=prefilled.params,
+            sampling_seed=prefilled.sampling_seed,
+            arrival_order=next(engine._arrivals),
+            rank=reservation.rank,
+            page_ids=reservation.page_ids,
+            page_keys=[],
+            num_computed_tokens=len(prompt),
+            num_cached_tokens=reservation.num_cached_tokens,
+            status=RequestStatus.RUNNING,
+        )
         scheduler = engine.schedulers[reservation.rank]
         scheduler.cache_full_pages(seq)  # the handed-over full pages become this side's prefix cache too
         engine.requests[prefilled.request_id] = Request(prefilled.request_id, None, prompt, [seq])
-        reason = append_token(seq, prefilled.first_token_id, prefilled.first_logprobs, engine.tokenizer,
-                              engine.parts.eos_token_ids, engine.max_model_len)
+        reason = append_token(
+            seq,
+            prefilled.first_token_id,
+            prefilled.first_logprobs,
+            engine.tokenizer,
+            engine.parts.eos_token_ids,
+            engine.max_model_len,
+        )
         scheduler.admit_prefilled(seq)
         if reason is not None:
             scheduler.finish_or_flush(seq, reason)

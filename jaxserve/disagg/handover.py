@@ -79,8 +79,11 @@ class DisaggregatedPair:
         return finished + self.decode_engine.step()
 
     def has_unfinished_requests(self) -> bool:
-        return (self.prefill_engine.has_unfinished_requests() or self.decode_engine.has_unfinished_requests()
-                or bool(self.prefill_engine.handovers.parked))
+        return (
+            self.prefill_engine.has_unfinished_requests()
+            or self.decode_engine.has_unfinished_requests()
+            or bool(self.prefill_engine.handovers.parked)
+        )
 
     def generate(self, prompts, params: SamplingParams) -> list[RequestOutput]:
         ids = [f"disagg-{index}" for index in range(len(prompts))]

@@ -25,7 +25,7 @@ def prompt_page_keys(prompt_token_ids: list[int], page_size: int) -> list[int]:
     page has none and always travels)."""
     keys, parent = [], ROOT_KEY
     for start in range(0, len(prompt_token_ids) - page_size + 1, page_size):
-        parent = page_key(parent, tuple(prompt_token_ids[start:start + page_size]))
+        parent = page_key(parent, tuple(prompt_token_ids[start : start + page_size]))
         keys.append(parent)
     return keys
 
@@ -34,5 +34,8 @@ def missing_page_indices(prompt_token_ids: list[int], page_size: int, held_keys)
     """Which of the prompt's pages the receiver lacks: those whose key it does not hold, and the last
     partial page."""
     keys, held = prompt_page_keys(prompt_token_ids, page_size), set(held_keys)
-    return [index for index in range(num_pages_for(len(prompt_token_ids), page_size))
-            if index >= len(keys) or keys[index] not in held]
+    return [
+        index
+        for index in range(num_pages_for(len(prompt_token_ids), page_size))
+        if index >= len(keys) or keys[index] not in held
+    ]

@@ -30,8 +30,9 @@ class Offered:
 def token_logprobs(token_id: int, top: dict[int, float] | None) -> pb.TokenLogprobs | None:
     if top is None:
         return None
-    return pb.TokenLogprobs(token_id=token_id, logprob=top[token_id],
-                            top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in top.items()])
+    return pb.TokenLogprobs(
+        token_id=token_id, logprob=top[token_id], top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in top.items()]
+    )
 
 
 class PrefillService:
@@ -48,14 +49,21 @@ class PrefillService:
         delta = stream.take(timeout=self.timeout)
         if delta is None or not delta.token_ids:  # not in time, or ended unstarted (an error, a drain)
             self.loop.release(stream)
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if delta is None else grpc.StatusCode.UNAVAILABLE,
-                          "the prompt was not prefilled in time" if delta is None else
-                          f"the prefill replica ended the request unstarted ({delta.finish_reason}: {delta.text})")
+            context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED if delta is None else grpc.StatusCode.UNAVAILABLE,
+                "the prompt was not prefilled in time"
+                if delta is None
+                else f"the prefill replica ended the request unstarted ({delta.finish_reason}: {delta.text})",
+            )
         if delta.finish_reason is not None:  # done at its first token: nothing to hand over
             self.loop.release(stream)
-            return dpb.PrefillResponse(first_token_id=delta.token_ids[0], finish_reason=delta.finish_reason,
-                                       first_text=delta.text, num_cached_tokens=delta.num_cached_tokens,
-                                       first_logprobs=token_logprobs(delta.token_ids[0], (delta.logprobs or [None])[0]))
+            return dpb.PrefillResponse(
+                first_token_id=delta.token_ids[0],
+                finish_reason=delta.finish_reason,
+                first_text=delta.text,
+                num_cached_tokens=delta.num_cached_tokens,
+                first_logprobs=token_logprobs(delta.token_ids[0], (delta.logprobs or [None])[0]),
+            )
         handle, held = stream.handle, list(request.held_page_keys)
         with self._lock:
             self.offered[handle] = Offered(stream, time.monotonic() + self.timeout)
@@ -88,10 +96,15 @@ class PrefillService:
         self.num_pages_offered += num_pages
         self.bytes_offered += sum(chunk.nbytes for chunk in chunks)
         return dpb.PrefillResponse(
-            handover_id=handle, first_token_id=prefilled.first_token_id, sampling_seed=prefilled.sampling_seed,
+            handover_id=handle,
+            first_token_id=prefilled.first_token_id,
+            sampling_seed=prefilled.sampling_seed,
             first_logprobs=token_logprobs(prefilled.first_token_id, prefilled.first_logprobs),
-            transfer_address=self.transfers.address, transfer_id=transfer_id, chunks=chunk_protos,
-            num_pages_sent=num_pages)
+            transfer_address=self.transfers.address,
+            transfer_id=transfer_id,
+            chunks=chunk_protos,
+            num_pages_sent=num_pages,
+        )
 
     def Release(self, request: dpb.ReleaseRequest, context) -> dpb.ReleaseResponse:
         return dpb.ReleaseResponse(released=self.release(request.handover_id))
@@ -115,6 +128,10 @@ class PrefillService:
 
     def status(self, engine) -> dpb.StatusResponse:
         """On the loop thread."""
-        return dpb.StatusResponse(num_parked=len(engine.handovers.parked), num_expired=self.num_expired,
-                                  num_handovers=self.num_offered, bytes_moved=self.bytes_offered,
-                                  num_pages_moved=self.num_pages_offered)
+        return dpb.StatusResponse(
+            num_parked=len(engine.handovers.parked),
+            num_expired=self.num_expired,
+            num_handovers=self.num_offered,
+            bytes_moved=self.bytes_offered,
+            num_pages_moved=self.num_pages_offered,
+        )

@@ -38,8 +38,9 @@ class PrefillHandovers:
     def prefilled(self, request_id: str) -> PrefilledRequest:
         seq = self.parked[request_id].seq
         logprobs = seq.output_logprobs[0] if seq.output_logprobs else None
-        return PrefilledRequest(request_id, list(seq.prompt_token_ids), seq.params, seq.sampling_seed,
-                                seq.output_token_ids[0], logprobs)
+        return PrefilledRequest(
+            request_id, list(seq.prompt_token_ids), seq.params, seq.sampling_seed, seq.output_token_ids[0], logprobs
+        )
 
     def pages_to_send(self, request_id: str, held_keys) -> list[int]:
         """This side's page ids of the prompt pages the receiver does not hold, in prompt order."""

@@ -32,13 +32,21 @@ class DisaggService:
 
     def handlers(self, pools) -> list[grpc.GenericRpcHandler]:
         return [
-            grpc.method_handlers_generic_handler(PREFILL_SERVICE, {
-                "Prefill": _unary(self.Prefill, dpb.PrefillRequest, dpb.PrefillResponse, pools.streams),
-                "Release": _unary(self.Release, dpb.ReleaseRequest, dpb.ReleaseResponse, pools.quick),
-                "Status": _unary(self.Status, dpb.StatusRequest, dpb.StatusResponse, pools.quick)}),
-            grpc.method_handlers_generic_handler(DECODE_SERVICE, {
-                "Generate": _server_stream(self.Generate, dpb.DecodeRequest, pb.GenerateResponse, pools.streams),
-                "Status": _unary(self.Status, dpb.StatusRequest, dpb.StatusResponse, pools.quick)}),
+            grpc.method_handlers_generic_handler(
+                PREFILL_SERVICE,
+                {
+                    "Prefill": _unary(self.Prefill, dpb.PrefillRequest, dpb.PrefillResponse, pools.streams),
+                    "Release": _unary(self.Release, dpb.ReleaseRequest, dpb.ReleaseResponse, pools.quick),
+                    "Status": _unary(self.Status, dpb.StatusRequest, dpb.StatusResponse, pools.quick),
+                },
+            ),
+            grpc.method_handlers_generic_handler(
+                DECODE_SERVICE,
+                {
+                    "Generate": _server_stream(self.Generate, dpb.DecodeRequest, pb.GenerateResponse, pools.streams),
+                    "Status": _unary(self.Status, dpb.StatusRequest, dpb.StatusResponse, pools.quick),
+                },
+            ),
         ]
 
     def attach(self, loop, limits, transfer_host: str = "127.0.0.1") -> None:

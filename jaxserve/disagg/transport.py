@@ -10,10 +10,15 @@ import jax
 def check_same_layout(prefill_engine, decode_engine) -> None:
     """Pages are copied as they are stored: both caches must store the same KV heads and width."""
     source, target = prefill_engine.runner.kv_pages.keys[0], decode_engine.runner.kv_pages.keys[0]
-    if (source.shape[1:], source.dtype, len(prefill_engine.runner.kv_pages.keys)) != \
-            (target.shape[1:], target.dtype, len(decode_engine.runner.kv_pages.keys)):
-        raise ValueError(f"prefill and decode KV pages differ in layout ({source.shape[1:]} {source.dtype} vs "
-                         f"{target.shape[1:]} {target.dtype}): use the same model, dtype, page size and kernel")
+    if (source.shape[1:], source.dtype, len(prefill_engine.runner.kv_pages.keys)) != (
+        target.shape[1:],
+        target.dtype,
+        len(decode_engine.runner.kv_pages.keys),
+    ):
+        raise ValueError(
+            f"prefill and decode KV pages differ in layout ({source.shape[1:]} {source.dtype} vs "
+            f"{target.shape[1:]} {target.dtype}): use the same model, dtype, page size and kernel"
+        )
 
 
 def move_pages(prefill_engine, source_pages: list[int], decode_engine, target_pages: list[int]) -> int:

@@ -23,8 +23,7 @@ def agree_on_engine(config, model_config):
         budgets = runtime.exchange("kv_budget", str(_local_kv_budget()))
         config = dataclasses.replace(config, kv_cache_memory_gib=min(int(b) for b in budgets) / 2**30)
     described = dataclasses.replace(config, show_progress=False)
-    runtime.agree_across_processes("engine config and model",
-                                   f"{described!r} {model_config!r} {jax.device_count()}")
+    runtime.agree_across_processes("engine config and model", f"{described!r} {model_config!r} {jax.device_count()}")
     return config
 
 

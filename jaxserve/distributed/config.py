@@ -26,8 +26,10 @@ class DistributedConfig:
     def __post_init__(self):
         given = [self.coordinator_address is not None, self.num_processes is not None, self.process_id is not None]
         if any(given) and not all(given):
-            raise ValueError("distributed needs coordinator_address, num_processes and process_id together "
-                             "(or none of them, to auto-detect on a TPU slice, SLURM or Kubernetes)")
+            raise ValueError(
+                "distributed needs coordinator_address, num_processes and process_id together "
+                "(or none of them, to auto-detect on a TPU slice, SLURM or Kubernetes)"
+            )
         if self.num_processes is not None and self.num_processes < 1:
             raise ValueError(f"distributed.num_processes must be >= 1, got {self.num_processes}")
         if self.process_id is not None and not 0 <= self.process_id < self.num_processes:

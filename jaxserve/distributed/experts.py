@@ -16,8 +16,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.distributed.plan import REBALANCE
 from jaxserve.engine.expert_balancer import ExpertBalancer
-from sharding.expert_placement import (EXPERT_WEIGHTS, _moe_layers, _rebalance_gather, _stored_rows,
-                                       canonical_sharding, device_of_experts)
+from sharding.expert_placement import (
+    EXPERT_WEIGHTS,
+    _moe_layers,
+    _rebalance_gather,
+    _stored_rows,
+    canonical_sharding,
+    device_of_experts,
+)
 from sharding.moe import ExpertPlacement, place_experts
 
 
@@ -42,10 +48,12 @@ def rebalance_everywhere(state: nnx.State, load: np.ndarray) -> nnx.State:
     for layer, prefix in enumerate(_moe_layers(flat)):
         placed = flat[prefix + ("expert_device",)].get_value()
         num_experts, num_devices = placed.shape[0], placed.sharding.mesh.devices.size
-        device_of, slot_of, storage_order = (np.asarray(x) for x in place_experts(load[layer], num_experts,
-                                                                                   num_devices))
-        if (np.array_equal(device_of, np.asarray(placed)) and
-                np.array_equal(slot_of, np.asarray(flat[prefix + ("expert_slot",)].get_value()))):
+        device_of, slot_of, storage_order = (
+            np.asarray(x) for x in place_experts(load[layer], num_experts, num_devices)
+        )
+        if np.array_equal(device_of, np.asarray(placed)) and np.array_equal(
+            slot_of, np.asarray(flat[prefix + ("expert_slot",)].get_value())
+        ):
             continue
         gather = _rebalance_gather(_stored_rows(flat, prefix), storage_order)
         for name in EXPERT_WEIGHTS:
@@ -66,11 +74,15 @@ def canonical_everywhere(state: nnx.State) -> nnx.State:
         for name in EXPERT_WEIGHTS:
             variable = flat[prefix + (name,)]
             stored = variable.get_value()
-            sharding = stored.sharding if len(rows) == stored.shape[0] else \
-                canonical_sharding((len(rows),) + stored.shape[1:], stored.sharding.mesh)
+            sharding = (
+                stored.sharding
+                if len(rows) == stored.shape[0]
+                else canonical_sharding((len(rows),) + stored.shape[1:], stored.sharding.mesh)
+            )
             flat[prefix + (name,)] = variable.replace(_take_rows(stored, rows, sharding))
-    return nnx.from_flat_state([(path, variable) for path, variable in flat.items()
-                                if not isinstance(variable, ExpertPlacement)])
+    return nnx.from_flat_state(
+        [(path, variable) for path, variable in flat.items() if not isinstance(variable, ExpertPlacement)]
+    )
 
 
 class DistributedExpertBalancer(ExpertBalancer):
@@ -89,4 +101,3 @@ class DistributedExpertBalancer(ExpertBalancer):
         runner.replace_params(rebalance_everywhere(runner.params(), load))
         self.expert_devices = device_of_experts(runner.params())
         self.num_rebalances += 1
-

@@ -24,8 +24,9 @@ def global_inputs(inputs, sharding):
     """Host inputs (the same on every process) as global arrays, each process filling its own shards.
     jax.device_put would do it too, but first compares the values across processes with a collective
     on every call; the plan digests check that more cheaply."""
-    return jax.tree.map(lambda array: jax.make_array_from_callback(array.shape, sharding, lambda index: array[index]),
-                        inputs)
+    return jax.tree.map(
+        lambda array: jax.make_array_from_callback(array.shape, sharding, lambda index: array[index]), inputs
+    )
 
 
 def execute_everywhere(runner, mesh, shape, inputs):
@@ -37,8 +38,14 @@ def replicated_results(pending, mesh):
     """The pending step with every result array replicated: addressable on every process."""
     replicate = _replicator(mesh)
     arrays = {f.name: getattr(pending, f.name) for f in dataclasses.fields(pending)}
-    return dataclasses.replace(pending, **{name: replicate(value) for name, value in arrays.items()
-                                           if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(value))})
+    return dataclasses.replace(
+        pending,
+        **{
+            name: replicate(value)
+            for name, value in arrays.items()
+            if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(value))
+        },
+    )
 
 
 _replicators: dict = {}
@@ -151,11 +158,15 @@ class LeaderRunner:
             if error is not None:
                 runtime.fatal(f"{error}; the leader stops")
             elif silent > self.peer_timeout:
-                runtime.fatal(f"process {peer} stopped answering ({silent:.1f} s without a beat, peer_timeout "
-                              f"{self.peer_timeout:g} s): it died or hangs; the leader stops")
+                runtime.fatal(
+                    f"process {peer} stopped answering ({silent:.1f} s without a beat, peer_timeout "
+                    f"{self.peer_timeout:g} s): it died or hangs; the leader stops"
+                )
             elif busy is not None and time.monotonic() - busy[1] > self.peer_timeout:
-                runtime.fatal(f"{busy[0]} did not complete within peer_timeout ({self.peer_timeout:g} s): a "
-                              "process stopped answering inside a collective; the leader stops")
+                runtime.fatal(
+                    f"{busy[0]} did not complete within peer_timeout ({self.peer_timeout:g} s): a "
+                    "process stopped answering inside a collective; the leader stops"
+                )
 
 
 class _Guard:
@@ -196,11 +207,12 @@ def wrap_runner(runner, mesh, schedulers):
     if not runtime.is_multiprocess():
         return runner
     if mesh is None:
-        raise ValueError("several processes need a mesh over their devices: set data_parallel_size x "
-                         "tensor_parallel_size to the number of devices")
+        raise ValueError(
+            "several processes need a mesh over their devices: set data_parallel_size x "
+            "tensor_parallel_size to the number of devices"
+        )
     session = runtime.next_session()  # drawn on every process, in the same order
     if jax.process_index() != 0:
         runner.plan_session = session  # where the follower loop reads this engine's plans
         return runner
     return LeaderRunner(runner, mesh, schedulers, session)
-

@@ -86,10 +86,13 @@ class DigestWindow:
             if own != leader:
                 raise DivergenceError(
                     f"plans diverged at step {steps[index]} (plan {self.first_seq + index}): process "
-                    f"{jax.process_index()} ran a different plan than process 0 sent; stopping every process")
+                    f"{jax.process_index()} ran a different plan than process 0 sent; stopping every process"
+                )
         if len(mine) != len(leader_digests):
-            raise DivergenceError(f"plans diverged after step {self.first_step}: process {jax.process_index()} ran "
-                                  f"{len(mine)} plans where process 0 sent {len(leader_digests)}")
+            raise DivergenceError(
+                f"plans diverged after step {self.first_step}: process {jax.process_index()} ran "
+                f"{len(mine)} plans where process 0 sent {len(leader_digests)}"
+            )
 
 
 class PlanSender:

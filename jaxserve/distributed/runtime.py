@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -48,13 +48,21 @@ def initialize(config: DistributedConfig | None) -> int:
     # The coordination service aborts every process (no clear error, no NOT_SERVING) once a peer misses
     # heartbeats this long: leave our own, shorter, peer_timeout the first word.
     jax.distributed.initialize(
-        coordinator_address=config.coordinator_address, num_processes=config.num_processes,
-        process_id=config.process_id, local_device_ids=config.local_device_ids,
+        coordinator_address=config.coordinator_address,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+        local_device_ids=config.local_device_ids,
         initialization_timeout=config.initialization_timeout,
-        heartbeat_timeout_seconds=int(2 * config.peer_timeout) + 10)
+        heartbeat_timeout_seconds=int(2 * config.peer_timeout) + 10,
+    )
     _config = config
-    logger.info("process %d of %d; %d devices, %d local", jax.process_index(), jax.process_count(),
-                jax.device_count(), jax.local_device_count())
+    logger.info(
+        "process %d of %d; %d devices, %d local",
+        jax.process_index(),
+        jax.process_count(),
+        jax.device_count(),
+        jax.local_device_count(),
+    )
     return jax.process_index()
 
 
@@ -132,8 +140,10 @@ def agree_across_processes(what: str, value: str) -> None:
     digest = hashlib.blake2b(value.encode(), digest_size=16).hexdigest()
     mismatched = [process for process, other in enumerate(exchange(what, digest)) if other != digest]
     if mismatched:
-        raise ValueError(f"process {jax.process_index()}'s {what} differs from that of process(es) {mismatched}: "
-                         "every process must be started with the same model and engine config")
+        raise ValueError(
+            f"process {jax.process_index()}'s {what} differs from that of process(es) {mismatched}: "
+            "every process must be started with the same model and engine config"
+        )
 
 
 class Beats:
@@ -193,7 +203,7 @@ class PeerWatch:
     def stalest(self) -> tuple[int, float]:
         """(peer, seconds since its beat last changed) of the peer silent longest."""
         kv, now = client(), time.monotonic()
-        for peer, (last, since) in self.seen.items():
+        for peer, (last, _since) in self.seen.items():
             try:
                 value = kv.key_value_try_get(f"{self.key}/{peer}")
             except Exception:  # not written yet

@@ -37,16 +37,34 @@ def choose_attention(model: ModelConfig, config: EngineConfig, dtype: str, mesh:
     tensor_parallel = config.tensor_parallel_size
     replicas = kv_head_replicas(model.num_heads, model.num_kv_heads, tensor_parallel) if tensor_parallel > 1 else None
     attention_mesh = mesh if mesh is not None and (config.data_parallel_size > 1 or replicas) else None
-    impl = resolve_attention_impl(config.attention_impl, platform, dtype,
-                                  partitioned=mesh is not None and attention_mesh is None,
-                                  head_dim=model.head_dim, page_size=config.page_size)
+    impl = resolve_attention_impl(
+        config.attention_impl,
+        platform,
+        dtype,
+        partitioned=mesh is not None and attention_mesh is None,
+        head_dim=model.head_dim,
+        page_size=config.page_size,
+    )
     if config.attention_impl == "auto" and impl == "pallas":
-        problem = pallas_problem(model.num_heads, model.num_kv_heads, model.head_dim, config.page_size, dtype,
-                                 query_blocks=(1, config.prefill_query_block),
-                                 cache_head_dim=kv_cache_head_dim("pallas", platform, model.head_dim))
+        problem = pallas_problem(
+            model.num_heads,
+            model.num_kv_heads,
+            model.head_dim,
+            config.page_size,
+            dtype,
+            query_blocks=(1, config.prefill_query_block),
+            cache_head_dim=kv_cache_head_dim("pallas", platform, model.head_dim),
+        )
         if problem is not None:
-            logger.warning("Pallas attention kernels fail their start-up check on %s (%s); using the "
-                           "reference attention", platform, problem)
+            logger.warning(
+                "Pallas attention kernels fail their start-up check on %s (%s); using the reference attention",
+                platform,
+                problem,
+            )
             impl = "reference"
-    return AttentionPlan(impl=impl, mesh=attention_mesh, num_cache_kv_heads=model.num_kv_heads * (replicas or 1),
-                         cache_head_dim=kv_cache_head_dim(impl, platform, model.head_dim))
+    return AttentionPlan(
+        impl=impl,
+        mesh=attention_mesh,
+        num_cache_kv_heads=model.num_kv_heads * (replicas or 1),
+        cache_head_dim=kv_cache_head_dim(impl, platform, model.head_dim),
+    )

@@ -17,9 +17,9 @@ from jax.sharding import Mesh, NamedSharding
 from jaxserve.config import Buckets, EngineConfig
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
 from jaxserve.device.runner import ModelRunner, enable_compilation_cache, kv_cache_bytes_available
-from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
 from jaxserve.distributed.agreement import agree_on_engine, expert_balancer_type
 from jaxserve.distributed.leader_runner import wrap_runner
+from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
 from jaxserve.engine.expert_balancer import ExpertBalancer
 from jaxserve.host.page_allocator import PageAllocator, num_pages_for, swap_in_is_cheaper
 from jaxserve.host.scheduler import Scheduler
@@ -59,8 +59,11 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
     enable_compilation_cache(config.compilation_cache_dir)
     # Chosen devices get a mesh even when there is one, so that everything is placed on them.
     devices = [jax.devices()[i] for i in config.device_ids] if config.device_ids is not None else None
-    mesh = build_mesh(config.data_parallel_size, config.tensor_parallel_size, devices) \
-        if config.data_parallel_size * config.tensor_parallel_size > 1 or devices else None
+    mesh = (
+        build_mesh(config.data_parallel_size, config.tensor_parallel_size, devices)
+        if config.data_parallel_size * config.tensor_parallel_size > 1 or devices
+        else None
+    )
     expert_parallel = _expert_parallel(model_config, config, mesh)
     attention = choose_attention(model_config, config, dtype, mesh)
     model = _load_model(source, dtype, attention, mesh, expert_parallel)
@@ -68,32 +71,51 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
         move_weights_to_huge_pages(model)  # a CPU decode step streams them twice as fast
     config = agree_on_engine(config, model_config)  # several processes: the same engine everywhere
     schedulers, kv_pages = _kv_cache(model_config, config, dtype, attention, mesh, max_model_len, model)
-    runner = ModelRunner(model, kv_pages=kv_pages, buckets=Buckets.derive(config, max_model_len),
-                         page_size=config.page_size, prefill_query_block=config.prefill_query_block,
-                         max_logprobs=config.max_logprobs, num_experts=model_config.num_experts, mesh=mesh,
-                         slots_per_rank=config.max_num_seqs)
+    runner = ModelRunner(
+        model,
+        kv_pages=kv_pages,
+        buckets=Buckets.derive(config, max_model_len),
+        page_size=config.page_size,
+        prefill_query_block=config.prefill_query_block,
+        max_logprobs=config.max_logprobs,
+        num_experts=model_config.num_experts,
+        mesh=mesh,
+        slots_per_rank=config.max_num_seqs,
+    )
     runner = wrap_runner(runner, mesh, schedulers)  # several processes: process 0 sends plans
     experts = None
     if model_config.is_moe:
-        experts = expert_balancer_type(ExpertBalancer)(model_config, runner,
-                                                       mesh.devices.size if expert_parallel else None,
-                                                       config.expert_rebalance_interval)
+        experts = expert_balancer_type(ExpertBalancer)(
+            model_config, runner, mesh.devices.size if expert_parallel else None, config.expert_rebalance_interval
+        )
         if config.expert_load_profile is not None:
-            experts.rebalance(read_load_profile(config.expert_load_profile, model_config.num_layers,
-                                                model_config.num_experts))
+            experts.rebalance(
+                read_load_profile(config.expert_load_profile, model_config.num_layers, model_config.num_experts)
+            )
     runner.warm_up(show_progress=config.show_progress)
     if schedulers[0].allocator.host_tier is not None:
         runner.warm_up_page_copies()
-    return EngineParts(config=config, source=source, dtype=dtype, max_model_len=max_model_len,
-                       eos_token_ids=_eos_token_ids(source), mesh=mesh, attention=attention,
-                       schedulers=schedulers, runner=runner, experts=experts)
+    return EngineParts(
+        config=config,
+        source=source,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        eos_token_ids=_eos_token_ids(source),
+        mesh=mesh,
+        attention=attention,
+        schedulers=schedulers,
+        runner=runner,
+        experts=experts,
+    )
 
 
 def _max_model_len(model: ModelConfig, config: EngineConfig) -> int:
     max_model_len = config.max_model_len or min(model.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
     if max_model_len > model.max_position_embeddings:
-        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-                         f"({model.max_position_embeddings})")
+        raise ValueError(
+            f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+            f"({model.max_position_embeddings})"
+        )
     return max_model_len
 
 
@@ -109,51 +131,91 @@ def _expert_parallel(model: ModelConfig, config: EngineConfig, mesh: Mesh | None
     expert_parallel = config.enable_expert_parallel and model.is_moe and mesh is not None
     for option in ("expert_load_profile", "expert_rebalance_interval"):
         if getattr(config, option) and not expert_parallel:
-            raise ValueError(f"{option} places experts on devices: it needs a mixture-of-experts model with "
-                             "enable_expert_parallel and data_parallel_size x tensor_parallel_size > 1")
+            raise ValueError(
+                f"{option} places experts on devices: it needs a mixture-of-experts model with "
+                "enable_expert_parallel and data_parallel_size x tensor_parallel_size > 1"
+            )
     return expert_parallel
 
 
-def _load_model(source: ModelSource, dtype: str, attention: AttentionPlan, mesh: Mesh | None,
-                expert_parallel: bool):
+def _load_model(source: ModelSource, dtype: str, attention: AttentionPlan, mesh: Mesh | None, expert_parallel: bool):
     """The model with its params read from the checkpoint, each placed on the mesh as it is read; expert
     placements (expert parallelism only) are not params: they start contiguous."""
-    abstract_model = nnx.eval_shape(lambda: build_model(
-        source.config, dtype, write_and_attend=attention_dispatch(attention.impl, attention.mesh),
-        experts=expert_dispatch(mesh if expert_parallel else None), rngs=nnx.Rngs(0)))
+    abstract_model = nnx.eval_shape(
+        lambda: build_model(
+            source.config,
+            dtype,
+            write_and_attend=attention_dispatch(attention.impl, attention.mesh),
+            experts=expert_dispatch(mesh if expert_parallel else None),
+            rngs=nnx.Rngs(0),
+        )
+    )
     graphdef, abstract_params, abstract_placement = nnx.split(abstract_model, nnx.Param, ...)
     rules = EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_AXIS_RULES
     shardings = param_shardings(abstract_params, mesh, source.config.logical_axis_sizes(), rules)
     # Under expert parallelism, experts are read in checkpoint order and then laid out device by device.
-    read_params = expert_parallel_reader(source.read_params, source.config.num_experts, mesh) if expert_parallel \
+    read_params = (
+        expert_parallel_reader(source.read_params, source.config.num_experts, mesh)
+        if expert_parallel
         else source.read_params
+    )
     params = read_params(abstract_params, dtype, shardings.get)  # None: the default device
     if expert_parallel:
         return nnx.merge(graphdef, params, initial_placement(abstract_placement, source.config.num_experts, mesh))
     return nnx.merge(graphdef, params)
 
 
-def _kv_cache(model: ModelConfig, config: EngineConfig, dtype: str, attention: AttentionPlan, mesh: Mesh | None,
-              max_model_len: int, loaded_model) -> tuple[list[Scheduler], KVPages]:
+def _kv_cache(
+    model: ModelConfig,
+    config: EngineConfig,
+    dtype: str,
+    attention: AttentionPlan,
+    mesh: Mesh | None,
+    max_model_len: int,
+    loaded_model,
+) -> tuple[list[Scheduler], KVPages]:
     """The page pool (rank r's pages are rows [r * num_pages, (r + 1) * num_pages), addressed locally)
     and one scheduler per rank over its own pages."""
-    page_bytes = KVPages.bytes_per_page(model.num_layers, config.page_size, attention.num_cache_kv_heads,
-                                        attention.cache_head_dim, dtype)
+    page_bytes = KVPages.bytes_per_page(
+        model.num_layers, config.page_size, attention.num_cache_kv_heads, attention.cache_head_dim, dtype
+    )
     # Beyond what max_num_seqs full-length sequences can hold, pages only serve as prefix cache.
-    useful_pages = config.max_num_seqs * num_pages_for(max_model_len, config.page_size) * (
-        4 if config.enable_prefix_caching else 1) + 1
-    num_pages = config.num_pages or max(2, min(kv_cache_bytes_available(config.kv_cache_memory_gib) // page_bytes,
-                                               useful_pages))
+    useful_pages = (
+        config.max_num_seqs
+        * num_pages_for(max_model_len, config.page_size)
+        * (4 if config.enable_prefix_caching else 1)
+        + 1
+    )
+    num_pages = config.num_pages or max(
+        2, min(kv_cache_bytes_available(config.kv_cache_memory_gib) // page_bytes, useful_pages)
+    )
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded_model)))
     swapping_pays = swap_in_is_cheaper(page_bytes, config.page_size, num_params, jax.default_backend())
     host_tier_pages = int(config.swap_space * 2**30) // page_bytes if swapping_pays else 0
     num_ranks = config.data_parallel_size
-    schedulers = [Scheduler(PageAllocator(num_pages, config.page_size, config.enable_prefix_caching,
-                                          host_tier_pages=host_tier_pages, session_ttl=config.session_ttl),
-                            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                            prefill_query_block=config.prefill_query_block) for _ in range(num_ranks)]
-    kv_pages = KVPages.zeros(model.num_layers, num_ranks * num_pages, config.page_size,
-                             attention.num_cache_kv_heads, attention.cache_head_dim, dtype)
+    schedulers = [
+        Scheduler(
+            PageAllocator(
+                num_pages,
+                config.page_size,
+                config.enable_prefix_caching,
+                host_tier_pages=host_tier_pages,
+                session_ttl=config.session_ttl,
+            ),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            prefill_query_block=config.prefill_query_block,
+        )
+        for _ in range(num_ranks)
+    ]
+    kv_pages = KVPages.zeros(
+        model.num_layers,
+        num_ranks * num_pages,
+        config.page_size,
+        attention.num_cache_kv_heads,
+        attention.cache_head_dim,
+        dtype,
+    )
     if mesh is not None:
         # Each data-parallel rank holds its own pages; each tensor shard its KV heads' slice of them.
         kv_pages = jax.device_put(kv_pages, NamedSharding(mesh, kv_pages_spec(mesh, attention.num_cache_kv_heads)))

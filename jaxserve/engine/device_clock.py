@@ -31,8 +31,10 @@ class DeviceClock:
 
     def stats(self) -> dict:
         steps = max(self.num_steps, 1)
-        return {"host_seconds_per_step": round(self.host_seconds / steps, 6),
-                "device_idle_seconds_per_step": round(self.idle_seconds / steps, 6)}
+        return {
+            "host_seconds_per_step": round(self.host_seconds / steps, 6),
+            "device_idle_seconds_per_step": round(self.idle_seconds / steps, 6),
+        }
 
 
 _queue: queue.SimpleQueue | None = None

@@ -19,18 +19,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.models.config import ModelConfig
 from jaxserve.device.step_inputs import step_shape
 from jaxserve.disagg.roles import handovers_for
 from jaxserve.engine.builder import EngineParts, build_engine
 from jaxserve.engine.device_clock import DeviceClock
-from jaxserve.engine.stats import (EngineDescription, EngineLoad, StepTimings, describe_engine, engine_load,
-                                   engine_stats)
+from jaxserve.engine.stats import EngineDescription, EngineLoad, StepTimings, describe_engine, engine_load, engine_stats
 from jaxserve.host.kv_events import KVEventLog
 from jaxserve.host.output_processor import OutputProcessor
 from jaxserve.host.page_allocator import num_pages_for
 from jaxserve.host.request import Request, RequestOutput, SamplingParams, SequenceState
 from jaxserve.loading.orbax_checkpoint import save_checkpoint
+from jaxserve.models.config import ModelConfig
 
 CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n samples apart
 
@@ -70,7 +69,7 @@ class Engine:
         self.device_clock = DeviceClock()
 
     @classmethod
-    def from_model(cls, model_path: str, config: EngineConfig) -> "Engine":
+    def from_model(cls, model_path: str, config: EngineConfig) -> Engine:
         return cls(build_engine(model_path, config))
 
     # -- requests ---------------------------------------------------------------------------------
@@ -97,20 +96,27 @@ class Engine:
             raise ValueError("the prompt is empty")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
-                             f"{total}, more than max_model_len ({self.max_model_len})")
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{total}, more than max_model_len ({self.max_model_len})"
+            )
         max_pages = self.schedulers[0].allocator.num_usable_pages
         if num_pages_for(total, self.config.page_size) > max_pages:
-            raise ValueError(f"a sequence of {total} tokens needs more KV pages than the cache has "
-                             f"({max_pages}); raise num_pages or kv_cache_memory_gib")
+            raise ValueError(
+                f"a sequence of {total} tokens needs more KV pages than the cache has "
+                f"({max_pages}); raise num_pages or kv_cache_memory_gib"
+            )
         if params.stop_token_ids and max(params.stop_token_ids) >= self.model_config.vocab_size:
-            raise ValueError(f"stop_token_ids {max(params.stop_token_ids)} is outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
+            raise ValueError(
+                f"stop_token_ids {max(params.stop_token_ids)} is outside the vocabulary "
+                f"[0, {self.model_config.vocab_size})"
+            )
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.config.max_logprobs})")
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    session_id: str | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, session_id: str | None = None
+    ) -> None:
         """Queue a request on the least loaded rank. A session_id hints that the conversation will
         continue: its pages are kept in preference to others for session_ttl seconds after it finishes."""
         if not isinstance(params, SamplingParams):
@@ -120,12 +126,21 @@ class Engine:
         prompt_token_ids = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
-        seqs = [SequenceState(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=prompt_token_ids,
-                              params=params, sampling_seed=(base_seed + i * CHILD_SEED_STRIDE) % 2**64,
-                              arrival_order=next(self._arrivals), session_id=session_id)
-                for i in range(params.n)]
-        self.requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
-                                            prompt_token_ids, seqs)
+        seqs = [
+            SequenceState(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                params=params,
+                sampling_seed=(base_seed + i * CHILD_SEED_STRIDE) % 2**64,
+                arrival_order=next(self._arrivals),
+                session_id=session_id,
+            )
+            for i in range(params.n)
+        ]
+        self.requests[request_id] = Request(
+            request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, seqs
+        )
         for seq in seqs:
             seq.rank = min(range(len(self.schedulers)), key=lambda rank: self.schedulers[rank].num_sequences)
             self.schedulers[seq.rank].add(seq)
@@ -197,13 +212,13 @@ class Engine:
     def _prefill_room(self, schedules) -> int:
         """Prompt tokens the step had room for after its decodes (whole query blocks, on every rank)."""
         block = self.config.prefill_query_block
-        return sum(max(self.config.max_num_batched_tokens - len(s.decodes), block) // block * block
-                   for s in schedules)
+        return sum(max(self.config.max_num_batched_tokens - len(s.decodes), block) // block * block for s in schedules)
 
     def _dispatch(self, per_rank_chunks, is_decode: bool, continues_busy_period: bool):
         config = self.config
-        shape = step_shape(per_rank_chunks, is_decode, self.runner.buckets, config.page_size,
-                           config.prefill_query_block)
+        shape = step_shape(
+            per_rank_chunks, is_decode, self.runner.buckets, config.page_size, config.prefill_query_block
+        )
         pending = self.runner.execute(shape, self.runner.build_inputs(per_rank_chunks, shape))
         for scheduler, chunks in zip(self.schedulers, per_rank_chunks):
             scheduler.mark_dispatched(chunks)
@@ -241,24 +256,26 @@ class Engine:
             if allocator.pending_promotions:
                 promoted, allocator.pending_promotions = allocator.pending_promotions, []
                 started = time.perf_counter()
-                self.runner.write_pages([offset + page for page, _ in promoted],
-                                        [host_page for _, host_page in promoted])
+                self.runner.write_pages(
+                    [offset + page for page, _ in promoted], [host_page for _, host_page in promoted]
+                )
                 self.timings.observe_swap_in(time.perf_counter() - started, len(promoted))
 
     # -- checkpoints, experts, reporting ----------------------------------------------------------
 
     def save_checkpoint(self, directory: str) -> None:
         """Save the params (orbax, as sharded now) with the model's config and tokenizer."""
-        save_checkpoint(self.runner.params(), self.dtype, self.parts.source.description_dir,
-                        directory)
+        save_checkpoint(self.runner.params(), self.dtype, self.parts.source.description_dir, directory)
 
     def rebalance_experts(self, load=None) -> None:
         """Move experts between devices so that, under `load` (tokens per expert, [layers, experts] or
         [experts]; default: what this engine has routed so far), each device's load evens out. The
         step's executables take the placement as an input: nothing recompiles."""
         if self.experts is None:
-            raise ValueError("rebalance_experts needs a mixture-of-experts model with enable_expert_parallel "
-                             "over more than one device")
+            raise ValueError(
+                "rebalance_experts needs a mixture-of-experts model with enable_expert_parallel "
+                "over more than one device"
+            )
         self.experts.rebalance(load)
 
     def stats(self) -> dict:

@@ -47,8 +47,10 @@ class ExpertBalancer:
     def checked_load(self, load) -> np.ndarray:
         """rebalance's load as a [layers, experts] array, or a ValueError naming what is wrong."""
         if not self.num_devices:
-            raise ValueError("rebalance_experts needs a mixture-of-experts model with enable_expert_parallel "
-                             "over more than one device")
+            raise ValueError(
+                "rebalance_experts needs a mixture-of-experts model with enable_expert_parallel "
+                "over more than one device"
+            )
         load = read_load_profile(self.expert_tokens if load is None else load, self.num_layers, self.num_experts)
         if not load.any():
             raise ValueError("the expert load profile is all zeros: nothing to balance by")
@@ -63,15 +65,24 @@ class ExpertBalancer:
         """Tokens routed to each expert so far (per layer), and how uneven that is (max / mean)."""
         per_expert = self.expert_tokens.sum(axis=0)
         mean = per_expert.mean()
-        stats = {"expert_tokens": self.expert_tokens.tolist(),
-                 "expert_load_max_over_mean": round(float(per_expert.max() / mean), 4) if mean else 0.0}
+        stats = {
+            "expert_tokens": self.expert_tokens.tolist(),
+            "expert_load_max_over_mean": round(float(per_expert.max() / mean), 4) if mean else 0.0,
+        }
         if self.num_devices:
-            per_layer = np.stack([np.bincount(devices, weights=tokens, minlength=self.num_devices)
-                                  for devices, tokens in zip(self.expert_devices, self.expert_tokens)])  # [L, D]
+            per_layer = np.stack(
+                [
+                    np.bincount(devices, weights=tokens, minlength=self.num_devices)
+                    for devices, tokens in zip(self.expert_devices, self.expert_tokens)
+                ]
+            )  # [L, D]
             # Every layer waits for its busiest device: the imbalance that costs time is per layer,
             # sum over layers of (busiest device) / sum over layers of (mean device).
             imbalance = per_layer.max(axis=1).sum() / per_layer.mean(axis=1).sum() if mean else 0.0
-            stats.update(expert_device_tokens=per_layer.sum(axis=0).astype(np.int64).tolist(),
-                         expert_devices=self.expert_devices.tolist(), expert_rebalances=self.num_rebalances,
-                         expert_device_imbalance=round(float(imbalance), 4))
+            stats.update(
+                expert_device_tokens=per_layer.sum(axis=0).astype(np.int64).tolist(),
+                expert_devices=self.expert_devices.tolist(),
+                expert_rebalances=self.num_rebalances,
+                expert_device_imbalance=round(float(imbalance), 4),
+            )
         return stats

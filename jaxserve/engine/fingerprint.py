@@ -20,9 +20,16 @@ PROBE_TEXT = "The router checks that every replica tokenizes this sentence alike
 
 
 def _file_digests(path: str, digest) -> None:
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(root, name) for root, dirs, names in os.walk(path)
-        for name in names if not name.startswith("."))
+    files = (
+        [path]
+        if os.path.isfile(path)
+        else sorted(
+            os.path.join(root, name)
+            for root, dirs, names in os.walk(path)
+            for name in names
+            if not name.startswith(".")
+        )
+    )
     for file in files[:MAX_FILES]:
         size = os.path.getsize(file)
         digest.update(f"{os.path.relpath(file, path) if file != path else ''}:{size}\n".encode())

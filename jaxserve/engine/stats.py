@@ -73,28 +73,44 @@ def _mesh_description(mesh) -> str:
 
 
 def describe_engine(engine) -> EngineDescription:
-    buckets = tuple(sorted((shape.kind, shape.num_tokens, shape.num_seqs, shape.pages_per_seq)
-                           for shape in engine.runner.executables))
+    buckets = tuple(
+        sorted(
+            (shape.kind, shape.num_tokens, shape.num_seqs, shape.pages_per_seq) for shape in engine.runner.executables
+        )
+    )
     return EngineDescription(
-        model_name=engine.parts.source.name, dtype=engine.dtype, mesh=_mesh_description(engine.parts.mesh),
-        attention_impl=engine.parts.attention.impl, page_size=engine.config.page_size,
+        model_name=engine.parts.source.name,
+        dtype=engine.dtype,
+        mesh=_mesh_description(engine.parts.mesh),
+        attention_impl=engine.parts.attention.impl,
+        page_size=engine.config.page_size,
         num_pages=sum(s.allocator.num_usable_pages for s in engine.schedulers),
-        max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs,
-        vocab_size=engine.model_config.vocab_size, compiled_buckets=buckets,
-        num_executables=len(engine.runner.executables), warmup_seconds=round(engine.runner.warmup_seconds, 3),
+        max_model_len=engine.max_model_len,
+        max_num_seqs=engine.config.max_num_seqs,
+        vocab_size=engine.model_config.vocab_size,
+        compiled_buckets=buckets,
+        num_executables=len(engine.runner.executables),
+        warmup_seconds=round(engine.runner.warmup_seconds, 3),
         model_fingerprint=model_fingerprint(engine.parts.source),
-        host_tier_pages=sum(s.allocator.host_tier.capacity_pages for s in engine.schedulers
-                            if s.allocator.host_tier is not None))
+        host_tier_pages=sum(
+            s.allocator.host_tier.capacity_pages for s in engine.schedulers if s.allocator.host_tier is not None
+        ),
+    )
 
 
 def engine_load(engine) -> EngineLoad:
     schedulers = engine.schedulers
     return EngineLoad(
-        num_running=sum(len(s.running) for s in schedulers), num_waiting=sum(len(s.waiting) for s in schedulers),
+        num_running=sum(len(s.running) for s in schedulers),
+        num_waiting=sum(len(s.waiting) for s in schedulers),
         num_free_pages=sum(s.allocator.num_free_pages for s in schedulers),
-        num_tokens_waiting_prefill=sum(seq.num_tokens - seq.next_kv_position - 1 for s in schedulers
-                                       for seq in list(s.running) + list(s.waiting)
-                                       if seq.num_tokens - seq.next_kv_position > 1))
+        num_tokens_waiting_prefill=sum(
+            seq.num_tokens - seq.next_kv_position - 1
+            for s in schedulers
+            for seq in list(s.running) + list(s.waiting)
+            if seq.num_tokens - seq.next_kv_position > 1
+        ),
+    )
 
 
 def _device_bytes(tree) -> int:
@@ -150,7 +166,9 @@ def prefix_cache_stats(allocators) -> dict:
         "host_tier_hit_tokens": cache.host_tier_hit_tokens,
         "swapped_out_pages": cache.num_swapped_out_pages,
         "swapped_in_pages": cache.num_swapped_in_pages,
-        "prefix_cache_miss_tokens": {"never_seen": cache.miss_tokens_never_seen,
-                                     "evicted": cache.miss_tokens_evicted,
-                                     "partial_page": cache.miss_tokens_partial_page},
+        "prefix_cache_miss_tokens": {
+            "never_seen": cache.miss_tokens_never_seen,
+            "evicted": cache.miss_tokens_evicted,
+            "partial_page": cache.miss_tokens_partial_page,
+        },
     }

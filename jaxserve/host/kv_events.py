@@ -51,8 +51,9 @@ class CacheState:
 
     def apply(self, event: KVEvent) -> None:
         if event.kind == STORED:
-            self.tiers.setdefault((event.rank, event.tier), {})[event.key] = CachedPage(event.parent_key,
-                                                                                          event.num_tokens)
+            self.tiers.setdefault((event.rank, event.tier), {})[event.key] = CachedPage(
+                event.parent_key, event.num_tokens
+            )
         elif event.kind == REMOVED:
             self.tiers.get((event.rank, event.tier), {}).pop(event.key, None)
         elif event.kind == CLEARED:
@@ -73,14 +74,17 @@ class CacheState:
 
     def as_events(self) -> list[KVEvent]:
         """STORED events that rebuild this state from an empty one (a snapshot)."""
-        return [KVEvent(STORED, key, page.parent_key, page.num_tokens, tier, rank)
-                for (rank, tier), pages in self.tiers.items() for key, page in pages.items()]
+        return [
+            KVEvent(STORED, key, page.parent_key, page.num_tokens, tier, rank)
+            for (rank, tier), pages in self.tiers.items()
+            for key, page in pages.items()
+        ]
 
 
 class RankEvents:
     """Records one allocator's events into the shared log under its data-parallel rank."""
 
-    def __init__(self, log: "KVEventLog | None", rank: int = 0):
+    def __init__(self, log: KVEventLog | None, rank: int = 0):
         self.log, self.rank = log, rank
 
     def stored(self, key: int, parent_key: int, num_tokens: int, tier: str) -> None:

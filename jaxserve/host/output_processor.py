@@ -10,14 +10,21 @@ from jaxserve.loading.tokenizer import Tokenizer
 
 def token_logprobs(row: int, sampled, num_top: int) -> dict[int, float]:
     """{token_id: logprob} for the row's top `num_top` tokens plus the sampled one."""
-    logprobs = {int(t): float(v) for t, v in
-                zip(sampled.top_token_ids[row, :num_top], sampled.top_logprobs[row, :num_top])}
+    logprobs = {
+        int(t): float(v) for t, v in zip(sampled.top_token_ids[row, :num_top], sampled.top_logprobs[row, :num_top])
+    }
     logprobs[int(sampled.token_ids[row])] = float(sampled.logprobs[row])
     return logprobs
 
 
-def append_token(seq: SequenceState, token_id: int, logprobs: dict[int, float] | None, tokenizer: Tokenizer | None,
-                 eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
+def append_token(
+    seq: SequenceState,
+    token_id: int,
+    logprobs: dict[int, float] | None,
+    tokenizer: Tokenizer | None,
+    eos_token_ids: frozenset[int],
+    max_model_len: int,
+) -> str | None:
     """Record one sampled token; returns the finish reason ("stop" or "length") or None to go on."""
     seq.output_token_ids.append(token_id)
     if logprobs is not None:
@@ -74,8 +81,9 @@ class OutputProcessor:
                 continue
             num_top = seq.params.logprobs
             logprobs = token_logprobs(row, sampled, num_top) if num_top is not None else None
-            reason = append_token(seq, int(sampled.token_ids[row]), logprobs, self.tokenizer, self.eos_token_ids,
-                                  self.max_model_len)
+            reason = append_token(
+                seq, int(sampled.token_ids[row]), logprobs, self.tokenizer, self.eos_token_ids, self.max_model_len
+            )
             self.num_generated_tokens += 1
             if reason is not None:
                 scheduler.finish_or_flush(seq, reason)

@@ -90,8 +90,15 @@ class PrefixCacheStats:
 class PageAllocator:
     """Reference-counted pages; with prefix caching, freed full pages stay findable by their key."""
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = False,
-                 host_tier_pages: int = 0, session_ttl: float = 0.0, clock=time.monotonic):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool = False,
+        host_tier_pages: int = 0,
+        session_ttl: float = 0.0,
+        clock=time.monotonic,
+    ):
         if num_pages < 2:
             raise ValueError(f"the KV cache needs at least 2 pages (one is reserved), got {num_pages}")
         self.num_pages = num_pages
@@ -237,7 +244,7 @@ class PageAllocator:
         self.events.cleared()
         return True
 
-    def find_cached_prefix(self, token_ids: list[int], max_tokens: int) -> "CachedPrefix":
+    def find_cached_prefix(self, token_ids: list[int], max_tokens: int) -> CachedPrefix:
         """The longest run of cached full pages that starts token_ids, covering at most max_tokens:
         device pages first, then pages the host tier holds.
 
@@ -248,7 +255,7 @@ class PageAllocator:
             return found
         parent, size = ROOT_KEY, self.page_size
         for start in range(0, max_tokens - size + 1, size):
-            contents = (parent, tuple(token_ids[start:start + size]))
+            contents = (parent, tuple(token_ids[start : start + size]))
             key = page_key(*contents)
             page = self.pages_by_key.get(key)
             if page is not None and self.page_contents[page] == contents and not found.host_keys:
@@ -263,7 +270,7 @@ class PageAllocator:
         found.miss_reason = "partial_page"
         return found
 
-    def claim(self, found: "CachedPrefix") -> list[int]:
+    def claim(self, found: CachedPrefix) -> list[int]:
         """Hold a found prefix: share its device pages, promote its host pages into new device pages."""
         self.share(found.pages)
         promoted = self.allocate(len(found.host_keys))
@@ -274,7 +281,7 @@ class PageAllocator:
         self.stats.host_tier_hit_tokens += len(promoted) * self.page_size
         return found.pages + promoted
 
-    def num_pages_to_claim(self, found: "CachedPrefix") -> int:
+    def num_pages_to_claim(self, found: CachedPrefix) -> int:
         """Free pages that claiming would use: unheld cached ones it shares, plus one per promotion."""
         return sum(1 for page in found.pages if self.ref_counts[page] == 0) + len(found.host_keys)
 
@@ -284,4 +291,3 @@ class PageAllocator:
         self.stats.num_hit_tokens += num_hit_tokens
         field = f"miss_tokens_{miss_reason}"
         setattr(self.stats, field, getattr(self.stats, field) + num_tokens - num_hit_tokens)
-

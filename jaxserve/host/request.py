@@ -103,8 +103,8 @@ class SequenceState:
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]
         if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt:end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
     def token_ids(self) -> list[int]:
@@ -131,7 +131,6 @@ class SequenceState:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
 
 
 @dataclass
@@ -174,9 +173,20 @@ class Request:
         return all(seq.finish_reason is not None for seq in self.seqs)
 
     def output(self) -> RequestOutput:
-        outputs = [CompletionOutput(index=i, text=seq.text, token_ids=list(seq.output_token_ids),
-                                    finish_reason=seq.finish_reason,
-                                    logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None)
-                   for i, seq in enumerate(self.seqs)]
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs,
-                             num_cached_tokens=self.seqs[0].num_cached_tokens)
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text=seq.text,
+                token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason,
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            )
+            for i, seq in enumerate(self.seqs)
+        ]
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            list(self.prompt_token_ids),
+            outputs,
+            num_cached_tokens=self.seqs[0].num_cached_tokens,
+        )

@@ -64,8 +64,9 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_query_block: int):
+    def __init__(
+        self, allocator: PageAllocator, *, max_num_seqs: int, max_num_batched_tokens: int, prefill_query_block: int
+    ):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -142,8 +143,9 @@ class Scheduler:
         token's KV (one more step, nothing sampled) so the next turn of a chat finds the whole page.
         A sequence with a step in flight is computing that KV already: it finishes once that step is
         processed, and the token the step samples is dropped."""
-        if seq.num_inflight_tokens or (self.allocator.enable_prefix_caching
-                                       and seq.num_tokens % self.allocator.page_size == 0):
+        if seq.num_inflight_tokens or (
+            self.allocator.enable_prefix_caching and seq.num_tokens % self.allocator.page_size == 0
+        ):
             seq.finish_reason, seq.flushing = reason, True
         else:
             self.finish(seq, reason)
@@ -172,8 +174,11 @@ class Scheduler:
         return ScheduledChunk(seq, start, num_tokens) if num_tokens > 0 else None
 
     def _cost(self, chunk: ScheduledChunk) -> int:
-        return 1 if chunk.seq.num_planned_tokens - chunk.start == 1 else padded_to_blocks(chunk.num_tokens,
-                                                                                          self.query_block)
+        return (
+            1
+            if chunk.seq.num_planned_tokens - chunk.start == 1
+            else padded_to_blocks(chunk.num_tokens, self.query_block)
+        )
 
     def _pages_needed(self, chunk: ScheduledChunk) -> int:
         return num_pages_for(chunk.end, self.allocator.page_size) - len(chunk.seq.page_ids)
@@ -196,8 +201,9 @@ class Scheduler:
         """
         needed = self._pages_needed(chunk)
         while not self.allocator.can_allocate(needed):
-            victim = next((s for s in reversed(self.running)
-                           if s.seq_id not in scheduled and not s.num_inflight_tokens), None)
+            victim = next(
+                (s for s in reversed(self.running) if s.seq_id not in scheduled and not s.num_inflight_tokens), None
+            )
             if victim is None:
                 return False
             self._preempt(victim)

@@ -80,5 +80,5 @@ def find_stop_string(seq, new_text: str) -> int:
     if matcher.num_fed_chars != seen_until:
         if matcher.num_fed_chars > seen_until:  # the text was cut: start over on what is left
             matcher = seq.stop_matcher = StopStringMatcher(seq.params.stop)
-        matcher.feed(seq.text[matcher.num_fed_chars:seen_until])
+        matcher.feed(seq.text[matcher.num_fed_chars : seen_until])
     return matcher.feed(new_text)

@@ -35,20 +35,31 @@ def select_chat_template(tokenizer, chat_template: str | None, tools) -> tuple[s
         if chat_template is None:
             name = "tool_use" if tools is not None and "tool_use" in own else "default"
             if name not in own:
-                raise ValueError(f"{source} names chat templates {sorted(own)} but none is 'default'; "
-                                 f"pass chat_template=<name or template>")
+                raise ValueError(
+                    f"{source} names chat templates {sorted(own)} but none is 'default'; "
+                    f"pass chat_template=<name or template>"
+                )
             return own[name], f"{source} (template {name!r})"
     if chat_template is not None:
         return chat_template, "the chat_template argument"
     if own is None:
-        raise ValueError("this model has no chat template (no chat_template in tokenizer_config.json, no "
-                         "chat_template.jinja, none in the GGUF); pass chat_template=<a jinja template>")
+        raise ValueError(
+            "this model has no chat template (no chat_template in tokenizer_config.json, no "
+            "chat_template.jinja, none in the GGUF); pass chat_template=<a jinja template>"
+        )
     return own, source
 
 
-def render_chat(tokenizer, messages: list, chat_template: str | None = None, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, tools: list | None = None, documents: list | None = None,
-                **template_kwargs) -> str:
+def render_chat(
+    tokenizer,
+    messages: list,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list | None = None,
+    documents: list | None = None,
+    **template_kwargs,
+) -> str:
     """One conversation (a list of {"role", "content", ...} messages) as the model's prompt text.
 
     Raises ValueError naming the template's source when the template fails (including its own
@@ -56,8 +67,10 @@ def render_chat(tokenizer, messages: list, chat_template: str | None = None, add
     if not messages:
         raise ValueError("cannot render an empty conversation: give at least one message")
     if continue_final_message and add_generation_prompt:
-        raise ValueError("continue_final_message and add_generation_prompt are exclusive: one continues the last "
-                         "message, the other starts a new assistant message")
+        raise ValueError(
+            "continue_final_message and add_generation_prompt are exclusive: one continues the last "
+            "message, the other starts a new assistant message"
+        )
     template, source = select_chat_template(tokenizer, chat_template, tools)
     messages = _alias_reasoning_fields([_drop_none(m) for m in plain_data(messages)])
     if any(not isinstance(m, dict) for m in messages):
@@ -68,11 +81,19 @@ def render_chat(tokenizer, messages: list, chat_template: str | None = None, add
         if not isinstance(final_message, str):
             raise ValueError("continue_final_message needs a final message with text content")
         messages[-1]["content"] = final_message + CONTINUE_TAG
-    variables = {**tokenizer.special_tokens, **plain_data(template_kwargs)} if tokenizer is not None \
+    variables = (
+        {**tokenizer.special_tokens, **plain_data(template_kwargs)}
+        if tokenizer is not None
         else plain_data(template_kwargs)
+    )
     try:
-        rendered = _compile(template).render(messages=messages, tools=plain_data(tools), documents=plain_data(documents),
-                                             add_generation_prompt=add_generation_prompt, **variables)
+        rendered = _compile(template).render(
+            messages=messages,
+            tools=plain_data(tools),
+            documents=plain_data(documents),
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
     except Exception as error:  # templates are untrusted programs: any failure is the template's, reported as such
         raise ValueError(f"chat template from {source} failed: {type(error).__name__}: {error}") from None
     if final_message is not None:
@@ -121,17 +142,20 @@ def _alias_reasoning_fields(messages: list) -> list:
     aliased = []
     for message in messages:
         reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
-        aliased.append({"thinking": reasoning, **message, "reasoning_content": reasoning}
-                       if reasoning is not None else message)
+        aliased.append(
+            {"thinking": reasoning, **message, "reasoning_content": reasoning} if reasoning is not None else message
+        )
     return aliased
 
 
 def _cut_at_continue_tag(rendered: str, final_message: str, source: str) -> str:
     if final_message.strip() not in rendered or CONTINUE_TAG.strip() not in rendered:
-        raise ValueError(f"continue_final_message: the chat template from {source} does not render the final "
-                         f"message as given, so it cannot be continued")
+        raise ValueError(
+            f"continue_final_message: the chat template from {source} does not render the final "
+            f"message as given, so it cannot be continued"
+        )
     at = rendered.rindex(CONTINUE_TAG.strip())
-    if rendered[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+    if rendered[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
         return rendered[:at]
     return rendered[:at].rstrip()  # the template trimmed the message's trailing space
 
@@ -194,9 +218,11 @@ class _Generation(jinja2.ext.Extension):
 
 @functools.lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[_Generation, jinja2.ext.loopcontrols])
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
     environment.filters["tojson"] = _tojson
-    environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
-                               namespace=_TemplateNamespace)
+    environment.globals.update(
+        raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(), namespace=_TemplateNamespace
+    )
     return environment.from_string(template)

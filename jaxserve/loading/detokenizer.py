@@ -31,29 +31,31 @@ def _context_text(tokenizer, token_ids: list[int], state: DetokenizerState, skip
     """The context's text, the context first widened to start on a character: decoded from inside one, its
     bytes read as U+FFFD and, with byte fallback, so does the rest of that run of byte tokens."""
     for widened in range(MAX_UTF8_CONTINUATION_BYTES + 1):
-        prefix_text = tokenizer.decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens)
+        prefix_text = tokenizer.decode(token_ids[state.prefix_offset : state.read_offset], skip_special_tokens)
         if state.prefix_offset == 0 or not prefix_text.startswith("\ufffd") or widened == MAX_UTF8_CONTINUATION_BYTES:
             return prefix_text
         state.prefix_offset -= 1
 
 
-def detokenize_incrementally(tokenizer, token_ids: list[int], state: DetokenizerState,
-                             skip_special_tokens: bool = True) -> str:
+def detokenize_incrementally(
+    tokenizer, token_ids: list[int], state: DetokenizerState, skip_special_tokens: bool = True
+) -> str:
     """The text that token_ids[state.read_offset:] add; advances state past them unless held back."""
     prefix_text = _context_text(tokenizer, token_ids, state, skip_special_tokens)
-    full_text = tokenizer.decode(token_ids[state.prefix_offset:], skip_special_tokens)
+    full_text = tokenizer.decode(token_ids[state.prefix_offset :], skip_special_tokens)
     if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
         return ""
     state.prefix_offset = state.read_offset
     state.read_offset = len(token_ids)
-    return full_text[len(prefix_text):]
+    return full_text[len(prefix_text) :]
 
 
-def flush_detokenizer(tokenizer, token_ids: list[int], state: DetokenizerState,
-                      skip_special_tokens: bool = True) -> str:
+def flush_detokenizer(
+    tokenizer, token_ids: list[int], state: DetokenizerState, skip_special_tokens: bool = True
+) -> str:
     """When a sequence ends: the text still held back (an incomplete character reads as U+FFFD, as in a
     full decode)."""
     prefix_text = _context_text(tokenizer, token_ids, state, skip_special_tokens)
-    full_text = tokenizer.decode(token_ids[state.prefix_offset:], skip_special_tokens)
+    full_text = tokenizer.decode(token_ids[state.prefix_offset :], skip_special_tokens)
     state.prefix_offset = state.read_offset = len(token_ids)
-    return full_text[len(prefix_text):]
+    return full_text[len(prefix_text) :]

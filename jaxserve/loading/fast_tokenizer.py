@@ -30,7 +30,7 @@ class FastTokenizer(Tokenizer):
         super().__init__(settings)
 
     @classmethod
-    def from_file(cls, path: str, settings: TokenizerSettings) -> "FastTokenizer":
+    def from_file(cls, path: str, settings: TokenizerSettings) -> FastTokenizer:
         try:
             backend = tokenizers.Tokenizer.from_file(path)
         except Exception as error:  # the library raises a bare Exception for every parse error

@@ -26,13 +26,24 @@ from jaxserve.loading.gguf_metadata import GGUFMetadataReader
 from jaxserve.loading.gguf_rope import llama3_rope_scaling
 
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF architecture -> HF model_type
-GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                  "output.weight": "lm_head.weight"}
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 LAYER_TENSORS = {  # blk.N.<name> -> model.layers.N.<name>
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "block_sparse_moe.gate",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "block_sparse_moe.gate",
 }
 EXPERT_TENSORS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}  # stacked -> Mixtral's names
 REQUIRED_LAYER_TENSORS = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
@@ -65,12 +76,16 @@ class GGUFFile:
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
         self.architecture = self.metadata.get("general.architecture")
         if self.architecture not in MODEL_TYPES:
-            raise ValueError(f"GGUF file {path}: architecture {self.architecture!r} is not supported "
-                             f"(supported: {', '.join(MODEL_TYPES)})")
+            raise ValueError(
+                f"GGUF file {path}: architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(MODEL_TYPES)})"
+            )
         for tensor in self.reader.tensors:
             if not can_dequantize(tensor.tensor_type):
-                raise ValueError(f"GGUF file {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which "
-                                 f"the gguf package cannot dequantize")
+                raise ValueError(
+                    f"GGUF file {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which "
+                    f"the gguf package cannot dequantize"
+                )
 
     def _get(self, key: str, default=None):
         return self.metadata.get(f"{self.architecture}.{key}", default)
@@ -82,17 +97,28 @@ class GGUFFile:
             num_layers = int(self._get("block_count"))
             intermediate_size = int(self._get("expert_feed_forward_length") or self._get("feed_forward_length"))
         except TypeError:
-            raise ValueError(f"GGUF file {self.path}: metadata lacks the model's sizes ({self.architecture}."
-                             f"embedding_length, attention.head_count, block_count, feed_forward_length)") from None
+            raise ValueError(
+                f"GGUF file {self.path}: metadata lacks the model's sizes ({self.architecture}."
+                f"embedding_length, attention.head_count, block_count, feed_forward_length)"
+            ) from None
         num_experts = int(self._get("expert_count") or 0)
         model_type = "mixtral" if self.architecture == "llama" and num_experts else MODEL_TYPES[self.architecture]
         if "token_embd.weight" not in self.tensors:
             raise ValueError(f"GGUF file {self.path} has no token_embd.weight tensor")
         config = dict(
-            architectures=[{"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                            "qwen3": "Qwen3ForCausalLM"}[model_type]],
-            model_type=model_type, hidden_size=hidden_size, intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers, num_attention_heads=num_heads,
+            architectures=[
+                {
+                    "llama": "LlamaForCausalLM",
+                    "mixtral": "MixtralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM",
+                }[model_type]
+            ],
+            model_type=model_type,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
             num_key_value_heads=int(self._get("attention.head_count_kv") or num_heads),
             head_dim=int(self._get("attention.key_length") or hidden_size // num_heads),
             vocab_size=int(self.tensors["token_embd.weight"].data.shape[0]),
@@ -110,8 +136,11 @@ class GGUFFile:
         if "rope_freqs.weight" in self.tensors:  # Llama 3.1's scaling, stored as per-frequency divisors
             tensor = self.tensors["rope_freqs.weight"]
             try:
-                scaling = llama3_rope_scaling(dequantize(tensor.data, tensor.tensor_type), config["rope_theta"],
-                                              int(self._get("rope.dimension_count") or config["head_dim"]))
+                scaling = llama3_rope_scaling(
+                    dequantize(tensor.data, tensor.tensor_type),
+                    config["rope_theta"],
+                    int(self._get("rope.dimension_count") or config["head_dim"]),
+                )
             except ValueError as error:
                 raise ValueError(f"GGUF file {self.path}: {error}") from None
             if scaling is not None:
@@ -137,7 +166,7 @@ class GGUFFile:
                 return name
         return "float32"
 
-    def tensor_reader(self) -> "GGUFTensorReader":
+    def tensor_reader(self) -> GGUFTensorReader:
         return GGUFTensorReader(self)
 
 
@@ -180,7 +209,7 @@ def read_dequantized(path: str, tensor, chunk_bytes: int = 16 << 20) -> np.ndarr
             chunk = dequantize(block, tensor.tensor_type)
             if values is None:
                 values = np.empty((rows, chunk.shape[-1]), np.float32)
-            values[start:start + count] = chunk
+            values[start : start + count] = chunk
     return values.reshape(*raw.shape[:-1], values.shape[-1])
 
 

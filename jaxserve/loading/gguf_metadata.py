@@ -24,7 +24,7 @@ class GGUFMetadataReader(GGUFReader):
         scalar_fields = 0
         for _ in range(count):
             key_length = self._uint(offs, 8)
-            key = str(self._bytes[offs + 8:offs + 8 + key_length], "utf-8")
+            key = str(self._bytes[offs + 8 : offs + 8 + key_length], "utf-8")
             value_offs = offs + 8 + key_length
             if self._uint(value_offs, 4) != GGUFValueType.ARRAY:
                 offs = super()._build_fields(offs, 1)  # one scalar or string field, as GGUFReader parses it
@@ -38,7 +38,7 @@ class GGUFMetadataReader(GGUFReader):
     def _uint(self, offs: int, size: int) -> int:
         if offs + size > len(self._bytes):
             raise ValueError("the metadata runs past the end of the file")
-        return int.from_bytes(self._bytes[offs:offs + size], self._int_order)
+        return int.from_bytes(self._bytes[offs : offs + size], self._int_order)
 
     def _read_array(self, offs: int) -> tuple[list, int]:
         item_type, length = GGUFValueType(self._uint(offs, 4)), self._uint(offs + 4, 8)
@@ -49,7 +49,7 @@ class GGUFMetadataReader(GGUFReader):
                 size = self._uint(offs, 8)
                 if offs + 8 + size > len(self._bytes):
                     raise ValueError("a metadata string runs past the end of the file")
-                values.append(str(self._bytes[offs + 8:offs + 8 + size], "utf-8"))
+                values.append(str(self._bytes[offs + 8 : offs + 8 + size], "utf-8"))
                 offs += 8 + size
             return values, offs
         if item_type == GGUFValueType.ARRAY:

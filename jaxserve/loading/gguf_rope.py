@@ -29,8 +29,9 @@ def llama3_rope_scaling(rope_freqs: np.ndarray, rope_theta: float, head_dim: int
     for candidate in _candidates(divisors, wavelengths, factor):
         if np.allclose(llama3_divisors(candidate, wavelengths), divisors, rtol=RTOL):
             return candidate
-    raise ValueError("rope_freqs matches no Llama 3 rotary scaling (factor, low/high frequency factors, original "
-                     "context length)")
+    raise ValueError(
+        "rope_freqs matches no Llama 3 rotary scaling (factor, low/high frequency factors, original context length)"
+    )
 
 
 def llama3_divisors(scaling: dict, wavelengths: np.ndarray) -> np.ndarray:
@@ -43,8 +44,13 @@ def llama3_divisors(scaling: dict, wavelengths: np.ndarray) -> np.ndarray:
 
 
 def _scaling(factor: float, low: float, high: float, context: float) -> dict:
-    return dict(rope_type="llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
-                original_max_position_embeddings=int(round(context)))
+    return dict(
+        rope_type="llama3",
+        factor=factor,
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=int(round(context)),
+    )
 
 
 def _candidates(divisors: np.ndarray, wavelengths: np.ndarray, factor: float):

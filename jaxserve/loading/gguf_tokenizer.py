@@ -19,12 +19,24 @@ from jaxserve.loading.gguf import GGUFFile
 from jaxserve.loading.tokenizer_config import TokenizerSettings
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-               r"|\s+(?!\S)|\s+")
-SPLITS = {"llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "llama-bpe": LLAMA3_SPLIT, "smaug-bpe": LLAMA3_SPLIT,
-          "dbrx": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT, "megrez": QWEN2_SPLIT}
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+SPLITS = {
+    "llama3": LLAMA3_SPLIT,
+    "llama-v3": LLAMA3_SPLIT,
+    "llama-bpe": LLAMA3_SPLIT,
+    "smaug-bpe": LLAMA3_SPLIT,
+    "dbrx": LLAMA3_SPLIT,
+    "qwen2": QWEN2_SPLIT,
+    "deepseek-r1-qwen": QWEN2_SPLIT,
+    "megrez": QWEN2_SPLIT,
+}
 SINGLE_DIGIT_PRES = ("smollm", "starcoder", "refact")  # GPT-2's regex after splitting off each digit
 
 
@@ -42,17 +54,28 @@ def gguf_tokenizer(gguf: GGUFFile) -> FastTokenizer | None:
         backend = _byte_level(tokens, metadata.get("tokenizer.ggml.merges") or [], metadata.get("tokenizer.ggml.pre"))
     elif kind == "llama":
         alphabet = None
-        backend = _sentencepiece(tokens, list(metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)),
-                                 add_prefix_space)
+        backend = _sentencepiece(
+            tokens, list(metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)), add_prefix_space
+        )
     else:
         raise ValueError(f"GGUF file {gguf.path}: tokenizer model {kind!r} is not supported (llama, gpt2)")
     # A byte-level vocabulary spells every real token in its byte alphabet; a CONTROL token outside it is a
     # llama.cpp mislabel, and adding it would grow the vocabulary past the model's (transformers skips them too).
-    backend.add_tokens([AddedToken(t, special=True, normalized=False) for t, kind_ in zip(tokens, types)
-                        if kind_ == CONTROL and (alphabet is None or set(t) <= alphabet)])
+    backend.add_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind_ in zip(tokens, types)
+            if kind_ == CONTROL and (alphabet is None or set(t) <= alphabet)
+        ]
+    )
     vocab = backend.get_vocab()
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, kind_ in zip(tokens, types)
-                        if kind_ == USER_DEFINED and t in vocab])
+    backend.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind_ in zip(tokens, types)
+            if kind_ == USER_DEFINED and t in vocab
+        ]
+    )
     return FastTokenizer(backend, _settings(gguf, tokens, kind))
 
 
@@ -63,13 +86,26 @@ def _settings(gguf: GGUFFile, tokens: list[str], kind: str) -> TokenizerSettings
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
-    special = {name: token(key) for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                                                  ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
+    special = {
+        name: token(key)
+        for name, key in (
+            ("bos_token", "bos_token_id"),
+            ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"),
+        )
+    }
     # llama.cpp ends generation on any end-of-generation token: end of text, of turn, of message.
-    stop_ids = tuple(metadata[f"tokenizer.ggml.{key}"] for key in ("eos_token_id", "eot_token_id", "eom_token_id")
-                     if metadata.get(f"tokenizer.ggml.{key}") is not None)
-    templates = {key.removeprefix("tokenizer.chat_template").lstrip(".") or "default": value
-                 for key, value in metadata.items() if key.startswith("tokenizer.chat_template")}
+    stop_ids = tuple(
+        metadata[f"tokenizer.ggml.{key}"]
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if metadata.get(f"tokenizer.ggml.{key}") is not None
+    )
+    templates = {
+        key.removeprefix("tokenizer.chat_template").lstrip(".") or "default": value
+        for key, value in metadata.items()
+        if key.startswith("tokenizer.chat_template")
+    }
     chat_template = templates.get("default") if list(templates) in ([], ["default"]) else templates
     return TokenizerSettings(
         source=gguf.path,
@@ -87,17 +123,31 @@ def _settings(gguf: GGUFFile, tokens: list[str], kind: str) -> TokenizerSettings
 def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
-    vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
-             for index, token in enumerate(tokens)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
-                                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    vocab = {
+        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
+        for index, token in enumerate(tokens)
+    }
+    backend = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[tuple(m.split(" ")) for m in merges],
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
     if pre in SPLITS:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     elif pre in SINGLE_DIGIT_PRES:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
     else:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -106,10 +156,18 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokeni
 
 def _sentencepiece(tokens: list[str], scores: list[float], add_prefix_space: bool) -> Tokenizer:
     vocab = {token: index for index, token in enumerate(tokens)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges_from_scores(vocab, dict(zip(tokens, scores))),
-                                   fuse_unk=True, byte_fallback=True, dropout=None))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
-                                                     prepend_scheme="first" if add_prefix_space else "never")
+    backend = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges_from_scores(vocab, dict(zip(tokens, scores))),
+            fuse_unk=True,
+            byte_fallback=True,
+            dropout=None,
+        )
+    )
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", split=False, prepend_scheme="first" if add_prefix_space else "never"
+    )
     chain = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(chain + [decoders.Strip(" ", 1, 0)] if add_prefix_space else chain)
     return backend
@@ -120,8 +178,9 @@ def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[
     better-scored merged token first (transformers' generate_merges, so both tokenize alike)."""
     merges = []
     for token, score in scores.items():
-        local = [(token[:i], token[i:], score) for i in range(1, len(token))
-                 if token[:i] in vocab and token[i:] in vocab]
+        local = [
+            (token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab
+        ]
         merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in merges]
@@ -129,8 +188,9 @@ def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte alphabet: printable bytes stand for themselves, the rest for characters from 256 up."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     characters, extra = {}, 0
     for byte in range(256):
         if byte in printable:

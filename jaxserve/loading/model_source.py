@@ -10,17 +10,18 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from jaxserve.models.config import ModelConfig
 from jaxserve.loading.default_model import MODEL_NAMES, resolve_model_path
 from jaxserve.loading.gguf import GGUFFile, find_gguf_file
 from jaxserve.loading.gguf_tokenizer import gguf_tokenizer
 from jaxserve.loading.orbax_checkpoint import checkpoint_dtype, is_orbax_checkpoint, restore_params
 from jaxserve.loading.tokenizer import Tokenizer
-from jaxserve.loading.weights import load_params, read_params as read_named_params
+from jaxserve.loading.weights import load_params
+from jaxserve.loading.weights import read_params as read_named_params
 from jaxserve.models import CHECKPOINT_NAMES
+from jaxserve.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ def open_model(path: str) -> ModelSource:
     config = ModelConfig.from_model_dir(path)
     tokenizer = Tokenizer.from_model_dir(path)
     if is_orbax_checkpoint(path):
+
         def read_params(abstract, dtype, placement):
             return restore_params(abstract, path, dtype, placement)
 
@@ -76,11 +78,11 @@ def open_gguf(path: str) -> ModelSource:
     tokenizer = gguf_tokenizer(gguf)
 
     def read_params(abstract, dtype, placement):
-        return read_named_params(abstract, gguf.tensor_reader(), CHECKPOINT_NAMES[config.model_type], dtype,
-                                 placement)
+        return read_named_params(abstract, gguf.tensor_reader(), CHECKPOINT_NAMES[config.model_type], dtype, placement)
 
-    return ModelSource(path, config, tokenizer, gguf.checkpoint_dtype(), read_params,
-                       _gguf_description_dir(hf_config, tokenizer))
+    return ModelSource(
+        path, config, tokenizer, gguf.checkpoint_dtype(), read_params, _gguf_description_dir(hf_config, tokenizer)
+    )
 
 
 def _gguf_description_dir(hf_config: dict, tokenizer) -> str:

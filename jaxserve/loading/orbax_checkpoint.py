@@ -22,8 +22,15 @@ import numpy as np
 from flax import nnx
 
 MARKER = "jaxserve_checkpoint.json"
-DESCRIPTION_FILES = ("config.json", "generation_config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                     "special_tokens_map.json", "chat_template.jinja")
+DESCRIPTION_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 def is_orbax_checkpoint(directory: str) -> bool:
@@ -51,8 +58,9 @@ def save_checkpoint(params: nnx.State, dtype: str, source_dir: str, directory: s
     if leader is None:
         write_checkpoint(params, dtype, source_dir, directory)
     else:  # every process writes its own shards
-        leader.run_everywhere(SAVE, (dtype, source_dir, directory),
-                              lambda: write_checkpoint(params, dtype, source_dir, directory))
+        leader.run_everywhere(
+            SAVE, (dtype, source_dir, directory), lambda: write_checkpoint(params, dtype, source_dir, directory)
+        )
 
 
 def write_checkpoint(params: nnx.State, dtype: str, source_dir: str, directory: str) -> None:
@@ -86,9 +94,12 @@ def restore_params(abstract_state: nnx.State, directory: str, dtype, placement) 
     weights once plus one group, not a second copy of the whole checkpoint in read buffers."""
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     flat = list(nnx.to_flat_state(abstract_state))
-    target = {".".join(map(str, path)): jax.ShapeDtypeStruct(variable.get_value().shape, dtype,
-                                                             sharding=placement(path) or default)
-              for path, variable in flat}
+    target = {
+        ".".join(map(str, path)): jax.ShapeDtypeStruct(
+            variable.get_value().shape, dtype, sharding=placement(path) or default
+        )
+        for path, variable in flat
+    }
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
@@ -97,15 +108,19 @@ def restore_params(abstract_state: nnx.State, directory: str, dtype, placement) 
     try:
         for group in _groups_of_bytes(target, RESTORE_GROUP_BYTES):
             restore_args = ocp.checkpoint_utils.construct_restore_args(group)
-            restored.update(checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(
-                item=group, restore_args=restore_args, partial_restore=True)))
+            restored.update(
+                checkpointer.restore(
+                    params_dir, args=ocp.args.PyTreeRestore(item=group, restore_args=restore_args, partial_restore=True)
+                )
+            )
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise ValueError(f"cannot restore the orbax checkpoint in {directory}: {error}") from None
     missing = sorted(set(target) - set(restored))
     if missing:
         raise ValueError(f"the orbax checkpoint in {directory} lacks params {missing[:5]}")
-    return nnx.from_flat_state([(path, variable.replace(restored[".".join(map(str, path))]))
-                                for path, variable in flat])
+    return nnx.from_flat_state(
+        [(path, variable.replace(restored[".".join(map(str, path))])) for path, variable in flat]
+    )
 
 
 def _groups_of_bytes(target: dict, limit: int) -> list[dict]:

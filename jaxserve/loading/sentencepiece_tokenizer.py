@@ -29,9 +29,16 @@ class SentencePieceTokenizer(Tokenizer):
         proto.ParseFromString(self.processor.serialized_model_proto())
         self.add_bos_token = True if settings.add_bos_token is None else settings.add_bos_token
         self.add_eos_token = bool(settings.add_eos_token)
-        defaults = {name: self.processor.IdToPiece(i) for name, i in (
-            ("bos_token", self.processor.bos_id()), ("eos_token", self.processor.eos_id()),
-            ("unk_token", self.processor.unk_id()), ("pad_token", self.processor.pad_id())) if i >= 0}
+        defaults = {
+            name: self.processor.IdToPiece(i)
+            for name, i in (
+                ("bos_token", self.processor.bos_id()),
+                ("eos_token", self.processor.eos_id()),
+                ("unk_token", self.processor.unk_id()),
+                ("pad_token", self.processor.pad_id()),
+            )
+            if i >= 0
+        }
         settings = _with_default_special_tokens(settings, defaults)
         self._piece_ids = {self.processor.IdToPiece(i): i for i in range(self.processor.GetPieceSize())}
         super().__init__(settings)
@@ -41,14 +48,17 @@ class SentencePieceTokenizer(Tokenizer):
         matched = sorted((t for t in named if t in self._piece_ids), key=len, reverse=True)
         self._special_pattern = re.compile("|".join(map(re.escape, matched))) if matched else None
         self.special_ids = frozenset(
-            i for i in range(self.vocab_size)
-            if self.processor.IsControl(i) or self.processor.IsUnknown(i) or self.processor.IdToPiece(i) in named)
+            i
+            for i in range(self.vocab_size)
+            if self.processor.IsControl(i) or self.processor.IsUnknown(i) or self.processor.IdToPiece(i) in named
+        )
         chain = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         if proto.normalizer_spec.add_dummy_prefix:
             chain.append(decoders.Strip(" ", 1, 0))  # the space sentencepiece put before the first word
         self.decoder = decoders.Sequence(chain)
-        self.cleans_up_spaces = (settings.clean_up_tokenization_spaces
-                                 and proto.trainer_spec.model_type != SENTENCEPIECE_BPE)
+        self.cleans_up_spaces = (
+            settings.clean_up_tokenization_spaces and proto.trainer_spec.model_type != SENTENCEPIECE_BPE
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -61,7 +71,7 @@ class SentencePieceTokenizer(Tokenizer):
         token_ids, start = [], 0
         for match in self._special_pattern.finditer(text) if self._special_pattern is not None else ():
             if match.start() > start:
-                token_ids += self.processor.EncodeAsIds(text[start:match.start()])
+                token_ids += self.processor.EncodeAsIds(text[start : match.start()])
             token_ids.append(self._piece_ids[match.group()])
             start = match.end()
         if start < len(text):
@@ -74,8 +84,11 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         size = self.vocab_size
-        pieces = [self.processor.IdToPiece(int(t)) for t in token_ids
-                  if 0 <= t < size and not (skip_special_tokens and t in self.special_ids)]
+        pieces = [
+            self.processor.IdToPiece(int(t))
+            for t in token_ids
+            if 0 <= t < size and not (skip_special_tokens and t in self.special_ids)
+        ]
         text = self.decoder.decode(pieces)
         return clean_up_tokenization(text) if self.cleans_up_spaces else text
 

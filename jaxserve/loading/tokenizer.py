@@ -12,8 +12,7 @@ from __future__ import annotations
 import abc
 import os
 
-from jaxserve.loading.detokenizer import (  # noqa: F401  (the engine's output processor imports them from here)
-    DetokenizerState, detokenize_incrementally, start_detokenizer)
+from jaxserve.loading.detokenizer import DetokenizerState, detokenize_incrementally, start_detokenizer  # noqa: F401  (the engine's output processor imports them from here)
 from jaxserve.loading.tokenizer_config import TokenizerSettings, read_tokenizer_settings
 
 
@@ -37,7 +36,7 @@ class Tokenizer(abc.ABC):
         self.eos_token_ids = frozenset(eos)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str) -> "Tokenizer | None":
+    def from_model_dir(cls, model_dir: str) -> Tokenizer | None:
         """The directory's tokenizer.json (preferred) or tokenizer.model; None when it has neither
         (token-id prompts only). Raises ValueError naming the file when one is malformed."""
         from jaxserve.loading.fast_tokenizer import FastTokenizer  # the backends subclass this class
@@ -71,7 +70,17 @@ class Tokenizer(abc.ABC):
 
 def clean_up_tokenization(text: str) -> str:
     """transformers' clean-up of spaces before punctuation (WordPiece-era; never applied to BPE)."""
-    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(before, after)
     return text

@@ -98,7 +98,9 @@ def read_tokenizer_settings(model_dir: str) -> TokenizerSettings:
     special_tokens, eos_tokens = {}, ()
     for name in SPECIAL_TOKEN_NAMES:
         value = config.get(name)
-        texts = [token_text(v, config_path) for v in value] if isinstance(value, list) else [token_text(value, config_path)]
+        texts = (
+            [token_text(v, config_path) for v in value] if isinstance(value, list) else [token_text(value, config_path)]
+        )
         texts = [t for t in texts if t is not None]
         if texts:
             special_tokens[name] = texts[0]

@@ -13,7 +13,7 @@ import functools
 import glob
 import json
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -71,8 +71,9 @@ class CheckpointReader:
             raise ValueError(f"cannot read tensor {key!r} from {self.location[key]}: {error}") from None
 
 
-def read_params(abstract_state: nnx.State, reader, read_param: Callable, dtype,
-                placement: Callable = lambda path: None) -> nnx.State:
+def read_params(
+    abstract_state: nnx.State, reader, read_param: Callable, dtype, placement: Callable = lambda path: None
+) -> nnx.State:
     """Fill an abstract (shape-only) model state from a reader (`name in reader`, `reader.read(name)`)
     through a family's name mapping (read_param(reader, path, shape), jaxserve.models.CHECKPOINT_NAMES).
 
@@ -86,7 +87,8 @@ def read_params(abstract_state: nnx.State, reader, read_param: Callable, dtype,
         if tuple(tensor.shape) != expected:
             raise ValueError(
                 f"checkpoint tensor for {'.'.join(map(str, path))} has shape {tuple(tensor.shape)}, "
-                f"config.json implies {expected}")
+                f"config.json implies {expected}"
+            )
         value = jnp.asarray(tensor, dtype=dtype)
         del tensor  # the host copy goes before the next tensor is read: one tensor in flight at a time
         sharding = placement(path)
@@ -113,8 +115,10 @@ def release_freed_host_memory() -> None:
         trim(0)
 
 
-def load_params(abstract_state: nnx.State, model_dir: str, config: ModelConfig, dtype,
-                placement: Callable = lambda path: None) -> nnx.State:
+def load_params(
+    abstract_state: nnx.State, model_dir: str, config: ModelConfig, dtype, placement: Callable = lambda path: None
+) -> nnx.State:
     """The params of a Hugging Face safetensors checkpoint, by the tensor names of config's family."""
-    return read_params(abstract_state, CheckpointReader(model_dir), CHECKPOINT_NAMES[config.model_type], dtype,
-                       placement)
+    return read_params(
+        abstract_state, CheckpointReader(model_dir), CHECKPOINT_NAMES[config.model_type], dtype, placement
+    )

@@ -20,19 +20,33 @@ from jaxserve.models.layers import WriteAndAttend
 from jaxserve.models.moe import Experts
 
 # model_type -> read_param(reader, our param path, its shape) -> the checkpoint tensor laid out as ours
-CHECKPOINT_NAMES = {"llama": llama.read_param, "mistral": llama.read_param, "qwen2": llama.read_param,
-                    "qwen3": llama.read_param, "mixtral": mixtral.read_param, "qwen3_moe": qwen3_moe.read_param}
+CHECKPOINT_NAMES = {
+    "llama": llama.read_param,
+    "mistral": llama.read_param,
+    "qwen2": llama.read_param,
+    "qwen3": llama.read_param,
+    "mixtral": mixtral.read_param,
+    "qwen3_moe": qwen3_moe.read_param,
+}
 
 
-def build_model(config: ModelConfig, dtype, *, write_and_attend: WriteAndAttend, experts: Experts | None = None,
-                rngs=None) -> CausalLM:
+def build_model(
+    config: ModelConfig, dtype, *, write_and_attend: WriteAndAttend, experts: Experts | None = None, rngs=None
+) -> CausalLM:
     """write_and_attend: the attention kernels, on one device or per shard; experts: how routed tokens
     reach their experts (mixture-of-experts models only)."""
     if config.is_moe and experts is None:
         raise ValueError(f"a {config.model_type} model with experts needs an experts function (sharding/moe.py)")
-    return CausalLM(config, dtype=dtype, write_and_attend=write_and_attend, experts=experts,
-                    rngs=rngs or nnx.Rngs(0))
+    return CausalLM(config, dtype=dtype, write_and_attend=write_and_attend, experts=experts, rngs=rngs or nnx.Rngs(0))
 
 
-__all__ = ["AttentionMetadata", "CHECKPOINT_NAMES", "CausalLM", "Experts", "KVPages", "ModelConfig", "WriteAndAttend",
-           "build_model"]
+__all__ = [
+    "AttentionMetadata",
+    "CHECKPOINT_NAMES",
+    "CausalLM",
+    "Experts",
+    "KVPages",
+    "ModelConfig",
+    "WriteAndAttend",
+    "build_model",
+]

@@ -71,15 +71,25 @@ class ModelConfig:
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"unknown model type {self.model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+                f"unknown model type {self.model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"config.json: {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})")
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"config.json: head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
@@ -87,15 +97,18 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
             raise ValueError(
                 f"config.json: num_experts_per_tok ({self.num_experts_per_token}) must be in "
-                f"[1, num_experts={self.num_experts}]")
+                f"[1, num_experts={self.num_experts}]"
+            )
         if self.num_experts and not self.expert_intermediate_size:
             object.__setattr__(self, "expert_intermediate_size", self.intermediate_size)
         if not self.layer_types:
             every = "sliding_attention" if self.sliding_window else "full_attention"
             object.__setattr__(self, "layer_types", (every,) * self.num_layers)
         if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
-            raise ValueError(f"config.json: layer_types must be {self.num_layers} of {', '.join(LAYER_TYPES)}, "
-                             f"got {list(self.layer_types)}")
+            raise ValueError(
+                f"config.json: layer_types must be {self.num_layers} of {', '.join(LAYER_TYPES)}, "
+                f"got {list(self.layer_types)}"
+            )
 
     @property
     def is_moe(self) -> bool:
@@ -106,22 +119,34 @@ class ModelConfig:
 
     def logical_axis_sizes(self) -> dict[str, int]:
         """How many independent units each logical axis of the params has: a split must not cut a head."""
-        return {"heads": self.num_heads, "kv_heads": self.num_kv_heads, "mlp": self.intermediate_size,
-                "expert_mlp": self.expert_intermediate_size, "vocab": self.vocab_size, "embed": self.hidden_size,
-                "head_dim": self.head_dim, "expert": self.num_experts or 1}
+        return {
+            "heads": self.num_heads,
+            "kv_heads": self.num_kv_heads,
+            "mlp": self.intermediate_size,
+            "expert_mlp": self.expert_intermediate_size,
+            "vocab": self.vocab_size,
+            "embed": self.hidden_size,
+            "head_dim": self.head_dim,
+            "expert": self.num_experts or 1,
+        }
 
     @classmethod
-    def from_hf_dict(cls, hf: dict) -> "ModelConfig":
+    def from_hf_dict(cls, hf: dict) -> ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"unknown model type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                f"unknown model type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         try:
             hidden_size = int(hf["hidden_size"])
             num_heads = int(hf["num_attention_heads"])
-            sizes = dict(vocab_size=int(hf["vocab_size"]), hidden_size=hidden_size,
-                         intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
-                         num_heads=num_heads)
+            sizes = dict(
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden_size,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=num_heads,
+            )
         except KeyError as missing:
             raise ValueError(f"config.json is missing required key {missing}") from None
         eos = hf.get("eos_token_id")
@@ -144,7 +169,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_model_dir(cls, model_dir: str) -> "ModelConfig":
+    def from_model_dir(cls, model_dir: str) -> ModelConfig:
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"no config.json in model directory {model_dir!r}")
@@ -201,9 +226,13 @@ def _attention_fields(model_type: str, hf: dict, num_layers: int) -> dict:
     if model_type in ("qwen2", "qwen3"):
         # Only layers from max_window_layers on slide, unless config.json lists each layer's type.
         first_sliding = int(hf.get("max_window_layers", 28))
-        fields["layer_types"] = tuple(hf.get("layer_types") or (
-            "sliding_attention" if window and layer >= first_sliding else "full_attention"
-            for layer in range(num_layers)))
+        fields["layer_types"] = tuple(
+            hf.get("layer_types")
+            or (
+                "sliding_attention" if window and layer >= first_sliding else "full_attention"
+                for layer in range(num_layers)
+            )
+        )
     return fields
 
 
@@ -211,15 +240,20 @@ def _expert_fields(model_type: str, hf: dict) -> dict:
     # transformers >= 5 writes num_local_experts for both families, older Qwen3-MoE configs num_experts.
     if model_type == "mixtral":
         num_experts = int(hf.get("num_local_experts", hf.get("num_experts", 0)))
-        return dict(num_experts=num_experts,
-                    num_experts_per_token=int(hf.get("num_experts_per_tok", 2)) if num_experts else 0)
+        return dict(
+            num_experts=num_experts, num_experts_per_token=int(hf.get("num_experts_per_tok", 2)) if num_experts else 0
+        )
     if model_type == "qwen3_moe":
         # Released Qwen3-MoE models put experts in every layer; expert statistics and placement assume so.
         if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
-            raise ValueError("config.json: Qwen3-MoE with dense MLP layers between the MoE layers "
-                             "(mlp_only_layers, decoder_sparse_step > 1) is not supported")
-        return dict(num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 128))),
-                    num_experts_per_token=int(hf.get("num_experts_per_tok", 8)),
-                    expert_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
-                    normalize_expert_weights=bool(hf.get("norm_topk_prob", False)))
+            raise ValueError(
+                "config.json: Qwen3-MoE with dense MLP layers between the MoE layers "
+                "(mlp_only_layers, decoder_sparse_step > 1) is not supported"
+            )
+        return dict(
+            num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 128))),
+            num_experts_per_token=int(hf.get("num_experts_per_tok", 8)),
+            expert_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
+            normalize_expert_weights=bool(hf.get("norm_topk_prob", False)),
+        )
     return {}

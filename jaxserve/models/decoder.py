@@ -14,8 +14,15 @@ from jaxserve.models.moe import Experts, SparseMoE
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype, write_and_attend: WriteAndAttend,
-                 experts: Experts | None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        dtype,
+        write_and_attend: WriteAndAttend,
+        experts: Experts | None,
+        rngs: nnx.Rngs,
+    ):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, layer, dtype, write_and_attend, rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -28,15 +35,26 @@ class DecoderLayer(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, write_and_attend: WriteAndAttend, experts: Experts | None,
-                 rngs: nnx.Rngs):
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
-                                      rngs=rngs, embedding_metadata={"logical_axes": ("vocab", "embed")})
-        self.layers = nnx.List([DecoderLayer(config, layer, dtype, write_and_attend, experts, rngs)
-                                for layer in range(config.num_layers)])
+    def __init__(
+        self, config: ModelConfig, *, dtype, write_and_attend: WriteAndAttend, experts: Experts | None, rngs: nnx.Rngs
+    ):
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=dtype,
+            param_dtype=dtype,
+            rngs=rngs,
+            embedding_metadata={"logical_axes": ("vocab", "embed")},
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(config, layer, dtype, write_and_attend, experts, rngs) for layer in range(config.num_layers)]
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = None if config.tie_word_embeddings else linear(
-            config.hidden_size, config.vocab_size, ("embed", "vocab"), bias=False, dtype=dtype, rngs=rngs)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else linear(config.hidden_size, config.vocab_size, ("embed", "vocab"), bias=False, dtype=dtype, rngs=rngs)
+        )
 
     def __call__(self, token_ids, kv_pages: KVPages, metadata: AttentionMetadata):
         """token_ids [T] -> final hidden states [T, E] and the updated pages."""

@@ -19,8 +19,10 @@ class KVPages:
     @classmethod
     def zeros(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype):
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        return cls(keys=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
-                   values=[jnp.zeros(shape, dtype) for _ in range(num_layers)])
+        return cls(
+            keys=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
+            values=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
+        )
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:

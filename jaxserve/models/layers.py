@@ -61,7 +61,8 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) 
         wavelen = 2 * math.pi / inv_freq
         scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
         smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor)
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = np.where(is_medium, smoothed, scaled)
@@ -94,6 +95,7 @@ def _use_small_matmul(num_rows: int, weight) -> bool:
     if jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
     from pallas_kernels.paged_attention import cpu  # the kernel is built at first use
+
     return cpu.available()
 
 
@@ -114,6 +116,7 @@ def project(x, weight, bias=None, *, transposed: bool = False):
     num_rows = rows.shape[0]
     if _use_small_matmul(num_rows, weight):
         from pallas_kernels.paged_attention import cpu
+
         y = cpu.small_matmul(rows, weight, transposed=transposed)
     else:
         if num_rows == 1 and weight.dtype != jnp.float32:
@@ -143,12 +146,17 @@ def project_many(x, linears):
     *lead, size = x.shape
     dtype = weights[0].dtype
     rows = x.reshape(-1, size).astype(dtype)
-    if (all(isinstance(linear, Linear) and linear.dtype in (None, dtype) for linear in linears)
-            and all(w.dtype == dtype for w in weights) and _use_small_matmul(rows.shape[0], weights[0])):
+    if (
+        all(isinstance(linear, Linear) and linear.dtype in (None, dtype) for linear in linears)
+        and all(w.dtype == dtype for w in weights)
+        and _use_small_matmul(rows.shape[0], weights[0])
+    ):
         from pallas_kernels.paged_attention import cpu
+
         ys = cpu.small_matmuls(rows, weights)
-        return [_finish(y, None if linear.bias is None else linear.bias[...], dtype, lead)
-                for y, linear in zip(ys, linears)]
+        return [
+            _finish(y, None if linear.bias is None else linear.bias[...], dtype, lead) for y, linear in zip(ys, linears)
+        ]
     return [linear(x) for linear in linears]
 
 
@@ -162,11 +170,20 @@ class Linear(nnx.Linear):
         return project(inputs, self.kernel[...], None if self.bias is None else self.bias[...])
 
 
-def linear(in_features: int, out_features: int, axes: tuple[str | None, str | None], *, bias: bool, dtype,
-           rngs: nnx.Rngs):
+def linear(
+    in_features: int, out_features: int, axes: tuple[str | None, str | None], *, bias: bool, dtype, rngs: nnx.Rngs
+):
     """A Linear (kernel [in, out]) whose kernel and bias carry their logical axes."""
-    return Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                  kernel_metadata={"logical_axes": axes}, bias_metadata={"logical_axes": axes[1:]})
+    return Linear(
+        in_features,
+        out_features,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        rngs=rngs,
+        kernel_metadata={"logical_axes": axes},
+        bias_metadata={"logical_axes": axes[1:]},
+    )
 
 
 class Attention(nnx.Module):
@@ -177,8 +194,9 @@ class Attention(nnx.Module):
         self.q_proj = linear(e, config.num_heads * d, ("embed", "heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.k_proj = linear(e, config.num_kv_heads * d, ("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.v_proj = linear(e, config.num_kv_heads * d, ("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(config.num_heads * d, e, ("heads", "embed"), bias=config.attention_output_bias,
-                             dtype=dtype, rngs=rngs)
+        self.o_proj = linear(
+            config.num_heads * d, e, ("heads", "embed"), bias=config.attention_output_bias, dtype=dtype, rngs=rngs
+        )
         # Qwen3 normalizes each query and key head on its own
         self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, axis="head_dim") if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, axis="head_dim") if config.qk_norm else None
@@ -198,8 +216,9 @@ class Attention(nnx.Module):
         inverse_frequencies = jnp.asarray(self.inverse_frequencies, jnp.float32)
         q = apply_rope(q, metadata.positions, inverse_frequencies)
         k = apply_rope(k, metadata.positions, inverse_frequencies)
-        out, key_pages, value_pages = self.write_and_attend(q, k, v, key_pages, value_pages, metadata,
-                                                            sliding_window=self.sliding_window)
+        out, key_pages, value_pages = self.write_and_attend(
+            q, k, v, key_pages, value_pages, metadata, sliding_window=self.sliding_window
+        )
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)), key_pages, value_pages
 
 

@@ -46,5 +46,6 @@ class MoENames:
 MIXTRAL = MoENames(
     routers=("model.layers.{layer}.block_sparse_moe.gate.weight", "model.layers.{layer}.mlp.gate.weight"),
     per_expert="model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}.weight",
-    expert_names={"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})
+    expert_names={"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+)
 read_param = MIXTRAL.read_param

@@ -47,12 +47,15 @@ class SparseMoE(nnx.Module):
         s = experts.num_expert_rows(x)
         init = nnx.initializers.lecun_normal()
         self.gate = linear(e, x, ("embed", None), bias=False, dtype=dtype, rngs=rngs)  # the router: small, replicated
-        self.gate_proj = nnx.Param(init(rngs.params(), (s, e, f), dtype),
-                                   logical_axes=("expert", "embed", "expert_mlp"))  # [S, E, F]
-        self.up_proj = nnx.Param(init(rngs.params(), (s, e, f), dtype),
-                                 logical_axes=("expert", "embed", "expert_mlp"))  # [S, E, F]
-        self.down_proj = nnx.Param(init(rngs.params(), (s, f, e), dtype),
-                                   logical_axes=("expert", "expert_mlp", "embed"))  # [S, F, E]
+        self.gate_proj = nnx.Param(
+            init(rngs.params(), (s, e, f), dtype), logical_axes=("expert", "embed", "expert_mlp")
+        )  # [S, E, F]
+        self.up_proj = nnx.Param(
+            init(rngs.params(), (s, e, f), dtype), logical_axes=("expert", "embed", "expert_mlp")
+        )  # [S, E, F]
+        self.down_proj = nnx.Param(
+            init(rngs.params(), (s, f, e), dtype), logical_axes=("expert", "expert_mlp", "embed")
+        )  # [S, F, E]
         self.top_k = config.num_experts_per_token
         self.normalize_weights = config.normalize_expert_weights
         self.activation = config.hidden_act
@@ -64,5 +67,13 @@ class SparseMoE(nnx.Module):
         weights, expert_ids = route(self.gate(x), self.top_k, self.normalize_weights)
         self.sow(nnx.Intermediate, "routed_experts", expert_ids)  # [T, k]: read back for expert-load stats
         placement = () if self.expert_device is None else (self.expert_device[...], self.expert_slot[...])
-        return self.experts(x, weights, expert_ids, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
-                            placement, activation=ACTIVATIONS[self.activation])
+        return self.experts(
+            x,
+            weights,
+            expert_ids,
+            self.gate_proj[...],
+            self.up_proj[...],
+            self.down_proj[...],
+            placement,
+            activation=ACTIVATIONS[self.activation],
+        )

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from jaxserve.models.mixtral import MoENames
 
-QWEN3_MOE = MoENames(routers=("model.layers.{layer}.mlp.gate.weight",),
-                     per_expert="model.layers.{layer}.mlp.experts.{expert}.{name}.weight",
-                     expert_names={"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"})
+QWEN3_MOE = MoENames(
+    routers=("model.layers.{layer}.mlp.gate.weight",),
+    per_expert="model.layers.{layer}.mlp.experts.{expert}.{name}.weight",
+    expert_names={"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
+)
 read_param = QWEN3_MOE.read_param

@@ -1,9 +1,12 @@
-from jaxserve.proto import jaxserve_pb2 as _jaxserve_pb2
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from google.protobuf.internal import containers as _containers
+
+from jaxserve.proto import jaxserve_pb2 as _jaxserve_pb2
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -17,7 +20,13 @@ class PrefillRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _jaxserve_pb2.SamplingParams
     held_page_keys: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_jaxserve_pb2.SamplingParams, _Mapping]] = ..., held_page_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(
+        self,
+        request_id: str | None = ...,
+        token_ids: _Iterable[int] | None = ...,
+        sampling: _jaxserve_pb2.SamplingParams | _Mapping | None = ...,
+        held_page_keys: _Iterable[int] | None = ...,
+    ) -> None: ...
 
 class PageChunk(_message.Message):
     __slots__ = ("shape", "dtype")
@@ -25,10 +34,22 @@ class PageChunk(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    def __init__(self, shape: _Iterable[int] | None = ..., dtype: str | None = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("handover_id", "first_token_id", "first_logprobs", "sampling_seed", "finish_reason", "first_text", "transfer_address", "transfer_id", "chunks", "num_pages_sent", "num_cached_tokens")
+    __slots__ = (
+        "handover_id",
+        "first_token_id",
+        "first_logprobs",
+        "sampling_seed",
+        "finish_reason",
+        "first_text",
+        "transfer_address",
+        "transfer_id",
+        "chunks",
+        "num_pages_sent",
+        "num_cached_tokens",
+    )
     HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -51,26 +72,56 @@ class PrefillResponse(_message.Message):
     chunks: _containers.RepeatedCompositeFieldContainer[PageChunk]
     num_pages_sent: int
     num_cached_tokens: int
-    def __init__(self, handover_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_jaxserve_pb2.TokenLogprobs, _Mapping]] = ..., sampling_seed: _Optional[int] = ..., finish_reason: _Optional[str] = ..., first_text: _Optional[str] = ..., transfer_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[PageChunk, _Mapping]]] = ..., num_pages_sent: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        handover_id: str | None = ...,
+        first_token_id: int | None = ...,
+        first_logprobs: _jaxserve_pb2.TokenLogprobs | _Mapping | None = ...,
+        sampling_seed: int | None = ...,
+        finish_reason: str | None = ...,
+        first_text: str | None = ...,
+        transfer_address: str | None = ...,
+        transfer_id: int | None = ...,
+        chunks: _Iterable[PageChunk | _Mapping] | None = ...,
+        num_pages_sent: int | None = ...,
+        num_cached_tokens: int | None = ...,
+    ) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("handover_id",)
     HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
     handover_id: str
-    def __init__(self, handover_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, handover_id: str | None = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
-    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+    def __init__(self, released: bool | None = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("role", "serving", "transfer_address", "num_parked", "num_reservations", "num_free_pages", "num_pages", "num_expired", "num_handovers", "bytes_moved", "num_pages_moved", "num_pages_reused", "num_recomputed", "num_compiles_after_warmup", "seconds_moving", "seconds_prefilling")
+    __slots__ = (
+        "role",
+        "serving",
+        "transfer_address",
+        "num_parked",
+        "num_reservations",
+        "num_free_pages",
+        "num_pages",
+        "num_expired",
+        "num_handovers",
+        "bytes_moved",
+        "num_pages_moved",
+        "num_pages_reused",
+        "num_recomputed",
+        "num_compiles_after_warmup",
+        "seconds_moving",
+        "seconds_prefilling",
+    )
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -103,7 +154,25 @@ class StatusResponse(_message.Message):
     num_compiles_after_warmup: int
     seconds_moving: float
     seconds_prefilling: float
-    def __init__(self, role: _Optional[str] = ..., serving: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., num_parked: _Optional[int] = ..., num_reservations: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_expired: _Optional[int] = ..., num_handovers: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_pages_moved: _Optional[int] = ..., num_pages_reused: _Optional[int] = ..., num_recomputed: _Optional[int] = ..., num_compiles_after_warmup: _Optional[int] = ..., seconds_moving: _Optional[float] = ..., seconds_prefilling: _Optional[float] = ...) -> None: ...
+    def __init__(
+        self,
+        role: str | None = ...,
+        serving: bool | None = ...,
+        transfer_address: str | None = ...,
+        num_parked: int | None = ...,
+        num_reservations: int | None = ...,
+        num_free_pages: int | None = ...,
+        num_pages: int | None = ...,
+        num_expired: int | None = ...,
+        num_handovers: int | None = ...,
+        bytes_moved: int | None = ...,
+        num_pages_moved: int | None = ...,
+        num_pages_reused: int | None = ...,
+        num_recomputed: int | None = ...,
+        num_compiles_after_warmup: int | None = ...,
+        seconds_moving: float | None = ...,
+        seconds_prefilling: float | None = ...,
+    ) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request", "prefill_address")
@@ -111,4 +180,6 @@ class DecodeRequest(_message.Message):
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request: _jaxserve_pb2.GenerateRequest
     prefill_address: str
-    def __init__(self, request: _Optional[_Union[_jaxserve_pb2.GenerateRequest, _Mapping]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self, request: _jaxserve_pb2.GenerateRequest | _Mapping | None = ..., prefill_address: str | None = ...
+    ) -> None: ...

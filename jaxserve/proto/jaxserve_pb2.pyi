@@ -1,14 +1,28 @@
-from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logprobs", "stop_token_ids", "n")
+    __slots__ = (
+        "max_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "logprobs",
+        "stop_token_ids",
+        "n",
+    )
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -31,7 +45,20 @@ class SamplingParams(_message.Message):
     logprobs: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     n: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        max_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_k: int | None = ...,
+        top_p: float | None = ...,
+        min_p: float | None = ...,
+        seed: int | None = ...,
+        stop: _Iterable[str] | None = ...,
+        ignore_eos: bool | None = ...,
+        logprobs: int | None = ...,
+        stop_token_ids: _Iterable[int] | None = ...,
+        n: int | None = ...,
+    ) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "sampling", "session_id")
@@ -45,7 +72,14 @@ class GenerateRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     session_id: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        request_id: str | None = ...,
+        text: str | None = ...,
+        token_ids: _Iterable[int] | None = ...,
+        sampling: SamplingParams | _Mapping | None = ...,
+        session_id: str | None = ...,
+    ) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -53,7 +87,7 @@ class TokenLogprob(_message.Message):
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_id: int | None = ..., logprob: float | None = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -63,10 +97,24 @@ class TokenLogprobs(_message.Message):
     token_id: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    def __init__(
+        self,
+        token_id: int | None = ...,
+        logprob: float | None = ...,
+        top: _Iterable[TokenLogprob | _Mapping] | None = ...,
+    ) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "logprobs", "request_id", "index")
+    __slots__ = (
+        "token_ids",
+        "text",
+        "finish_reason",
+        "num_prompt_tokens",
+        "num_cached_tokens",
+        "logprobs",
+        "request_id",
+        "index",
+    )
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -83,7 +131,17 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     request_id: str
     index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        token_ids: _Iterable[int] | None = ...,
+        text: str | None = ...,
+        finish_reason: str | None = ...,
+        num_prompt_tokens: int | None = ...,
+        num_cached_tokens: int | None = ...,
+        logprobs: _Iterable[TokenLogprobs | _Mapping] | None = ...,
+        request_id: str | None = ...,
+        index: int | None = ...,
+    ) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -91,7 +149,7 @@ class ChatMessage(_message.Message):
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    def __init__(self, role: str | None = ..., content: str | None = ...) -> None: ...
 
 class ChatRequest(_message.Message):
     __slots__ = ("request_id", "messages", "sampling", "session_id", "add_generation_prompt", "continue_final_message")
@@ -107,14 +165,45 @@ class ChatRequest(_message.Message):
     session_id: str
     add_generation_prompt: bool
     continue_final_message: bool
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    def __init__(
+        self,
+        request_id: str | None = ...,
+        messages: _Iterable[ChatMessage | _Mapping] | None = ...,
+        sampling: SamplingParams | _Mapping | None = ...,
+        session_id: str | None = ...,
+        add_generation_prompt: bool | None = ...,
+        continue_final_message: bool | None = ...,
+    ) -> None: ...
 
 class ServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "dtype", "mesh", "page_size", "num_pages", "compiled_buckets", "max_model_len", "version", "attention_impl", "max_num_seqs", "vocab_size", "num_free_pages", "num_running", "num_waiting", "system_fingerprint", "model_fingerprint", "prefill_seconds_per_token", "swap_in_seconds_per_page", "num_tokens_waiting_prefill", "host_tier_pages", "instance_id", "step_seconds")
+    __slots__ = (
+        "model",
+        "dtype",
+        "mesh",
+        "page_size",
+        "num_pages",
+        "compiled_buckets",
+        "max_model_len",
+        "version",
+        "attention_impl",
+        "max_num_seqs",
+        "vocab_size",
+        "num_free_pages",
+        "num_running",
+        "num_waiting",
+        "system_fingerprint",
+        "model_fingerprint",
+        "prefill_seconds_per_token",
+        "swap_in_seconds_per_page",
+        "num_tokens_waiting_prefill",
+        "host_tier_pages",
+        "instance_id",
+        "step_seconds",
+    )
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
@@ -159,37 +248,61 @@ class ServerInfo(_message.Message):
     host_tier_pages: int
     instance_id: str
     step_seconds: float
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., mesh: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., compiled_buckets: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ..., attention_impl: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., system_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., host_tier_pages: _Optional[int] = ..., instance_id: _Optional[str] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(
+        self,
+        model: str | None = ...,
+        dtype: str | None = ...,
+        mesh: str | None = ...,
+        page_size: int | None = ...,
+        num_pages: int | None = ...,
+        compiled_buckets: _Iterable[str] | None = ...,
+        max_model_len: int | None = ...,
+        version: str | None = ...,
+        attention_impl: str | None = ...,
+        max_num_seqs: int | None = ...,
+        vocab_size: int | None = ...,
+        num_free_pages: int | None = ...,
+        num_running: int | None = ...,
+        num_waiting: int | None = ...,
+        system_fingerprint: str | None = ...,
+        model_fingerprint: str | None = ...,
+        prefill_seconds_per_token: float | None = ...,
+        swap_in_seconds_per_page: float | None = ...,
+        num_tokens_waiting_prefill: int | None = ...,
+        host_tier_pages: int | None = ...,
+        instance_id: str | None = ...,
+        step_seconds: float | None = ...,
+    ) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
-    def __init__(self, text: _Optional[str] = ...) -> None: ...
+    def __init__(self, text: str | None = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, token_ids: _Iterable[int] | None = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, token_ids: _Iterable[int] | None = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("text",)
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
-    def __init__(self, text: _Optional[str] = ...) -> None: ...
+    def __init__(self, text: str | None = ...) -> None: ...
 
 class SubscribeKVEventsRequest(_message.Message):
     __slots__ = ("heartbeat_ms",)
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_ms: int
-    def __init__(self, heartbeat_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, heartbeat_ms: int | None = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("kind", "key", "parent_key", "num_tokens", "tier", "rank")
@@ -198,6 +311,7 @@ class KVEvent(_message.Message):
         STORED: _ClassVar[KVEvent.Kind]
         REMOVED: _ClassVar[KVEvent.Kind]
         CLEARED: _ClassVar[KVEvent.Kind]
+
     STORED: KVEvent.Kind
     REMOVED: KVEvent.Kind
     CLEARED: KVEvent.Kind
@@ -205,6 +319,7 @@ class KVEvent(_message.Message):
         __slots__ = ()
         DEVICE: _ClassVar[KVEvent.Tier]
         HOST: _ClassVar[KVEvent.Tier]
+
     DEVICE: KVEvent.Tier
     HOST: KVEvent.Tier
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -219,10 +334,26 @@ class KVEvent(_message.Message):
     num_tokens: int
     tier: KVEvent.Tier
     rank: int
-    def __init__(self, kind: _Optional[_Union[KVEvent.Kind, str]] = ..., key: _Optional[int] = ..., parent_key: _Optional[int] = ..., num_tokens: _Optional[int] = ..., tier: _Optional[_Union[KVEvent.Tier, str]] = ..., rank: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        kind: KVEvent.Kind | str | None = ...,
+        key: int | None = ...,
+        parent_key: int | None = ...,
+        num_tokens: int | None = ...,
+        tier: KVEvent.Tier | str | None = ...,
+        rank: int | None = ...,
+    ) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_pages", "num_tokens_waiting_prefill", "prefill_seconds_per_token", "swap_in_seconds_per_page", "step_seconds")
+    __slots__ = (
+        "num_running",
+        "num_waiting",
+        "num_free_pages",
+        "num_tokens_waiting_prefill",
+        "prefill_seconds_per_token",
+        "swap_in_seconds_per_page",
+        "step_seconds",
+    )
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -237,7 +368,16 @@ class ReplicaLoad(_message.Message):
     prefill_seconds_per_token: float
     swap_in_seconds_per_page: float
     step_seconds: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(
+        self,
+        num_running: int | None = ...,
+        num_waiting: int | None = ...,
+        num_free_pages: int | None = ...,
+        num_tokens_waiting_prefill: int | None = ...,
+        prefill_seconds_per_token: float | None = ...,
+        swap_in_seconds_per_page: float | None = ...,
+        step_seconds: float | None = ...,
+    ) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("sequence", "snapshot", "events", "load", "instance_id", "more")
@@ -253,4 +393,12 @@ class KVEventBatch(_message.Message):
     load: ReplicaLoad
     instance_id: str
     more: bool
-    def __init__(self, sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., instance_id: _Optional[str] = ..., more: _Optional[bool] = ...) -> None: ...
+    def __init__(
+        self,
+        sequence: int | None = ...,
+        snapshot: bool | None = ...,
+        events: _Iterable[KVEvent | _Mapping] | None = ...,
+        load: ReplicaLoad | _Mapping | None = ...,
+        instance_id: str | None = ...,
+        more: bool | None = ...,
+    ) -> None: ...

@@ -17,11 +17,18 @@ from jaxserve.server.process import run_until_signalled
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxserve.router", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxserve.router", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="the router's YAML config (see configs/router.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set router.policy=round_robin")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set router.policy=round_robin",
+    )
     args = parser.parse_args(argv)
 
     def start() -> RouterServer:
@@ -31,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return server
 
     return run_until_signalled("jaxserve.router", start, RouterServer.stop)
+
 
 if __name__ == "__main__":
     sys.exit(main())

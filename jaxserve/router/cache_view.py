@@ -22,7 +22,7 @@ def prefix_keys(token_ids: list[int], page_size: int) -> list[int]:
     the last prompt token is never looked up: its logits must be computed."""
     keys, parent = [], ROOT_KEY
     for start in range(0, len(token_ids) - 1 - page_size + 1, page_size):
-        parent = page_key(parent, tuple(token_ids[start:start + page_size]))
+        parent = page_key(parent, tuple(token_ids[start : start + page_size]))
         keys.append(parent)
     return keys
 
@@ -86,8 +86,10 @@ class CacheView:
         pages, then host-tier pages, up to the first page in neither."""
         with self._lock:
             now = self.clock()
-            return max((self._match_rank(keys, rank, now) for rank in self.state.ranks or [0]),
-                       key=lambda m: (m.num_pages, -m.num_host_pages))
+            return max(
+                (self._match_rank(keys, rank, now) for rank in self.state.ranks or [0]),
+                key=lambda m: (m.num_pages, -m.num_host_pages),
+            )
 
     def _match_rank(self, keys: list[int], rank: int, now: float) -> PrefixMatch:
         device, host = self.state.pages(rank, DEVICE), self.state.pages(rank, HOST)

@@ -1,16 +1,16 @@
 """The router's YAML config, every key checked (a malformed one is a ValueError naming the key):
 
-    model:    {path: PATH | default | tiny-random}   the replicas' model: the router tokenizes with its
-                                                      tokenizer and refuses a replica serving another
-    router:   {host, port, http_port, metrics_port, mode, policy, blind_window, heartbeat, health_interval,
-               startup_timeout, max_in_flight, max_resends, resend_wait}
-    replicas: [HOST:PORT, ...]                        replicas already running (mode colocated); or
-    prefill_replicas: [HOST:PORT, ...]                mode disaggregated: replicas with engine.role prefill
-    decode_replicas: [HOST:PORT, ...]                 ... and with engine.role decode; or
-    launch:   {num_replicas, num_prefill_replicas, num_decode_replicas, config, set: [KEY=VALUE, ...], log_dir,
-               restart}                               local `python -m jaxserve.serve` processes the router
-                                                      starts on free ports (config: their serve config); in
-                                                      mode disaggregated with engine.role set for each pool
+model:    {path: PATH | default | tiny-random}   the replicas' model: the router tokenizes with its
+                                                  tokenizer and refuses a replica serving another
+router:   {host, port, http_port, metrics_port, mode, policy, blind_window, heartbeat, health_interval,
+           startup_timeout, max_in_flight, max_resends, resend_wait}
+replicas: [HOST:PORT, ...]                        replicas already running (mode colocated); or
+prefill_replicas: [HOST:PORT, ...]                mode disaggregated: replicas with engine.role prefill
+decode_replicas: [HOST:PORT, ...]                 ... and with engine.role decode; or
+launch:   {num_replicas, num_prefill_replicas, num_decode_replicas, config, set: [KEY=VALUE, ...], log_dir,
+           restart}                               local `python -m jaxserve.serve` processes the router
+                                                  starts on free ports (config: their serve config); in
+                                                  mode disaggregated with engine.role set for each pool
 """
 
 from __future__ import annotations
@@ -111,10 +111,13 @@ class RouterConfig:
                 raise ValueError("prefill_replicas and decode_replicas need router.mode: disaggregated")
             if bool(self.replicas) == (self.launch is not None):
                 raise ValueError("the router config needs exactly one of replicas (a list of HOST:PORT) and launch")
-            if self.launch is not None and (self.launch.num_replicas < 1 or self.launch.num_prefill_replicas
-                                            or self.launch.num_decode_replicas):
-                raise ValueError(f"launch.num_replicas must be a positive integer, got {self.launch.num_replicas!r} "
-                                 f"(num_prefill_replicas and num_decode_replicas: router.mode disaggregated)")
+            if self.launch is not None and (
+                self.launch.num_replicas < 1 or self.launch.num_prefill_replicas or self.launch.num_decode_replicas
+            ):
+                raise ValueError(
+                    f"launch.num_replicas must be a positive integer, got {self.launch.num_replicas!r} "
+                    f"(num_prefill_replicas and num_decode_replicas: router.mode disaggregated)"
+                )
         addresses = self.replicas + self.prefill_replicas + self.decode_replicas
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"replicas lists an address twice: {list(addresses)}")
@@ -124,15 +127,19 @@ class RouterConfig:
             raise ValueError("router.mode disaggregated takes prefill_replicas and decode_replicas, not replicas")
         listed = bool(self.prefill_replicas) or bool(self.decode_replicas)
         if listed == (self.launch is not None):
-            raise ValueError("router.mode disaggregated needs exactly one of prefill_replicas + decode_replicas "
-                             "and launch")
+            raise ValueError(
+                "router.mode disaggregated needs exactly one of prefill_replicas + decode_replicas and launch"
+            )
         if listed and not (self.prefill_replicas and self.decode_replicas):
             raise ValueError("router.mode disaggregated needs at least one of each: prefill_replicas, decode_replicas")
         launch = self.launch
-        if launch is not None and (launch.num_replicas or launch.num_prefill_replicas < 1
-                                   or launch.num_decode_replicas < 1):
-            raise ValueError("router.mode disaggregated launches num_prefill_replicas >= 1 and num_decode_replicas "
-                             ">= 1 (not num_replicas)")
+        if launch is not None and (
+            launch.num_replicas or launch.num_prefill_replicas < 1 or launch.num_decode_replicas < 1
+        ):
+            raise ValueError(
+                "router.mode disaggregated launches num_prefill_replicas >= 1 and num_decode_replicas "
+                ">= 1 (not num_replicas)"
+            )
 
     @property
     def all_replicas(self) -> tuple[str, ...]:
@@ -158,8 +165,10 @@ def parse_config(tree) -> RouterConfig:
         raise ValueError("a router config must be a mapping of sections (model, router, replicas or launch)")
     unknown = sorted(set(tree) - {"model", "router", "replicas", "launch", "prefill_replicas", "decode_replicas"})
     if unknown:
-        raise ValueError(f"unknown config section {unknown[0]!r}; expected model, router, replicas "
-                         f"(or prefill_replicas and decode_replicas) or launch")
+        raise ValueError(
+            f"unknown config section {unknown[0]!r}; expected model, router, replicas "
+            f"(or prefill_replicas and decode_replicas) or launch"
+        )
     model = tree.get("model") or {}
     if not isinstance(model, dict) or set(model) - {"path"} or not isinstance(model.get("path"), str):
         raise ValueError("the router config needs model.path (the replicas' model), and nothing else under model")
@@ -170,8 +179,12 @@ def parse_config(tree) -> RouterConfig:
             raise ValueError(f"{name} must be a list of HOST:PORT, got {addresses!r}")
         lists[name] = tuple(parse_address(address) for address in addresses)
     launch = tree.get("launch")
-    return RouterConfig(model_path=model["path"], router=_section(RouterSection, "router", tree.get("router") or {}),
-                        launch=_section(LaunchSection, "launch", launch) if launch is not None else None, **lists)
+    return RouterConfig(
+        model_path=model["path"],
+        router=_section(RouterSection, "router", tree.get("router") or {}),
+        launch=_section(LaunchSection, "launch", launch) if launch is not None else None,
+        **lists,
+    )
 
 
 def load_router_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> RouterConfig:

@@ -42,10 +42,21 @@ def continuation(request: pb.GenerateRequest, streamed: list[int]) -> pb.Generat
 
 
 class DisaggregatedRouterService(RouterService):
-    def __init__(self, prefill_replicas: list, decode_replicas: list, policy, tokenizer, limits, metrics,
-                 max_in_flight: int, max_resends: int, resend_wait: float):
-        super().__init__(prefill_replicas + decode_replicas, policy, tokenizer, limits, metrics, max_in_flight,
-                         max_resends)
+    def __init__(
+        self,
+        prefill_replicas: list,
+        decode_replicas: list,
+        policy,
+        tokenizer,
+        limits,
+        metrics,
+        max_in_flight: int,
+        max_resends: int,
+        resend_wait: float,
+    ):
+        super().__init__(
+            prefill_replicas + decode_replicas, policy, tokenizer, limits, metrics, max_in_flight, max_resends
+        )
         self.prefill_replicas = prefill_replicas
         self.decode_replicas = decode_replicas
         self.resend_wait = resend_wait
@@ -59,8 +70,9 @@ class DisaggregatedRouterService(RouterService):
         when none is and wait is set, the first to be so within resend_wait."""
         deadline = time.monotonic() + (self.resend_wait if wait else 0.0)
         while True:
-            excluded = {r.address for r in self.decode_replicas
-                        if r.address in tried and r.num_snapshots <= tried[r.address]}
+            excluded = {
+                r.address for r in self.decode_replicas if r.address in tried and r.num_snapshots <= tried[r.address]
+            }
             chosen = self._choose_in(self.decode_replicas, route, excluded)
             if chosen is not None or time.monotonic() >= deadline or not context.is_active():
                 return chosen
@@ -68,10 +80,17 @@ class DisaggregatedRouterService(RouterService):
 
     def _route(self, method: str, request, route: RouteRequest, context):
         if request.sampling.n > 1:
-            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "disaggregated serving hands over one "
-                         f"sequence per request (n = 1), got n = {request.sampling.n}")
-        original = pb.GenerateRequest(request_id=request.request_id, token_ids=route.token_ids,
-                                      sampling=request.sampling, session_id=request.session_id)
+            self._refuse(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"disaggregated serving hands over one sequence per request (n = 1), got n = {request.sampling.n}",
+            )
+        original = pb.GenerateRequest(
+            request_id=request.request_id,
+            token_ids=route.token_ids,
+            sampling=request.sampling,
+            session_id=request.session_id,
+        )
         streamed: list[int] = []  # the tokens the client has received
         tried, last_error = {}, ""  # decode replicas that failed: their snapshot count then
         for _ in range(self.max_resends + 1):
@@ -88,12 +107,22 @@ class DisaggregatedRouterService(RouterService):
             self.metrics.resends.labels(last_error.split(":")[0]).inc()
         down = "; ".join(f"{r.address}: {r.down_reason}" for r in self.replicas if not r.is_up)
         busy = last_error.startswith(BUSY.name)
-        self._refuse(context, BUSY if busy else grpc.StatusCode.UNAVAILABLE,
-                     f"no decode replica could take the request (tried {len(tried)}"
-                     f"{': ' + last_error if last_error else ''}){'; down: ' + down if down else ''}")
+        self._refuse(
+            context,
+            BUSY if busy else grpc.StatusCode.UNAVAILABLE,
+            f"no decode replica could take the request (tried {len(tried)}"
+            f"{': ' + last_error if last_error else ''}){'; down: ' + down if down else ''}",
+        )
 
-    def _forward_pair(self, request: pb.GenerateRequest, route: RouteRequest, prefill: Prediction | None,
-                      decode: Prediction, streamed: list[int], context):
+    def _forward_pair(
+        self,
+        request: pb.GenerateRequest,
+        route: RouteRequest,
+        prefill: Prediction | None,
+        decode: Prediction,
+        streamed: list[int],
+        context,
+    ):
         """One attempt; returns None when done (or the client left), else why to send it again. Tokens
         forwarded are appended to streamed."""
         replica, labels = decode.replica, (decode.replica.address,)
@@ -103,8 +132,9 @@ class DisaggregatedRouterService(RouterService):
         self.metrics.requests.labels(*labels).inc()
         num_resent = len(streamed)
         sent_at, waiting_first = time.perf_counter(), True
-        call = disagg_pb2_grpc.DecodeStub(replica.channel).Generate(dpb.DecodeRequest(
-            request=request, prefill_address=prefill.replica.address if prefill is not None else ""))
+        call = disagg_pb2_grpc.DecodeStub(replica.channel).Generate(
+            dpb.DecodeRequest(request=request, prefill_address=prefill.replica.address if prefill is not None else "")
+        )
         context.add_callback(call.cancel)
         replica.routed(call, decode)
         try:

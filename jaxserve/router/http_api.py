@@ -59,20 +59,41 @@ class RelayContext:
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    sampling = pb.SamplingParams(n=params.n, max_tokens=params.max_tokens, temperature=params.temperature,
-                                 top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, stop=list(params.stop),
-                                 stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                                 logprobs=params.logprobs or 0)
+    sampling = pb.SamplingParams(
+        n=params.n,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs or 0,
+    )
     if params.seed is not None:
         sampling.seed = params.seed
     return sampling
 
 
 def delta_from_response(response: pb.GenerateResponse) -> Delta:
-    logprobs = [{**{top.token_id: top.logprob for top in entry.top}, entry.token_id: entry.logprob}
-                for entry in response.logprobs] if response.logprobs else None
-    return Delta(list(response.token_ids), response.text, logprobs, response.finish_reason or None,
-                 response.num_prompt_tokens, response.num_cached_tokens, response.index)
+    logprobs = (
+        [
+            {**{top.token_id: top.logprob for top in entry.top}, entry.token_id: entry.logprob}
+            for entry in response.logprobs
+        ]
+        if response.logprobs
+        else None
+    )
+    return Delta(
+        list(response.token_ids),
+        response.text,
+        logprobs,
+        response.finish_reason or None,
+        response.num_prompt_tokens,
+        response.num_cached_tokens,
+        response.index,
+    )
 
 
 class RoutedLoop:
@@ -86,23 +107,28 @@ class RoutedLoop:
         self._relays: dict[str, RelayContext] = {}
         self._lock = threading.Lock()
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str = "",
-               session_id: str | None = None) -> RequestStream:
+    def submit(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str = "", session_id: str | None = None
+    ) -> RequestStream:
         """Check what the router can, then forward on a thread of its own; raises ValueError."""
         token_ids = self.service.tokenize_prompt(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) + params.max_tokens > self.description.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is more than "
-                             f"max_model_len ({self.description.max_model_len})")
-        request = pb.GenerateRequest(request_id=request_id, token_ids=token_ids, sampling=sampling_to_proto(params),
-                                     session_id=session_id or "")
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is more than "
+                f"max_model_len ({self.description.max_model_len})"
+            )
+        request = pb.GenerateRequest(
+            request_id=request_id, token_ids=token_ids, sampling=sampling_to_proto(params), session_id=session_id or ""
+        )
         stream = RequestStream(f"{request_id}#{next(self._handles)}", request_id, params, len(token_ids))
         relay = RelayContext()
         with self._lock:
             self._relays[stream.handle] = relay
-        threading.Thread(target=self._relay, args=(request, stream, relay), name="router-http-relay",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._relay, args=(request, stream, relay), name="router-http-relay", daemon=True
+        ).start()
         return stream
 
     def release(self, stream: RequestStream) -> None:

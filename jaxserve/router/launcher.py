@@ -40,7 +40,8 @@ def is_serving(address: str, timeout: float = 1.0) -> bool:
     with grpc.insecure_channel(address) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="jaxserve.v1.Generation"), timeout=timeout)
+                health_pb2.HealthCheckRequest(service="jaxserve.v1.Generation"), timeout=timeout
+            )
         except grpc.RpcError:
             return False
     return response.status == health_pb2.HealthCheckResponse.SERVING
@@ -59,10 +60,22 @@ class LaunchedReplica:
         self.index = index
         self.port = free_port()  # kept across restarts: the router knows the replica by its address
         self.address = f"127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "jaxserve.serve", *(["--config", config] if config else []),
-                        "--set", f"model.path={model_path}", *[arg for item in overrides for arg in ("--set", item)],
-                        "--set", "server.host=127.0.0.1", "--set", f"server.port={self.port}",
-                        "--set", "server.metrics_port=0", *http_port_off()]
+        self.command = [
+            sys.executable,
+            "-m",
+            "jaxserve.serve",
+            *(["--config", config] if config else []),
+            "--set",
+            f"model.path={model_path}",
+            *[arg for item in overrides for arg in ("--set", item)],
+            "--set",
+            "server.host=127.0.0.1",
+            "--set",
+            f"server.port={self.port}",
+            "--set",
+            "server.metrics_port=0",
+            *http_port_off(),
+        ]
         self.log_path = os.path.join(log_dir, f"replica-{index}.log")
         self.process: subprocess.Popen | None = None
         self.num_starts = 0
@@ -92,15 +105,24 @@ class LaunchedReplica:
             self.process.wait()
 
 
-def launch_replicas(num_replicas: int, model_path: str, config: str | None, overrides: tuple[str, ...],
-                    log_dir: str | None, timeout: float, roles: list[str] | None = None) -> list[LaunchedReplica]:
+def launch_replicas(
+    num_replicas: int,
+    model_path: str,
+    config: str | None,
+    overrides: tuple[str, ...],
+    log_dir: str | None,
+    timeout: float,
+    roles: list[str] | None = None,
+) -> list[LaunchedReplica]:
     """Start them all at once (they warm up in parallel), then wait for each; on any failure stop all
     and raise ValueError with the failing replica's log. roles: each replica's engine.role (disaggregated)."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="jaxserve-router-")
     os.makedirs(log_dir, exist_ok=True)
     roles = roles or [None] * num_replicas
-    replicas = [LaunchedReplica(index, model_path, config, overrides + ((f"engine.role={role}",) if role else ()),
-                                log_dir) for index, role in zip(range(num_replicas), roles)]
+    replicas = [
+        LaunchedReplica(index, model_path, config, overrides + ((f"engine.role={role}",) if role else ()), log_dir)
+        for index, role in zip(range(num_replicas), roles)
+    ]
     for replica in replicas:
         replica.start()
     logger.info("launched %d replicas (logs in %s); waiting for them to warm up", num_replicas, log_dir)
@@ -109,11 +131,15 @@ def launch_replicas(num_replicas: int, model_path: str, config: str | None, over
         for replica in replicas:
             while not is_serving(replica.address):
                 if replica.process.poll() is not None:
-                    raise ValueError(f"replica {replica.index} ({replica.address}) exited with code "
-                                     f"{replica.process.returncode}:\n{replica.log_tail()}")
+                    raise ValueError(
+                        f"replica {replica.index} ({replica.address}) exited with code "
+                        f"{replica.process.returncode}:\n{replica.log_tail()}"
+                    )
                 if time.monotonic() > deadline:
-                    raise ValueError(f"replica {replica.index} ({replica.address}) not serving after {timeout:.0f}s "
-                                     f"(router.startup_timeout):\n{replica.log_tail()}")
+                    raise ValueError(
+                        f"replica {replica.index} ({replica.address}) not serving after {timeout:.0f}s "
+                        f"(router.startup_timeout):\n{replica.log_tail()}"
+                    )
                 time.sleep(0.2)
     except BaseException:
         for replica in replicas:
@@ -143,6 +169,10 @@ class Supervisor:
         while not self._stopped.wait(self.interval):
             for replica in self.replicas:
                 if replica.has_exited() and not replica.stopping and not self._stopped.is_set():
-                    logger.warning("replica %d (%s) exited with code %s; starting it again", replica.index,
-                                   replica.address, replica.process.returncode)
+                    logger.warning(
+                        "replica %d (%s) exited with code %s; starting it again",
+                        replica.index,
+                        replica.address,
+                        replica.process.returncode,
+                    )
                     replica.start()

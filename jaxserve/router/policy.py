@@ -96,13 +96,14 @@ def predict(replica, request: RouteRequest, replicas) -> Prediction:
     per_token = prefill_rate(replica, replicas)
     swap_in = replica.load.swap_in_seconds_per_page or SWAP_IN_FRACTION * per_token * page_size
     queued_tokens = queued_prefill_tokens(replica)
-    ttft = prefill_seconds(replica.load.step_seconds, queued_tokens + num_uncached, per_token) + \
-        match.num_host_pages * swap_in
+    ttft = (
+        prefill_seconds(replica.load.step_seconds, queued_tokens + num_uncached, per_token)
+        + match.num_host_pages * swap_in
+    )
     num_pages = math.ceil((len(request.token_ids) + request.max_new_tokens) / page_size)
     num_pages_needed = num_pages - match.num_device_pages - match.num_pending_pages
     fits = num_pages_needed <= replica.load.num_free_pages - replica.outstanding_pages
-    return Prediction(replica, match, num_hit_tokens, num_uncached, ttft, replica_load(replica), num_pages_needed,
-                      fits)
+    return Prediction(replica, match, num_hit_tokens, num_uncached, ttft, replica_load(replica), num_pages_needed, fits)
 
 
 class PrefixPolicy:
@@ -134,8 +135,7 @@ class LeastLoadPolicy:
     name = "least_load"
 
     def choose(self, request: RouteRequest, replicas: list) -> Prediction:
-        return predict(min(replicas, key=lambda r: (replica_load(r), r.outstanding_prefill_tokens)), request,
-                       replicas)
+        return predict(min(replicas, key=lambda r: (replica_load(r), r.outstanding_prefill_tokens)), request, replicas)
 
 
 class SessionPolicy:

@@ -34,8 +34,14 @@ MAX_RECEIVE_BYTES = 64 * 2**20  # event batches are bounded far below this; Serv
 
 
 def event_from_proto(event: pb.KVEvent) -> KVEvent:
-    return KVEvent(KINDS[event.kind], event.key, event.parent_key, event.num_tokens,
-                   HOST if event.tier == pb.KVEvent.HOST else DEVICE, event.rank)
+    return KVEvent(
+        KINDS[event.kind],
+        event.key,
+        event.parent_key,
+        event.num_tokens,
+        HOST if event.tier == pb.KVEvent.HOST else DEVICE,
+        event.rank,
+    )
 
 
 class ModelMismatch(ValueError):
@@ -44,21 +50,29 @@ class ModelMismatch(ValueError):
 
 def check_info(address: str, info: pb.ServerInfo, model_fingerprint: str) -> None:
     if info.model_fingerprint != model_fingerprint:
-        raise ModelMismatch(f"replica {address} serves model {info.model!r} (fingerprint {info.model_fingerprint}), "
-                            f"not the router's model (fingerprint {model_fingerprint}): check model.path in both "
-                            f"configs")
+        raise ModelMismatch(
+            f"replica {address} serves model {info.model!r} (fingerprint {info.model_fingerprint}), "
+            f"not the router's model (fingerprint {model_fingerprint}): check model.path in both "
+            f"configs"
+        )
 
 
 class Replica:
-    def __init__(self, address: str, model_fingerprint: str, blind_window: float, heartbeat: float,
-                 health_interval: float, metrics=None):
+    def __init__(
+        self,
+        address: str,
+        model_fingerprint: str,
+        blind_window: float,
+        heartbeat: float,
+        health_interval: float,
+        metrics=None,
+    ):
         self.address = address
         self.model_fingerprint = model_fingerprint
         self.heartbeat = heartbeat
         self.health_interval = health_interval
         self.metrics = metrics
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length",
-                                                                MAX_RECEIVE_BYTES)])
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)])
         self.stub = jaxserve_pb2_grpc.GenerationStub(self.channel)
         self.view = CacheView(blind_window)
         self.info: pb.ServerInfo | None = None
@@ -77,8 +91,10 @@ class Replica:
         self.outstanding_prefill_tokens = 0  # their uncached tokens
         self.outstanding_pages = 0  # the free pages their admission will take
         self._stopped = threading.Event()
-        self._threads = [threading.Thread(target=target, name=f"router-{name}-{address}", daemon=True)
-                         for name, target in (("follow", self._follow_forever), ("watch", self._watch_forever))]
+        self._threads = [
+            threading.Thread(target=target, name=f"router-{name}-{address}", daemon=True)
+            for name, target in (("follow", self._follow_forever), ("watch", self._watch_forever))
+        ]
 
     @property
     def is_up(self) -> bool:
@@ -198,8 +214,9 @@ class Replica:
                 self.instance_id = batch.instance_id
                 self._set_up_state(subscribed=True)
             elif not self.view.apply(batch.sequence, events):
-                logger.warning("replica %s: gap in page events after %s; resubscribing", self.address,
-                               self.view.sequence)
+                logger.warning(
+                    "replica %s: gap in page events after %s; resubscribing", self.address, self.view.sequence
+                )
                 self._count("resubscribes")
                 self._last_batch_at = time.monotonic()  # the silence clock restarts with the new subscription
                 self._call.cancel()

@@ -55,8 +55,9 @@ def first_info(address: str, fingerprint: str, timeout: float) -> pb.ServerInfo:
             except grpc.RpcError as error:
                 last_error = f"{error.code().name}: {error.details()}"
                 time.sleep(0.2)
-    raise ValueError(f"replica {address} did not answer GetServerInfo within {timeout:.0f}s "
-                     f"(router.startup_timeout): {last_error}")
+    raise ValueError(
+        f"replica {address} did not answer GetServerInfo within {timeout:.0f}s (router.startup_timeout): {last_error}"
+    )
 
 
 def _handlers(service: RouterService, pools: ThreadPools) -> grpc.GenericRpcHandler:
@@ -68,14 +69,18 @@ def _handlers(service: RouterService, pools: ThreadPools) -> grpc.GenericRpcHand
         make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
         return make(handle, response_serializer=response_type.SerializeToString)
 
-    return grpc.method_handlers_generic_handler(GENERATION_SERVICE, {
-        "Generate": method(service.Generate, pb.GenerateRequest, pb.GenerateResponse, pools.streams, True),
-        "Chat": method(service.Chat, pb.ChatRequest, pb.GenerateResponse, pools.streams, True),
-        "GetServerInfo": method(service.GetServerInfo, pb.ServerInfoRequest, pb.ServerInfo, pools.quick, False),
-        "Tokenize": method(service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse, pools.tokenizer, False),
-        "Detokenize": method(service.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse, pools.tokenizer,
-                             False),
-    })
+    return grpc.method_handlers_generic_handler(
+        GENERATION_SERVICE,
+        {
+            "Generate": method(service.Generate, pb.GenerateRequest, pb.GenerateResponse, pools.streams, True),
+            "Chat": method(service.Chat, pb.ChatRequest, pb.GenerateResponse, pools.streams, True),
+            "GetServerInfo": method(service.GetServerInfo, pb.ServerInfoRequest, pb.ServerInfo, pools.quick, False),
+            "Tokenize": method(service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse, pools.tokenizer, False),
+            "Detokenize": method(
+                service.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse, pools.tokenizer, False
+            ),
+        },
+    )
 
 
 class RouterServer:
@@ -104,39 +109,80 @@ class RouterServer:
         config, section = self.config, self.config.router
         source = open_model(config.model_path)  # the tokenizer and the fingerprint; no weights are read
         fingerprint = model_fingerprint(source)
-        roles = self._launch() if config.launch is not None else \
-            [None] * len(config.replicas) + ["prefill"] * len(config.prefill_replicas) + \
-            ["decode"] * len(config.decode_replicas)
+        roles = (
+            self._launch()
+            if config.launch is not None
+            else [None] * len(config.replicas)
+            + ["prefill"] * len(config.prefill_replicas)
+            + ["decode"] * len(config.decode_replicas)
+        )
         addresses = [replica.address for replica in self.launched] or list(config.all_replicas)
         infos = [first_info(address, fingerprint, section.startup_timeout) for address in addresses]
         limits = RequestLimits.for_engine(min(i.max_model_len for i in infos), infos[0].vocab_size)
-        self.replicas = [Replica(address, fingerprint, section.blind_window, section.heartbeat,
-                                 section.health_interval, self.metrics) for address in addresses]
+        self.replicas = [
+            Replica(
+                address, fingerprint, section.blind_window, section.heartbeat, section.health_interval, self.metrics
+            )
+            for address in addresses
+        ]
         for replica in self.replicas:
             replica.start()
         if section.mode == "disaggregated":
-            pools = {role: [r for r, r_role in zip(self.replicas, roles) if r_role == role]
-                     for role in ("prefill", "decode")}
-            service = DisaggregatedRouterService(pools["prefill"], pools["decode"], POLICIES[section.policy](),
-                                                 source.tokenizer, limits, self.metrics, section.max_in_flight,
-                                                 section.max_resends, section.resend_wait)
+            pools = {
+                role: [r for r, r_role in zip(self.replicas, roles) if r_role == role] for role in ("prefill", "decode")
+            }
+            service = DisaggregatedRouterService(
+                pools["prefill"],
+                pools["decode"],
+                POLICIES[section.policy](),
+                source.tokenizer,
+                limits,
+                self.metrics,
+                section.max_in_flight,
+                section.max_resends,
+                section.resend_wait,
+            )
         else:
-            service = RouterService(self.replicas, POLICIES[section.policy](), source.tokenizer, limits, self.metrics,
-                                    section.max_in_flight, section.max_resends)
+            service = RouterService(
+                self.replicas,
+                POLICIES[section.policy](),
+                source.tokenizer,
+                limits,
+                self.metrics,
+                section.max_in_flight,
+                section.max_resends,
+            )
         self._serve(service)
         if section.http_port:
             self._serve_http(service, infos[0].model, limits, source.tokenizer)
         self._wait_for_replicas(min(section.startup_timeout, 60.0))
-        logger.info("routing %s over %d replicas (%s, %s) on %s:%d", source.name, len(self.replicas), section.mode,
-                    section.policy, section.host, self.port)
+        logger.info(
+            "routing %s over %d replicas (%s, %s) on %s:%d",
+            source.name,
+            len(self.replicas),
+            section.mode,
+            section.policy,
+            section.host,
+            self.port,
+        )
 
     def _launch(self) -> list[str | None]:
         """Start the configured local replicas; returns each one's role (None: colocated)."""
         config, launch = self.config, self.config.launch
-        roles = [None] * launch.num_replicas + ["prefill"] * launch.num_prefill_replicas + \
-            ["decode"] * launch.num_decode_replicas
-        self.launched = launch_replicas(len(roles), config.model_path, launch.config, launch.set, launch.log_dir,
-                                        config.router.startup_timeout, roles)
+        roles = (
+            [None] * launch.num_replicas
+            + ["prefill"] * launch.num_prefill_replicas
+            + ["decode"] * launch.num_decode_replicas
+        )
+        self.launched = launch_replicas(
+            len(roles),
+            config.model_path,
+            launch.config,
+            launch.set,
+            launch.log_dir,
+            config.router.startup_timeout,
+            roles,
+        )
         if launch.restart:
             self.supervisor = Supervisor(self.launched)
             self.supervisor.start()
@@ -145,9 +191,11 @@ class RouterServer:
     def _serve(self, service: RouterService) -> None:
         section = self.config.router
         self.health = health.HealthServicer()
-        self.grpc_server = grpc.server(self.pools.default, handlers=[_handlers(service, self.pools),
-                                                                     health_handler(self.health, self.pools)],
-                                       options=[("grpc.so_reuseport", 0)])  # a taken port fails, never shared
+        self.grpc_server = grpc.server(
+            self.pools.default,
+            handlers=[_handlers(service, self.pools), health_handler(self.health, self.pools)],
+            options=[("grpc.so_reuseport", 0)],
+        )  # a taken port fails, never shared
         address = f"{section.host}:{section.port}"
         try:
             self.port = self.grpc_server.add_insecure_port(address)

@@ -22,8 +22,12 @@ from jaxserve.server.chat_prompt import chat_prompt_token_ids
 from jaxserve.server.service import DEFAULT_MAX_TOKENS, checked_request, sampling_params_from_proto
 
 # The replica is broken (dead, unreachable, taken out: CANCELLED by the router itself): take it out, re-send.
-REPLICA_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-                    grpc.StatusCode.CANCELLED}
+REPLICA_FAILURES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+}
 BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED  # the replica is full: re-send, but it stays in
 
 
@@ -76,10 +80,14 @@ class RouterService:
             request_limits.check_ids(self.limits, request_id=request.request_id, session_id=request.session_id)
             sampling_params_from_proto(request.sampling)
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") \
+            add_generation_prompt = (
+                request.add_generation_prompt
+                if request.HasField("add_generation_prompt")
                 else not request.continue_final_message
-            token_ids = chat_prompt_token_ids(self.tokenizer, self.limits, messages, None, add_generation_prompt,
-                                              request.continue_final_message)
+            )
+            token_ids = chat_prompt_token_ids(
+                self.tokenizer, self.limits, messages, None, add_generation_prompt, request.continue_final_message
+            )
         except ValueError as error:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         yield from self._serve("Chat", request, route_request(token_ids, request), context)
@@ -94,8 +102,11 @@ class RouterService:
     def _serve(self, method: str, request, route: RouteRequest, context):
         with self._lock:
             if self.num_in_flight >= self.max_in_flight:
-                self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"{self.num_in_flight} requests in flight, the router's limit is {self.max_in_flight}")
+                self._refuse(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.num_in_flight} requests in flight, the router's limit is {self.max_in_flight}",
+                )
             self.num_in_flight += 1
             self.metrics.in_flight.set(self.num_in_flight)
         try:
@@ -118,9 +129,12 @@ class RouterService:
             self.metrics.resends.labels(last_error.split(":")[0]).inc()
         down = "; ".join(f"{r.address}: {r.down_reason}" for r in self.replicas if not r.is_up)
         busy = last_error.startswith(BUSY.name)  # every replica tried was full: the client may retry later
-        self._refuse(context, BUSY if busy else grpc.StatusCode.UNAVAILABLE,
-                     f"no replica could take the request (tried {len(tried)}{': ' + last_error if last_error else ''})"
-                     f"{'; down: ' + down if down else ''}")
+        self._refuse(
+            context,
+            BUSY if busy else grpc.StatusCode.UNAVAILABLE,
+            f"no replica could take the request (tried {len(tried)}{': ' + last_error if last_error else ''})"
+            f"{'; down: ' + down if down else ''}",
+        )
 
     def _forward(self, method: str, request, route: RouteRequest, prediction: Prediction, context):
         """Stream one attempt; returns None when done (or the client left), else why to try another replica."""
@@ -200,6 +214,7 @@ class RouterService:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         bad = [t for t in request.token_ids if not 0 <= t < self.limits.vocab_size]
         if bad:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids {bad[:5]} are outside [0, "
-                                                            f"{self.limits.vocab_size})")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"token ids {bad[:5]} are outside [0, {self.limits.vocab_size})"
+            )
         return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=True))

@@ -28,7 +28,7 @@ class ApiKeys:
         self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
 
     @classmethod
-    def from_file(cls, path: str) -> "ApiKeys":
+    def from_file(cls, path: str) -> ApiKeys:
         """One key per line; blank lines and lines starting with # are skipped."""
         try:
             with open(path) as f:
@@ -62,8 +62,9 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
         self.keys = keys
 
         def refuse(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or unknown API key: send metadata 'authorization: Bearer KEY'")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key: send metadata 'authorization: Bearer KEY'"
+            )
 
         refuse.experimental_thread_pool = refusal_pool  # refusals never queue behind streams
         self._refusal = grpc.unary_unary_rpc_method_handler(refuse)
@@ -92,8 +93,9 @@ def grpc_server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
     """The server's certificate; with a client CA, clients must present a certificate it signed."""
     key, cert = _read(tls.key, "server.tls.key"), _read(tls.cert, "server.tls.cert")
     client_ca = _read(tls.client_ca, "server.tls.client_ca") if tls.client_ca else None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
-                                       require_client_auth=client_ca is not None)
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
 
 
 def server_ssl_context(tls: TLSConfig) -> ssl.SSLContext:

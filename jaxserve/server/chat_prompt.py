@@ -37,16 +37,29 @@ def message_text(messages: list) -> str:
     return "".join(texts)
 
 
-def chat_prompt_token_ids(tokenizer, limits: RequestLimits, messages: list, chat_template: str | None = None,
-                          add_generation_prompt: bool = True, continue_final_message: bool = False,
-                          tools: list | None = None, template_kwargs: dict | None = None) -> list[int]:
+def chat_prompt_token_ids(
+    tokenizer,
+    limits: RequestLimits,
+    messages: list,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
     """The prompt's token ids; ValueError for messages over the limits, a model without a tokenizer or
     a template, or a template that fails."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so it cannot render chats")
     request_limits.check_text(limits, message_text(messages))
-    text = render_chat(tokenizer, text_content(messages), chat_template=chat_template,
-                       add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                       tools=tools, **(template_kwargs or {}))
+    text = render_chat(
+        tokenizer,
+        text_content(messages),
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tools=tools,
+        **(template_kwargs or {}),
+    )
     request_limits.check_text(limits, text)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -36,7 +36,7 @@ class TLSConfig:
     client_ca: str | None = None  # PEM CA certificates: clients must present a certificate they signed (mTLS)
 
     @classmethod
-    def parse(cls, value) -> "TLSConfig | None":
+    def parse(cls, value) -> TLSConfig | None:
         if value is None or isinstance(value, TLSConfig):
             return value
         names = set(value) if isinstance(value, dict) else set()
@@ -84,8 +84,7 @@ class ServerConfig:
 
     def request_caps(self) -> dict:
         """The per-request caps, as keyword arguments of RequestLimits.for_engine."""
-        names = ("max_prompt_bytes", "max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids",
-                 "max_id_length")
+        names = ("max_prompt_bytes", "max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids", "max_id_length")
         return {name: getattr(self, name) for name in names}
 
 
@@ -101,8 +100,9 @@ class ServeConfig:
             from jaxserve.engine.builder import DEFAULT_MAX_MODEL_LEN_CAP
             from jaxserve.server.limits import default_max_message_bytes
 
-            limit = default_max_message_bytes(self.engine.max_model_len or DEFAULT_MAX_MODEL_LEN_CAP,
-                                              **self.server.request_caps())
+            limit = default_max_message_bytes(
+                self.engine.max_model_len or DEFAULT_MAX_MODEL_LEN_CAP, **self.server.request_caps()
+            )
             object.__setattr__(self, "server", dataclasses.replace(self.server, max_message_bytes=limit))
 
     def model_dir(self) -> str:
@@ -117,8 +117,9 @@ SECTIONS = {"model": ModelSection, "engine": EngineConfig, "server": ServerConfi
 def _set(tree: dict, dotted_key: str, value) -> None:
     section, _, key = dotted_key.partition(".")
     if section not in SECTIONS or not key or "." in key:
-        raise ValueError(f"unknown config key {dotted_key!r}; keys look like section.name, sections: "
-                         f"{', '.join(SECTIONS)}")
+        raise ValueError(
+            f"unknown config key {dotted_key!r}; keys look like section.name, sections: {', '.join(SECTIONS)}"
+        )
     tree.setdefault(section, {})[key] = value
 
 

@@ -38,8 +38,9 @@ class Draining(Exception):
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queued_requests: int,
-                 stream_idle_timeout: float = 30.0):
+    def __init__(
+        self, engine: Engine, metrics: ServerMetrics, max_queued_requests: int, stream_idle_timeout: float = 30.0
+    ):
         self.engine = engine
         self.metrics = metrics
         self.description = engine.describe()  # fixed once warm: read by info calls without the engine
@@ -63,8 +64,14 @@ class EngineLoop:
         with self._lock:
             return len(self.streams)
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str = "",
-               session_id: str | None = None, admit=None) -> RequestStream:
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str = "",
+        session_id: str | None = None,
+        admit=None,
+    ) -> RequestStream:
         """Check capacity, validate (raising ValueError) and queue a request; called from handler threads.
         admit(engine, stream, prompt_token_ids), when given, runs on the loop thread instead of add_request
         (a decode replica admits a handed-over request so; jaxserve/disagg/decode_service.py)."""
@@ -77,8 +84,10 @@ class EngineLoop:
             self._num_reserved += 1
         try:
             if params.n > self.description.max_num_seqs:  # n sequences for one in-flight slot: bounded
-                raise ValueError(f"n ({params.n}) is more than the engine runs at once "
-                                 f"(engine.max_num_seqs = {self.description.max_num_seqs})")
+                raise ValueError(
+                    f"n ({params.n}) is more than the engine runs at once "
+                    f"(engine.max_num_seqs = {self.description.max_num_seqs})"
+                )
             prompt_token_ids = self.engine.tokenize(prompt)  # read-only: safe off the loop thread
             self.engine.validate(prompt_token_ids, params)
             request_id = request_id or f"req-{uuid.uuid4().hex}"
@@ -197,8 +206,11 @@ class EngineLoop:
         with self._lock:
             stuck = [s for s in self.streams.values() if not s.expired and s.is_stuck(now, self.stream_idle_timeout)]
         for stream in stuck:
-            logger.warning("request %s: its client has not read for %.0fs (server.stream_idle_timeout); aborting",
-                           stream.request_id, self.stream_idle_timeout)
+            logger.warning(
+                "request %s: its client has not read for %.0fs (server.stream_idle_timeout); aborting",
+                stream.request_id,
+                self.stream_idle_timeout,
+            )
             self.metrics.idle_streams_expired.inc()
             self._abort(stream, "abort")
             stream.expire()

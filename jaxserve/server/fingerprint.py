@@ -12,6 +12,13 @@ from jaxserve.engine.stats import EngineDescription
 
 
 def system_fingerprint(description: EngineDescription) -> str:
-    parts = (description.model_name, description.model_fingerprint, description.dtype, description.mesh,
-             description.attention_impl, repr(sorted(description.compiled_buckets)), jaxserve.__version__)
+    parts = (
+        description.model_name,
+        description.model_fingerprint,
+        description.dtype,
+        description.mesh,
+        description.attention_impl,
+        repr(sorted(description.compiled_buckets)),
+        jaxserve.__version__,
+    )
     return "fp_" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]

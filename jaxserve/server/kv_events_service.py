@@ -32,19 +32,27 @@ KINDS = {STORED: pb.KVEvent.STORED, REMOVED: pb.KVEvent.REMOVED}
 
 
 def event_to_proto(event: KVEvent) -> pb.KVEvent:
-    return pb.KVEvent(kind=KINDS.get(event.kind, pb.KVEvent.CLEARED), key=event.key, parent_key=event.parent_key,
-                      num_tokens=event.num_tokens, tier=pb.KVEvent.DEVICE if event.tier == DEVICE else pb.KVEvent.HOST,
-                      rank=event.rank)
+    return pb.KVEvent(
+        kind=KINDS.get(event.kind, pb.KVEvent.CLEARED),
+        key=event.key,
+        parent_key=event.parent_key,
+        num_tokens=event.num_tokens,
+        tier=pb.KVEvent.DEVICE if event.tier == DEVICE else pb.KVEvent.HOST,
+        rank=event.rank,
+    )
 
 
 def load_to_proto(stats: dict) -> pb.ReplicaLoad:
     """stats: the engine's stats() as the loop last took them."""
-    return pb.ReplicaLoad(num_running=stats["num_running"], num_waiting=stats["num_waiting"],
-                          num_free_pages=stats["kv_pages_free"],
-                          num_tokens_waiting_prefill=stats["num_tokens_waiting_prefill"],
-                          prefill_seconds_per_token=stats["prefill_seconds_per_token"],
-                          swap_in_seconds_per_page=stats["swap_in_seconds_per_page"],
-                          step_seconds=stats["step_seconds"])
+    return pb.ReplicaLoad(
+        num_running=stats["num_running"],
+        num_waiting=stats["num_waiting"],
+        num_free_pages=stats["kv_pages_free"],
+        num_tokens_waiting_prefill=stats["num_tokens_waiting_prefill"],
+        prefill_seconds_per_token=stats["prefill_seconds_per_token"],
+        swap_in_seconds_per_page=stats["swap_in_seconds_per_page"],
+        step_seconds=stats["step_seconds"],
+    )
 
 
 class KVEventsService:
@@ -55,7 +63,7 @@ class KVEventsService:
 
     def _snapshot(self, sequence: int, events: list[KVEvent], load):
         """The first batch replaces what the subscriber knows; the rest add to it, all at `sequence`."""
-        chunks = [events[start:start + MAX_EVENTS_PER_BATCH] for start in range(0, len(events), MAX_EVENTS_PER_BATCH)]
+        chunks = [events[start : start + MAX_EVENTS_PER_BATCH] for start in range(0, len(events), MAX_EVENTS_PER_BATCH)]
         for index, chunk in enumerate(chunks or [[]]):
             yield self._batch(sequence, chunk, load, snapshot=index == 0, more=index < len(chunks) - 1)
 
@@ -63,24 +71,33 @@ class KVEventsService:
         """Events numbered up to `sequence`, in batches each ending at the number of its last event."""
         first = sequence - len(events) + 1
         for start in range(0, len(events), MAX_EVENTS_PER_BATCH):
-            chunk = events[start:start + MAX_EVENTS_PER_BATCH]
+            chunk = events[start : start + MAX_EVENTS_PER_BATCH]
             yield self._batch(first + start + len(chunk) - 1, chunk, load)
         if not events:
             yield self._batch(sequence, [], load)  # a heartbeat, with the load
 
-    def _batch(self, sequence: int, events: list[KVEvent], load, snapshot: bool = False,
-               more: bool = False) -> pb.KVEventBatch:
+    def _batch(
+        self, sequence: int, events: list[KVEvent], load, snapshot: bool = False, more: bool = False
+    ) -> pb.KVEventBatch:
         stats = load if load is not None else self.generation.loop.stats
-        return pb.KVEventBatch(sequence=sequence, snapshot=snapshot, events=[event_to_proto(e) for e in events],
-                               load=load_to_proto(stats), instance_id=INSTANCE_ID, more=more)
+        return pb.KVEventBatch(
+            sequence=sequence,
+            snapshot=snapshot,
+            events=[event_to_proto(e) for e in events],
+            load=load_to_proto(stats),
+            instance_id=INSTANCE_ID,
+            more=more,
+        )
 
     def SubscribeKVEvents(self, request: pb.SubscribeKVEventsRequest, context):
         if self.generation.loop is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still warming up")
         with self._lock:
             if self.num_subscribers >= MAX_SUBSCRIBERS:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{MAX_SUBSCRIBERS} KV event subscribers already; this is for routers")
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{MAX_SUBSCRIBERS} KV event subscribers already; this is for routers",
+                )
             self.num_subscribers += 1
         try:
             yield from self._stream(max(request.heartbeat_ms / 1000 or DEFAULT_HEARTBEAT, MIN_HEARTBEAT), context)
@@ -120,9 +137,12 @@ def kv_events_handler(generation_service) -> tuple[grpc.GenericRpcHandler, futur
 
 def router_info(description, stats: dict) -> pb.ServerInfo:
     """ServerInfo's fields for routers (20-29), to merge into the rest."""
-    return pb.ServerInfo(model_fingerprint=description.model_fingerprint,
-                         prefill_seconds_per_token=stats["prefill_seconds_per_token"],
-                         swap_in_seconds_per_page=stats["swap_in_seconds_per_page"],
-                         num_tokens_waiting_prefill=stats["num_tokens_waiting_prefill"],
-                         host_tier_pages=description.host_tier_pages, instance_id=INSTANCE_ID,
-                         step_seconds=stats["step_seconds"])
+    return pb.ServerInfo(
+        model_fingerprint=description.model_fingerprint,
+        prefill_seconds_per_token=stats["prefill_seconds_per_token"],
+        swap_in_seconds_per_page=stats["swap_in_seconds_per_page"],
+        num_tokens_waiting_prefill=stats["num_tokens_waiting_prefill"],
+        host_tier_pages=description.host_tier_pages,
+        instance_id=INSTANCE_ID,
+        step_seconds=stats["step_seconds"],
+    )

@@ -29,19 +29,31 @@ class RequestLimits:
     max_id_length: int = 256  # request_id and session_id, in characters
 
     @classmethod
-    def for_engine(cls, max_model_len: int, vocab_size: int, max_prompt_bytes: int | None = None,
-                   **caps) -> "RequestLimits":
+    def for_engine(
+        cls, max_model_len: int, vocab_size: int, max_prompt_bytes: int | None = None, **caps
+    ) -> RequestLimits:
         """max_prompt_bytes None: what max_model_len tokens can plausibly hold."""
-        return cls(max_prompt_bytes=max_prompt_bytes or max_model_len * PROMPT_BYTES_PER_TOKEN,
-                   max_prompt_tokens=max_model_len, vocab_size=vocab_size, **caps)
+        return cls(
+            max_prompt_bytes=max_prompt_bytes or max_model_len * PROMPT_BYTES_PER_TOKEN,
+            max_prompt_tokens=max_model_len,
+            vocab_size=vocab_size,
+            **caps,
+        )
 
     @property
     def max_generate_request_bytes(self) -> int:
         """The most bytes a GenerateRequest within every limit can take on the wire: a larger one is
         refused before it is parsed. Token ids take at most 5 bytes, a stop string 4 besides its own,
         an id character 4."""
-        return (self.max_prompt_bytes + 5 * self.max_prompt_tokens + self.max_stop_string_bytes
-                + 4 * self.max_stop_strings + 5 * self.max_stop_token_ids + 8 * self.max_id_length + SMALL_FIELDS_BYTES)
+        return (
+            self.max_prompt_bytes
+            + 5 * self.max_prompt_tokens
+            + self.max_stop_string_bytes
+            + 4 * self.max_stop_strings
+            + 5 * self.max_stop_token_ids
+            + 8 * self.max_id_length
+            + SMALL_FIELDS_BYTES
+        )
 
     @property
     def max_tokenize_request_bytes(self) -> int:
@@ -72,8 +84,10 @@ def default_max_message_bytes(max_model_len: int, **caps) -> int:
 def check_request_size(num_bytes: int, limit: int) -> None:
     """Before parsing: a request larger than any within the limits is refused unread."""
     if num_bytes > limit:
-        raise ValueError(f"the request is {num_bytes} bytes, more than a request within this server's limits "
-                         f"can take ({limit}; see server.max_prompt_bytes and the other caps)")
+        raise ValueError(
+            f"the request is {num_bytes} bytes, more than a request within this server's limits "
+            f"can take ({limit}; see server.max_prompt_bytes and the other caps)"
+        )
 
 
 def check_text(limits: RequestLimits, text: str) -> None:
@@ -83,8 +97,7 @@ def check_text(limits: RequestLimits, text: str) -> None:
 
 def check_token_ids(limits: RequestLimits, token_ids: Sequence[int], what: str = "the prompt") -> None:
     if len(token_ids) > limits.max_prompt_tokens:
-        raise ValueError(f"{what} has {len(token_ids)} token ids, more than max_model_len "
-                         f"({limits.max_prompt_tokens})")
+        raise ValueError(f"{what} has {len(token_ids)} token ids, more than max_model_len ({limits.max_prompt_tokens})")
 
 
 def check_prompt(limits: RequestLimits, text: str, token_ids: Sequence[int]) -> str | list[int]:
@@ -100,15 +113,14 @@ def check_prompt(limits: RequestLimits, text: str, token_ids: Sequence[int]) -> 
 
 def check_stops(limits: RequestLimits, stop: Sequence[str], stop_token_ids: Sequence[int]) -> None:
     if len(stop) > limits.max_stop_strings:
-        raise ValueError(f"{len(stop)} stop strings, more than {limits.max_stop_strings} "
-                         "(server.max_stop_strings)")
+        raise ValueError(f"{len(stop)} stop strings, more than {limits.max_stop_strings} (server.max_stop_strings)")
     budget = limits.max_stop_string_bytes
     if utf8_size_exceeds("".join(stop), budget):
-        raise ValueError(f"the stop strings together are longer than {budget} bytes "
-                         "(server.max_stop_string_bytes)")
+        raise ValueError(f"the stop strings together are longer than {budget} bytes (server.max_stop_string_bytes)")
     if len(stop_token_ids) > limits.max_stop_token_ids:
-        raise ValueError(f"{len(stop_token_ids)} stop_token_ids, more than {limits.max_stop_token_ids} "
-                         "(server.max_stop_token_ids)")
+        raise ValueError(
+            f"{len(stop_token_ids)} stop_token_ids, more than {limits.max_stop_token_ids} (server.max_stop_token_ids)"
+        )
     outside = [t for t in stop_token_ids if not 0 <= t < limits.vocab_size]
     if outside:
         raise ValueError(f"stop_token_ids {outside[:5]} are outside the vocabulary [0, {limits.vocab_size})")
@@ -118,5 +130,6 @@ def check_ids(limits: RequestLimits, **ids: str) -> None:
     """request_id=..., session_id=...: each at most max_id_length characters."""
     for name, value in ids.items():
         if len(value) > limits.max_id_length:
-            raise ValueError(f"{name} is {len(value)} characters long, more than {limits.max_id_length} "
-                             "(server.max_id_length)")
+            raise ValueError(
+                f"{name} is {len(value)} characters long, more than {limits.max_id_length} (server.max_id_length)"
+            )

@@ -11,31 +11,47 @@ class ServerMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("jaxserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
-        self.rejected = Counter("jaxserve_rejected_requests", "Requests refused, by gRPC status", ["status"],
-                                registry=r)
+        self.requests = Counter(
+            "jaxserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "jaxserve_rejected_requests", "Requests refused, by gRPC status", ["status"], registry=r
+        )
         self.idle_streams_expired = Counter(
-            "jaxserve_idle_streams_expired", "Streams aborted because their client stopped reading for longer "
-            "than server.stream_idle_timeout", registry=r)
-        self.streams_in_flight = Gauge("jaxserve_streams_in_flight", "Generate calls holding an in-flight slot "
-                                       "(running, waiting, or finished but not yet read)", registry=r)
+            "jaxserve_idle_streams_expired",
+            "Streams aborted because their client stopped reading for longer than server.stream_idle_timeout",
+            registry=r,
+        )
+        self.streams_in_flight = Gauge(
+            "jaxserve_streams_in_flight",
+            "Generate calls holding an in-flight slot (running, waiting, or finished but not yet read)",
+            registry=r,
+        )
         self.running = Gauge("jaxserve_running_requests", "Sequences running", registry=r)
         self.waiting = Gauge("jaxserve_waiting_requests", "Sequences waiting for a slot", registry=r)
         self.kv_pages_used = Gauge("jaxserve_kv_pages_used", "KV pages held by sequences", registry=r)
         self.kv_pages_total = Gauge("jaxserve_kv_pages_total", "Usable KV pages", registry=r)
         self.kv_usage = Gauge("jaxserve_kv_cache_usage_ratio", "Fraction of KV pages held", registry=r)
-        self.prefix_hit_rate = Gauge("jaxserve_prefix_cache_hit_rate", "Prompt tokens served from the cache",
-                                     registry=r)
+        self.prefix_hit_rate = Gauge(
+            "jaxserve_prefix_cache_hit_rate", "Prompt tokens served from the cache", registry=r
+        )
         self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("jaxserve_inter_token_latency_seconds", "Time between a stream's messages",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("jaxserve_request_latency_seconds", "Request end-to-end latency",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.compiles_after_warmup = Gauge("jaxserve_compiles_after_warmup", "Executables compiled while serving",
-                                           registry=r)
+        self.ttft = Histogram(
+            "jaxserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "jaxserve_inter_token_latency_seconds",
+            "Time between a stream's messages",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "jaxserve_request_latency_seconds", "Request end-to-end latency", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.compiles_after_warmup = Gauge(
+            "jaxserve_compiles_after_warmup", "Executables compiled while serving", registry=r
+        )
         self.preemptions = Gauge("jaxserve_preemptions", "Sequences preempted so far", registry=r)
         self.expert_gauges: dict[str, Gauge] | None = None  # registered with a mixture-of-experts model's stats
 
@@ -44,16 +60,23 @@ class ServerMetrics:
         return {
             "expert_load_max_over_mean": Gauge(
                 "jaxserve_expert_load_max_over_mean",
-                "Tokens routed to the busiest expert over the mean expert, all layers", registry=r),
+                "Tokens routed to the busiest expert over the mean expert, all layers",
+                registry=r,
+            ),
             "expert_device_tokens": Gauge(
-                "jaxserve_expert_device_tokens", "Routed tokens computed on each device (expert parallelism)",
-                ["device"], registry=r),
+                "jaxserve_expert_device_tokens",
+                "Routed tokens computed on each device (expert parallelism)",
+                ["device"],
+                registry=r,
+            ),
             "expert_device_imbalance": Gauge(
                 "jaxserve_expert_device_imbalance",
                 "Busiest device's routed tokens over the mean device's, summed over layers (expert parallelism)",
-                registry=r),
-            "expert_rebalances": Gauge("jaxserve_expert_rebalances", "Times experts were moved between devices",
-                                       registry=r),
+                registry=r,
+            ),
+            "expert_rebalances": Gauge(
+                "jaxserve_expert_rebalances", "Times experts were moved between devices", registry=r
+            ),
         }
 
     def observe_engine(self, stats: dict) -> None:

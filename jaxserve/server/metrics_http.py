@@ -42,13 +42,19 @@ def require_api_key(app, keys: ApiKeys):
     return guarded
 
 
-def start_metrics_server(host: str, port: int, registry: CollectorRegistry, tls: ssl.SSLContext | None = None,
-                         api_keys: ApiKeys | None = None) -> WSGIServer:
+def start_metrics_server(
+    host: str,
+    port: int,
+    registry: CollectorRegistry,
+    tls: ssl.SSLContext | None = None,
+    api_keys: ApiKeys | None = None,
+) -> WSGIServer:
     app = make_wsgi_app(registry)
     if api_keys is not None:
         app = require_api_key(app, api_keys)
-    server_class = type("MetricsServer", (_ThreadingServer,),
-                        {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
+    server_class = type(
+        "MetricsServer", (_ThreadingServer,), {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET}
+    )
     server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
     if tls is not None:
         server.socket = tls.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)

@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 
 def run_until_signalled(program: str, start: Callable[[], object], stop: Callable[[object], None]) -> int:

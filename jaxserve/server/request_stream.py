@@ -33,12 +33,19 @@ class Delta:
     num_cached_tokens: int
     index: int = 0  # which of the request's n completions this continues
 
-    def merged(self, later: "Delta") -> "Delta":
-        logprobs = None if self.logprobs is None and later.logprobs is None else \
-            (self.logprobs or []) + (later.logprobs or [])
-        return Delta(self.token_ids + later.token_ids, self.text + later.text, logprobs, later.finish_reason,
-                     later.num_prompt_tokens or self.num_prompt_tokens,
-                     later.num_cached_tokens or self.num_cached_tokens, self.index)
+    def merged(self, later: Delta) -> Delta:
+        logprobs = (
+            None if self.logprobs is None and later.logprobs is None else (self.logprobs or []) + (later.logprobs or [])
+        )
+        return Delta(
+            self.token_ids + later.token_ids,
+            self.text + later.text,
+            logprobs,
+            later.finish_reason,
+            later.num_prompt_tokens or self.num_prompt_tokens,
+            later.num_cached_tokens or self.num_cached_tokens,
+            self.index,
+        )
 
 
 class RequestStream:
@@ -79,7 +86,9 @@ class RequestStream:
             logprobs=completion.logprobs[sent_tokens:] if completion.logprobs is not None else None,
             finish_reason=completion.finish_reason,
             num_prompt_tokens=len(output.prompt_token_ids),
-            num_cached_tokens=output.num_cached_tokens, index=index)
+            num_cached_tokens=output.num_cached_tokens,
+            index=index,
+        )
         self.num_sent_tokens[index] = len(completion.token_ids)
         self.num_sent_chars[index] = visible
         if finished:

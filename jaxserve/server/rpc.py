@@ -35,12 +35,16 @@ class ThreadPools:
     default: futures.ThreadPoolExecutor
 
     @classmethod
-    def for_limits(cls, max_in_flight: int) -> "ThreadPools":
+    def for_limits(cls, max_in_flight: int) -> ThreadPools:
         def pool(size: int, name: str) -> futures.ThreadPoolExecutor:
             return futures.ThreadPoolExecutor(max_workers=size, thread_name_prefix=f"jaxserve-{name}")
 
-        return cls(streams=pool(max_in_flight + STREAM_REFUSAL_THREADS, "stream"), quick=pool(QUICK_THREADS, "quick"),
-                   tokenizer=pool(TOKENIZER_THREADS, "tokenizer"), default=pool(DEFAULT_THREADS, "grpc"))
+        return cls(
+            streams=pool(max_in_flight + STREAM_REFUSAL_THREADS, "stream"),
+            quick=pool(QUICK_THREADS, "quick"),
+            tokenizer=pool(TOKENIZER_THREADS, "tokenizer"),
+            default=pool(DEFAULT_THREADS, "grpc"),
+        )
 
     def shutdown(self) -> None:
         for pool in (self.streams, self.quick, self.tokenizer, self.default):
@@ -86,18 +90,41 @@ def generation_handler(service, pools: ThreadPools) -> grpc.GenericRpcHandler:
     def size_limit(name: str):
         return lambda: getattr(service.limits, name) if service.limits is not None else None
 
-    return grpc.method_handlers_generic_handler(GENERATION_SERVICE, {
-        "Generate": _server_stream(service.Generate, pb.GenerateRequest, pb.GenerateResponse, pools.streams,
-                                   size_limit("max_generate_request_bytes")),
-        # a conversation's text is held to the same caps as a prompt's, so the same bound holds
-        "Chat": _server_stream(service.Chat, pb.ChatRequest, pb.GenerateResponse, pools.streams,
-                               size_limit("max_generate_request_bytes")),
-        "GetServerInfo": _unary(service.GetServerInfo, pb.ServerInfoRequest, pb.ServerInfo, pools.quick),
-        "Tokenize": _unary(service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse, pools.tokenizer,
-                           size_limit("max_tokenize_request_bytes")),
-        "Detokenize": _unary(service.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse, pools.tokenizer,
-                             size_limit("max_detokenize_request_bytes")),
-    })
+    return grpc.method_handlers_generic_handler(
+        GENERATION_SERVICE,
+        {
+            "Generate": _server_stream(
+                service.Generate,
+                pb.GenerateRequest,
+                pb.GenerateResponse,
+                pools.streams,
+                size_limit("max_generate_request_bytes"),
+            ),
+            # a conversation's text is held to the same caps as a prompt's, so the same bound holds
+            "Chat": _server_stream(
+                service.Chat,
+                pb.ChatRequest,
+                pb.GenerateResponse,
+                pools.streams,
+                size_limit("max_generate_request_bytes"),
+            ),
+            "GetServerInfo": _unary(service.GetServerInfo, pb.ServerInfoRequest, pb.ServerInfo, pools.quick),
+            "Tokenize": _unary(
+                service.Tokenize,
+                pb.TokenizeRequest,
+                pb.TokenizeResponse,
+                pools.tokenizer,
+                size_limit("max_tokenize_request_bytes"),
+            ),
+            "Detokenize": _unary(
+                service.Detokenize,
+                pb.DetokenizeRequest,
+                pb.DetokenizeResponse,
+                pools.tokenizer,
+                size_limit("max_detokenize_request_bytes"),
+            ),
+        },
+    )
 
 
 def health_handler(servicer, pools: ThreadPools) -> grpc.GenericRpcHandler:
@@ -111,7 +138,10 @@ def health_handler(servicer, pools: ThreadPools) -> grpc.GenericRpcHandler:
     watch.experimental_non_blocking = True
     watch.experimental_thread_pool = pools.quick
     serialize = health_pb2.HealthCheckResponse.SerializeToString
-    return grpc.method_handlers_generic_handler(HEALTH_SERVICE, {
-        "Check": _unary(servicer.Check, health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse, pools.quick),
-        "Watch": grpc.unary_stream_rpc_method_handler(watch, response_serializer=serialize),
-    })
+    return grpc.method_handlers_generic_handler(
+        HEALTH_SERVICE,
+        {
+            "Check": _unary(servicer.Check, health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse, pools.quick),
+            "Watch": grpc.unary_stream_rpc_method_handler(watch, response_serializer=serialize),
+        },
+    )

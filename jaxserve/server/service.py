@@ -13,8 +13,8 @@ from jaxserve.host.request import SamplingParams
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server import limits as request_limits
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
-from jaxserve.server.kv_events_service import router_info
 from jaxserve.server.engine_loop import Draining, EngineLoop, Overloaded
+from jaxserve.server.kv_events_service import router_info
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.request_stream import Delta
 
@@ -52,17 +52,31 @@ def checked_request(limits: RequestLimits, request: pb.GenerateRequest) -> tuple
 def response_from_delta(delta: Delta, request_id: str) -> pb.GenerateResponse:
     logprobs = []
     for token_id, top in zip(delta.token_ids, delta.logprobs or []):
-        logprobs.append(pb.TokenLogprobs(
-            token_id=token_id, logprob=top[token_id],
-            top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in sorted(top.items(), key=lambda kv: -kv[1])]))
-    return pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text, finish_reason=delta.finish_reason or "",
-                               num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
-                               logprobs=logprobs, request_id=request_id, index=delta.index)
+        logprobs.append(
+            pb.TokenLogprobs(
+                token_id=token_id,
+                logprob=top[token_id],
+                top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in sorted(top.items(), key=lambda kv: -kv[1])],
+            )
+        )
+    return pb.GenerateResponse(
+        token_ids=delta.token_ids,
+        text=delta.text,
+        finish_reason=delta.finish_reason or "",
+        num_prompt_tokens=delta.num_prompt_tokens,
+        num_cached_tokens=delta.num_cached_tokens,
+        logprobs=logprobs,
+        request_id=request_id,
+        index=delta.index,
+    )
 
 
 # How the engine loop's refusals of a request answer on the wire (the first matching kind).
-REFUSAL_STATUS = ((Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED), (Draining, grpc.StatusCode.UNAVAILABLE),
-                  (ValueError, grpc.StatusCode.INVALID_ARGUMENT))
+REFUSAL_STATUS = (
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Draining, grpc.StatusCode.UNAVAILABLE),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
 
 
 @contextlib.contextmanager
@@ -84,8 +98,9 @@ class GenerationService:
         self.chat_template: str | None = None  # server.chat_template; None: the model's own
         self.system_fingerprint = ""
 
-    def attach(self, loop: EngineLoop, limits: RequestLimits, chat_template: str | None = None,
-               system_fingerprint: str = "") -> None:
+    def attach(
+        self, loop: EngineLoop, limits: RequestLimits, chat_template: str | None = None, system_fingerprint: str = ""
+    ) -> None:
         self.limits = limits
         self.chat_template = chat_template
         self.system_fingerprint = system_fingerprint
@@ -98,30 +113,44 @@ class GenerationService:
 
     def Generate(self, request: pb.GenerateRequest, context):
         loop = self._ready_loop(context)
-        yield from self._stream(loop, context, request.request_id, request.session_id,
-                                lambda: checked_request(self.limits, request))
+        yield from self._stream(
+            loop, context, request.request_id, request.session_id, lambda: checked_request(self.limits, request)
+        )
 
     def Chat(self, request: pb.ChatRequest, context):
         loop = self._ready_loop(context)
-        yield from self._stream(loop, context, request.request_id, request.session_id,
-                                lambda: self._checked_chat(loop, request))
+        yield from self._stream(
+            loop, context, request.request_id, request.session_id, lambda: self._checked_chat(loop, request)
+        )
 
     def _checked_chat(self, loop: EngineLoop, request: pb.ChatRequest) -> tuple[list[int], SamplingParams]:
         request_limits.check_ids(self.limits, request_id=request.request_id, session_id=request.session_id)
         request_limits.check_stops(self.limits, request.sampling.stop, request.sampling.stop_token_ids)
         params = sampling_params_from_proto(request.sampling)
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") \
+        add_generation_prompt = (
+            request.add_generation_prompt
+            if request.HasField("add_generation_prompt")
             else not request.continue_final_message
-        token_ids = chat_prompt_token_ids(loop.engine.tokenizer, self.limits, messages, self.chat_template,
-                                          add_generation_prompt, request.continue_final_message)
+        )
+        token_ids = chat_prompt_token_ids(
+            loop.engine.tokenizer,
+            self.limits,
+            messages,
+            self.chat_template,
+            add_generation_prompt,
+            request.continue_final_message,
+        )
         return token_ids, params
 
     def _stream(self, loop: EngineLoop, context, request_id: str, session_id: str, checked):
         """Submit what checked() returns (prompt, params) and yield its messages."""
         if loop.engine.config.role == "prefill":  # it would stop at the first token: the router's Decode path only
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this replica prefills for decode replicas "
-                          "(engine.role prefill): send requests to a router in mode disaggregated")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this replica prefills for decode replicas "
+                "(engine.role prefill): send requests to a router in mode disaggregated",
+            )
         with refusals_as_status(context, loop.metrics):
             prompt, params = checked()
             stream = loop.submit(prompt, params, request_id, session_id or None)
@@ -136,14 +165,27 @@ class GenerationService:
     def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
         loop = self._ready_loop(context)
         info, stats = loop.description, loop.stats
-        shapes = [f"{kind}(tokens={tokens}, seqs={seqs}, pages={pages})"
-                  for kind, tokens, seqs, pages in info.compiled_buckets]
-        reply = pb.ServerInfo(model=info.model_name, dtype=info.dtype, mesh=info.mesh, page_size=info.page_size,
-                             num_pages=info.num_pages, compiled_buckets=shapes, max_model_len=info.max_model_len,
-                             version=jaxserve.__version__, attention_impl=info.attention_impl,
-                             max_num_seqs=info.max_num_seqs, vocab_size=info.vocab_size,
-                             num_free_pages=stats["kv_pages_free"], num_running=stats["num_running"],
-                             num_waiting=stats["num_waiting"], system_fingerprint=self.system_fingerprint)
+        shapes = [
+            f"{kind}(tokens={tokens}, seqs={seqs}, pages={pages})"
+            for kind, tokens, seqs, pages in info.compiled_buckets
+        ]
+        reply = pb.ServerInfo(
+            model=info.model_name,
+            dtype=info.dtype,
+            mesh=info.mesh,
+            page_size=info.page_size,
+            num_pages=info.num_pages,
+            compiled_buckets=shapes,
+            max_model_len=info.max_model_len,
+            version=jaxserve.__version__,
+            attention_impl=info.attention_impl,
+            max_num_seqs=info.max_num_seqs,
+            vocab_size=info.vocab_size,
+            num_free_pages=stats["kv_pages_free"],
+            num_running=stats["num_running"],
+            num_waiting=stats["num_waiting"],
+            system_fingerprint=self.system_fingerprint,
+        )
         reply.MergeFrom(router_info(info, stats))
         return reply
 

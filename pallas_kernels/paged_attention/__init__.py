@@ -15,17 +15,22 @@ Implementations, all with the reference's signature:
              reference
 """
 
-import jax.numpy as jnp
-
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import cpu, pallas_gpu, pallas_tpu, reference
 
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
 
 
-def resolve_attention_impl(impl: str, platform: str, dtype, partitioned: bool = False,
-                           head_dim: int | None = None, page_size: int | None = None) -> str:
+def resolve_attention_impl(
+    impl: str,
+    platform: str,
+    dtype,
+    partitioned: bool = False,
+    head_dim: int | None = None,
+    page_size: int | None = None,
+) -> str:
     """The concrete implementation `impl` means on this platform for this KV dtype; `partitioned` when
     the step runs sharded over several devices by XLA's partitioner (only the jax.numpy reference
     partitions itself). "auto": the C++ kernels on the CPU for the dtypes they serve, Pallas on
@@ -38,8 +43,10 @@ def resolve_attention_impl(impl: str, platform: str, dtype, partitioned: bool = 
             raise ValueError(f"attention_impl={impl!r} does not run sharded yet; use 'reference' or 'auto'")
         return "reference"
     if impl == "cpu" and (platform != "cpu" or jnp.dtype(dtype) not in cpu.DTYPES):
-        raise ValueError(f"attention_impl='cpu' needs the CPU platform and one of {[str(d) for d in cpu.DTYPES]}, "
-                         f"not {platform}/{jnp.dtype(dtype)}")
+        raise ValueError(
+            f"attention_impl='cpu' needs the CPU platform and one of {[str(d) for d in cpu.DTYPES]}, "
+            f"not {platform}/{jnp.dtype(dtype)}"
+        )
     unsupported = pallas_gpu.supported(head_dim, page_size, platform) if head_dim is not None else None
     if impl == "pallas" and unsupported:
         raise ValueError(f"attention_impl='pallas': {unsupported}; use 'reference' or 'auto'")
@@ -70,11 +77,28 @@ def kernel_modules(impl: str):
     return implementation, implementation
 
 
-def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *,
-                           query_block: int, sliding_window: int | None = None, impl: str = "reference"):
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    token_seq_ids,
+    positions,
+    *,
+    query_block: int,
+    sliding_window: int | None = None,
+    impl: str = "reference",
+):
     return kernel_modules(impl)[0].ragged_paged_attention(
-        q, k_pages, v_pages, page_table, token_seq_ids, positions,
-        query_block=query_block, sliding_window=sliding_window)
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        token_seq_ids,
+        positions,
+        query_block=query_block,
+        sliding_window=sliding_window,
+    )
 
 
 def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, impl: str = "reference"):

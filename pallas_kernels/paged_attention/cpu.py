@@ -44,8 +44,23 @@ def _build(library_path: str) -> None:
     os.makedirs(os.path.dirname(library_path), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(library_path)) as staging:
         staged = os.path.join(staging, "kernel.so")
-        command = [compiler, "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC",
-                   "-I", jax.ffi.include_dir(), *SOURCES, "-o", staged]
+        command = [
+            compiler,
+            "-O3",
+            "-march=native",
+            "-mprefer-vector-width=512",
+            "-fopenmp-simd",
+            "-fno-math-errno",
+            "-fno-trapping-math",
+            "-std=c++17",
+            "-shared",
+            "-fPIC",
+            "-I",
+            jax.ffi.include_dir(),
+            *SOURCES,
+            "-o",
+            staged,
+        ]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"building {SOURCES} failed:\n{result.stderr[-2000:]}")
@@ -58,8 +73,9 @@ def _register() -> bool:
     for source in SOURCES + HEADERS:
         with open(source, "rb") as f:
             sources += f.read()
-    key = hashlib.sha256(sources + jax.__version__.encode() + platform.processor().encode()
-                         + platform.machine().encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        sources + jax.__version__.encode() + platform.processor().encode() + platform.machine().encode()
+    ).hexdigest()[:16]
     library_path = os.path.join(CACHE_DIR, f"paged_attention_{key}.so")
     try:
         if not os.path.isfile(library_path):
@@ -85,16 +101,27 @@ def _require(dtype) -> None:
         raise RuntimeError("the CPU attention kernel could not be built; use attention_impl='reference'")
 
 
-def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *,
-                           query_block: int, sliding_window: int | None = None):
+def ragged_paged_attention(
+    q, k_pages, v_pages, page_table, token_seq_ids, positions, *, query_block: int, sliding_window: int | None = None
+):
     """The reference's contract, with q in the pages' dtype."""
     _require(k_pages.dtype)
     if q.dtype != k_pages.dtype or v_pages.dtype != k_pages.dtype:
-        raise ValueError(f"the CPU kernel wants q and pages of one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+        raise ValueError(
+            f"the CPU kernel wants q and pages of one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+        )
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_pages, v_pages, page_table.astype(np.int32), token_seq_ids.astype(np.int32),
-                positions.astype(np.int32), query_block=np.int64(query_block),
-                sliding_window=np.int64(sliding_window or 0), own_helpers=jax.device_count() == 1)
+    return call(
+        q,
+        k_pages,
+        v_pages,
+        page_table.astype(np.int32),
+        token_seq_ids.astype(np.int32),
+        positions.astype(np.int32),
+        query_block=np.int64(query_block),
+        sliding_window=np.int64(sliding_window or 0),
+        own_helpers=jax.device_count() == 1,
+    )
 
 
 def write_kv_pages(k_pages, v_pages, k, v, slot_ids):
@@ -119,11 +146,14 @@ def small_matmuls(x, weights, *, transposed: bool = False):
         _require(w.dtype)
         depth = w.shape[-1] if transposed else w.shape[0]
         if x.dtype != w.dtype or x.ndim != 2 or w.ndim != 2 or x.shape[0] > MATMUL_MAX_ROWS or depth != x.shape[1]:
-            raise ValueError(f"small_matmul wants x [M <= {MATMUL_MAX_ROWS}, K] and 2-d weights of x's dtype "
-                             f"with K {'columns' if transposed else 'rows'}, got {x.shape} {x.dtype} and "
-                             f"{w.shape} {w.dtype}")
+            raise ValueError(
+                f"small_matmul wants x [M <= {MATMUL_MAX_ROWS}, K] and 2-d weights of x's dtype "
+                f"with K {'columns' if transposed else 'rows'}, got {x.shape} {x.dtype} and "
+                f"{w.shape} {w.dtype}"
+            )
     if not weights:
         raise ValueError("small_matmuls wants at least one weight")
-    results = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transposed else w.shape[1]), jnp.float32)
-                    for w in weights)
+    results = tuple(
+        jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transposed else w.shape[1]), jnp.float32) for w in weights
+    )
     return tuple(jax.ffi.ffi_call(MATMUL_TARGET, results)(x, *weights, transposed=transposed))

@@ -29,8 +29,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention.pallas_layout import (MASK_VALUE, block_page_rows, block_sizes, cdiv, query_rows,
-                                                          row_positions, tokens_from_rows)
+from pallas_kernels.paged_attention.pallas_layout import (
+    MASK_VALUE,
+    block_page_rows,
+    block_sizes,
+    cdiv,
+    query_rows,
+    row_positions,
+    tokens_from_rows,
+)
 
 MIN_ROWS = 16  # matmul tiles on GPUs want at least 16 rows (and Triton, a power of two)
 PROGRAMS_PER_CORE = 2  # context splits aim for this many programs per GPU core (SM)
@@ -66,8 +73,18 @@ def default_num_splits(num_programs: int, num_spans: int, cores: int | None = No
     return max(1, min(num_spans, (PROGRAMS_PER_CORE * cores) // max(1, num_programs)))
 
 
-def _kernel(q_ref, k_pages_ref, v_pages_ref, pages_ref, positions_ref, *out_refs, pages_per_span: int,
-            sliding_window: int | None, normalize: bool, scale: float):
+def _kernel(
+    q_ref,
+    k_pages_ref,
+    v_pages_ref,
+    pages_ref,
+    positions_ref,
+    *out_refs,
+    pages_per_span: int,
+    sliding_window: int | None,
+    normalize: bool,
+    scale: float,
+):
     rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     span = pages_per_span * page_size
@@ -96,11 +113,15 @@ def _kernel(q_ref, k_pages_ref, v_pages_ref, pages_ref, positions_ref, *out_refs
         weights = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
         denominator = denominator * rescale + weights.sum(axis=-1)
         accumulator = accumulator * rescale[:, None] + jnp.dot(
-            weights.astype(keys_dtype), values, preferred_element_type=jnp.float32, precision=precision)
+            weights.astype(keys_dtype), values, preferred_element_type=jnp.float32, precision=precision
+        )
         return new_max, denominator, accumulator
 
-    init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
+    init = (
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
     running_max, denominator, accumulator = jax.lax.fori_loop(0, num_spans, attend_span, init)
     if normalize:
         (o_ref,) = out_refs
@@ -123,9 +144,19 @@ def _combine_splits(accumulator, running_max, denominator):
 
 
 @functools.partial(jax.jit, static_argnames=("query_block", "sliding_window", "interpret", "num_splits"))
-def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *, query_block: int,
-                           sliding_window: int | None = None, interpret: bool | None = None,
-                           num_splits: int | None = None):
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    token_seq_ids,
+    positions,
+    *,
+    query_block: int,
+    sliding_window: int | None = None,
+    interpret: bool | None = None,
+    num_splits: int | None = None,
+):
     """Same arguments and result as reference.ragged_paged_attention; num_splits: context splits
     (default: default_num_splits for this device). The pages may be wider than q's head dim
     (cache_head_dim): their extra lanes hold zeros."""
@@ -150,11 +181,17 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
     rows_spec = pl.BlockSpec((None, None, None, padded_rows), lambda n, k, s: (s, n, k, 0))
     rows_shape = jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, padded_rows), jnp.float32)
     out_spec = pl.BlockSpec((None, None, None, padded_rows, head_dim), lambda n, k, s: (s, n, k, 0, 0))
-    out_shape = jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, padded_rows, head_dim),
-                                     q.dtype if normalize else jnp.float32)
+    out_shape = jax.ShapeDtypeStruct(
+        (splits, num_blocks, num_kv_heads, padded_rows, head_dim), q.dtype if normalize else jnp.float32
+    )
     outs = pl.pallas_call(
-        functools.partial(_kernel, pages_per_span=pages_per_span, sliding_window=sliding_window,
-                          normalize=normalize, scale=true_head_dim ** -0.5),
+        functools.partial(
+            _kernel,
+            pages_per_span=pages_per_span,
+            sliding_window=sliding_window,
+            normalize=normalize,
+            scale=true_head_dim**-0.5,
+        ),
         grid=(num_blocks, num_kv_heads, splits),
         in_specs=[
             pl.BlockSpec((None, None, padded_rows, head_dim), lambda n, k, s: (n, k, 0, 0)),
@@ -179,8 +216,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
     return tokens_from_rows(out[..., :true_head_dim], query_block, groups)
 
 
-def _write_kernel(slot_ids_ref, k_ref, v_ref, k_pages_in_ref, v_pages_in_ref, k_pages_ref, v_pages_ref, *,
-                  tokens_per_program: int):
+def _write_kernel(
+    slot_ids_ref, k_ref, v_ref, k_pages_in_ref, v_pages_in_ref, k_pages_ref, v_pages_ref, *, tokens_per_program: int
+):
     """One kv head's [D] vectors of a group of tokens, each into its slot (pages updated in place)."""
     del k_pages_in_ref, v_pages_in_ref  # aliased to the outputs
     page_size = k_pages_ref.shape[1]
@@ -215,8 +253,10 @@ def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, interpret: bool | None =
         grid=(num_tokens // tokens_per_program, num_kv_heads),
         in_specs=[pl.BlockSpec(slot_ids.shape, lambda i, h: (0,)), tokens_spec, tokens_spec, pages_spec, pages_spec],
         out_specs=[pages_spec, pages_spec],
-        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
+        ],
         input_output_aliases={3: 0, 4: 1},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),  # [D] vector stores

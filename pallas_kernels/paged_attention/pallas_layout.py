@@ -52,5 +52,5 @@ def row_positions(positions, query_block: int, groups: int, padded_rows: int):
 def tokens_from_rows(out, query_block: int, groups: int):
     """[N, K, R, D] -> [T, H, D], dropping the padding rows."""
     num_blocks, num_kv_heads, _, head_dim = out.shape
-    out = out[:, :, :query_block * groups].reshape(num_blocks, num_kv_heads, query_block, groups, head_dim)
+    out = out[:, :, : query_block * groups].reshape(num_blocks, num_kv_heads, query_block, groups, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(num_blocks * query_block, num_kv_heads * groups, head_dim)

@@ -19,14 +19,35 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention.pallas_layout import (MASK_VALUE, block_page_rows, block_sizes, cdiv, query_rows,
-                                                          row_positions, tokens_from_rows)
+from pallas_kernels.paged_attention.pallas_layout import (
+    MASK_VALUE,
+    block_page_rows,
+    block_sizes,
+    cdiv,
+    query_rows,
+    row_positions,
+    tokens_from_rows,
+)
 
 MIN_ROWS = 8  # sublanes of a TPU vector register
 
 
-def _kernel(block_pages_ref, block_max_position_ref, q_ref, positions_ref, k_pages_hbm, v_pages_hbm, o_ref,
-            k_buffers, v_buffers, semaphores, *, pages_per_seq: int, pages_per_span: int, sliding_window: int | None):
+def _kernel(
+    block_pages_ref,
+    block_max_position_ref,
+    q_ref,
+    positions_ref,
+    k_pages_hbm,
+    v_pages_hbm,
+    o_ref,
+    k_buffers,
+    v_buffers,
+    semaphores,
+    *,
+    pages_per_seq: int,
+    pages_per_span: int,
+    sliding_window: int | None,
+):
     block, kv_head = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
     page_size = k_buffers.shape[2]
@@ -43,8 +64,11 @@ def _kernel(block_pages_ref, block_max_position_ref, q_ref, positions_ref, k_pag
         for slot in range(pages_per_span):
             page = block_pages_ref[block * pages_per_seq + index * pages_per_span + slot]
             for source, target, kind in ((k_pages_hbm, k_buffers, 0), (v_pages_hbm, v_buffers, 1)):
-                copies.append(pltpu.make_async_copy(source.at[page, :, kv_head, :], target.at[buffer, slot],
-                                                    semaphores.at[kind, buffer, slot]))
+                copies.append(
+                    pltpu.make_async_copy(
+                        source.at[page, :, kv_head, :], target.at[buffer, slot], semaphores.at[kind, buffer, slot]
+                    )
+                )
         return copies
 
     @pl.when(num_spans > 0)
@@ -65,8 +89,9 @@ def _kernel(block_pages_ref, block_max_position_ref, q_ref, positions_ref, k_pag
             copy.wait()
         keys = k_buffers[buffer].reshape(span, head_dim)
         values = v_buffers[buffer].reshape(span, head_dim)
-        scores = jax.lax.dot_general(queries, keys, (((1,), (1,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32) * (head_dim ** -0.5)  # [R, L]
+        scores = jax.lax.dot_general(
+            queries, keys, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        ) * (head_dim**-0.5)  # [R, L]
         key_positions = index * span + jax.lax.broadcasted_iota(jnp.int32, (1, span), 1)
         visible = key_positions <= positions
         if sliding_window:
@@ -76,20 +101,34 @@ def _kernel(block_pages_ref, block_max_position_ref, q_ref, positions_ref, k_pag
         rescale = jnp.exp(running_max - new_max)
         weights = jnp.exp(scores - new_max)
         denominator = denominator * rescale + weights.sum(axis=-1, keepdims=True)
-        accumulator = accumulator * rescale + jnp.dot(weights.astype(dtype), values, precision=precision,
-                                                      preferred_element_type=jnp.float32)
+        accumulator = accumulator * rescale + jnp.dot(
+            weights.astype(dtype), values, precision=precision, preferred_element_type=jnp.float32
+        )
         return new_max, denominator, accumulator
 
-    init = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
+    init = (
+        jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
     _, denominator, accumulator = jax.lax.fori_loop(0, num_spans, attend_span, init)
     out = accumulator / jnp.where(denominator > 0, denominator, 1.0)
     o_ref[...] = jnp.where(positions >= 0, out, 0.0).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("query_block", "sliding_window", "interpret"))
-def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *, query_block: int,
-                           sliding_window: int | None = None, interpret: bool | pltpu.InterpretParams | None = None):
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    token_seq_ids,
+    positions,
+    *,
+    query_block: int,
+    sliding_window: int | None = None,
+    interpret: bool | pltpu.InterpretParams | None = None,
+):
     """Same arguments and result as reference.ragged_paged_attention. interpret: Pallas' TPU
     interpret mode (default: off a TPU), or its InterpretParams (to detect DMA races, say)."""
     if interpret is None:
@@ -100,8 +139,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
     num_blocks = num_tokens // query_block
     pages_per_span = block_sizes(head_dim, page_size, k_pages.dtype)
 
-    block_pages = block_page_rows(page_table, token_seq_ids, query_block,
-                                  cdiv(page_table.shape[1], pages_per_span) * pages_per_span)
+    block_pages = block_page_rows(
+        page_table, token_seq_ids, query_block, cdiv(page_table.shape[1], pages_per_span) * pages_per_span
+    )
     pages_per_seq = block_pages.shape[1]
     block_max_position = positions.reshape(num_blocks, query_block).max(axis=1)  # [N]
     padded_rows = cdiv(query_block * groups, MIN_ROWS) * MIN_ROWS
@@ -118,17 +158,21 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
             pl.BlockSpec(memory_space=pl.ANY),
         ],
         out_specs=pl.BlockSpec((None, None, padded_rows, head_dim), lambda n, k, *_: (n, k, 0, 0)),
-        scratch_shapes=[pltpu.VMEM((2, pages_per_span, page_size, head_dim), k_pages.dtype),  # two buffers
-                        pltpu.VMEM((2, pages_per_span, page_size, head_dim), v_pages.dtype),
-                        pltpu.SemaphoreType.DMA((2, 2, pages_per_span))],  # (K or V, buffer, page)
+        scratch_shapes=[
+            pltpu.VMEM((2, pages_per_span, page_size, head_dim), k_pages.dtype),  # two buffers
+            pltpu.VMEM((2, pages_per_span, page_size, head_dim), v_pages.dtype),
+            pltpu.SemaphoreType.DMA((2, 2, pages_per_span)),
+        ],  # (K or V, buffer, page)
     )
     out = pl.pallas_call(
-        functools.partial(_kernel, pages_per_seq=pages_per_seq, pages_per_span=pages_per_span,
-                          sliding_window=sliding_window),
+        functools.partial(
+            _kernel, pages_per_seq=pages_per_seq, pages_per_span=pages_per_span, sliding_window=sliding_window
+        ),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, padded_rows, head_dim), q.dtype),
-        interpret=interpret if isinstance(interpret, pltpu.InterpretParams) else (
-            pltpu.InterpretParams() if interpret else False),
+        interpret=interpret
+        if isinstance(interpret, pltpu.InterpretParams)
+        else (pltpu.InterpretParams() if interpret else False),
         name="ragged_paged_attention_tpu",
     )(block_pages.reshape(-1), block_max_position, queries, positions_by_row, k_pages, v_pages)
     return tokens_from_rows(out, query_block, groups)

@@ -8,7 +8,6 @@ reference with a warning instead of serving wrong tokens or failing at warm-up.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,27 +29,51 @@ def _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block,
     token_seq_ids += [2] * query_block
     positions += [-1] * query_block
     positions = np.asarray(positions, np.int32)
-    slot_ids = np.where(positions >= 0, page_table[token_seq_ids, np.maximum(positions, 0) // page_size] * page_size
-                        + np.maximum(positions, 0) % page_size, 0).astype(np.int32)
+    slot_ids = np.where(
+        positions >= 0,
+        page_table[token_seq_ids, np.maximum(positions, 0) // page_size] * page_size
+        + np.maximum(positions, 0) % page_size,
+        0,
+    ).astype(np.int32)
     tokens = len(positions)
     cast = lambda shape: jnp.asarray(rng.standard_normal(shape), dtype)
-    return dict(q=cast((tokens, num_heads, head_dim)), k=cast((tokens, num_kv_heads, head_dim)),
-                v=cast((tokens, num_kv_heads, head_dim)),
-                k_pages=cast((num_pages, page_size, num_kv_heads, cache_head_dim)),
-                v_pages=cast((num_pages, page_size, num_kv_heads, cache_head_dim)), page_table=jnp.asarray(page_table),
-                token_seq_ids=jnp.asarray(token_seq_ids, jnp.int32), positions=jnp.asarray(positions),
-                slot_ids=jnp.asarray(slot_ids))
+    return dict(
+        q=cast((tokens, num_heads, head_dim)),
+        k=cast((tokens, num_kv_heads, head_dim)),
+        v=cast((tokens, num_kv_heads, head_dim)),
+        k_pages=cast((num_pages, page_size, num_kv_heads, cache_head_dim)),
+        v_pages=cast((num_pages, page_size, num_kv_heads, cache_head_dim)),
+        page_table=jnp.asarray(page_table),
+        token_seq_ids=jnp.asarray(token_seq_ids, jnp.int32),
+        positions=jnp.asarray(positions),
+        slot_ids=jnp.asarray(slot_ids),
+    )
 
 
 def _write_and_attend(module, writer, step, query_block):
-    k_pages, v_pages = writer.write_kv_pages(jnp.array(step["k_pages"]), jnp.array(step["v_pages"]), step["k"],
-                                             step["v"], step["slot_ids"])
-    return module.ragged_paged_attention(step["q"], k_pages, v_pages, step["page_table"], step["token_seq_ids"],
-                                         step["positions"], query_block=query_block)
+    k_pages, v_pages = writer.write_kv_pages(
+        jnp.array(step["k_pages"]), jnp.array(step["v_pages"]), step["k"], step["v"], step["slot_ids"]
+    )
+    return module.ragged_paged_attention(
+        step["q"],
+        k_pages,
+        v_pages,
+        step["page_table"],
+        step["token_seq_ids"],
+        step["positions"],
+        query_block=query_block,
+    )
 
 
-def pallas_problem(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
-                   query_blocks: tuple[int, ...], cache_head_dim: int | None = None) -> str | None:
+def pallas_problem(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype,
+    query_blocks: tuple[int, ...],
+    cache_head_dim: int | None = None,
+) -> str | None:
     """None when the Pallas kernels (as the dispatch would pick them here) match the reference on a
     step of this shape for every query block; otherwise what went wrong. cache_head_dim: the width
     the engine gives its KV pages (kv_cache_head_dim)."""

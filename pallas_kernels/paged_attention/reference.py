@@ -21,8 +21,9 @@ def write_kv_pages(k_pages, v_pages, k, v, slot_ids):
     return k_pages, v_pages
 
 
-def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, *,
-                           query_block: int, sliding_window: int | None = None):
+def ragged_paged_attention(
+    q, k_pages, v_pages, page_table, token_seq_ids, positions, *, query_block: int, sliding_window: int | None = None
+):
     """q [T, H, D]; pages [num_pages, page_size, K, D]; page_table [S, P]; token_seq_ids, positions [T].
 
     Returns [T, H, D] in q's dtype; softmax in float32 whatever the input dtype.
@@ -41,7 +42,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
     block_pages = page_table[token_seq_ids[::query_block]]  # [N, P]
     block_pages = jnp.pad(block_pages, ((0, 0), (0, -block_pages.shape[1] % pages_per_span)))
     queries = q.reshape(num_blocks, query_block, num_kv_heads, num_groups, head_dim)
-    queries = queries.astype(jnp.float32) * (head_dim ** -0.5)
+    queries = queries.astype(jnp.float32) * (head_dim**-0.5)
     query_positions = positions.reshape(num_blocks, query_block)[:, :, None]  # [N, B, 1]
 
     def attend_span(index, carry):
@@ -61,12 +62,16 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, posit
         weights = jnp.exp(scores - safe_max[..., None])
         denominator = denominator * rescale + weights.sum(axis=-1)
         accumulator = accumulator * rescale[..., None] + jnp.einsum(
-            "nkgbl,nlkd->nkgbd", weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
+            "nkgbl,nlkd->nkgbd", weights.astype(values.dtype), values, preferred_element_type=jnp.float32
+        )
         return new_max, denominator, accumulator
 
     stats_shape = (num_blocks, num_kv_heads, num_groups, query_block)
-    init = (jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
-            jnp.zeros(stats_shape + (head_dim,), jnp.float32))
+    init = (
+        jnp.full(stats_shape, -jnp.inf, jnp.float32),
+        jnp.zeros(stats_shape, jnp.float32),
+        jnp.zeros(stats_shape + (head_dim,), jnp.float32),
+    )
     num_spans = jnp.minimum((jnp.max(positions) + span) // span, block_pages.shape[1] // pages_per_span)
     _, denominator, accumulator = jax.lax.fori_loop(0, num_spans, attend_span, init)
     out = accumulator / jnp.where(denominator > 0, denominator, 1.0)[..., None]  # padding rows saw nothing

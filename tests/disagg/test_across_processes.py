@@ -14,9 +14,17 @@ from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.launcher import LaunchedReplica, is_serving
 from tests.support.fixtures import expected, fixture_dir
 
-ENGINE = ("model.dtype=float32", "engine.max_model_len=128", "engine.max_num_seqs=4",
-          "engine.max_num_batched_tokens=64", "engine.page_size=8", "engine.num_pages=48",
-          "engine.show_progress=false", "engine.handover_timeout=15", "server.http_port=0")
+ENGINE = (
+    "model.dtype=float32",
+    "engine.max_model_len=128",
+    "engine.max_num_seqs=4",
+    "engine.max_num_batched_tokens=64",
+    "engine.page_size=8",
+    "engine.num_pages=48",
+    "engine.show_progress=false",
+    "engine.handover_timeout=15",
+    "server.http_port=0",
+)
 STARTUP_TIMEOUT = 300.0
 
 
@@ -24,9 +32,16 @@ STARTUP_TIMEOUT = 300.0
 def replicas(tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # for the replicas
     log_dir = str(tmp_path_factory.mktemp("replicas"))
-    launched = [LaunchedReplica(index, fixture_dir("llama_gqa"), None,
-                                ENGINE + (f"engine.role={role}", f"engine.tensor_parallel_size={tp}"), log_dir)
-                for index, (role, tp) in enumerate((("prefill", 2), ("decode", 1)))]
+    launched = [
+        LaunchedReplica(
+            index,
+            fixture_dir("llama_gqa"),
+            None,
+            ENGINE + (f"engine.role={role}", f"engine.tensor_parallel_size={tp}"),
+            log_dir,
+        )
+        for index, (role, tp) in enumerate((("prefill", 2), ("decode", 1)))
+    ]
     try:
         for replica in launched:
             replica.start()
@@ -54,14 +69,20 @@ def call(address: str, stub_class, method: str, request):
 
 def test_greedy_outputs_equal_across_meshes_and_processes(replicas):
     prefill, decode = replicas
-    meshes = [call(r.address, jaxserve_pb2_grpc.GenerationStub, "GetServerInfo", pb.ServerInfoRequest()).mesh
-              for r in replicas]
+    meshes = [
+        call(r.address, jaxserve_pb2_grpc.GenerationStub, "GetServerInfo", pb.ServerInfoRequest()).mesh
+        for r in replicas
+    ]
     assert meshes[0] != meshes[1], meshes
     with grpc.insecure_channel(decode.address) as channel:
         stub = disagg_pb2_grpc.DecodeStub(channel)
         for job in expected("llama_gqa")["prompts"]:
-            request = dpb.DecodeRequest(prefill_address=prefill.address, request=pb.GenerateRequest(
-                token_ids=job["token_ids"], sampling=pb.SamplingParams(max_tokens=24, temperature=0.0)))
+            request = dpb.DecodeRequest(
+                prefill_address=prefill.address,
+                request=pb.GenerateRequest(
+                    token_ids=job["token_ids"], sampling=pb.SamplingParams(max_tokens=24, temperature=0.0)
+                ),
+            )
             assert [t for m in stub.Generate(request, timeout=120) for t in m.token_ids] == job["greedy_token_ids"]
     sides = [call(r.address, disagg_pb2_grpc.PrefillStub, "Status", dpb.StatusRequest()) for r in replicas]
     assert sides[1].num_handovers > 0 and sides[1].bytes_moved == sides[0].bytes_moved > 0

@@ -4,11 +4,11 @@ the pages the decode side lacks travel, and no page is leaked on either side."""
 import numpy as np
 import pytest
 
-from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 from jaxserve import LLM, SamplingParams
 from jaxserve.device.page_copies import handover_chunk_sizes
 from jaxserve.disagg.handover import DisaggregatedPair, HandoverStats
 from jaxserve.models.kv_pages import KVPages
+from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -27,8 +27,13 @@ def all_pages_free(engine):
 
 def page_bytes(engine):
     config = engine.model_config
-    return KVPages.bytes_per_page(config.num_layers, engine.config.page_size, config.num_kv_heads,
-                                  engine.runner.kv_pages.keys[0].shape[-1], engine.runner.kv_pages.keys[0].dtype)
+    return KVPages.bytes_per_page(
+        config.num_layers,
+        engine.config.page_size,
+        config.num_kv_heads,
+        engine.runner.kv_pages.keys[0].shape[-1],
+        engine.runner.kv_pages.keys[0].dtype,
+    )
 
 
 def test_greedy_outputs_equal_colocated(pair, llama_llm):
@@ -88,8 +93,7 @@ def test_decode_side_recomputes_when_prefill_is_lost(pair, llama_llm):
     assert all_pages_free(pair.decode_engine)
 
 
-@pytest.mark.parametrize("num_pages, sizes", [(0, []), (1, [1]), (2, [2]), (7, [4, 2, 1]), (13, [8, 4, 1]),
-                                              (16, [16])])
+@pytest.mark.parametrize("num_pages, sizes", [(0, []), (1, [1]), (2, [2]), (7, [4, 2, 1]), (13, [8, 4, 1]), (16, [16])])
 def test_handover_chunks_are_powers_of_two_without_padding(num_pages, sizes):
     assert handover_chunk_sizes(num_pages) == sizes
 

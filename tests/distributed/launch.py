@@ -22,8 +22,9 @@ class ProcessPair:
         self.processes = []
         for process_id, log in enumerate(self.logs):
             with open(log, "w") as out:
-                self.processes.append(subprocess.Popen(command(process_id), cwd=ROOT, env=env, stdout=out,
-                                                       stderr=subprocess.STDOUT))
+                self.processes.append(
+                    subprocess.Popen(command(process_id), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+                )
 
     def wait(self, timeout: float) -> list[int | None]:
         """Exit codes (None: still running at the deadline)."""
@@ -46,8 +47,9 @@ class ProcessPair:
 def run_workers(directory, timeout: float) -> tuple[list[int | None], list[str]]:
     """Both processes of tests/distributed/worker.py; exit codes and logs."""
     port = free_port()
-    pair = ProcessPair(directory, lambda i: [sys.executable, "-m", "tests.distributed.worker", str(i), str(port),
-                                             str(directory)])
+    pair = ProcessPair(
+        directory, lambda i: [sys.executable, "-m", "tests.distributed.worker", str(i), str(port), str(directory)]
+    )
     try:
         codes = pair.wait(timeout)
         return codes, [pair.log(0), pair.log(1)]

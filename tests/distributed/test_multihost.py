@@ -30,11 +30,17 @@ def main_run(tmp_path_factory):
     directory = tmp_path_factory.mktemp("multihost")
     started = time.monotonic()
     codes, logs = run_workers(directory, timeout=600)
-    assert (directory / "results.json").exists(), f"exit codes {codes}\n--- process 0\n{logs[0][-3000:]}\n" \
-                                                  f"--- process 1\n{logs[1][-3000:]}"
+    assert (directory / "results.json").exists(), (
+        f"exit codes {codes}\n--- process 0\n{logs[0][-3000:]}\n--- process 1\n{logs[1][-3000:]}"
+    )
     with open(directory / "results.json") as f:
-        return {**json.load(f), "directory": directory, "codes": codes, "logs": logs,
-                "seconds": time.monotonic() - started}
+        return {
+            **json.load(f),
+            "directory": directory,
+            "codes": codes,
+            "logs": logs,
+            "seconds": time.monotonic() - started,
+        }
 
 
 def assert_equals_transformers(outcome):
@@ -56,8 +62,11 @@ def test_expert_parallel_across_processes_equals_transformers_and_moves(main_run
     moved = outcome["expert_devices_moved"]
     assert moved != outcome["expert_devices_before"]
     # experts crossed between the processes (devices 0-3 are process 0's, 4-7 process 1's)
-    assert any((before < 4) != (after < 4) for layer_before, layer_after in zip(outcome["expert_devices_before"], moved)
-               for before, after in zip(layer_before, layer_after))
+    assert any(
+        (before < 4) != (after < 4)
+        for layer_before, layer_after in zip(outcome["expert_devices_before"], moved)
+        for before, after in zip(layer_before, layer_after)
+    )
     assert_equals_transformers(outcome["after_rebalance"])
     assert outcome["compiles_after_warmup"] == 0
 
@@ -65,12 +74,15 @@ def test_expert_parallel_across_processes_equals_transformers_and_moves(main_run
 def test_checkpoints_of_two_processes_restore_into_one(main_run):
     """Both processes wrote their shards: the tensor-parallel model, and the expert-parallel one after its
     experts moved across processes (saved in canonical order); each restores onto one device."""
-    for checkpoint, name, tokens in (("checkpoint", "llama_gqa", main_run["tp8"]["token_ids"]),
-                                     ("ep_checkpoint", "mixtral_6x", main_run["ep8"]["token_ids"])):
+    for checkpoint, name, tokens in (
+        ("checkpoint", "llama_gqa", main_run["tp8"]["token_ids"]),
+        ("ep_checkpoint", "mixtral_6x", main_run["ep8"]["token_ids"]),
+    ):
         llm = LLM(str(main_run["directory"] / checkpoint), **SMALL_ENGINE)
         prompts = expected(name)["prompts"]
-        outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0),
-                               use_tqdm=False)
+        outputs = llm.generate(
+            [p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False
+        )
         assert [o.outputs[0].token_ids for o in outputs] == tokens
         assert [o.outputs[0].token_ids for o in outputs] == [p["greedy_token_ids"] for p in prompts]
 
@@ -92,17 +104,29 @@ def _serve_pair(tmp_path, main_run, peer_timeout: float) -> tuple[ProcessPair, i
     """`python -m jaxserve.serve` as processes 0 and 1 (the main run's first engine, whose executables are in
     that run's persistent cache), once process 0 is SERVING; its gRPC port."""
     coordinator, grpc_port = free_port(), free_port()
-    config = {"model": {"path": fixture_dir("llama_gqa"), "dtype": "float32"},
-              "engine": {**{k: v for k, v in SMALL_ENGINE.items() if k != "dtype"}, "decode_seq_buckets": [8],
-                         "tensor_parallel_size": 8, "compilation_cache_dir": str(main_run["directory"] / "xla_cache")},
-              "server": {"port": grpc_port, "http_port": 0, "metrics_port": 0},
-              "distributed": {"coordinator_address": f"127.0.0.1:{coordinator}", "num_processes": 2,
-                              "num_cpu_devices": 4, "peer_timeout": peer_timeout, "initialization_timeout": 60}}
+    config = {
+        "model": {"path": fixture_dir("llama_gqa"), "dtype": "float32"},
+        "engine": {
+            **{k: v for k, v in SMALL_ENGINE.items() if k != "dtype"},
+            "decode_seq_buckets": [8],
+            "tensor_parallel_size": 8,
+            "compilation_cache_dir": str(main_run["directory"] / "xla_cache"),
+        },
+        "server": {"port": grpc_port, "http_port": 0, "metrics_port": 0},
+        "distributed": {
+            "coordinator_address": f"127.0.0.1:{coordinator}",
+            "num_processes": 2,
+            "num_cpu_devices": 4,
+            "peer_timeout": peer_timeout,
+            "initialization_timeout": 60,
+        },
+    }
     paths = []
     for process_id in range(2):
         paths.append(tmp_path / f"process{process_id}.yaml")
-        paths[-1].write_text(yaml.safe_dump({**config, "distributed": {**config["distributed"],
-                                                                        "process_id": process_id}}))
+        paths[-1].write_text(
+            yaml.safe_dump({**config, "distributed": {**config["distributed"], "process_id": process_id}})
+        )
     pair = ProcessPair(tmp_path, lambda i: [sys.executable, "-m", "jaxserve.serve", "--config", str(paths[i])])
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:

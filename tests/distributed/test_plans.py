@@ -15,8 +15,15 @@ def test_distributed_config_section(tmp_path):
     assert load_config(None, []).distributed is None  # one process
     (tmp_path / "slice.yaml").write_text("distributed: {}\n")  # a TPU slice: jax.distributed detects the rest
     assert load_config(str(tmp_path / "slice.yaml")).distributed == DistributedConfig()
-    config = load_config(None, ["distributed.coordinator_address=10.0.0.1:1234", "distributed.num_processes=2",
-                                "distributed.process_id=1", "distributed.peer_timeout=5"]).distributed
+    config = load_config(
+        None,
+        [
+            "distributed.coordinator_address=10.0.0.1:1234",
+            "distributed.num_processes=2",
+            "distributed.process_id=1",
+            "distributed.peer_timeout=5",
+        ],
+    ).distributed
     assert (config.coordinator_address, config.num_processes, config.process_id) == ("10.0.0.1:1234", 2, 1)
     assert config.beat_interval < config.peer_timeout
     assert load_config(None, ["distributed.peer_timeout=60"]).distributed.coordinator_address is None  # auto-detect

@@ -16,9 +16,17 @@ from jaxserve.distributed.follower import run_follower
 from jaxserve.distributed.runtime import initialize
 
 process_id, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-initialize(DistributedConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
-                             num_cpu_devices=4, peer_timeout=30.0, hash_check_interval=4,
-                             initialization_timeout=60))
+initialize(
+    DistributedConfig(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
+        num_cpu_devices=4,
+        peer_timeout=30.0,
+        hash_check_interval=4,
+        initialization_timeout=60,
+    )
+)
 
 import jax  # noqa: E402  (after initialize: the devices are the program's)
 
@@ -40,12 +48,18 @@ ENGINES["diverge"] = ENGINES["tp8"]
 
 def compare_with_hf(llm, name):
     prompts = expected(name)["prompts"]
-    outputs = llm.generate([p["token_ids"] for p in prompts],
-                           SamplingParams(max_tokens=24, temperature=0.0, logprobs=8), use_tqdm=False)
-    return {"greedy_equal": [o.outputs[0].token_ids == p["greedy_token_ids"] for o, p in zip(outputs, prompts)],
-            "max_logprob_error": max(abs(o.outputs[0].logprobs[0][t] - v) for o, p in zip(outputs, prompts)
-                                     for t, v in zip(p["first_top_token_ids"], p["first_top_logprobs"])),
-            "token_ids": [o.outputs[0].token_ids for o in outputs]}
+    outputs = llm.generate(
+        [p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0, logprobs=8), use_tqdm=False
+    )
+    return {
+        "greedy_equal": [o.outputs[0].token_ids == p["greedy_token_ids"] for o, p in zip(outputs, prompts)],
+        "max_logprob_error": max(
+            abs(o.outputs[0].logprobs[0][t] - v)
+            for o, p in zip(outputs, prompts)
+            for t, v in zip(p["first_top_token_ids"], p["first_top_logprobs"])
+        ),
+        "token_ids": [o.outputs[0].token_ids for o in outputs],
+    }
 
 
 def lead(key, llm, name):
@@ -58,9 +72,12 @@ def lead(key, llm, name):
         before = llm.stats()
         llm.rebalance_experts()
         moved = llm.stats()
-        result.update(expert_devices_before=before["expert_devices"], expert_devices_moved=moved["expert_devices"],
-                      after_rebalance=compare_with_hf(llm, name),
-                      compiles_after_warmup=moved["num_compiles_after_warmup"])
+        result.update(
+            expert_devices_before=before["expert_devices"],
+            expert_devices_moved=moved["expert_devices"],
+            after_rebalance=compare_with_hf(llm, name),
+            compiles_after_warmup=moved["num_compiles_after_warmup"],
+        )
         llm.save_checkpoint(os.path.join(out_dir, "ep_checkpoint"))  # experts moved across processes
     llm.engine.runner.shutdown()
     return result

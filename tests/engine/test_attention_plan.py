@@ -43,8 +43,12 @@ def _lower_every_step(monkeypatch, llm, platform: str, lowering_platform: str, a
             for shape in all_step_shapes(runner.buckets, runner.prefill_query_block):
                 inputs = runner.build_inputs([[]], shape)
                 with jax.sharding.use_abstract_mesh(abstract_mesh) if abstract_mesh else contextlib.nullcontext():
-                    traced = runner._jitted.trace(_abstract(runner.param_leaves), _abstract(runner.kv_pages),
-                                                  _abstract(runner.token_buffer), _abstract(inputs))
+                    traced = runner._jitted.trace(
+                        _abstract(runner.param_leaves),
+                        _abstract(runner.kv_pages),
+                        _abstract(runner.token_buffer),
+                        _abstract(inputs),
+                    )
                     texts.append(traced.lower(lowering_platforms=(lowering_platform,)).as_text())
     finally:
         jax.clear_caches()
@@ -54,8 +58,9 @@ def _lower_every_step(monkeypatch, llm, platform: str, lowering_platform: str, a
 def test_the_whole_engine_step_lowers_for_a_gpu(monkeypatch):
     """Every step executable of a Mixtral engine with attention_impl="pallas", lowered for CUDA on this
     machine as a GPU engine would build it (padded pages, Triton kernels), not in interpret mode."""
-    monkeypatch.setattr(attention_plan, "kv_cache_head_dim",
-                        lambda impl, platform, head_dim: pallas_gpu.cache_head_dim(head_dim, "gpu"))
+    monkeypatch.setattr(
+        attention_plan, "kv_cache_head_dim", lambda impl, platform, head_dim: pallas_gpu.cache_head_dim(head_dim, "gpu")
+    )
     llm = LLM(fixture_dir("mixtral"), **{**SMALL_ENGINE, "attention_impl": "pallas", "dtype": "bfloat16"})
     texts = _lower_every_step(monkeypatch, llm, "gpu", "cuda")
     assert len(texts) == llm.stats()["num_executables"]
@@ -65,7 +70,8 @@ def test_the_whole_engine_step_lowers_for_a_gpu(monkeypatch):
 def test_the_whole_engine_step_lowers_for_a_tpu(monkeypatch):
     """The same for a TPU v5e (abstract device): the Mosaic kernel with DMA'd pages, XLA's page writes."""
     llm = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "attention_impl": "pallas", "dtype": "bfloat16"})
-    v5e = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5 lite", num_cores=1,
-                                                                     platform="tpu"))
+    v5e = AbstractMesh(
+        (1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    )
     texts = _lower_every_step(monkeypatch, llm, "tpu", "tpu", abstract_mesh=v5e)
     assert texts and all("tpu_custom_call" in text for text in texts)

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 from jaxserve import LLM, SamplingParams
 from jaxserve.device.step_inputs import all_step_shapes
+from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -28,7 +28,9 @@ def test_batch_invariance_and_no_compiles_after_warmup():
     assert [len(o.outputs[0].token_ids) for o in together[1:]] == lengths.tolist()
     stats = llm.stats()
     assert stats["num_compiles_after_warmup"] == 0
-    assert stats["num_executables"] == len(all_step_shapes(llm.engine.runner.buckets, llm.engine.config.prefill_query_block))
+    assert stats["num_executables"] == len(
+        all_step_shapes(llm.engine.runner.buckets, llm.engine.config.prefill_query_block)
+    )
     assert stats["kv_pages_free"] == stats["kv_pages_total"], "every page is free once all requests finish"
 
 
@@ -51,8 +53,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llama_llm):
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
     alone = llama_llm.generate([prompt], seeded)[0].outputs[0].token_ids
     rng = np.random.default_rng(1)
-    crowd = llama_llm.generate([prompt] + random_prompts(6, rng),
-                               [seeded] + [SamplingParams(max_tokens=8, temperature=0.8)] * 6)
+    crowd = llama_llm.generate(
+        [prompt] + random_prompts(6, rng), [seeded] + [SamplingParams(max_tokens=8, temperature=0.8)] * 6
+    )
     assert crowd[0].outputs[0].token_ids == alone
     other_seed = llama_llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=99))
     assert other_seed[0].outputs[0].token_ids != alone
@@ -68,8 +71,9 @@ def test_sampling_filters(llama_llm):
     min_p = SamplingParams(max_tokens=10, temperature=1.0, min_p=1.0, seed=3)
     assert llama_llm.generate([prompt["token_ids"]], min_p)[0].outputs[0].token_ids == greedy
     # top_k=3 only ever picks among the three most likely tokens
-    out = llama_llm.generate([prompt["token_ids"]], SamplingParams(max_tokens=1, temperature=5.0, top_k=3, n=8,
-                                                                   logprobs=3, seed=5))[0]
+    out = llama_llm.generate(
+        [prompt["token_ids"]], SamplingParams(max_tokens=1, temperature=5.0, top_k=3, n=8, logprobs=3, seed=5)
+    )[0]
     for completion in out.outputs:
         top3 = sorted(completion.logprobs[0].items(), key=lambda kv: -kv[1])[:3]
         assert completion.token_ids[0] in {t for t, _ in top3}
@@ -92,16 +96,18 @@ def test_stop_strings_and_stop_tokens(llama_llm):
     full = llama_llm.generate([prompt["token_ids"]], GREEDY)[0].outputs[0]
     assert len(full.text) > 4
     stop = full.text[2:4]
-    stopped = llama_llm.generate([prompt["token_ids"]], SamplingParams(max_tokens=12, temperature=0.0,
-                                                                       stop=[stop]))[0].outputs[0]
+    stopped = llama_llm.generate([prompt["token_ids"]], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]))[
+        0
+    ].outputs[0]
     assert stopped.finish_reason == "stop"
     assert stop not in stopped.text and full.text.startswith(stopped.text)
-    assert stopped.text == full.text[:full.text.index(stop)]
+    assert stopped.text == full.text[: full.text.index(stop)]
     stop_token = full.token_ids[3]
-    by_token = llama_llm.generate([prompt["token_ids"]], SamplingParams(max_tokens=12, temperature=0.0,
-                                                                        stop_token_ids=[stop_token]))[0].outputs[0]
+    by_token = llama_llm.generate(
+        [prompt["token_ids"]], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_token])
+    )[0].outputs[0]
     assert by_token.finish_reason == "stop"
-    assert by_token.token_ids == full.token_ids[:full.token_ids.index(stop_token) + 1]
+    assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
 
 
 def test_eos_stops_unless_ignored(llama_llm):
@@ -118,15 +124,18 @@ def test_eos_stops_unless_ignored(llama_llm):
     assert len(ignored.outputs[0].token_ids) == 3 and ignored.outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("prompt,params,message", [
-    ([1, 384], GREEDY, "outside the vocabulary"),
-    ([1, -3], GREEDY, "outside the vocabulary"),
-    ([], GREEDY, "empty"),
-    ("", GREEDY, "empty"),
-    ([1] * 120, SamplingParams(max_tokens=20), "max_model_len"),
-    ([1, 2], SamplingParams(max_tokens=2, logprobs=50), "max_logprobs"),
-    ([1, "a"], GREEDY, "token ids"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,message",
+    [
+        ([1, 384], GREEDY, "outside the vocabulary"),
+        ([1, -3], GREEDY, "outside the vocabulary"),
+        ([], GREEDY, "empty"),
+        ("", GREEDY, "empty"),
+        ([1] * 120, SamplingParams(max_tokens=20), "max_model_len"),
+        ([1, 2], SamplingParams(max_tokens=2, logprobs=50), "max_logprobs"),
+        ([1, "a"], GREEDY, "token ids"),
+    ],
+)
 def test_bad_requests_raise_and_engine_keeps_serving(llama_llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         llama_llm.generate([prompt], params)
@@ -135,10 +144,18 @@ def test_bad_requests_raise_and_engine_keeps_serving(llama_llm, prompt, params, 
     assert not llama_llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(n=0), "n must"), (dict(min_p=2.0), "min_p"), (dict(top_k=-2), "top_k"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(n=0), "n must"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(top_k=-2), "top_k"),
+    ],
+)
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)

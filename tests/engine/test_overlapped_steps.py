@@ -10,8 +10,10 @@ from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 
 
 def _engines(**options):
-    return {overlap: LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, **options, "overlap_steps": overlap})
-            for overlap in (False, True)}
+    return {
+        overlap: LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, **options, "overlap_steps": overlap})
+        for overlap in (False, True)
+    }
 
 
 def _workload(seed: int, num_requests: int):
@@ -20,9 +22,17 @@ def _workload(seed: int, num_requests: int):
     params = []
     for i in range(num_requests):
         temperature = 0.0 if i % 3 else 0.8
-        params.append(SamplingParams(temperature=temperature, seed=1000 + i, max_tokens=int(rng.integers(1, 40)),
-                                     stop_token_ids=[7, 11, 23], logprobs=2 if i % 4 == 0 else None,
-                                     n=2 if i % 5 == 0 else 1, stop=["e", "an"] if i % 3 == 1 else None))
+        params.append(
+            SamplingParams(
+                temperature=temperature,
+                seed=1000 + i,
+                max_tokens=int(rng.integers(1, 40)),
+                stop_token_ids=[7, 11, 23],
+                logprobs=2 if i % 4 == 0 else None,
+                n=2 if i % 5 == 0 else 1,
+                stop=["e", "an"] if i % 3 == 1 else None,
+            )
+        )
     return prompts, params
 
 
@@ -39,11 +49,15 @@ def _assert_logprobs_close(results, expected):
                 assert np.allclose([got[t] for t in want], list(want.values()), atol=1e-4)
 
 
-@pytest.mark.parametrize("options", [
-    dict(num_pages=256, page_size=8),  # roomy: stops, lengths, n > 1, logprobs, seeded sampling
-    dict(num_pages=24, page_size=4),  # tight: sequences get preempted and recomputed
-    dict(num_pages=256, page_size=4, max_num_batched_tokens=16, prefill_query_block=4),  # long chunked prefills
-], ids=["roomy", "preempting", "chunked"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(num_pages=256, page_size=8),  # roomy: stops, lengths, n > 1, logprobs, seeded sampling
+        dict(num_pages=24, page_size=4),  # tight: sequences get preempted and recomputed
+        dict(num_pages=256, page_size=4, max_num_batched_tokens=16, prefill_query_block=4),  # long chunked prefills
+    ],
+    ids=["roomy", "preempting", "chunked"],
+)
 def test_outputs_equal_with_and_without_overlap(options):
     engines = _engines(**options)
     prompts, params = _workload(0, 14)
@@ -59,8 +73,7 @@ def test_outputs_equal_with_and_without_overlap(options):
         assert stats["num_compiles_after_warmup"] == 0
         assert stats["kv_pages_free"] == stats["kv_pages_total"]  # nothing held (cached pages are free to take)
         assert stats["num_running"] == 0 and stats["num_waiting"] == 0
-        assert all(not s._free_token_slots or len(s._free_token_slots) == s.max_num_seqs
-                   for s in llm.engine.schedulers)
+        assert all(not s._free_token_slots or len(s._free_token_slots) == s.max_num_seqs for s in llm.engine.schedulers)
     if options["num_pages"] == 24:
         assert engines[True].stats()["num_preemptions"] > 0
     assert engines[True].stats()["overlap_steps"] is True
@@ -99,8 +112,9 @@ def test_abort_while_a_step_is_in_flight_frees_everything():
     assert not engine.has_unfinished_requests()
     assert "a" not in outputs or not outputs["a"].finished
     assert len(outputs["b"].outputs[0].token_ids) == 5
-    reference = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "num_pages": 64, "page_size": 4,
-                                                  "overlap_steps": False})
+    reference = LLM(
+        fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "num_pages": 64, "page_size": 4, "overlap_steps": False}
+    )
     expected = reference.generate([list(range(5, 12))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert outputs["b"].outputs[0].token_ids == expected[0].outputs[0].token_ids
     scheduler = engine.schedulers[0]

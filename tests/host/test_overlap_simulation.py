@@ -25,14 +25,17 @@ def prefix_hash(tokens) -> str:
 
 
 def fake_model(tokens, seq) -> int:
-    return int(hashlib.blake2b(repr((tuple(tokens), seq.sampling_seed)).encode(), digest_size=4).hexdigest(), 16) % VOCAB
+    return (
+        int(hashlib.blake2b(repr((tuple(tokens), seq.sampling_seed)).encode(), digest_size=4).hexdigest(), 16) % VOCAB
+    )
 
 
 class SimulatedEngine:
     def __init__(self, overlap, num_pages, page_size, max_num_seqs, budget, block, host_pages, max_model_len):
         self.allocator = PageAllocator(num_pages, page_size, True, host_pages)
-        self.scheduler = Scheduler(self.allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                   prefill_query_block=block)
+        self.scheduler = Scheduler(
+            self.allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, prefill_query_block=block
+        )
         self.outputs = OutputProcessor(None, frozenset({EOS}), max_model_len)
         self.kv: dict[tuple[int, int], str] = {}  # (page, offset) -> hash of the prefix it was computed from
         self.token_buffer = [None] * (max_num_seqs + 1)
@@ -64,13 +67,14 @@ class SimulatedEngine:
                 tokens = tokens + [self.token_buffer[seq.token_slot]]
             for position in range(chunk.start):  # what attention reads
                 page = seq.page_ids[position // size]
-                assert self.kv.get((page, position % size)) == prefix_hash(tokens[:position + 1]), \
+                assert self.kv.get((page, position % size)) == prefix_hash(tokens[: position + 1]), (
                     f"sequence {seq.seq_id} reads wrong KV at position {position} (page {page})"
+                )
             for position in range(chunk.start, chunk.end):
                 page = seq.page_ids[position // size]
                 assert self.allocator.page_keys[page] is None, f"a step writes cached page {page}"
-                self.kv[(page, position % size)] = prefix_hash(tokens[:position + 1])
-            token = fake_model(tokens[:chunk.end], seq) if chunk.samples_next_token else 0
+                self.kv[(page, position % size)] = prefix_hash(tokens[: position + 1])
+            token = fake_model(tokens[: chunk.end], seq) if chunk.samples_next_token else 0
             self.token_buffer[seq.token_slot if chunk.samples_next_token else -1] = token
             sampled.append(token)
         self.scheduler.mark_dispatched(chunks)
@@ -102,11 +106,22 @@ def simulate(seed, overlap, aborts, config):
     requests = []
     for i in range(12):
         base = rng.choice(bases)
-        prompt = base[:rng.randrange(1, len(base) + 1)] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(0, 6))]
-        params = SamplingParams(max_tokens=rng.randrange(1, min(20, config["max_model_len"] - len(prompt)) + 1),
-                                stop_token_ids=[STOP] if i % 2 else None)
-        seqs = [SequenceState(seq_id=next(ids), request_id=f"r{i}", prompt_token_ids=prompt, params=params,
-                              sampling_seed=1000 * i + k, arrival_order=i) for k in range(2 if i % 5 == 0 else 1)]
+        prompt = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(0, 6))]
+        params = SamplingParams(
+            max_tokens=rng.randrange(1, min(20, config["max_model_len"] - len(prompt)) + 1),
+            stop_token_ids=[STOP] if i % 2 else None,
+        )
+        seqs = [
+            SequenceState(
+                seq_id=next(ids),
+                request_id=f"r{i}",
+                prompt_token_ids=prompt,
+                params=params,
+                sampling_seed=1000 * i + k,
+                arrival_order=i,
+            )
+            for k in range(2 if i % 5 == 0 else 1)
+        ]
         arrival = rng.randrange(0, 25)
         abort_at = arrival + rng.randrange(0, 10)
         requests.append((seqs, arrival, abort_at if aborts and i % 3 == 1 else None))
@@ -122,8 +137,12 @@ def simulate(seed, overlap, aborts, config):
             break
         assert step < 3000, "no progress"
     assert engine.allocator.num_free_pages == engine.allocator.num_usable_pages
-    return {seq.seq_id: (seq.output_token_ids, seq.finish_reason) for seqs, _, _ in requests for seq in seqs
-            if seq.finish_reason != "abort"}
+    return {
+        seq.seq_id: (seq.output_token_ids, seq.finish_reason)
+        for seqs, _, _ in requests
+        for seq in seqs
+        if seq.finish_reason != "abort"
+    }
 
 
 CONFIGS = {

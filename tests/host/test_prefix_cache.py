@@ -2,12 +2,13 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 from jaxserve import LLM, SamplingParams
-from jaxserve.host.page_allocator import PageAllocator
 from jaxserve.device.page_copies import host_pages_to_array
+from jaxserve.host.page_allocator import PageAllocator
+from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 from tests.support.scheduling import drive, make_scheduler, make_seq
 
 ENGINE = {**SMALL_ENGINE, "max_model_len": 256, "page_size": 8}
@@ -31,8 +32,13 @@ def uncached_llm():
     return LLM(fixture_dir("llama_gqa"), **{**ENGINE, "enable_prefix_caching": False})
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=16, temperature=0.0),
-                                    SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=11)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=16, temperature=0.0),
+        SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=11),
+    ],
+)
 def test_outputs_equal_with_and_without_caching(cached_llm, uncached_llm, params):
     prompts = shared_prefix_prompts(np.random.default_rng(0))
     # run twice on the cached engine: the second pass hits pages computed by the first
@@ -72,8 +78,10 @@ def test_shared_pages_are_never_written(cached_llm):
     assert len(pages) == 48 // 8
     runner = cached_llm.engine.runner
     before = [np.asarray(layer[np.asarray(pages)]) for layer in runner.kv_pages.keys + runner.kv_pages.values]
-    outputs = cached_llm.generate([prefix + rng.integers(3, 384, size=9).tolist() for _ in range(3)],
-                                  SamplingParams(max_tokens=10, temperature=0.0))
+    outputs = cached_llm.generate(
+        [prefix + rng.integers(3, 384, size=9).tolist() for _ in range(3)],
+        SamplingParams(max_tokens=10, temperature=0.0),
+    )
     assert all(o.num_cached_tokens == 48 for o in outputs)
     after = [np.asarray(layer[np.asarray(pages)]) for layer in runner.kv_pages.keys + runner.kv_pages.values]
     for old, new in zip(before, after):
@@ -111,9 +119,14 @@ def test_eviction_is_least_recently_released_leaves_first():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 12), st.integers(1, 10), st.integers(0, 5),
-                          st.booleans()), min_size=1, max_size=10),
-       st.integers(10, 30))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 12), st.integers(1, 10), st.integers(0, 5), st.booleans()),
+        min_size=1,
+        max_size=10,
+    ),
+    st.integers(10, 30),
+)
 def test_random_shared_prefix_workloads_complete_without_leaks(requests, num_pages):
     """Random arrivals sharing prefixes, cancellations and preemption, with caching on."""
     scheduler = make_scheduler(num_pages=num_pages, page_size=4, max_num_seqs=3, budget=16, block=4)

@@ -1,12 +1,13 @@
 """The scheduler and page allocator, as plain Python (no JAX): a fake model samples token 7."""
 
-
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxserve.host.page_allocator import RESERVED_PAGE, PageAllocator
 from jaxserve.host.request import RequestStatus
 from tests.support.scheduling import assert_no_leaks, drive, make_scheduler, make_seq, run_step
+
 
 def test_allocator_reference_counts():
     allocator = PageAllocator(5, 16)
@@ -78,14 +79,23 @@ def test_abort_frees_pages_immediately():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 20), st.integers(0, 6), st.booleans()),
-                min_size=1, max_size=12),
-       st.integers(12, 40), st.sampled_from([1, 2, 4]), st.integers(1, 5))
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 40), st.integers(1, 20), st.integers(0, 6), st.booleans()), min_size=1, max_size=12
+    ),
+    st.integers(12, 40),
+    st.sampled_from([1, 2, 4]),
+    st.integers(1, 5),
+)
 def test_random_workloads_complete_without_leaks(requests, num_pages, block, max_num_seqs):
     """Random arrivals, lengths and cancellations, with a cache small enough to force preemption."""
     page_size = 4
-    scheduler = make_scheduler(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
-                               budget=4 * block, block=block)
-    pending = [(arrival, make_seq(p, m), cancel) for p, m, arrival, cancel in requests
-               if -(-(p + m) // page_size) <= num_pages - 1]  # the engine rejects what can never fit
+    scheduler = make_scheduler(
+        num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs, budget=4 * block, block=block
+    )
+    pending = [
+        (arrival, make_seq(p, m), cancel)
+        for p, m, arrival, cancel in requests
+        if -(-(p + m) // page_size) <= num_pages - 1
+    ]  # the engine rejects what can never fit
     drive(scheduler, pending)

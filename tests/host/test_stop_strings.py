@@ -10,9 +10,12 @@ from jaxserve.host.stop_strings import StopStringMatcher, find_stop_string
 
 def brute_force(text: str, num_new_chars: int, stops) -> int:
     """Earliest start of a stop string that ends inside the last num_new_chars characters."""
-    starts = [index for stop in stops
-              for index in range(len(text) - len(stop) + 1)
-              if text.startswith(stop, index) and index + len(stop) > len(text) - num_new_chars]
+    starts = [
+        index
+        for stop in stops
+        for index in range(len(text) - len(stop) + 1)
+        if text.startswith(stop, index) and index + len(stop) > len(text) - num_new_chars
+    ]
     return min(starts, default=-1)
 
 
@@ -20,8 +23,10 @@ alphabet = st.sampled_from("abc\u00e9\u4e2d ")
 
 
 @settings(max_examples=300, deadline=None)
-@given(stops=st.lists(st.text(alphabet, min_size=1, max_size=5), min_size=1, max_size=6),
-       pieces=st.lists(st.text(alphabet, min_size=1, max_size=4), min_size=1, max_size=12))
+@given(
+    stops=st.lists(st.text(alphabet, min_size=1, max_size=5), min_size=1, max_size=6),
+    pieces=st.lists(st.text(alphabet, min_size=1, max_size=4), min_size=1, max_size=12),
+)
 def test_matches_the_obvious_search_piece_by_piece(stops, pieces):
     matcher = StopStringMatcher(stops)
     text = ""

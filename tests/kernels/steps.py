@@ -35,7 +35,7 @@ def ragged_step(rng, page_size, head_dim, groups, dtype, query_block, num_kv_hea
     page_table = np.zeros((len(lengths) + 1, max_pages), np.int32)  # + a padding row
     token_seq_ids, positions = [], []
     for row, (length, num_new) in enumerate(zip(lengths, new_tokens)):
-        page_table[row, :cdiv(length, page_size)] = [free.pop() for _ in range(cdiv(length, page_size))]
+        page_table[row, : cdiv(length, page_size)] = [free.pop() for _ in range(cdiv(length, page_size))]
         padded = cdiv(num_new, query_block) * query_block
         token_seq_ids += [row] * padded
         positions += list(range(length - num_new, length)) + [-1] * (padded - num_new)
@@ -47,8 +47,14 @@ def ragged_step(rng, page_size, head_dim, groups, dtype, query_block, num_kv_hea
     q = as_dtype(rng.standard_normal((num_tokens, heads, head_dim)))
     k_pages = as_dtype(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)))
     v_pages = as_dtype(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)))
-    return (q, k_pages, v_pages, jnp.asarray(page_table), jnp.asarray(token_seq_ids, jnp.int32),
-            jnp.asarray(positions, jnp.int32))
+    return (
+        q,
+        k_pages,
+        v_pages,
+        jnp.asarray(page_table),
+        jnp.asarray(token_seq_ids, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+    )
 
 
 def pad_pages(args, width):
@@ -61,6 +67,7 @@ def pad_pages(args, width):
 def assert_matches_on_real_tokens(got, expected, positions, tolerance):
     """Close to the reference for real tokens; zeros for padding tokens (they attend to nothing)."""
     real = np.asarray(positions) >= 0
-    np.testing.assert_allclose(np.asarray(got, np.float32)[real], np.asarray(expected, np.float32)[real],
-                               atol=tolerance, rtol=tolerance)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32)[real], np.asarray(expected, np.float32)[real], atol=tolerance, rtol=tolerance
+    )
     assert np.all(np.asarray(got, np.float32)[~real] == 0), "padding tokens attend to nothing"

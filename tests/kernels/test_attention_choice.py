@@ -14,8 +14,16 @@ def test_unknown_attention_impl_is_rejected():
     q = jnp.zeros((1, 1, 2))
     pages = jnp.zeros((2, 1, 1, 2))
     with pytest.raises(ValueError, match="attention_impl"):
-        ragged_paged_attention(q, pages, pages, jnp.zeros((1, 1), jnp.int32), jnp.zeros(1, jnp.int32),
-                               jnp.zeros(1, jnp.int32), query_block=1, impl="cuda-magic")
+        ragged_paged_attention(
+            q,
+            pages,
+            pages,
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.zeros(1, jnp.int32),
+            jnp.zeros(1, jnp.int32),
+            query_block=1,
+            impl="cuda-magic",
+        )
 
 
 def test_auto_falls_back_to_reference_without_a_compiler(monkeypatch, tmp_path):
@@ -49,8 +57,9 @@ def test_auto_takes_pallas_on_accelerators_where_the_kernel_fits():
     with pytest.raises(ValueError, match="needs a power-of-two page_size, got 12"):
         resolve_attention_impl("pallas", "gpu", jnp.bfloat16, head_dim=128, page_size=12)
     assert resolve_attention_impl("pallas", "cpu", jnp.float32, head_dim=96, page_size=12) == "pallas"  # interpret
-    assert resolve_attention_impl("auto", "gpu", jnp.bfloat16, partitioned=True, head_dim=128, page_size=16) == \
-        "reference"
+    assert (
+        resolve_attention_impl("auto", "gpu", jnp.bfloat16, partitioned=True, head_dim=128, page_size=16) == "reference"
+    )
 
 
 def test_start_up_probe_checks_the_kernels_against_the_reference(monkeypatch):
@@ -76,8 +85,15 @@ def test_split_heuristic_fills_the_device():
     assert pallas_gpu.default_num_splits(num_programs=8, num_spans=64, cores=0) == 1  # CPU interpret mode
     assert pallas_gpu.supported(128, 12, "gpu") and pallas_gpu.supported(96, 16, "gpu") is None
     assert pallas_gpu.supported(128, 16, "gpu") is None and pallas_gpu.supported(96, 12, "cpu") is None
-    assert [pallas_gpu.cache_head_dim(d, "gpu") for d in (8, 12, 64, 80, 96, 100, 128)] == \
-        [16, 16, 64, 128, 128, 128, 128]
+    assert [pallas_gpu.cache_head_dim(d, "gpu") for d in (8, 12, 64, 80, 96, 100, 128)] == [
+        16,
+        16,
+        64,
+        128,
+        128,
+        128,
+        128,
+    ]
     assert pallas_gpu.cache_head_dim(96, "cpu") == pallas_gpu.cache_head_dim(96, "tpu") == 96
 
 

@@ -8,13 +8,14 @@ import pytest
 
 from pallas_kernels import ragged_paged_attention, write_kv_pages
 from pallas_kernels.paged_attention import cpu, pallas_gpu, pallas_tpu, reference
-from tests.kernels.steps import (TOLERANCE, assert_matches_on_real_tokens, cdiv, dense_attention, pad_pages,
-                                 ragged_step)
+from tests.kernels.steps import TOLERANCE, assert_matches_on_real_tokens, cdiv, dense_attention, pad_pages, ragged_step
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpu", "pallas"])
-@pytest.mark.parametrize("num_heads,num_kv_heads,page_size,query_block,sliding_window", [
-    (4, 4, 8, 1, None), (8, 2, 16, 4, None), (6, 1, 4, 8, None), (4, 2, 8, 4, 5), (4, 2, 4, 1, 70)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,page_size,query_block,sliding_window",
+    [(4, 4, 8, 1, None), (8, 2, 16, 4, None), (6, 1, 4, 8, None), (4, 2, 8, 4, 5), (4, 2, 4, 1, 70)],
+)
 def test_ragged_paged_attention_matches_dense(num_heads, num_kv_heads, page_size, query_block, sliding_window, impl):
     rng = np.random.default_rng(0)
     head_dim, num_pages = 16, 80
@@ -29,7 +30,7 @@ def test_ragged_paged_attention_matches_dense(num_heads, num_kv_heads, page_size
     for row, (num_cached, num_new) in enumerate(layout):
         total = num_cached + num_new
         pages = [free_pages.pop() for _ in range(cdiv(total, page_size))]
-        page_table[row, :len(pages)] = pages
+        page_table[row, : len(pages)] = pages
         q = rng.standard_normal((total, num_heads, head_dim)).astype(np.float32)
         k = rng.standard_normal((total, num_kv_heads, head_dim)).astype(np.float32)
         v = rng.standard_normal((total, num_kv_heads, head_dim)).astype(np.float32)
@@ -53,15 +54,24 @@ def test_ragged_paged_attention_matches_dense(num_heads, num_kv_heads, page_size
     token_seq_ids += [len(layout)] * query_block
     positions += [-1] * query_block
     slot_ids += [0] * query_block
-    k_pages, v_pages = write_kv_pages(k_pages, v_pages, jnp.asarray(k_new), jnp.asarray(v_new),
-                                      jnp.asarray(slot_ids, jnp.int32), impl=impl)
-    out = ragged_paged_attention(jnp.asarray(q_all), k_pages, v_pages, jnp.asarray(page_table),
-                                 jnp.asarray(token_seq_ids, jnp.int32), jnp.asarray(positions, jnp.int32),
-                                 query_block=query_block, sliding_window=sliding_window, impl=impl)
+    k_pages, v_pages = write_kv_pages(
+        k_pages, v_pages, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(slot_ids, jnp.int32), impl=impl
+    )
+    out = ragged_paged_attention(
+        jnp.asarray(q_all),
+        k_pages,
+        v_pages,
+        jnp.asarray(page_table),
+        jnp.asarray(token_seq_ids, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        query_block=query_block,
+        sliding_window=sliding_window,
+        impl=impl,
+    )
     out = np.asarray(out)
     assert np.all(np.isfinite(out))
     for start, num_new, want in expected:
-        np.testing.assert_allclose(out[start:start + num_new], want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(out[start : start + num_new], want, rtol=2e-5, atol=2e-5)
 
 
 def test_bfloat16_attention_is_close_to_float32():
@@ -70,38 +80,58 @@ def test_bfloat16_attention_is_close_to_float32():
     pages = rng.standard_normal((3, 4, 2, 8)).astype(np.float32)
     args = (jnp.asarray([[1, 2]], jnp.int32), jnp.zeros(4, jnp.int32), jnp.asarray([3, 4, 5, 6], jnp.int32))
     f32 = ragged_paged_attention(jnp.asarray(q), jnp.asarray(pages), jnp.asarray(pages), *args, query_block=4)
-    bf16 = ragged_paged_attention(jnp.asarray(q, jnp.bfloat16), jnp.asarray(pages, jnp.bfloat16),
-                                  jnp.asarray(pages, jnp.bfloat16), *args, query_block=4)
+    bf16 = ragged_paged_attention(
+        jnp.asarray(q, jnp.bfloat16),
+        jnp.asarray(pages, jnp.bfloat16),
+        jnp.asarray(pages, jnp.bfloat16),
+        *args,
+        query_block=4,
+    )
     assert bf16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(bf16, np.float32), np.asarray(f32), atol=5e-2)
 
 
 GRID = [  # (page_size, head_dim, groups, dtype, query_block): each value of each axis appears
-    (8, 64, 1, jnp.float32, 1), (16, 128, 4, jnp.float32, 1), (32, 64, 8, jnp.float32, 1),
-    (8, 128, 8, jnp.float32, 16), (16, 64, 1, jnp.float32, 16), (32, 128, 4, jnp.float32, 8),
-    (16, 64, 4, jnp.bfloat16, 1), (8, 128, 1, jnp.bfloat16, 16), (32, 64, 8, jnp.bfloat16, 16),
+    (8, 64, 1, jnp.float32, 1),
+    (16, 128, 4, jnp.float32, 1),
+    (32, 64, 8, jnp.float32, 1),
+    (8, 128, 8, jnp.float32, 16),
+    (16, 64, 1, jnp.float32, 16),
+    (32, 128, 4, jnp.float32, 8),
+    (16, 64, 4, jnp.bfloat16, 1),
+    (8, 128, 1, jnp.bfloat16, 16),
+    (32, 64, 8, jnp.bfloat16, 16),
 ]
 
 
 @pytest.mark.parametrize("page_size,head_dim,groups,dtype,query_block", GRID)
 def test_kernel_matches_reference(page_size, head_dim, groups, dtype, query_block):
-    args = ragged_step(np.random.default_rng(page_size + head_dim + groups), page_size, head_dim, groups, dtype,
-                       query_block)
+    args = ragged_step(
+        np.random.default_rng(page_size + head_dim + groups), page_size, head_dim, groups, dtype, query_block
+    )
     expected = reference.ragged_paged_attention(*args, query_block=query_block)
     got = pallas_gpu.ragged_paged_attention(*args, query_block=query_block)  # interpret mode on CPU only
     assert got.dtype == expected.dtype and got.shape == expected.shape
     assert_matches_on_real_tokens(got, expected, args[5], TOLERANCE[jnp.dtype(dtype)])
 
 
-@pytest.mark.parametrize("num_splits,query_block,dtype,sliding_window", [
-    (2, 1, jnp.float32, None), (3, 1, jnp.bfloat16, None), (4, 16, jnp.float32, None), (3, 1, jnp.float32, 20),
-    (1, 16, jnp.float32, 20)])
+@pytest.mark.parametrize(
+    "num_splits,query_block,dtype,sliding_window",
+    [
+        (2, 1, jnp.float32, None),
+        (3, 1, jnp.bfloat16, None),
+        (4, 16, jnp.float32, None),
+        (3, 1, jnp.float32, 20),
+        (1, 16, jnp.float32, 20),
+    ],
+)
 def test_context_splits_and_sliding_window_match_reference(num_splits, query_block, dtype, sliding_window):
     """Flash-decoding splits of the page table (3 splits do not divide the spans evenly), merged outside."""
     args = ragged_step(np.random.default_rng(num_splits), 8, 64, 4, dtype, query_block)
     expected = reference.ragged_paged_attention(*args, query_block=query_block, sliding_window=sliding_window)
-    got = pallas_gpu.ragged_paged_attention(*args, query_block=query_block, sliding_window=sliding_window,
-                                            num_splits=num_splits)
+    got = pallas_gpu.ragged_paged_attention(
+        *args, query_block=query_block, sliding_window=sliding_window, num_splits=num_splits
+    )
     assert_matches_on_real_tokens(got, expected, args[5], TOLERANCE[jnp.dtype(dtype)])
 
 
@@ -124,17 +154,21 @@ def test_tpu_kernel_double_buffering_has_no_dma_races():
     from jax.experimental.pallas import tpu as pltpu
 
     args = ragged_step(np.random.default_rng(5), 32, 64, 4, jnp.float32, 1)  # 2 pages a span, up to 3 spans
-    got = pallas_tpu.ragged_paged_attention(*args, query_block=1,
-                                            interpret=pltpu.InterpretParams(detect_races=True))
+    got = pallas_tpu.ragged_paged_attention(*args, query_block=1, interpret=pltpu.InterpretParams(detect_races=True))
     assert interpret_pallas_call.races is not None and not interpret_pallas_call.races.races_found
     expected = reference.ragged_paged_attention(*args, query_block=1)
     assert_matches_on_real_tokens(got, expected, args[5], 1e-4)
 
 
 CPU_GRID = [  # (page_size, head_dim, groups, dtype, query_block, sliding_window): 16-bit pages, float32 sums
-    (8, 64, 1, jnp.bfloat16, 1, None), (16, 128, 4, jnp.bfloat16, 16, None), (32, 64, 8, jnp.bfloat16, 8, 20),
-    (8, 128, 4, jnp.float16, 1, None), (16, 64, 8, jnp.float16, 16, 20), (32, 128, 1, jnp.float16, 8, None),
-    (16, 64, 4, jnp.float32, 1, 20), (8, 64, 8, jnp.float32, 16, None),
+    (8, 64, 1, jnp.bfloat16, 1, None),
+    (16, 128, 4, jnp.bfloat16, 16, None),
+    (32, 64, 8, jnp.bfloat16, 8, 20),
+    (8, 128, 4, jnp.float16, 1, None),
+    (16, 64, 8, jnp.float16, 16, 20),
+    (32, 128, 1, jnp.float16, 8, None),
+    (16, 64, 4, jnp.float32, 1, 20),
+    (8, 64, 8, jnp.float32, 16, None),
 ]
 
 
@@ -147,9 +181,17 @@ def test_cpu_kernel_matches_reference(page_size, head_dim, groups, dtype, query_
     assert_matches_on_real_tokens(got, expected, args[5], TOLERANCE[jnp.dtype(dtype)])
 
 
-@pytest.mark.parametrize("kernel,dtype", [(pallas_gpu, jnp.float32), (pallas_gpu, jnp.bfloat16), (cpu, jnp.float32),
-                                          (cpu, jnp.bfloat16), (cpu, jnp.float16)],
-                         ids=lambda value: value.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize(
+    "kernel,dtype",
+    [
+        (pallas_gpu, jnp.float32),
+        (pallas_gpu, jnp.bfloat16),
+        (cpu, jnp.float32),
+        (cpu, jnp.bfloat16),
+        (cpu, jnp.float16),
+    ],
+    ids=lambda value: value.__name__.rsplit(".", 1)[-1],
+)
 def test_write_kernel_matches_reference_scatter(kernel, dtype):
     rng = np.random.default_rng(7)
     pages = jnp.asarray(rng.standard_normal((12, 8, 2, 64)), dtype)
@@ -164,26 +206,38 @@ def test_write_kernel_matches_reference_scatter(kernel, dtype):
         np.testing.assert_array_equal(np.asarray(have[1:], np.float32), np.asarray(want[1:], np.float32))
 
 
-@pytest.mark.parametrize("head_dim,query_block,num_splits,dtype", [
-    (12, 1, 1, jnp.float32), (12, 16, 1, jnp.float32), (96, 1, 3, jnp.bfloat16), (20, 8, 2, jnp.float32)])
+@pytest.mark.parametrize(
+    "head_dim,query_block,num_splits,dtype",
+    [(12, 1, 1, jnp.float32), (12, 16, 1, jnp.float32), (96, 1, 3, jnp.bfloat16), (20, 8, 2, jnp.float32)],
+)
 def test_padded_pages_match_the_reference(head_dim, query_block, num_splits, dtype):
     """Pages wider than the head dim, written by the write kernel (zero lanes), read with the real scale."""
     args = ragged_step(np.random.default_rng(head_dim), 8, head_dim, 4, dtype, query_block)
     expected = reference.ragged_paged_attention(*args, query_block=query_block)
     width = pallas_gpu.cache_head_dim(head_dim, "gpu")
     q, k_pages, v_pages, page_table, token_seq_ids, positions = pad_pages(args, width)
-    k_pages, v_pages = pallas_gpu.write_kv_pages(k_pages, v_pages, args[1][:4, 0], args[2][:4, 0],
-                                                 jnp.asarray([0, 1, 2, 3], jnp.int32))  # reserved page 0: never read
+    k_pages, v_pages = pallas_gpu.write_kv_pages(
+        k_pages, v_pages, args[1][:4, 0], args[2][:4, 0], jnp.asarray([0, 1, 2, 3], jnp.int32)
+    )  # reserved page 0: never read
     assert np.all(np.asarray(k_pages[0, :4, :, head_dim:], np.float32) == 0), "extra lanes written as zeros"
-    got = pallas_gpu.ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions,
-                                            query_block=query_block, num_splits=num_splits)
+    got = pallas_gpu.ragged_paged_attention(
+        q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block=query_block, num_splits=num_splits
+    )
     assert got.shape == expected.shape
     assert_matches_on_real_tokens(got, expected, positions, TOLERANCE[jnp.dtype(dtype)])
 
 
-@pytest.mark.parametrize("dtype,query_block,sliding_window,length", [
-    (jnp.float32, 1, None, 700), (jnp.bfloat16, 1, None, 700), (jnp.float32, 1, 100, 700),
-    (jnp.float16, 8, None, 333), (jnp.float32, 8, 50, 333), (jnp.float32, 1, None, 40)])
+@pytest.mark.parametrize(
+    "dtype,query_block,sliding_window,length",
+    [
+        (jnp.float32, 1, None, 700),
+        (jnp.bfloat16, 1, None, 700),
+        (jnp.float32, 1, 100, 700),
+        (jnp.float16, 8, None, 333),
+        (jnp.float32, 8, 50, 333),
+        (jnp.float32, 1, None, 40),
+    ],
+)
 def test_cpu_kernel_splits_a_lone_sequence_over_its_keys(dtype, query_block, sliding_window, length):
     """One sequence in the step (a single long decode, or one prefill chunk), next to a padding block: too
     few blocks for the threads, so the kernel cuts the sequence's keys into ranges and merges their softmax
@@ -197,10 +251,14 @@ def test_cpu_kernel_splits_a_lone_sequence_over_its_keys(dtype, query_block, sli
     positions = list(range(length - num_new, length)) + [-1] * (query_block - num_new) + [-1] * query_block
     token_seq_ids = [0] * query_block + [1] * query_block
     as_dtype = lambda x: jnp.asarray(x, dtype)
-    args = (as_dtype(rng.standard_normal((2 * query_block, num_kv_heads * groups, head_dim))),
-            as_dtype(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim))),
-            as_dtype(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim))),
-            jnp.asarray(page_table), jnp.asarray(token_seq_ids, jnp.int32), jnp.asarray(positions, jnp.int32))
+    args = (
+        as_dtype(rng.standard_normal((2 * query_block, num_kv_heads * groups, head_dim))),
+        as_dtype(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim))),
+        as_dtype(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim))),
+        jnp.asarray(page_table),
+        jnp.asarray(token_seq_ids, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+    )
     expected = reference.ragged_paged_attention(*args, query_block=query_block, sliding_window=sliding_window)
     got = cpu.ragged_paged_attention(*args, query_block=query_block, sliding_window=sliding_window)
     assert_matches_on_real_tokens(got, expected, args[5], TOLERANCE[jnp.dtype(dtype)])

@@ -19,31 +19,37 @@ def _consumers(function, args, names):
     (outer,) = closed.jaxpr.eqns  # the jit
     inner = outer.params["jaxpr"].jaxpr
     inputs = dict(zip(names, inner.invars))
-    return {name: [eqn.primitive.name for eqn in inner.eqns if any(v is var for v in eqn.invars)]
-            for name, var in inputs.items()}, inner
+    return {
+        name: [eqn.primitive.name for eqn in inner.eqns if any(v is var for v in eqn.invars)]
+        for name, var in inputs.items()
+    }, inner
 
 
 @pytest.mark.parametrize("kernel", [pallas_gpu, pallas_tpu])
 def test_kernels_read_the_page_pool_in_place(kernel):
     """K/V pages go straight into the kernel: no gather, copy or reshape of the pool before it."""
     args = ragged_step(np.random.default_rng(0), 16, 64, 4, jnp.float32, 1)
-    consumers, _ = _consumers(lambda *a: kernel.ragged_paged_attention(*a, query_block=1), args,
-                              ["q", "k_pages", "v_pages"])
+    consumers, _ = _consumers(
+        lambda *a: kernel.ragged_paged_attention(*a, query_block=1), args, ["q", "k_pages", "v_pages"]
+    )
     assert consumers["k_pages"] == ["pallas_call"] and consumers["v_pages"] == ["pallas_call"]
 
 
 def test_write_kernel_updates_pages_in_place():
     pages = jnp.zeros((4, 8, 2, 64))
     k = jnp.ones((8, 2, 64))
-    consumers, inner = _consumers(pallas_gpu.write_kv_pages, (pages, pages, k, k, jnp.zeros(8, jnp.int32)),
-                                  ["k_pages", "v_pages"])
+    consumers, inner = _consumers(
+        pallas_gpu.write_kv_pages, (pages, pages, k, k, jnp.zeros(8, jnp.int32)), ["k_pages", "v_pages"]
+    )
     assert consumers == {"k_pages": ["pallas_call"], "v_pages": ["pallas_call"]}
     (call,) = [eqn for eqn in inner.eqns if eqn.primitive.name == "pallas_call"]
     assert dict(call.params["input_output_aliases"]) == {3: 0, 4: 1}  # outputs alias the donated pages
 
 
 POOL_SHAPE = (96, 8, 2, 32)  # [num_pages, page_size, K, D]: no other array of the step has this shape
-INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<type>.+?) (?P<op>[a-z][\w\-]*)\((?P<operands>[^)]*)\)")
+INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<type>.+?) (?P<op>[a-z][\w\-]*)\((?P<operands>[^)]*)\)"
+)
 STRUCTURAL = {"parameter", "tuple", "get-tuple-element"}  # name buffers, move no data
 
 
@@ -70,8 +76,17 @@ def _compiled_step(step, dtype) -> str:
     pool = jax.ShapeDtypeStruct(POOL_SHAPE, dtype)
     tokens = lambda heads: jax.ShapeDtypeStruct((4, heads, head_dim), dtype)
     int32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    args = (pool, pool, tokens(4 * num_kv_heads), tokens(num_kv_heads), tokens(num_kv_heads), int32(4), int32(4, 6),
-            int32(4), int32(4))
+    args = (
+        pool,
+        pool,
+        tokens(4 * num_kv_heads),
+        tokens(num_kv_heads),
+        tokens(num_kv_heads),
+        int32(4),
+        int32(4, 6),
+        int32(4),
+        int32(4),
+    )
     return jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile().as_text()
 
 
@@ -86,8 +101,9 @@ def test_a_cpu_step_touches_the_pool_only_in_its_kernels(dtype):
 
     def step(k_pages, v_pages, q, k, v, slot_ids, page_table, token_seq_ids, positions):
         k_pages, v_pages = write_kv_pages(k_pages, v_pages, k, v, slot_ids, impl=impl)
-        out = ragged_paged_attention(q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block=1,
-                                     impl=impl)
+        out = ragged_paged_attention(
+            q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block=1, impl=impl
+        )
         return out, k_pages, v_pages
 
     consumers = _ops_over_the_pool(_compiled_step(step, dtype))
@@ -117,6 +133,11 @@ def test_the_cpu_write_is_in_place_when_the_pages_are_donated():
     pages = jnp.zeros((4, 8, 2, 16), jnp.bfloat16)
     pointer = pages.unsafe_buffer_pointer()
     write = jax.jit(cpu.write_kv_pages, donate_argnums=(0, 1))
-    k_pages, _ = write(pages, jnp.zeros_like(pages), jnp.ones((1, 2, 16), jnp.bfloat16),
-                       jnp.ones((1, 2, 16), jnp.bfloat16), jnp.asarray([5], jnp.int32))
+    k_pages, _ = write(
+        pages,
+        jnp.zeros_like(pages),
+        jnp.ones((1, 2, 16), jnp.bfloat16),
+        jnp.ones((1, 2, 16), jnp.bfloat16),
+        jnp.asarray([5], jnp.int32),
+    )
     assert k_pages.unsafe_buffer_pointer() == pointer

@@ -51,8 +51,9 @@ def _widened_weights(hlo_text: str, weight_shape) -> list[str]:
     return [line for line in hlo_text.splitlines() if re.search(rf"= f32\[{dims}\]", line)]
 
 
-@pytest.mark.parametrize("dtype,rows", [(jnp.bfloat16, 1), (jnp.bfloat16, 4), (jnp.bfloat16, 16), (jnp.float16, 1),
-                                        (jnp.float16, 16)])
+@pytest.mark.parametrize(
+    "dtype,rows", [(jnp.bfloat16, 1), (jnp.bfloat16, 4), (jnp.bfloat16, 16), (jnp.float16, 1), (jnp.float16, 16)]
+)
 def test_16_bit_projections_read_weights_as_stored(dtype, rows):
     """Decode-sized projections (the kernel) and, for bfloat16, larger ones (XLA's dot), plain and transposed."""
     assert jax.device_count() == 1 and cpu.available()
@@ -60,7 +61,7 @@ def test_16_bit_projections_read_weights_as_stored(dtype, rows):
     x = jnp.asarray(rng.standard_normal((rows, 64)), dtype)
     for weight_shape, transposed in [((64, 96), False), ((96, 64), True)]:
         w = jnp.asarray(rng.standard_normal(weight_shape), dtype)
-        fn = jax.jit(lambda x, w: project(x, w, transposed=transposed))
+        fn = jax.jit(lambda x, w, transposed=transposed: project(x, w, transposed=transposed))
         hlo = fn.lower(x, w).compile().as_text()
         assert _widened_weights(hlo, weight_shape) == []
         uses_kernel = cpu.MATMUL_TARGET in hlo
@@ -104,8 +105,10 @@ def test_several_weights_refuse_mismatched_depth_or_dtype():
         cpu.small_matmuls(x, ())
 
 
-@pytest.mark.parametrize("dtype,rows", [(jnp.float32, 1), (jnp.float32, 8), (jnp.float32, 9), (jnp.bfloat16, 1), (jnp.bfloat16, 8),
-                                        (jnp.bfloat16, 9)])
+@pytest.mark.parametrize(
+    "dtype,rows",
+    [(jnp.float32, 1), (jnp.float32, 8), (jnp.float32, 9), (jnp.bfloat16, 1), (jnp.bfloat16, 8), (jnp.bfloat16, 9)],
+)
 def test_project_many_is_each_linear_and_one_call_where_the_kernel_serves(dtype, rows):
     """project_many (q, k, v; gate, up) gives each Linear's own result, biases included, and makes one
     kernel call for all of them where the kernel serves that many rows."""
@@ -114,8 +117,10 @@ def test_project_many_is_each_linear_and_one_call_where_the_kernel_serves(dtype,
     from jaxserve.models.layers import linear, project_many
 
     rngs = nnx.Rngs(0)
-    linears = [linear(48, n, ("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs)
-               for n, bias in [(48, True), (16, False), (16, True)]]
+    linears = [
+        linear(48, n, ("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs)
+        for n, bias in [(48, True), (16, False), (16, True)]
+    ]
     for module in linears:
         if module.bias is not None:
             module.bias[...] = jnp.asarray(np.random.default_rng(3).standard_normal(module.bias.shape), dtype)

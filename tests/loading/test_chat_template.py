@@ -46,8 +46,11 @@ def test_template_failures_name_the_template_and_the_problem():
 def test_templates_are_sandboxed():
     tokenizer = load("qwen_byte_level")
     messages = [{"role": "user", "content": "x"}]
-    for escape in ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "{% set ns = namespace() %}{% set ns._x = 1 %}",
-                   "{{ messages.append(1) }}"):
+    for escape in (
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{% set ns = namespace() %}{% set ns._x = 1 %}",
+        "{{ messages.append(1) }}",
+    ):
         with pytest.raises(ValueError, match="SecurityError"):
             render_chat(tokenizer, messages, chat_template=escape)
 
@@ -55,16 +58,19 @@ def test_templates_are_sandboxed():
         def dangerous(self):
             raise AssertionError("a template reached a caller's object")
 
-    rendered = render_chat(tokenizer, [{"role": "user", "content": "x", "extra": Secret()}],
-                           chat_template="{{ messages[0].extra }}")
+    rendered = render_chat(
+        tokenizer, [{"role": "user", "content": "x", "extra": Secret()}], chat_template="{{ messages[0].extra }}"
+    )
     assert rendered == "<Secret>"
 
 
 def test_transformers_extras():
     tokenizer = load("qwen_byte_level")
     messages = [{"role": "user", "content": "é<b>"}]
-    assert render_chat(tokenizer, messages, chat_template="{{ messages[0] | tojson }}") == \
-        '{"role": "user", "content": "é<b>"}'
+    assert (
+        render_chat(tokenizer, messages, chat_template="{{ messages[0] | tojson }}")
+        == '{"role": "user", "content": "é<b>"}'
+    )
     assert render_chat(tokenizer, messages, chat_template="{{ strftime_now('%Y') }}") == str(datetime.now().year)
     loop = "{% for m in [1, 2, 3] %}{% if m == 2 %}{% break %}{% endif %}{{ m }}{% endfor %}"
     assert render_chat(tokenizer, messages, chat_template=loop) == "1"

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 from jaxserve import LLM, ModelConfig
 from jaxserve.config import EngineConfig
+from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 
 
 def copy_fixture(tmp_path, name="llama_gqa"):
@@ -82,23 +82,55 @@ def test_sharded_checkpoint_with_index(tmp_path):
 
 
 def test_config_variants_are_read():
-    legacy = ModelConfig.from_hf_dict(dict(
-        model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=2, rope_theta=123.0, rope_scaling=dict(type="linear", factor=2.0), torch_dtype="bfloat16",
-        eos_token_id=[2, 5]))
+    legacy = ModelConfig.from_hf_dict(
+        dict(
+            model_type="llama",
+            vocab_size=10,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            rope_theta=123.0,
+            rope_scaling=dict(type="linear", factor=2.0),
+            torch_dtype="bfloat16",
+            eos_token_id=[2, 5],
+        )
+    )
     assert legacy.num_kv_heads == 2 and legacy.head_dim == 4 and legacy.rope_theta == 123.0
     assert legacy.rope_scaling.rope_type == "linear" and legacy.rope_scaling.factor == 2.0
     assert legacy.checkpoint_dtype == "bfloat16" and legacy.eos_token_ids == (2, 5)
-    modern = ModelConfig.from_hf_dict(dict(
-        model_type="mixtral", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=6, num_local_experts=4, num_experts_per_tok=2,
-        rope_parameters=dict(rope_type="default", rope_theta=1e6), dtype="float16"))
+    modern = ModelConfig.from_hf_dict(
+        dict(
+            model_type="mixtral",
+            vocab_size=10,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=6,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+            dtype="float16",
+        )
+    )
     assert modern.head_dim == 6 and modern.rope_theta == 1e6 and modern.num_experts == 4
     assert modern.checkpoint_dtype == "float16"
     with pytest.raises(ValueError, match="rope scaling type"):
-        ModelConfig.from_hf_dict(dict(legacy_dict := dict(
-            model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-            num_attention_heads=2), rope_scaling=dict(type="dynamic", factor=2.0)))
+        ModelConfig.from_hf_dict(
+            dict(
+                legacy_dict := dict(
+                    model_type="llama",
+                    vocab_size=10,
+                    hidden_size=8,
+                    intermediate_size=16,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                ),
+                rope_scaling=dict(type="dynamic", factor=2.0),
+            )
+        )
     with pytest.raises(ValueError, match="multiple of"):
         ModelConfig.from_hf_dict(dict(legacy_dict, num_key_value_heads=3, num_attention_heads=4))
 
@@ -109,15 +141,31 @@ def test_qwen_configs_are_read_as_transformers_reads_them():
     qwen2 = ModelConfig.from_hf_dict(dict(base, model_type="qwen2", sliding_window=32, max_window_layers=2))
     assert qwen2.sliding_window is None and qwen2.layer_types == ("full_attention",) * 4
     assert (qwen2.attention_bias, qwen2.attention_output_bias, qwen2.qk_norm) == (True, False, False)
-    sliding = ModelConfig.from_hf_dict(dict(base, model_type="qwen2", sliding_window=32, max_window_layers=2,
-                                            use_sliding_window=True))
+    sliding = ModelConfig.from_hf_dict(
+        dict(base, model_type="qwen2", sliding_window=32, max_window_layers=2, use_sliding_window=True)
+    )
     assert [sliding.layer_sliding_window(layer) for layer in range(4)] == [None, None, 32, 32]
-    listed = ModelConfig.from_hf_dict(dict(base, model_type="qwen3", sliding_window=8, use_sliding_window=True,
-                                           layer_types=["sliding_attention", "full_attention"] * 2))
+    listed = ModelConfig.from_hf_dict(
+        dict(
+            base,
+            model_type="qwen3",
+            sliding_window=8,
+            use_sliding_window=True,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        )
+    )
     assert [listed.layer_sliding_window(layer) for layer in range(4)] == [8, None, 8, None] and listed.qk_norm
     assert not listed.attention_bias and not listed.attention_output_bias
-    moe = ModelConfig.from_hf_dict(dict(base, model_type="qwen3_moe", num_experts=6, num_experts_per_tok=2,
-                                        moe_intermediate_size=4, norm_topk_prob=True))
+    moe = ModelConfig.from_hf_dict(
+        dict(
+            base,
+            model_type="qwen3_moe",
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=4,
+            norm_topk_prob=True,
+        )
+    )
     assert (moe.num_experts, moe.expert_intermediate_size, moe.normalize_expert_weights) == (6, 4, True)
     assert moe.logical_axis_sizes()["expert_mlp"] == 4 and moe.logical_axis_sizes()["mlp"] == 16
     with pytest.raises(ValueError, match="dense MLP layers between the MoE layers"):
@@ -142,9 +190,13 @@ def test_engine_config_validation():
         EngineConfig(page_size=0)
 
 
-@pytest.mark.parametrize("name, router, per_expert, expert_names", [
-    ("mixtral", "block_sparse_moe.gate", "block_sparse_moe.experts.{}.{}.weight", ("w1", "w3", "w2")),
-    ("qwen3_moe", "mlp.gate", "mlp.experts.{}.{}.weight", ("gate_proj", "up_proj", "down_proj"))])
+@pytest.mark.parametrize(
+    "name, router, per_expert, expert_names",
+    [
+        ("mixtral", "block_sparse_moe.gate", "block_sparse_moe.experts.{}.{}.weight", ("w1", "w3", "w2")),
+        ("qwen3_moe", "mlp.gate", "mlp.experts.{}.{}.weight", ("gate_proj", "up_proj", "down_proj")),
+    ],
+)
 def test_moe_with_fused_expert_tensors(tmp_path, name, router, per_expert, expert_names):
     """transformers >= 5 names experts mlp.experts.gate_up_proj [X, 2F, E] / down_proj [X, E, F]."""
     import numpy as np
@@ -161,7 +213,8 @@ def test_moe_with_fused_expert_tensors(tmp_path, name, router, per_expert, exper
         experts = range(config["num_local_experts"])
         fused[prefix + "mlp.gate.weight"] = tensors[prefix + router + ".weight"]
         fused[prefix + "mlp.experts.gate_up_proj"] = np.stack(
-            [np.concatenate([tensors[expert(e, gate)], tensors[expert(e, up)]]) for e in experts])
+            [np.concatenate([tensors[expert(e, gate)], tensors[expert(e, up)]]) for e in experts]
+        )
         fused[prefix + "mlp.experts.down_proj"] = np.stack([tensors[expert(e, down)] for e in experts])
     save_file(fused, str(directory / "model.safetensors"))
     from tests.support.hf_parity import check_against_hf

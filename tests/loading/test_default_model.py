@@ -22,8 +22,14 @@ def recorded() -> dict:
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM(resolve_model_path("default"), dtype="float32", max_model_len=512, max_num_seqs=8,
-               max_num_batched_tokens=128, show_progress=False)
+    return LLM(
+        resolve_model_path("default"),
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        show_progress=False,
+    )
 
 
 def check(output, expected: dict) -> None:
@@ -52,7 +58,9 @@ def test_chat_answers_match_transformers_and_stop_on_the_end_of_turn_token(defau
         check(output, expected)
     first = outputs[0].outputs[0]
     # "<|im_end|>" ends the turn: the tokenizer's EOS, which the user never named
-    assert first.finish_reason == "stop" and first.token_ids[-1] == default_llm.get_tokenizer().token_to_id("<|im_end|>")
+    assert first.finish_reason == "stop" and first.token_ids[-1] == default_llm.get_tokenizer().token_to_id(
+        "<|im_end|>"
+    )
     assert "Paris" in first.text and "<|im_end|>" not in first.text
 
 

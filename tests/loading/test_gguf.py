@@ -26,8 +26,14 @@ def fixture_gguf(name: str, path: str, quant_types: dict | None = None) -> str:
     with open(os.path.join(directory, "config.json")) as f:
         config = json.load(f)
     architecture = config["model_type"] if config["model_type"].startswith("qwen") else "llama"
-    write_gguf(path, config, load_file(os.path.join(directory, "model.safetensors")), quant_types or {},
-               architecture=architecture, tokenizer=("llama", TOKENIZER_MODEL))
+    write_gguf(
+        path,
+        config,
+        load_file(os.path.join(directory, "model.safetensors")),
+        quant_types or {},
+        architecture=architecture,
+        tokenizer=("llama", TOKENIZER_MODEL),
+    )
     return path
 
 
@@ -42,13 +48,34 @@ def test_float32_gguf_matches_transformers(name, tmp_path):
             assert llm.get_tokenizer().encode(prompt["text"]) == prompt["token_ids"]
 
 
-QUANTIZED_CONFIG = dict(model_type="llama", vocab_size=384, hidden_size=256, intermediate_size=512,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1,
-                        eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32")
-QUANT_TYPES = {"token_embd": T.Q8_0, "attn_q": T.Q4_K, "attn_k": T.Q6_K, "attn_v": T.Q4_0, "attn_output": T.Q4_1,
-               "ffn_gate": T.F16, "ffn_up": T.BF16, "blk.0.ffn_down": T.Q5_K, "blk.1.ffn_down": T.Q5_0,
-               "output": T.Q6_K}
+QUANTIZED_CONFIG = dict(
+    model_type="llama",
+    vocab_size=384,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+QUANT_TYPES = {
+    "token_embd": T.Q8_0,
+    "attn_q": T.Q4_K,
+    "attn_k": T.Q6_K,
+    "attn_v": T.Q4_0,
+    "attn_output": T.Q4_1,
+    "ffn_gate": T.F16,
+    "ffn_up": T.BF16,
+    "blk.0.ffn_down": T.Q5_K,
+    "blk.1.ffn_down": T.Q5_0,
+    "output": T.Q6_K,
+}
 
 
 def test_quantized_gguf_matches_its_dequantized_weights(tmp_path):
@@ -58,8 +85,13 @@ def test_quantized_gguf_matches_its_dequantized_weights(tmp_path):
 
     gguf_dir = tmp_path / "gguf"
     gguf_dir.mkdir()
-    write_gguf(str(gguf_dir / "model.gguf"), QUANTIZED_CONFIG, random_llama_weights(QUANTIZED_CONFIG), QUANT_TYPES,
-               tokenizer=("llama", TOKENIZER_MODEL))
+    write_gguf(
+        str(gguf_dir / "model.gguf"),
+        QUANTIZED_CONFIG,
+        random_llama_weights(QUANTIZED_CONFIG),
+        QUANT_TYPES,
+        tokenizer=("llama", TOKENIZER_MODEL),
+    )
     gguf = GGUFFile(str(gguf_dir / "model.gguf"))
     assert {t.tensor_type for t in gguf.reader.tensors} >= set(QUANT_TYPES.values())
     reader = gguf.tensor_reader()
@@ -99,11 +131,26 @@ def test_gguf_metadata_becomes_the_config(tmp_path):
     assert open_model(fixture_gguf("llama_mha_tied", str(tmp_path / "t.gguf"))).config.tie_word_embeddings
 
 
-@pytest.mark.parametrize("theta, head_dim, scaling", [
-    (500000.0, 128, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
-    (500000.0, 64, dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
-    (10000.0, 64, dict(factor=4.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=512)),
-])
+@pytest.mark.parametrize(
+    "theta, head_dim, scaling",
+    [
+        (
+            500000.0,
+            128,
+            dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
+        ),
+        (
+            500000.0,
+            64,
+            dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
+        ),
+        (
+            10000.0,
+            64,
+            dict(factor=4.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=512),
+        ),
+    ],
+)
 def test_llama3_rope_scaling_is_read_back_from_rope_freqs(theta, head_dim, scaling):
     """Llama 3.1 (8B/70B), Llama 3.2 (1B/3B), and unusual frequency factors."""
     from jaxserve.loading.gguf_rope import llama3_divisors, llama3_rope_scaling

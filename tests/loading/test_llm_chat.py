@@ -5,17 +5,23 @@ import pytest
 
 from jaxserve import SamplingParams
 
-TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}bot:{% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}bot:{% endif %}"
+)
 
 
 def test_chat_renders_then_generates(llama_llm):
     tokenizer = llama_llm.get_tokenizer()
-    conversations = [[{"role": "user", "content": "def forward(self, x):"}],
-                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Return a new dict"}]]
+    conversations = [
+        [{"role": "user", "content": "def forward(self, x):"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Return a new dict"}],
+    ]
     params = SamplingParams(max_tokens=6, temperature=0.0)
     outputs = llama_llm.chat(conversations, params, chat_template=TEMPLATE)
-    assert [o.prompt for o in outputs] == ["user: def forward(self, x):\nbot:",
-                                           "system: Be brief.\nuser: Return a new dict\nbot:"]
+    assert [o.prompt for o in outputs] == [
+        "user: def forward(self, x):\nbot:",
+        "system: Be brief.\nuser: Return a new dict\nbot:",
+    ]
     for output in outputs:
         token_ids = tokenizer.encode(output.prompt, add_special_tokens=False)
         assert output.prompt_token_ids == token_ids and token_ids[0] != tokenizer.bos_token_id
@@ -28,6 +34,8 @@ def test_chat_errors_leave_the_engine_idle(llama_llm):
     with pytest.raises(ValueError, match="no chat template"):
         llama_llm.chat([{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="refused"):
-        llama_llm.chat([[{"role": "user", "content": "fine"}], [{"role": "user", "content": "bad"}]],
-                       chat_template="{% if messages[0].content == 'bad' %}{{ raise_exception('refused') }}{% endif %}")
+        llama_llm.chat(
+            [[{"role": "user", "content": "fine"}], [{"role": "user", "content": "bad"}]],
+            chat_template="{% if messages[0].content == 'bad' %}{{ raise_exception('refused') }}{% endif %}",
+        )
     assert not llama_llm.engine.has_unfinished_requests()

@@ -38,8 +38,13 @@ class ShapeOnly:
 
 def quantized_gguf(tmp_path) -> GGUFFile:
     path = str(tmp_path / "model.gguf")
-    write_gguf(path, QUANTIZED_CONFIG, random_llama_weights(QUANTIZED_CONFIG), QUANT_TYPES,
-               tokenizer=("llama", TOKENIZER_MODEL))
+    write_gguf(
+        path,
+        QUANTIZED_CONFIG,
+        random_llama_weights(QUANTIZED_CONFIG),
+        QUANT_TYPES,
+        tokenizer=("llama", TOKENIZER_MODEL),
+    )
     return GGUFFile(path)
 
 
@@ -48,8 +53,14 @@ def mixtral_gguf(tmp_path) -> GGUFFile:
     with open(os.path.join(directory, "config.json")) as f:
         config = json.load(f)
     path = str(tmp_path / "mixtral.gguf")
-    write_gguf(path, config, load_file(os.path.join(directory, "model.safetensors")), {}, architecture="llama",
-               tokenizer=("llama", TOKENIZER_MODEL))
+    write_gguf(
+        path,
+        config,
+        load_file(os.path.join(directory, "model.safetensors")),
+        {},
+        architecture="llama",
+        tokenizer=("llama", TOKENIZER_MODEL),
+    )
     return GGUFFile(path)
 
 
@@ -142,8 +153,7 @@ def test_metadata_decodes_as_the_gguf_reader_does(tmp_path):
     from gguf import GGUFReader, GGUFWriter
 
     path = str(tmp_path / "model.gguf")
-    write_gguf(path, QUANTIZED_CONFIG, random_llama_weights(QUANTIZED_CONFIG), {},
-               tokenizer=("llama", TOKENIZER_MODEL))
+    write_gguf(path, QUANTIZED_CONFIG, random_llama_weights(QUANTIZED_CONFIG), {}, tokenizer=("llama", TOKENIZER_MODEL))
     extra = str(tmp_path / "extra.gguf")
     writer = GGUFWriter(extra, "llama")
     writer.add_array("test.nested", [[1, 2, 3], ["a", "bc"]])

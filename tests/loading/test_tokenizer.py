@@ -81,8 +81,13 @@ def test_gguf_byte_level_vocabulary_tokenizes_as_its_tokenizer_json(tmp_path):
     (transformers' GGUF loader knows no split for it, and keeps digits together)."""
     source = os.path.join(FIXTURES, "smollm_byte_level", "tokenizer.json")
     path = str(tmp_path / "smollm.gguf")
-    write_gguf(path, dict(num_hidden_layers=1, hidden_size=64, intermediate_size=96, num_attention_heads=4), {}, {},
-               tokenizer=("gpt2:smollm", source))
+    write_gguf(
+        path,
+        dict(num_hidden_layers=1, hidden_size=64, intermediate_size=96, num_attention_heads=4),
+        {},
+        {},
+        tokenizer=("gpt2:smollm", source),
+    )
     from_gguf, from_json = gguf_tokenizer(GGUFFile(path)), load("smollm_byte_level")
     for text in record_tokenizers.TEXTS:
         assert from_gguf.encode(text) == from_json.encode(text), text
@@ -118,7 +123,7 @@ def test_incremental_detokenization_equals_full_decode(name, skip_special_tokens
         # Invalid UTF-8 (random byte tokens) can rewrite text already streamed: byte fallback turns a
         # run of byte tokens into one U+FFFD per byte once the run turns out invalid. Valid text streams exactly.
         if "\ufffd" not in full and full.startswith(prompt):
-            assert "".join(pieces) == full[len(prompt):], (prompt_ids, output_ids)
+            assert "".join(pieces) == full[len(prompt) :], (prompt_ids, output_ids)
 
 
 def test_byte_level_streams_whole_characters():

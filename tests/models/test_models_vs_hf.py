@@ -2,9 +2,10 @@
 
 import pytest
 
+from jaxserve import LLM, SamplingParams
 from tests.support.fixtures import MODEL_NAMES, SMALL_ENGINE, expected, fixture_dir
 from tests.support.hf_parity import check_against_hf
-from jaxserve import LLM, SamplingParams
+
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_greedy_and_logprobs_match_transformers(name):

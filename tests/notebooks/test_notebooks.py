@@ -33,8 +33,9 @@ def kernel_env(**extra: str) -> dict[str, str]:
 
 def execute(name: str, env: dict[str, str]) -> float:
     notebook = read(name)
-    client = NotebookClient(notebook, timeout=CELL_TIMEOUT_SECONDS, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT)}})
+    client = NotebookClient(
+        notebook, timeout=CELL_TIMEOUT_SECONDS, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    )
     start = time.perf_counter()
     try:
         client.execute(env=env)
@@ -50,8 +51,9 @@ def test_committed_without_outputs(name):
     nbformat.validate(notebook)
     code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
     assert code_cells
-    assert all(not cell.outputs and cell.execution_count is None for cell in code_cells), \
+    assert all(not cell.outputs and cell.execution_count is None for cell in code_cells), (
         f"{name} is committed with outputs: clear them (jupyter nbconvert --clear-output --inplace)"
+    )
 
 
 def test_quickstart_runs():

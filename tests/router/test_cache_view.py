@@ -18,15 +18,19 @@ PAGE_SIZE = 4
 
 def allocator_pages(allocator: PageAllocator) -> dict[str, dict[int, tuple[int, int]]]:
     """What the allocator holds, as {tier: {key: (parent key, tokens)}}."""
-    device = {key: (allocator.page_contents[page][0], len(allocator.page_contents[page][1]))
-              for key, page in allocator.pages_by_key.items()}
+    device = {
+        key: (allocator.page_contents[page][0], len(allocator.page_contents[page][1]))
+        for key, page in allocator.pages_by_key.items()
+    }
     host = {key: (contents[0], len(contents[1])) for key, (contents, _) in allocator.host_tier.entries.items()}
     return {DEVICE: device, HOST: host}
 
 
 def view_pages(view: CacheView, rank: int = 0) -> dict[str, dict[int, tuple[int, int]]]:
-    return {tier: {key: (page.parent_key, page.num_tokens) for key, page in view.state.pages(rank, tier).items()}
-            for tier in (DEVICE, HOST)}
+    return {
+        tier: {key: (page.parent_key, page.num_tokens) for key, page in view.state.pages(rank, tier).items()}
+        for tier in (DEVICE, HOST)
+    }
 
 
 def move_host_tier_pages(allocator: PageAllocator) -> None:
@@ -83,9 +87,14 @@ def run_workload(seed: int, num_steps: int = 300, host_tier_pages: int = 6):
     for step in range(num_steps):
         if rng.random() < 0.4:
             prompt = random_prompt(rng, conversations)
-            seq = SequenceState(seq_id=step, request_id=str(step), prompt_token_ids=prompt,
-                                params=SamplingParams(max_tokens=rng.randint(1, 6)), sampling_seed=0,
-                                arrival_order=step)
+            seq = SequenceState(
+                seq_id=step,
+                request_id=str(step),
+                prompt_token_ids=prompt,
+                params=SamplingParams(max_tokens=rng.randint(1, 6)),
+                sampling_seed=0,
+                arrival_order=step,
+            )
             if len(prompt) + seq.params.max_tokens <= 60:
                 scheduler.add(seq)
                 live.append(seq)
@@ -134,7 +143,7 @@ def test_match_predicts_what_the_scheduler_finds(seed):
         found = allocator.find_cached_prefix(prompt, len(prompt) - 1)
         match = subscriber.view.match(prefix_keys(prompt, PAGE_SIZE))
         assert (match.num_device_pages, match.num_host_pages) == (len(found.pages), len(found.host_keys))
-        assert prefix_keys(prompt, PAGE_SIZE)[:found.num_pages] == found.keys
+        assert prefix_keys(prompt, PAGE_SIZE)[: found.num_pages] == found.keys
         num_hits += found.num_pages > 0
     assert num_hits > 0
 
@@ -186,6 +195,10 @@ def test_keys_are_the_same_in_every_process():
     import sys
 
     code = "from jaxserve.router.cache_view import prefix_keys; print(prefix_keys(list(range(40)), 16))"
-    outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                              env={"PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": seed}
+        ).stdout
+        for seed in ("1", "2")
+    }
     assert outputs == {f"{prefix_keys(list(range(40)), 16)}\n"}

@@ -17,30 +17,50 @@ import pytest
 from jaxserve.client import Client
 from jaxserve.models.kv_pages import KVPages
 from jaxserve.proto import disagg_pb2 as dpb
-from jaxserve.proto import disagg_pb2_grpc
+from jaxserve.proto import disagg_pb2_grpc, jaxserve_pb2_grpc
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.proto import jaxserve_pb2_grpc
 from jaxserve.router.config import parse_config
 from jaxserve.router.launcher import free_port
 from jaxserve.router.server import RouterServer
 from tests.support.fixtures import expected, fixture_dir
 
 PAGE_SIZE = 8
-REPLICA_ENGINE = ["model.dtype=float32", "engine.max_model_len=256", "engine.max_num_seqs=4",
-                  "engine.max_num_batched_tokens=64", f"engine.page_size={PAGE_SIZE}", "engine.num_pages=96",
-                  "engine.show_progress=false", "engine.handover_timeout=15", "server.drain_timeout=5"]
+REPLICA_ENGINE = [
+    "model.dtype=float32",
+    "engine.max_model_len=256",
+    "engine.max_num_seqs=4",
+    "engine.max_num_batched_tokens=64",
+    f"engine.page_size={PAGE_SIZE}",
+    "engine.num_pages=96",
+    "engine.show_progress=false",
+    "engine.handover_timeout=15",
+    "server.drain_timeout=5",
+]
 GREEDY = pb.SamplingParams(max_tokens=24, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
-    config = parse_config({
-        "model": {"path": fixture_dir("llama_gqa")},
-        "router": {"port": 0, "http_port": free_port(), "mode": "disaggregated", "heartbeat": 0.2,
-                   "health_interval": 0.5, "startup_timeout": 300, "resend_wait": 120},
-        "launch": {"num_prefill_replicas": 1, "num_decode_replicas": 2, "set": REPLICA_ENGINE,
-                   "log_dir": str(tmp_path_factory.mktemp("replicas"))},
-    })
+    config = parse_config(
+        {
+            "model": {"path": fixture_dir("llama_gqa")},
+            "router": {
+                "port": 0,
+                "http_port": free_port(),
+                "mode": "disaggregated",
+                "heartbeat": 0.2,
+                "health_interval": 0.5,
+                "startup_timeout": 300,
+                "resend_wait": 120,
+            },
+            "launch": {
+                "num_prefill_replicas": 1,
+                "num_decode_replicas": 2,
+                "set": REPLICA_ENGINE,
+                "log_dir": str(tmp_path_factory.mktemp("replicas")),
+            },
+        }
+    )
     server = RouterServer(config)
     server.start()
     try:
@@ -65,8 +85,9 @@ def status(address: str) -> dpb.StatusResponse:
 
 def decode_generate(address: str, prefill_address: str, token_ids, sampling=GREEDY) -> list[int]:
     with grpc.insecure_channel(address) as channel:
-        request = dpb.DecodeRequest(request=pb.GenerateRequest(token_ids=token_ids, sampling=sampling),
-                                    prefill_address=prefill_address)
+        request = dpb.DecodeRequest(
+            request=pb.GenerateRequest(token_ids=token_ids, sampling=sampling), prefill_address=prefill_address
+        )
         return [t for m in disagg_pb2_grpc.DecodeStub(channel).Generate(request, timeout=120) for t in m.token_ids]
 
 
@@ -84,7 +105,9 @@ def nothing_held(address: str) -> bool:
 
 def assert_nothing_leaked(router) -> None:
     for replica in router.launched:
-        wait_for(lambda: nothing_held(replica.address), f"{replica.address} to free every page", timeout=30)
+        wait_for(
+            lambda replica=replica: nothing_held(replica.address), f"{replica.address} to free every page", timeout=30
+        )
 
 
 def test_greedy_outputs_through_the_router_equal_transformers(router):
@@ -104,13 +127,15 @@ def test_greedy_outputs_through_the_router_equal_transformers(router):
 def test_the_openai_http_api_is_disaggregated_too(router):
     import openai
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.config.router.http_port}/v1", api_key="-",
-                           max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{router.config.router.http_port}/v1", api_key="-", max_retries=0, timeout=120
+    )
     job = expected("llama_gqa")["prompts"][2]
     before = sum(status(replica.address).num_handovers for replica in decodes_of(router))
     completion = client.completions.create(model="llama_gqa", prompt=job["token_ids"], max_tokens=24, temperature=0.0)
-    streamed = client.completions.create(model="llama_gqa", prompt=job["token_ids"], max_tokens=24, temperature=0.0,
-                                         stream=True)
+    streamed = client.completions.create(
+        model="llama_gqa", prompt=job["token_ids"], max_tokens=24, temperature=0.0, stream=True
+    )
     assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == completion.choices[0].text
     assert completion.usage.completion_tokens == len(job["greedy_token_ids"])
     assert sum(status(replica.address).num_handovers for replica in decodes_of(router)) == before + 2
@@ -156,8 +181,9 @@ def test_only_the_pages_the_decode_replica_lacks_travel(router):
 def test_a_handover_nobody_takes_is_freed_by_the_prefill_side(router):
     prefill = prefill_of(router).address
     with grpc.insecure_channel(prefill) as channel:
-        reply = disagg_pb2_grpc.PrefillStub(channel).Prefill(dpb.PrefillRequest(
-            token_ids=list(range(3, 40)), sampling=GREEDY), timeout=60)
+        reply = disagg_pb2_grpc.PrefillStub(channel).Prefill(
+            dpb.PrefillRequest(token_ids=list(range(3, 40)), sampling=GREEDY), timeout=60
+        )
     assert reply.handover_id and reply.num_pages_sent == 5
     held = status(prefill)
     assert held.num_parked == 1 and held.num_free_pages < held.num_pages
@@ -181,8 +207,9 @@ def test_prefill_replica_killed_mid_handover_request_completes(router):
     recomputed = status(decode).num_recomputed
     os.kill(victim.process.pid, signal.SIGSTOP)  # it accepts the Prefill call but never answers
     result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("tokens", decode_generate(
-        decode, victim.address, prompt)))
+    thread = threading.Thread(
+        target=lambda: result.setdefault("tokens", decode_generate(decode, victim.address, prompt))
+    )
     try:
         thread.start()
         wait_for(lambda: status(decode).num_reservations == 1, "the decode replica to reserve pages and wait")
@@ -210,7 +237,11 @@ def test_decode_replica_killed_mid_stream_the_router_resends(router):
     assert tokens == reference and len(tokens) == 200
     assert sum(router.metrics.resends.labels(code)._value.get() for code in ("UNAVAILABLE", "CANCELLED")) > 0
     for survivor in (prefill_of(router), *(r for r in decodes_of(router) if r is not victim)):
-        wait_for(lambda: nothing_held(survivor.address), f"{survivor.address} to free every page", timeout=30)
+        wait_for(
+            lambda survivor=survivor: nothing_held(survivor.address),
+            f"{survivor.address} to free every page",
+            timeout=30,
+        )
 
 
 def running(address: str) -> bool:

@@ -19,14 +19,27 @@ from jaxserve.server import kv_events_service
 from jaxserve.server.config_file import load_config
 from tests.support.fixtures import fixture_dir
 
-ENGINE = ["engine.max_model_len=128", "engine.max_num_seqs=4", "engine.max_num_batched_tokens=64",
-          "engine.page_size=8", "engine.num_pages=24", "engine.swap_space=0.0005", "engine.show_progress=false"]
+ENGINE = [
+    "engine.max_model_len=128",
+    "engine.max_num_seqs=4",
+    "engine.max_num_batched_tokens=64",
+    "engine.page_size=8",
+    "engine.num_pages=24",
+    "engine.swap_space=0.0005",
+    "engine.show_progress=false",
+]
 
 
 @pytest.fixture(scope="module")
 def server():
-    overrides = [f"model.path={fixture_dir('llama_gqa')}", "model.dtype=float32", *ENGINE,
-                 f"server.port={free_port()}", "server.metrics_port=0", *http_port_off()[1::2]]
+    overrides = [
+        f"model.path={fixture_dir('llama_gqa')}",
+        "model.dtype=float32",
+        *ENGINE,
+        f"server.port={free_port()}",
+        "server.metrics_port=0",
+        *http_port_off()[1::2],
+    ]
     server = Server(load_config(None, overrides))
     server.start()
     yield server
@@ -36,8 +49,9 @@ def server():
 @pytest.fixture
 def follower(server):
     info = server.loop.description
-    replica = Replica(f"127.0.0.1:{server.port}", info.model_fingerprint, blind_window=2.0, heartbeat=0.1,
-                      health_interval=0.5)
+    replica = Replica(
+        f"127.0.0.1:{server.port}", info.model_fingerprint, blind_window=2.0, heartbeat=0.1, health_interval=0.5
+    )
     replica.start()
     wait_for(lambda: replica.is_up, "the replica to come up")
     yield replica
@@ -53,27 +67,36 @@ def wait_for(condition, what: str, timeout: float = 60.0) -> None:
 
 def cache_pages(server) -> dict:
     allocator = server.loop.engine.schedulers[0].allocator
-    return {DEVICE: {key: (allocator.page_contents[page][0], len(allocator.page_contents[page][1]))
-                     for key, page in allocator.pages_by_key.items()},
-            HOST: {key: (contents[0], len(contents[1])) for key, (contents, _) in allocator.host_tier.entries.items()}}
+    return {
+        DEVICE: {
+            key: (allocator.page_contents[page][0], len(allocator.page_contents[page][1]))
+            for key, page in allocator.pages_by_key.items()
+        },
+        HOST: {key: (contents[0], len(contents[1])) for key, (contents, _) in allocator.host_tier.entries.items()},
+    }
 
 
 def view_pages(replica: Replica) -> dict:
-    return {tier: {key: (page.parent_key, page.num_tokens) for key, page in replica.view.state.pages(0, tier).items()}
-            for tier in (DEVICE, HOST)}
+    return {
+        tier: {key: (page.parent_key, page.num_tokens) for key, page in replica.view.state.pages(0, tier).items()}
+        for tier in (DEVICE, HOST)
+    }
 
 
 def caught_up(server, replica) -> bool:
-    return not server.loop.engine.has_unfinished_requests() and \
-        replica.view.sequence == server.loop.engine.kv_events().sequence
+    return (
+        not server.loop.engine.has_unfinished_requests()
+        and replica.view.sequence == server.loop.engine.kv_events().sequence
+    )
 
 
 def run_random_workload(target: str, seed: int, num_requests: int = 40) -> None:
     """Shared prefixes, multi-turn continuations, concurrent clients, some streams cancelled."""
     rng = random.Random(seed)
     systems = [[1] + [rng.randint(3, 383) for _ in range(23)] for _ in range(3)]
-    prompts = [rng.choice(systems) + [rng.randint(3, 383) for _ in range(rng.randint(1, 40))]
-               for _ in range(num_requests)]
+    prompts = [
+        rng.choice(systems) + [rng.randint(3, 383) for _ in range(rng.randint(1, 40))] for _ in range(num_requests)
+    ]
 
     def run(index: int) -> None:
         client = Client(target)
@@ -104,8 +127,10 @@ def test_the_view_equals_the_replicas_cache_after_a_random_workload(server, foll
     assert stats["prefix_cache_evictions"] > 0 and stats["swapped_out_pages"] > 0 and stats["swapped_in_pages"] > 0
     assert len(view_pages(follower)[HOST]) > 0
     # the load arrives with the events, and the measured prefill rate with it
-    wait_for(lambda: follower.load.num_running == 0 and follower.load.num_free_pages == stats["kv_pages_free"],
-             "the idle load")
+    wait_for(
+        lambda: follower.load.num_running == 0 and follower.load.num_free_pages == stats["kv_pages_free"],
+        "the idle load",
+    )
     assert follower.load.prefill_seconds_per_token > 0
 
 
@@ -133,8 +158,13 @@ def test_snapshots_and_deltas_split_into_small_batches(server, monkeypatch):
     finally:
         call.cancel()
         client.close()
-    replica = Replica(f"127.0.0.1:{server.port}", server.loop.description.model_fingerprint, blind_window=2.0,
-                      heartbeat=0.1, health_interval=0.5)
+    replica = Replica(
+        f"127.0.0.1:{server.port}",
+        server.loop.description.model_fingerprint,
+        blind_window=2.0,
+        heartbeat=0.1,
+        health_interval=0.5,
+    )
     replica.start()
     try:
         wait_for(lambda: replica.is_up, "the replica to come up")
@@ -151,8 +181,9 @@ def test_a_new_subscriber_gets_a_snapshot_then_deltas(server):
     try:
         first = next(call)
         assert first.snapshot and first.sequence == server.loop.engine.kv_events().sequence
-        assert {event.key for event in first.events if event.tier == pb.KVEvent.DEVICE} == \
-            set(cache_pages(server)[DEVICE])
+        assert {event.key for event in first.events if event.tier == pb.KVEvent.DEVICE} == set(
+            cache_pages(server)[DEVICE]
+        )
         heartbeat = next(call)  # nothing happens: a heartbeat still comes, with the load
         assert not heartbeat.snapshot and heartbeat.sequence == first.sequence and not heartbeat.events
         assert heartbeat.load.num_free_pages == server.loop.stats["kv_pages_free"]

@@ -7,8 +7,7 @@ import pytest
 from jaxserve.host.kv_events import DEVICE, HOST, STORED, KVEvent
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.cache_view import CacheView
-from jaxserve.router.policy import (LeastLoadPolicy, PrefixPolicy, RoundRobinPolicy, RouteRequest, SessionPolicy,
-                                    predict)
+from jaxserve.router.policy import LeastLoadPolicy, PrefixPolicy, RoundRobinPolicy, RouteRequest, SessionPolicy, predict
 
 PAGE_SIZE = 16
 SYSTEM = list(range(3, 3 + 8 * PAGE_SIZE))  # an 8-page system prompt
@@ -19,8 +18,9 @@ class FakeReplica:
         self.address, self.page_size, self.is_up = address, PAGE_SIZE, True
         self.view = CacheView()
         self.view.reset(0, [])
-        self.load = pb.ReplicaLoad(prefill_seconds_per_token=prefill_seconds_per_token,
-                                   swap_in_seconds_per_page=swap_in_seconds_per_page)
+        self.load = pb.ReplicaLoad(
+            prefill_seconds_per_token=prefill_seconds_per_token, swap_in_seconds_per_page=swap_in_seconds_per_page
+        )
         self.load.num_free_pages = 1000
         self.num_outstanding = self.outstanding_prefill_tokens = self.outstanding_pages = 0
 
@@ -110,8 +110,10 @@ def test_sessions_stick_and_a_removed_replica_moves_only_its_own():
     replicas = [FakeReplica(name) for name in "abcd"]
     policy = SessionPolicy()
     before = {f"s{i}": policy.choose(request(session_id=f"s{i}"), replicas).replica.address for i in range(200)}
-    assert all(policy.choose(request(i, session_id=s), replicas).replica.address == address
-               for i, (s, address) in enumerate(before.items()))
+    assert all(
+        policy.choose(request(i, session_id=s), replicas).replica.address == address
+        for i, (s, address) in enumerate(before.items())
+    )
     assert min(Counter(before.values()).values()) > 20  # spread over all four
     remaining = [r for r in replicas if r.address != "b"]
     after = {s: policy.choose(request(session_id=s), remaining).replica.address for s in before}

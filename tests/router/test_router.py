@@ -15,19 +15,34 @@ from jaxserve.router.launcher import free_port
 from jaxserve.router.server import RouterServer
 from tests.support.fixtures import expected, fixture_dir
 
-REPLICA_ENGINE = ["model.dtype=float32", "engine.max_model_len=128", "engine.max_num_seqs=2",
-                  "engine.max_num_batched_tokens=64", "engine.page_size=8", "engine.num_pages=48",
-                  "engine.show_progress=false", "server.drain_timeout=5"]
+REPLICA_ENGINE = [
+    "model.dtype=float32",
+    "engine.max_model_len=128",
+    "engine.max_num_seqs=2",
+    "engine.max_num_batched_tokens=64",
+    "engine.page_size=8",
+    "engine.num_pages=48",
+    "engine.show_progress=false",
+    "server.drain_timeout=5",
+]
 
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
-    config = parse_config({
-        "model": {"path": fixture_dir("llama_gqa")},
-        "router": {"port": 0, "http_port": free_port(), "policy": "prefix", "heartbeat": 0.2, "health_interval": 0.5,
-                   "startup_timeout": 240},
-        "launch": {"num_replicas": 2, "set": REPLICA_ENGINE, "log_dir": str(tmp_path_factory.mktemp("replicas"))},
-    })
+    config = parse_config(
+        {
+            "model": {"path": fixture_dir("llama_gqa")},
+            "router": {
+                "port": 0,
+                "http_port": free_port(),
+                "policy": "prefix",
+                "heartbeat": 0.2,
+                "health_interval": 0.5,
+                "startup_timeout": 240,
+            },
+            "launch": {"num_replicas": 2, "set": REPLICA_ENGINE, "log_dir": str(tmp_path_factory.mktemp("replicas"))},
+        }
+    )
     server = RouterServer(config)
     server.start()
     yield server
@@ -89,8 +104,9 @@ def test_the_requests_own_errors_pass_through(router):
 def test_the_openai_http_api_is_routed_too(router):
     import openai
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.config.router.http_port}/v1", api_key="-",
-                           max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{router.config.router.http_port}/v1", api_key="-", max_retries=0, timeout=120
+    )
     job = expected("llama_gqa")["prompts"][1]
     grpc_client = Client(f"127.0.0.1:{router.port}")
     text = grpc_client.generate(job["token_ids"], max_tokens=16, temperature=0.0).text
@@ -156,9 +172,14 @@ def test_a_killed_replica_loses_no_unstarted_request_and_comes_back(router):
     wait_for(lambda: victim.num_starts == 2 and replica.is_up, "the restarted replica", timeout=240)
     before = counter(router, "requests", victim.address)
     results = [None] * 4
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-        i, Client(f"127.0.0.1:{router.port}").generate([1] + [200 + i] * 30, max_tokens=16).finish_reason))
-        for i in range(4)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.__setitem__(
+                i, Client(f"127.0.0.1:{router.port}").generate([1] + [200 + i] * 30, max_tokens=16).finish_reason
+            )
+        )
+        for i in range(4)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -16,8 +16,15 @@ from tests.support.server_harness import ServerProcess
 MAX_NUM_SEQS, MAX_QUEUED = 4, 4
 MAX_IN_FLIGHT = MAX_NUM_SEQS + MAX_QUEUED
 IDLE_TIMEOUT = 6.0
-LIMITS = {"max_queued_requests": MAX_QUEUED, "stream_idle_timeout": IDLE_TIMEOUT, "max_stop_strings": 8,
-          "max_stop_string_bytes": 256, "max_stop_token_ids": 16, "max_prompt_bytes": 4096, "max_id_length": 64}
+LIMITS = {
+    "max_queued_requests": MAX_QUEUED,
+    "stream_idle_timeout": IDLE_TIMEOUT,
+    "max_stop_strings": 8,
+    "max_stop_string_bytes": 256,
+    "max_stop_token_ids": 16,
+    "max_prompt_bytes": 4096,
+    "max_id_length": 64,
+}
 # A client that reads nothing: a 1 KiB receive window that never grows, so the server's sends block.
 UNREAD_CHANNEL_OPTIONS = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
 
@@ -48,8 +55,9 @@ def test_a_reused_request_id_never_aborts_another_request(server):
         client = Client(server.target)
         try:
             for _ in range(8):
-                completion = client.generate([1, 5, 9], max_tokens=6, temperature=0.0, ignore_eos=True,
-                                             request_id="shared")
+                completion = client.generate(
+                    [1, 5, 9], max_tokens=6, temperature=0.0, ignore_eos=True, request_id="shared"
+                )
                 results.append((completion.finish_reason, len(completion.token_ids), completion.request_id))
         except grpc.RpcError as error:
             errors.append(error.code())
@@ -67,8 +75,10 @@ def test_a_reused_request_id_never_aborts_another_request(server):
 
 def test_server_made_ids_never_collide_with_client_ids(server):
     client = Client(server.target)
-    held = [client.stream([1, 4, 4], max_tokens=100, temperature=0.0, ignore_eos=True, request_id=f"req-{i}")
-            for i in range(5)]
+    held = [
+        client.stream([1, 4, 4], max_tokens=100, temperature=0.0, ignore_eos=True, request_id=f"req-{i}")
+        for i in range(5)
+    ]
     try:
         for call in held:
             next(call)
@@ -127,18 +137,21 @@ def test_unread_streams_hold_their_slots_until_expired_and_never_block_health(se
     assert wait_for(lambda: server.metric("jaxserve_kv_pages_used") == 0, timeout=10)
 
 
-@pytest.mark.parametrize("request_kwargs,message", [
-    (dict(stop=[f"s{i}" for i in range(9)]), "server.max_stop_strings"),
-    (dict(stop=["x" * 200, "y" * 200]), "server.max_stop_string_bytes"),
-    (dict(stop_token_ids=list(range(17))), "server.max_stop_token_ids"),
-    (dict(stop_token_ids=[-1]), "outside the vocabulary"),
-    (dict(stop_token_ids=[10**9]), "outside the vocabulary"),
-    (dict(prompt="\u00e9" * 2100), "server.max_prompt_bytes"),
-    (dict(prompt="a" * 50_000), "server.max_prompt_bytes"),  # refused before it is parsed
-    (dict(prompt=[1] * 129), "max_model_len"),
-    (dict(request_id="r" * 65), "server.max_id_length"),
-    (dict(session_id="s" * 65), "server.max_id_length"),
-])
+@pytest.mark.parametrize(
+    "request_kwargs,message",
+    [
+        (dict(stop=[f"s{i}" for i in range(9)]), "server.max_stop_strings"),
+        (dict(stop=["x" * 200, "y" * 200]), "server.max_stop_string_bytes"),
+        (dict(stop_token_ids=list(range(17))), "server.max_stop_token_ids"),
+        (dict(stop_token_ids=[-1]), "outside the vocabulary"),
+        (dict(stop_token_ids=[10**9]), "outside the vocabulary"),
+        (dict(prompt="\u00e9" * 2100), "server.max_prompt_bytes"),
+        (dict(prompt="a" * 50_000), "server.max_prompt_bytes"),  # refused before it is parsed
+        (dict(prompt=[1] * 129), "max_model_len"),
+        (dict(request_id="r" * 65), "server.max_id_length"),
+        (dict(session_id="s" * 65), "server.max_id_length"),
+    ],
+)
 def test_oversized_requests_are_refused_with_the_limit_named(server, request_kwargs, message):
     stub = jaxserve_pb2_grpc.GenerationStub(server.channel)
     request_kwargs = {"prompt": [1, 2, 3], "max_tokens": 4, **request_kwargs}
@@ -148,9 +161,14 @@ def test_oversized_requests_are_refused_with_the_limit_named(server, request_kwa
     assert message in error.value.details()
 
 
-@pytest.mark.parametrize("request_kwargs", [dict(prompt="a" * 3_900_000),
-                                            dict(prompt=[1, 2], stop_token_ids=[2] * 1_500_000),
-                                            dict(prompt=[1, 2], stop=[f"never-{i:06d}" for i in range(200_000)])])
+@pytest.mark.parametrize(
+    "request_kwargs",
+    [
+        dict(prompt="a" * 3_900_000),
+        dict(prompt=[1, 2], stop_token_ids=[2] * 1_500_000),
+        dict(prompt=[1, 2], stop=[f"never-{i:06d}" for i in range(200_000)]),
+    ],
+)
 def test_a_request_over_max_message_bytes_is_refused_by_grpc(server, request_kwargs):
     # max_message_bytes is derived from the caps (64 KiB here): gRPC refuses before the server reads
     stub = jaxserve_pb2_grpc.GenerationStub(server.channel)

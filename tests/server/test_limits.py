@@ -11,8 +11,14 @@ from jaxserve.server.auth import ApiKeys
 from jaxserve.server.config_file import TLSConfig, load_config
 from jaxserve.server.request_stream import Delta, RequestStream
 
-LIMITS = limits.RequestLimits.for_engine(max_model_len=128, vocab_size=1000, max_stop_strings=4,
-                                         max_stop_string_bytes=32, max_stop_token_ids=8, max_id_length=16)
+LIMITS = limits.RequestLimits.for_engine(
+    max_model_len=128,
+    vocab_size=1000,
+    max_stop_strings=4,
+    max_stop_string_bytes=32,
+    max_stop_token_ids=8,
+    max_id_length=16,
+)
 
 
 def test_prompt_bytes_default_from_max_model_len_and_are_checked_before_encoding():
@@ -20,20 +26,23 @@ def test_prompt_bytes_default_from_max_model_len_and_are_checked_before_encoding
     limits.check_prompt(LIMITS, "\u00e9" * (LIMITS.max_prompt_bytes // 2), [])
     with pytest.raises(ValueError, match="server.max_prompt_bytes"):
         limits.check_prompt(LIMITS, "\u00e9" * (LIMITS.max_prompt_bytes // 2 + 1), [])
-    assert limits.utf8_size_exceeds("\U0001F600" * 3, 11) and not limits.utf8_size_exceeds("\U0001F600" * 3, 12)
+    assert limits.utf8_size_exceeds("\U0001f600" * 3, 11) and not limits.utf8_size_exceeds("\U0001f600" * 3, 12)
     with pytest.raises(ValueError, match="exactly one"):
         limits.check_prompt(LIMITS, "text", [1])
     with pytest.raises(ValueError, match="max_model_len"):
         limits.check_prompt(LIMITS, "", [1] * 129)
 
 
-@pytest.mark.parametrize("stop,stop_token_ids,message", [
-    (["a"] * 5, [], "server.max_stop_strings"),
-    (["a" * 20, "\u00e9" * 7], [], "server.max_stop_string_bytes"),
-    ([], list(range(9)), "server.max_stop_token_ids"),
-    ([], [3, -1], "outside the vocabulary"),
-    ([], [1000], "outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "stop,stop_token_ids,message",
+    [
+        (["a"] * 5, [], "server.max_stop_strings"),
+        (["a" * 20, "\u00e9" * 7], [], "server.max_stop_string_bytes"),
+        ([], list(range(9)), "server.max_stop_token_ids"),
+        ([], [3, -1], "outside the vocabulary"),
+        ([], [1000], "outside the vocabulary"),
+    ],
+)
 def test_stop_limits(stop, stop_token_ids, message):
     with pytest.raises(ValueError, match=message):
         limits.check_stops(LIMITS, stop, stop_token_ids)
@@ -42,11 +51,22 @@ def test_stop_limits(stop, stop_token_ids, message):
 def test_a_request_at_every_limit_fits_the_size_checked_before_parsing():
     from jaxserve.client import build_request
 
-    wide = "\U0001F600"  # 4 bytes in UTF-8
+    wide = "\U0001f600"  # 4 bytes in UTF-8
     stops = [wide * (LIMITS.max_stop_string_bytes // 4 // LIMITS.max_stop_strings)] * LIMITS.max_stop_strings
-    common = dict(max_tokens=2**31 - 1, temperature=1.5, top_k=2**31 - 1, top_p=0.5, min_p=0.5, seed=2**63 - 1,
-                  stop=stops, stop_token_ids=[LIMITS.vocab_size - 1] * LIMITS.max_stop_token_ids, ignore_eos=True,
-                  logprobs=2**31 - 1, request_id=wide * LIMITS.max_id_length, session_id=wide * LIMITS.max_id_length)
+    common = dict(
+        max_tokens=2**31 - 1,
+        temperature=1.5,
+        top_k=2**31 - 1,
+        top_p=0.5,
+        min_p=0.5,
+        seed=2**63 - 1,
+        stop=stops,
+        stop_token_ids=[LIMITS.vocab_size - 1] * LIMITS.max_stop_token_ids,
+        ignore_eos=True,
+        logprobs=2**31 - 1,
+        request_id=wide * LIMITS.max_id_length,
+        session_id=wide * LIMITS.max_id_length,
+    )
     for prompt in (wide * (LIMITS.max_prompt_bytes // 4), [2**31 - 1] * LIMITS.max_prompt_tokens):
         size = len(build_request(prompt, **common).SerializeToString())
         assert size <= LIMITS.max_generate_request_bytes
@@ -77,8 +97,15 @@ def test_api_keys(tmp_path):
 
 
 def test_server_config_keys():
-    config = load_config(None, ["server.tls={cert: s.pem, key: s.key, client_ca: ca.pem}", "server.api_keys=keys",
-                                "server.stream_idle_timeout=5", "server.max_message_bytes=65536"])
+    config = load_config(
+        None,
+        [
+            "server.tls={cert: s.pem, key: s.key, client_ca: ca.pem}",
+            "server.api_keys=keys",
+            "server.stream_idle_timeout=5",
+            "server.max_message_bytes=65536",
+        ],
+    )
     assert config.server.tls == TLSConfig("s.pem", "s.key", "ca.pem")
     assert config.server.api_keys == "keys" and config.server.max_message_bytes == 65536
     with pytest.raises(ValueError, match="server.tls"):

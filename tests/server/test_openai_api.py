@@ -22,8 +22,9 @@ CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServerProcess(tmp_path_factory.mktemp("openai"), engine={"max_num_seqs": 8},
-                            server={"chat_template": CHAT_TEMPLATE})
+    process = ServerProcess(
+        tmp_path_factory.mktemp("openai"), engine={"max_num_seqs": 8}, server={"chat_template": CHAT_TEMPLATE}
+    )
     process.wait_until_serving()
     yield process
     assert process.stop() == 0
@@ -46,28 +47,38 @@ def test_models_health_metrics_and_fingerprint(server, client):
 
 
 def test_streamed_completion_concatenates_to_the_unstreamed_one(server, client):
-    options = dict(model="llama_gqa", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=11,
-                   extra_body={"return_token_ids": True})
+    options = dict(
+        model="llama_gqa", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=11, extra_body={"return_token_ids": True}
+    )
     whole = client.completions.create(**options)
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **options))
     *deltas, last = chunks
     assert "".join(c.choices[0].text for c in deltas) == whole.choices[0].text
     token_ids = [t for c in deltas for t in c.choices[0].token_ids]
     assert token_ids == whole.choices[0].token_ids and len(token_ids) == 20
-    assert deltas[-1].choices[0].finish_reason == "length" and all(c.choices[0].finish_reason is None
-                                                                    for c in deltas[:-1])
+    assert deltas[-1].choices[0].finish_reason == "length" and all(
+        c.choices[0].finish_reason is None for c in deltas[:-1]
+    )
     assert last.choices == [] and last.usage.model_dump() == whole.usage.model_dump()
     num_prompt_tokens = json.loads(http(server, "POST", "/tokenize", {"prompt": PROMPT})[2])["count"]
     usage = whole.usage
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (num_prompt_tokens, 20,
-                                                                                  num_prompt_tokens + 20)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        num_prompt_tokens,
+        20,
+        num_prompt_tokens + 20,
+    )
     assert usage.prompt_tokens_details.cached_tokens >= 0
 
 
 def test_greedy_batch_of_token_id_prompts_equals_the_recorded_output(client):
     prompts = expected("llama_gqa")["prompts"]
-    completion = client.completions.create(model="llama_gqa", prompt=[p["token_ids"] for p in prompts],
-                                           max_tokens=24, temperature=0.0, extra_body={"return_token_ids": True})
+    completion = client.completions.create(
+        model="llama_gqa",
+        prompt=[p["token_ids"] for p in prompts],
+        max_tokens=24,
+        temperature=0.0,
+        extra_body={"return_token_ids": True},
+    )
     assert [c.index for c in completion.choices] == list(range(len(prompts)))
     for choice, prompt in zip(completion.choices, prompts):
         assert choice.token_ids == prompt["greedy_token_ids"]
@@ -76,8 +87,16 @@ def test_greedy_batch_of_token_id_prompts_equals_the_recorded_output(client):
 
 
 def test_n_choices_per_prompt_in_order(client):
-    completion = client.completions.create(model="llama_gqa", prompt=[PROMPT, "Return a new"], n=3, max_tokens=6,
-                                           temperature=1.0, seed=5, echo=True, extra_body={"return_token_ids": True})
+    completion = client.completions.create(
+        model="llama_gqa",
+        prompt=[PROMPT, "Return a new"],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        echo=True,
+        extra_body={"return_token_ids": True},
+    )
     assert [c.index for c in completion.choices] == list(range(6))
     for choice in completion.choices:
         assert choice.text.startswith(PROMPT if choice.index < 3 else "Return a new")
@@ -90,7 +109,7 @@ def test_stop_strings_and_completion_logprobs(client):
     text = full.choices[0].text
     stop = text[3:5]
     stopped = client.completions.create(model="llama_gqa", prompt=PROMPT, max_tokens=12, temperature=0.0, stop=stop)
-    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[:text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.index(stop)]
     scored = client.completions.create(model="llama_gqa", prompt=[1, 5, 9], max_tokens=3, temperature=0.0, logprobs=2)
     logprobs = scored.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 3
@@ -98,8 +117,9 @@ def test_stop_strings_and_completion_logprobs(client):
 
 
 def test_chat_streamed_equals_unstreamed_and_offline(client, llama_llm):
-    options = dict(model="llama_gqa", messages=CONVERSATION, max_tokens=10, temperature=0.0,
-                   extra_body={"return_token_ids": True})
+    options = dict(
+        model="llama_gqa", messages=CONVERSATION, max_tokens=10, temperature=0.0, extra_body={"return_token_ids": True}
+    )
     whole = client.chat.completions.create(**options)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **options))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -107,16 +127,26 @@ def test_chat_streamed_equals_unstreamed_and_offline(client, llama_llm):
     assert "".join(c.choices[0].delta.content or "" for c in deltas) == whole.choices[0].message.content
     assert deltas[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
     assert last.choices == [] and last.usage.completion_tokens == 10 == whole.usage.completion_tokens
-    offline = llama_llm.chat(CONVERSATION, SamplingParams(max_tokens=10, temperature=0.0),
-                             chat_template=CHAT_TEMPLATE)[0]
+    offline = llama_llm.chat(CONVERSATION, SamplingParams(max_tokens=10, temperature=0.0), chat_template=CHAT_TEMPLATE)[
+        0
+    ]
     assert whole.choices[0].token_ids == offline.outputs[0].token_ids
     assert whole.choices[0].message.content == offline.outputs[0].text
     assert whole.usage.prompt_tokens == len(offline.prompt_token_ids)
 
 
 def test_chat_n_with_logprobs_and_seed(client):
-    options = dict(model="llama_gqa", messages=CONVERSATION, max_completion_tokens=5, n=3, temperature=1.0,
-                   seed=3, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True})
+    options = dict(
+        model="llama_gqa",
+        messages=CONVERSATION,
+        max_completion_tokens=5,
+        n=3,
+        temperature=1.0,
+        seed=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_token_ids": True},
+    )
     first, again = client.chat.completions.create(**options), client.chat.completions.create(**options)
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert [c.token_ids for c in first.choices] == [c.token_ids for c in again.choices], "seeded: repeatable"
@@ -141,9 +171,14 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
     aborted = 'jaxserve_requests_total{finish_reason="abort"}'
     aborted_before = server.metric(aborted, default=0.0)
     connection = HTTPConnection("127.0.0.1", server.http_port, timeout=30)
-    connection.request("POST", "/v1/completions", json.dumps(
-        {"prompt": [1] + [7] * 20, "max_tokens": 100, "temperature": 0.0, "ignore_eos": True, "stream": True}),
-        {"Content-Type": "application/json"})
+    connection.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(
+            {"prompt": [1] + [7] * 20, "max_tokens": 100, "temperature": 0.0, "ignore_eos": True, "stream": True}
+        ),
+        {"Content-Type": "application/json"},
+    )
     response = connection.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")
     connection.close()  # mid-stream: about 100 tokens are still to come
@@ -160,8 +195,15 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
 def test_n_over_grpc_equals_n_over_http_and_offline(server, client, llama_llm):
     params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=21)
     offline = [o.token_ids for o in llama_llm.generate([[1, 5, 9]], params)[0].outputs]
-    over_http = client.completions.create(model="llama_gqa", prompt=[1, 5, 9], n=3, max_tokens=6, temperature=1.0,
-                                          seed=21, extra_body={"return_token_ids": True})
+    over_http = client.completions.create(
+        model="llama_gqa",
+        prompt=[1, 5, 9],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=21,
+        extra_body={"return_token_ids": True},
+    )
     request = build_request([1, 5, 9], max_tokens=6, temperature=1.0, seed=21)
     request.sampling.n = 3
     over_grpc = [[], [], []]
@@ -174,8 +216,12 @@ def test_system_fingerprint_follows_the_serving_configuration(llama_llm):
     description = llama_llm.engine.describe()
     fingerprint = system_fingerprint(description)
     assert fingerprint == system_fingerprint(llama_llm.engine.describe())
-    for change in (dict(model_fingerprint="another checkpoint"), dict(dtype="bfloat16"),
-                   dict(mesh="tensor 2 over 2 cpu devices"), dict(compiled_buckets=description.compiled_buckets[:-1])):
+    for change in (
+        dict(model_fingerprint="another checkpoint"),
+        dict(dtype="bfloat16"),
+        dict(mesh="tensor 2 over 2 cpu devices"),
+        dict(compiled_buckets=description.compiled_buckets[:-1]),
+    ):
         assert system_fingerprint(dataclasses.replace(description, **change)) != fingerprint, change
 
 

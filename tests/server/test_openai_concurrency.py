@@ -15,20 +15,31 @@ from tests.support.server_harness import ServerProcess
 
 NUM_EACH = 64
 MAX_TOKENS = 12
-QUESTIONS = ["def forward(self, x):", "Return a new dictionary", "import numpy as np", "class Cache:",
-             "for i in range(10):", "The quick brown fox", "print('hello')", "while True:"]
+QUESTIONS = [
+    "def forward(self, x):",
+    "Return a new dictionary",
+    "import numpy as np",
+    "class Cache:",
+    "for i in range(10):",
+    "The quick brown fox",
+    "print('hello')",
+    "while True:",
+]
 
 
 def conversation(index: int) -> list[dict]:
-    return [{"role": "system", "content": f"Answer {index % 3 + 1} ways."},
-            {"role": "user", "content": QUESTIONS[index % len(QUESTIONS)]}]
+    return [
+        {"role": "system", "content": f"Answer {index % 3 + 1} ways."},
+        {"role": "user", "content": QUESTIONS[index % len(QUESTIONS)]},
+    ]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # the offline engine's limits (SMALL_ENGINE), so both run the same compiled shapes
-    process = ServerProcess(tmp_path_factory.mktemp("openai-both"), engine={"max_num_seqs": 8},
-                            server={"chat_template": CHAT_TEMPLATE})
+    process = ServerProcess(
+        tmp_path_factory.mktemp("openai-both"), engine={"max_num_seqs": 8}, server={"chat_template": CHAT_TEMPLATE}
+    )
     process.wait_until_serving()
     yield process
     assert process.stop() == 0
@@ -36,8 +47,13 @@ def server(tmp_path_factory):
 
 async def http_chat(client, index: int) -> tuple[list[int], str, str]:
     stream = await client.chat.completions.create(
-        model="llama_gqa", messages=conversation(index), max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
-        extra_body={"return_token_ids": True})
+        model="llama_gqa",
+        messages=conversation(index),
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
     token_ids, text, finish_reason = [], "", None
     async for chunk in stream:
         choice = chunk.choices[0]
@@ -48,8 +64,10 @@ async def http_chat(client, index: int) -> tuple[list[int], str, str]:
 
 
 async def grpc_chat(stub, index: int) -> tuple[list[int], str, str]:
-    request = pb.ChatRequest(messages=[pb.ChatMessage(**m) for m in conversation(index)],
-                             sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    request = pb.ChatRequest(
+        messages=[pb.ChatMessage(**m) for m in conversation(index)],
+        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+    )
     token_ids, text, finish_reason = [], "", None
     async for response in stub.Chat(request):
         token_ids += response.token_ids
@@ -68,8 +86,11 @@ async def both_at_once(server) -> tuple[list, list]:
 
 def test_64_http_and_64_grpc_chats_at_once_equal_the_offline_answers(server, llama_llm):
     over_http, over_grpc = asyncio.run(both_at_once(server))
-    offline = llama_llm.chat([conversation(i) for i in range(NUM_EACH)],
-                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), chat_template=CHAT_TEMPLATE)
+    offline = llama_llm.chat(
+        [conversation(i) for i in range(NUM_EACH)],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        chat_template=CHAT_TEMPLATE,
+    )
     for index, (http_answer, grpc_answer, expected) in enumerate(zip(over_http, over_grpc, offline)):
         answer = (expected.outputs[0].token_ids, expected.outputs[0].text, expected.outputs[0].finish_reason)
         assert http_answer == answer, index

@@ -26,10 +26,17 @@ def warming(tmp_path_factory):
     directory = tmp_path_factory.mktemp("openai-errors")
     (directory / "keys").write_text(API_KEY + "\n")
     # no compilation cache, so that warm-up lasts long enough to be seen
-    process = ServerProcess(directory, engine={"max_num_seqs": 2, "compilation_cache_dir": None},
-                            server={"max_queued_requests": 1, "api_keys": str(directory / "keys"),
-                                    "max_message_bytes": MAX_BODY, "chat_template": CHAT_TEMPLATE},
-                            connection=Connection(api_key=API_KEY))
+    process = ServerProcess(
+        directory,
+        engine={"max_num_seqs": 2, "compilation_cache_dir": None},
+        server={
+            "max_queued_requests": 1,
+            "api_keys": str(directory / "keys"),
+            "max_message_bytes": MAX_BODY,
+            "chat_template": CHAT_TEMPLATE,
+        },
+        connection=Connection(api_key=API_KEY),
+    )
     seen = []
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
@@ -71,25 +78,31 @@ def test_503_until_warm_up_ends(warming):
     assert status == 503 and error_of(body)["code"] == 503
 
 
-@pytest.mark.parametrize("path,body,reason", [
-    ("/v1/completions", {**SMALL, "temperature": -1.0}, "temperature"),
-    ("/v1/completions", {**SMALL, "prompt": [1] * 120, "max_tokens": 20}, "max_model_len"),
-    ("/v1/completions", {**SMALL, "prompt": [1, 99999]}, "outside the vocabulary"),
-    ("/v1/completions", {**SMALL, "top_p": 0.0}, "top_p"),
-    ("/v1/completions", {**SMALL, "n": 3}, "engine.max_num_seqs"),
-    ("/v1/completions", {**SMALL, "stop": ["x"] * 65}, "server.max_stop_strings"),
-    ("/v1/completions", {**SMALL, "presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {**SMALL, "echo": True, "logprobs": 1}, "echo"),
-    ("/v1/completions", {**SMALL, "logprobs": 50}, "max_logprobs"),
-    ("/v1/completions", {"model": "llama_gqa", "max_tokens": 2}, "prompt"),
-    ("/v1/completions", {**SMALL, "prompt": ["fine", ""]}, "a prompt is empty"),
-    ("/v1/completions", {**SMALL, "prompt": "x" * 5000}, "server.max_prompt_bytes"),
-    ("/v1/chat/completions", {"model": "llama_gqa", "messages": []}, "empty conversation"),
-    ("/v1/chat/completions", {"model": "llama_gqa", "messages": [{"role": "user", "content": "hi"}],
-                              "top_logprobs": 2}, "top_logprobs needs logprobs"),
-    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "exactly one"),
-    ("/detokenize", {"tokens": [10 ** 6]}, "outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "path,body,reason",
+    [
+        ("/v1/completions", {**SMALL, "temperature": -1.0}, "temperature"),
+        ("/v1/completions", {**SMALL, "prompt": [1] * 120, "max_tokens": 20}, "max_model_len"),
+        ("/v1/completions", {**SMALL, "prompt": [1, 99999]}, "outside the vocabulary"),
+        ("/v1/completions", {**SMALL, "top_p": 0.0}, "top_p"),
+        ("/v1/completions", {**SMALL, "n": 3}, "engine.max_num_seqs"),
+        ("/v1/completions", {**SMALL, "stop": ["x"] * 65}, "server.max_stop_strings"),
+        ("/v1/completions", {**SMALL, "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/completions", {**SMALL, "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {**SMALL, "logprobs": 50}, "max_logprobs"),
+        ("/v1/completions", {"model": "llama_gqa", "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {**SMALL, "prompt": ["fine", ""]}, "a prompt is empty"),
+        ("/v1/completions", {**SMALL, "prompt": "x" * 5000}, "server.max_prompt_bytes"),
+        ("/v1/chat/completions", {"model": "llama_gqa", "messages": []}, "empty conversation"),
+        (
+            "/v1/chat/completions",
+            {"model": "llama_gqa", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+            "top_logprobs needs logprobs",
+        ),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "exactly one"),
+        ("/detokenize", {"tokens": [10**6]}, "outside the vocabulary"),
+    ],
+)
 def test_bad_requests_are_400_with_the_reason(server, client, path, body, reason):
     status, _, answer = http(server, "POST", path, body, AUTH)
     error = error_of(answer)
@@ -134,9 +147,12 @@ def test_oversized_body_is_413(server, client):
 def open_stream(server, max_tokens: int) -> tuple[HTTPConnection, object]:
     """A streamed completion, sent; its response is read by the caller."""
     connection = HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-    connection.request("POST", "/v1/completions", json.dumps({
-        **SMALL, "prompt": [1, 4, 4], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}),
-        {"Content-Type": "application/json", **AUTH})
+    connection.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({**SMALL, "prompt": [1, 4, 4], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json", **AUTH},
+    )
     return connection, connection.getresponse()
 
 

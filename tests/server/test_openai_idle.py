@@ -16,25 +16,41 @@ IDLE_TIMEOUT = 2
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # many large messages (n = 8, 380 logprobs per token: megabytes) so the socket buffers fill up
-    process = ServerProcess(tmp_path_factory.mktemp("openai-idle"), engine={"max_num_seqs": 8, "max_logprobs": 380},
-                            server={"stream_idle_timeout": IDLE_TIMEOUT})
+    process = ServerProcess(
+        tmp_path_factory.mktemp("openai-idle"),
+        engine={"max_num_seqs": 8, "max_logprobs": 380},
+        server={"stream_idle_timeout": IDLE_TIMEOUT},
+    )
     process.wait_until_serving()
     yield process
     assert process.stop() == 0
 
 
 def test_a_client_that_stops_reading_is_cut_off(server):
-    body = json.dumps({"prompt": [1, 4, 4], "max_tokens": 120, "n": 8, "logprobs": 380, "temperature": 1.0,
-                       "ignore_eos": True, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "prompt": [1, 4, 4],
+            "max_tokens": 120,
+            "n": 8,
+            "logprobs": 380,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
     client = socket.socket()
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's sends block
     client.connect(("127.0.0.1", server.http_port))
-    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    client.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if server.metric("jaxserve_idle_streams_expired_total", 0.0) >= 1 and \
-                server.metric("jaxserve_streams_in_flight") == 0:
+        if (
+            server.metric("jaxserve_idle_streams_expired_total", 0.0) >= 1
+            and server.metric("jaxserve_streams_in_flight") == 0
+        ):
             break
         time.sleep(0.2)
     assert server.metric("jaxserve_idle_streams_expired_total") == 1

@@ -33,13 +33,24 @@ def tls_context(certificates, name: str | None = "client") -> ssl.SSLContext:
 def server(tmp_path_factory, certificates):
     directory = tmp_path_factory.mktemp("openai-tls")
     (directory / "keys").write_text(API_KEY + "\n")
-    tls = {"cert": str(certificates / "server.pem"), "key": str(certificates / "server.key"),
-           "client_ca": str(certificates / "ca.pem")}
+    tls = {
+        "cert": str(certificates / "server.pem"),
+        "key": str(certificates / "server.key"),
+        "client_ca": str(certificates / "ca.pem"),
+    }
     read = lambda name: (certificates / name).read_bytes()  # noqa: E731
-    connection = Connection(api_key=API_KEY, root_certificates=read("ca.pem"), private_key=read("client.key"),
-                            certificate_chain=read("client.pem"))
-    process = ServerProcess(directory, engine={"max_num_seqs": 2},
-                            server={"tls": tls, "api_keys": str(directory / "keys")}, connection=connection)
+    connection = Connection(
+        api_key=API_KEY,
+        root_certificates=read("ca.pem"),
+        private_key=read("client.key"),
+        certificate_chain=read("client.pem"),
+    )
+    process = ServerProcess(
+        directory,
+        engine={"max_num_seqs": 2},
+        server={"tls": tls, "api_keys": str(directory / "keys")},
+        connection=connection,
+    )
     process.wait_until_serving()
     yield process
     assert process.stop() == 0
@@ -47,8 +58,12 @@ def server(tmp_path_factory, certificates):
 
 def test_https_with_a_client_certificate_and_a_key(server, certificates):
     context = tls_context(certificates)
-    with openai.OpenAI(base_url=base_url(server, "https") + "/v1", api_key=API_KEY, max_retries=0,
-                       http_client=openai.DefaultHttpxClient(verify=context)) as client:
+    with openai.OpenAI(
+        base_url=base_url(server, "https") + "/v1",
+        api_key=API_KEY,
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(verify=context),
+    ) as client:
         assert client.completions.create(**SMALL).choices[0].finish_reason == "length"
     status, _, body = http(server, "POST", "/v1/completions", SMALL, scheme="https", context=context)
     assert status == 401 and error_of(body)["code"] == 401
@@ -59,6 +74,5 @@ def test_https_with_a_client_certificate_and_a_key(server, certificates):
 def test_plaintext_and_unknown_certificates_are_refused(server, certificates, scheme, certificate):
     context = tls_context(certificates, certificate) if scheme == "https" else None
     with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError, OSError)):
-        status, _, _ = http(server, "POST", "/v1/completions", SMALL, AUTH, scheme=scheme, context=context,
-                            timeout=10)
+        status, _, _ = http(server, "POST", "/v1/completions", SMALL, AUTH, scheme=scheme, context=context, timeout=10)
         assert status != 200  # a plaintext request to a TLS port gets no HTTP answer at all

@@ -27,9 +27,12 @@ def certificates(tmp_path_factory):
 
 
 def client_connection(certificates, name: str = "client", api_key: str | None = API_KEY) -> Connection:
-    return Connection(api_key=api_key, root_certificates=read(certificates / "ca.pem"),
-                      private_key=read(certificates / f"{name}.key"),
-                      certificate_chain=read(certificates / f"{name}.pem"))
+    return Connection(
+        api_key=api_key,
+        root_certificates=read(certificates / "ca.pem"),
+        private_key=read(certificates / f"{name}.key"),
+        certificate_chain=read(certificates / f"{name}.pem"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +40,17 @@ def server(tmp_path_factory, certificates):
     directory = tmp_path_factory.mktemp("secure")
     keys = directory / "api_keys"
     keys.write_text(f"# test keys\n{API_KEY}\nsecond-key\n")
-    tls = {"cert": str(certificates / "server.pem"), "key": str(certificates / "server.key"),
-           "client_ca": str(certificates / "ca.pem")}
-    process = ServerProcess(directory, engine={"max_num_seqs": 2}, server={"tls": tls, "api_keys": str(keys)},
-                            connection=client_connection(certificates))
+    tls = {
+        "cert": str(certificates / "server.pem"),
+        "key": str(certificates / "server.key"),
+        "client_ca": str(certificates / "ca.pem"),
+    }
+    process = ServerProcess(
+        directory,
+        engine={"max_num_seqs": 2},
+        server={"tls": tls, "api_keys": str(keys)},
+        connection=client_connection(certificates),
+    )
     process.wait_until_serving()
     yield process
     assert process.stop() == 0
@@ -64,15 +74,18 @@ def test_a_known_key_over_mutual_tls_is_served(server, certificates):
     served = info(server.target, client_connection(certificates))
     assert served.model == "llama_gqa" and "/" not in served.model
     assert served.mesh == "1 cpu device"
-    completion = Client(server.target, client_connection(certificates)).generate([1, 2, 3], max_tokens=3,
-                                                                                  temperature=0.0)
+    completion = Client(server.target, client_connection(certificates)).generate(
+        [1, 2, 3], max_tokens=3, temperature=0.0
+    )
     assert completion.finish_reason == "length" and len(completion.token_ids) == 3
 
 
 def test_missing_or_unknown_keys_are_unauthenticated(server, certificates):
     for api_key in (None, "wrong-key", API_KEY + "x"):
-        assert refused_with(server.target, client_connection(certificates, api_key=api_key)) \
+        assert (
+            refused_with(server.target, client_connection(certificates, api_key=api_key))
             == grpc.StatusCode.UNAUTHENTICATED
+        )
     client = Client(server.target, client_connection(certificates, api_key=None))
     with pytest.raises(grpc.RpcError) as error:
         list(client.stream([1, 2, 3], max_tokens=2))

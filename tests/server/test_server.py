@@ -9,19 +9,20 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 from jaxserve import LLM, SamplingParams
 from jaxserve.client import Client, build_request
-from jaxserve.server.config_file import load_config
 from jaxserve.proto import jaxserve_pb2_grpc
+from jaxserve.server.config_file import load_config
+from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 from tests.support.server_harness import ServerProcess
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # no compilation cache: warm-up then lasts long enough to watch health go NOT_SERVING -> SERVING
-    process = ServerProcess(tmp_path_factory.mktemp("server"), engine={"max_num_seqs": 8,
-                                                                      "compilation_cache_dir": None})
+    process = ServerProcess(
+        tmp_path_factory.mktemp("server"), engine={"max_num_seqs": 8, "compilation_cache_dir": None}
+    )
     process.wait_until_serving()
     yield process
     assert process.stop() == 0
@@ -49,7 +50,8 @@ def test_32_concurrent_streams_equal_transformers_greedy_output(server):
     for thread in threads:
         thread.join(timeout=300)
     offline = LLM(fixture_dir("llama_gqa"), **SMALL_ENGINE).generate(
-        [job["token_ids"] for job in jobs], SamplingParams(max_tokens=24, temperature=0.0))
+        [job["token_ids"] for job in jobs], SamplingParams(max_tokens=24, temperature=0.0)
+    )
     for job, messages, offline_output in zip(jobs, results, offline):
         tokens = [t for message in messages for t in message.token_ids]
         assert tokens == offline_output.outputs[0].token_ids == job["greedy_token_ids"]
@@ -64,7 +66,7 @@ def test_text_prompts_logprobs_and_stop_strings(server):
     assert full.text and full.num_prompt_tokens == len(client.tokenize("def forward(self, x):"))
     stop = full.text[3:5]
     stopped = client.generate("def forward(self, x):", max_tokens=12, temperature=0.0, stop=[stop])
-    assert stopped.finish_reason == "stop" and stopped.text == full.text[:full.text.index(stop)]
+    assert stopped.finish_reason == "stop" and stopped.text == full.text[: full.text.index(stop)]
     streamed = list(client.stream([1, 5, 9], max_tokens=3, temperature=0.0, logprobs=2))
     logprobs = [lp for message in streamed for lp in message.logprobs]
     assert len(logprobs) == 3 and all(lp.logprob <= 0 and len(lp.top) >= 2 for lp in logprobs)
@@ -91,13 +93,16 @@ def test_cancelled_stream_frees_its_pages(server):
     client.close()
 
 
-@pytest.mark.parametrize("request_kwargs,message", [
-    (dict(prompt=[1, 99999]), "outside the vocabulary"),
-    (dict(prompt=[1] * 120, max_tokens=20), "max_model_len"),
-    (dict(prompt=[1, 2], temperature=-1.0), "temperature"),
-    (dict(prompt=[1, 2], top_p=0.0), "top_p"),
-    (dict(prompt="", max_tokens=4), "exactly one"),
-])
+@pytest.mark.parametrize(
+    "request_kwargs,message",
+    [
+        (dict(prompt=[1, 99999]), "outside the vocabulary"),
+        (dict(prompt=[1] * 120, max_tokens=20), "max_model_len"),
+        (dict(prompt=[1, 2], temperature=-1.0), "temperature"),
+        (dict(prompt=[1, 2], top_p=0.0), "top_p"),
+        (dict(prompt="", max_tokens=4), "exactly one"),
+    ],
+)
 def test_bad_requests_get_invalid_argument(server, request_kwargs, message):
     stub = jaxserve_pb2_grpc.GenerationStub(server.channel)
     with pytest.raises(grpc.RpcError) as error:
@@ -131,11 +136,19 @@ def test_server_info_tokenize_detokenize(server):
 
 def test_metrics_scrape(server):
     text = server.metrics()
-    for name in ("jaxserve_requests_total", "jaxserve_running_requests", "jaxserve_waiting_requests",
-                 "jaxserve_kv_cache_usage_ratio", "jaxserve_prefix_cache_hit_rate", "jaxserve_prompt_tokens_total",
-                 "jaxserve_generation_tokens_total", "jaxserve_time_to_first_token_seconds_bucket",
-                 "jaxserve_inter_token_latency_seconds_bucket", "jaxserve_compiles_after_warmup",
-                 "jaxserve_preemptions"):
+    for name in (
+        "jaxserve_requests_total",
+        "jaxserve_running_requests",
+        "jaxserve_waiting_requests",
+        "jaxserve_kv_cache_usage_ratio",
+        "jaxserve_prefix_cache_hit_rate",
+        "jaxserve_prompt_tokens_total",
+        "jaxserve_generation_tokens_total",
+        "jaxserve_time_to_first_token_seconds_bucket",
+        "jaxserve_inter_token_latency_seconds_bucket",
+        "jaxserve_compiles_after_warmup",
+        "jaxserve_preemptions",
+    ):
         assert name in text, name
     assert server.metric("jaxserve_compiles_after_warmup") == 0
     assert "jaxserve_expert" not in text  # a dense model has no expert metrics
@@ -147,14 +160,29 @@ def test_expert_load_metrics_follow_the_engine_stats():
     from jaxserve.server.metrics import ServerMetrics
 
     metrics = ServerMetrics()
-    stats = {"num_running": 1, "num_waiting": 0, "kv_pages_total": 10, "kv_pages_free": 4, "prefix_cache_hit_rate": 0.5,
-             "num_compiles_after_warmup": 0, "num_preemptions": 0, "expert_load_max_over_mean": 1.75,
-             "expert_device_tokens": [30, 10], "expert_device_imbalance": 1.5, "expert_rebalances": 2}
+    stats = {
+        "num_running": 1,
+        "num_waiting": 0,
+        "kv_pages_total": 10,
+        "kv_pages_free": 4,
+        "prefix_cache_hit_rate": 0.5,
+        "num_compiles_after_warmup": 0,
+        "num_preemptions": 0,
+        "expert_load_max_over_mean": 1.75,
+        "expert_device_tokens": [30, 10],
+        "expert_device_imbalance": 1.5,
+        "expert_rebalances": 2,
+    }
     metrics.observe_engine(stats)
     text = generate_latest(metrics.registry).decode()
-    for line in ('jaxserve_expert_device_tokens{device="0"} 30.0', 'jaxserve_expert_device_tokens{device="1"} 10.0',
-                 "jaxserve_expert_device_imbalance 1.5", "jaxserve_expert_load_max_over_mean 1.75",
-                 "jaxserve_expert_rebalances 2.0", "jaxserve_kv_cache_usage_ratio 0.6"):
+    for line in (
+        'jaxserve_expert_device_tokens{device="0"} 30.0',
+        'jaxserve_expert_device_tokens{device="1"} 10.0',
+        "jaxserve_expert_device_imbalance 1.5",
+        "jaxserve_expert_load_max_over_mean 1.75",
+        "jaxserve_expert_rebalances 2.0",
+        "jaxserve_kv_cache_usage_ratio 0.6",
+    ):
         assert line in text, line
 
 

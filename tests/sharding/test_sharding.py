@@ -25,19 +25,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def multi_device_results(tmp_path_factory):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    runs = ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2", "mixtral_top1_tied:2", "qwen2:2",
-            "qwen3:2", "llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep", "mixtral:1:8:ep",
-            "qwen3_moe:1:4:ep", "mixtral_6x:1:4:ep", "mixtral_6x:2:2:ep", "qwen3_moe_60x:1:8:ep",
-            "llama_gqa:2:2:-:pallas", f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}",
-            f"--rebalance={tmp_path_factory.mktemp('rb')}", f"--uneven={tmp_path_factory.mktemp('uneven')}"]
-    result = subprocess.run([sys.executable, "-m", "tests.support.multi_device_run", *runs], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=900)
+    runs = [
+        "llama_gqa:2",
+        "llama_gqa:4",
+        "mixtral:2",
+        "llama_mqa_odd:2",
+        "mixtral_top1_tied:2",
+        "qwen2:2",
+        "qwen3:2",
+        "llama_gqa:1:2",
+        "mixtral:1:4:ep",
+        "mixtral:2:2:ep",
+        "mixtral_8x:1:8:ep",
+        "mixtral:1:8:ep",
+        "qwen3_moe:1:4:ep",
+        "mixtral_6x:1:4:ep",
+        "mixtral_6x:2:2:ep",
+        "qwen3_moe_60x:1:8:ep",
+        "llama_gqa:2:2:-:pallas",
+        f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}",
+        f"--rebalance={tmp_path_factory.mktemp('rb')}",
+        f"--uneven={tmp_path_factory.mktemp('uneven')}",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.support.multi_device_run", *runs],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("run", ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2", "mixtral_top1_tied:2",
-                                 "qwen2:2", "qwen3:2"])
+@pytest.mark.parametrize(
+    "run", ["llama_gqa:2", "llama_gqa:4", "mixtral:2", "llama_mqa_odd:2", "mixtral_top1_tied:2", "qwen2:2", "qwen3:2"]
+)
 def test_tensor_parallel_outputs_equal_transformers(multi_device_results, run):
     assert multi_device_results["num_devices"] == 8
     outcome = multi_device_results[run]
@@ -49,9 +73,21 @@ def test_tensor_parallel_outputs_equal_transformers(multi_device_results, run):
     assert outcome["attention_impl"] == ("reference" if run == "llama_mqa_odd:2" else "cpu")
 
 
-@pytest.mark.parametrize("run", ["llama_gqa:1:2", "mixtral:1:4:ep", "mixtral:2:2:ep", "mixtral_8x:1:8:ep",
-                                 "qwen3_moe:1:4:ep", "llama_gqa:2:2:-:pallas", "mixtral:1:8:ep", "mixtral_6x:1:4:ep",
-                                 "mixtral_6x:2:2:ep", "qwen3_moe_60x:1:8:ep"])
+@pytest.mark.parametrize(
+    "run",
+    [
+        "llama_gqa:1:2",
+        "mixtral:1:4:ep",
+        "mixtral:2:2:ep",
+        "mixtral_8x:1:8:ep",
+        "qwen3_moe:1:4:ep",
+        "llama_gqa:2:2:-:pallas",
+        "mixtral:1:8:ep",
+        "mixtral_6x:1:4:ep",
+        "mixtral_6x:2:2:ep",
+        "qwen3_moe_60x:1:8:ep",
+    ],
+)
 def test_data_and_expert_parallel_outputs_equal_transformers(multi_device_results, run):
     """Attention per data-parallel rank over its own pages (and per tensor shard over its KV heads, here
     also with the Pallas kernels); experts spread over every device, evenly or not (4 experts on 8 devices,
@@ -61,8 +97,9 @@ def test_data_and_expert_parallel_outputs_equal_transformers(multi_device_result
     assert outcome["max_logprob_error"] < 1e-3 and outcome["compiles_after_warmup"] == 0
     assert outcome["kv_pages_spec"][0] == "data", "each rank holds its own range of pages"
     # and with 2 tensor shards per rank, each holds one of the 2 KV heads of its pages
-    assert outcome["kv_pages_spec"][2] == ("tensor" if run in ("mixtral:2:2:ep", "mixtral_6x:2:2:ep",
-                                                               "llama_gqa:2:2:-:pallas") else "None")
+    assert outcome["kv_pages_spec"][2] == (
+        "tensor" if run in ("mixtral:2:2:ep", "mixtral_6x:2:2:ep", "llama_gqa:2:2:-:pallas") else "None"
+    )
     assert outcome["attention_impl"] == ("pallas" if run.endswith("pallas") else "cpu")
 
 
@@ -74,10 +111,15 @@ def test_expert_parallel_placement(multi_device_results):
     assert len(ep8["device_tokens"]) == 8 and sum(ep8["device_tokens"]) > 0 and ep8["device_imbalance"] >= 1.0
 
 
-@pytest.mark.parametrize("run, per_device, rows", [("mixtral:1:8:ep", [1] * 4 + [0] * 4, 8),
-                                                   ("mixtral_6x:1:4:ep", [2, 2, 1, 1], 8),
-                                                   ("mixtral_6x:2:2:ep", [2, 2, 1, 1], 8),
-                                                   ("qwen3_moe_60x:1:8:ep", [8] * 4 + [7] * 4, 64)])
+@pytest.mark.parametrize(
+    "run, per_device, rows",
+    [
+        ("mixtral:1:8:ep", [1] * 4 + [0] * 4, 8),
+        ("mixtral_6x:1:4:ep", [2, 2, 1, 1], 8),
+        ("mixtral_6x:2:2:ep", [2, 2, 1, 1], 8),
+        ("qwen3_moe_60x:1:8:ep", [8] * 4 + [7] * 4, 64),
+    ],
+)
 def test_experts_that_do_not_divide_the_devices_are_spread_unevenly(multi_device_results, run, per_device, rows):
     """As vLLM: the first X mod D devices hold one more expert; the weights are padded to ceil(X / D) rows
     per device, so each device still holds 1/D of them, and only real experts are counted."""
@@ -122,7 +164,10 @@ def test_params_and_pages_are_sharded_by_the_rules(multi_device_results):
     moe = multi_device_results["mixtral:2"]["param_specs"]
     assert moe["layers.0.mlp.gate_proj"] == ["None", "None", "tensor"]  # each expert's columns
     # 5 heads do not split over 2 devices
-    assert multi_device_results["llama_mqa_odd:2"]["param_specs"]["layers.0.self_attn.q_proj.kernel"] == ["None", "None"]
+    assert multi_device_results["llama_mqa_odd:2"]["param_specs"]["layers.0.self_attn.q_proj.kernel"] == [
+        "None",
+        "None",
+    ]
     qwen2 = multi_device_results["qwen2:2"]["param_specs"]  # q/k/v biases split with their heads; o_proj has none
     assert qwen2["layers.0.self_attn.k_proj.bias"] == ["tensor"] and "layers.0.self_attn.o_proj.bias" not in qwen2
     assert multi_device_results["qwen3:2"]["param_specs"]["layers.0.self_attn.q_norm.weight"] == ["None"]
@@ -152,8 +197,8 @@ def test_orbax_checkpoint_restores_onto_another_mesh(multi_device_results):
 
 
 def test_orbax_checkpoint_round_trip_on_one_device(tmp_path):
-    from tests.support.fixtures import SMALL_ENGINE, fixture_dir
     from jaxserve import LLM
+    from tests.support.fixtures import SMALL_ENGINE, fixture_dir
     from tests.support.hf_parity import check_against_hf
 
     LLM(fixture_dir("llama_bf16"), **SMALL_ENGINE).save_checkpoint(str(tmp_path / "saved"))
@@ -172,23 +217,46 @@ def test_partition_spec_rules():
         partition_spec(("heads", "mlp"), mesh, {"heads": 4, "mlp": 8})
     with pytest.raises(ValueError, match="no sharding rule"):
         partition_spec(("nonsense",), mesh)
-    assert set(LOGICAL_AXIS_RULES) >= {"batch", "sequence", "heads", "kv_heads", "head_dim", "embed", "mlp", "vocab",
-                                       "expert"}
+    assert set(LOGICAL_AXIS_RULES) >= {
+        "batch",
+        "sequence",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "embed",
+        "mlp",
+        "vocab",
+        "expert",
+    }
 
 
 def abstract_params(config: ModelConfig, experts=None):
-    model = nnx.eval_shape(lambda: build_model(config, "float32", write_and_attend=attention_dispatch("reference"),
-                                               experts=experts or expert_dispatch()))
+    model = nnx.eval_shape(
+        lambda: build_model(
+            config, "float32", write_and_attend=attention_dispatch("reference"), experts=experts or expert_dispatch()
+        )
+    )
     return nnx.state(model, nnx.Param)
 
 
 def test_every_param_declares_its_logical_axes():
     """Read back from the params themselves: Megatron splits by the rules, on a 2-way tensor mesh."""
-    config = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
-                         num_heads=4, num_kv_heads=2, head_dim=8, attention_bias=True, attention_output_bias=True,
-                         qk_norm=True)
-    shardings = param_shardings(abstract_params(config), AbstractMesh((1, 2), ("data", "tensor")),
-                                config.logical_axis_sizes())
+    config = ModelConfig(
+        model_type="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        attention_bias=True,
+        attention_output_bias=True,
+        qk_norm=True,
+    )
+    shardings = param_shardings(
+        abstract_params(config), AbstractMesh((1, 2), ("data", "tensor")), config.logical_axis_sizes()
+    )
     specs = {".".join(map(str, path)): sharding.spec for path, sharding in shardings.items()}
     assert specs["layers.0.self_attn.q_proj.kernel"] == PartitionSpec(None, "tensor")
     assert specs["layers.0.self_attn.q_proj.bias"] == PartitionSpec("tensor")
@@ -205,9 +273,18 @@ def test_expert_columns_that_do_not_split_are_replicated():
     """A Mixtral whose expert MLP width (90) does not divide over 4 tensor shards (found by tools/fuzz_vs_hf.py)."""
     mesh = AbstractMesh((1, 4), ("data", "tensor"))
     for width, expected in ((90, PartitionSpec(None, None, None)), (96, PartitionSpec(None, "tensor", None))):
-        config = ModelConfig(model_type="mixtral", vocab_size=1000, hidden_size=64, intermediate_size=width,
-                             num_layers=1, num_heads=8, num_kv_heads=4, head_dim=8, num_experts=3,
-                             num_experts_per_token=1)
+        config = ModelConfig(
+            model_type="mixtral",
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=width,
+            num_layers=1,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=8,
+            num_experts=3,
+            num_experts_per_token=1,
+        )
         shardings = param_shardings(abstract_params(config), mesh, config.logical_axis_sizes())
         assert shardings[("layers", 0, "mlp", "down_proj")].spec == expected
         assert shardings[("layers", 0, "mlp", "gate_proj")].spec == PartitionSpec(None, None, expected[1])
@@ -228,8 +305,9 @@ def test_experts_that_do_not_divide_are_placed_floor_or_ceil_per_device():
         for load in (None, rng.random(num_experts)):
             device_of, slot_of, order = (np.asarray(a) for a in place_experts(load, num_experts, num_devices))
             floor, extra = divmod(num_experts, num_devices)
-            assert sorted(np.bincount(device_of, minlength=num_devices), reverse=True) == \
-                [floor + 1] * extra + [floor] * (num_devices - extra)
+            assert sorted(np.bincount(device_of, minlength=num_devices), reverse=True) == [floor + 1] * extra + [
+                floor
+            ] * (num_devices - extra)
             rows_per_device = -(-num_experts // num_devices)
             assert len(order) == num_devices * rows_per_device
             assert (order[device_of * rows_per_device + slot_of] == np.arange(num_experts)).all()
@@ -241,8 +319,18 @@ def test_experts_that_do_not_divide_are_placed_floor_or_ceil_per_device():
 def test_uneven_expert_weights_are_padded_and_split_over_every_device():
     """6 experts on data 2 x tensor 2: 8 stored rows, 2 per device; read and saved as 6 rows split on another axis."""
     mesh = AbstractMesh((2, 2), ("data", "tensor"))
-    config = ModelConfig(model_type="mixtral", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
-                         num_heads=4, num_kv_heads=2, head_dim=8, num_experts=6, num_experts_per_token=2)
+    config = ModelConfig(
+        model_type="mixtral",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        num_experts=6,
+        num_experts_per_token=2,
+    )
     params = abstract_params(config, ExpertParallel(mesh))
     gate = params["layers"][0]["mlp"]["gate_proj"]
     assert gate.get_value().shape == (8, 32, 48)
@@ -255,14 +343,27 @@ def test_uneven_expert_weights_are_padded_and_split_over_every_device():
 @pytest.fixture(scope="module")
 def expert_parallel_results():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-m", "tests.support.ep_run"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.support.ep_run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("run", ["random:2", "random:8", "skewed:2", "skewed:8", "random:3:16", "random:4:6",
-                                 "random:8:60", "random:8:6", "skewed:4:6"])
+@pytest.mark.parametrize(
+    "run",
+    [
+        "random:2",
+        "random:8",
+        "skewed:2",
+        "skewed:8",
+        "random:3:16",
+        "random:4:6",
+        "random:8:60",
+        "random:8:6",
+        "skewed:4:6",
+    ],
+)
 def test_expert_parallel_layer_equals_dense_math(expert_parallel_results, run):
     """All-to-all dispatch and combine over 2 to 8 devices, 16 experts or as many as named (16 on 3, 6 on 4,
     60 on 8 and 6 on 8 do not divide), with contiguous and rebalanced placements; and the grouped matmuls
@@ -291,21 +392,28 @@ def test_skewed_routing_leaves_experts_empty_and_rebalancing_evens_devices(exper
     # 6 on 4: the two hot experts first shared a device; by load each sits on one of the devices holding one
     uneven = expert_parallel_results["skewed:4:6"]
     assert uneven["blocks"]["imbalance"] == 4.0 and uneven["balanced"]["imbalance"] == 2.0
-    assert expert_parallel_results["random:8:60"]["balanced"]["imbalance"] < expert_parallel_results["random:8:60"][
-        "blocks"]["imbalance"]
+    assert (
+        expert_parallel_results["random:8:60"]["balanced"]["imbalance"]
+        < expert_parallel_results["random:8:60"]["blocks"]["imbalance"]
+    )
     assert "do not divide" in expert_parallel_results["unpadded_error"]  # weights must come padded
 
 
 def test_expert_load_profiles_are_validated(tmp_path, llama_llm):
-    from tests.support.fixtures import SMALL_ENGINE, fixture_dir
     from jaxserve import LLM
     from sharding.expert_placement import read_load_profile
+    from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 
     assert read_load_profile([1, 2, 3, 4], 2, 4).tolist() == [[1, 2, 3, 4], [1, 2, 3, 4]]  # one row: every layer
     (tmp_path / "stats.json").write_text(json.dumps({"expert_tokens": [[0, 5], [7, 1]], "num_steps": 3}))
     assert read_load_profile(str(tmp_path / "stats.json"), 2, 2).tolist() == [[0, 5], [7, 1]]
-    for bad, message in (([[1, 2]], r"shape \(1, 2\)"), ([-1, 2], ">= 0"), ([[1, "x"]], "must be numbers"),
-                         (str(tmp_path / "missing.json"), "cannot read"), ({"tokens": [1, 2]}, "expert_tokens")):
+    for bad, message in (
+        ([[1, 2]], r"shape \(1, 2\)"),
+        ([-1, 2], ">= 0"),
+        ([[1, "x"]], "must be numbers"),
+        (str(tmp_path / "missing.json"), "cannot read"),
+        ({"tokens": [1, 2]}, "expert_tokens"),
+    ):
         with pytest.raises(ValueError, match=message):
             if isinstance(bad, dict):
                 (tmp_path / "bad.json").write_text(json.dumps(bad))

@@ -15,16 +15,45 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _authority(directory: Path, name: str) -> None:
-    _openssl("req", "-x509", *KEY_OPTIONS, "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1",
-             "-subj", f"/CN={name}", cwd=directory)
+    _openssl(
+        "req",
+        "-x509",
+        *KEY_OPTIONS,
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={name}",
+        cwd=directory,
+    )
 
 
 def _signed(directory: Path, name: str, authority: str, extensions: str) -> None:
     (directory / f"{name}.ext").write_text(extensions + "\n")
-    _openssl("req", *KEY_OPTIONS, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}",
-             cwd=directory)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{authority}.pem", "-CAkey", f"{authority}.key",
-             "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext", cwd=directory)
+    _openssl(
+        "req", *KEY_OPTIONS, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=directory
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{authority}.pem",
+        "-CAkey",
+        f"{authority}.key",
+        "-CAcreateserial",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "1",
+        "-extfile",
+        f"{name}.ext",
+        cwd=directory,
+    )
 
 
 def make_certificates(directory: Path) -> Path:

@@ -43,14 +43,18 @@ def run(case, num_devices, rng, num_experts=16, top_k=2, tokens=64, embed=32, ml
         got = layer(x, weights, experts, *stored, device_of, slot_of)
         device_load = np.bincount(np.asarray(device_of), weights=load, minlength=num_devices)
         padding = np.asarray(order) < 0
-        results[placement] = {"max_error": float(jnp.abs(got - expected).max()),
-                              "imbalance": float(device_load.max() / device_load.mean()),
-                              "experts_per_device": np.bincount(np.asarray(device_of), minlength=num_devices).tolist(),
-                              "stored_rows": len(order), "padding_rows_zero": bool(
-                                  all(not np.asarray(w)[padding].any() for w in stored)),
-                              "devices_holding_expert_weights": len(jax.device_put(
-                                  stored[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-                              ).sharding.device_set)}
+        results[placement] = {
+            "max_error": float(jnp.abs(got - expected).max()),
+            "imbalance": float(device_load.max() / device_load.mean()),
+            "experts_per_device": np.bincount(np.asarray(device_of), minlength=num_devices).tolist(),
+            "stored_rows": len(order),
+            "padding_rows_zero": bool(all(not np.asarray(w)[padding].any() for w in stored)),
+            "devices_holding_expert_weights": len(
+                jax.device_put(
+                    stored[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+                ).sharding.device_set
+            ),
+        }
     results["empty_experts"] = int((load == 0).sum())
     return results
 
@@ -63,8 +67,15 @@ for devices, num_experts in ((3, 16), (4, 6), (8, 60), (8, 6)):
 report["skewed:4:6"] = run("skewed", 4, rng, num_experts=6)
 mesh = build_mesh(data_parallel_size=3, devices=jax.devices()[:3])
 try:  # weights not padded to the stored rows
-    expert_parallel_moe(jnp.zeros((6, 4)), jnp.ones((6, 1)), jnp.zeros((6, 1), jnp.int32),
-                        *(jnp.zeros((16, 4, 4)),) * 3, *place_experts(None, 16, 3)[:2], mesh=mesh, axis="data")
+    expert_parallel_moe(
+        jnp.zeros((6, 4)),
+        jnp.ones((6, 1)),
+        jnp.zeros((6, 1), jnp.int32),
+        *(jnp.zeros((16, 4, 4)),) * 3,
+        *place_experts(None, 16, 3)[:2],
+        mesh=mesh,
+        axis="data",
+    )
     report["unpadded_error"] = None
 except ValueError as error:
     report["unpadded_error"] = str(error)

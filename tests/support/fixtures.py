@@ -7,8 +7,7 @@ FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 MODEL_NAMES = sorted(d for d in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, d)))
 
 # Small limits keep the number of compiled buckets (and so the suite's time) low.
-SMALL_ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
-                    show_progress=False)
+SMALL_ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, show_progress=False)
 
 
 def fixture_dir(name: str) -> str:

@@ -19,19 +19,35 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 from sentencepiece import sentencepiece_model_pb2
 
-LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "block_sparse_moe.gate": "ffn_gate_inp"}
-GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+}
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
 def permute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute."""
-    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def gguf_tensors(hf_config: dict, weights: dict[str, np.ndarray], architecture: str) -> dict[str, np.ndarray]:
@@ -86,9 +102,16 @@ def random_blocks(shape: tuple[int, ...], qtype: T, rng: np.random.Generator) ->
     return blocks.reshape(*shape[:-1], -1)
 
 
-def write_gguf(path: str, hf_config: dict, weights: dict[str, np.ndarray], quant_types: dict[str, T],
-               architecture: str = "llama", tokenizer: tuple[str, str] | None = None, seed: int = 0,
-               chat_template: str | None = None) -> None:
+def write_gguf(
+    path: str,
+    hf_config: dict,
+    weights: dict[str, np.ndarray],
+    quant_types: dict[str, T],
+    architecture: str = "llama",
+    tokenizer: tuple[str, str] | None = None,
+    seed: int = 0,
+    chat_template: str | None = None,
+) -> None:
     """quant_types: GGUF tensor-name fragment -> type (first match wins; F32 otherwise; 1-D tensors stay F32).
     tokenizer: ("llama", tokenizer.model path) or ("gpt2:<pre>", tokenizer.json path)."""
     rng = np.random.default_rng(seed)
@@ -107,8 +130,10 @@ def write_gguf(path: str, hf_config: dict, weights: dict[str, np.ndarray], quant
     writer.add_layer_norm_rms_eps(float(hf_config.get("rms_norm_eps", 1e-6)))
     scaling = hf_config.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
     if scaling and scaling.get("rope_type") == "llama3":
-        weights = {**weights, "rope_freqs.weight": llama3_rope_factors(scaling, rope.get("rope_theta", 10000.0),
-                                                                       head_dim)}
+        weights = {
+            **weights,
+            "rope_freqs.weight": llama3_rope_factors(scaling, rope.get("rope_theta", 10000.0), head_dim),
+        }
     if hf_config.get("num_local_experts"):
         writer.add_expert_count(hf_config["num_local_experts"])
         writer.add_expert_used_count(hf_config["num_experts_per_tok"])

@@ -10,8 +10,9 @@ LOGPROB_TOLERANCE = 1e-3
 
 def check_against_hf(llm: LLM, name: str) -> None:
     prompts = expected(name)["prompts"]
-    outputs = llm.generate([p["token_ids"] for p in prompts],
-                           SamplingParams(max_tokens=24, temperature=0.0, logprobs=8))
+    outputs = llm.generate(
+        [p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0, logprobs=8)
+    )
     for prompt, output in zip(prompts, outputs):
         completion = output.outputs[0]
         assert output.prompt_token_ids == prompt["token_ids"]

@@ -38,45 +38,180 @@ TOKEN_PROMPT_LENGTHS = [1, 5, 17, 40, 70]
 
 COMMON = dict(vocab_size=VOCAB_SIZE, bos_token_id=1, eos_token_id=2, max_position_embeddings=256)
 MODELS = {
-    "llama_gqa": ("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6)),
-    "llama_mha_tied": ("llama", dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=3,
-                                     num_key_value_heads=3, tie_word_embeddings=True, rope_theta=500000.0,
-                                     rms_norm_eps=1e-5)),
-    "llama_mqa_odd": ("llama", dict(hidden_size=40, intermediate_size=72, num_hidden_layers=3, num_attention_heads=5,
-                                    num_key_value_heads=1, head_dim=12, attention_bias=True, rope_theta=70000.0,
-                                    rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0,
-                                                      high_freq_factor=4.0, original_max_position_embeddings=64))),
-    "llama_bf16": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                                 num_key_value_heads=4, torch_dtype="bfloat16")),
-    "mixtral": ("mixtral", dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                                rope_theta=1e6)),
-    "mixtral_top1_tied": ("mixtral", dict(hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                                          num_attention_heads=2, num_key_value_heads=1, num_local_experts=3,
-                                          num_experts_per_tok=1, tie_word_embeddings=True)),
+    "llama_gqa": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+        ),
+    ),
+    "llama_mha_tied": (
+        "llama",
+        dict(
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+        ),
+    ),
+    "llama_mqa_odd": (
+        "llama",
+        dict(
+            hidden_size=40,
+            intermediate_size=72,
+            num_hidden_layers=3,
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            head_dim=12,
+            attention_bias=True,
+            rope_theta=70000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "llama_bf16": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            torch_dtype="bfloat16",
+        ),
+    ),
+    "mixtral": (
+        "mixtral",
+        dict(
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_theta=1e6,
+        ),
+    ),
+    "mixtral_top1_tied": (
+        "mixtral",
+        dict(
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_local_experts=3,
+            num_experts_per_tok=1,
+            tie_word_embeddings=True,
+        ),
+    ),
     # eight experts: enough to spread one per device over 8 devices
-    "mixtral_8x": ("mixtral", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)),
+    "mixtral_8x": (
+        "mixtral",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+    ),
     # q/k/v biases without an o_proj bias; only layers from max_window_layers on slide their window
-    "qwen2": ("qwen2", dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True,
-                            sliding_window=16, max_window_layers=1, random_vectors=True, weight_scale=10.0)),
+    "qwen2": (
+        "qwen2",
+        dict(
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+            use_sliding_window=True,
+            sliding_window=16,
+            max_window_layers=1,
+            random_vectors=True,
+            weight_scale=10.0,
+        ),
+    ),
     # per-head q/k norms; head_dim 16 is not hidden_size / heads
-    "qwen3": ("qwen3", dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, rope_theta=1e6, random_vectors=True)),
+    "qwen3": (
+        "qwen3",
+        dict(
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_theta=1e6,
+            random_vectors=True,
+        ),
+    ),
     # experts' own MLP width; router weights not renormalized (norm_topk_prob false)
-    "qwen3_moe": ("qwen3_moe", dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
-                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                    num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, random_vectors=True)),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            random_vectors=True,
+        ),
+    ),
     # six experts do not divide 4 devices (they hold 2, 2, 1, 1) nor 8 (two hold none)
-    "mixtral_6x": ("mixtral", dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2)),
+    "mixtral_6x": (
+        "mixtral",
+        dict(
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+        ),
+    ),
     # Qwen2-MoE's 60 experts, top 4, not renormalized: over 8 devices, four hold 8 and four hold 7
-    "qwen3_moe_60x": ("qwen3_moe", dict(hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                        num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
-                                        random_vectors=True)),
+    "qwen3_moe_60x": (
+        "qwen3_moe",
+        dict(
+            hidden_size=16,
+            intermediate_size=32,
+            moe_intermediate_size=8,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=60,
+            num_experts_per_tok=4,
+            norm_topk_prob=False,
+            random_vectors=True,
+        ),
+    ),
 }
 HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -89,7 +224,12 @@ HF_CLASSES = {
 
 def train_tokenizer() -> None:
     """A small byte-fallback BPE over Python's own docstrings: real text, reproducible, no download."""
-    import collections, functools, itertools, json as json_module, re, string  # noqa: E401
+    import collections  # noqa: E401
+    import functools
+    import itertools
+    import json as json_module
+    import re
+    import string
 
     corpus = []
     for module in (collections, functools, itertools, json_module, re, string, inspect, os):
@@ -99,11 +239,23 @@ def train_tokenizer() -> None:
                 corpus.extend(line for line in doc.splitlines() if line.strip())
     corpus.extend(TEXT_PROMPTS)
     sentencepiece.SentencePieceTrainer.Train(
-        sentence_iterator=iter(corpus), model_prefix=TOKENIZER[:-len(".model")], vocab_size=VOCAB_SIZE,
-        model_type="bpe", byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
-        split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
-        normalization_rule_name="identity", minloglevel=2)
-    os.remove(TOKENIZER[:-len(".model")] + ".vocab")
+        sentence_iterator=iter(corpus),
+        model_prefix=TOKENIZER[: -len(".model")],
+        vocab_size=VOCAB_SIZE,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        minloglevel=2,
+    )
+    os.remove(TOKENIZER[: -len(".model")] + ".vocab")
 
 
 def token_prompts(rng: np.random.Generator) -> list[list[int]]:
@@ -142,16 +294,20 @@ def build(name: str, model_type: str, overrides: dict, seed: int) -> None:
         input_ids = torch.tensor([prompt["token_ids"]])
         with torch.no_grad():
             logits = model(input_ids).logits[0, -1].float()
-            generated = model.generate(input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                                       eos_token_id=2, pad_token_id=0)
+            generated = model.generate(
+                input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=2, pad_token_id=0
+            )
         logprobs = torch.log_softmax(logits, dim=-1)
         top = torch.topk(logprobs, NUM_TOP_LOGPROBS)
-        prompt["greedy_token_ids"] = generated[0, input_ids.shape[1]:].tolist()
+        prompt["greedy_token_ids"] = generated[0, input_ids.shape[1] :].tolist()
         prompt["first_top_token_ids"] = top.indices.tolist()
         prompt["first_top_logprobs"] = top.values.tolist()
     with open(os.path.join(directory, "expected.json"), "w") as f:
-        json.dump(dict(model_type=model_type, dtype=dtype, transformers_version=transformers.__version__,
-                       prompts=prompts), f, indent=1)
+        json.dump(
+            dict(model_type=model_type, dtype=dtype, transformers_version=transformers.__version__, prompts=prompts),
+            f,
+            indent=1,
+        )
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 from jaxserve import LLM, SamplingParams
+from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 results = {"num_devices": len(jax.devices())}
 runs = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
@@ -29,14 +29,18 @@ def greedy_equal(llm, name):
 
 
 def expert_weight(llm, name="layers.0.mlp.gate_proj"):
-    return next(v.get_value() for p, v in nnx.to_flat_state(llm.engine.runner.params()) if ".".join(map(str, p)) == name)
+    return next(
+        v.get_value() for p, v in nnx.to_flat_state(llm.engine.runner.params()) if ".".join(map(str, p)) == name
+    )
 
 
 def experts_per_device(llm):
     """[layers][devices]: how many experts each device holds."""
     stats = llm.stats()
-    return [np.bincount(devices, minlength=len(stats["expert_device_tokens"])).tolist()
-            for devices in stats["expert_devices"]]
+    return [
+        np.bincount(devices, minlength=len(stats["expert_device_tokens"])).tolist()
+        for devices in stats["expert_devices"]
+    ]
 
 
 for directory in rebalance_dirs:
@@ -52,20 +56,32 @@ for directory in rebalance_dirs:
     with open(profile, "w") as f:
         json.dump({"expert_tokens": before["expert_tokens"]}, f)
     llm.save_checkpoint(os.path.join(directory, "checkpoint"))
-    gate = next(v.get_value() for p, v in nnx.to_flat_state(llm.engine.runner.params())
-                if ".".join(map(str, p)) == "layers.0.mlp.gate_proj")
+    gate = next(
+        v.get_value()
+        for p, v in nnx.to_flat_state(llm.engine.runner.params())
+        if ".".join(map(str, p)) == "layers.0.mlp.gate_proj"
+    )
     device0_rows = np.asarray(next(s.data for s in gate.addressable_shards if s.device == jax.devices()[0]))
     restored = LLM(os.path.join(directory, "checkpoint"), **SMALL_ENGINE)  # one device, experts in canonical order
-    canonical = np.asarray(next(v.get_value() for p, v in nnx.to_flat_state(restored.engine.runner.params())
-                                if ".".join(map(str, p)) == "layers.0.mlp.gate_proj"))
+    canonical = np.asarray(
+        next(
+            v.get_value()
+            for p, v in nnx.to_flat_state(restored.engine.runner.params())
+            if ".".join(map(str, p)) == "layers.0.mlp.gate_proj"
+        )
+    )
     device_of = np.asarray(moved["expert_devices"][0])
     at_start = LLM(fixture_dir("mixtral_8x"), **{**ep4, "expert_load_profile": profile})
     periodic = LLM(fixture_dir("mixtral_8x"), **{**ep4, "expert_rebalance_interval": 3})
     periodic_equal = greedy_equal(periodic, "mixtral_8x")
     results["rebalance"] = {
-        "before_equal": before_equal, "after_equal": after_equal, "before": before["expert_device_tokens"],
-        "moved": moved["expert_device_tokens"], "before_imbalance": before["expert_device_imbalance"],
-        "moved_imbalance": moved["expert_device_imbalance"], "expert_devices_layer0": moved["expert_devices"][0],
+        "before_equal": before_equal,
+        "after_equal": after_equal,
+        "before": before["expert_device_tokens"],
+        "moved": moved["expert_device_tokens"],
+        "before_imbalance": before["expert_device_imbalance"],
+        "moved_imbalance": moved["expert_device_imbalance"],
+        "expert_devices_layer0": moved["expert_devices"][0],
         "compiles_after_warmup": llm.stats()["num_compiles_after_warmup"],
         "device0_holds_its_experts": bool(np.array_equal(device0_rows, canonical[np.flatnonzero(device_of == 0)])),
         "restored_equal": greedy_equal(restored, "mixtral_8x"),
@@ -95,18 +111,26 @@ for directory in uneven_dirs:
     restored = LLM(os.path.join(directory, "checkpoint"), **SMALL_ENGINE)
     canonical = np.asarray(expert_weight(restored))
     on_device0 = canonical[np.flatnonzero(np.asarray(moved["expert_devices"][0]) == 0)]
-    restored_ep8 = LLM(os.path.join(directory, "checkpoint"), **{**SMALL_ENGINE, "data_parallel_size": 8,
-                                                                   "enable_expert_parallel": True})
+    restored_ep8 = LLM(
+        os.path.join(directory, "checkpoint"),
+        **{**SMALL_ENGINE, "data_parallel_size": 8, "enable_expert_parallel": True},
+    )
     at_start = LLM(fixture_dir("mixtral_6x"), **{**mesh, "expert_load_profile": profile})
     results["uneven"] = {
-        "before_equal": before_equal, "after_equal": after_equal, "before_per_device": before_per_device,
-        "moved_per_device": moved_per_device, "stored_rows": stored.shape[0],
-        "before_imbalance": before["expert_device_imbalance"], "moved_imbalance": moved["expert_device_imbalance"],
-        "before": before["expert_device_tokens"], "moved": moved["expert_device_tokens"],
+        "before_equal": before_equal,
+        "after_equal": after_equal,
+        "before_per_device": before_per_device,
+        "moved_per_device": moved_per_device,
+        "stored_rows": stored.shape[0],
+        "before_imbalance": before["expert_device_imbalance"],
+        "moved_imbalance": moved["expert_device_imbalance"],
+        "before": before["expert_device_tokens"],
+        "moved": moved["expert_device_tokens"],
         "compiles_after_warmup": llm.stats()["num_compiles_after_warmup"],
         "canonical_rows": canonical.shape[0],
         "device0_holds_its_experts_then_zeros": bool(
-            np.array_equal(device0_rows[:len(on_device0)], on_device0) and not device0_rows[len(on_device0):].any()),
+            np.array_equal(device0_rows[: len(on_device0)], on_device0) and not device0_rows[len(on_device0) :].any()
+        ),
         "restored_equal": greedy_equal(restored, "mixtral_6x"),
         "restored_ep8_equal": greedy_equal(restored_ep8, "mixtral_6x"),
         "restored_ep8_per_device": experts_per_device(restored_ep8),
@@ -121,29 +145,41 @@ for directory in orbax_dirs:
         llm = LLM(directory, **{**SMALL_ENGINE, "tensor_parallel_size": tp})
         outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0))
         spec = next(iter(nnx.to_flat_state(llm.engine.runner.params())))[1].get_value().sharding
-        results[f"orbax:{tp}"] = {"greedy_equal": [o.outputs[0].token_ids == p["greedy_token_ids"]
-                                                   for o, p in zip(outputs, prompts)],
-                                  "num_devices_holding_embedding": len(spec.device_set)}
+        results[f"orbax:{tp}"] = {
+            "greedy_equal": [o.outputs[0].token_ids == p["greedy_token_ids"] for o, p in zip(outputs, prompts)],
+            "num_devices_holding_embedding": len(spec.device_set),
+        }
 for run in runs:
     # name:tp[:dp[:ep[:attention_impl]]]
-    name, tp, dp, ep, impl = (run.split(":") + ["1", "-", "auto"][run.count(":") - 1:])
+    name, tp, dp, ep, impl = run.split(":") + ["1", "-", "auto"][run.count(":") - 1 :]
     tp, dp, ep = int(tp), int(dp), ep == "ep"
     try:
-        llm = LLM(fixture_dir(name), **{**SMALL_ENGINE, "tensor_parallel_size": tp, "data_parallel_size": dp,
-                                        "enable_expert_parallel": ep, "attention_impl": impl})
+        llm = LLM(
+            fixture_dir(name),
+            **{
+                **SMALL_ENGINE,
+                "tensor_parallel_size": tp,
+                "data_parallel_size": dp,
+                "enable_expert_parallel": ep,
+                "attention_impl": impl,
+            },
+        )
     except ValueError as error:
         results[run] = {"error": str(error)}
         continue
     prompts = expected(name)["prompts"]
-    outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0,
-                                                                             logprobs=8))
+    outputs = llm.generate(
+        [p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0, logprobs=8)
+    )
     runner = llm.engine.runner
     flat_params = list(nnx.to_flat_state(runner.params()))
-    specs = {".".join(map(str, path)): [str(axis) for axis in variable.get_value().sharding.spec]
-             for path, variable in flat_params}
+    specs = {
+        ".".join(map(str, path)): [str(axis) for axis in variable.get_value().sharding.spec]
+        for path, variable in flat_params
+    }
     device0 = jax.devices()[0]
 
-    def bytes_on_device0(names):
+    def bytes_on_device0(names, flat_params=flat_params, device0=device0):
         held = total = 0
         for path, variable in flat_params:
             if any(n in ".".join(map(str, path)) for n in names):
@@ -154,8 +190,11 @@ for run in runs:
 
     results[run] = {
         "greedy_equal": [o.outputs[0].token_ids == p["greedy_token_ids"] for o, p in zip(outputs, prompts)],
-        "max_logprob_error": max(abs(o.outputs[0].logprobs[0][t] - v) for o, p in zip(outputs, prompts)
-                                 for t, v in zip(p["first_top_token_ids"], p["first_top_logprobs"])),
+        "max_logprob_error": max(
+            abs(o.outputs[0].logprobs[0][t] - v)
+            for o, p in zip(outputs, prompts)
+            for t, v in zip(p["first_top_token_ids"], p["first_top_logprobs"])
+        ),
         "param_specs": specs,
         "kv_pages_spec": [str(axis) for axis in runner.kv_pages.keys[0].sharding.spec],
         "kv_pages_heads": runner.kv_pages.keys[0].shape[2],

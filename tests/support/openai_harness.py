@@ -10,8 +10,9 @@ import urllib.request
 import openai
 
 # A template the fixture tokenizers can render (the fixtures have none of their own), as LLM.chat's test uses.
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}bot:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}bot:{% endif %}"
+)
 
 
 def base_url(server, scheme: str = "http") -> str:
@@ -27,12 +28,25 @@ def async_openai_client(server, api_key: str = "unused") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url(server) + "/v1", api_key=api_key, max_retries=0, timeout=300)
 
 
-def http(server, method: str, path: str, body=None, headers: dict | None = None, raw: bytes | None = None,
-         scheme: str = "http", context: ssl.SSLContext | None = None, timeout: float = 60) -> tuple[int, dict, bytes]:
+def http(
+    server,
+    method: str,
+    path: str,
+    body=None,
+    headers: dict | None = None,
+    raw: bytes | None = None,
+    scheme: str = "http",
+    context: ssl.SSLContext | None = None,
+    timeout: float = 60,
+) -> tuple[int, dict, bytes]:
     """(status, headers, body bytes) of one plain HTTP call; error statuses are returned, not raised."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(base_url(server, scheme) + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        base_url(server, scheme) + path,
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             return response.status, dict(response.headers), response.read()
@@ -54,6 +68,6 @@ def sse_events(body: bytes) -> list:
         block = block.strip()
         if block:
             assert block.startswith("data: "), block
-            payload = block[len("data: "):]
+            payload = block[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events

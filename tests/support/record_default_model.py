@@ -16,11 +16,15 @@ import os
 
 from jaxserve.loading.default_model import default_model_path
 
-EXPECTED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "loading", "fixtures",
-                        "default_model.json")
+EXPECTED = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "loading", "fixtures", "default_model.json"
+)
 COMPLETIONS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a little"]
-CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
-         "Explain in one sentence what a neural network is."]
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a neural network is.",
+]
 MAX_NEW_TOKENS = 40
 NUM_TOP_LOGPROBS = 5
 
@@ -31,13 +35,22 @@ def generate(model, tokenizer, prompt_ids: list[int], eos_token_id) -> dict:
     input_ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         logprobs = torch.log_softmax(model(input_ids).logits[0, -1].float(), dim=-1)
-        generated = model.generate(input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                                   eos_token_id=eos_token_id, pad_token_id=eos_token_id)
-    output_ids = generated[0, len(prompt_ids):].tolist()
+        generated = model.generate(
+            input_ids,
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id,
+        )
+    output_ids = generated[0, len(prompt_ids) :].tolist()
     top = torch.topk(logprobs, NUM_TOP_LOGPROBS)
-    return dict(prompt_token_ids=prompt_ids, token_ids=output_ids,
-                text=tokenizer.decode(output_ids, skip_special_tokens=True),
-                first_top_token_ids=top.indices.tolist(), first_top_logprobs=top.values.tolist())
+    return dict(
+        prompt_token_ids=prompt_ids,
+        token_ids=output_ids,
+        text=tokenizer.decode(output_ids, skip_special_tokens=True),
+        first_top_token_ids=top.indices.tolist(),
+        first_top_logprobs=top.values.tolist(),
+    )
 
 
 def load_model(path: str):
@@ -65,19 +78,32 @@ def main() -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=file_name)
     model = load_model(path)
     # Both stop on the tokenizer's EOS, as jaxserve (and vLLM) do unless told to ignore it.
-    completions = [dict(prompt=prompt, **generate(model, tokenizer, tokenizer.encode(prompt), tokenizer.eos_token_id))
-                   for prompt in COMPLETIONS]
+    completions = [
+        dict(prompt=prompt, **generate(model, tokenizer, tokenizer.encode(prompt), tokenizer.eos_token_id))
+        for prompt in COMPLETIONS
+    ]
     chats = []
     for message in CHATS:
         conversation = [{"role": "user", "content": message}]
         rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
-        chats.append(dict(message=message, rendered=rendered,
-                          **generate(model, tokenizer, prompt_ids, tokenizer.eos_token_id)))
+        chats.append(
+            dict(message=message, rendered=rendered, **generate(model, tokenizer, prompt_ids, tokenizer.eos_token_id))
+        )
     with open(EXPECTED, "w") as f:
-        json.dump(dict(model=file_name, transformers_version=transformers.__version__, torch_version=torch.__version__,
-                       max_new_tokens=MAX_NEW_TOKENS, completions=completions, chats=chats), f, indent=1,
-                  ensure_ascii=False)
+        json.dump(
+            dict(
+                model=file_name,
+                transformers_version=transformers.__version__,
+                torch_version=torch.__version__,
+                max_new_tokens=MAX_NEW_TOKENS,
+                completions=completions,
+                chats=chats,
+            ),
+            f,
+            indent=1,
+            ensure_ascii=False,
+        )
     for entry in completions + chats:
         print(repr(entry.get("prompt") or entry["message"]), "->", repr(entry["text"]))
 

@@ -11,8 +11,14 @@ _ids = itertools.count()
 
 def make_seq(prompt_len: int, max_tokens: int) -> SequenceState:
     seq_id = next(_ids)
-    return SequenceState(seq_id=seq_id, request_id=str(seq_id), prompt_token_ids=[1] * prompt_len,
-                    params=SamplingParams(max_tokens=max_tokens), sampling_seed=0, arrival_order=seq_id)
+    return SequenceState(
+        seq_id=seq_id,
+        request_id=str(seq_id),
+        prompt_token_ids=[1] * prompt_len,
+        params=SamplingParams(max_tokens=max_tokens),
+        sampling_seed=0,
+        arrival_order=seq_id,
+    )
 
 
 def make_scheduler(num_pages=64, page_size=4, max_num_seqs=4, budget=32, block=4):
@@ -65,7 +71,7 @@ def drive(scheduler: Scheduler, pending: list) -> list:
         step += 1
         assert step < 5000, "the scheduler stopped making progress"
     assert scheduler.allocator.num_free_pages == scheduler.allocator.num_usable_pages
-    for _, seq, cancel in added:
+    for _, seq, _cancel in added:
         assert seq.is_finished
         assert seq.finish_reason == "abort" or len(seq.output_token_ids) == seq.params.max_tokens
     return added

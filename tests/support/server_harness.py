@@ -21,22 +21,38 @@ from tests.support.fixtures import fixture_dir
 class ServerProcess:
     """`connection` is how the harness itself calls the server (TLS files, API key) when it needs one."""
 
-    def __init__(self, tmp_path, engine: dict, server: dict | None = None, model: str = "llama_gqa",
-                 connection: Connection = Connection()):
+    def __init__(
+        self,
+        tmp_path,
+        engine: dict,
+        server: dict | None = None,
+        model: str = "llama_gqa",
+        connection: Connection | None = None,
+    ):
         self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
-        self.connection = connection
+        self.connection = connection or Connection()
         config = {
             "model": {"path": fixture_dir(model), "dtype": "float32"},
             "engine": {"max_model_len": 128, "max_num_batched_tokens": 64, "show_progress": False, **engine},
-            "server": {"host": "127.0.0.1", "port": self.port, "metrics_port": self.metrics_port,
-                       "http_port": self.http_port, "drain_timeout": 20, **(server or {})},
+            "server": {
+                "host": "127.0.0.1",
+                "port": self.port,
+                "metrics_port": self.metrics_port,
+                "http_port": self.http_port,
+                "drain_timeout": 20,
+                **(server or {}),
+            },
         }
         path = tmp_path / "server.yaml"
         path.write_text(yaml.safe_dump(config))
         self.log_path = tmp_path / "server.log"
         self.log = open(self.log_path, "w")
-        self.process = subprocess.Popen([sys.executable, "-m", "jaxserve.serve", "--config", str(path)],
-                                        stdout=self.log, stderr=subprocess.STDOUT, cwd=os.getcwd())
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.serve", "--config", str(path)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=os.getcwd(),
+        )
         self.target = f"127.0.0.1:{self.port}"
         self.channel = self.new_channel()
         self.health_statuses = []

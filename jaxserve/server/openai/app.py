@@ -41,9 +41,20 @@ def build_app(context: ServingContext, api_keys: ApiKeys | None, max_message_byt
     async def models():
         loop = context.ready_loop()
         name = context.model_name
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": context.created, "owned_by": "jaxserve", "root": name,
-            "parent": None, "max_model_len": loop.description.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": context.created,
+                    "owned_by": "jaxserve",
+                    "root": name,
+                    "parent": None,
+                    "max_model_len": loop.description.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -65,9 +76,14 @@ def tokenized(context: ServingContext, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages")
     if body.messages is not None:
-        return chat_prompt_token_ids(context.tokenizer, context.limits, body.messages, context.chat_template,
-                                     body.add_generation_prompt and not body.continue_final_message,
-                                     body.continue_final_message)
+        return chat_prompt_token_ids(
+            context.tokenizer,
+            context.limits,
+            body.messages,
+            context.chat_template,
+            body.add_generation_prompt and not body.continue_final_message,
+            body.continue_final_message,
+        )
     request_limits.check_text(context.limits, body.prompt)
     return context.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 

@@ -4,7 +4,6 @@ content, the last content chunk carrying the finish reason) or answered whole.""
 
 from __future__ import annotations
 
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -14,24 +13,42 @@ from jaxserve.server.chat_prompt import chat_prompt_token_ids
 from jaxserve.server.openai.context import ServingContext, request_size
 from jaxserve.server.openai.errors import error_body
 from jaxserve.server.openai.protocol import ChatCompletionRequest
-from jaxserve.server.openai.responses import (DONE, EventStreamResponse, TokenText, UsageCounter, gather_choices,
-                                              chat_logprobs, failure, now, response_id, sse)
+from jaxserve.server.openai.responses import (
+    DONE,
+    EventStreamResponse,
+    TokenText,
+    UsageCounter,
+    chat_logprobs,
+    failure,
+    gather_choices,
+    now,
+    response_id,
+    sse,
+)
 from jaxserve.server.openai.streams import StreamGroup, until_disconnected
 
 router = APIRouter()
 
 
-def checked_chat(context: ServingContext, body: ChatCompletionRequest,
-                 request_id: str) -> tuple[list[list[int]], SamplingParams, None]:
+def checked_chat(
+    context: ServingContext, body: ChatCompletionRequest, request_id: str
+) -> tuple[list[list[int]], SamplingParams, None]:
     """The rendered prompt's token ids and the sampling params, within the server's limits; ValueError."""
     limits = context.limits
     body.check(limits, request_id)
     if body.tool_choice not in (None, "none", "auto"):
         raise ValueError("tool_choice other than 'auto' or 'none' is not supported: tool calls are not parsed")
     logprobs = body.engine_logprobs()
-    token_ids = chat_prompt_token_ids(context.tokenizer, limits, body.messages, context.chat_template,
-                                      body.add_generation_prompt and not body.continue_final_message,
-                                      body.continue_final_message, body.tools, body.chat_template_kwargs)
+    token_ids = chat_prompt_token_ids(
+        context.tokenizer,
+        limits,
+        body.messages,
+        context.chat_template,
+        body.add_generation_prompt and not body.continue_final_message,
+        body.continue_final_message,
+        body.tools,
+        body.chat_template_kwargs,
+    )
     request_limits.check_token_ids(limits, token_ids)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # as vLLM: whatever room the context leaves
@@ -45,8 +62,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     context.ready_loop()
     context.check_model(body.model)
     request_id = body.request_id or request.headers.get("x-request-id", "")
-    group, _ = await context.admit(request_size(request), lambda: checked_chat(context, body, request_id), request_id,
-                                   body.session_id)
+    group, _ = await context.admit(
+        request_size(request), lambda: checked_chat(context, body, request_id), request_id, body.session_id
+    )
     call = ChatCall(context, body, group)
     if body.stream:
         return EventStreamResponse(call.events(), group)
@@ -59,8 +77,12 @@ class ChatCall:
         self.body = body
         self.group = group
         self.token_text = TokenText(context.loop.engine.tokenizer)
-        self.header = {"id": response_id("chatcmpl"), "created": now(), "model": context.model_name,
-                       "system_fingerprint": context.system_fingerprint}
+        self.header = {
+            "id": response_id("chatcmpl"),
+            "created": now(),
+            "model": context.model_name,
+            "system_fingerprint": context.system_fingerprint,
+        }
 
     def logprobs(self, token_ids: list[int], logprobs: list) -> dict | None:
         if not self.body.logprobs:
@@ -87,8 +109,13 @@ class ChatCall:
             usage.add(position, delta)
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
             self.group.mark_sending(True)
-            yield self.chunk(delta.index, content, self.logprobs(delta.token_ids, delta.logprobs or []),
-                             delta.finish_reason, delta.token_ids)
+            yield self.chunk(
+                delta.index,
+                content,
+                self.logprobs(delta.token_ids, delta.logprobs or []),
+                delta.finish_reason,
+                delta.token_ids,
+            )
             self.group.mark_sending(False)
         else:
             if self.body.include_usage:
@@ -100,9 +127,13 @@ class ChatCall:
         listed = []
         for index in sorted(choices):
             gathered = choices[index]
-            choice = {"index": index, "message": {"role": "assistant", "content": gathered.text, "tool_calls": []},
-                      "logprobs": self.logprobs(gathered.token_ids, gathered.logprobs),
-                      "finish_reason": gathered.finish_reason, "stop_reason": None}
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": gathered.text, "tool_calls": []},
+                "logprobs": self.logprobs(gathered.token_ids, gathered.logprobs),
+                "finish_reason": gathered.finish_reason,
+                "stop_reason": None,
+            }
             if self.body.return_token_ids:
                 choice["token_ids"] = gathered.token_ids
             listed.append(choice)

@@ -13,15 +13,26 @@ from jaxserve.server import limits as request_limits
 from jaxserve.server.openai.context import ServingContext, request_size
 from jaxserve.server.openai.errors import error_body
 from jaxserve.server.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
-from jaxserve.server.openai.responses import (DONE, EventStreamResponse, TokenText, UsageCounter, gather_choices,
-                                              completion_logprobs, failure, now, response_id, sse)
+from jaxserve.server.openai.responses import (
+    DONE,
+    EventStreamResponse,
+    TokenText,
+    UsageCounter,
+    completion_logprobs,
+    failure,
+    gather_choices,
+    now,
+    response_id,
+    sse,
+)
 from jaxserve.server.openai.streams import StreamGroup, until_disconnected
 
 router = APIRouter()
 
 
-def checked_completion(context: ServingContext, body: CompletionRequest,
-                       request_id: str) -> tuple[list, SamplingParams, list[str]]:
+def checked_completion(
+    context: ServingContext, body: CompletionRequest, request_id: str
+) -> tuple[list, SamplingParams, list[str]]:
     """The prompts, sampling params and (with echo) prompt texts, within the server's limits; ValueError."""
     limits = context.limits
     body.check(limits, request_id)
@@ -52,7 +63,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     context.check_model(body.model)
     request_id = body.request_id or request.headers.get("x-request-id", "")
     group, echo_texts = await context.admit(
-        request_size(request), lambda: checked_completion(context, body, request_id), request_id, body.session_id)
+        request_size(request), lambda: checked_completion(context, body, request_id), request_id, body.session_id
+    )
     call = CompletionCall(context, body, group, echo_texts)
     if body.stream:
         return EventStreamResponse(call.events(), group)
@@ -66,14 +78,26 @@ class CompletionCall:
         self.group = group
         self.echo_texts = echo_texts
         self.token_text = TokenText(context.loop.engine.tokenizer)
-        self.header = {"id": response_id("cmpl"), "object": "text_completion", "created": now(),
-                       "model": context.model_name, "system_fingerprint": context.system_fingerprint}
+        self.header = {
+            "id": response_id("cmpl"),
+            "object": "text_completion",
+            "created": now(),
+            "model": context.model_name,
+            "system_fingerprint": context.system_fingerprint,
+        }
 
-    def choice(self, index: int, text: str, token_ids: list[int], logprobs: list, finish_reason: str | None,
-               text_offset: int) -> dict:
-        choice = {"index": index, "text": text, "finish_reason": finish_reason, "stop_reason": None,
-                  "logprobs": completion_logprobs(self.token_text, token_ids, logprobs, text_offset)
-                  if self.body.logprobs is not None else None}
+    def choice(
+        self, index: int, text: str, token_ids: list[int], logprobs: list, finish_reason: str | None, text_offset: int
+    ) -> dict:
+        choice = {
+            "index": index,
+            "text": text,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "logprobs": completion_logprobs(self.token_text, token_ids, logprobs, text_offset)
+            if self.body.logprobs is not None
+            else None,
+        }
         if self.body.return_token_ids:
             choice["token_ids"] = token_ids
         return choice
@@ -90,8 +114,12 @@ class CompletionCall:
             if self.echo_texts and index not in echoed:  # the prompt leads each choice's first chunk
                 echoed.add(index)
                 text = self.echo_texts[position] + text
-            chunk = {**self.header, "choices": [self.choice(index, text, delta.token_ids, delta.logprobs or [],
-                                                            delta.finish_reason, offsets[index])]}
+            chunk = {
+                **self.header,
+                "choices": [
+                    self.choice(index, text, delta.token_ids, delta.logprobs or [], delta.finish_reason, offsets[index])
+                ],
+            }
             offsets[index] += len(text)
             if self.body.include_usage:
                 chunk["usage"] = None
@@ -109,6 +137,9 @@ class CompletionCall:
         for index in sorted(choices):
             echo = self.echo_texts[index // self.body.n] if self.echo_texts else ""
             gathered = choices[index]
-            listed.append(self.choice(index, echo + gathered.text, gathered.token_ids, gathered.logprobs,
-                                      gathered.finish_reason, 0))
+            listed.append(
+                self.choice(
+                    index, echo + gathered.text, gathered.token_ids, gathered.logprobs, gathered.finish_reason, 0
+                )
+            )
         return {**self.header, "choices": listed, "usage": usage.usage()}

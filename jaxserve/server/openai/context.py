@@ -20,8 +20,14 @@ ADMISSION_THREADS = 4  # tokenizing is short; more threads would only contend fo
 # step more TTFT than gRPC), more than the work itself.
 INLINE_ADMISSION_BYTES = 16384
 # HTTP refusals are counted beside gRPC's, under the gRPC status each one stands for.
-REFUSAL_LABELS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "INVALID_ARGUMENT",
-                  429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+REFUSAL_LABELS = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    404: "NOT_FOUND",
+    413: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    503: "UNAVAILABLE",
+}
 
 
 class ServingContext:
@@ -34,8 +40,9 @@ class ServingContext:
         self.created = int(time.time())
         self.executor = ThreadPoolExecutor(ADMISSION_THREADS, thread_name_prefix="jaxserve-http-admit")
 
-    def attach(self, loop: EngineLoop, limits: RequestLimits, chat_template: str | None,
-               system_fingerprint: str) -> None:
+    def attach(
+        self, loop: EngineLoop, limits: RequestLimits, chat_template: str | None, system_fingerprint: str
+    ) -> None:
         self.limits = limits
         self.chat_template = chat_template
         self.system_fingerprint = system_fingerprint
@@ -61,8 +68,7 @@ class ServingContext:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
-                           "model")
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'", "model")
 
     def on_refusal(self, status: int) -> None:
         self.metrics.rejected.labels(REFUSAL_LABELS.get(status, str(status))).inc()
@@ -75,8 +81,9 @@ class ServingContext:
         except (ValueError, APIError) as error:
             raise api_error(error) from None
 
-    async def admit(self, request_size: int | None, check, request_id: str,
-                    session_id: str | None) -> tuple[StreamGroup, object]:
+    async def admit(
+        self, request_size: int | None, check, request_id: str, session_id: str | None
+    ) -> tuple[StreamGroup, object]:
         """check() -> (prompts, params, extra) runs the request's checks (ValueError), then every prompt is
         submitted; returns the streams and extra. A small request is admitted right here on the event
         loop; a larger one (or one of unknown size) on the admission pool, so that tokenizing it never
@@ -85,8 +92,11 @@ class ServingContext:
         # A prefill replica's requests would stop at their first token (gRPC refuses them too). The
         # router serves this app over a stand-in engine without a config: it never prefills only.
         if getattr(getattr(loop.engine, "config", None), "role", "both") == "prefill":
-            raise APIError(400, "this replica prefills for decode replicas (engine.role prefill): send requests "
-                                "to a router in mode disaggregated")
+            raise APIError(
+                400,
+                "this replica prefills for decode replicas (engine.role prefill): send requests "
+                "to a router in mode disaggregated",
+            )
 
         def admission():
             prompts, params, extra = check()

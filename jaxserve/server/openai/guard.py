@@ -22,9 +22,13 @@ JSON_EXPANSION = 4
 
 async def send_error(send, status: int, message: str, headers: tuple = ()) -> None:
     body = json.dumps(error_body(status, message)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -45,8 +49,12 @@ class Guard:
             authorization = headers.get(b"authorization", b"").decode("latin-1")
             if not self.api_keys.allows(authorization):
                 self.on_refusal(401)
-                return await send_error(send, 401, "missing or unknown API key: send 'Authorization: Bearer KEY'",
-                                        ((b"www-authenticate", b"Bearer"),))
+                return await send_error(
+                    send,
+                    401,
+                    "missing or unknown API key: send 'Authorization: Bearer KEY'",
+                    ((b"www-authenticate", b"Bearer"),),
+                )
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             return await self._too_large(send)
@@ -72,8 +80,12 @@ class Guard:
 
     async def _too_large(self, send) -> None:
         self.on_refusal(413)
-        await send_error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes "
-                                    f"({JSON_EXPANSION} x server.max_message_bytes)")
+        await send_error(
+            send,
+            413,
+            f"the request body is larger than {self.max_body_bytes} bytes "
+            f"({JSON_EXPANSION} x server.max_message_bytes)",
+        )
 
 
 def _replay(body: bytes, receive):

@@ -35,12 +35,26 @@ class HTTPServer:
     def __init__(self, app, host: str, port: int, tls: TLSConfig | None):
         self.socket = bind(host, port)
         self.port = self.socket.getsockname()[1]
-        tls_options = {} if tls is None else {
-            "ssl_certfile": tls.cert, "ssl_keyfile": tls.key, "ssl_ca_certs": tls.client_ca,
-            "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.client_ca else ssl.CERT_NONE}
+        tls_options = (
+            {}
+            if tls is None
+            else {
+                "ssl_certfile": tls.cert,
+                "ssl_keyfile": tls.key,
+                "ssl_ca_certs": tls.client_ca,
+                "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.client_ca else ssl.CERT_NONE,
+            }
+        )
         # log_config None: uvicorn leaves the process's logging as serve.py set it up
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", ws="none",
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN, **tls_options)
+        config = uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            ws="none",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+            **tls_options,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, name="jaxserve-http", daemon=True)
         self.failure: BaseException | None = None

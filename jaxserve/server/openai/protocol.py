@@ -65,8 +65,7 @@ class SamplingRequest(BaseModel):
 
     def check(self, limits: RequestLimits, request_id: str) -> None:
         """The server's caps (limits.py) and the features the engine lacks; ValueError naming the field."""
-        request_limits.check_ids(limits, request_id=request_id, session_id=self.session_id or "",
-                                 user=self.user or "")
+        request_limits.check_ids(limits, request_id=request_id, session_id=self.session_id or "", user=self.user or "")
         request_limits.check_stops(limits, self.stop_strings, self.stop_token_ids or [])
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             value = getattr(self, name)
@@ -82,10 +81,18 @@ class SamplingRequest(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (SamplingParams checks every value)."""
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-            top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p or 0.0,
-            seed=self.seed, stop=self.stop_strings, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            logprobs=logprobs)
+            n=self.n,
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=self.top_k or 0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            stop=self.stop_strings,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
 
 
 class CompletionRequest(SamplingRequest):

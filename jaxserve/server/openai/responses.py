@@ -83,9 +83,12 @@ class UsageCounter:
 
     def usage(self) -> dict:
         prompt = sum(self.prompt_tokens.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+        }
 
 
 def failure(delta: Delta) -> str | None:
@@ -123,29 +126,36 @@ class TokenText:
         return text
 
 
-def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float]],
-                        text_offset: int) -> dict:
+def completion_logprobs(
+    token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float]], text_offset: int
+) -> dict:
     """/v1/completions' shape: parallel lists; text_offset counts from the start of the choice's text."""
     tokens, offsets = [], []
     for token_id in token_ids:
         tokens.append(token_text(token_id))
         offsets.append(text_offset)
         text_offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [top[t] for t, top in zip(token_ids, logprobs)],
-            "top_logprobs": [{token_text(t): v for t, v in _ranked(top)} for top in logprobs],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [top[t] for t, top in zip(token_ids, logprobs)],
+        "top_logprobs": [{token_text(t): v for t, v in _ranked(top)} for top in logprobs],
+        "text_offset": offsets,
+    }
 
 
-def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float]],
-                  num_top: int) -> dict:
+def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int) -> dict:
     """/v1/chat/completions' shape: one entry per token with its num_top most likely alternatives."""
 
     def entry(token_id: int, logprob: float) -> dict:
         text = token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**entry(t, top[t]), "top_logprobs": [entry(a, v) for a, v in _ranked(top)[:num_top]]}
-                        for t, top in zip(token_ids, logprobs)]}
+    return {
+        "content": [
+            {**entry(t, top[t]), "top_logprobs": [entry(a, v) for a, v in _ranked(top)[:num_top]]}
+            for t, top in zip(token_ids, logprobs)
+        ]
+    }
 
 
 def _ranked(top: dict[int, float]) -> list[tuple[int, float]]:

@@ -19,8 +19,9 @@ from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.request_stream import Delta, RequestStream
 
 
-def submit_all(loop: EngineLoop, prompts: list, params: SamplingParams, request_id: str,
-               session_id: str | None) -> list[RequestStream]:
+def submit_all(
+    loop: EngineLoop, prompts: list, params: SamplingParams, request_id: str, session_id: str | None
+) -> list[RequestStream]:
     """Submit every prompt or none (a refusal releases those already queued); worker thread."""
     streams: list[RequestStream] = []
     try:

@@ -49,7 +49,7 @@ def child(path: str, dtype: str) -> None:
     jax.devices()
     baseline = peak_rss()
     source = open_model(path)
-    attention = choose_attention(source.config, EngineConfig(attention_impl="reference"), dtype, None)
+    attention = choose_attention(source.config, EngineConfig.from_options(attention_impl="reference"), dtype, None)
     model = _load_model(source, dtype, attention, None, False)
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     jax.block_until_ready(leaves)

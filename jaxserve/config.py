@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 
 DTYPE_NAMES = {
     "float32": "float32",
@@ -34,12 +35,62 @@ def _powers_of(base: int, start: int, limit: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything that shapes the engine's memory and compiled executables."""
+def _require_positive(group: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(group, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(group, name)}")
 
-    dtype: str = "auto"
-    attention_impl: str = "auto"  # auto | reference | cpu | pallas (see pallas_kernels)
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: page geometry, how many pages, and what is kept once a request ends."""
+
+    page_size: int = 16
+    num_pages: int | None = None  # None: from kv_cache_memory_gib, else what the device has free
+    kv_cache_memory_gib: float | None = None
+    enable_prefix_caching: bool = True
+    swap_space: float = 0.0  # GiB of host memory for evicted prefix pages (needs prefix caching)
+    session_ttl: float = 300.0  # seconds a session's pages are kept in preference to others
+
+    def __post_init__(self):
+        _require_positive(self, ("page_size",))
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (one page is reserved), got {self.num_pages}")
+        if self.swap_space < 0 or self.session_ttl < 0:
+            raise ValueError("swap_space and session_ttl must be >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What one step may hold: sequences, tokens, context length, and how steps follow each other."""
+
+    max_model_len: int | None = None  # None: the model's own limit, capped (engine/builder.py)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    # Prefill chunks of different sequences start on multiples of this, so attention works block by block.
+    prefill_query_block: int = 16
+    # Plan and dispatch step N+1 while step N runs on the device (the host learns N's tokens a step later;
+    # outputs are the same). Off on a prefill replica, which parks each request at its first token.
+    overlap_steps: bool = True
+    max_logprobs: int = 20
+
+    def __post_init__(self):
+        _require_positive(self, ("max_num_seqs", "max_num_batched_tokens", "prefill_query_block"))
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_num_batched_tokens % self.prefill_query_block:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be a multiple of "
+                f"prefill_query_block ({self.prefill_query_block})"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The devices and how the model is split over them."""
+
     tensor_parallel_size: int = 1  # Megatron-style: heads and MLP columns split over this many devices
     data_parallel_size: int = 1  # device groups that each run attention for their own sequences and pages
     enable_expert_parallel: bool = False  # MoE experts split over all data x tensor devices
@@ -48,87 +99,159 @@ class EngineConfig:
     expert_load_profile: str | None = None
     # Every this many engine steps, move experts by the load routed since the last move (0: never).
     expert_rebalance_interval: int = 0
-    page_size: int = 16
-    enable_prefix_caching: bool = True
-    swap_space: float = 0.0  # GiB of host memory for evicted prefix pages (needs prefix caching)
-    session_ttl: float = 300.0  # seconds a session's pages are kept in preference to others
-    num_pages: int | None = None
-    kv_cache_memory_gib: float | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_logprobs: int = 20
-    seed: int = 0
-    # Shapes entering jit; derived from the limits above when not given.
-    decode_seq_buckets: tuple[int, ...] | None = None
-    prefill_token_buckets: tuple[int, ...] | None = None
-    page_buckets: tuple[int, ...] | None = None
-    # Prefill chunks of different sequences start on multiples of this, so attention works block by block.
-    prefill_query_block: int = 16
-    # Plan and dispatch step N+1 while step N runs on the device (the host learns N's tokens a step later;
-    # outputs are the same). Off on a prefill replica, which parks each request at its first token.
-    overlap_steps: bool = True
-    compilation_cache_dir: str | None = "default"
-    show_progress: bool = True
-    # Prefill/decode disaggregation (jaxserve/disagg): "prefill" runs a request to its first token and
-    # parks it, pages held, until a decode replica takes them; "decode" also admits requests that
-    # arrive with their KV pages; "both" serves whole requests.
-    role: str = "both"
     # Indices into jax.devices() this engine runs on (None: the first ones), so that two engines in one
     # process can use disjoint devices.
     device_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        _require_positive(self, ("tensor_parallel_size", "data_parallel_size"))
+        if self.device_ids is not None:
+            object.__setattr__(self, "device_ids", tuple(int(i) for i in self.device_ids))
+        if self.expert_rebalance_interval < 0:
+            raise ValueError(f"expert_rebalance_interval must be >= 0, got {self.expert_rebalance_interval}")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """What is compiled: the attention kernel and the shapes entering jit (derived from the scheduler's
+    limits when not given, see Buckets)."""
+
+    attention_impl: str = "auto"  # auto | reference | cpu | pallas (see pallas_kernels)
+    decode_seq_buckets: tuple[int, ...] | None = None
+    prefill_token_buckets: tuple[int, ...] | None = None
+    page_buckets: tuple[int, ...] | None = None
+    compilation_cache_dir: str | None = "default"
+
+    def __post_init__(self):
+        for name in ("decode_seq_buckets", "prefill_token_buckets", "page_buckets"):
+            buckets = getattr(self, name)
+            if buckets is not None:
+                buckets = tuple(sorted({int(b) for b in buckets}))
+                if not buckets or buckets[0] < 1:
+                    raise ValueError(f"{name} must be positive sizes, got {buckets}")
+                object.__setattr__(self, name, buckets)
+
+
+class EngineRole(enum.StrEnum):
+    """What a replica does with a request (jaxserve/disagg)."""
+
+    BOTH = "both"  # the whole request
+    PREFILL = "prefill"  # to its first token, then its pages wait for a decode replica
+    DECODE = "decode"  # whole requests, and those that arrive prefilled with their pages
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (jaxserve/disagg): "prefill" runs a request to its first token and
+    parks it, pages held, until a decode replica takes them; "decode" also admits requests that arrive
+    with their KV pages; "both" serves whole requests."""
+
+    role: EngineRole = EngineRole.BOTH
     # Seconds a prefill replica holds a request's pages for a decode replica to take (and a decode
     # replica waits for them) before freeing them; the decode side then recomputes the prompt.
     handover_timeout: float = 30.0
 
     def __post_init__(self):
-        if self.dtype != "auto":
-            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        positive = (
-            "page_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "prefill_query_block",
-            "tensor_parallel_size",
-            "data_parallel_size",
-        )
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.role not in ("both", "prefill", "decode"):
+        if self.role not in tuple(EngineRole):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
-        if self.device_ids is not None:
-            object.__setattr__(self, "device_ids", tuple(int(i) for i in self.device_ids))
+        object.__setattr__(self, "role", EngineRole(self.role))
         if not self.handover_timeout > 0:
             raise ValueError(f"handover_timeout must be > 0 seconds, got {self.handover_timeout}")
-        if self.expert_rebalance_interval < 0:
-            raise ValueError(f"expert_rebalance_interval must be >= 0, got {self.expert_rebalance_interval}")
-        if self.num_pages is not None and self.num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (one page is reserved), got {self.num_pages}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.data_parallel_size > 1 and self.swap_space:
+
+
+ENGINE_GROUPS: dict[str, type] = {
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "compile": CompileConfig,
+    "disagg": DisaggConfig,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes the engine's memory and compiled executables, grouped by concern.
+
+    `EngineConfig.from_options(page_size=32, max_num_seqs=8)` takes any field of any group by its own
+    name (the names are unique), as `LLM(model, **options)` and a config file's `engine:` section do."""
+
+    dtype: str = "auto"
+    seed: int = 0
+    show_progress: bool = True
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+
+    def __post_init__(self):
+        if self.dtype != "auto":
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        for name, group_type in ENGINE_GROUPS.items():
+            group = getattr(self, name)
+            if isinstance(group, dict):
+                object.__setattr__(self, name, _build_group(group_type, group, name))
+            elif not isinstance(group, group_type):
+                raise ValueError(f"{name} must be a {group_type.__name__} or a mapping, got {type(group).__name__}")
+        if self.parallel.data_parallel_size > 1 and self.cache.swap_space:
             raise ValueError("swap_space (the host tier) is not available with data_parallel_size > 1 yet")
-        if self.swap_space < 0 or self.session_ttl < 0:
-            raise ValueError("swap_space and session_ttl must be >= 0")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        if self.max_num_batched_tokens % self.prefill_query_block:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be a multiple of "
-                f"prefill_query_block ({self.prefill_query_block})"
-            )
-        for name in ("decode_seq_buckets", "prefill_token_buckets", "page_buckets"):
-            buckets = getattr(self, name)
-            if buckets is not None:
-                buckets = tuple(sorted(set(int(b) for b in buckets)))
-                if not buckets or buckets[0] < 1:
-                    raise ValueError(f"{name} must be positive sizes, got {buckets}")
-                object.__setattr__(self, name, buckets)
-        if self.prefill_token_buckets and any(b % self.prefill_query_block for b in self.prefill_token_buckets):
-            raise ValueError(
-                f"prefill_token_buckets must be multiples of prefill_query_block ({self.prefill_query_block})"
-            )
+        block = self.scheduler.prefill_query_block
+        if self.compile.prefill_token_buckets and any(b % block for b in self.compile.prefill_token_buckets):
+            raise ValueError(f"prefill_token_buckets must be multiples of prefill_query_block ({block})")
+
+    @classmethod
+    def option_names(cls) -> dict[str, str | None]:
+        """Every option's flat name -> its group (None: a field of EngineConfig itself)."""
+        names: dict[str, str | None] = {f.name: None for f in fields(cls) if f.name not in ENGINE_GROUPS}
+        for group, group_type in ENGINE_GROUPS.items():
+            names.update({f.name: group for f in fields(group_type)})
+        return names
+
+    @classmethod
+    def from_options(cls, **options) -> EngineConfig:
+        """A config from flat option names (a group may also be given whole, by its name)."""
+        names = cls.option_names()
+        unknown = sorted(set(options) - set(names) - set(ENGINE_GROUPS))
+        if unknown:
+            raise ValueError(f"unknown engine options {unknown}; known: {sorted(names)}")
+        top: dict = {}
+        grouped: dict[str, dict] = {group: {} for group in ENGINE_GROUPS}
+        for name, value in options.items():
+            if name in ENGINE_GROUPS:
+                top[name] = value
+            elif names[name] is None:
+                top[name] = value
+            else:
+                grouped[names[name]][name] = value  # type: ignore[index]
+        for group, values in grouped.items():
+            if values:
+                if group in top:
+                    raise ValueError(f"engine options {sorted(values)} repeat what the {group} group sets")
+                top[group] = values
+        return cls(**top)
+
+    def with_options(self, **options) -> EngineConfig:
+        """A copy with some options changed, by their flat names."""
+        names = self.option_names()
+        changes: dict = {}
+        for name, value in options.items():
+            group = names.get(name, "")
+            if group == "":
+                raise ValueError(f"unknown engine option {name!r}")
+            if group is None:
+                changes[name] = value
+            else:
+                base = changes.get(group, getattr(self, group))
+                changes[group] = replace(base, **{name: value})
+        return replace(self, **changes)
+
+
+def _build_group(group_type: type, values: dict, group: str):
+    known = {f.name for f in fields(group_type)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {group} option {unknown[0]!r}; known: {sorted(known)}")
+    return group_type(**values)
 
 
 @dataclass(frozen=True)
@@ -141,19 +264,22 @@ class Buckets:
 
     @classmethod
     def derive(cls, engine: EngineConfig, max_model_len: int) -> Buckets:
-        max_pages = math.ceil(max_model_len / engine.page_size)
-        decode = engine.decode_seq_buckets or _powers_of(4, 1, engine.max_num_seqs)
-        prefill = engine.prefill_token_buckets or _powers_of(
-            4, min(4 * engine.prefill_query_block, engine.max_num_batched_tokens), engine.max_num_batched_tokens
+        scheduler, compiled = engine.scheduler, engine.compile
+        max_pages = math.ceil(max_model_len / engine.cache.page_size)
+        decode = compiled.decode_seq_buckets or _powers_of(4, 1, scheduler.max_num_seqs)
+        prefill = compiled.prefill_token_buckets or _powers_of(
+            4,
+            min(4 * scheduler.prefill_query_block, scheduler.max_num_batched_tokens),
+            scheduler.max_num_batched_tokens,
         )
         # Attention walks pages only up to each step's longest context, so a wider page table costs a
         # few bytes, not compute: one page bucket by default keeps warm-up short.
-        pages = engine.page_buckets or (max_pages,)
-        if decode[-1] < engine.max_num_seqs:
-            raise ValueError(f"decode_seq_buckets must reach max_num_seqs ({engine.max_num_seqs})")
-        if prefill[-1] < engine.max_num_batched_tokens:
+        pages = compiled.page_buckets or (max_pages,)
+        if decode[-1] < scheduler.max_num_seqs:
+            raise ValueError(f"decode_seq_buckets must reach max_num_seqs ({scheduler.max_num_seqs})")
+        if prefill[-1] < scheduler.max_num_batched_tokens:
             raise ValueError(
-                f"prefill_token_buckets must reach max_num_batched_tokens ({engine.max_num_batched_tokens})"
+                f"prefill_token_buckets must reach max_num_batched_tokens ({scheduler.max_num_batched_tokens})"
             )
         if pages[-1] < max_pages:
             raise ValueError(f"page_buckets must reach {max_pages} pages (max_model_len / page_size)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence as SequenceOf
 
@@ -11,16 +10,12 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
 from jaxserve.host.request import RequestOutput, SamplingParams
-from jaxserve.loading.chat_template import render_chat, text_content
+from jaxserve.loading.chat_template import render_chat, template_variables, text_content
 
 
 class LLM:
     def __init__(self, model: str, **engine_options):
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(engine_options) - known)
-        if unknown:
-            raise ValueError(f"unknown engine options {unknown}; known: {sorted(known)}")
-        self.engine = Engine.from_model(model, EngineConfig(**engine_options))
+        self.engine = Engine.from_model(model, EngineConfig.from_options(**engine_options))
         self._request_ids = itertools.count()
 
     def generate(
@@ -98,7 +93,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=tools,
-                **(chat_template_kwargs or {}),
+                **template_variables(chat_template_kwargs),
             )
             for conversation in conversations
         ]

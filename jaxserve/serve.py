@@ -58,7 +58,7 @@ class Server:
         self.service = GenerationService()
         self.disagg = DisaggService()  # prefill/decode handover services, live on a replica with engine.role set
         self.api_keys = ApiKeys.from_file(server.api_keys) if server.api_keys else None
-        self.pools = ThreadPools.for_limits(config.engine.max_num_seqs + server.max_queued_requests)
+        self.pools = ThreadPools.for_limits(config.engine.scheduler.max_num_seqs + server.max_queued_requests)
         # SO_REUSEPORT off: a second server on a taken port must fail to start, not silently share it.
         options = [
             ("grpc.max_receive_message_length", server.max_message_bytes),
@@ -102,10 +102,10 @@ class Server:
         self.metrics_server = None
         self.chat_template = load_chat_template(server.chat_template)
         # The OpenAI HTTP API: its own event-loop thread (the gRPC server is thread-pool based), one engine loop.
-        self.http_context = ServingContext(self.metrics)
+        self.http_context = ServingContext(self.metrics, server.served_model_names)
         self.http_server = (
             HTTPServer(
-                build_app(self.http_context, self.api_keys, server.max_message_bytes),
+                build_app(self.http_context, self.api_keys, server.max_message_bytes, server.cors_allowed_origins),
                 server.host,
                 server.http_port,
                 server.tls,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from jaxserve.config import EngineRole
 from jaxserve.disagg.transport import check_same_layout, move_pages
 from jaxserve.host.request import RequestOutput, SamplingParams
 
@@ -55,7 +56,10 @@ class DisaggregatedPair:
     stats: HandoverStats = field(default_factory=HandoverStats)
 
     def __post_init__(self):
-        if self.prefill_engine.config.role != "prefill" or self.decode_engine.config.role != "decode":
+        if (
+            self.prefill_engine.config.disagg.role != EngineRole.PREFILL
+            or self.decode_engine.config.disagg.role != EngineRole.DECODE
+        ):
             raise ValueError("a DisaggregatedPair needs a role 'prefill' engine and a role 'decode' engine")
         check_same_layout(self.prefill_engine, self.decode_engine)
 

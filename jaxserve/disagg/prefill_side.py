@@ -45,7 +45,7 @@ class PrefillHandovers:
     def pages_to_send(self, request_id: str, held_keys) -> list[int]:
         """This side's page ids of the prompt pages the receiver does not hold, in prompt order."""
         seq = self.parked[request_id].seq
-        indices = missing_page_indices(seq.prompt_token_ids, self.engine.config.page_size, held_keys)
+        indices = missing_page_indices(seq.prompt_token_ids, self.engine.config.cache.page_size, held_keys)
         return [seq.page_ids[index] for index in indices]
 
     def release(self, request_id: str) -> None:

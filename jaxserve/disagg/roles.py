@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from jaxserve.config import EngineRole
 from jaxserve.device import page_copies
 from jaxserve.disagg.decode_side import DecodeHandovers
 from jaxserve.disagg.prefill_side import PrefillHandovers
@@ -10,16 +11,18 @@ from jaxserve.host.page_allocator import num_pages_for
 
 
 def handovers_for(engine):
-    role = engine.config.role
-    if role not in ("prefill", "decode"):
+    role = engine.config.disagg.role
+    if role not in (EngineRole.PREFILL, EngineRole.DECODE):
         return None
     warm_up_handover_copies(engine)
-    timeout = engine.config.handover_timeout
+    timeout = engine.config.disagg.handover_timeout
     # the decode side's reservation outlives its wait for the prefill side, so it is never freed under a pull
-    return PrefillHandovers(engine, timeout) if role == "prefill" else DecodeHandovers(engine, 2 * timeout + 10)
+    return (
+        PrefillHandovers(engine, timeout) if role == EngineRole.PREFILL else DecodeHandovers(engine, 2 * timeout + 10)
+    )
 
 
 def warm_up_handover_copies(engine) -> None:
     runner = engine.runner
-    max_pages = num_pages_for(engine.max_model_len, engine.config.page_size)
+    max_pages = num_pages_for(engine.max_model_len, engine.config.cache.page_size)
     runner.kv_pages = page_copies.warm_up_handover_copies(runner.kv_pages, max_pages, runner.page_array_sharding())

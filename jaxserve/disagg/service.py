@@ -9,6 +9,7 @@ import threading
 
 import grpc
 
+from jaxserve.config import EngineRole
 from jaxserve.disagg.decode_service import DecodeService
 from jaxserve.disagg.page_transfers import PageTransfers
 from jaxserve.disagg.prefill_service import PrefillService
@@ -52,13 +53,13 @@ class DisaggService:
     def attach(self, loop, limits, transfer_host: str = "127.0.0.1") -> None:
         """Once the engine is warm; nothing to do for a replica of role both."""
         config = loop.engine.config
-        if config.role == "both":
+        if config.disagg.role == EngineRole.BOTH:
             return
         self.transfers = PageTransfers(transfer_host)
-        if config.role == "prefill":
-            self.prefill = PrefillService(loop, self.transfers, config.handover_timeout)
+        if config.disagg.role == EngineRole.PREFILL:
+            self.prefill = PrefillService(loop, self.transfers, config.disagg.handover_timeout)
         else:
-            self.decode = DecodeService(loop, limits, self.transfers, config.handover_timeout)
+            self.decode = DecodeService(loop, limits, self.transfers, config.disagg.handover_timeout)
         self.loop = loop
         self._timer = threading.Thread(target=self._expire_forever, name="disagg-expiry", daemon=True)
         self._timer.start()
@@ -74,7 +75,7 @@ class DisaggService:
 
     def _side(self, context, side):
         if side is None:
-            role = self.loop.engine.config.role if self.loop is not None else "not warmed up yet"
+            role = self.loop.engine.config.disagg.role if self.loop is not None else "not warmed up yet"
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this replica's role is {role}")
         return side
 
@@ -94,7 +95,7 @@ class DisaggService:
     def _status(self, side, engine) -> dpb.StatusResponse:
         """On the loop thread."""
         reply, stats = side.status(engine), engine.stats()
-        reply.role, reply.serving, reply.transfer_address = engine.config.role, True, self.transfers.address
+        reply.role, reply.serving, reply.transfer_address = engine.config.disagg.role, True, self.transfers.address
         reply.num_free_pages, reply.num_pages = stats["kv_pages_free"], stats["kv_pages_total"]
         reply.num_compiles_after_warmup = stats["num_compiles_after_warmup"]
         return reply

@@ -8,6 +8,7 @@ import dataclasses
 
 import jax
 
+from jaxserve.config import EngineRole
 from jaxserve.distributed import runtime
 
 
@@ -15,13 +16,13 @@ def agree_on_engine(config, model_config):
     """The EngineConfig every process builds with (unchanged on one process)."""
     if not runtime.is_multiprocess():
         return config
-    if config.swap_space:
+    if config.cache.swap_space:
         raise ValueError("swap_space (the host KV tier) is not available on several processes yet")
-    if config.role != "both":
+    if config.disagg.role != EngineRole.BOTH:
         raise ValueError("prefill/decode disaggregation (role) is not available on several processes yet")
-    if config.num_pages is None and config.kv_cache_memory_gib is None:
+    if config.cache.num_pages is None and config.cache.kv_cache_memory_gib is None:
         budgets = runtime.exchange("kv_budget", str(_local_kv_budget()))
-        config = dataclasses.replace(config, kv_cache_memory_gib=min(int(b) for b in budgets) / 2**30)
+        config = config.with_options(kv_cache_memory_gib=min(int(b) for b in budgets) / 2**30)
     described = dataclasses.replace(config, show_progress=False)
     runtime.agree_across_processes("engine config and model", f"{described!r} {model_config!r} {jax.device_count()}")
     return config

@@ -34,25 +34,25 @@ def choose_attention(model: ModelConfig, config: EngineConfig, dtype: str, mesh:
     reference goes through. Under "auto", the Pallas kernels must first pass a start-up check on this
     device (probe.py): a lowering error or mismatch falls back to the reference with a warning."""
     platform = jax.default_backend()
-    tensor_parallel = config.tensor_parallel_size
+    tensor_parallel = config.parallel.tensor_parallel_size
     replicas = kv_head_replicas(model.num_heads, model.num_kv_heads, tensor_parallel) if tensor_parallel > 1 else None
-    attention_mesh = mesh if mesh is not None and (config.data_parallel_size > 1 or replicas) else None
+    attention_mesh = mesh if mesh is not None and (config.parallel.data_parallel_size > 1 or replicas) else None
     impl = resolve_attention_impl(
-        config.attention_impl,
+        config.compile.attention_impl,
         platform,
         dtype,
         partitioned=mesh is not None and attention_mesh is None,
         head_dim=model.head_dim,
-        page_size=config.page_size,
+        page_size=config.cache.page_size,
     )
-    if config.attention_impl == "auto" and impl == "pallas":
+    if config.compile.attention_impl == "auto" and impl == "pallas":
         problem = pallas_problem(
             model.num_heads,
             model.num_kv_heads,
             model.head_dim,
-            config.page_size,
+            config.cache.page_size,
             dtype,
-            query_blocks=(1, config.prefill_query_block),
+            query_blocks=(1, config.scheduler.prefill_query_block),
             cache_head_dim=kv_cache_head_dim("pallas", platform, model.head_dim),
         )
         if problem is not None:

@@ -56,12 +56,12 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
     model_config = source.config
     dtype = source.checkpoint_dtype if config.dtype == "auto" else config.dtype
     max_model_len = _max_model_len(model_config, config)
-    enable_compilation_cache(config.compilation_cache_dir)
+    enable_compilation_cache(config.compile.compilation_cache_dir)
     # Chosen devices get a mesh even when there is one, so that everything is placed on them.
-    devices = [jax.devices()[i] for i in config.device_ids] if config.device_ids is not None else None
+    devices = [jax.devices()[i] for i in config.parallel.device_ids] if config.parallel.device_ids is not None else None
     mesh = (
-        build_mesh(config.data_parallel_size, config.tensor_parallel_size, devices)
-        if config.data_parallel_size * config.tensor_parallel_size > 1 or devices
+        build_mesh(config.parallel.data_parallel_size, config.parallel.tensor_parallel_size, devices)
+        if config.parallel.data_parallel_size * config.parallel.tensor_parallel_size > 1 or devices
         else None
     )
     expert_parallel = _expert_parallel(model_config, config, mesh)
@@ -75,22 +75,22 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
         model,
         kv_pages=kv_pages,
         buckets=Buckets.derive(config, max_model_len),
-        page_size=config.page_size,
-        prefill_query_block=config.prefill_query_block,
-        max_logprobs=config.max_logprobs,
+        page_size=config.cache.page_size,
+        prefill_query_block=config.scheduler.prefill_query_block,
+        max_logprobs=config.scheduler.max_logprobs,
         num_experts=model_config.num_experts,
         mesh=mesh,
-        slots_per_rank=config.max_num_seqs,
+        slots_per_rank=config.scheduler.max_num_seqs,
     )
     runner = wrap_runner(runner, mesh, schedulers)  # several processes: process 0 sends plans
     experts = None
     if model_config.is_moe:
         experts = expert_balancer_type(ExpertBalancer)(
-            model_config, runner, mesh.devices.size if expert_parallel else None, config.expert_rebalance_interval
+            model_config, runner, mesh.devices.size if expert_parallel else None, config.parallel.expert_rebalance_interval
         )
-        if config.expert_load_profile is not None:
+        if config.parallel.expert_load_profile is not None:
             experts.rebalance(
-                read_load_profile(config.expert_load_profile, model_config.num_layers, model_config.num_experts)
+                read_load_profile(config.parallel.expert_load_profile, model_config.num_layers, model_config.num_experts)
             )
     runner.warm_up(show_progress=config.show_progress)
     if schedulers[0].allocator.host_tier is not None:
@@ -110,7 +110,7 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
 
 
 def _max_model_len(model: ModelConfig, config: EngineConfig) -> int:
-    max_model_len = config.max_model_len or min(model.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+    max_model_len = config.scheduler.max_model_len or min(model.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
     if max_model_len > model.max_position_embeddings:
         raise ValueError(
             f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
@@ -128,9 +128,9 @@ def _eos_token_ids(source: ModelSource) -> frozenset[int]:
 
 def _expert_parallel(model: ModelConfig, config: EngineConfig, mesh: Mesh | None) -> bool:
     # Any expert count spreads: where it does not divide the devices, some hold one more (sharding/moe.py).
-    expert_parallel = config.enable_expert_parallel and model.is_moe and mesh is not None
+    expert_parallel = config.parallel.enable_expert_parallel and model.is_moe and mesh is not None
     for option in ("expert_load_profile", "expert_rebalance_interval"):
-        if getattr(config, option) and not expert_parallel:
+        if getattr(config.parallel, option) and not expert_parallel:
             raise ValueError(
                 f"{option} places experts on devices: it needs a mixture-of-experts model with "
                 "enable_expert_parallel and data_parallel_size x tensor_parallel_size > 1"
@@ -177,41 +177,41 @@ def _kv_cache(
     """The page pool (rank r's pages are rows [r * num_pages, (r + 1) * num_pages), addressed locally)
     and one scheduler per rank over its own pages."""
     page_bytes = KVPages.bytes_per_page(
-        model.num_layers, config.page_size, attention.num_cache_kv_heads, attention.cache_head_dim, dtype
+        model.num_layers, config.cache.page_size, attention.num_cache_kv_heads, attention.cache_head_dim, dtype
     )
     # Beyond what max_num_seqs full-length sequences can hold, pages only serve as prefix cache.
     useful_pages = (
-        config.max_num_seqs
-        * num_pages_for(max_model_len, config.page_size)
-        * (4 if config.enable_prefix_caching else 1)
+        config.scheduler.max_num_seqs
+        * num_pages_for(max_model_len, config.cache.page_size)
+        * (4 if config.cache.enable_prefix_caching else 1)
         + 1
     )
-    num_pages = config.num_pages or max(
-        2, min(kv_cache_bytes_available(config.kv_cache_memory_gib) // page_bytes, useful_pages)
+    num_pages = config.cache.num_pages or max(
+        2, min(kv_cache_bytes_available(config.cache.kv_cache_memory_gib) // page_bytes, useful_pages)
     )
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded_model)))
-    swapping_pays = swap_in_is_cheaper(page_bytes, config.page_size, num_params, jax.default_backend())
-    host_tier_pages = int(config.swap_space * 2**30) // page_bytes if swapping_pays else 0
-    num_ranks = config.data_parallel_size
+    swapping_pays = swap_in_is_cheaper(page_bytes, config.cache.page_size, num_params, jax.default_backend())
+    host_tier_pages = int(config.cache.swap_space * 2**30) // page_bytes if swapping_pays else 0
+    num_ranks = config.parallel.data_parallel_size
     schedulers = [
         Scheduler(
             PageAllocator(
                 num_pages,
-                config.page_size,
-                config.enable_prefix_caching,
+                config.cache.page_size,
+                config.cache.enable_prefix_caching,
                 host_tier_pages=host_tier_pages,
-                session_ttl=config.session_ttl,
+                session_ttl=config.cache.session_ttl,
             ),
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            prefill_query_block=config.prefill_query_block,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            prefill_query_block=config.scheduler.prefill_query_block,
         )
         for _ in range(num_ranks)
     ]
     kv_pages = KVPages.zeros(
         model.num_layers,
         num_ranks * num_pages,
-        config.page_size,
+        config.cache.page_size,
         attention.num_cache_kv_heads,
         attention.cache_head_dim,
         dtype,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, EngineRole
 from jaxserve.device.step_inputs import step_shape
 from jaxserve.disagg.roles import handovers_for
 from jaxserve.engine.builder import EngineParts, build_engine
@@ -27,7 +27,7 @@ from jaxserve.engine.stats import EngineDescription, EngineLoad, StepTimings, de
 from jaxserve.host.kv_events import KVEventLog
 from jaxserve.host.output_processor import OutputProcessor
 from jaxserve.host.page_allocator import num_pages_for
-from jaxserve.host.request import Request, RequestOutput, SamplingParams, SequenceState
+from jaxserve.host.request import FinishReason, Request, RequestOutput, SamplingParams, SequenceState
 from jaxserve.loading.orbax_checkpoint import save_checkpoint
 from jaxserve.models.config import ModelConfig
 
@@ -63,7 +63,7 @@ class Engine:
             scheduler.allocator.attach_events(self._kv_events.for_rank(rank))
         self.handovers = handovers_for(self)  # None unless disaggregated (role prefill or decode)
         # A prefill replica parks each request as its first token arrives, before another step runs.
-        self.overlap_steps = self.config.overlap_steps and self.config.role != "prefill"
+        self.overlap_steps = self.config.scheduler.overlap_steps and self.config.disagg.role != EngineRole.PREFILL
         self._in_flight: DispatchedStep | None = None  # overlapped: the step on the device, processed next call
         self._was_busy = False  # whether the last step() did any work (else the device waited for requests)
         self.device_clock = DeviceClock()
@@ -101,7 +101,7 @@ class Engine:
                 f"{total}, more than max_model_len ({self.max_model_len})"
             )
         max_pages = self.schedulers[0].allocator.num_usable_pages
-        if num_pages_for(total, self.config.page_size) > max_pages:
+        if num_pages_for(total, self.config.cache.page_size) > max_pages:
             raise ValueError(
                 f"a sequence of {total} tokens needs more KV pages than the cache has "
                 f"({max_pages}); raise num_pages or kv_cache_memory_gib"
@@ -111,8 +111,10 @@ class Engine:
                 f"stop_token_ids {max(params.stop_token_ids)} is outside the vocabulary "
                 f"[0, {self.model_config.vocab_size})"
             )
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.config.max_logprobs})")
+        if params.logprobs is not None and params.logprobs > self.config.scheduler.max_logprobs:
+            raise ValueError(
+                f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.config.scheduler.max_logprobs})"
+            )
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, session_id: str | None = None
@@ -145,11 +147,25 @@ class Engine:
             seq.rank = min(range(len(self.schedulers)), key=lambda rank: self.schedulers[rank].num_sequences)
             self.schedulers[seq.rank].add(seq)
 
+    def new_sequence(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sampling_seed: int
+    ) -> SequenceState:
+        """A sequence with this engine's next id and arrival order, for a request admitted some other
+        way than add_request (a decode replica's handed-over request)."""
+        return SequenceState(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            sampling_seed=sampling_seed,
+            arrival_order=next(self._arrivals),
+        )
+
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         for seq in request.seqs if request else ():
             if not seq.is_finished:
-                self.schedulers[seq.rank].finish(seq, "abort")
+                self.schedulers[seq.rank].finish(seq, FinishReason.ABORT)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -211,13 +227,20 @@ class Engine:
 
     def _prefill_room(self, schedules) -> int:
         """Prompt tokens the step had room for after its decodes (whole query blocks, on every rank)."""
-        block = self.config.prefill_query_block
-        return sum(max(self.config.max_num_batched_tokens - len(s.decodes), block) // block * block for s in schedules)
+        block = self.config.scheduler.prefill_query_block
+        return sum(
+            max(self.config.scheduler.max_num_batched_tokens - len(s.decodes), block) // block * block
+            for s in schedules
+        )
 
     def _dispatch(self, per_rank_chunks, is_decode: bool, continues_busy_period: bool):
         config = self.config
         shape = step_shape(
-            per_rank_chunks, is_decode, self.runner.buckets, config.page_size, config.prefill_query_block
+            per_rank_chunks,
+            is_decode,
+            self.runner.buckets,
+            config.cache.page_size,
+            config.scheduler.prefill_query_block,
         )
         pending = self.runner.execute(shape, self.runner.build_inputs(per_rank_chunks, shape))
         for scheduler, chunks in zip(self.schedulers, per_rank_chunks):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxserve.host.request import RequestStatus, SequenceState
+from jaxserve.host.request import FinishReason, RequestStatus, SequenceState
 from jaxserve.host.stop_strings import find_stop_string
 from jaxserve.loading.detokenizer import detokenize_incrementally, flush_detokenizer, start_detokenizer
 from jaxserve.loading.tokenizer import Tokenizer
@@ -24,16 +24,16 @@ def append_token(
     tokenizer: Tokenizer | None,
     eos_token_ids: frozenset[int],
     max_model_len: int,
-) -> str | None:
-    """Record one sampled token; returns the finish reason ("stop" or "length") or None to go on."""
+) -> FinishReason | None:
+    """Record one sampled token; returns the finish reason (STOP or LENGTH) or None to go on."""
     seq.output_token_ids.append(token_id)
     if logprobs is not None:
         seq.output_logprobs.append(logprobs)
     reason = None
     if token_id in seq.params.stop_token_id_set or (not seq.params.ignore_eos and token_id in eos_token_ids):
-        reason = "stop"
+        reason = FinishReason.STOP
     elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
-        reason = "length"
+        reason = FinishReason.LENGTH
     if tokenizer is not None:
         if seq.detokenizer_state is None:
             seq.detokenizer_state = start_detokenizer(seq.num_prompt_tokens)
@@ -45,7 +45,7 @@ def append_token(
             index = find_stop_string(seq, new_text)
             if index != -1:
                 seq.text = seq.text[:index]  # the stop string never reaches the caller
-                return "stop"
+                return FinishReason.STOP
     return reason
 
 

@@ -58,6 +58,15 @@ class SamplingParams:
         return frozenset(self.stop_token_ids)
 
 
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended. A str, so it travels as itself over JSON and gRPC ("stop", "length", ...)."""
+
+    STOP = "stop"  # an EOS or stop token, or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # the caller (or the server, for a client that stopped reading) cancelled it
+    ERROR = "error"  # the server failed it; the stream carries the reason
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -91,7 +100,7 @@ class SequenceState:
     token_slot: int = -1  # where the device keeps this sequence's newest sampled token (-1: not running)
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     flushing: bool = False  # finished for its caller; runs one more step to cache its last page
     text: str = ""
     detokenizer_state: object = None

@@ -18,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from jaxserve.config_sections import build_section, read_sections
 from jaxserve.router.policy import POLICIES
-from jaxserve.server.config_file import parse_override, read_yaml
 
 KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 MODES = ("colocated", "disaggregated")
+ROUTER_SECTIONS = ("model", "router", "replicas", "prefill_replicas", "decode_replicas", "launch")
 
 
 @dataclass(frozen=True)
@@ -147,23 +148,10 @@ class RouterConfig:
         return self.replicas + self.prefill_replicas + self.decode_replicas
 
 
-def _section(cls, name: str, values):
-    if not isinstance(values, dict):
-        raise ValueError(f"config section {name!r} must be a mapping, got {values!r}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown config key {name}.{unknown[0]}; known: {', '.join(sorted(known))}")
-    try:
-        return cls(**values)
-    except TypeError as error:
-        raise ValueError(f"config section {name!r}: {error}") from None
-
-
 def parse_config(tree) -> RouterConfig:
     if not isinstance(tree, dict):
         raise ValueError("a router config must be a mapping of sections (model, router, replicas or launch)")
-    unknown = sorted(set(tree) - {"model", "router", "replicas", "launch", "prefill_replicas", "decode_replicas"})
+    unknown = sorted(set(tree) - set(ROUTER_SECTIONS))
     if unknown:
         raise ValueError(
             f"unknown config section {unknown[0]!r}; expected model, router, replicas "
@@ -181,19 +169,12 @@ def parse_config(tree) -> RouterConfig:
     launch = tree.get("launch")
     return RouterConfig(
         model_path=model["path"],
-        router=_section(RouterSection, "router", tree.get("router") or {}),
-        launch=_section(LaunchSection, "launch", launch) if launch is not None else None,
+        router=build_section(RouterSection, "router", tree.get("router")),
+        launch=build_section(LaunchSection, "launch", launch) if launch is not None else None,
         **lists,
     )
 
 
 def load_router_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> RouterConfig:
     """overrides: SECTION.KEY=VALUE (YAML values), as jaxserve.serve's --set."""
-    tree = read_yaml(path)
-    for override in overrides:
-        key, value = parse_override(override)
-        section, _, name = key.partition(".")
-        if not name or not isinstance(tree, dict) or not isinstance(tree.get(section, {}), dict):
-            raise ValueError(f"--set expects SECTION.KEY=VALUE for a mapping section, got {override!r}")
-        tree.setdefault(section, {})[name] = value
-    return parse_config(tree)
+    return parse_config(read_sections(path, overrides, ROUTER_SECTIONS))

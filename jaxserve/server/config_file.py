@@ -1,10 +1,18 @@
-"""YAML config files: one section per concern (model, engine, server), every key checked.
+"""YAML config files: one section per concern, every key checked (jaxserve/config_sections.py).
 
-    model:  {path: PATH | default, dtype: auto}
-    engine: {any EngineConfig field but dtype}
+    model:     {path: PATH | default, dtype: auto}
+    cache:     {page_size, num_pages, kv_cache_memory_gib, enable_prefix_caching, swap_space, session_ttl}
+    scheduler: {max_model_len, max_num_seqs, max_num_batched_tokens, prefill_query_block, overlap_steps,
+                max_logprobs}
+    parallel:  {tensor_parallel_size, data_parallel_size, enable_expert_parallel, expert_load_profile,
+                expert_rebalance_interval, device_ids}
+    compile:   {attention_impl, decode_seq_buckets, prefill_token_buckets, page_buckets, compilation_cache_dir}
+    disagg:    {role, handover_timeout}
+    engine:    {seed, show_progress, and any option of the sections above by its own name}
     server: {host, port, http_port, metrics_port, chat_template, max_queued_requests, drain_timeout,
-             stream_idle_timeout, max_message_bytes, tls: {cert, key, client_ca}, api_keys: FILE, and the caps
-             max_prompt_bytes, max_stop_strings, max_stop_string_bytes, max_stop_token_ids, max_id_length}
+             stream_idle_timeout, max_message_bytes, tls: {cert, key, client_ca}, api_keys: FILE, served_model_name,
+             cors_allowed_origins, and the caps max_prompt_bytes, max_stop_strings, max_stop_string_bytes,
+             max_stop_token_ids, max_id_length}
     distributed: {coordinator_address, num_processes, process_id, local_device_ids, num_cpu_devices, peer_timeout,
                   hash_check_interval, initialization_timeout}   (several processes: jaxserve/distributed)
 
@@ -16,10 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-import yaml
-
-from jaxserve.config import EngineConfig
+from jaxserve.config import ENGINE_GROUPS, EngineConfig
+from jaxserve.config_sections import build_section, read_sections, section_values
 from jaxserve.distributed.config import DistributedConfig
 
 
@@ -64,9 +72,15 @@ class ServerConfig:
     max_stop_string_bytes: int = 8192  # all of one request's stop strings together
     max_stop_token_ids: int = 256
     max_id_length: int = 256  # characters of a request_id or session_id
+    # The names the HTTP API answers to (vLLM's --served-model-name): one, or a list of aliases whose first
+    # is the one responses carry; the checkpoint's name is accepted too. None: the checkpoint's name.
+    served_model_name: str | tuple[str, ...] | None = None
+    cors_allowed_origins: tuple[str, ...] = ()  # web origins allowed to call the HTTP API, or ["*"]; none: no CORS
 
     def __post_init__(self):
         object.__setattr__(self, "tls", TLSConfig.parse(self.tls))
+        object.__setattr__(self, "served_model_name", _served_model_names(self.served_model_name) or None)
+        object.__setattr__(self, "cors_allowed_origins", _origins(self.cors_allowed_origins))
         object.__setattr__(self, "http_port", self.http_port or 0)
         for name in ("port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
@@ -82,10 +96,37 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"server.{name} must be >= 0, got {getattr(self, name)}")
 
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return _served_model_names(self.served_model_name)
+
     def request_caps(self) -> dict:
         """The per-request caps, as keyword arguments of RequestLimits.for_engine."""
         names = ("max_prompt_bytes", "max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids", "max_id_length")
         return {name: getattr(self, name) for name in names}
+
+
+def _served_model_names(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    names = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else ()
+    if not names or not all(isinstance(name, str) and name.strip() for name in names):
+        raise ValueError(f"server.served_model_name must be a name or a list of names, got {value!r}")
+    if len(set(names)) < len(names):
+        raise ValueError(f"server.served_model_name names one model twice: {list(names)}")
+    return names
+
+
+def _origins(value) -> tuple[str, ...]:
+    """Origins as browsers send them (scheme://host[:port]: no path, no trailing slash), or "*"."""
+    origins = (value,) if isinstance(value, str) else tuple(value or ())
+    for origin in origins:
+        parts = urlsplit(origin) if isinstance(origin, str) else None
+        if origin != "*" and (parts is None or not parts.scheme or not parts.netloc or parts[2:] != ("", "", "")):
+            raise ValueError(
+                f"server.cors_allowed_origins: {origin!r} is not an origin like 'https://example.com:8080' or '*'"
+            )
+    return origins
 
 
 @dataclass(frozen=True)
@@ -101,7 +142,7 @@ class ServeConfig:
             from jaxserve.server.limits import default_max_message_bytes
 
             limit = default_max_message_bytes(
-                self.engine.max_model_len or DEFAULT_MAX_MODEL_LEN_CAP, **self.server.request_caps()
+                self.engine.scheduler.max_model_len or DEFAULT_MAX_MODEL_LEN_CAP, **self.server.request_caps()
             )
             object.__setattr__(self, "server", dataclasses.replace(self.server, max_message_bytes=limit))
 
@@ -111,68 +152,43 @@ class ServeConfig:
         return resolve_model_path(self.model.path)
 
 
-SECTIONS = {"model": ModelSection, "engine": EngineConfig, "server": ServerConfig, "distributed": DistributedConfig}
-
-
-def _set(tree: dict, dotted_key: str, value) -> None:
-    section, _, key = dotted_key.partition(".")
-    if section not in SECTIONS or not key or "." in key:
-        raise ValueError(
-            f"unknown config key {dotted_key!r}; keys look like section.name, sections: {', '.join(SECTIONS)}"
-        )
-    tree.setdefault(section, {})[key] = value
-
-
-def parse_override(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise ValueError(f"--set expects KEY=VALUE, got {text!r}")
-    return key.strip(), yaml.safe_load(value)
-
-
-def read_yaml(path: str) -> object:
-    """A config file's YAML (an empty file is {}); a missing or malformed file is a ValueError naming it."""
-    try:
-        with open(path) as f:
-            return yaml.safe_load(f) or {}
-    except OSError as error:
-        raise ValueError(f"cannot read config file {path}: {error}") from None
-    except yaml.YAMLError as error:
-        raise ValueError(f"malformed YAML in {path}: {error}") from None
+ENGINE_SECTIONS = tuple(ENGINE_GROUPS)
+SECTIONS = ("model", "engine", *ENGINE_SECTIONS, "server", "distributed")
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ServeConfig:
-    tree: dict = {}
-    if path is not None:
-        loaded = read_yaml(path)
-        if not isinstance(loaded, dict):
-            raise ValueError(f"config file {path} must hold a mapping of sections")
-        for section, values in loaded.items():
-            if section not in SECTIONS:
-                raise ValueError(f"unknown config section {section!r} in {path}; expected {', '.join(SECTIONS)}")
-            if not isinstance(values, dict):
-                raise ValueError(f"config section {section!r} must be a mapping")
-            tree.setdefault(section, {})  # an empty `distributed:` section still means several processes
-            for key, value in values.items():
-                _set(tree, f"{section}.{key}", value)
-    for override in overrides:
-        _set(tree, *parse_override(override))
-    built = {}
-    for section, cls in SECTIONS.items():
-        if section == "distributed" and section not in tree:
-            continue  # one process
-        values = dict(tree.get(section, {}))
-        known = {f.name for f in dataclasses.fields(cls)} - ({"dtype"} if cls is EngineConfig else set())
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown config key {section}.{unknown[0]}")
-        if cls is EngineConfig:
-            values["dtype"] = tree.get("model", {}).get("dtype", "auto")
-            for name in ("decode_seq_buckets", "prefill_token_buckets", "page_buckets"):
-                if values.get(name) is not None:
-                    values[name] = tuple(values[name])
-        try:
-            built[section] = cls(**values)
-        except TypeError as error:
-            raise ValueError(f"config section {section!r}: {error}") from None
-    return ServeConfig(**built)
+    tree = read_sections(path, overrides, SECTIONS)
+    return ServeConfig(
+        model=build_section(ModelSection, "model", tree.get("model")),
+        engine=_engine_config(tree),
+        server=build_section(ServerConfig, "server", tree.get("server")),
+        # an empty `distributed:` section still means several processes
+        distributed=build_section(DistributedConfig, "distributed", tree["distributed"])
+        if "distributed" in tree
+        else None,
+    )
+
+
+def _engine_config(tree: dict) -> EngineConfig:
+    """The engine's sections (cache, scheduler, ...), plus `engine:` for the options of no group (seed,
+    show_progress) and, for short configs, any group's option by its own name."""
+    options = section_values("engine", tree.get("engine"))
+    names = EngineConfig.option_names()
+    for name in sorted(options):
+        if name not in names or name == "dtype":
+            raise ValueError(
+                f"unknown config key engine.{name}" + ("; the dtype is model.dtype" if name == "dtype" else "")
+            )
+    for section in ENGINE_SECTIONS:
+        values = section_values(section, tree.get(section))
+        for name, value in values.items():
+            if names.get(name, "") != section:
+                raise ValueError(f"unknown config key {section}.{name}")
+            if name in options:
+                raise ValueError(f"{section}.{name} and engine.{name} are the same option: set it once")
+            options[name] = value
+    model = section_values("model", tree.get("model"))
+    try:
+        return EngineConfig.from_options(dtype=model.get("dtype", "auto"), **options)
+    except TypeError as error:
+        raise ValueError(f"engine config: {error}") from None

@@ -18,11 +18,16 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from jaxserve.engine import Engine
-from jaxserve.host.request import RequestOutput, SamplingParams
+from jaxserve.host.request import FinishReason, RequestOutput, SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.request_stream import Delta, RequestStream
+
+if TYPE_CHECKING:  # only annotations: the router imports this module's refusals and must not load JAX
+    from jaxserve.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,34 @@ class Draining(Exception):
     """The server is shutting down and takes no new requests."""
 
 
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue a validated request on the engine (or hand it to `admit`, e.g. a KV handover's)."""
+
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    session_id: str | None
+    admit: Callable | None
+
+
+@dataclass(frozen=True)
+class CallOnLoop:
+    """Run function(engine) between steps; its result or exception goes to the future."""
+
+    function: Callable[[Any], Any]
+    future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class AbortStream:
+    """The stream's RPC ended before its request finished: abort the request."""
+
+    stream: RequestStream
+
+
+LoopCommand = AddRequest | CallOnLoop | AbortStream
+
+
 class EngineLoop:
     def __init__(
         self, engine: Engine, metrics: ServerMetrics, max_queued_requests: int, stream_idle_timeout: float = 30.0
@@ -49,7 +82,7 @@ class EngineLoop:
         self.stream_idle_timeout = stream_idle_timeout
         self.streams: dict[str, RequestStream] = {}  # by handle, from submit until release
         self._num_reserved = 0  # submits past the capacity check, still tokenizing
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[LoopCommand] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._lock = threading.Lock()  # guards streams, reservations and draining against handler threads
         self._draining = False
@@ -99,7 +132,7 @@ class EngineLoop:
             with self._lock:
                 self._num_reserved -= 1
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
-        self._commands.put(("add", stream, prompt_token_ids, session_id, admit))
+        self._commands.put(AddRequest(stream, prompt_token_ids, session_id, admit))
         self._wakeup.set()
         return stream
 
@@ -107,7 +140,7 @@ class EngineLoop:
         """Run function(engine) on the loop thread between steps; any thread. Its result or exception
         comes back in the future."""
         future = concurrent.futures.Future()
-        self._commands.put(("call", function, future))
+        self._commands.put(CallOnLoop(function, future))
         self._wakeup.set()
         return future
 
@@ -118,7 +151,7 @@ class EngineLoop:
             self.streams.pop(stream.handle, None)
             self.metrics.streams_in_flight.set(len(self.streams))
         if not stream.finished:
-            self._commands.put(("abort", stream))
+            self._commands.put(AbortStream(stream))
             self._wakeup.set()
 
     def begin_drain(self) -> None:
@@ -178,22 +211,25 @@ class EngineLoop:
             except queue.Empty:
                 return applied
             applied = True
-            if command[0] == "call":
-                _run_call(self.engine, *command[1:])
-            elif command[0] == "add":
-                _, stream, prompt_token_ids, session_id, admit = command
-                try:
-                    if admit is not None:
-                        admit(self.engine, stream, prompt_token_ids)
-                    else:
-                        self.engine.add_request(stream.handle, prompt_token_ids, stream.params, session_id=session_id)
-                except ValueError as error:  # validated already; a failure here is a bug, but not a hang
-                    logger.error("add_request refused a validated request: %s", error)
-                    self._finish(stream, "error", str(error))
-            else:
-                self._abort(command[1], "abort")
+            match command:
+                case CallOnLoop(function, future):
+                    _run_call(self.engine, function, future)
+                case AddRequest(stream, prompt_token_ids, session_id, admit):
+                    self._add(stream, prompt_token_ids, session_id, admit)
+                case AbortStream(stream):
+                    self._abort(stream, FinishReason.ABORT)
 
-    def _abort(self, stream: RequestStream, reason: str) -> None:
+    def _add(self, stream: RequestStream, prompt_token_ids: list[int], session_id: str | None, admit) -> None:
+        try:
+            if admit is not None:
+                admit(self.engine, stream, prompt_token_ids)
+            else:
+                self.engine.add_request(stream.handle, prompt_token_ids, stream.params, session_id=session_id)
+        except ValueError as error:  # validated already; a failure here is a bug, but not a hang
+            logger.error("add_request refused a validated request: %s", error)
+            self._finish(stream, FinishReason.ERROR, str(error))
+
+    def _abort(self, stream: RequestStream, reason: FinishReason) -> None:
         if self.engine.has_request(stream.handle):
             self.engine.abort_request(stream.handle)
             self._finish(stream, reason)
@@ -212,7 +248,7 @@ class EngineLoop:
                 self.stream_idle_timeout,
             )
             self.metrics.idle_streams_expired.inc()
-            self._abort(stream, "abort")
+            self._abort(stream, FinishReason.ABORT)
             stream.expire()
         return bool(stuck)
 
@@ -242,7 +278,7 @@ class EngineLoop:
             if stream.finished:
                 self.metrics.e2e.observe(now - stream.submitted_at)
 
-    def _finish(self, stream: RequestStream, reason: str, message: str = "") -> None:
+    def _finish(self, stream: RequestStream, reason: FinishReason, message: str = "") -> None:
         if not stream.finished:
             self.metrics.requests.labels(reason).inc()
             stream.finish(reason, message)
@@ -253,7 +289,7 @@ class EngineLoop:
         with self._lock:
             streams = list(self.streams.values())
         for stream in streams:
-            self._finish(stream, "error", "the engine failed while running this request")
+            self._finish(stream, FinishReason.ERROR, "the engine failed while running this request")
 
 
 def _run_call(engine: Engine, function, future: concurrent.futures.Future) -> None:

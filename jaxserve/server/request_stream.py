@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxserve.host.request import RequestOutput, SamplingParams
+from jaxserve.host.request import FinishReason, RequestOutput, SamplingParams
 
 
 @dataclass
@@ -109,7 +109,7 @@ class RequestStream:
         if self.on_put is not None:
             self.on_put()
 
-    def finish(self, reason: str, message: str = "") -> None:
+    def finish(self, reason: FinishReason, message: str = "") -> None:
         """End every completion still running (an abort, an error, an expiry)."""
         for index in sorted(self._unfinished):
             self.put(Delta([], message, None, reason, self.num_prompt_tokens, 0, index))
@@ -139,6 +139,6 @@ class RequestStream:
     def expire(self) -> None:
         """Give up on a client that stopped reading (engine thread; the request is aborted by the caller)."""
         self.expired = True
-        self.finish("abort", "the client did not read its stream within server.stream_idle_timeout")
+        self.finish(FinishReason.ABORT, "the client did not read its stream within server.stream_idle_timeout")
         if self.on_expire is not None:
             self.on_expire()

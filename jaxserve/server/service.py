@@ -9,6 +9,7 @@ import math
 import grpc
 
 import jaxserve
+from jaxserve.config import EngineRole
 from jaxserve.host.request import SamplingParams
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server import limits as request_limits
@@ -145,7 +146,9 @@ class GenerationService:
 
     def _stream(self, loop: EngineLoop, context, request_id: str, session_id: str, checked):
         """Submit what checked() returns (prompt, params) and yield its messages."""
-        if loop.engine.config.role == "prefill":  # it would stop at the first token: the router's Decode path only
+        if (
+            loop.engine.config.disagg.role == EngineRole.PREFILL
+        ):  # it would stop at the first token: the router's Decode path only
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "this replica prefills for decode replicas "

@@ -29,7 +29,7 @@ def page_bytes(engine):
     config = engine.model_config
     return KVPages.bytes_per_page(
         config.num_layers,
-        engine.config.page_size,
+        engine.config.cache.page_size,
         config.num_kv_heads,
         engine.runner.kv_pages.keys[0].shape[-1],
         engine.runner.kv_pages.keys[0].dtype,

@@ -29,7 +29,7 @@ def test_batch_invariance_and_no_compiles_after_warmup():
     stats = llm.stats()
     assert stats["num_compiles_after_warmup"] == 0
     assert stats["num_executables"] == len(
-        all_step_shapes(llm.engine.runner.buckets, llm.engine.config.prefill_query_block)
+        all_step_shapes(llm.engine.runner.buckets, llm.engine.config.scheduler.prefill_query_block)
     )
     assert stats["kv_pages_free"] == stats["kv_pages_total"], "every page is free once all requests finish"
 

@@ -183,11 +183,11 @@ def test_every_supported_model_type_has_checkpoint_names():
 
 def test_engine_config_validation():
     with pytest.raises(ValueError, match="dtype"):
-        EngineConfig(dtype="int8")
+        EngineConfig.from_options(dtype="int8")
     with pytest.raises(ValueError, match="multiple of prefill_query_block"):
-        EngineConfig(max_num_batched_tokens=100, prefill_query_block=16)
+        EngineConfig.from_options(max_num_batched_tokens=100, prefill_query_block=16)
     with pytest.raises(ValueError, match="page_size"):
-        EngineConfig(page_size=0)
+        EngineConfig.from_options(page_size=0)
 
 
 @pytest.mark.parametrize(

@@ -222,7 +222,7 @@ def test_config_file_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown config section 'servers'"):
         load_config(str(path))
     config = load_config(None, ["server.port=6000", "engine.max_num_seqs=3", "model.dtype=float32"])
-    assert config.server.port == 6000 and config.engine.max_num_seqs == 3 and config.engine.dtype == "float32"
+    assert config.server.port == 6000 and config.engine.scheduler.max_num_seqs == 3 and config.engine.dtype == "float32"
     with pytest.raises(ValueError, match="unknown config key"):
         load_config(None, ["nope=1"])
     assert load_config("configs/default.yaml").model.path == "default"

@@ -8,6 +8,7 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from jaxserve.config import EngineRole
 from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
@@ -31,8 +32,11 @@ REFUSAL_LABELS = {
 
 
 class ServingContext:
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, served_model_names: tuple[str, ...] = ()):
+        """served_model_names: server.served_model_name, the names clients know the model by (the first
+        is the one responses carry); none: the checkpoint's own name."""
         self.metrics = metrics
+        self.served_model_names = served_model_names
         self.loop: EngineLoop | None = None  # set once the engine has warmed up
         self.limits: RequestLimits | None = None
         self.chat_template: str | None = None
@@ -56,8 +60,17 @@ class ServingContext:
         return self.loop
 
     @property
-    def model_name(self) -> str:
+    def checkpoint_name(self) -> str:
         return self.loop.description.model_name if self.loop is not None else ""
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """What /v1/models lists, the primary name first."""
+        return self.served_model_names or (self.checkpoint_name,)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
     @property
     def tokenizer(self):
@@ -67,8 +80,12 @@ class ServingContext:
         return tokenizer
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'", "model")
+        """404 for a model this server does not serve, as vLLM answers; no name (or an empty one) means
+        the served model. The checkpoint's own name stays accepted beside served_model_name's aliases,
+        so that clients written before the aliases keep working."""
+        if name and name not in self.model_names and name != self.checkpoint_name:
+            served = ", ".join(f"'{served}'" for served in self.model_names)
+            raise APIError(404, f"the model '{name}' does not exist; this server serves {served}", "model")
 
     def on_refusal(self, status: int) -> None:
         self.metrics.rejected.labels(REFUSAL_LABELS.get(status, str(status))).inc()
@@ -91,7 +108,8 @@ class ServingContext:
         loop = self.ready_loop()
         # A prefill replica's requests would stop at their first token (gRPC refuses them too). The
         # router serves this app over a stand-in engine without a config: it never prefills only.
-        if getattr(getattr(loop.engine, "config", None), "role", "both") == "prefill":
+        config = getattr(loop.engine, "config", None)
+        if config is not None and config.disagg.role == EngineRole.PREFILL:
             raise APIError(
                 400,
                 "this replica prefills for decode replicas (engine.role prefill): send requests "

@@ -5,13 +5,44 @@ tokens, on which KV pages of host/page_allocator.py) -> device/step_inputs.py (p
 bucket) -> device/runner.py runs the compiled step (the model over the paged KV cache, then
 on-device sampling) -> host/output_processor.py (append tokens, detokenize, stop checks) -> pages
 freed or kept cached as sequences finish. docs/architecture.md tells it file by file.
+
+The public names below are imported on first use, not with the package: the router process and other
+host-only tools import jaxserve's submodules without paying for (or needing) JAX.
 """
 
-from jaxserve.config import EngineConfig
-from jaxserve.host.request import CompletionOutput, RequestOutput, SamplingParams
-from jaxserve.llm import LLM
-from jaxserve.models.config import ModelConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it
+_LAZY = {
+    "LLM": "jaxserve.llm",
+    "CompletionOutput": "jaxserve.host.request",
+    "EngineConfig": "jaxserve.config",
+    "ModelConfig": "jaxserve.models.config",
+    "RequestOutput": "jaxserve.host.request",
+    "SamplingParams": "jaxserve.host.request",
+}
+
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "ModelConfig", "RequestOutput", "SamplingParams"]
+
+if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports them
+    from jaxserve.config import EngineConfig
+    from jaxserve.host.request import CompletionOutput, RequestOutput, SamplingParams
+    from jaxserve.llm import LLM
+    from jaxserve.models.config import ModelConfig
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups find it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from jaxserve.loading.default_model import MODEL_NAMES, resolve_model_path
 from jaxserve.loading.gguf import GGUFFile, find_gguf_file
 from jaxserve.loading.gguf_tokenizer import gguf_tokenizer
-from jaxserve.loading.orbax_checkpoint import checkpoint_dtype, is_orbax_checkpoint, restore_params
+from jaxserve.loading.orbax_checkpoint import checkpoint_dtype, is_orbax_checkpoint
 from jaxserve.loading.tokenizer import Tokenizer
-from jaxserve.loading.weights import load_params
-from jaxserve.loading.weights import read_params as read_named_params
-from jaxserve.models import CHECKPOINT_NAMES
 from jaxserve.models.config import ModelConfig
+
+# The readers (jaxserve.loading.weights, orbax_checkpoint.restore_params, the families' name tables) are
+# imported by read_params, when weights are read: the router opens a model for its tokenizer and
+# fingerprint only, and must not load JAX.
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,15 @@ def open_model(path: str) -> ModelSource:
     if is_orbax_checkpoint(path):
 
         def read_params(abstract, dtype, placement):
+            from jaxserve.loading.orbax_checkpoint import restore_params
+
             return restore_params(abstract, path, dtype, placement)
 
         return ModelSource(path, config, tokenizer, checkpoint_dtype(path), read_params, path)
 
     def read_params(abstract, dtype, placement):
+        from jaxserve.loading.weights import load_params
+
         return load_params(abstract, path, config, dtype, placement)
 
     return ModelSource(path, config, tokenizer, config.checkpoint_dtype, read_params, path)
@@ -78,6 +83,9 @@ def open_gguf(path: str) -> ModelSource:
     tokenizer = gguf_tokenizer(gguf)
 
     def read_params(abstract, dtype, placement):
+        from jaxserve.loading.weights import read_params as read_named_params
+        from jaxserve.models import CHECKPOINT_NAMES
+
         return read_named_params(abstract, gguf.tensor_reader(), CHECKPOINT_NAMES[config.model_type], dtype, placement)
 
     return ModelSource(

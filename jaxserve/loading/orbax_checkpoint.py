@@ -16,10 +16,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
-from flax import nnx
+
+if TYPE_CHECKING:
+    from flax import nnx
+
+# jax and flax are imported by the functions that use them: model_source asks whether a directory is a
+# checkpoint (is_orbax_checkpoint) in the router's process too, which must not load JAX.
 
 MARKER = "jaxserve_checkpoint.json"
 DESCRIPTION_FILES = (
@@ -43,6 +48,8 @@ def checkpoint_dtype(directory: str) -> str:
 
 
 def _flat(state: nnx.State) -> dict:
+    from flax import nnx
+
     return {".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(state)}
 
 
@@ -64,6 +71,8 @@ def save_checkpoint(params: nnx.State, dtype: str, source_dir: str, directory: s
 
 
 def write_checkpoint(params: nnx.State, dtype: str, source_dir: str, directory: str) -> None:
+    import jax
+
     from jaxserve.distributed.experts import canonical_everywhere
     from jaxserve.distributed.runtime import is_multiprocess
     from sharding.expert_placement import canonical_params
@@ -92,6 +101,9 @@ def restore_params(abstract_state: nnx.State, directory: str, dtype, placement) 
     """Restore into the abstract state's shapes, each param placed where placement(path) says. Params
     come in groups of about RESTORE_GROUP_BYTES (orbax's partial restore), so that loading holds the
     weights once plus one group, not a second copy of the whole checkpoint in read buffers."""
+    import jax
+    from flax import nnx
+
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     flat = list(nnx.to_flat_state(abstract_state))
     target = {

@@ -10,24 +10,51 @@ Hugging Face tensor names sit in its own module (llama.py, mixtral.py, qwen3_moe
 
 from __future__ import annotations
 
-from flax import nnx
+import importlib
+from typing import TYPE_CHECKING
 
-from jaxserve.models import llama, mixtral, qwen3_moe
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.decoder import CausalLM
-from jaxserve.models.kv_pages import AttentionMetadata, KVPages
-from jaxserve.models.layers import WriteAndAttend
-from jaxserve.models.moe import Experts
 
-# model_type -> read_param(reader, our param path, its shape) -> the checkpoint tensor laid out as ours
-CHECKPOINT_NAMES = {
-    "llama": llama.read_param,
-    "mistral": llama.read_param,
-    "qwen2": llama.read_param,
-    "qwen3": llama.read_param,
-    "mixtral": mixtral.read_param,
-    "qwen3_moe": qwen3_moe.read_param,
+if TYPE_CHECKING:
+    from jaxserve.models.decoder import CausalLM
+    from jaxserve.models.kv_pages import AttentionMetadata, KVPages
+    from jaxserve.models.layers import WriteAndAttend
+    from jaxserve.models.moe import Experts
+
+# The rest is imported on first use, not with the package: ModelConfig is plain Python, and the router
+# (which must not load JAX) reads a model's config through this package.
+_LAZY = {
+    "AttentionMetadata": "jaxserve.models.kv_pages",
+    "CausalLM": "jaxserve.models.decoder",
+    "Experts": "jaxserve.models.moe",
+    "KVPages": "jaxserve.models.kv_pages",
+    "WriteAndAttend": "jaxserve.models.layers",
 }
+
+
+def _checkpoint_names() -> dict:
+    """model_type -> read_param(reader, our param path, its shape) -> the checkpoint tensor laid out as ours"""
+    from jaxserve.models import llama, mixtral, qwen3_moe
+
+    return {
+        "llama": llama.read_param,
+        "mistral": llama.read_param,
+        "qwen2": llama.read_param,
+        "qwen3": llama.read_param,
+        "mixtral": mixtral.read_param,
+        "qwen3_moe": qwen3_moe.read_param,
+    }
+
+
+def __getattr__(name: str):
+    if name == "CHECKPOINT_NAMES":
+        value = _checkpoint_names()
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module 'jaxserve.models' has no attribute {name!r}")
+    globals()[name] = value  # later lookups find it directly
+    return value
 
 
 def build_model(
@@ -37,6 +64,10 @@ def build_model(
     reach their experts (mixture-of-experts models only)."""
     if config.is_moe and experts is None:
         raise ValueError(f"a {config.model_type} model with experts needs an experts function (sharding/moe.py)")
+    from flax import nnx
+
+    from jaxserve.models.decoder import CausalLM
+
     return CausalLM(config, dtype=dtype, write_and_attend=write_and_attend, experts=experts, rngs=rngs or nnx.Rngs(0))
 
 

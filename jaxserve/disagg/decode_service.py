@@ -157,9 +157,10 @@ class DecodeService:
     def _install(self, engine, handover: Handover, response: dpb.PrefillResponse, chunks) -> bool:
         """Loop thread: the pulled KV into the reserved pages, and the request admitted at its first token."""
         handle = handover.stream.handle
-        reservation = engine.handovers.reservations.get(handle)
-        if reservation is None or handover.ended:
+        pending = engine.handovers.reservations.get(handle)
+        if pending is None or handover.ended:
             return False
+        reservation = pending.reservation
         if sum(chunk.shape[1] for chunk in chunks) != len(reservation.missing_page_ids):
             return False
         if chunks:

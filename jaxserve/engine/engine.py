@@ -161,6 +161,20 @@ class Engine:
             arrival_order=next(self._arrivals),
         )
 
+    def new_sequence(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sampling_seed: int
+    ) -> SequenceState:
+        """A sequence with this engine's next id and arrival order, for a request admitted some other
+        way than add_request (a decode replica's handed-over request)."""
+        return SequenceState(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            sampling_seed=sampling_seed,
+            arrival_order=next(self._arrivals),
+        )
+
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         for seq in request.seqs if request else ():

@@ -10,57 +10,28 @@ youngest running sequence is preempted: its pages are released (its full pages s
 device or in the host tier) and it is recomputed from what remains cached, which leaves its output
 unchanged.
 
+A decode replica also admits sequences whose prompt KV arrives from a prefill replica: `reserve` holds
+a slot and the prompt's pages (its cached prefix shared) under the same admission check as a local
+sequence, and `admit_reserved` runs the sequence once the KV has been written into them.
+
 With overlapped steps the scheduler plans step N+1 while step N still runs: a sequence's next chunk
 starts after the KV that N computes (`next_kv_position`), and a token that N samples is planned over
 before the host has seen it (`num_planned_tokens`; the device feeds it to N+1 from the sequence's token
 slot). A sequence in a running step is never preempted, and one that will finish by length once its
-pending token lands is not planned further, so no step computes a token beyond max_tokens.
+pending token lands is not planned further, so no step computes a token beyond max_tokens. A stop
+token (EOS, stop_token_ids, a stop string) cannot be known before its step is fetched, and by then
+the next step is on the device: that one row computes the stop token's KV (kept when it completes
+a page) and its sampled token is dropped; the sequence, flushing, is planned nothing more
+(tests/host/test_stop_in_flight.py).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
-from jaxserve.host.page_allocator import ROOT_KEY, PageAllocator, num_pages_for
+from jaxserve.host.page_allocator import ROOT_KEY, CachedPrefix, PageAllocator, num_pages_for
 from jaxserve.host.request import RequestStatus, SequenceState
-
-
-def padded_to_blocks(num_tokens: int, block: int) -> int:
-    """Prefill chunks start on multiples of the query block: a chunk's tokens rounded up to whole blocks."""
-    return -(-num_tokens // block) * block
-
-
-@dataclass
-class ScheduledChunk:
-    seq: SequenceState
-    start: int  # position of the first token whose KV this step computes
-    num_tokens: int
-    # Only the chunk that reaches the newest token yields logits worth sampling; fixed when planned,
-    # because the sequence grows before an overlapped step's results are processed.
-    samples_next_token: bool = field(init=False)
-
-    def __post_init__(self):
-        self.samples_next_token = self.end == self.seq.num_planned_tokens
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-
-@dataclass
-class Schedule:
-    decodes: list[ScheduledChunk] = field(default_factory=list)
-    prefills: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[SequenceState] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.decodes + self.prefills)
+from jaxserve.host.schedule import Reservation, Schedule, ScheduledChunk, padded_to_blocks
 
 
 class Scheduler:
@@ -73,7 +44,7 @@ class Scheduler:
         self.query_block = prefill_query_block
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []  # in admission order: the last is the youngest
-        self.reserved_slots = 0  # held for KV handovers under way (a decode replica's reservations)
+        self.reservations: dict[str, Reservation] = {}  # each holds a slot until admitted or released
         self.num_preemptions = 0
         # Each running sequence holds one of max_num_seqs token slots: where the device keeps the
         # newest token it sampled, so an overlapped step can read it before the host has.
@@ -131,11 +102,37 @@ class Scheduler:
         chunk.seq.num_inflight_tokens -= chunk.num_tokens
         chunk.seq.num_pending_tokens -= chunk.samples_next_token
 
-    def admit_prefilled(self, seq: SequenceState) -> None:
-        """Run a sequence whose pages already hold its KV (handed over by a prefill replica): its
-        page_ids, page_keys and num_computed_tokens are set, so its next chunk is a decode."""
-        if len(self.running) >= self.max_num_seqs:
-            raise RuntimeError("admit_prefilled needs a free slot; reserve one first")
+    def reserve(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> Reservation | None:
+        """Hold a slot and pages for a prompt whose KV arrives from elsewhere, or None when admission
+        would refuse it (no free slot, too few pages for prompt + max_tokens)."""
+        if request_id in self.reservations:
+            raise ValueError(f"request id {request_id!r} already has a reservation")
+        num_prompt_tokens = len(prompt_token_ids)
+        # the whole prompt may be cached: its first token comes with the handover
+        found = self._admissible(prompt_token_ids, num_prompt_tokens, num_prompt_tokens + max_tokens)
+        if found is None:
+            return None
+        page_ids = self._claim(found, num_prompt_tokens)
+        page_ids += self.allocator.allocate(num_pages_for(num_prompt_tokens, self.allocator.page_size) - len(page_ids))
+        reservation = Reservation(request_id, page_ids, list(found.keys), found.num_pages * self.allocator.page_size)
+        self.reservations[request_id] = reservation
+        return reservation
+
+    def release_reservation(self, request_id: str) -> bool:
+        """Free a reservation's slot and pages (the handover failed or was abandoned); False if none."""
+        reservation = self.reservations.pop(request_id, None)
+        if reservation is not None:
+            self.allocator.release(reservation.page_ids)
+        return reservation is not None
+
+    def admit_reserved(self, seq: SequenceState) -> None:
+        """Its reservation's pages hold the prompt's KV now: run the sequence in the reserved slot from
+        its next token. The handed-over full pages join this side's prefix cache."""
+        reservation = self.reservations.pop(seq.request_id)
+        seq.page_ids, seq.page_keys = reservation.page_ids, []
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_cached_tokens = reservation.num_cached_tokens
+        self.cache_full_pages(seq)
         self._enter_running(seq)
 
     def finish_or_flush(self, seq: SequenceState, reason: str) -> None:
@@ -236,7 +233,7 @@ class Scheduler:
             budget -= self._cost(chunk)
         # Admit waiting sequences in arrival order; never preempt to admit, and never re-admit in the
         # step that preempted, which would only trade one sequence for another.
-        while self.waiting and not schedule.preempted and len(self.running) + self.reserved_slots < self.max_num_seqs:
+        while self.waiting and not schedule.preempted:
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
                 break
@@ -256,24 +253,34 @@ class Scheduler:
             return False
         return seq.next_kv_position < seq.num_planned_tokens
 
-    def _admit(self, seq: SequenceState, budget: int) -> ScheduledChunk | None:
-        """Reuse the sequence's cached prefix and give it its first chunk, if it fits.
+    def _admissible(self, token_ids: list[int], num_cacheable_tokens: int, final_length: int) -> CachedPrefix | None:
+        """The one admission check, for waiting sequences and reservations alike: a free slot (reserved
+        ones count as taken), and free pages for everything the sequence may grow to beyond its cached
+        prefix, so that admitted sequences do not keep preempting each other. The cached prefix found,
+        or None."""
+        if len(self.running) + len(self.reservations) >= self.max_num_seqs:
+            return None
+        found = self.allocator.find_cached_prefix(token_ids, num_cacheable_tokens)
+        needed = num_pages_for(final_length, self.allocator.page_size) - found.num_pages
+        if needed + self.allocator.num_pages_to_claim(found) > self.allocator.num_free_pages:
+            return None
+        return found
 
-        Admission counts everything the sequence may grow to (prompt + max_tokens), not only its
-        first chunk, so that admitted sequences do not keep preempting each other.
-        """
-        size = self.allocator.page_size
-        found = self.allocator.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
-        num_cached = found.num_pages * size
+    def _claim(self, found: CachedPrefix, num_query_tokens: int) -> list[int]:
+        self.allocator.record_query(num_query_tokens, found.num_pages * self.allocator.page_size, found.miss_reason)
+        return self.allocator.claim(found)
+
+    def _admit(self, seq: SequenceState, budget: int) -> ScheduledChunk | None:
+        """Reuse the sequence's cached prefix and give it its first chunk, if it fits."""
+        # at least the newest token is computed here: its logits sample the next one
+        found = self._admissible(seq.token_ids, seq.num_tokens - 1, seq.num_prompt_tokens + seq.params.max_tokens)
+        if found is None:
+            return None
+        num_cached = found.num_pages * self.allocator.page_size
         chunk = self._next_chunk(seq, budget, start=num_cached)
         if chunk is None:
             return None
-        final_length = seq.num_prompt_tokens + seq.params.max_tokens
-        needed = num_pages_for(max(chunk.end, final_length), size) - found.num_pages
-        if needed + self.allocator.num_pages_to_claim(found) > self.allocator.num_free_pages:
-            return None
-        seq.page_ids, seq.page_keys = self.allocator.claim(found), list(found.keys)
-        self.allocator.record_query(seq.num_tokens, num_cached, found.miss_reason)
+        seq.page_ids, seq.page_keys = self._claim(found, seq.num_tokens), list(found.keys)
         seq.num_computed_tokens = num_cached
         if not seq.output_token_ids:
             seq.num_cached_tokens = num_cached

@@ -44,10 +44,12 @@ def run_step(scheduler: Scheduler):
 
 
 def assert_no_leaks(scheduler: Scheduler):
-    """Every page's reference count is the number of running sequences holding it; the rest are free."""
+    """Every page's reference count is the number of running sequences and reservations holding it; the
+    rest are free."""
     allocator, holders = scheduler.allocator, {}
-    for seq in scheduler.running:
-        for page in seq.page_ids:
+    held = [seq.page_ids for seq in scheduler.running] + [r.page_ids for r in scheduler.reservations.values()]
+    for page_ids in held:
+        for page in page_ids:
             holders[page] = holders.get(page, 0) + 1
     assert RESERVED_PAGE not in holders
     for page in range(1, allocator.num_pages):

@@ -1,0 +1,60 @@
+"""What the scheduler hands out: a step's plan (which sequences compute which tokens) and reservations
+(a slot and pages held for a prompt whose KV another replica computes). Plain data, no JAX."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.host.request import SequenceState
+
+
+def padded_to_blocks(num_tokens: int, block: int) -> int:
+    """Prefill chunks start on multiples of the query block: a chunk's tokens rounded up to whole blocks."""
+    return -(-num_tokens // block) * block
+
+
+@dataclass
+class ScheduledChunk:
+    seq: SequenceState
+    start: int  # position of the first token whose KV this step computes
+    num_tokens: int
+    # Only the chunk that reaches the newest token yields logits worth sampling; fixed when planned,
+    # because the sequence grows before an overlapped step's results are processed.
+    samples_next_token: bool = field(init=False)
+
+    def __post_init__(self):
+        self.samples_next_token = self.end == self.seq.num_planned_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class Schedule:
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[SequenceState] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.decodes + self.prefills)
+
+
+@dataclass
+class Reservation:
+    """A slot and pages held for a prompt whose KV another replica computes."""
+
+    request_id: str
+    page_ids: list[int]  # covering the whole prompt; the first len(held_keys) hold cached KV
+    held_keys: list[int]  # keys of the prompt's full pages this side already holds, in order
+    num_cached_tokens: int
+
+    @property
+    def missing_page_ids(self) -> list[int]:
+        """Where the KV this side lacks goes, in prompt order: the pages after the cached prefix."""
+        return self.page_ids[len(self.held_keys) :]

@@ -1,0 +1,78 @@
+"""A stop token sampled by step N is known to the host only once N is fetched; with overlapped steps
+N+1 is already planned and dispatched by then (it reads N's token on the device). That one row is the
+whole cost: N+1 computes the stop token's KV, its sampled token is dropped, the request is reported
+finished when N is processed, and nothing after N+1 is planned for the sequence."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from jaxserve.host.output_processor import OutputProcessor
+from jaxserve.host.page_allocator import PageAllocator
+from jaxserve.host.request import SamplingParams, SequenceState
+from jaxserve.host.scheduler import Scheduler
+
+STOP, OTHER = 5, 9
+
+
+def run(overlap: bool, stop_at: int, page_size: int = 4, prompt_len: int = 3):
+    """One sequence whose device samples STOP as its stop_at-th token (1-based), OTHER before; returns
+    (the chunks planned for it, per step, from the one that samples the stop on), the sequence and
+    the step at which the host saw the request finished."""
+    scheduler = Scheduler(
+        PageAllocator(32, page_size, enable_prefix_caching=True),
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        prefill_query_block=4,
+    )
+    outputs = OutputProcessor(None, frozenset(), max_model_len=64)
+    seq = SequenceState(
+        seq_id=0,
+        request_id="r",
+        prompt_token_ids=list(range(10, 10 + prompt_len)),
+        params=SamplingParams(max_tokens=20, stop_token_ids=[STOP]),
+        sampling_seed=0,
+        arrival_order=0,
+    )
+    scheduler.add(seq)
+    planned, in_flight, finished_at, samples = [], [], None, 0
+    for step in range(40):
+        schedule = scheduler.schedule()
+        chunks = schedule.decodes + schedule.prefills
+        tokens = []
+        for chunk in chunks:
+            samples += chunk.samples_next_token
+            tokens.append(STOP if chunk.samples_next_token and samples == stop_at else OTHER)
+            planned.append((step, samples >= stop_at))
+        scheduler.mark_dispatched(chunks)
+        dispatched = [(chunks, np.array(tokens))] if chunks else []
+        to_process, in_flight = (in_flight, dispatched) if overlap else (dispatched, [])
+        for done, sampled in to_process:
+            outputs.process(done, scheduler, SimpleNamespace(token_ids=sampled), 0)
+        if finished_at is None and seq.finish_reason is not None:
+            finished_at = step
+        if not scheduler.has_unfinished and not in_flight:
+            break
+    return [step for step, after_stop in planned if after_stop], seq, finished_at
+
+
+@pytest.mark.parametrize("stop_at", [1, 2, 4])
+def test_overlapped_a_stop_in_flight_costs_one_row_and_the_output_is_right(stop_at):
+    after_stop, seq, finished_at = run(overlap=True, stop_at=stop_at, page_size=64)
+    plain_after_stop, plain_seq, _ = run(overlap=False, stop_at=stop_at, page_size=64)
+    # the step sampling the stop, and the one already dispatched behind it; nothing later
+    assert len(after_stop) == 2 and after_stop[1] == after_stop[0] + 1
+    assert finished_at == after_stop[1], "finished as soon as the stop's step is processed"
+    assert seq.output_token_ids == plain_seq.output_token_ids == [OTHER] * (stop_at - 1) + [STOP]
+    assert seq.finish_reason == plain_seq.finish_reason == "stop" and seq.is_finished
+    assert len(plain_after_stop) == 1, "stepping in turn, the stop's step is the last"
+
+
+def test_a_stop_that_fills_a_page_gets_its_kv_computed_once_either_way():
+    """prompt 3 + 1 output fills a page of 4: the stop token's KV is computed (so the next turn finds the
+    whole page); overlapped, by the step already in flight, not by one more."""
+    after_stop, seq, _ = run(overlap=True, stop_at=1, page_size=4)
+    plain_after_stop, plain_seq, _ = run(overlap=False, stop_at=1, page_size=4)
+    assert len(after_stop) == 2 and len(plain_after_stop) == 2
+    assert seq.output_token_ids == plain_seq.output_token_ids == [STOP]

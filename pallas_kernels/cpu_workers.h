@@ -1,5 +1,6 @@
-// Helper threads for the CPU kernels (cpu_kernel.cc, cpu_matmul.cc): the caller and a few helpers share
-// a kernel's work items.
+// Helper threads for the CPU kernels (paged_attention/cpu_kernel.cc, matmul/cpu_matmul.cc): the caller
+// and a few helpers share a kernel's work items. One process-wide set: the kernels are built into one
+// library (cpu_library.py), so attention and projections find the same helpers awake.
 //
 // Why not XLA's intra-op pool: a decode step calls these kernels hundreds of times, tens of
 // microseconds apart. Between two calls the pool's threads go to sleep, and waking one (a futex and,

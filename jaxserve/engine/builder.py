@@ -26,6 +26,7 @@ from jaxserve.host.scheduler import Scheduler
 from jaxserve.loading.model_source import ModelSource, open_model
 from jaxserve.models import KVPages, build_model
 from jaxserve.models.config import ModelConfig
+from pallas_kernels.matmul import choose_matmul
 from sharding import build_mesh, param_shardings
 from sharding.attention import attention_dispatch, kv_pages_spec
 from sharding.expert_placement import expert_parallel_reader, initial_placement, read_load_profile
@@ -141,11 +142,13 @@ def _expert_parallel(model: ModelConfig, config: EngineConfig, mesh: Mesh | None
 def _load_model(source: ModelSource, dtype: str, attention: AttentionPlan, mesh: Mesh | None, expert_parallel: bool):
     """The model with its params read from the checkpoint, each placed on the mesh as it is read; expert
     placements (expert parallelism only) are not params: they start contiguous."""
+    matmul = choose_matmul(jax.default_backend(), jax.device_count())  # the projections' kernels
     abstract_model = nnx.eval_shape(
         lambda: build_model(
             source.config,
             dtype,
             write_and_attend=attention_dispatch(attention.impl, attention.mesh),
+            matmul=matmul,
             experts=expert_dispatch(mesh if expert_parallel else None),
             rngs=nnx.Rngs(0),
         )

@@ -4,8 +4,9 @@
 static graph and a params pytree, so nothing is stored on modules between steps. Each param carries
 its logical axes (sharding/placement.py places it by them); how attention reaches the KV pages and
 how routed tokens reach their experts are functions passed in (sharding/attention.py,
-sharding/moe.py), so the model code is the same on one device and on a mesh. Each family's
-Hugging Face tensor names sit in its own module (llama.py, mixtral.py, qwen3_moe.py).
+sharding/moe.py), so the model code is the same on one device and on a mesh; which kernel computes
+each projection is the matmul plan passed in (pallas_kernels/matmul), so the model names no kernel.
+Each family's Hugging Face tensor names sit in its own module (llama.py, mixtral.py, qwen3_moe.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from jaxserve.models.config import ModelConfig
 if TYPE_CHECKING:
     from jaxserve.models.decoder import CausalLM
     from jaxserve.models.kv_pages import AttentionMetadata, KVPages
-    from jaxserve.models.layers import WriteAndAttend
+    from jaxserve.models.layers import Matmul, WriteAndAttend
     from jaxserve.models.moe import Experts
 
 # The rest is imported on first use, not with the package: ModelConfig is plain Python, and the router
@@ -28,6 +29,7 @@ _LAZY = {
     "CausalLM": "jaxserve.models.decoder",
     "Experts": "jaxserve.models.moe",
     "KVPages": "jaxserve.models.kv_pages",
+    "Matmul": "jaxserve.models.layers",
     "WriteAndAttend": "jaxserve.models.layers",
 }
 
@@ -58,17 +60,31 @@ def __getattr__(name: str):
 
 
 def build_model(
-    config: ModelConfig, dtype, *, write_and_attend: WriteAndAttend, experts: Experts | None = None, rngs=None
+    config: ModelConfig,
+    dtype,
+    *,
+    write_and_attend: WriteAndAttend,
+    matmul: Matmul,
+    experts: Experts | None = None,
+    rngs=None,
 ) -> CausalLM:
-    """write_and_attend: the attention kernels, on one device or per shard; experts: how routed tokens
-    reach their experts (mixture-of-experts models only)."""
+    """write_and_attend: the attention kernels, on one device or per shard; matmul: the projections'
+    kernels (pallas_kernels.matmul.choose_matmul); experts: how routed tokens reach their experts
+    (mixture-of-experts models only)."""
     if config.is_moe and experts is None:
         raise ValueError(f"a {config.model_type} model with experts needs an experts function (sharding/moe.py)")
     from flax import nnx
 
     from jaxserve.models.decoder import CausalLM
 
-    return CausalLM(config, dtype=dtype, write_and_attend=write_and_attend, experts=experts, rngs=rngs or nnx.Rngs(0))
+    return CausalLM(
+        config,
+        dtype=dtype,
+        write_and_attend=write_and_attend,
+        matmul=matmul,
+        experts=experts,
+        rngs=rngs or nnx.Rngs(0),
+    )
 
 
 __all__ = [
@@ -77,6 +93,7 @@ __all__ = [
     "CausalLM",
     "Experts",
     "KVPages",
+    "Matmul",
     "ModelConfig",
     "WriteAndAttend",
     "build_model",

@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pages import AttentionMetadata, KVPages
-from jaxserve.models.layers import MLP, Attention, RMSNorm, WriteAndAttend, linear, project
+from jaxserve.models.layers import MLP, Attention, Matmul, RMSNorm, WriteAndAttend, linear, project
 from jaxserve.models.moe import Experts, SparseMoE
 
 # Legend: T = tokens in the step, E = embed, V = vocab, S = sequences sampled this step.
@@ -20,13 +20,16 @@ class DecoderLayer(nnx.Module):
         layer: int,
         dtype,
         write_and_attend: WriteAndAttend,
+        matmul: Matmul,
         experts: Experts | None,
         rngs: nnx.Rngs,
     ):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, layer, dtype, write_and_attend, rngs)
+        self.self_attn = Attention(config, layer, dtype, write_and_attend, matmul, rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = SparseMoE(config, dtype, rngs, experts) if config.is_moe else MLP(config, dtype, rngs)
+        self.mlp = (
+            SparseMoE(config, dtype, matmul, rngs, experts) if config.is_moe else MLP(config, dtype, matmul, rngs)
+        )
 
     def __call__(self, x, key_pages, value_pages, metadata: AttentionMetadata):
         attended, key_pages, value_pages = self.self_attn(self.input_layernorm(x), key_pages, value_pages, metadata)
@@ -36,7 +39,14 @@ class DecoderLayer(nnx.Module):
 
 class CausalLM(nnx.Module):
     def __init__(
-        self, config: ModelConfig, *, dtype, write_and_attend: WriteAndAttend, experts: Experts | None, rngs: nnx.Rngs
+        self,
+        config: ModelConfig,
+        *,
+        dtype,
+        write_and_attend: WriteAndAttend,
+        matmul: Matmul,
+        experts: Experts | None,
+        rngs: nnx.Rngs,
     ):
         self.embed_tokens = nnx.Embed(
             config.vocab_size,
@@ -47,14 +57,21 @@ class CausalLM(nnx.Module):
             embedding_metadata={"logical_axes": ("vocab", "embed")},
         )
         self.layers = nnx.List(
-            [DecoderLayer(config, layer, dtype, write_and_attend, experts, rngs) for layer in range(config.num_layers)]
+            [
+                DecoderLayer(config, layer, dtype, write_and_attend, matmul, experts, rngs)
+                for layer in range(config.num_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        head_axes = ("embed", "vocab")
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else linear(config.hidden_size, config.vocab_size, ("embed", "vocab"), bias=False, dtype=dtype, rngs=rngs)
+            else linear(
+                config.hidden_size, config.vocab_size, head_axes, bias=False, dtype=dtype, matmul=matmul, rngs=rngs
+            )
         )
+        self.matmul = matmul
 
     def __call__(self, token_ids, kv_pages: KVPages, metadata: AttentionMetadata):
         """token_ids [T] -> final hidden states [T, E] and the updated pages."""
@@ -69,5 +86,6 @@ class CausalLM(nnx.Module):
     def compute_logits(self, hidden):
         """hidden [S, E] -> float32 logits [S, V]."""
         if self.lm_head is None:  # tied: the embedding [V, E] is the head, contracted on E as it lies
-            return project(hidden, self.embed_tokens.embedding[...], transposed=True).astype(jnp.float32)
+            embedding = self.embed_tokens.embedding[...]
+            return project(hidden, embedding, matmul=self.matmul, transposed=True).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)

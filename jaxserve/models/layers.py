@@ -1,8 +1,10 @@
 """Layers shared by the decoder models, numerically matched to Hugging Face transformers.
 
 Every param names its logical axes where it is created (`logical_axes` metadata); sharding/placement.py
-reads them back to place each param by the rules table. Attention takes the kernel dispatch
-(`write_and_attend`) as a function, so the same module runs on one device or per shard.
+reads them back to place each param by the rules table. Kernels come in from outside, chosen when the
+engine is built: attention takes its dispatch (`write_and_attend`) as a function, so the same module runs
+on one device or per shard; projections take the matmul plan (`Matmul`, pallas_kernels/matmul), so the
+model names no kernel.
 """
 
 from __future__ import annotations
@@ -35,6 +37,18 @@ class WriteAndAttend(Protocol):
 
     def __call__(self, q, k, v, key_pages, value_pages, metadata: AttentionMetadata, *, sliding_window: int | None):
         """q [T, H, D], k / v [T, K, D] -> (out [T, H, D], key_pages, value_pages)."""
+
+
+class Matmul(Protocol):
+    """A step's rows times a layer's weights, with the kernels the engine chose at build time
+    (pallas_kernels/matmul provides the plan), so the model names no kernel."""
+
+    def __call__(self, rows, weight, *, transposed: bool = False):
+        """rows [M, K] in the weight's dtype, weight [K, N] ([N, K] when transposed) -> float32 [M, N]."""
+
+    def together(self, rows, weights) -> tuple | None:
+        """Several weights [K, N_i] by the same rows in one call where a kernel joins them -> float32
+        [M, N_i] each; None where each is better projected on its own."""
 
 
 class RMSNorm(nnx.Module):
@@ -79,56 +93,12 @@ def apply_rope(x, positions, inverse_frequencies):
     return x * cos + rotated * sin
 
 
-# Rows up to which the CPU kernel serves a dot (it reads the weights once for up to eight rows). Measured
-# on SmolLM2-135M decode steps (issue #16): bfloat16 beats XLA:CPU's YNNPACK dot up to 8 rows (at 16,
-# YNNPACK is faster); float16 has no XLA dot that reads the weight as stored, so the kernel goes as far
-# as it can; float32 beats XLA's dots up to 8 rows (batch 4: 64 -> 41 ms a step, batch 8: 75 -> 57).
-SMALL_MATMUL_MAX_ROWS = {jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.float16): 64, jnp.dtype(jnp.float32): 8}
-
-
-def _use_small_matmul(num_rows: int, weight) -> bool:
-    """The C++ kernel (pallas_kernels/paged_attention/cpu_matmul.cc) for decode-sized 16-bit dots, on a
-    process with one CPU device: it is a custom call XLA's partitioner cannot split, so it must never
-    see a weight sharded over devices."""
-    if num_rows > SMALL_MATMUL_MAX_ROWS.get(jnp.dtype(weight.dtype), 0):
-        return False
-    if jax.default_backend() != "cpu" or jax.device_count() != 1:
-        return False
-    from pallas_kernels.paged_attention import cpu  # the kernel is built at first use
-
-    return cpu.available()
-
-
-def project(x, weight, bias=None, *, transposed: bool = False):
-    """x [..., in] times weight [in, out] ([out, in] when transposed), plus bias: accumulated in float32,
-    returned in the weight's dtype (x is cast to it first, as nnx.Linear does).
-
-    On XLA:CPU a dot with 16-bit weights and few rows (a decode step) converts the whole weight to
-    float32 first, every step: five times the weight bytes (issue #16). So: up to SMALL_MATMUL_MAX_ROWS
-    rows, the C++ kernel that widens each element in registers; otherwise a dot asking for float32
-    results with at least two rows, which XLA:CPU gives its YNNPACK fusion (it reads 16-bit weights as
-    they are; a one-row dot becomes a matrix-vector product without it, so one row is padded to two).
-    Float32 weights use the kernel up to SMALL_MATMUL_MAX_ROWS and XLA's plain dot beyond. Float16 beyond the kernel's
-    rows (prefill) is still widened by XLA, once per step for many tokens.
-    """
+def project(x, weight, bias=None, *, matmul: Matmul, transposed: bool = False):
+    """x [..., in] times weight [in, out] ([out, in] when transposed), plus bias: accumulated in float32 by
+    the engine's matmul plan, returned in the weight's dtype (x is cast to it first, as nnx.Linear does)."""
     *lead, size = x.shape
     rows = x.reshape(-1, size).astype(weight.dtype)  # as nnx.Linear, computing in the params' dtype
-    num_rows = rows.shape[0]
-    if _use_small_matmul(num_rows, weight):
-        from pallas_kernels.paged_attention import cpu
-
-        y = cpu.small_matmul(rows, weight, transposed=transposed)
-    else:
-        if num_rows == 1 and weight.dtype != jnp.float32:
-            rows = jnp.pad(rows, ((0, 1), (0, 0)))
-        if transposed and weight.dtype == jnp.float32:  # as nnx's Embed.attend: the same HLO as before (#16)
-            y = jnp.dot(rows, weight.T)
-        else:  # a 16-bit weight.T would be widened: contract its second axis where it lies
-            contracting = (1,) if transposed else (0,)
-            y = jax.lax.dot_general(rows, weight, (((1,), contracting), ((), ())), preferred_element_type=jnp.float32)
-        if y.shape[0] != num_rows:
-            y = y[:num_rows]
-    return _finish(y, bias, rows.dtype, lead)
+    return _finish(matmul(rows, weight, transposed=transposed), bias, rows.dtype, lead)
 
 
 def _finish(y, bias, dtype, lead):
@@ -139,42 +109,49 @@ def _finish(y, bias, dtype, lead):
 
 
 def project_many(x, linears):
-    """The same x through several Linears (a layer's q, k and v; gate and up): on the CPU kernel's path
-    one call for all of them, so that its threads share their work and a decode step makes fewer calls;
+    """The same x through several Linears (a layer's q, k and v; gate and up): in one call where the plan
+    joins them (the CPU kernel: its threads share their work and a decode step makes fewer calls);
     otherwise each Linear on its own. Same results as [linear(x) for linear in linears]."""
     weights = [linear.kernel[...] for linear in linears]
     *lead, size = x.shape
     dtype = weights[0].dtype
     rows = x.reshape(-1, size).astype(dtype)
-    if (
-        all(isinstance(linear, Linear) and linear.dtype in (None, dtype) for linear in linears)
-        and all(w.dtype == dtype for w in weights)
-        and _use_small_matmul(rows.shape[0], weights[0])
+    if all(isinstance(linear, Linear) and linear.dtype in (None, dtype) for linear in linears) and all(
+        w.dtype == dtype for w in weights
     ):
-        from pallas_kernels.paged_attention import cpu
-
-        ys = cpu.small_matmuls(rows, weights)
-        return [
-            _finish(y, None if linear.bias is None else linear.bias[...], dtype, lead) for y, linear in zip(ys, linears)
-        ]
+        ys = linears[0].matmul.together(rows, weights)
+        if ys is not None:
+            return [
+                _finish(y, None if linear.bias is None else linear.bias[...], dtype, lead)
+                for y, linear in zip(ys, linears)
+            ]
     return [linear(x) for linear in linears]
 
 
 class Linear(nnx.Linear):
     """nnx.Linear's params and names (checkpoints, sharding rules and the HF names see no difference),
-    computed by `project`."""
+    computed by `project` with the matmul plan it was built with."""
+
+    matmul: Matmul
 
     def __call__(self, inputs, out_sharding=None):
         if out_sharding is not None or self.dtype not in (None, self.kernel.dtype):
             return super().__call__(inputs, out_sharding)
-        return project(inputs, self.kernel[...], None if self.bias is None else self.bias[...])
+        return project(inputs, self.kernel[...], None if self.bias is None else self.bias[...], matmul=self.matmul)
 
 
 def linear(
-    in_features: int, out_features: int, axes: tuple[str | None, str | None], *, bias: bool, dtype, rngs: nnx.Rngs
+    in_features: int,
+    out_features: int,
+    axes: tuple[str | None, str | None],
+    *,
+    bias: bool,
+    dtype,
+    matmul: Matmul,
+    rngs: nnx.Rngs,
 ):
-    """A Linear (kernel [in, out]) whose kernel and bias carry their logical axes."""
-    return Linear(
+    """A Linear (kernel [in, out]) whose kernel and bias carry their logical axes, projecting with `matmul`."""
+    module = Linear(
         in_features,
         out_features,
         use_bias=bias,
@@ -184,19 +161,28 @@ def linear(
         kernel_metadata={"logical_axes": axes},
         bias_metadata={"logical_axes": axes[1:]},
     )
+    module.matmul = matmul
+    return module
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype, write_and_attend: WriteAndAttend, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        dtype,
+        write_and_attend: WriteAndAttend,
+        matmul: Matmul,
+        rngs: nnx.Rngs,
+    ):
         e, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        qkv_bias = config.attention_bias
-        self.q_proj = linear(e, config.num_heads * d, ("embed", "heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(e, config.num_kv_heads * d, ("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(e, config.num_kv_heads * d, ("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(
-            config.num_heads * d, e, ("heads", "embed"), bias=config.attention_output_bias, dtype=dtype, rngs=rngs
-        )
+        qkv_bias, out_bias = config.attention_bias, config.attention_output_bias
+        q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
+        self.q_proj = linear(e, q_size, ("embed", "heads"), bias=qkv_bias, dtype=dtype, matmul=matmul, rngs=rngs)
+        self.k_proj = linear(e, kv_size, ("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, matmul=matmul, rngs=rngs)
+        self.v_proj = linear(e, kv_size, ("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, matmul=matmul, rngs=rngs)
+        self.o_proj = linear(q_size, e, ("heads", "embed"), bias=out_bias, dtype=dtype, matmul=matmul, rngs=rngs)
         # Qwen3 normalizes each query and key head on its own
         self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, axis="head_dim") if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, axis="head_dim") if config.qk_norm else None
@@ -223,11 +209,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype, matmul: Matmul, rngs: nnx.Rngs):
         e, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = linear(e, f, ("embed", "mlp"), bias=bias, dtype=dtype, rngs=rngs)
-        self.up_proj = linear(e, f, ("embed", "mlp"), bias=bias, dtype=dtype, rngs=rngs)
-        self.down_proj = linear(f, e, ("mlp", "embed"), bias=bias, dtype=dtype, rngs=rngs)
+        self.gate_proj = linear(e, f, ("embed", "mlp"), bias=bias, dtype=dtype, matmul=matmul, rngs=rngs)
+        self.up_proj = linear(e, f, ("embed", "mlp"), bias=bias, dtype=dtype, matmul=matmul, rngs=rngs)
+        self.down_proj = linear(f, e, ("mlp", "embed"), bias=bias, dtype=dtype, matmul=matmul, rngs=rngs)
         self.activation = config.hidden_act
 
     def __call__(self, x):

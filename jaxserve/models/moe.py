@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.layers import ACTIVATIONS, linear
+from jaxserve.models.layers import ACTIVATIONS, Matmul, linear
 
 # Legend: T = tokens, E = embed, X = experts, F = expert mlp, k = experts per token, S = stored expert rows
 # (X, or X padded to an even number per device under expert parallelism: rows no expert id points at).
@@ -42,11 +42,12 @@ def route(router_logits, top_k: int, normalize: bool = True):
 
 
 class SparseMoE(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs, experts: Experts):
+    def __init__(self, config: ModelConfig, dtype, matmul: Matmul, rngs: nnx.Rngs, experts: Experts):
         e, f, x = config.hidden_size, config.expert_intermediate_size, config.num_experts
         s = experts.num_expert_rows(x)
         init = nnx.initializers.lecun_normal()
-        self.gate = linear(e, x, ("embed", None), bias=False, dtype=dtype, rngs=rngs)  # the router: small, replicated
+        # the router: small, replicated
+        self.gate = linear(e, x, ("embed", None), bias=False, dtype=dtype, matmul=matmul, rngs=rngs)
         self.gate_proj = nnx.Param(
             init(rngs.params(), (s, e, f), dtype), logical_axes=("expert", "embed", "expert_mlp")
         )  # [S, E, F]

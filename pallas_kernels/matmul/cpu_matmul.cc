@@ -6,8 +6,8 @@
 // so a bfloat16 decode step moved five times its weights' bytes. Here each weight element is read
 // once and widened in registers: the step costs the weights' bytes, which is the memory roofline.
 //
-// Work is split into small items shared by the caller and helper threads (cpu_workers.h). Built by
-// cpu.py together with cpu_kernel.cc.
+// Work is split into small items shared by the caller and helper threads (../cpu_workers.h). Built by
+// pallas_kernels/cpu_library.py into one library with the attention kernel (they share the helpers).
 
 #include <algorithm>
 #include <atomic>

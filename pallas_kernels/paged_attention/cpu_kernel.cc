@@ -6,12 +6,13 @@
 // softmax in float32. 16-bit keys and values are widened to float32 a tile at a time, so a step
 // converts only the keys it reads: XLA:CPU itself widens 16-bit gathers and scatters over the whole
 // page pool. Blocks (and, when there are few, ranges of their keys) are spread over the caller and
-// helper threads (cpu_workers.h).
+// helper threads (../cpu_workers.h).
 //
 // The KV write copies each token's [K, D] row into its slot of the pages, which the call returns
 // aliased (XLA passes the donated pool itself, so the write is in place).
 //
-// Compiled at first use by cpu.py with -march=native.
+// Compiled at first use by pallas_kernels/cpu_library.py with -march=native, into one library with
+// the small matmul (matmul/cpu_matmul.cc): they share the helper threads.
 
 #include <algorithm>
 #include <atomic>

@@ -1,5 +1,5 @@
-"""The CPU small matmul (cpu_matmul.cc) against numpy, and the structural property it exists for: a
-decode-sized dot with 16-bit weights widens no whole weight to float32 (issue #16)."""
+"""The CPU small matmul (pallas_kernels/matmul/cpu_matmul.cc) against numpy, and the structural property
+it exists for: a decode-sized dot with 16-bit weights widens no whole weight to float32 (issue #16)."""
 
 import re
 
@@ -8,8 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.models.layers import SMALL_MATMUL_MAX_ROWS, project
-from pallas_kernels.paged_attention import cpu
+from jaxserve.models.layers import project
+from pallas_kernels.matmul import SMALL_MATMUL_MAX_ROWS, choose_matmul, cpu
+
+# What the engine's builder chooses on this one-device CPU process: the kernel for decode-sized rows.
+CPU_PLAN = choose_matmul("cpu", 1)
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -61,7 +64,7 @@ def test_16_bit_projections_read_weights_as_stored(dtype, rows):
     x = jnp.asarray(rng.standard_normal((rows, 64)), dtype)
     for weight_shape, transposed in [((64, 96), False), ((96, 64), True)]:
         w = jnp.asarray(rng.standard_normal(weight_shape), dtype)
-        fn = jax.jit(lambda x, w, transposed=transposed: project(x, w, transposed=transposed))
+        fn = jax.jit(lambda x, w, transposed=transposed: project(x, w, matmul=CPU_PLAN, transposed=transposed))
         hlo = fn.lower(x, w).compile().as_text()
         assert _widened_weights(hlo, weight_shape) == []
         uses_kernel = cpu.MATMUL_TARGET in hlo
@@ -118,7 +121,7 @@ def test_project_many_is_each_linear_and_one_call_where_the_kernel_serves(dtype,
 
     rngs = nnx.Rngs(0)
     linears = [
-        linear(48, n, ("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs)
+        linear(48, n, ("embed", "heads"), bias=bias, dtype=dtype, matmul=CPU_PLAN, rngs=rngs)
         for n, bias in [(48, True), (16, False), (16, True)]
     ]
     for module in linears:

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from jaxserve.models import ModelConfig, build_model
+from pallas_kernels.matmul import REFERENCE_PLAN
 from sharding import param_shardings, partition_spec
 from sharding.attention import attention_dispatch
 from sharding.expert_placement import canonical_sharding
@@ -233,7 +234,11 @@ def test_partition_spec_rules():
 def abstract_params(config: ModelConfig, experts=None):
     model = nnx.eval_shape(
         lambda: build_model(
-            config, "float32", write_and_attend=attention_dispatch("reference"), experts=experts or expert_dispatch()
+            config,
+            "float32",
+            write_and_attend=attention_dispatch("reference"),
+            matmul=REFERENCE_PLAN,
+            experts=experts or expert_dispatch(),
         )
     )
     return nnx.state(model, nnx.Param)

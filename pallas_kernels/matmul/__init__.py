@@ -1,0 +1,131 @@
+"""Projections: a step's rows times a layer's weights, behind one dispatch chosen once at build time.
+
+A projection takes rows [M, K] (the step's M tokens, already in the weight's dtype) and a weight [K, N],
+or [N, K] when `transposed` (a tied embedding serving as the head, contracted on the axis where it lies),
+and returns float32 [M, N]; the model adds the bias and casts back. Implementations:
+
+  reference  XLA's own dots (reference.py): the specification, any backend, any dtype
+  cpu        the C++ small matmul (cpu.py, cpu_matmul.cc), for decode-sized M on a process with one CPU
+             device: each weight element read once at its stored width (XLA:CPU widens a whole 16-bit
+             weight to float32 before a dot with few rows, issue #16), and several weights by the same
+             rows (a layer's q, k and v) in one call whose threads share the work
+
+Data flow: the engine's builder calls `choose_matmul` once (platform, device count, whether the kernel
+builds here) and hands the `MatmulPlan` to `build_model` beside the attention dispatch; every Linear
+keeps it and calls it while the step is traced. The plan is an ordered tuple of entries, the reference
+last: the first entry that `serves` a call (by its number of rows and its weights, both known at trace
+time) computes it, so a compiled step holds one fixed kernel per projection.
+
+A new variant is a new entry, never a new flag on the calls: a module with the reference's contract for
+the weights it serves, and an entry (`MatmulEntry`: `serves`, `__call__`, `joins_weights`) that
+`choose_matmul` puts ahead of those it should win over. Quantized weights (int8 / int4 with their
+scales, issue 25) are a weight type of their own, which their entry's `serves` recognizes; LoRA (issue
+28) is an entry whose weight type carries the adapters beside the base weight, computing the base
+product through the entry that serves the base weight and adding the adapters' low-rank products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import jax.numpy as jnp
+
+from pallas_kernels.matmul import cpu, reference
+
+# Rows up to which the CPU kernel serves a dot (it reads the weights once for up to eight rows). Measured
+# on SmolLM2-135M decode steps (issue #16): bfloat16 beats XLA:CPU's YNNPACK dot up to 8 rows (at 16,
+# YNNPACK is faster); float16 has no XLA dot that reads the weight as stored, so the kernel goes as far
+# as it can; float32 beats XLA's dots up to 8 rows (batch 4: 64 -> 41 ms a step, batch 8: 75 -> 57).
+SMALL_MATMUL_MAX_ROWS = {jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.float16): 64, jnp.dtype(jnp.float32): 8}
+
+
+class MatmulEntry(Protocol):
+    """One implementation in a plan: which calls it serves, and the calls."""
+
+    joins_weights: ClassVar[bool]  # several weights by the same rows in one call pays (threads share the work)
+
+    def serves(self, num_rows: int, weights: tuple) -> bool:
+        """Whether this entry computes rows [num_rows, K] by these weights; decided at trace time."""
+        ...
+
+    def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
+        """rows [M, K] by each weight [K, N_i] ([N_i, K] transposed) -> float32 [M, N_i] each."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReferenceMatmul:
+    """XLA's dots, one weight at a time: serves every call."""
+
+    joins_weights: ClassVar[bool] = False
+
+    def serves(self, num_rows: int, weights: tuple) -> bool:
+        return True
+
+    def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
+        return tuple(reference.matmul(rows, weight, transposed=transposed) for weight in weights)
+
+
+@dataclass(frozen=True)
+class SmallMatmul:
+    """The C++ kernel, for up to `max_rows` rows of weights in one of the dtypes it serves."""
+
+    max_rows: tuple[tuple[str, int], ...]  # (weight dtype, rows up to which the kernel serves it)
+    joins_weights: ClassVar[bool] = True
+
+    def serves(self, num_rows: int, weights: tuple) -> bool:
+        dtype = str(jnp.dtype(weights[0].dtype))
+        if any(str(jnp.dtype(weight.dtype)) != dtype for weight in weights):
+            return False
+        return num_rows <= dict(self.max_rows).get(dtype, 0)
+
+    def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
+        return cpu.small_matmuls(rows, weights, transposed=transposed)
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """The projections' kernels for this engine, as the model calls them (models/layers.py's `Matmul`)."""
+
+    entries: tuple[MatmulEntry, ...]  # tried in order; the last, the reference, serves every call
+
+    def __call__(self, rows, weight, *, transposed: bool = False):
+        """rows [M, K] @ weight [K, N] (weight [N, K] when transposed) -> float32 [M, N]."""
+        weights = (weight,)
+        return self._entry(rows.shape[0], weights)(rows, weights, transposed=transposed)[0]
+
+    def together(self, rows, weights) -> tuple | None:
+        """rows [M, K] by several weights [K, N_i] in one call where the serving entry joins them -> float32
+        [M, N_i] each; None where each weight is better projected on its own."""
+        weights = tuple(weights)
+        entry = self._entry(rows.shape[0], weights)
+        return entry(rows, weights, transposed=False) if entry.joins_weights else None
+
+    def _entry(self, num_rows: int, weights: tuple) -> MatmulEntry:
+        return next(entry for entry in self.entries if entry.serves(num_rows, weights))
+
+
+def choose_matmul(platform: str, num_devices: int) -> MatmulPlan:
+    """The plan for an engine on `platform` in a process with `num_devices` devices: the CPU kernel for
+    decode-sized rows (SMALL_MATMUL_MAX_ROWS by dtype) where there is one CPU device and the kernel
+    builds, the reference for everything else. With several devices a weight may be sharded over them,
+    and the kernel is a custom call XLA's partitioner cannot split."""
+    entries: tuple[MatmulEntry, ...] = (ReferenceMatmul(),)
+    if platform == "cpu" and num_devices == 1 and cpu.available():
+        max_rows = tuple((str(dtype), rows) for dtype, rows in SMALL_MATMUL_MAX_ROWS.items())
+        entries = (SmallMatmul(max_rows), *entries)
+    return MatmulPlan(entries)
+
+
+REFERENCE_PLAN = MatmulPlan((ReferenceMatmul(),))  # XLA's dots only: any backend, any placement of the weights
+
+__all__ = [
+    "REFERENCE_PLAN",
+    "SMALL_MATMUL_MAX_ROWS",
+    "MatmulEntry",
+    "MatmulPlan",
+    "ReferenceMatmul",
+    "SmallMatmul",
+    "choose_matmul",
+]

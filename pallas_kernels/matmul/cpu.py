@@ -1,0 +1,62 @@
+"""The C++ small matmul (cpu_matmul.cc): a few rows times float32, bfloat16 or float16 weights, each weight
+element read once at its stored width and widened in registers, accumulated in float32. Built at first use
+into the CPU kernels' one library (pallas_kernels/cpu_library.py).
+
+A custom call XLA's partitioner cannot split: it must only see whole weights on one device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import cpu_library
+
+MATMUL_TARGET = "jaxserve_cpu_small_matmul"
+MATMUL_MAX_ROWS = 64  # cpu_matmul.cc's kMaxRows
+DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))  # of the weights it serves
+
+
+@functools.cache
+def _register() -> bool:
+    library = cpu_library.load()
+    if library is None:
+        return False
+    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.JaxserveSmallMatmul), platform="cpu")
+    return True
+
+
+def available() -> bool:
+    return _register()
+
+
+def small_matmul(x, w, *, transposed: bool = False):
+    """x [M, K] @ w [K, N] (w [N, K] when transposed) -> float32 [M, N], for M <= MATMUL_MAX_ROWS, x and w
+    of one dtype."""
+    return small_matmuls(x, (w,), transposed=transposed)[0]
+
+
+def small_matmuls(x, weights, *, transposed: bool = False):
+    """small_matmul of one x by several weights in one call (a layer's q, k and v): the threads share the
+    work of all of them. Returns a tuple of float32 [M, N_i]."""
+    weights = tuple(weights)
+    for w in weights:
+        if jnp.dtype(w.dtype) not in DTYPES:
+            raise ValueError(f"the CPU small matmul serves {[str(d) for d in DTYPES]} weights, not {w.dtype}")
+        depth = w.shape[-1] if transposed else w.shape[0]
+        if x.dtype != w.dtype or x.ndim != 2 or w.ndim != 2 or x.shape[0] > MATMUL_MAX_ROWS or depth != x.shape[1]:
+            raise ValueError(
+                f"small_matmul wants x [M <= {MATMUL_MAX_ROWS}, K] and 2-d weights of x's dtype "
+                f"with K {'columns' if transposed else 'rows'}, got {x.shape} {x.dtype} and "
+                f"{w.shape} {w.dtype}"
+            )
+    if not weights:
+        raise ValueError("small_matmuls wants at least one weight")
+    if not _register():
+        raise RuntimeError("the CPU small matmul could not be built; project with the reference")
+    results = tuple(
+        jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transposed else w.shape[1]), jnp.float32) for w in weights
+    )
+    return tuple(jax.ffi.ffi_call(MATMUL_TARGET, results)(x, *weights, transposed=transposed))

@@ -1,0 +1,30 @@
+"""Projections with XLA's own dots: the specification every matmul kernel is tested against, on any
+backend and for any dtype.
+
+Written the way XLA:CPU computes them best, which the other backends do not mind: a 16-bit weight is
+contracted where it lies, asking for float32 results, with at least two rows. XLA:CPU gives such a dot
+its YNNPACK fusion, which reads the weight at its stored width; a one-row dot (a matrix-vector product)
+or a dot of the weight's transpose would widen the whole weight to float32 first, every step (issue #16).
+A float32 tied head keeps jnp.dot(x, embedding.T), as nnx's Embed.attend computes it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def matmul(rows, weight, *, transposed: bool = False):
+    """rows [M, K] @ weight [K, N] (weight [N, K] when transposed) -> float32 [M, N]; rows in the weight's
+    dtype."""
+    num_rows = rows.shape[0]
+    if num_rows == 1 and weight.dtype != jnp.float32:
+        rows = jnp.pad(rows, ((0, 1), (0, 0)))
+    if transposed and weight.dtype == jnp.float32:
+        y = jnp.dot(rows, weight.T)
+    else:
+        contracting = (1,) if transposed else (0,)
+        y = jax.lax.dot_general(rows, weight, (((1,), contracting), ((), ())), preferred_element_type=jnp.float32)
+    if y.shape[0] != num_rows:
+        y = y[:num_rows]
+    return y

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -22,9 +23,10 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import Buckets
 from jaxserve.device import page_copies
+from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.sampler import SamplerOutput
 from jaxserve.device.step import step
-from jaxserve.device.step_inputs import StepInputs, StepShape, all_step_shapes, build_ranked_inputs, token_buffer_size
+from jaxserve.device.step_inputs import StepInputs, StepShape, all_step_shapes, build_ranked_inputs
 from jaxserve.models.kv_pages import KVPages
 from sharding import partition_spec
 
@@ -38,11 +40,15 @@ def _abstract(tree, sharding=None):
     )
 
 
+def _device_bytes(tree) -> int:
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards)
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one step sampled, fetched to the host."""
 
-    sampled: SamplerOutput  # numpy arrays; rank r's rows start at r * (rows per rank)
+    sampled: SamplerOutput  # numpy arrays; rank r's rows are RankLayout.rows(r, the step's rows per rank)
     expert_counts: np.ndarray  # [layers, experts] tokens routed to each expert ([0, 0] for dense models)
 
 
@@ -58,6 +64,29 @@ class PendingStep:
         return StepResult(SamplerOutput(*(np.asarray(x) for x in vars(sampled).values())), np.asarray(counts))
 
 
+class StepRunner(Protocol):
+    """What the engine, the KV handovers and the expert balancer ask of a runner: ModelRunner on one
+    process, distributed/leader_runner.LeaderRunner (which also sends each call to the followers) on
+    several."""
+
+    buckets: Buckets
+    layout: RankLayout
+
+    def build_inputs(self, per_rank_chunks, shape: StepShape) -> StepInputs: ...
+    def execute(self, shape: StepShape, inputs: StepInputs) -> PendingStep: ...
+    def warm_up(self, show_progress: bool = True) -> None: ...
+    def warm_up_page_copies(self) -> None: ...
+    def warm_up_handover_copies(self, max_pages: int) -> None: ...
+    def read_pages(self, pages: list[int]) -> list[page_copies.HostPage]: ...
+    def write_pages(self, pages: list[int], host_pages: list[page_copies.HostPage]) -> None: ...
+    def gather_pages(self, pages: list[int]) -> list[jax.Array]: ...
+    def scatter_pages(self, pages: list[int], chunks: list[jax.Array]) -> None: ...
+    def params(self) -> nnx.State: ...
+    def replace_params(self, params: nnx.State) -> None: ...
+    def compiled_buckets(self) -> tuple[tuple[str, int, int, int], ...]: ...
+    def stats(self) -> dict: ...
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -69,11 +98,10 @@ class ModelRunner:
         prefill_query_block: int,
         max_logprobs: int,
         num_experts: int = 0,
+        layout: RankLayout,
         mesh: Mesh | None = None,
-        slots_per_rank: int = 1,
     ):
-        """With a mesh, params and KV pages arrive already placed on it. slots_per_rank: the token
-        slots (step_inputs.py) each data-parallel rank's scheduler hands out, its max_num_seqs."""
+        """With a mesh, params and KV pages arrive already placed on it, the pages as `layout` says."""
         self.graphdef, params = nnx.split(model)
         self.param_leaves, self.params_treedef = jax.tree.flatten(params)
         self.kv_pages = kv_pages
@@ -81,14 +109,16 @@ class ModelRunner:
         # split over the data-parallel ranks by the rules table (replicated when there is one rank).
         self.input_sharding = NamedSharding(mesh, partition_spec(("batch",), mesh)) if mesh is not None else None
         self.num_ranks = mesh.shape["data"] if mesh is not None else 1
+        if layout.num_ranks != self.num_ranks or layout.total_pages != kv_pages.keys[0].shape[0]:
+            raise ValueError(
+                f"{layout} does not describe {self.num_ranks} ranks over {kv_pages.keys[0].shape[0]} pages"
+            )
+        self.layout = layout
         self.buckets = buckets
         self.page_size = page_size
         self.prefill_query_block = prefill_query_block
-        self.slots_per_rank = slots_per_rank
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        self.token_buffer = jax.device_put(
-            np.zeros(token_buffer_size(self.num_ranks, slots_per_rank), np.int32), replicated
-        )
+        self.token_buffer = jax.device_put(np.zeros(layout.token_buffer_size, np.int32), replicated)
         # On a mesh the pages must come back laid out as they went in, so that donation reuses them.
         out_shardings = (
             None
@@ -107,6 +137,22 @@ class ModelRunner:
         self.num_compiles_after_warmup = 0
         self.warmup_seconds = 0.0
         self.host_device = jax.devices("cpu")[0]
+
+    def compiled_buckets(self) -> tuple[tuple[str, int, int, int], ...]:
+        """(kind, num_tokens, num_seqs, pages_per_seq) of every compiled step, sorted."""
+        return tuple(
+            sorted((shape.kind, shape.num_tokens, shape.num_seqs, shape.pages_per_seq) for shape in self.executables)
+        )
+
+    def stats(self) -> dict:
+        """What the runner holds and has compiled; bytes summed over every device's shards."""
+        return {
+            "weights_device_bytes": _device_bytes(self.param_leaves),
+            "kv_cache_device_bytes": _device_bytes(self.kv_pages),
+            "num_executables": len(self.executables),
+            "num_compiles_after_warmup": self.num_compiles_after_warmup,
+            "warmup_seconds": round(self.warmup_seconds, 3),
+        }
 
     def params(self) -> nnx.State:
         return jax.tree.unflatten(self.params_treedef, self.param_leaves)
@@ -132,7 +178,7 @@ class ModelRunner:
         ).compile()
 
     def build_inputs(self, per_rank_chunks, shape: StepShape) -> StepInputs:
-        return build_ranked_inputs(per_rank_chunks, shape, self.page_size, self.slots_per_rank)
+        return build_ranked_inputs(per_rank_chunks, shape, self.page_size, self.layout)
 
     def warm_up(self, show_progress: bool = True) -> None:
         start = time.perf_counter()
@@ -185,6 +231,10 @@ class ModelRunner:
         if isinstance(sharding, NamedSharding):
             return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
         return sharding
+
+    def warm_up_handover_copies(self, max_pages: int) -> None:
+        """Compile a KV handover's gathers and scatters: every power-of-two chunk up to max_pages."""
+        self.kv_pages = page_copies.warm_up_handover_copies(self.kv_pages, max_pages, self.page_array_sharding())
 
     def warm_up_page_copies(self) -> None:
         """Compile the host-tier copies (reading and rewriting the reserved page changes nothing)."""

@@ -6,8 +6,7 @@ padding rows sample garbage that nobody reads.
 
 Token slots: the step writes each sampled token into the device's token buffer at its sequence's slot,
 and reads a token the host has not seen yet (sampled by the step still running, when steps overlap)
-from there. Rank r's slot s is buffer entry r * slots_per_rank + s; the last entry is scratch, where
-rows that sample nothing anyone reads write.
+from there. Where each data-parallel rank's slots, rows and tokens sit: device/rank_layout.py.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import Buckets
+from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.sampler import SamplingInputs
 from jaxserve.host.page_allocator import RESERVED_PAGE, num_pages_for
 from jaxserve.host.scheduler import ScheduledChunk, padded_to_blocks
@@ -52,10 +52,6 @@ class StepShape:
 def seed_words(seed: int) -> tuple[int, int]:
     """A 64-bit seed as the two uint32 words of a threefry key."""
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
-
-
-def token_buffer_size(num_ranks: int, slots_per_rank: int) -> int:
-    return num_ranks * slots_per_rank + 1  # the last entry is scratch
 
 
 def build_step_inputs(
@@ -132,20 +128,20 @@ def build_step_inputs(
 
 
 def build_ranked_inputs(
-    per_rank_chunks: list[list[ScheduledChunk]], shape: StepShape, page_size: int, slots_per_rank: int = 0
+    per_rank_chunks: list[list[ScheduledChunk]], shape: StepShape, page_size: int, layout: RankLayout
 ) -> StepInputs:
     """One step for every data-parallel rank: each rank's inputs (with its own local page ids) laid end
-    to end, so that splitting every array evenly over the ranks hands each its own part. Only
-    logits_indices and the token buffer entries point into the whole."""
-    scratch = token_buffer_size(len(per_rank_chunks), slots_per_rank) - 1
+    to end, as `layout` says. Only logits_indices and the token buffer entries point into the whole."""
+    if len(per_rank_chunks) != layout.num_ranks:
+        raise AssertionError(f"{len(per_rank_chunks)} ranks' chunks for a layout of {layout.num_ranks} ranks")
     per_rank = [
-        build_step_inputs(chunks, shape, page_size, rank * slots_per_rank, scratch)
+        build_step_inputs(chunks, shape, page_size, layout.token_slot(rank, 0), layout.scratch_token_slot)
         for rank, chunks in enumerate(per_rank_chunks)
     ]
     if len(per_rank) == 1:
         return per_rank[0]
     for rank, inputs in enumerate(per_rank):
-        inputs.logits_indices = inputs.logits_indices + rank * shape.num_tokens
+        inputs.logits_indices = inputs.logits_indices + layout.first_token(rank, shape.num_tokens)
     return jax.tree.map(lambda *arrays: np.concatenate(arrays), *per_rank)
 
 

@@ -14,10 +14,11 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxserve.config import Buckets, EngineConfig
+from jaxserve.config import Buckets, EngineConfig, EngineRole
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
-from jaxserve.device.runner import ModelRunner, enable_compilation_cache, kv_cache_bytes_available
-from jaxserve.distributed.agreement import agree_on_engine, expert_balancer_type
+from jaxserve.device.rank_layout import RankLayout
+from jaxserve.device.runner import ModelRunner, StepRunner, enable_compilation_cache, kv_cache_bytes_available
+from jaxserve.distributed.agreement import agree_on_engine, check_every_process_holds_devices, expert_balancer_type
 from jaxserve.distributed.leader_runner import wrap_runner
 from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
 from jaxserve.engine.expert_balancer import ExpertBalancer
@@ -48,7 +49,8 @@ class EngineParts:
     mesh: Mesh | None  # None: one device
     attention: AttentionPlan
     schedulers: list[Scheduler]  # one per data-parallel rank, each over its own range of KV pages
-    runner: ModelRunner
+    layout: RankLayout  # where each rank's pages, rows and token slots sit in the shared arrays
+    runner: StepRunner
     experts: ExpertBalancer | None  # mixture-of-experts models only
 
 
@@ -65,13 +67,14 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
         if config.parallel.data_parallel_size * config.parallel.tensor_parallel_size > 1 or devices
         else None
     )
+    check_every_process_holds_devices(mesh, config.parallel)  # several processes: refused alike on each
     expert_parallel = _expert_parallel(model_config, config, mesh)
     attention = choose_attention(model_config, config, dtype, mesh)
     model = _load_model(source, dtype, attention, mesh, expert_parallel)
     if mesh is None:
         move_weights_to_huge_pages(model)  # a CPU decode step streams them twice as fast
     config = agree_on_engine(config, model_config)  # several processes: the same engine everywhere
-    schedulers, kv_pages = _kv_cache(model_config, config, dtype, attention, mesh, max_model_len, model)
+    schedulers, kv_pages, layout = _kv_cache(model_config, config, dtype, attention, mesh, max_model_len, model)
     runner = ModelRunner(
         model,
         kv_pages=kv_pages,
@@ -80,22 +83,29 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
         prefill_query_block=config.scheduler.prefill_query_block,
         max_logprobs=config.scheduler.max_logprobs,
         num_experts=model_config.num_experts,
+        layout=layout,
         mesh=mesh,
-        slots_per_rank=config.scheduler.max_num_seqs,
     )
     runner = wrap_runner(runner, mesh, schedulers)  # several processes: process 0 sends plans
     experts = None
     if model_config.is_moe:
         experts = expert_balancer_type(ExpertBalancer)(
-            model_config, runner, mesh.devices.size if expert_parallel else None, config.parallel.expert_rebalance_interval
+            model_config,
+            runner,
+            mesh.devices.size if expert_parallel else None,
+            config.parallel.expert_rebalance_interval,
         )
         if config.parallel.expert_load_profile is not None:
             experts.rebalance(
-                read_load_profile(config.parallel.expert_load_profile, model_config.num_layers, model_config.num_experts)
+                read_load_profile(
+                    config.parallel.expert_load_profile, model_config.num_layers, model_config.num_experts
+                )
             )
     runner.warm_up(show_progress=config.show_progress)
     if schedulers[0].allocator.host_tier is not None:
         runner.warm_up_page_copies()
+    if config.disagg.role != EngineRole.BOTH:  # a KV handover never compiles while serving
+        runner.warm_up_handover_copies(num_pages_for(max_model_len, config.cache.page_size))
     return EngineParts(
         config=config,
         source=source,
@@ -105,6 +115,7 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
         mesh=mesh,
         attention=attention,
         schedulers=schedulers,
+        layout=layout,
         runner=runner,
         experts=experts,
     )
@@ -176,9 +187,9 @@ def _kv_cache(
     mesh: Mesh | None,
     max_model_len: int,
     loaded_model,
-) -> tuple[list[Scheduler], KVPages]:
-    """The page pool (rank r's pages are rows [r * num_pages, (r + 1) * num_pages), addressed locally)
-    and one scheduler per rank over its own pages."""
+) -> tuple[list[Scheduler], KVPages, RankLayout]:
+    """The page pool, one scheduler per rank over its own pages (addressed locally), and the layout
+    that places each rank's pages in the pool."""
     page_bytes = KVPages.bytes_per_page(
         model.num_layers, config.cache.page_size, attention.num_cache_kv_heads, attention.cache_head_dim, dtype
     )
@@ -196,6 +207,7 @@ def _kv_cache(
     swapping_pays = swap_in_is_cheaper(page_bytes, config.cache.page_size, num_params, jax.default_backend())
     host_tier_pages = int(config.cache.swap_space * 2**30) // page_bytes if swapping_pays else 0
     num_ranks = config.parallel.data_parallel_size
+    layout = RankLayout(num_ranks, num_pages, token_slots_per_rank=config.scheduler.max_num_seqs)
     schedulers = [
         Scheduler(
             PageAllocator(
@@ -213,7 +225,7 @@ def _kv_cache(
     ]
     kv_pages = KVPages.zeros(
         model.num_layers,
-        num_ranks * num_pages,
+        layout.total_pages,
         config.cache.page_size,
         attention.num_cache_kv_heads,
         attention.cache_head_dim,
@@ -222,4 +234,4 @@ def _kv_cache(
     if mesh is not None:
         # Each data-parallel rank holds its own pages; each tensor shard its KV heads' slice of them.
         kv_pages = jax.device_put(kv_pages, NamedSharding(mesh, kv_pages_spec(mesh, attention.num_cache_kv_heads)))
-    return schedulers, kv_pages
+    return schedulers, kv_pages, layout

@@ -19,15 +19,25 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.config import EngineConfig, EngineRole
-from jaxserve.device.step_inputs import step_shape
+from jaxserve.device.runner import PendingStep, StepResult
+from jaxserve.device.step_inputs import StepShape, step_shape
 from jaxserve.disagg.roles import handovers_for
 from jaxserve.engine.builder import EngineParts, build_engine
 from jaxserve.engine.device_clock import DeviceClock
-from jaxserve.engine.stats import EngineDescription, EngineLoad, StepTimings, describe_engine, engine_load, engine_stats
+from jaxserve.engine.stats import (
+    EngineDescription,
+    EngineLoad,
+    StepTimer,
+    StepTimings,
+    describe_engine,
+    engine_load,
+    engine_stats,
+)
 from jaxserve.host.kv_events import KVEventLog
 from jaxserve.host.output_processor import OutputProcessor
 from jaxserve.host.page_allocator import num_pages_for
 from jaxserve.host.request import FinishReason, Request, RequestOutput, SamplingParams, SequenceState
+from jaxserve.host.scheduler import ScheduledChunk
 from jaxserve.loading.orbax_checkpoint import save_checkpoint
 from jaxserve.models.config import ModelConfig
 
@@ -35,8 +45,15 @@ CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n sam
 
 
 @dataclass
+class DispatchedExecutable:
+    per_rank_chunks: list[list[ScheduledChunk]]  # what each data-parallel rank runs in it
+    shape: StepShape
+    pending: PendingStep
+
+
+@dataclass
 class DispatchedStep:
-    executables: list  # [(each rank's chunks, PendingStep)]: the prefill and the decode executables
+    executables: list[DispatchedExecutable]  # the prefill and the decode executables, in dispatch order
     prefill_room: int  # prompt tokens the step had room for (StepTimings)
 
 
@@ -161,20 +178,6 @@ class Engine:
             arrival_order=next(self._arrivals),
         )
 
-    def new_sequence(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sampling_seed: int
-    ) -> SequenceState:
-        """A sequence with this engine's next id and arrival order, for a request admitted some other
-        way than add_request (a decode replica's handed-over request)."""
-        return SequenceState(
-            seq_id=next(self._seq_ids),
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            params=params,
-            sampling_seed=sampling_seed,
-            arrival_order=next(self._arrivals),
-        )
-
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         for seq in request.seqs if request else ():
@@ -195,25 +198,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step; returns the outputs of requests that progressed (finished ones leave).
         Overlapped, these are the outputs of the step dispatched by the previous call."""
-        started = time.perf_counter()
-        dispatched = self._schedule_and_dispatch()
-        if self.overlap_steps:
-            to_process, self._in_flight = self._in_flight, dispatched
-        else:
-            to_process = dispatched
+        with StepTimer() as timer:
+            dispatched = self._schedule_and_dispatch()
+            to_process = self._step_to_process(dispatched)
+            progressed = self._fetch_and_postprocess(to_process, timer)
         if to_process is None and dispatched is None:
             self._was_busy = False
             return []
-        progressed, waited = set(), 0.0
-        for per_rank, pending in to_process.executables if to_process else ():
-            fetch_started = time.perf_counter()
-            result = pending.fetch()
-            waited += time.perf_counter() - fetch_started
-            progressed |= self._postprocess(per_rank, result)
-        elapsed = time.perf_counter() - started
-        self.device_clock.observe_step(elapsed - waited)
-        if to_process is not None:  # a step's time: the wait for its results plus the host work around it
-            self.timings.observe_step(elapsed, to_process.prefill_room)
+        self._observe_step_time(timer, to_process)
         self._was_busy = dispatched is not None and self.has_unfinished_requests()
         return self._end_step(progressed)
 
@@ -226,8 +218,28 @@ class Engine:
         for is_decode in (False, True):
             if any(per_rank := [s.decodes if is_decode else s.prefills for s in schedules]):
                 continues_busy_period = bool(executables) or self._in_flight is not None or self._was_busy
-                executables.append((per_rank, self._dispatch(per_rank, is_decode, continues_busy_period)))
+                executables.append(self._dispatch(per_rank, is_decode, continues_busy_period))
         return DispatchedStep(executables, self._prefill_room(schedules))
+
+    def _step_to_process(self, dispatched: DispatchedStep | None) -> DispatchedStep | None:
+        """The step whose results this call processes: overlapped, the one the previous call dispatched."""
+        if not self.overlap_steps:
+            return dispatched
+        to_process, self._in_flight = self._in_flight, dispatched
+        return to_process
+
+    def _fetch_and_postprocess(self, to_process: DispatchedStep | None, timer: StepTimer) -> set[str]:
+        progressed: set[str] = set()
+        for executable in to_process.executables if to_process else ():
+            with timer.waiting():
+                result = executable.pending.fetch()
+            progressed |= self._postprocess(executable, result)
+        return progressed
+
+    def _observe_step_time(self, timer: StepTimer, processed: DispatchedStep | None) -> None:
+        self.device_clock.observe_step(timer.host_seconds)
+        if processed is not None:  # a step's time: the wait for its results plus the host work around it
+            self.timings.observe_step(timer.elapsed, processed.prefill_room)
 
     def _end_step(self, progressed: set[str]) -> list[RequestOutput]:
         """Count the step, let experts move, and hand back the outputs (finished requests leave)."""
@@ -247,7 +259,7 @@ class Engine:
             for s in schedules
         )
 
-    def _dispatch(self, per_rank_chunks, is_decode: bool, continues_busy_period: bool):
+    def _dispatch(self, per_rank_chunks, is_decode: bool, continues_busy_period: bool) -> DispatchedExecutable:
         config = self.config
         shape = step_shape(
             per_rank_chunks,
@@ -260,13 +272,13 @@ class Engine:
         for scheduler, chunks in zip(self.schedulers, per_rank_chunks):
             scheduler.mark_dispatched(chunks)
         self.device_clock.dispatched(pending.sampled.token_ids, continues_busy_period)
-        return pending
+        return DispatchedExecutable(per_rank_chunks, shape, pending)
 
-    def _postprocess(self, per_rank_chunks, result) -> set[str]:
-        rows_per_rank = len(result.sampled.token_ids) // len(per_rank_chunks)
+    def _postprocess(self, executable: DispatchedExecutable, result: StepResult) -> set[str]:
         progressed = set()
-        for rank, chunks in enumerate(per_rank_chunks):
-            progressed |= self.outputs.process(chunks, self.schedulers[rank], result.sampled, rank * rows_per_rank)
+        for rank, chunks in enumerate(executable.per_rank_chunks):
+            first_row = self.parts.layout.rows(rank, executable.shape.num_seqs).start
+            progressed |= self.outputs.process(chunks, self.schedulers[rank], result.sampled, first_row)
         if self.experts is not None:
             self.experts.observe(result.expert_counts)
         return progressed
@@ -282,19 +294,20 @@ class Engine:
 
     def move_host_tier_pages(self) -> None:
         """Demoted pages are read before promotions, a step or a KV handover overwrite them; promotions
-        land before the step. Rank r's page p is row r * num_pages + p of the pool."""
+        land before the step."""
+        layout = self.parts.layout
         for rank, scheduler in enumerate(self.schedulers):
-            allocator, offset = scheduler.allocator, rank * scheduler.allocator.num_pages
+            allocator = scheduler.allocator
             if allocator.pending_demotions:
                 demoted, allocator.pending_demotions = allocator.pending_demotions, []
-                host_pages = self.runner.read_pages([offset + page for page, _, _ in demoted])
+                host_pages = self.runner.read_pages(layout.pool_pages(rank, [page for page, _, _ in demoted]))
                 for host_page, (_, key, contents) in zip(host_pages, demoted):
                     allocator.host_tier.store(key, contents, host_page)
             if allocator.pending_promotions:
                 promoted, allocator.pending_promotions = allocator.pending_promotions, []
                 started = time.perf_counter()
                 self.runner.write_pages(
-                    [offset + page for page, _ in promoted], [host_page for _, host_page in promoted]
+                    layout.pool_pages(rank, [page for page, _ in promoted]), [host_page for _, host_page in promoted]
                 )
                 self.timings.observe_swap_in(time.perf_counter() - started, len(promoted))
 

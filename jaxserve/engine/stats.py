@@ -4,7 +4,9 @@ and nothing else of the engine's insides."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import jax
@@ -55,6 +57,37 @@ class StepTimings:
     def observe_swap_in(self, seconds: float, num_pages: int) -> None:
         self.swap_in_seconds_per_page = self._average(self.swap_in_seconds_per_page, seconds / num_pages)
 
+    def stats(self) -> dict:
+        return {
+            "prefill_seconds_per_token": self.prefill_seconds_per_token,
+            "swap_in_seconds_per_page": self.swap_in_seconds_per_page,
+            "step_seconds": self.step_seconds,
+        }
+
+
+class StepTimer:
+    """One engine step's wall time (`with StepTimer() as timer:`), and the part of it spent waiting for
+    the device's results (`with timer.waiting():`); the rest is host work."""
+
+    def __enter__(self) -> StepTimer:
+        self.started, self.waited, self.elapsed = time.perf_counter(), 0.0, 0.0
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.elapsed = time.perf_counter() - self.started
+
+    @contextlib.contextmanager
+    def waiting(self):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.waited += time.perf_counter() - started
+
+    @property
+    def host_seconds(self) -> float:
+        return self.elapsed - self.waited
+
 
 @dataclass(frozen=True)
 class EngineLoad:
@@ -73,11 +106,7 @@ def _mesh_description(mesh) -> str:
 
 
 def describe_engine(engine) -> EngineDescription:
-    buckets = tuple(
-        sorted(
-            (shape.kind, shape.num_tokens, shape.num_seqs, shape.pages_per_seq) for shape in engine.runner.executables
-        )
-    )
+    runner = engine.runner.stats()
     return EngineDescription(
         model_name=engine.parts.source.name,
         dtype=engine.dtype,
@@ -88,9 +117,9 @@ def describe_engine(engine) -> EngineDescription:
         max_model_len=engine.max_model_len,
         max_num_seqs=engine.config.scheduler.max_num_seqs,
         vocab_size=engine.model_config.vocab_size,
-        compiled_buckets=buckets,
-        num_executables=len(engine.runner.executables),
-        warmup_seconds=round(engine.runner.warmup_seconds, 3),
+        compiled_buckets=engine.runner.compiled_buckets(),
+        num_executables=runner["num_executables"],
+        warmup_seconds=runner["warmup_seconds"],
         model_fingerprint=model_fingerprint(engine.parts.source),
         host_tier_pages=sum(
             s.allocator.host_tier.capacity_pages for s in engine.schedulers if s.allocator.host_tier is not None
@@ -113,34 +142,23 @@ def engine_load(engine) -> EngineLoad:
     )
 
 
-def _device_bytes(tree) -> int:
-    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards)
-
-
 def engine_stats(engine) -> dict:
     load = engine.load()
     return {
         "kv_pages_total": sum(s.allocator.num_usable_pages for s in engine.schedulers),
         "kv_pages_free": load.num_free_pages,
-        # bytes on the devices, summed over every device's shards (replicas counted on each device)
-        "weights_device_bytes": _device_bytes(engine.runner.param_leaves),
-        "kv_cache_device_bytes": _device_bytes(engine.runner.kv_pages),
+        # weights and KV bytes on the devices (replicas counted on each device), executables, compiles
+        **engine.runner.stats(),
         "page_size": engine.config.cache.page_size,
-        "num_executables": len(engine.runner.executables),
-        "num_compiles_after_warmup": engine.runner.num_compiles_after_warmup,
-        "warmup_seconds": round(engine.runner.warmup_seconds, 3),
         "num_running": load.num_running,
         "num_waiting": load.num_waiting,
         "num_tokens_waiting_prefill": load.num_tokens_waiting_prefill,
-        "prefill_seconds_per_token": engine.timings.prefill_seconds_per_token,
-        "swap_in_seconds_per_page": engine.timings.swap_in_seconds_per_page,
-        "step_seconds": engine.timings.step_seconds,
+        **engine.timings.stats(),
         "overlap_steps": engine.overlap_steps,
         **engine.device_clock.stats(),  # host_seconds_per_step, device_idle_seconds_per_step
         "num_preemptions": sum(s.num_preemptions for s in engine.schedulers),
         "num_steps": engine.num_steps,
-        "num_prompt_tokens": engine.outputs.num_prompt_tokens,
-        "num_generated_tokens": engine.outputs.num_generated_tokens,
+        **engine.outputs.stats(),  # num_prompt_tokens, num_generated_tokens
         "max_model_len": engine.max_model_len,
         "dtype": engine.dtype,
         "attention_impl": engine.parts.attention.impl,

@@ -60,6 +60,9 @@ class OutputProcessor:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
 
+    def stats(self) -> dict:
+        return {"num_prompt_tokens": self.num_prompt_tokens, "num_generated_tokens": self.num_generated_tokens}
+
     def process(self, chunks, scheduler, sampled, first_row: int) -> set[str]:
         """chunks ran on scheduler's rank; their sampled rows (numpy SamplerOutput fields) start at
         first_row. Returns the ids of the requests that produced a token."""

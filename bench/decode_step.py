@@ -50,11 +50,8 @@ def read_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 10) -> float:
 def decode_inputs(runner, batch: int, context: int, shape, vocab_size: int):
     """The runner's empty step inputs for `shape`, filled in for `batch` sequences each at `context`
     tokens on disjoint pages after the reserved one."""
-    from jaxserve.device.step_inputs import build_ranked_inputs
-
     page_size = runner.page_size
-    build = getattr(runner, "build_inputs", lambda chunks, s: build_ranked_inputs(chunks, s, page_size))
-    inputs = build([[]], shape)
+    inputs = runner.build_inputs([[]], shape)
     attention = inputs.attention
     pages_each = -(-(context + 1) // page_size)
     for row in range(batch):

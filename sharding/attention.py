@@ -2,7 +2,7 @@
 single-device kernels, under `shard_map`.
 
 Data parallelism: the step's tokens, page tables and page pool are laid out rank by rank
-(jaxserve/batch.py), with page ids local to each rank, so each "data" shard holds exactly its
+(jaxserve/device/rank_layout.py), with page ids local to each rank, so each "data" shard holds exactly its
 sequences and their pages. Tensor parallelism: each "tensor" shard holds its KV heads' slice of
 every page and the query heads that read them (query head h reads KV head h // groups, so equal
 contiguous slices of both line up). With fewer KV heads than tensor shards (MQA, GQA on many

@@ -1,8 +1,8 @@
 """A one-device CPU engine's weights in transparent huge pages (issue #16).
 
-A decode step streams every weight once, and on the CPU that stream is what a step costs. Measured on
-a 2-core Xeon VM: a read over 4 KiB pages runs at 6-7 GB/s a core (15 GB/s on two); over 2 MiB huge
-pages at 13-14 GB/s a core (27 GB/s on two). XLA:CPU allocates its buffers with malloc, in 4 KiB pages
+A decode step streams every weight once, and on the CPU that stream is what a step costs; a read over
+2 MiB huge pages runs about twice as fast as one over 4 KiB pages (bench/decode_step.py measures both;
+figures in bench/results/). XLA:CPU allocates its buffers with malloc, in 4 KiB pages
 (transparent huge pages are usually "madvise" only), so the weights are moved into one arena that asks
 for huge pages, and each weight is handed to XLA without a copy (a CPU `device_put` of a suitably aligned
 numpy array aliases it).
@@ -76,7 +76,7 @@ def move_weights_to_huge_pages(model) -> int:
         old = variable.get_value()
         view = arena[offset : offset + old.nbytes].view(old.dtype).reshape(old.shape)
         np.copyto(view, np.asarray(old))
-        # As committed as before: committed arguments cost the compiled step's dispatch ~3 us each.
+        # As committed as before: a committed argument costs the compiled step's dispatch a little more.
         new = jax.device_put(view, old.sharding if old.committed else None)
         if new.unsafe_buffer_pointer() != view.ctypes.data:  # XLA copied: keep the weights where they were
             logger.info("XLA copied a host buffer instead of aliasing it: weights stay in its own buffers")

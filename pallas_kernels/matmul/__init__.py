@@ -33,10 +33,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.matmul import cpu, reference
 
-# Rows up to which the CPU kernel serves a dot (it reads the weights once for up to eight rows). Measured
-# on SmolLM2-135M decode steps (issue #16): bfloat16 beats XLA:CPU's YNNPACK dot up to 8 rows (at 16,
-# YNNPACK is faster); float16 has no XLA dot that reads the weight as stored, so the kernel goes as far
-# as it can; float32 beats XLA's dots up to 8 rows (batch 4: 64 -> 41 ms a step, batch 8: 75 -> 57).
+# Rows up to which the CPU kernel serves a dot (it reads the weights once for up to eight rows): where it
+# beat XLA:CPU's dots on SmolLM2-135M decode steps (bench/results/ has the figures). float16 has no XLA
+# dot that reads the weight as stored, so the kernel goes as far as it can.
 SMALL_MATMUL_MAX_ROWS = {jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.float16): 64, jnp.dtype(jnp.float32): 8}
 
 

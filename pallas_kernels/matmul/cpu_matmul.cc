@@ -30,9 +30,8 @@ constexpr int64_t kAccumulatorBytes = 16 * 1024;  // an item's float32 accumulat
 constexpr int64_t kItemBytes = 32 * 1024;    // weight bytes per work item ([N, K] weights)
 constexpr int64_t kMaxRows = 64;             // the wrapper sends no more
 
-// Software prefetch, this many bytes ahead of the rows being read. Measured on a 2-core Xeon: a
-// bfloat16 stream read at 6 GB/s per core without (the out-of-order window, full of widening and
-// multiplying, issues too few misses at a time) and 8.5 with; float32 gains less.
+// Software prefetch, this many bytes ahead of the rows being read: without it the out-of-order window,
+// full of widening and multiplying, issues too few cache misses at a time (figures in bench/results/).
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kLineBytes = 64;
 

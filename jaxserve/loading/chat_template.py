@@ -23,6 +23,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 # transformers marks the end of a message to continue with this, then cuts the render there.
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# What render_chat's callers pass it themselves: a template variable of the same name would be passed twice.
+OWN_ARGUMENTS = ("tokenizer", "messages", "chat_template", "add_generation_prompt", "continue_final_message", "tools")
 
 
 def select_chat_template(tokenizer, chat_template: str | None, tools) -> tuple[str, str]:
@@ -99,6 +101,22 @@ def render_chat(
     if final_message is not None:
         rendered = _cut_at_continue_tag(rendered, final_message, source)
     return rendered
+
+
+def template_variables(chat_template_kwargs) -> dict:
+    """An API's chat_template_kwargs (extra template variables, as vLLM's), as keyword arguments of
+    render_chat; ValueError for anything else, or a name render_chat is given by its own argument."""
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs):
+        raise ValueError("chat_template_kwargs must be a mapping of variable names to values")
+    for name in OWN_ARGUMENTS:
+        if name in chat_template_kwargs:
+            raise ValueError(
+                f"chat_template_kwargs may not set {name!r}: the chat is rendered with its own "
+                f"(set it as the request's field or LLM.chat's argument of that name)"
+            )
+    return dict(chat_template_kwargs)
 
 
 def text_content(messages: list) -> list:

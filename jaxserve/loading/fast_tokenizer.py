@@ -16,7 +16,7 @@ import dataclasses
 import tokenizers
 from tokenizers import AddedToken, processors
 
-from jaxserve.loading.tokenizer import Tokenizer, clean_up_tokenization
+from jaxserve.loading.tokenizer import Tokenizer, check_unicode, clean_up_tokenization
 from jaxserve.loading.tokenizer_config import TokenizerSettings
 
 
@@ -46,6 +46,7 @@ class FastTokenizer(Tokenizer):
         return None if token is None else self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_unicode(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:

@@ -12,7 +12,7 @@ import sentencepiece
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import decoders
 
-from jaxserve.loading.tokenizer import Tokenizer, clean_up_tokenization
+from jaxserve.loading.tokenizer import Tokenizer, check_unicode, clean_up_tokenization
 from jaxserve.loading.tokenizer_config import TokenizerSettings
 
 SENTENCEPIECE_BPE = 2  # ModelProto.TrainerSpec.model_type
@@ -68,6 +68,7 @@ class SentencePieceTokenizer(Tokenizer):
         return self._piece_ids.get(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_unicode(text)
         token_ids, start = [], 0
         for match in self._special_pattern.finditer(text) if self._special_pattern is not None else ():
             if match.start() > start:

@@ -68,6 +68,19 @@ class Tokenizer(abc.ABC):
         """Ids outside the vocabulary are left out."""
 
 
+def check_unicode(text: str, what: str = "the text") -> None:
+    """ValueError naming the first lone UTF-16 surrogate in text. JSON can carry one ("\\ud800" is valid
+    JSON) but it is no Unicode character: the tokenizers' native code refuses it with an error that
+    names nothing, and no response holding it can be encoded as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{what} holds a lone UTF-16 surrogate (U+{ord(text[error.start]):04X} at character {error.start}), "
+            f"which is not valid Unicode: surrogates must come in high-low pairs"
+        ) from None
+
+
 def clean_up_tokenization(text: str) -> str:
     """transformers' clean-up of spaces before punctuation (WordPiece-era; never applied to BPE)."""
     for before, after in (

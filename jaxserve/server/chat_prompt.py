@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-from jaxserve.loading.chat_template import render_chat, text_content
+from jaxserve.loading.chat_template import render_chat, template_variables, text_content
+from jaxserve.loading.tokenizer import check_unicode
 from jaxserve.server import limits as request_limits
 from jaxserve.server.limits import RequestLimits
 
@@ -28,12 +29,15 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def message_text(messages: list) -> str:
-    """All the text a conversation carries (string contents and text parts), for the size check."""
+    """All the text a conversation carries (string contents and text parts), for the size check;
+    ValueError naming a message whose role or content is not valid Unicode."""
     texts = []
-    for message in text_content(messages):
+    for position, message in enumerate(text_content(messages)):
         if not isinstance(message, dict):
             raise ValueError("chat messages must be objects like {'role': 'user', 'content': '...'}")
-        texts += [str(message.get("role", "")), str(message.get("content") or "")]
+        for field in ("role", "content"):
+            texts.append(str(message.get(field) or ""))
+            check_unicode(texts[-1], f"messages[{position}].{field}")
     return "".join(texts)
 
 
@@ -51,7 +55,7 @@ def chat_prompt_token_ids(
     a template, or a template that fails."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so it cannot render chats")
-    request_limits.check_text(limits, message_text(messages))
+    request_limits.check_text(limits, message_text(messages), "the messages")
     text = render_chat(
         tokenizer,
         text_content(messages),
@@ -59,7 +63,7 @@ def chat_prompt_token_ids(
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tools=tools,
-        **(template_kwargs or {}),
+        **template_variables(template_kwargs),
     )
-    request_limits.check_text(limits, text)
+    request_limits.check_text(limits, text, "the rendered chat")  # tools and template variables are in it
     return tokenizer.encode(text, add_special_tokens=False)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jaxserve.loading.tokenizer import check_unicode
+
 # A token rarely spans more bytes than this; a longer text cannot fit into max_model_len tokens.
 PROMPT_BYTES_PER_TOKEN = 16
 # Room for a request's small fields (sampling numbers, tags and lengths) in the size bounds below.
@@ -90,9 +92,10 @@ def check_request_size(num_bytes: int, limit: int) -> None:
         )
 
 
-def check_text(limits: RequestLimits, text: str) -> None:
+def check_text(limits: RequestLimits, text: str, what: str = "the text") -> None:
     if utf8_size_exceeds(text, limits.max_prompt_bytes):
-        raise ValueError(f"the text is longer than {limits.max_prompt_bytes} bytes (server.max_prompt_bytes)")
+        raise ValueError(f"{what} is longer than {limits.max_prompt_bytes} bytes (server.max_prompt_bytes)")
+    check_unicode(text, what)
 
 
 def check_token_ids(limits: RequestLimits, token_ids: Sequence[int], what: str = "the prompt") -> None:
@@ -100,12 +103,14 @@ def check_token_ids(limits: RequestLimits, token_ids: Sequence[int], what: str =
         raise ValueError(f"{what} has {len(token_ids)} token ids, more than max_model_len ({limits.max_prompt_tokens})")
 
 
-def check_prompt(limits: RequestLimits, text: str, token_ids: Sequence[int]) -> str | list[int]:
+def check_prompt(
+    limits: RequestLimits, text: str, token_ids: Sequence[int], what: str = "the prompt"
+) -> str | list[int]:
     """The prompt: exactly one of text and token ids, within the size limits."""
     if bool(text) == bool(token_ids):
         raise ValueError("set exactly one of text and token_ids")
     if text:
-        check_text(limits, text)
+        check_text(limits, text, what)
         return text
     check_token_ids(limits, token_ids)
     return list(token_ids)
@@ -117,6 +122,8 @@ def check_stops(limits: RequestLimits, stop: Sequence[str], stop_token_ids: Sequ
     budget = limits.max_stop_string_bytes
     if utf8_size_exceeds("".join(stop), budget):
         raise ValueError(f"the stop strings together are longer than {budget} bytes (server.max_stop_string_bytes)")
+    for position, text in enumerate(stop):
+        check_unicode(text, f"stop string {position}")
     if len(stop_token_ids) > limits.max_stop_token_ids:
         raise ValueError(
             f"{len(stop_token_ids)} stop_token_ids, more than {limits.max_stop_token_ids} (server.max_stop_token_ids)"
@@ -133,3 +140,4 @@ def check_ids(limits: RequestLimits, **ids: str) -> None:
             raise ValueError(
                 f"{name} is {len(value)} characters long, more than {limits.max_id_length} (server.max_id_length)"
             )
+        check_unicode(value, name)  # ids are logged: a surrogate would fail the log line

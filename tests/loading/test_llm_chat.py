@@ -39,3 +39,27 @@ def test_chat_errors_leave_the_engine_idle(llama_llm):
             chat_template="{% if messages[0].content == 'bad' %}{{ raise_exception('refused') }}{% endif %}",
         )
     assert not llama_llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "name", ["messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template", "tokenizer"]
+)
+def test_template_kwargs_may_not_set_the_chats_own_arguments(llama_llm, name):
+    with pytest.raises(ValueError, match=f"chat_template_kwargs may not set '{name}'"):
+        llama_llm.chat([{"role": "user", "content": "hi"}], chat_template=TEMPLATE, chat_template_kwargs={name: None})
+    rendered = llama_llm.chat(
+        [{"role": "user", "content": "hi"}],
+        SamplingParams(max_tokens=1),
+        chat_template=TEMPLATE + "{{ mode }}",
+        chat_template_kwargs={"mode": "!"},
+    )
+    assert rendered[0].prompt == "user: hi\nbot:!"
+
+
+def test_a_lone_surrogate_is_a_value_error_naming_it(llama_llm):
+    """Valid JSON ("\\ud800") but no Unicode: the tokenizer refuses it by name, not with its native error."""
+    with pytest.raises(ValueError, match="lone UTF-16 surrogate"):
+        llama_llm.generate(["fine", "bad \ud800"], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="lone UTF-16 surrogate"):
+        llama_llm.chat([{"role": "user", "content": "\udc00"}], chat_template=TEMPLATE)
+    assert not llama_llm.engine.has_unfinished_requests()

@@ -118,6 +118,38 @@ def test_server_config_keys():
     assert load_config(None, ["engine.max_model_len=128"]).server.max_message_bytes == limits.MIN_MESSAGE_BYTES
 
 
+def test_served_model_names_and_cors_origins():
+    config = load_config(None, ["server.served_model_name=[main, alias]", "server.cors_allowed_origins=['*']"])
+    assert config.server.served_model_names == ("main", "alias") and config.server.cors_allowed_origins == ("*",)
+    single = load_config(None, ["server.served_model_name=main"]).server
+    assert single.served_model_names == ("main",) and load_config().server.served_model_names == ()
+    assert load_config().server.cors_allowed_origins == ()  # off unless asked for
+    for override, message in (
+        ("server.served_model_name=[]", "a name or a list of names"),
+        ("server.served_model_name=[a, a]", "names one model twice"),
+        ("server.served_model_name={a: 1}", "a name or a list of names"),
+        ("server.cors_allowed_origins=['https://ui.example/']", "is not an origin"),  # browsers send no slash
+        ("server.cors_allowed_origins=['ui.example:3000']", "is not an origin"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            load_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    "check,name",
+    [
+        (lambda: limits.check_prompt(LIMITS, "ok \ud800", [], "prompt[1]"), r"prompt\[1\]"),
+        (lambda: limits.check_text(LIMITS, "\udfff"), "the text"),
+        (lambda: limits.check_stops(LIMITS, ["fine", "\ud800"], []), "stop string 1"),
+        (lambda: limits.check_ids(LIMITS, request_id="r\ud800"), "request_id"),
+    ],
+)
+def test_a_lone_surrogate_is_refused_by_name(check, name):
+    with pytest.raises(ValueError, match=f"{name} holds a lone UTF-16 surrogate"):
+        check()
+    limits.check_prompt(LIMITS, "a pair: \U0001f600", [])  # a surrogate pair in JSON is one character here
+
+
 def output(token_ids, text, finish_reason=None):
     return RequestOutput("h", None, [1, 2], [CompletionOutput(0, text, token_ids, finish_reason)])
 

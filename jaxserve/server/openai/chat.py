@@ -44,7 +44,7 @@ def checked_chat(
         limits,
         body.messages,
         context.chat_template,
-        body.add_generation_prompt and not body.continue_final_message,
+        body.add_generation_prompt,
         body.continue_final_message,
         body.tools,
         body.chat_template_kwargs,

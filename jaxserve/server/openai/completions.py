@@ -43,11 +43,11 @@ def checked_completion(
     prompts = body.prompts()
     if len(prompts) > context.ready_loop().max_in_flight:
         raise ValueError(f"{len(prompts)} prompts in one request, more than the server runs at once")
-    for prompt in prompts:
+    for position, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError("a prompt is empty")
         if isinstance(prompt, str):
-            request_limits.check_prompt(limits, prompt, [])
+            request_limits.check_prompt(limits, prompt, [], f"prompt[{position}]" if len(prompts) > 1 else "prompt")
         else:
             request_limits.check_prompt(limits, "", prompt)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens

@@ -118,6 +118,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None  # passed to the template; tool calls are not parsed out
     tool_choice: str | dict[str, Any] | None = None
+    # as vLLM: continuing the final message needs add_generation_prompt false; both true is refused
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

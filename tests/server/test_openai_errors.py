@@ -18,6 +18,7 @@ API_KEY = "http-key-77a1"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_BODY = 65536
 SMALL = {"model": "llama_gqa", "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0.0}
+CHAT = {"model": "llama_gqa", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,27 @@ def test_503_until_warm_up_ends(warming):
         ),
         ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "exactly one"),
         ("/detokenize", {"tokens": [10**6]}, "outside the vocabulary"),
+        # a lone surrogate is valid JSON (json.dumps writes "\\ud800") but no text the tokenizer takes
+        ("/v1/completions", {**SMALL, "prompt": "a \ud800"}, "prompt holds a lone UTF-16 surrogate"),
+        ("/v1/completions", {**SMALL, "prompt": ["fine", "\udfff"]}, "prompt[1] holds a lone"),
+        ("/v1/completions", {**SMALL, "stop": ["\ud800"]}, "stop string 0 holds a lone"),
+        ("/v1/completions", {**SMALL, "request_id": "\ud800"}, "request_id holds a lone"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt holds a lone UTF-16 surrogate"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x\ud800"}]}, "messages[0].content holds a lone"),
+        *[
+            ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {name: value}}, f"may not set '{name}'")
+            for name, value in (
+                ("messages", []),
+                ("tools", []),
+                ("add_generation_prompt", False),
+                ("continue_final_message", True),
+                ("chat_template", "{{ 1 }}"),
+            )
+        ],
+        # as vLLM: continuing the final message and starting a new one exclude each other
+        ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, "exclusive"),
+        ("/tokenize", {"messages": CHAT["messages"], "continue_final_message": True}, "exclusive"),
     ],
 )
 def test_bad_requests_are_400_with_the_reason(server, client, path, body, reason):
@@ -119,22 +141,38 @@ def test_malformed_json_is_400(server, client):
     assert refused.value.status_code == 400 and "temperature" in refused.value.message
 
 
-def test_unknown_model_is_404(client):
+def test_unknown_model_is_404(server, client):
     with pytest.raises(openai.NotFoundError) as refused:
         client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert refused.value.body["param"] == "model" and "gpt-5" in refused.value.body["message"]
+    # the refusal quotes the name: one holding a lone surrogate must still make a JSON answer
+    status, _, answer = http(server, "POST", "/v1/completions", {**SMALL, "model": "gpt-\ud800"}, AUTH)
+    assert status == 404 and "gpt-\ud800" in error_of(answer)["message"]
     still_serving(client)
 
 
 def test_missing_or_unknown_key_is_401_and_health_needs_none(server, client):
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
-        status, _, answer = http(server, "POST", "/v1/completions", SMALL, headers)
-        assert status == 401 and error_of(answer)["code"] == 401
+    for headers, problem in (
+        ({}, "no API key"),
+        ({"Authorization": "Bearer wrong"}, "unknown API key"),
+        ({"Authorization": API_KEY}, "unknown API key"),
+    ):
+        status, answer_headers, answer = http(server, "POST", "/v1/completions", SMALL, headers)
+        error = error_of(answer)
+        assert status == 401 and answer_headers["www-authenticate"] == "Bearer"
+        # OpenAI's own 401: clients and chat UIs read the type and code
+        assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_api_key", None)
+        assert error["message"].startswith(problem)
     with openai_client(server, api_key="wrong") as stranger, pytest.raises(openai.AuthenticationError):
         stranger.models.list()
     assert http(server, "GET", "/metrics")[0] == 401 and http(server, "GET", "/metrics", headers=AUTH)[0] == 200
     assert http(server, "GET", "/health")[0] == 200
     still_serving(client)
+
+
+def test_no_cors_headers_unless_configured(server):
+    status, headers, _ = http(server, "POST", "/v1/completions", SMALL, {**AUTH, "Origin": "https://ui.example"})
+    assert status == 200 and not [name for name in headers if name.lower().startswith("access-control-")]
 
 
 def test_oversized_body_is_413(server, client):
@@ -203,7 +241,9 @@ def test_a_prefill_replica_refuses_http_generation():
     from jaxserve.server.openai.errors import APIError
 
     context = ServingContext(metrics=None)
-    context.loop = SimpleNamespace(draining=False, engine=SimpleNamespace(config=SimpleNamespace(role="prefill")))
+    context.loop = SimpleNamespace(
+        draining=False, engine=SimpleNamespace(config=SimpleNamespace(disagg=SimpleNamespace(role="prefill")))
+    )
     try:
         with pytest.raises(APIError) as error:
             asyncio.run(context.admit(10, lambda: ([[1, 2]], [None], None), "r", None))

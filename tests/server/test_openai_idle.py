@@ -59,6 +59,8 @@ def test_a_client_that_stops_reading_is_cut_off(server):
     while client.recv(1 << 16):  # what the buffers held, then the end: the server closed the connection
         pass
     client.close()
-    assert "has not read" in server.read_log()
+    log = server.read_log()
+    # one line says what happened; the response task's cancellation is no error to trace back
+    assert log.count("has not read") == 1 and "Traceback" not in log and "CancelledError" not in log, log
     with openai_client(server) as other:
         assert other.completions.create(model="llama_gqa", prompt=[1, 2], max_tokens=2).choices[0].finish_reason

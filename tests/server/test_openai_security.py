@@ -66,7 +66,7 @@ def test_https_with_a_client_certificate_and_a_key(server, certificates):
     ) as client:
         assert client.completions.create(**SMALL).choices[0].finish_reason == "length"
     status, _, body = http(server, "POST", "/v1/completions", SMALL, scheme="https", context=context)
-    assert status == 401 and error_of(body)["code"] == 401
+    assert status == 401 and error_of(body)["code"] == "invalid_api_key"
     assert http(server, "GET", "/health", scheme="https", context=context)[0] == 200
 
 

@@ -1,11 +1,14 @@
 """The ASGI app: the OpenAI routes (completions.py, chat.py) and vLLM's side routes (/v1/models,
-/tokenize, /detokenize, /health, /metrics), behind the guard (API keys, body size)."""
+/tokenize, /detokenize, /health, /metrics), behind the guard (API keys, body size) and, when
+server.cors_allowed_origins names any, CORS."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp
 
 import jaxserve
 from jaxserve.server import limits as request_limits
@@ -18,7 +21,14 @@ from jaxserve.server.openai.guard import Guard
 from jaxserve.server.openai.protocol import DetokenizeRequest, TokenizeRequest
 
 
-def build_app(context: ServingContext, api_keys: ApiKeys | None, max_message_bytes: int) -> Guard:
+def build_app(
+    context: ServingContext,
+    api_keys: ApiKeys | None,
+    max_message_bytes: int,
+    cors_allowed_origins: tuple[str, ...] = (),
+) -> ASGIApp:
+    """cors_allowed_origins: server.cors_allowed_origins, the browser origins (or "*") whose pages may
+    call the API; none: no CORS headers, so browsers keep other sites' pages out."""
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.context = context
     install_error_handlers(app, context.on_refusal)
@@ -40,7 +50,6 @@ def build_app(context: ServingContext, api_keys: ApiKeys | None, max_message_byt
     @app.get("/v1/models")
     async def models():
         loop = context.ready_loop()
-        name = context.model_name
         return {
             "object": "list",
             "data": [
@@ -49,10 +58,11 @@ def build_app(context: ServingContext, api_keys: ApiKeys | None, max_message_byt
                     "object": "model",
                     "created": context.created,
                     "owned_by": "jaxserve",
-                    "root": name,
+                    "root": context.checkpoint_name,
                     "parent": None,
                     "max_model_len": loop.description.max_model_len,
                 }
+                for name in context.model_names
             ],
         }
 
@@ -69,7 +79,12 @@ def build_app(context: ServingContext, api_keys: ApiKeys | None, max_message_byt
         context.check_model(body.model)
         return {"prompt": await context.run(detokenized, context, body.tokens)}
 
-    return Guard(app, api_keys, max_message_bytes, context.on_refusal)
+    guard = Guard(app, api_keys, max_message_bytes, context.on_refusal)
+    if not cors_allowed_origins:
+        return guard
+    # Outside the guard: a browser's preflight (OPTIONS) carries no API key, and a refusal (401, 413)
+    # needs the CORS headers too, or the page cannot read why it was refused.
+    return CORSMiddleware(guard, allow_origins=list(cors_allowed_origins), allow_methods=["*"], allow_headers=["*"])
 
 
 def tokenized(context: ServingContext, body: TokenizeRequest) -> list[int]:
@@ -81,10 +96,10 @@ def tokenized(context: ServingContext, body: TokenizeRequest) -> list[int]:
             context.limits,
             body.messages,
             context.chat_template,
-            body.add_generation_prompt and not body.continue_final_message,
+            body.add_generation_prompt,
             body.continue_final_message,
         )
-    request_limits.check_text(context.limits, body.prompt)
+    request_limits.check_text(context.limits, body.prompt, "prompt")
     return context.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
 

@@ -7,6 +7,7 @@ a full queue (Overloaded) 429, a server warming up or draining 503.
 
 from __future__ import annotations
 
+import json
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -30,8 +31,21 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": f"{name}Error", "param": param, "code": status}}
 
 
+def authentication_error_body(message: str) -> dict:
+    """A 401 as OpenAI answers one (clients and UIs read its type and code, not the status's name)."""
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+
+
+class ErrorResponse(JSONResponse):
+    """JSON escaped to ASCII: a refusal may quote the request (an unknown model's name), and a lone
+    surrogate in it cannot be encoded as UTF-8."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+    return ErrorResponse(error_body(status, message, param), status_code=status)
 
 
 def api_error(error: Exception) -> APIError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from jaxserve.server.auth import ApiKeys
-from jaxserve.server.openai.errors import error_body
+from jaxserve.server.openai.errors import authentication_error_body, error_body
 
 EXEMPT_PATHS = ("/health",)
 # A body may be this many times server.max_message_bytes (the gRPC bound): JSON spends up to 6 bytes
@@ -20,8 +20,9 @@ EXEMPT_PATHS = ("/health",)
 JSON_EXPANSION = 4
 
 
-async def send_error(send, status: int, message: str, headers: tuple = ()) -> None:
-    body = json.dumps(error_body(status, message)).encode()
+async def send_error(send, status: int, error: dict, headers: tuple = ()) -> None:
+    """error: OpenAI's error JSON (errors.py)."""
+    body = json.dumps(error).encode()
     await send(
         {
             "type": "http.response.start",
@@ -49,10 +50,11 @@ class Guard:
             authorization = headers.get(b"authorization", b"").decode("latin-1")
             if not self.api_keys.allows(authorization):
                 self.on_refusal(401)
+                problem = "unknown API key" if authorization else "no API key"
                 return await send_error(
                     send,
                     401,
-                    "missing or unknown API key: send 'Authorization: Bearer KEY'",
+                    authentication_error_body(f"{problem}: send 'Authorization: Bearer KEY' with a key of this server"),
                     ((b"www-authenticate", b"Bearer"),),
                 )
         declared = headers.get(b"content-length")
@@ -83,8 +85,11 @@ class Guard:
         await send_error(
             send,
             413,
-            f"the request body is larger than {self.max_body_bytes} bytes "
-            f"({JSON_EXPANSION} x server.max_message_bytes)",
+            error_body(
+                413,
+                f"the request body is larger than {self.max_body_bytes} bytes "
+                f"({JSON_EXPANSION} x server.max_message_bytes)",
+            ),
         )
 
 

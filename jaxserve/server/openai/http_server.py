@@ -17,10 +17,22 @@ import time
 import uvicorn
 
 from jaxserve.server.config_file import TLSConfig
+from jaxserve.server.openai.streams import StreamExpired
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT = 30.0  # seconds for uvicorn to start serving on its bound socket
 GRACEFUL_SHUTDOWN = 5.0  # seconds open connections get after a drain before they are closed
+
+
+class _ExpiredStreams(logging.Filter):
+    """Drops uvicorn's traceback for a response cut off by the stream idle timeout: the engine loop has
+    logged that one line already, and uvicorn closing the connection is the intended end."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], StreamExpired))
+
+
+EXPIRED_STREAMS = _ExpiredStreams()  # one instance: adding it again (a second server) is a no-op
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -56,6 +68,7 @@ class HTTPServer:
             **tls_options,
         )
         self.server = uvicorn.Server(config)
+        logging.getLogger("uvicorn.error").addFilter(EXPIRED_STREAMS)  # where uvicorn reports an app's exceptions
         self.thread = threading.Thread(target=self._run, name="jaxserve-http", daemon=True)
         self.failure: BaseException | None = None
 

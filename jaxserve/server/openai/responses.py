@@ -9,6 +9,7 @@ every case: finished, disconnected, expired or failed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from starlette.responses import StreamingResponse
 
 from jaxserve.server.openai.errors import APIError
-from jaxserve.server.openai.streams import StreamGroup
+from jaxserve.server.openai.streams import StreamExpired, StreamGroup
 from jaxserve.server.request_stream import Delta
 
 DONE = "data: [DONE]\n\n"
@@ -40,6 +41,13 @@ class EventStreamResponse(StreamingResponse):
         self.group.cancel_on_expiry()
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.group.expired:
+                raise  # the server is stopping
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # the cancellation ends here, as StreamExpired
+            raise StreamExpired("the client stopped reading (server.stream_idle_timeout)") from None
         finally:
             self.group.release()
 

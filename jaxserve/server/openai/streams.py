@@ -34,12 +34,19 @@ def submit_all(
     return streams
 
 
+class StreamExpired(Exception):
+    """A response cut off because its client stopped reading (server.stream_idle_timeout). The engine
+    loop has logged it already; uvicorn closes the connection and http_server.py keeps its traceback
+    out of the log."""
+
+
 class StreamGroup:
     """The streams of one API call, read as (stream position, delta) pairs in arrival order."""
 
     def __init__(self, engine_loop: EngineLoop, streams: list[RequestStream]):
         self.engine_loop = engine_loop
         self.streams = streams
+        self.expired = False  # the engine loop expired one of the streams (cancel_on_expiry)
         self._event = asyncio.Event()
         event_loop = asyncio.get_running_loop()
 
@@ -56,10 +63,15 @@ class StreamGroup:
         """End the calling task (the response's) when the engine loop expires one of these streams
         (stuck on its client for server.stream_idle_timeout): uvicorn then closes the connection."""
         task, event_loop = asyncio.current_task(), asyncio.get_running_loop()
+        assert task is not None, "called from a response's task"
+
+        def expire() -> None:  # event loop
+            self.expired = True
+            task.cancel()
 
         def cancel() -> None:  # engine thread
             try:
-                event_loop.call_soon_threadsafe(task.cancel)
+                event_loop.call_soon_threadsafe(expire)
             except RuntimeError:
                 pass
 

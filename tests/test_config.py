@@ -1,0 +1,89 @@
+"""EngineConfig's groups, the flat option names that LLM and `engine:` sections use, and config files'
+sections (jaxserve/config.py, jaxserve/config_sections.py, jaxserve/server/config_file.py)."""
+
+import dataclasses
+
+import pytest
+
+from jaxserve.config import CacheConfig, EngineConfig, EngineRole, SchedulerConfig
+from jaxserve.host.request import FinishReason
+from jaxserve.router.config import load_router_config
+from jaxserve.server.config_file import load_config
+
+
+def test_every_option_has_one_group_and_a_unique_name():
+    names = EngineConfig.option_names()
+    grouped = [
+        f.name
+        for group in ("cache", "scheduler", "parallel", "compile", "disagg")
+        for f in dataclasses.fields(getattr(EngineConfig(), group))
+    ]
+    assert len(grouped) == len(set(grouped))
+    assert {"page_size": "cache", "max_num_seqs": "scheduler", "role": "disagg", "dtype": None}.items() <= names.items()
+
+
+def test_from_options_routes_flat_names_into_groups():
+    config = EngineConfig.from_options(page_size=32, max_num_seqs=8, tensor_parallel_size=2, role="decode", seed=7)
+    assert config.cache == CacheConfig(page_size=32)
+    assert config.scheduler == SchedulerConfig(max_num_seqs=8)
+    assert config.parallel.tensor_parallel_size == 2 and config.seed == 7
+    assert config.disagg.role is EngineRole.DECODE
+    assert config.with_options(page_size=8, max_num_seqs=2).cache.page_size == 8
+    assert config.with_options(max_num_seqs=2).cache.page_size == 32  # the rest kept
+    with pytest.raises(ValueError, match=r"unknown engine options \['max_num_seq'\]"):
+        EngineConfig.from_options(max_num_seq=4)
+    with pytest.raises(ValueError, match="repeat what the cache group sets"):
+        EngineConfig.from_options(cache={"page_size": 8}, page_size=16)
+
+
+def test_validation_spans_groups():
+    with pytest.raises(ValueError, match="prefill_token_buckets must be multiples of prefill_query_block"):
+        EngineConfig.from_options(prefill_token_buckets=(24,), prefill_query_block=16)
+    with pytest.raises(ValueError, match="swap_space"):
+        EngineConfig.from_options(swap_space=1.0, data_parallel_size=2)
+    with pytest.raises(ValueError, match="role must be both, prefill or decode"):
+        EngineConfig.from_options(role="neither")
+    with pytest.raises(ValueError, match="unknown cache option 'max_num_seqs'"):
+        EngineConfig(cache={"max_num_seqs": 4})  # type: ignore[arg-type]
+
+
+def test_config_file_sections_mirror_the_groups(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "model: {path: tiny-random, dtype: bfloat16}\n"
+        "cache: {page_size: 32, enable_prefix_caching: false}\n"
+        "scheduler: {max_num_seqs: 4}\n"
+        "engine: {seed: 3, max_model_len: 256}\n"
+    )
+    config = load_config(str(path), ["compile.attention_impl=reference", "disagg.role=prefill"]).engine
+    assert (config.cache.page_size, config.cache.enable_prefix_caching) == (32, False)
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_model_len, config.seed) == (4, 256, 3)
+    assert config.compile.attention_impl == "reference" and config.disagg.role == "prefill"
+    assert config.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="unknown config key cache.max_num_seqs"):
+        load_config(str(path), ["cache.max_num_seqs=2"])
+    with pytest.raises(ValueError, match="scheduler.max_num_seqs and engine.max_num_seqs are the same option"):
+        load_config(str(path), ["engine.max_num_seqs=2"])
+    with pytest.raises(ValueError, match="the dtype is model.dtype"):
+        load_config(None, ["engine.dtype=float32"])
+    with pytest.raises(ValueError, match="config section 'cache' must be a mapping"):
+        path.write_text("cache: [1, 2]\n")
+        load_config(str(path))
+
+
+def test_the_router_loads_its_sections_with_the_same_loader(tmp_path):
+    path = tmp_path / "router.yaml"
+    path.write_text("model: {path: tiny-random}\nreplicas: ['127.0.0.1:1']\n")
+    config = load_router_config(str(path), ["router.port=7000"])
+    assert config.router.port == 7000
+    with pytest.raises(ValueError, match="unknown config key router.prot"):
+        load_router_config(str(path), ["router.prot=1"])
+    with pytest.raises(ValueError, match="unknown config key 'engine.page_size'"):
+        load_router_config(str(path), ["engine.page_size=1"])
+
+
+def test_finish_reasons_travel_as_plain_strings():
+    import json
+
+    assert json.dumps({"finish_reason": FinishReason.LENGTH}) == '{"finish_reason": "length"}'
+    assert FinishReason.STOP == "stop" and str(FinishReason.ABORT) == "abort"

@@ -220,7 +220,11 @@ def follow(config: ServeConfig) -> int:
     """A follower process: build the same engine as process 0, then run its plans until it stops."""
     from jaxserve.distributed.follower import run_follower
 
-    engine = Engine.from_model(config.model_dir(), config.engine)
+    try:
+        engine = Engine.from_model(config.model_dir(), config.engine)
+    except Exception as error:  # process 0 must not wait for (or serve without) this process
+        distributed.report_start_failure(str(error) if isinstance(error, ValueError) else repr(error))
+        raise
     logger.info("following process 0's plans")
     run_follower(engine.parts)
     distributed.shutdown()

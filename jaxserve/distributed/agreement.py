@@ -12,6 +12,26 @@ from jaxserve.config import EngineRole
 from jaxserve.distributed import runtime
 
 
+def check_every_process_holds_devices(mesh, parallel) -> None:
+    """Several processes: each must hold devices of the mesh, else it has no part of any step to run
+    (its follower loop would fail at the first plan while process 0 served alone). The mesh is the same
+    on every process, so every process refuses it alike, before anything is placed on a device."""
+    if not runtime.is_multiprocess():
+        return
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    used = {device.process_index for device in devices}
+    missing = [process for process in range(jax.process_count()) if process not in used]
+    if missing:
+        local = [sum(1 for d in jax.devices() if d.process_index == p) for p in range(jax.process_count())]
+        raise ValueError(
+            f"data_parallel_size {parallel.data_parallel_size} x tensor_parallel_size "
+            f"{parallel.tensor_parallel_size} uses {len(devices)} device(s), all on process(es) {sorted(used)}; "
+            f"the {jax.process_count()} processes hold {jax.device_count()} devices ({local} per process), so "
+            f"process(es) {missing} would hold none. Every process must hold devices of the mesh: make "
+            f"data_parallel_size x tensor_parallel_size {jax.device_count()} (every device)"
+        )
+
+
 def agree_on_engine(config, model_config):
     """The EngineConfig every process builds with (unchanged on one process)."""
     if not runtime.is_multiprocess():

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 FATAL_EXIT_CODE = 3
 FATAL_GRACE_SECONDS = 1.0  # between health turning NOT_SERVING and the exit, so a health check can see it
 KEY_PREFIX = "jaxserve"
+START_ERROR_KEY = f"{KEY_PREFIX}/start_error"
+START_WATCH_INTERVAL = 0.5  # seconds between process 0's looks for a follower's start failure
 
 _config: DistributedConfig | None = None
 _fatal_hooks: list[Callable[[], None]] = []
@@ -56,6 +58,8 @@ def initialize(config: DistributedConfig | None) -> int:
         heartbeat_timeout_seconds=int(2 * config.peer_timeout) + 10,
     )
     _config = config
+    if jax.process_index() == 0 and jax.process_count() > 1:
+        threading.Thread(target=_watch_start_failures, daemon=True, name="jaxserve-start-watch").start()
     logger.info(
         "process %d of %d; %d devices, %d local",
         jax.process_index(),
@@ -105,6 +109,28 @@ def fatal(message: str) -> None:
     time.sleep(FATAL_GRACE_SECONDS)
     sys.stdout.flush()
     _exit(FATAL_EXIT_CODE)
+
+
+def report_start_failure(message: str) -> None:
+    """A follower that cannot build its engine says so, so that process 0 stops too instead of waiting
+    for it (or serving without it)."""
+    try:
+        client().key_value_set(f"{START_ERROR_KEY}/{jax.process_index()}", message, allow_overwrite=True)
+    except Exception:  # the coordination service is gone: process 0 is stopping anyway
+        logger.exception("could not report the start failure to process 0")
+
+
+def _watch_start_failures() -> None:
+    """Process 0, for as long as it runs: a follower's reported start failure ends it with that error."""
+    kv = client()
+    while True:
+        time.sleep(START_WATCH_INTERVAL)
+        for process in range(1, jax.process_count()):
+            try:
+                message = kv.key_value_try_get(f"{START_ERROR_KEY}/{process}")
+            except Exception:  # nothing reported (or the service is shutting down)
+                continue
+            fatal(f"process {process} could not start: {message}; process 0 stops")
 
 
 def set_active_leader(leader) -> None:

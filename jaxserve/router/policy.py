@@ -1,14 +1,17 @@
 """Which replica a request goes to.
 
-`prefix` predicts each replica's time to first token and takes the smallest: the wait for the step under
-way and for the prefill already queued there, plus this request's own cost, where a page cached on the
-device costs nothing, a page in the host tier costs a swap-in, and a missing page costs its tokens' prefill
-at the replica's measured rate (in whole steps: see prefill_seconds). A replica without free pages for the
-request (it would wait for running sequences to finish, which no rate predicts) is chosen only when none
-has them. Predictions less than a step apart (the replicas' median step time, or TIE_TOLERANCE of the best)
-are ties, since a prediction counts whole steps of a noisy measured length: among them the replica with the
-most of the prompt cached keeps it (its next turn will find the pages there too), then the least loaded; a
-cold prefix (no hits anywhere) is therefore routed by load.
+`prefix` predicts each replica's time to first token: the wait for the step under way and for the prefill
+already queued there, plus this request's own cost, where a page cached on the device costs nothing, a page
+in the host tier costs a swap-in, and a missing page costs its tokens' prefill at the replica's measured rate
+(in whole steps: see prefill_seconds). A replica that has not measured yet (right after start-up) is
+predicted with its peers' slowest measurements, never as free. To the prediction it adds what the request's
+decode loses to the sequences already there (sharing_seconds): without it, a replica holding a shared system
+prompt wins every new conversation while the others idle. A replica without free pages for the request, or
+without a free sequence slot (either way it would wait for running sequences to finish, which no rate
+predicts), is chosen only when none has them. Costs less than a step apart (the replicas' median step time,
+or TIE_TOLERANCE of the best) are ties, since a prediction counts whole steps of a noisy measured length:
+among them the replica with the most of the prompt cached keeps it (its next turn will find the pages there
+too), then the least loaded; a cold prefix (no hits anywhere) is therefore routed by load.
 
 `round_robin`, `least_load` and `session` (sticky by session id, rendezvous hashing so that a replica going
 away moves only its own sessions) are there to compare against.
@@ -52,6 +55,7 @@ class Prediction:
     num_hit_tokens: int
     num_uncached_tokens: int
     ttft: float  # seconds
+    cost: float  # seconds: ttft plus sharing_seconds, what the prefix policy minimizes
     load: int
     num_pages_needed: int  # free pages its admission takes, beyond its cached device pages
     fits: bool  # the replica has them, after what the router has sent there already
@@ -68,6 +72,21 @@ def prefill_rate(replica, replicas) -> float:
         return replica.load.prefill_seconds_per_token
     measured = [r.load.prefill_seconds_per_token for r in replicas if r.load.prefill_seconds_per_token > 0]
     return max(measured, default=DEFAULT_PREFILL_SECONDS_PER_TOKEN)
+
+
+def step_time(replica, replicas) -> float:
+    """The replica's measured step time; before it has measured (right after start-up), its peers' slowest.
+    Never zero while any replica has measured: an unmeasured replica would otherwise be predicted without
+    the step under way and without whole steps, and beat the replica that holds the prompt."""
+    if replica.load.step_seconds > 0:
+        return replica.load.step_seconds
+    return max((r.load.step_seconds for r in replicas), default=0.0)
+
+
+def has_free_slot(replica) -> bool:
+    """Whether the replica can admit another sequence at once: at max_num_seqs a new request waits for a
+    running one to finish, which no rate predicts. Unknown max_num_seqs (0): assumed free."""
+    return not replica.max_num_seqs or replica_load(replica) < replica.max_num_seqs
 
 
 def queued_prefill_tokens(replica) -> int:
@@ -88,6 +107,12 @@ def prefill_seconds(step_seconds: float, num_tokens: int, per_token: float) -> f
     return step_seconds * (0.5 + max(1, math.ceil(num_tokens * per_token / step_seconds - 1e-9)))
 
 
+def sharing_seconds(replica, request: RouteRequest, replicas) -> float:
+    """What the request's decode loses to the sequences already on the replica: each takes one token of
+    every step's budget (priced as the prompt token it displaces) for each token the request generates."""
+    return replica_load(replica) * request.max_new_tokens * prefill_rate(replica, replicas)
+
+
 def predict(replica, request: RouteRequest, replicas) -> Prediction:
     page_size = replica.page_size
     match = replica.view.match(request.keys(page_size))
@@ -97,13 +122,16 @@ def predict(replica, request: RouteRequest, replicas) -> Prediction:
     swap_in = replica.load.swap_in_seconds_per_page or SWAP_IN_FRACTION * per_token * page_size
     queued_tokens = queued_prefill_tokens(replica)
     ttft = (
-        prefill_seconds(replica.load.step_seconds, queued_tokens + num_uncached, per_token)
+        prefill_seconds(step_time(replica, replicas), queued_tokens + num_uncached, per_token)
         + match.num_host_pages * swap_in
     )
     num_pages = math.ceil((len(request.token_ids) + request.max_new_tokens) / page_size)
     num_pages_needed = num_pages - match.num_device_pages - match.num_pending_pages
     fits = num_pages_needed <= replica.load.num_free_pages - replica.outstanding_pages
-    return Prediction(replica, match, num_hit_tokens, num_uncached, ttft, replica_load(replica), num_pages_needed, fits)
+    cost = ttft + sharing_seconds(replica, request, replicas)
+    return Prediction(
+        replica, match, num_hit_tokens, num_uncached, ttft, cost, replica_load(replica), num_pages_needed, fits
+    )
 
 
 class PrefixPolicy:
@@ -111,11 +139,12 @@ class PrefixPolicy:
 
     def choose(self, request: RouteRequest, replicas: list) -> Prediction:
         predictions = [predict(replica, request, replicas) for replica in replicas]
-        predictions = [p for p in predictions if p.fits] or predictions
-        best = min(p.ttft for p in predictions)
-        step = statistics.median(p.replica.load.step_seconds for p in predictions)
-        ties = [p for p in predictions if p.ttft <= best + max(best * TIE_TOLERANCE, step) + 1e-9]
-        return min(ties, key=lambda p: (-p.num_hit_tokens, p.load, p.ttft))
+        fitting = [p for p in predictions if p.fits] or predictions
+        predictions = [p for p in fitting if has_free_slot(p.replica)] or fitting
+        best = min(p.cost for p in predictions)
+        step = statistics.median(step_time(p.replica, replicas) for p in predictions)
+        ties = [p for p in predictions if p.cost <= best + max(best * TIE_TOLERANCE, step) + 1e-9]
+        return min(ties, key=lambda p: (-p.num_hit_tokens, p.load, p.cost))
 
 
 class RoundRobinPolicy:

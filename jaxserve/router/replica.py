@@ -104,6 +104,11 @@ class Replica:
     def page_size(self) -> int:
         return self.info.page_size
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences the replica runs at once (0 before its ServerInfo has arrived: unknown)."""
+        return self.info.max_num_seqs if self.info is not None else 0
+
     def start(self) -> None:
         for thread in self._threads:
             thread.start()
@@ -212,6 +217,7 @@ class Replica:
                 snapshot = None
                 self.num_snapshots += 1
                 self.instance_id = batch.instance_id
+                self.load = batch.load  # before it is routable: routed on an empty load it would look idle
                 self._set_up_state(subscribed=True)
             elif not self.view.apply(batch.sequence, events):
                 logger.warning(

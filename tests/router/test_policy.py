@@ -8,6 +8,7 @@ from jaxserve.host.kv_events import DEVICE, HOST, STORED, KVEvent
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.cache_view import CacheView
 from jaxserve.router.policy import LeastLoadPolicy, PrefixPolicy, RoundRobinPolicy, RouteRequest, SessionPolicy, predict
+from tests.router.workload_sim import Workload
 
 PAGE_SIZE = 16
 SYSTEM = list(range(3, 3 + 8 * PAGE_SIZE))  # an 8-page system prompt
@@ -15,7 +16,7 @@ SYSTEM = list(range(3, 3 + 8 * PAGE_SIZE))  # an 8-page system prompt
 
 class FakeReplica:
     def __init__(self, address: str, prefill_seconds_per_token: float = 1e-3, swap_in_seconds_per_page: float = 0.0):
-        self.address, self.page_size, self.is_up = address, PAGE_SIZE, True
+        self.address, self.page_size, self.is_up, self.max_num_seqs = address, PAGE_SIZE, True, 0
         self.view = CacheView()
         self.view.reset(0, [])
         self.load = pb.ReplicaLoad(
@@ -137,7 +138,7 @@ def test_a_replica_without_free_pages_for_the_request_is_passed_over():
 
 def test_a_replica_with_slow_steps_makes_new_requests_wait():
     fast, slow = FakeReplica("fast"), FakeReplica("slow")
-    slow.load.step_seconds = 0.5
+    fast.load.step_seconds, slow.load.step_seconds = 0.01, 0.5
     assert PrefixPolicy().choose(request(), [slow, fast]).replica is fast
     # 148 uncached tokens at 1 ms each: 0.3 s of prefill in steps of 0.5 s; plus half the step under way
     assert predict(slow, request(), [slow]).ttft == pytest.approx(0.25 + 0.5)
@@ -156,3 +157,43 @@ def test_predictions_less_than_a_step_apart_keep_the_prompt_where_it_is_cached()
     assert PrefixPolicy().choose(request(), [home, other]).replica is home
     home.load.step_seconds, home.load.prefill_seconds_per_token = 0.2, 0.2 / 48  # ten times slower: it loses
     assert PrefixPolicy().choose(request(), [home, other]).replica is other
+
+
+def test_right_after_start_up_the_replica_holding_the_prompt_gets_it():
+    """Fresh replicas have measured nothing yet (step time 0): they are predicted with their peers' step time,
+    not as free, so the one that holds the prompt keeps it."""
+    fresh, home, other = FakeReplica("fresh", 0.0), FakeReplica("home", 0.1 / 256), FakeReplica("other", 0.0)
+    home.load.step_seconds = 0.1  # 256 prompt tokens a step: the whole prompt would fit in one
+    home.cache(SYSTEM)
+    assert PrefixPolicy().choose(request(), [fresh, home, other]).replica is home
+    home.load.step_seconds = home.load.prefill_seconds_per_token = 0.0  # nobody has measured yet
+    assert PrefixPolicy().choose(request(), [fresh, home, other]).replica is home
+
+
+def test_a_replica_without_a_free_sequence_slot_is_passed_over():
+    """At max_num_seqs a new request waits for a running sequence to finish, however much of it is cached."""
+    full, roomy = FakeReplica("full"), FakeReplica("roomy")
+    full.max_num_seqs = roomy.max_num_seqs = 4
+    full.cache(SYSTEM)
+    full.load.num_running, full.num_outstanding = 3, 1
+    assert PrefixPolicy().choose(request(), [full, roomy]).replica is roomy
+    roomy.load.num_waiting = 4  # neither has a slot: the better prediction
+    assert PrefixPolicy().choose(request(), [full, roomy]).replica is full
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_multi_turn_workload_keeps_every_replica_busy_and_each_conversation_home(seed):
+    """Conversations sharing a system prompt arrive over 5 s on 3 simulated replicas. The replica that cached
+    the system prompt first used to win every new conversation (it saves that prefill) until its sequence
+    slots filled, leaving the others idle; its queue then waited for slots. Now each replica gets work, and
+    each conversation stays where its history is cached."""
+    workload = Workload(PrefixPolicy(), seed=seed)
+    workload.run(arrival_spread=5.0, answer_tokens=128)
+    per_replica = workload.requests_per_replica()
+    assert set(per_replica) == {"a", "b", "c"}
+    assert min(per_replica.values()) >= 0.15 * len(workload.requests), per_replica
+    assert workload.num_moves() <= 0.05 * len(workload.requests)
+    assert workload.hit_rate() > 0.9
+    sticky = Workload(SessionPolicy(), seed=seed)  # sessions spread evenly and never move: a fair yardstick
+    sticky.run(arrival_spread=5.0, answer_tokens=128)
+    assert workload.mean_ttft() < 1.25 * sticky.mean_ttft()

@@ -1,0 +1,142 @@
+"""The projections' dispatch (pallas_kernels/matmul): which entry the builder's plan holds where, which entry
+serves a call, the reference's exact lowering (the HLO a step had before the dispatch existed), and that the
+models name no kernel."""
+
+import ast
+import pathlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models.layers import project
+from pallas_kernels import cpu_library
+from pallas_kernels.matmul import (
+    REFERENCE_PLAN,
+    SMALL_MATMUL_MAX_ROWS,
+    MatmulPlan,
+    ReferenceMatmul,
+    SmallMatmul,
+    choose_matmul,
+    cpu,
+    reference,
+)
+
+MODELS = pathlib.Path(__file__).resolve().parents[2] / "jaxserve" / "models"
+
+
+def test_the_plan_takes_the_kernel_only_on_a_one_device_cpu_process():
+    cpu_plan = choose_matmul("cpu", 1)
+    assert [type(entry) for entry in cpu_plan.entries] == [SmallMatmul, ReferenceMatmul]
+    assert dict(cpu_plan.entries[0].max_rows) == {str(dtype): rows for dtype, rows in SMALL_MATMUL_MAX_ROWS.items()}
+    # several devices (a mesh, or fake CPU devices): weights may be sharded, which the custom call cannot split
+    for platform, num_devices in [("cpu", 8), ("gpu", 1), ("tpu", 4)]:
+        assert choose_matmul(platform, num_devices) == REFERENCE_PLAN
+
+
+def test_the_plan_falls_back_to_the_reference_without_a_compiler(monkeypatch, tmp_path):
+    cpu_library.load.cache_clear()
+    cpu._register.cache_clear()
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_library, "CACHE_DIR", str(tmp_path))
+            patch.setattr(cpu_library.shutil, "which", lambda name: None)
+            assert choose_matmul("cpu", 1) == REFERENCE_PLAN
+    finally:
+        cpu_library.load.cache_clear()
+        cpu._register.cache_clear()
+    assert choose_matmul("cpu", 1) != REFERENCE_PLAN  # built again once a compiler is back
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_the_kernel_serves_up_to_its_rows_and_joins_weights_only_there(dtype):
+    plan = choose_matmul("cpu", 1)
+    max_rows = SMALL_MATMUL_MAX_ROWS[jnp.dtype(dtype)]
+    weights = [jnp.ones((16, 8), dtype), jnp.ones((16, 4), dtype)]
+    for num_rows in (1, max_rows, max_rows + 1):
+        rows = jnp.ones((num_rows, 16), dtype)
+        hlo = jax.jit(lambda rows, *ws: plan.together(rows, ws) or ()).lower(rows, *weights).as_text()
+        assert (cpu.MATMUL_TARGET in hlo) == (num_rows <= max_rows)
+        assert REFERENCE_PLAN.together(rows, weights) is None  # XLA's dots: one weight at a time
+    # weights of different dtypes never share a kernel call
+    mixed = [jnp.ones((16, 8), dtype), jnp.ones((16, 4), jnp.float32 if dtype != jnp.float32 else jnp.bfloat16)]
+    assert plan.together(jnp.ones((1, 16), dtype), mixed) is None
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("num_rows", [1, 3, 20])
+def test_both_plans_compute_the_product(dtype, transposed, num_rows):
+    rng = np.random.default_rng(0)
+    rows = jnp.asarray(rng.standard_normal((num_rows, 40)), dtype)
+    weight = jnp.asarray(rng.standard_normal((24, 40) if transposed else (40, 24)), dtype)
+    wide = np.asarray(weight, np.float64)
+    expected = np.asarray(rows, np.float64) @ (wide.T if transposed else wide)
+    for plan in (REFERENCE_PLAN, choose_matmul("cpu", 1)):
+        got = jax.jit(lambda r, w, plan=plan: plan(r, w, transposed=transposed))(rows, weight)
+        assert got.dtype == jnp.float32 and got.shape == (num_rows, 24)
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-4 * np.sqrt(40))
+
+
+def _lowered(fn, *args) -> str:
+    """The lowered module without its first line, which names the Python function."""
+    return jax.jit(fn).lower(*args).as_text().split("\n", 1)[1]
+
+
+def test_the_reference_lowers_as_the_model_did_before_the_dispatch():
+    """The forms XLA:CPU computes best (issue #16), kept op for op: a float32 tied head is jnp.dot(x, E.T)
+    (as nnx's Embed.attend); a 16-bit weight is contracted where it lies, asking for float32, with one row
+    padded to two."""
+    x32, embedding32 = jnp.ones((3, 8), jnp.float32), jnp.ones((50, 8), jnp.float32)
+    assert _lowered(lambda x, e: reference.matmul(x, e, transposed=True), x32, embedding32) == _lowered(
+        lambda x, e: jnp.dot(x, e.T), x32, embedding32
+    )
+    x16, embedding16 = jnp.ones((1, 8), jnp.bfloat16), jnp.ones((50, 8), jnp.bfloat16)
+
+    def as_before(x, e):
+        padded = jnp.pad(x, ((0, 1), (0, 0)))
+        y = jax.lax.dot_general(padded, e, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return y[:1]
+
+    assert _lowered(lambda x, e: reference.matmul(x, e, transposed=True), x16, embedding16) == _lowered(
+        as_before, x16, embedding16
+    )
+    assert "transpose" not in _lowered(lambda x, e: reference.matmul(x, e, transposed=True), x16, embedding16)
+
+
+@dataclass(frozen=True)
+class DoubledSmallMatmul:
+    """A stand-in for a new variant (a quantized kernel, say): it serves float32 weights for up to two rows."""
+
+    joins_weights: ClassVar[bool] = False
+
+    def serves(self, num_rows: int, weights: tuple) -> bool:
+        return num_rows <= 2 and all(w.dtype == jnp.float32 for w in weights)
+
+    def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
+        return tuple(2 * reference.matmul(rows, w, transposed=transposed) for w in weights)
+
+
+def test_a_new_entry_plugs_in_ahead_of_the_reference_with_no_change_to_the_model():
+    plan = MatmulPlan((DoubledSmallMatmul(), ReferenceMatmul()))
+    weight = jnp.asarray(np.random.default_rng(1).standard_normal((8, 4)), jnp.float32)
+    for num_rows, factor in [(2, 2.0), (3, 1.0)]:
+        x = jnp.ones((num_rows, 8), jnp.float32)
+        got = project(x, weight, matmul=plan)
+        np.testing.assert_allclose(np.asarray(got), factor * np.asarray(x @ weight), rtol=1e-6)
+
+
+def test_models_import_no_kernel():
+    """models/ holds math only: kernels reach it as the functions and plans it is built with."""
+    imported = []
+    for path in MODELS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                imported.append((path.name, node.module or ""))
+            elif isinstance(node, ast.Import):
+                imported += [(path.name, alias.name) for alias in node.names]
+    assert any(module == "jaxserve.models.layers" for _, module in imported)  # the walk sees the imports
+    assert [(name, module) for name, module in imported if module.startswith("pallas_kernels")] == []

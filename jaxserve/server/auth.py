@@ -74,7 +74,7 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
             return continuation(handler_call_details)
         authorization = None
         for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
+            if key == "authorization" and isinstance(value, str):  # a -bin key's value would be bytes
                 authorization = value
         if self.keys.allows(authorization):
             return continuation(handler_call_details)

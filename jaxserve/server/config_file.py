@@ -50,7 +50,10 @@ class TLSConfig:
         names = set(value) if isinstance(value, dict) else set()
         if not {"cert", "key"} <= names or names - {"cert", "key", "client_ca"}:
             raise ValueError(f"server.tls must be a mapping with cert, key and optionally client_ca, got {value!r}")
-        return cls(**{name: str(path) if path is not None else None for name, path in value.items()})
+        if value["cert"] is None or value["key"] is None:
+            raise ValueError(f"server.tls needs the cert and key files, got {value!r}")
+        client_ca = value.get("client_ca")
+        return cls(str(value["cert"]), str(value["key"]), str(client_ca) if client_ca is not None else None)
 
 
 @dataclass(frozen=True)

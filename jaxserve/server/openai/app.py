@@ -88,9 +88,10 @@ def build_app(
 
 
 def tokenized(context: ServingContext, body: TokenizeRequest) -> list[int]:
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "give exactly one of prompt and messages")
-    if body.messages is not None:
+    if body.prompt is not None and body.messages is None:
+        request_limits.check_text(context.limits, body.prompt, "prompt")
+        return context.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    if body.messages is not None and body.prompt is None:
         return chat_prompt_token_ids(
             context.tokenizer,
             context.limits,
@@ -99,8 +100,7 @@ def tokenized(context: ServingContext, body: TokenizeRequest) -> list[int]:
             body.add_generation_prompt,
             body.continue_final_message,
         )
-    request_limits.check_text(context.limits, body.prompt, "prompt")
-    return context.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    raise APIError(400, "give exactly one of prompt and messages")
 
 
 def detokenized(context: ServingContext, token_ids: list[int]) -> str:

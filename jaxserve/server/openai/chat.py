@@ -76,7 +76,7 @@ class ChatCall:
     def __init__(self, context: ServingContext, body: ChatCompletionRequest, group: StreamGroup):
         self.body = body
         self.group = group
-        self.token_text = TokenText(context.loop.engine.tokenizer)
+        self.token_text = TokenText(group.engine_loop.engine.tokenizer)
         self.header = {
             "id": response_id("chatcmpl"),
             "created": now(),
@@ -104,7 +104,7 @@ class ChatCall:
         usage = UsageCounter()
         async for position, delta in self.group.deltas():
             if (message := failure(delta)) is not None:
-                yield sse(error_body(500, message))
+                yield sse(error_body(self.group.streams[position].error_status, message))
                 break
             usage.add(position, delta)
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}

@@ -77,7 +77,7 @@ class CompletionCall:
         self.body = body
         self.group = group
         self.echo_texts = echo_texts
-        self.token_text = TokenText(context.loop.engine.tokenizer)
+        self.token_text = TokenText(group.engine_loop.engine.tokenizer)
         self.header = {
             "id": response_id("cmpl"),
             "object": "text_completion",
@@ -106,7 +106,7 @@ class CompletionCall:
         usage, echoed, offsets = UsageCounter(), set(), defaultdict(int)
         async for position, delta in self.group.deltas():
             if (message := failure(delta)) is not None:
-                yield sse(error_body(500, message))
+                yield sse(error_body(self.group.streams[position].error_status, message))
                 break
             usage.add(position, delta)
             index = position * self.body.n + delta.index

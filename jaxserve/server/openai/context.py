@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from jaxserve.config import EngineRole
+from jaxserve.host.request import SamplingParams
 from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
@@ -20,6 +23,7 @@ ADMISSION_THREADS = 4  # tokenizing is short; more threads would only contend fo
 # thread and back costs two waits for the GIL behind the engine thread (measured: about one engine
 # step more TTFT than gRPC), more than the work itself.
 INLINE_ADMISSION_BYTES = 16384
+Extra = TypeVar("Extra")  # what a handler's checks hand on to its response besides prompts and params
 # HTTP refusals are counted beside gRPC's, under the gRPC status each one stands for.
 REFUSAL_LABELS = {
     400: "INVALID_ARGUMENT",
@@ -38,7 +42,7 @@ class ServingContext:
         self.metrics = metrics
         self.served_model_names = served_model_names
         self.loop: EngineLoop | None = None  # set once the engine has warmed up
-        self.limits: RequestLimits | None = None
+        self._limits: RequestLimits | None = None
         self.chat_template: str | None = None
         self.system_fingerprint = ""
         self.created = int(time.time())
@@ -47,7 +51,7 @@ class ServingContext:
     def attach(
         self, loop: EngineLoop, limits: RequestLimits, chat_template: str | None, system_fingerprint: str
     ) -> None:
-        self.limits = limits
+        self._limits = limits
         self.chat_template = chat_template
         self.system_fingerprint = system_fingerprint
         self.loop = loop
@@ -58,6 +62,12 @@ class ServingContext:
         if self.loop.draining:
             raise APIError(503, "the server is shutting down")
         return self.loop
+
+    @property
+    def limits(self) -> RequestLimits:
+        if self._limits is None:
+            raise APIError(503, "the engine is still warming up")
+        return self._limits
 
     @property
     def checkpoint_name(self) -> str:
@@ -99,8 +109,12 @@ class ServingContext:
             raise api_error(error) from None
 
     async def admit(
-        self, request_size: int | None, check, request_id: str, session_id: str | None
-    ) -> tuple[StreamGroup, object]:
+        self,
+        request_size: int | None,
+        check: Callable[[], tuple[list, SamplingParams, Extra]],
+        request_id: str,
+        session_id: str | None,
+    ) -> tuple[StreamGroup, Extra]:
         """check() -> (prompts, params, extra) runs the request's checks (ValueError), then every prompt is
         submitted; returns the streams and extra. A small request is admitted right here on the event
         loop; a larger one (or one of unknown size) on the admission pool, so that tokenizing it never

@@ -75,18 +75,16 @@ def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI, on_refusal) -> None:
     """on_refusal(status) counts each refusal in the metrics."""
 
-    async def api_error_handler(request: Request, error: APIError) -> JSONResponse:
-        on_refusal(error.status)
-        return error_response(error.status, error.message, error.param)
+    async def refusal_handler(request: Request, error: Exception) -> JSONResponse:
+        if isinstance(error, RequestValidationError):
+            on_refusal(400)
+            message, param = validation_message(error)
+            return error_response(400, message, param)
+        if isinstance(error, HTTPException):
+            return error_response(error.status_code, str(error.detail))
+        refusal = api_error(error)  # registered for APIError only: returns it
+        on_refusal(refusal.status)
+        return error_response(refusal.status, refusal.message, refusal.param)
 
-    async def validation_handler(request: Request, error: RequestValidationError) -> JSONResponse:
-        on_refusal(400)
-        message, param = validation_message(error)
-        return error_response(400, message, param)
-
-    async def http_error_handler(request: Request, error: HTTPException) -> JSONResponse:
-        return error_response(error.status_code, str(error.detail))
-
-    app.add_exception_handler(APIError, api_error_handler)
-    app.add_exception_handler(RequestValidationError, validation_handler)
-    app.add_exception_handler(HTTPException, http_error_handler)
+    for kind in (APIError, RequestValidationError, HTTPException):
+        app.add_exception_handler(kind, refusal_handler)

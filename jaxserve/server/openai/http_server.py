@@ -21,7 +21,7 @@ from jaxserve.server.openai.streams import StreamExpired
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT = 30.0  # seconds for uvicorn to start serving on its bound socket
-GRACEFUL_SHUTDOWN = 5.0  # seconds open connections get after a drain before they are closed
+GRACEFUL_SHUTDOWN = 5  # seconds open connections get after a drain before they are closed
 
 
 class _ExpiredStreams(logging.Filter):

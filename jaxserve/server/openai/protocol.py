@@ -104,11 +104,13 @@ class CompletionRequest(SamplingRequest):
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a batch of strings or of token-id lists, or a single one of either."""
         prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        if isinstance(prompt, str):
             return [prompt]
         if not prompt:
             raise ValueError("prompt is empty")
-        return list(prompt)
+        # pydantic has parsed one of the list types whole: token ids are one prompt, anything else a batch
+        token_ids = [t for t in prompt if isinstance(t, int)]
+        return [token_ids] if token_ids else [p for p in prompt if isinstance(p, (str, list))]
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -111,7 +111,7 @@ async def gather_choices(group: StreamGroup, choice_index) -> tuple[dict[int, Ch
     try:
         async for position, delta in group.deltas():
             if (message := failure(delta)) is not None:
-                raise APIError(500, message)
+                raise APIError(group.streams[position].error_status, message)
             usage.add(position, delta)
             choices[choice_index(position, delta)].add(delta)
     finally:

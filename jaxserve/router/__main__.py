@@ -2,18 +2,53 @@
 
 Serves the jaxserve gRPC API in front of the replicas the config lists or launches, sending each
 request where its prefix is cached (router.policy); with router.mode disaggregated, to a prefill replica
-and a decode replica, which hands the prompt's KV pages from one to the other. SIGTERM (or Ctrl-C) stops it, and the replicas
-it launched.
+and a decode replica, which hands the prompt's KV pages from one to the other. SIGTERM (or Ctrl-C) stops
+it, and the replicas it launched, with exit code 0: also while it still waits for them at start-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import signal
 import sys
 
 from jaxserve.router.config import load_router_config
 from jaxserve.router.server import RouterServer
 from jaxserve.server.process import run_until_signalled
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequested(BaseException):
+    """SIGTERM or Ctrl-C during start-up, raised where the router waits (for replicas: up to
+    router.startup_timeout). A BaseException, as KeyboardInterrupt is: no `except Exception` swallows it."""
+
+
+@contextlib.contextmanager
+def signals_interrupt():
+    """While inside, SIGTERM and SIGINT raise StopRequested (once), after running the handlers installed
+    before (run_until_signalled's, which records the stop so that the process then exits 0)."""
+    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    raised = False
+
+    def interrupt(signum, frame):
+        nonlocal raised
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, frame)
+        if not raised:
+            raised = True
+            raise StopRequested
+
+    for signum in SIGNALS:
+        signal.signal(signum, interrupt)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def start() -> RouterServer:
         server = RouterServer(load_router_config(args.config, args.overrides))
-        server.start()
+        try:
+            with signals_interrupt():
+                server.start()  # interrupted, it has stopped what it started (launched replicas too)
+        except StopRequested:
+            logging.getLogger("jaxserve.router").info("stopped while starting")
+            return server  # the stop is recorded: run_until_signalled stops it (again: harmless) and exits 0
         print(f"jaxserve.router: serving on {server.config.router.host}:{server.port}", flush=True)
         return server
 

@@ -3,7 +3,9 @@
 model:    {path: PATH | default | tiny-random}   the replicas' model: the router tokenizes with its
                                                   tokenizer and refuses a replica serving another
 router:   {host, port, http_port, metrics_port, mode, policy, blind_window, heartbeat, health_interval,
-           startup_timeout, max_in_flight, max_resends, resend_wait}
+           startup_timeout, max_in_flight, max_resends, resend_wait,
+           tls: {cert, key, client_ca}, api_keys: FILE        the router's own ports, as server.tls / server.api_keys
+           replica_tls: {ca, cert, key}, replica_api_key: FILE}  how it reaches replicas that require them
 replicas: [HOST:PORT, ...]                        replicas already running (mode colocated); or
 prefill_replicas: [HOST:PORT, ...]                mode disaggregated: replicas with engine.role prefill
 decode_replicas: [HOST:PORT, ...]                 ... and with engine.role decode; or
@@ -19,10 +21,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from jaxserve.config_sections import build_section, read_sections
+from jaxserve.router.connection import ReplicaTLS
 from jaxserve.router.policy import POLICIES
+from jaxserve.server.config_file import TLSConfig
 
 KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 MODES = ("colocated", "disaggregated")
+CONNECTION_OPTIONS = ("tls", "api_keys", "replica_tls", "replica_api_key")  # checked on their own
 ROUTER_SECTIONS = ("model", "router", "replicas", "prefill_replicas", "decode_replicas", "launch")
 
 
@@ -42,9 +47,17 @@ class RouterSection:
     max_resends: int = 3  # times a request that has not streamed a token is sent to another replica
     # mode disaggregated: seconds a request whose decode replica failed waits for one to be up again
     resend_wait: float = 60.0
+    # The router's gRPC, HTTP and metrics ports: the same keys and checks as server.tls and server.api_keys.
+    tls: TLSConfig | None = None
+    api_keys: str | None = None  # a file of keys, one a line; clients must send 'authorization: Bearer KEY'
+    replica_tls: ReplicaTLS | None = None  # replicas serving server.tls: the CA that signed them (and mTLS)
+    replica_api_key: str | None = None  # replicas with server.api_keys: a file whose first key line is sent
 
     def __post_init__(self):
+        self._check_connection_options()
         for option in dataclasses.fields(self):
+            if option.name in CONNECTION_OPTIONS:
+                continue
             value, default = getattr(self, option.name), option.default
             kind = int if isinstance(default, int) else float if isinstance(default, float) else str
             if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
@@ -61,6 +74,18 @@ class RouterSection:
                 raise ValueError(f"router.{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.blind_window < 0 or self.max_in_flight < 1 or self.max_resends < 0:
             raise ValueError("router.blind_window and router.max_resends must be >= 0, router.max_in_flight >= 1")
+
+    def _check_connection_options(self) -> None:
+        try:
+            object.__setattr__(self, "tls", TLSConfig.parse(self.tls))
+        except ValueError:
+            raise ValueError(
+                f"router.tls must be a mapping with cert, key and optionally client_ca, got {self.tls!r}"
+            ) from None
+        object.__setattr__(self, "replica_tls", ReplicaTLS.parse(self.replica_tls))
+        for name in ("api_keys", "replica_api_key"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"router.{name} must be a file name, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ re-sent if its replica fails before the first token) on a thread of its own, tur
 back into the stream's deltas. The handlers tokenize and render chats with the router's tokenizer, so the
 router sees token ids, as it needs to.
 
-A refusal the router can make itself (an empty or too long prompt) is a 400 at once; one that only a
-replica makes arrives as the stream's error (a 500 carrying the replica's reason).
+A refusal the router can make itself is an HTTP status at once: an empty or too long prompt 400, the
+router's max_in_flight reached 429. One that only a replica makes (or the router's
+forwarding, after resends) arrives as the stream's error, with the HTTP status its gRPC code stands for
+(HTTP_STATUS): the response's status when not streamed, the code of the error event when streamed (the
+response has begun by then). system_fingerprint is the replicas' own (RoutedContext).
 """
 
 from __future__ import annotations
@@ -20,7 +23,50 @@ import grpc
 
 from jaxserve.host.request import SamplingParams
 from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.server.engine_loop import Overloaded
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.openai.context import ServingContext
 from jaxserve.server.request_stream import Delta, RequestStream
+
+# What a gRPC refusal (a replica's, passed through, or the router's own) answers over HTTP.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.CANCELLED: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}  # anything else (INTERNAL, UNKNOWN, DATA_LOSS): 500
+
+
+def replicas_fingerprint(replicas) -> str:
+    """The system_fingerprint the replicas that are up report; replicas that disagree (a rolling update)
+    give each of theirs, sorted and comma-separated; none up yet: empty."""
+    fingerprints = {r.info.system_fingerprint for r in replicas if r.is_up and r.info is not None}
+    return ",".join(sorted(fingerprints))
+
+
+class RoutedContext(ServingContext):
+    """The OpenAI app's context in the router: system_fingerprint is read from the replicas on every use."""
+
+    def __init__(self, metrics: ServerMetrics, replicas: list):
+        super().__init__(metrics)
+        self.replicas = replicas
+
+    @property
+    def system_fingerprint(self) -> str:  # type: ignore[override]
+        return replicas_fingerprint(self.replicas)
+
+    @system_fingerprint.setter
+    def system_fingerprint(self, value: str) -> None:
+        """ServingContext sets an engine's; the router has none of its own."""
 
 
 class RelayAbort(Exception):
@@ -111,6 +157,10 @@ class RoutedLoop:
         self, prompt: str | list[int], params: SamplingParams, request_id: str = "", session_id: str | None = None
     ) -> RequestStream:
         """Check what the router can, then forward on a thread of its own; raises ValueError."""
+        if self.service.num_in_flight >= self.max_in_flight:
+            raise Overloaded(
+                f"{self.service.num_in_flight} requests in flight, the router's limit is {self.max_in_flight}"
+            )
         token_ids = self.service.tokenize_prompt(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -143,7 +193,8 @@ class RoutedLoop:
             for response in self.service.Generate(request, relay):
                 stream.put(delta_from_response(response))
         except RelayAbort as error:
-            stream.finish("error", f"{error.code.name}: {error.details}")
+            stream.error_status = HTTP_STATUS.get(error.code, 500)
+            stream.finish("error", error.details)
         except grpc.RpcError as error:  # cancelled by release: nobody reads any more
             stream.finish("abort", str(error.code()))
         finally:

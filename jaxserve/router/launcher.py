@@ -16,6 +16,9 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jaxserve.client import Connection
+from jaxserve.router.connection import PLAIN, replica_channel
+
 logger = logging.getLogger("jaxserve.router")
 
 
@@ -35,9 +38,9 @@ def free_port() -> int:
     raise RuntimeError("no free loopback port found")
 
 
-def is_serving(address: str, timeout: float = 1.0) -> bool:
+def is_serving(address: str, timeout: float = 1.0, connection: Connection = PLAIN) -> bool:
     # a fresh channel each time: a shared one backs off after failed connects and can sleep through warm-up
-    with grpc.insecure_channel(address) as channel:
+    with replica_channel(address, connection) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="jaxserve.v1.Generation"), timeout=timeout
@@ -94,15 +97,24 @@ class LaunchedReplica:
             return "".join(f.readlines()[-num_lines:])
 
     def stop(self, timeout: float = 30.0) -> None:
-        self.stopping = True
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
+        stop_replicas([self], timeout)
+
+
+def stop_replicas(replicas: list[LaunchedReplica], timeout: float) -> None:
+    """SIGTERM to all at once (each drains in parallel), then SIGKILL to those still running after `timeout`."""
+    for replica in replicas:
+        replica.stopping = True
+        if replica.process is not None and replica.process.poll() is None:
+            replica.process.terminate()
+    deadline = time.monotonic() + timeout
+    for replica in replicas:
+        if replica.process is None:
+            continue
         try:
-            self.process.wait(timeout=timeout)
+            replica.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            replica.process.kill()
+            replica.process.wait()
 
 
 def launch_replicas(
@@ -113,6 +125,7 @@ def launch_replicas(
     log_dir: str | None,
     timeout: float,
     roles: list[str] | None = None,
+    connection: Connection = PLAIN,
 ) -> list[LaunchedReplica]:
     """Start them all at once (they warm up in parallel), then wait for each; on any failure stop all
     and raise ValueError with the failing replica's log. roles: each replica's engine.role (disaggregated)."""
@@ -129,7 +142,7 @@ def launch_replicas(
     deadline = time.monotonic() + timeout
     try:
         for replica in replicas:
-            while not is_serving(replica.address):
+            while not is_serving(replica.address, connection=connection):
                 if replica.process.poll() is not None:
                     raise ValueError(
                         f"replica {replica.index} ({replica.address}) exited with code "
@@ -141,9 +154,8 @@ def launch_replicas(
                         f"(router.startup_timeout):\n{replica.log_tail()}"
                     )
                 time.sleep(0.2)
-    except BaseException:
-        for replica in replicas:
-            replica.stop(timeout=5)
+    except BaseException:  # a failure, or SIGTERM / Ctrl-C while waiting (router/__main__.py)
+        stop_replicas(replicas, timeout=5)
         raise
     return replicas
 

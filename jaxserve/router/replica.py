@@ -17,10 +17,12 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jaxserve.client import Connection
 from jaxserve.host.kv_events import CLEARED, DEVICE, HOST, REMOVED, STORED, KVEvent
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc
 from jaxserve.router.cache_view import CacheView
+from jaxserve.router.connection import PLAIN, replica_channel
 
 logger = logging.getLogger("jaxserve.router")
 
@@ -66,13 +68,14 @@ class Replica:
         heartbeat: float,
         health_interval: float,
         metrics=None,
+        connection: Connection = PLAIN,
     ):
         self.address = address
         self.model_fingerprint = model_fingerprint
         self.heartbeat = heartbeat
         self.health_interval = health_interval
         self.metrics = metrics
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)])
+        self.channel = replica_channel(address, connection, [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)])
         self.stub = jaxserve_pb2_grpc.GenerationStub(self.channel)
         self.view = CacheView(blind_window)
         self.info: pb.ServerInfo | None = None

@@ -4,10 +4,14 @@ page events, and serve the Generation API in front of them.
 Start-up fails with a ValueError naming the problem: a replica address that does not resolve or does
 not answer within router.startup_timeout, a replica serving another model. Afterwards replicas may
 come and go; the router keeps nothing that the replicas do not send again on resubscription.
+
+Its ports take the replica server's TLS and API keys (router.tls, router.api_keys, with the same code as
+serve.py); it reaches replicas that require them through router.replica_tls and router.replica_api_key.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import time
@@ -16,28 +20,38 @@ from types import SimpleNamespace
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from jaxserve.client import Connection
 from jaxserve.engine.fingerprint import model_fingerprint
 from jaxserve.loading.model_source import open_model
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc
 from jaxserve.router.config import RouterConfig
+from jaxserve.router.connection import replica_channel, replica_connection
 from jaxserve.router.disaggregated import DisaggregatedRouterService
-from jaxserve.router.http_api import RoutedLoop
-from jaxserve.router.launcher import Supervisor, launch_replicas
+from jaxserve.router.http_api import RoutedContext, RoutedLoop
+from jaxserve.router.launcher import Supervisor, launch_replicas, stop_replicas
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.policy import POLICIES
 from jaxserve.router.replica import Replica, check_info
 from jaxserve.router.service import RouterService
+from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics_http import start_metrics_server
-from jaxserve.server.openai import HTTPServer, ServingContext, build_app
+from jaxserve.server.openai import HTTPServer, build_app
 from jaxserve.server.rpc import GENERATION_SERVICE, ThreadPools, health_handler, parse
 
 logger = logging.getLogger("jaxserve.router")
 MIN_HTTP_BODY_BYTES = 64 * 1024
 
 
-def first_info(address: str, fingerprint: str, timeout: float) -> pb.ServerInfo:
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def first_info(address: str, fingerprint: str, timeout: float, connection: Connection) -> pb.ServerInfo:
     """The replica's ServerInfo once it answers (it may still be warming up), checked against the model."""
     host, _, port = address.rpartition(":")
     try:
@@ -45,7 +59,7 @@ def first_info(address: str, fingerprint: str, timeout: float) -> pb.ServerInfo:
     except socket.gaierror as error:
         raise ValueError(f"replica {address}: unknown host {host!r} ({error.strerror})") from None
     deadline, last_error = time.monotonic() + timeout, ""
-    with grpc.insecure_channel(address) as channel:
+    with replica_channel(address, connection) as channel:
         stub = jaxserve_pb2_grpc.GenerationStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -96,17 +110,26 @@ class RouterServer:
         self.http_context = None
         self.pools = ThreadPools.for_limits(config.router.max_in_flight)
         self.port = 0
+        self.api_keys: ApiKeys | None = None
+        self.connection = Connection()  # to the replicas
 
     def start(self) -> None:
-        """Raises ValueError (after cleaning up) when the replicas or the model are not as configured."""
+        """Raises ValueError (after cleaning up) when the replicas or the model are not as configured; anything
+        raised while it waits (SIGTERM, Ctrl-C: see __main__) stops what it started, launched replicas too."""
         try:
             self._start()
         except BaseException:
-            self.stop()
+            self.stop(replica_timeout=5.0)  # nothing has been served yet: no drain to wait for
             raise
 
     def _start(self) -> None:
         config, section = self.config, self.config.router
+        self.connection = replica_connection(section.replica_tls, section.replica_api_key)
+        if section.api_keys:
+            try:
+                self.api_keys = ApiKeys.from_file(section.api_keys)
+            except ValueError as error:
+                raise ValueError(str(error).replace("server.api_keys", "router.api_keys")) from None
         source = open_model(config.model_path)  # the tokenizer and the fingerprint; no weights are read
         fingerprint = model_fingerprint(source)
         roles = (
@@ -117,11 +140,18 @@ class RouterServer:
             + ["decode"] * len(config.decode_replicas)
         )
         addresses = [replica.address for replica in self.launched] or list(config.all_replicas)
-        infos = [first_info(address, fingerprint, section.startup_timeout) for address in addresses]
+        logger.info("waiting up to %.0fs for replicas %s", section.startup_timeout, ", ".join(addresses))
+        infos = [first_info(address, fingerprint, section.startup_timeout, self.connection) for address in addresses]
         limits = RequestLimits.for_engine(min(i.max_model_len for i in infos), infos[0].vocab_size)
         self.replicas = [
             Replica(
-                address, fingerprint, section.blind_window, section.heartbeat, section.health_interval, self.metrics
+                address,
+                fingerprint,
+                section.blind_window,
+                section.heartbeat,
+                section.health_interval,
+                self.metrics,
+                self.connection,
             )
             for address in addresses
         ]
@@ -182,6 +212,7 @@ class RouterServer:
             launch.log_dir,
             config.router.startup_timeout,
             roles,
+            self.connection,
         )
         if launch.restart:
             self.supervisor = Supervisor(self.launched)
@@ -194,17 +225,29 @@ class RouterServer:
         self.grpc_server = grpc.server(
             self.pools.default,
             handlers=[_handlers(service, self.pools), health_handler(self.health, self.pools)],
+            interceptors=[ApiKeyInterceptor(self.api_keys, self.pools.quick)] if self.api_keys else [],
             options=[("grpc.so_reuseport", 0)],
         )  # a taken port fails, never shared
         address = f"{section.host}:{section.port}"
         try:
-            self.port = self.grpc_server.add_insecure_port(address)
+            if section.tls is not None:
+                self.port = self.grpc_server.add_secure_port(address, grpc_server_credentials(section.tls))
+            else:
+                self.port = self.grpc_server.add_insecure_port(address)
         except RuntimeError as error:
             raise ValueError(f"cannot listen on {address}: {error}") from None
+        if not is_loopback(section.host) and (section.tls is None or self.api_keys is None):
+            missing = [
+                name for name, value in (("router.tls", section.tls), ("router.api_keys", self.api_keys)) if not value
+            ]
+            logger.warning("serving %s without %s: anyone who can reach it can use it", address, " and ".join(missing))
         self.grpc_server.start()
         if section.metrics_port:
+            tls = server_ssl_context(section.tls) if section.tls is not None else None
             try:
-                self.metrics_server = start_metrics_server(section.host, section.metrics_port, self.metrics.registry)
+                self.metrics_server = start_metrics_server(
+                    section.host, section.metrics_port, self.metrics.registry, tls, self.api_keys
+                )
             except OSError as error:
                 raise ValueError(f"cannot serve metrics on port {section.metrics_port}: {error}") from None
         for name in ("", GENERATION_SERVICE):
@@ -212,9 +255,11 @@ class RouterServer:
 
     def _serve_http(self, service: RouterService, model_name: str, limits: RequestLimits, tokenizer) -> None:
         section = self.config.router
-        self.http_context = ServingContext(self.metrics)
-        app = build_app(self.http_context, None, max(2 * limits.max_generate_request_bytes, MIN_HTTP_BODY_BYTES))
-        self.http_server = HTTPServer(app, section.host, section.http_port, None)
+        self.http_context = RoutedContext(self.metrics, self.replicas)
+        app = build_app(
+            self.http_context, self.api_keys, max(2 * limits.max_generate_request_bytes, MIN_HTTP_BODY_BYTES)
+        )
+        self.http_server = HTTPServer(app, section.host, section.http_port, section.tls)
         self.http_server.start()
         description = SimpleNamespace(model_name=model_name, max_model_len=limits.max_prompt_tokens)
         self.http_context.attach(RoutedLoop(service, description, tokenizer), limits, None, "")
@@ -229,7 +274,8 @@ class RouterServer:
             if not replica.is_up:
                 logger.warning("replica %s is not up yet: %s", replica.address, replica.down_reason)
 
-    def stop(self) -> None:
+    def stop(self, replica_timeout: float = 30.0) -> None:
+        """Safe to call again. replica_timeout: how long launched replicas get to drain before SIGKILL."""
         if self.grpc_server is not None:
             self.grpc_server.stop(grace=1).wait()
         if self.http_server is not None:
@@ -239,8 +285,7 @@ class RouterServer:
             self.supervisor.stop()
         for replica in self.replicas:
             replica.stop()
-        for launched in self.launched:
-            launched.stop()
+        stop_replicas(self.launched, replica_timeout)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         self.pools.shutdown()

@@ -61,8 +61,11 @@ class RequestStream:
         self._made_final: set[int] = set()  # completions whose last delta delta_from has made
         self._unfinished = set(range(params.n))  # completions whose last delta has not been put
         # text held back while it could still turn out to start a stop string
-        self.holdback_chars = max((len(stop) for stop in params.stop), default=1) - 1
+        self.holdback_chars = max((len(stop) for stop in params.stop or ()), default=1) - 1
         self.finished = False  # the engine is done with it: its last delta is waiting or taken
+        # what an "error" finish answers over HTTP: the engine failed (500), or, in the router, the status
+        # the replica's refusal stands for (router/http_api.py)
+        self.error_status = 500
         self.expired = False
         self.on_expire: Callable[[], None] | None = None  # cancels the RPC (set by the service)
         self.sending_since: float | None = None  # monotonic time the consumer began handing over a message
@@ -127,6 +130,8 @@ class RequestStream:
         num_finished = 0
         while num_finished < len(self.num_sent_tokens):
             delta = self.take()
+            if delta is None:  # never: take waits as long as it must without a timeout
+                continue
             self.sending_since = time.monotonic()
             yield delta
             self.sending_since = None

@@ -11,6 +11,7 @@ import grpc
 import jaxserve
 from jaxserve.config import EngineRole
 from jaxserve.host.request import SamplingParams
+from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server import limits as request_limits
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
@@ -18,6 +19,7 @@ from jaxserve.server.engine_loop import Draining, EngineLoop, Overloaded
 from jaxserve.server.kv_events_service import router_info
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.request_stream import Delta
+from jaxserve.server.rpc import abort
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -107,26 +109,28 @@ class GenerationService:
         self.system_fingerprint = system_fingerprint
         self.loop = loop
 
-    def _ready_loop(self, context) -> EngineLoop:
-        if self.loop is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still warming up")
-        return self.loop
+    def _ready(self, context) -> tuple[EngineLoop, RequestLimits]:
+        if self.loop is None or self.limits is None:
+            abort(context, grpc.StatusCode.UNAVAILABLE, "the engine is still warming up")
+        return self.loop, self.limits
 
     def Generate(self, request: pb.GenerateRequest, context):
-        loop = self._ready_loop(context)
+        loop, limits = self._ready(context)
         yield from self._stream(
-            loop, context, request.request_id, request.session_id, lambda: checked_request(self.limits, request)
+            loop, context, request.request_id, request.session_id, lambda: checked_request(limits, request)
         )
 
     def Chat(self, request: pb.ChatRequest, context):
-        loop = self._ready_loop(context)
+        loop, limits = self._ready(context)
         yield from self._stream(
-            loop, context, request.request_id, request.session_id, lambda: self._checked_chat(loop, request)
+            loop, context, request.request_id, request.session_id, lambda: self._checked_chat(loop, limits, request)
         )
 
-    def _checked_chat(self, loop: EngineLoop, request: pb.ChatRequest) -> tuple[list[int], SamplingParams]:
-        request_limits.check_ids(self.limits, request_id=request.request_id, session_id=request.session_id)
-        request_limits.check_stops(self.limits, request.sampling.stop, request.sampling.stop_token_ids)
+    def _checked_chat(
+        self, loop: EngineLoop, limits: RequestLimits, request: pb.ChatRequest
+    ) -> tuple[list[int], SamplingParams]:
+        request_limits.check_ids(limits, request_id=request.request_id, session_id=request.session_id)
+        request_limits.check_stops(limits, request.sampling.stop, request.sampling.stop_token_ids)
         params = sampling_params_from_proto(request.sampling)
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         add_generation_prompt = (
@@ -136,7 +140,7 @@ class GenerationService:
         )
         token_ids = chat_prompt_token_ids(
             loop.engine.tokenizer,
-            self.limits,
+            limits,
             messages,
             self.chat_template,
             add_generation_prompt,
@@ -166,7 +170,7 @@ class GenerationService:
             yield response_from_delta(delta, stream.request_id)
 
     def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
-        loop = self._ready_loop(context)
+        loop, _ = self._ready(context)
         info, stats = loop.description, loop.stats
         shapes = [
             f"{kind}(tokens={tokens}, seqs={seqs}, pages={pages})"
@@ -192,28 +196,28 @@ class GenerationService:
         reply.MergeFrom(router_info(info, stats))
         return reply
 
-    def _tokenizer(self, context):
-        tokenizer = self._ready_loop(context).engine.tokenizer
-        if tokenizer is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the model has no tokenizer")
-        return tokenizer
+    def _tokenizer(self, context) -> tuple[Tokenizer, RequestLimits]:
+        loop, limits = self._ready(context)
+        if loop.engine.tokenizer is None:
+            abort(context, grpc.StatusCode.FAILED_PRECONDITION, "the model has no tokenizer")
+        return loop.engine.tokenizer, limits
 
     def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        tokenizer = self._tokenizer(context)
+        tokenizer, limits = self._tokenizer(context)
         try:
-            request_limits.check_text(self.limits, request.text)
+            request_limits.check_text(limits, request.text)
         except ValueError as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return pb.TokenizeResponse(token_ids=tokenizer.encode(request.text))
 
     def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        tokenizer = self._tokenizer(context)
-        vocab_size = self.limits.vocab_size
+        tokenizer, limits = self._tokenizer(context)
+        vocab_size = limits.vocab_size
         try:
-            request_limits.check_token_ids(self.limits, request.token_ids, "the request")
+            request_limits.check_token_ids(limits, request.token_ids, "the request")
         except ValueError as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         bad = [t for t in request.token_ids if not 0 <= t < vocab_size]
         if bad:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids {bad[:5]} are outside [0, {vocab_size})")
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"token ids {bad[:5]} are outside [0, {vocab_size})")
         return pb.DetokenizeResponse(text=tokenizer.decode(list(request.token_ids), skip_special_tokens=True))

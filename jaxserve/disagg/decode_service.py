@@ -56,7 +56,6 @@ class DecodeService:
         self.transfers = transfers
         self.timeout = timeout
         self.stats = HandoverStats()
-        self.num_local = 0  # requests run whole here: no room to reserve for a handover
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
@@ -94,13 +93,17 @@ class DecodeService:
         return Handover(stream, request.prefill_address, request.request, params, reserved=reserved)
 
     def _reserve(self, reserved: concurrent.futures.Future, engine, stream: RequestStream, prompt: list[int]):
-        """Loop thread: pages for the prompt, or the whole request run here when there is no room."""
-        try:
-            reservation = engine.handovers.reserve(stream.handle, prompt, stream.params)
-            if reservation is None:
-                self.num_local += 1
+        """Loop thread: pages for the prompt now or once a slot frees (queued); the whole request run
+        here only when that wait times out."""
+
+        def on_reserved(reservation, timed_out: bool) -> None:  # on the loop thread too
+            if timed_out:
                 engine.add_request(stream.handle, prompt, stream.params)
-            reserved.set_result(reservation and (reservation, prompt))
+            if not reserved.done():
+                reserved.set_result(reservation and (reservation, prompt))
+
+        try:
+            engine.handovers.reserve_or_queue(stream.handle, prompt, stream.params, on_reserved)
         except Exception as error:
             reserved.set_exception(error)
             raise ValueError(f"reserving pages failed: {error}") from error  # the loop ends the stream so
@@ -243,6 +246,8 @@ class DecodeService:
             num_recomputed=stats.num_recomputed,
             seconds_moving=stats.seconds_moving,
             seconds_prefilling=stats.seconds_prefilling,
+            num_local_prefills=engine.handovers.num_local_prefills,
+            num_queued=len(engine.handovers.queued),
         )
 
     def close(self) -> None:

@@ -8,12 +8,26 @@ request); this side adds which rank holds them and until when."""
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxserve.disagg.metadata import PrefilledRequest
 from jaxserve.host.output_processor import append_token
 from jaxserve.host.request import Request, SamplingParams
 from jaxserve.host.schedule import Reservation
+
+
+@dataclass
+class QueuedHandover:
+    """A handover waiting for a slot (or pages) on this side, in arrival order."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # (the reservation, or None and whether the wait timed out: False when the handover was cancelled)
+    on_reserved: Callable[[Reservation | None, bool], None]
+    deadline: float
 
 
 @dataclass
@@ -29,13 +43,57 @@ class DecodeHandovers:
         self.timeout = timeout
         self.clock = clock
         self.reservations: dict[str, PendingHandover] = {}
+        self.queued: deque[QueuedHandover] = deque()
         self.num_expired = 0
-        # Requests this replica prefilled itself because no slot or pages were free for a handover
-        # (counted by whoever decides so: decode_service.py, handover.py).
+        # Requests this replica prefilled itself: their wait for a slot (or pages) timed out.
         self.num_local_prefills = 0
 
     def after_step(self, outputs) -> None:
         self.expire()
+        self.reserve_queued()
+
+    def stats(self) -> dict:
+        return {
+            "handover_reservations": len(self.reservations),
+            "handover_queued": len(self.queued),
+            "handover_local_prefills": self.num_local_prefills,
+            "handover_expired": self.num_expired,
+        }
+
+    def reserve_or_queue(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        on_reserved: Callable[[Reservation | None, bool], None],
+    ) -> None:
+        """Reserve now, or, with no slot or pages free, wait for them (in arrival order, retried after
+        every step) rather than prefill here: the prefill pool does the prompt and this side's running
+        decodes are not slowed by it (bench/disagg.py --decode-full measures both). on_reserved gets the
+        reservation, or None and True when the wait outlasts the timeout: the caller then prefills here."""
+        if any(queued.request_id == request_id for queued in self.queued):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        reservation = None if self.queued else self.reserve(request_id, prompt_token_ids, params)
+        if reservation is not None:
+            on_reserved(reservation, False)
+            return
+        self.engine.validate(prompt_token_ids, params)
+        queued = QueuedHandover(request_id, prompt_token_ids, params, on_reserved, self.clock() + self.timeout)
+        self.queued.append(queued)
+
+    def reserve_queued(self) -> None:
+        now = self.clock()
+        while self.queued:
+            queued = self.queued[0]
+            reservation = None
+            if queued.deadline > now:
+                reservation = self.reserve(queued.request_id, queued.prompt_token_ids, queued.params)
+                if reservation is None:
+                    return  # still full: the rest wait behind it
+            else:
+                self.num_local_prefills += 1
+            self.queued.popleft()
+            queued.on_reserved(reservation, reservation is None)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation | None:
         """Hold pages for the prompt on the least loaded rank, or None when that rank has no slot or
@@ -74,6 +132,9 @@ class DecodeHandovers:
             scheduler.finish_or_flush(seq, reason)
 
     def cancel(self, request_id: str) -> None:
+        for queued in [q for q in self.queued if q.request_id == request_id]:
+            self.queued.remove(queued)
+            queued.on_reserved(None, False)
         pending = self.reservations.pop(request_id, None)
         if pending is not None:
             self.engine.schedulers[pending.rank].release_reservation(request_id)

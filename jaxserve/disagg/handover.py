@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from jaxserve.config import EngineRole
@@ -22,21 +23,20 @@ class HandoverStats:
 
 
 def hand_over(prefill_engine, decode_engine, request_id: str, stats: HandoverStats) -> bool:
-    """Move a parked request from prefill_engine to decode_engine; False (nothing moved, the prefill
-    side's pages freed) when the decode side has no room: the caller decides what to do then."""
+    """Move a parked request from prefill_engine to decode_engine; False (nothing moved, the request
+    still parked) when the decode side has no room: the caller retries later or gives up."""
     prefilled = prefill_engine.handovers.prefilled(request_id)
+    reservation = decode_engine.handovers.reserve(request_id, prefilled.prompt_token_ids, prefilled.params)
+    if reservation is None:
+        return False
     try:
-        reservation = decode_engine.handovers.reserve(request_id, prefilled.prompt_token_ids, prefilled.params)
-        if reservation is None:
-            return False
-        try:
-            started = time.perf_counter()
-            source_pages = prefill_engine.handovers.pages_to_send(request_id, reservation.held_keys)
-            stats.bytes_moved += move_pages(prefill_engine, source_pages, decode_engine, reservation.missing_page_ids)
-            stats.seconds_moving += time.perf_counter() - started
-        except BaseException:
-            decode_engine.handovers.cancel(request_id)
-            raise
+        started = time.perf_counter()
+        source_pages = prefill_engine.handovers.pages_to_send(request_id, reservation.held_keys)
+        stats.bytes_moved += move_pages(prefill_engine, source_pages, decode_engine, reservation.missing_page_ids)
+        stats.seconds_moving += time.perf_counter() - started
+    except BaseException:
+        decode_engine.handovers.cancel(request_id)
+        raise
     finally:
         prefill_engine.handovers.release(request_id)
     decode_engine.handovers.complete(prefilled)
@@ -54,6 +54,11 @@ class DisaggregatedPair:
     prefill_engine: object
     decode_engine: object
     stats: HandoverStats = field(default_factory=HandoverStats)
+    # With no slot free on the decode side: "queue" keeps the request parked (its pages held on the
+    # prefill side) and hands it over once one frees, in arrival order; "prefill_here" frees it and
+    # the decode side runs the whole request (bench/disagg.py --decode-full compares them).
+    when_decode_full: str = "queue"
+    waiting: deque = field(default_factory=deque)  # PrefilledRequests parked for a decode slot
 
     def __post_init__(self):
         if (
@@ -62,6 +67,8 @@ class DisaggregatedPair:
         ):
             raise ValueError("a DisaggregatedPair needs a role 'prefill' engine and a role 'decode' engine")
         check_same_layout(self.prefill_engine, self.decode_engine)
+        if self.when_decode_full not in ("queue", "prefill_here"):
+            raise ValueError(f"when_decode_full must be queue or prefill_here, got {self.when_decode_full!r}")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
         if params.n != 1:
@@ -74,13 +81,25 @@ class DisaggregatedPair:
         for output in self.prefill_engine.step():
             if output.finished:
                 finished.append(output)
-                continue
-            prefilled = self.prefill_engine.handovers.prefilled(output.request_id)
-            if not hand_over(self.prefill_engine, self.decode_engine, output.request_id, self.stats):
-                # no room on the decode side now: it runs the whole request once room frees up
-                self.decode_engine.add_request(output.request_id, prefilled.prompt_token_ids, prefilled.params)
-                self.stats.num_recomputed += 1
+            else:
+                self.waiting.append(self.prefill_engine.handovers.prefilled(output.request_id))
+        self._hand_over_waiting()
         return finished + self.decode_engine.step()
+
+    def _hand_over_waiting(self) -> None:
+        while self.waiting:
+            prefilled = self.waiting[0]
+            parked = prefilled.request_id in self.prefill_engine.handovers.parked
+            if parked and hand_over(self.prefill_engine, self.decode_engine, prefilled.request_id, self.stats):
+                self.waiting.popleft()
+                continue
+            if parked and self.when_decode_full == "queue":
+                return  # no slot yet: it and those behind it wait
+            # expired while waiting, or not to wait: the decode side runs the whole request
+            self.waiting.popleft()
+            self.prefill_engine.handovers.release(prefilled.request_id)
+            self.decode_engine.add_request(prefilled.request_id, prefilled.prompt_token_ids, prefilled.params)
+            self.decode_engine.handovers.num_local_prefills += 1
 
     def has_unfinished_requests(self) -> bool:
         return (

@@ -35,6 +35,9 @@ class PrefillHandovers:
             self.parked[output.request_id] = Parked(seq, self.clock() + self.timeout)
         self.expire()
 
+    def stats(self) -> dict:
+        return {"handover_parked": len(self.parked), "handover_expired": self.num_expired}
+
     def prefilled(self, request_id: str) -> PrefilledRequest:
         seq = self.parked[request_id].seq
         logprobs = seq.output_logprobs[0] if seq.output_logprobs else None

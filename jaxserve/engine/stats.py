@@ -164,6 +164,8 @@ def engine_stats(engine) -> dict:
         "attention_impl": engine.parts.attention.impl,
         **prefix_cache_stats([s.allocator for s in engine.schedulers]),
         **(engine.experts.stats() if engine.experts is not None else {}),
+        # disaggregated: requests parked for a decode replica, or reserved, queued, prefilled here (disagg/)
+        **(engine.handovers.stats() if engine.handovers is not None else {}),
     }
 
 

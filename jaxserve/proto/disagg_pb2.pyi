@@ -121,6 +121,8 @@ class StatusResponse(_message.Message):
         "num_compiles_after_warmup",
         "seconds_moving",
         "seconds_prefilling",
+        "num_local_prefills",
+        "num_queued",
     )
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +140,8 @@ class StatusResponse(_message.Message):
     NUM_COMPILES_AFTER_WARMUP_FIELD_NUMBER: _ClassVar[int]
     SECONDS_MOVING_FIELD_NUMBER: _ClassVar[int]
     SECONDS_PREFILLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
     role: str
     serving: bool
     transfer_address: str
@@ -154,6 +158,8 @@ class StatusResponse(_message.Message):
     num_compiles_after_warmup: int
     seconds_moving: float
     seconds_prefilling: float
+    num_local_prefills: int
+    num_queued: int
     def __init__(
         self,
         role: str | None = ...,
@@ -172,6 +178,8 @@ class StatusResponse(_message.Message):
         num_compiles_after_warmup: int | None = ...,
         seconds_moving: float | None = ...,
         seconds_prefilling: float | None = ...,
+        num_local_prefills: int | None = ...,
+        num_queued: int | None = ...,
     ) -> None: ...
 
 class DecodeRequest(_message.Message):
@@ -181,5 +189,7 @@ class DecodeRequest(_message.Message):
     request: _jaxserve_pb2.GenerateRequest
     prefill_address: str
     def __init__(
-        self, request: _jaxserve_pb2.GenerateRequest | _Mapping | None = ..., prefill_address: str | None = ...
+        self,
+        request: _jaxserve_pb2.GenerateRequest | _Mapping | None = ...,
+        prefill_address: str | None = ...,
     ) -> None: ...

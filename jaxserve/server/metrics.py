@@ -53,6 +53,7 @@ class ServerMetrics:
             "jaxserve_compiles_after_warmup", "Executables compiled while serving", registry=r
         )
         self.preemptions = Gauge("jaxserve_preemptions", "Sequences preempted so far", registry=r)
+        self.handover_gauges: dict[str, Gauge] | None = None  # registered on a decode replica (engine.role)
         self.expert_gauges: dict[str, Gauge] | None = None  # registered with a mixture-of-experts model's stats
 
     def _register_expert_gauges(self) -> dict[str, Gauge]:
@@ -79,6 +80,22 @@ class ServerMetrics:
             ),
         }
 
+    def _observe_handovers(self, stats: dict) -> None:
+        if self.handover_gauges is None:
+            r = self.registry
+            self.handover_gauges = {
+                "handover_local_prefills": Gauge(
+                    "jaxserve_handover_local_prefills",
+                    "Requests a decode replica prefilled itself: their wait for a free slot timed out",
+                    registry=r,
+                ),
+                "handover_queued": Gauge(
+                    "jaxserve_handover_queued", "Handovers waiting for a free slot on a decode replica", registry=r
+                ),
+            }
+        for name, gauge in self.handover_gauges.items():
+            gauge.set(stats[name])
+
     def observe_engine(self, stats: dict) -> None:
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
@@ -89,6 +106,8 @@ class ServerMetrics:
         self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
         self.compiles_after_warmup.set(stats["num_compiles_after_warmup"])
         self.preemptions.set(stats["num_preemptions"])
+        if "handover_local_prefills" in stats:
+            self._observe_handovers(stats)
         if "expert_load_max_over_mean" not in stats:
             return
         if self.expert_gauges is None:

@@ -124,3 +124,22 @@ def test_seeded_sampling_continues_as_colocated(llama_llm):
     disaggregated = DisaggregatedPair(prefill, decode).generate(prompts, sampled)
     colocated = llama_llm.generate(prompts, sampled)
     assert [o.outputs[0].token_ids for o in disaggregated] == [o.outputs[0].token_ids for o in colocated]
+
+
+@pytest.mark.parametrize("when_decode_full", ["queue", "prefill_here"])
+def test_a_full_decode_side_queues_the_handover_or_prefills_and_counts_it(llama_llm, when_decode_full):
+    """One decode slot for four requests: queued, every request is handed over once the slot frees;
+    otherwise the decode side prefills the ones that found it full, and says how many."""
+    prefill = LLM(fixture_dir("llama_gqa"), role="prefill", **SMALL_ENGINE).engine
+    decode = LLM(fixture_dir("llama_gqa"), role="decode", **{**SMALL_ENGINE, "max_num_seqs": 1}).engine
+    pair = DisaggregatedPair(prefill, decode, when_decode_full=when_decode_full)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [p["token_ids"] for p in expected("llama_gqa")["prompts"][:4]]
+    outputs = pair.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        o.outputs[0].token_ids for o in llama_llm.generate(prompts, params)
+    ]
+    local = decode.stats()["handover_local_prefills"]
+    assert pair.stats.num_handovers + local == 4
+    assert local == 0 if when_decode_full == "queue" else local > 0
+    assert all_pages_free(prefill) and all_pages_free(decode) and not decode.handovers.queued

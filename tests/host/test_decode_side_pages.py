@@ -47,3 +47,34 @@ def test_a_reservation_keeps_its_sequence_slot():
         decode.step()
     stats = decode.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"] and not decode.requests
+
+
+def test_a_handover_waits_for_a_slot_in_order_and_prefills_here_after_the_timeout():
+    decode = LLM(fixture_dir("llama_gqa"), role="decode", **{**SMALL_ENGINE, "max_num_seqs": 1}).engine
+    handovers, now = decode.handovers, [0.0]
+    handovers.clock = lambda: now[0]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    prompts = {f"q{i}": list(range(3 + 20 * i, 11 + 20 * i)) for i in range(4)}
+    answers: dict[str, tuple] = {}
+    for request_id in ("q0", "q1", "q2", "q3"):
+        handovers.reserve_or_queue(
+            request_id,
+            prompts[request_id],
+            params,
+            lambda r, timed_out, i=request_id: answers.update({i: (r, timed_out)}),
+        )
+    assert list(answers) == ["q0"] and [q.request_id for q in handovers.queued] == ["q1", "q2", "q3"]
+    handovers.cancel("q2")  # the RPC ended while waiting
+    assert answers["q2"] == (None, False) and [q.request_id for q in handovers.queued] == ["q1", "q3"]
+    handovers.complete(PrefilledRequest("q0", prompts["q0"], params, 0, 5, None))
+    while "q1" not in answers:  # q0 decodes its last token and leaves: q1 takes the slot
+        decode.step()
+    assert answers["q1"][0] is not None and answers["q1"][0].request_id == "q1"
+    now[0] = handovers.timeout + 1  # q3 waited too long: the caller prefills it here
+    handovers.reserve_queued()
+    assert answers["q3"] == (None, True) and decode.stats()["handover_local_prefills"] == 1
+    handovers.cancel("q1")
+    while decode.has_unfinished_requests():
+        decode.step()
+    stats = decode.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["handover_queued"] == 0

@@ -66,7 +66,7 @@ def initial_placement(abstract_placement: nnx.State, num_experts: int, mesh) -> 
     values = {"expert_device": device_of, "expert_slot": slot_of}
     return nnx.from_flat_state(
         [
-            (path, variable.replace(jax.device_put(values[path[-1]], replicated)))
+            (path, variable.replace(jax.device_put(values[str(path[-1])], replicated)))
             for path, variable in nnx.to_flat_state(abstract_placement)
         ]
     )

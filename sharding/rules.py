@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from jax.sharding import Mesh, PartitionSpec
 
 # Logical axis -> mesh axis (None: replicated). Megatron-style tensor parallelism: attention heads and
@@ -28,7 +30,7 @@ def partition_spec(
     logical_axes: tuple[str | None, ...],
     mesh: Mesh,
     sizes: dict[str, int] | None = None,
-    rules: dict[str, str | None] = LOGICAL_AXIS_RULES,
+    rules: Mapping[str, str | tuple[str, ...] | None] = LOGICAL_AXIS_RULES,
 ) -> PartitionSpec:
     """Map logical axes to mesh axes. An axis whose count (sizes[name], e.g. the number of heads)
     the mesh axis does not divide is replicated. Two logical axes of one array may not share a mesh axis."""
@@ -42,7 +44,7 @@ def partition_spec(
             split = 1
             for axis in axes:
                 split *= mesh.shape[axis]
-            count = (sizes or {}).get(name)
+            count = (sizes or {}).get(name) if name is not None else None
             if split == 1 or (count is not None and count % split):
                 mesh_axis = None
         if mesh_axis is not None:

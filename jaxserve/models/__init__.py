@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from jaxserve.models.layers import Matmul, WriteAndAttend
     from jaxserve.models.moe import Experts
 
+    CHECKPOINT_NAMES: dict  # model_type -> read_param, built on first use (__getattr__)
+
 # The rest is imported on first use, not with the package: ModelConfig is plain Python, and the router
 # (which must not load JAX) reads a model's config through this package.
 _LAZY = {

@@ -213,7 +213,9 @@ def _rope_fields(hf: dict) -> dict:
 def _attention_fields(model_type: str, hf: dict, num_layers: int) -> dict:
     """Biases, q/k norms and sliding windows, each family as its transformers attention reads them."""
     bias = bool(hf.get("attention_bias", False))
-    fields = dict(attention_bias=bias, attention_output_bias=bias, qk_norm=model_type in ("qwen3", "qwen3_moe"))
+    fields: dict[str, object] = dict(
+        attention_bias=bias, attention_output_bias=bias, qk_norm=model_type in ("qwen3", "qwen3_moe")
+    )
     if model_type == "qwen2":  # q/k/v biases hard-wired on, o_proj's off
         fields.update(attention_bias=True, attention_output_bias=False)
     window = hf.get("sliding_window") if model_type != "llama" else None

@@ -27,9 +27,12 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, layer, dtype, write_and_attend, matmul, rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = (
-            SparseMoE(config, dtype, matmul, rngs, experts) if config.is_moe else MLP(config, dtype, matmul, rngs)
-        )
+        if not config.is_moe:
+            self.mlp = MLP(config, dtype, matmul, rngs)
+        elif experts is None:
+            raise ValueError(f"a {config.model_type} layer with experts needs an experts function (sharding/moe.py)")
+        else:
+            self.mlp = SparseMoE(config, dtype, matmul, rngs, experts)
 
     def __call__(self, x, key_pages, value_pages, metadata: AttentionMetadata):
         attended, key_pages, value_pages = self.self_attn(self.input_layernorm(x), key_pages, value_pages, metadata)

@@ -35,20 +35,25 @@ class WriteAndAttend(Protocol):
     """Writes this step's keys and values into their pages, then attends over the pages: on one
     device or per shard (sharding/attention.py provides both)."""
 
-    def __call__(self, q, k, v, key_pages, value_pages, metadata: AttentionMetadata, *, sliding_window: int | None):
+    def __call__(
+        self, q, k, v, key_pages, value_pages, metadata: AttentionMetadata, *, sliding_window: int | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [T, H, D], k / v [T, K, D] -> (out [T, H, D], key_pages, value_pages)."""
+        ...
 
 
 class Matmul(Protocol):
     """A step's rows times a layer's weights, with the kernels the engine chose at build time
     (pallas_kernels/matmul provides the plan), so the model names no kernel."""
 
-    def __call__(self, rows, weight, *, transposed: bool = False):
+    def __call__(self, rows, weight, *, transposed: bool = False) -> jax.Array:
         """rows [M, K] in the weight's dtype, weight [K, N] ([N, K] when transposed) -> float32 [M, N]."""
+        ...
 
     def together(self, rows, weights) -> tuple | None:
         """Several weights [K, N_i] by the same rows in one call where a kernel joins them -> float32
         [M, N_i] each; None where each is better projected on its own."""
+        ...
 
 
 class RMSNorm(nnx.Module):
@@ -197,7 +202,7 @@ class Attention(nnx.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inverse_frequencies = jnp.asarray(self.inverse_frequencies, jnp.float32)
         q = apply_rope(q, metadata.positions, inverse_frequencies)

@@ -23,12 +23,17 @@ from jaxserve.models.layers import ACTIVATIONS, Matmul, linear
 class Experts(Protocol):
     def num_expert_rows(self, num_experts: int) -> int:
         """Rows of each expert weight array: num_experts, or more where spreading them over devices pads them."""
+        ...
 
     def initial_placement(self, num_experts: int) -> tuple:
         """Variables saying where each expert lives, kept beside its weights; () when every device holds all."""
+        ...
 
-    def __call__(self, x, weights, expert_ids, gate_proj, up_proj, down_proj, placement: tuple, *, activation):
+    def __call__(
+        self, x, weights, expert_ids, gate_proj, up_proj, down_proj, placement: tuple, *, activation
+    ) -> jax.Array:
         """x [T, E], weights / expert_ids [T, k], gate/up [S, E, F], down [S, F, E] -> [T, E]."""
+        ...
 
 
 def route(router_logits, top_k: int, normalize: bool = True):
@@ -67,7 +72,11 @@ class SparseMoE(nnx.Module):
     def __call__(self, x):
         weights, expert_ids = route(self.gate(x), self.top_k, self.normalize_weights)
         self.sow(nnx.Intermediate, "routed_experts", expert_ids)  # [T, k]: read back for expert-load stats
-        placement = () if self.expert_device is None else (self.expert_device[...], self.expert_slot[...])
+        placement = (
+            ()
+            if self.expert_device is None or self.expert_slot is None
+            else (self.expert_device[...], self.expert_slot[...])
+        )
         return self.experts(
             x,
             weights,

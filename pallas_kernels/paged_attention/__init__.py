@@ -47,7 +47,9 @@ def resolve_attention_impl(
             f"attention_impl='cpu' needs the CPU platform and one of {[str(d) for d in cpu.DTYPES]}, "
             f"not {platform}/{jnp.dtype(dtype)}"
         )
-    unsupported = pallas_gpu.supported(head_dim, page_size, platform) if head_dim is not None else None
+    unsupported = (
+        pallas_gpu.supported(head_dim, page_size, platform) if head_dim is not None and page_size is not None else None
+    )
     if impl == "pallas" and unsupported:
         raise ValueError(f"attention_impl='pallas': {unsupported}; use 'reference' or 'auto'")
     if impl == "auto":

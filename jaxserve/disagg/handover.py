@@ -5,10 +5,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxserve.config import EngineRole
+from jaxserve.disagg.decode_side import DecodeHandovers
+from jaxserve.disagg.prefill_side import PrefillHandovers
 from jaxserve.disagg.transport import check_same_layout, move_pages
 from jaxserve.host.request import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:  # the engine imports disagg/ (its handovers): a type only
+    from jaxserve.engine.engine import Engine
 
 
 @dataclass
@@ -51,8 +57,8 @@ class DisaggregatedPair:
     """A prefill engine and a decode engine stepped in turn, each parked request handed over as soon as
     its first token is out; generate() mirrors LLM.generate's outputs."""
 
-    prefill_engine: object
-    decode_engine: object
+    prefill_engine: Engine
+    decode_engine: Engine
     stats: HandoverStats = field(default_factory=HandoverStats)
     # With no slot free on the decode side: "queue" keeps the request parked (its pages held on the
     # prefill side) and hands it over once one frees, in arrival order; "prefill_here" frees it and
@@ -75,6 +81,18 @@ class DisaggregatedPair:
             raise ValueError("disaggregated serving hands over one sequence per request (n = 1)")
         self.prefill_engine.add_request(request_id, prompt, params)
 
+    @property
+    def prefill_side(self) -> PrefillHandovers:
+        handovers = self.prefill_engine.handovers
+        assert isinstance(handovers, PrefillHandovers)  # checked by role in __post_init__
+        return handovers
+
+    @property
+    def decode_side(self) -> DecodeHandovers:
+        handovers = self.decode_engine.handovers
+        assert isinstance(handovers, DecodeHandovers)
+        return handovers
+
     def step(self) -> list[RequestOutput]:
         """One step of each engine; returns decode-side outputs and requests finished at prefill."""
         finished = []
@@ -82,14 +100,14 @@ class DisaggregatedPair:
             if output.finished:
                 finished.append(output)
             else:
-                self.waiting.append(self.prefill_engine.handovers.prefilled(output.request_id))
+                self.waiting.append(self.prefill_side.prefilled(output.request_id))
         self._hand_over_waiting()
         return finished + self.decode_engine.step()
 
     def _hand_over_waiting(self) -> None:
         while self.waiting:
             prefilled = self.waiting[0]
-            parked = prefilled.request_id in self.prefill_engine.handovers.parked
+            parked = prefilled.request_id in self.prefill_side.parked
             if parked and hand_over(self.prefill_engine, self.decode_engine, prefilled.request_id, self.stats):
                 self.waiting.popleft()
                 continue
@@ -97,15 +115,15 @@ class DisaggregatedPair:
                 return  # no slot yet: it and those behind it wait
             # expired while waiting, or not to wait: the decode side runs the whole request
             self.waiting.popleft()
-            self.prefill_engine.handovers.release(prefilled.request_id)
+            self.prefill_side.release(prefilled.request_id)
             self.decode_engine.add_request(prefilled.request_id, prefilled.prompt_token_ids, prefilled.params)
-            self.decode_engine.handovers.num_local_prefills += 1
+            self.decode_side.num_local_prefills += 1
 
     def has_unfinished_requests(self) -> bool:
         return (
             self.prefill_engine.has_unfinished_requests()
             or self.decode_engine.has_unfinished_requests()
-            or bool(self.prefill_engine.handovers.parked)
+            or bool(self.prefill_side.parked)
         )
 
     def generate(self, prompts, params: SamplingParams) -> list[RequestOutput]:

@@ -32,7 +32,11 @@ class DistributedConfig:
             )
         if self.num_processes is not None and self.num_processes < 1:
             raise ValueError(f"distributed.num_processes must be >= 1, got {self.num_processes}")
-        if self.process_id is not None and not 0 <= self.process_id < self.num_processes:
+        if (
+            self.process_id is not None
+            and self.num_processes is not None
+            and not 0 <= self.process_id < self.num_processes
+        ):
             raise ValueError(f"distributed.process_id must be in [0, {self.num_processes}), got {self.process_id}")
         if not self.peer_timeout > 0:
             raise ValueError(f"distributed.peer_timeout must be > 0 seconds, got {self.peer_timeout}")

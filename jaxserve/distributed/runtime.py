@@ -84,7 +84,10 @@ def client():
     """The coordination service's client (JAX keeps it private; it is the runtime's own channel)."""
     from jax._src import distributed
 
-    return distributed.global_state.client
+    kv = distributed.global_state.client
+    if kv is None:
+        raise RuntimeError("jax.distributed is not initialized by jaxserve.distributed.initialize")
+    return kv
 
 
 def next_session() -> str:

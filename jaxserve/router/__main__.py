@@ -77,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxserve.router: serving on {server.config.router.host}:{server.port}", flush=True)
         return server
 
-    return run_until_signalled("jaxserve.router", start, RouterServer.stop)
+    def stop(server: object) -> None:
+        assert isinstance(server, RouterServer)
+        server.stop()
+
+    return run_until_signalled("jaxserve.router", start, stop)
 
 
 if __name__ == "__main__":

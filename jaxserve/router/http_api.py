@@ -18,11 +18,13 @@ from __future__ import annotations
 import itertools
 import threading
 from types import SimpleNamespace
+from typing import cast
 
 import grpc
 
-from jaxserve.host.request import SamplingParams
+from jaxserve.host.request import FinishReason, SamplingParams
 from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.router.metrics import RouterMetrics
 from jaxserve.server.engine_loop import Overloaded
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openai.context import ServingContext
@@ -56,12 +58,13 @@ def replicas_fingerprint(replicas) -> str:
 class RoutedContext(ServingContext):
     """The OpenAI app's context in the router: system_fingerprint is read from the replicas on every use."""
 
-    def __init__(self, metrics: ServerMetrics, replicas: list):
-        super().__init__(metrics)
+    def __init__(self, metrics: RouterMetrics, replicas: list):
+        # RouterMetrics offers what the app uses of ServerMetrics (registry, rejected); no common type names it
+        super().__init__(cast(ServerMetrics, metrics))
         self.replicas = replicas
 
     @property
-    def system_fingerprint(self) -> str:  # type: ignore[override]
+    def system_fingerprint(self) -> str:
         return replicas_fingerprint(self.replicas)
 
     @system_fingerprint.setter
@@ -112,8 +115,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         top_k=params.top_k,
         top_p=params.top_p,
         min_p=params.min_p,
-        stop=list(params.stop),
-        stop_token_ids=list(params.stop_token_ids),
+        stop=list(params.stop or ()),  # normalized to a tuple by SamplingParams
+        stop_token_ids=list(params.stop_token_ids or ()),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs or 0,
     )
@@ -194,9 +197,9 @@ class RoutedLoop:
                 stream.put(delta_from_response(response))
         except RelayAbort as error:
             stream.error_status = HTTP_STATUS.get(error.code, 500)
-            stream.finish("error", error.details)
+            stream.finish(FinishReason.ERROR, error.details)
         except grpc.RpcError as error:  # cancelled by release: nobody reads any more
-            stream.finish("abort", str(error.code()))
+            stream.finish(FinishReason.ABORT, str(error.code()))
         finally:
             if not stream.finished:
-                stream.finish("abort")
+                stream.finish(FinishReason.ABORT)

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -41,10 +42,9 @@ def free_port() -> int:
 def is_serving(address: str, timeout: float = 1.0, connection: Connection = PLAIN) -> bool:
     # a fresh channel each time: a shared one backs off after failed connects and can sleep through warm-up
     with replica_channel(address, connection) as channel:
+        stub: Any = health_pb2_grpc.HealthStub(channel)  # generated without type information
         try:
-            response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="jaxserve.v1.Generation"), timeout=timeout
-            )
+            response = stub.Check(health_pb2.HealthCheckRequest(service="jaxserve.v1.Generation"), timeout=timeout)
         except grpc.RpcError:
             return False
     return response.status == health_pb2.HealthCheckResponse.SERVING
@@ -84,10 +84,11 @@ class LaunchedReplica:
         self.num_starts = 0
         self.stopping = False
 
-    def start(self) -> None:
+    def start(self) -> subprocess.Popen:
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+            self.process = process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
         self.num_starts += 1
+        return process
 
     def has_exited(self) -> bool:
         return self.process is not None and self.process.poll() is not None
@@ -124,29 +125,30 @@ def launch_replicas(
     overrides: tuple[str, ...],
     log_dir: str | None,
     timeout: float,
-    roles: list[str] | None = None,
+    roles: list[str | None] | None = None,
     connection: Connection = PLAIN,
 ) -> list[LaunchedReplica]:
     """Start them all at once (they warm up in parallel), then wait for each; on any failure stop all
     and raise ValueError with the failing replica's log. roles: each replica's engine.role (disaggregated)."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="jaxserve-router-")
     os.makedirs(log_dir, exist_ok=True)
-    roles = roles or [None] * num_replicas
+    role_list: list[str | None] = list(roles) if roles else [None] * num_replicas
+    started = []
     replicas = [
         LaunchedReplica(index, model_path, config, overrides + ((f"engine.role={role}",) if role else ()), log_dir)
-        for index, role in zip(range(num_replicas), roles)
+        for index, role in zip(range(num_replicas), role_list)
     ]
     for replica in replicas:
-        replica.start()
+        started.append(replica.start())
     logger.info("launched %d replicas (logs in %s); waiting for them to warm up", num_replicas, log_dir)
     deadline = time.monotonic() + timeout
     try:
-        for replica in replicas:
+        for replica, process in zip(replicas, started):
             while not is_serving(replica.address, connection=connection):
-                if replica.process.poll() is not None:
+                if process.poll() is not None:
                     raise ValueError(
                         f"replica {replica.index} ({replica.address}) exited with code "
-                        f"{replica.process.returncode}:\n{replica.log_tail()}"
+                        f"{process.returncode}:\n{replica.log_tail()}"
                     )
                 if time.monotonic() > deadline:
                     raise ValueError(
@@ -180,11 +182,12 @@ class Supervisor:
     def _run(self) -> None:
         while not self._stopped.wait(self.interval):
             for replica in self.replicas:
-                if replica.has_exited() and not replica.stopping and not self._stopped.is_set():
+                process = replica.process
+                if process is not None and replica.has_exited() and not replica.stopping and not self._stopped.is_set():
                     logger.warning(
                         "replica %d (%s) exited with code %s; starting it again",
                         replica.index,
                         replica.address,
-                        replica.process.returncode,
+                        process.returncode,
                     )
                     replica.start()

@@ -25,8 +25,12 @@ import math
 import statistics
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxserve.router.cache_view import PrefixMatch, prefix_keys
+
+if TYPE_CHECKING:
+    from jaxserve.router.replica import Replica
 
 TIE_TOLERANCE = 0.05  # relative: predictions this close are ties
 DEFAULT_PREFILL_SECONDS_PER_TOKEN = 1e-4  # until some replica has measured its own
@@ -50,7 +54,7 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class Prediction:
-    replica: object
+    replica: Replica  # (tests pass stand-ins with the attributes the policies read)
     match: PrefixMatch
     num_hit_tokens: int
     num_uncached_tokens: int

@@ -105,6 +105,9 @@ class Replica:
 
     @property
     def page_size(self) -> int:
+        """Routable replicas only: their ServerInfo has arrived."""
+        if self.info is None:
+            raise RuntimeError(f"replica {self.address}: no ServerInfo yet")
         return self.info.page_size
 
     @property
@@ -184,8 +187,8 @@ class Replica:
         backoff = 0.05
         while not self._stopped.is_set():
             try:
-                self.info = self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=INFO_TIMEOUT)
-                check_info(self.address, self.info, self.model_fingerprint)
+                self.info = info = self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=INFO_TIMEOUT)
+                check_info(self.address, info, self.model_fingerprint)
                 self._follow()
                 backoff = 0.05
             except ModelMismatch as error:
@@ -210,10 +213,7 @@ class Replica:
             self._last_batch_at = time.monotonic()
             events = [event_from_proto(event) for event in batch.events]
             if batch.snapshot or snapshot is not None:
-                if batch.snapshot:
-                    snapshot = events
-                else:
-                    snapshot.extend(events)
+                snapshot = events if batch.snapshot or snapshot is None else snapshot + events
                 if batch.more:
                     continue
                 self.view.reset(batch.sequence, snapshot)

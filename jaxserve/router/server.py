@@ -16,6 +16,7 @@ import logging
 import socket
 import time
 from types import SimpleNamespace
+from typing import cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -25,7 +26,7 @@ from jaxserve.engine.fingerprint import model_fingerprint
 from jaxserve.loading.model_source import open_model
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc
-from jaxserve.router.config import RouterConfig
+from jaxserve.router.config import LaunchSection, RouterConfig
 from jaxserve.router.connection import replica_channel, replica_connection
 from jaxserve.router.disaggregated import DisaggregatedRouterService
 from jaxserve.router.http_api import RoutedContext, RoutedLoop
@@ -35,6 +36,7 @@ from jaxserve.router.policy import POLICIES
 from jaxserve.router.replica import Replica, check_info
 from jaxserve.router.service import RouterService
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
+from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics_http import start_metrics_server
 from jaxserve.server.openai import HTTPServer, build_app
@@ -133,7 +135,7 @@ class RouterServer:
         source = open_model(config.model_path)  # the tokenizer and the fingerprint; no weights are read
         fingerprint = model_fingerprint(source)
         roles = (
-            self._launch()
+            self._launch(config.launch)
             if config.launch is not None
             else [None] * len(config.replicas)
             + ["prefill"] * len(config.prefill_replicas)
@@ -196,10 +198,10 @@ class RouterServer:
             self.port,
         )
 
-    def _launch(self) -> list[str | None]:
+    def _launch(self, launch: LaunchSection) -> list[str | None]:
         """Start the configured local replicas; returns each one's role (None: colocated)."""
-        config, launch = self.config, self.config.launch
-        roles = (
+        config = self.config
+        roles: list[str | None] = (
             [None] * launch.num_replicas
             + ["prefill"] * launch.num_prefill_replicas
             + ["decode"] * launch.num_decode_replicas
@@ -262,7 +264,9 @@ class RouterServer:
         self.http_server = HTTPServer(app, section.host, section.http_port, section.tls)
         self.http_server.start()
         description = SimpleNamespace(model_name=model_name, max_model_len=limits.max_prompt_tokens)
-        self.http_context.attach(RoutedLoop(service, description, tokenizer), limits, None, "")
+        # RoutedLoop offers what the handlers use of an EngineLoop (http_api.py); no common type names it yet
+        loop = cast(EngineLoop, RoutedLoop(service, description, tokenizer))
+        self.http_context.attach(loop, limits, None, "")
         logger.info("OpenAI HTTP API on %s:%d", section.host, self.http_server.port)
 
     def _wait_for_replicas(self, timeout: float) -> None:
@@ -280,6 +284,7 @@ class RouterServer:
             self.grpc_server.stop(grace=1).wait()
         if self.http_server is not None:
             self.http_server.stop()
+        if self.http_context is not None:
             self.http_context.shutdown()
         if self.supervisor is not None:
             self.supervisor.stop()

@@ -201,13 +201,17 @@ class RouterService:
     def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         try:
             request_limits.check_text(self.limits, request.text)
-            return pb.TokenizeResponse(token_ids=self.tokenize_prompt(request.text))
+            token_ids = self.tokenize_prompt(request.text)
         except ValueError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            raise  # abort raises; a type checker cannot know
+        return pb.TokenizeResponse(token_ids=token_ids)
 
     def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        if self.tokenizer is None:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the model has no tokenizer")
+            raise RuntimeError("unreachable: abort raises")
         try:
             request_limits.check_token_ids(self.limits, request.token_ids, "the request")
         except ValueError as error:
@@ -217,4 +221,4 @@ class RouterService:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"token ids {bad[:5]} are outside [0, {self.limits.vocab_size})"
             )
-        return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=True))
+        return pb.DetokenizeResponse(text=tokenizer.decode(list(request.token_ids), skip_special_tokens=True))

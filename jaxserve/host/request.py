@@ -4,8 +4,44 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import math
 from dataclasses import dataclass, field
+
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """Constrain the output to a grammar (one of these, as vLLM's GuidedDecodingParams): a JSON schema
+    (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular expression, one of
+    `choice`'s strings, or a Lark / GBNF grammar (`grammar`). host/grammar.py compiles it."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
+                raise ValueError(f"guided choice must be a non-empty list of strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        given = [kind for kind in GUIDED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"guided decoding takes exactly one of {', '.join(GUIDED_KINDS)}; got {given or 'none'}")
+        for kind in ("json", "regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"guided {kind} must be a non-empty string, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in GUIDED_KINDS if getattr(self, kind) not in (None, False))
 
 
 @dataclass(frozen=True)
@@ -23,6 +59,20 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (the sampled one is always added)
+    # OpenAI's: subtracted from the logit of every token already in the output, once (presence) or per
+    # occurrence (frequency); transformers': logits of prompt and output tokens divided (if > 0) or
+    # multiplied by it.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # {token_id: bias} added to the logits (OpenAI's keys may be strings of ids); -100 bans in effect
+    logit_bias: dict | tuple[tuple[int, float], ...] | None = None
+    min_tokens: int = 0  # EOS and stop tokens are banned until this many tokens were generated
+    bad_words: tuple[str, ...] | list[str] | None = (
+        None  # never generated (each word's last token banned after its others)
+    )
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None  # only these may be generated
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,11 +101,69 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
+            )
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if (
+                isinstance(ids, (str, bytes))
+                or not ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)
+            ):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(ids))
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise ValueError(
+                f"guided_decoding must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}"
+            )
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @functools.cached_property
     def stop_token_id_set(self) -> frozenset[int]:
         """stop_token_ids for the per-token check: O(1) however many a request names."""
         return frozenset(self.stop_token_ids)
+
+
+def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...] | None:
+    """{token: bias} (keys ints or strings of ints, as OpenAI's JSON sends them) -> sorted pairs."""
+    if bias is None:
+        return None
+    items = bias.items() if isinstance(bias, dict) else bias
+    pairs = {}
+    for key, value in items:
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if token_id < 0 or isinstance(key, float):
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS
+        ):
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token_id}")
+        pairs[token_id] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 class FinishReason(enum.StrEnum):

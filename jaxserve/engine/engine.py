@@ -15,11 +15,13 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from jaxserve.config import EngineConfig, EngineRole
-from jaxserve.device.runner import PendingStep, StepResult
+from jaxserve.device.page_copies import HostPage
+from jaxserve.device.runner import PendingResults, StepResult
 from jaxserve.device.step_inputs import StepShape, step_shape
 from jaxserve.disagg.roles import handovers_for
 from jaxserve.engine.builder import EngineParts, build_engine
@@ -48,7 +50,7 @@ CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n sam
 class DispatchedExecutable:
     per_rank_chunks: list[list[ScheduledChunk]]  # what each data-parallel rank runs in it
     shape: StepShape
-    pending: PendingStep
+    pending: PendingResults
 
 
 @dataclass
@@ -132,6 +134,17 @@ class Engine:
             raise ValueError(
                 f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.config.scheduler.max_logprobs})"
             )
+        not_yet = (
+            [
+                name
+                for name in ("logit_bias", "bad_words", "allowed_token_ids", "guided_decoding")
+                if getattr(params, name) is not None
+            ]
+            + [name for name in ("min_tokens",) if getattr(params, name)]
+            + (["penalties"] if params.has_penalties else [])
+        )
+        if not_yet:
+            raise ValueError(f"{', '.join(not_yet)}: not supported by this engine yet")
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, session_id: str | None = None
@@ -299,6 +312,7 @@ class Engine:
         for rank, scheduler in enumerate(self.schedulers):
             allocator = scheduler.allocator
             if allocator.pending_demotions:
+                assert allocator.host_tier is not None  # only a host tier demotes pages
                 demoted, allocator.pending_demotions = allocator.pending_demotions, []
                 host_pages = self.runner.read_pages(layout.pool_pages(rank, [page for page, _, _ in demoted]))
                 for host_page, (_, key, contents) in zip(host_pages, demoted):
@@ -306,9 +320,9 @@ class Engine:
             if allocator.pending_promotions:
                 promoted, allocator.pending_promotions = allocator.pending_promotions, []
                 started = time.perf_counter()
-                self.runner.write_pages(
-                    layout.pool_pages(rank, [page for page, _ in promoted]), [host_page for _, host_page in promoted]
-                )
+                # The host tier keeps the HostPages read_pages returned as opaque data (host/ imports no JAX).
+                host_pages = cast(list[HostPage], [host_page for _, host_page in promoted])
+                self.runner.write_pages(layout.pool_pages(rank, [page for page, _ in promoted]), host_pages)
                 self.timings.observe_swap_in(time.perf_counter() - started, len(promoted))
 
     # -- checkpoints, experts, reporting ----------------------------------------------------------

@@ -150,6 +150,9 @@ class DisaggConfig:
     # Seconds a prefill replica holds a request's pages for a decode replica to take (and a decode
     # replica waits for them) before freeing them; the decode side then recomputes the prompt.
     handover_timeout: float = 30.0
+    # A decode replica without a free sequence slot when a prefilled request arrives: "queue" waits for
+    # one (the prefill replica holds the pages meanwhile); "prefill_here" recomputes the prompt locally.
+    when_decode_full: str = "queue"
 
     def __post_init__(self):
         if self.role not in tuple(EngineRole):
@@ -157,6 +160,8 @@ class DisaggConfig:
         object.__setattr__(self, "role", EngineRole(self.role))
         if not self.handover_timeout > 0:
             raise ValueError(f"handover_timeout must be > 0 seconds, got {self.handover_timeout}")
+        if self.when_decode_full not in ("queue", "prefill_here"):
+            raise ValueError(f"when_decode_full must be queue or prefill_here, got {self.when_decode_full!r}")
 
 
 ENGINE_GROUPS: dict[str, type] = {

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from jaxserve.disagg.metadata import PrefilledRequest, missing_page_indices
-from jaxserve.host.request import RequestOutput, SequenceState
+from jaxserve.host.request import FinishReason, RequestOutput, SequenceState
 
 
 @dataclass
@@ -57,7 +57,7 @@ class PrefillHandovers:
         if parked is None:
             return
         if not parked.seq.is_finished:  # an abort may have freed them already
-            self.engine.schedulers[parked.seq.rank].finish(parked.seq, "handed_over")
+            self.engine.schedulers[parked.seq.rank].finish(parked.seq, FinishReason.HANDED_OVER)
         self.engine.requests.pop(request_id, None)
 
     def expire(self) -> list[str]:

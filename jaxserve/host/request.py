@@ -173,6 +173,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # the caller (or the server, for a client that stopped reading) cancelled it
     ERROR = "error"  # the server failed it; the stream carries the reason
+    HANDED_OVER = "handed_over"  # a prefill replica's request whose KV pages a decode replica took
 
 
 class RequestStatus(enum.Enum):

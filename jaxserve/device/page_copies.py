@@ -115,7 +115,7 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _counting = threading.local()  # compiles seen on this thread while a CountingCompiles is open
 
 
-def _on_event_duration(event: str, duration: float, **kwargs) -> None:
+def _on_event_duration(event: str, duration_secs: float, **kwargs) -> None:
     if event == BACKEND_COMPILE_EVENT and getattr(_counting, "depth", 0):
         _counting.num_compiles += 1
 

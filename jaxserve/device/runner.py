@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
@@ -64,16 +64,27 @@ class PendingStep:
         return StepResult(SamplerOutput(*(np.asarray(x) for x in vars(sampled).values())), np.asarray(counts))
 
 
+class PendingResults(Protocol):
+    """What the engine asks of a dispatched step: PendingStep, or the leader's wrapper that watches
+    its fetch."""
+
+    @property
+    def sampled(self) -> SamplerOutput: ...
+    def fetch(self) -> StepResult: ...
+
+
 class StepRunner(Protocol):
     """What the engine, the KV handovers and the expert balancer ask of a runner: ModelRunner on one
     process, distributed/leader_runner.LeaderRunner (which also sends each call to the followers) on
     several."""
 
-    buckets: Buckets
-    layout: RankLayout
+    @property
+    def buckets(self) -> Buckets: ...
+    @property
+    def layout(self) -> RankLayout: ...
 
     def build_inputs(self, per_rank_chunks, shape: StepShape) -> StepInputs: ...
-    def execute(self, shape: StepShape, inputs: StepInputs) -> PendingStep: ...
+    def execute(self, shape: StepShape, inputs: StepInputs) -> PendingResults: ...
     def warm_up(self, show_progress: bool = True) -> None: ...
     def warm_up_page_copies(self) -> None: ...
     def warm_up_handover_copies(self, max_pages: int) -> None: ...
@@ -242,7 +253,8 @@ class ModelRunner:
 
 
 def enable_compilation_cache(directory: str | None) -> None:
-    if directory is None or jax.config.jax_compilation_cache_dir:
+    # jax.config's options are attributes set at run time, which its type stubs do not declare.
+    if directory is None or cast(Any, jax.config).jax_compilation_cache_dir:
         return  # off, or the user already chose a cache
     if directory == "default":
         directory = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")

@@ -11,28 +11,30 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxserve.arrays import HostOrDeviceArray
+
 # Legend: S = sequences sampled in the step, V = vocab, K = max_logprobs.
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplingInputs:
-    temperature: jax.Array  # [S] float32, 0 = greedy
-    top_k: jax.Array  # [S] int32, 0 = no cut
-    top_p: jax.Array  # [S] float32
-    min_p: jax.Array  # [S] float32
-    seeds: jax.Array  # [S, 2] uint32, threefry key data
-    token_indices: jax.Array  # [S] int32, index of the output token being sampled
-    wants_logprobs: jax.Array  # [S] bool
+    temperature: HostOrDeviceArray  # [S] float32, 0 = greedy
+    top_k: HostOrDeviceArray  # [S] int32, 0 = no cut
+    top_p: HostOrDeviceArray  # [S] float32
+    min_p: HostOrDeviceArray  # [S] float32
+    seeds: HostOrDeviceArray  # [S, 2] uint32, threefry key data
+    token_indices: HostOrDeviceArray  # [S] int32, index of the output token being sampled
+    wants_logprobs: HostOrDeviceArray  # [S] bool
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplerOutput:
-    token_ids: jax.Array  # [S] int32
-    logprobs: jax.Array  # [S] float32, log-probability of the sampled token under the model
-    top_logprobs: jax.Array  # [S, K] float32
-    top_token_ids: jax.Array  # [S, K] int32
+    token_ids: HostOrDeviceArray  # [S] int32
+    logprobs: HostOrDeviceArray  # [S] float32, log-probability of the sampled token under the model
+    top_logprobs: HostOrDeviceArray  # [S, K] float32
+    top_token_ids: HostOrDeviceArray  # [S, K] int32
 
 
 def first_argmax(values, block: int = 128):

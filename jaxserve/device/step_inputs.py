@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from jaxserve.arrays import HostOrDeviceArray
 from jaxserve.config import Buckets
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.sampler import SamplingInputs
@@ -27,12 +28,12 @@ from jaxserve.models.kv_pages import AttentionMetadata
 @jax.tree_util.register_dataclass
 @dataclass
 class StepInputs:
-    token_ids: jax.Array  # [T] int32
+    token_ids: HostOrDeviceArray  # [T] int32
     attention: AttentionMetadata
-    logits_indices: jax.Array  # [S] int32, the last token of each chunk
+    logits_indices: HostOrDeviceArray  # [S] int32, the last token of each chunk
     sampling: SamplingInputs
-    token_sources: jax.Array  # [T] int32: token buffer entry to read the token from, or -1 (token_ids has it)
-    sampled_slots: jax.Array  # [S] int32: token buffer entry each row's sampled token goes to
+    token_sources: HostOrDeviceArray  # [T] int32: token buffer entry to read the token from, or -1 (token_ids has it)
+    sampled_slots: HostOrDeviceArray  # [S] int32: token buffer entry each row's sampled token goes to
 
 
 @dataclass(frozen=True)

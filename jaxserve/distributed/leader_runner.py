@@ -12,12 +12,16 @@ import dataclasses
 import hashlib
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.distributed import runtime
 from jaxserve.distributed.plan import END, EXECUTE, PlanSender
+
+if TYPE_CHECKING:
+    from jaxserve.device.runner import StepRunner
 
 
 def global_inputs(inputs, sharding):
@@ -87,6 +91,31 @@ class LeaderRunner:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    # -- the inner runner's own, named here because StepRunner asks for them ----------------------
+
+    @property
+    def buckets(self):
+        return self.inner.buckets
+
+    @property
+    def layout(self):
+        return self.inner.layout
+
+    def build_inputs(self, per_rank_chunks, shape):
+        return self.inner.build_inputs(per_rank_chunks, shape)
+
+    def params(self):
+        return self.inner.params()
+
+    def compiled_buckets(self):
+        return self.inner.compiled_buckets()
+
+    def stats(self):
+        return self.inner.stats()
+
+    def warm_up_handover_copies(self, max_pages: int) -> None:
+        self.inner.warm_up_handover_copies(max_pages)
+
     # -- the calls every process makes ------------------------------------------------------------
 
     def warm_up(self, show_progress: bool = True) -> None:
@@ -116,12 +145,17 @@ class LeaderRunner:
     def read_pages(self, pages):
         raise ValueError("the host KV tier (swap_space) is not available on several processes yet")
 
-    write_pages = warm_up_page_copies = read_pages
+    def write_pages(self, pages, host_pages):
+        self.read_pages(pages)
+
+    def warm_up_page_copies(self):
+        self.read_pages([])
 
     def gather_pages(self, pages):
         raise ValueError("prefill/decode disaggregation is not available on several processes yet")
 
-    scatter_pages = gather_pages
+    def scatter_pages(self, pages, chunks):
+        self.gather_pages(pages)
 
     def shutdown(self) -> None:
         """Tell the followers this engine is done (they return from their loop), stop watching."""
@@ -197,12 +231,16 @@ class _WatchedFetch:
     def __getattr__(self, name):
         return getattr(self.pending, name)
 
+    @property
+    def sampled(self):
+        return self.pending.sampled
+
     def fetch(self):
         with _Guard(self.leader, f"fetching step {self.step}", lock=False):
             return self.pending.fetch()
 
 
-def wrap_runner(runner, mesh, schedulers):
+def wrap_runner(runner, mesh, schedulers) -> StepRunner:
     """Process 0 of several: a LeaderRunner; otherwise the runner itself."""
     if not runtime.is_multiprocess():
         return runner

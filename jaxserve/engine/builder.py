@@ -92,7 +92,7 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
         experts = expert_balancer_type(ExpertBalancer)(
             model_config,
             runner,
-            mesh.devices.size if expert_parallel else None,
+            mesh.devices.size if expert_parallel and mesh is not None else None,
             config.parallel.expert_rebalance_interval,
         )
         if config.parallel.expert_load_profile is not None:

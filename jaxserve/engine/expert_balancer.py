@@ -70,6 +70,7 @@ class ExpertBalancer:
             "expert_load_max_over_mean": round(float(per_expert.max() / mean), 4) if mean else 0.0,
         }
         if self.num_devices:
+            assert self.expert_devices is not None  # set whenever num_devices is
             per_layer = np.stack(
                 [
                     np.bincount(devices, weights=tokens, minlength=self.num_devices)

@@ -13,6 +13,10 @@ import dataclasses
 import hashlib
 import json
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxserve.loading.model_source import ModelSource
 
 SAMPLE_BYTES = 1 << 16  # read from each end of each checkpoint file
 MAX_FILES = 4096
@@ -40,8 +44,7 @@ def _file_digests(path: str, digest) -> None:
                 digest.update(f.read(SAMPLE_BYTES))
 
 
-def model_fingerprint(source) -> str:
-    """source: a loading.model_source.ModelSource."""
+def model_fingerprint(source: ModelSource) -> str:
     digest = hashlib.blake2b(digest_size=16)
     config = dataclasses.asdict(source.config) if dataclasses.is_dataclass(source.config) else vars(source.config)
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())

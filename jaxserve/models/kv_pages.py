@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+from jaxserve.arrays import HostOrDeviceArray
+
 
 @jax.tree_util.register_dataclass
 @dataclass
@@ -34,8 +36,8 @@ class KVPages:
 class AttentionMetadata:
     """Where each query token's KV goes and which pages it reads (see pallas_kernels)."""
 
-    positions: jax.Array  # [T] int32, -1 for padding
-    slot_ids: jax.Array  # [T] int32, page * page_size + offset; padding -> reserved page 0
-    token_seq_ids: jax.Array  # [T] int32, row of page_table each token belongs to
-    page_table: jax.Array  # [S, P] int32
+    positions: HostOrDeviceArray  # [T] int32, -1 for padding
+    slot_ids: HostOrDeviceArray  # [T] int32, page * page_size + offset; padding -> reserved page 0
+    token_seq_ids: HostOrDeviceArray  # [T] int32, row of page_table each token belongs to
+    page_table: HostOrDeviceArray  # [S, P] int32
     query_block: int = field(default=1, metadata=dict(static=True))  # tokens per query block

@@ -24,17 +24,35 @@ import itertools
 import math
 import statistics
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
-from jaxserve.router.cache_view import PrefixMatch, prefix_keys
-
-if TYPE_CHECKING:
-    from jaxserve.router.replica import Replica
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.router.cache_view import CacheView, PrefixMatch, prefix_keys
 
 TIE_TOLERANCE = 0.05  # relative: predictions this close are ties
 DEFAULT_PREFILL_SECONDS_PER_TOKEN = 1e-4  # until some replica has measured its own
 SWAP_IN_FRACTION = 0.1  # an unmeasured swap-in, as a fraction of recomputing the page
+
+
+class RoutableReplica(Protocol):
+    """What the policies read of a replica: router/replica.py's Replica, or a test's stand-in."""
+
+    address: str
+    load: pb.ReplicaLoad  # as the replica last reported it
+    view: CacheView  # its cached pages, mirrored from its page events
+    num_outstanding: int  # requests routed there that have not streamed a token yet
+    outstanding_prefill_tokens: int  # their uncached prompt tokens
+    outstanding_pages: int  # the free pages their admission will take
+
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+
+
+ReplicaT = TypeVar("ReplicaT", bound=RoutableReplica)  # a prediction hands back the caller's own replica type
 
 
 @dataclass
@@ -53,8 +71,8 @@ class RouteRequest:
 
 
 @dataclass(frozen=True)
-class Prediction:
-    replica: Replica  # (tests pass stand-ins with the attributes the policies read)
+class Prediction(Generic[ReplicaT]):
+    replica: ReplicaT
     match: PrefixMatch
     num_hit_tokens: int
     num_uncached_tokens: int
@@ -65,12 +83,12 @@ class Prediction:
     fits: bool  # the replica has them, after what the router has sent there already
 
 
-def replica_load(replica) -> int:
+def replica_load(replica: RoutableReplica) -> int:
     """Sequences there, as the replica last said plus what the router has sent since."""
     return replica.num_outstanding + replica.load.num_running + replica.load.num_waiting
 
 
-def prefill_rate(replica, replicas) -> float:
+def prefill_rate(replica: RoutableReplica, replicas: Sequence[RoutableReplica]) -> float:
     """The replica's measured seconds per prefill token; before it has measured, its peers' slowest."""
     if replica.load.prefill_seconds_per_token > 0:
         return replica.load.prefill_seconds_per_token
@@ -78,7 +96,7 @@ def prefill_rate(replica, replicas) -> float:
     return max(measured, default=DEFAULT_PREFILL_SECONDS_PER_TOKEN)
 
 
-def step_time(replica, replicas) -> float:
+def step_time(replica: RoutableReplica, replicas: Sequence[RoutableReplica]) -> float:
     """The replica's measured step time; before it has measured (right after start-up), its peers' slowest.
     Never zero while any replica has measured: an unmeasured replica would otherwise be predicted without
     the step under way and without whole steps, and beat the replica that holds the prompt."""
@@ -87,13 +105,13 @@ def step_time(replica, replicas) -> float:
     return max((r.load.step_seconds for r in replicas), default=0.0)
 
 
-def has_free_slot(replica) -> bool:
+def has_free_slot(replica: RoutableReplica) -> bool:
     """Whether the replica can admit another sequence at once: at max_num_seqs a new request waits for a
     running one to finish, which no rate predicts. Unknown max_num_seqs (0): assumed free."""
     return not replica.max_num_seqs or replica_load(replica) < replica.max_num_seqs
 
 
-def queued_prefill_tokens(replica) -> int:
+def queued_prefill_tokens(replica: RoutableReplica) -> int:
     """The queue ahead of a new request: the uncached tokens of the requests the router sent there that have
     not streamed a token yet. The replica's own count (num_tokens_waiting_prefill) includes the cached
     prefixes its waiting requests will find, so it overstates; it stands in only while the router has
@@ -111,13 +129,13 @@ def prefill_seconds(step_seconds: float, num_tokens: int, per_token: float) -> f
     return step_seconds * (0.5 + max(1, math.ceil(num_tokens * per_token / step_seconds - 1e-9)))
 
 
-def sharing_seconds(replica, request: RouteRequest, replicas) -> float:
+def sharing_seconds(replica: RoutableReplica, request: RouteRequest, replicas: Sequence[RoutableReplica]) -> float:
     """What the request's decode loses to the sequences already on the replica: each takes one token of
     every step's budget (priced as the prompt token it displaces) for each token the request generates."""
     return replica_load(replica) * request.max_new_tokens * prefill_rate(replica, replicas)
 
 
-def predict(replica, request: RouteRequest, replicas) -> Prediction:
+def predict(replica: ReplicaT, request: RouteRequest, replicas: list[ReplicaT]) -> Prediction[ReplicaT]:
     page_size = replica.page_size
     match = replica.view.match(request.keys(page_size))
     num_hit_tokens = match.num_pages * page_size
@@ -141,7 +159,7 @@ def predict(replica, request: RouteRequest, replicas) -> Prediction:
 class PrefixPolicy:
     name = "prefix"
 
-    def choose(self, request: RouteRequest, replicas: list) -> Prediction:
+    def choose(self, request: RouteRequest, replicas: list[ReplicaT]) -> Prediction[ReplicaT]:
         predictions = [predict(replica, request, replicas) for replica in replicas]
         fitting = [p for p in predictions if p.fits] or predictions
         predictions = [p for p in fitting if has_free_slot(p.replica)] or fitting
@@ -158,7 +176,7 @@ class RoundRobinPolicy:
         self._counter = itertools.count()
         self._lock = threading.Lock()
 
-    def choose(self, request: RouteRequest, replicas: list) -> Prediction:
+    def choose(self, request: RouteRequest, replicas: list[ReplicaT]) -> Prediction[ReplicaT]:
         with self._lock:
             index = next(self._counter)
         return predict(replicas[index % len(replicas)], request, replicas)
@@ -167,7 +185,7 @@ class RoundRobinPolicy:
 class LeastLoadPolicy:
     name = "least_load"
 
-    def choose(self, request: RouteRequest, replicas: list) -> Prediction:
+    def choose(self, request: RouteRequest, replicas: list[ReplicaT]) -> Prediction[ReplicaT]:
         return predict(min(replicas, key=lambda r: (replica_load(r), r.outstanding_prefill_tokens)), request, replicas)
 
 
@@ -176,11 +194,11 @@ class SessionPolicy:
 
     name = "session"
 
-    def choose(self, request: RouteRequest, replicas: list) -> Prediction:
+    def choose(self, request: RouteRequest, replicas: list[ReplicaT]) -> Prediction[ReplicaT]:
         if not request.session_id:
             return LeastLoadPolicy().choose(request, replicas)
 
-        def weight(replica) -> bytes:
+        def weight(replica: RoutableReplica) -> bytes:
             return hashlib.blake2b(f"{request.session_id}@{replica.address}".encode(), digest_size=8).digest()
 
         return predict(max(replicas, key=weight), request, replicas)

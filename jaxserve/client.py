@@ -173,7 +173,8 @@ def connection_from_arguments(args: argparse.Namespace) -> Connection:
         with open(path, "rb") as f:
             return f.read()
 
-    api_key = read(args.api_key_file).decode().splitlines()[0].strip() if args.api_key_file else None
+    key_file = read(args.api_key_file) if args.api_key_file else None
+    api_key = key_file.decode().splitlines()[0].strip() if key_file is not None else None
     return Connection(
         api_key=api_key,
         root_certificates=read(args.tls_ca),

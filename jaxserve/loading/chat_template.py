@@ -15,9 +15,11 @@ import dataclasses
 import functools
 import json
 from datetime import datetime
+from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # transformers marks the end of a message to continue with this, then cuts the render there.
@@ -27,10 +29,11 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 OWN_ARGUMENTS = ("tokenizer", "messages", "chat_template", "add_generation_prompt", "continue_final_message", "tools")
 
 
-def select_chat_template(tokenizer, chat_template: str | None, tools) -> tuple[str, str]:
+def select_chat_template(tokenizer, chat_template: str | None, tools) -> tuple[str, str | None]:
     """(template text, where it came from): a named template of the model's, the model's default, or
     chat_template itself as a template. ValueError when the model has none and none is given."""
-    own, source = getattr(tokenizer, "chat_template", None), getattr(tokenizer, "chat_template_source", None)
+    own: str | dict[str, str] | None = getattr(tokenizer, "chat_template", None)
+    source: str | None = getattr(tokenizer, "chat_template_source", None)
     if isinstance(own, dict):
         if chat_template is not None and chat_template in own:
             return own[chat_template], f"{source} (template {chat_template!r})"
@@ -49,6 +52,7 @@ def select_chat_template(tokenizer, chat_template: str | None, tools) -> tuple[s
             "this model has no chat template (no chat_template in tokenizer_config.json, no "
             "chat_template.jinja, none in the GGUF); pass chat_template=<a jinja template>"
         )
+    assert not isinstance(own, dict)  # named templates returned or raised above
     return own, source
 
 
@@ -131,13 +135,16 @@ def text_content(messages: list) -> list:
     return flattened
 
 
-def plain_data(value):
+def plain_data(value) -> Any:
     """JSON-like data only: the sandbox cannot know which methods of a caller's objects are dangerous."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    for base in (str, int, float):  # subclasses (enums, numpy floats) carry extra methods: back to the base type
+    # subclasses (enums, numpy floats) carry extra methods: back to the base type
+    if isinstance(value, str):
+        return str.__str__(value)
+    for base in (int, float):
         if isinstance(value, base):
-            return base(value) if base is not str else str.__str__(value)
+            return base(value)
     if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():  # numpy scalars, np.bool_ too
         return plain_data(value.item())
     if isinstance(value, dict):
@@ -146,8 +153,9 @@ def plain_data(value):
         return type(value)(plain_data(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if callable(getattr(value, "model_dump", None)):  # pydantic models, as the OpenAI SDK returns them
-        return plain_data(value.model_dump())
+    model_dump = getattr(value, "model_dump", None)
+    if callable(model_dump):  # pydantic models, as the OpenAI SDK returns them
+        return plain_data(model_dump())
     return f"<{type(value).__name__}>"
 
 
@@ -166,7 +174,7 @@ def _alias_reasoning_fields(messages: list) -> list:
     return aliased
 
 
-def _cut_at_continue_tag(rendered: str, final_message: str, source: str) -> str:
+def _cut_at_continue_tag(rendered: str, final_message: str, source: str | None) -> str:
     if final_message.strip() not in rendered or CONTINUE_TAG.strip() not in rendered:
         raise ValueError(
             f"continue_final_message: the chat template from {source} does not render the final "

@@ -30,11 +30,12 @@ def start_detokenizer(num_prompt_tokens: int) -> DetokenizerState:
 def _context_text(tokenizer, token_ids: list[int], state: DetokenizerState, skip_special_tokens: bool) -> str:
     """The context's text, the context first widened to start on a character: decoded from inside one, its
     bytes read as U+FFFD and, with byte fallback, so does the rest of that run of byte tokens."""
-    for widened in range(MAX_UTF8_CONTINUATION_BYTES + 1):
+    for _ in range(MAX_UTF8_CONTINUATION_BYTES):
         prefix_text = tokenizer.decode(token_ids[state.prefix_offset : state.read_offset], skip_special_tokens)
-        if state.prefix_offset == 0 or not prefix_text.startswith("\ufffd") or widened == MAX_UTF8_CONTINUATION_BYTES:
+        if state.prefix_offset == 0 or not prefix_text.startswith("\ufffd"):
             return prefix_text
         state.prefix_offset -= 1
+    return tokenizer.decode(token_ids[state.prefix_offset : state.read_offset], skip_special_tokens)
 
 
 def detokenize_incrementally(

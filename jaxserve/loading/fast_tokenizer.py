@@ -68,12 +68,16 @@ def _add_configured_tokens(backend: tokenizers.Tokenizer, settings: TokenizerSet
         backend.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in dict.fromkeys(named)])
 
 
+def _added_token(backend: tokenizers.Tokenizer, add: bool | None, token: str | None) -> str | None:
+    """The token, when the template is to add it and the vocabulary has it."""
+    return token if bool(add) and token is not None and backend.token_to_id(token) is not None else None
+
+
 def _bos_eos_template(backend: tokenizers.Tokenizer, settings: TokenizerSettings) -> processors.TemplateProcessing:
-    bos, eos = settings.special_tokens.get("bos_token"), settings.special_tokens.get("eos_token")
-    add_bos = bool(settings.add_bos_token) and bos is not None and backend.token_to_id(bos) is not None
-    add_eos = bool(settings.add_eos_token) and eos is not None and backend.token_to_id(eos) is not None
-    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-    special = [(bos, backend.token_to_id(bos))] if add_bos else []
-    special += [(eos, backend.token_to_id(eos))] if add_eos else []
+    bos = _added_token(backend, settings.add_bos_token, settings.special_tokens.get("bos_token"))
+    eos = _added_token(backend, settings.add_eos_token, settings.special_tokens.get("eos_token"))
+    single = f"{bos + ':0 ' if bos is not None else ''}$A:0{' ' + eos + ':0' if eos is not None else ''}"
+    pair = f"{single}{' ' + bos + ':1' if bos is not None else ''} $B:1{' ' + eos + ':1' if eos is not None else ''}"
+    special = [(bos, backend.token_to_id(bos))] if bos is not None else []
+    special += [(eos, backend.token_to_id(eos))] if eos is not None else []
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)

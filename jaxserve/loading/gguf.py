@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -74,12 +75,13 @@ class GGUFFile:
             raise ValueError(f"malformed GGUF file {path}: {type(error).__name__}: {error}") from None
         self.reader.fields.clear()  # decoded above: numpy views are not kept beside the values
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
-        self.architecture = self.metadata.get("general.architecture")
-        if self.architecture not in MODEL_TYPES:
+        architecture = self.metadata.get("general.architecture")
+        if architecture is None or architecture not in MODEL_TYPES:
             raise ValueError(
-                f"GGUF file {path}: architecture {self.architecture!r} is not supported "
+                f"GGUF file {path}: architecture {architecture!r} is not supported "
                 f"(supported: {', '.join(MODEL_TYPES)})"
             )
+        self.architecture = architecture
         for tensor in self.reader.tensors:
             if not can_dequantize(tensor.tensor_type):
                 raise ValueError(
@@ -87,7 +89,7 @@ class GGUFFile:
                     f"the gguf package cannot dequantize"
                 )
 
-    def _get(self, key: str, default=None):
+    def _get(self, key: str, default=None) -> Any:
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
     def hf_config(self) -> dict:
@@ -105,7 +107,7 @@ class GGUFFile:
         model_type = "mixtral" if self.architecture == "llama" and num_experts else MODEL_TYPES[self.architecture]
         if "token_embd.weight" not in self.tensors:
             raise ValueError(f"GGUF file {self.path} has no token_embd.weight tensor")
-        config = dict(
+        config: dict[str, Any] = dict(
             architectures=[
                 {
                     "llama": "LlamaForCausalLM",
@@ -200,7 +202,7 @@ def read_dequantized(path: str, tensor, chunk_bytes: int = 16 << 20) -> np.ndarr
     rows = raw.size // row_width
     row_bytes = row_width * raw.dtype.itemsize
     step = max(1, chunk_bytes // row_bytes)
-    values = None
+    values: np.ndarray | None = None
     with open(path, "rb") as f:
         for start in range(0, rows, step):
             count = min(step, rows - start)
@@ -210,6 +212,7 @@ def read_dequantized(path: str, tensor, chunk_bytes: int = 16 << 20) -> np.ndarr
             if values is None:
                 values = np.empty((rows, chunk.shape[-1]), np.float32)
             values[start : start + count] = chunk
+    assert values is not None, f"GGUF tensor {tensor.name} has no rows"
     return values.reshape(*raw.shape[:-1], values.shape[-1])
 
 
@@ -237,7 +240,8 @@ class GGUFTensorReader:
         self.rotary_heads = {}
         if gguf.architecture == "llama":
             self.rotary_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-        self._cached = (None, None)  # (GGUF name, dequantized): the expert tensors are read once per expert
+        # (GGUF name, dequantized): the expert tensors are read once per expert
+        self._cached: tuple[str, np.ndarray] | None = None
 
     def __contains__(self, hf_name: str) -> bool:
         return hf_name in self.names
@@ -246,12 +250,12 @@ class GGUFTensorReader:
         if hf_name not in self.names:
             raise ValueError(f"GGUF file {self.gguf.path} has no tensor for {hf_name!r}")
         name, expert = self.names[hf_name]
-        if self._cached[0] == name:
+        if self._cached is not None and self._cached[0] == name:
             values = self._cached[1]
         else:
             values = read_dequantized(self.gguf.path, self.gguf.tensors[name])
             # Only a stack of experts is read again (once per expert); anything else is not kept.
-            self._cached = (name, values) if expert is not None else (None, None)
+            self._cached = (name, values) if expert is not None else None
         if expert is not None:
             values = values[expert]
         projection = hf_name.split(".")[-2]

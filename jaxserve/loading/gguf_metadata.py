@@ -9,6 +9,7 @@ scalars, strings and the tensor infos are parsed by GGUFReader as before.
 from __future__ import annotations
 
 import sys
+from typing import Literal
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
@@ -19,8 +20,11 @@ class GGUFMetadataReader(GGUFReader):
 
     def _build_fields(self, offs: int, count: int) -> int:
         self.arrays: dict = {}
-        self._bytes = memoryview(self.data)
-        self._int_order = "little" if (sys.byteorder == "little") == (self.byte_order == "I") else "big"
+        # numpy's stubs declare ndarray.__buffer__ for Python 3.12+ only; a memmap is a buffer on 3.11 too.
+        self._bytes = memoryview(self.data)  # pyright: ignore[reportArgumentType]
+        self._int_order: Literal["little", "big"] = (
+            "little" if (sys.byteorder == "little") == (self.byte_order == "I") else "big"
+        )
         scalar_fields = 0
         for _ in range(count):
             key_length = self._uint(offs, 8)

@@ -12,6 +12,8 @@ Tokens typed CONTROL become special added tokens, USER_DEFINED ones plain added 
 
 from __future__ import annotations
 
+from typing import cast
+
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from jaxserve.loading.fast_tokenizer import FastTokenizer
@@ -130,7 +132,8 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokeni
     backend = Tokenizer(
         models.BPE(
             vocab=vocab,
-            merges=[tuple(m.split(" ")) for m in merges],
+            # pairs in a well-formed file; the tokenizers library refuses a merge of any other length
+            merges=cast("list[tuple[str, str]]", [tuple(m.split(" ")) for m in merges]),
             dropout=None,
             continuing_subword_prefix="",
             end_of_word_suffix="",

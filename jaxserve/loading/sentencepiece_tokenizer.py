@@ -25,7 +25,8 @@ class SentencePieceTokenizer(Tokenizer):
             self.processor.Load(model_path)
         except (OSError, RuntimeError) as error:
             raise ValueError(f"malformed tokenizer model {model_path}: {error}") from None
-        proto = sentencepiece_model_pb2.ModelProto()
+        # sentencepiece ships no stubs for this generated protobuf module, whose classes are made at import time
+        proto = sentencepiece_model_pb2.ModelProto()  # pyright: ignore[reportAttributeAccessIssue]
         proto.ParseFromString(self.processor.serialized_model_proto())
         self.add_bos_token = True if settings.add_bos_token is None else settings.add_bos_token
         self.add_eos_token = bool(settings.add_eos_token)
@@ -65,7 +66,7 @@ class SentencePieceTokenizer(Tokenizer):
         return self.processor.GetPieceSize()
 
     def token_to_id(self, token: str | None) -> int | None:
-        return self._piece_ids.get(token)
+        return self._piece_ids.get(token) if token is not None else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         check_unicode(text)

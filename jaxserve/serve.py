@@ -59,6 +59,7 @@ class Server:
         self.disagg = DisaggService()  # prefill/decode handover services, live on a replica with engine.role set
         self.api_keys = ApiKeys.from_file(server.api_keys) if server.api_keys else None
         self.pools = ThreadPools.for_limits(config.engine.scheduler.max_num_seqs + server.max_queued_requests)
+        assert server.max_message_bytes is not None  # ServeConfig fills in the default
         # SO_REUSEPORT off: a second server on a taken port must fail to start, not silently share it.
         options = [
             ("grpc.max_receive_message_length", server.max_message_bytes),
@@ -66,7 +67,9 @@ class Server:
             ("grpc.so_reuseport", 0),
         ]
         kv_events, self.kv_events_pool = kv_events_handler(self.service)
-        interceptors = [ApiKeyInterceptor(self.api_keys, self.pools.quick)] if self.api_keys else []
+        interceptors: list[grpc.ServerInterceptor] = (
+            [ApiKeyInterceptor(self.api_keys, self.pools.quick)] if self.api_keys else []
+        )
         self.grpc_server = grpc.server(
             self.pools.default,
             handlers=[
@@ -157,8 +160,9 @@ class Server:
         info = self.loop.description
         limits = RequestLimits.for_engine(info.max_model_len, info.vocab_size, **self.config.server.request_caps())
         fingerprint = system_fingerprint(info)
-        self.service.attach(self.loop, limits, self.chat_template, fingerprint)
-        self.http_context.attach(self.loop, limits, self.chat_template, fingerprint)
+        parser = self.config.server.tool_call_parser
+        self.service.attach(self.loop, limits, self.chat_template, fingerprint, parser)
+        self.http_context.attach(self.loop, limits, self.chat_template, fingerprint, parser)
         self.disagg.attach(self.loop, limits)
         self.metrics.observe_engine(self.loop.stats)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)

@@ -8,9 +8,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from typing import TypeVar
+
+ServerT = TypeVar("ServerT")
 
 
-def run_until_signalled(program: str, start: Callable[[], object], stop: Callable[[object], None]) -> int:
+def run_until_signalled(program: str, start: Callable[[], ServerT], stop: Callable[[ServerT], None]) -> int:
     """start() builds and starts the server; stop(server) drains and stops it. Returns the exit code."""
     # force: libraries imported earlier (orbax, via absl) may have claimed the root logger already
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)

@@ -160,8 +160,9 @@ class Server:
         info = self.loop.description
         limits = RequestLimits.for_engine(info.max_model_len, info.vocab_size, **self.config.server.request_caps())
         fingerprint = system_fingerprint(info)
-        self.service.attach(self.loop, limits, self.chat_template, fingerprint)
-        self.http_context.attach(self.loop, limits, self.chat_template, fingerprint)
+        parser = self.config.server.tool_call_parser
+        self.service.attach(self.loop, limits, self.chat_template, fingerprint, parser)
+        self.http_context.attach(self.loop, limits, self.chat_template, fingerprint, parser)
         self.disagg.attach(self.loop, limits)
         self.metrics.observe_engine(self.loop.stats)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)

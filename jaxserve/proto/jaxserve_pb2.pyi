@@ -22,7 +22,23 @@ class SamplingParams(_message.Message):
         "logprobs",
         "stop_token_ids",
         "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_tokens",
+        "bad_words",
+        "allowed_token_ids",
+        "guided_decoding",
     )
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: int | None = ..., value: float | None = ...) -> None: ...
+
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +50,14 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_DECODING_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -45,6 +69,14 @@ class SamplingParams(_message.Message):
     logprobs: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     n: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    bad_words: _containers.RepeatedScalarFieldContainer[str]
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    guided_decoding: GuidedDecoding
     def __init__(
         self,
         max_tokens: int | None = ...,
@@ -58,6 +90,53 @@ class SamplingParams(_message.Message):
         logprobs: int | None = ...,
         stop_token_ids: _Iterable[int] | None = ...,
         n: int | None = ...,
+        presence_penalty: float | None = ...,
+        frequency_penalty: float | None = ...,
+        repetition_penalty: float | None = ...,
+        logit_bias: _Mapping[int, float] | None = ...,
+        min_tokens: int | None = ...,
+        bad_words: _Iterable[str] | None = ...,
+        allowed_token_ids: _Iterable[int] | None = ...,
+        guided_decoding: GuidedDecoding | _Mapping | None = ...,
+    ) -> None: ...
+
+class GuidedDecoding(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: GuidedChoice
+    grammar: str
+    def __init__(
+        self,
+        json_schema: str | None = ...,
+        json_object: bool | None = ...,
+        regex: str | None = ...,
+        choice: GuidedChoice | _Mapping | None = ...,
+        grammar: str | None = ...,
+    ) -> None: ...
+
+class GuidedChoice(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Iterable[str] | None = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(
+        self, id: str | None = ..., name: str | None = ..., arguments: str | None = ...
     ) -> None: ...
 
 class GenerateRequest(_message.Message):
@@ -114,6 +193,8 @@ class GenerateResponse(_message.Message):
         "logprobs",
         "request_id",
         "index",
+        "tool_calls",
+        "content",
     )
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +204,8 @@ class GenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
@@ -131,6 +214,8 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     request_id: str
     index: int
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    content: str
     def __init__(
         self,
         token_ids: _Iterable[int] | None = ...,
@@ -141,30 +226,64 @@ class GenerateResponse(_message.Message):
         logprobs: _Iterable[TokenLogprobs | _Mapping] | None = ...,
         request_id: str | None = ...,
         index: int | None = ...,
+        tool_calls: _Iterable[ToolCall | _Mapping] | None = ...,
+        content: str | None = ...,
     ) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: str | None = ..., content: str | None = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    name: str
+    def __init__(
+        self,
+        role: str | None = ...,
+        content: str | None = ...,
+        tool_calls: _Iterable[ToolCall | _Mapping] | None = ...,
+        tool_call_id: str | None = ...,
+        name: str | None = ...,
+    ) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "sampling", "session_id", "add_generation_prompt", "continue_final_message")
+    __slots__ = (
+        "request_id",
+        "messages",
+        "sampling",
+        "session_id",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "tool_choice",
+        "tool_choice_function",
+        "parallel_tool_calls",
+    )
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     session_id: str
     add_generation_prompt: bool
     continue_final_message: bool
+    tools: _containers.RepeatedScalarFieldContainer[str]
+    tool_choice: str
+    tool_choice_function: str
+    parallel_tool_calls: bool
     def __init__(
         self,
         request_id: str | None = ...,
@@ -173,6 +292,10 @@ class ChatRequest(_message.Message):
         session_id: str | None = ...,
         add_generation_prompt: bool | None = ...,
         continue_final_message: bool | None = ...,
+        tools: _Iterable[str] | None = ...,
+        tool_choice: str | None = ...,
+        tool_choice_function: str | None = ...,
+        parallel_tool_calls: bool | None = ...,
     ) -> None: ...
 
 class ServerInfoRequest(_message.Message):

@@ -12,7 +12,8 @@
     server: {host, port, http_port, metrics_port, chat_template, max_queued_requests, drain_timeout,
              stream_idle_timeout, max_message_bytes, tls: {cert, key, client_ca}, api_keys: FILE, served_model_name,
              cors_allowed_origins, and the caps max_prompt_bytes, max_stop_strings, max_stop_string_bytes,
-             max_stop_token_ids, max_id_length}
+             max_stop_token_ids, max_id_length, max_structured_bytes, max_sampling_token_ids,
+             tool_call_parser: hermes | llama3_json | mistral | auto}
     distributed: {coordinator_address, num_processes, process_id, local_device_ids, num_cpu_devices, peer_timeout,
                   hash_check_interval, initialization_timeout}   (several processes: jaxserve/distributed)
 
@@ -29,6 +30,7 @@ from urllib.parse import urlsplit
 from jaxserve.config import ENGINE_GROUPS, EngineConfig
 from jaxserve.config_sections import build_section, read_sections, section_values
 from jaxserve.distributed.config import DistributedConfig
+from jaxserve.server.tool_parsers import PARSER_NAMES
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,10 @@ class ServerConfig:
     max_stop_string_bytes: int = 8192  # all of one request's stop strings together
     max_stop_token_ids: int = 256
     max_id_length: int = 256  # characters of a request_id or session_id
+    max_structured_bytes: int = 262144  # a guided-decoding spec, the tools' JSON and bad_words together
+    max_sampling_token_ids: int = 16384  # entries of logit_bias and allowed_token_ids together
+    # how chat replies' tool calls are read: hermes | llama3_json | mistral | auto (told from the chat template)
+    tool_call_parser: str = "auto"
     # The names the HTTP API answers to (vLLM's --served-model-name): one, or a list of aliases whose first
     # is the one responses carry; the checkpoint's name is accepted too. None: the checkpoint's name.
     served_model_name: str | tuple[str, ...] | None = None
@@ -95,6 +101,11 @@ class ServerConfig:
         if self.max_message_bytes is not None and self.max_message_bytes < 1024:
             raise ValueError(f"server.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         caps = ("max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids", "max_id_length")
+        caps += ("max_structured_bytes", "max_sampling_token_ids")
+        if self.tool_call_parser not in PARSER_NAMES:
+            raise ValueError(
+                f"server.tool_call_parser must be one of {', '.join(PARSER_NAMES)}, got {self.tool_call_parser!r}"
+            )
         for name in caps + (("max_prompt_bytes",) if self.max_prompt_bytes is not None else ()):
             if getattr(self, name) < 0:
                 raise ValueError(f"server.{name} must be >= 0, got {getattr(self, name)}")
@@ -106,6 +117,7 @@ class ServerConfig:
     def request_caps(self) -> dict:
         """The per-request caps, as keyword arguments of RequestLimits.for_engine."""
         names = ("max_prompt_bytes", "max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids", "max_id_length")
+        names += ("max_structured_bytes", "max_sampling_token_ids")
         return {name: getattr(self, name) for name in names}
 
 

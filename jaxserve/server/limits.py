@@ -18,6 +18,7 @@ PROMPT_BYTES_PER_TOKEN = 16
 # Room for a request's small fields (sampling numbers, tags and lengths) in the size bounds below.
 SMALL_FIELDS_BYTES = 1024
 MIN_MESSAGE_BYTES = 64 * 1024
+TOKEN_ID_ENTRY_BYTES = 14  # a logit_bias map entry on the wire: tags, lengths, a varint id and a float
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class RequestLimits:
     max_stop_string_bytes: int = 8192  # all of a request's stop strings together, UTF-8
     max_stop_token_ids: int = 256
     max_id_length: int = 256  # request_id and session_id, in characters
+    # a guided-decoding spec (schema, regex, grammar, choices), the tools' JSON and bad_words together, UTF-8
+    max_structured_bytes: int = 262144
+    max_sampling_token_ids: int = 16384  # entries of logit_bias and allowed_token_ids together
 
     @classmethod
     def for_engine(
@@ -54,6 +58,8 @@ class RequestLimits:
             + 4 * self.max_stop_strings
             + 5 * self.max_stop_token_ids
             + 8 * self.max_id_length
+            + self.max_structured_bytes
+            + TOKEN_ID_ENTRY_BYTES * self.max_sampling_token_ids
             + SMALL_FIELDS_BYTES
         )
 
@@ -141,3 +147,25 @@ def check_ids(limits: RequestLimits, **ids: str) -> None:
                 f"{name} is {len(value)} characters long, more than {limits.max_id_length} (server.max_id_length)"
             )
         check_unicode(value, name)  # ids are logged: a surrogate would fail the log line
+
+
+def check_structured(limits: RequestLimits, texts: Sequence[str], num_token_ids: int) -> None:
+    """texts: the request's guided-decoding spec, tools' JSON and bad words; num_token_ids: its logit_bias
+    and allowed_token_ids entries."""
+    if utf8_size_exceeds("".join(texts), limits.max_structured_bytes):
+        raise ValueError(
+            f"the guided-decoding spec, tools and bad_words together are longer than {limits.max_structured_bytes} "
+            f"bytes (server.max_structured_bytes)"
+        )
+    if num_token_ids > limits.max_sampling_token_ids:
+        raise ValueError(
+            f"logit_bias and allowed_token_ids have {num_token_ids} entries, more than "
+            f"{limits.max_sampling_token_ids} (server.max_sampling_token_ids)"
+        )
+
+
+def check_vocabulary(limits: RequestLimits, token_ids, what: str) -> None:
+    """Token ids a request names (logit_bias keys, allowed_token_ids) inside the vocabulary."""
+    outside = sorted(t for t in token_ids if not 0 <= t < limits.vocab_size)
+    if outside:
+        raise ValueError(f"{what} {outside[:5]} outside the vocabulary [0, {limits.vocab_size})")

@@ -4,7 +4,6 @@ parses the bytes and places each method on its thread pool)."""
 from __future__ import annotations
 
 import contextlib
-import math
 
 import grpc
 
@@ -14,33 +13,20 @@ from jaxserve.host.request import SamplingParams
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server import limits as request_limits
-from jaxserve.server.chat_prompt import chat_prompt_token_ids
 from jaxserve.server.engine_loop import Draining, EngineLoop, Overloaded
+from jaxserve.server.grpc_chat import checked_chat, with_tool_calls
 from jaxserve.server.kv_events_service import router_info
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.request_stream import Delta
 from jaxserve.server.rpc import abort
+from jaxserve.server.sampling_proto import (  # re-exported: the router reads them from here
+    DEFAULT_MAX_TOKENS,
+    check_sampling,
+    sampling_params_from_proto,
+)
+from jaxserve.server.tool_choice import NO_TOOLS, ToolPlan
 
-DEFAULT_MAX_TOKENS = 16
-
-
-def sampling_params_from_proto(sampling: pb.SamplingParams) -> SamplingParams:
-    """Proto -> SamplingParams; unset optional fields take vLLM's defaults. Raises ValueError."""
-    if any(not math.isfinite(v) for v in (sampling.temperature, sampling.top_p, sampling.min_p)):
-        raise ValueError("temperature, top_p and min_p must be finite numbers")
-    return SamplingParams(
-        n=sampling.n or 1,
-        max_tokens=sampling.max_tokens or DEFAULT_MAX_TOKENS,
-        temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
-        min_p=sampling.min_p,
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        stop=list(sampling.stop),
-        stop_token_ids=list(sampling.stop_token_ids),
-        ignore_eos=sampling.ignore_eos,
-        logprobs=sampling.logprobs or None,
-    )
+__all__ = ["DEFAULT_MAX_TOKENS", "GenerationService", "checked_request", "sampling_params_from_proto"]
 
 
 def checked_request(limits: RequestLimits, request: pb.GenerateRequest) -> tuple[str | list[int], SamplingParams]:
@@ -48,7 +34,7 @@ def checked_request(limits: RequestLimits, request: pb.GenerateRequest) -> tuple
     all before tokenizing. Raises ValueError naming the limit."""
     request_limits.check_ids(limits, request_id=request.request_id, session_id=request.session_id)
     prompt = request_limits.check_prompt(limits, request.text, request.token_ids)
-    request_limits.check_stops(limits, request.sampling.stop, request.sampling.stop_token_ids)
+    check_sampling(limits, request.sampling)
     return prompt, sampling_params_from_proto(request.sampling)
 
 
@@ -99,13 +85,20 @@ class GenerationService:
         self.loop: EngineLoop | None = None  # set, with the limits, once the engine has warmed up
         self.limits: RequestLimits | None = None
         self.chat_template: str | None = None  # server.chat_template; None: the model's own
+        self.tool_call_parser = "auto"  # server.tool_call_parser
         self.system_fingerprint = ""
 
     def attach(
-        self, loop: EngineLoop, limits: RequestLimits, chat_template: str | None = None, system_fingerprint: str = ""
+        self,
+        loop: EngineLoop,
+        limits: RequestLimits,
+        chat_template: str | None = None,
+        system_fingerprint: str = "",
+        tool_call_parser: str = "auto",
     ) -> None:
         self.limits = limits
         self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser
         self.system_fingerprint = system_fingerprint
         self.loop = loop
 
@@ -117,39 +110,19 @@ class GenerationService:
     def Generate(self, request: pb.GenerateRequest, context):
         loop, limits = self._ready(context)
         yield from self._stream(
-            loop, context, request.request_id, request.session_id, lambda: checked_request(limits, request)
+            loop, context, request.request_id, request.session_id, lambda: (*checked_request(limits, request), NO_TOOLS)
         )
 
     def Chat(self, request: pb.ChatRequest, context):
         loop, limits = self._ready(context)
-        yield from self._stream(
-            loop, context, request.request_id, request.session_id, lambda: self._checked_chat(loop, limits, request)
-        )
 
-    def _checked_chat(
-        self, loop: EngineLoop, limits: RequestLimits, request: pb.ChatRequest
-    ) -> tuple[list[int], SamplingParams]:
-        request_limits.check_ids(limits, request_id=request.request_id, session_id=request.session_id)
-        request_limits.check_stops(limits, request.sampling.stop, request.sampling.stop_token_ids)
-        params = sampling_params_from_proto(request.sampling)
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        add_generation_prompt = (
-            request.add_generation_prompt
-            if request.HasField("add_generation_prompt")
-            else not request.continue_final_message
-        )
-        token_ids = chat_prompt_token_ids(
-            loop.engine.tokenizer,
-            limits,
-            messages,
-            self.chat_template,
-            add_generation_prompt,
-            request.continue_final_message,
-        )
-        return token_ids, params
+        def checked() -> tuple[list[int], SamplingParams, ToolPlan]:
+            return checked_chat(request, loop.engine.tokenizer, limits, self.chat_template, self.tool_call_parser)
+
+        yield from self._stream(loop, context, request.request_id, request.session_id, checked)
 
     def _stream(self, loop: EngineLoop, context, request_id: str, session_id: str, checked):
-        """Submit what checked() returns (prompt, params) and yield its messages."""
+        """Submit what checked() returns (prompt, params, tool plan) and yield its messages."""
         if (
             loop.engine.config.disagg.role == EngineRole.PREFILL
         ):  # it would stop at the first token: the router's Decode path only
@@ -159,15 +132,14 @@ class GenerationService:
                 "(engine.role prefill): send requests to a router in mode disaggregated",
             )
         with refusals_as_status(context, loop.metrics):
-            prompt, params = checked()
+            prompt, params, plan = checked()
             stream = loop.submit(prompt, params, request_id, session_id or None)
         # The slot is freed (and the request aborted if still running) when the RPC ends for any reason.
         if not context.add_callback(lambda: loop.release(stream)):
             loop.release(stream)  # the RPC ended already
             return
         stream.on_expire = context.cancel
-        for delta in stream:
-            yield response_from_delta(delta, stream.request_id)
+        yield from with_tool_calls((response_from_delta(delta, stream.request_id) for delta in stream), plan)
 
     def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
         loop, _ = self._ready(context)

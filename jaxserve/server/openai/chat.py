@@ -1,8 +1,15 @@
 """POST /v1/chat/completions: the messages through the chat template (server/chat_prompt.py, as
 LLM.chat renders them), n choices, streamed as vLLM streams them (each choice's role first, then its
-content, the last content chunk carrying the finish reason) or answered whole."""
+content, the last content chunk carrying the finish reason) or answered whole.
+
+With tools (server/tool_choice.py), each reply is parsed for tool calls by the server's parser
+(server.tool_call_parser): message.tool_calls when answered whole; streamed, text that may begin a call
+is held back (tool_parsers/stream.py) and each call follows as one delta.tool_calls chunk, then an
+empty delta with finish_reason "tool_calls"."""
 
 from __future__ import annotations
+
+import json
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,34 +33,40 @@ from jaxserve.server.openai.responses import (
     sse,
 )
 from jaxserve.server.openai.streams import StreamGroup, until_disconnected
+from jaxserve.server.tool_choice import ToolPlan, plan_tools, template_messages
+from jaxserve.server.tool_parsers import ParsedReply
+from jaxserve.server.tool_parsers.stream import ToolCallHoldback
 
 router = APIRouter()
 
 
 def checked_chat(
     context: ServingContext, body: ChatCompletionRequest, request_id: str
-) -> tuple[list[list[int]], SamplingParams, None]:
-    """The rendered prompt's token ids and the sampling params, within the server's limits; ValueError."""
+) -> tuple[list[list[int]], SamplingParams, ToolPlan]:
+    """The rendered prompt's token ids, the sampling params and what to do with tools, within the
+    server's limits; ValueError."""
     limits = context.limits
     body.check(limits, request_id)
-    if body.tool_choice not in (None, "none", "auto"):
-        raise ValueError("tool_choice other than 'auto' or 'none' is not supported: tool calls are not parsed")
+    if body.functions is not None or body.function_call is not None:
+        raise ValueError("functions and function_call (OpenAI's legacy function calling) are not supported: use tools")
     logprobs = body.engine_logprobs()
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, context.tool_parser(body.tools))
     token_ids = chat_prompt_token_ids(
         context.tokenizer,
         limits,
-        body.messages,
+        template_messages(body.messages),
         context.chat_template,
         body.add_generation_prompt,
         body.continue_final_message,
-        body.tools,
+        plan.tools,
         body.chat_template_kwargs,
     )
     request_limits.check_token_ids(limits, token_ids)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # as vLLM: whatever room the context leaves
         max_tokens = max(limits.max_prompt_tokens - len(token_ids), 0)
-    return [token_ids], body.sampling_params(max_tokens, logprobs), None
+    tools_text = json.dumps(plan.tools) if plan.tools else ""
+    return [token_ids], body.sampling_params(limits, max_tokens, logprobs, plan.guided_decoding, tools_text), plan
 
 
 @router.post("/v1/chat/completions")
@@ -62,10 +75,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     context.ready_loop()
     context.check_model(body.model)
     request_id = body.request_id or request.headers.get("x-request-id", "")
-    group, _ = await context.admit(
+    group, plan = await context.admit(
         request_size(request), lambda: checked_chat(context, body, request_id), request_id, body.session_id
     )
-    call = ChatCall(context, body, group)
+    call = ChatCall(context, body, group, plan)
     if body.stream:
         return EventStreamResponse(call.events(), group)
     result = await until_disconnected(request.receive, call.collect())
@@ -73,9 +86,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 
 class ChatCall:
-    def __init__(self, context: ServingContext, body: ChatCompletionRequest, group: StreamGroup):
+    def __init__(self, context: ServingContext, body: ChatCompletionRequest, group: StreamGroup, plan: ToolPlan):
         self.body = body
         self.group = group
+        self.plan = plan
         self.token_text = TokenText(group.engine_loop.engine.tokenizer)
         self.header = {
             "id": response_id("chatcmpl"),
@@ -98,24 +112,48 @@ class ChatCall:
             chunk["usage"] = None
         return sse(chunk)
 
+    def calls(self, reply: ParsedReply | None) -> list:
+        """The reply's tool calls; without parallel_tool_calls, only its first."""
+        calls = list(reply.tool_calls) if reply is not None else []
+        return calls if self.plan.parallel else calls[:1]
+
+    @staticmethod
+    def finish_reason(reason: str | None, calls: list) -> str | None:
+        # a reply cut off by max_tokens says so even when calls were parsed before the cut
+        return "tool_calls" if calls and reason == "stop" else reason
+
     async def events(self):
         for index in range(self.body.n):
             yield self.chunk(index, {"role": "assistant", "content": ""})
         usage = UsageCounter()
+        holdbacks = {}
         async for position, delta in self.group.deltas():
             if (message := failure(delta)) is not None:
                 yield sse(error_body(self.group.streams[position].error_status, message))
                 break
             usage.add(position, delta)
-            content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+            text, reply = delta.text, None
+            if self.plan.parser is not None:
+                holdback = holdbacks.setdefault(delta.index, ToolCallHoldback(self.plan.parser))
+                text = holdback.feed(text)
+                if delta.finish_reason is not None:
+                    rest, reply = holdback.finish()
+                    text += rest
+            calls = self.calls(reply)
+            finish_reason = None if calls else delta.finish_reason
+            content = {"content": text} if text or finish_reason is None else {}
             self.group.mark_sending(True)
             yield self.chunk(
                 delta.index,
                 content,
                 self.logprobs(delta.token_ids, delta.logprobs or []),
-                delta.finish_reason,
+                finish_reason,
                 delta.token_ids,
             )
+            for number, call in enumerate(calls):
+                yield self.chunk(delta.index, {"tool_calls": [{"index": number, **call.openai()}]})
+            if calls:
+                yield self.chunk(delta.index, {}, finish_reason=self.finish_reason(delta.finish_reason, calls))
             self.group.mark_sending(False)
         else:
             if self.body.include_usage:
@@ -127,11 +165,16 @@ class ChatCall:
         listed = []
         for index in sorted(choices):
             gathered = choices[index]
+            content, calls = gathered.text, []
+            if self.plan.parser is not None:
+                reply = self.plan.parser.parse(gathered.text)
+                calls = self.calls(reply)
+                content = reply.content if calls else gathered.text
             choice = {
                 "index": index,
-                "message": {"role": "assistant", "content": gathered.text, "tool_calls": []},
+                "message": {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]},
                 "logprobs": self.logprobs(gathered.token_ids, gathered.logprobs),
-                "finish_reason": gathered.finish_reason,
+                "finish_reason": self.finish_reason(gathered.finish_reason, calls),
                 "stop_reason": None,
             }
             if self.body.return_token_ids:

@@ -51,7 +51,7 @@ def checked_completion(
         else:
             request_limits.check_prompt(limits, "", prompt)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = body.sampling_params(max_tokens, body.logprobs)
+    params = body.sampling_params(limits, max_tokens, body.logprobs)
     echo_texts = [p if isinstance(p, str) else context.tokenizer.decode(p) for p in prompts] if body.echo else []
     return prompts, params, echo_texts
 

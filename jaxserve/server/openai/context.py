@@ -17,6 +17,8 @@ from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openai.errors import APIError, api_error
 from jaxserve.server.openai.streams import StreamGroup, submit_all
+from jaxserve.server.tool_choice import parser_for_template
+from jaxserve.server.tool_parsers import ToolParser
 
 ADMISSION_THREADS = 4  # tokenizing is short; more threads would only contend for the GIL
 # Requests up to this size are checked, tokenized and submitted on the event loop: handing them to a
@@ -44,15 +46,22 @@ class ServingContext:
         self.loop: EngineLoop | None = None  # set once the engine has warmed up
         self._limits: RequestLimits | None = None
         self.chat_template: str | None = None
+        self.tool_call_parser = "auto"  # server.tool_call_parser
         self.system_fingerprint = ""
         self.created = int(time.time())
         self.executor = ThreadPoolExecutor(ADMISSION_THREADS, thread_name_prefix="jaxserve-http-admit")
 
     def attach(
-        self, loop: EngineLoop, limits: RequestLimits, chat_template: str | None, system_fingerprint: str
+        self,
+        loop: EngineLoop,
+        limits: RequestLimits,
+        chat_template: str | None,
+        system_fingerprint: str,
+        tool_call_parser: str = "auto",
     ) -> None:
         self._limits = limits
         self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser
         self.system_fingerprint = system_fingerprint
         self.loop = loop
 
@@ -88,6 +97,10 @@ class ServingContext:
         if tokenizer is None:
             raise APIError(400, "the model has no tokenizer: send token ids")
         return tokenizer
+
+    def tool_parser(self, tools) -> ToolParser:
+        """server.tool_call_parser's parser; "auto" reads the template this chat renders with."""
+        return parser_for_template(self.tool_call_parser, self.tokenizer, self.chat_template, tools)
 
     def check_model(self, name: str | None) -> None:
         """404 for a model this server does not serve, as vLLM answers; no name (or an empty one) means

@@ -1,10 +1,11 @@
 """Request bodies of the OpenAI-compatible API, as vLLM's server accepts them (its extras included:
-top_k, min_p, ignore_eos, stop_token_ids, session_id, request_id, return_token_ids).
+top_k, min_p, ignore_eos, stop_token_ids, session_id, request_id, return_token_ids, repetition_penalty,
+min_tokens, bad_words, allowed_token_ids and the guided_* fields).
 
 Fields the engine cannot honour are refused with the reason rather than silently ignored when a
-client sets them to anything but their neutral value (penalties, logit_bias, best_of, suffix, tools'
-calls); fields that change nothing here (user, parallel_tool_calls...) are accepted and unknown ones
-ignored, as vLLM and OpenAI do.
+client sets them to anything but their neutral value (best_of, suffix, the legacy functions); fields
+that change nothing here (user) are accepted and unknown ones ignored, as vLLM and OpenAI do.
+Constrained output (response_format, guided_*, structured_outputs) is read by structured.py.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.host.request import SamplingParams
+from jaxserve.host.request import GuidedDecodingParams, SamplingParams
 from jaxserve.server import limits as request_limits
 from jaxserve.server.limits import RequestLimits
+from jaxserve.server.openai.structured import guide_text, guided_decoding
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's and OpenAI's default for /v1/completions
 
@@ -48,12 +50,23 @@ class SamplingRequest(BaseModel):
     session_id: str | None = None  # marks a conversation that will continue: its prefix stays cached
     request_id: str | None = None  # a label for logs and metrics; the X-Request-Id header works too
     return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
-    # refused unless neutral: the engine has no penalties or biases
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    repetition_penalty: float | None = None  # vLLM's extra, as transformers': over prompt and output
+    logit_bias: dict[str, float] | None = None  # {token id (as a string): bias in [-100, 100]}
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    # constrained output (structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    best_of: int | None = None  # refused unless it equals n
 
     @property
     def stop_strings(self) -> list[str]:
@@ -67,20 +80,34 @@ class SamplingRequest(BaseModel):
         """The server's caps (limits.py) and the features the engine lacks; ValueError naming the field."""
         request_limits.check_ids(limits, request_id=request_id, session_id=self.session_id or "", user=self.user or "")
         request_limits.check_stops(limits, self.stop_strings, self.stop_token_ids or [])
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise ValueError(f"{name} is not supported by this server (only {neutral})")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported by this server (only best_of = n)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream = true")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (SamplingParams checks every value)."""
-        return SamplingParams(
+    def sampling_params(
+        self,
+        limits: RequestLimits,
+        max_tokens: int,
+        logprobs: int | None,
+        tool_guide: GuidedDecodingParams | None = None,
+        tools_text: str = "",
+    ) -> SamplingParams:
+        """Raises ValueError (SamplingParams checks every value; the limits bound the rest). tool_guide: the
+        grammar that tool_choice "required" or a named function imposes (tool_choice.py)."""
+        guided = guided_decoding(self)
+        if guided is not None and tool_guide is not None:
+            raise ValueError(
+                "tool_choice 'required' or a named function constrains the output already: "
+                "it cannot be combined with response_format or guided decoding"
+            )
+        guided = guided or tool_guide
+        request_limits.check_structured(
+            limits,
+            [*guide_text(guided), tools_text, *(self.bad_words or [])],
+            len(self.logit_bias or {}) + len(self.allowed_token_ids or []),
+        )
+        params = SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -92,7 +119,19 @@ class SamplingRequest(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens or 0,
+            bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
+            guided_decoding=guided,
         )
+        # normalized to (token id, bias) pairs by SamplingParams
+        request_limits.check_vocabulary(limits, [t for t, _ in params.logit_bias or ()], "logit_bias keys")
+        request_limits.check_vocabulary(limits, params.allowed_token_ids or (), "allowed_token_ids")
+        return params
 
 
 class CompletionRequest(SamplingRequest):
@@ -118,8 +157,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None  # passed to the template; tool calls are not parsed out
+    tools: list[dict[str, Any]] | None = None  # to the template; calls parsed out of the reply (tool_choice.py)
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None  # OpenAI's legacy function calling: refused, use tools
+    function_call: str | dict[str, Any] | None = None
     # as vLLM: continuing the final message needs add_generation_prompt false; both true is refused
     add_generation_prompt: bool = True
     continue_final_message: bool = False

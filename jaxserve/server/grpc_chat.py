@@ -1,0 +1,95 @@
+"""The gRPC Chat call's own parts: its messages and tools read from the proto, and the tool calls
+parsed out of each completion's text onto its last message (GenerateResponse.tool_calls, content)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator
+
+from jaxserve.host.request import SamplingParams
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.server import limits as request_limits
+from jaxserve.server.chat_prompt import chat_prompt_token_ids
+from jaxserve.server.limits import RequestLimits
+from jaxserve.server.sampling_proto import check_sampling, sampling_params_from_proto
+from jaxserve.server.tool_choice import ToolPlan, parser_for_template, plan_tools, template_messages
+
+
+def messages_from_proto(messages) -> list[dict]:
+    converted = []
+    for message in messages:
+        entry: dict = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments or "{}"}}
+                for c in message.tool_calls
+            ]
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.name:
+            entry["name"] = message.name
+        converted.append(entry)
+    return converted
+
+
+def tools_from_proto(tools) -> list[dict] | None:
+    """ChatRequest.tools: each an OpenAI tool object's JSON text."""
+    parsed = []
+    for position, text in enumerate(tools):
+        try:
+            parsed.append(json.loads(text))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"tools[{position}] is not JSON: {error}") from None
+    return parsed or None
+
+
+def tool_plan(request: pb.ChatRequest, tokenizer, chat_template: str | None, parser_name: str) -> ToolPlan:
+    tools = tools_from_proto(request.tools)
+    choice: str | dict | None = request.tool_choice or None
+    if request.tool_choice_function:
+        choice = {"type": "function", "function": {"name": request.tool_choice_function}}
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
+    return plan_tools(tools, choice, parallel, parser_for_template(parser_name, tokenizer, chat_template, tools))
+
+
+def checked_chat(
+    request: pb.ChatRequest, tokenizer, limits: RequestLimits, chat_template: str | None, parser_name: str
+) -> tuple[list[int], SamplingParams, ToolPlan]:
+    """The rendered prompt, the sampling params and the tool plan of a Chat call; ValueError."""
+    request_limits.check_ids(limits, request_id=request.request_id, session_id=request.session_id)
+    check_sampling(limits, request.sampling, list(request.tools))
+    plan = tool_plan(request, tokenizer, chat_template, parser_name)
+    params = sampling_params_from_proto(request.sampling, plan.guided_decoding)
+    add_generation_prompt = (
+        request.add_generation_prompt
+        if request.HasField("add_generation_prompt")
+        else not request.continue_final_message
+    )
+    token_ids = chat_prompt_token_ids(
+        tokenizer,
+        limits,
+        template_messages(messages_from_proto(request.messages)),
+        chat_template,
+        add_generation_prompt,
+        request.continue_final_message,
+        plan.tools,
+    )
+    return token_ids, params, plan
+
+
+def with_tool_calls(responses: Iterator[pb.GenerateResponse], plan: ToolPlan) -> Iterator[pb.GenerateResponse]:
+    """The responses, each completion's last one carrying the calls parsed from its whole text."""
+    texts: dict[int, str] = defaultdict(str)
+    for response in responses:
+        if plan.parser is not None:
+            texts[response.index] += response.text
+            if response.finish_reason:
+                reply = plan.parser.parse(texts.pop(response.index))
+                calls = list(reply.tool_calls) if plan.parallel else list(reply.tool_calls[:1])
+                if calls:
+                    response.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
+                    response.content = reply.content or ""
+                    if response.finish_reason == "stop":
+                        response.finish_reason = "tool_calls"
+        yield response

@@ -1,0 +1,122 @@
+"""SamplingParams to and from the proto's (jaxserve.proto), both ways: the gRPC service reads them, and
+the router's HTTP API sends what its OpenAI handlers built on to the replicas."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+
+from jaxserve.host.request import GuidedDecodingParams, SamplingParams
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.server import limits as request_limits
+from jaxserve.server.limits import RequestLimits
+
+DEFAULT_MAX_TOKENS = 16
+
+
+def guided_decoding_from_proto(guided: pb.GuidedDecoding) -> GuidedDecodingParams | None:
+    kind = guided.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        try:
+            schema = json.loads(guided.json_schema)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"guided_decoding.json_schema is not valid JSON: {error}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("guided_decoding.json_schema must be a JSON object")
+        return GuidedDecodingParams(json=guided.json_schema)
+    if kind == "json_object":
+        if not guided.json_object:
+            raise ValueError("guided_decoding.json_object must be true when set")
+        return GuidedDecodingParams(json_object=True)
+    if kind == "choice":
+        return GuidedDecodingParams(choice=list(guided.choice.choices))
+    return GuidedDecodingParams(**{kind: getattr(guided, kind)})
+
+
+def guided_decoding_to_proto(params: GuidedDecodingParams | None) -> pb.GuidedDecoding | None:
+    if params is None:
+        return None
+    if params.json is not None:
+        return pb.GuidedDecoding(json_schema=str(params.json))  # normalized to JSON text by GuidedDecodingParams
+    if params.json_object:
+        return pb.GuidedDecoding(json_object=True)
+    if params.choice is not None:
+        return pb.GuidedDecoding(choice=pb.GuidedChoice(choices=list(params.choice)))
+    if params.regex is not None:
+        return pb.GuidedDecoding(regex=params.regex)
+    return pb.GuidedDecoding(grammar=params.grammar)
+
+
+def sampling_params_from_proto(
+    sampling: pb.SamplingParams, tool_guide: GuidedDecodingParams | None = None
+) -> SamplingParams:
+    """Proto -> SamplingParams; unset optional fields take vLLM's defaults. tool_guide: the grammar a chat's
+    tool_choice imposes (never together with the request's own). Raises ValueError."""
+    numbers = (sampling.temperature, sampling.top_p, sampling.min_p, sampling.presence_penalty)
+    numbers += (sampling.frequency_penalty, sampling.repetition_penalty, *sampling.logit_bias.values())
+    if any(not math.isfinite(v) for v in numbers):
+        raise ValueError("temperature, top_p, min_p, the penalties and logit_bias must be finite numbers")
+    guided = guided_decoding_from_proto(sampling.guided_decoding)
+    if guided is not None and tool_guide is not None:
+        raise ValueError("tool_choice 'required' or a function constrains the output already: no guided_decoding too")
+    return SamplingParams(
+        n=sampling.n or 1,
+        max_tokens=sampling.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+        min_p=sampling.min_p,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        stop=list(sampling.stop),
+        stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.logprobs or None,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,
+        logit_bias=dict(sampling.logit_bias) or None,
+        min_tokens=sampling.min_tokens,
+        bad_words=list(sampling.bad_words) or None,
+        allowed_token_ids=list(sampling.allowed_token_ids) or None,
+        guided_decoding=guided or tool_guide,
+    )
+
+
+def check_sampling(limits: RequestLimits, sampling: pb.SamplingParams, tools: Sequence[str] = ()) -> None:
+    """The server's caps on a request's sampling fields (and a chat's tools' JSON); ValueError."""
+    request_limits.check_stops(limits, sampling.stop, sampling.stop_token_ids)
+    guided = sampling.guided_decoding
+    texts = [guided.json_schema, guided.regex, guided.grammar, *guided.choice.choices, *sampling.bad_words, *tools]
+    request_limits.check_structured(limits, texts, len(sampling.logit_bias) + len(sampling.allowed_token_ids))
+    request_limits.check_vocabulary(limits, sampling.logit_bias.keys(), "logit_bias keys")
+    request_limits.check_vocabulary(limits, sampling.allowed_token_ids, "allowed_token_ids")
+
+
+def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    """Everything SamplingParams holds, so that a replica samples as the router's caller asked."""
+    sampling = pb.SamplingParams(
+        n=params.n,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        stop=list(params.stop or ()),  # normalized to a tuple by SamplingParams
+        stop_token_ids=list(params.stop_token_ids or ()),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs or 0,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias or ()),  # (token id, bias) pairs
+        min_tokens=params.min_tokens,
+        bad_words=list(params.bad_words or ()),
+        allowed_token_ids=list(params.allowed_token_ids or ()),
+        guided_decoding=guided_decoding_to_proto(params.guided_decoding),
+    )
+    if params.seed is not None:
+        sampling.seed = params.seed
+    return sampling

@@ -1,0 +1,42 @@
+"""Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. [TOOL_CALLS] is a special token in
+Mistral's tokenizers, dropped from the detokenized text, so a reply that is such a list from its start is
+read as calls too."""
+
+from __future__ import annotations
+
+import json
+
+from jaxserve.server.tool_parsers.base import (
+    ParsedReply,
+    ToolParser,
+    call_from_json,
+    call_schema,
+    content_or_none,
+    lark_literal,
+)
+
+MARKER = "[TOOL_CALLS]"
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    markers = (MARKER,)
+    leading_markers = ("[",)
+
+    def parse(self, text: str) -> ParsedReply:
+        before, marked, after = text.partition(MARKER)
+        if not marked:
+            before, after = "", text
+        try:
+            value, end = json.JSONDecoder().raw_decode(after.strip())
+        except json.JSONDecodeError:
+            return ParsedReply(content_or_none(text))
+        calls = [call_from_json(v) for v in value] if isinstance(value, list) and value else [None]
+        if any(call is None for call in calls) or after.strip()[end:].strip():
+            return ParsedReply(content_or_none(text))
+        return ParsedReply(content_or_none(before), tuple(call for call in calls if call is not None))
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        calls = 'call (", " call)*' if parallel else "call"
+        schema = json.dumps(call_schema(tools, "arguments"))
+        return f'start: {lark_literal(MARKER)} "[" {calls} "]"\ncall: %json {schema}\n'

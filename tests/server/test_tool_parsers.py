@@ -1,0 +1,187 @@
+"""Tool-call parsers per family: replies parsed into calls (or left as text), streams held back only where
+a call may begin, and each family's grammar accepting exactly its own format (checked with llguidance over
+a byte-level tokenizer, so any text can be spelled)."""
+
+import json
+
+import pytest
+from llguidance import LLMatcher, LLTokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.pre_tokenizers import ByteLevel
+
+from jaxserve.server.tool_parsers import parser_name_for_template, tool_parser
+from jaxserve.server.tool_parsers.stream import ToolCallHoldback
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: any object
+
+
+def test_hermes_parses_calls_and_keeps_the_text_around_them():
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    reply = tool_parser("hermes").parse(text)
+    assert reply.content == "Let me look."
+    [call] = reply.tool_calls
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.id.startswith("call_") and len(call.id) > 10
+    assert call.openai()["type"] == "function" and call.openai()["function"]["arguments"] == call.arguments
+
+
+def test_hermes_reads_several_calls_and_an_unclosed_last_one():
+    text = (
+        '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "b", "arguments": {"x": 1}}'  # EOS before the closing tag
+    )
+    reply = tool_parser("hermes").parse(text)
+    assert [c.name for c in reply.tool_calls] == ["a", "b"] and reply.content is None
+    assert len({c.id for c in reply.tool_calls}) == 2  # every call its own id
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no calls here",
+        "<tool_call>\n{not json}\n</tool_call>",
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+        '<tool_call>\n{"name": "a", "arguments": [1]}\n</tool_call>',  # arguments not an object
+    ],
+)
+def test_hermes_leaves_a_reply_without_valid_calls_as_text(text):
+    reply = tool_parser("hermes").parse(text)
+    assert reply.tool_calls == () and reply.content == text.strip()
+
+
+def test_llama3_json_parses_the_whole_reply_as_calls():
+    parser = tool_parser("llama3_json")
+    reply = parser.parse('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == [("get_weather", {"city": "Oslo"})]
+    two = parser.parse('{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"y": 2}}')
+    assert [c.name for c in two.tool_calls] == ["a", "b"]
+    assert parser.parse('{"answer": 42}').tool_calls == ()  # JSON content is not a call
+    assert parser.parse('It is {"name": "a"}').content == 'It is {"name": "a"}'
+
+
+def test_mistral_parses_the_marked_list_and_an_unmarked_one():
+    parser = tool_parser("mistral")
+    reply = parser.parse('Sure [TOOL_CALLS][{"name": "a", "arguments": {"q": "x"}}, {"name": "b", "arguments": {}}]')
+    assert reply.content == "Sure" and [c.name for c in reply.tool_calls] == ["a", "b"]
+    # [TOOL_CALLS] is a special token, dropped from the detokenized text
+    assert [c.name for c in parser.parse(' [{"name": "a", "arguments": {}}]').tool_calls] == ["a"]
+    assert parser.parse("[1, 2, 3]").tool_calls == ()
+    assert parser.parse('[TOOL_CALLS][{"name": "a", "arguments": {}}] trailing').tool_calls == ()
+
+
+@pytest.mark.parametrize(
+    "template,expected",
+    [
+        ("{% for t in tools %}<tool_call>{% endfor %}", "hermes"),
+        ("[AVAILABLE_TOOLS] ... [TOOL_CALLS]", "mistral"),
+        ("{{- '<|python_tag|>' }}", "llama3_json"),
+        ("{% if message.role == 'ipython' %}", "llama3_json"),
+        ("{{ messages }}", "hermes"),  # cannot be told: the fallback
+    ],
+)
+def test_auto_tells_the_family_from_the_template(template, expected):
+    assert parser_name_for_template(template) == expected
+    assert tool_parser("auto", template).name == expected
+
+
+def test_an_unknown_parser_name_is_refused():
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        tool_parser("qwen_xml")
+
+
+def feed_all(parser_name: str, pieces: list[str]) -> tuple[str, list]:
+    holdback = ToolCallHoldback(tool_parser(parser_name))
+    passed = [holdback.feed(piece) for piece in pieces]
+    rest, reply = holdback.finish()
+    return "".join(passed) + rest, passed, list(reply.tool_calls)
+
+
+def test_a_stream_passes_text_on_until_a_call_may_begin():
+    pieces = ["Hello", " there <tool", "_call>\n", '{"name": "a", "arguments": {}}', "\n</tool_call>"]
+    text, passed, calls = feed_all("hermes", pieces)
+    assert passed[0] == "Hello"  # nothing like a marker: passed on at once
+    assert passed[1] == " there "  # "<tool" could begin the marker: held
+    assert passed[2:] == ["", "", ""]
+    assert text.strip() == "Hello there" and [c.name for c in calls] == ["a"]
+
+
+def test_held_text_that_is_no_call_is_passed_on_at_the_end():
+    text, passed, calls = feed_all("hermes", ["a <tool", "box> b"])
+    assert calls == [] and text == "a <toolbox> b"
+    text, passed, calls = feed_all("llama3_json", ["  {", '"x": 1}'])
+    assert passed == ["  ", ""] and calls == [] and text == '  {"x": 1}'  # from the brace on: held
+
+
+def test_llama3_holds_back_only_a_reply_that_begins_like_a_call():
+    text, passed, calls = feed_all("llama3_json", ["Sure, ", "{json} later"])
+    assert passed == ["Sure, ", "{json} later"] and calls == []
+    text, passed, calls = feed_all("llama3_json", ['{"name": "a", ', '"parameters": {"k": 1}}'])
+    assert passed == ["", ""] and text == "" and [json.loads(c.arguments) for c in calls] == [{"k": 1}]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer() -> LLTokenizer:
+    # one token per byte (plus an EOS), so any text spells out and every grammar decision is visible
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab["</s>"] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["</s>"])
+    return LLTokenizer(tokenizer.to_str(), eos_token=vocab["</s>"])
+
+
+def accepts(tokenizer: LLTokenizer, grammar: str, text: str) -> bool:
+    matcher = LLMatcher(tokenizer, LLMatcher.grammar_from_lark(grammar), log_level=0)
+    return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+
+GRAMMAR_CASES = {
+    "hermes": (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        "\n",
+    ),
+    "llama3_json": (
+        '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}',
+        '{"name": "get_time", "parameters": {}}',
+        "; ",
+    ),
+    "mistral": (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]',
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]',
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRAMMAR_CASES))
+def test_each_grammar_accepts_its_format_and_nothing_invalid(byte_tokenizer, name):
+    parser = tool_parser(name)
+    weather, time_call, separator = GRAMMAR_CASES[name]
+    grammar = parser.grammar([WEATHER, TIME], parallel=True)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(LLMatcher.grammar_from_lark(grammar), byte_tokenizer)
+    assert not is_error, messages
+    assert accepts(byte_tokenizer, grammar, weather) and accepts(byte_tokenizer, grammar, time_call)
+    for text in (weather, time_call):
+        assert [c.name for c in parser.parse(text).tool_calls] in (["get_weather"], ["get_time"])
+    assert not accepts(byte_tokenizer, grammar, weather.replace("get_weather", "get_wether"))  # unknown function
+    assert not accepts(byte_tokenizer, grammar, weather.replace('"c"', '"kelvin"'))  # outside the schema
+    assert not accepts(byte_tokenizer, grammar, "Sure!")  # text instead of a call
+    if separator is not None:  # several calls only with parallel
+        both = weather + separator + time_call
+        assert accepts(byte_tokenizer, grammar, both) and len(parser.parse(both).tool_calls) == 2
+        assert not accepts(byte_tokenizer, parser.grammar([WEATHER, TIME], parallel=False), both)
+    only_time = parser.grammar([TIME], parallel=False)  # a named function
+    assert accepts(byte_tokenizer, only_time, time_call) and not accepts(byte_tokenizer, only_time, weather)

@@ -13,49 +13,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+# the requests are built there; imported from here too, as they always were
+from jaxserve.client_requests import build_chat_request, build_request
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
-
-
-def build_request(
-    prompt: str | list[int],
-    *,
-    max_tokens: int = 16,
-    temperature: float | None = None,
-    top_k: int = 0,
-    top_p: float | None = None,
-    min_p: float = 0.0,
-    seed: int | None = None,
-    stop: list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    ignore_eos: bool = False,
-    logprobs: int = 0,
-    request_id: str = "",
-    session_id: str = "",
-) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(
-        max_tokens=max_tokens,
-        top_k=top_k,
-        min_p=min_p,
-        stop=stop or [],
-        stop_token_ids=stop_token_ids or [],
-        ignore_eos=ignore_eos,
-        logprobs=logprobs,
-    )
-    if temperature is not None:
-        sampling.temperature = temperature
-    if top_p is not None:
-        sampling.top_p = top_p
-    if seed is not None:
-        sampling.seed = seed
-    request = pb.GenerateRequest(request_id=request_id, sampling=sampling, session_id=session_id)
-    if isinstance(prompt, str):
-        request.text = prompt
-    else:
-        request.token_ids.extend(prompt)
-    return request
 
 
 @dataclass
@@ -68,6 +31,9 @@ class Completion:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     request_id: str = ""
+    # a chat with tools: the calls parsed from the reply, as OpenAI's tool_calls, and the text outside them
+    tool_calls: list[dict] = field(default_factory=list)
+    content: str = ""
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.token_ids += response.token_ids
@@ -76,6 +42,12 @@ class Completion:
         self.num_prompt_tokens = response.num_prompt_tokens
         self.num_cached_tokens = response.num_cached_tokens
         self.request_id = response.request_id or self.request_id
+        if response.tool_calls:
+            self.content = response.content
+            self.tool_calls += [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in response.tool_calls
+            ]
 
 
 @dataclass(frozen=True)
@@ -120,6 +92,16 @@ class Client:
             completion.add(response)
         return completion
 
+    def chat_stream(self, messages: list[dict], **options) -> Iterator[pb.GenerateResponse]:
+        """options: build_chat_request's keyword arguments (tools, tool_choice, sampling...)."""
+        return self.stub.Chat(build_chat_request(messages, **options), metadata=self.metadata)
+
+    def chat(self, messages: list[dict], **options) -> Completion:
+        completion = Completion()
+        for response in self.chat_stream(messages, **options):
+            completion.add(response)
+        return completion
+
     def server_info(self) -> pb.ServerInfo:
         return self.stub.GetServerInfo(pb.ServerInfoRequest(), metadata=self.metadata)
 
@@ -145,6 +127,15 @@ class AsyncClient:
 
     def stream(self, prompt: str | list[int], **sampling) -> AsyncIterator[pb.GenerateResponse]:
         return self.stub.Generate(build_request(prompt, **sampling), metadata=self.metadata)
+
+    def chat_stream(self, messages: list[dict], **options) -> AsyncIterator[pb.GenerateResponse]:
+        return self.stub.Chat(build_chat_request(messages, **options), metadata=self.metadata)
+
+    async def chat(self, messages: list[dict], **options) -> Completion:
+        completion = Completion()
+        async for response in self.chat_stream(messages, **options):
+            completion.add(response)
+        return completion
 
     async def server_info(self) -> pb.ServerInfo:
         return await self.stub.GetServerInfo(pb.ServerInfoRequest(), metadata=self.metadata)

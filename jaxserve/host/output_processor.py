@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from jaxserve.host.request import FinishReason, RequestStatus, SequenceState
 from jaxserve.host.stop_strings import find_stop_string
-from jaxserve.loading.detokenizer import detokenize_incrementally, flush_detokenizer, start_detokenizer
+from jaxserve.loading.detokenizer import (
+    DetokenizerState,
+    detokenize_incrementally,
+    flush_detokenizer,
+    start_detokenizer,
+)
 from jaxserve.loading.tokenizer import Tokenizer
 
 
@@ -35,11 +40,12 @@ def append_token(
     elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
         reason = FinishReason.LENGTH
     if tokenizer is not None:
-        if seq.detokenizer_state is None:
-            seq.detokenizer_state = start_detokenizer(seq.num_prompt_tokens)
-        new_text = detokenize_incrementally(tokenizer, seq.token_ids, seq.detokenizer_state)
+        state = seq.detokenizer_state
+        if not isinstance(state, DetokenizerState):  # None until the first token
+            state = seq.detokenizer_state = start_detokenizer(seq.num_prompt_tokens)
+        new_text = detokenize_incrementally(tokenizer, seq.token_ids, state)
         if reason is not None:  # the last token: nothing held back waiting for the rest of a character
-            new_text += flush_detokenizer(tokenizer, seq.token_ids, seq.detokenizer_state)
+            new_text += flush_detokenizer(tokenizer, seq.token_ids, state)
         seq.text += new_text
         if seq.params.stop and new_text:
             index = find_stop_string(seq, new_text)

@@ -159,7 +159,9 @@ class PageAllocator:
                 page = self._eviction_victim()
                 del self.cached_free_pages[page]
                 if self.host_tier is not None:
-                    self.pending_demotions.append((page, self.page_keys[page], self.page_contents[page]))
+                    key, contents = self.page_keys[page], self.page_contents[page]
+                    assert key is not None and contents is not None  # an evicted page was a cached one
+                    self.pending_demotions.append((page, key, contents))
                     self.stats.num_swapped_out_pages += 1
                 self._forget(page)
                 self.stats.num_evictions += 1
@@ -275,6 +277,7 @@ class PageAllocator:
         self.share(found.pages)
         promoted = self.allocate(len(found.host_keys))
         for page, (key, contents) in zip(promoted, found.host_keys):
+            assert self.host_tier is not None  # only the host tier finds host keys
             self.cache_full_page(page, *contents)
             self.pending_promotions.append((page, self.host_tier.take(key)))
         self.stats.num_swapped_in_pages += len(promoted)

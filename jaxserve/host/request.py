@@ -75,10 +75,10 @@ class SamplingParams:
     guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        stop_token_ids = tuple(int(t) for t in (self.stop_token_ids or ()))
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if not isinstance(self.n, int) or self.n < 1:
@@ -95,9 +95,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a non-negative integer below 2**63, got {self.seed!r}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative token ids, got {min(self.stop_token_ids)}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if any(t < 0 for t in stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {min(stop_token_ids)}")
+        if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
@@ -140,7 +140,7 @@ class SamplingParams:
     @functools.cached_property
     def stop_token_id_set(self) -> frozenset[int]:
         """stop_token_ids for the per-token check: O(1) however many a request names."""
-        return frozenset(self.stop_token_ids)
+        return frozenset(self.stop_token_ids or ())  # a tuple once constructed
 
 
 def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...] | None:

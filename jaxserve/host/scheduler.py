@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import deque
 
 from jaxserve.host.page_allocator import ROOT_KEY, CachedPrefix, PageAllocator, num_pages_for
-from jaxserve.host.request import RequestStatus, SequenceState
+from jaxserve.host.request import FinishReason, RequestStatus, SequenceState
 from jaxserve.host.schedule import Reservation, Schedule, ScheduledChunk, padded_to_blocks
 
 
@@ -63,7 +63,7 @@ class Scheduler:
         seq.status = RequestStatus.WAITING
         self.waiting.append(seq)
 
-    def finish(self, seq: SequenceState, reason: str) -> None:
+    def finish(self, seq: SequenceState, reason: FinishReason) -> None:
         """Drop a sequence (finished or aborted) wherever it is and free its pages at once. A step still
         running may write its KV into them: any later step that reuses them runs after it on the device."""
         if seq in self.running:
@@ -135,7 +135,7 @@ class Scheduler:
         self.cache_full_pages(seq)
         self._enter_running(seq)
 
-    def finish_or_flush(self, seq: SequenceState, reason: str) -> None:
+    def finish_or_flush(self, seq: SequenceState, reason: FinishReason) -> None:
         """Finish a sequence; but when its newest token would complete a page, first compute that
         token's KV (one more step, nothing sampled) so the next turn of a chat finds the whole page.
         A sequence with a step in flight is computing that KV already: it finishes once that step is
@@ -182,6 +182,7 @@ class Scheduler:
 
     def _preempt(self, seq: SequenceState) -> None:
         if seq.flushing:  # nothing left to give its caller: drop it rather than recompute it
+            assert seq.finish_reason is not None  # finish_or_flush set both
             self.finish(seq, seq.finish_reason)
             return
         self._leave_running(seq)

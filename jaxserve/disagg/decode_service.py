@@ -3,7 +3,8 @@
 Decode.Generate(request, prefill_address), one handler thread per request (an empty prefill_address:
 the request runs whole here, as on a colocated replica):
   1. submit: on the loop thread, reserve pages for the prompt (its cached prefix shared), or, with no
-     room, run the whole request here as a colocated replica would;
+     room, wait for it (engine.when_decode_full queue) or run the whole request here as a colocated
+     replica would (prefill_here, or a wait past the reservation timeout);
   2. Prefill.Prefill on the prefill replica with the keys of the prompt pages held here;
   3. pull the missing pages from its transfer server;
   4. on the loop thread, write them into the reserved pages and admit the request at its first token;
@@ -28,8 +29,10 @@ import jax
 
 from jaxserve.disagg.handover import HandoverStats
 from jaxserve.disagg.metadata import PrefilledRequest
+from jaxserve.host.request import SamplingParams
 from jaxserve.proto import disagg_pb2 as dpb
 from jaxserve.proto import disagg_pb2_grpc
+from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server.request_stream import Delta, RequestStream
 from jaxserve.server.service import checked_request, refusals_as_status, response_from_delta
 
@@ -41,10 +44,10 @@ RELEASE_TIMEOUT = 5.0  # seconds; a release that does not arrive is done by the 
 class Handover:
     stream: RequestStream
     prefill_address: str
-    request: object  # the GenerateRequest
-    params: object
+    request: pb.GenerateRequest
+    params: SamplingParams
+    reserved: concurrent.futures.Future  # (reservation, prompt ids), or None: run here whole
     prompt_token_ids: list[int] = field(default_factory=list)
-    reserved: concurrent.futures.Future | None = None  # (reservation, prompt ids), or None: run here whole
     handover_id: str = ""  # once the prefill side holds pages for it
     ended: bool = False  # the RPC is over: nothing more to do for it
 
@@ -94,10 +97,10 @@ class DecodeService:
 
     def _reserve(self, reserved: concurrent.futures.Future, engine, stream: RequestStream, prompt: list[int]):
         """Loop thread: pages for the prompt now or once a slot frees (queued); the whole request run
-        here only when that wait times out."""
+        here when the decode side says so (prefill_here, or the wait timed out)."""
 
-        def on_reserved(reservation, timed_out: bool) -> None:  # on the loop thread too
-            if timed_out:
+        def on_reserved(reservation, run_here: bool) -> None:  # on the loop thread too
+            if run_here:
                 engine.add_request(stream.handle, prompt, stream.params)
             if not reserved.done():
                 reserved.set_result(reservation and (reservation, prompt))
@@ -140,14 +143,9 @@ class DecodeService:
         handover.handover_id = response.handover_id
         answered = time.perf_counter()
         chunks = self.transfers.pull(response.transfer_address, response.transfer_id, response.chunks, self.timeout)
-        try:
-            installed = chunks is not None and self.loop.call(
-                lambda engine: self._install(engine, handover, response, chunks)
-            ).result(self.timeout)
-        except Exception:  # late (it still completes; recomputing then does nothing) or failed: recompute
-            installed = False
+        installed = chunks is not None and self._install_on_loop(handover, response, chunks)
         self._release(handover)
-        if not installed:
+        if chunks is None or not installed:
             return self._recompute(handover, "the pages did not arrive" if chunks is None else "reservation gone")
         self.stats.num_handovers += 1
         self.stats.bytes_moved += sum(chunk.nbytes for chunk in chunks)
@@ -156,6 +154,12 @@ class DecodeService:
         self.stats.seconds_moving += time.perf_counter() - answered
         self.stats.seconds_prefilling += answered - started
         return None
+
+    def _install_on_loop(self, handover: Handover, response: dpb.PrefillResponse, chunks) -> bool:
+        try:
+            return self.loop.call(lambda engine: self._install(engine, handover, response, chunks)).result(self.timeout)
+        except Exception:  # late (it still completes; recomputing then does nothing) or failed: recompute
+            return False
 
     def _install(self, engine, handover: Handover, response: dpb.PrefillResponse, chunks) -> bool:
         """Loop thread: the pulled KV into the reserved pages, and the request admitted at its first token."""

@@ -38,14 +38,17 @@ class PendingHandover:
 
 
 class DecodeHandovers:
-    def __init__(self, engine, timeout: float = 30.0, clock=time.monotonic):
+    def __init__(self, engine, timeout: float = 30.0, when_full: str = "queue", clock=time.monotonic):
+        """when_full (DisaggConfig.when_decode_full): with no slot or pages free, "queue" the handover
+        until they free, or "prefill_here": the caller runs the whole request on this replica at once."""
         self.engine = engine
         self.timeout = timeout
+        self.when_full = when_full
         self.clock = clock
         self.reservations: dict[str, PendingHandover] = {}
         self.queued: deque[QueuedHandover] = deque()
         self.num_expired = 0
-        # Requests this replica prefilled itself: their wait for a slot (or pages) timed out.
+        # Requests this replica prefilled itself: no room and prefill_here, or their wait timed out.
         self.num_local_prefills = 0
 
     def after_step(self, outputs) -> None:
@@ -67,15 +70,20 @@ class DecodeHandovers:
         params: SamplingParams,
         on_reserved: Callable[[Reservation | None, bool], None],
     ) -> None:
-        """Reserve now, or, with no slot or pages free, wait for them (in arrival order, retried after
-        every step) rather than prefill here: the prefill pool does the prompt and this side's running
-        decodes are not slowed by it (bench/disagg.py --decode-full measures both). on_reserved gets the
-        reservation, or None and True when the wait outlasts the timeout: the caller then prefills here."""
+        """Reserve now, or, with no slot or pages free, by when_full: "queue" waits for them (in arrival
+        order, retried after every step): the prefill pool does the prompt and this side's running decodes
+        are not slowed by it; "prefill_here" answers at once that the caller runs it here (bench/disagg.py
+        --decode-full measures both). on_reserved gets the reservation, or None and True when the caller
+        is to prefill here (no room and prefill_here, or the wait outlasted the timeout)."""
         if any(queued.request_id == request_id for queued in self.queued):
             raise ValueError(f"request id {request_id!r} is already in use")
         reservation = None if self.queued else self.reserve(request_id, prompt_token_ids, params)
         if reservation is not None:
             on_reserved(reservation, False)
+            return
+        if self.when_full == "prefill_here":
+            self.num_local_prefills += 1
+            on_reserved(None, True)
             return
         self.engine.validate(prompt_token_ids, params)
         queued = QueuedHandover(request_id, prompt_token_ids, params, on_reserved, self.clock() + self.timeout)

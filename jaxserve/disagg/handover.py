@@ -62,8 +62,9 @@ class DisaggregatedPair:
     stats: HandoverStats = field(default_factory=HandoverStats)
     # With no slot free on the decode side: "queue" keeps the request parked (its pages held on the
     # prefill side) and hands it over once one frees, in arrival order; "prefill_here" frees it and
-    # the decode side runs the whole request (bench/disagg.py --decode-full compares them).
-    when_decode_full: str = "queue"
+    # the decode side runs the whole request (bench/disagg.py --decode-full compares them). None: the
+    # decode engine's config (disagg.when_decode_full), as a decode replica does.
+    when_decode_full: str | None = None
     waiting: deque = field(default_factory=deque)  # PrefilledRequests parked for a decode slot
 
     def __post_init__(self):
@@ -73,6 +74,8 @@ class DisaggregatedPair:
         ):
             raise ValueError("a DisaggregatedPair needs a role 'prefill' engine and a role 'decode' engine")
         check_same_layout(self.prefill_engine, self.decode_engine)
+        if self.when_decode_full is None:
+            self.when_decode_full = self.decode_engine.config.disagg.when_decode_full
         if self.when_decode_full not in ("queue", "prefill_here"):
             raise ValueError(f"when_decode_full must be queue or prefill_here, got {self.when_decode_full!r}")
 

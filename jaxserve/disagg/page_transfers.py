@@ -20,7 +20,7 @@ class PageTransfers:
         self.device = device
         self.server = transfer.start_transfer_server(device.client, f"{host}:0", [f"{host}:0"])
         self.address = self.server.address()
-        self._connections: dict[str, object] = {}
+        self._connections: dict[str, transfer.TransferConnection] = {}
         self._lock = threading.Lock()
         self._transfer_ids = itertools.count(1)  # unique per server: every puller of this replica shares it
 

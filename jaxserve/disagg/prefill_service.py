@@ -18,6 +18,7 @@ import grpc
 from jaxserve.proto import disagg_pb2 as dpb
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server.request_stream import RequestStream
+from jaxserve.server.rpc import abort
 from jaxserve.server.service import refusals_as_status, sampling_params_from_proto
 
 
@@ -49,7 +50,8 @@ class PrefillService:
         delta = stream.take(timeout=self.timeout)
         if delta is None or not delta.token_ids:  # not in time, or ended unstarted (an error, a drain)
             self.loop.release(stream)
-            context.abort(
+            abort(
+                context,
                 grpc.StatusCode.DEADLINE_EXCEEDED if delta is None else grpc.StatusCode.UNAVAILABLE,
                 "the prompt was not prefilled in time"
                 if delta is None
@@ -71,7 +73,7 @@ class PrefillService:
             response = self.loop.call(lambda engine: self._offer(engine, handle, held)).result(self.timeout)
         except Exception as error:
             self.release(handle)
-            context.abort(grpc.StatusCode.INTERNAL, f"offering the pages failed: {error!r}")
+            abort(context, grpc.StatusCode.INTERNAL, f"offering the pages failed: {error!r}")
         response.num_cached_tokens = delta.num_cached_tokens
         if not context.is_active():  # the caller left meanwhile
             self.release(handle)

@@ -13,7 +13,7 @@ def handovers_for(engine):
     if role not in (EngineRole.PREFILL, EngineRole.DECODE):
         return None
     timeout = engine.config.disagg.handover_timeout
+    if role == EngineRole.PREFILL:
+        return PrefillHandovers(engine, timeout)
     # the decode side's reservation outlives its wait for the prefill side, so it is never freed under a pull
-    return (
-        PrefillHandovers(engine, timeout) if role == EngineRole.PREFILL else DecodeHandovers(engine, 2 * timeout + 10)
-    )
+    return DecodeHandovers(engine, 2 * timeout + 10, engine.config.disagg.when_decode_full)

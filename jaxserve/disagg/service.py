@@ -6,6 +6,7 @@ replica with a role runs one JAX transfer server and a timer that expires abando
 from __future__ import annotations
 
 import threading
+from typing import TypeVar
 
 import grpc
 
@@ -15,11 +16,12 @@ from jaxserve.disagg.page_transfers import PageTransfers
 from jaxserve.disagg.prefill_service import PrefillService
 from jaxserve.proto import disagg_pb2 as dpb
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.server.rpc import _server_stream, _unary
+from jaxserve.server.rpc import _server_stream, _unary, abort
 
 PREFILL_SERVICE = "jaxserve.disagg.v1.Prefill"
 DECODE_SERVICE = "jaxserve.disagg.v1.Decode"
 EXPIRY_INTERVAL = 1.0  # seconds between looks for handovers past their timeout
+Side = TypeVar("Side")  # the Prefill or the Decode service, or either
 
 
 class DisaggService:
@@ -70,13 +72,15 @@ class DisaggService:
             self.decode.close()
 
     def _expire_forever(self) -> None:
+        side = self.prefill or self.decode
+        assert side is not None  # attach starts this timer once it has made one
         while not self._stopped.wait(EXPIRY_INTERVAL):
-            (self.prefill or self.decode).expire()
+            side.expire()
 
-    def _side(self, context, side):
+    def _side(self, context, side: Side | None) -> Side:
         if side is None:
             role = self.loop.engine.config.disagg.role if self.loop is not None else "not warmed up yet"
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this replica's role is {role}")
+            abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"this replica's role is {role}")
         return side
 
     def Prefill(self, request, context):
@@ -90,12 +94,12 @@ class DisaggService:
 
     def Status(self, request, context) -> dpb.StatusResponse:
         side = self._side(context, self.prefill or self.decode)
-        return self.loop.call(lambda engine: self._status(side, engine)).result(10.0)
+        return side.loop.call(lambda engine: self._status(side, engine)).result(10.0)
 
-    def _status(self, side, engine) -> dpb.StatusResponse:
+    def _status(self, side: PrefillService | DecodeService, engine) -> dpb.StatusResponse:
         """On the loop thread."""
         reply, stats = side.status(engine), engine.stats()
-        reply.role, reply.serving, reply.transfer_address = engine.config.disagg.role, True, self.transfers.address
+        reply.role, reply.serving, reply.transfer_address = engine.config.disagg.role, True, side.transfers.address
         reply.num_free_pages, reply.num_pages = stats["kv_pages_free"], stats["kv_pages_total"]
         reply.num_compiles_after_warmup = stats["num_compiles_after_warmup"]
         return reply

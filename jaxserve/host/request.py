@@ -30,7 +30,7 @@ class GuidedDecodingParams:
                 raise ValueError(f"guided choice must be a non-empty list of strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+            object.__setattr__(self, "json", json.dumps(self.json))  # key order kept: replies follow it
         given = [kind for kind in GUIDED_KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"guided decoding takes exactly one of {', '.join(GUIDED_KINDS)}; got {given or 'none'}")

@@ -36,7 +36,7 @@ def emit(**record) -> None:
     print(json.dumps(record), flush=True)
 
 
-def serve(model: str, mesh: str, num_prompts: int, num_tokens: int) -> dict:
+def serve(model: str, mesh: str, num_prompts: int, num_tokens: int, group=None) -> dict:
     """In a child process: build the engine (a follower runs plans instead) and time the workload."""
     import jax
 
@@ -53,9 +53,9 @@ def serve(model: str, mesh: str, num_prompts: int, num_tokens: int) -> dict:
         compilation_cache_dir=None,
         **MESHES[mesh],
     )
-    llm = LLM(model, **engine)
+    llm = LLM(model, process_group=group, **engine)
     if jax.process_index() > 0:
-        run_follower(llm.engine.parts)
+        run_follower(llm.engine.parts, group)
         return {}
     prompts = [[1 + (7 * i + j) % 300 for j in range(20 + 3 * i)] for i in range(num_prompts)]
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
@@ -102,11 +102,12 @@ def time_all_reduce(hidden_size: int, num_tokens: int, repeats: int = 50) -> flo
 
 
 def child(args) -> None:
+    group = None  # one process
     if args.process is not None:
         from jaxserve.distributed.config import DistributedConfig
         from jaxserve.distributed.runtime import initialize
 
-        initialize(
+        group = initialize(
             DistributedConfig(
                 coordinator_address=f"127.0.0.1:{args.port}",
                 num_processes=2,
@@ -115,7 +116,7 @@ def child(args) -> None:
                 peer_timeout=120,
             )
         )
-    result = serve(args.model, args.mesh, args.prompts, args.tokens)
+    result = serve(args.model, args.mesh, args.prompts, args.tokens, group)
     all_reduce = time_all_reduce(hidden_size=256, num_tokens=args.prompts)
     if result:
         result["ms_per_all_reduce"] = all_reduce

@@ -8,14 +8,16 @@ from collections.abc import Sequence as SequenceOf
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
+from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine import Engine
 from jaxserve.host.request import RequestOutput, SamplingParams
 from jaxserve.loading.chat_template import render_chat, template_variables, text_content
 
 
 class LLM:
-    def __init__(self, model: str, **engine_options):
-        self.engine = Engine.from_model(model, EngineConfig.from_options(**engine_options))
+    def __init__(self, model: str, *, process_group: ProcessGroup | None = None, **engine_options):
+        """process_group: jaxserve.distributed.runtime.initialize's, to build the engine over several processes."""
+        self.engine = Engine.from_model(model, EngineConfig.from_options(**engine_options), process_group)
         self._request_ids = itertools.count()
 
     def generate(

@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from jaxserve.disagg.service import DisaggService
-from jaxserve.distributed import runtime as distributed
+from jaxserve.distributed.runtime import ProcessGroup, initialize
 from jaxserve.engine import Engine
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
 from jaxserve.server.chat_prompt import load_chat_template
@@ -50,7 +50,9 @@ def is_loopback(host: str) -> bool:
 
 
 class Server:
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, process_group: ProcessGroup | None = None):
+        """process_group: process 0's of several (jaxserve.distributed.runtime.initialize); None: one process."""
+        self.process_group = process_group
         self.config = config
         server = config.server
         self.metrics = ServerMetrics()
@@ -152,8 +154,9 @@ class Server:
             self.port,
             " (TLS)" if self.config.server.tls else "",
         )
-        distributed.on_fatal(lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
-        engine = Engine.from_model(self.config.model_dir(), self.config.engine)
+        if self.process_group is not None:
+            self.process_group.on_fatal(lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        engine = Engine.from_model(self.config.model_dir(), self.config.engine, self.process_group)
         self.loop = EngineLoop(
             engine, self.metrics, self.config.server.max_queued_requests, self.config.server.stream_idle_timeout
         )
@@ -187,7 +190,8 @@ class Server:
             self.metrics_server.shutdown()
         self.pools.shutdown()
         self.kv_events_pool.shutdown(wait=False, cancel_futures=True)
-        distributed.shutdown()  # several processes: the followers stop too
+        if self.process_group is not None:
+            self.process_group.shutdown()  # several processes: the followers stop too
         self.stopped.set()
 
 
@@ -206,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def start() -> Server:
         config = load_config(args.config, args.overrides)
-        if distributed.initialize(config.distributed) > 0:
-            sys.exit(follow(config))
-        server = Server(config)
+        group = initialize(config.distributed)
+        if group is not None and not group.is_leader:
+            sys.exit(follow(config, group))
+        server = Server(config, group)
         server.start()
         return server
 
@@ -220,18 +225,18 @@ def main(argv: list[str] | None = None) -> int:
     return run_until_signalled("jaxserve.serve", start, stop)
 
 
-def follow(config: ServeConfig) -> int:
+def follow(config: ServeConfig, group: ProcessGroup) -> int:
     """A follower process: build the same engine as process 0, then run its plans until it stops."""
     from jaxserve.distributed.follower import run_follower
 
     try:
-        engine = Engine.from_model(config.model_dir(), config.engine)
+        engine = Engine.from_model(config.model_dir(), config.engine, group)
     except Exception as error:  # process 0 must not wait for (or serve without) this process
-        distributed.report_start_failure(str(error) if isinstance(error, ValueError) else repr(error))
+        group.report_start_failure(str(error) if isinstance(error, ValueError) else repr(error))
         raise
     logger.info("following process 0's plans")
-    run_follower(engine.parts)
-    distributed.shutdown()
+    run_follower(engine.parts, group)
+    group.shutdown()
     return 0
 
 

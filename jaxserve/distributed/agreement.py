@@ -9,14 +9,14 @@ import dataclasses
 import jax
 
 from jaxserve.config import EngineRole
-from jaxserve.distributed import runtime
+from jaxserve.distributed.runtime import ProcessGroup, spans_processes
 
 
-def check_every_process_holds_devices(mesh, parallel) -> None:
+def check_every_process_holds_devices(mesh, parallel, group: ProcessGroup | None) -> None:
     """Several processes: each must hold devices of the mesh, else it has no part of any step to run
     (its follower loop would fail at the first plan while process 0 served alone). The mesh is the same
     on every process, so every process refuses it alike, before anything is placed on a device."""
-    if not runtime.is_multiprocess():
+    if not spans_processes(group):
         return
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     used = {device.process_index for device in devices}
@@ -32,19 +32,19 @@ def check_every_process_holds_devices(mesh, parallel) -> None:
         )
 
 
-def agree_on_engine(config, model_config):
+def agree_on_engine(config, model_config, group: ProcessGroup | None):
     """The EngineConfig every process builds with (unchanged on one process)."""
-    if not runtime.is_multiprocess():
+    if group is None or not group.is_multiprocess:
         return config
     if config.cache.swap_space:
         raise ValueError("swap_space (the host KV tier) is not available on several processes yet")
     if config.disagg.role != EngineRole.BOTH:
         raise ValueError("prefill/decode disaggregation (role) is not available on several processes yet")
     if config.cache.num_pages is None and config.cache.kv_cache_memory_gib is None:
-        budgets = runtime.exchange("kv_budget", str(_local_kv_budget()))
+        budgets = group.exchange("kv_budget", str(_local_kv_budget()))
         config = config.with_options(kv_cache_memory_gib=min(int(b) for b in budgets) / 2**30)
     described = dataclasses.replace(config, show_progress=False)
-    runtime.agree_across_processes("engine config and model", f"{described!r} {model_config!r} {jax.device_count()}")
+    group.agree_across_processes("engine config and model", f"{described!r} {model_config!r} {jax.device_count()}")
     return config
 
 
@@ -56,9 +56,9 @@ def _local_kv_budget() -> int:
     return 2**30
 
 
-def expert_balancer_type(default: type) -> type:
+def expert_balancer_type(default: type, group: ProcessGroup | None) -> type:
     """The builder's ExpertBalancer, or on several processes one whose moves travel as plans."""
-    if not runtime.is_multiprocess():
+    if not spans_processes(group):
         return default
     from jaxserve.distributed.experts import DistributedExpertBalancer  # imports the engine package
 

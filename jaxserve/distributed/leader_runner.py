@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.distributed import runtime
 from jaxserve.distributed.plan import END, EXECUTE, PlanSender
+from jaxserve.distributed.runtime import Beats, PeerWatch, ProcessGroup
 
 if TYPE_CHECKING:
     from jaxserve.device.runner import StepRunner
@@ -73,19 +73,20 @@ def allocator_digest(schedulers) -> str:
 class LeaderRunner:
     """Wraps a ModelRunner; everything not overridden here is the inner runner's own."""
 
-    def __init__(self, runner, mesh, schedulers, session: str):
+    def __init__(self, runner, mesh, schedulers, session: str, group: ProcessGroup):
         self.inner = runner
         self.mesh = mesh
         self.schedulers = schedulers
         self.session = session
-        config = runtime.config()
+        self.group = group
+        config = group.config
         self.peer_timeout = config.peer_timeout
         self.plans = PlanSender(session, config.hash_check_interval)
         self.serving = False  # before warm-up ends, every process runs the builder's calls by itself
         self.seconds_sending_plans = 0.0  # for bench/multihost.py
         self._lock = threading.Lock()  # one plan at a time, sent and run in the same order
         self._busy: tuple[str, float] | None = None  # the device call in flight and since when
-        self._beats = runtime.Beats(session, config.beat_interval)
+        self._beats = Beats(group, session, config.beat_interval)
         self._stop = threading.Event()
 
     def __getattr__(self, name):
@@ -164,8 +165,8 @@ class LeaderRunner:
                 self._send(END, ())
             self._stop.set()
             self._beats.stop()
-        if runtime.active_leader() is self:
-            runtime.set_active_leader(None)
+        if self.group.active_leader is self:
+            self.group.active_leader = None
 
     # -- plans and the watchdog -------------------------------------------------------------------
 
@@ -179,25 +180,26 @@ class LeaderRunner:
 
     def _start_serving(self) -> None:
         self.serving = True
-        runtime.set_active_leader(self)
+        self.group.active_leader = self
         self._beats.start()
         threading.Thread(target=self._watch, daemon=True, name="jaxserve-leader-watchdog").start()
 
     def _watch(self) -> None:
-        peers = runtime.PeerWatch(self.session, list(range(1, jax.process_count())))
-        interval = runtime.config().beat_interval
+        fatal = self.group.fatal
+        peers = PeerWatch(self.session, list(range(1, self.group.num_processes)))
+        interval = self.group.config.beat_interval
         while not self._stop.wait(interval):
             peer, silent = peers.stalest()
             busy, error = self._busy, peers.reported_error()
             if error is not None:
-                runtime.fatal(f"{error}; the leader stops")
+                fatal(f"{error}; the leader stops")
             elif silent > self.peer_timeout:
-                runtime.fatal(
+                fatal(
                     f"process {peer} stopped answering ({silent:.1f} s without a beat, peer_timeout "
                     f"{self.peer_timeout:g} s): it died or hangs; the leader stops"
                 )
             elif busy is not None and time.monotonic() - busy[1] > self.peer_timeout:
-                runtime.fatal(
+                fatal(
                     f"{busy[0]} did not complete within peer_timeout ({self.peer_timeout:g} s): a "
                     "process stopped answering inside a collective; the leader stops"
                 )
@@ -219,7 +221,7 @@ class _Guard:
         if self.lock:
             self.leader._lock.release()
         if isinstance(error, jax.errors.JaxRuntimeError):
-            runtime.fatal(f"{self.what} failed on the devices: {error}")
+            self.leader.group.fatal(f"{self.what} failed on the devices: {error}")
 
 
 class _WatchedFetch:
@@ -240,17 +242,17 @@ class _WatchedFetch:
             return self.pending.fetch()
 
 
-def wrap_runner(runner, mesh, schedulers) -> StepRunner:
+def wrap_runner(runner, mesh, schedulers, group: ProcessGroup | None) -> StepRunner:
     """Process 0 of several: a LeaderRunner; otherwise the runner itself."""
-    if not runtime.is_multiprocess():
+    if group is None or not group.is_multiprocess:
         return runner
     if mesh is None:
         raise ValueError(
             "several processes need a mesh over their devices: set data_parallel_size x "
             "tensor_parallel_size to the number of devices"
         )
-    session = runtime.next_session()  # drawn on every process, in the same order
-    if jax.process_index() != 0:
+    session = group.next_session()  # drawn on every process, in the same order
+    if not group.is_leader:
         runner.plan_session = session  # where the follower loop reads this engine's plans
         return runner
-    return LeaderRunner(runner, mesh, schedulers, session)
+    return LeaderRunner(runner, mesh, schedulers, session, group)

@@ -1,5 +1,6 @@
-"""This process's place in the multi-controller program: joining it, the coordination service's key-value
-store (the side channel plans and beats travel on), and stopping every process with a clear error.
+"""This process's place in the multi-controller program: joining it (`initialize` returns the
+ProcessGroup that owns jaxserve's side of it), the coordination service's key-value store (the side
+channel plans and beats travel on), and stopping every process with a clear error.
 
 Plans travel on the coordination service's key-value store rather than as device collectives: a
 broadcast on the devices would queue behind the running step, and a dead peer makes it hang; a
@@ -9,16 +10,22 @@ key-value read takes a timeout.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NoReturn
 
 import jax
 
 from jaxserve.distributed.config import DistributedConfig
+
+if TYPE_CHECKING:
+    from jaxserve.distributed.leader_runner import LeaderRunner
 
 logger = logging.getLogger(__name__)
 
@@ -28,19 +35,11 @@ KEY_PREFIX = "jaxserve"
 START_ERROR_KEY = f"{KEY_PREFIX}/start_error"
 START_WATCH_INTERVAL = 0.5  # seconds between process 0's looks for a follower's start failure
 
-_config: DistributedConfig | None = None
-_fatal_hooks: list[Callable[[], None]] = []
-_sessions = iter(range(1 << 62))  # one per engine built, in the same order on every process
-_exchanges = iter(range(1 << 62))
-_active_leader = None  # the LeaderRunner serving now (process 0 only)
-_exit: Callable[[int], None] = os._exit  # tests replace it
 
-
-def initialize(config: DistributedConfig | None) -> int:
-    """Join the program (before anything touches a device); returns this process's index (0 alone)."""
-    global _config
+def initialize(config: DistributedConfig | None) -> ProcessGroup | None:
+    """Join the program (before anything touches a device); None without a config (one process)."""
     if config is None:
-        return 0
+        return None
     if config.num_cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
     # CPU collectives across processes (tests, bench); accelerators use their own (ICI, NCCL).
@@ -57,27 +56,22 @@ def initialize(config: DistributedConfig | None) -> int:
         initialization_timeout=config.initialization_timeout,
         heartbeat_timeout_seconds=int(2 * config.peer_timeout) + 10,
     )
-    _config = config
-    if jax.process_index() == 0 and jax.process_count() > 1:
-        threading.Thread(target=_watch_start_failures, daemon=True, name="jaxserve-start-watch").start()
+    group = ProcessGroup(config, jax.process_index(), jax.process_count())
+    if group.is_leader and group.is_multiprocess:
+        threading.Thread(target=group.watch_start_failures, daemon=True, name="jaxserve-start-watch").start()
     logger.info(
         "process %d of %d; %d devices, %d local",
-        jax.process_index(),
-        jax.process_count(),
+        group.process_index,
+        group.num_processes,
         jax.device_count(),
         jax.local_device_count(),
     )
-    return jax.process_index()
+    return group
 
 
-def is_multiprocess() -> bool:
-    return _config is not None and jax.process_count() > 1
-
-
-def config() -> DistributedConfig:
-    if _config is None:
-        raise RuntimeError("jax.distributed is not initialized by jaxserve.distributed.initialize")
-    return _config
+def spans_processes(group: ProcessGroup | None) -> bool:
+    """Whether an engine built with this group runs as one program over several processes."""
+    return group is not None and group.is_multiprocess
 
 
 def client():
@@ -86,100 +80,116 @@ def client():
 
     kv = distributed.global_state.client
     if kv is None:
-        raise RuntimeError("jax.distributed is not initialized by jaxserve.distributed.initialize")
+        raise RuntimeError("jax.distributed is not initialized by jaxserve.distributed.runtime.initialize")
     return kv
 
 
-def next_session() -> str:
-    """Keys of one engine's plans; engines are built in the same order on every process."""
-    return f"{KEY_PREFIX}/{next(_sessions)}"
+@dataclass(eq=False)
+class ProcessGroup:
+    """jaxserve's side of the multi-controller program, made once by `initialize` and handed to whoever
+    needs it (serve.py -> the engine build -> agreement, leader runner, follower, checkpoint saves):
+    its settings, this process's place, the counters that must advance alike on every process, what
+    runs before a fatal exit, and the engine leading now. jax.distributed keeps its own state."""
 
+    config: DistributedConfig
+    process_index: int
+    num_processes: int
+    fatal_hooks: list[Callable[[], None]] = field(default_factory=list)
+    active_leader: LeaderRunner | None = None  # the engine serving now (process 0 only)
+    exit: Callable[[int], None] = os._exit  # tests replace it
+    # one session per engine built, one key per exchange: drawn in the same order on every process
+    _sessions: Iterator[int] = field(default_factory=itertools.count)
+    _exchanges: Iterator[int] = field(default_factory=itertools.count)
 
-def on_fatal(hook: Callable[[], None]) -> None:
-    """Run hook (e.g. health NOT_SERVING) before a fatal error ends this process."""
-    _fatal_hooks.append(hook)
+    @property
+    def is_multiprocess(self) -> bool:
+        return self.num_processes > 1
 
+    @property
+    def is_leader(self) -> bool:
+        return self.process_index == 0
 
-def fatal(message: str) -> None:
-    """End this process with a clear error: hooks first, then a short grace, then exit."""
-    print(f"jaxserve.distributed: process {jax.process_index()}: {message}", file=sys.stderr, flush=True)
-    logger.error("%s", message)
-    for hook in list(_fatal_hooks):
-        try:
-            hook()
-        except Exception:  # the exit below must happen whatever a hook does
-            logger.exception("fatal hook failed")
-    time.sleep(FATAL_GRACE_SECONDS)
-    sys.stdout.flush()
-    _exit(FATAL_EXIT_CODE)
+    def next_session(self) -> str:
+        """Keys of one engine's plans; engines are built in the same order on every process."""
+        return f"{KEY_PREFIX}/{next(self._sessions)}"
 
+    def on_fatal(self, hook: Callable[[], None]) -> None:
+        """Run hook (e.g. health NOT_SERVING) before a fatal error ends this process."""
+        self.fatal_hooks.append(hook)
 
-def report_start_failure(message: str) -> None:
-    """A follower that cannot build its engine says so, so that process 0 stops too instead of waiting
-    for it (or serving without it)."""
-    try:
-        client().key_value_set(f"{START_ERROR_KEY}/{jax.process_index()}", message, allow_overwrite=True)
-    except Exception:  # the coordination service is gone: process 0 is stopping anyway
-        logger.exception("could not report the start failure to process 0")
-
-
-def _watch_start_failures() -> None:
-    """Process 0, for as long as it runs: a follower's reported start failure ends it with that error."""
-    kv = client()
-    while True:
-        time.sleep(START_WATCH_INTERVAL)
-        for process in range(1, jax.process_count()):
+    def fatal(self, message: str) -> NoReturn:
+        """End this process with a clear error: hooks first, then a short grace, then exit."""
+        print(f"jaxserve.distributed: process {self.process_index}: {message}", file=sys.stderr, flush=True)
+        logger.error("%s", message)
+        for hook in list(self.fatal_hooks):
             try:
-                message = kv.key_value_try_get(f"{START_ERROR_KEY}/{process}")
-            except Exception:  # nothing reported (or the service is shutting down)
-                continue
-            fatal(f"process {process} could not start: {message}; process 0 stops")
+                hook()
+            except Exception:  # the exit below must happen whatever a hook does
+                logger.exception("fatal hook failed")
+        time.sleep(FATAL_GRACE_SECONDS)
+        sys.stdout.flush()
+        self.exit(FATAL_EXIT_CODE)
+        raise SystemExit(FATAL_EXIT_CODE)  # only where a test's exit returns
 
+    def report_start_failure(self, message: str) -> None:
+        """A follower that cannot build its engine says so, so that process 0 stops too instead of
+        waiting for it (or serving without it)."""
+        try:
+            client().key_value_set(f"{START_ERROR_KEY}/{self.process_index}", message, allow_overwrite=True)
+        except Exception:  # the coordination service is gone: process 0 is stopping anyway
+            logger.exception("could not report the start failure to process 0")
 
-def set_active_leader(leader) -> None:
-    global _active_leader
-    _active_leader = leader
+    def watch_start_failures(self) -> None:
+        """Process 0, for as long as it runs: a follower's reported start failure ends it with that error."""
+        kv = client()
+        while True:
+            time.sleep(START_WATCH_INTERVAL)
+            for process in range(1, self.num_processes):
+                try:
+                    message = kv.key_value_try_get(f"{START_ERROR_KEY}/{process}")
+                except Exception:  # nothing reported (or the service is shutting down)
+                    continue
+                self.fatal(f"process {process} could not start: {message}; process 0 stops")
 
+    def report_and_stop(self, session: str, message: str) -> NoReturn:
+        """A follower's fatal error: published first, so that process 0 stops with the same message."""
+        try:
+            client().key_value_set(f"{session}/error/{self.process_index}", message, allow_overwrite=True)
+        finally:
+            self.fatal(message)
 
-def active_leader():
-    return _active_leader
-
-
-def shutdown() -> None:
-    """Process 0: tell the followers to stop, then leave the program."""
-    leader = _active_leader
-    if leader is not None:
-        leader.shutdown()
-    if _config is not None:
+    def shutdown(self) -> None:
+        """Process 0: tell the followers to stop, then leave the program."""
+        if self.active_leader is not None:
+            self.active_leader.shutdown()
         jax.distributed.shutdown()
 
+    def exchange(self, what: str, value: str) -> list[str]:
+        """Every process's value, by process index (each publishes its own and waits for the rest)."""
+        key = f"{KEY_PREFIX}/exchange/{next(self._exchanges)}/{what}"
+        kv = client()
+        kv.key_value_set(f"{key}/{self.process_index}", value)
+        timeout_ms = int(self.config.initialization_timeout * 1000)
+        return [kv.blocking_key_value_get(f"{key}/{process}", timeout_ms) for process in range(self.num_processes)]
 
-def exchange(what: str, value: str) -> list[str]:
-    """Every process's value, by process index (each process publishes its own and waits for the rest)."""
-    key = f"{KEY_PREFIX}/exchange/{next(_exchanges)}/{what}"
-    kv = client()
-    kv.key_value_set(f"{key}/{jax.process_index()}", value)
-    timeout_ms = int(config().initialization_timeout * 1000)
-    return [kv.blocking_key_value_get(f"{key}/{process}", timeout_ms) for process in range(jax.process_count())]
-
-
-def agree_across_processes(what: str, value: str) -> None:
-    """Every process describes what it is about to build; the descriptions must be equal, or the engines
-    would compile different programs and hang in their first collective."""
-    digest = hashlib.blake2b(value.encode(), digest_size=16).hexdigest()
-    mismatched = [process for process, other in enumerate(exchange(what, digest)) if other != digest]
-    if mismatched:
-        raise ValueError(
-            f"process {jax.process_index()}'s {what} differs from that of process(es) {mismatched}: "
-            "every process must be started with the same model and engine config"
-        )
+    def agree_across_processes(self, what: str, value: str) -> None:
+        """Every process describes what it is about to build; the descriptions must be equal, or the
+        engines would compile different programs and hang in their first collective."""
+        digest = hashlib.blake2b(value.encode(), digest_size=16).hexdigest()
+        mismatched = [process for process, other in enumerate(self.exchange(what, digest)) if other != digest]
+        if mismatched:
+            raise ValueError(
+                f"process {self.process_index}'s {what} differs from that of process(es) {mismatched}: "
+                "every process must be started with the same model and engine config"
+            )
 
 
 class Beats:
     """A counter each process bumps in the key-value store every beat interval from a thread of its own,
     so that a process that died (or whose Python stopped) is noticed while everything is idle."""
 
-    def __init__(self, session: str, interval: float):
+    def __init__(self, group: ProcessGroup, session: str, interval: float):
+        self.group = group
         self.key = f"{session}/beat"
         self.interval = interval
         self._stop = threading.Event()
@@ -197,19 +207,11 @@ class Beats:
         while not self._stop.wait(self.interval):
             count += 1
             try:
-                kv.key_value_set(f"{self.key}/{jax.process_index()}", str(count), allow_overwrite=True)
+                kv.key_value_set(f"{self.key}/{self.group.process_index}", str(count), allow_overwrite=True)
             except Exception as error:  # the coordination service (process 0) is gone
                 if not self._stop.is_set():
-                    fatal(f"lost the coordination service (process 0): {error}")
+                    self.group.fatal(f"lost the coordination service (process 0): {error}")
                 return
-
-
-def report_and_stop(session: str, message: str) -> None:
-    """A follower's fatal error: published first, so that process 0 stops with the same message."""
-    try:
-        client().key_value_set(f"{session}/error/{jax.process_index()}", message, allow_overwrite=True)
-    finally:
-        fatal(message)
 
 
 class PeerWatch:

@@ -20,6 +20,7 @@ from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import ModelRunner, StepRunner, enable_compilation_cache, kv_cache_bytes_available
 from jaxserve.distributed.agreement import agree_on_engine, check_every_process_holds_devices, expert_balancer_type
 from jaxserve.distributed.leader_runner import wrap_runner
+from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
 from jaxserve.engine.expert_balancer import ExpertBalancer
 from jaxserve.host.page_allocator import PageAllocator, num_pages_for, swap_in_is_cheaper
@@ -52,9 +53,10 @@ class EngineParts:
     layout: RankLayout  # where each rank's pages, rows and token slots sit in the shared arrays
     runner: StepRunner
     experts: ExpertBalancer | None  # mixture-of-experts models only
+    process_group: ProcessGroup | None  # several processes: from runtime.initialize; None: one
 
 
-def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
+def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGroup | None = None) -> EngineParts:
     source = open_model(model_path)
     model_config = source.config
     dtype = source.checkpoint_dtype if config.dtype == "auto" else config.dtype
@@ -67,13 +69,13 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
         if config.parallel.data_parallel_size * config.parallel.tensor_parallel_size > 1 or devices
         else None
     )
-    check_every_process_holds_devices(mesh, config.parallel)  # several processes: refused alike on each
+    check_every_process_holds_devices(mesh, config.parallel, process_group)  # refused alike on every process
     expert_parallel = _expert_parallel(model_config, config, mesh)
     attention = choose_attention(model_config, config, dtype, mesh)
     model = _load_model(source, dtype, attention, mesh, expert_parallel)
     if mesh is None:
         move_weights_to_huge_pages(model)  # a CPU decode step streams them twice as fast
-    config = agree_on_engine(config, model_config)  # several processes: the same engine everywhere
+    config = agree_on_engine(config, model_config, process_group)  # several processes: the same engine everywhere
     schedulers, kv_pages, layout = _kv_cache(model_config, config, dtype, attention, mesh, max_model_len, model)
     runner = ModelRunner(
         model,
@@ -86,10 +88,10 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
         layout=layout,
         mesh=mesh,
     )
-    runner = wrap_runner(runner, mesh, schedulers)  # several processes: process 0 sends plans
+    runner = wrap_runner(runner, mesh, schedulers, process_group)  # several processes: process 0 sends plans
     experts = None
     if model_config.is_moe:
-        experts = expert_balancer_type(ExpertBalancer)(
+        experts = expert_balancer_type(ExpertBalancer, process_group)(
             model_config,
             runner,
             mesh.devices.size if expert_parallel and mesh is not None else None,
@@ -118,6 +120,7 @@ def build_engine(model_path: str, config: EngineConfig) -> EngineParts:
         layout=layout,
         runner=runner,
         experts=experts,
+        process_group=process_group,
     )
 
 
@@ -207,7 +210,7 @@ def _kv_cache(
     swapping_pays = swap_in_is_cheaper(page_bytes, config.cache.page_size, num_params, jax.default_backend())
     host_tier_pages = int(config.cache.swap_space * 2**30) // page_bytes if swapping_pays else 0
     num_ranks = config.parallel.data_parallel_size
-    layout = RankLayout(num_ranks, num_pages, token_slots_per_rank=config.scheduler.max_num_seqs)
+    layout = RankLayout(num_ranks, num_pages, entries_per_rank=config.scheduler.max_num_seqs)
     schedulers = [
         Scheduler(
             PageAllocator(

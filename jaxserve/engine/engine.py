@@ -24,6 +24,7 @@ from jaxserve.device.page_copies import HostPage
 from jaxserve.device.runner import PendingResults, StepResult
 from jaxserve.device.step_inputs import StepShape, step_shape
 from jaxserve.disagg.roles import handovers_for
+from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine.builder import EngineParts, build_engine
 from jaxserve.engine.device_clock import DeviceClock
 from jaxserve.engine.stats import (
@@ -88,8 +89,9 @@ class Engine:
         self.device_clock = DeviceClock()
 
     @classmethod
-    def from_model(cls, model_path: str, config: EngineConfig) -> Engine:
-        return cls(build_engine(model_path, config))
+    def from_model(cls, model_path: str, config: EngineConfig, process_group: ProcessGroup | None = None) -> Engine:
+        """process_group: jaxserve.distributed.runtime.initialize's, to run as one program over several processes."""
+        return cls(build_engine(model_path, config, process_group))
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -329,7 +331,9 @@ class Engine:
 
     def save_checkpoint(self, directory: str) -> None:
         """Save the params (orbax, as sharded now) with the model's config and tokenizer."""
-        save_checkpoint(self.runner.params(), self.dtype, self.parts.source.description_dir, directory)
+        save_checkpoint(
+            self.runner.params(), self.dtype, self.parts.source.description_dir, directory, self.parts.process_group
+        )
 
     def rebalance_experts(self, load=None) -> None:
         """Move experts between devices so that, under `load` (tokens per expert, [layers, experts] or

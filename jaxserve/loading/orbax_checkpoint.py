@@ -23,6 +23,8 @@ import numpy as np
 if TYPE_CHECKING:
     from flax import nnx
 
+    from jaxserve.distributed.runtime import ProcessGroup
+
 # jax and flax are imported by the functions that use them: model_source asks whether a directory is a
 # checkpoint (is_orbax_checkpoint) in the router's process too, which must not load JAX.
 
@@ -53,31 +55,37 @@ def _flat(state: nnx.State) -> dict:
     return {".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(state)}
 
 
-def save_checkpoint(params: nnx.State, dtype: str, source_dir: str, directory: str) -> None:
-    """params as the runner holds them (experts in their placed rows) or already canonical."""
-    from jaxserve.distributed import runtime
+def save_checkpoint(
+    params: nnx.State, dtype: str, source_dir: str, directory: str, group: ProcessGroup | None = None
+) -> None:
+    """params as the runner holds them (experts in their placed rows) or already canonical; group: the
+    engine's processes (None: one)."""
     from jaxserve.distributed.plan import SAVE
 
     directory = os.path.abspath(directory)
     if os.path.exists(os.path.join(directory, "params")):
         raise ValueError(f"{directory} already holds a checkpoint")
-    leader = runtime.active_leader()
+    leader = group.active_leader if group is not None else None
     if leader is None:
-        write_checkpoint(params, dtype, source_dir, directory)
+        write_checkpoint(params, dtype, source_dir, directory, group=group)
     else:  # every process writes its own shards
         leader.run_everywhere(
-            SAVE, (dtype, source_dir, directory), lambda: write_checkpoint(params, dtype, source_dir, directory)
+            SAVE,
+            (dtype, source_dir, directory),
+            lambda: write_checkpoint(params, dtype, source_dir, directory, group=group),
         )
 
 
-def write_checkpoint(params: nnx.State, dtype: str, source_dir: str, directory: str) -> None:
+def write_checkpoint(
+    params: nnx.State, dtype: str, source_dir: str, directory: str, group: ProcessGroup | None = None
+) -> None:
     import jax
 
     from jaxserve.distributed.experts import canonical_everywhere
-    from jaxserve.distributed.runtime import is_multiprocess
+    from jaxserve.distributed.runtime import spans_processes
     from sharding.expert_placement import canonical_params
 
-    params = canonical_everywhere(params) if is_multiprocess() else canonical_params(params)
+    params = canonical_everywhere(params) if spans_processes(group) else canonical_params(params)
     writes_description = jax.process_index() == 0
     if writes_description:
         os.makedirs(directory, exist_ok=True)

@@ -70,11 +70,29 @@ def test_digest_window_names_the_first_step_that_differs():
 
 def test_fatal_turns_health_first_then_exits(monkeypatch, capsys):
     events = []
-    monkeypatch.setattr(runtime, "_exit", lambda code: events.append(("exit", code)))
     monkeypatch.setattr(runtime, "FATAL_GRACE_SECONDS", 0.0)
-    monkeypatch.setattr(runtime, "_fatal_hooks", [])
-    runtime.on_fatal(lambda: events.append("NOT_SERVING"))
-    runtime.on_fatal(lambda: 1 / 0)  # a failing hook does not stop the exit
-    runtime.fatal("process 1 stopped answering")
+    group = runtime.ProcessGroup(DistributedConfig(), process_index=1, num_processes=2)
+    group.exit = lambda code: events.append(("exit", code))  # os._exit would end pytest
+    group.on_fatal(lambda: events.append("NOT_SERVING"))
+    group.on_fatal(lambda: 1 / 0)  # a failing hook does not stop the exit
+    with pytest.raises(SystemExit):  # where the exit returns (only here), fatal still does not
+        group.fatal("process 1 stopped answering")
     assert events == ["NOT_SERVING", ("exit", runtime.FATAL_EXIT_CODE)]
     assert "process 1 stopped answering" in capsys.readouterr().err
+
+
+def test_a_process_group_owns_its_sessions_hooks_and_leader():
+    """What used to be module globals is each group's own: two groups draw sessions from their own
+    counters (every process draws in the same order), and one's hooks or leader are not the other's."""
+    first, second = (runtime.ProcessGroup(DistributedConfig(), process_index=0, num_processes=2) for _ in range(2))
+    assert [first.next_session(), first.next_session(), second.next_session()] == [
+        "jaxserve/0",
+        "jaxserve/1",
+        "jaxserve/0",
+    ]
+    first.on_fatal(lambda: None)
+    assert len(first.fatal_hooks) == 1 and second.fatal_hooks == [] and first.active_leader is None
+    assert first.is_leader and first.is_multiprocess and runtime.spans_processes(first)
+    alone = runtime.ProcessGroup(DistributedConfig(), process_index=0, num_processes=1)
+    assert not runtime.spans_processes(alone) and not runtime.spans_processes(None)
+    assert runtime.initialize(None) is None  # no distributed section: one process, nothing joined

@@ -16,7 +16,7 @@ from jaxserve.distributed.follower import run_follower
 from jaxserve.distributed.runtime import initialize
 
 process_id, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-initialize(
+group = initialize(
     DistributedConfig(
         coordinator_address=f"127.0.0.1:{port}",
         num_processes=2,
@@ -27,6 +27,7 @@ initialize(
         initialization_timeout=60,
     )
 )
+assert group is not None
 
 import jax  # noqa: E402  (after initialize: the devices are the program's)
 
@@ -90,11 +91,11 @@ for key in ["tp8", "dp2tp4", "ep8", "diverge"]:
             json.dump(results, f)
     name, options = ENGINES[key]
     started = time.monotonic()
-    llm = LLM(fixture_dir(name), **ENGINE, **options)
+    llm = LLM(fixture_dir(name), process_group=group, **ENGINE, **options)
     built = time.monotonic()
     if process_id == 0:
         results[key] = lead(key, llm, name)
         results[key]["seconds"] = {"build": built - started, "serve": time.monotonic() - built}
     else:
-        run_follower(llm.engine.parts, perturb_step=1 if key == "diverge" else None)
+        run_follower(llm.engine.parts, group, perturb_step=1 if key == "diverge" else None)
 jax.distributed.shutdown()  # not reached: the divergence ends both processes (exit code 3)

@@ -50,7 +50,12 @@ def test_sampling_controls_reach_sampling_params():
         ({"response_format": {"type": "text"}}, None),
         ({"response_format": {"type": "json_object"}}, GuidedDecodingParams(json_object=True)),
         (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA, "strict": True}}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "r", "schema": SCHEMA, "strict": True},
+                }
+            },
             GuidedDecodingParams(json=SCHEMA),
         ),
         ({"guided_json": SCHEMA}, GuidedDecodingParams(json=SCHEMA)),

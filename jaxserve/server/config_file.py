@@ -77,8 +77,8 @@ class ServerConfig:
     max_stop_string_bytes: int = 8192  # all of one request's stop strings together
     max_stop_token_ids: int = 256
     max_id_length: int = 256  # characters of a request_id or session_id
-    max_structured_bytes: int = 262144  # a guided-decoding spec, the tools' JSON and bad_words together
-    max_sampling_token_ids: int = 16384  # entries of logit_bias and allowed_token_ids together
+    max_structured_bytes: int = 65536  # a guided-decoding spec, the tools' JSON and bad_words together
+    max_sampling_token_ids: int = 1024  # entries of logit_bias and allowed_token_ids together
     # how chat replies' tool calls are read: hermes | llama3_json | mistral | auto (told from the chat template)
     tool_call_parser: str = "auto"
     # The names the HTTP API answers to (vLLM's --served-model-name): one, or a list of aliases whose first

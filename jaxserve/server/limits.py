@@ -31,8 +31,8 @@ class RequestLimits:
     max_stop_token_ids: int = 256
     max_id_length: int = 256  # request_id and session_id, in characters
     # a guided-decoding spec (schema, regex, grammar, choices), the tools' JSON and bad_words together, UTF-8
-    max_structured_bytes: int = 262144
-    max_sampling_token_ids: int = 16384  # entries of logit_bias and allowed_token_ids together
+    max_structured_bytes: int = 65536
+    max_sampling_token_ids: int = 1024  # entries of logit_bias and allowed_token_ids together
 
     @classmethod
     def for_engine(

@@ -57,7 +57,7 @@ def decode_inputs(runner, batch: int, context: int, shape, vocab_size: int):
     for row in range(batch):
         attention.page_table[row, :pages_each] = 1 + row * pages_each + np.arange(pages_each)
     attention.positions[:batch] = context
-    attention.slot_ids[:batch] = attention.page_table[:batch, context // page_size] * page_size + context % page_size
+    attention.kv_indices[:batch] = attention.page_table[:batch, context // page_size] * page_size + context % page_size
     attention.token_seq_ids[:] = np.arange(len(attention.token_seq_ids))
     inputs.token_ids[:] = np.arange(len(inputs.token_ids)) % vocab_size
     inputs.logits_indices[:] = np.arange(len(inputs.logits_indices))

@@ -36,7 +36,7 @@ def _write_and_attend(
     key_pages,
     value_pages,
     positions,
-    slot_ids,
+    kv_indices,
     token_seq_ids,
     page_table,
     *,
@@ -44,7 +44,7 @@ def _write_and_attend(
     sliding_window: int | None,
     impl: str,
 ):
-    key_pages, value_pages = write_kv_pages(key_pages, value_pages, k, v, slot_ids, impl=impl)
+    key_pages, value_pages = write_kv_pages(key_pages, value_pages, k, v, kv_indices, impl=impl)
     out = ragged_paged_attention(
         q,
         key_pages,
@@ -126,7 +126,7 @@ def sharded_write_and_attend(mesh, q, k, v, key_pages, value_pages, metadata, *,
         key_pages,
         value_pages,
         metadata.positions,
-        metadata.slot_ids,
+        metadata.kv_indices,
         metadata.token_seq_ids,
         metadata.page_table,
     )
@@ -147,7 +147,7 @@ class WriteAndAttend:
             key_pages,
             value_pages,
             metadata.positions,
-            metadata.slot_ids,
+            metadata.kv_indices,
             metadata.token_seq_ids,
             metadata.page_table,
             query_block=metadata.query_block,

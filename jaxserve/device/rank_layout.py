@@ -1,13 +1,13 @@
 """Where each data-parallel rank's part sits in the arrays that one step shares.
 
-Every data-parallel rank has its own scheduler over its own KV pages and its own token slots; a step
+Every data-parallel rank has its own scheduler over its own KV pages and its own token buffer entries; a step
 runs every rank's chunks at once, their inputs laid end to end so that splitting each array evenly over
 the ranks hands each rank its own part. This is the one place that says where those parts are:
 
     KV pool rows      rank r's local page p is row r * pages_per_rank + p
     step rows         rank r's chunks are rows [r * S, (r + 1) * S) of a step of S rows per rank
     step tokens       rank r's tokens are [r * T, (r + 1) * T) of a step of T tokens per rank
-    token buffer      rank r's token slot s is entry r * token_slots_per_rank + s; the last is scratch
+    token buffer      rank r's entry i is entry r * entries_per_rank + i of the whole; the last is scratch
 
 Plain arithmetic, no JAX: the engine, the runner, the step inputs and the KV handovers all read it.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 class RankLayout:
     num_ranks: int
     pages_per_rank: int  # each rank's KV pages, the reserved page 0 included
-    token_slots_per_rank: int  # each rank's scheduler hands out this many token slots (its max_num_seqs)
+    entries_per_rank: int  # each rank's scheduler hands out this many token buffer entries (its max_num_seqs)
 
     @property
     def total_pages(self) -> int:
@@ -29,15 +29,15 @@ class RankLayout:
 
     @property
     def token_buffer_size(self) -> int:
-        return self.num_ranks * self.token_slots_per_rank + 1
+        return self.num_ranks * self.entries_per_rank + 1
 
     @property
-    def scratch_token_slot(self) -> int:
+    def scratch_entry(self) -> int:
         """Where rows that sample nothing anyone reads write their token."""
         return self.token_buffer_size - 1
 
-    def token_slot(self, rank: int, slot: int) -> int:
-        return rank * self.token_slots_per_rank + slot
+    def buffer_entry(self, rank: int, index: int) -> int:
+        return rank * self.entries_per_rank + index
 
     def pool_pages(self, rank: int, pages: list[int]) -> list[int]:
         """Rank-local page ids as rows of the whole KV pool."""

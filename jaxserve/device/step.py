@@ -27,7 +27,7 @@ def step(
     millisecond of host time, a quarter of a one-sequence decode step on a CPU.
 
     token_buffer holds each running sequence's newest sampled token: a step planned before the previous
-    one finished reads the tokens the host has not seen from it (step_inputs.py, token slots)."""
+    one finished reads the tokens the host has not seen from it (step_inputs.py, the token buffer)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, param_leaves))
     token_ids = jnp.where(
         inputs.token_sources >= 0, token_buffer[jnp.maximum(inputs.token_sources, 0)], inputs.token_ids
@@ -36,7 +36,7 @@ def step(
     logits = model.compute_logits(hidden[inputs.logits_indices])
     counts = expert_token_counts(jax.tree.leaves(intermediates), inputs, num_experts)
     sampled = sample(logits, inputs.sampling, max_logprobs)
-    token_buffer = token_buffer.at[inputs.sampled_slots].set(sampled.token_ids)
+    token_buffer = token_buffer.at[inputs.sampled_entries].set(sampled.token_ids)
     return sampled, counts, kv_pages, token_buffer
 
 

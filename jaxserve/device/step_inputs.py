@@ -4,9 +4,9 @@ Tokens are laid out flat, each chunk starting on a multiple of `query_block` (1 
 Padding tokens have position -1 (they attend to nothing) and write their KV to the reserved page 0;
 padding rows sample garbage that nobody reads.
 
-Token slots: the step writes each sampled token into the device's token buffer at its sequence's slot,
-and reads a token the host has not seen yet (sampled by the step still running, when steps overlap)
-from there. Where each data-parallel rank's slots, rows and tokens sit: device/rank_layout.py.
+The token buffer: the step writes each sampled token into the device's token buffer at its sequence's
+entry, and reads a token the host has not seen yet (sampled by the step still running, when steps
+overlap) from there. Where each data-parallel rank's entries, rows and tokens sit: device/rank_layout.py.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class StepInputs:
     logits_indices: HostOrDeviceArray  # [S] int32, the last token of each chunk
     sampling: SamplingInputs
     token_sources: HostOrDeviceArray  # [T] int32: token buffer entry to read the token from, or -1 (token_ids has it)
-    sampled_slots: HostOrDeviceArray  # [S] int32: token buffer entry each row's sampled token goes to
+    sampled_entries: HostOrDeviceArray  # [S] int32: token buffer entry each row's sampled token goes to
 
 
 @dataclass(frozen=True)
@@ -56,16 +56,16 @@ def seed_words(seed: int) -> tuple[int, int]:
 
 
 def build_step_inputs(
-    chunks: list[ScheduledChunk], shape: StepShape, page_size: int, first_slot: int = 0, scratch_slot: int = 0
+    chunks: list[ScheduledChunk], shape: StepShape, page_size: int, first_entry: int = 0, scratch_entry: int = 0
 ) -> StepInputs:
-    """Host numpy arrays for one step; the runner moves them to the device. first_slot: this rank's
+    """Host numpy arrays for one step; the runner moves them to the device. first_entry: this rank's
     first token buffer entry."""
     num_tokens, num_seqs, block = shape.num_tokens, shape.num_seqs, shape.query_block
     token_ids = np.zeros(num_tokens, np.int32)
     token_sources = np.full(num_tokens, -1, np.int32)
-    sampled_slots = np.full(num_seqs, scratch_slot, np.int32)
+    sampled_entries = np.full(num_seqs, scratch_entry, np.int32)
     positions = np.full(num_tokens, -1, np.int32)
-    slot_ids = np.full(num_tokens, RESERVED_PAGE * page_size, np.int32)
+    kv_indices = np.full(num_tokens, RESERVED_PAGE * page_size, np.int32)
     token_seq_ids = np.zeros(num_tokens, np.int32)
     page_table = np.full((num_seqs, shape.pages_per_seq), RESERVED_PAGE, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
@@ -85,11 +85,11 @@ def build_step_inputs(
         known_end = min(chunk.end, seq.num_tokens)  # beyond it: the token the running step samples
         token_ids[cursor : cursor + known_end - chunk.start] = seq.token_slice(chunk.start, known_end)
         if known_end < chunk.end:
-            token_sources[cursor + known_end - chunk.start : cursor + n] = first_slot + seq.token_slot
+            token_sources[cursor + known_end - chunk.start : cursor + n] = first_entry + seq.token_buffer_entry
         if chunk.samples_next_token:
-            sampled_slots[row] = first_slot + seq.token_slot
+            sampled_entries[row] = first_entry + seq.token_buffer_entry
         positions[cursor : cursor + n] = chunk_positions
-        slot_ids[cursor : cursor + n] = pages[chunk_positions // page_size] * page_size + chunk_positions % page_size
+        kv_indices[cursor : cursor + n] = pages[chunk_positions // page_size] * page_size + chunk_positions % page_size
         padded = padded_to_blocks(n, block)
         token_seq_ids[cursor : cursor + padded] = row
         page_table[row, : len(pages)] = pages
@@ -107,7 +107,11 @@ def build_step_inputs(
         raise AssertionError(f"{len(chunks)} chunks of {cursor} tokens do not fit the bucket {shape}")
 
     attention = AttentionMetadata(
-        positions=positions, slot_ids=slot_ids, token_seq_ids=token_seq_ids, page_table=page_table, query_block=block
+        positions=positions,
+        kv_indices=kv_indices,
+        token_seq_ids=token_seq_ids,
+        page_table=page_table,
+        query_block=block,
     )
     sampling = SamplingInputs(
         temperature=temperature,
@@ -124,7 +128,7 @@ def build_step_inputs(
         logits_indices=logits_indices,
         sampling=sampling,
         token_sources=token_sources,
-        sampled_slots=sampled_slots,
+        sampled_entries=sampled_entries,
     )
 
 
@@ -136,7 +140,7 @@ def build_ranked_inputs(
     if len(per_rank_chunks) != layout.num_ranks:
         raise AssertionError(f"{len(per_rank_chunks)} ranks' chunks for a layout of {layout.num_ranks} ranks")
     per_rank = [
-        build_step_inputs(chunks, shape, page_size, layout.token_slot(rank, 0), layout.scratch_token_slot)
+        build_step_inputs(chunks, shape, page_size, layout.buffer_entry(rank, 0), layout.scratch_entry)
         for rank, chunks in enumerate(per_rank_chunks)
     ]
     if len(per_rank) == 1:

@@ -206,7 +206,7 @@ class SequenceState:
     # Overlapped steps: the scheduler plans a step while the previous one still runs on the device.
     num_inflight_tokens: int = 0  # tokens whose KV a dispatched, not yet processed, step computes
     num_pending_tokens: int = 0  # tokens a dispatched step samples that the host has not seen yet
-    token_slot: int = -1  # where the device keeps this sequence's newest sampled token (-1: not running)
+    token_buffer_entry: int = -1  # where the device keeps this sequence's newest sampled token (-1: not running)
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -46,9 +46,9 @@ class Scheduler:
         self.running: list[SequenceState] = []  # in admission order: the last is the youngest
         self.reservations: dict[str, Reservation] = {}  # each holds a slot until admitted or released
         self.num_preemptions = 0
-        # Each running sequence holds one of max_num_seqs token slots: where the device keeps the
+        # Each running sequence holds one of max_num_seqs token buffer entries: where the device keeps the
         # newest token it sampled, so an overlapped step can read it before the host has.
-        self._free_token_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._free_buffer_entries = list(range(max_num_seqs - 1, -1, -1))
 
     @property
     def has_unfinished(self) -> bool:
@@ -83,14 +83,14 @@ class Scheduler:
         seq.status = RequestStatus.PREEMPTED
 
     def _enter_running(self, seq: SequenceState) -> None:
-        seq.token_slot = self._free_token_slots.pop()
+        seq.token_buffer_entry = self._free_buffer_entries.pop()
         seq.status = RequestStatus.RUNNING
         self.running.append(seq)
 
     def _leave_running(self, seq: SequenceState) -> None:
         self.running.remove(seq)
-        self._free_token_slots.append(seq.token_slot)
-        seq.token_slot = -1
+        self._free_buffer_entries.append(seq.token_buffer_entry)
+        seq.token_buffer_entry = -1
 
     def mark_dispatched(self, chunks: list[ScheduledChunk]) -> None:
         """The chunks' step is on the device: plan the next one after it."""

@@ -37,7 +37,7 @@ class AttentionMetadata:
     """Where each query token's KV goes and which pages it reads (see pallas_kernels)."""
 
     positions: HostOrDeviceArray  # [T] int32, -1 for padding
-    slot_ids: HostOrDeviceArray  # [T] int32, page * page_size + offset; padding -> reserved page 0
+    kv_indices: HostOrDeviceArray  # [T] int32, page * page_size + offset; padding -> reserved page 0
     token_seq_ids: HostOrDeviceArray  # [T] int32, row of page_table each token belongs to
     page_table: HostOrDeviceArray  # [S, P] int32
     query_block: int = field(default=1, metadata=dict(static=True))  # tokens per query block

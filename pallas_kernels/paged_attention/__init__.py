@@ -103,6 +103,6 @@ def ragged_paged_attention(
     )
 
 
-def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, impl: str = "reference"):
-    """Token t's K/V [K, D] into slot slot_ids[t] of the pages, in place (the pages are donated)."""
-    return kernel_modules(impl)[1].write_kv_pages(k_pages, v_pages, k, v, slot_ids)
+def write_kv_pages(k_pages, v_pages, k, v, kv_indices, *, impl: str = "reference"):
+    """Token t's K/V [K, D] into row kv_indices[t] of the pages (page * page_size + offset), in place (the pages are donated)."""
+    return kernel_modules(impl)[1].write_kv_pages(k_pages, v_pages, k, v, kv_indices)

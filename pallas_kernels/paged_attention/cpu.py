@@ -67,9 +67,9 @@ def ragged_paged_attention(
     )
 
 
-def write_kv_pages(k_pages, v_pages, k, v, slot_ids):
+def write_kv_pages(k_pages, v_pages, k, v, kv_indices):
     """The reference's contract; the results alias the pages, so donated pages are updated in place."""
     _require(k_pages.dtype)
     pages = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
     call = jax.ffi.ffi_call(WRITE_TARGET, pages, input_output_aliases={0: 0, 1: 1})
-    return tuple(call(k_pages, v_pages, k.astype(k_pages.dtype), v.astype(v_pages.dtype), slot_ids.astype(np.int32)))
+    return tuple(call(k_pages, v_pages, k.astype(k_pages.dtype), v.astype(v_pages.dtype), kv_indices.astype(np.int32)))

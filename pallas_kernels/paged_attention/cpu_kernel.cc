@@ -8,7 +8,7 @@
 // page pool. Blocks (and, when there are few, ranges of their keys) are spread over the caller and
 // helper threads (../cpu_workers.h).
 //
-// The KV write copies each token's [K, D] row into its slot of the pages, which the call returns
+// The KV write copies each token's [K, D] row into its KV index (page * page_size + offset) of the pages, which the call returns
 // aliased (XLA passes the donated pool itself, so the write is in place).
 //
 // Compiled at first use by pallas_kernels/cpu_library.py with -march=native, into one library with
@@ -194,9 +194,9 @@ void AttendRange(const Problem<T>& p, int64_t block, int64_t key_begin, int64_t 
     const int64_t num_keys = std::min<int64_t>(kKeysPerTile, last_key + 1 - tile_start);
     for (int64_t t = 0; t < num_keys; ++t) {
       const int64_t key = tile_start + t;
-      const int64_t slot = int64_t(pages[key / p.page_size]) * p.page_size + key % p.page_size;
-      key_rows[t] = AsFloat(p.k_pages + slot * row_width, row_width, s.key_tile.data() + t * row_width);
-      value_rows[t] = AsFloat(p.v_pages + slot * row_width, row_width, s.value_tile.data() + t * row_width);
+      const int64_t kv_index = int64_t(pages[key / p.page_size]) * p.page_size + key % p.page_size;
+      key_rows[t] = AsFloat(p.k_pages + kv_index * row_width, row_width, s.key_tile.data() + t * row_width);
+      value_rows[t] = AsFloat(p.v_pages + kv_index * row_width, row_width, s.value_tile.data() + t * row_width);
     }
     for (int64_t kv_head = 0; kv_head < K; ++kv_head) {
       const int64_t kv_offset = kv_head * D;
@@ -398,24 +398,24 @@ ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::An
   return ffi::Error::Success();
 }
 
-// Token t's row of `rows` into slot slots[t] of `target`, the result aliased to `pages`.
-void WriteRows(const ffi::AnyBuffer& pages, ffi::AnyBuffer& target, const ffi::AnyBuffer& rows, const int32_t* slots,
+// Token t's row of `rows` into row kv_indices[t] of `target`, the result aliased to `pages`.
+void WriteRows(const ffi::AnyBuffer& pages, ffi::AnyBuffer& target, const ffi::AnyBuffer& rows, const int32_t* kv_indices,
                int64_t num_tokens, size_t row_bytes) {
   char* target_data = static_cast<char*>(target.untyped_data());
   if (pages.untyped_data() != target.untyped_data()) {  // XLA could not alias (pages not donated): copy first
     std::memcpy(target_data, pages.untyped_data(), pages.size_bytes());
   }
   const char* row_data = static_cast<const char*>(rows.untyped_data());
-  for (int64_t t = 0; t < num_tokens; ++t) std::memcpy(target_data + slots[t] * row_bytes, row_data + t * row_bytes, row_bytes);
+  for (int64_t t = 0; t < num_tokens; ++t) std::memcpy(target_data + kv_indices[t] * row_bytes, row_data + t * row_bytes, row_bytes);
 }
 
-// Token t's row [K, D] into slot slot_ids[t] of each pool; the results alias the pools.
+// Token t's row [K, D] into row kv_indices[t] of each pool; the results alias the pools.
 ffi::Error WriteKvPages(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                        ffi::Buffer<ffi::S32> slot_ids, ffi::Result<ffi::AnyBuffer> k_pages_out,
+                        ffi::Buffer<ffi::S32> kv_indices, ffi::Result<ffi::AnyBuffer> k_pages_out,
                         ffi::Result<ffi::AnyBuffer> v_pages_out) {
   const auto page_dims = k_pages.dimensions(), token_dims = k.dimensions();
   if (page_dims.size() != 4 || token_dims.size() != 3 || token_dims[1] != page_dims[2] ||
-      token_dims[2] != page_dims[3] || slot_ids.element_count() != size_t(token_dims[0]) ||
+      token_dims[2] != page_dims[3] || kv_indices.element_count() != size_t(token_dims[0]) ||
       v.element_count() != k.element_count() || v_pages.element_count() != k_pages.element_count()) {
     return ffi::Error::InvalidArgument("write_kv_pages: k/v must be [T, K, D] and pages [N, page_size, K, D]");
   }
@@ -423,14 +423,14 @@ ffi::Error WriteKvPages(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::Any
   if (!IsServedType(type) || k.element_type() != type || v.element_type() != type || v_pages.element_type() != type) {
     return ffi::Error::InvalidArgument("write_kv_pages: k, v and pages must share a float32/bfloat16/float16 type");
   }
-  const int64_t num_slots = page_dims[0] * page_dims[1];
+  const int64_t num_rows = page_dims[0] * page_dims[1];
   const size_t row_bytes = k.size_bytes() / std::max<int64_t>(1, token_dims[0]);
-  const int32_t* slots = slot_ids.typed_data();
+  const int32_t* indices = kv_indices.typed_data();
   for (int64_t t = 0; t < token_dims[0]; ++t) {
-    if (slots[t] < 0 || slots[t] >= num_slots) return ffi::Error::InvalidArgument("write_kv_pages: slot out of range");
+    if (indices[t] < 0 || indices[t] >= num_rows) return ffi::Error::InvalidArgument("write_kv_pages: KV index out of range");
   }
-  WriteRows(k_pages, *k_pages_out, k, slots, token_dims[0], row_bytes);
-  WriteRows(v_pages, *v_pages_out, v, slots, token_dims[0], row_bytes);
+  WriteRows(k_pages, *k_pages_out, k, indices, token_dims[0], row_bytes);
+  WriteRows(v_pages, *v_pages_out, v, indices, token_dims[0], row_bytes);
   return ffi::Error::Success();
 }
 

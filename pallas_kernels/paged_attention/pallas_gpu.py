@@ -217,16 +217,16 @@ def ragged_paged_attention(
 
 
 def _write_kernel(
-    slot_ids_ref, k_ref, v_ref, k_pages_in_ref, v_pages_in_ref, k_pages_ref, v_pages_ref, *, tokens_per_program: int
+    kv_indices_ref, k_ref, v_ref, k_pages_in_ref, v_pages_in_ref, k_pages_ref, v_pages_ref, *, tokens_per_program: int
 ):
-    """One kv head's [D] vectors of a group of tokens, each into its slot (pages updated in place)."""
+    """One kv head's [D] vectors of a group of tokens, each into its KV index (pages updated in place)."""
     del k_pages_in_ref, v_pages_in_ref  # aliased to the outputs
     page_size = k_pages_ref.shape[1]
     first = pl.program_id(0) * tokens_per_program
 
     def write_token(index, carry):
-        slot = slot_ids_ref[first + index]
-        page, offset = slot // page_size, slot % page_size
+        kv_index = kv_indices_ref[first + index]
+        page, offset = kv_index // page_size, kv_index % page_size
         k_pages_ref[page, offset] = k_ref[index].astype(k_pages_ref.dtype)
         v_pages_ref[page, offset] = v_ref[index].astype(v_pages_ref.dtype)
         return carry
@@ -235,8 +235,8 @@ def _write_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0, 1))
-def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, interpret: bool | None = None):
-    """Same contract as reference.write_kv_pages: token t's K/V [K, D] goes to slot slot_ids[t]; pages
+def write_kv_pages(k_pages, v_pages, k, v, kv_indices, *, interpret: bool | None = None):
+    """Same contract as reference.write_kv_pages: token t's K/V [K, D] goes to row kv_indices[t]; pages
     wider than D (cache_head_dim) get zeros in their extra lanes.
     Grid: (token group, kv head); each program stores [D] vectors, whatever the number of kv heads."""
     if interpret is None:
@@ -251,7 +251,7 @@ def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, interpret: bool | None =
     return pl.pallas_call(
         functools.partial(_write_kernel, tokens_per_program=tokens_per_program),
         grid=(num_tokens // tokens_per_program, num_kv_heads),
-        in_specs=[pl.BlockSpec(slot_ids.shape, lambda i, h: (0,)), tokens_spec, tokens_spec, pages_spec, pages_spec],
+        in_specs=[pl.BlockSpec(kv_indices.shape, lambda i, h: (0,)), tokens_spec, tokens_spec, pages_spec, pages_spec],
         out_specs=[pages_spec, pages_spec],
         out_shape=[
             jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
@@ -261,4 +261,4 @@ def write_kv_pages(k_pages, v_pages, k, v, slot_ids, *, interpret: bool | None =
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),  # [D] vector stores
         name="write_kv_pages",
-    )(slot_ids, k, v, k_pages, v_pages)
+    )(kv_indices, k, v, k_pages, v_pages)

@@ -29,7 +29,7 @@ def _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block,
     token_seq_ids += [2] * query_block
     positions += [-1] * query_block
     positions = np.asarray(positions, np.int32)
-    slot_ids = np.where(
+    kv_indices = np.where(
         positions >= 0,
         page_table[token_seq_ids, np.maximum(positions, 0) // page_size] * page_size
         + np.maximum(positions, 0) % page_size,
@@ -46,13 +46,13 @@ def _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block,
         page_table=jnp.asarray(page_table),
         token_seq_ids=jnp.asarray(token_seq_ids, jnp.int32),
         positions=jnp.asarray(positions),
-        slot_ids=jnp.asarray(slot_ids),
+        kv_indices=jnp.asarray(kv_indices),
     )
 
 
 def _write_and_attend(module, writer, step, query_block):
     k_pages, v_pages = writer.write_kv_pages(
-        jnp.array(step["k_pages"]), jnp.array(step["v_pages"]), step["k"], step["v"], step["slot_ids"]
+        jnp.array(step["k_pages"]), jnp.array(step["v_pages"]), step["k"], step["v"], step["kv_indices"]
     )
     return module.ragged_paged_attention(
         step["q"],

@@ -9,13 +9,13 @@ KEYS_PER_SPAN = 64  # keys gathered per online-softmax step: large enough for re
 # G = query heads per kv head, D = head dim, S = sequences, P = pages per sequence, L = keys in a span.
 
 
-def write_kv_pages(k_pages, v_pages, k, v, slot_ids):
+def write_kv_pages(k_pages, v_pages, k, v, kv_indices):
     """Scatter this step's keys/values [T, K, D] into the pages [num_pages, page_size, K, D].
 
-    slot_ids[t] = page * page_size + offset; padding tokens write to the reserved page 0.
+    kv_indices[t] = page * page_size + offset; padding tokens write to the reserved page 0.
     """
     page_size = k_pages.shape[1]
-    pages, offsets = slot_ids // page_size, slot_ids % page_size
+    pages, offsets = kv_indices // page_size, kv_indices % page_size
     k_pages = k_pages.at[pages, offsets].set(k.astype(k_pages.dtype), mode="promise_in_bounds")
     v_pages = v_pages.at[pages, offsets].set(v.astype(v_pages.dtype), mode="promise_in_bounds")
     return k_pages, v_pages

@@ -73,7 +73,9 @@ def test_outputs_equal_with_and_without_overlap(options):
         assert stats["num_compiles_after_warmup"] == 0
         assert stats["kv_pages_free"] == stats["kv_pages_total"]  # nothing held (cached pages are free to take)
         assert stats["num_running"] == 0 and stats["num_waiting"] == 0
-        assert all(not s._free_token_slots or len(s._free_token_slots) == s.max_num_seqs for s in llm.engine.schedulers)
+        assert all(
+            not s._free_buffer_entries or len(s._free_buffer_entries) == s.max_num_seqs for s in llm.engine.schedulers
+        )
     if options["num_pages"] == 24:
         assert engines[True].stats()["num_preemptions"] > 0
     assert engines[True].stats()["overlap_steps"] is True
@@ -119,7 +121,7 @@ def test_abort_while_a_step_is_in_flight_frees_everything():
     assert outputs["b"].outputs[0].token_ids == expected[0].outputs[0].token_ids
     scheduler = engine.schedulers[0]
     assert not scheduler.running and not scheduler.waiting
-    assert len(scheduler._free_token_slots) == scheduler.max_num_seqs
+    assert len(scheduler._free_buffer_entries) == scheduler.max_num_seqs
     assert scheduler.allocator.num_free_pages == scheduler.allocator.num_usable_pages
 
 

@@ -63,8 +63,8 @@ class SimulatedEngine:
                 assert chunk.end - seq.num_prompt_tokens < seq.params.max_tokens
             tokens = seq.token_ids
             if chunk.end > len(tokens):  # the token the step in flight samples, read from the token buffer
-                assert chunk.end == len(tokens) + 1 and seq.token_slot >= 0
-                tokens = tokens + [self.token_buffer[seq.token_slot]]
+                assert chunk.end == len(tokens) + 1 and seq.token_buffer_entry >= 0
+                tokens = tokens + [self.token_buffer[seq.token_buffer_entry]]
             for position in range(chunk.start):  # what attention reads
                 page = seq.page_ids[position // size]
                 assert self.kv.get((page, position % size)) == prefix_hash(tokens[: position + 1]), (
@@ -75,7 +75,7 @@ class SimulatedEngine:
                 assert self.allocator.page_keys[page] is None, f"a step writes cached page {page}"
                 self.kv[(page, position % size)] = prefix_hash(tokens[: position + 1])
             token = fake_model(tokens[: chunk.end], seq) if chunk.samples_next_token else 0
-            self.token_buffer[seq.token_slot if chunk.samples_next_token else -1] = token
+            self.token_buffer[seq.token_buffer_entry if chunk.samples_next_token else -1] = token
             sampled.append(token)
         self.scheduler.mark_dispatched(chunks)
         return np.array(sampled, np.int32)
@@ -90,9 +90,9 @@ class SimulatedEngine:
         self.in_flight = dispatched if self.overlap else []
         for chunks, tokens in to_process:
             self.outputs.process(chunks, self.scheduler, SimpleNamespace(token_ids=tokens), 0)
-        slots = [seq.token_slot for seq in self.scheduler.running]
+        slots = [seq.token_buffer_entry for seq in self.scheduler.running]
         assert -1 not in slots and len(set(slots)) == len(slots)
-        assert len(self.scheduler._free_token_slots) + len(slots) == self.scheduler.max_num_seqs
+        assert len(self.scheduler._free_buffer_entries) + len(slots) == self.scheduler.max_num_seqs
 
     @property
     def busy(self):

@@ -26,7 +26,7 @@ def test_ragged_paged_attention_matches_dense(num_heads, num_kv_heads, page_size
     free_pages = list(rng.permutation(np.arange(1, num_pages)))
     max_pages = 40
     page_table = np.zeros((len(layout) + 1, max_pages), np.int32)  # one padding row
-    tokens_q, token_seq_ids, positions, slot_ids, expected = [], [], [], [], []
+    tokens_q, token_seq_ids, positions, kv_indices, expected = [], [], [], [], []
     for row, (num_cached, num_new) in enumerate(layout):
         total = num_cached + num_new
         pages = [free_pages.pop() for _ in range(cdiv(total, page_size))]
@@ -42,7 +42,7 @@ def test_ragged_paged_attention_matches_dense(num_heads, num_kv_heads, page_size
         tokens_q.append(np.concatenate([q[num_cached:], np.zeros((pad, num_heads, head_dim), np.float32)]))
         token_seq_ids += [row] * padded
         positions += list(range(num_cached, total)) + [-1] * pad
-        slot_ids += list(slots[num_cached:]) + [0] * pad
+        kv_indices += list(slots[num_cached:]) + [0] * pad
         new_k = np.concatenate([k[num_cached:], np.zeros((pad, num_kv_heads, head_dim), np.float32)])
         new_v = np.concatenate([v[num_cached:], np.zeros((pad, num_kv_heads, head_dim), np.float32)])
         expected.append((len(positions) - padded, num_new, dense_attention(q, k, v, sliding_window)[num_cached:]))
@@ -53,9 +53,9 @@ def test_ragged_paged_attention_matches_dense(num_heads, num_kv_heads, page_size
     v_new = np.concatenate([t[2] for t in tokens_q] + [np.zeros((query_block, num_kv_heads, head_dim), np.float32)])
     token_seq_ids += [len(layout)] * query_block
     positions += [-1] * query_block
-    slot_ids += [0] * query_block
+    kv_indices += [0] * query_block
     k_pages, v_pages = write_kv_pages(
-        k_pages, v_pages, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(slot_ids, jnp.int32), impl=impl
+        k_pages, v_pages, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(kv_indices, jnp.int32), impl=impl
     )
     out = ragged_paged_attention(
         jnp.asarray(q_all),
@@ -198,9 +198,9 @@ def test_write_kernel_matches_reference_scatter(kernel, dtype):
     k = jnp.asarray(rng.standard_normal((24, 2, 64)), jnp.float32)
     v = k * 3
     # real tokens spread over pages (one ending mid-page), then padding tokens all aimed at reserved slot 0
-    slot_ids = jnp.asarray(list(range(8, 21)) + [40, 41, 95] + [0] * 8, jnp.int32)
-    expected = reference.write_kv_pages(pages, pages + 1, k, v, slot_ids)
-    got = kernel.write_kv_pages(jnp.array(pages), jnp.array(pages) + 1, k, v, slot_ids)
+    kv_indices = jnp.asarray(list(range(8, 21)) + [40, 41, 95] + [0] * 8, jnp.int32)
+    expected = reference.write_kv_pages(pages, pages + 1, k, v, kv_indices)
+    got = kernel.write_kv_pages(jnp.array(pages), jnp.array(pages) + 1, k, v, kv_indices)
     for want, have in zip(expected, got):
         assert have.dtype == dtype
         np.testing.assert_array_equal(np.asarray(have[1:], np.float32), np.asarray(want[1:], np.float32))

@@ -99,8 +99,8 @@ def test_a_cpu_step_touches_the_pool_only_in_its_kernels(dtype):
     impl = resolve_attention_impl("auto", "cpu", dtype)
     assert impl == "cpu"
 
-    def step(k_pages, v_pages, q, k, v, slot_ids, page_table, token_seq_ids, positions):
-        k_pages, v_pages = write_kv_pages(k_pages, v_pages, k, v, slot_ids, impl=impl)
+    def step(k_pages, v_pages, q, k, v, kv_indices, page_table, token_seq_ids, positions):
+        k_pages, v_pages = write_kv_pages(k_pages, v_pages, k, v, kv_indices, impl=impl)
         out = ragged_paged_attention(
             q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block=1, impl=impl
         )
@@ -122,9 +122,9 @@ def test_the_cpu_write_leaves_pages_it_was_not_given_as_they_were(dtype):
     """Without donation XLA hands the kernel a copy to write: the caller's pages stay as they were."""
     pages = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8, 2, 16)), dtype)
     before = np.asarray(pages, np.float32)
-    rows, slot_ids = jnp.ones((3, 2, 16), dtype), jnp.asarray([9, 10, 31], jnp.int32)
+    rows, kv_indices = jnp.ones((3, 2, 16), dtype), jnp.asarray([9, 10, 31], jnp.int32)
     for write in (cpu.write_kv_pages, jax.jit(cpu.write_kv_pages)):
-        k_pages, _ = write(pages, pages, rows, rows, slot_ids)
+        k_pages, _ = write(pages, pages, rows, rows, kv_indices)
         np.testing.assert_array_equal(np.asarray(pages, np.float32), before)
         assert np.all(np.asarray(k_pages, np.float32).reshape(32, 2, 16)[[9, 10, 31]] == 1)
 

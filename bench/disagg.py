@@ -8,8 +8,9 @@ server, metadata over gRPC: jaxserve/disagg).
 Short requests start together and decode; long prompts arrive every --long-every seconds meanwhile.
 The replicas are real `python -m jaxserve.serve` processes on loopback; this process streams every
 request (a thread each) and times the messages: a message of k tokens counts k gaps of its delay / k.
---decode-full instead compares, in one process, the two answers to a request that finds the decode
-side full: queue for the handover, or prefill there (run_decode_full).
+--decode-full instead compares the two answers to a request that finds the decode side full: queue for
+the handover, or prefill there (bench/disagg_decode_full.py; in one process, or with --replicas over
+a prefill and a decode replica process).
 Prints one JSON line per mode (p50/p99 inter-token latency of the short requests, p50/p99 TTFT of short
 and long requests, output tokens/s, and, disaggregated, bytes and pages per handover and the transfer
 bandwidth from the decode replica's Status) and a last line with the ratios disaggregated / colocated.
@@ -47,6 +48,7 @@ def engine_settings(args) -> list[str]:
         f"engine.num_pages={num_tokens // 16 + 64}",
         "engine.show_progress=false",
         "server.http_port=0",
+        *getattr(args, "extra_settings", ()),  # --decode-full --replicas: later keys win
     ]
 
 
@@ -182,59 +184,6 @@ def run_disaggregated(args, log_dir) -> dict:
         decode.stop()
 
 
-def run_decode_full(args) -> None:
-    """--decode-full: a decode side with --decode-slots slots and twice as many requests, in one process
-    (a prefill engine and a decode engine stepped in turn, jaxserve/disagg/handover.py), once per
-    policy for a request that finds no free slot: wait for one and take the handover ("queue", the
-    default), or prefill it on the decode side ("prefill_here"). Prints a line per policy (time to the
-    first token as the client sees it, here the step the first token is out; total time; local
-    prefills) and the ratios prefill_here / queue. Each policy runs twice; the second is timed."""
-    from jaxserve import LLM, SamplingParams
-    from jaxserve.disagg.handover import DisaggregatedPair
-
-    engine = dict(
-        dtype="float32",
-        max_model_len=args.long_tokens + args.short_tokens + 16,
-        max_num_batched_tokens=args.batched_tokens,
-        show_progress=False,
-    )
-    prefill = LLM(args.model, role="prefill", **engine).engine
-    decode = LLM(args.model, role="decode", max_num_seqs=args.decode_slots, **engine).engine
-    params = SamplingParams(max_tokens=args.short_tokens, temperature=0.0, ignore_eos=True)
-    results = {}
-    for policy in ("queue", "prefill_here", "queue", "prefill_here"):
-        rng = np.random.default_rng(len(results))
-        prompts = [[1] + rng.integers(3, 384, size=args.long_tokens - 1).tolist() for _ in range(2 * args.decode_slots)]
-        pair = DisaggregatedPair(prefill, decode, when_decode_full=policy)
-        local_before = decode.handovers.num_local_prefills
-        first_token, started = {}, time.perf_counter()
-        for index, prompt in enumerate(prompts):
-            pair.add_request(f"{policy}-{index}", prompt, params)
-        while pair.has_unfinished_requests():
-            for output in pair.step():
-                first_token.setdefault(output.request_id, time.perf_counter() - started)
-        total = time.perf_counter() - started
-        results[policy] = {
-            "policy": policy,
-            "ttft_mean_ms": round(1e3 * float(np.mean(list(first_token.values()))), 1),
-            "total_s": round(total, 3),
-            "tokens_per_s": round(len(prompts) * args.short_tokens / total, 1),
-            "num_local_prefills": decode.handovers.num_local_prefills - local_before,
-            "num_requests": len(prompts),
-        }
-    for policy in ("queue", "prefill_here"):
-        print(json.dumps({"mode": "decode_full", "model": args.model, **results[policy]}), flush=True)
-    print(
-        json.dumps(
-            {
-                f"{k}_prefill_here_over_queue": round(results["prefill_here"][k] / results["queue"][k], 3)
-                for k in ("ttft_mean_ms", "total_s")
-            }
-        ),
-        flush=True,
-    )
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tiny-random")
@@ -252,9 +201,16 @@ def main():
         "--decode-full", action="store_true", help="compare queueing with prefilling on a full decode side"
     )
     parser.add_argument("--decode-slots", type=int, default=2, help="--decode-full: the decode side's max_num_seqs")
+    parser.add_argument(
+        "--replicas",
+        action="store_true",
+        help="--decode-full: over a prefill and a decode replica process (pinned by --cores), not one process",
+    )
     args = parser.parse_args()
     if args.decode_full:
-        return run_decode_full(args)
+        from bench.disagg_decode_full import run_decode_full, run_decode_full_replicas
+
+        return run_decode_full_replicas(args) if args.replicas else run_decode_full(args)
     log_dir = tempfile.mkdtemp(prefix="bench-disagg-")
     results = {}
     for mode, run in (("colocated", run_colocated), ("disaggregated", run_disaggregated)):

@@ -73,9 +73,12 @@ class SchedulerConfig:
     # outputs are the same). Off on a prefill replica, which parks each request at its first token.
     overlap_steps: bool = True
     max_logprobs: int = 20
+    # Biased tokens one request may name (logit_bias, bad words, and EOS and stop tokens for min_tokens):
+    # the width of the step's per-row bias inputs.
+    max_bias_entries: int = 256
 
     def __post_init__(self):
-        _require_positive(self, ("max_num_seqs", "max_num_batched_tokens", "prefill_query_block"))
+        _require_positive(self, ("max_num_seqs", "max_num_batched_tokens", "prefill_query_block", "max_bias_entries"))
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_logprobs < 0:

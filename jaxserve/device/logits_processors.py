@@ -10,6 +10,7 @@ and transformers (repetition over prompt and output: a positive logit divided, a
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 # Legend: S = rows sampled in the step, V = vocab, W = ceil(V / 32) mask words, B = bias entries per
@@ -53,5 +54,31 @@ def apply_penalties(logits, output_counts, prompt_mask, presence, frequency, rep
 def count_sampled(output_counts, entries, token_ids):
     """Add each row's sampled token to its sequence's output counts. Rows that sample for nobody point
     at the scratch entry, whose counts nobody reads; an entry is reset when a sequence with penalties
-    starts running in it (runner.reset_sequence_state)."""
+    starts running in it (device/sequence_buffers.py)."""
     return output_counts.at[entries, token_ids].add(1)
+
+
+def process_logits(logits, sampling, penalty_state_of_rows):
+    """All processors, each skipped when no row of the step uses it: penalties first (on the model's
+    logits, as vLLM and transformers order them), then biases and bans, then the allowed-token mask.
+    penalty_state_of_rows: () -> the rows' [S, V] output counts and [S, W] prompt bitmasks, gathered
+    only when some row has penalties."""
+
+    def penalise(logits):
+        counts, prompt = penalty_state_of_rows()
+        return apply_penalties(
+            logits, counts, prompt, sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty
+        )
+
+    uses_penalties = jnp.any(
+        (sampling.presence_penalty != 0) | (sampling.frequency_penalty != 0) | (sampling.repetition_penalty != 1)
+    )
+    logits = jax.lax.cond(uses_penalties, penalise, lambda x: x, logits)
+    bias = (sampling.bias_token_ids, sampling.bias_values, sampling.bias_until, sampling.token_indices)
+    logits = jax.lax.cond(jnp.any(sampling.bias_token_ids >= 0), lambda x: apply_bias(x, *bias), lambda x: x, logits)
+    return jax.lax.cond(
+        jnp.any(sampling.allowed_tokens != -1),
+        lambda x: apply_bitmask(x, sampling.allowed_tokens),
+        lambda x: x,
+        logits,
+    )

@@ -25,6 +25,8 @@ from jaxserve.config import Buckets
 from jaxserve.device import page_copies
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.sampler import SamplerOutput
+from jaxserve.device.sampling_inputs import SamplingWidths
+from jaxserve.device.sequence_buffers import SequenceBuffers, reset_entry
 from jaxserve.device.step import step
 from jaxserve.device.step_inputs import StepInputs, StepShape, all_step_shapes, build_ranked_inputs
 from jaxserve.models.kv_pages import KVPages
@@ -87,6 +89,7 @@ class StepRunner(Protocol):
     def execute(self, shape: StepShape, inputs: StepInputs) -> PendingResults: ...
     def warm_up(self, show_progress: bool = True) -> None: ...
     def warm_up_page_copies(self) -> None: ...
+    def reset_sequence_buffers(self, entry: int, output_counts: np.ndarray, prompt_tokens: np.ndarray) -> None: ...
     def warm_up_handover_copies(self, max_pages: int) -> None: ...
     def read_pages(self, pages: list[int]) -> list[page_copies.HostPage]: ...
     def write_pages(self, pages: list[int], host_pages: list[page_copies.HostPage]) -> None: ...
@@ -108,6 +111,8 @@ class ModelRunner:
         page_size: int,
         prefill_query_block: int,
         max_logprobs: int,
+        vocab_size: int,
+        sampling_widths: SamplingWidths,
         num_experts: int = 0,
         layout: RankLayout,
         mesh: Mesh | None = None,
@@ -128,8 +133,10 @@ class ModelRunner:
         self.buckets = buckets
         self.page_size = page_size
         self.prefill_query_block = prefill_query_block
+        self.sampling_widths = sampling_widths
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        self.token_buffer = jax.device_put(np.zeros(layout.token_buffer_size, np.int32), replicated)
+        self.buffers = jax.device_put(SequenceBuffers.zeros(layout.token_buffer_size, vocab_size), replicated)
+        self._reset_entry = jax.jit(reset_entry, donate_argnums=(0,), out_shardings=replicated)
         # On a mesh the pages must come back laid out as they went in, so that donation reuses them.
         out_shardings = (
             None
@@ -184,12 +191,12 @@ class ModelRunner:
         return self._jitted.lower(
             _abstract(self.param_leaves),
             _abstract(self.kv_pages),
-            _abstract(self.token_buffer),
+            _abstract(self.buffers),
             _abstract(example_inputs, self.input_sharding),
         ).compile()
 
     def build_inputs(self, per_rank_chunks, shape: StepShape) -> StepInputs:
-        return build_ranked_inputs(per_rank_chunks, shape, self.page_size, self.layout)
+        return build_ranked_inputs(per_rank_chunks, shape, self.page_size, self.layout, self.sampling_widths)
 
     def warm_up(self, show_progress: bool = True) -> None:
         start = time.perf_counter()
@@ -200,6 +207,11 @@ class ModelRunner:
         ):
             if shape not in self.executables:
                 self.executables[shape] = self._compile(shape)
+        # The penalties' entry reset compiles now too (on the scratch entry, which nobody reads).
+        vocab_size, mask_words = self.buffers.output_counts.shape[1], self.buffers.prompt_tokens.shape[1]
+        self.reset_sequence_buffers(
+            self.layout.scratch_entry, np.zeros(vocab_size, np.int32), np.zeros(mask_words, np.int32)
+        )
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - start
 
@@ -213,8 +225,8 @@ class ModelRunner:
                 self.num_compiles_after_warmup += 1
         if self.input_sharding is not None:
             inputs = jax.device_put(inputs, self.input_sharding)
-        sampled, expert_counts, self.kv_pages, self.token_buffer = executable(
-            self.param_leaves, self.kv_pages, self.token_buffer, inputs
+        sampled, expert_counts, self.kv_pages, self.buffers = executable(
+            self.param_leaves, self.kv_pages, self.buffers, inputs
         )
         return PendingStep(sampled, expert_counts)
 
@@ -246,6 +258,11 @@ class ModelRunner:
     def warm_up_handover_copies(self, max_pages: int) -> None:
         """Compile a KV handover's gathers and scatters: every power-of-two chunk up to max_pages."""
         self.kv_pages = page_copies.warm_up_handover_copies(self.kv_pages, max_pages, self.page_array_sharding())
+
+    def reset_sequence_buffers(self, entry: int, output_counts: np.ndarray, prompt_tokens: np.ndarray) -> None:
+        """A sequence with penalties starts running at `entry`: its output counts [V] and prompt bitmask
+        [W] (dispatched before the step that samples for it, so that step reads them)."""
+        self.buffers = self._reset_entry(self.buffers, np.int32(entry), output_counts, prompt_tokens)
 
     def warm_up_page_copies(self) -> None:
         """Compile the host-tier copies (reading and rewriting the reserved page changes nothing)."""

@@ -26,6 +26,14 @@ class SamplingInputs:
     seeds: HostOrDeviceArray  # [S, 2] uint32, threefry key data
     token_indices: HostOrDeviceArray  # [S] int32, index of the output token being sampled
     wants_logprobs: HostOrDeviceArray  # [S] bool
+    # logits processors (device/logits_processors.py); B = max_bias_entries, W = ceil(V / 32)
+    bias_token_ids: HostOrDeviceArray  # [S, B] int32, -1 = padding
+    bias_values: HostOrDeviceArray  # [S, B] float32, -inf = banned
+    bias_until: HostOrDeviceArray  # [S, B] int32, applies while token_indices is below it
+    allowed_tokens: HostOrDeviceArray  # [S, W] int32 bitmask (grammar, allowed_token_ids); all bits: any
+    presence_penalty: HostOrDeviceArray  # [S] float32
+    frequency_penalty: HostOrDeviceArray  # [S] float32
+    repetition_penalty: HostOrDeviceArray  # [S] float32, 1 = none
 
 
 @jax.tree_util.register_dataclass
@@ -79,15 +87,17 @@ def _sample_random(logits, greedy_token_ids, inputs: SamplingInputs):
     return jnp.where(is_random, sampled, greedy_token_ids)
 
 
-def sample(logits, inputs: SamplingInputs, max_logprobs: int) -> SamplerOutput:
-    """logits [S, V] float32 -> sampled tokens and their log-probabilities."""
+def sample(logits, inputs: SamplingInputs, max_logprobs: int, model_logits=None) -> SamplerOutput:
+    """logits [S, V] float32 (after the logits processors) -> sampled tokens and their log-probabilities
+    under the model's own distribution (`model_logits`, before the processors; default: `logits`), as
+    vLLM reports them."""
     greedy_token_ids = first_argmax(logits)
     token_ids = jax.lax.cond(
         jnp.any(inputs.temperature > 0), _sample_random, lambda _, g, __: g, logits, greedy_token_ids, inputs
     )
     num_rows, num_top = logits.shape[0], max(max_logprobs, 1)
 
-    def logprobs_of(logits):
+    def logprobs_of(logits):  # the model's
         logprobs = jax.nn.log_softmax(logits, axis=-1)
         top_logprobs, top_token_ids = jax.lax.top_k(logprobs, num_top)
         sampled = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
@@ -101,6 +111,6 @@ def sample(logits, inputs: SamplingInputs, max_logprobs: int) -> SamplerOutput:
         )
 
     sampled_logprobs, top_logprobs, top_token_ids = jax.lax.cond(
-        jnp.any(inputs.wants_logprobs), logprobs_of, no_logprobs, logits
+        jnp.any(inputs.wants_logprobs), logprobs_of, no_logprobs, logits if model_logits is None else model_logits
     )
     return SamplerOutput(token_ids, sampled_logprobs, top_logprobs, top_token_ids)

@@ -1,5 +1,5 @@
-"""The pure step function the runner compiles: (params, KV pages, token buffer, inputs) -> (sampled
-tokens, routing counts, updated pages, updated token buffer)."""
+"""The pure step function the runner compiles: (params, KV pages, sequence buffers, inputs) -> (sampled
+tokens, routing counts, updated pages, updated sequence buffers)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.device.logits_processors import process_logits
 from jaxserve.device.sampler import sample
+from jaxserve.device.sequence_buffers import SequenceBuffers, gather_entries
 from jaxserve.device.step_inputs import StepInputs
 from jaxserve.models.kv_pages import KVPages
 
@@ -17,7 +19,7 @@ def step(
     params_treedef,
     param_leaves,
     kv_pages: KVPages,
-    token_buffer: jax.Array,
+    buffers: SequenceBuffers,
     inputs: StepInputs,
     *,
     max_logprobs: int,
@@ -26,18 +28,18 @@ def step(
     """Params arrive as a flat list of arrays: flattening an nnx.State on every call costs about a
     millisecond of host time, a quarter of a one-sequence decode step on a CPU.
 
-    token_buffer holds each running sequence's newest sampled token: a step planned before the previous
-    one finished reads the tokens the host has not seen from it (step_inputs.py, the token buffer)."""
+    buffers hold each running sequence's newest sampled token: a step planned before the previous one
+    finished reads the tokens the host has not seen from there (device/sequence_buffers.py)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, param_leaves))
     token_ids = jnp.where(
-        inputs.token_sources >= 0, token_buffer[jnp.maximum(inputs.token_sources, 0)], inputs.token_ids
+        inputs.token_sources >= 0, buffers.newest_token_ids[jnp.maximum(inputs.token_sources, 0)], inputs.token_ids
     )
     (hidden, kv_pages), intermediates = nnx.capture(model, nnx.Intermediate)(token_ids, kv_pages, inputs.attention)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     counts = expert_token_counts(jax.tree.leaves(intermediates), inputs, num_experts)
-    sampled = sample(logits, inputs.sampling, max_logprobs)
-    token_buffer = token_buffer.at[inputs.sampled_entries].set(sampled.token_ids)
-    return sampled, counts, kv_pages, token_buffer
+    processed = process_logits(logits, inputs.sampling, lambda: gather_entries(buffers, inputs.sampled_entries))
+    sampled = sample(processed, inputs.sampling, max_logprobs, model_logits=logits)
+    return sampled, counts, kv_pages, buffers.record(inputs.sampled_entries, sampled.token_ids)
 
 
 def expert_token_counts(routed: list, inputs: StepInputs, num_experts: int):

@@ -20,6 +20,7 @@ from jaxserve.arrays import HostOrDeviceArray
 from jaxserve.config import Buckets
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.sampler import SamplingInputs
+from jaxserve.device.sampling_inputs import SamplingWidths, build_sampling_inputs
 from jaxserve.host.page_allocator import RESERVED_PAGE, num_pages_for
 from jaxserve.host.scheduler import ScheduledChunk, padded_to_blocks
 from jaxserve.models.kv_pages import AttentionMetadata
@@ -50,13 +51,13 @@ class StepShape:
         return "decode" if self.query_block == 1 else "prefill"
 
 
-def seed_words(seed: int) -> tuple[int, int]:
-    """A 64-bit seed as the two uint32 words of a threefry key."""
-    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
-
-
 def build_step_inputs(
-    chunks: list[ScheduledChunk], shape: StepShape, page_size: int, first_entry: int = 0, scratch_entry: int = 0
+    chunks: list[ScheduledChunk],
+    shape: StepShape,
+    page_size: int,
+    widths: SamplingWidths,
+    first_entry: int = 0,
+    scratch_entry: int = 0,
 ) -> StepInputs:
     """Host numpy arrays for one step; the runner moves them to the device. first_entry: this rank's
     first token buffer entry."""
@@ -69,13 +70,6 @@ def build_step_inputs(
     token_seq_ids = np.zeros(num_tokens, np.int32)
     page_table = np.full((num_seqs, shape.pages_per_seq), RESERVED_PAGE, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
-    temperature = np.zeros(num_seqs, np.float32)
-    top_k = np.zeros(num_seqs, np.int32)
-    top_p = np.ones(num_seqs, np.float32)
-    min_p = np.zeros(num_seqs, np.float32)
-    seeds = np.zeros((num_seqs, 2), np.uint32)
-    token_indices = np.zeros(num_seqs, np.int32)
-    wants_logprobs = np.zeros(num_seqs, np.bool_)
 
     cursor = 0
     for row, chunk in enumerate(chunks):
@@ -94,14 +88,6 @@ def build_step_inputs(
         token_seq_ids[cursor : cursor + padded] = row
         page_table[row, : len(pages)] = pages
         logits_indices[row] = cursor + n - 1
-        params = seq.params
-        temperature[row] = params.temperature
-        top_k[row] = params.top_k
-        top_p[row] = params.top_p
-        min_p[row] = params.min_p
-        seeds[row] = seed_words(seq.sampling_seed)
-        token_indices[row] = seq.num_planned_tokens - seq.num_prompt_tokens  # this row samples output token #
-        wants_logprobs[row] = params.logprobs is not None
         cursor += padded
     if cursor > num_tokens or len(chunks) > num_seqs:
         raise AssertionError(f"{len(chunks)} chunks of {cursor} tokens do not fit the bucket {shape}")
@@ -113,34 +99,29 @@ def build_step_inputs(
         page_table=page_table,
         query_block=block,
     )
-    sampling = SamplingInputs(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        seeds=seeds,
-        token_indices=token_indices,
-        wants_logprobs=wants_logprobs,
-    )
     return StepInputs(
         token_ids=token_ids,
         attention=attention,
         logits_indices=logits_indices,
-        sampling=sampling,
+        sampling=build_sampling_inputs(chunks, num_seqs, widths),
         token_sources=token_sources,
         sampled_entries=sampled_entries,
     )
 
 
 def build_ranked_inputs(
-    per_rank_chunks: list[list[ScheduledChunk]], shape: StepShape, page_size: int, layout: RankLayout
+    per_rank_chunks: list[list[ScheduledChunk]],
+    shape: StepShape,
+    page_size: int,
+    layout: RankLayout,
+    widths: SamplingWidths,
 ) -> StepInputs:
     """One step for every data-parallel rank: each rank's inputs (with its own local page ids) laid end
     to end, as `layout` says. Only logits_indices and the token buffer entries point into the whole."""
     if len(per_rank_chunks) != layout.num_ranks:
         raise AssertionError(f"{len(per_rank_chunks)} ranks' chunks for a layout of {layout.num_ranks} ranks")
     per_rank = [
-        build_step_inputs(chunks, shape, page_size, layout.buffer_entry(rank, 0), layout.scratch_entry)
+        build_step_inputs(chunks, shape, page_size, widths, layout.buffer_entry(rank, 0), layout.scratch_entry)
         for rank, chunks in enumerate(per_rank_chunks)
     ]
     if len(per_rank) == 1:

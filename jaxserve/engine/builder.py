@@ -18,6 +18,7 @@ from jaxserve.config import Buckets, EngineConfig, EngineRole
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import ModelRunner, StepRunner, enable_compilation_cache, kv_cache_bytes_available
+from jaxserve.device.sampling_inputs import SamplingWidths
 from jaxserve.distributed.agreement import agree_on_engine, check_every_process_holds_devices, expert_balancer_type
 from jaxserve.distributed.leader_runner import wrap_runner
 from jaxserve.distributed.runtime import ProcessGroup
@@ -84,6 +85,8 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
         page_size=config.cache.page_size,
         prefill_query_block=config.scheduler.prefill_query_block,
         max_logprobs=config.scheduler.max_logprobs,
+        vocab_size=model_config.vocab_size,
+        sampling_widths=SamplingWidths.for_vocab(model_config.vocab_size, config.scheduler.max_bias_entries),
         num_experts=model_config.num_experts,
         layout=layout,
         mesh=mesh,

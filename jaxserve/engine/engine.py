@@ -26,6 +26,7 @@ from jaxserve.device.step_inputs import StepShape, step_shape
 from jaxserve.disagg.roles import handovers_for
 from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine.builder import EngineParts, build_engine
+from jaxserve.engine.constraints import RowConstraints
 from jaxserve.engine.device_clock import DeviceClock
 from jaxserve.engine.stats import (
     EngineDescription,
@@ -87,6 +88,14 @@ class Engine:
         self._in_flight: DispatchedStep | None = None  # overlapped: the step on the device, processed next call
         self._was_busy = False  # whether the last step() did any work (else the device waited for requests)
         self.device_clock = DeviceClock()
+        self.constraints = RowConstraints(
+            self.tokenizer,
+            parts.eos_token_ids,
+            self.model_config.vocab_size,
+            self.config.scheduler.max_bias_entries,
+            parts.layout,
+            self.runner,
+        )
 
     @classmethod
     def from_model(cls, model_path: str, config: EngineConfig, process_group: ProcessGroup | None = None) -> Engine:
@@ -136,17 +145,7 @@ class Engine:
             raise ValueError(
                 f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.config.scheduler.max_logprobs})"
             )
-        not_yet = (
-            [
-                name
-                for name in ("logit_bias", "bad_words", "allowed_token_ids", "guided_decoding")
-                if getattr(params, name) is not None
-            ]
-            + [name for name in ("min_tokens",) if getattr(params, name)]
-            + (["penalties"] if params.has_penalties else [])
-        )
-        if not_yet:
-            raise ValueError(f"{', '.join(not_yet)}: not supported by this engine yet")
+        self.constraints.validate(params)
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, session_id: str | None = None
@@ -175,7 +174,9 @@ class Engine:
         self.requests[request_id] = Request(
             request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, seqs
         )
+        controls, grammar = self.constraints.prepare(params)
         for seq in seqs:
+            self.constraints.attach(seq, controls, grammar)
             seq.rank = min(range(len(self.schedulers)), key=lambda rank: self.schedulers[rank].num_sequences)
             self.schedulers[seq.rank].add(seq)
 
@@ -183,8 +184,8 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sampling_seed: int
     ) -> SequenceState:
         """A sequence with this engine's next id and arrival order, for a request admitted some other
-        way than add_request (a decode replica's handed-over request)."""
-        return SequenceState(
+        way than add_request (a decode replica's handed-over request), with its sampling controls."""
+        seq = SequenceState(
             seq_id=next(self._seq_ids),
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -192,6 +193,8 @@ class Engine:
             sampling_seed=sampling_seed,
             arrival_order=next(self._arrivals),
         )
+        self.constraints.attach(seq, *self.constraints.prepare(params))
+        return seq
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -214,15 +217,25 @@ class Engine:
         """One scheduling step; returns the outputs of requests that progressed (finished ones leave).
         Overlapped, these are the outputs of the step dispatched by the previous call."""
         with StepTimer() as timer:
-            dispatched = self._schedule_and_dispatch()
-            to_process = self._step_to_process(dispatched)
-            progressed = self._fetch_and_postprocess(to_process, timer)
+            if self._in_flight is not None and self._rows_wait_for_tokens():
+                # Process the step in flight first: the next step's masks and bans need its tokens.
+                to_process, self._in_flight = self._in_flight, None
+                progressed = self._fetch_and_postprocess(to_process, timer)
+                dispatched = self._in_flight = self._schedule_and_dispatch()
+            else:
+                dispatched = self._schedule_and_dispatch()
+                to_process = self._step_to_process(dispatched)
+                progressed = self._fetch_and_postprocess(to_process, timer)
         if to_process is None and dispatched is None:
             self._was_busy = False
             return []
         self._observe_step_time(timer, to_process)
         self._was_busy = dispatched is not None and self.has_unfinished_requests()
         return self._end_step(progressed)
+
+    def _rows_wait_for_tokens(self) -> bool:
+        """Some running sequence's next row (a grammar's mask, a bad word's ban) depends on a token in flight."""
+        return any(RowConstraints.waits_for_tokens(seq) for s in self.schedulers for seq in s.running)
 
     def _schedule_and_dispatch(self) -> DispatchedStep | None:
         schedules = [scheduler.schedule() for scheduler in self.schedulers]
@@ -283,6 +296,7 @@ class Engine:
             config.cache.page_size,
             config.scheduler.prefill_query_block,
         )
+        self.constraints.before_dispatch(per_rank_chunks)
         pending = self.runner.execute(shape, self.runner.build_inputs(per_rank_chunks, shape))
         for scheduler, chunks in zip(self.schedulers, per_rank_chunks):
             scheduler.mark_dispatched(chunks)

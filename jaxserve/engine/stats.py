@@ -156,6 +156,7 @@ def engine_stats(engine) -> dict:
         **engine.timings.stats(),
         "overlap_steps": engine.overlap_steps,
         **engine.device_clock.stats(),  # host_seconds_per_step, device_idle_seconds_per_step
+        **engine.constraints.stats(),  # penalty state resets, grammars compiled and cached
         "num_preemptions": sum(s.num_preemptions for s in engine.schedulers),
         "num_steps": engine.num_steps,
         **engine.outputs.stats(),  # num_prompt_tokens, num_generated_tokens

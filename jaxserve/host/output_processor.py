@@ -30,15 +30,21 @@ def append_token(
     eos_token_ids: frozenset[int],
     max_model_len: int,
 ) -> FinishReason | None:
-    """Record one sampled token; returns the finish reason (STOP or LENGTH) or None to go on."""
+    """Record one sampled token; returns the finish reason or None to go on. Before min_tokens output
+    tokens nothing stops the sequence but its length (as vLLM)."""
     seq.output_token_ids.append(token_id)
     if logprobs is not None:
         seq.output_logprobs.append(logprobs)
     reason = None
-    if token_id in seq.params.stop_token_id_set or (not seq.params.ignore_eos and token_id in eos_token_ids):
+    may_stop = len(seq.output_token_ids) >= seq.params.min_tokens
+    if may_stop and (
+        token_id in seq.params.stop_token_id_set or (not seq.params.ignore_eos and token_id in eos_token_ids)
+    ):
         reason = FinishReason.STOP
     elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
         reason = FinishReason.LENGTH
+    if seq.grammar is not None and reason is None:
+        reason = _advance_grammar(seq, token_id)
     if tokenizer is not None:
         state = seq.detokenizer_state
         if not isinstance(state, DetokenizerState):  # None until the first token
@@ -47,12 +53,22 @@ def append_token(
         if reason is not None:  # the last token: nothing held back waiting for the rest of a character
             new_text += flush_detokenizer(tokenizer, seq.token_ids, state)
         seq.text += new_text
-        if seq.params.stop and new_text:
+        if seq.params.stop and new_text and may_stop:
             index = find_stop_string(seq, new_text)
             if index != -1:
                 seq.text = seq.text[:index]  # the stop string never reaches the caller
                 return FinishReason.STOP
     return reason
+
+
+def _advance_grammar(seq: SequenceState, token_id: int) -> FinishReason | None:
+    """The grammar takes the token (it was sampled under the grammar's mask). A grammar with nothing left
+    but EOS ends the sequence at once (even with ignore_eos or before min_tokens: nothing else could
+    follow); one that could not take the token, or had nothing to offer, ends it as a dead end."""
+    grammar = seq.grammar
+    if grammar.is_dead_end or not grammar.accept_token(token_id):
+        return FinishReason.GRAMMAR_DEAD_END
+    return FinishReason.STOP if grammar.is_finished else None
 
 
 class OutputProcessor:

@@ -7,6 +7,7 @@ import functools
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -174,6 +175,9 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # the caller (or the server, for a client that stopped reading) cancelled it
     ERROR = "error"  # the server failed it; the stream carries the reason
     HANDED_OVER = "handed_over"  # a prefill replica's request whose KV pages a decode replica took
+    # guided decoding: no token can continue the grammar (e.g. it and allowed_token_ids share none);
+    # the text so far is returned, and it does not complete the grammar
+    GRAMMAR_DEAD_END = "grammar_dead_end"
 
 
 class RequestStatus(enum.Enum):
@@ -214,6 +218,14 @@ class SequenceState:
     text: str = ""
     detokenizer_state: object = None
     stop_matcher: object = None  # where the stop-string search stands in text (host/stop_strings.py)
+    # Sampling controls (host/sampling_controls.py: SamplingControls, worked out once per request) and
+    # the grammar's matcher (host/grammar_matcher.py: GrammarMatcher), when the request has them; the
+    # engine sets next_token_mask ([W] int32 bitmask row) and next_token_bans before each step that
+    # samples this sequence's next token (the grammar's mask, bad words' last tokens).
+    controls: Any = None
+    grammar: Any = None
+    next_token_mask: Any = None
+    next_token_bans: tuple[int, ...] = ()
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without concatenating prompt and output (this runs every step)."""

@@ -46,7 +46,7 @@ def _lower_every_step(monkeypatch, llm, platform: str, lowering_platform: str, a
                     traced = runner._jitted.trace(
                         _abstract(runner.param_leaves),
                         _abstract(runner.kv_pages),
-                        _abstract(runner.token_buffer),
+                        _abstract(runner.buffers),
                         _abstract(inputs),
                     )
                     texts.append(traced.lower(lowering_platforms=(lowering_platform,)).as_text())

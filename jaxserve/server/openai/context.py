@@ -12,10 +12,9 @@ from typing import TypeVar
 
 from jaxserve.config import EngineRole
 from jaxserve.host.request import SamplingParams
-from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.limits import RequestLimits
-from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openai.errors import APIError, api_error
+from jaxserve.server.openai.loop import GenerationLoop, RefusalMetrics
 from jaxserve.server.openai.streams import StreamGroup, submit_all
 from jaxserve.server.tool_choice import parser_for_template
 from jaxserve.server.tool_parsers import ToolParser
@@ -38,12 +37,12 @@ REFUSAL_LABELS = {
 
 
 class ServingContext:
-    def __init__(self, metrics: ServerMetrics, served_model_names: tuple[str, ...] = ()):
+    def __init__(self, metrics: RefusalMetrics, served_model_names: tuple[str, ...] = ()):
         """served_model_names: server.served_model_name, the names clients know the model by (the first
         is the one responses carry); none: the checkpoint's own name."""
         self.metrics = metrics
         self.served_model_names = served_model_names
-        self.loop: EngineLoop | None = None  # set once the engine has warmed up
+        self.loop: GenerationLoop | None = None  # set once the engine has warmed up
         self._limits: RequestLimits | None = None
         self.chat_template: str | None = None
         self.tool_call_parser = "auto"  # server.tool_call_parser
@@ -53,7 +52,7 @@ class ServingContext:
 
     def attach(
         self,
-        loop: EngineLoop,
+        loop: GenerationLoop,
         limits: RequestLimits,
         chat_template: str | None,
         system_fingerprint: str,
@@ -65,7 +64,7 @@ class ServingContext:
         self.system_fingerprint = system_fingerprint
         self.loop = loop
 
-    def ready_loop(self) -> EngineLoop:
+    def ready_loop(self) -> GenerationLoop:
         if self.loop is None:
             raise APIError(503, "the engine is still warming up")
         if self.loop.draining:
@@ -167,7 +166,7 @@ class ServingContext:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _release_when_admitted(loop: EngineLoop, admitted: asyncio.Future) -> None:
+def _release_when_admitted(loop: GenerationLoop, admitted: asyncio.Future) -> None:
     if not admitted.cancelled() and admitted.exception() is None:
         for stream in admitted.result()[0]:
             loop.release(stream)

@@ -15,12 +15,12 @@ import time
 from collections.abc import AsyncIterator
 
 from jaxserve.host.request import SamplingParams
-from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.openai.loop import GenerationLoop
 from jaxserve.server.request_stream import Delta, RequestStream
 
 
 def submit_all(
-    loop: EngineLoop, prompts: list, params: SamplingParams, request_id: str, session_id: str | None
+    loop: GenerationLoop, prompts: list, params: SamplingParams, request_id: str, session_id: str | None
 ) -> list[RequestStream]:
     """Submit every prompt or none (a refusal releases those already queued); worker thread."""
     streams: list[RequestStream] = []
@@ -43,7 +43,7 @@ class StreamExpired(Exception):
 class StreamGroup:
     """The streams of one API call, read as (stream position, delta) pairs in arrival order."""
 
-    def __init__(self, engine_loop: EngineLoop, streams: list[RequestStream]):
+    def __init__(self, engine_loop: GenerationLoop, streams: list[RequestStream]):
         self.engine_loop = engine_loop
         self.streams = streams
         self.expired = False  # the engine loop expired one of the streams (cancel_on_expiry)

@@ -61,13 +61,13 @@ def sampling_controls(
     banned: set[int] = set()
     multi_token_words: list[tuple[int, ...]] = []
     for word_ids in _bad_word_token_ids(params, tokenizer):
-        if len(word_ids) > 1:
+        if len(word_ids) != 1:  # more than one: _bad_word_token_ids keeps no empty encoding
             multi_token_words.append(word_ids)
         elif word_ids[0] < vocab_size and word_ids[0] not in banned:
             banned.add(word_ids[0])
             entries.append((word_ids[0], -np.inf, NO_LIMIT))
     if params.min_tokens:
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        stops = set(params.stop_token_id_set) | (set() if params.ignore_eos else set(eos_token_ids))
         entries += [(t, -np.inf, params.min_tokens) for t in sorted(stops) if t < vocab_size]
     allowed = params.allowed_token_ids
     if not entries and not multi_token_words and allowed is None:

@@ -9,8 +9,17 @@ import logging
 
 import numpy as np
 
-from jaxserve.distributed.leader_runner import execute_everywhere
-from jaxserve.distributed.plan import END, EXECUTE, REBALANCE, SAVE, DivergenceError, Plan, PlanReceiver
+from jaxserve.distributed.leader_runner import execute_everywhere, reset_buffers_everywhere
+from jaxserve.distributed.plan import (
+    END,
+    EXECUTE,
+    REBALANCE,
+    RESET_BUFFERS,
+    SAVE,
+    DivergenceError,
+    Plan,
+    PlanReceiver,
+)
 from jaxserve.distributed.runtime import Beats, PeerWatch, ProcessGroup
 
 logger = logging.getLogger(__name__)
@@ -57,6 +66,8 @@ def _run(parts, group: ProcessGroup, plan: Plan) -> None:
     if plan.op == EXECUTE:
         shape, inputs = plan.args
         execute_everywhere(parts.runner, parts.mesh, shape, inputs)
+    elif plan.op == RESET_BUFFERS:
+        reset_buffers_everywhere(parts.runner, *plan.args)
     elif plan.op == REBALANCE:
         parts.experts.apply(*plan.args)
     elif plan.op == SAVE:

@@ -15,9 +15,10 @@ import time
 from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.distributed.plan import END, EXECUTE, PlanSender
+from jaxserve.distributed.plan import END, EXECUTE, RESET_BUFFERS, PlanSender
 from jaxserve.distributed.runtime import Beats, PeerWatch, ProcessGroup
 
 if TYPE_CHECKING:
@@ -31,6 +32,13 @@ def global_inputs(inputs, sharding):
     return jax.tree.map(
         lambda array: jax.make_array_from_callback(array.shape, sharding, lambda index: array[index]), inputs
     )
+
+
+def reset_buffers_everywhere(runner, entry: int, token_ids, counts, vocab_size: int, prompt_tokens) -> None:
+    """What every follower runs for a RESET_BUFFERS plan (LeaderRunner.reset_sequence_buffers' args)."""
+    output_counts = np.zeros(vocab_size, np.int32)
+    output_counts[token_ids] = counts
+    runner.reset_sequence_buffers(entry, output_counts, prompt_tokens)
 
 
 def execute_everywhere(runner, mesh, shape, inputs):
@@ -131,12 +139,22 @@ class LeaderRunner:
         return _WatchedFetch(pending, self, step)
 
     def run_everywhere(self, op: str, args: tuple, local):
-        """Send a plan (op, args) and run its local part here (expert moves, checkpoint saves)."""
+        """Send a plan (op, args) and run its local part here (expert moves, checkpoint saves, buffer resets)."""
         if not self.serving:
             return local()
         with self._guard(op):
             self._send(op, args)
             return local()
+
+    def reset_sequence_buffers(self, entry: int, output_counts: np.ndarray, prompt_tokens: np.ndarray) -> None:
+        """Every process's replica of the SequenceBuffers must change alike: a data-parallel rank on another
+        process samples its rows from its own. The counts [V] go as their nonzero entries (a new sequence
+        has none; a resumed one few), the plan staying small for a large vocabulary."""
+        token_ids = np.flatnonzero(output_counts).astype(np.int32)
+        args = (entry, token_ids, output_counts[token_ids], len(output_counts), prompt_tokens)
+        self.run_everywhere(
+            RESET_BUFFERS, args, lambda: self.inner.reset_sequence_buffers(entry, output_counts, prompt_tokens)
+        )
 
     def replace_params(self, params) -> None:
         if self.serving:

@@ -23,6 +23,7 @@ from jaxserve.distributed import runtime
 MAX_PLAN_BYTES = 64 << 20
 PLANS_PER_BLOCK = 64  # plans are keyed <session>/plan/<block>/<n>, deleted a block at a time
 EXECUTE, REBALANCE, SAVE, END = "execute", "rebalance", "save", "end"
+RESET_BUFFERS = "reset_sequence_buffers"  # a penalised sequence's entry in the device's SequenceBuffers
 
 
 @dataclass

@@ -3,7 +3,7 @@
 model:    {path: PATH | default | tiny-random}   the replicas' model: the router tokenizes with its
                                                   tokenizer and refuses a replica serving another
 router:   {host, port, http_port, metrics_port, mode, policy, blind_window, heartbeat, health_interval,
-           startup_timeout, max_in_flight, max_resends, resend_wait,
+           startup_timeout, max_in_flight, max_resends, resend_wait, tool_call_parser,
            tls: {cert, key, client_ca}, api_keys: FILE        the router's own ports, as server.tls / server.api_keys
            replica_tls: {ca, cert, key}, replica_api_key: FILE}  how it reaches replicas that require them
 replicas: [HOST:PORT, ...]                        replicas already running (mode colocated); or
@@ -24,6 +24,7 @@ from jaxserve.config_sections import build_section, read_sections
 from jaxserve.router.connection import ReplicaTLS
 from jaxserve.router.policy import POLICIES
 from jaxserve.server.config_file import TLSConfig
+from jaxserve.server.tool_parsers import PARSER_NAMES
 
 KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 MODES = ("colocated", "disaggregated")
@@ -47,6 +48,9 @@ class RouterSection:
     max_resends: int = 3  # times a request that has not streamed a token is sent to another replica
     # mode disaggregated: seconds a request whose decode replica failed waits for one to be up again
     resend_wait: float = 60.0
+    # How the HTTP API (and a disaggregated Chat) reads tool calls out of replies, as server.tool_call_parser:
+    # hermes | llama3_json | mistral | auto (told from the router tokenizer's chat template).
+    tool_call_parser: str = "auto"
     # The router's gRPC, HTTP and metrics ports: the same keys and checks as server.tls and server.api_keys.
     tls: TLSConfig | None = None
     api_keys: str | None = None  # a file of keys, one a line; clients must send 'authorization: Bearer KEY'
@@ -64,6 +68,10 @@ class RouterSection:
                 raise ValueError(f"router.{option.name} must be {KIND_NAMES[kind]}, got {value!r}")
         if self.mode not in MODES:
             raise ValueError(f"router.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.tool_call_parser not in PARSER_NAMES:
+            raise ValueError(
+                f"router.tool_call_parser must be one of {', '.join(PARSER_NAMES)}, got {self.tool_call_parser!r}"
+            )
         if self.policy not in POLICIES:
             raise ValueError(f"router.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name in ("port", "http_port", "metrics_port"):

@@ -4,7 +4,9 @@ Each request goes to a decode replica, chosen by the policy within the decode po
 is what need not travel), as a jaxserve.disagg.v1.Decode/Generate naming a prefill replica chosen by
 the policy within the prefill pool (prefix-aware: its cached prefix is prefill not redone). The decode
 replica drives the handover (jaxserve/disagg/decode_service.py) and streams the tokens, forwarded here
-message by message. A Chat is rendered here and sent as token ids.
+message by message. A Chat is rendered here (tools included) and sent as token ids, with the grammar its
+tool_choice imposes; its tool calls are parsed here from the whole reply (router.tool_call_parser), as a
+replica's Chat would.
 
 Faults: the prefill replica failing is the decode replica's to absorb (it recomputes the prompt); with
 no prefill replica up, the decode replica prefills itself (an empty prefill_address). The decode
@@ -24,7 +26,9 @@ from jaxserve.proto import disagg_pb2 as dpb
 from jaxserve.proto import disagg_pb2_grpc
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.policy import Prediction, RouteRequest
-from jaxserve.router.service import BUSY, REPLICA_FAILURES, RouterService
+from jaxserve.router.service import BUSY, REPLICA_FAILURES, RouterService, route_request
+from jaxserve.server.grpc_chat import with_tool_calls
+from jaxserve.server.sampling_proto import guided_decoding_to_proto
 from jaxserve.server.service import DEFAULT_MAX_TOKENS
 
 POLL_INTERVAL = 0.1  # seconds between looks for a decode replica back up
@@ -53,13 +57,39 @@ class DisaggregatedRouterService(RouterService):
         max_in_flight: int,
         max_resends: int,
         resend_wait: float,
+        tool_call_parser: str = "auto",
     ):
         super().__init__(
-            prefill_replicas + decode_replicas, policy, tokenizer, limits, metrics, max_in_flight, max_resends
+            prefill_replicas + decode_replicas,
+            policy,
+            tokenizer,
+            limits,
+            metrics,
+            max_in_flight,
+            max_resends,
+            tool_call_parser,
         )
         self.prefill_replicas = prefill_replicas
         self.decode_replicas = decode_replicas
         self.resend_wait = resend_wait
+
+    def Chat(self, request: pb.ChatRequest, context):
+        """The decode replica gets token ids (a Generate): tool_choice's grammar travels in the sampling, and
+        the calls are parsed here onto each completion's last message."""
+        try:
+            token_ids, _, plan = self.checked_chat(request)
+        except ValueError as error:
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        forwarded = pb.ChatRequest()
+        forwarded.CopyFrom(request)
+        guide = guided_decoding_to_proto(plan.guided_decoding)
+        if guide is not None:
+            forwarded.sampling.guided_decoding.CopyFrom(guide)
+        responses = self._serve("Chat", forwarded, route_request(token_ids, forwarded), context)
+        try:
+            yield from with_tool_calls(responses, plan)
+        finally:
+            responses.close()
 
     def _choose_in(self, pool: list, route: RouteRequest, exclude: set[str]) -> Prediction | None:
         candidates = [r for r in pool if r.is_up and r.address not in exclude]

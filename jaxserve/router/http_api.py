@@ -3,8 +3,10 @@ offers what those handlers use of an EngineLoop (submit, release, description, e
 max_in_flight)
 but sends each prompt through the router's gRPC forwarding (RouterService.Generate: routed by the policy,
 re-sent if its replica fails before the first token) on a thread of its own, turning the forwarded messages
-back into the stream's deltas. The handlers tokenize and render chats with the router's tokenizer, so the
-router sees token ids, as it needs to.
+back into the stream's deltas. The handlers tokenize and render chats with the router's tokenizer (tools
+included), so the router sees token ids, as it needs to; every SamplingParams field goes to the replica
+(sampling_params_to_proto), the grammar a chat's tool_choice or response_format adds included, and the
+handlers parse tool calls out of the replies with router.tool_call_parser.
 
 A refusal the router can make itself is an HTTP status at once: an empty or too long prompt 400, the
 router's max_in_flight reached 429. One that only a replica makes (or the router's
@@ -29,6 +31,7 @@ from jaxserve.server.engine_loop import Overloaded
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openai.context import ServingContext
 from jaxserve.server.request_stream import Delta, RequestStream
+from jaxserve.server.sampling_proto import sampling_params_to_proto
 
 # What a gRPC refusal (a replica's, passed through, or the router's own) answers over HTTP.
 HTTP_STATUS = {
@@ -107,24 +110,6 @@ class RelayContext:
             callback()
 
 
-def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    sampling = pb.SamplingParams(
-        n=params.n,
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        stop=list(params.stop or ()),  # normalized to a tuple by SamplingParams
-        stop_token_ids=list(params.stop_token_ids or ()),
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs or 0,
-    )
-    if params.seed is not None:
-        sampling.seed = params.seed
-    return sampling
-
-
 def delta_from_response(response: pb.GenerateResponse) -> Delta:
     logprobs = (
         [
@@ -173,7 +158,10 @@ class RoutedLoop:
                 f"max_model_len ({self.description.max_model_len})"
             )
         request = pb.GenerateRequest(
-            request_id=request_id, token_ids=token_ids, sampling=sampling_to_proto(params), session_id=session_id or ""
+            request_id=request_id,
+            token_ids=token_ids,
+            sampling=sampling_params_to_proto(params),
+            session_id=session_id or "",
         )
         stream = RequestStream(f"{request_id}#{next(self._handles)}", request_id, params, len(token_ids))
         relay = RelayContext()

@@ -173,6 +173,7 @@ class RouterServer:
                 section.max_in_flight,
                 section.max_resends,
                 section.resend_wait,
+                section.tool_call_parser,
             )
         else:
             service = RouterService(
@@ -183,6 +184,7 @@ class RouterServer:
                 self.metrics,
                 section.max_in_flight,
                 section.max_resends,
+                section.tool_call_parser,
             )
         self._serve(service)
         if section.http_port:
@@ -266,7 +268,8 @@ class RouterServer:
         description = SimpleNamespace(model_name=model_name, max_model_len=limits.max_prompt_tokens)
         # RoutedLoop offers what the handlers use of an EngineLoop (http_api.py); no common type names it yet
         loop = cast(EngineLoop, RoutedLoop(service, description, tokenizer))
-        self.http_context.attach(loop, limits, None, "")
+        # no chat template of its own: the tokenizer's renders, and tells "auto" the tool-call format
+        self.http_context.attach(loop, limits, None, "", section.tool_call_parser)
         logger.info("OpenAI HTTP API on %s:%d", section.host, self.http_server.port)
 
     def _wait_for_replicas(self, timeout: float) -> None:

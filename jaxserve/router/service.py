@@ -15,11 +15,13 @@ import time
 import grpc
 
 import jaxserve
+from jaxserve.host.request import SamplingParams
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.policy import Prediction, RouteRequest
 from jaxserve.server import limits as request_limits
-from jaxserve.server.chat_prompt import chat_prompt_token_ids
-from jaxserve.server.service import DEFAULT_MAX_TOKENS, checked_request, sampling_params_from_proto
+from jaxserve.server.grpc_chat import checked_chat
+from jaxserve.server.service import DEFAULT_MAX_TOKENS, checked_request
+from jaxserve.server.tool_choice import ToolPlan
 
 # The replica is broken (dead, unreachable, taken out: CANCELLED by the router itself): take it out, re-send.
 REPLICA_FAILURES = {
@@ -39,7 +41,17 @@ def route_request(token_ids: list[int], request) -> RouteRequest:
 
 
 class RouterService:
-    def __init__(self, replicas: list, policy, tokenizer, limits, metrics, max_in_flight: int, max_resends: int):
+    def __init__(
+        self,
+        replicas: list,
+        policy,
+        tokenizer,
+        limits,
+        metrics,
+        max_in_flight: int,
+        max_resends: int,
+        tool_call_parser: str = "auto",
+    ):
         self.replicas = replicas
         self.policy = policy
         self.tokenizer = tokenizer
@@ -47,6 +59,7 @@ class RouterService:
         self.metrics = metrics
         self.max_in_flight = max_in_flight
         self.max_resends = max_resends
+        self.tool_call_parser = tool_call_parser  # router.tool_call_parser
         self._lock = threading.Lock()
         self.num_in_flight = 0
 
@@ -74,23 +87,19 @@ class RouterService:
         yield from self._serve("Generate", forwarded, route_request(token_ids, request), context)
 
     def Chat(self, request: pb.ChatRequest, context):
-        """Rendered here only to know the prompt's pages; the replica renders it again, with its own
-        server.chat_template if it has one."""
+        """Rendered here, tools included, only to know the prompt's pages; the request goes on unchanged:
+        the replica renders it again (with its own server.chat_template if it has one), applies tool_choice's
+        grammar and parses the reply's tool calls."""
         try:
-            request_limits.check_ids(self.limits, request_id=request.request_id, session_id=request.session_id)
-            sampling_params_from_proto(request.sampling)
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            add_generation_prompt = (
-                request.add_generation_prompt
-                if request.HasField("add_generation_prompt")
-                else not request.continue_final_message
-            )
-            token_ids = chat_prompt_token_ids(
-                self.tokenizer, self.limits, messages, None, add_generation_prompt, request.continue_final_message
-            )
+            token_ids, _, _ = self.checked_chat(request)
         except ValueError as error:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         yield from self._serve("Chat", request, route_request(token_ids, request), context)
+
+    def checked_chat(self, request: pb.ChatRequest) -> tuple[list[int], SamplingParams, ToolPlan]:
+        """The prompt as a replica without a chat template of its own renders it, its sampling params and
+        tool plan, after the same checks (the server's caps, the tools, tool_choice); ValueError."""
+        return checked_chat(request, self.tokenizer, self.limits, None, self.tool_call_parser)
 
     def tokenize_prompt(self, prompt) -> list[int]:
         if not isinstance(prompt, str):

@@ -44,12 +44,12 @@ class ProcessPair:
             process.wait(timeout=30)
 
 
-def run_workers(directory, timeout: float) -> tuple[list[int | None], list[str]]:
-    """Both processes of tests/distributed/worker.py; exit codes and logs."""
+def run_workers(
+    directory, timeout: float, module: str = "tests.distributed.worker"
+) -> tuple[list[int | None], list[str]]:
+    """Both processes of a worker module (tests/distributed/worker.py by default); exit codes and logs."""
     port = free_port()
-    pair = ProcessPair(
-        directory, lambda i: [sys.executable, "-m", "tests.distributed.worker", str(i), str(port), str(directory)]
-    )
+    pair = ProcessPair(directory, lambda i: [sys.executable, "-m", module, str(i), str(port), str(directory)])
     try:
         codes = pair.wait(timeout)
         return codes, [pair.log(0), pair.log(1)]

@@ -121,6 +121,39 @@ def test_the_openai_http_api_is_routed_too(router):
         client.completions.create(model=model, prompt=job["token_ids"], max_tokens=500)
 
 
+def test_sampling_controls_and_guided_json_through_the_router_equal_a_replica_direct(router):
+    """The router's HTTP API forwards logit_bias, the penalties and guided_json: the completion equals the
+    same request sent to a replica's gRPC API directly (replicas of one model, greedy)."""
+    import openai
+
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{router.config.router.http_port}/v1", api_key="-", max_retries=0, timeout=120
+    )
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    job = expected("llama_gqa")["prompts"][1]
+    sampling = dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.3)
+    direct = Client(router.launched[0].address)
+    try:
+        for bias, guided in (({job["greedy_token_ids"][0]: -100.0, 42: 8.0}, None), ({}, schema)):
+            extra = {**sampling, **({"guided_json": guided} if guided else {})}
+            routed = client.completions.create(
+                model="llama_gqa",
+                prompt=job["token_ids"],
+                max_tokens=12,
+                temperature=0.0,
+                logit_bias={str(token): value for token, value in bias.items()},
+                extra_body=extra,
+            )
+            alone = direct.generate(job["token_ids"], max_tokens=12, temperature=0.0, logit_bias=bias or None, **extra)
+            assert routed.choices[0].text == alone.text
+            if bias:
+                assert alone.token_ids[0] == 42
+            else:
+                assert alone.text.startswith("{")
+    finally:
+        direct.close()
+
+
 def run_long_requests(target: str, num_requests: int, started: list, outcomes: list) -> list[threading.Thread]:
     def run(index: int) -> None:
         client = Client(target)

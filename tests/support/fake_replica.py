@@ -1,6 +1,7 @@
 """A stand-in replica for the router's tests, with no engine and no JAX: it answers ServerInfo (the real
 model's fingerprint, so the router accepts it), streams a snapshot and heartbeats of page events, reports
-SERVING, and answers Generate and Chat with two fixed messages, or refuses them with a chosen gRPC code.
+SERVING, and answers Generate and Chat with two messages (their texts set by a test), or refuses them with a
+chosen gRPC code; it keeps every request it received, to show what the router forwards.
 TLS and API keys go through the real server's code (jaxserve.server.auth)."""
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class FakeReplica(jaxserve_pb2_grpc.GenerationServicer):
         )
         self.refusal: tuple[grpc.StatusCode, str] | None = None  # set by a test: how Generate and Chat refuse
         self.num_requests = 0
+        self.received: list = []  # every GenerateRequest and ChatRequest, as it arrived
+        self.reply_texts = ("a", "b")  # the two messages' texts
+        self.finish_reason = "length"  # the second's
         self._stopped = threading.Event()
         pool = futures.ThreadPoolExecutor(16)
         interceptors = [ApiKeyInterceptor(ApiKeys(api_keys), pool)] if api_keys else []
@@ -74,11 +78,16 @@ class FakeReplica(jaxserve_pb2_grpc.GenerationServicer):
         self.num_requests += 1
         if self.refusal is not None:
             context.abort(*self.refusal)
-        yield pb.GenerateResponse(token_ids=REPLY_TOKEN_IDS[:1], text="a", num_prompt_tokens=3)
-        yield pb.GenerateResponse(token_ids=REPLY_TOKEN_IDS[1:], text="b", finish_reason="length", num_prompt_tokens=3)
+        first, second = self.reply_texts
+        yield pb.GenerateResponse(token_ids=REPLY_TOKEN_IDS[:1], text=first, num_prompt_tokens=3)
+        yield pb.GenerateResponse(
+            token_ids=REPLY_TOKEN_IDS[1:], text=second, finish_reason=self.finish_reason, num_prompt_tokens=3
+        )
 
     def Generate(self, request, context):
+        self.received.append(request)
         yield from self._reply(context)
 
     def Chat(self, request, context):
+        self.received.append(request)
         yield from self._reply(context)

@@ -127,23 +127,20 @@ def describe_engine(engine) -> EngineDescription:
     )
 
 
-def engine_load(engine) -> EngineLoad:
-    schedulers = engine.schedulers
+def engine_load(engine, loads=None) -> EngineLoad:
+    """loads: the schedulers' own (SchedulerLoad), when the caller has them already."""
+    loads = loads if loads is not None else [scheduler.load() for scheduler in engine.schedulers]
     return EngineLoad(
-        num_running=sum(len(s.running) for s in schedulers),
-        num_waiting=sum(len(s.waiting) for s in schedulers),
-        num_free_pages=sum(s.allocator.num_free_pages for s in schedulers),
-        num_tokens_waiting_prefill=sum(
-            seq.num_tokens - seq.next_kv_position - 1
-            for s in schedulers
-            for seq in list(s.running) + list(s.waiting)
-            if seq.num_tokens - seq.next_kv_position > 1
-        ),
+        num_running=sum(load.num_running for load in loads),
+        num_waiting=sum(load.num_waiting for load in loads),
+        num_free_pages=sum(load.num_free_pages for load in loads),
+        num_tokens_waiting_prefill=sum(load.num_tokens_waiting_prefill for load in loads),
     )
 
 
 def engine_stats(engine) -> dict:
-    load = engine.load()
+    loads = [scheduler.load() for scheduler in engine.schedulers]
+    load = engine_load(engine, loads)
     return {
         "kv_pages_total": sum(s.allocator.num_usable_pages for s in engine.schedulers),
         "kv_pages_free": load.num_free_pages,
@@ -157,7 +154,7 @@ def engine_stats(engine) -> dict:
         "overlap_steps": engine.overlap_steps,
         **engine.device_clock.stats(),  # host_seconds_per_step, device_idle_seconds_per_step
         **engine.constraints.stats(),  # penalty state resets, grammars compiled and cached
-        "num_preemptions": sum(s.num_preemptions for s in engine.schedulers),
+        "num_preemptions": sum(scheduler_load.num_preemptions for scheduler_load in loads),
         "num_steps": engine.num_steps,
         **engine.outputs.stats(),  # num_prompt_tokens, num_generated_tokens
         "max_model_len": engine.max_model_len,

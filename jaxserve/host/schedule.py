@@ -13,6 +13,17 @@ def padded_to_blocks(num_tokens: int, block: int) -> int:
     return -(-num_tokens // block) * block
 
 
+@dataclass(frozen=True)
+class SchedulerLoad:
+    """What one scheduler reports of itself (engine/stats.py sums the ranks')."""
+
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_tokens_waiting_prefill: int  # prompt tokens (of running and waiting sequences) not yet computed
+    num_preemptions: int
+
+
 @dataclass
 class ScheduledChunk:
     seq: SequenceState

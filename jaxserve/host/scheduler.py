@@ -31,7 +31,7 @@ from collections import deque
 
 from jaxserve.host.page_allocator import ROOT_KEY, CachedPrefix, PageAllocator, num_pages_for
 from jaxserve.host.request import FinishReason, RequestStatus, SequenceState
-from jaxserve.host.schedule import Reservation, Schedule, ScheduledChunk, padded_to_blocks
+from jaxserve.host.schedule import Reservation, Schedule, ScheduledChunk, SchedulerLoad, padded_to_blocks
 
 
 class Scheduler:
@@ -53,6 +53,16 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def load(self) -> SchedulerLoad:
+        waiting_prefill = sum(
+            seq.num_tokens - seq.next_kv_position - 1
+            for seq in (*self.running, *self.waiting)
+            if seq.num_tokens - seq.next_kv_position > 1
+        )
+        return SchedulerLoad(
+            len(self.running), len(self.waiting), self.allocator.num_free_pages, waiting_prefill, self.num_preemptions
+        )
 
     @property
     def num_sequences(self) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import threading
 from types import SimpleNamespace
-from typing import cast
 
 import grpc
 
@@ -28,7 +27,6 @@ from jaxserve.host.request import FinishReason, SamplingParams
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.server.engine_loop import Overloaded
-from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openai.context import ServingContext
 from jaxserve.server.request_stream import Delta, RequestStream
 from jaxserve.server.sampling_proto import sampling_params_to_proto
@@ -62,8 +60,7 @@ class RoutedContext(ServingContext):
     """The OpenAI app's context in the router: system_fingerprint is read from the replicas on every use."""
 
     def __init__(self, metrics: RouterMetrics, replicas: list):
-        # RouterMetrics offers what the app uses of ServerMetrics (registry, rejected); no common type names it
-        super().__init__(cast(ServerMetrics, metrics))
+        super().__init__(metrics)  # RouterMetrics is a RefusalMetrics (server/openai/loop.py)
         self.replicas = replicas
 
     @property

@@ -16,7 +16,6 @@ import logging
 import socket
 import time
 from types import SimpleNamespace
-from typing import cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -36,7 +35,6 @@ from jaxserve.router.policy import POLICIES
 from jaxserve.router.replica import Replica, check_info
 from jaxserve.router.service import RouterService
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
-from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics_http import start_metrics_server
 from jaxserve.server.openai import HTTPServer, build_app
@@ -266,8 +264,7 @@ class RouterServer:
         self.http_server = HTTPServer(app, section.host, section.http_port, section.tls)
         self.http_server.start()
         description = SimpleNamespace(model_name=model_name, max_model_len=limits.max_prompt_tokens)
-        # RoutedLoop offers what the handlers use of an EngineLoop (http_api.py); no common type names it yet
-        loop = cast(EngineLoop, RoutedLoop(service, description, tokenizer))
+        loop = RoutedLoop(service, description, tokenizer)  # a GenerationLoop (server/openai/loop.py)
         # no chat template of its own: the tokenizer's renders, and tells "auto" the tool-call format
         self.http_context.attach(loop, limits, None, "", section.tool_call_parser)
         logger.info("OpenAI HTTP API on %s:%d", section.host, self.http_server.port)

@@ -209,7 +209,12 @@ class Engine:
         return list(self.requests)
 
     def has_unfinished_requests(self) -> bool:
-        return self._in_flight is not None or any(scheduler.has_unfinished for scheduler in self.schedulers)
+        return self.has_step_in_flight or any(scheduler.has_unfinished for scheduler in self.schedulers)
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        """Overlapped: a dispatched step whose results the next step() call processes."""
+        return self._in_flight is not None
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -103,7 +103,7 @@ def test_abort_while_a_step_is_in_flight_frees_everything():
     engine.add_request("b", list(range(5, 12)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine._in_flight  # a step is on the device
+    assert engine.has_step_in_flight
     engine.abort_request("a")
     outputs = {}
     for _ in range(50):

@@ -13,21 +13,20 @@ on the device (the scheduler's token slots). Outputs trail by one step and are o
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 
 from jaxserve.config import EngineConfig, EngineRole
-from jaxserve.device.page_copies import HostPage
 from jaxserve.device.runner import PendingResults, StepResult
 from jaxserve.device.step_inputs import StepShape, step_shape
 from jaxserve.disagg.roles import handovers_for
 from jaxserve.distributed.runtime import ProcessGroup
+from jaxserve.engine.admission import RequestChecks
 from jaxserve.engine.builder import EngineParts, build_engine
 from jaxserve.engine.constraints import RowConstraints
 from jaxserve.engine.device_clock import DeviceClock
+from jaxserve.engine.host_tier_copies import move_host_tier_pages
 from jaxserve.engine.stats import (
     EngineDescription,
     EngineLoad,
@@ -39,7 +38,6 @@ from jaxserve.engine.stats import (
 )
 from jaxserve.host.kv_events import KVEventLog
 from jaxserve.host.output_processor import OutputProcessor
-from jaxserve.host.page_allocator import num_pages_for
 from jaxserve.host.request import FinishReason, Request, RequestOutput, SamplingParams, SequenceState
 from jaxserve.host.scheduler import ScheduledChunk
 from jaxserve.loading.orbax_checkpoint import save_checkpoint
@@ -96,6 +94,7 @@ class Engine:
             parts.layout,
             self.runner,
         )
+        self.admission = RequestChecks(parts, self.constraints)
 
     @classmethod
     def from_model(cls, model_path: str, config: EngineConfig, process_group: ProcessGroup | None = None) -> Engine:
@@ -105,47 +104,10 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.parts.source.name!r} has no tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, np.ndarray):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, (int, np.integer)) for t in prompt):
-            raise ValueError("a prompt must be a string or a list of integer token ids")
-        vocab_size = self.model_config.vocab_size
-        bad = [int(t) for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-        return [int(t) for t in prompt]
+        return self.admission.tokenize(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
-                f"{total}, more than max_model_len ({self.max_model_len})"
-            )
-        max_pages = self.schedulers[0].allocator.num_usable_pages
-        if num_pages_for(total, self.config.cache.page_size) > max_pages:
-            raise ValueError(
-                f"a sequence of {total} tokens needs more KV pages than the cache has "
-                f"({max_pages}); raise num_pages or kv_cache_memory_gib"
-            )
-        if params.stop_token_ids and max(params.stop_token_ids) >= self.model_config.vocab_size:
-            raise ValueError(
-                f"stop_token_ids {max(params.stop_token_ids)} is outside the vocabulary "
-                f"[0, {self.model_config.vocab_size})"
-            )
-        if params.logprobs is not None and params.logprobs > self.config.scheduler.max_logprobs:
-            raise ValueError(
-                f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.config.scheduler.max_logprobs})"
-            )
-        self.constraints.validate(params)
+        self.admission.validate(prompt_token_ids, params)
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, session_id: str | None = None
@@ -327,24 +289,8 @@ class Engine:
         return outputs
 
     def move_host_tier_pages(self) -> None:
-        """Demoted pages are read before promotions, a step or a KV handover overwrite them; promotions
-        land before the step."""
-        layout = self.parts.layout
-        for rank, scheduler in enumerate(self.schedulers):
-            allocator = scheduler.allocator
-            if allocator.pending_demotions:
-                assert allocator.host_tier is not None  # only a host tier demotes pages
-                demoted, allocator.pending_demotions = allocator.pending_demotions, []
-                host_pages = self.runner.read_pages(layout.pool_pages(rank, [page for page, _, _ in demoted]))
-                for host_page, (_, key, contents) in zip(host_pages, demoted):
-                    allocator.host_tier.store(key, contents, host_page)
-            if allocator.pending_promotions:
-                promoted, allocator.pending_promotions = allocator.pending_promotions, []
-                started = time.perf_counter()
-                # The host tier keeps the HostPages read_pages returned as opaque data (host/ imports no JAX).
-                host_pages = cast(list[HostPage], [host_page for _, host_page in promoted])
-                self.runner.write_pages(layout.pool_pages(rank, [page for page, _ in promoted]), host_pages)
-                self.timings.observe_swap_in(time.perf_counter() - started, len(promoted))
+        """Host-tier copies the allocators asked for, before a step or a KV handover (engine/host_tier_copies.py)."""
+        move_host_tier_pages(self.schedulers, self.runner, self.parts.layout, self.timings)
 
     # -- checkpoints, experts, reporting ----------------------------------------------------------
 

@@ -1,0 +1,60 @@
+"""What a request must pass before it is queued: a prompt the model can read, limits the engine can hold,
+and sampling controls it can honour. Every check raises ValueError naming the problem; the server calls
+these on its handler threads (a grammar compiles there, not on the engine loop)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.engine.builder import EngineParts
+from jaxserve.engine.constraints import RowConstraints
+from jaxserve.host.page_allocator import num_pages_for
+from jaxserve.host.request import SamplingParams
+
+
+class RequestChecks:
+    def __init__(self, parts: EngineParts, constraints: RowConstraints):
+        self.parts = parts
+        self.tokenizer = parts.source.tokenizer
+        self.vocab_size = parts.source.config.vocab_size
+        self.constraints = constraints
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.parts.source.name!r} has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, (int, np.integer)) for t in prompt):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        bad = [int(t) for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return [int(t) for t in prompt]
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        config, max_model_len = self.parts.config, self.parts.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{total}, more than max_model_len ({max_model_len})"
+            )
+        max_pages = self.parts.schedulers[0].allocator.num_usable_pages
+        if num_pages_for(total, config.cache.page_size) > max_pages:
+            raise ValueError(
+                f"a sequence of {total} tokens needs more KV pages than the cache has "
+                f"({max_pages}); raise num_pages or kv_cache_memory_gib"
+            )
+        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
+            raise ValueError(
+                f"stop_token_ids {max(params.stop_token_ids)} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if params.logprobs is not None and params.logprobs > config.scheduler.max_logprobs:
+            raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({config.scheduler.max_logprobs})")
+        self.constraints.validate(params)

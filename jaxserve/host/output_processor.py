@@ -32,6 +32,10 @@ def append_token(
 ) -> FinishReason | None:
     """Record one sampled token; returns the finish reason or None to go on. Before min_tokens output
     tokens nothing stops the sequence but its length (as vLLM)."""
+    if _masked_out(seq, token_id):
+        if tokenizer is not None and isinstance(seq.detokenizer_state, DetokenizerState):
+            seq.text += flush_detokenizer(tokenizer, seq.token_ids, seq.detokenizer_state)
+        return FinishReason.GRAMMAR_DEAD_END
     seq.output_token_ids.append(token_id)
     if logprobs is not None:
         seq.output_logprobs.append(logprobs)
@@ -59,6 +63,17 @@ def append_token(
                 seq.text = seq.text[:index]  # the stop string never reaches the caller
                 return FinishReason.STOP
     return reason
+
+
+def _masked_out(seq: SequenceState, token_id: int) -> bool:
+    """The token's bit was clear in the grammar mask its step applied: every token was masked out or
+    banned (the grammar and allowed_token_ids or the bans shared none, or the grammar had nothing left),
+    so the sampler's pick is noise (the first id), which is dropped: the sequence ends at a dead end."""
+    mask = seq.next_token_mask
+    if seq.grammar is None or mask is None:  # None: sampled elsewhere (a handed-over request's first token)
+        return False
+    word, bit = divmod(token_id, 32)
+    return word >= len(mask) or not (int(mask[word]) >> bit) & 1
 
 
 def _advance_grammar(seq: SequenceState, token_id: int) -> FinishReason | None:

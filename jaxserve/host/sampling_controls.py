@@ -48,7 +48,8 @@ def sampling_controls(
     max_entries: int,
 ) -> SamplingControls | None:
     """None for a request without any of these controls. ValueError naming the problem for ids outside
-    the vocabulary, bad words without a tokenizer, or more bias entries than the step holds."""
+    the vocabulary, bad words without a tokenizer, allowed_token_ids that are all banned, or more bias
+    entries than the step holds."""
     for name, ids in (
         ("logit_bias", [t for t, _ in params.logit_bias or ()]),
         ("allowed_token_ids", params.allowed_token_ids or ()),
@@ -66,10 +67,17 @@ def sampling_controls(
         elif word_ids[0] < vocab_size and word_ids[0] not in banned:
             banned.add(word_ids[0])
             entries.append((word_ids[0], -np.inf, NO_LIMIT))
+    stops: set[int] = set()
     if params.min_tokens:
         stops = set(params.stop_token_id_set) | (set() if params.ignore_eos else set(eos_token_ids))
         entries += [(t, -np.inf, params.min_tokens) for t in sorted(stops) if t < vocab_size]
     allowed = params.allowed_token_ids
+    if allowed is not None and set(allowed) <= banned | stops:
+        # every logit would be -inf, and the sampler's pick (the first id) is no token the caller allowed
+        reasons = ["bad_words"] if banned & set(allowed) else []
+        if stops & set(allowed):
+            reasons.append(f"min_tokens (EOS and stop tokens, for the first {params.min_tokens} tokens)")
+        raise ValueError(f"allowed_token_ids leaves nothing to generate: {' and '.join(reasons)} ban all its tokens")
     if not entries and not multi_token_words and allowed is None:
         return None
     if len(entries) + len(multi_token_words) > max_entries:

@@ -43,6 +43,9 @@ class SamplerOutput:
     logprobs: HostOrDeviceArray  # [S] float32, log-probability of the sampled token under the model
     top_logprobs: HostOrDeviceArray  # [S, K] float32
     top_token_ids: HostOrDeviceArray  # [S, K] int32
+    # [S] bool: the processors left no token (every logit -inf: a grammar at a dead end, bans that cover
+    # allowed_token_ids); token_ids holds noise there
+    no_token_allowed: HostOrDeviceArray
 
 
 def first_argmax(values, block: int = 128):
@@ -113,4 +116,5 @@ def sample(logits, inputs: SamplingInputs, max_logprobs: int, model_logits=None)
     sampled_logprobs, top_logprobs, top_token_ids = jax.lax.cond(
         jnp.any(inputs.wants_logprobs), logprobs_of, no_logprobs, logits if model_logits is None else model_logits
     )
-    return SamplerOutput(token_ids, sampled_logprobs, top_logprobs, top_token_ids)
+    no_token_allowed = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] == -jnp.inf
+    return SamplerOutput(token_ids, sampled_logprobs, top_logprobs, top_token_ids, no_token_allowed)

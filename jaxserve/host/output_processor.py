@@ -29,13 +29,15 @@ def append_token(
     tokenizer: Tokenizer | None,
     eos_token_ids: frozenset[int],
     max_model_len: int,
+    no_token_allowed: bool = False,
 ) -> FinishReason | None:
     """Record one sampled token; returns the finish reason or None to go on. Before min_tokens output
-    tokens nothing stops the sequence but its length (as vLLM)."""
-    if _masked_out(seq, token_id):
+    tokens nothing stops the sequence but its length (as vLLM). no_token_allowed: the step's processors
+    left no token (the sampler's pick is noise): it is dropped and the sequence ends at a dead end."""
+    if no_token_allowed:
         if tokenizer is not None and isinstance(seq.detokenizer_state, DetokenizerState):
             seq.text += flush_detokenizer(tokenizer, seq.token_ids, seq.detokenizer_state)
-        return FinishReason.GRAMMAR_DEAD_END
+        return FinishReason.GRAMMAR_DEAD_END if seq.grammar is not None else FinishReason.NO_TOKEN_ALLOWED
     seq.output_token_ids.append(token_id)
     if logprobs is not None:
         seq.output_logprobs.append(logprobs)
@@ -63,17 +65,6 @@ def append_token(
                 seq.text = seq.text[:index]  # the stop string never reaches the caller
                 return FinishReason.STOP
     return reason
-
-
-def _masked_out(seq: SequenceState, token_id: int) -> bool:
-    """The token's bit was clear in the grammar mask its step applied: every token was masked out or
-    banned (the grammar and allowed_token_ids or the bans shared none, or the grammar had nothing left),
-    so the sampler's pick is noise (the first id), which is dropped: the sequence ends at a dead end."""
-    mask = seq.next_token_mask
-    if seq.grammar is None or mask is None:  # None: sampled elsewhere (a handed-over request's first token)
-        return False
-    word, bit = divmod(token_id, 32)
-    return word >= len(mask) or not (int(mask[word]) >> bit) & 1
 
 
 def _advance_grammar(seq: SequenceState, token_id: int) -> FinishReason | None:
@@ -122,7 +113,13 @@ class OutputProcessor:
             num_top = seq.params.logprobs
             logprobs = token_logprobs(row, sampled, num_top) if num_top is not None else None
             reason = append_token(
-                seq, int(sampled.token_ids[row]), logprobs, self.tokenizer, self.eos_token_ids, self.max_model_len
+                seq,
+                int(sampled.token_ids[row]),
+                logprobs,
+                self.tokenizer,
+                self.eos_token_ids,
+                self.max_model_len,
+                bool(sampled.no_token_allowed[row]),
             )
             self.num_generated_tokens += 1
             if reason is not None:

@@ -178,6 +178,8 @@ class FinishReason(enum.StrEnum):
     # guided decoding: no token can continue the grammar (e.g. it and allowed_token_ids share none);
     # the text so far is returned, and it does not complete the grammar
     GRAMMAR_DEAD_END = "grammar_dead_end"
+    # the sampling controls left no token to generate (bad words' bans covering allowed_token_ids)
+    NO_TOKEN_ALLOWED = "no_token_allowed"
 
 
 class RequestStatus(enum.Enum):

@@ -175,3 +175,14 @@ def test_allowed_token_ids_that_bans_leave_empty_are_refused(llm):
         [PROMPT], greedy(6, allowed_token_ids=[EOS, 300], min_tokens=2, ignore_eos=False, logit_bias={EOS: 50})
     )
     assert out[0].outputs[0].token_ids == [300, 300, EOS]
+
+
+def test_bans_that_cover_every_allowed_token_end_the_request_without_noise(llm):
+    # "t t" is two tokens: its second is banned only after its first, so the request is valid at admission,
+    # and after one 261 the only allowed token is banned: the step has no token left to give.
+    params = greedy(6, allowed_token_ids=[261], bad_words=["t t"])
+    first = llm.engine.tokenizer.encode("t t", add_special_tokens=False)
+    assert len(first) == 2 and first[0] == 261 and first[1] == 261
+    out = llm.generate([PROMPT], params)[0].outputs[0]
+    assert out.token_ids == [261] and out.finish_reason == "no_token_allowed"
+    assert_idle(llm)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from jaxserve.client import Connection
+from jaxserve.server.auth import read_credential
 
 PLAIN = Connection()  # replicas that require neither TLS nor a key
 
@@ -36,19 +37,11 @@ class ReplicaTLS:
         return cls(**{name: str(path) for name, path in value.items()})
 
 
-def _read(path: str, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as error:
-        raise ValueError(f"cannot read {what} {path}: {error}") from None
-
-
 def replica_connection(tls: ReplicaTLS | None, api_key_file: str | None) -> Connection:
     """The files read once, at start-up; ValueError naming the option when one cannot be read."""
     api_key = None
     if api_key_file is not None:
-        lines = [line.strip() for line in _read(api_key_file, "router.replica_api_key").decode().splitlines()]
+        lines = [line.strip() for line in read_credential(api_key_file, "router.replica_api_key").decode().splitlines()]
         keys = [line for line in lines if line and not line.startswith("#")]
         if not keys:
             raise ValueError(f"router.replica_api_key {api_key_file} holds no key")
@@ -57,9 +50,9 @@ def replica_connection(tls: ReplicaTLS | None, api_key_file: str | None) -> Conn
         return Connection(api_key=api_key)
     return Connection(
         api_key=api_key,
-        root_certificates=_read(tls.ca, "router.replica_tls.ca"),
-        private_key=_read(tls.key, "router.replica_tls.key") if tls.key else None,
-        certificate_chain=_read(tls.cert, "router.replica_tls.cert") if tls.cert else None,
+        root_certificates=read_credential(tls.ca, "router.replica_tls.ca"),
+        private_key=read_credential(tls.key, "router.replica_tls.key") if tls.key else None,
+        certificate_chain=read_credential(tls.cert, "router.replica_tls.cert") if tls.cert else None,
     )
 
 

@@ -81,7 +81,8 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
         return self._refusal
 
 
-def _read(path: str, what: str) -> bytes:
+def read_credential(path: str, what: str) -> bytes:
+    """A key, certificate or key file's bytes; ValueError naming the option (`what`) when unreadable."""
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -91,8 +92,8 @@ def _read(path: str, what: str) -> bytes:
 
 def grpc_server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
     """The server's certificate; with a client CA, clients must present a certificate it signed."""
-    key, cert = _read(tls.key, "server.tls.key"), _read(tls.cert, "server.tls.cert")
-    client_ca = _read(tls.client_ca, "server.tls.client_ca") if tls.client_ca else None
+    key, cert = read_credential(tls.key, "server.tls.key"), read_credential(tls.cert, "server.tls.cert")
+    client_ca = read_credential(tls.client_ca, "server.tls.client_ca") if tls.client_ca else None
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )

@@ -34,6 +34,8 @@ class Completion:
     # a chat with tools: the calls parsed from the reply, as OpenAI's tool_calls, and the text outside them
     tool_calls: list[dict] = field(default_factory=list)
     content: str = ""
+    # prompt_logprobs asked: {token_id: logprob} for each prompt token after the first (its own and the top)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.token_ids += response.token_ids
@@ -42,6 +44,10 @@ class Completion:
         self.num_prompt_tokens = response.num_prompt_tokens
         self.num_cached_tokens = response.num_cached_tokens
         self.request_id = response.request_id or self.request_id
+        self.prompt_logprobs += [
+            {**{top.token_id: top.logprob for top in entry.top}, entry.token_id: entry.logprob}
+            for entry in response.prompt_logprobs
+        ]
         if response.tool_calls:
             self.content = response.content
             self.tool_calls += [

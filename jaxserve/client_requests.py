@@ -33,6 +33,8 @@ def build_sampling(
     guided_regex: str | None = None,
     guided_choice: list[str] | None = None,
     guided_grammar: str | None = None,
+    prompt_logprobs: int | None = None,
+    prompt_only: bool = False,
 ) -> pb.SamplingParams:
     """The proto's SamplingParams; at most one guided_* constrains the output (the server refuses two)."""
     sampling = pb.SamplingParams(
@@ -50,7 +52,10 @@ def build_sampling(
         min_tokens=min_tokens,
         bad_words=bad_words or [],
         allowed_token_ids=allowed_token_ids or [],
+        prompt_only=prompt_only,
     )
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = prompt_logprobs
     for name, value in (("temperature", temperature), ("top_p", top_p), ("repetition_penalty", repetition_penalty)):
         if value is not None:
             setattr(sampling, name, value)

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import Buckets
 from jaxserve.device import page_copies
+from jaxserve.device.prompt_logprobs import PromptLogprobs
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.sampler import SamplerOutput
 from jaxserve.device.sampling_inputs import SamplingWidths
@@ -60,10 +61,16 @@ class PendingStep:
 
     sampled: SamplerOutput
     expert_counts: jax.Array
+    prompt_logprobs: PromptLogprobs  # [T] / [T, K], per token slot; zeros unless some row asked
 
     def fetch(self) -> StepResult:
         sampled, counts = jax.device_get((self.sampled, self.expert_counts))
         return StepResult(SamplerOutput(*(np.asarray(x) for x in vars(sampled).values())), np.asarray(counts))
+
+    def fetch_prompt_logprobs(self) -> PromptLogprobs:
+        """Only for a step whose rows asked (the engine knows which): a plain step never moves them."""
+        fetched = jax.device_get(self.prompt_logprobs)
+        return PromptLogprobs(*(np.asarray(x) for x in vars(fetched).values()))
 
 
 class PendingResults(Protocol):
@@ -73,6 +80,7 @@ class PendingResults(Protocol):
     @property
     def sampled(self) -> SamplerOutput: ...
     def fetch(self) -> StepResult: ...
+    def fetch_prompt_logprobs(self) -> PromptLogprobs: ...
 
 
 class StepRunner(Protocol):
@@ -141,7 +149,13 @@ class ModelRunner:
         out_shardings = (
             None
             if mesh is None
-            else (self.input_sharding, replicated, jax.tree.map(lambda x: x.sharding, kv_pages), replicated)
+            else (
+                self.input_sharding,
+                self.input_sharding,
+                replicated,
+                jax.tree.map(lambda x: x.sharding, kv_pages),
+                replicated,
+            )
         )
         self._jitted = jax.jit(
             functools.partial(
@@ -225,10 +239,10 @@ class ModelRunner:
                 self.num_compiles_after_warmup += 1
         if self.input_sharding is not None:
             inputs = jax.device_put(inputs, self.input_sharding)
-        sampled, expert_counts, self.kv_pages, self.buffers = executable(
+        sampled, prompt_logprobs, expert_counts, self.kv_pages, self.buffers = executable(
             self.param_leaves, self.kv_pages, self.buffers, inputs
         )
-        return PendingStep(sampled, expert_counts)
+        return PendingStep(sampled, expert_counts, prompt_logprobs)
 
     def read_pages(self, pages: list[int]) -> list[page_copies.HostPage]:
         return page_copies.read_pages(self.kv_pages, pages, self.host_device)

@@ -1,5 +1,5 @@
 """The pure step function the runner compiles: (params, KV pages, sequence buffers, inputs) -> (sampled
-tokens, routing counts, updated pages, updated sequence buffers)."""
+tokens, prompt logprobs, routing counts, updated pages, updated sequence buffers)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.device.logits_processors import process_logits
+from jaxserve.device.prompt_logprobs import score_prompt_tokens
 from jaxserve.device.sampler import sample
 from jaxserve.device.sequence_buffers import SequenceBuffers, gather_entries
 from jaxserve.device.step_inputs import StepInputs
@@ -39,7 +40,8 @@ def step(
     counts = expert_token_counts(jax.tree.leaves(intermediates), inputs, num_experts)
     processed = process_logits(logits, inputs.sampling, lambda: gather_entries(buffers, inputs.sampled_entries))
     sampled = sample(processed, inputs.sampling, max_logprobs, model_logits=logits)
-    return sampled, counts, kv_pages, buffers.record(inputs.sampled_entries, sampled.token_ids)
+    prompt_logprobs = score_prompt_tokens(model.compute_logits, hidden, inputs.prompt_logprob_targets, max_logprobs)
+    return sampled, prompt_logprobs, counts, kv_pages, buffers.record(inputs.sampled_entries, sampled.token_ids)
 
 
 def expert_token_counts(routed: list, inputs: StepInputs, num_experts: int):

@@ -35,6 +35,9 @@ class StepInputs:
     sampling: SamplingInputs
     token_sources: HostOrDeviceArray  # [T] int32: token buffer entry to read the token from, or -1 (token_ids has it)
     sampled_entries: HostOrDeviceArray  # [S] int32: token buffer entry each row's sampled token goes to
+    # [T] int32: the prompt token that follows this position, whose logprob the step returns
+    # (device/prompt_logprobs.py), or -1
+    prompt_logprob_targets: HostOrDeviceArray
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ def build_step_inputs(
     token_seq_ids = np.zeros(num_tokens, np.int32)
     page_table = np.full((num_seqs, shape.pages_per_seq), RESERVED_PAGE, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
+    prompt_logprob_targets = np.full(num_tokens, -1, np.int32)
 
     cursor = 0
     for row, chunk in enumerate(chunks):
@@ -88,6 +92,11 @@ def build_step_inputs(
         token_seq_ids[cursor : cursor + padded] = row
         page_table[row, : len(pages)] = pages
         logits_indices[row] = cursor + n - 1
+        scored = chunk.scored_positions  # position p's target: prompt token p + 1
+        if scored:
+            first = cursor + scored.start - chunk.start
+            targets = seq.prompt_token_ids[scored.start + 1 : scored.stop + 1]
+            prompt_logprob_targets[first : first + len(scored)] = targets
         cursor += padded
     if cursor > num_tokens or len(chunks) > num_seqs:
         raise AssertionError(f"{len(chunks)} chunks of {cursor} tokens do not fit the bucket {shape}")
@@ -106,7 +115,17 @@ def build_step_inputs(
         sampling=build_sampling_inputs(chunks, num_seqs, widths),
         token_sources=token_sources,
         sampled_entries=sampled_entries,
+        prompt_logprob_targets=prompt_logprob_targets,
     )
+
+
+def chunk_token_slots(chunks: list[ScheduledChunk], block: int) -> list[int]:
+    """The token slot each chunk starts at within its rank's part of a step, as build_step_inputs lays them."""
+    slots, cursor = [], 0
+    for chunk in chunks:
+        slots.append(cursor)
+        cursor += padded_to_blocks(chunk.num_tokens, block)
+    return slots
 
 
 def build_ranked_inputs(

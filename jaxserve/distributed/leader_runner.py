@@ -259,6 +259,10 @@ class _WatchedFetch:
         with _Guard(self.leader, f"fetching step {self.step}", lock=False):
             return self.pending.fetch()
 
+    def fetch_prompt_logprobs(self):
+        with _Guard(self.leader, f"fetching step {self.step}'s prompt logprobs", lock=False):
+            return self.pending.fetch_prompt_logprobs()
+
 
 def wrap_runner(runner, mesh, schedulers, group: ProcessGroup | None) -> StepRunner:
     """Process 0 of several: a LeaderRunner; otherwise the runner itself."""

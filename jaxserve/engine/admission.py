@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxserve.config import EngineRole
 from jaxserve.engine.builder import EngineParts
 from jaxserve.engine.constraints import RowConstraints
 from jaxserve.host.page_allocator import num_pages_for
@@ -55,6 +56,11 @@ class RequestChecks:
             raise ValueError(
                 f"stop_token_ids {max(params.stop_token_ids)} is outside the vocabulary [0, {self.vocab_size})"
             )
-        if params.logprobs is not None and params.logprobs > config.scheduler.max_logprobs:
-            raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({config.scheduler.max_logprobs})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > config.scheduler.max_logprobs:
+                raise ValueError(f"{name} ({value}) exceeds max_logprobs ({config.scheduler.max_logprobs})")
+        if params.prompt_logprobs is not None and config.disagg.role == EngineRole.PREFILL:
+            # its prompt logprobs would stay here while the request goes on on a decode replica
+            raise ValueError("prompt_logprobs is not supported on a prefill replica (engine.role prefill)")
         self.constraints.validate(params)

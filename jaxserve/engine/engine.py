@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, EngineRole
 from jaxserve.device.runner import PendingResults, StepResult
-from jaxserve.device.step_inputs import StepShape, step_shape
+from jaxserve.device.step_inputs import StepShape, chunk_token_slots, step_shape
 from jaxserve.disagg.roles import handovers_for
 from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine.admission import RequestChecks
@@ -51,6 +51,7 @@ class DispatchedExecutable:
     per_rank_chunks: list[list[ScheduledChunk]]  # what each data-parallel rank runs in it
     shape: StepShape
     pending: PendingResults
+    scores_prompt: bool = False  # some chunk gathers prompt logprobs: fetch them too
 
 
 @dataclass
@@ -136,6 +137,8 @@ class Engine:
         self.requests[request_id] = Request(
             request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, seqs
         )
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_logprobs = []  # one sequence scores the prompt for all n
         controls, grammar = self.constraints.prepare(params)
         for seq in seqs:
             self.constraints.attach(seq, controls, grammar)
@@ -268,13 +271,21 @@ class Engine:
         for scheduler, chunks in zip(self.schedulers, per_rank_chunks):
             scheduler.mark_dispatched(chunks)
         self.device_clock.dispatched(pending.sampled.token_ids, continues_busy_period)
-        return DispatchedExecutable(per_rank_chunks, shape, pending)
+        scores_prompt = any(chunk.scored_positions for chunks in per_rank_chunks for chunk in chunks)
+        return DispatchedExecutable(per_rank_chunks, shape, pending, scores_prompt)
 
     def _postprocess(self, executable: DispatchedExecutable, result: StepResult) -> set[str]:
-        progressed = set()
+        progressed, shape, layout = set(), executable.shape, self.parts.layout
+        scored = executable.pending.fetch_prompt_logprobs() if executable.scores_prompt else None
         for rank, chunks in enumerate(executable.per_rank_chunks):
-            first_row = self.parts.layout.rows(rank, executable.shape.num_seqs).start
-            progressed |= self.outputs.process(chunks, self.schedulers[rank], result.sampled, first_row)
+            first_row = layout.rows(rank, shape.num_seqs).start
+            prompt_logprobs = None
+            if scored is not None:
+                first_token = layout.first_token(rank, shape.num_tokens)
+                prompt_logprobs = (scored, [first_token + s for s in chunk_token_slots(chunks, shape.query_block)])
+            progressed |= self.outputs.process(
+                chunks, self.schedulers[rank], result.sampled, first_row, prompt_logprobs
+            )
         if self.experts is not None:
             self.experts.observe(result.expert_counts)
         return progressed
@@ -283,6 +294,8 @@ class Engine:
         outputs = []
         for request_id in progressed:
             request = self.requests[request_id]
+            if not request.finished and request.seqs[0].num_unscored_prompt_tokens:
+                continue  # another of its n sequences ran ahead (from cached pages): its output waits for the scores
             outputs.append(request.output())
             if request.finished:
                 del self.requests[request_id]

@@ -22,6 +22,25 @@ def token_logprobs(row: int, sampled, num_top: int) -> dict[int, float]:
     return logprobs
 
 
+def record_prompt_logprobs(seq: SequenceState, chunk, first_slot: int, scored) -> None:
+    """Gather the prompt logprobs a chunk's positions computed (scored: the step's numpy PromptLogprobs; the
+    chunk's tokens start at token slot first_slot). Positions already gathered (before a preemption) are
+    skipped, so the list grows in prompt order."""
+    gathered = seq.prompt_logprobs
+    if gathered is None:
+        return
+    num_top = seq.params.prompt_logprobs or 0
+    for position in chunk.scored_positions:
+        if position != len(gathered):
+            continue
+        slot = first_slot + position - chunk.start
+        logprobs = {
+            int(t): float(v) for t, v in zip(scored.top_token_ids[slot, :num_top], scored.top_logprobs[slot, :num_top])
+        }
+        logprobs[seq.prompt_token_ids[position + 1]] = float(scored.token_logprobs[slot])
+        gathered.append(logprobs)
+
+
 def append_token(
     seq: SequenceState,
     token_id: int,
@@ -91,16 +110,20 @@ class OutputProcessor:
     def stats(self) -> dict:
         return {"num_prompt_tokens": self.num_prompt_tokens, "num_generated_tokens": self.num_generated_tokens}
 
-    def process(self, chunks, scheduler, sampled, first_row: int) -> set[str]:
+    def process(self, chunks, scheduler, sampled, first_row: int, prompt_logprobs=None) -> set[str]:
         """chunks ran on scheduler's rank; their sampled rows (numpy SamplerOutput fields) start at
-        first_row. Returns the ids of the requests that produced a token."""
+        first_row. prompt_logprobs: (numpy PromptLogprobs, each chunk's first token slot) when some chunk
+        scored prompt tokens. Returns the ids of the requests that produced a token or finished."""
         progressed = set()
-        for row, chunk in enumerate(chunks, start=first_row):
-            seq = chunk.seq
+        for index, chunk in enumerate(chunks):
+            row, seq = first_row + index, chunk.seq
             scheduler.mark_processed(chunk)
             if seq.is_finished:
                 continue  # aborted (or finished) while its step ran: its KV and token go nowhere
             seq.num_computed_tokens = chunk.end
+            if prompt_logprobs is not None and chunk.scored_positions:
+                scored, first_slots = prompt_logprobs
+                record_prompt_logprobs(seq, chunk, first_slots[index], scored)
             scheduler.cache_full_pages(seq)
             if seq.flushing:  # finished for its caller; the token this chunk sampled is dropped
                 if not seq.num_inflight_tokens:
@@ -108,6 +131,10 @@ class OutputProcessor:
                 continue
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 self.num_prompt_tokens += chunk.num_tokens
+            if seq.params.max_tokens == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                scheduler.finish(seq, FinishReason.LENGTH)  # scored, nothing to generate: its KV is all computed
+                progressed.add(seq.request_id)
+                continue
             if not chunk.samples_next_token or seq.status is not RequestStatus.RUNNING:
                 continue
             num_top = seq.params.logprobs

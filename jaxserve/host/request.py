@@ -60,6 +60,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (the sampled one is always added)
+    # vLLM's: the log-probability of every prompt token after the first (and this many top alternatives),
+    # computed in the prompt's prefill; such a request's own prefill reuses no cached pages (see README)
+    prompt_logprobs: int | None = None
     # OpenAI's: subtracted from the logit of every token already in the output, once (presence) or per
     # occurrence (frequency); transformers': logits of prompt and output tokens divided (if > 0) or
     # multiplied by it.
@@ -84,8 +87,9 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        # 0: nothing generated, the request ends after its prefill (scoring a prompt with prompt_logprobs)
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -100,8 +104,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {min(stop_token_ids)}")
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         self._check_controls()
 
     def _check_controls(self) -> None:
@@ -206,6 +212,9 @@ class SequenceState:
     rank: int = 0  # the data-parallel rank whose devices and pages hold this sequence
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # The request's prompt logprobs, gathered as its prefill chunks run: entry i is prompt token i + 1's
+    # {token_id: logprob}. None unless this sequence scores the prompt (the first of a request that asks).
+    prompt_logprobs: list[dict[int, float]] | None = None
     page_ids: list[int] = field(default_factory=list)
     page_keys: list[int] = field(default_factory=list)  # prefix-cache keys of the full pages, in order
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -261,6 +270,13 @@ class SequenceState:
         return len(self.prompt_token_ids)
 
     @property
+    def num_unscored_prompt_tokens(self) -> int:
+        """Prompt tokens (after the first) whose logprobs this sequence still has to gather."""
+        if self.prompt_logprobs is None:
+            return 0
+        return max(self.num_prompt_tokens - 1 - len(self.prompt_logprobs), 0)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -285,6 +301,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs, as vLLM: None for the first prompt token, then one
+    # {token_id: logprob} per prompt token (itself and the top prompt_logprobs alternatives)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -315,10 +334,12 @@ class Request:
             )
             for i, seq in enumerate(self.seqs)
         ]
+        scored = self.seqs[0].prompt_logprobs
         return RequestOutput(
             self.request_id,
             self.prompt,
             list(self.prompt_token_ids),
             outputs,
             num_cached_tokens=self.seqs[0].num_cached_tokens,
+            prompt_logprobs=None if scored is None else [None, *scored],
         )

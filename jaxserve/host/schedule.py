@@ -29,12 +29,22 @@ class ScheduledChunk:
     seq: SequenceState
     start: int  # position of the first token whose KV this step computes
     num_tokens: int
-    # Only the chunk that reaches the newest token yields logits worth sampling; fixed when planned,
-    # because the sequence grows before an overlapped step's results are processed.
+    # Only the chunk that reaches the newest token yields logits worth sampling (none with max_tokens 0:
+    # the request ends after its prefill); fixed when planned, because the sequence grows before an
+    # overlapped step's results are processed.
     samples_next_token: bool = field(init=False)
 
     def __post_init__(self):
-        self.samples_next_token = self.end == self.seq.num_planned_tokens
+        self.samples_next_token = self.end == self.seq.num_planned_tokens and self.seq.params.max_tokens > 0
+
+    @property
+    def scored_positions(self) -> range:
+        """Positions whose logits score the next prompt token (prompt logprobs): those of this chunk
+        before the prompt's last, for a sequence gathering them. Position p scores token p + 1, so a
+        chunk's first token was scored by the previous chunk's last position."""
+        if self.seq.prompt_logprobs is None:
+            return range(0)
+        return range(self.start, min(self.end, self.seq.num_prompt_tokens - 1))
 
     @property
     def end(self) -> int:

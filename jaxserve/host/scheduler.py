@@ -284,7 +284,10 @@ class Scheduler:
     def _admit(self, seq: SequenceState, budget: int) -> ScheduledChunk | None:
         """Reuse the sequence's cached prefix and give it its first chunk, if it fits."""
         # at least the newest token is computed here: its logits sample the next one
-        found = self._admissible(seq.token_ids, seq.num_tokens - 1, seq.num_prompt_tokens + seq.params.max_tokens)
+        num_cacheable = seq.num_tokens - 1
+        if seq.num_unscored_prompt_tokens:  # cached positions would go unscored: only the scored ones may be
+            num_cacheable = min(num_cacheable, len(seq.prompt_logprobs or ()))
+        found = self._admissible(seq.token_ids, num_cacheable, seq.num_prompt_tokens + seq.params.max_tokens)
         if found is None:
             return None
         num_cached = found.num_pages * self.allocator.page_size

@@ -30,6 +30,8 @@ class SamplingParams(_message.Message):
         "bad_words",
         "allowed_token_ids",
         "guided_decoding",
+        "prompt_logprobs",
+        "prompt_only",
     )
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -58,6 +60,8 @@ class SamplingParams(_message.Message):
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GUIDED_DECODING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ONLY_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -77,6 +81,8 @@ class SamplingParams(_message.Message):
     bad_words: _containers.RepeatedScalarFieldContainer[str]
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     guided_decoding: GuidedDecoding
+    prompt_logprobs: int
+    prompt_only: bool
     def __init__(
         self,
         max_tokens: int | None = ...,
@@ -98,6 +104,8 @@ class SamplingParams(_message.Message):
         bad_words: _Iterable[str] | None = ...,
         allowed_token_ids: _Iterable[int] | None = ...,
         guided_decoding: GuidedDecoding | _Mapping | None = ...,
+        prompt_logprobs: int | None = ...,
+        prompt_only: bool | None = ...,
     ) -> None: ...
 
 class GuidedDecoding(_message.Message):
@@ -135,9 +143,7 @@ class ToolCall(_message.Message):
     id: str
     name: str
     arguments: str
-    def __init__(
-        self, id: str | None = ..., name: str | None = ..., arguments: str | None = ...
-    ) -> None: ...
+    def __init__(self, id: str | None = ..., name: str | None = ..., arguments: str | None = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "sampling", "session_id")
@@ -195,6 +201,7 @@ class GenerateResponse(_message.Message):
         "index",
         "tool_calls",
         "content",
+        "prompt_logprobs",
     )
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +213,7 @@ class GenerateResponse(_message.Message):
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
@@ -216,6 +224,7 @@ class GenerateResponse(_message.Message):
     index: int
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     content: str
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     def __init__(
         self,
         token_ids: _Iterable[int] | None = ...,
@@ -228,6 +237,7 @@ class GenerateResponse(_message.Message):
         index: int | None = ...,
         tool_calls: _Iterable[ToolCall | _Mapping] | None = ...,
         content: str | None = ...,
+        prompt_logprobs: _Iterable[TokenLogprobs | _Mapping] | None = ...,
     ) -> None: ...
 
 class ChatMessage(_message.Message):

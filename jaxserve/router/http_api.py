@@ -116,7 +116,7 @@ def delta_from_response(response: pb.GenerateResponse) -> Delta:
         if response.logprobs
         else None
     )
-    return Delta(
+    delta = Delta(
         list(response.token_ids),
         response.text,
         logprobs,
@@ -125,6 +125,12 @@ def delta_from_response(response: pb.GenerateResponse) -> Delta:
         response.num_cached_tokens,
         response.index,
     )
+    if response.prompt_logprobs:  # prompt tokens 2..N (the first has none); the HTTP handlers know the ids
+        delta.prompt_logprobs = [None] + [
+            {**{top.token_id: top.logprob for top in entry.top}, entry.token_id: entry.logprob}
+            for entry in response.prompt_logprobs
+        ]
+    return delta
 
 
 class RoutedLoop:

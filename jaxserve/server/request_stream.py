@@ -32,6 +32,10 @@ class Delta:
     num_prompt_tokens: int
     num_cached_tokens: int
     index: int = 0  # which of the request's n completions this continues
+    # With SamplingParams.prompt_logprobs, on one delta of each completion (its first once the prompt is
+    # scored): the prompt's token ids and RequestOutput.prompt_logprobs (None first)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def merged(self, later: Delta) -> Delta:
         logprobs = (
@@ -45,6 +49,8 @@ class Delta:
             later.num_prompt_tokens or self.num_prompt_tokens,
             later.num_cached_tokens or self.num_cached_tokens,
             self.index,
+            self.prompt_token_ids or later.prompt_token_ids,
+            self.prompt_logprobs or later.prompt_logprobs,
         )
 
 
@@ -59,6 +65,7 @@ class RequestStream:
         self.num_sent_tokens = [0] * params.n  # per completion
         self.num_sent_chars = [0] * params.n
         self._made_final: set[int] = set()  # completions whose last delta delta_from has made
+        self._prompt_scored: set[int] = set()  # completions whose delta has carried the prompt logprobs
         self._unfinished = set(range(params.n))  # completions whose last delta has not been put
         # text held back while it could still turn out to start a stop string
         self.holdback_chars = max((len(stop) for stop in params.stop or ()), default=1) - 1
@@ -92,6 +99,10 @@ class RequestStream:
             num_cached_tokens=output.num_cached_tokens,
             index=index,
         )
+        scored = output.prompt_logprobs
+        if scored is not None and len(scored) == len(output.prompt_token_ids) and index not in self._prompt_scored:
+            self._prompt_scored.add(index)
+            delta.prompt_token_ids, delta.prompt_logprobs = list(output.prompt_token_ids), scored
         self.num_sent_tokens[index] = len(completion.token_ids)
         self.num_sent_chars[index] = visible
         if finished:

@@ -64,7 +64,7 @@ def sampling_params_from_proto(
         raise ValueError("tool_choice 'required' or a function constrains the output already: no guided_decoding too")
     return SamplingParams(
         n=sampling.n or 1,
-        max_tokens=sampling.max_tokens or DEFAULT_MAX_TOKENS,
+        max_tokens=0 if sampling.prompt_only else (sampling.max_tokens or DEFAULT_MAX_TOKENS),
         temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
         top_k=sampling.top_k,
         top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
@@ -82,6 +82,7 @@ def sampling_params_from_proto(
         bad_words=list(sampling.bad_words) or None,
         allowed_token_ids=list(sampling.allowed_token_ids) or None,
         guided_decoding=guided or tool_guide,
+        prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
     )
 
 
@@ -116,7 +117,10 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         bad_words=list(params.bad_words or ()),
         allowed_token_ids=list(params.allowed_token_ids or ()),
         guided_decoding=guided_decoding_to_proto(params.guided_decoding),
+        prompt_only=params.max_tokens == 0,
     )
     if params.seed is not None:
         sampling.seed = params.seed
+    if params.prompt_logprobs is not None:
+        sampling.prompt_logprobs = params.prompt_logprobs
     return sampling

@@ -38,16 +38,20 @@ def checked_request(limits: RequestLimits, request: pb.GenerateRequest) -> tuple
     return prompt, sampling_params_from_proto(request.sampling)
 
 
+def token_logprobs_message(token_id: int, top: dict[int, float]) -> pb.TokenLogprobs:
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])
+    return pb.TokenLogprobs(
+        token_id=token_id, logprob=top[token_id], top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in ranked]
+    )
+
+
 def response_from_delta(delta: Delta, request_id: str) -> pb.GenerateResponse:
-    logprobs = []
-    for token_id, top in zip(delta.token_ids, delta.logprobs or []):
-        logprobs.append(
-            pb.TokenLogprobs(
-                token_id=token_id,
-                logprob=top[token_id],
-                top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in sorted(top.items(), key=lambda kv: -kv[1])],
-            )
-        )
+    logprobs = [token_logprobs_message(t, top) for t, top in zip(delta.token_ids, delta.logprobs or [])]
+    prompt_logprobs = [
+        token_logprobs_message(t, top)
+        for t, top in zip(delta.prompt_token_ids or (), delta.prompt_logprobs or ())
+        if top is not None  # the first prompt token's
+    ]
     return pb.GenerateResponse(
         token_ids=delta.token_ids,
         text=delta.text,
@@ -57,6 +61,7 @@ def response_from_delta(delta: Delta, request_id: str) -> pb.GenerateResponse:
         logprobs=logprobs,
         request_id=request_id,
         index=delta.index,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -147,7 +147,7 @@ def test_bad_requests_raise_and_engine_keeps_serving(llama_llm, prompt, params, 
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
         (dict(temperature=-0.5), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),

@@ -89,7 +89,7 @@ def test_503_until_warm_up_ends(warming):
         ("/v1/completions", {**SMALL, "n": 3}, "engine.max_num_seqs"),
         ("/v1/completions", {**SMALL, "stop": ["x"] * 65}, "server.max_stop_strings"),
         ("/v1/completions", {**SMALL, "presence_penalty": 3}, "presence_penalty must be in [-2, 2]"),
-        ("/v1/completions", {**SMALL, "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {**SMALL, "max_tokens": -1}, "max_tokens"),
         ("/v1/completions", {**SMALL, "logprobs": 50}, "max_logprobs"),
         ("/v1/completions", {"model": "llama_gqa", "max_tokens": 2}, "prompt"),
         ("/v1/completions", {**SMALL, "prompt": ["fine", ""]}, "a prompt is empty"),

@@ -1,5 +1,5 @@
 """The ASGI app: the OpenAI routes (completions.py, chat.py) and vLLM's side routes (/v1/models,
-/tokenize, /detokenize, /health, /metrics), behind the guard (API keys, body size) and, when
+/tokenize, /detokenize, /tokenizer_info, /health, /metrics), behind the guard (API keys, body size) and, when
 server.cors_allowed_origins names any, CORS."""
 
 from __future__ import annotations
@@ -78,6 +78,22 @@ def build_app(
         context.ready_loop()
         context.check_model(body.model)
         return {"prompt": await context.run(detokenized, context, body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: the tokenizer's special tokens and chat template, what lm-evaluation-harness's remote
+        tokenizer reads (with /tokenize and /detokenize) instead of downloading the model's tokenizer."""
+        loop = context.ready_loop()
+        tokenizer = context.tokenizer
+        special = {
+            name: tokenizer.special_tokens.get(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            **special,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": loop.description.max_model_len,
+        }
 
     guard = Guard(app, api_keys, max_message_bytes, context.on_refusal)
     if not cors_allowed_origins:

@@ -65,6 +65,8 @@ def checked_chat(
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # as vLLM: whatever room the context leaves
         max_tokens = max(limits.max_prompt_tokens - len(token_ids), 0)
+    if max_tokens < 1:  # only completions score a prompt without generating (echo with max_tokens 0)
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     tools_text = json.dumps(plan.tools) if plan.tools else ""
     return [token_ids], body.sampling_params(limits, max_tokens, logprobs, plan.guided_decoding, tools_text), plan
 

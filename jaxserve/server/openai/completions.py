@@ -1,9 +1,14 @@
 """POST /v1/completions: one or more prompts (strings or token ids), n choices each, streamed as
-server-sent events or answered whole. Choice i * n + j is prompt i's completion j, as in vLLM."""
+server-sent events or answered whole. Choice i * n + j is prompt i's completion j, as in vLLM.
+
+echo with logprobs scores the prompt too (SamplingParams.prompt_logprobs): each choice's logprobs start
+with the prompt's tokens, the first one's null; with max_tokens 0 nothing is generated (OpenAI's way of
+scoring a text, which lm-evaluation-harness's loglikelihood requests use)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -11,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from jaxserve.host.request import SamplingParams
 from jaxserve.server import limits as request_limits
 from jaxserve.server.openai.context import ServingContext, request_size
-from jaxserve.server.openai.errors import error_body
+from jaxserve.server.openai.errors import APIError, error_body
 from jaxserve.server.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from jaxserve.server.openai.responses import (
     DONE,
@@ -30,16 +35,25 @@ from jaxserve.server.openai.streams import StreamGroup, until_disconnected
 router = APIRouter()
 
 
+@dataclass
+class Echo:
+    """What each prompt's choices start with, under echo: its text and (with logprobs) its token ids."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+
+
 def checked_completion(
     context: ServingContext, body: CompletionRequest, request_id: str
-) -> tuple[list, SamplingParams, list[str]]:
-    """The prompts, sampling params and (with echo) prompt texts, within the server's limits; ValueError."""
+) -> tuple[list, SamplingParams, Echo]:
+    """The prompts, sampling params and (with echo) what the choices echo, within the server's limits;
+    ValueError."""
     limits = context.limits
     body.check(limits, request_id)
     if body.suffix:
         raise ValueError("suffix is not supported by this server")
-    if body.echo and body.logprobs is not None:
-        raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
+    if body.max_tokens is not None and body.max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {body.max_tokens}")
     prompts = body.prompts()
     if len(prompts) > context.ready_loop().max_in_flight:
         raise ValueError(f"{len(prompts)} prompts in one request, more than the server runs at once")
@@ -51,9 +65,16 @@ def checked_completion(
         else:
             request_limits.check_prompt(limits, "", prompt)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = body.sampling_params(limits, max_tokens, body.logprobs)
-    echo_texts = [p if isinstance(p, str) else context.tokenizer.decode(p) for p in prompts] if body.echo else []
-    return prompts, params, echo_texts
+    scores_prompt = body.echo and body.logprobs is not None
+    params = body.sampling_params(
+        limits, max_tokens, body.logprobs, prompt_logprobs=body.logprobs if scores_prompt else None
+    )
+    echo = Echo([], [])
+    if body.echo:
+        echo.texts = [p if isinstance(p, str) else context.tokenizer.decode(p) for p in prompts]
+    if scores_prompt:  # the engine's tokenizing, for the prompt's tokens in the logprobs
+        echo.token_ids = [context.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    return prompts, params, echo
 
 
 @router.post("/v1/completions")
@@ -62,10 +83,10 @@ async def create_completion(body: CompletionRequest, request: Request):
     context.ready_loop()
     context.check_model(body.model)
     request_id = body.request_id or request.headers.get("x-request-id", "")
-    group, echo_texts = await context.admit(
+    group, echo = await context.admit(
         request_size(request), lambda: checked_completion(context, body, request_id), request_id, body.session_id
     )
-    call = CompletionCall(context, body, group, echo_texts)
+    call = CompletionCall(context, body, group, echo)
     if body.stream:
         return EventStreamResponse(call.events(), group)
     result = await until_disconnected(request.receive, call.collect())
@@ -73,10 +94,11 @@ async def create_completion(body: CompletionRequest, request: Request):
 
 
 class CompletionCall:
-    def __init__(self, context: ServingContext, body: CompletionRequest, group: StreamGroup, echo_texts: list[str]):
+    def __init__(self, context: ServingContext, body: CompletionRequest, group: StreamGroup, echo: Echo):
         self.body = body
         self.group = group
-        self.echo_texts = echo_texts
+        self.echo = echo
+        self.echo_texts = echo.texts
         self.token_text = TokenText(group.engine_loop.engine.tokenizer)
         self.header = {
             "id": response_id("cmpl"),
@@ -87,20 +109,45 @@ class CompletionCall:
         }
 
     def choice(
-        self, index: int, text: str, token_ids: list[int], logprobs: list, finish_reason: str | None, text_offset: int
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        logprobs: list,
+        finish_reason: str | None,
+        text_offset: int,
+        prompt_logprobs: list | None = None,
     ) -> dict:
+        """prompt_logprobs: the engine's for the choice's prompt (None first), given to the part that echoes
+        the prompt when the prompt is scored; its tokens then lead the logprobs."""
+        scored_token_ids = token_ids
+        if self.echo.token_ids and prompt_logprobs is not None:
+            scored_token_ids = self.echo.token_ids[index // self.body.n] + token_ids
+            logprobs = prompt_logprobs + logprobs
         choice = {
             "index": index,
             "text": text,
             "finish_reason": finish_reason,
             "stop_reason": None,
-            "logprobs": completion_logprobs(self.token_text, token_ids, logprobs, text_offset)
+            "logprobs": completion_logprobs(self.token_text, scored_token_ids, logprobs, text_offset)
             if self.body.logprobs is not None
             else None,
         }
         if self.body.return_token_ids:
             choice["token_ids"] = token_ids
         return choice
+
+    def scored_prompt(self, index: int, prompt_logprobs: list | None) -> list | None:
+        """What the choice's echo leads its logprobs with (None: the prompt is not scored). A one-token
+        prompt's only entry is None, which a router's replica sends as nothing."""
+        if not self.echo.token_ids:
+            return None
+        num_prompt_tokens = len(self.echo.token_ids[index // self.body.n])
+        if prompt_logprobs is None and num_prompt_tokens == 1:
+            return [None]
+        if prompt_logprobs is None or len(prompt_logprobs) != num_prompt_tokens:
+            raise APIError(500, "the engine returned no logprobs for the prompt's tokens")
+        return prompt_logprobs
 
     async def events(self):
         usage, echoed, offsets = UsageCounter(), set(), defaultdict(int)
@@ -110,16 +157,15 @@ class CompletionCall:
                 break
             usage.add(position, delta)
             index = position * self.body.n + delta.index
-            text = delta.text
+            text, prompt_logprobs = delta.text, None
             if self.echo_texts and index not in echoed:  # the prompt leads each choice's first chunk
                 echoed.add(index)
                 text = self.echo_texts[position] + text
-            chunk = {
-                **self.header,
-                "choices": [
-                    self.choice(index, text, delta.token_ids, delta.logprobs or [], delta.finish_reason, offsets[index])
-                ],
-            }
+                prompt_logprobs = self.scored_prompt(index, delta.prompt_logprobs)
+            choice = self.choice(
+                index, text, delta.token_ids, delta.logprobs or [], delta.finish_reason, offsets[index], prompt_logprobs
+            )
+            chunk = {**self.header, "choices": [choice]}
             offsets[index] += len(text)
             if self.body.include_usage:
                 chunk["usage"] = None
@@ -139,7 +185,13 @@ class CompletionCall:
             gathered = choices[index]
             listed.append(
                 self.choice(
-                    index, echo + gathered.text, gathered.token_ids, gathered.logprobs, gathered.finish_reason, 0
+                    index,
+                    echo + gathered.text,
+                    gathered.token_ids,
+                    gathered.logprobs,
+                    gathered.finish_reason,
+                    0,
+                    self.scored_prompt(index, gathered.prompt_logprobs),
                 )
             )
         return {**self.header, "choices": listed, "usage": usage.usage()}

@@ -92,6 +92,7 @@ class SamplingRequest(BaseModel):
         logprobs: int | None,
         tool_guide: GuidedDecodingParams | None = None,
         tools_text: str = "",
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Raises ValueError (SamplingParams checks every value; the limits bound the rest). tool_guide: the
         grammar that tool_choice "required" or a named function imposes (tool_choice.py)."""
@@ -127,6 +128,7 @@ class SamplingRequest(BaseModel):
             bad_words=self.bad_words,
             allowed_token_ids=self.allowed_token_ids,
             guided_decoding=guided,
+            prompt_logprobs=prompt_logprobs,
         )
         # normalized to (token id, bias) pairs by SamplingParams
         request_limits.check_vocabulary(limits, [t for t, _ in params.logit_bias or ()], "logit_bias keys")
@@ -136,6 +138,8 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # the prompt leads each choice's text; with logprobs, its tokens lead the logprobs too (the first
+    # token's logprob is null), and max_tokens 0 scores the prompt without generating
     echo: bool = False
     logprobs: int | None = None  # top logprobs per token (the sampled token's is always given)
     suffix: str | None = None

@@ -68,12 +68,14 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
 
 
 @dataclass
@@ -135,9 +137,10 @@ class TokenText:
 
 
 def completion_logprobs(
-    token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float]], text_offset: int
+    token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float] | None], text_offset: int
 ) -> dict:
-    """/v1/completions' shape: parallel lists; text_offset counts from the start of the choice's text."""
+    """/v1/completions' shape: parallel lists; text_offset counts from the start of the choice's text. An
+    entry without logprobs (an echoed prompt's first token) is null, as OpenAI's."""
     tokens, offsets = [], []
     for token_id in token_ids:
         tokens.append(token_text(token_id))
@@ -145,10 +148,18 @@ def completion_logprobs(
         text_offset += len(tokens[-1])
     return {
         "tokens": tokens,
-        "token_logprobs": [top[t] for t, top in zip(token_ids, logprobs)],
-        "top_logprobs": [{token_text(t): v for t, v in _ranked(top)} for top in logprobs],
+        "token_logprobs": [None if top is None else top[t] for t, top in zip(token_ids, logprobs)],
+        "top_logprobs": [None if top is None else _by_text(token_text, top) for top in logprobs],
         "text_offset": offsets,
     }
+
+
+def _by_text(token_text: TokenText, top: dict[int, float]) -> dict[str, float]:
+    """Keyed by token text, most likely first; tokens that decode alike keep the likeliest's logprob."""
+    by_text: dict[str, float] = {}
+    for token_id, logprob in _ranked(top):
+        by_text.setdefault(token_text(token_id), logprob)
+    return by_text
 
 
 def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int) -> dict:

@@ -1,0 +1,47 @@
+"""Prompt logprobs inside the prefill step: every prompt position a row wants scored has its logits
+computed from the hidden states the step already holds, and the log-softmax gathered at the prompt's
+next token, with the top K. A step where no row wants them skips all of it (lax.cond), so plain steps
+compute only the one position per row they sample from; the outputs keep one fixed shape either way.
+
+The host names the target of each token slot (device/step_inputs.py: the prompt token that follows
+the position, or -1) and reads the rows back by slot (host/output_processor.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.arrays import HostOrDeviceArray
+
+# Legend: T = token slots of the step, V = vocab, K = max_logprobs (at least 1).
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PromptLogprobs:
+    token_logprobs: HostOrDeviceArray  # [T] float32: log p(target | the tokens before it); 0 where no target
+    top_logprobs: HostOrDeviceArray  # [T, K] float32
+    top_token_ids: HostOrDeviceArray  # [T, K] int32
+
+
+def score_prompt_tokens(compute_logits, hidden, targets, max_logprobs: int) -> PromptLogprobs:
+    """hidden [T, D]; targets [T] int32 (-1: not scored). compute_logits: the model's head, [N, D] -> [N, V]."""
+    num_tokens, num_top = targets.shape[0], max(max_logprobs, 1)
+
+    def score(hidden):
+        logprobs = jax.nn.log_softmax(compute_logits(hidden).astype(jnp.float32), axis=-1)
+        top_logprobs, top_token_ids = jax.lax.top_k(logprobs, num_top)
+        chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+        return PromptLogprobs(jnp.where(targets >= 0, chosen, 0.0), top_logprobs, top_token_ids.astype(jnp.int32))
+
+    def skip(_):
+        return PromptLogprobs(
+            jnp.zeros((num_tokens,), jnp.float32),
+            jnp.zeros((num_tokens, num_top), jnp.float32),
+            jnp.zeros((num_tokens, num_top), jnp.int32),
+        )
+
+    return jax.lax.cond(jnp.any(targets >= 0), score, skip, hidden)

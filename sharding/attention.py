@@ -42,6 +42,7 @@ def _write_and_attend(
     *,
     query_block: int,
     sliding_window: int | None,
+    logits_soft_cap: float | None,
     impl: str,
 ):
     key_pages, value_pages = write_kv_pages(key_pages, value_pages, k, v, kv_indices, impl=impl)
@@ -54,6 +55,7 @@ def _write_and_attend(
         positions,
         query_block=query_block,
         sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
         impl=impl,
     )
     return out, key_pages, value_pages
@@ -94,22 +96,21 @@ def _write_and_attend_replicated(q, k, v, key_pages, value_pages, *rest, head_ax
     return _write_and_attend(q, k, v, key_pages, value_pages, *rest, **kwargs)
 
 
-def sharded_write_and_attend(mesh, q, k, v, key_pages, value_pages, metadata, *, sliding_window, impl):
+def sharded_write_and_attend(mesh, q, k, v, key_pages, value_pages, metadata, *, sliding_window, logits_soft_cap, impl):
     replicas = key_pages.shape[2] // k.shape[1]
     specs = attention_specs(mesh, key_pages.shape[2])
     tokens, heads, pages = specs["tokens"], specs["heads"], specs["pages"]
-    body = functools.partial(
-        _write_and_attend, query_block=metadata.query_block, sliding_window=sliding_window, impl=impl
+    options = dict(
+        query_block=metadata.query_block, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, impl=impl
     )
+    body = functools.partial(_write_and_attend, **options)
     kv_heads = heads
     if replicas > 1:  # k/v replicated over the head axis; each shard picks its head
         body = functools.partial(
             _write_and_attend_replicated,
             head_axis=pages[2],
             replicas=replicas,
-            query_block=metadata.query_block,
-            sliding_window=sliding_window,
-            impl=impl,
+            **options,
         )
         kv_heads = PartitionSpec(tokens[0], None)
     sharded = jax.shard_map(
@@ -139,7 +140,7 @@ class WriteAndAttend:
 
     impl: str  # reference | cpu | pallas
 
-    def __call__(self, q, k, v, key_pages, value_pages, metadata, *, sliding_window):
+    def __call__(self, q, k, v, key_pages, value_pages, metadata, *, sliding_window, logits_soft_cap):
         return _write_and_attend(
             q,
             k,
@@ -152,6 +153,7 @@ class WriteAndAttend:
             metadata.page_table,
             query_block=metadata.query_block,
             sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
             impl=self.impl,
         )
 
@@ -163,9 +165,18 @@ class ShardedWriteAndAttend:
     mesh: Mesh
     impl: str
 
-    def __call__(self, q, k, v, key_pages, value_pages, metadata, *, sliding_window):
+    def __call__(self, q, k, v, key_pages, value_pages, metadata, *, sliding_window, logits_soft_cap):
         return sharded_write_and_attend(
-            self.mesh, q, k, v, key_pages, value_pages, metadata, sliding_window=sliding_window, impl=self.impl
+            self.mesh,
+            q,
+            k,
+            v,
+            key_pages,
+            value_pages,
+            metadata,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            impl=self.impl,
         )
 
 

@@ -8,6 +8,7 @@ Everything here runs once; `Engine` takes the result and only loops.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -62,6 +63,9 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     model_config = source.config
     dtype = source.checkpoint_dtype if config.dtype == "auto" else config.dtype
     max_model_len = _max_model_len(model_config, config)
+    # LongRoPE's factors follow max_model_len, chosen once (as vLLM): cached keys never change their rope
+    model_config = model_config.with_context_length(max_model_len)
+    source = dataclasses.replace(source, config=model_config)
     enable_compilation_cache(config.compile.compilation_cache_dir)
     # Chosen devices get a mesh even when there is one, so that everything is placed on them.
     devices = [jax.devices()[i] for i in config.parallel.device_ids] if config.parallel.device_ids is not None else None

@@ -6,7 +6,8 @@ its logical axes (sharding/placement.py places it by them); how attention reache
 how routed tokens reach their experts are functions passed in (sharding/attention.py,
 sharding/moe.py), so the model code is the same on one device and on a mesh; which kernel computes
 each projection is the matmul plan passed in (pallas_kernels/matmul), so the model names no kernel.
-Each family's Hugging Face tensor names sit in its own module (llama.py, mixtral.py, qwen3_moe.py).
+Each family's Hugging Face tensor names sit in its own module (llama.py, mixtral.py, qwen3_moe.py,
+phi3.py; Gemma's are Llama's).
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ _LAZY = {
 
 def _checkpoint_names() -> dict:
     """model_type -> read_param(reader, our param path, its shape) -> the checkpoint tensor laid out as ours"""
-    from jaxserve.models import llama, mixtral, qwen3_moe
+    from jaxserve.models import llama, mixtral, phi3, qwen3_moe
 
     return {
+        "gemma2": llama.read_param,
+        "gemma3_text": llama.read_param,
+        "phi3": phi3.read_param,
         "llama": llama.read_param,
         "mistral": llama.read_param,
         "qwen2": llama.read_param,

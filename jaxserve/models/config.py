@@ -2,19 +2,25 @@
 
 One `ModelConfig` describes every supported family: Llama, Mistral and Qwen2/Qwen3 are the same
 decoder with different attention details (biases, per-head q/k norms, which layers slide their
-window); Mixtral and Qwen3-MoE swap the MLP for a sparse mixture of experts.
+window); Mixtral and Qwen3-MoE swap the MLP for a sparse mixture of experts. Gemma 2 and 3 add
+(1 + weight) norms around both halves of each layer, a scaled embedding, soft-capped logits and
+local layers with their own rope base; Phi-3 fuses projections (split at load, phi3.py) and
+stretches its rope with LongRoPE over part of each head.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from jaxserve.config import canonical_dtype
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -23,17 +29,26 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 class RopeScaling:
     """How rotary frequencies are stretched for long contexts (HF's rope_scaling / rope_parameters)."""
 
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # LongRoPE (Phi-3): per-frequency divisors [rotary dim / 2] for contexts up to and beyond
+    # original_max_position_embeddings, and the factor cos and sin are scaled by
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self):
-        if self.rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope scaling type {self.rope_type!r}; supported: default, linear, llama3")
+        if self.rope_type not in ("default", "linear", "llama3", "longrope"):
+            raise ValueError(
+                f"unsupported rope scaling type {self.rope_type!r}; supported: default, linear, llama3, longrope (su)"
+            )
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor must be positive, got {self.factor}")
+        if self.rope_type == "longrope" and not (self.short_factor and len(self.short_factor) == len(self.long_factor)):
+            raise ValueError("longrope scaling needs short_factor and long_factor lists of one length")
 
 
 @dataclass(frozen=True)
@@ -55,7 +70,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # on the q, k and v projections
     attention_output_bias: bool = False  # on o_proj (Qwen2 has the first without this one)
-    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before rope
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each query and key head before rope
     mlp_bias: bool = False
     hidden_act: str = "silu"
     num_experts: int = 0
@@ -67,6 +82,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str = "float32"
+    # Gemma: embeddings times sqrt(hidden_size); norms scale by (1 + weight) and also wrap the attention's
+    # output and both sides of the MLP (sandwich norms); scores and final logits soft-capped
+    scale_embeddings: bool = False
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    attention_logit_soft_cap: float | None = None
+    final_logit_soft_cap: float | None = None
+    query_pre_attention_scalar: float | None = None  # scores scale by its -1/2 power instead of head_dim's
+    local_rope_theta: float | None = None  # Gemma 3: sliding layers' rope base (unscaled); None: rope_theta
+    rotary_dim: int = 0  # lanes of each head that rope rotates (Phi partial_rotary_factor); 0: head_dim
+    # The engine's max_model_len (set by the engine builder, with_context_length): LongRoPE picks its long
+    # factors once when this exceeds original_max_position_embeddings, so cached keys keep their rope
+    context_length: int | None = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -92,6 +120,13 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"config.json: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rotary_dim:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"config.json: rotary dims must be even and at most head_dim, got {self.rotary_dim}")
+        factors = self.rope_scaling.short_factor
+        if factors and len(factors) != self.rotary_dim // 2:
+            raise ValueError(f"config.json: longrope factors must number rotary dims / 2, got {len(factors)}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"config.json: unsupported hidden_act {self.hidden_act!r}")
         if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
@@ -116,6 +151,16 @@ class ModelConfig:
 
     def layer_sliding_window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling]:
+        """(theta, scaling) of a layer's rotary embedding: Gemma 3's sliding layers have their own base."""
+        if self.local_rope_theta is not None and self.layer_types[layer] == "sliding_attention":
+            return self.local_rope_theta, RopeScaling()
+        return self.rope_theta, self.rope_scaling
+
+    def with_context_length(self, max_model_len: int) -> ModelConfig:
+        """The config an engine of this max_model_len builds its model from (LongRoPE's factors depend on it)."""
+        return dataclasses.replace(self, context_length=max_model_len)
 
     def logical_axis_sizes(self) -> dict[str, int]:
         """How many independent units each logical axis of the params has: a split must not cut a head."""
@@ -150,7 +195,7 @@ class ModelConfig:
         except KeyError as missing:
             raise ValueError(f"config.json is missing required key {missing}") from None
         eos = hf.get("eos_token_id")
-        return cls(
+        fields: dict[str, Any] = dict(
             model_type=model_type,
             **sizes,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
@@ -167,6 +212,8 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             checkpoint_dtype=canonical_dtype(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
         )
+        fields.update(_family_fields(model_type, hf, fields))
+        return cls(**fields)
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> ModelConfig:
@@ -198,16 +245,88 @@ def _rope_fields(hf: dict) -> dict:
     # transformers 5 nests rope settings in rope_parameters; older configs use rope_theta + rope_scaling.
     rope = dict(hf.get("rope_parameters") or {})
     scaling_source = rope if rope.get("rope_type", "default") != "default" else hf.get("rope_scaling") or {}
-    rope_scaling = RopeScaling()
-    if scaling_source:
-        rope_scaling = RopeScaling(
-            rope_type=scaling_source.get("rope_type", scaling_source.get("type", "default")),
-            factor=float(scaling_source.get("factor", 1.0)),
-            low_freq_factor=float(scaling_source.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(scaling_source.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(scaling_source.get("original_max_position_embeddings", 8192)),
+    return dict(
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_scaling=_rope_scaling(scaling_source, hf),
+    )
+
+
+def _rope_scaling(source: dict, hf: dict) -> RopeScaling:
+    """One rope_scaling (or rope_parameters) dict as transformers reads it."""
+    if not source:
+        return RopeScaling()
+    rope_type = source.get("rope_type", source.get("type", "default"))
+    if rope_type in ("su", "longrope"):
+        # As transformers: the pretraining length config.json keeps outside the dict wins; the factor defaults
+        # to how far max_position_embeddings stretches it, and sets cos and sin's scale unless given.
+        original = int(
+            hf.get("original_max_position_embeddings")
+            or source.get("original_max_position_embeddings")
+            or hf.get("max_position_embeddings", 2048)
         )
-    return dict(rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_scaling=rope_scaling)
+        factor = float(source.get("factor") or int(hf.get("max_position_embeddings", 2048)) / original)
+        attention_factor = source.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return RopeScaling(
+            rope_type="longrope",
+            factor=factor,
+            original_max_position_embeddings=original,
+            short_factor=tuple(float(f) for f in source.get("short_factor") or ()),
+            long_factor=tuple(float(f) for f in source.get("long_factor") or ()),
+            attention_factor=float(attention_factor),
+        )
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(source.get("factor", 1.0)),
+        low_freq_factor=float(source.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(source.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(source.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _family_fields(model_type: str, hf: dict, fields: dict[str, Any]) -> dict:
+    """What Gemma and Phi-3 read differently from the Llama family (overriding the common fields)."""
+    rope = hf.get("rope_parameters") or {}
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    family: dict[str, object] = dict(rotary_dim=int(fields["head_dim"] * float(partial)))
+    if model_type not in GEMMA_MODEL_TYPES:
+        return family
+    num_layers = fields["num_layers"]
+    # Gemma 2 alternates sliding and global layers; Gemma 3 has sliding_window_pattern - 1 sliding per global.
+    pattern = 2 if model_type == "gemma2" else int(hf.get("sliding_window_pattern", 6))
+    window = hf.get("sliding_window")
+    family.update(
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+        sliding_window=int(window) if window else None,
+        layer_types=tuple(
+            hf.get("layer_types")
+            or ("sliding_attention" if (layer + 1) % pattern else "full_attention" for layer in range(num_layers))
+        ),
+        scale_embeddings=True,
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        query_pre_attention_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        final_logit_soft_cap=hf.get("final_logit_softcapping"),
+    )
+    if model_type == "gemma2":  # transformers' Gemma 3 attention never soft-caps its scores
+        family["attention_logit_soft_cap"] = hf.get("attn_logit_softcapping")
+        return family
+    family["qk_norm"] = True
+    if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5: one rope per layer type
+        full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        family.update(
+            rope_theta=float(full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+            rope_scaling=_rope_scaling(full if full.get("rope_type", "default") != "default" else {}, hf),
+            local_rope_theta=float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))),
+        )
+    else:
+        family.update(
+            rope_theta=float(hf.get("rope_theta", 1_000_000.0)),
+            local_rope_theta=float(hf.get("rope_local_base_freq", 10_000.0)),
+        )
+    return family
 
 
 def _attention_fields(model_type: str, hf: dict, num_layers: int) -> dict:

@@ -1,4 +1,5 @@
-"""The decoder-only causal LM every supported family shares (Llama, Mistral, Qwen2/3 and their MoE kin)."""
+"""The decoder-only causal LM every supported family shares (Llama, Mistral, Qwen2/3 and their MoE kin,
+Gemma 2/3, Phi-3)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,15 @@ class DecoderLayer(nnx.Module):
         experts: Experts | None,
         rngs: nnx.Rngs,
     ):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        e, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_unit_offset
+        self.input_layernorm = RMSNorm(e, eps, dtype, unit_offset=offset)
         self.self_attn = Attention(config, layer, dtype, write_and_attend, matmul, rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # Gemma's sandwich: post_attention_layernorm normalizes the attention's output, and two more norms
+        # wrap the MLP; elsewhere post_attention_layernorm is the MLP's input norm
+        self.post_attention_layernorm = RMSNorm(e, eps, dtype, unit_offset=offset)
+        sandwich = config.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(e, eps, dtype, unit_offset=offset) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(e, eps, dtype, unit_offset=offset) if sandwich else None
         if not config.is_moe:
             self.mlp = MLP(config, dtype, matmul, rngs)
         elif experts is None:
@@ -36,6 +43,10 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, key_pages, value_pages, metadata: AttentionMetadata):
         attended, key_pages, value_pages = self.self_attn(self.input_layernorm(x), key_pages, value_pages, metadata)
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            x = x + self.post_attention_layernorm(attended)
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x, key_pages, value_pages
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x)), key_pages, value_pages
 
@@ -65,7 +76,7 @@ class CausalLM(nnx.Module):
                 for layer in range(config.num_layers)
             ]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, unit_offset=config.norm_unit_offset)
         head_axes = ("embed", "vocab")
         self.lm_head = (
             None
@@ -75,10 +86,15 @@ class CausalLM(nnx.Module):
             )
         )
         self.matmul = matmul
+        # Gemma: embeddings scaled by sqrt(hidden), rounded to the params' dtype as transformers does
+        self.embedding_scale = config.hidden_size**0.5 if config.scale_embeddings else None
+        self.final_logit_soft_cap = config.final_logit_soft_cap
 
     def __call__(self, token_ids, kv_pages: KVPages, metadata: AttentionMetadata):
         """token_ids [T] -> final hidden states [T, E] and the updated pages."""
         x = self.embed_tokens(token_ids)
+        if self.embedding_scale is not None:
+            x = x * jnp.asarray(self.embedding_scale, x.dtype)
         keys, values = [], []
         for layer, key_pages, value_pages in zip(self.layers, kv_pages.keys, kv_pages.values):
             x, key_pages, value_pages = layer(x, key_pages, value_pages, metadata)
@@ -90,5 +106,9 @@ class CausalLM(nnx.Module):
         """hidden [S, E] -> float32 logits [S, V]."""
         if self.lm_head is None:  # tied: the embedding [V, E] is the head, contracted on E as it lies
             embedding = self.embed_tokens.embedding[...]
-            return project(hidden, embedding, matmul=self.matmul, transposed=True).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+            logits = project(hidden, embedding, matmul=self.matmul, transposed=True).astype(jnp.float32)
+        else:
+            logits = self.lm_head(hidden).astype(jnp.float32)
+        if self.final_logit_soft_cap:  # Gemma 2
+            logits = self.final_logit_soft_cap * jnp.tanh(logits / self.final_logit_soft_cap)
+        return logits

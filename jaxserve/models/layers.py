@@ -36,9 +36,19 @@ class WriteAndAttend(Protocol):
     device or per shard (sharding/attention.py provides both)."""
 
     def __call__(
-        self, q, k, v, key_pages, value_pages, metadata: AttentionMetadata, *, sliding_window: int | None
+        self,
+        q,
+        k,
+        v,
+        key_pages,
+        value_pages,
+        metadata: AttentionMetadata,
+        *,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q [T, H, D], k / v [T, K, D] -> (out [T, H, D], key_pages, value_pages)."""
+        """q [T, H, D], k / v [T, K, D] -> (out [T, H, D], key_pages, value_pages); per layer, the window
+        and the scores' soft-cap (None: none)."""
         ...
 
 
@@ -57,20 +67,33 @@ class Matmul(Protocol):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, size: int, eps: float, dtype, axis: str = "embed"):
-        self.weight = nnx.Param(jnp.ones((size,), dtype), logical_axes=(axis,))  # [E] (or [D] per head)
+    def __init__(self, size: int, eps: float, dtype, axis: str = "embed", unit_offset: bool = False):
+        # unit_offset (Gemma): the weight is stored as an offset from 1
+        initial = jnp.zeros((size,), dtype) if unit_offset else jnp.ones((size,), dtype)
+        self.weight = nnx.Param(initial, logical_axes=(axis,))  # [E] (or [D] per head)
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x):
-        # As HF: normalize in float32, cast back, then scale in the input dtype.
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:  # as HF's Gemma: scaled in float32, then cast
+            return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        # As HF's Llama: normalize in float32, cast back, then scale in the input dtype.
         return self.weight[...] * normed.astype(x.dtype)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
-    """[D/2] float32 inverse frequencies, with HF's linear and llama3 scaling rules."""
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling, context_length: int | None = None
+) -> np.ndarray:
+    """[D/2] float32 inverse frequencies (D: the rotated lanes), with HF's linear, llama3 and LongRoPE
+    scaling rules. LongRoPE takes its long factors when context_length exceeds the pretraining length."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    if scaling.rope_type == "longrope":
+        long = context_length is not None and context_length > scaling.original_max_position_embeddings
+        factors = np.asarray(scaling.long_factor if long else scaling.short_factor, np.float32)
+        powers = (np.float32(theta) ** exponents).astype(np.float32)  # as torch: float32 base ** float32 exponent
+        return (1.0 / (factors * powers)).astype(np.float32)
     inv_freq = (1.0 / (theta ** exponents.astype(np.float64))).astype(np.float32)
     if scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
@@ -88,14 +111,22 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) 
     return inv_freq.astype(np.float32)
 
 
-def apply_rope(x, positions, inverse_frequencies):
-    """x [T, heads, D], rotate-half convention as HF Llama; angles in float32, applied in x's dtype."""
-    angles = positions.astype(jnp.float32)[:, None] * inverse_frequencies[None, :]  # [T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]  # [T, 1, D]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    half = x.shape[-1] // 2
+def apply_rope(x, positions, inverse_frequencies, attention_factor: float = 1.0):
+    """x [T, heads, D], rotate-half convention as HF Llama; angles in float32, applied in x's dtype. Only
+    the first 2 * len(inverse_frequencies) lanes rotate (partial rotary), the rest pass through; cos and
+    sin are scaled by attention_factor (LongRoPE)."""
+    rotary = 2 * inverse_frequencies.shape[0]
+    x, passed = x[..., :rotary], x[..., rotary:]
+    angles = positions.astype(jnp.float32)[:, None] * inverse_frequencies[None, :]  # [T, R/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]  # [T, 1, R]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    half = rotary // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    x = x * cos + rotated * sin
+    return jnp.concatenate([x, passed], axis=-1) if passed.shape[-1] else x
 
 
 def project(x, weight, bias=None, *, matmul: Matmul, transposed: bool = False):
@@ -188,13 +219,23 @@ class Attention(nnx.Module):
         self.k_proj = linear(e, kv_size, ("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, matmul=matmul, rngs=rngs)
         self.v_proj = linear(e, kv_size, ("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, matmul=matmul, rngs=rngs)
         self.o_proj = linear(q_size, e, ("heads", "embed"), bias=out_bias, dtype=dtype, matmul=matmul, rngs=rngs)
-        # Qwen3 normalizes each query and key head on its own
-        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, axis="head_dim") if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, axis="head_dim") if config.qk_norm else None
+        # Qwen3 and Gemma 3 normalize each query and key head on its own
+        offset = config.norm_unit_offset
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, "head_dim", offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, "head_dim", offset) if config.qk_norm else None
         self.sliding_window = config.layer_sliding_window(layer)
+        self.logits_soft_cap = config.attention_logit_soft_cap
+        # Gemma scales scores by query_pre_attn_scalar ** -0.5; the kernels by head_dim ** -0.5, so the
+        # queries make up the difference
+        scalar = config.query_pre_attention_scalar
+        self.query_scale = 1.0 if scalar is None or scalar == d else math.sqrt(d / scalar)
         self.write_and_attend = write_and_attend
+        theta, scaling = config.layer_rope(layer)
         # A tuple, not an array: module attributes that are not params must be static and hashable.
-        self.inverse_frequencies = tuple(rope_inverse_frequencies(d, config.rope_theta, config.rope_scaling).tolist())
+        self.inverse_frequencies = tuple(
+            rope_inverse_frequencies(config.rotary_dim, theta, scaling, config.context_length).tolist()
+        )
+        self.rope_attention_factor = scaling.attention_factor if scaling.rope_type == "longrope" else 1.0
 
     def __call__(self, x, key_pages, value_pages, metadata: AttentionMetadata):
         num_tokens = x.shape[0]
@@ -205,10 +246,19 @@ class Attention(nnx.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inverse_frequencies = jnp.asarray(self.inverse_frequencies, jnp.float32)
-        q = apply_rope(q, metadata.positions, inverse_frequencies)
-        k = apply_rope(k, metadata.positions, inverse_frequencies)
+        q = apply_rope(q, metadata.positions, inverse_frequencies, self.rope_attention_factor)
+        k = apply_rope(k, metadata.positions, inverse_frequencies, self.rope_attention_factor)
+        if self.query_scale != 1.0:
+            q = (q.astype(jnp.float32) * self.query_scale).astype(q.dtype)
         out, key_pages, value_pages = self.write_and_attend(
-            q, k, v, key_pages, value_pages, metadata, sliding_window=self.sliding_window
+            q,
+            k,
+            v,
+            key_pages,
+            value_pages,
+            metadata,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
         )
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)), key_pages, value_pages
 

@@ -4,6 +4,8 @@ Layout of a step's tokens: a flat array of T query tokens in blocks of `query_bl
 block belonging to one sequence (a decode step uses query_block=1, a prefill step pads each chunk
 to whole blocks). Each block attends to the pages of its sequence, causally by absolute position.
 Padding tokens carry position -1 and attend to nothing.
+Per layer, a sliding window (a query at position p sees keys after p - window; None or 0: none) and a
+logits soft-cap (scaled scores become cap * tanh(score / cap); None or 0: none; Gemma 2), both static.
 
 Implementations, all with the reference's signature:
   reference  pure jax.numpy, any dtype, any backend: the specification
@@ -89,6 +91,7 @@ def ragged_paged_attention(
     *,
     query_block: int,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     impl: str = "reference",
 ):
     return kernel_modules(impl)[0].ragged_paged_attention(
@@ -100,6 +103,7 @@ def ragged_paged_attention(
         positions,
         query_block=query_block,
         sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
     )
 
 

@@ -45,7 +45,16 @@ def _require(dtype) -> None:
 
 
 def ragged_paged_attention(
-    q, k_pages, v_pages, page_table, token_seq_ids, positions, *, query_block: int, sliding_window: int | None = None
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    token_seq_ids,
+    positions,
+    *,
+    query_block: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ):
     """The reference's contract, with q in the pages' dtype."""
     _require(k_pages.dtype)
@@ -63,6 +72,7 @@ def ragged_paged_attention(
         positions.astype(np.int32),
         query_block=np.int64(query_block),
         sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(logits_soft_cap or 0.0),
         own_helpers=jax.device_count() == 1,
     )
 

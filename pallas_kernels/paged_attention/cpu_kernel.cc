@@ -106,6 +106,7 @@ struct Problem {
   T* out;                        // [T, H, D]
   int64_t num_heads, num_kv_heads, head_dim, page_size, pages_per_seq, query_block, sliding_window;
   float scale;
+  float soft_cap;  // scores become soft_cap * tanh(score / soft_cap) when > 0 (Gemma 2)
 };
 
 // A worker's buffers, kept across the blocks it takes.
@@ -230,7 +231,9 @@ void AttendRange(const Problem<T>& p, int64_t block, int64_t key_begin, int64_t 
           for (int64_t t = 0; t < num_keys; ++t) {
             const int64_t key = tile_start + t;
             const bool visible = key <= position && key >= lowest_visible;
-            row_scores[t] = visible ? row_scores[t] * p.scale : kNegativeInfinity;
+            float score = row_scores[t] * p.scale;
+            if (p.soft_cap > 0.0f) score = p.soft_cap * std::tanh(score / p.soft_cap);
+            row_scores[t] = visible ? score : kNegativeInfinity;
             tile_max = std::max(tile_max, row_scores[t]);
           }
           if (tile_max == kNegativeInfinity) continue;
@@ -351,13 +354,13 @@ template <typename T>
 void Attend(ffi::ThreadPool& thread_pool, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_pages,
             const ffi::AnyBuffer& v_pages, const ffi::Buffer<ffi::S32>& page_table,
             const ffi::Buffer<ffi::S32>& token_seq_ids, const ffi::Buffer<ffi::S32>& positions, int64_t query_block,
-            int64_t sliding_window, bool own_helpers, ffi::AnyBuffer& out) {
+            int64_t sliding_window, float soft_cap, bool own_helpers, ffi::AnyBuffer& out) {
   const auto q_dims = q.dimensions(), page_dims = k_pages.dimensions();
   Problem<T> p{static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k_pages.untyped_data()),
                static_cast<const T*>(v_pages.untyped_data()), page_table.typed_data(), token_seq_ids.typed_data(),
                positions.typed_data(), static_cast<T*>(out.untyped_data()), q_dims[1], page_dims[2], q_dims[2],
                page_dims[1], page_table.dimensions()[1], query_block, sliding_window,
-               1.0f / std::sqrt(float(q_dims[2]))};
+               1.0f / std::sqrt(float(q_dims[2])), soft_cap};
   AttendAllBlocks(thread_pool, p, q_dims[0] / query_block, own_helpers);
 }
 
@@ -368,7 +371,7 @@ bool IsServedType(ffi::DataType type) {
 ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                           ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
                           ffi::Buffer<ffi::S32> token_seq_ids, ffi::Buffer<ffi::S32> positions,
-                          int64_t query_block, int64_t sliding_window, bool own_helpers,
+                          int64_t query_block, int64_t sliding_window, float soft_cap, bool own_helpers,
                           ffi::Result<ffi::AnyBuffer> out) {
   const auto q_dims = q.dimensions(), page_dims = k_pages.dimensions(), table_dims = page_table.dimensions();
   if (q_dims.size() != 3 || page_dims.size() != 4 || table_dims.size() != 2) {
@@ -385,15 +388,15 @@ ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::An
   switch (type) {
     case ffi::DataType::BF16:
       Attend<BFloat16>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block,
-                       sliding_window, own_helpers, *out);
+                       sliding_window, soft_cap, own_helpers, *out);
       break;
     case ffi::DataType::F16:
       Attend<Float16>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block,
-                      sliding_window, own_helpers, *out);
+                      sliding_window, soft_cap, own_helpers, *out);
       break;
     default:
       Attend<float>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block,
-                    sliding_window, own_helpers, *out);
+                    sliding_window, soft_cap, own_helpers, *out);
   }
   return ffi::Error::Success();
 }
@@ -447,6 +450,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("query_block")
                                   .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
                                   .Attr<bool>("own_helpers")
                                   .Ret<ffi::AnyBuffer>());
 

@@ -82,6 +82,7 @@ def _kernel(
     *out_refs,
     pages_per_span: int,
     sliding_window: int | None,
+    logits_soft_cap: float | None,
     normalize: bool,
     scale: float,
 ):
@@ -103,6 +104,8 @@ def _kernel(
         values = v_pages_ref[pages].reshape(span, head_dim)
         scores = jnp.dot(queries, keys.T, preferred_element_type=jnp.float32, precision=precision)  # [R, L]
         scores = scores * scale  # the real head_dim's, when the pages are padded wider
+        if logits_soft_cap:
+            scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
         key_positions = (first_span + index) * span + jnp.arange(span)[None, :]
         visible = key_positions <= positions[:, None]
         if sliding_window:
@@ -143,7 +146,9 @@ def _combine_splits(accumulator, running_max, denominator):
     return accumulator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("query_block", "sliding_window", "interpret", "num_splits"))
+@functools.partial(
+    jax.jit, static_argnames=("query_block", "sliding_window", "logits_soft_cap", "interpret", "num_splits")
+)
 def ragged_paged_attention(
     q,
     k_pages,
@@ -154,6 +159,7 @@ def ragged_paged_attention(
     *,
     query_block: int,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     interpret: bool | None = None,
     num_splits: int | None = None,
 ):
@@ -189,6 +195,7 @@ def ragged_paged_attention(
             _kernel,
             pages_per_span=pages_per_span,
             sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
             normalize=normalize,
             scale=true_head_dim**-0.5,
         ),

@@ -47,6 +47,7 @@ def _kernel(
     pages_per_seq: int,
     pages_per_span: int,
     sliding_window: int | None,
+    logits_soft_cap: float | None,
 ):
     block, kv_head = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
@@ -92,6 +93,8 @@ def _kernel(
         scores = jax.lax.dot_general(
             queries, keys, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         ) * (head_dim**-0.5)  # [R, L]
+        if logits_soft_cap:
+            scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
         key_positions = index * span + jax.lax.broadcasted_iota(jnp.int32, (1, span), 1)
         visible = key_positions <= positions
         if sliding_window:
@@ -116,7 +119,7 @@ def _kernel(
     o_ref[...] = jnp.where(positions >= 0, out, 0.0).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("query_block", "sliding_window", "interpret"))
+@functools.partial(jax.jit, static_argnames=("query_block", "sliding_window", "logits_soft_cap", "interpret"))
 def ragged_paged_attention(
     q,
     k_pages,
@@ -127,6 +130,7 @@ def ragged_paged_attention(
     *,
     query_block: int,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     interpret: bool | pltpu.InterpretParams | None = None,
 ):
     """Same arguments and result as reference.ragged_paged_attention. interpret: Pallas' TPU
@@ -166,7 +170,11 @@ def ragged_paged_attention(
     )
     out = pl.pallas_call(
         functools.partial(
-            _kernel, pages_per_seq=pages_per_seq, pages_per_span=pages_per_span, sliding_window=sliding_window
+            _kernel,
+            pages_per_seq=pages_per_seq,
+            pages_per_span=pages_per_span,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         ),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, padded_rows, head_dim), q.dtype),

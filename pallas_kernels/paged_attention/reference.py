@@ -22,11 +22,22 @@ def write_kv_pages(k_pages, v_pages, k, v, kv_indices):
 
 
 def ragged_paged_attention(
-    q, k_pages, v_pages, page_table, token_seq_ids, positions, *, query_block: int, sliding_window: int | None = None
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    token_seq_ids,
+    positions,
+    *,
+    query_block: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ):
     """q [T, H, D]; pages [num_pages, page_size, K, D]; page_table [S, P]; token_seq_ids, positions [T].
 
     Returns [T, H, D] in q's dtype; softmax in float32 whatever the input dtype.
+    sliding_window: a query at position p sees keys p - window < key <= p (None or 0: every earlier key);
+    logits_soft_cap: scaled scores become cap * tanh(score / cap) before the softmax (None or 0: as they are).
 
     Walks the pages in spans of KEYS_PER_SPAN keys with an online softmax, as a kernel would: only
     one span of pages is gathered at a time, and spans past the step's longest context are skipped,
@@ -51,6 +62,8 @@ def ragged_paged_attention(
         keys = k_pages[pages].reshape(num_blocks, span, num_kv_heads, head_dim)
         values = v_pages[pages].reshape(num_blocks, span, num_kv_heads, head_dim)
         scores = jnp.einsum("nbkgd,nlkd->nkgbl", queries, keys, preferred_element_type=jnp.float32)
+        if logits_soft_cap:
+            scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
         key_positions = index * span + jnp.arange(span)[None, None, :]  # [1, 1, L]
         visible = key_positions <= query_positions
         if sliding_window:

@@ -212,6 +212,142 @@ MODELS = {
             random_vectors=True,
         ),
     ),
+    # Gemma 2: sliding and global layers alternate (the window, 8, is shorter than most prompts), scores
+    # and final logits soft-capped low enough to bend them, query_pre_attn_scalar not head_dim, GQA, tied
+    "gemma2": (
+        "gemma2",
+        dict(
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=8.0,
+            random_vectors=True,
+            attn_implementation="eager",
+        ),
+    ),
+    # odd sizes, multi-head (no GQA), untied head, transformers' default caps, a 16-token window
+    "gemma2_mha_untied": (
+        "gemma2",
+        dict(
+            hidden_size=40,
+            intermediate_size=72,
+            num_hidden_layers=2,
+            num_attention_heads=5,
+            num_key_value_heads=5,
+            head_dim=12,
+            query_pre_attn_scalar=12,
+            sliding_window=16,
+            tie_word_embeddings=False,
+            random_vectors=True,
+            attn_implementation="eager",
+        ),
+    ),
+    # Gemma 3: 5 local layers (rope base 10k, window 10) to 1 global (1M, linear scaling x8), then a local
+    # one; per-head (1 + weight) q/k norms; multi-query attention
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=7,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=10,
+            sliding_window_pattern=6,
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0,
+            rope_scaling=dict(rope_type="linear", factor=8.0),
+            random_vectors=True,
+            attn_implementation="eager",
+        ),
+    ),
+    # odd sizes, layer types listed, untied, a final logit cap, scores scaled by a scalar not head_dim
+    "gemma3_odd_untied": (
+        "gemma3_text",
+        dict(
+            hidden_size=36,
+            intermediate_size=60,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=10,
+            query_pre_attn_scalar=30,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            tie_word_embeddings=False,
+            final_logit_softcapping=6.0,
+            rope_theta=50_000.0,
+            rope_local_base_freq=5_000.0,
+            random_vectors=True,
+            attn_implementation="eager",
+        ),
+    ),
+    # Phi-3 mini's shape: fused qkv_proj / gate_up_proj, multi-head, a sliding window on every layer
+    "phi3": (
+        "phi3",
+        dict(
+            pad_token_id=0,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            sliding_window=12,
+            random_vectors=True,
+        ),
+    ),
+    # Phi-3.5 / Phi-4-mini's rope: LongRoPE over 3/4 of each head (partial_rotary_factor), GQA 3:1, tied. The
+    # engine's max_model_len (128) is within the pretraining length (256): short factors, and cos / sin
+    # scaled for max_position_embeddings 1024
+    "phi3_longrope_short": (
+        "phi3",
+        dict(
+            pad_token_id=0,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            max_position_embeddings=1024,
+            original_max_position_embeddings=256,
+            partial_rotary_factor=0.75,
+            rope_scaling=dict(
+                type="longrope", short_factor=[1.0, 1.2, 1.5, 2.0, 3.0, 4.0], long_factor=[2, 3, 5, 8, 13, 21]
+            ),
+            tie_word_embeddings=True,
+            random_vectors=True,
+        ),
+    ),
+    # max_model_len (128) beyond the pretraining length (32): long factors for every position, chosen once;
+    # transformers is recorded with its long factors forced (force_long_rope), as the engine serves them
+    "phi3_longrope_long": (
+        "phi3",
+        dict(
+            pad_token_id=0,
+            hidden_size=40,
+            intermediate_size=56,
+            num_hidden_layers=2,
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            original_max_position_embeddings=32,
+            rope_scaling=dict(
+                type="su",
+                short_factor=[1.0, 1.1, 1.3, 1.6],
+                long_factor=[1.0, 3.0, 7.0, 15.0],
+                original_max_position_embeddings=32,
+            ),
+            random_vectors=True,
+            force_long_rope=True,
+        ),
+    ),
 }
 HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -219,6 +355,9 @@ HF_CLASSES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
 }
 
 
@@ -269,8 +408,10 @@ def build(name: str, model_type: str, overrides: dict, seed: int) -> None:
     dtype = overrides.pop("torch_dtype", "float32")
     random_vectors = overrides.pop("random_vectors", False)
     weight_scale = overrides.pop("weight_scale", 4.0)
+    attention = overrides.pop("attn_implementation", None)  # Gemma 2's soft-cap: eager attention only
+    force_long_rope = overrides.pop("force_long_rope", False)
     config_class, model_class = HF_CLASSES[model_type]
-    config = config_class(**COMMON, **overrides)
+    config = config_class(**{**COMMON, **overrides})
     model = model_class(config).eval()
     # Larger-than-default weights make the tiny random models' distributions less flat, so greedy
     # decoding is decided by margins far above float32 noise. Biases start at zero and norm scales at
@@ -285,7 +426,10 @@ def build(name: str, model_type: str, overrides: dict, seed: int) -> None:
     model.save_pretrained(directory)
     shutil.copy(TOKENIZER, os.path.join(directory, "tokenizer.model"))
     # Expectations are float32 math on the saved (possibly bf16-rounded) weights, loaded as a user would.
-    model = model_class.from_pretrained(directory, dtype=torch.float32).eval()
+    loading = dict(attn_implementation=attention) if attention else {}
+    model = model_class.from_pretrained(directory, dtype=torch.float32, **loading).eval()
+    if force_long_rope:
+        use_long_rope_factors(model)
 
     processor = sentencepiece.SentencePieceProcessor(model_file=TOKENIZER)
     prompts = [dict(text=text, token_ids=[1] + processor.EncodeAsIds(text)) for text in TEXT_PROMPTS]
@@ -308,6 +452,18 @@ def build(name: str, model_type: str, overrides: dict, seed: int) -> None:
             f,
             indent=1,
         )
+
+
+def use_long_rope_factors(model) -> None:
+    """LongRoPE's long factors at every length, as an engine whose max_model_len exceeds the pretraining
+    length serves them (transformers switches per forward pass, by its longest position)."""
+    rotary = model.model.rotary_emb
+    original = model.config.rope_parameters["original_max_position_embeddings"]
+    long_inv_freq, _ = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["longrope"](
+        model.config, None, seq_len=original + 1
+    )
+    rotary.inv_freq.copy_(long_inv_freq)
+    rotary.original_inv_freq.copy_(long_inv_freq)
 
 
 def main() -> None:

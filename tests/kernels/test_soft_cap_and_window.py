@@ -1,9 +1,13 @@
 """Gemma's attention options in every implementation: the logits soft-cap and a per-layer sliding window
 shorter than the contexts, across pages and in prefill chunks (query blocks starting mid-sequence)."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.mesh import AbstractDevice, AbstractMesh
 
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.paged_attention import cpu, pallas_gpu, pallas_tpu, reference
@@ -106,3 +110,18 @@ def test_dispatch_passes_the_soft_cap_through(impl):
     capped = ragged_paged_attention(*args, query_block=1, logits_soft_cap=SOFT_CAP, impl=impl)
     expected = reference.ragged_paged_attention(*args, query_block=1, logits_soft_cap=SOFT_CAP)
     assert_matches_on_real_tokens(capped, expected, args[5], 1e-4)
+
+
+@pytest.mark.parametrize("dtype,query_block,num_splits", [(jnp.bfloat16, 1, 2), (jnp.float32, 8, 1)])
+def test_soft_cap_and_window_lower_for_gpu_and_tpu(dtype, query_block, num_splits):
+    """The real lowerings (not interpret mode) with both options on: Triton for CUDA, Mosaic for a TPU v5e."""
+    args = capped_step(0, 16, 128, 4, dtype, query_block)
+    options = dict(query_block=query_block, sliding_window=24, logits_soft_cap=50.0, interpret=False)
+    gpu = jax.jit(functools.partial(pallas_gpu.ragged_paged_attention, num_splits=num_splits, **options))
+    assert "triton" in gpu.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    tpu = jax.jit(functools.partial(pallas_tpu.ragged_paged_attention, **options))
+    v5e = AbstractMesh(
+        (1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    )
+    with jax.sharding.use_abstract_mesh(v5e):
+        assert "tpu_custom_call" in tpu.trace(*args).lower(lowering_platforms=("tpu",)).as_text()

@@ -109,15 +109,55 @@ def report(results: dict, peer: str, model: str) -> list[dict]:
     return lines
 
 
-def hf_model_args(model: str, server_python: str) -> dict:
+def hf_model_args(model: str, server_python: str, device: str) -> dict:
     """lm-eval's hf model on the same checkpoint: a Hugging Face directory, or a GGUF file transformers
     dequantizes. Named models are resolved by jaxserve's interpreter (this one may lack jaxserve)."""
     if model in ("default", "tiny-random"):
         code = f"from jaxserve.loading.default_model import resolve_model_path; print(resolve_model_path({model!r}))"
         model = subprocess.check_output([server_python, "-c", code], cwd=ROOT, text=True).strip().splitlines()[-1]
     if model.endswith(".gguf"):
-        return {"pretrained": os.path.dirname(model), "gguf_file": os.path.basename(model), "dtype": "float32"}
-    return {"pretrained": model, "dtype": "float32"}
+        return {
+            "pretrained": os.path.dirname(model),
+            "gguf_file": os.path.basename(model),
+            "dtype": "float32",
+            "device": device,
+        }
+    return {"pretrained": model, "dtype": "float32", "device": device}
+
+
+def run_jaxserve(args) -> dict:
+    with tempfile.TemporaryDirectory() as directory:
+        engine = {"max_model_len": 512, "max_num_seqs": 16, "max_num_batched_tokens": 256}
+        process, http_port = start_server(args.server_python, args.model, directory, engine)
+        try:
+            model_args = {
+                "base_url": f"http://127.0.0.1:{http_port}/v1/completions",
+                "model": served_model_name(http_port),
+                "num_concurrent": args.num_concurrent,
+                "max_retries": 1,
+                "max_length": engine["max_model_len"],
+            }
+            return evaluate("local-completions", model_args, args.limit)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+
+
+def compare(ours: dict, theirs: dict) -> None:
+    """Per item: the loglikelihoods' largest difference and how often both pick the same choice; how often
+    the generated answers are the same text."""
+    for task in TASKS:
+        pairs = list(zip(ours["samples"][task], theirs["samples"][task]))
+        line = {"bench": "lm_eval", "compare": "jaxserve vs transformers", "task": task, "num_samples": len(pairs)}
+        if ours["results"][task].get("acc,none") is not None:
+            scores = [([r[0] for r in a["filtered_resps"]], [r[0] for r in b["filtered_resps"]]) for a, b in pairs]
+            line["max_abs_loglikelihood_difference"] = round(
+                max(abs(x - y) for a, b in scores for x, y in zip(a, b)), 5
+            )
+            line["same_choice"] = sum(a.index(max(a)) == b.index(max(b)) for a, b in scores) / len(scores)
+        else:
+            line["same_text"] = sum(a["filtered_resps"] == b["filtered_resps"] for a, b in pairs) / len(pairs)
+        print(json.dumps(line), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,54 +167,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
     parser.add_argument("--num-concurrent", type=int, default=8, help="lm-eval's requests in flight")
     parser.add_argument("--peer-hf", action="store_true", help="also run lm-eval's hf model (needs torch)")
+    parser.add_argument("--hf-device", default="cpu", help="where transformers runs (cpu, cuda)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    with tempfile.TemporaryDirectory() as directory:
-        engine = {"max_model_len": 512, "max_num_seqs": 16, "max_num_batched_tokens": 256}
-        process, http_port = start_server(args.server_python, args.model, directory, engine)
-        try:
-            name = served_model_name(http_port)
-            started = time.perf_counter()
-            results = evaluate(
-                "local-completions",
-                {
-                    "base_url": f"http://127.0.0.1:{http_port}/v1/completions",
-                    "model": name,
-                    "num_concurrent": args.num_concurrent,
-                    "max_retries": 1,
-                    "max_length": engine["max_model_len"],
-                },
-                args.limit,
-            )
-            jaxserve_lines = report(results, "jaxserve", args.model)
-            print(
-                json.dumps({"bench": "lm_eval", "peer": "jaxserve", "seconds": round(time.perf_counter() - started, 1)})
-            )
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+    runs = {"jaxserve": lambda: run_jaxserve(args)}
     if args.peer_hf:
+        runs["transformers"] = lambda: evaluate(
+            "hf", hf_model_args(args.model, args.server_python, args.hf_device), args.limit
+        )
+    results = {}
+    for peer, run in runs.items():
         started = time.perf_counter()
-        hf_lines = report(
-            evaluate("hf", hf_model_args(args.model, args.server_python), args.limit), "transformers", args.model
-        )
-        print(
-            json.dumps({"bench": "lm_eval", "peer": "transformers", "seconds": round(time.perf_counter() - started, 1)})
-        )
-        for ours, theirs in zip(jaxserve_lines, hf_lines):
-            difference = ours["value"] - theirs["value"]
-            print(
-                json.dumps(
-                    {
-                        "bench": "lm_eval",
-                        "task": ours["task"],
-                        "metric": ours["metric"],
-                        "difference": round(difference, 4),
-                    }
-                )
-            )
+        results[peer] = run()
+        report(results[peer], peer, args.model)
+        print(json.dumps({"bench": "lm_eval", "peer": peer, "seconds": round(time.perf_counter() - started, 1)}))
+    if args.peer_hf:
+        compare(results["jaxserve"], results["transformers"])
     return 0
 
 

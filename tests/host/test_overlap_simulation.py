@@ -89,7 +89,12 @@ class SimulatedEngine:
         to_process = self.in_flight if self.overlap else dispatched
         self.in_flight = dispatched if self.overlap else []
         for chunks, tokens in to_process:
-            self.outputs.process(chunks, self.scheduler, SimpleNamespace(token_ids=tokens), 0)
+            self.outputs.process(
+                chunks,
+                self.scheduler,
+                SimpleNamespace(token_ids=tokens, no_token_allowed=np.zeros(len(tokens), bool)),
+                0,
+            )
         slots = [seq.token_buffer_entry for seq in self.scheduler.running]
         assert -1 not in slots and len(set(slots)) == len(slots)
         assert len(self.scheduler._free_buffer_entries) + len(slots) == self.scheduler.max_num_seqs

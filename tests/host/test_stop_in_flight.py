@@ -49,7 +49,9 @@ def run(overlap: bool, stop_at: int, page_size: int = 4, prompt_len: int = 3):
         dispatched = [(chunks, np.array(tokens))] if chunks else []
         to_process, in_flight = (in_flight, dispatched) if overlap else (dispatched, [])
         for done, sampled in to_process:
-            outputs.process(done, scheduler, SimpleNamespace(token_ids=sampled), 0)
+            outputs.process(
+                done, scheduler, SimpleNamespace(token_ids=sampled, no_token_allowed=np.zeros(len(sampled), bool)), 0
+            )
         if finished_at is None and seq.finish_reason is not None:
             finished_at = step
         if not scheduler.has_unfinished and not in_flight:

@@ -38,8 +38,8 @@ class SequenceBuffers:
         """Each row's sampled token becomes its entry's newest and is counted. Rows that sample for
         nobody point at the scratch entry, which nobody reads."""
         return SequenceBuffers(
-            newest_token_ids=self.newest_token_ids.at[entries].set(token_ids),
-            output_counts=self.output_counts.at[entries, token_ids].add(1),
+            newest_token_ids=jnp.asarray(self.newest_token_ids).at[entries].set(token_ids),
+            output_counts=jnp.asarray(self.output_counts).at[entries, token_ids].add(1),
             prompt_tokens=self.prompt_tokens,
         )
 
@@ -48,11 +48,11 @@ def reset_entry(buffers: SequenceBuffers, entry, output_counts, prompt_tokens) -
     """entry: a scalar; output_counts [V] int32; prompt_tokens [W] int32 bitmask."""
     return SequenceBuffers(
         newest_token_ids=buffers.newest_token_ids,
-        output_counts=buffers.output_counts.at[entry].set(output_counts),
-        prompt_tokens=buffers.prompt_tokens.at[entry].set(prompt_tokens),
+        output_counts=jnp.asarray(buffers.output_counts).at[entry].set(output_counts),
+        prompt_tokens=jnp.asarray(buffers.prompt_tokens).at[entry].set(prompt_tokens),
     )
 
 
-def gather_entries(buffers: SequenceBuffers, entries) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """[S, V] output counts and [S, W] prompt bitmasks of the rows' entries."""
-    return buffers.output_counts[entries], buffers.prompt_tokens[entries]
+def gather_entries(buffers: SequenceBuffers, entries) -> tuple[jax.Array, jax.Array]:
+    """[S, V] output counts and [S, W] prompt bitmasks of the rows' entries (inside the step: jax arrays)."""
+    return jnp.asarray(buffers.output_counts)[entries], jnp.asarray(buffers.prompt_tokens)[entries]

@@ -131,3 +131,31 @@ def test_grpc_generate_takes_the_same_controls(server):
     assert (
         refusal.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in refusal.value.details()
     )
+
+
+def test_the_sdks_parse_with_a_pydantic_model_validates(client):
+    """What agent code does: `chat.completions.parse(response_format=PydanticModel)` (strict JSON schema
+    from pydantic, no jaxserve-specific keys), sampled at temperature 1 on a noise model."""
+    from typing import Literal
+
+    import pydantic
+
+    class Book(pydantic.BaseModel):
+        title: str = pydantic.Field(max_length=12)
+        year: int = pydantic.Field(ge=1000, le=2100)
+        genre: Literal["poetry", "novel", "essay"]
+        in_print: bool
+
+    for seed in (1, 2, 3):
+        reply = client.chat.completions.parse(
+            model="llama_gqa",
+            messages=[{"role": "user", "content": "a book, as JSON"}],
+            response_format=Book,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=80,
+        )
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "stop", message.content
+        assert isinstance(message.parsed, Book)  # the SDK validated it against the model
+        Book.model_validate_json(message.content)

@@ -46,7 +46,13 @@ def _file_digests(path: str, digest) -> None:
 
 def model_fingerprint(source: ModelSource) -> str:
     digest = hashlib.blake2b(digest_size=16)
-    config = dataclasses.asdict(source.config) if dataclasses.is_dataclass(source.config) else vars(source.config)
+    config = dict(dataclasses.asdict(source.config) if dataclasses.is_dataclass(source.config) else vars(source.config))
+    # The engine's max_model_len is no property of the model, except where it picks LongRoPE's long factors:
+    # then it changes every page's keys, and only which factors it picked counts.
+    context_length = config.pop("context_length", None)
+    scaling = getattr(source.config, "rope_scaling", None)
+    if scaling is not None and scaling.rope_type == "longrope" and context_length is not None:
+        config["longrope_long_factors"] = context_length > scaling.original_max_position_embeddings
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     if source.tokenizer is not None:
         digest.update(json.dumps(source.tokenizer.encode(PROBE_TEXT)).encode())

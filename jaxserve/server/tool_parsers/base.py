@@ -3,6 +3,7 @@ of a grammar (a tool's call as one JSON schema, Lark literals)."""
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -87,17 +88,20 @@ def call_schema(tools: list[dict], arguments_key: str) -> dict:
     return {"anyOf": options, "x-guidance": JSON_LAYOUT}
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
+    """One model family's tool-call format: how to read calls out of a reply, and the grammar that makes
+    a reply nothing but calls (tool_choice required or named)."""
+
     name = ""
     markers: tuple[str, ...] = ()  # where a tool call begins, anywhere in the reply
     leading_markers: tuple[str, ...] = ()  # where one begins, only at the reply's start (after whitespace)
 
-    def parse(self, text: str) -> ParsedReply:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def parse(self, text: str) -> ParsedReply: ...
 
+    @abc.abstractmethod
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         """A Lark grammar whose every sentence is one call (several with parallel) of these tools."""
-        raise NotImplementedError
 
 
 def content_or_none(text: str) -> str | None:

@@ -11,6 +11,13 @@ embedding pairs adjacent dimensions, Hugging Face's pairs the two halves); readi
 Mixtral is "llama" with experts in GGUF; its stacked expert tensors are served per expert.
 Llama 3.1's rotary scaling is read back from its rope_freqs tensor (gguf_rope.py). The embedded
 tokenizer is read by gguf_tokenizer.py.
+
+Gemma 2 / 3: the converter stores every norm weight with Gemma's unit offset added (llama.cpp's
+RMSNorm multiplies by the weight alone); reading subtracts it again. GGUF has no query_pre_attn_scalar:
+llama.cpp scales scores by head_dim's -1/2 power, or by hidden / heads for the 27B models, and so does
+the config written here. Gemma 3's local layers take rope.freq_base_swa (10k unless given), unscaled.
+Phi-3 keeps its fused attn_qkv and ffn_up (gate rows, then up) under Hugging Face's fused names; its
+LongRoPE factors are the rope_factors_long / rope_factors_short tensors.
 """
 
 from __future__ import annotations
@@ -26,7 +33,25 @@ from gguf.quants import dequantize
 from jaxserve.loading.gguf_metadata import GGUFMetadataReader
 from jaxserve.loading.gguf_rope import llama3_rope_scaling
 
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF architecture -> HF model_type
+MODEL_TYPES = {  # GGUF architecture -> HF model_type
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+}
+ARCHITECTURE_CLASSES = {  # HF model_type -> config.json architectures
+    "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's 27B: scores scaled by (hidden / heads) ** -1/2
 GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -46,8 +71,36 @@ LAYER_TENSORS = {  # blk.N.<name> -> model.layers.N.<name>
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "block_sparse_moe.gate",
 }
+GEMMA_LAYER_TENSORS = {
+    **LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+PHI3_LAYER_TENSORS = {**LAYER_TENSORS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 EXPERT_TENSORS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}  # stacked -> Mixtral's names
 REQUIRED_LAYER_TENSORS = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
+FAMILY_LAYER_TENSORS = {  # required instead of the above, and the MLP's
+    "gemma2": (*REQUIRED_LAYER_TENSORS, "post_attention_norm", "post_ffw_norm", "ffn_gate", "ffn_up", "ffn_down"),
+    "gemma3": (
+        *REQUIRED_LAYER_TENSORS,
+        "post_attention_norm",
+        "post_ffw_norm",
+        "attn_q_norm",
+        "attn_k_norm",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+    ),
+    "phi3": ("attn_norm", "ffn_norm", "attn_qkv", "attn_output", "ffn_up", "ffn_down"),
+}
+
+
+def layer_tensor_names(architecture: str) -> dict[str, str]:
+    """blk.N.<name> -> model.layers.N.<name> for one GGUF architecture."""
+    if architecture in GEMMA_ARCHITECTURES:
+        return GEMMA_LAYER_TENSORS
+    return PHI3_LAYER_TENSORS if architecture == "phi3" else LAYER_TENSORS
 
 
 def find_gguf_file(path: str) -> str | None:
@@ -108,14 +161,7 @@ class GGUFFile:
         if "token_embd.weight" not in self.tensors:
             raise ValueError(f"GGUF file {self.path} has no token_embd.weight tensor")
         config: dict[str, Any] = dict(
-            architectures=[
-                {
-                    "llama": "LlamaForCausalLM",
-                    "mixtral": "MixtralForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM",
-                }[model_type]
-            ],
+            architectures=[ARCHITECTURE_CLASSES[model_type]],
             model_type=model_type,
             hidden_size=hidden_size,
             intermediate_size=intermediate_size,
@@ -149,13 +195,73 @@ class GGUFFile:
                 config["rope_scaling"] = scaling
         if num_experts:
             config.update(num_local_experts=num_experts, num_experts_per_tok=int(self._get("expert_used_count")))
+        if self.architecture in GEMMA_ARCHITECTURES:
+            self._add_gemma_config(config)
+        elif self.architecture == "phi3":
+            self._add_phi3_config(config)
         self._check_layers(num_layers, num_experts)
         return config
 
+    def _add_gemma_config(self, config: dict) -> None:
+        num_layers, head_dim = config["num_hidden_layers"], config["head_dim"]
+        is_27b = num_layers == GEMMA_27B_LAYERS[self.architecture]
+        window = self._get("attention.sliding_window", 4096 if self.architecture == "gemma2" else 0)
+        pattern = self._get("attention.sliding_window_pattern", 2 if self.architecture == "gemma2" else 6)
+        if isinstance(pattern, list):  # one flag per layer: sliding or not
+            sliding = [bool(flag) for flag in pattern]
+        else:  # as llama.cpp's set_swa_pattern: the last layer of every `pattern` is global; 0: none is
+            sliding = [int(pattern) == 0 or (layer + 1) % int(pattern) != 0 for layer in range(num_layers)]
+        if len(sliding) != num_layers:
+            raise ValueError(
+                f"GGUF file {self.path}: {self.architecture}.attention.sliding_window_pattern names "
+                f"{len(sliding)} layers, the model has {num_layers}"
+            )
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=config["hidden_size"] // config["num_attention_heads"] if is_27b else head_dim,
+            final_logit_softcapping=float(self._get("final_logit_softcapping") or 0) or None,
+            sliding_window=int(window) or None,
+            layer_types=["sliding_attention" if window and is_sliding else "full_attention" for is_sliding in sliding],
+        )
+        if self.architecture == "gemma2":
+            config["attn_logit_softcapping"] = float(self._get("attn_logit_softcapping") or 0) or None
+            return
+        full: dict[str, Any] = dict(rope_type="default", rope_theta=config["rope_theta"])
+        if "rope_scaling" in config:
+            full.update(config.pop("rope_scaling"))
+        local = dict(rope_type="default", rope_theta=float(self._get("rope.freq_base_swa") or 10000.0))
+        config["rope_parameters"] = dict(full_attention=full, sliding_attention=local)
+
+    def _add_phi3_config(self, config: dict) -> None:
+        rotary_dim = int(self._get("rope.dimension_count") or config["head_dim"])
+        original = int(self._get("rope.scaling.original_context_length") or config["max_position_embeddings"])
+        rope: dict[str, Any] = dict(
+            rope_type="default",
+            rope_theta=config["rope_theta"],
+            partial_rotary_factor=rotary_dim / config["head_dim"],
+        )
+        factors = {}
+        for kind in ("long", "short"):
+            tensor = self.tensors.get(f"rope_factors_{kind}.weight")
+            if tensor is not None:
+                factors[f"{kind}_factor"] = dequantize(tensor.data, tensor.tensor_type).reshape(-1).tolist()
+        if factors:
+            if len(factors) != 2:
+                raise ValueError(f"GGUF file {self.path} has one of rope_factors_long / rope_factors_short only")
+            # the attention factor is left to transformers' default, the value the converter writes
+            rope.update(rope_type="longrope", original_max_position_embeddings=original, **factors)
+        config.pop("rope_scaling", None)
+        config.update(
+            rope_parameters=rope,
+            original_max_position_embeddings=original,
+            sliding_window=int(self._get("attention.sliding_window") or 0) or None,
+        )
+
     def _check_layers(self, num_layers: int, num_experts: int) -> None:
         mlp = ("ffn_gate_inp", *EXPERT_TENSORS) if num_experts else ("ffn_gate", "ffn_up", "ffn_down")
+        required = FAMILY_LAYER_TENSORS.get(self.architecture, REQUIRED_LAYER_TENSORS + mlp)
         for layer in range(num_layers):
-            for name in REQUIRED_LAYER_TENSORS + mlp:
+            for name in required:
                 if f"blk.{layer}.{name}.weight" not in self.tensors:
                     raise ValueError(f"GGUF file {self.path} lacks tensor blk.{layer}.{name}.weight")
 
@@ -222,6 +328,7 @@ class GGUFTensorReader:
     def __init__(self, gguf: GGUFFile):
         self.gguf = gguf
         self.names: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, expert index or None)
+        layer_tensors = layer_tensor_names(gguf.architecture)
         for name, tensor in gguf.tensors.items():
             if name in GLOBAL_TENSORS:
                 self.names[GLOBAL_TENSORS[name]] = (name, None)
@@ -230,8 +337,8 @@ class GGUFTensorReader:
             if len(parts) != 4 or parts[0] != "blk":
                 continue
             prefix = f"model.layers.{parts[1]}."
-            if parts[2] in LAYER_TENSORS:
-                self.names[prefix + LAYER_TENSORS[parts[2]] + "." + parts[3]] = (name, None)
+            if parts[2] in layer_tensors:
+                self.names[prefix + layer_tensors[parts[2]] + "." + parts[3]] = (name, None)
             elif parts[2] in EXPERT_TENSORS:
                 for expert in range(tensor.data.shape[0]):
                     hf_name = f"{prefix}block_sparse_moe.experts.{expert}.{EXPERT_TENSORS[parts[2]]}.{parts[3]}"
@@ -261,4 +368,6 @@ class GGUFTensorReader:
         projection = hf_name.split(".")[-2]
         if projection in self.rotary_heads:
             values = unpermute_rotary_rows(values, self.rotary_heads[projection])
+        if self.gguf.architecture in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            values = values - 1.0  # the converter's unit offset, which jaxserve's Gemma norms add themselves
         return values

@@ -2,6 +2,7 @@
 transformers in float32, quantized ones against a safetensors checkpoint of the same dequantized
 weights, and bad files refused before anything loads."""
 
+import dataclasses
 import json
 import os
 import struct
@@ -19,13 +20,20 @@ from tests.support.gguf_files import write_gguf
 from tests.support.hf_parity import check_against_hf
 
 TOKENIZER_MODEL = os.path.join(fixture_dir("llama_gqa"), "tokenizer.model")
+GGUF_ARCHITECTURES = {  # HF model_type -> llama.cpp's architecture, where it is not "llama"
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+}
 
 
 def fixture_gguf(name: str, path: str, quant_types: dict | None = None) -> str:
     directory = fixture_dir(name)
     with open(os.path.join(directory, "config.json")) as f:
         config = json.load(f)
-    architecture = config["model_type"] if config["model_type"].startswith("qwen") else "llama"
+    architecture = GGUF_ARCHITECTURES.get(config["model_type"], "llama")
     write_gguf(
         path,
         config,
@@ -37,10 +45,26 @@ def fixture_gguf(name: str, path: str, quant_types: dict | None = None) -> str:
     return path
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa_odd", "mixtral", "qwen3"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama_gqa",
+        "llama_mqa_odd",
+        "mixtral",
+        "qwen3",
+        "gemma2_mha_untied",
+        "gemma3",
+        "phi3",
+        "phi3_longrope_long",
+        "phi3_longrope_short",
+    ],
+)
 def test_float32_gguf_matches_transformers(name, tmp_path):
     """The llama converter's permuted query/key rows are undone; Llama 3 rope scaling is read back from
-    rope_freqs (llama_mqa_odd); Mixtral's stacked experts are split; Qwen3's per-head q/k norms are found."""
+    rope_freqs (llama_mqa_odd); Mixtral's stacked experts are split; Qwen3's per-head q/k norms are found.
+    Gemma's norms lose the converter's +1, its soft-caps, windows and (Gemma 3) local and global ropes come
+    from the metadata; Phi-3's fused tensors, partial rotary and LongRoPE factor tensors are read (these
+    fixtures' query_pre_attn_scalar equals head_dim, as llama.cpp assumes)."""
     llm = LLM(fixture_gguf(name, str(tmp_path / f"{name}.gguf")), **SMALL_ENGINE)
     check_against_hf(llm, name)
     for prompt in expected(name)["prompts"]:
@@ -215,3 +239,34 @@ def test_bad_gguf_files_raise_value_errors_naming_them(tmp_path):
         fixture_gguf("llama_gqa", str(two / name))
     with pytest.raises(ValueError, match="several GGUF files"):
         open_model(str(two))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma2_mha_untied", "gemma3_odd_untied", "phi3", "phi3_longrope_short"])
+def test_gemma_and_phi3_gguf_describe_their_checkpoint(name, tmp_path):
+    """Tensor for tensor (Gemma's norms less the converter's +1) and field for field (soft-caps, windows,
+    layer types, ropes, rotary dims, LongRoPE factors), but for Gemma's
+    query_pre_attn_scalar: GGUF has none, and llama.cpp scales by head_dim (these are not 27B models)."""
+    from jaxserve.models import ModelConfig
+
+    weights = load_file(os.path.join(fixture_dir(name), "model.safetensors"))
+    path = fixture_gguf(name, str(tmp_path / f"{name}.gguf"))
+    reader = GGUFFile(path).tensor_reader()
+    assert set(reader.names) == set(weights)
+    for hf_name, value in weights.items():
+        np.testing.assert_allclose(reader.read(hf_name), value, rtol=0, atol=1e-6, err_msg=hf_name)
+    config = open_model(path).config
+    reference = ModelConfig.from_model_dir(fixture_dir(name))
+    if reference.query_pre_attention_scalar is not None:
+        reference = dataclasses.replace(reference, query_pre_attention_scalar=float(reference.head_dim))
+    if reference.model_type == "gemma3_text":  # the converter writes no layer pattern; llama.cpp's is 5 : 1
+        pattern = tuple(
+            "full_attention" if layer % 6 == 5 else "sliding_attention" for layer in range(reference.num_layers)
+        )
+        reference = dataclasses.replace(reference, layer_types=pattern)
+    scaling = dataclasses.replace(  # GGUF stores the factors and the epsilon as float32
+        reference.rope_scaling,
+        short_factor=tuple(float(f) for f in np.asarray(reference.rope_scaling.short_factor, np.float32)),
+        long_factor=tuple(float(f) for f in np.asarray(reference.rope_scaling.long_factor, np.float32)),
+    )
+    assert config.rms_norm_eps == pytest.approx(reference.rms_norm_eps, rel=1e-6)
+    assert config == dataclasses.replace(reference, rms_norm_eps=config.rms_norm_eps, rope_scaling=scaling)

@@ -5,16 +5,23 @@ permutes query/key rows for the llama architecture (the permutation jaxserve mus
 each matrix with gguf.quants.quantize (or, for the k-quants gguf cannot quantize, writes random blocks
 with sane scales: the test then compares against their dequantized values), and embeds a tokenizer
 read from a sentencepiece tokenizer.model ("llama") or a tokenizer.json ("gpt2").
+
+Gemma ("gemma2", "gemma3"): every norm weight + 1, the sandwich norms under llama.cpp's names, the
+soft-caps, window and (Gemma 3) both rope bases in the metadata; query_pre_attn_scalar is not written
+(GGUF has no key for it). llama.cpp's Gemma 2 converter drops lm_head; it is kept here, so an untied
+fixture also checks output.weight. Phi-3 ("phi3"): the fused attn_qkv / ffn_up, rope.dimension_count,
+the original context length and the LongRoPE factor tensors.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import sentencepiece
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 from sentencepiece import sentencepiece_model_pb2
@@ -38,6 +45,14 @@ GLOBAL_NAMES = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+GEMMA_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+PHI3_LAYER_NAMES = {**LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+EXTRA_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
@@ -53,9 +68,13 @@ def permute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def gguf_tensors(hf_config: dict, weights: dict[str, np.ndarray], architecture: str) -> dict[str, np.ndarray]:
     """Hugging Face tensors under llama.cpp's names, Mixtral's experts stacked, llama's q/k rows permuted."""
     tensors, experts = {}, {}
+    gemma = architecture in ("gemma2", "gemma3")
+    layer_names = GEMMA_LAYER_NAMES if gemma else PHI3_LAYER_NAMES if architecture == "phi3" else LAYER_NAMES
     for name, value in weights.items():
         value = np.asarray(value, np.float32)
-        if name in GLOBAL_NAMES or name == "rope_freqs.weight":
+        if gemma and name.endswith("norm.weight"):
+            value = value + 1.0
+        if name in GLOBAL_NAMES or name in EXTRA_TENSORS:
             tensors[GLOBAL_NAMES.get(name, name)] = value
             continue
         _, _, layer, rest = name.split(".", 3)
@@ -67,7 +86,7 @@ def gguf_tensors(hf_config: dict, weights: dict[str, np.ndarray], architecture: 
         if architecture == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = hf_config["num_attention_heads"] if module.endswith("q_proj") else hf_config["num_key_value_heads"]
             value = permute_rotary_rows(value, heads)
-        tensors[f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}"] = value
+        tensors[f"blk.{layer}.{layer_names[module]}.{suffix}"] = value
     for (layer, kind), by_expert in experts.items():
         tensors[f"blk.{layer}.{kind}.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     return tensors
@@ -126,6 +145,8 @@ def write_gguf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     rope = hf_config.get("rope_parameters") or {}
+    local_rope = rope.get("sliding_attention")
+    rope = rope.get("full_attention", rope)  # Gemma 3's global layers
     writer.add_rope_freq_base(float(rope.get("rope_theta", hf_config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(hf_config.get("rms_norm_eps", 1e-6)))
     scaling = hf_config.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
@@ -134,6 +155,10 @@ def write_gguf(
             **weights,
             "rope_freqs.weight": llama3_rope_factors(scaling, rope.get("rope_theta", 10000.0), head_dim),
         }
+    if architecture in ("gemma2", "gemma3"):
+        weights = add_gemma_metadata(writer, hf_config, weights, architecture, rope, local_rope)
+    if architecture == "phi3":
+        weights = add_phi3_metadata(writer, hf_config, weights, rope, head_dim)
     if hf_config.get("num_local_experts"):
         writer.add_expert_count(hf_config["num_local_experts"])
         writer.add_expert_used_count(hf_config["num_experts_per_tok"])
@@ -156,10 +181,53 @@ def write_gguf(
     writer.close()
 
 
+def add_gemma_metadata(
+    writer: GGUFWriter, hf_config: dict, weights: dict, architecture: str, rope: dict, local_rope: dict | None
+) -> dict:
+    """As convert_hf_to_gguf.py's Gemma2Model / Gemma3Model.set_gguf_parameters."""
+    if architecture == "gemma2":
+        writer.add_attn_logit_softcapping(hf_config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(hf_config["final_logit_softcapping"])
+        writer.add_sliding_window(hf_config["sliding_window"])
+        return weights
+    if hf_config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(hf_config["final_logit_softcapping"])
+    if hf_config.get("sliding_window_pattern") != 1:
+        writer.add_sliding_window(hf_config["sliding_window"])
+    if local_rope and "rope_theta" in local_rope:
+        writer.add_rope_freq_base_swa(float(local_rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    return weights
+
+
+def add_phi3_metadata(writer: GGUFWriter, hf_config: dict, weights: dict, rope: dict, head_dim: int) -> dict:
+    """As convert_hf_to_gguf.py's Phi3MiniModel: set_gguf_parameters and generate_extra_tensors."""
+    original = int(rope.get("original_max_position_embeddings") or hf_config["original_max_position_embeddings"])
+    rotary_dim = (
+        int(rope.get("partial_rotary_factor", 1.0) * hf_config["hidden_size"]) // hf_config["num_attention_heads"]
+    )
+    assert rotary_dim <= head_dim
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_dimension_count(rotary_dim)
+    writer.add_sliding_window(hf_config.get("sliding_window") or 0)
+    if not rope.get("long_factor"):
+        return weights
+    scale = hf_config["max_position_embeddings"] / original
+    writer.add_rope_scaling_type(RopeScalingType.LONGROPE)
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    return {
+        **weights,
+        "rope_factors_long.weight": np.array(rope["long_factor"], np.float32),
+        "rope_factors_short.weight": np.array(rope["short_factor"], np.float32),
+    }
+
+
 def add_sentencepiece_vocab(writer: GGUFWriter, model_path: str, _pre: str) -> None:
     """As convert_hf_to_gguf.py's _create_vocab_sentencepiece: pieces, scores, types, ids."""
     processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
-    proto = sentencepiece_model_pb2.ModelProto()
+    proto = sentencepiece_model_pb2.ModelProto()  # pyright: ignore[reportAttributeAccessIssue] (generated)
     proto.ParseFromString(processor.serialized_model_proto())
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")

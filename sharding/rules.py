@@ -21,6 +21,7 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "vocab": "tensor",
     "expert": None,
     "expert_mlp": "tensor",  # inside each expert, as "mlp"
+    "shared_expert_mlp": "tensor",  # Qwen2-MoE's shared expert, as "mlp"
 }
 # With expert parallelism the experts themselves are spread over every device instead.
 EXPERT_PARALLEL_RULES = {**LOGICAL_AXIS_RULES, "expert": ("data", "tensor"), "expert_mlp": None}

@@ -107,7 +107,7 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
         if config.parallel.expert_load_profile is not None:
             experts.rebalance(
                 read_load_profile(
-                    config.parallel.expert_load_profile, model_config.num_layers, model_config.num_experts
+                    config.parallel.expert_load_profile, model_config.num_moe_layers, model_config.num_experts
                 )
             )
     runner.warm_up(show_progress=config.show_progress)

@@ -16,11 +16,12 @@ from sharding.expert_placement import device_of_experts, read_load_profile, reba
 class ExpertBalancer:
     def __init__(self, model: ModelConfig, runner, num_devices: int | None, rebalance_interval: int = 0):
         """num_devices: the expert-parallel devices (None: experts are not spread over devices)."""
-        self.num_layers, self.num_experts = model.num_layers, model.num_experts
+        # rows: the layers with experts (Qwen2-MoE may keep dense MLPs in some)
+        self.num_layers, self.num_experts = model.num_moe_layers, model.num_experts
         self.runner = runner
         self.num_devices = num_devices
         self.rebalance_interval = rebalance_interval
-        self.expert_tokens = np.zeros((model.num_layers, model.num_experts), np.int64)  # cumulative, real tokens
+        self.expert_tokens = np.zeros((self.num_layers, model.num_experts), np.int64)  # cumulative, real tokens
         self._tokens_at_last_move = self.expert_tokens.copy()  # the periodic rebalance's window starts here
         self.num_rebalances = 0
         # [layers, experts]: the device each expert sits on (expert parallelism only)

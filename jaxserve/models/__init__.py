@@ -7,7 +7,7 @@ how routed tokens reach their experts are functions passed in (sharding/attentio
 sharding/moe.py), so the model code is the same on one device and on a mesh; which kernel computes
 each projection is the matmul plan passed in (pallas_kernels/matmul), so the model names no kernel.
 Each family's Hugging Face tensor names sit in its own module (llama.py, mixtral.py, qwen3_moe.py,
-phi3.py; Gemma's are Llama's).
+phi3.py; Gemma's are Llama's, Qwen2-MoE's Qwen3-MoE's).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def _checkpoint_names() -> dict:
         "qwen3": llama.read_param,
         "mixtral": mixtral.read_param,
         "qwen3_moe": qwen3_moe.read_param,
+        "qwen2_moe": qwen3_moe.read_param,
     }
 
 

@@ -2,7 +2,8 @@
 
 One `ModelConfig` describes every supported family: Llama, Mistral and Qwen2/Qwen3 are the same
 decoder with different attention details (biases, per-head q/k norms, which layers slide their
-window); Mixtral and Qwen3-MoE swap the MLP for a sparse mixture of experts. Gemma 2 and 3 add
+window); Mixtral, Qwen3-MoE and Qwen2-MoE swap the MLP for a sparse mixture of experts (Qwen2-MoE's
+adds a gated shared expert, and may keep dense MLPs in some layers). Gemma 2 and 3 add
 (1 + weight) norms around both halves of each layer, a scaled embedding, soft-capped logits and
 local layers with their own rope base; Phi-3 fuses projections (split at load, phi3.py) and
 stretches its rope with LongRoPE over part of each head.
@@ -19,7 +20,18 @@ from typing import Any
 
 from jaxserve.config import canonical_dtype
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+)
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -77,6 +89,10 @@ class ModelConfig:
     num_experts_per_token: int = 0
     expert_intermediate_size: int = 0  # each expert's MLP width (Mixtral: intermediate_size)
     normalize_expert_weights: bool = True  # the top k router probabilities rescaled to sum to 1
+    # Qwen2-MoE: an MLP of this width beside the routed experts, scaled by sigmoid(shared_expert_gate(x));
+    # 0: none
+    shared_expert_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model whose MLP is dense (intermediate_size)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer, full or sliding attention; default: every layer alike
     bos_token_id: int | None = None
@@ -134,6 +150,10 @@ class ModelConfig:
                 f"config.json: num_experts_per_tok ({self.num_experts_per_token}) must be in "
                 f"[1, num_experts={self.num_experts}]"
             )
+        if not set(self.dense_layers) <= set(range(self.num_layers)):
+            raise ValueError(
+                f"config.json: dense MLP layers {list(self.dense_layers)} outside 0..{self.num_layers - 1}"
+            )
         if self.num_experts and not self.expert_intermediate_size:
             object.__setattr__(self, "expert_intermediate_size", self.intermediate_size)
         if not self.layer_types:
@@ -148,6 +168,14 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers with experts: the rows of expert-load counts and profiles."""
+        return sum(self.layer_is_moe(layer) for layer in range(self.num_layers))
 
     def layer_sliding_window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
@@ -169,6 +197,7 @@ class ModelConfig:
             "kv_heads": self.num_kv_heads,
             "mlp": self.intermediate_size,
             "expert_mlp": self.expert_intermediate_size,
+            "shared_expert_mlp": self.shared_expert_intermediate_size or 1,
             "vocab": self.vocab_size,
             "embed": self.hidden_size,
             "head_dim": self.head_dim,
@@ -337,6 +366,8 @@ def _attention_fields(model_type: str, hf: dict, num_layers: int) -> dict:
     )
     if model_type == "qwen2":  # q/k/v biases hard-wired on, o_proj's off
         fields.update(attention_bias=True, attention_output_bias=False)
+    if model_type == "qwen2_moe":
+        fields.update(attention_bias=bool(hf.get("qkv_bias", True)), attention_output_bias=False)
     window = hf.get("sliding_window") if model_type != "llama" else None
     # Qwen's windows are off unless use_sliding_window says so; Mistral's only when it says not.
     if model_type.startswith("qwen") and not hf.get("use_sliding_window", False):
@@ -351,6 +382,16 @@ def _attention_fields(model_type: str, hf: dict, num_layers: int) -> dict:
             hf.get("layer_types")
             or (
                 "sliding_attention" if window and layer >= first_sliding else "full_attention"
+                for layer in range(num_layers)
+            )
+        )
+    if model_type == "qwen2_moe":
+        # As transformers' Qwen2MoeConfig: without layer_types, even-numbered layers below max_window_layers slide.
+        below = int(hf.get("max_window_layers", 28))
+        fields["layer_types"] = tuple(
+            hf.get("layer_types")
+            or (
+                "sliding_attention" if window and layer % 2 == 0 and layer < below else "full_attention"
                 for layer in range(num_layers)
             )
         )
@@ -376,5 +417,21 @@ def _expert_fields(model_type: str, hf: dict) -> dict:
             num_experts_per_token=int(hf.get("num_experts_per_tok", 8)),
             expert_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
             normalize_expert_weights=bool(hf.get("norm_topk_prob", False)),
+        )
+    if model_type == "qwen2_moe":
+        # A layer has experts unless mlp_only_layers lists it or it falls between decoder_sparse_step's.
+        num_experts = int(hf.get("num_local_experts", hf.get("num_experts", 60)))
+        step = int(hf.get("decoder_sparse_step", 1))
+        only_mlp = set(hf.get("mlp_only_layers") or ())
+        num_layers = int(hf["num_hidden_layers"])
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_token=int(hf.get("num_experts_per_tok", 4)) if num_experts else 0,
+            expert_intermediate_size=int(hf.get("moe_intermediate_size", 1408)),
+            normalize_expert_weights=bool(hf.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 5632)),
+            dense_layers=tuple(
+                layer for layer in range(num_layers) if layer in only_mlp or step <= 0 or (layer + 1) % step
+            ),
         )
     return {}

@@ -1,5 +1,5 @@
 """The decoder-only causal LM every supported family shares (Llama, Mistral, Qwen2/3 and their MoE kin,
-Gemma 2/3, Phi-3)."""
+Gemma 2/3, Phi-3). An MoE model's layers listed in dense_layers keep a dense MLP."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class DecoderLayer(nnx.Module):
         sandwich = config.sandwich_norms
         self.pre_feedforward_layernorm = RMSNorm(e, eps, dtype, unit_offset=offset) if sandwich else None
         self.post_feedforward_layernorm = RMSNorm(e, eps, dtype, unit_offset=offset) if sandwich else None
-        if not config.is_moe:
+        if not config.layer_is_moe(layer):
             self.mlp = MLP(config, dtype, matmul, rngs)
         elif experts is None:
             raise ValueError(f"a {config.model_type} layer with experts needs an experts function (sharding/moe.py)")

@@ -264,11 +264,15 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype, matmul: Matmul, rngs: nnx.Rngs):
-        e, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = linear(e, f, ("embed", "mlp"), bias=bias, dtype=dtype, matmul=matmul, rngs=rngs)
-        self.up_proj = linear(e, f, ("embed", "mlp"), bias=bias, dtype=dtype, matmul=matmul, rngs=rngs)
-        self.down_proj = linear(f, e, ("mlp", "embed"), bias=bias, dtype=dtype, matmul=matmul, rngs=rngs)
+    def __init__(self, config: ModelConfig, dtype, matmul: Matmul, rngs: nnx.Rngs, *, shared_expert: bool = False):
+        """shared_expert: Qwen2-MoE's MLP beside the routed experts, of its own width (and logical axis)."""
+        e, bias = config.hidden_size, config.mlp_bias
+        f, axis = (config.intermediate_size, "mlp")
+        if shared_expert:
+            f, axis = (config.shared_expert_intermediate_size, "shared_expert_mlp")
+        self.gate_proj = linear(e, f, ("embed", axis), bias=bias, dtype=dtype, matmul=matmul, rngs=rngs)
+        self.up_proj = linear(e, f, ("embed", axis), bias=bias, dtype=dtype, matmul=matmul, rngs=rngs)
+        self.down_proj = linear(f, e, (axis, "embed"), bias=bias, dtype=dtype, matmul=matmul, rngs=rngs)
         self.activation = config.hidden_act
 
     def __call__(self, x):

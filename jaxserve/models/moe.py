@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts block (Mixtral, Qwen3-MoE): a softmax top-k router over X gated experts.
+"""The sparse mixture-of-experts block (Mixtral, Qwen3-MoE, Qwen2-MoE): a softmax top-k router over X gated
+experts, and for Qwen2-MoE a shared expert every token passes through, scaled by its own sigmoid gate.
 
 The router runs here. How the routed tokens reach their experts (grouped matmuls on every device,
 or an all-to-all to the devices that hold them) is the `experts` function the model is built with
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.layers import ACTIVATIONS, Matmul, linear
+from jaxserve.models.layers import ACTIVATIONS, MLP, Matmul, linear
 
 # Legend: T = tokens, E = embed, X = experts, F = expert mlp, k = experts per token, S = stored expert rows
 # (X, or X padded to an even number per device under expert parallelism: rows no expert id points at).
@@ -62,6 +63,11 @@ class SparseMoE(nnx.Module):
         self.down_proj = nnx.Param(
             init(rngs.params(), (s, f, e), dtype), logical_axes=("expert", "expert_mlp", "embed")
         )  # [S, F, E]
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config, dtype, matmul, rngs, shared_expert=True)
+            self.shared_expert_gate = linear(e, 1, ("embed", None), bias=False, dtype=dtype, matmul=matmul, rngs=rngs)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
         self.top_k = config.num_experts_per_token
         self.normalize_weights = config.normalize_expert_weights
         self.activation = config.hidden_act
@@ -77,7 +83,7 @@ class SparseMoE(nnx.Module):
             if self.expert_device is None or self.expert_slot is None
             else (self.expert_device[...], self.expert_slot[...])
         )
-        return self.experts(
+        routed = self.experts(
             x,
             weights,
             expert_ids,
@@ -87,3 +93,7 @@ class SparseMoE(nnx.Module):
             placement,
             activation=ACTIVATIONS[self.activation],
         )
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return routed
+        gate = jax.nn.sigmoid(self.shared_expert_gate(x))  # [T, 1]
+        return routed + gate * self.shared_expert(x)

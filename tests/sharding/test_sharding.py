@@ -44,6 +44,9 @@ def multi_device_results(tmp_path_factory):
         "mixtral_6x:2:2:ep",
         "qwen3_moe_60x:1:8:ep",
         "llama_gqa:2:2:-:pallas",
+        "qwen2_moe:2",
+        "qwen2_moe:1:4:ep",
+        "qwen2_moe:2:2:ep",
         f"--orbax={tmp_path_factory.mktemp('orbax') / 'checkpoint'}",
         f"--rebalance={tmp_path_factory.mktemp('rb')}",
         f"--uneven={tmp_path_factory.mktemp('uneven')}",
@@ -102,6 +105,24 @@ def test_data_and_expert_parallel_outputs_equal_transformers(multi_device_result
         "tensor" if run in ("mixtral:2:2:ep", "mixtral_6x:2:2:ep", "llama_gqa:2:2:-:pallas") else "None"
     )
     assert outcome["attention_impl"] == ("pallas" if run.endswith("pallas") else "cpu")
+
+
+@pytest.mark.parametrize("run", ["qwen2_moe:2", "qwen2_moe:1:4:ep", "qwen2_moe:2:2:ep"])
+def test_qwen2_moe_shared_expert_and_dense_layer_sharded_equal_transformers(multi_device_results, run):
+    """Qwen2-MoE under TP 2, EP 4 and DP 2 x EP over TP 2: the shared expert splits over the tensor shards as
+    a dense MLP does; its 5 routed experts spread 2, 1, 1, 1 in each of the two MoE layers (the dense middle
+    layer has none, so load counts have two rows)."""
+    outcome = multi_device_results[run]
+    assert all(outcome["greedy_equal"]), outcome["greedy_equal"]
+    assert outcome["max_logprob_error"] < 1e-3 and outcome["compiles_after_warmup"] == 0
+    specs = outcome["param_specs"]
+    tensor_split = run != "qwen2_moe:1:4:ep"
+    assert specs["layers.0.mlp.shared_expert.gate_proj.kernel"] == ["None", "tensor" if tensor_split else "None"]
+    assert specs["layers.1.mlp.down_proj.kernel"] == ["tensor" if tensor_split else "None", "None"]
+    if run.endswith(":ep"):
+        assert outcome["experts_per_device"] == [[2, 1, 1, 1]] * 2
+        assert outcome["stored_expert_rows"] == 8
+        assert specs["layers.0.mlp.gate_proj"][0] == "('data', 'tensor')"
 
 
 def test_expert_parallel_placement(multi_device_results):

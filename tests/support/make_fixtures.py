@@ -348,6 +348,25 @@ MODELS = {
             force_long_rope=True,
         ),
     ),
+    # Qwen2-MoE: a shared expert of its own width behind a sigmoid gate, five experts (odd under EP), top 2
+    # not renormalized, q/k/v biases, and a dense MLP in the middle layer (mlp_only_layers)
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            hidden_size=36,
+            intermediate_size=52,
+            moe_intermediate_size=20,
+            shared_expert_intermediate_size=44,
+            num_hidden_layers=3,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            num_experts=5,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            random_vectors=True,
+        ),
+    ),
 }
 HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -355,6 +374,7 @@ HF_CLASSES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.config import canonical_dtype
+from jaxserve.models.deepseek_config import DEEPSEEK_MODEL_TYPES, deepseek_fields
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -31,6 +32,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma2",
     "gemma3_text",
     "phi3",
+    *DEEPSEEK_MODEL_TYPES,
 )
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
@@ -41,7 +43,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 class RopeScaling:
     """How rotary frequencies are stretched for long contexts (HF's rope_scaling / rope_parameters)."""
 
-    rope_type: str = "default"  # default | linear | llama3 | longrope
+    rope_type: str = "default"  # default | linear | llama3 | longrope | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -51,11 +53,21 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    # YaRN (GPT-OSS, DeepSeek): frequencies blend from extrapolated (fast, beta_fast rotations) to interpolated
+    # (slow, beta_slow) over a ramp, truncated to whole lanes unless truncate is off; attention_factor scales cos
+    # and sin (derived from factor, or mscale / mscale_all_dim, when the config omits it). mscale_all_dim is
+    # kept for DeepSeek's attention, which also rescales its softmax by it.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
     def __post_init__(self):
-        if self.rope_type not in ("default", "linear", "llama3", "longrope"):
+        if self.rope_type not in ("default", "linear", "llama3", "longrope", "yarn"):
             raise ValueError(
-                f"unsupported rope scaling type {self.rope_type!r}; supported: default, linear, llama3, longrope (su)"
+                f"unsupported rope scaling type {self.rope_type!r}; supported: default, linear, llama3, "
+                "longrope (su), yarn"
             )
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor must be positive, got {self.factor}")
@@ -111,6 +123,27 @@ class ModelConfig:
     # The engine's max_model_len (set by the engine builder, with_context_length): LongRoPE picks its long
     # factors once when this exceeds original_max_position_embeddings, so cached keys keep their rope
     context_length: int | None = None
+    # DeepSeek's multi-head latent attention (mla.py; 0: none): keys and values come from a latent of
+    # kv_lora_rank lanes plus one rope key of qk_rope_head_dim lanes shared by every head, which is what
+    # the cache holds; queries go through a q_lora_rank bottleneck where set. V2 rotates lane pairs.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # Qwen2-MoE gates its shared expert by sigmoid(shared_expert_gate(x)); DeepSeek adds its shared experts as they are
+    shared_expert_gated: bool = True
+    # DeepSeek routing (grouped_routing.py): softmax or sigmoid scores; experts split in num_expert_groups
+    # groups ranked by their best score ("max") or two best ("top2_sum"), only the best
+    # num_expert_groups_kept compete; a per-expert bias shifts the choice (not the weights); the chosen
+    # weights are multiplied by routed_scaling_factor
+    expert_scoring: str = "softmax"
+    expert_group_scoring: str = "none"
+    num_expert_groups: int = 1
+    num_expert_groups_kept: int = 1
+    routed_scaling_factor: float = 1.0
+    expert_score_correction_bias: bool = False
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -171,6 +204,20 @@ class ModelConfig:
 
     def layer_is_moe(self, layer: int) -> bool:
         return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def is_latent_attention(self) -> bool:
+        """DeepSeek's MLA: the cache holds a latent and a rope key per token, not keys and values per head."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        """Lanes per token and cache head of each of the key and value page pools. MLA's one entry
+        [latent | rope key] (kv_lora_rank + qk_rope_head_dim, rounded up to even) is cut in two halves, one
+        per pool, so that both pools keep one shape and every page copy moves them as any model's."""
+        if self.is_latent_attention:
+            return -(-(self.kv_lora_rank + self.qk_rope_head_dim) // 2)
+        return self.head_dim
 
     @property
     def num_moe_layers(self) -> int:
@@ -242,6 +289,8 @@ class ModelConfig:
             checkpoint_dtype=canonical_dtype(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
         )
         fields.update(_family_fields(model_type, hf, fields))
+        if model_type in DEEPSEEK_MODEL_TYPES:
+            fields.update(deepseek_fields(model_type, hf))
         return cls(**fields)
 
     @classmethod
@@ -305,12 +354,50 @@ def _rope_scaling(source: dict, hf: dict) -> RopeScaling:
             long_factor=tuple(float(f) for f in source.get("long_factor") or ()),
             attention_factor=float(attention_factor),
         )
+    if rope_type == "yarn":
+        return _yarn_scaling(source, hf)
     return RopeScaling(
         rope_type=rope_type,
         factor=float(source.get("factor", 1.0)),
         low_freq_factor=float(source.get("low_freq_factor", 1.0)),
         high_freq_factor=float(source.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(source.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention magnitude correction for a context stretched `factor` times (HF's get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_scaling(source: dict, hf: dict) -> RopeScaling:
+    """As transformers' _compute_yarn_parameters: a pretraining length kept outside the dict wins; a missing
+    factor is how far max_position_embeddings stretches it; a missing attention_factor comes from mscale and
+    mscale_all_dim where both are set, else from the factor alone."""
+    original = int(
+        hf.get("original_max_position_embeddings")
+        or source.get("original_max_position_embeddings")
+        or hf.get("max_position_embeddings", 2048)
+    )
+    factor = source.get("factor")
+    factor = float(factor) if factor is not None else int(hf.get("max_position_embeddings", 2048)) / original
+    mscale, mscale_all_dim = float(source.get("mscale") or 0.0), float(source.get("mscale_all_dim") or 0.0)
+    attention_factor = source.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return RopeScaling(
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=float(attention_factor),
+        beta_fast=float(source.get("beta_fast") or 32.0),
+        beta_slow=float(source.get("beta_slow") or 1.0),
+        truncate=bool(source.get("truncate", True)),
+        mscale=mscale,
+        mscale_all_dim=mscale_all_dim,
     )
 
 

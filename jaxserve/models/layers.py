@@ -86,7 +86,7 @@ class RMSNorm(nnx.Module):
 def rope_inverse_frequencies(
     head_dim: int, theta: float, scaling: RopeScaling, context_length: int | None = None
 ) -> np.ndarray:
-    """[D/2] float32 inverse frequencies (D: the rotated lanes), with HF's linear, llama3 and LongRoPE
+    """[D/2] float32 inverse frequencies (D: the rotated lanes), with HF's linear, llama3, LongRoPE and YaRN
     scaling rules. LongRoPE takes its long factors when context_length exceeds the pretraining length."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
     if scaling.rope_type == "longrope":
@@ -94,6 +94,8 @@ def rope_inverse_frequencies(
         factors = np.asarray(scaling.long_factor if long else scaling.short_factor, np.float32)
         powers = (np.float32(theta) ** exponents).astype(np.float32)  # as torch: float32 base ** float32 exponent
         return (1.0 / (factors * powers)).astype(np.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_inverse_frequencies(head_dim, theta, scaling)
     inv_freq = (1.0 / (theta ** exponents.astype(np.float64))).astype(np.float32)
     if scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
@@ -109,6 +111,36 @@ def rope_inverse_frequencies(
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = np.where(is_medium, smoothed, scaled)
     return inv_freq.astype(np.float32)
+
+
+def _yarn_inverse_frequencies(dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """HF's _compute_yarn_parameters in float32 as torch computes it: lanes that turn more than beta_fast times
+    over the pretraining length keep their frequency, lanes that turn fewer than beta_slow times are divided
+    by the factor, and a linear ramp blends the ones between."""
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    powers = (np.float32(theta) ** exponents).astype(np.float32)
+    extrapolated = (np.float32(1.0) / powers).astype(np.float32)
+    interpolated = (np.float32(1.0) / (np.float32(scaling.factor) * powers)).astype(np.float32)
+
+    def correction_dim(num_rotations: float) -> float:  # the lane that turns num_rotations times
+        original = scaling.original_max_position_embeddings
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_weight = (np.float32(1.0) - ramp.astype(np.float32)).astype(np.float32)
+    inv_freq = interpolated * (np.float32(1.0) - extrapolation_weight) + extrapolated * extrapolation_weight
+    return inv_freq.astype(np.float32)
+
+
+def rope_attention_factor(scaling: RopeScaling) -> float:
+    """The factor cos and sin are scaled by: LongRoPE's and YaRN's magnitude correction, 1 otherwise."""
+    return scaling.attention_factor if scaling.rope_type in ("longrope", "yarn") else 1.0
 
 
 def apply_rope(x, positions, inverse_frequencies, attention_factor: float = 1.0):
@@ -235,7 +267,7 @@ class Attention(nnx.Module):
         self.inverse_frequencies = tuple(
             rope_inverse_frequencies(config.rotary_dim, theta, scaling, config.context_length).tolist()
         )
-        self.rope_attention_factor = scaling.attention_factor if scaling.rope_type == "longrope" else 1.0
+        self.rope_attention_factor = rope_attention_factor(scaling)
 
     def __call__(self, x, key_pages, value_pages, metadata: AttentionMetadata):
         num_tokens = x.shape[0]

@@ -167,12 +167,63 @@ class DisaggConfig:
             raise ValueError(f"when_decode_full must be queue or prefill_here, got {self.when_decode_full!r}")
 
 
+SPECULATIVE_METHODS = ("ngram",)  # "draft" (a smaller or quantized copy as the proposer) comes with issue #21
+MAX_SPECULATIVE_TOKENS = 15  # a verify row is k + 1 tokens: one query block of the verify step
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculation.py): a decode row with proposed tokens becomes a
+    (k + 1)-token chunk that the target model verifies in one step; greedy and sampled outputs keep the
+    target's distribution. `method: ngram` proposes by prompt lookup over the sequence's own tokens."""
+
+    method: str | None = None  # None: off
+    num_speculative_tokens: int = 4  # k: proposed tokens per verify row at most
+    prompt_lookup_min: int = 2  # the shortest suffix n-gram that may match earlier tokens
+    prompt_lookup_max: int = 4  # the longest, tried first
+    # Verify steps are compiled up to this many rows; larger batches decode without speculation.
+    speculative_max_batch_size: int = 8
+    # Per batch size, speculate only while measured tokens/s beat plain (overlapped) decoding; False:
+    # speculate whenever a row has a proposal (tests, benchmarks).
+    speculative_adaptive: bool = True
+
+    def __post_init__(self):
+        if self.method is None:
+            return
+        if self.method == "draft":
+            raise ValueError(
+                "speculative method 'draft' (a draft model or a quantized copy of the target) is not "
+                "available yet; use method: ngram"
+            )
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; expected one of {SPECULATIVE_METHODS}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max ({self.prompt_lookup_max}) "
+                "must satisfy 1 <= min <= max"
+            )
+        _require_positive(self, ("speculative_max_batch_size",))
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens per verify row: the newest token and k proposals (0 when off)."""
+        return self.num_speculative_tokens + 1 if self.enabled else 0
+
+
 ENGINE_GROUPS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "compile": CompileConfig,
     "disagg": DisaggConfig,
+    "speculative": SpeculativeConfig,
 }
 
 
@@ -191,6 +242,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
         if self.dtype != "auto":
@@ -203,9 +255,21 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a {group_type.__name__} or a mapping, got {type(group).__name__}")
         if self.parallel.data_parallel_size > 1 and self.cache.swap_space:
             raise ValueError("swap_space (the host tier) is not available with data_parallel_size > 1 yet")
+        if self.speculative.enabled:
+            self._check_speculative()
         block = self.scheduler.prefill_query_block
         if self.compile.prefill_token_buckets and any(b % block for b in self.compile.prefill_token_buckets):
             raise ValueError(f"prefill_token_buckets must be multiples of prefill_query_block ({block})")
+
+    def _check_speculative(self) -> None:
+        """Paths that cannot take speculation, refused at start."""
+        if self.disagg.role == EngineRole.PREFILL:
+            raise ValueError("speculative decoding on a prefill replica (disagg role prefill) has nothing to decode")
+        if self.speculative.verify_width > self.scheduler.max_num_batched_tokens:
+            raise ValueError(
+                f"num_speculative_tokens + 1 ({self.speculative.verify_width}) exceeds max_num_batched_tokens "
+                f"({self.scheduler.max_num_batched_tokens})"
+            )
 
     @classmethod
     def option_names(cls) -> dict[str, str | None]:
@@ -269,6 +333,8 @@ class Buckets:
     decode_seqs: tuple[int, ...]
     prefill_tokens: tuple[int, ...]
     pages_per_seq: tuple[int, ...]
+    verify_seqs: tuple[int, ...] = ()  # rows of a speculative verify step (empty: speculation off)
+    verify_width: int = 0  # tokens per verify row: k + 1
 
     @classmethod
     def derive(cls, engine: EngineConfig, max_model_len: int) -> Buckets:
@@ -291,7 +357,18 @@ class Buckets:
             )
         if pages[-1] < max_pages:
             raise ValueError(f"page_buckets must reach {max_pages} pages (max_model_len / page_size)")
-        return cls(decode_seqs=tuple(decode), prefill_tokens=tuple(prefill), pages_per_seq=tuple(pages))
+        speculative = engine.speculative
+        verify = ()
+        if speculative.enabled:
+            cap = min(speculative.speculative_max_batch_size, scheduler.max_num_seqs)
+            verify = tuple(b for b in decode if b < cap) + (cap,)
+        return cls(
+            decode_seqs=tuple(decode),
+            prefill_tokens=tuple(prefill),
+            pages_per_seq=tuple(pages),
+            verify_seqs=verify,
+            verify_width=speculative.verify_width,
+        )
 
     @staticmethod
     def fit(size: int, buckets: tuple[int, ...]) -> int:

@@ -30,6 +30,8 @@ from jaxserve.device.sampling_inputs import SamplingWidths
 from jaxserve.device.sequence_buffers import SequenceBuffers, reset_entry
 from jaxserve.device.step import step
 from jaxserve.device.step_inputs import StepInputs, StepShape, all_step_shapes, build_ranked_inputs
+from jaxserve.device.verify_inputs import build_ranked_verify_inputs, verify_shapes
+from jaxserve.device.verify_step import VerifyInputs, verify_step
 from jaxserve.models.kv_pages import KVPages
 from sharding import partition_spec
 
@@ -53,6 +55,9 @@ class StepResult:
 
     sampled: SamplerOutput  # numpy arrays; rank r's rows are RankLayout.rows(r, the step's rows per rank)
     expert_counts: np.ndarray  # [layers, experts] tokens routed to each expert ([0, 0] for dense models)
+    # A verify step (device/verify_step.py): [S] proposals each row accepted; `sampled` then has W rows
+    # per verify row, one per position.
+    num_accepted: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -62,10 +67,15 @@ class PendingStep:
     sampled: SamplerOutput
     expert_counts: jax.Array
     prompt_logprobs: PromptLogprobs  # [T] / [T, K], per token slot; zeros unless some row asked
+    num_accepted: jax.Array | None = None  # a verify step's
 
     def fetch(self) -> StepResult:
-        sampled, counts = jax.device_get((self.sampled, self.expert_counts))
-        return StepResult(SamplerOutput(*(np.asarray(x) for x in vars(sampled).values())), np.asarray(counts))
+        sampled, counts, accepted = jax.device_get((self.sampled, self.expert_counts, self.num_accepted))
+        return StepResult(
+            SamplerOutput(*(np.asarray(x) for x in vars(sampled).values())),
+            np.asarray(counts),
+            None if accepted is None else np.asarray(accepted),
+        )
 
     def fetch_prompt_logprobs(self) -> PromptLogprobs:
         """Only for a step whose rows asked (the engine knows which): a plain step never moves them."""
@@ -93,8 +103,8 @@ class StepRunner(Protocol):
     @property
     def layout(self) -> RankLayout: ...
 
-    def build_inputs(self, per_rank_chunks, shape: StepShape) -> StepInputs: ...
-    def execute(self, shape: StepShape, inputs: StepInputs) -> PendingResults: ...
+    def build_inputs(self, per_rank_chunks, shape: StepShape) -> StepInputs | VerifyInputs: ...
+    def execute(self, shape: StepShape, inputs: StepInputs | VerifyInputs) -> PendingResults: ...
     def warm_up(self, show_progress: bool = True) -> None: ...
     def warm_up_page_copies(self) -> None: ...
     def reset_sequence_buffers(self, entry: int, output_counts: np.ndarray, prompt_tokens: np.ndarray) -> None: ...
@@ -164,6 +174,13 @@ class ModelRunner:
             donate_argnums=(1, 2),
             out_shardings=out_shardings,
         )
+        self._jitted_verify = jax.jit(
+            functools.partial(
+                verify_step, self.graphdef, self.params_treedef, max_logprobs=max_logprobs, num_experts=num_experts
+            ),
+            donate_argnums=(1, 2),
+            out_shardings=None if out_shardings is None else (*out_shardings, self.input_sharding),
+        )
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.num_compiles_after_warmup = 0
@@ -202,20 +219,26 @@ class ModelRunner:
 
     def _compile(self, shape: StepShape) -> jax.stages.Compiled:
         example_inputs = self.build_inputs([[]] * self.num_ranks, shape)
-        return self._jitted.lower(
-            _abstract(self.param_leaves),
-            _abstract(self.kv_pages),
-            _abstract(self.buffers),
-            _abstract(example_inputs, self.input_sharding),
-        ).compile()
+        return (
+            (self._jitted_verify if shape.verifies else self._jitted)
+            .lower(
+                _abstract(self.param_leaves),
+                _abstract(self.kv_pages),
+                _abstract(self.buffers),
+                _abstract(example_inputs, self.input_sharding),
+            )
+            .compile()
+        )
 
-    def build_inputs(self, per_rank_chunks, shape: StepShape) -> StepInputs:
+    def build_inputs(self, per_rank_chunks, shape: StepShape) -> StepInputs | VerifyInputs:
+        if shape.verifies:
+            return build_ranked_verify_inputs(per_rank_chunks, shape, self.page_size, self.layout, self.sampling_widths)
         return build_ranked_inputs(per_rank_chunks, shape, self.page_size, self.layout, self.sampling_widths)
 
     def warm_up(self, show_progress: bool = True) -> None:
         start = time.perf_counter()
         for shape in tqdm(
-            all_step_shapes(self.buckets, self.prefill_query_block),
+            all_step_shapes(self.buckets, self.prefill_query_block) + verify_shapes(self.buckets),
             desc="compiling step buckets",
             disable=not show_progress,
         ):
@@ -229,7 +252,7 @@ class ModelRunner:
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - start
 
-    def execute(self, shape: StepShape, inputs: StepInputs) -> PendingStep:
+    def execute(self, shape: StepShape, inputs: StepInputs | VerifyInputs) -> PendingStep:
         """Dispatch one step of the given bucket on padded host inputs, without waiting for it."""
         executable = self.executables.get(shape)
         if executable is None:
@@ -239,10 +262,9 @@ class ModelRunner:
                 self.num_compiles_after_warmup += 1
         if self.input_sharding is not None:
             inputs = jax.device_put(inputs, self.input_sharding)
-        sampled, prompt_logprobs, expert_counts, self.kv_pages, self.buffers = executable(
-            self.param_leaves, self.kv_pages, self.buffers, inputs
-        )
-        return PendingStep(sampled, expert_counts, prompt_logprobs)
+        outputs = executable(self.param_leaves, self.kv_pages, self.buffers, inputs)
+        sampled, prompt_logprobs, expert_counts, self.kv_pages, self.buffers = outputs[:5]
+        return PendingStep(sampled, expert_counts, prompt_logprobs, outputs[5] if shape.verifies else None)
 
     def read_pages(self, pages: list[int]) -> list[page_copies.HostPage]:
         return page_copies.read_pages(self.kv_pages, pages, self.host_device)

@@ -48,9 +48,12 @@ class StepShape:
     num_seqs: int  # S
     pages_per_seq: int  # P
     query_block: int = field(default=1)
+    verifies: bool = False  # speculative verify rows (device/verify_step.py): query_block is k + 1
 
     @property
     def kind(self) -> str:
+        if self.verifies:
+            return "verify"
         return "decode" if self.query_block == 1 else "prefill"
 
 

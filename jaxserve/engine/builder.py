@@ -59,6 +59,8 @@ class EngineParts:
 
 
 def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGroup | None = None) -> EngineParts:
+    if config.speculative.enabled and process_group is not None:
+        raise ValueError("speculative decoding over several processes (jax.distributed) is not available yet")
     source = open_model(model_path)
     model_config = source.config
     dtype = source.checkpoint_dtype if config.dtype == "auto" else config.dtype

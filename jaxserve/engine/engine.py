@@ -20,6 +20,7 @@ import numpy as np
 from jaxserve.config import EngineConfig, EngineRole
 from jaxserve.device.runner import PendingResults, StepResult
 from jaxserve.device.step_inputs import StepShape, chunk_token_slots, step_shape
+from jaxserve.device.verify_inputs import verify_step_shape
 from jaxserve.disagg.roles import handovers_for
 from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine.admission import RequestChecks
@@ -27,6 +28,7 @@ from jaxserve.engine.builder import EngineParts, build_engine
 from jaxserve.engine.constraints import RowConstraints
 from jaxserve.engine.device_clock import DeviceClock
 from jaxserve.engine.host_tier_copies import move_host_tier_pages
+from jaxserve.engine.speculation import Speculation
 from jaxserve.engine.stats import (
     EngineDescription,
     EngineLoad,
@@ -56,8 +58,10 @@ class DispatchedExecutable:
 
 @dataclass
 class DispatchedStep:
-    executables: list[DispatchedExecutable]  # the prefill and the decode executables, in dispatch order
+    executables: list[DispatchedExecutable]  # the prefill, decode and verify executables, in dispatch order
     prefill_room: int  # prompt tokens the step had room for (StepTimings)
+    speculated: bool = False  # planned while speculation was on (engine/speculation.py's policy)
+    batch_size: int = 0  # the decoding sequences the policy saw then
 
 
 class Engine:
@@ -96,6 +100,7 @@ class Engine:
             self.runner,
         )
         self.admission = RequestChecks(parts, self.constraints)
+        self.speculation = Speculation(self.config.speculative, parts.max_model_len)
 
     @classmethod
     def from_model(cls, model_path: str, config: EngineConfig, process_group: ProcessGroup | None = None) -> Engine:
@@ -186,7 +191,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step; returns the outputs of requests that progressed (finished ones leave).
         Overlapped, these are the outputs of the step dispatched by the previous call."""
+        num_generated_before = self.outputs.num_generated_tokens
         with StepTimer() as timer:
+            self.speculation.begin_step(self.schedulers)
             if self._in_flight is not None and self._rows_wait_for_tokens():
                 # Process the step in flight first: the next step's masks and bans need its tokens.
                 to_process, self._in_flight = self._in_flight, None
@@ -200,24 +207,36 @@ class Engine:
             self._was_busy = False
             return []
         self._observe_step_time(timer, to_process)
+        if to_process is not None:
+            generated = self.outputs.num_generated_tokens - num_generated_before
+            self.speculation.observe_step(
+                to_process.executables, timer.elapsed, generated, to_process.speculated, to_process.batch_size
+            )
         self._was_busy = dispatched is not None and self.has_unfinished_requests()
         return self._end_step(progressed)
 
     def _rows_wait_for_tokens(self) -> bool:
-        """Some running sequence's next row (a grammar's mask, a bad word's ban) depends on a token in flight."""
-        return any(RowConstraints.waits_for_tokens(seq) for s in self.schedulers for seq in s.running)
+        """Some running sequence's next row (a grammar's mask, a bad word's ban, a proposal) depends on a
+        token in flight, or the step in flight verified proposals (the next one starts where they ended)."""
+        assert self._in_flight is not None
+        return any(
+            RowConstraints.waits_for_tokens(seq) for s in self.schedulers for seq in s.running
+        ) or self.speculation.waits_for(self._in_flight.executables, self.schedulers)
 
     def _schedule_and_dispatch(self) -> DispatchedStep | None:
-        schedules = [scheduler.schedule() for scheduler in self.schedulers]
+        schedules = [scheduler.schedule(self.speculation.proposals(scheduler)) for scheduler in self.schedulers]
         if all(schedule.is_empty for schedule in schedules):
             return None
         self.move_host_tier_pages()
         executables = []
-        for is_decode in (False, True):
-            if any(per_rank := [s.decodes if is_decode else s.prefills for s in schedules]):
+        for kind in ("prefills", "decodes", "verifies"):
+            if any(per_rank := [getattr(s, kind) for s in schedules]):
                 continues_busy_period = bool(executables) or self._in_flight is not None or self._was_busy
-                executables.append(self._dispatch(per_rank, is_decode, continues_busy_period))
-        return DispatchedStep(executables, self._prefill_room(schedules))
+                executables.append(self._dispatch(per_rank, kind, continues_busy_period))
+        speculation = self.speculation
+        return DispatchedStep(
+            executables, self._prefill_room(schedules), speculation.speculating, speculation.batch_size
+        )
 
     def _step_to_process(self, dispatched: DispatchedStep | None) -> DispatchedStep | None:
         """The step whose results this call processes: overlapped, the one the previous call dispatched."""
@@ -257,15 +276,19 @@ class Engine:
             for s in schedules
         )
 
-    def _dispatch(self, per_rank_chunks, is_decode: bool, continues_busy_period: bool) -> DispatchedExecutable:
+    def _dispatch(self, per_rank_chunks, kind: str, continues_busy_period: bool) -> DispatchedExecutable:
+        """kind: the Schedule's list the chunks come from (prefills, decodes or verifies)."""
         config = self.config
-        shape = step_shape(
-            per_rank_chunks,
-            is_decode,
-            self.runner.buckets,
-            config.cache.page_size,
-            config.scheduler.prefill_query_block,
-        )
+        if kind == "verifies":
+            shape = verify_step_shape(per_rank_chunks, self.runner.buckets, config.cache.page_size)
+        else:
+            shape = step_shape(
+                per_rank_chunks,
+                kind == "decodes",
+                self.runner.buckets,
+                config.cache.page_size,
+                config.scheduler.prefill_query_block,
+            )
         self.constraints.before_dispatch(per_rank_chunks)
         pending = self.runner.execute(shape, self.runner.build_inputs(per_rank_chunks, shape))
         for scheduler, chunks in zip(self.schedulers, per_rank_chunks):
@@ -279,6 +302,10 @@ class Engine:
         scored = executable.pending.fetch_prompt_logprobs() if executable.scores_prompt else None
         for rank, chunks in enumerate(executable.per_rank_chunks):
             first_row = layout.rows(rank, shape.num_seqs).start
+            if shape.verifies:
+                scheduler, width = self.schedulers[rank], shape.query_block
+                progressed |= self.speculation.process(chunks, scheduler, result, first_row, width, self.outputs)
+                continue
             prompt_logprobs = None
             if scored is not None:
                 first_token = layout.first_token(rank, shape.num_tokens)

@@ -161,6 +161,7 @@ def engine_stats(engine) -> dict:
         "dtype": engine.dtype,
         "attention_impl": engine.parts.attention.impl,
         **prefix_cache_stats([s.allocator for s in engine.schedulers]),
+        **engine.speculation.stats(),  # proposals, acceptance, the policy's measurements (engine/speculation.py)
         **(engine.experts.stats() if engine.experts is not None else {}),
         # disaggregated: requests parked for a decode replica, or reserved, queued, prefilled here (disagg/)
         **(engine.handovers.stats() if engine.handovers is not None else {}),

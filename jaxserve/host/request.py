@@ -237,6 +237,9 @@ class SequenceState:
     grammar: Any = None
     next_token_mask: Any = None
     next_token_bans: tuple[int, ...] = ()
+    # Speculative decoding: tokens proposed for this sequence, and how many of them it accepted
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without concatenating prompt and output (this runs every step)."""
@@ -288,10 +291,18 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None
+    # Speculative decoding: tokens proposed for this sequence and how many were accepted
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted proposals over proposed ones (0 when nothing was proposed)."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass
@@ -331,6 +342,8 @@ class Request:
                 token_ids=list(seq.output_token_ids),
                 finish_reason=seq.finish_reason,
                 logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                num_draft_tokens=seq.num_draft_tokens,
+                num_accepted_draft_tokens=seq.num_accepted_draft_tokens,
             )
             for i, seq in enumerate(self.seqs)
         ]

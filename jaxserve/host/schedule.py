@@ -29,13 +29,17 @@ class ScheduledChunk:
     seq: SequenceState
     start: int  # position of the first token whose KV this step computes
     num_tokens: int
+    # Speculation: tokens proposed to follow the newest one, verified in this chunk (a verify row: the
+    # newest token then these, num_tokens = 1 + len(draft_token_ids)); empty for other chunks.
+    draft_token_ids: tuple[int, ...] = ()
     # Only the chunk that reaches the newest token yields logits worth sampling (none with max_tokens 0:
     # the request ends after its prefill); fixed when planned, because the sequence grows before an
     # overlapped step's results are processed.
     samples_next_token: bool = field(init=False)
 
     def __post_init__(self):
-        self.samples_next_token = self.end == self.seq.num_planned_tokens and self.seq.params.max_tokens > 0
+        reaches_newest = self.end - len(self.draft_token_ids) == self.seq.num_planned_tokens
+        self.samples_next_token = reaches_newest and self.seq.params.max_tokens > 0
 
     @property
     def scored_positions(self) -> range:
@@ -56,14 +60,15 @@ class Schedule:
     decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[SequenceState] = field(default_factory=list)
+    verifies: list[ScheduledChunk] = field(default_factory=list)  # decodes with proposed tokens
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.verifies
 
     @property
     def num_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.decodes + self.prefills)
+        return sum(chunk.num_tokens for chunk in self.decodes + self.prefills + self.verifies)
 
 
 @dataclass

@@ -180,9 +180,20 @@ class Scheduler:
         num_tokens = min(remaining, budget // self.query_block * self.query_block)
         return ScheduledChunk(seq, start, num_tokens) if num_tokens > 0 else None
 
+    def _verify_chunk(self, chunk: ScheduledChunk, drafts: list[int], budget: int) -> ScheduledChunk:
+        """The decode chunk widened by its proposals, as many as the budget and free pages allow (a
+        proposal never preempts anyone); the plain chunk when none fit."""
+        num_drafts = min(len(drafts), budget - 1)
+        while num_drafts > 0:
+            verify = ScheduledChunk(chunk.seq, chunk.start, 1 + num_drafts, tuple(drafts[:num_drafts]))
+            if self.allocator.can_allocate(self._pages_needed(verify)):
+                return verify
+            num_drafts -= 1
+        return chunk
+
     def _cost(self, chunk: ScheduledChunk) -> int:
         return (
-            1
+            chunk.num_tokens
             if chunk.seq.num_planned_tokens - chunk.start == 1
             else padded_to_blocks(chunk.num_tokens, self.query_block)
         )
@@ -223,10 +234,15 @@ class Scheduler:
     def _place(self, chunk: ScheduledChunk, schedule: Schedule, scheduled: set[int]) -> None:
         chunk.seq.page_ids.extend(self.allocator.allocate(self._pages_needed(chunk)))
         is_decode = chunk.seq.num_planned_tokens - chunk.start == 1
-        (schedule.decodes if is_decode else schedule.prefills).append(chunk)
+        if chunk.draft_token_ids:
+            schedule.verifies.append(chunk)
+        else:
+            (schedule.decodes if is_decode else schedule.prefills).append(chunk)
         scheduled.add(chunk.seq.seq_id)
 
-    def schedule(self) -> Schedule:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> Schedule:
+        """drafts: seq_id -> tokens proposed to follow a decoding sequence's newest token (speculation);
+        such a sequence runs a verify chunk when its pages fit without preempting anyone."""
         schedule, scheduled = Schedule(), set()
         budget = self.max_num_batched_tokens
         plannable = [s for s in self.running if self._has_work(s)]
@@ -238,6 +254,8 @@ class Scheduler:
             chunk = self._next_chunk(seq, budget)
             if chunk is None:
                 continue
+            if drafts and drafts.get(seq.seq_id):
+                chunk = self._verify_chunk(chunk, drafts[seq.seq_id], budget)
             if not self._make_room(chunk, scheduled, schedule):
                 continue
             self._place(chunk, schedule, scheduled)

@@ -1,0 +1,141 @@
+"""The engine's side of speculative decoding (config: SpeculativeConfig).
+
+Each step: the policy decides whether this batch size speculates (host/speculation_policy.py); if so,
+every decoding sequence that may speculate gets proposals from the proposer (host/proposers.py), and
+the scheduler widens its decode chunk into a verify chunk when its pages fit. Verify chunks run in an
+executable of their own (device/verify_step.py), after the step's prefill and decode executables, and
+their results are appended by host/verify_outputs.py.
+
+Overlap: a proposal needs the sequence's newest token on the host, and the step after a verify step
+starts where acceptance left each row. So while speculation is on, the engine processes the step in
+flight before planning the next (as it does for grammar rows); when the policy turns speculation off
+(a large batch, poor acceptance) the steps overlap again.
+
+Rows that never speculate (they decode as usual): a grammar's (its mask for each proposed position
+would need the grammar advanced through the proposals), multi-token bad words' (their bans depend on
+the tokens before), a flushing sequence's, and one whose newest token is still on the device.
+"""
+
+from __future__ import annotations
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.host.output_processor import OutputProcessor
+from jaxserve.host.proposers import NgramProposer, Proposer
+from jaxserve.host.request import RequestStatus, SequenceState
+from jaxserve.host.schedule import ScheduledChunk
+from jaxserve.host.scheduler import Scheduler
+from jaxserve.host.speculation_policy import AcceptanceCounts, SpeculationPolicy
+from jaxserve.host.verify_outputs import process_verified
+
+
+def may_speculate(seq: SequenceState) -> bool:
+    """Whether the sequence's next tokens can be verified exactly (see the module docstring)."""
+    if seq.grammar is not None or seq.flushing or seq.status is not RequestStatus.RUNNING:
+        return False
+    return seq.controls is None or not seq.controls.multi_token_bad_words
+
+
+def is_decoding(seq: SequenceState) -> bool:
+    return seq.num_planned_tokens - seq.next_kv_position == 1
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None):
+        self.config = config
+        self.enabled = config.enabled
+        self.max_model_len = max_model_len
+        self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.policy = SpeculationPolicy(config.speculative_max_batch_size, config.speculative_adaptive)
+        self.counts = AcceptanceCounts()
+        self.speculating = False  # this step's decision
+        self.batch_size = 0  # decoding sequences when it was made
+        self.num_steps_speculating = 0
+        self.num_steps_plain = 0
+        self._proposed_for: dict[int, SequenceState] = {}  # seq_id -> sequence the proposer may hold state for
+
+    # -- each step ----------------------------------------------------------------------------------
+
+    def begin_step(self, schedulers: list[Scheduler]) -> None:
+        """Decide whether the step about to be planned speculates (from the busiest rank's decoding rows)."""
+        if not self.enabled:
+            return
+        self.batch_size = max(sum(is_decoding(seq) for seq in s.running) for s in schedulers)
+        self.speculating = self.policy.speculate(self.batch_size)
+        if self.speculating:
+            self.num_steps_speculating += 1
+        else:
+            self.num_steps_plain += 1
+
+    def waits_for(self, in_flight_executables, schedulers: list[Scheduler]) -> bool:
+        """Whether the step in flight must be processed before the next is planned: it verified (the
+        next positions depend on acceptance), or a row about to speculate lacks its newest token."""
+        if not self.enabled:
+            return False
+        if any(executable.shape.verifies for executable in in_flight_executables):
+            return True
+        return self.speculating and any(
+            seq.num_pending_tokens and may_speculate(seq) for scheduler in schedulers for seq in scheduler.running
+        )
+
+    def proposals(self, scheduler: Scheduler) -> dict[int, list[int]]:
+        """seq_id -> proposed tokens for the rank's decoding sequences (empty unless this step speculates)."""
+        self._forget_finished()
+        if not self.speculating:
+            return {}
+        seqs, limits = [], []
+        k = self.config.num_speculative_tokens
+        for seq in scheduler.running:
+            if not (is_decoding(seq) and not seq.num_pending_tokens and may_speculate(seq)):
+                continue
+            # a verify row may emit all its proposals and one more: never past max_tokens or max_model_len
+            limit = min(
+                k, seq.params.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1
+            )
+            if limit > 0:
+                seqs.append(seq)
+                limits.append(limit)
+                self._proposed_for[seq.seq_id] = seq
+        return {seq.seq_id: proposal for seq, proposal in zip(seqs, self.proposer.propose(seqs, limits)) if proposal}
+
+    def process(
+        self,
+        chunks: list[ScheduledChunk],
+        scheduler: Scheduler,
+        result,
+        first_row: int,
+        width: int,
+        outputs: OutputProcessor,
+    ) -> set[str]:
+        return process_verified(
+            chunks, scheduler, result.sampled, result.num_accepted, first_row, width, outputs, self.counts
+        )
+
+    def observe_step(self, executables, seconds: float, num_tokens: int, speculated: bool, batch_size: int) -> None:
+        """A processed step's wall time and tokens, for the policy (steps with prefill chunks are left out:
+        their time is not decoding's)."""
+        if self.enabled and executables and not any(e.shape.kind == "prefill" for e in executables):
+            self.policy.observe(batch_size, speculated, seconds, num_tokens)
+
+    def _forget_finished(self) -> None:
+        for seq_id, seq in list(self._proposed_for.items()):
+            if seq.status is not RequestStatus.RUNNING:
+                self.proposer.forget(seq)
+                del self._proposed_for[seq_id]
+
+    # -- reporting ----------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        if not self.enabled:
+            return {"speculative_method": None}
+        counts = self.counts
+        return {
+            "speculative_method": self.config.method,
+            "speculative_num_verify_rows": counts.num_verify_rows,
+            "speculative_num_draft_tokens": counts.num_draft_tokens,
+            "speculative_num_accepted_tokens": counts.num_accepted_tokens,
+            "speculative_acceptance_rate": round(counts.acceptance_rate, 4),
+            "speculative_mean_accepted_length": round(counts.mean_accepted_length, 4),
+            "speculative_steps_on": self.num_steps_speculating,
+            "speculative_steps_off": self.num_steps_plain,
+            "speculative_tokens_per_second": self.policy.stats(),
+        }

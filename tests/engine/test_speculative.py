@@ -1,0 +1,100 @@
+"""Speculative decoding (n-gram proposals verified in the compiled step) changes no output: greedy and
+seeded sampled requests give the same tokens, text, logprobs and finish reasons with speculation on and
+off, under stops, max_tokens, n > 1, sampling controls, penalties, preemption and overlapped steps, with
+no compile after warm-up and no page held at the end."""
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.support.fixtures import SMALL_ENGINE, fixture_dir
+
+# One bucket per kind keeps warm-up short; few pages of 4 tokens make the workload preempt.
+ENGINE = {
+    **SMALL_ENGINE,
+    "decode_seq_buckets": (8,),
+    "prefill_token_buckets": (64,),
+    "page_size": 4,
+    "num_pages": 40,
+}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "speculative_adaptive": False}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {
+        "plain": LLM(fixture_dir("llama_gqa"), **ENGINE),
+        "ngram": LLM(fixture_dir("llama_gqa"), **ENGINE, speculative=NGRAM),
+    }
+
+
+def workload(seed: int, num_requests: int):
+    """Repetitive prompts (proposals that the tiny model's loops accept) and random ones, greedy and
+    seeded sampled rows with stops, lengths, logprobs, n > 1 and the sampling controls."""
+    rng = np.random.default_rng(seed)
+    prompts, params = [], []
+    for i in range(num_requests):
+        if i % 2:
+            prompts.append(rng.integers(3, 60, size=int(rng.integers(3, 9))).tolist() * int(rng.integers(2, 5)))
+        else:
+            prompts.append(rng.integers(3, 380, size=int(rng.integers(2, 30))).tolist())
+        sampled = i % 3 == 0
+        params.append(
+            SamplingParams(
+                temperature=0.9 if sampled else 0.0,
+                seed=500 + i,
+                max_tokens=int(rng.integers(1, 48)),
+                stop_token_ids=[7, 11] if i % 4 == 1 else None,
+                stop=["e", "an"] if i % 5 == 2 else None,
+                logprobs=2 if i % 4 == 0 else None,
+                n=2 if i % 7 == 3 else 1,
+                top_k=20 if i % 6 == 0 else 0,
+                top_p=0.8 if i % 9 == 0 else 1.0,
+                min_p=0.05 if i % 12 == 0 else 0.0,
+                presence_penalty=0.5 if i % 8 == 5 else 0.0,
+                repetition_penalty=1.3 if i % 10 == 7 else 1.0,
+                logit_bias={5: 3.0, 9: -100} if i % 11 == 4 else None,
+                min_tokens=3 if i % 13 == 1 else 0,
+            )
+        )
+    return prompts, params
+
+
+def summary(results):
+    return [[(o.token_ids, o.finish_reason, o.text) for o in r.outputs] for r in results]
+
+
+def assert_logprobs_close(results, expected):
+    for result, reference in zip(results, expected):
+        for output, reference_output in zip(result.outputs, reference.outputs):
+            assert (output.logprobs is None) == (reference_output.logprobs is None)
+            for got, want in zip(output.logprobs or [], reference_output.logprobs or []):
+                assert got.keys() == want.keys()
+                assert np.allclose([got[t] for t in want], list(want.values()), atol=1e-4)
+
+
+def assert_nothing_held(llm):
+    stats = llm.stats()
+    assert stats["num_compiles_after_warmup"] == 0
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]  # cached pages are free to take
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    for scheduler in llm.engine.schedulers:
+        assert scheduler.allocator.ref_counts[1:] == [0] * (scheduler.allocator.num_pages - 1)
+
+
+def test_outputs_equal_with_and_without_speculation(engines):
+    prompts, params = workload(0, 40)
+    results = {name: llm.generate(prompts, params) for name, llm in engines.items()}
+    assert summary(results["ngram"]) == summary(results["plain"])
+    assert_logprobs_close(results["ngram"], results["plain"])
+    for result, p in zip(results["ngram"], params):
+        for output in result.outputs:
+            assert len(output.token_ids) <= p.max_tokens
+    stats = engines["ngram"].stats()
+    assert stats["speculative_num_accepted_tokens"] > 20  # proposals were verified and accepted
+    assert stats["speculative_num_draft_tokens"] > stats["speculative_num_accepted_tokens"]  # and some rejected
+    assert stats["num_preemptions"] > 0
+    drafted = sum(o.num_draft_tokens for r in results["ngram"] for o in r.outputs)
+    assert drafted == stats["speculative_num_draft_tokens"]
+    for llm in engines.values():
+        assert_nothing_held(llm)

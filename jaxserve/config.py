@@ -217,6 +217,44 @@ class SpeculativeConfig:
         return self.num_speculative_tokens + 1 if self.enabled else 0
 
 
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA serving (jaxserve/lora): PEFT adapters over the base model, each request naming one.
+    The device holds max_adapters slots of rank max_rank for every projection in target_modules; adapters
+    load and unload at run time without recompiling."""
+
+    adapters: dict | None = None  # {name: PEFT adapter directory}, loaded at start-up
+    max_adapters: int | None = None  # slots; None: as many as `adapters` names (0: LoRA off)
+    max_rank: int = 64  # the slot rank: adapters of rank up to this load
+    target_modules: tuple[str, ...] = LORA_TARGET_MODULES  # projections given slots (every decoder layer)
+
+    def __post_init__(self):
+        adapters = dict(self.adapters or {})
+        if any(not isinstance(name, str) or not name or not isinstance(path, str) for name, path in adapters.items()):
+            raise ValueError(f"lora adapters must map names to adapter directories, got {self.adapters!r}")
+        object.__setattr__(self, "adapters", adapters)
+        if self.max_adapters is None:
+            object.__setattr__(self, "max_adapters", len(adapters))
+        if not isinstance(self.max_adapters, int) or self.max_adapters < len(adapters):
+            raise ValueError(
+                f"max_adapters ({self.max_adapters}) must be an integer >= the {len(adapters)} adapters to load"
+            )
+        if isinstance(self.max_rank, bool) or not isinstance(self.max_rank, int) or self.max_rank < 1:
+            raise ValueError(f"max_rank must be a positive integer, got {self.max_rank!r}")
+        targets = (self.target_modules,) if isinstance(self.target_modules, str) else tuple(self.target_modules)
+        unknown = sorted(set(targets) - set(LORA_TARGET_MODULES))
+        if unknown or not targets:
+            raise ValueError(f"lora target_modules must be among {LORA_TARGET_MODULES}, got {list(targets)}")
+        object.__setattr__(self, "target_modules", targets)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.max_adapters)
+
+
 ENGINE_GROUPS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
@@ -224,6 +262,7 @@ ENGINE_GROUPS: dict[str, type] = {
     "compile": CompileConfig,
     "disagg": DisaggConfig,
     "speculative": SpeculativeConfig,
+    "lora": LoraConfig,
 }
 
 
@@ -243,6 +282,7 @@ class EngineConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
         if self.dtype != "auto":

@@ -22,6 +22,9 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "expert": None,
     "expert_mlp": "tensor",  # inside each expert, as "mlp"
     "shared_expert_mlp": "tensor",  # Qwen2-MoE's shared expert, as "mlp"
+    "latent": None,  # DeepSeek's low-rank bottlenecks (q_lora_rank, kv_lora_rank): small, replicated
+    "lora_slots": None,  # LoRA adapter slots (jaxserve/lora): every device holds every slot
+    "lora_rank": None,  # and the whole rank; A's in and B's out axes split as their base kernel's
 }
 # With expert parallelism the experts themselves are spread over every device instead.
 EXPERT_PARALLEL_RULES = {**LOGICAL_AXIS_RULES, "expert": ("data", "tensor"), "expert_mlp": None}

@@ -12,6 +12,7 @@ from jaxserve.device.prompt_logprobs import score_prompt_tokens
 from jaxserve.device.sampler import sample
 from jaxserve.device.sequence_buffers import SequenceBuffers, gather_entries
 from jaxserve.device.step_inputs import StepInputs
+from jaxserve.lora.slots import bind_row_slots
 from jaxserve.models.kv_pages import KVPages
 
 
@@ -35,6 +36,7 @@ def step(
     token_ids = jnp.where(
         inputs.token_sources >= 0, buffers.newest_token_ids[jnp.maximum(inputs.token_sources, 0)], inputs.token_ids
     )
+    bind_row_slots(model, inputs.lora_slots[inputs.attention.token_seq_ids])  # each token's adapter (jaxserve/lora)
     (hidden, kv_pages), intermediates = nnx.capture(model, nnx.Intermediate)(token_ids, kv_pages, inputs.attention)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     counts = expert_token_counts(jax.tree.leaves(intermediates), inputs, num_experts)

@@ -38,6 +38,8 @@ class StepInputs:
     # [T] int32: the prompt token that follows this position, whose logprob the step returns
     # (device/prompt_logprobs.py), or -1
     prompt_logprob_targets: HostOrDeviceArray
+    # [S] int32: each row's LoRA adapter slot (jaxserve/lora; 0: the base model, also for padding rows)
+    lora_slots: HostOrDeviceArray
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ def build_step_inputs(
     page_table = np.full((num_seqs, shape.pages_per_seq), RESERVED_PAGE, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
     prompt_logprob_targets = np.full(num_tokens, -1, np.int32)
+    lora_slots = np.zeros(num_seqs, np.int32)
 
     cursor = 0
     for row, chunk in enumerate(chunks):
@@ -94,6 +97,7 @@ def build_step_inputs(
         padded = padded_to_blocks(n, block)
         token_seq_ids[cursor : cursor + padded] = row
         page_table[row, : len(pages)] = pages
+        lora_slots[row] = seq.lora_slot
         logits_indices[row] = cursor + n - 1
         scored = chunk.scored_positions  # position p's target: prompt token p + 1
         if scored:
@@ -119,6 +123,7 @@ def build_step_inputs(
         token_sources=token_sources,
         sampled_entries=sampled_entries,
         prompt_logprob_targets=prompt_logprob_targets,
+        lora_slots=lora_slots,
     )
 
 

@@ -28,6 +28,8 @@ from jaxserve.engine.expert_balancer import ExpertBalancer
 from jaxserve.host.page_allocator import PageAllocator, num_pages_for, swap_in_is_cheaper
 from jaxserve.host.scheduler import Scheduler
 from jaxserve.loading.model_source import ModelSource, open_model
+from jaxserve.lora.registry import LoraRegistry
+from jaxserve.lora.slots import attach_lora
 from jaxserve.models import KVPages, build_model
 from jaxserve.models.config import ModelConfig
 from pallas_kernels.matmul import choose_matmul
@@ -56,6 +58,7 @@ class EngineParts:
     runner: StepRunner
     experts: ExpertBalancer | None  # mixture-of-experts models only
     process_group: ProcessGroup | None  # several processes: from runtime.initialize; None: one
+    lora: LoraRegistry | None = None  # LoRA adapter slots (jaxserve/lora), when the config gives any
 
 
 def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGroup | None = None) -> EngineParts:
@@ -80,6 +83,7 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     expert_parallel = _expert_parallel(model_config, config, mesh)
     attention = choose_attention(model_config, config, dtype, mesh)
     model = _load_model(source, dtype, attention, mesh, expert_parallel)
+    lora_slots = _attach_lora(model, config, model_config, mesh, expert_parallel)
     if mesh is None:
         move_weights_to_huge_pages(model)  # a CPU decode step streams them twice as fast
     config = agree_on_engine(config, model_config, process_group)  # several processes: the same engine everywhere
@@ -113,6 +117,10 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
                 )
             )
     runner.warm_up(show_progress=config.show_progress)
+    lora = LoraRegistry(config.lora, runner, lora_slots) if lora_slots else None
+    if lora is not None:
+        for name, path in (config.lora.adapters or {}).items():
+            lora.load(name, path)
     if schedulers[0].allocator.host_tier is not None:
         runner.warm_up_page_copies()
     if config.disagg.role != EngineRole.BOTH:  # a KV handover never compiles while serving
@@ -130,6 +138,7 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
         runner=runner,
         experts=experts,
         process_group=process_group,
+        lora=lora,
     )
 
 
@@ -189,6 +198,21 @@ def _load_model(source: ModelSource, dtype: str, attention: AttentionPlan, mesh:
     if expert_parallel:
         return nnx.merge(graphdef, params, initial_placement(abstract_placement, source.config.num_experts, mesh))
     return nnx.merge(graphdef, params)
+
+
+def _attach_lora(model, config: EngineConfig, model_config: ModelConfig, mesh: Mesh | None, expert_parallel: bool):
+    """Zero adapter slots beside the targeted projections (jaxserve/lora), placed by the rules table."""
+    if not config.lora.enabled:
+        return {}
+    return attach_lora(
+        model,
+        num_slots=int(config.lora.max_adapters or 0) + 1,  # slot 0: no adapter
+        max_rank=config.lora.max_rank,
+        target_modules=config.lora.target_modules,
+        mesh=mesh,
+        sizes=model_config.logical_axis_sizes(),
+        rules=EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_AXIS_RULES,
+    )
 
 
 def _kv_cache(

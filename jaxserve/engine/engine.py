@@ -40,9 +40,11 @@ from jaxserve.engine.stats import (
 )
 from jaxserve.host.kv_events import KVEventLog
 from jaxserve.host.output_processor import OutputProcessor
+from jaxserve.host.page_allocator import ROOT_KEY
 from jaxserve.host.request import FinishReason, Request, RequestOutput, SamplingParams, SequenceState
 from jaxserve.host.scheduler import ScheduledChunk
 from jaxserve.loading.orbax_checkpoint import save_checkpoint
+from jaxserve.lora.registry import LoadedAdapter
 from jaxserve.models.config import ModelConfig
 
 CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n samples apart
@@ -114,6 +116,7 @@ class Engine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.admission.validate(prompt_token_ids, params)
+        self.lora_adapter(params)
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, session_id: str | None = None
@@ -126,6 +129,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
+        adapter = self.lora_adapter(params)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
         seqs = [
             SequenceState(
@@ -136,6 +140,8 @@ class Engine:
                 sampling_seed=(base_seed + i * CHILD_SEED_STRIDE) % 2**64,
                 arrival_order=next(self._arrivals),
                 session_id=session_id,
+                lora_slot=0 if adapter is None else adapter.slot,
+                cache_root_key=ROOT_KEY if adapter is None else adapter.identity,
             )
             for i in range(params.n)
         ]
@@ -165,6 +171,43 @@ class Engine:
         )
         self.constraints.attach(seq, *self.constraints.prepare(params))
         return seq
+
+    # -- LoRA adapters (jaxserve/lora) -----------------------------------------------------------------
+
+    def lora_adapter(self, params: SamplingParams) -> LoadedAdapter | None:
+        """The loaded adapter a request names (None: the base model); ValueError for an unknown one."""
+        if params.lora is None:
+            return None
+        if self.parts.lora is None:
+            raise ValueError(
+                f"LoRA adapter {params.lora!r} asked for, but this engine serves none (start it with lora "
+                "adapters or max_adapters)"
+            )
+        return self.parts.lora.resolve(params.lora)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter into a free slot, addressable as `name` from the next request on."""
+        if self.parts.lora is None:
+            raise ValueError("this engine has no LoRA slots: start it with lora max_adapters > 0")
+        self.parts.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Free an adapter's slot; refused while an unfinished request uses it."""
+        if self.parts.lora is None:
+            raise ValueError("this engine has no LoRA slots: start it with lora max_adapters > 0")
+        self.parts.lora.resolve(name)
+        users = sorted(
+            request.request_id
+            for request in self.requests.values()
+            if any(seq.params.lora == name and not seq.is_finished for seq in request.seqs)
+        )
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished requests ({users[:4]})")
+        self.parts.lora.unload(name)
+
+    def lora_adapters(self) -> list[dict]:
+        """The loaded adapters: name, slot, path and rank of each."""
+        return [] if self.parts.lora is None else self.parts.lora.describe()
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)

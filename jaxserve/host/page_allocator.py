@@ -246,16 +246,17 @@ class PageAllocator:
         self.events.cleared()
         return True
 
-    def find_cached_prefix(self, token_ids: list[int], max_tokens: int) -> CachedPrefix:
+    def find_cached_prefix(self, token_ids: list[int], max_tokens: int, root_key: int = ROOT_KEY) -> CachedPrefix:
         """The longest run of cached full pages that starts token_ids, covering at most max_tokens:
-        device pages first, then pages the host tier holds.
+        device pages first, then pages the host tier holds. root_key: the first page's parent key (a LoRA
+        adapter's identity: its pages chain from there, apart from the base model's).
 
         Takes no references and counts nothing: `claim` the result once the sequence is admitted.
         """
         found = CachedPrefix()
         if not self.enable_prefix_caching:
             return found
-        parent, size = ROOT_KEY, self.page_size
+        parent, size = root_key, self.page_size
         for start in range(0, max_tokens - size + 1, size):
             contents = (parent, tuple(token_ids[start : start + size]))
             key = page_key(*contents)

@@ -77,6 +77,7 @@ class SamplingParams:
     )
     allowed_token_ids: tuple[int, ...] | list[int] | None = None  # only these may be generated
     guided_decoding: GuidedDecodingParams | None = None
+    lora: str | None = None  # the name of a loaded LoRA adapter to generate with (None: the base model)
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -109,6 +110,8 @@ class SamplingParams:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         self._check_controls()
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError(f"lora must be the name of a loaded LoRA adapter, got {self.lora!r}")
 
     def _check_controls(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -237,6 +240,10 @@ class SequenceState:
     grammar: Any = None
     next_token_mask: Any = None
     next_token_bans: tuple[int, ...] = ()
+    # LoRA (jaxserve/lora): the adapter's device slot (0: the base model), and the root its prefix-cache
+    # page keys chain from (the adapter's identity), so that a page never serves another adapter
+    lora_slot: int = 0
+    cache_root_key: int = 0
     # Speculative decoding: tokens proposed for this sequence, and how many of them it accepted
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0

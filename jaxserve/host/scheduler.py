@@ -168,7 +168,7 @@ class Scheduler:
             return
         size = self.allocator.page_size
         for index in range(len(seq.page_keys), seq.num_computed_tokens // size):
-            parent = seq.page_keys[-1] if seq.page_keys else ROOT_KEY
+            parent = seq.page_keys[-1] if seq.page_keys else seq.cache_root_key
             tokens = tuple(seq.token_slice(index * size, (index + 1) * size))
             seq.page_keys.append(self.allocator.cache_full_page(seq.page_ids[index], parent, tokens))
 
@@ -282,14 +282,16 @@ class Scheduler:
             return False
         return seq.next_kv_position < seq.num_planned_tokens
 
-    def _admissible(self, token_ids: list[int], num_cacheable_tokens: int, final_length: int) -> CachedPrefix | None:
+    def _admissible(
+        self, token_ids: list[int], num_cacheable_tokens: int, final_length: int, root_key: int = ROOT_KEY
+    ) -> CachedPrefix | None:
         """The one admission check, for waiting sequences and reservations alike: a free slot (reserved
         ones count as taken), and free pages for everything the sequence may grow to beyond its cached
         prefix, so that admitted sequences do not keep preempting each other. The cached prefix found,
         or None."""
         if len(self.running) + len(self.reservations) >= self.max_num_seqs:
             return None
-        found = self.allocator.find_cached_prefix(token_ids, num_cacheable_tokens)
+        found = self.allocator.find_cached_prefix(token_ids, num_cacheable_tokens, root_key)
         needed = num_pages_for(final_length, self.allocator.page_size) - found.num_pages
         if needed + self.allocator.num_pages_to_claim(found) > self.allocator.num_free_pages:
             return None
@@ -305,7 +307,9 @@ class Scheduler:
         num_cacheable = seq.num_tokens - 1
         if seq.num_unscored_prompt_tokens:  # cached positions would go unscored: only the scored ones may be
             num_cacheable = min(num_cacheable, len(seq.prompt_logprobs or ()))
-        found = self._admissible(seq.token_ids, num_cacheable, seq.num_prompt_tokens + seq.params.max_tokens)
+        found = self._admissible(
+            seq.token_ids, num_cacheable, seq.num_prompt_tokens + seq.params.max_tokens, seq.cache_root_key
+        )
         if found is None:
             return None
         num_cached = found.num_pages * self.allocator.page_size

@@ -10,7 +10,7 @@ model names no kernel.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -180,7 +180,7 @@ def project_many(x, linears):
     """The same x through several Linears (a layer's q, k and v; gate and up): in one call where the plan
     joins them (the CPU kernel: its threads share their work and a decode step makes fewer calls);
     otherwise each Linear on its own. Same results as [linear(x) for linear in linears]."""
-    weights = [linear.kernel[...] for linear in linears]
+    weights = [linear.projected_weight() if isinstance(linear, Linear) else linear.kernel[...] for linear in linears]
     *lead, size = x.shape
     dtype = weights[0].dtype
     rows = x.reshape(-1, size).astype(dtype)
@@ -201,11 +201,18 @@ class Linear(nnx.Linear):
     computed by `project` with the matmul plan it was built with."""
 
     matmul: Matmul
+    lora: Any = None  # jaxserve/lora's LoraSlots where adapters may target this projection
+
+    def projected_weight(self):
+        """The kernel, or with adapter slots attached the kernel beside them (a LoraWeight that the plan's
+        LoRA entry serves)."""
+        return self.kernel[...] if self.lora is None else self.lora.weight(self.kernel[...])
 
     def __call__(self, inputs, out_sharding=None):
-        if out_sharding is not None or self.dtype not in (None, self.kernel.dtype):
+        if self.lora is None and (out_sharding is not None or self.dtype not in (None, self.kernel.dtype)):
             return super().__call__(inputs, out_sharding)
-        return project(inputs, self.kernel[...], None if self.bias is None else self.bias[...], matmul=self.matmul)
+        bias = None if self.bias is None else self.bias[...]
+        return project(inputs, self.projected_weight(), bias, matmul=self.matmul)
 
 
 def linear(

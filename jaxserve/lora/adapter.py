@@ -1,0 +1,118 @@
+"""Reading a PEFT LoRA adapter: adapter_config.json + adapter_model.safetensors -> per-projection A and B.
+
+PEFT stores, for each adapted nn.Linear, lora_A.weight [r, in] and lora_B.weight [out, r] under the module's
+name in the PeftModel (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`). The forward it
+computes is base(x) + lora_B(lora_A(x)) * scaling, with scaling = lora_alpha / r, or lora_alpha / sqrt(r)
+with use_rslora (r and alpha per module where rank_pattern / alpha_pattern name it). Here A becomes [in, r]
+and B [r, out] with the scaling folded in, keyed by our module path ("layers.3.self_attn.q_proj"), which is
+the checkpoint's module name without its "model." prefix.
+
+Only what the engine computes exactly is accepted: plain LoRA (no DoRA, no LoRA bias, no extra trained
+modules such as embeddings or the head) on decoder-layer projections. Anything else is a ValueError that
+names it, so a request never silently runs an adapter that is not the one trained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from safetensors.numpy import load_file
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(layers\.\d+\..+)\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class Projection:
+    a: np.ndarray  # [in, r] float32
+    b: np.ndarray  # [r, out] float32, scaled by alpha / r (alpha / sqrt(r) with rsLoRA)
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[1]
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    path: str
+    projections: dict[str, Projection]  # our module path ("layers.0.self_attn.q_proj") -> its A and B
+    identity: int  # a signed 64-bit digest of the adapter's files: seeds its prefix-cache keys
+
+    @property
+    def max_rank(self) -> int:
+        return max(projection.rank for projection in self.projections.values())
+
+
+def read_adapter(path: str) -> LoraAdapter:
+    """The adapter in a PEFT directory, checked for what the engine serves (ValueError naming what not)."""
+    config_path, weights_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(config_path) or not os.path.isfile(weights_path):
+        raise ValueError(f"{path!r} is not a PEFT LoRA adapter directory (it needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    with open(config_path, "rb") as f:
+        config_bytes = f.read()
+    try:
+        config = json.loads(config_bytes)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path}: not JSON ({error})") from None
+    _check_config(config, path)
+    tensors = load_file(weights_path)
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    for name, tensor in tensors.items():
+        match = _TENSOR_NAME.match(name)
+        if match is None:
+            raise ValueError(
+                f"adapter {path!r}: unsupported tensor {name!r} (only LoRA A/B of decoder-layer projections)"
+            )
+        module, half = match.groups()
+        halves.setdefault(module, {})[half] = np.asarray(tensor, np.float32)
+    projections = {}
+    for module, pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"adapter {path!r}: {module} has lora_{''.join(pair)} but not both A and B")
+        a, b = pair["A"], pair["B"]  # [r, in], [out, r]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"adapter {path!r}: {module}'s lora_A {a.shape} and lora_B {b.shape} do not chain")
+        rank = a.shape[0]
+        alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
+        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        projections[module] = Projection(a=np.ascontiguousarray(a.T), b=np.ascontiguousarray(b.T) * np.float32(scaling))
+    if not projections:
+        raise ValueError(f"adapter {path!r} holds no LoRA weights")
+    with open(weights_path, "rb") as f:
+        digest = hashlib.blake2b(config_bytes, digest_size=8)
+        digest.update(f.read())
+    identity = int.from_bytes(digest.digest(), "little", signed=True)
+    return LoraAdapter(path=path, projections=projections, identity=identity or 1)
+
+
+def _check_config(config: dict, path: str) -> None:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"adapter {path!r} is a {config.get('peft_type')} adapter; only LoRA is served")
+    refused = {
+        "use_dora": "DoRA",
+        "lora_bias": "LoRA biases",
+        "modules_to_save": f"fully trained modules {config.get('modules_to_save')}",
+        "trainable_token_indices": "trained token embeddings",
+        "layer_replication": "layer replication",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D) layers",
+    }
+    for key, what in refused.items():
+        if config.get(key):
+            raise ValueError(f"adapter {path!r} uses {what}, which the engine does not serve")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"adapter {path!r} trains biases (bias={config.get('bias')!r}); only bias='none' is served")
+
+
+def _pattern_value(pattern: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module's name."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?{key}$", module):
+            return value
+    return default

@@ -1,0 +1,101 @@
+"""The device side of multi-LoRA: adapter slots beside each targeted projection, and writing into them.
+
+`attach_lora` gives every targeted Linear of the loaded model a `LoraSlots` (A [L, K, r], B [L, r, N], zeros,
+placed by the rules table: A's K and B's N as the base kernel's in and out axes, the slot and rank axes
+replicated) and puts the LoRA entry in front of its matmul plan. Their params join the model's, so the
+runner's step takes them like any weight. Each step, `bind_row_slots` hands every LoraSlots the adapter slot
+of each token (from the step inputs' per-row slots), and the projections build LoraWeights from it.
+
+Loading an adapter into slot s writes A[s] and B[s] of every targeted projection with one jitted update of
+fixed shapes (the slot is a traced scalar), donated so the arrays are rewritten in place: compiled once at
+start-up, it never compiles again whichever adapters come and go.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxserve.models.layers import Linear
+from pallas_kernels.matmul.lora import LoraWeight, with_lora
+from sharding import partition_spec
+from sharding.rules import LOGICAL_AXIS_RULES
+
+
+class LoraSlots(nnx.Module):
+    """One projection's adapter slots; slot 0 stays zeros (rows without an adapter)."""
+
+    def __init__(self, a, b, in_axis: str | None, out_axis: str | None):
+        self.a = nnx.Param(a, logical_axes=("lora_slots", in_axis, "lora_rank"))  # [L, K, r]
+        self.b = nnx.Param(b, logical_axes=("lora_slots", "lora_rank", out_axis))  # [L, r, N], scaled
+        self.row_slots = None  # [T] int32 during a step (bind_row_slots)
+
+    def weight(self, base) -> LoraWeight:
+        if self.row_slots is None:
+            raise ValueError("a projection with LoRA slots ran outside a step that bound each row's adapter")
+        return LoraWeight(base, self.a[...], self.b[...], self.row_slots)
+
+
+def targeted_linears(model, target_modules) -> dict[str, Linear]:
+    """Our module path ("layers.0.self_attn.q_proj") -> each decoder-layer Linear named in target_modules
+    (a mixture-of-experts block's routed experts are not Linears: they get no slots)."""
+    found = {}
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, Linear) and path and path[0] == "layers" and path[-1] in target_modules:
+            found[".".join(str(part) for part in path)] = module
+    return found
+
+
+def attach_lora(model, *, num_slots: int, max_rank: int, target_modules, mesh: Mesh | None, sizes=None, rules=None):
+    """Give the model's targeted projections num_slots zero slots of rank max_rank (placed on the mesh by
+    the rules table); returns {module path: its LoraSlots}."""
+    attached = {}
+    for path, linear in targeted_linears(model, target_modules).items():
+        kernel = linear.kernel[...]
+        in_axis, out_axis = linear.kernel.get_metadata().get("logical_axes", (None, None))
+        (in_features, out_features), dtype = kernel.shape, kernel.dtype
+        a = _placed(
+            np.zeros((num_slots, in_features, max_rank)),
+            dtype,
+            ("lora_slots", in_axis, "lora_rank"),
+            mesh,
+            sizes,
+            rules,
+        )
+        b = _placed(
+            np.zeros((num_slots, max_rank, out_features)),
+            dtype,
+            ("lora_slots", "lora_rank", out_axis),
+            mesh,
+            sizes,
+            rules,
+        )
+        linear.lora = nnx.data(LoraSlots(a, b, in_axis, out_axis))  # a submodule added after construction
+        linear.matmul = with_lora(linear.matmul)  # type: ignore[arg-type]  # always a MatmulPlan at build time
+        attached[path] = linear.lora
+    if not attached:
+        raise ValueError(f"the model has no projections named {list(target_modules)} for LoRA slots")
+    return attached
+
+
+def _placed(values: np.ndarray, dtype, axes, mesh: Mesh | None, sizes, rules):
+    if mesh is None:
+        return jnp.asarray(values, dtype)
+    spec = partition_spec(axes, mesh, sizes, rules or LOGICAL_AXIS_RULES)
+    return jax.device_put(jnp.asarray(values, dtype), NamedSharding(mesh, spec))
+
+
+def bind_row_slots(model, token_slots) -> None:
+    """Each token's adapter slot [T] for this step's projections (called on the step's merged model)."""
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, LoraSlots):
+            module.row_slots = token_slots
+
+
+def write_slot(slot_arrays: list, slot, new_values: list) -> list:
+    """slot_arrays: every A and B ([L, K, r], [L, r, N]); new_values: the same list's slot-sized entries
+    ([K, r], [r, N]). Slot `slot` of each takes its new value."""
+    return [array.at[slot].set(value.astype(array.dtype)) for array, value in zip(slot_arrays, new_values)]

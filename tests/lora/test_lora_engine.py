@@ -1,0 +1,168 @@
+"""Multi-LoRA serving against PEFT: each adapter's greedy tokens equal PeftModel's on the same base, alone
+and mixed in one batch with the base model and the other adapters; loads and unloads while serving compile
+nothing; the prefix cache keeps adapters' pages apart; bad adapters and names are refused clearly and the
+engine keeps serving."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.lora.support import ADAPTER_NAMES, BASE_MODEL, LORA_ENGINE, adapter_dir, expected, lora_pair, write_adapter
+
+PROMPTS = expected()["prompts"]
+MAX_TOKENS = len(expected()["base_greedy_token_ids"][0])
+
+
+def want(adapter: str | None, prompt_index: int) -> list[int]:
+    if adapter is None:
+        return expected()["base_greedy_token_ids"][prompt_index]
+    return expected()["greedy_token_ids"][adapter][prompt_index]
+
+
+def greedy(adapter: str | None) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, lora=adapter)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(BASE_MODEL, **LORA_ENGINE)
+
+
+def generate(llm, cases: list[tuple[str | None, int]]) -> list[list[int]]:
+    outputs = llm.generate([PROMPTS[index] for _, index in cases], [greedy(adapter) for adapter, _ in cases])
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+def test_adapters_change_the_outputs():
+    """The fixtures are meaningful: every adapter moves the greedy tokens away from the base model's."""
+    for adapter in ADAPTER_NAMES:
+        assert sum(want(adapter, i) != want(None, i) for i in range(len(PROMPTS))) >= len(PROMPTS) - 1
+
+
+def test_each_adapter_alone_matches_peft(llm):
+    for adapter in ADAPTER_NAMES:
+        cases = [(adapter, index) for index in (0, 3)]
+        assert generate(llm, cases) == [want(*case) for case in cases], adapter
+
+
+def test_mixed_batch_matches_peft(llm):
+    """Every prompt under the base model and each adapter, interleaved, in batches of mixed adapters."""
+    cases = [(adapter, index) for index in range(len(PROMPTS)) for adapter in (None, *ADAPTER_NAMES)]
+    assert generate(llm, cases) == [want(*case) for case in cases]
+    assert llm.stats()["num_compiles_after_warmup"] == 0
+
+
+def test_load_and_unload_while_serving_compile_nothing(llm):
+    engine = llm.engine
+    engine.unload_lora("mixed_r3")
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'mixed_r3'"):
+        llm.generate(PROMPTS[0], greedy("mixed_r3"))
+    engine.load_lora("mixed_again", adapter_dir("mixed_r3"))  # into another slot than before
+    engine.load_lora("attn_twice", adapter_dir("attn_r4"))
+    cases = [("mixed_again", 1), ("attn_twice", 2), (None, 1), ("attn_r4", 2)]
+    outputs = llm.generate([PROMPTS[i] for _, i in cases], [greedy(a) for a, _ in cases])
+    expected_tokens = [want("mixed_r3", 1), want("attn_r4", 2), want(None, 1), want("attn_r4", 2)]
+    assert [o.outputs[0].token_ids for o in outputs] == expected_tokens
+    engine.unload_lora("attn_twice")
+    engine.unload_lora("mixed_again")
+    engine.load_lora("mixed_r3", adapter_dir("mixed_r3"))
+    assert generate(llm, [("mixed_r3", 4)]) == [want("mixed_r3", 4)]
+    assert llm.stats()["num_compiles_after_warmup"] == 0
+    assert [a["name"] for a in engine.lora_adapters()] == sorted(
+        engine.parts.lora.adapters, key=lambda n: engine.parts.lora.adapters[n].slot
+    )
+
+
+def test_prefix_cache_keeps_adapters_apart(llm):
+    """A long prompt cached under the base model is recomputed (not reused) under an adapter, and the
+    adapter's own pages serve its next request."""
+    index = max(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]))
+    assert len(PROMPTS[index]) > 32  # two full pages at least (page_size 16)
+    assert llm.engine.reset_prefix_cache()
+    base = llm.generate(PROMPTS[index], greedy(None))[0]
+    first = llm.generate(PROMPTS[index], greedy("attn_r4"))[0]
+    again = llm.generate(PROMPTS[index], greedy("attn_r4"))[0]
+    other = llm.generate(PROMPTS[index], greedy("mlp_r8_rslora"))[0]
+    assert first.num_cached_tokens == 0 and other.num_cached_tokens == 0
+    assert again.num_cached_tokens >= 32
+    assert base.outputs[0].token_ids == want(None, index)
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == want("attn_r4", index)
+    assert other.outputs[0].token_ids == want("mlp_r8_rslora", index)
+
+
+def _check_still_serves(llm):
+    assert generate(llm, [("attn_r4", 0), (None, 0)]) == [want("attn_r4", 0), want(None, 0)]
+
+
+@pytest.mark.parametrize(
+    "tensors, config, message",
+    [
+        (lora_pair("layers.0.self_attn.q_proj", 32, 64, 4), {}, "another base model"),  # hidden 32, not 64
+        (lora_pair("layers.5.self_attn.q_proj", 64, 64, 4), {}, "another base model"),  # no layer 5
+        (lora_pair("layers.0.mlp.gate_proj", 64, 96, 16), {"r": 16}, "above the slot rank 8"),
+        (lora_pair("layers.0.self_attn.rotary", 64, 64, 4), {}, "targets rotary"),
+        (
+            {
+                "base_model.model.lm_head.lora_A.weight": lora_pair("x", 64, 4, 4)[
+                    "base_model.model.model.x.lora_A.weight"
+                ]
+            },
+            {},
+            "unsupported tensor",
+        ),
+        (lora_pair("layers.0.self_attn.q_proj", 64, 64, 4), {"use_dora": True}, "DoRA"),
+        (lora_pair("layers.0.self_attn.q_proj", 64, 64, 4), {"modules_to_save": ["lm_head"]}, "fully trained modules"),
+    ],
+    ids=["shapes", "layers", "rank", "target", "lm_head", "dora", "modules_to_save"],
+)
+def test_bad_adapters_are_refused(llm, tmp_path, tensors, config, message):
+    path = write_adapter(str(tmp_path / "adapter"), tensors, **config)
+    before = dict(llm.engine.parts.lora.adapters)
+    with pytest.raises(ValueError, match=message):
+        llm.engine.load_lora("bad", path)
+    assert llm.engine.parts.lora.adapters == before
+    _check_still_serves(llm)
+
+
+def test_bad_names_and_full_slots_are_refused(llm, tmp_path):
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
+        llm.generate(PROMPTS[0], greedy("nope"))
+    with pytest.raises(ValueError, match="not a PEFT LoRA adapter directory"):
+        llm.engine.load_lora("missing", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="already loaded"):
+        llm.engine.load_lora("attn_r4", adapter_dir("attn_r4"))
+    extra = []
+    for i in range(len(llm.engine.parts.lora.adapters), 8):
+        extra.append(f"extra{i}")
+        llm.engine.load_lora(extra[-1], adapter_dir("attn_r4"))
+    with pytest.raises(ValueError, match="all 8 LoRA adapter slots are in use"):
+        llm.engine.load_lora("one_too_many", adapter_dir("attn_r4"))
+    assert generate(llm, [(extra[-1], 0)]) == [want("attn_r4", 0)]
+    for name in extra:
+        llm.engine.unload_lora(name)
+    _check_still_serves(llm)
+    assert llm.stats()["num_compiles_after_warmup"] == 0
+
+
+def test_in_use_adapter_is_not_unloaded(llm):
+    llm.engine.add_request("busy", PROMPTS[0], greedy("attn_r4"))
+    with pytest.raises(ValueError, match="in use by 1 unfinished requests"):
+        llm.engine.unload_lora("attn_r4")
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert "attn_r4" in llm.engine.parts.lora.adapters
+
+
+def test_engine_without_slots_refuses_adapters(llama_llm):
+    with pytest.raises(ValueError, match="serves none"):
+        llama_llm.generate(PROMPTS[0], greedy("attn_r4"))
+    with pytest.raises(ValueError, match="no LoRA slots"):
+        llama_llm.engine.load_lora("a", adapter_dir("attn_r4"))
+
+
+def test_fixture_adapters_are_peft_files():
+    for name in ADAPTER_NAMES:
+        assert sorted(os.listdir(adapter_dir(name))) == ["adapter_config.json", "adapter_model.safetensors"]

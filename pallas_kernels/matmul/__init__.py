@@ -31,7 +31,7 @@ from typing import ClassVar, Protocol
 
 import jax.numpy as jnp
 
-from pallas_kernels.matmul import cpu, reference
+from pallas_kernels.matmul import cpu, quantized, quantized_cpu, reference
 
 # Rows up to which the CPU kernel serves a dot (it reads the weights once for up to eight rows): where it
 # beat XLA:CPU's dots on SmolLM2-135M decode steps (bench/results/ has the figures). float16 has no XLA
@@ -84,6 +84,25 @@ class SmallMatmul:
 
 
 @dataclass(frozen=True)
+class QuantizedReferenceMatmul:
+    """Quantized weights (quantized.py) with XLA's dots, any backend: serves every call with a quantized weight
+    among its weights (a float one beside it, as a GGUF file may mix them, is projected by the reference)."""
+
+    joins_weights: ClassVar[bool] = False
+
+    def serves(self, num_rows: int, weights: tuple) -> bool:
+        return any(quantized.is_quantized(weight) for weight in weights)
+
+    def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
+        return tuple(
+            (quantized.matmul if quantized.is_quantized(weight) else reference.matmul)(
+                rows, weight, transposed=transposed
+            )
+            for weight in weights
+        )
+
+
+@dataclass(frozen=True)
 class MatmulPlan:
     """The projections' kernels for this engine, as the model calls them (models/layers.py's `Matmul`)."""
 
@@ -114,16 +133,28 @@ def choose_matmul(platform: str, num_devices: int) -> MatmulPlan:
     if platform == "cpu" and num_devices == 1 and cpu.available():
         max_rows = tuple((str(dtype), rows) for dtype, rows in SMALL_MATMUL_MAX_ROWS.items())
         entries = (SmallMatmul(max_rows), *entries)
+    entries = (*quantized_entries(platform, num_devices), *entries)  # ahead: the others take float weights
     return MatmulPlan(entries)
 
 
-REFERENCE_PLAN = MatmulPlan((ReferenceMatmul(),))  # XLA's dots only: any backend, any placement of the weights
+def quantized_entries(platform: str, num_devices: int) -> tuple[MatmulEntry, ...]:
+    """The entries for quantized weights, ahead of the float ones: the CPU kernel for decode-sized rows where
+    it serves (quantized_cpu.py), XLA's dots for the rest."""
+    entries: tuple[MatmulEntry, ...] = (QuantizedReferenceMatmul(),)
+    if platform == "cpu" and num_devices == 1 and quantized_cpu.available():
+        entries = (quantized_cpu.QuantizedSmallMatmul(quantized_cpu.QUANTIZED_MAX_ROWS), *entries)
+    return entries
+
+
+# XLA's dots only: any backend, any placement of the weights
+REFERENCE_PLAN = MatmulPlan((QuantizedReferenceMatmul(), ReferenceMatmul()))
 
 __all__ = [
     "REFERENCE_PLAN",
     "SMALL_MATMUL_MAX_ROWS",
     "MatmulEntry",
     "MatmulPlan",
+    "QuantizedReferenceMatmul",
     "ReferenceMatmul",
     "SmallMatmul",
     "choose_matmul",

@@ -18,10 +18,12 @@ from pallas_kernels.matmul import (
     REFERENCE_PLAN,
     SMALL_MATMUL_MAX_ROWS,
     MatmulPlan,
+    QuantizedReferenceMatmul,
     ReferenceMatmul,
     SmallMatmul,
     choose_matmul,
     cpu,
+    quantized_cpu,
     reference,
 )
 
@@ -30,8 +32,9 @@ MODELS = pathlib.Path(__file__).resolve().parents[2] / "jaxserve" / "models"
 
 def test_the_plan_takes_the_kernel_only_on_a_one_device_cpu_process():
     cpu_plan = choose_matmul("cpu", 1)
-    assert [type(entry) for entry in cpu_plan.entries] == [SmallMatmul, ReferenceMatmul]
-    assert dict(cpu_plan.entries[0].max_rows) == {str(dtype): rows for dtype, rows in SMALL_MATMUL_MAX_ROWS.items()}
+    quantized_entries = [quantized_cpu.QuantizedSmallMatmul, QuantizedReferenceMatmul]  # first: they take only those
+    assert [type(entry) for entry in cpu_plan.entries] == [*quantized_entries, SmallMatmul, ReferenceMatmul]
+    assert dict(cpu_plan.entries[2].max_rows) == {str(dtype): rows for dtype, rows in SMALL_MATMUL_MAX_ROWS.items()}
     # several devices (a mesh, or fake CPU devices): weights may be sharded, which the custom call cannot split
     for platform, num_devices in [("cpu", 8), ("gpu", 1), ("tpu", 4)]:
         assert choose_matmul(platform, num_devices) == REFERENCE_PLAN
@@ -40,6 +43,7 @@ def test_the_plan_takes_the_kernel_only_on_a_one_device_cpu_process():
 def test_the_plan_falls_back_to_the_reference_without_a_compiler(monkeypatch, tmp_path):
     cpu_library.load.cache_clear()
     cpu._register.cache_clear()
+    quantized_cpu._register.cache_clear()
     try:
         with monkeypatch.context() as patch:
             patch.setattr(cpu_library, "CACHE_DIR", str(tmp_path))
@@ -48,6 +52,7 @@ def test_the_plan_falls_back_to_the_reference_without_a_compiler(monkeypatch, tm
     finally:
         cpu_library.load.cache_clear()
         cpu._register.cache_clear()
+        quantized_cpu._register.cache_clear()
     assert choose_matmul("cpu", 1) != REFERENCE_PLAN  # built again once a compiler is back
 
 

@@ -1,0 +1,186 @@
+"""Quantized weights at load: which params are quantized, how a float tensor becomes a QuantizedWeight (one
+tensor at a time, on the host), and where each of its arrays is placed.
+
+    mark_quantized(abstract, spec)   at build time: each projection kernel's abstract param gets a
+                                      `quantization` metadata entry (the spec); shapes stay the float ones,
+                                      so the sharding rules place it by its logical axes as before
+    load_quantized(...)              called by loading.weights.read_params for a marked param: the reader's
+                                      own quantized blocks where it holds them (GGUF, gguf_blocks.py), else
+                                      the float tensor quantized here; then each array placed
+
+Formats (`model.quantization`): none; int8 (symmetric, one scale per output channel); int4 (symmetric
+groups of `quantization_group_size` along K, llama.cpp's Q4_0 rounding); auto (what the checkpoint holds:
+a GGUF file's quantized blocks stay quantized, float tensors stay float).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pallas_kernels.matmul.quantized import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("none", "int8", "int4", "auto")
+INT4_GROUP_SIZES = (32, 64, 128)
+# Kernels that stay float: MoE routers (a handful of columns whose exact scores pick the experts, as
+# llama.cpp keeps ffn_gate_inp) and the shared expert's one-column gate.
+UNQUANTIZED_MODULES = ("gate", "shared_expert_gate")
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """How the engine quantizes the projections' weights."""
+
+    format: str = "none"  # one of FORMATS
+    group_size: int = 32  # int4: rows of K per scale
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown quantization {self.format!r} (option quantization); known: {list(FORMATS)}")
+        if self.format == "int4" and self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"quantization_group_size must be one of {list(INT4_GROUP_SIZES)} for int4, got {self.group_size}"
+            )
+
+
+def is_projection_kernel(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
+    """Whether the param at `path` is a projection's [K, N] kernel that quantization applies to."""
+    return path[-1] == "kernel" and len(shape) == 2 and (len(path) < 2 or path[-2] not in UNQUANTIZED_MODULES)
+
+
+def mark_quantized(abstract_state: nnx.State, spec: QuantizationSpec) -> nnx.State:
+    """The abstract params with each projection kernel marked for quantization (metadata `quantization`),
+    after checking that every such kernel's K takes the spec's groups."""
+    if spec.format == "none":
+        return abstract_state
+    marked = []
+    for path, variable in nnx.to_flat_state(abstract_state):
+        shape = tuple(variable.get_value().shape)
+        names = tuple(str(p) for p in path)
+        if is_projection_kernel(names, shape):
+            check_groups(names, shape, spec)
+            variable = variable.replace(variable.get_value(), quantization=spec)
+        marked.append((path, variable))
+    return nnx.from_flat_state(marked)
+
+
+def check_groups(path: tuple[str, ...], shape: tuple[int, ...], spec: QuantizationSpec) -> None:
+    if spec.format == "int4" and shape[0] % spec.group_size:
+        raise ValueError(
+            f"cannot quantize {'.'.join(path)} [{shape[0]}, {shape[1]}] to int4: K = {shape[0]} is not a "
+            f"multiple of quantization_group_size {spec.group_size} (choose one that divides it, or int8)"
+        )
+
+
+def quantize_int8(weight: np.ndarray, compute_dtype: str) -> QuantizedWeight:
+    """weight [K, N] float -> int8 with one float32 scale per output column (absmax / 127)."""
+    w = np.asarray(weight, np.float32)
+    absmax = np.max(np.abs(w), axis=0, keepdims=True)  # [1, N]
+    scales = np.where(absmax > 0, absmax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scales), -127, 127).astype(np.int8)
+    return QuantizedWeight(q, scales, None, bits=8, group_size=w.shape[0], compute_dtype=compute_dtype)
+
+
+def quantize_int4(weight: np.ndarray, group_size: int, compute_dtype: str) -> QuantizedWeight:
+    """weight [K, N] float -> 4-bit groups of `group_size` along K with float16 scales, as llama.cpp's Q4_0:
+    the group's value of largest magnitude maps to -8, so all sixteen levels are used."""
+    w = np.asarray(weight, np.float32)
+    depth, columns = w.shape
+    grouped = w.reshape(depth // group_size, group_size, columns)
+    extreme = np.take_along_axis(grouped, np.argmax(np.abs(grouped), axis=1)[:, None, :], axis=1)[:, 0, :]
+    d = (extreme / np.float32(-8.0)).astype(np.float32)  # [G, N]
+    inverse = np.divide(np.float32(1.0), d, out=np.zeros_like(d), where=d != 0)
+    # llama.cpp's rounding, to the bit: from the float32 d, truncating x / d + 8.5
+    q = np.clip(np.trunc(grouped * inverse[:, None, :] + np.float32(8.5)), 0, 15).astype(np.uint8)
+    q = q.reshape(depth, columns)
+    scales = d.astype(np.float16)
+    return QuantizedWeight(pack_nibbles(q), scales, None, bits=4, group_size=group_size, compute_dtype=compute_dtype)
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """q [..., K, N] uint8 in 0..15 -> [..., K / 2, N]: rows 2i in the low nibble, 2i + 1 in the high."""
+    return (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).astype(np.uint8)
+
+
+def quantize(weight: np.ndarray, spec: QuantizationSpec, compute_dtype: str) -> QuantizedWeight:
+    if spec.format == "int8":
+        return quantize_int8(weight, compute_dtype)
+    return quantize_int4(weight, spec.group_size, compute_dtype)
+
+
+def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, ...], spec, dtype, sharding):
+    """The value of a param marked for quantization: the reader's quantized blocks where it holds this
+    tensor quantized (and the spec is not asking for another format), else the float tensor quantized by
+    the spec (auto: left float). Returns a placed QuantizedWeight, or None for the caller's float path."""
+    compute_dtype = str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype
+    stored = _stored_quantized(reader, read_param, path, compute_dtype)
+    if stored is not None and tuple(stored.shape) != shape:
+        raise ValueError(
+            f"checkpoint tensor for {'.'.join(path)} has shape {stored.shape}, config.json implies {shape}"
+        )
+    if stored is None and spec.format == "auto":
+        return None
+    if stored is None:
+        tensor = read_param(reader, path, shape)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"checkpoint tensor for {'.'.join(path)} has shape {tuple(tensor.shape)}, config.json implies {shape}"
+            )
+        stored = quantize(tensor, spec, compute_dtype)
+        del tensor
+    return place(stored, sharding)
+
+
+def _stored_quantized(reader, read_param, path, compute_dtype) -> QuantizedWeight | None:
+    """The checkpoint's own quantized layout of this tensor, where the reader has one and the family's name
+    mapping is the plain one (name by path, transposed) that quantized blocks can follow."""
+    read_quantized = getattr(reader, "read_quantized", None)
+    from jaxserve.models import llama
+
+    if read_quantized is None or read_param is not llama.read_param:
+        return None
+    return read_quantized(llama.hf_name(path), compute_dtype)
+
+
+def place(weight: QuantizedWeight, sharding) -> QuantizedWeight:
+    """Each of the weight's arrays on the device(s): with a NamedSharding for the float weight, values,
+    scales and mins split as it splits K and N wherever their own sizes divide (packed rows and groups
+    stay whole on a shard), else kept whole along that axis."""
+    if sharding is None:
+        return jax.tree.map(jax.numpy.asarray, weight)
+    if not isinstance(sharding, NamedSharding):
+        return jax.device_put(weight, sharding)
+    return jax.tree.map(lambda leaf: jax.device_put(leaf, _leaf_sharding(leaf.shape, sharding)), weight)
+
+
+def _leaf_sharding(shape: tuple[int, ...], sharding: NamedSharding) -> NamedSharding:
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    for axis, mesh_axis in enumerate(spec):
+        if mesh_axis is None:
+            continue
+        names = mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)
+        split = int(np.prod([sharding.mesh.shape[name] for name in names]))
+        if shape[axis] % split:
+            spec[axis] = None
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
+__all__ = [
+    "FORMATS",
+    "QuantizationSpec",
+    "is_projection_kernel",
+    "load_quantized",
+    "mark_quantized",
+    "pack_nibbles",
+    "place",
+    "quantize",
+    "quantize_int4",
+    "quantize_int8",
+]

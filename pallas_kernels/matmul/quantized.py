@@ -1,0 +1,132 @@
+"""Quantized weights: a weight type of their own, and the XLA projection that reads them (the reference).
+
+One layout covers int8 per output channel, int4 in groups along K, and llama.cpp's GGUF block types:
+
+    w[k, n] = q[k, n] * scales[k // G, n]  (+ mins[k // G, n] where the source has them)
+
+with q int8, or 4-bit packed two to a byte along K (byte i holds rows 2i, low nibble, and 2i + 1, high
+nibble). A 4-bit weight without mins stores q + 8 (llama.cpp's Q4_0: values -8..7); with mins the nibble
+is q itself (0..15, Q4_1 and the K-quants' sub-blocks). Scales and mins keep the source's width (float16
+for GGUF blocks), so the bytes stay near the file's.
+
+The model never names the type: a Linear's kernel param simply holds a QuantizedWeight instead of an
+array (nnx keeps any pytree as a param's value), `project` casts rows to its `dtype` (the compute dtype),
+and the matmul plan's quantized entries (pallas_kernels/matmul/__init__.py) recognize it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Rows from which the reference dequantizes the weight and runs one dot (compute-bound prefill: the copy
+# is paid once for many rows); below, it dots the integers group by group and scales the group sums, so
+# no float copy of the weight is made (a decode step reads the weight at its stored width).
+DEQUANTIZE_FROM_ROWS = 32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A [..., K, N] weight (leading axes: stacked experts) stored as integers with per-group scales."""
+
+    # numpy while the loader builds it on the host, jax arrays once placed
+    values: jax.Array | np.ndarray  # int8 [..., K, N] (bits 8), or uint8 [..., K / 2, N] (bits 4, two rows per byte)
+    scales: jax.Array | np.ndarray  # [..., K / G, N] float16 / bfloat16 / float32
+    mins: (
+        jax.Array | np.ndarray | None
+    )  # [..., K / G, N] like scales, or None (symmetric; 4-bit nibbles carry offset 8)
+    bits: int = dataclasses.field(metadata=dict(static=True), default=8)
+    group_size: int = dataclasses.field(metadata=dict(static=True), default=0)  # G, along K
+    compute_dtype: str = dataclasses.field(metadata=dict(static=True), default="float32")  # the rows' dtype
+
+    def __getitem__(self, index):
+        """`param[...]` (how modules read a param's value) is the weight itself."""
+        if index is not Ellipsis:
+            raise TypeError("a QuantizedWeight is read whole (param[...]), not indexed")
+        return self
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical [..., K, N] shape, as the float weight it stands for."""
+        *lead, rows, columns = self.values.shape
+        return (*lead, rows * (8 // self.bits), columns)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.compute_dtype)
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(self))
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.shape[-2]
+
+
+def integers(weight: QuantizedWeight):
+    """q [..., K, N] int8: the stored integers, unpacked, the 4-bit offset taken out where there are no mins."""
+    if weight.bits == 8:
+        return weight.values
+    low = (weight.values & 0xF).astype(jnp.int8)
+    high = (weight.values >> 4).astype(jnp.int8)
+    *lead, half, columns = weight.values.shape
+    q = jnp.stack([low, high], axis=-2).reshape(*lead, 2 * half, columns)  # rows 2i, 2i + 1
+    return q if weight.mins is not None else q - jnp.int8(8)
+
+
+def dequantize(weight: QuantizedWeight, dtype=None):
+    """The float weight [..., K, N] it stands for, in `dtype` (default: its compute dtype); scales applied in
+    float32."""
+    q = integers(weight)
+    *lead, depth, columns = q.shape
+    groups = weight.num_groups
+    grouped = q.reshape(*lead, groups, depth // groups, columns).astype(jnp.float32)
+    w = grouped * weight.scales.astype(jnp.float32)[..., :, None, :]
+    if weight.mins is not None:
+        w = w + weight.mins.astype(jnp.float32)[..., :, None, :]
+    return w.reshape(*lead, depth, columns).astype(dtype or weight.dtype)
+
+
+def matmul(rows, weight: QuantizedWeight, *, transposed: bool = False):
+    """rows [M, K] (the compute dtype) @ weight [K, N] -> float32 [M, N], with XLA's dots."""
+    if transposed:
+        raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
+    if weight.values.ndim != 2:
+        raise ValueError(f"a projection takes a 2-d weight, got a quantized {weight.shape}")
+    num_rows, depth = rows.shape
+    if depth != weight.shape[0]:
+        raise ValueError(f"rows {rows.shape} do not contract with a quantized weight {weight.shape}")
+    if num_rows >= DEQUANTIZE_FROM_ROWS:
+        return jax.lax.dot_general(
+            rows, dequantize(weight, rows.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+    groups = weight.num_groups
+    group = depth // groups
+    # XLA:CPU has no batched 16-bit dot into float32: there (where the C++ kernel serves decode rows on one
+    # device) the group sums take float32 operands
+    operand_dtype = jnp.float32 if jax.default_backend() == "cpu" else rows.dtype
+    q = integers(weight).reshape(groups, group, -1).astype(operand_dtype)  # small integers: exact in 16 bits
+    grouped_rows = rows.reshape(num_rows, groups, group).astype(operand_dtype)
+    # [M, G, N]: each group's integer sum, then its scale; G is 1 for per-channel int8
+    sums = jnp.einsum("mgk,gkn->mgn", grouped_rows, q, preferred_element_type=jnp.float32)
+    y = jnp.einsum("mgn,gn->mn", sums, weight.scales.astype(jnp.float32))
+    if weight.mins is not None:
+        row_sums = jnp.sum(grouped_rows.astype(jnp.float32), axis=-1)  # [M, G]
+        y = y + row_sums @ weight.mins.astype(jnp.float32)
+    return y
+
+
+def is_quantized(weight) -> bool:
+    return isinstance(weight, QuantizedWeight)
+
+
+__all__ = ["DEQUANTIZE_FROM_ROWS", "QuantizedWeight", "dequantize", "integers", "is_quantized", "matmul"]

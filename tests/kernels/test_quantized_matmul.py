@@ -1,0 +1,145 @@
+"""Quantized weights (pallas_kernels/matmul/quantized.py): the XLA reference and the C++ CPU kernel against a
+numpy dequantize-then-dot written here from the layout's definition, for every layout (int8 per channel and
+in groups, 4-bit with offset 8 or with mins, float16 / bfloat16 / float32 scales) at odd sizes; the host
+quantizers' rounding; and GGUF's block types re-expressed exactly (against the gguf package's own
+dequantizers)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from jaxserve.loading.quantize import quantize_int4, quantize_int8
+from jaxserve.loading.quantize_gguf import from_gguf_blocks
+from pallas_kernels.matmul import REFERENCE_PLAN, choose_matmul, quantized, quantized_cpu
+from pallas_kernels.matmul.quantized import QuantizedWeight
+from tests.support.gguf_files import random_blocks
+
+
+def numpy_dequantize(weight: QuantizedWeight) -> np.ndarray:
+    """float64 [K, N] from the stored arrays, by the layout's definition."""
+    values = np.asarray(weight.values)
+    if weight.bits == 8:
+        q = values.astype(np.float64)
+    else:
+        q = np.empty((2 * values.shape[0], values.shape[1]))
+        q[0::2], q[1::2] = values & 0xF, values >> 4
+        if weight.mins is None:
+            q -= 8
+    depth = q.shape[0]
+    group = depth // weight.scales.shape[0]
+    scales = np.repeat(np.asarray(weight.scales, np.float64), group, axis=0)
+    w = q * scales
+    if weight.mins is not None:
+        w += np.repeat(np.asarray(weight.mins, np.float64), group, axis=0)
+    return w
+
+
+def random_weight(rng, depth, columns, bits, group, scale_dtype, with_mins, compute_dtype="float32"):
+    groups = depth // group
+    if bits == 8:
+        values = rng.integers(-128, 128, (depth, columns)).astype(np.int8)
+    else:
+        values = rng.integers(0, 256, (depth // 2, columns)).astype(np.uint8)
+    scales = jnp.asarray(rng.uniform(0.001, 0.02, (groups, columns)), scale_dtype)
+    mins = jnp.asarray(rng.uniform(-0.1, 0.1, (groups, columns)), scale_dtype) if with_mins else None
+    return QuantizedWeight(jnp.asarray(values), scales, mins, bits=bits, group_size=group, compute_dtype=compute_dtype)
+
+
+# (K, N, bits, group, scale dtype, mins): int8 per channel at odd K and N, GGUF Q8_0 / Q6_K-like groups,
+# 4-bit with offset 8 (Q4_0) and with mins (Q4_1, Q4_K), groups of 64 / 128 over more than one column block
+LAYOUTS = [
+    (17, 13, 8, 17, jnp.float32, False),
+    (96, 1100, 8, 32, jnp.float16, False),
+    (48, 70, 8, 16, jnp.float32, False),
+    (64, 33, 8, 32, jnp.float32, True),
+    (96, 45, 4, 32, jnp.float16, False),
+    (64, 523, 4, 32, jnp.float16, True),
+    (256, 77, 4, 64, jnp.bfloat16, False),
+    (256, 600, 4, 128, jnp.float32, True),
+]
+
+
+@pytest.mark.parametrize("depth,columns,bits,group,scale_dtype,with_mins", LAYOUTS)
+def test_quantized_matmuls_match_numpy(depth, columns, bits, group, scale_dtype, with_mins):
+    rng = np.random.default_rng(depth * columns)
+    weight = random_weight(rng, depth, columns, bits, group, scale_dtype, with_mins)
+    expected_weight = numpy_dequantize(weight)
+    np.testing.assert_allclose(np.asarray(quantized.dequantize(weight)), expected_weight, rtol=1e-6, atol=1e-7)
+    assert weight.shape == (depth, columns) and weight.dtype == jnp.float32
+    kernel = jax.jit(quantized_cpu.quantized_matmul)
+    reference = jax.jit(quantized.matmul)
+    # the reference: 3 rows (the decode path: group sums, scaled) and 40 (dequantize, then one dot); the
+    # kernel: 1 row, and 9 (a pass over the weights for 8 rows, then one for the last)
+    tolerance = dict(rtol=1e-5, atol=1e-5 * np.sqrt(depth))
+    for num_rows, function in ((3, reference), (40, reference), (1, kernel), (9, kernel)):
+        x = rng.standard_normal((num_rows, depth)).astype(np.float32)
+        got = function(jnp.asarray(x), weight)
+        assert got.dtype == jnp.float32 and got.shape == (num_rows, columns)
+        np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ expected_weight, **tolerance)
+
+
+@pytest.mark.parametrize("compute_dtype", [jnp.bfloat16, jnp.float16])
+def test_quantized_matmuls_take_16_bit_rows(compute_dtype):
+    rng = np.random.default_rng(1)
+    weight = random_weight(rng, 64, 90, 4, 32, jnp.float16, True, compute_dtype=str(jnp.dtype(compute_dtype)))
+    x = jnp.asarray(rng.standard_normal((4, 64)), compute_dtype)
+    expected = np.asarray(x, np.float64) @ numpy_dequantize(weight)
+    for plan in (REFERENCE_PLAN, choose_matmul("cpu", 1)):
+        got = jax.jit(lambda x, w, plan=plan: plan(x, w))(x, weight)
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-3, atol=1e-3)
+
+
+def test_the_cpu_plan_sends_decode_rows_to_the_kernel():
+    weight = random_weight(np.random.default_rng(2), 64, 40, 8, 64, jnp.float32, False)
+    plan = choose_matmul("cpu", 1)
+
+    def hlo(num_rows):
+        rows = jnp.ones((num_rows, 64), jnp.float32)
+        return jax.jit(lambda x, w: plan(x, w)).lower(rows, weight).as_text()
+
+    assert quantized_cpu.QUANTIZED_TARGET in hlo(quantized_cpu.QUANTIZED_MAX_ROWS)
+    assert quantized_cpu.QUANTIZED_TARGET not in hlo(quantized_cpu.QUANTIZED_MAX_ROWS + 1)
+    assert (
+        quantized_cpu.QUANTIZED_TARGET
+        not in jax.jit(lambda x, w: REFERENCE_PLAN(x, w)).lower(jnp.ones((1, 64)), weight).as_text()
+    )
+
+
+def test_host_quantizers_round_to_the_nearest_level():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((96, 37)).astype(np.float32)
+    int8 = quantize_int8(w, "float32")
+    assert int8.values.dtype == np.int8 and int8.scales.shape == (1, 37) and int8.group_size == 96
+    assert np.max(np.abs(numpy_dequantize(int8) - w) / np.asarray(int8.scales)) <= 0.5 + 1e-4
+    assert np.all(np.max(np.abs(np.asarray(int8.values)), axis=0) == 127)  # each column's extreme uses the range
+    int4 = quantize_int4(w, 32, "float32")
+    assert int4.values.shape == (48, 37) and int4.scales.shape == (3, 37) and int4.scales.dtype == np.float16
+    steps = np.repeat(np.abs(np.asarray(int4.scales, np.float32)), 32, axis=0)
+    # Q4_0's levels run -8..7 steps: the side opposite the extreme clips at 7, a step at most from it
+    assert np.max(np.abs(numpy_dequantize(int4) - w) / steps) <= 1.0 + 1e-2
+    # as llama.cpp's Q4_0 of the same values (float16 d, offset 8, the extreme at -8)
+    blocks = gguf_quantize(np.ascontiguousarray(w.T), T.Q4_0)
+    np.testing.assert_allclose(numpy_dequantize(int4), gguf_dequantize(blocks, T.Q4_0).T, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K])
+def test_gguf_blocks_keep_their_values(qtype):
+    """A GGUF matrix [N rows, K] re-expressed as the [K, N] layout holds exactly the gguf package's values."""
+    rng = np.random.default_rng(4)
+    columns, depth = 7, 512
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
+        raw = random_blocks((columns, depth), qtype, rng)
+    else:
+        raw = gguf_quantize(rng.standard_normal((columns, depth)).astype(np.float32), qtype)
+    weight = from_gguf_blocks(raw, qtype, "float32")
+    assert weight.shape == (depth, columns)
+    expected = gguf_dequantize(raw, qtype).T
+    np.testing.assert_allclose(numpy_dequantize(weight), expected, rtol=1e-6, atol=1e-7)
+    stored = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(weight))
+    assert stored <= 2.2 * raw.nbytes  # Q8_0 / Q4_0 / Q4_1: the file's bytes; K-quants: see docs/notes
+    if qtype in (T.Q8_0, T.Q4_0, T.Q4_1):
+        assert stored == raw.nbytes

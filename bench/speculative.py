@@ -1,0 +1,263 @@
+"""Speculative decoding with the n-gram (prompt-lookup) proposer: single-stream generated tokens/s with
+speculation vs without, on two workloads, jaxserve beside llama.cpp's server (plain and with its own
+lookup decoding, --spec-type ngram-simple) in the same run; and batched throughput with speculation on vs
+off (goal: not below).
+
+    .venv/bin/python bench/speculative.py [--precision f32] [--requests 3] [--max-tokens 256] [--batch 32]
+
+The default model (SmolLM2-135M-Instruct) as vs_llamacpp.py serves it: its GGUF dequantized to F32 (or
+BF16), the same file loaded by both engines, 2 threads each. Prompts are chat prompts rendered once with
+the model's template and sent to both engines as the same token ids; greedy; a reply ends at EOS or at
+--max-tokens.
+
+  code   code editing: the prompt holds a Python function and asks for it back with one change (the
+         reply quotes most of its context: what prompt lookup is for)
+  chat   plain chat questions (little to look up)
+
+Single stream: --requests requests one after another per workload; rate = generated tokens / wall time
+(prefill included). jaxserve's ngram engine runs its default adaptive policy and, as a second line, with
+speculation forced on (speculative_adaptive false). Batched: --batch chat requests at once (EOS ignored,
+--batch-tokens each), jaxserve only. Greedy outputs with speculation on and off are compared (they must be
+identical). Prints JSON lines, then a table of ratios (ngram / plain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llamacpp_peer as peer  # noqa: E402
+from vs_llamacpp import CACHE_DIR, DTYPES, emit, model_files, pin_threads  # noqa: E402
+
+CODE_SNIPPETS = (
+    '''def moving_average(values, window):
+    """Return the moving averages of values over a sliding window."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    averages = []
+    total = 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        if index >= window - 1:
+            averages.append(total / window)
+    return averages
+''',
+    """class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, count):
+        if count < 0:
+            raise ValueError("count must be non-negative")
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name, count):
+        available = self.items.get(name, 0)
+        if count > available:
+            raise KeyError(name)
+        self.items[name] = available - count
+
+    def total(self):
+        return sum(self.items.values())
+""",
+    """def parse_config(lines):
+    config = {}
+    section = None
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            config[section] = {}
+            continue
+        key, value = line.split("=", 1)
+        config[section][key.strip()] = value.strip()
+    return config
+""",
+)
+CODE_ASKS = (
+    "Rename the variable `total` to `running_sum` in this function. Reply with the whole function.",
+    "Rename the method `total` to `count_all` in this class. Reply with the whole class.",
+    "Rename `section` to `current_section` in this function. Reply with the whole function.",
+)
+CHAT_QUESTIONS = (
+    "What are three good habits for staying healthy?",
+    "Explain why the sky is blue in a few sentences.",
+    "Give me some tips for learning a new language.",
+    "Write a short story about a robot who learns to paint.",
+    "What should I pack for a weekend camping trip?",
+    "Describe the water cycle.",
+)
+
+
+def prompts_for(tokenizer, workload: str, count: int) -> list[list[int]]:
+    from jaxserve.loading.chat_template import render_chat
+
+    if workload == "code":
+        messages = [
+            f"{CODE_ASKS[i % 3]}\n\n```python\n{CODE_SNIPPETS[i % 3]}```" for i in range(count)
+        ]  # fmt: skip
+    else:
+        messages = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] for i in range(count)]
+    return [
+        tokenizer.encode(
+            render_chat(tokenizer, [{"role": "user", "content": m}], add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for m in messages
+    ]
+
+
+class Jaxserve:
+    def __init__(self, path: str, dtype: str, max_num_seqs: int, max_model_len: int, speculative: dict | None):
+        from jaxserve import LLM, SamplingParams
+
+        self.SamplingParams = SamplingParams
+        options = dict(
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=512,
+            enable_prefix_caching=False,  # as llama.cpp's cache_prompt=False: every run prefills its prompts
+            show_progress=False,
+        )
+        self.llm = LLM(path, **options, **({"speculative": speculative} if speculative else {}))
+
+    def run(self, prompts, max_tokens: int, at_once: bool, ignore_eos: bool = False):
+        """(generated token ids per request, seconds)."""
+        params = self.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        groups = [prompts] if at_once else [[p] for p in prompts]
+        outputs, start = [], time.perf_counter()
+        for group in groups:
+            outputs += self.llm.generate(group, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs], time.perf_counter() - start
+
+
+def llama_complete(server: peer.LlamaServer, prompt: list[int], max_tokens: int) -> list[int]:
+    body = dict(
+        prompt=prompt,
+        n_predict=max_tokens,
+        temperature=0.0,
+        top_k=1,
+        cache_prompt=False,
+        return_tokens=True,
+        stream=False,
+    )
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.port}/completion",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=1800) as response:
+        return json.loads(response.read())["tokens"]
+
+
+def run_llamacpp(gguf: str, threads: int, context: int, workloads: dict, max_tokens: int, extra: list[str]):
+    server = peer.LlamaServer(CACHE_DIR, gguf, threads, 1, context_per_slot=context)
+    server.command += extra
+    results = {}
+    with server:
+        llama_complete(server, workloads["chat"][0], 8)  # warm-up
+        for name, prompts in workloads.items():
+            start = time.perf_counter()
+            tokens = [llama_complete(server, p, max_tokens) for p in prompts]
+            results[name] = (tokens, time.perf_counter() - start)
+    return results
+
+
+def rate(tokens: list[list[int]], seconds: float) -> float:
+    return round(sum(map(len, tokens)) / seconds, 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a Hugging Face dir")
+    parser.add_argument("--precision", default="f32", choices=sorted(DTYPES))
+    parser.add_argument("--requests", type=int, default=3, help="single-stream requests per workload")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32, help="requests at once in the batched run (0: none)")
+    parser.add_argument("--batch-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--lookup-max", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engines", default="jaxserve,llamacpp")
+    args = parser.parse_args()
+    pin_threads(args.threads)
+    jax_path, ggufs, name = model_files(args)
+    gguf = ggufs[DTYPES[args.precision][1]]
+    from jaxserve.loading.model_source import open_model
+
+    tokenizer = open_model(jax_path).tokenizer
+    workloads = {w: prompts_for(tokenizer, w, args.requests) for w in ("code", "chat")}
+    batch_prompts = prompts_for(tokenizer, "chat", args.batch) if args.batch else []
+    longest = max(len(p) for prompts in workloads.values() for p in prompts)
+    max_model_len = longest + args.max_tokens + 16
+    emit(bench="speculative", model=name, precision=args.precision, threads=args.threads, k=args.k,
+         prompt_lookup=[args.lookup_min, args.lookup_max], requests=args.requests, max_tokens=args.max_tokens,
+         prompt_tokens={w: [len(p) for p in ps] for w, ps in workloads.items()})  # fmt: skip
+    ngram = dict(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=args.lookup_min,
+                 prompt_lookup_max=args.lookup_max)  # fmt: skip
+    variants = {"plain": None, "ngram": ngram, "ngram-forced": {**ngram, "speculative_adaptive": False}}
+    single: dict[str, dict] = {}
+    if "jaxserve" in args.engines:
+        for variant, speculative in variants.items():
+            engine = Jaxserve(jax_path, DTYPES[args.precision][0], max(args.batch, 1), max_model_len, speculative)
+            engine.run(workloads["chat"][:1], 8, at_once=False)  # warm-up
+            single[f"jaxserve-{variant}"] = {w: engine.run(p, args.max_tokens, False) for w, p in workloads.items()}
+            stats = engine.llm.stats()
+            for w, (tokens, seconds) in single[f"jaxserve-{variant}"].items():
+                emit(engine=f"jaxserve-{variant}", workload=w, tokens_per_s=rate(tokens, seconds),
+                     generated=sum(map(len, tokens)), seconds=round(seconds, 3))  # fmt: skip
+            emit(engine=f"jaxserve-{variant}", compiles_after_warmup=stats["num_compiles_after_warmup"],
+                 **{k: v for k, v in stats.items() if k.startswith("speculative_")})  # fmt: skip
+            if args.batch and variant != "ngram-forced":
+                tokens, seconds = engine.run(batch_prompts, args.batch_tokens, at_once=True, ignore_eos=True)
+                single[f"jaxserve-{variant}"]["batch"] = (tokens, seconds)
+                emit(engine=f"jaxserve-{variant}", workload=f"chat x {args.batch} at once",
+                     tokens_per_s=rate(tokens, seconds), generated=sum(map(len, tokens)))  # fmt: skip
+            del engine
+            gc.collect()
+        for variant in ("ngram", "ngram-forced"):
+            same = all(
+                single[f"jaxserve-{variant}"][w][0] == single["jaxserve-plain"][w][0] for w in single["jaxserve-plain"]
+            )
+            emit(check=f"greedy tokens equal, jaxserve-{variant} vs plain", identical=same)
+    if "llamacpp" in args.engines:
+        peer.ensure_built(CACHE_DIR)
+        context = max_model_len
+        single["llamacpp-plain"] = run_llamacpp(gguf, args.threads, context, workloads, args.max_tokens, [])
+        lookup = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.lookup_max),
+                  "--spec-ngram-simple-size-m", str(args.k)]  # fmt: skip
+        single["llamacpp-lookup"] = run_llamacpp(gguf, args.threads, context, workloads, args.max_tokens, lookup)
+        for engine in ("llamacpp-plain", "llamacpp-lookup"):
+            for w, (tokens, seconds) in single[engine].items():
+                emit(engine=engine, workload=w, tokens_per_s=rate(tokens, seconds), generated=sum(map(len, tokens)))
+    report(single)
+
+
+def report(single: dict) -> None:
+    print("\n| engine | workload | tokens/s | speculation / plain |\n|---|---|---|---|")
+    for engine, by_workload in single.items():
+        base = single.get(engine.rsplit("-", 1)[0] + "-plain") if not engine.endswith("plain") else None
+        if engine.startswith("jaxserve-ngram"):
+            base = single.get("jaxserve-plain")
+        for workload, (tokens, seconds) in by_workload.items():
+            ours = rate(tokens, seconds)
+            ratio = "-"
+            if base is not None and workload in base:
+                ratio = f"{ours / rate(*base[workload]):.2f}x"
+            print(f"| {engine} | {workload} | {ours} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The host side of speculation without JAX: prompt-lookup proposals, verify chunks in the scheduler (pages
+and budget), the per-batch-size policy, and appending a verify row's tokens (stops, KV accounting)."""
+
+import numpy as np
+
+from jaxserve.host.output_processor import OutputProcessor
+from jaxserve.host.page_allocator import PageAllocator
+from jaxserve.host.proposers import NgramProposer
+from jaxserve.host.request import FinishReason, SamplingParams, SequenceState
+from jaxserve.host.scheduler import Scheduler
+from jaxserve.host.speculation_policy import AcceptanceCounts, SpeculationPolicy
+from jaxserve.host.verify_outputs import process_verified
+
+
+def sequence(prompt, max_tokens=32, seq_id=0, **params):
+    return SequenceState(seq_id, f"r{seq_id}", list(prompt), SamplingParams(max_tokens=max_tokens, **params), 0, 0)
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    proposer = NgramProposer(min_n=1, max_n=3)
+    seq = sequence([1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    # suffix [1, 2, 3] occurred twice before; the latest (ending at index 7) was followed by 4 5 6 7
+    assert proposer.propose([seq], [3]) == [[4, 5, 6]]
+    seq.output_token_ids += [4, 5]  # grows incrementally
+    assert proposer.propose([seq], [8]) == [[6, 7, 1, 2, 3, 4, 5]]
+    assert proposer.propose([sequence([5, 6, 7, 8], seq_id=1)], [4]) == [[]]  # no earlier occurrence
+    assert proposer.propose([sequence([5, 5], seq_id=2)], [0]) == [[]]  # nothing asked
+    shortest = NgramProposer(min_n=2, max_n=3)
+    assert shortest.propose([sequence([4, 1, 8, 1], seq_id=3)], [2]) == [[]]  # a 1-gram match is too short
+
+
+def test_ngram_index_matches_a_brute_force_search():
+    rng = np.random.default_rng(1)
+    proposer = NgramProposer(min_n=2, max_n=4)
+    seq = sequence(rng.integers(0, 4, size=30).tolist())
+    for _ in range(40):
+        tokens = seq.token_ids
+        want = []
+        for n in range(4, 1, -1):
+            suffix = tokens[-n:]
+            ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1 : e + 1] == suffix]
+            if ends:
+                want = tokens[ends[-1] + 1 : ends[-1] + 4]
+                break
+        assert proposer.propose([seq], [3]) == [want]
+        seq.output_token_ids.append(int(rng.integers(0, 4)))
+    proposer.forget(seq)
+    assert not proposer._indexes
+
+
+def running_scheduler(num_pages, prompt_len=6, page_size=4, budget=64, max_tokens=8):
+    """A sequence that prefilled its prompt and sampled its first token (admission wants pages for all of
+    prompt + max_tokens)."""
+    scheduler = Scheduler(
+        PageAllocator(num_pages, page_size), max_num_seqs=4, max_num_batched_tokens=budget, prefill_query_block=4
+    )
+    seq = sequence(range(10, 10 + prompt_len), max_tokens=max_tokens)
+    scheduler.add(seq)
+    (chunk,) = scheduler.schedule().prefills
+    scheduler.mark_dispatched([chunk])
+    scheduler.mark_processed(chunk)
+    seq.num_computed_tokens = chunk.end
+    seq.output_token_ids.append(3)  # its first token: now decoding
+    return scheduler, seq
+
+
+def test_a_proposal_widens_the_decode_chunk_when_its_pages_fit():
+    scheduler, seq = running_scheduler(num_pages=8)
+    schedule = scheduler.schedule({seq.seq_id: [4, 5, 6, 7]})
+    assert not schedule.decodes and len(schedule.verifies) == 1
+    (chunk,) = schedule.verifies
+    assert (chunk.start, chunk.num_tokens, chunk.draft_token_ids) == (6, 5, (4, 5, 6, 7))
+    assert chunk.samples_next_token
+    assert len(seq.page_ids) == 3  # positions up to 10: three pages of 4
+
+
+def test_a_proposal_never_preempts_and_shrinks_to_the_free_pages():
+    scheduler, seq = running_scheduler(num_pages=3, max_tokens=2)  # pages 1 and 2 held, nothing free
+    schedule = scheduler.schedule({seq.seq_id: [4, 5, 6]})
+    assert [c.draft_token_ids for c in schedule.verifies] == [(4,)]  # positions 6 and 7: the held page 2
+    assert not schedule.preempted and scheduler.allocator.num_free_pages == 0
+    scheduler, seq = running_scheduler(num_pages=3, prompt_len=8, max_tokens=0)  # positions 0-7 fill both
+    seq.output_token_ids.pop()
+    seq.prompt_token_ids.pop()
+    seq.num_computed_tokens = 7
+    seq.output_token_ids.append(3)  # position 8 would need a third page: none is free
+    schedule = scheduler.schedule({seq.seq_id: [4, 5]})
+    assert not schedule.verifies and not schedule.preempted
+    scheduler, seq = running_scheduler(num_pages=4, max_tokens=6)  # one free page: positions up to 11
+    (chunk,) = scheduler.schedule({seq.seq_id: [4, 5, 6, 7, 8, 9]}).verifies
+    assert chunk.draft_token_ids == (4, 5, 6, 7, 8)
+
+
+def test_the_token_budget_bounds_the_proposals():
+    scheduler, seq = running_scheduler(num_pages=16, budget=4)
+    (chunk,) = scheduler.schedule({seq.seq_id: [4, 5, 6, 7, 8]}).verifies
+    assert chunk.num_tokens == 4
+
+
+def test_policy_turns_speculation_off_above_its_batch_size_and_follows_measurements():
+    assert SpeculationPolicy(8, adaptive=False).speculate(8)
+    assert not SpeculationPolicy(8, adaptive=False).speculate(9)
+    policy = SpeculationPolicy(4, explore_every=20, trial_steps=2)
+    decisions = [policy.speculate(2) for _ in range(3)]
+    for on in decisions:
+        policy.observe(2, on, 0.01, 3 if on else 1)  # speculation: 300 tokens/s
+    decisions = [policy.speculate(2) for _ in range(3)]
+    assert decisions == [False] * 3  # plain is measured next
+    for on in decisions:
+        policy.observe(2, on, 0.01, 1)  # plain: 100 tokens/s
+    later = [policy.speculate(2) for _ in range(40)]
+    assert later.count(True) >= 34 and later.count(False) >= 2  # speculation wins; plain is retried now and then
+    for _ in range(20):
+        policy.observe(2, True, 0.01, 0.5)  # acceptance collapses: speculation now loses
+    assert [policy.speculate(2) for _ in range(10)].count(False) >= 8
+
+
+class Tokenizerless(OutputProcessor):
+    def __init__(self):
+        super().__init__(None, frozenset({2}), max_model_len=64)
+
+
+def verified(seq, scheduler, drafts, samples, accepted):
+    (chunk,) = scheduler.schedule({seq.seq_id: drafts}).verifies
+    scheduler.mark_dispatched([chunk])
+    width = len(samples)
+    sampled = type("Sampled", (), {})()
+    sampled.token_ids = np.asarray(samples)
+    sampled.no_token_allowed = np.zeros(width, bool)
+    counts = AcceptanceCounts()
+    process_verified([chunk], scheduler, sampled, np.asarray([accepted]), 0, width, Tokenizerless(), counts)
+    return counts
+
+
+def test_a_verify_row_appends_accepted_tokens_and_the_next_one():
+    scheduler, seq = running_scheduler(num_pages=16)
+    counts = verified(seq, scheduler, [4, 5, 6], [4, 5, 9, 8], accepted=2)
+    assert seq.output_token_ids == [3, 4, 5, 9]
+    assert seq.num_computed_tokens == seq.num_tokens - 1  # the newest token (9) has no KV yet
+    assert (counts.num_draft_tokens, counts.num_accepted_tokens, counts.mean_accepted_length) == (3, 2, 3.0)
+    assert (seq.num_draft_tokens, seq.num_accepted_draft_tokens) == (3, 2)
+
+
+def test_a_stop_token_among_accepted_proposals_ends_the_row_there():
+    scheduler, seq = running_scheduler(num_pages=16)
+    free_before = scheduler.allocator.num_free_pages + len(seq.page_ids)
+    verified(seq, scheduler, [4, 2, 6], [4, 2, 6, 8], accepted=3)  # 2 is EOS
+    assert seq.output_token_ids == [3, 4, 2] and seq.finish_reason == FinishReason.STOP and seq.is_finished
+    assert scheduler.allocator.num_free_pages == free_before  # its pages went back
+
+
+def test_max_tokens_cuts_a_verify_row():
+    scheduler, seq = running_scheduler(num_pages=16)
+    seq.params = SamplingParams(max_tokens=3)
+    verified(seq, scheduler, [4, 5, 6], [4, 5, 6, 7], accepted=3)
+    assert seq.output_token_ids == [3, 4, 5] and seq.finish_reason == FinishReason.LENGTH

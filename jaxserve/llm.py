@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as SequenceOf
 
@@ -15,8 +16,18 @@ from jaxserve.loading.chat_template import render_chat, template_variables, text
 
 
 class LLM:
-    def __init__(self, model: str, *, process_group: ProcessGroup | None = None, **engine_options):
-        """process_group: jaxserve.distributed.runtime.initialize's, to build the engine over several processes."""
+    def __init__(
+        self,
+        model: str,
+        *,
+        process_group: ProcessGroup | None = None,
+        lora_adapters: dict[str, str] | None = None,
+        **engine_options,
+    ):
+        """process_group: jaxserve.distributed.runtime.initialize's, to build the engine over several processes.
+        lora_adapters: {name: PEFT adapter directory} to load at start-up (the lora group's `adapters`)."""
+        if lora_adapters is not None:
+            engine_options["adapters"] = lora_adapters
         self.engine = Engine.from_model(model, EngineConfig.from_options(**engine_options), process_group)
         self._request_ids = itertools.count()
 
@@ -26,11 +37,14 @@ class LLM:
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         session_ids: SequenceOf[str | None] | None = None,
+        lora: str | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids.
 
         session_ids (one per prompt) mark conversations likely to continue, whose cached pages are
         kept in preference to others for a while (the engine's session_ttl).
+
+        lora: the name of a loaded LoRA adapter for every prompt whose SamplingParams name none.
 
         Every prompt is validated before any is queued, so a bad one raises ValueError and leaves the
         engine as it was.
@@ -44,6 +58,13 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        if lora is not None:
+            sampling_params = [
+                dataclasses.replace(params, lora=lora)
+                if isinstance(params, SamplingParams) and params.lora is None
+                else params
+                for params in sampling_params
+            ]
         for prompt, params in zip(prompts, sampling_params):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -117,6 +138,13 @@ class LLM:
         """Expert parallelism: move experts so device loads even out under `load` (tokens per expert,
         [layers][experts]; default: the load routed so far, as `stats()["expert_tokens"]`). No recompile."""
         self.engine.rebalance_experts(load)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter directory into a free slot, addressable as `name` (no recompile)."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -32,6 +32,7 @@ from jaxserve.device.sampler import SamplingInputs, sample
 from jaxserve.device.sequence_buffers import SequenceBuffers, gather_entries
 from jaxserve.device.step import expert_token_counts
 from jaxserve.device.step_inputs import StepInputs
+from jaxserve.lora.slots import bind_row_slots
 from jaxserve.models.kv_pages import KVPages
 
 # Legend: S = verify rows, W = tokens per row (k + 1), V = vocab, E = token buffer entries.
@@ -117,6 +118,7 @@ def verify_step(
     after its newest token was fetched), so nothing is read from the token buffer."""
     step_inputs = inputs.step
     model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, param_leaves))
+    bind_row_slots(model, step_inputs.lora_slots[step_inputs.attention.token_seq_ids])  # each token's LoRA adapter
     (hidden, kv_pages), intermediates = nnx.capture(model, nnx.Intermediate)(
         step_inputs.token_ids, kv_pages, step_inputs.attention
     )

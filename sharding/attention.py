@@ -39,12 +39,14 @@ def _write_and_attend(
     kv_indices,
     token_seq_ids,
     page_table,
+    sinks=None,
     *,
     query_block: int,
     sliding_window: int | None,
     logits_soft_cap: float | None,
     impl: str,
 ):
+    """sinks: [H] attention sinks of this shard's query heads, or None."""
     key_pages, value_pages = write_kv_pages(key_pages, value_pages, k, v, kv_indices, impl=impl)
     out = ragged_paged_attention(
         q,
@@ -56,6 +58,7 @@ def _write_and_attend(
         query_block=query_block,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
         impl=impl,
     )
     return out, key_pages, value_pages
@@ -96,7 +99,9 @@ def _write_and_attend_replicated(q, k, v, key_pages, value_pages, *rest, head_ax
     return _write_and_attend(q, k, v, key_pages, value_pages, *rest, **kwargs)
 
 
-def sharded_write_and_attend(mesh, q, k, v, key_pages, value_pages, metadata, *, sliding_window, logits_soft_cap, impl):
+def sharded_write_and_attend(
+    mesh, q, k, v, key_pages, value_pages, metadata, *, sliding_window, logits_soft_cap, impl, sinks=None
+):
     replicas = key_pages.shape[2] // k.shape[1]
     specs = attention_specs(mesh, key_pages.shape[2])
     tokens, heads, pages = specs["tokens"], specs["heads"], specs["pages"]
@@ -113,24 +118,14 @@ def sharded_write_and_attend(mesh, q, k, v, key_pages, value_pages, metadata, *,
             **options,
         )
         kv_heads = PartitionSpec(tokens[0], None)
-    sharded = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(heads, kv_heads, kv_heads, pages, pages) + (tokens,) * 4,
-        out_specs=(heads, pages, pages),
-        check_vma=False,
-    )
-    return sharded(
-        q,
-        k,
-        v,
-        key_pages,
-        value_pages,
-        metadata.positions,
-        metadata.kv_indices,
-        metadata.token_seq_ids,
-        metadata.page_table,
-    )
+    in_specs = (heads, kv_heads, kv_heads, pages, pages) + (tokens,) * 4
+    operands = (q, k, v, key_pages, value_pages, metadata.positions, metadata.kv_indices, metadata.token_seq_ids)
+    operands += (metadata.page_table,)
+    if sinks is not None:  # per query head: split as the query heads are
+        in_specs += (PartitionSpec(heads[1]),)
+        operands += (sinks,)
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(heads, pages, pages), check_vma=False)
+    return sharded(*operands)
 
 
 @dataclass(frozen=True)
@@ -140,7 +135,7 @@ class WriteAndAttend:
 
     impl: str  # reference | cpu | pallas
 
-    def __call__(self, q, k, v, key_pages, value_pages, metadata, *, sliding_window, logits_soft_cap):
+    def __call__(self, q, k, v, key_pages, value_pages, metadata, *, sliding_window, logits_soft_cap, sinks=None):
         return _write_and_attend(
             q,
             k,
@@ -151,6 +146,7 @@ class WriteAndAttend:
             metadata.kv_indices,
             metadata.token_seq_ids,
             metadata.page_table,
+            sinks,
             query_block=metadata.query_block,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
@@ -165,7 +161,7 @@ class ShardedWriteAndAttend:
     mesh: Mesh
     impl: str
 
-    def __call__(self, q, k, v, key_pages, value_pages, metadata, *, sliding_window, logits_soft_cap):
+    def __call__(self, q, k, v, key_pages, value_pages, metadata, *, sliding_window, logits_soft_cap, sinks=None):
         return sharded_write_and_attend(
             self.mesh,
             q,
@@ -177,6 +173,7 @@ class ShardedWriteAndAttend:
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             impl=self.impl,
+            sinks=sinks,
         )
 
 

@@ -46,9 +46,10 @@ class WriteAndAttend(Protocol):
         *,
         sliding_window: int | None,
         logits_soft_cap: float | None,
+        sinks: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q [T, H, D], k / v [T, K, D] -> (out [T, H, D], key_pages, value_pages); per layer, the window
-        and the scores' soft-cap (None: none)."""
+        """q [T, H, D], k / v [T, K, D] -> (out [T, H, D], key_pages, value_pages); per layer, the window,
+        the scores' soft-cap and the attention sinks [H] (None: none)."""
         ...
 
 

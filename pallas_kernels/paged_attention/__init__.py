@@ -5,7 +5,9 @@ block belonging to one sequence (a decode step uses query_block=1, a prefill ste
 to whole blocks). Each block attends to the pages of its sequence, causally by absolute position.
 Padding tokens carry position -1 and attend to nothing.
 Per layer, a sliding window (a query at position p sees keys after p - window; None or 0: none) and a
-logits soft-cap (scaled scores become cap * tanh(score / cap); None or 0: none; Gemma 2), both static.
+logits soft-cap (scaled scores become cap * tanh(score / cap); None or 0: none; Gemma 2), both static,
+and attention sinks (an array [H]: one logit per query head in every softmax's denominator, with no
+value; None: none; GPT-OSS).
 
 Implementations, all with the reference's signature:
   reference  pure jax.numpy, any dtype, any backend: the specification
@@ -92,6 +94,7 @@ def ragged_paged_attention(
     query_block: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks=None,
     impl: str = "reference",
 ):
     return kernel_modules(impl)[0].ragged_paged_attention(
@@ -104,6 +107,7 @@ def ragged_paged_attention(
         query_block=query_block,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
     )
 
 

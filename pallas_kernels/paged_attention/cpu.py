@@ -55,8 +55,9 @@ def ragged_paged_attention(
     query_block: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks=None,
 ):
-    """The reference's contract, with q in the pages' dtype."""
+    """The reference's contract, with q in the pages' dtype (sinks in float32, whatever it)."""
     _require(k_pages.dtype)
     if q.dtype != k_pages.dtype or v_pages.dtype != k_pages.dtype:
         raise ValueError(
@@ -70,6 +71,7 @@ def ragged_paged_attention(
         page_table.astype(np.int32),
         token_seq_ids.astype(np.int32),
         positions.astype(np.int32),
+        np.zeros((0,), np.float32) if sinks is None else sinks.astype(np.float32),  # empty: none
         query_block=np.int64(query_block),
         sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(logits_soft_cap or 0.0),

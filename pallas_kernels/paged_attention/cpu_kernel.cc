@@ -8,6 +8,10 @@
 // page pool. Blocks (and, when there are few, ranges of their keys) are spread over the caller and
 // helper threads (../cpu_workers.h).
 //
+// Attention sinks (GPT-OSS), when given, are one logit per query head that joins every row's softmax
+// denominator without a value: a row's output is its values' weighted sum over (sum of key weights +
+// exp(sink)), all taken relative to one max.
+//
 // The KV write copies each token's [K, D] row into its KV index (page * page_size + offset) of the pages, which the call returns
 // aliased (XLA passes the donated pool itself, so the write is in place).
 //
@@ -103,6 +107,7 @@ struct Problem {
   const int32_t* page_table;     // [S, P]
   const int32_t* token_seq_ids;  // [T]
   const int32_t* positions;      // [T]
+  const float* sinks;            // [H], or null: no sinks
   T* out;                        // [T, H, D]
   int64_t num_heads, num_kv_heads, head_dim, page_size, pages_per_seq, query_block, sliding_window;
   float scale;
@@ -139,6 +144,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
   return sum;
+}
+
+// A row's output scale, 1 / denominator, with the row's sink (if any) folded into its softmax state: the
+// accumulator is rescaled by `rescale` to the max both share. Zero for a row that saw nothing.
+inline float OutputScale(float running_max, float denominator, const float* sink, float& rescale) {
+  rescale = 1.0f;
+  if (sink != nullptr) {
+    const float max = std::max(running_max, *sink);
+    rescale = exp_nonpositive(running_max - max);  // 0 when no key was seen (-inf)
+    denominator = denominator * rescale + exp_nonpositive(*sink - max);
+  }
+  return denominator > 0.0f ? rescale / denominator : 0.0f;
 }
 
 // One block's softmax state over a range of keys, for merging with the block's other ranges: per row
@@ -270,8 +287,10 @@ void AttendRange(const Problem<T>& p, int64_t block, int64_t key_begin, int64_t 
     return;
   }
   for (int64_t row = 0; row < rows; ++row) {
-    if (s.denominator[row] <= 0.0f) continue;  // saw no key: stays zero
-    const float inverse = 1.0f / s.denominator[row];
+    if (s.denominator[row] <= 0.0f) continue;  // saw no key: stays zero (a sink adds no value)
+    float rescale;
+    const float* sink = p.sinks == nullptr ? nullptr : p.sinks + row % H;
+    const float inverse = OutputScale(s.running_max[row], s.denominator[row], sink, rescale);
     for (int64_t d = 0; d < D; ++d) out[row * D + d] = FromFloat<T>(s.accumulator[row * D + d] * inverse);
   }
 }
@@ -296,7 +315,9 @@ void MergeRanges(const Problem<T>& p, int64_t block, const PartialState* ranges,
         for (int64_t d = 0; d < D; ++d) merged[d] += weight * accumulator[d];
       }
     }
-    const float inverse = denominator > 0.0f ? 1.0f / denominator : 0.0f;  // saw no key: zero
+    float rescale;
+    const float* sink = p.sinks == nullptr ? nullptr : p.sinks + row % p.num_heads;
+    const float inverse = denominator > 0.0f ? OutputScale(max, denominator, sink, rescale) : 0.0f;  // saw no key: zero
     for (int64_t d = 0; d < D; ++d) out[row * D + d] = FromFloat<T>(merged[d] * inverse);
   }
 }
@@ -353,12 +374,14 @@ void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T>& p, int64_t 
 template <typename T>
 void Attend(ffi::ThreadPool& thread_pool, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_pages,
             const ffi::AnyBuffer& v_pages, const ffi::Buffer<ffi::S32>& page_table,
-            const ffi::Buffer<ffi::S32>& token_seq_ids, const ffi::Buffer<ffi::S32>& positions, int64_t query_block,
-            int64_t sliding_window, float soft_cap, bool own_helpers, ffi::AnyBuffer& out) {
+            const ffi::Buffer<ffi::S32>& token_seq_ids, const ffi::Buffer<ffi::S32>& positions,
+            const ffi::Buffer<ffi::F32>& sinks, int64_t query_block, int64_t sliding_window, float soft_cap,
+            bool own_helpers, ffi::AnyBuffer& out) {
   const auto q_dims = q.dimensions(), page_dims = k_pages.dimensions();
   Problem<T> p{static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k_pages.untyped_data()),
                static_cast<const T*>(v_pages.untyped_data()), page_table.typed_data(), token_seq_ids.typed_data(),
-               positions.typed_data(), static_cast<T*>(out.untyped_data()), q_dims[1], page_dims[2], q_dims[2],
+               positions.typed_data(), sinks.element_count() ? sinks.typed_data() : nullptr,
+               static_cast<T*>(out.untyped_data()), q_dims[1], page_dims[2], q_dims[2],
                page_dims[1], page_table.dimensions()[1], query_block, sliding_window,
                1.0f / std::sqrt(float(q_dims[2])), soft_cap};
   AttendAllBlocks(thread_pool, p, q_dims[0] / query_block, own_helpers);
@@ -371,7 +394,7 @@ bool IsServedType(ffi::DataType type) {
 ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                           ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
                           ffi::Buffer<ffi::S32> token_seq_ids, ffi::Buffer<ffi::S32> positions,
-                          int64_t query_block, int64_t sliding_window, float soft_cap, bool own_helpers,
+                          ffi::Buffer<ffi::F32> sinks, int64_t query_block, int64_t sliding_window, float soft_cap, bool own_helpers,
                           ffi::Result<ffi::AnyBuffer> out) {
   const auto q_dims = q.dimensions(), page_dims = k_pages.dimensions(), table_dims = page_table.dimensions();
   if (q_dims.size() != 3 || page_dims.size() != 4 || table_dims.size() != 2) {
@@ -380,6 +403,9 @@ ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::An
   if (query_block < 1 || q_dims[0] % query_block || q_dims[1] % page_dims[2] || page_dims[3] != q_dims[2]) {
     return ffi::Error::InvalidArgument("paged attention: inconsistent shapes");
   }
+  if (sinks.element_count() != 0 && int64_t(sinks.element_count()) != q_dims[1]) {
+    return ffi::Error::InvalidArgument("paged attention: sinks must be [H] (or empty: none)");
+  }
   const ffi::DataType type = q.element_type();
   if (!IsServedType(type) || k_pages.element_type() != type || v_pages.element_type() != type ||
       out->element_type() != type) {
@@ -387,15 +413,15 @@ ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::An
   }
   switch (type) {
     case ffi::DataType::BF16:
-      Attend<BFloat16>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block,
+      Attend<BFloat16>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, sinks, query_block,
                        sliding_window, soft_cap, own_helpers, *out);
       break;
     case ffi::DataType::F16:
-      Attend<Float16>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block,
+      Attend<Float16>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, sinks, query_block,
                       sliding_window, soft_cap, own_helpers, *out);
       break;
     default:
-      Attend<float>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, query_block,
+      Attend<float>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, sinks, query_block,
                     sliding_window, soft_cap, own_helpers, *out);
   }
   return ffi::Error::Success();
@@ -448,6 +474,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("query_block")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")

@@ -36,6 +36,7 @@ from pallas_kernels.paged_attention.pallas_layout import (
     cdiv,
     query_rows,
     row_positions,
+    row_sinks,
     tokens_from_rows,
 )
 
@@ -79,10 +80,12 @@ def _kernel(
     v_pages_ref,
     pages_ref,
     positions_ref,
+    sinks_ref,
     *out_refs,
     pages_per_span: int,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    has_sinks: bool,
     normalize: bool,
     scale: float,
 ):
@@ -125,6 +128,13 @@ def _kernel(
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, head_dim), jnp.float32),
     )
+    if has_sinks:  # each row's sink as a first key of weight exp(sink), no value; in the first split only
+        first_split = (pl.program_id(2) == 0).astype(jnp.float32)  # arithmetic: Triton broadcasts no i1 scalar
+        init = (
+            sinks_ref[...] * first_split + MASK_VALUE * (1.0 - first_split),
+            jnp.zeros((rows,), jnp.float32) + first_split,
+            init[2],
+        )
     running_max, denominator, accumulator = jax.lax.fori_loop(0, num_spans, attend_span, init)
     if normalize:
         (o_ref,) = out_refs
@@ -160,6 +170,7 @@ def ragged_paged_attention(
     query_block: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks=None,
     interpret: bool | None = None,
     num_splits: int | None = None,
 ):
@@ -182,6 +193,7 @@ def ragged_paged_attention(
     padded_rows = max(MIN_ROWS, 1 << (query_block * groups - 1).bit_length())  # Triton blocks are powers of two
     queries = query_rows(q, query_block, num_kv_heads, padded_rows)
     positions_by_row = row_positions(positions, query_block, groups, padded_rows)
+    sinks_by_row = row_sinks(sinks, query_block, num_kv_heads, padded_rows)
 
     normalize = splits == 1
     rows_spec = pl.BlockSpec((None, None, None, padded_rows), lambda n, k, s: (s, n, k, 0))
@@ -196,6 +208,7 @@ def ragged_paged_attention(
             pages_per_span=pages_per_span,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            has_sinks=sinks is not None,
             normalize=normalize,
             scale=true_head_dim**-0.5,
         ),
@@ -206,6 +219,7 @@ def ragged_paged_attention(
             pl.BlockSpec((num_pages, page_size, None, head_dim), lambda n, k, s: (0, 0, k, 0)),
             pl.BlockSpec((None, pages_per_split), lambda n, k, s: (n, s)),
             pl.BlockSpec((None, padded_rows), lambda n, k, s: (n, 0)),
+            pl.BlockSpec((None, padded_rows), lambda n, k, s: (k, 0)),
         ],
         out_specs=[out_spec] if normalize else [out_spec, rows_spec, rows_spec],
         out_shape=[out_shape] if normalize else [out_shape, rows_shape, rows_shape],
@@ -214,7 +228,7 @@ def ragged_paged_attention(
         # here a kv head's slice of the page pool, in shared memory.
         compiler_params=pltriton.CompilerParams(num_warps=4 if padded_rows <= 32 else 8, num_stages=2),
         name="ragged_paged_attention",
-    )(queries, k_pages, v_pages, block_pages, positions_by_row)
+    )(queries, k_pages, v_pages, block_pages, positions_by_row, sinks_by_row)
     if normalize:
         out = outs[0][0]
     else:

@@ -54,3 +54,13 @@ def tokens_from_rows(out, query_block: int, groups: int):
     num_blocks, num_kv_heads, _, head_dim = out.shape
     out = out[:, :, : query_block * groups].reshape(num_blocks, num_kv_heads, query_block, groups, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(num_blocks * query_block, num_kv_heads * groups, head_dim)
+
+
+def row_sinks(sinks, query_block: int, num_kv_heads: int, padded_rows: int):
+    """sinks [H] (None: none) -> [K, R] float32: each row's sink, MASK_VALUE for padding rows and without
+    sinks (a starting max that weighs nothing)."""
+    if sinks is None:
+        return jnp.full((num_kv_heads, padded_rows), MASK_VALUE, jnp.float32)
+    by_head = sinks.astype(jnp.float32).reshape(num_kv_heads, -1)  # [K, G]
+    by_row = jnp.tile(by_head, (1, query_block))  # row b * G + g: head g's
+    return jnp.pad(by_row, ((0, 0), (0, padded_rows - by_row.shape[1])), constant_values=MASK_VALUE)

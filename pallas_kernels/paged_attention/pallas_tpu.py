@@ -26,6 +26,7 @@ from pallas_kernels.paged_attention.pallas_layout import (
     cdiv,
     query_rows,
     row_positions,
+    row_sinks,
     tokens_from_rows,
 )
 
@@ -37,6 +38,7 @@ def _kernel(
     block_max_position_ref,
     q_ref,
     positions_ref,
+    sinks_ref,
     k_pages_hbm,
     v_pages_hbm,
     o_ref,
@@ -48,6 +50,7 @@ def _kernel(
     pages_per_span: int,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    has_sinks: bool,
 ):
     block, kv_head = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
@@ -114,6 +117,8 @@ def _kernel(
         jnp.zeros((rows, 1), jnp.float32),
         jnp.zeros((rows, head_dim), jnp.float32),
     )
+    if has_sinks:  # each row's sink as a first key of weight exp(sink), no value
+        init = (sinks_ref[...], jnp.ones((rows, 1), jnp.float32), init[2])
     _, denominator, accumulator = jax.lax.fori_loop(0, num_spans, attend_span, init)
     out = accumulator / jnp.where(denominator > 0, denominator, 1.0)
     o_ref[...] = jnp.where(positions >= 0, out, 0.0).astype(o_ref.dtype)
@@ -131,6 +136,7 @@ def ragged_paged_attention(
     query_block: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks=None,
     interpret: bool | pltpu.InterpretParams | None = None,
 ):
     """Same arguments and result as reference.ragged_paged_attention. interpret: Pallas' TPU
@@ -151,6 +157,7 @@ def ragged_paged_attention(
     padded_rows = cdiv(query_block * groups, MIN_ROWS) * MIN_ROWS
     queries = query_rows(q, query_block, num_kv_heads, padded_rows)
     positions_by_row = row_positions(positions, query_block, groups, padded_rows)[..., None]  # [N, R, 1]
+    sinks_by_row = row_sinks(sinks, query_block, num_kv_heads, padded_rows)[..., None]  # [K, R, 1]
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -158,6 +165,7 @@ def ragged_paged_attention(
         in_specs=[
             pl.BlockSpec((None, None, padded_rows, head_dim), lambda n, k, *_: (n, k, 0, 0)),
             pl.BlockSpec((None, padded_rows, 1), lambda n, k, *_: (n, 0, 0)),
+            pl.BlockSpec((None, padded_rows, 1), lambda n, k, *_: (k, 0, 0)),
             pl.BlockSpec(memory_space=pl.ANY),  # the page pools stay in HBM: pages are DMA'd in place
             pl.BlockSpec(memory_space=pl.ANY),
         ],
@@ -175,6 +183,7 @@ def ragged_paged_attention(
             pages_per_span=pages_per_span,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            has_sinks=sinks is not None,
         ),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, padded_rows, head_dim), q.dtype),
@@ -182,5 +191,5 @@ def ragged_paged_attention(
         if isinstance(interpret, pltpu.InterpretParams)
         else (pltpu.InterpretParams() if interpret else False),
         name="ragged_paged_attention_tpu",
-    )(block_pages.reshape(-1), block_max_position, queries, positions_by_row, k_pages, v_pages)
+    )(block_pages.reshape(-1), block_max_position, queries, positions_by_row, sinks_by_row, k_pages, v_pages)
     return tokens_from_rows(out, query_block, groups)

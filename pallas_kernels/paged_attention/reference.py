@@ -32,12 +32,15 @@ def ragged_paged_attention(
     query_block: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks=None,
 ):
     """q [T, H, D]; pages [num_pages, page_size, K, D]; page_table [S, P]; token_seq_ids, positions [T].
 
     Returns [T, H, D] in q's dtype; softmax in float32 whatever the input dtype.
     sliding_window: a query at position p sees keys p - window < key <= p (None or 0: every earlier key);
-    logits_soft_cap: scaled scores become cap * tanh(score / cap) before the softmax (None or 0: as they are).
+    logits_soft_cap: scaled scores become cap * tanh(score / cap) before the softmax (None or 0: as they are);
+    sinks: [H] attention sinks (GPT-OSS), one learned logit per query head that joins each softmax's
+    denominator with no value (None: none).
 
     Walks the pages in spans of KEYS_PER_SPAN keys with an online softmax, as a kernel would: only
     one span of pages is gathered at a time, and spans past the step's longest context are skipped,
@@ -85,6 +88,9 @@ def ragged_paged_attention(
         jnp.zeros(stats_shape, jnp.float32),
         jnp.zeros(stats_shape + (head_dim,), jnp.float32),
     )
+    if sinks is not None:  # the sink as a first key of weight exp(sink) and a zero value
+        sink_max = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, num_kv_heads, num_groups, 1), stats_shape)
+        init = (sink_max, jnp.ones(stats_shape, jnp.float32), init[2])
     num_spans = jnp.minimum((jnp.max(positions) + span) // span, block_pages.shape[1] // pages_per_span)
     _, denominator, accumulator = jax.lax.fori_loop(0, num_spans, attend_span, init)
     out = accumulator / jnp.where(denominator > 0, denominator, 1.0)[..., None]  # padding rows saw nothing

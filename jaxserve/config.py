@@ -18,6 +18,9 @@ DTYPE_NAMES = {
 }
 
 
+QUANTIZATION_FORMATS = ("none", "int8", "int4", "auto")  # as jaxserve/loading/quantize.py's FORMATS
+
+
 def canonical_dtype(name: str) -> str:
     key = str(name).removeprefix("torch.")
     if key not in DTYPE_NAMES:
@@ -274,6 +277,9 @@ class EngineConfig:
     name (the names are unique), as `LLM(model, **options)` and a config file's `engine:` section do."""
 
     dtype: str = "auto"
+    # Projections' weights (issue 25, jaxserve/loading/quantize.py): none | int8 | int4 | auto (the checkpoint's)
+    quantization: str = "none"
+    quantization_group_size: int = 32  # int4: rows of K per scale (32, 64 or 128)
     seed: int = 0
     show_progress: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -287,6 +293,12 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype != "auto":
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.quantization not in QUANTIZATION_FORMATS:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r} (option quantization); known: {list(QUANTIZATION_FORMATS)}"
+            )
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size}")
         for name, group_type in ENGINE_GROUPS.items():
             group = getattr(self, name)
             if isinstance(group, dict):

@@ -28,6 +28,7 @@ from jaxserve.engine.expert_balancer import ExpertBalancer
 from jaxserve.host.page_allocator import PageAllocator, num_pages_for, swap_in_is_cheaper
 from jaxserve.host.scheduler import Scheduler
 from jaxserve.loading.model_source import ModelSource, open_model
+from jaxserve.loading.quantize import QuantizationSpec, mark_quantized
 from jaxserve.lora.registry import LoraRegistry
 from jaxserve.lora.slots import attach_lora
 from jaxserve.models import KVPages, build_model
@@ -38,6 +39,8 @@ from sharding.attention import attention_dispatch, kv_pages_spec
 from sharding.expert_placement import expert_parallel_reader, initial_placement, read_load_profile
 from sharding.moe import expert_dispatch
 from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES
+
+NO_QUANTIZATION = QuantizationSpec()
 
 # Without an explicit max_model_len, the model's own limit is capped here so a fresh engine does not
 # compile page buckets for 128k-token contexts that a CPU will never serve.
@@ -82,7 +85,8 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     check_every_process_holds_devices(mesh, config.parallel, process_group)  # refused alike on every process
     expert_parallel = _expert_parallel(model_config, config, mesh)
     attention = choose_attention(model_config, config, dtype, mesh)
-    model = _load_model(source, dtype, attention, mesh, expert_parallel)
+    quantization = QuantizationSpec(config.quantization, config.quantization_group_size)
+    model = _load_model(source, dtype, attention, mesh, expert_parallel, quantization)
     lora_slots = _attach_lora(model, config, model_config, mesh, expert_parallel)
     if mesh is None:
         move_weights_to_huge_pages(model)  # a CPU decode step streams them twice as fast
@@ -171,7 +175,14 @@ def _expert_parallel(model: ModelConfig, config: EngineConfig, mesh: Mesh | None
     return expert_parallel
 
 
-def _load_model(source: ModelSource, dtype: str, attention: AttentionPlan, mesh: Mesh | None, expert_parallel: bool):
+def _load_model(
+    source: ModelSource,
+    dtype: str,
+    attention: AttentionPlan,
+    mesh: Mesh | None,
+    expert_parallel: bool,
+    quantization: QuantizationSpec = NO_QUANTIZATION,
+):
     """The model with its params read from the checkpoint, each placed on the mesh as it is read; expert
     placements (expert parallelism only) are not params: they start contiguous."""
     matmul = choose_matmul(jax.default_backend(), jax.device_count())  # the projections' kernels
@@ -186,6 +197,7 @@ def _load_model(source: ModelSource, dtype: str, attention: AttentionPlan, mesh:
         )
     )
     graphdef, abstract_params, abstract_placement = nnx.split(abstract_model, nnx.Param, ...)
+    abstract_params = mark_quantized(abstract_params, quantization)  # projection kernels quantize as they load
     rules = EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_AXIS_RULES
     shardings = param_shardings(abstract_params, mesh, source.config.logical_axis_sizes(), rules)
     # Under expert parallelism, experts are read in checkpoint order and then laid out device by device.

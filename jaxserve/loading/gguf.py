@@ -23,6 +23,7 @@ LongRoPE factors are the rope_factors_long / rope_factors_short tensors.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
 
@@ -32,6 +33,9 @@ from gguf.quants import dequantize
 
 from jaxserve.loading.gguf_metadata import GGUFMetadataReader
 from jaxserve.loading.gguf_rope import llama3_rope_scaling
+
+logger = logging.getLogger(__name__)
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 MODEL_TYPES = {  # GGUF architecture -> HF model_type
     "llama": "llama",
@@ -371,3 +375,24 @@ class GGUFTensorReader:
         if self.gguf.architecture in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
             values = values - 1.0  # the converter's unit offset, which jaxserve's Gemma norms add themselves
         return values
+
+    def read_quantized(self, hf_name: str, compute_dtype: str):
+        """The tensor as a [K, N] QuantizedWeight (numpy arrays) in its own block layout, read without a float
+        copy (loading/quantize_gguf.py); None where its type has no quantized layout (it then dequantizes)."""
+        from jaxserve.loading.quantize_gguf import from_gguf_blocks, has_quantized_layout
+
+        if hf_name not in self.names:
+            raise ValueError(f"GGUF file {self.gguf.path} has no tensor for {hf_name!r}")
+        name, expert = self.names[hf_name]
+        tensor = self.gguf.tensors[name]
+        if expert is not None or len(tensor.data.shape) != 2 or not has_quantized_layout(tensor.tensor_type):
+            if expert is None and tensor.tensor_type not in FLOAT_TYPES:
+                logger.info("GGUF tensor %s (%s) has no quantized layout: dequantized", name, tensor.tensor_type.name)
+            return None
+        with open(self.gguf.path, "rb") as f:
+            f.seek(tensor.data_offset)
+            raw = np.fromfile(f, dtype=np.uint8, count=tensor.data.nbytes).reshape(tensor.data.shape[0], -1)
+        projection = hf_name.split(".")[-2]
+        if projection in self.rotary_heads:
+            raw = unpermute_rotary_rows(raw, self.rotary_heads[projection])
+        return from_gguf_blocks(raw, tensor.tensor_type, compute_dtype)

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
+from jaxserve.loading.quantize import load_quantized
 from jaxserve.models import CHECKPOINT_NAMES, ModelConfig
 
 
@@ -83,6 +84,14 @@ def read_params(
     loaded = []
     for path, variable in nnx.to_flat_state(abstract_state):
         expected = tuple(variable.get_value().shape)
+        spec = variable.get_metadata("quantization", None)  # loading/quantize.py's mark_quantized
+        if spec is not None:
+            names = tuple(str(p) for p in path)
+            weight = load_quantized(reader, read_param, names, expected, spec, dtype, placement(path))
+            if weight is not None:
+                loaded.append((path, variable.replace(weight)))
+                release_freed_host_memory()
+                continue
         tensor = read_param(reader, tuple(str(p) for p in path), expected)
         if tuple(tensor.shape) != expected:
             raise ValueError(

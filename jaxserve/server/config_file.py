@@ -37,6 +37,8 @@ from jaxserve.server.tool_parsers import PARSER_NAMES
 class ModelSection:
     path: str = "default"
     dtype: str = "auto"
+    quantization: str = "none"  # none | int8 | int4 | auto (issue 25)
+    quantization_group_size: int = 32
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,7 @@ def _engine_config(tree: dict) -> EngineConfig:
             options[name] = value
     model = section_values("model", tree.get("model"))
     try:
-        return EngineConfig.from_options(dtype=model.get("dtype", "auto"), **options)
+        quantization = {name: model[name] for name in ("quantization", "quantization_group_size") if name in model}
+        return EngineConfig.from_options(dtype=model.get("dtype", "auto"), **quantization, **options)
     except TypeError as error:
         raise ValueError(f"engine config: {error}") from None

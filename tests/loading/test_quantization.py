@@ -1,0 +1,131 @@
+"""Quantized weights in the engine (model.quantization, issue 25): int8 / int4 quantized at load from a float
+checkpoint track the float model; a GGUF file's Q8_0 / Q4_0 / Q4_1 / K-quant blocks load as they are stored
+(bytes) and compute what their dequantized weights compute; nothing compiles after warm-up; bad options and
+shapes are refused at start, naming the tensor and the option."""
+
+import os
+
+import numpy as np
+import pytest
+from flax import nnx
+from gguf import GGMLQuantizationType as T
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.loading.default_model import random_llama_weights
+from jaxserve.loading.gguf import GGUFFile
+from pallas_kernels.matmul.quantized import QuantizedWeight
+from tests.support.fixtures import SMALL_ENGINE, fixture_dir
+from tests.support.gguf_files import write_gguf
+
+FIXTURE = fixture_dir("llama_gqa")  # hidden 64, mlp 96: K of 64 and 96, groups of 32 divide both
+TOKENIZER_MODEL = os.path.join(FIXTURE, "tokenizer.model")
+PROMPTS = [[1] + np.random.default_rng(seed).integers(3, 384, size=40).tolist() for seed in range(3)]
+SCORE = SamplingParams(max_tokens=0, prompt_logprobs=1)  # teacher-forced: each position's top token
+GGUF_CONFIG = dict(
+    model_type="llama",
+    vocab_size=384,
+    hidden_size=256,  # rows of 256: the K-quants' super-blocks
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+GGUF_TYPES = {
+    "attn_q": T.Q8_0,
+    "attn_k": T.Q4_0,
+    "attn_v": T.Q4_1,
+    "attn_output": T.Q4_K,
+    "ffn_gate": T.Q8_0,
+    "ffn_up": T.Q4_0,
+    "blk.0.ffn_down": T.Q6_K,
+    "blk.1.ffn_down": T.Q5_K,
+    "output": T.Q5_0,  # no quantized layout: dequantized
+}
+
+
+def _engine(model: str, **options) -> LLM:
+    return LLM(model, **{**SMALL_ENGINE, "max_num_batched_tokens": 128}, **options)
+
+
+def _scores(llm: LLM) -> list[list[dict[int, float]]]:
+    return [output.prompt_logprobs[1:] for output in llm.generate(PROMPTS, SCORE)]
+
+
+def _kernels(llm: LLM) -> dict[str, object]:
+    params = llm.engine.runner.params()
+    return {".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(params)}
+
+
+@pytest.fixture(scope="module")
+def float_scores():
+    return _scores(_engine(FIXTURE))
+
+
+@pytest.mark.parametrize("quantization,min_agreement,max_drift", [("int8", 0.9, 0.08), ("int4", 0.55, 0.6)])
+def test_quantized_at_load_tracks_the_float_model(float_scores, quantization, min_agreement, max_drift):
+    llm = _engine(FIXTURE, quantization=quantization)
+    kernels = _kernels(llm)
+    quantized = {name: weight for name, weight in kernels.items() if isinstance(weight, QuantizedWeight)}
+    assert len(quantized) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    assert {weight.bits for weight in quantized.values()} == {8 if quantization == "int8" else 4}
+    scores = _scores(llm)
+    agreed, drifts = [], []
+    for expected_prompt, got_prompt in zip(float_scores, scores):
+        for expected, got in zip(expected_prompt, got_prompt):
+            top = max(expected, key=expected.get)
+            agreed.append(top == max(got, key=got.get))
+            if top in got:
+                drifts.append(abs(got[top] - expected[top]))
+    assert np.mean(agreed) >= min_agreement, np.mean(agreed)
+    assert np.median(drifts) <= max_drift / 4 and np.max(drifts) <= max_drift
+    stats = llm.stats()
+    assert stats["num_compiles_after_warmup"] == 0
+    float_bytes = sum(np.prod(w.shape) * 4 for w in quantized.values())
+    stored_bytes = sum(w.nbytes for w in quantized.values())
+    assert stored_bytes < float_bytes / (3.5 if quantization == "int8" else 6)
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gguf") / "model.gguf")
+    write_gguf(path, GGUF_CONFIG, random_llama_weights(GGUF_CONFIG), GGUF_TYPES, tokenizer=("llama", TOKENIZER_MODEL))
+    return path
+
+
+def test_gguf_blocks_load_quantized_and_compute_their_dequantized_values(gguf_path):
+    dequantized = _engine(gguf_path)  # quantization none: every tensor dequantized to float32, as before
+    quantized = _engine(gguf_path, quantization="auto")
+    kernels = _kernels(quantized)
+    tensors = {t.name: t for t in GGUFFile(gguf_path).reader.tensors}
+    for layer in range(2):
+        for module, gguf_name in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k")):
+            weight = kernels[f"layers.{layer}.{module}.kernel"]
+            stored = tensors[f"blk.{layer}.{gguf_name}.weight"]
+            assert isinstance(weight, QuantizedWeight)
+            assert weight.nbytes == stored.n_bytes  # Q8_0 and Q4_0 blocks: the file's bytes exactly
+        assert isinstance(kernels[f"layers.{layer}.mlp.down_proj.kernel"], QuantizedWeight)  # Q6_K / Q5_K
+    assert not isinstance(kernels["lm_head.kernel"], QuantizedWeight)  # Q5_0: no quantized layout
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
+    for a, b in zip(quantized.generate(PROMPTS, params), dequantized.generate(PROMPTS, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert step_a == pytest.approx(step_b, abs=2e-4)
+    assert quantized.stats()["num_compiles_after_warmup"] == 0
+    assert quantized.stats()["weights_device_bytes"] < 0.6 * dequantized.stats()["weights_device_bytes"]
+
+
+def test_bad_quantization_options_are_refused_at_start():
+    with pytest.raises(ValueError, match="unknown quantization 'int3'.*option quantization"):
+        _engine(FIXTURE, quantization="int3")
+    with pytest.raises(ValueError, match="quantization_group_size must be"):
+        _engine(FIXTURE, quantization="int4", quantization_group_size=48)
+    # down_proj's K is 96: groups of 64 do not divide it
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj\.kernel.*quantization_group_size 64"):
+        _engine(FIXTURE, quantization="int4", quantization_group_size=64)

@@ -35,6 +35,7 @@ def build_sampling(
     guided_grammar: str | None = None,
     prompt_logprobs: int | None = None,
     prompt_only: bool = False,
+    lora: str = "",
 ) -> pb.SamplingParams:
     """The proto's SamplingParams; at most one guided_* constrains the output (the server refuses two)."""
     sampling = pb.SamplingParams(
@@ -53,6 +54,7 @@ def build_sampling(
         bad_words=bad_words or [],
         allowed_token_ids=allowed_token_ids or [],
         prompt_only=prompt_only,
+        lora=lora,
     )
     if prompt_logprobs is not None:
         sampling.prompt_logprobs = prompt_logprobs

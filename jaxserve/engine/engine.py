@@ -185,11 +185,11 @@ class Engine:
             )
         return self.parts.lora.resolve(params.lora)
 
-    def load_lora(self, name: str, path: str) -> None:
+    def load_lora(self, name: str, path: str) -> LoadedAdapter:
         """Load a PEFT adapter into a free slot, addressable as `name` from the next request on."""
         if self.parts.lora is None:
             raise ValueError("this engine has no LoRA slots: start it with lora max_adapters > 0")
-        self.parts.lora.load(name, path)
+        return self.parts.lora.load(name, path)
 
     def unload_lora(self, name: str) -> None:
         """Free an adapter's slot; refused while an unfinished request uses it."""

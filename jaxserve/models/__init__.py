@@ -39,7 +39,7 @@ _LAZY = {
 
 def _checkpoint_names() -> dict:
     """model_type -> read_param(reader, our param path, its shape) -> the checkpoint tensor laid out as ours"""
-    from jaxserve.models import llama, mixtral, phi3, qwen3_moe
+    from jaxserve.models import deepseek, llama, mixtral, phi3, qwen3_moe
 
     return {
         "gemma2": llama.read_param,
@@ -52,6 +52,9 @@ def _checkpoint_names() -> dict:
         "mixtral": mixtral.read_param,
         "qwen3_moe": qwen3_moe.read_param,
         "qwen2_moe": qwen3_moe.read_param,
+        "deepseek_v2": deepseek.read_param,
+        "deepseek_v3": deepseek.read_param,
+        "kimi_k2": deepseek.read_param,
     }
 
 

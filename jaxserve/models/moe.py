@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.deepseek_config import DEEPSEEK_MODEL_TYPES
+from jaxserve.models.grouped_routing import GroupedRouting
 from jaxserve.models.layers import ACTIVATIONS, MLP, Matmul, linear
 
 # Legend: T = tokens, E = embed, X = experts, F = expert mlp, k = experts per token, S = stored expert rows
@@ -65,9 +67,18 @@ class SparseMoE(nnx.Module):
         )  # [S, F, E]
         if config.shared_expert_intermediate_size:
             self.shared_expert = MLP(config, dtype, matmul, rngs, shared_expert=True)
-            self.shared_expert_gate = linear(e, 1, ("embed", None), bias=False, dtype=dtype, matmul=matmul, rngs=rngs)
+            self.shared_expert_gate = (
+                linear(e, 1, ("embed", None), bias=False, dtype=dtype, matmul=matmul, rngs=rngs)
+                if config.shared_expert_gated
+                else None
+            )
         else:
             self.shared_expert = self.shared_expert_gate = None
+        # DeepSeek: softmax or sigmoid scores, group-limited top k, a bias that shifts the choice, scaled weights
+        self.grouped_routing = GroupedRouting.from_config(config) if config.model_type in DEEPSEEK_MODEL_TYPES else None
+        self.expert_score_correction_bias = (
+            nnx.Param(jnp.zeros((x,), dtype), logical_axes=(None,)) if config.expert_score_correction_bias else None
+        )  # [X]
         self.top_k = config.num_experts_per_token
         self.normalize_weights = config.normalize_expert_weights
         self.activation = config.hidden_act
@@ -76,7 +87,11 @@ class SparseMoE(nnx.Module):
         self.expert_device, self.expert_slot = experts.initial_placement(x) or (None, None)
 
     def __call__(self, x):
-        weights, expert_ids = route(self.gate(x), self.top_k, self.normalize_weights)
+        if self.grouped_routing is not None:
+            bias = None if self.expert_score_correction_bias is None else self.expert_score_correction_bias[...]
+            weights, expert_ids = self.grouped_routing(self.gate(x), bias)
+        else:
+            weights, expert_ids = route(self.gate(x), self.top_k, self.normalize_weights)
         self.sow(nnx.Intermediate, "routed_experts", expert_ids)  # [T, k]: read back for expert-load stats
         placement = (
             ()
@@ -93,7 +108,9 @@ class SparseMoE(nnx.Module):
             placement,
             activation=ACTIVATIONS[self.activation],
         )
-        if self.shared_expert is None or self.shared_expert_gate is None:
+        if self.shared_expert is None:
             return routed
+        if self.shared_expert_gate is None:  # DeepSeek's shared experts: every token, ungated
+            return routed + self.shared_expert(x)
         gate = jax.nn.sigmoid(self.shared_expert_gate(x))  # [T, 1]
         return routed + gate * self.shared_expert(x)

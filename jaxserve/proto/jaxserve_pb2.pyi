@@ -1,46 +1,21 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = (
-        "max_tokens",
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "seed",
-        "stop",
-        "ignore_eos",
-        "logprobs",
-        "stop_token_ids",
-        "n",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "logit_bias",
-        "min_tokens",
-        "bad_words",
-        "allowed_token_ids",
-        "guided_decoding",
-        "prompt_logprobs",
-        "prompt_only",
-    )
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "ignore_eos", "logprobs", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids", "guided_decoding", "prompt_logprobs", "prompt_only", "lora")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: int
         value: float
-        def __init__(self, key: int | None = ..., value: float | None = ...) -> None: ...
-
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +37,7 @@ class SamplingParams(_message.Message):
     GUIDED_DECODING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -83,30 +59,8 @@ class SamplingParams(_message.Message):
     guided_decoding: GuidedDecoding
     prompt_logprobs: int
     prompt_only: bool
-    def __init__(
-        self,
-        max_tokens: int | None = ...,
-        temperature: float | None = ...,
-        top_k: int | None = ...,
-        top_p: float | None = ...,
-        min_p: float | None = ...,
-        seed: int | None = ...,
-        stop: _Iterable[str] | None = ...,
-        ignore_eos: bool | None = ...,
-        logprobs: int | None = ...,
-        stop_token_ids: _Iterable[int] | None = ...,
-        n: int | None = ...,
-        presence_penalty: float | None = ...,
-        frequency_penalty: float | None = ...,
-        repetition_penalty: float | None = ...,
-        logit_bias: _Mapping[int, float] | None = ...,
-        min_tokens: int | None = ...,
-        bad_words: _Iterable[str] | None = ...,
-        allowed_token_ids: _Iterable[int] | None = ...,
-        guided_decoding: GuidedDecoding | _Mapping | None = ...,
-        prompt_logprobs: int | None = ...,
-        prompt_only: bool | None = ...,
-    ) -> None: ...
+    lora: str
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., guided_decoding: _Optional[_Union[GuidedDecoding, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., prompt_only: _Optional[bool] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class GuidedDecoding(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -120,20 +74,13 @@ class GuidedDecoding(_message.Message):
     regex: str
     choice: GuidedChoice
     grammar: str
-    def __init__(
-        self,
-        json_schema: str | None = ...,
-        json_object: bool | None = ...,
-        regex: str | None = ...,
-        choice: GuidedChoice | _Mapping | None = ...,
-        grammar: str | None = ...,
-    ) -> None: ...
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[GuidedChoice, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GuidedChoice(_message.Message):
     __slots__ = ("choices",)
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     choices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, choices: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments")
@@ -143,7 +90,7 @@ class ToolCall(_message.Message):
     id: str
     name: str
     arguments: str
-    def __init__(self, id: str | None = ..., name: str | None = ..., arguments: str | None = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "sampling", "session_id")
@@ -157,14 +104,7 @@ class GenerateRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     session_id: str
-    def __init__(
-        self,
-        request_id: str | None = ...,
-        text: str | None = ...,
-        token_ids: _Iterable[int] | None = ...,
-        sampling: SamplingParams | _Mapping | None = ...,
-        session_id: str | None = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -172,7 +112,7 @@ class TokenLogprob(_message.Message):
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
-    def __init__(self, token_id: int | None = ..., logprob: float | None = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -182,27 +122,10 @@ class TokenLogprobs(_message.Message):
     token_id: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(
-        self,
-        token_id: int | None = ...,
-        logprob: float | None = ...,
-        top: _Iterable[TokenLogprob | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = (
-        "token_ids",
-        "text",
-        "finish_reason",
-        "num_prompt_tokens",
-        "num_cached_tokens",
-        "logprobs",
-        "request_id",
-        "index",
-        "tool_calls",
-        "content",
-        "prompt_logprobs",
-    )
+    __slots__ = ("token_ids", "text", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "logprobs", "request_id", "index", "tool_calls", "content", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -225,20 +148,7 @@ class GenerateResponse(_message.Message):
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     content: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(
-        self,
-        token_ids: _Iterable[int] | None = ...,
-        text: str | None = ...,
-        finish_reason: str | None = ...,
-        num_prompt_tokens: int | None = ...,
-        num_cached_tokens: int | None = ...,
-        logprobs: _Iterable[TokenLogprobs | _Mapping] | None = ...,
-        request_id: str | None = ...,
-        index: int | None = ...,
-        tool_calls: _Iterable[ToolCall | _Mapping] | None = ...,
-        content: str | None = ...,
-        prompt_logprobs: _Iterable[TokenLogprobs | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
@@ -252,28 +162,10 @@ class ChatMessage(_message.Message):
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     tool_call_id: str
     name: str
-    def __init__(
-        self,
-        role: str | None = ...,
-        content: str | None = ...,
-        tool_calls: _Iterable[ToolCall | _Mapping] | None = ...,
-        tool_call_id: str | None = ...,
-        name: str | None = ...,
-    ) -> None: ...
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = (
-        "request_id",
-        "messages",
-        "sampling",
-        "session_id",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tools",
-        "tool_choice",
-        "tool_choice_function",
-        "parallel_tool_calls",
-    )
+    __slots__ = ("request_id", "messages", "sampling", "session_id", "add_generation_prompt", "continue_final_message", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -294,49 +186,14 @@ class ChatRequest(_message.Message):
     tool_choice: str
     tool_choice_function: str
     parallel_tool_calls: bool
-    def __init__(
-        self,
-        request_id: str | None = ...,
-        messages: _Iterable[ChatMessage | _Mapping] | None = ...,
-        sampling: SamplingParams | _Mapping | None = ...,
-        session_id: str | None = ...,
-        add_generation_prompt: bool | None = ...,
-        continue_final_message: bool | None = ...,
-        tools: _Iterable[str] | None = ...,
-        tool_choice: str | None = ...,
-        tool_choice_function: str | None = ...,
-        parallel_tool_calls: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., tools: _Optional[_Iterable[str]] = ..., tool_choice: _Optional[str] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class ServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = (
-        "model",
-        "dtype",
-        "mesh",
-        "page_size",
-        "num_pages",
-        "compiled_buckets",
-        "max_model_len",
-        "version",
-        "attention_impl",
-        "max_num_seqs",
-        "vocab_size",
-        "num_free_pages",
-        "num_running",
-        "num_waiting",
-        "system_fingerprint",
-        "model_fingerprint",
-        "prefill_seconds_per_token",
-        "swap_in_seconds_per_page",
-        "num_tokens_waiting_prefill",
-        "host_tier_pages",
-        "instance_id",
-        "step_seconds",
-    )
+    __slots__ = ("model", "dtype", "mesh", "page_size", "num_pages", "compiled_buckets", "max_model_len", "version", "attention_impl", "max_num_seqs", "vocab_size", "num_free_pages", "num_running", "num_waiting", "system_fingerprint", "model_fingerprint", "prefill_seconds_per_token", "swap_in_seconds_per_page", "num_tokens_waiting_prefill", "host_tier_pages", "instance_id", "step_seconds")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
@@ -381,61 +238,37 @@ class ServerInfo(_message.Message):
     host_tier_pages: int
     instance_id: str
     step_seconds: float
-    def __init__(
-        self,
-        model: str | None = ...,
-        dtype: str | None = ...,
-        mesh: str | None = ...,
-        page_size: int | None = ...,
-        num_pages: int | None = ...,
-        compiled_buckets: _Iterable[str] | None = ...,
-        max_model_len: int | None = ...,
-        version: str | None = ...,
-        attention_impl: str | None = ...,
-        max_num_seqs: int | None = ...,
-        vocab_size: int | None = ...,
-        num_free_pages: int | None = ...,
-        num_running: int | None = ...,
-        num_waiting: int | None = ...,
-        system_fingerprint: str | None = ...,
-        model_fingerprint: str | None = ...,
-        prefill_seconds_per_token: float | None = ...,
-        swap_in_seconds_per_page: float | None = ...,
-        num_tokens_waiting_prefill: int | None = ...,
-        host_tier_pages: int | None = ...,
-        instance_id: str | None = ...,
-        step_seconds: float | None = ...,
-    ) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., mesh: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., compiled_buckets: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ..., attention_impl: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., system_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., host_tier_pages: _Optional[int] = ..., instance_id: _Optional[str] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
-    def __init__(self, text: str | None = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("text",)
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
-    def __init__(self, text: str | None = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class SubscribeKVEventsRequest(_message.Message):
     __slots__ = ("heartbeat_ms",)
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_ms: int
-    def __init__(self, heartbeat_ms: int | None = ...) -> None: ...
+    def __init__(self, heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("kind", "key", "parent_key", "num_tokens", "tier", "rank")
@@ -444,7 +277,6 @@ class KVEvent(_message.Message):
         STORED: _ClassVar[KVEvent.Kind]
         REMOVED: _ClassVar[KVEvent.Kind]
         CLEARED: _ClassVar[KVEvent.Kind]
-
     STORED: KVEvent.Kind
     REMOVED: KVEvent.Kind
     CLEARED: KVEvent.Kind
@@ -452,7 +284,6 @@ class KVEvent(_message.Message):
         __slots__ = ()
         DEVICE: _ClassVar[KVEvent.Tier]
         HOST: _ClassVar[KVEvent.Tier]
-
     DEVICE: KVEvent.Tier
     HOST: KVEvent.Tier
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -467,26 +298,10 @@ class KVEvent(_message.Message):
     num_tokens: int
     tier: KVEvent.Tier
     rank: int
-    def __init__(
-        self,
-        kind: KVEvent.Kind | str | None = ...,
-        key: int | None = ...,
-        parent_key: int | None = ...,
-        num_tokens: int | None = ...,
-        tier: KVEvent.Tier | str | None = ...,
-        rank: int | None = ...,
-    ) -> None: ...
+    def __init__(self, kind: _Optional[_Union[KVEvent.Kind, str]] = ..., key: _Optional[int] = ..., parent_key: _Optional[int] = ..., num_tokens: _Optional[int] = ..., tier: _Optional[_Union[KVEvent.Tier, str]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = (
-        "num_running",
-        "num_waiting",
-        "num_free_pages",
-        "num_tokens_waiting_prefill",
-        "prefill_seconds_per_token",
-        "swap_in_seconds_per_page",
-        "step_seconds",
-    )
+    __slots__ = ("num_running", "num_waiting", "num_free_pages", "num_tokens_waiting_prefill", "prefill_seconds_per_token", "swap_in_seconds_per_page", "step_seconds")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -501,16 +316,7 @@ class ReplicaLoad(_message.Message):
     prefill_seconds_per_token: float
     swap_in_seconds_per_page: float
     step_seconds: float
-    def __init__(
-        self,
-        num_running: int | None = ...,
-        num_waiting: int | None = ...,
-        num_free_pages: int | None = ...,
-        num_tokens_waiting_prefill: int | None = ...,
-        prefill_seconds_per_token: float | None = ...,
-        swap_in_seconds_per_page: float | None = ...,
-        step_seconds: float | None = ...,
-    ) -> None: ...
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("sequence", "snapshot", "events", "load", "instance_id", "more")
@@ -526,12 +332,30 @@ class KVEventBatch(_message.Message):
     load: ReplicaLoad
     instance_id: str
     more: bool
-    def __init__(
-        self,
-        sequence: int | None = ...,
-        snapshot: bool | None = ...,
-        events: _Iterable[KVEvent | _Mapping] | None = ...,
-        load: ReplicaLoad | _Mapping | None = ...,
-        instance_id: str | None = ...,
-        more: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., instance_id: _Optional[str] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class LoadLoRARequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoRAResponse(_message.Message):
+    __slots__ = ("slot", "rank")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    rank: int
+    def __init__(self, slot: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class UnloadLoRARequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

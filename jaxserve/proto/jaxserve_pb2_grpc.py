@@ -64,6 +64,16 @@ class GenerationStub:
                 request_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.SubscribeKVEventsRequest.SerializeToString,
                 response_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/jaxserve.v1.Generation/LoadLoRA',
+                request_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.LoadLoRAResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/jaxserve.v1.Generation/UnloadLoRA',
+                request_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.UnloadLoRAResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -113,6 +123,24 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Loads a PEFT LoRA adapter (a directory on the server holding adapter_config.json and
+        adapter_model.safetensors) into a free adapter slot, without recompiling; requests then name it in
+        SamplingParams.lora. INVALID_ARGUMENT for a bad adapter (another base model's shapes, an unsupported
+        target module, a rank above the slot rank), a name in use, or every slot taken; FAILED_PRECONDITION
+        when the engine has no adapter slots (engine lora.max_adapters).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Frees a loaded adapter's slot; INVALID_ARGUMENT for an unknown name or one that unfinished requests use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +173,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.SubscribeKVEvents,
                     request_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.SubscribeKVEventsRequest.FromString,
                     response_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.KVEventBatch.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.LoadLoRARequest.FromString,
+                    response_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.LoadLoRAResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=jaxserve_dot_proto_dot_jaxserve__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=jaxserve_dot_proto_dot_jaxserve__pb2.UnloadLoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +347,60 @@ class Generation:
             '/jaxserve.v1.Generation/SubscribeKVEvents',
             jaxserve_dot_proto_dot_jaxserve__pb2.SubscribeKVEventsRequest.SerializeToString,
             jaxserve_dot_proto_dot_jaxserve__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Generation/LoadLoRA',
+            jaxserve_dot_proto_dot_jaxserve__pb2.LoadLoRARequest.SerializeToString,
+            jaxserve_dot_proto_dot_jaxserve__pb2.LoadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Generation/UnloadLoRA',
+            jaxserve_dot_proto_dot_jaxserve__pb2.UnloadLoRARequest.SerializeToString,
+            jaxserve_dot_proto_dot_jaxserve__pb2.UnloadLoRAResponse.FromString,
             options,
             channel_credentials,
             insecure,

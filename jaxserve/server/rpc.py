@@ -116,6 +116,8 @@ def generation_handler(service, pools: ThreadPools) -> grpc.GenericRpcHandler:
                 size_limit("max_generate_request_bytes"),
             ),
             "GetServerInfo": _unary(service.GetServerInfo, pb.ServerInfoRequest, pb.ServerInfo, pools.quick),
+            "LoadLoRA": _unary(service.LoadLoRA, pb.LoadLoRARequest, pb.LoadLoRAResponse, pools.quick),
+            "UnloadLoRA": _unary(service.UnloadLoRA, pb.UnloadLoRARequest, pb.UnloadLoRAResponse, pools.quick),
             "Tokenize": _unary(
                 service.Tokenize,
                 pb.TokenizeRequest,

@@ -83,6 +83,7 @@ def sampling_params_from_proto(
         allowed_token_ids=list(sampling.allowed_token_ids) or None,
         guided_decoding=guided or tool_guide,
         prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
+        lora=sampling.lora or None,
     )
 
 
@@ -118,6 +119,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         allowed_token_ids=list(params.allowed_token_ids or ()),
         guided_decoding=guided_decoding_to_proto(params.guided_decoding),
         prompt_only=params.max_tokens == 0,
+        lora=params.lora or "",
     )
     if params.seed is not None:
         sampling.seed = params.seed

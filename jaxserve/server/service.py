@@ -173,6 +173,28 @@ class GenerationService:
         reply.MergeFrom(router_info(info, stats))
         return reply
 
+    def LoadLoRA(self, request: pb.LoadLoRARequest, context) -> pb.LoadLoRAResponse:
+        adapter = self._on_loop(context, lambda engine: engine.load_lora(request.name, request.path))
+        return pb.LoadLoRAResponse(slot=adapter.slot, rank=adapter.rank)
+
+    def UnloadLoRA(self, request: pb.UnloadLoRARequest, context) -> pb.UnloadLoRAResponse:
+        self._on_loop(context, lambda engine: engine.unload_lora(request.name))
+        return pb.UnloadLoRAResponse()
+
+    def _on_loop(self, context, function):
+        """function(engine) on the engine loop's thread, between steps (it changes device state); its
+        ValueError is INVALID_ARGUMENT, or FAILED_PRECONDITION where the engine has no LoRA slots."""
+        loop, _ = self._ready(context)
+        try:
+            return loop.call(function).result()
+        except ValueError as error:
+            no_slots = "no LoRA slots" in str(error)
+            abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION if no_slots else grpc.StatusCode.INVALID_ARGUMENT,
+                str(error),
+            )
+
     def _tokenizer(self, context) -> tuple[Tokenizer, RequestLimits]:
         loop, limits = self._ready(context)
         if loop.engine.tokenizer is None:

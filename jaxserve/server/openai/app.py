@@ -14,7 +14,7 @@ import jaxserve
 from jaxserve.server import limits as request_limits
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
-from jaxserve.server.openai import chat, completions
+from jaxserve.server.openai import chat, completions, lora_routes
 from jaxserve.server.openai.context import ServingContext
 from jaxserve.server.openai.errors import APIError, error_response, install_error_handlers
 from jaxserve.server.openai.guard import Guard
@@ -34,6 +34,7 @@ def build_app(
     install_error_handlers(app, context.on_refusal)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(lora_routes.router)
 
     @app.get("/health")
     async def health():
@@ -63,6 +64,18 @@ def build_app(
                     "max_model_len": loop.description.max_model_len,
                 }
                 for name in context.model_names
+            ]
+            + [  # LoRA adapters, as vLLM lists them: the adapter's directory as root, the base model as parent
+                {
+                    "id": adapter["name"],
+                    "object": "model",
+                    "created": context.created,
+                    "owned_by": "jaxserve",
+                    "root": adapter["path"],
+                    "parent": context.model_name,
+                    "max_model_len": loop.description.max_model_len,
+                }
+                for adapter in context.lora_adapters()
             ],
         }
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from jaxserve.host.request import SamplingParams
 from jaxserve.server import limits as request_limits
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
-from jaxserve.server.openai.context import ServingContext, request_size
+from jaxserve.server.openai.context import ServingContext, request_size, with_adapter
 from jaxserve.server.openai.errors import error_body
 from jaxserve.server.openai.protocol import ChatCompletionRequest
 from jaxserve.server.openai.responses import (
@@ -75,10 +75,13 @@ def checked_chat(
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     context: ServingContext = request.app.state.context
     context.ready_loop()
-    context.check_model(body.model)
+    adapter = context.check_model(body.model)
     request_id = body.request_id or request.headers.get("x-request-id", "")
     group, plan = await context.admit(
-        request_size(request), lambda: checked_chat(context, body, request_id), request_id, body.session_id
+        request_size(request),
+        lambda: with_adapter(checked_chat(context, body, request_id), adapter),
+        request_id,
+        body.session_id,
     )
     call = ChatCall(context, body, group, plan)
     if body.stream:
@@ -96,7 +99,7 @@ class ChatCall:
         self.header = {
             "id": response_id("chatcmpl"),
             "created": now(),
-            "model": context.model_name,
+            "model": context.response_model(body.model),
             "system_fingerprint": context.system_fingerprint,
         }
 

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from jaxserve.host.request import SamplingParams
 from jaxserve.server import limits as request_limits
-from jaxserve.server.openai.context import ServingContext, request_size
+from jaxserve.server.openai.context import ServingContext, request_size, with_adapter
 from jaxserve.server.openai.errors import APIError, error_body
 from jaxserve.server.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from jaxserve.server.openai.responses import (
@@ -81,10 +81,13 @@ def checked_completion(
 async def create_completion(body: CompletionRequest, request: Request):
     context: ServingContext = request.app.state.context
     context.ready_loop()
-    context.check_model(body.model)
+    adapter = context.check_model(body.model)
     request_id = body.request_id or request.headers.get("x-request-id", "")
     group, echo = await context.admit(
-        request_size(request), lambda: checked_completion(context, body, request_id), request_id, body.session_id
+        request_size(request),
+        lambda: with_adapter(checked_completion(context, body, request_id), adapter),
+        request_id,
+        body.session_id,
     )
     call = CompletionCall(context, body, group, echo)
     if body.stream:
@@ -104,7 +107,7 @@ class CompletionCall:
             "id": response_id("cmpl"),
             "object": "text_completion",
             "created": now(),
-            "model": context.model_name,
+            "model": context.response_model(body.model),
             "system_fingerprint": context.system_fingerprint,
         }
 

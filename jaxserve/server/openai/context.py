@@ -4,6 +4,7 @@ small pool for the blocking part of admitting a large request (checks, the chat 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -101,13 +102,29 @@ class ServingContext:
         """server.tool_call_parser's parser; "auto" reads the template this chat renders with."""
         return parser_for_template(self.tool_call_parser, self.tokenizer, self.chat_template, tools)
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> str | None:
         """404 for a model this server does not serve, as vLLM answers; no name (or an empty one) means
         the served model. The checkpoint's own name stays accepted beside served_model_name's aliases,
-        so that clients written before the aliases keep working."""
+        so that clients written before the aliases keep working. A loaded LoRA adapter's name is a model
+        too: returns that name (None for the base model)."""
+        if name and name in self.lora_names():
+            return name
         if name and name not in self.model_names and name != self.checkpoint_name:
             served = ", ".join(f"'{served}'" for served in self.model_names)
             raise APIError(404, f"the model '{name}' does not exist; this server serves {served}", "model")
+        return None
+
+    def lora_adapters(self) -> list[dict]:
+        """The engine's loaded LoRA adapters (name, slot, path, rank); none for an engine without slots."""
+        adapters = getattr(self.loop.engine, "lora_adapters", None) if self.loop is not None else None
+        return adapters() if adapters is not None else []
+
+    def lora_names(self) -> tuple[str, ...]:
+        return tuple(adapter["name"] for adapter in self.lora_adapters())
+
+    def response_model(self, name: str | None) -> str:
+        """The model a response names: the LoRA adapter the request asked for, else the served model."""
+        return name if name and name in self.lora_names() else self.model_name
 
     def on_refusal(self, status: int) -> None:
         self.metrics.rejected.labels(REFUSAL_LABELS.get(status, str(status))).inc()
@@ -176,3 +193,12 @@ def request_size(request) -> int | None:
     """The body's declared size (the guard has held it to the limit); None when not declared."""
     declared = request.headers.get("content-length", "")
     return int(declared) if declared.isdigit() else None
+
+
+def with_adapter(
+    checked: tuple[list, SamplingParams, Extra], adapter: str | None
+) -> tuple[list, SamplingParams, Extra]:
+    """A request's checked (prompts, params, extra) with params generating through `adapter` (the LoRA
+    adapter its `model` field named; None: the base model)."""
+    prompts, params, extra = checked
+    return prompts, params if adapter is None else dataclasses.replace(params, lora=adapter), extra

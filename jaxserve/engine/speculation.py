@@ -11,6 +11,11 @@ starts where acceptance left each row. So while speculation is on, the engine pr
 flight before planning the next (as it does for grammar rows); when the policy turns speculation off
 (a large batch, poor acceptance) the steps overlap again.
 
+Rows that keep failing back off: a row whose proposal was rejected outright, or that had none, skips
+speculation for 2, 4, ... up to MAX_BACKOFF_TOKENS of its tokens (reset by an accepted proposal), and is
+not waited for meanwhile, so plain chat (little to look up) keeps most of its overlap while code edits
+(long quotes) speculate on every step.
+
 Rows that never speculate (they decode as usual): a grammar's (its mask for each proposed position
 would need the grammar advanced through the proposals), multi-token bad words' (their bans depend on
 the tokens before), a flushing sequence's, and one whose newest token is still on the device.
@@ -26,6 +31,8 @@ from jaxserve.host.schedule import ScheduledChunk
 from jaxserve.host.scheduler import Scheduler
 from jaxserve.host.speculation_policy import AcceptanceCounts, SpeculationPolicy
 from jaxserve.host.verify_outputs import process_verified
+
+MAX_BACKOFF_TOKENS = 16
 
 
 def may_speculate(seq: SequenceState) -> bool:
@@ -52,6 +59,8 @@ class Speculation:
         self.num_steps_speculating = 0
         self.num_steps_plain = 0
         self._proposed_for: dict[int, SequenceState] = {}  # seq_id -> sequence the proposer may hold state for
+        self._misses: dict[int, int] = {}  # seq_id -> proposals in a row that gave nothing
+        self._resume_at: dict[int, int] = {}  # seq_id -> output length before which it does not speculate
 
     # -- each step ----------------------------------------------------------------------------------
 
@@ -74,8 +83,20 @@ class Speculation:
         if any(executable.shape.verifies for executable in in_flight_executables):
             return True
         return self.speculating and any(
-            seq.num_pending_tokens and may_speculate(seq) for scheduler in schedulers for seq in scheduler.running
+            seq.num_pending_tokens and self._may_propose(seq) for scheduler in schedulers for seq in scheduler.running
         )
+
+    def _may_propose(self, seq: SequenceState) -> bool:
+        return may_speculate(seq) and len(seq.output_token_ids) >= self._resume_at.get(seq.seq_id, 0)
+
+    def _observe_outcome(self, seq: SequenceState, num_accepted: int) -> None:
+        """Back a row off after a proposal that gave nothing (see the module docstring)."""
+        if num_accepted:
+            self._misses.pop(seq.seq_id, None)
+            self._resume_at.pop(seq.seq_id, None)
+            return
+        misses = self._misses[seq.seq_id] = self._misses.get(seq.seq_id, 0) + 1
+        self._resume_at[seq.seq_id] = len(seq.output_token_ids) + min(2**misses, MAX_BACKOFF_TOKENS)
 
     def proposals(self, scheduler: Scheduler) -> dict[int, list[int]]:
         """seq_id -> proposed tokens for the rank's decoding sequences (empty unless this step speculates)."""
@@ -85,7 +106,7 @@ class Speculation:
         seqs, limits = [], []
         k = self.config.num_speculative_tokens
         for seq in scheduler.running:
-            if not (is_decoding(seq) and not seq.num_pending_tokens and may_speculate(seq)):
+            if not (is_decoding(seq) and not seq.num_pending_tokens and self._may_propose(seq)):
                 continue
             # a verify row may emit all its proposals and one more: never past max_tokens or max_model_len
             limit = min(
@@ -95,7 +116,13 @@ class Speculation:
                 seqs.append(seq)
                 limits.append(limit)
                 self._proposed_for[seq.seq_id] = seq
-        return {seq.seq_id: proposal for seq, proposal in zip(seqs, self.proposer.propose(seqs, limits)) if proposal}
+        proposals = {}
+        for seq, proposal in zip(seqs, self.proposer.propose(seqs, limits)):
+            if proposal:
+                proposals[seq.seq_id] = proposal
+            else:
+                self._observe_outcome(seq, 0)
+        return proposals
 
     def process(
         self,
@@ -106,6 +133,8 @@ class Speculation:
         width: int,
         outputs: OutputProcessor,
     ) -> set[str]:
+        for index, chunk in enumerate(chunks):
+            self._observe_outcome(chunk.seq, int(result.num_accepted[first_row + index]))
         return process_verified(
             chunks, scheduler, result.sampled, result.num_accepted, first_row, width, outputs, self.counts
         )
@@ -121,6 +150,8 @@ class Speculation:
             if seq.status is not RequestStatus.RUNNING:
                 self.proposer.forget(seq)
                 del self._proposed_for[seq_id]
+                self._misses.pop(seq_id, None)
+                self._resume_at.pop(seq_id, None)
 
     # -- reporting ----------------------------------------------------------------------------------
 

@@ -262,6 +262,8 @@ class EngineLoop:
             # with n > 1 an output carries every completion, most with nothing new for their clients
             if delta is not None and (delta.token_ids or delta.text or delta.finish_reason is not None):
                 self._deliver_delta(stream, delta)
+                if delta.finish_reason is not None and completion.num_draft_tokens:
+                    self.metrics.request_acceptance.observe(completion.acceptance_rate)
 
     def _deliver_delta(self, stream: RequestStream, delta: Delta) -> None:
         now = time.perf_counter()

@@ -55,6 +55,13 @@ class ServerMetrics:
         self.preemptions = Gauge("jaxserve_preemptions", "Sequences preempted so far", registry=r)
         self.handover_gauges: dict[str, Gauge] | None = None  # registered on a decode replica (engine.role)
         self.expert_gauges: dict[str, Gauge] | None = None  # registered with a mixture-of-experts model's stats
+        self.speculation_gauges: dict[str, Gauge] | None = None  # registered when the engine speculates
+        self.request_acceptance = Histogram(
+            "jaxserve_spec_decode_request_acceptance_rate",
+            "Per finished sequence that had proposals: accepted proposed tokens over proposed ones",
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+            registry=r,
+        )
 
     def _register_expert_gauges(self) -> dict[str, Gauge]:
         r = self.registry
@@ -79,6 +86,27 @@ class ServerMetrics:
                 "jaxserve_expert_rebalances", "Times experts were moved between devices", registry=r
             ),
         }
+
+    def _observe_speculation(self, stats: dict) -> None:
+        if self.speculation_gauges is None:
+            r = self.registry
+            described = {
+                "speculative_num_draft_tokens": "Tokens proposed for speculative verification so far",
+                "speculative_num_accepted_tokens": "Proposed tokens the target model accepted so far",
+                "speculative_num_verify_rows": "Decode rows that verified proposals so far",
+                "speculative_acceptance_rate": "Accepted proposed tokens over proposed ones, all requests",
+                "speculative_mean_accepted_length": "Tokens a verify row emits on average (accepted + 1)",
+            }
+            self.speculation_gauges = {
+                name: Gauge(
+                    "jaxserve_spec_decode_" + name.removeprefix("speculative_num_").removeprefix("speculative_"),
+                    text,
+                    registry=r,
+                )
+                for name, text in described.items()
+            }
+        for name, gauge in self.speculation_gauges.items():
+            gauge.set(stats[name])
 
     def _observe_handovers(self, stats: dict) -> None:
         if self.handover_gauges is None:
@@ -108,6 +136,8 @@ class ServerMetrics:
         self.preemptions.set(stats["num_preemptions"])
         if "handover_local_prefills" in stats:
             self._observe_handovers(stats)
+        if "speculative_num_draft_tokens" in stats:
+            self._observe_speculation(stats)
         if "expert_load_max_over_mean" not in stats:
             return
         if self.expert_gauges is None:

@@ -98,3 +98,69 @@ def test_outputs_equal_with_and_without_speculation(engines):
     assert drafted == stats["speculative_num_draft_tokens"]
     for llm in engines.values():
         assert_nothing_held(llm)
+
+
+def test_stop_tokens_and_max_tokens_end_a_verify_row_where_plain_decoding_ends(engines):
+    """A prompt that ends in two rounds of the tiny model's own greedy loop: proposals (the loop again) are
+    accepted, and a stop token or max_tokens among a verify row's tokens ends the output exactly there."""
+    prompt = [40, 41, 42, 43, 44, 45] * 5
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    first = engines["plain"].generate([prompt], greedy)[0].outputs[0].token_ids
+    period = next(n for n in range(1, 11) if first[:n] == first[n : 2 * n])
+    prompt += first[: 2 * period]
+    reference = engines["plain"].generate([prompt], greedy)[0].outputs[0].token_ids
+    stop_at = next(i for i in range(2, 6) if reference[i] not in reference[:i])
+    cases = {
+        "stop token": (
+            SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[reference[stop_at]]),
+            stop_at + 1,
+        ),
+        "max_tokens": (SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), 3),
+    }
+    for case, (params, length) in cases.items():
+        output = engines["ngram"].generate([prompt], params)[0].outputs[0]
+        assert output.token_ids == reference[:length], case
+        assert output.finish_reason == ("stop" if case == "stop token" else "length")
+        assert output.num_accepted_draft_tokens > 0, case  # the end fell in a verify row
+    assert_nothing_held(engines["ngram"])
+
+
+def test_metrics_report_acceptance(engines):
+    from prometheus_client import generate_latest
+
+    from jaxserve.server.metrics import ServerMetrics
+
+    stats = engines["ngram"].stats()
+    metrics = ServerMetrics()
+    metrics.observe_engine(stats)
+    metrics.observe_engine(stats)  # registered once
+    text = generate_latest(metrics.registry).decode()
+    assert f"jaxserve_spec_decode_accepted_tokens {float(stats['speculative_num_accepted_tokens'])}" in text
+    assert f"jaxserve_spec_decode_mean_accepted_length {stats['speculative_mean_accepted_length']}" in text
+
+
+@pytest.mark.parametrize(
+    "speculative, problem",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in"),
+        ({"method": "ngram", "num_speculative_tokens": 16}, "num_speculative_tokens must be an integer in"),
+        ({"method": "eagle"}, "unknown speculative method"),
+        ({"method": "draft"}, "not available yet"),
+        ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"method": "ngram", "speculative_max_batch_size": 0}, "speculative_max_batch_size must be >= 1"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 8, "max_num_batched_tokens": 8, "prefill_query_block": 4},
+            "exceeds max_num_batched",
+        ),
+        ({"method": "ngram", "role": "prefill"}, "prefill replica"),
+        ({"method": "ngram", "typo": 1}, "unknown speculative option 'typo'"),
+    ],
+)
+def test_bad_speculative_options_are_refused_at_start(speculative, problem):
+    from jaxserve.config import EngineConfig
+
+    outside = {
+        k: speculative.pop(k) for k in ("max_num_batched_tokens", "prefill_query_block", "role") if k in speculative
+    }
+    with pytest.raises(ValueError, match=problem):
+        EngineConfig.from_options(speculative=speculative, **outside)

@@ -1,0 +1,29 @@
+"""Speculation on meshes (8 fake CPU devices, in a subprocess: the device count is fixed when JAX starts):
+tensor parallelism on a dense model, data x expert parallelism on a mixture of experts. Outputs equal
+speculation off, no compile after warm-up, no page held."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_outputs_equal_on_tensor_and_expert_parallel_meshes():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.support.speculative_mesh_run", "llama_tp2", "mixtral_dp2_ep"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = json.loads(result.stdout.strip().splitlines()[-1])
+    for case, outcome in results.items():
+        assert outcome["equal"], case
+        assert outcome["accepted"] > 5, case  # proposals were verified and accepted on the mesh
+        assert outcome["compiles_after_warmup"] == [0, 0], case
+        assert outcome["pages_held"] == [0, 0], case

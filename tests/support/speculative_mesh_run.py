@@ -1,0 +1,34 @@
+"""Run by tests/engine/test_speculative_meshes.py with 8 fake CPU devices: for each case (a fixture and its
+mesh), greedy and seeded sampled outputs with n-gram speculation on and off, and what the engines held and
+compiled afterwards. Prints one JSON object."""
+
+import json
+import sys
+
+from jaxserve import LLM
+from tests.engine.test_speculative import ENGINE, NGRAM, summary, workload
+from tests.support.fixtures import fixture_dir
+
+CASES = {
+    "llama_tp2": ("llama_gqa", dict(tensor_parallel_size=2)),
+    "mixtral_dp2_ep": ("mixtral", dict(data_parallel_size=2, enable_expert_parallel=True)),
+}
+
+results = {}
+for case in sys.argv[1:]:
+    fixture, parallel = CASES[case]
+    prompts, params = workload(3, 16)
+    outputs, stats = {}, {}
+    for name, speculative in (("plain", None), ("ngram", NGRAM)):
+        options = {**ENGINE, **parallel, **({"speculative": speculative} if speculative else {})}
+        llm = LLM(fixture_dir(fixture), **options)
+        outputs[name] = summary(llm.generate(prompts, params))
+        stats[name] = llm.stats()
+    ngram = stats["ngram"]
+    results[case] = dict(
+        equal=outputs["ngram"] == outputs["plain"],
+        accepted=ngram["speculative_num_accepted_tokens"],
+        compiles_after_warmup=[s["num_compiles_after_warmup"] for s in stats.values()],
+        pages_held=[s["kv_pages_total"] - s["kv_pages_free"] for s in stats.values()],
+    )
+print(json.dumps(results))

@@ -26,6 +26,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from pallas_kernels import ragged_paged_attention, write_kv_pages
+from pallas_kernels.paged_attention.latent import ragged_paged_latent_attention, write_latent_pages
 from sharding.rules import partition_spec
 
 
@@ -62,6 +63,50 @@ def _write_and_attend(
         impl=impl,
     )
     return out, key_pages, value_pages
+
+
+def _write_and_attend_latent(
+    q, entries, first_pages, second_pages, positions, kv_indices, token_seq_ids, page_table, *, query_block, scale, impl
+):
+    """MLA (pallas_kernels/paged_attention/latent.py): one latent entry per token, every head reads it."""
+    first_pages, second_pages = write_latent_pages(first_pages, second_pages, entries, kv_indices, impl=impl)
+    out = ragged_paged_latent_attention(
+        q,
+        first_pages,
+        second_pages,
+        page_table,
+        token_seq_ids,
+        positions,
+        query_block=query_block,
+        scale=scale,
+        impl=impl,
+    )
+    return out, first_pages, second_pages
+
+
+def sharded_write_and_attend_latent(mesh, q, entries, first_pages, second_pages, metadata, *, scale, impl):
+    """Per data-parallel rank over its own pages; under tensor parallelism each shard keeps a whole copy of
+    the one latent head (kv_head_replicas) and attends with its slice of the query heads."""
+    specs = attention_specs(mesh, first_pages.shape[2])
+    tokens, heads, pages = specs["tokens"], specs["heads"], specs["pages"]
+    body = functools.partial(_write_and_attend_latent, query_block=metadata.query_block, scale=scale, impl=impl)
+    sharded = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(heads, PartitionSpec(tokens[0], None), pages, pages) + (tokens,) * 4,
+        out_specs=(heads, pages, pages),
+        check_vma=False,
+    )
+    return sharded(
+        q,
+        entries,
+        first_pages,
+        second_pages,
+        metadata.positions,
+        metadata.kv_indices,
+        metadata.token_seq_ids,
+        metadata.page_table,
+    )
 
 
 def kv_head_replicas(num_heads: int, num_kv_heads: int, tensor_parallel_size: int) -> int | None:
@@ -153,6 +198,21 @@ class WriteAndAttend:
             impl=self.impl,
         )
 
+    def latent(self, q, entries, first_pages, second_pages, metadata, *, scale):
+        return _write_and_attend_latent(
+            q,
+            entries,
+            first_pages,
+            second_pages,
+            metadata.positions,
+            metadata.kv_indices,
+            metadata.token_seq_ids,
+            metadata.page_table,
+            query_block=metadata.query_block,
+            scale=scale,
+            impl=self.impl,
+        )
+
 
 @dataclass(frozen=True)
 class ShardedWriteAndAttend:
@@ -174,6 +234,11 @@ class ShardedWriteAndAttend:
             logits_soft_cap=logits_soft_cap,
             impl=self.impl,
             sinks=sinks,
+        )
+
+    def latent(self, q, entries, first_pages, second_pages, metadata, *, scale):
+        return sharded_write_and_attend_latent(
+            self.mesh, q, entries, first_pages, second_pages, metadata, scale=scale, impl=self.impl
         )
 
 

@@ -45,7 +45,7 @@ def choose_attention(model: ModelConfig, config: EngineConfig, dtype: str, mesh:
         head_dim=model.head_dim,
         page_size=config.cache.page_size,
     )
-    if config.compile.attention_impl == "auto" and impl == "pallas":
+    if config.compile.attention_impl == "auto" and impl == "pallas" and not model.is_latent_attention:
         problem = pallas_problem(
             model.num_heads,
             model.num_kv_heads,
@@ -66,5 +66,8 @@ def choose_attention(model: ModelConfig, config: EngineConfig, dtype: str, mesh:
         impl=impl,
         mesh=attention_mesh,
         num_cache_kv_heads=model.num_kv_heads * (replicas or 1),
-        cache_head_dim=kv_cache_head_dim(impl, platform, model.head_dim),
+        # MLA's pools hold half a latent entry each (ModelConfig.kv_cache_head_dim), read as they lie
+        cache_head_dim=model.kv_cache_head_dim
+        if model.is_latent_attention
+        else kv_cache_head_dim(impl, platform, model.head_dim),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -146,6 +147,7 @@ def engine_stats(engine) -> dict:
         "kv_pages_free": load.num_free_pages,
         # weights and KV bytes on the devices (replicas counted on each device), executables, compiles
         **engine.runner.stats(),
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(engine.runner.kv_pages),
         "page_size": engine.config.cache.page_size,
         "num_running": load.num_running,
         "num_waiting": load.num_waiting,
@@ -166,6 +168,12 @@ def engine_stats(engine) -> dict:
         # disaggregated: requests parked for a decode replica, or reserved, queued, prefilled here (disagg/)
         **(engine.handovers.stats() if engine.handovers is not None else {}),
     }
+
+
+def kv_cache_bytes_per_token(kv_pages) -> int:
+    """What one token's KV takes in the cache, every layer's key and value pools together (copies of a KV head
+    kept for tensor parallelism included): for DeepSeek's MLA, its latent and rope key, not full K/V."""
+    return sum(math.prod(pool.shape[2:]) * pool.dtype.itemsize for pool in kv_pages.keys + kv_pages.values)
 
 
 def prefix_cache_stats(allocators) -> dict:

@@ -9,6 +9,7 @@ from flax import nnx
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pages import AttentionMetadata, KVPages
 from jaxserve.models.layers import MLP, Attention, Matmul, RMSNorm, WriteAndAttend, linear, project
+from jaxserve.models.mla import LatentAttention
 from jaxserve.models.moe import Experts, SparseMoE
 
 # Legend: T = tokens in the step, E = embed, V = vocab, S = sequences sampled this step.
@@ -27,7 +28,8 @@ class DecoderLayer(nnx.Module):
     ):
         e, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_unit_offset
         self.input_layernorm = RMSNorm(e, eps, dtype, unit_offset=offset)
-        self.self_attn = Attention(config, layer, dtype, write_and_attend, matmul, rngs)
+        attention = LatentAttention if config.is_latent_attention else Attention  # DeepSeek's MLA
+        self.self_attn = attention(config, layer, dtype, write_and_attend, matmul, rngs)
         # Gemma's sandwich: post_attention_layernorm normalizes the attention's output, and two more norms
         # wrap the MLP; elsewhere post_attention_layernorm is the MLP's input norm
         self.post_attention_layernorm = RMSNorm(e, eps, dtype, unit_offset=offset)

@@ -55,7 +55,7 @@ def deepseek_fields(model_type: str, hf: dict) -> dict:
     first_moe = int(hf.get("first_k_dense_replace") or 0)
     frequency = int(hf.get("moe_layer_freq") or 1)
     topk_method = "noaux_tc" if v3 else str(hf.get("topk_method") or "greedy")
-    if topk_method not in V2_TOPK_METHODS + ("noaux_tc",):
+    if not v3 and topk_method not in V2_TOPK_METHODS:
         raise ValueError(f"config.json: unsupported topk_method {topk_method!r} for {model_type}")
     grouped = v3 or topk_method == "group_limited_greedy"
     groups = int(hf.get("n_group") or 1) if grouped else 1

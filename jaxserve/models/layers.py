@@ -52,6 +52,14 @@ class WriteAndAttend(Protocol):
         the scores' soft-cap and the attention sinks [H] (None: none)."""
         ...
 
+    def latent(
+        self, q, entries, key_pages, value_pages, metadata: AttentionMetadata, *, scale: float
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Multi-head latent attention (DeepSeek, mla.py; pallas_kernels/paged_attention/latent.py): entries
+        [T, 1, <= 2C] (each token's latent and rope key) are written half into each pool; every head of q
+        [T, H, 2C] scores scale * q . entry and reads the entries back -> (out [T, H, 2C], pools)."""
+        ...
+
 
 class Matmul(Protocol):
     """A step's rows times a layer's weights, with the kernels the engine chose at build time

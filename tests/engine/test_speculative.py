@@ -164,3 +164,35 @@ def test_bad_speculative_options_are_refused_at_start(speculative, problem):
     }
     with pytest.raises(ValueError, match=problem):
         EngineConfig.from_options(speculative=speculative, **outside)
+
+
+def test_grammar_and_multi_token_bad_word_rows_decode_without_speculation(engines):
+    """Their next row depends on the tokens before it (module docstring of engine/speculation.py): they never
+    propose, and run beside rows that do, with the outputs of speculation off."""
+    from jaxserve.host.request import GuidedDecodingParams
+
+    loop = [40, 41, 42, 43, 44, 45] * 5
+    prompts = [loop, loop, loop]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, guided_decoding=GuidedDecodingParams(regex="[a-z]{3,9}")),
+        SamplingParams(temperature=0.0, max_tokens=12, bad_words=["reasonably long words"], ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    ]
+    results = {name: llm.generate(prompts, params) for name, llm in engines.items()}
+    assert summary(results["ngram"]) == summary(results["plain"])
+    drafted = [r.outputs[0].num_draft_tokens for r in results["ngram"]]
+    assert drafted[0] == 0 and drafted[1] == 0 and drafted[2] > 0
+    assert_nothing_held(engines["ngram"])
+
+
+def test_a_config_file_section_turns_speculation_on(tmp_path):
+    from jaxserve.server.config_file import load_config
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("model:\n  path: default\nspeculative:\n  method: ngram\n  num_speculative_tokens: 3\n")
+    speculative = load_config(str(path)).engine.speculative
+    assert (speculative.method, speculative.num_speculative_tokens, speculative.verify_width) == ("ngram", 3, 4)
+    overridden = load_config(str(path), ["speculative.prompt_lookup_max=6"]).engine.speculative
+    assert overridden.prompt_lookup_max == 6
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        load_config(str(path), ["speculative.num_speculative_tokens=99"])

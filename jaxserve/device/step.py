@@ -36,7 +36,7 @@ def step(
     token_ids = jnp.where(
         inputs.token_sources >= 0, buffers.newest_token_ids[jnp.maximum(inputs.token_sources, 0)], inputs.token_ids
     )
-    bind_row_slots(model, inputs.lora_slots[inputs.attention.token_seq_ids])  # each token's adapter (jaxserve/lora)
+    bind_row_slots(model, inputs.lora_slots)  # each token's LoRA adapter (jaxserve/lora)
     (hidden, kv_pages), intermediates = nnx.capture(model, nnx.Intermediate)(token_ids, kv_pages, inputs.attention)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     counts = expert_token_counts(jax.tree.leaves(intermediates), inputs, num_experts)

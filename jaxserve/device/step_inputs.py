@@ -38,7 +38,8 @@ class StepInputs:
     # [T] int32: the prompt token that follows this position, whose logprob the step returns
     # (device/prompt_logprobs.py), or -1
     prompt_logprob_targets: HostOrDeviceArray
-    # [S] int32: each row's LoRA adapter slot (jaxserve/lora; 0: the base model, also for padding rows)
+    # [T] int32: each token's LoRA adapter slot (jaxserve/lora; 0: the base model, and padding). Per token,
+    # not per row: the model's projections see tokens, and ranks' tokens lie end to end as these do
     lora_slots: HostOrDeviceArray
 
 
@@ -79,7 +80,7 @@ def build_step_inputs(
     page_table = np.full((num_seqs, shape.pages_per_seq), RESERVED_PAGE, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
     prompt_logprob_targets = np.full(num_tokens, -1, np.int32)
-    lora_slots = np.zeros(num_seqs, np.int32)
+    lora_slots = np.zeros(num_tokens, np.int32)
 
     cursor = 0
     for row, chunk in enumerate(chunks):
@@ -97,7 +98,7 @@ def build_step_inputs(
         padded = padded_to_blocks(n, block)
         token_seq_ids[cursor : cursor + padded] = row
         page_table[row, : len(pages)] = pages
-        lora_slots[row] = seq.lora_slot
+        lora_slots[cursor : cursor + n] = seq.lora_slot
         logits_indices[row] = cursor + n - 1
         scored = chunk.scored_positions  # position p's target: prompt token p + 1
         if scored:

@@ -118,7 +118,7 @@ def verify_step(
     after its newest token was fetched), so nothing is read from the token buffer."""
     step_inputs = inputs.step
     model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, param_leaves))
-    bind_row_slots(model, step_inputs.lora_slots[step_inputs.attention.token_seq_ids])  # each token's LoRA adapter
+    bind_row_slots(model, step_inputs.lora_slots)  # each token's LoRA adapter (jaxserve/lora)
     (hidden, kv_pages), intermediates = nnx.capture(model, nnx.Intermediate)(
         step_inputs.token_ids, kv_pages, step_inputs.attention
     )

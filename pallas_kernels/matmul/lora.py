@@ -7,21 +7,19 @@ and the adapter slot of each row [M] (slot 0 holds zeros: no adapter). The resul
     rows @ base + (rows @ A[slot]) @ B[slot]     per row, accumulated in float32
 
 The base product goes through the plan entries that serve the base weight (the C++ small matmul on a CPU
-decode step, XLA's dots otherwise); `lora_delta` adds the low-rank part. It has two forms, chosen at trace
-time by the number of rows (shapes are static, so a compiled step holds one of them):
-
-  gathered   few rows: each row's A and B gathered ([M, K, r], [M, r, N]), one small product per row;
-             reads r * (K + N) adapter elements per row
-  masked     many rows (prefill): every slot's x @ A at once ([M, slots * r], one dense matmul), each row's
-             other slots zeroed, then one dense matmul by all the B's stacked [slots * r, N]
-
-A step whose rows all have slot 0 skips the adapters (lax.cond), so base-only traffic pays only the test.
+decode step, XLA's dots otherwise); `lora_delta` adds the low-rank part. Its cost follows the adapters the
+step's rows use, not the number of slots: the n distinct adapters present are found on the device, and a
+lax.switch branch sized for n (1, 2, 4, ... slots - 1) gathers just their A and B, multiplies every row by
+all n A's at once ([M, K] @ [K, n * r]), zeroes each row's columns of the other adapters, and multiplies by
+the n B's stacked ([M, n * r] @ [n * r, N]): two dense matmuls, whatever the mix. A step without adapter
+rows takes the branch that adds nothing. All branches live in one executable.
 Slot contents change by writing new values into the same arrays (jaxserve/lora/slots.py): nothing here
 depends on which adapters are loaded, so loading, unloading and mixing adapters never recompiles.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -53,24 +51,47 @@ class LoraWeight:
 
 
 def lora_delta(rows, a, b, row_slots):
-    """rows [M, K] (in the adapters' dtype) -> float32 [M, N]: each row's (x @ A[slot]) @ B[slot]."""
-    num_rows, (num_slots, _, rank) = rows.shape[0], a.shape
-    if num_rows <= num_slots:
-        xa = jnp.einsum("mk,mkr->mr", rows, a[row_slots], preferred_element_type=jnp.float32)
-        return jnp.einsum("mr,mrn->mn", xa.astype(b.dtype), b[row_slots], preferred_element_type=jnp.float32)
-    xa = jnp.einsum("mk,lkr->mlr", rows, a, preferred_element_type=jnp.float32)  # [M, L, r]
-    own = (row_slots[:, None] == jnp.arange(num_slots)[None, :]).astype(jnp.float32)  # [M, L]
-    xa = (xa * own[:, :, None]).reshape(num_rows, num_slots * rank).astype(b.dtype)
-    return jnp.dot(xa, b.reshape(num_slots * rank, -1), preferred_element_type=jnp.float32)
+    """rows [M, K] (in the adapters' dtype) -> float32 [M, N]: each row's (x @ A[slot]) @ B[slot].
+
+    Costs what the adapters present in the step need, whatever the number of slots: the distinct slots
+    among the rows (n of them, slot 0 aside) are found on the device, and a branch sized for n (the next
+    power of two, under lax.switch: one executable) gathers their A and B and runs two dense matmuls, the
+    columns of other adapters zeroed per row. No adapter: zeros, without touching A or B."""
+    num_slots = a.shape[0]
+    present = jnp.zeros(num_slots, jnp.int32).at[row_slots].set(1).at[0].set(0)  # [L]: slots in use
+    num_present = jnp.sum(present)
+    (active,) = jnp.nonzero(present, size=num_slots - 1, fill_value=0)  # [L - 1]: the slots in use first
+    position = jnp.cumsum(present) - 1  # slot -> its place among the active ones
+    row_position = jnp.where(row_slots > 0, position[row_slots], -1)  # [M]; -1: no adapter
+    sizes = branch_sizes(num_slots - 1)
+    branches = [lambda: jnp.zeros((rows.shape[0], b.shape[2]), jnp.float32)]
+    branches += [functools.partial(_active_delta, rows, a, b, active[:size], row_position) for size in sizes]
+    index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), num_present) + (num_present > 0)
+    return jax.lax.switch(jnp.where(num_present > 0, index, 0), branches)
+
+
+def branch_sizes(max_active: int) -> list[int]:
+    """1, 2, 4, ... up to max_active (always ending with it): how many adapters each branch makes room for."""
+    sizes, size = [], 1
+    while size < max_active:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_active]
+
+
+def _active_delta(rows, a, b, active, row_position):
+    """The low-rank products of the n adapters in `active` [n]: rows [M, K] -> float32 [M, N]."""
+    (num_active,), (num_rows, rank) = active.shape, (rows.shape[0], a.shape[2])
+    a_active = jnp.moveaxis(a[active], 0, 1).reshape(a.shape[1], num_active * rank)  # [K, n * r]
+    xa = jnp.dot(rows, a_active, preferred_element_type=jnp.float32).reshape(num_rows, num_active, rank)
+    own = (row_position[:, None] == jnp.arange(num_active)[None, :]).astype(jnp.float32)  # [M, n]
+    xa = (xa * own[:, :, None]).reshape(num_rows, num_active * rank).astype(b.dtype)
+    return jnp.dot(xa, b[active].reshape(num_active * rank, -1), preferred_element_type=jnp.float32)
 
 
 def add_lora(rows, base_product, weight: LoraWeight):
-    """The base product [M, N] float32 plus the rows' adapters, skipped when no row has one."""
-    return jax.lax.cond(
-        jnp.any(weight.row_slots > 0),
-        lambda: base_product + lora_delta(rows.astype(weight.a.dtype), weight.a, weight.b, weight.row_slots),
-        lambda: base_product,
-    )
+    """The base product [M, N] float32 plus the rows' adapters (nothing added where no row has one)."""
+    return base_product + lora_delta(rows.astype(weight.a.dtype), weight.a, weight.b, weight.row_slots)
 
 
 def reference(rows, weight: LoraWeight):

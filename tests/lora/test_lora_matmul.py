@@ -1,5 +1,5 @@
-"""The batched LoRA matmul (pallas_kernels/matmul/lora.py) against its row-by-row reference: both forms
-(gathered for few rows, masked for many), through each base plan, in float32 and bfloat16."""
+"""The batched LoRA matmul (pallas_kernels/matmul/lora.py) against its row-by-row reference: every branch
+size (the distinct adapters among the rows), through each base plan, in float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ def lora_weight(rng, num_rows, size_in, size_out, num_slots, rank, dtype, row_sl
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 3, 5, 40])  # 1-5 rows <= 5 slots: gathered; 40: masked
+@pytest.mark.parametrize("num_rows", [1, 3, 6, 40])  # up to 1, 3, 5 and 5 distinct adapters of 5
 def test_batched_lora_matches_reference(num_rows, dtype):
     rng = np.random.default_rng(num_rows)
-    weight = lora_weight(rng, num_rows, 24, 40, 5, 4, dtype)
+    weight = lora_weight(rng, num_rows, 24, 40, 6, 4, dtype)
     rows = jnp.asarray(rng.normal(size=(num_rows, 24)), dtype)
     want = np.asarray(reference(rows, weight))
     scale = np.abs(want).max()
@@ -50,16 +50,19 @@ def test_rows_without_adapters_get_the_base_product_exactly():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(REFERENCE_PLAN(rows, weight.base)))
 
 
-def test_gathered_and_masked_forms_agree():
-    rng = np.random.default_rng(1)
-    weight = lora_weight(rng, 12, 16, 8, 4, 3, jnp.float32)
-    rows = jnp.asarray(rng.normal(size=(12, 16)), jnp.float32)
-    masked = lora_delta(rows, weight.a, weight.b, weight.row_slots)  # 12 rows > 4 slots
-    gathered = jnp.concatenate(
-        [lora_delta(rows[i : i + 2], weight.a, weight.b, weight.row_slots[i : i + 2]) for i in range(0, 12, 2)]
-    )
-    np.testing.assert_allclose(np.asarray(masked), np.asarray(gathered), rtol=1e-5, atol=1e-5)
-    assert np.abs(np.asarray(masked)).max() > 1  # the adapters are not all zero
+@pytest.mark.parametrize("num_distinct", [0, 1, 2, 3, 5, 8, 9])
+def test_each_branch_size_matches_reference(num_distinct):
+    """9 slots past the base: branches for 1, 2, 4, 8 and 9 adapters; rows use num_distinct of them (some
+    rows none), in an order that leaves gaps among the slots used."""
+    rng = np.random.default_rng(num_distinct)
+    used = rng.permutation(np.arange(1, 10))[:num_distinct]
+    row_slots = np.concatenate([used, used, [0, 0]]) if num_distinct else np.zeros(4, np.int64)
+    weight = lora_weight(rng, len(row_slots), 16, 8, 10, 3, jnp.float32, row_slots=rng.permutation(row_slots))
+    rows = jnp.asarray(rng.normal(size=(len(row_slots), 16)), jnp.float32)
+    delta = jax.jit(lora_delta)(rows, weight.a, weight.b, weight.row_slots)
+    want = np.asarray(reference(rows, weight)) - np.asarray(rows @ weight.base)
+    np.testing.assert_allclose(np.asarray(delta), want, rtol=1e-4, atol=1e-4)
+    assert (np.abs(np.asarray(delta)).max() > 1) == (num_distinct > 0)
 
 
 def test_joined_projections_mix_adapted_and_plain_weights():

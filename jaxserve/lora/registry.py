@@ -94,6 +94,11 @@ class LoraRegistry:
         for path, projection in adapter.projections.items():
             module = path.rsplit(".", 1)[-1]
             if path not in self.shapes:
+                if ".experts." in f".{path}.":
+                    raise ValueError(
+                        f"adapter {adapter.path!r} adapts routed experts ({path}); LoRA slots cover attention, "
+                        "dense MLPs and shared experts, not routed expert projections yet"
+                    )
                 if module in self.target_modules:
                     raise ValueError(
                         f"adapter {adapter.path!r} adapts {path}, which this model does not have "

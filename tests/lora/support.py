@@ -25,8 +25,8 @@ def adapter_dir(name: str) -> str:
 
 
 ADAPTER_NAMES = tuple(expected()["greedy_token_ids"])
-# Two executables (one decode, one prefill bucket); 8 adapter slots so that a decode step of 8 rows takes
-# the gathered LoRA form and a 64-token prefill the masked one (pallas_kernels/matmul/lora.py).
+# One decode and one prefill bucket (few executables); 8 adapter slots: every branch size of the batched
+# LoRA matmul up to 8 adapters (pallas_kernels/matmul/lora.py) can occur.
 LORA_ENGINE = dict(
     SMALL_ENGINE,
     decode_seq_buckets=(8,),

@@ -1,7 +1,8 @@
 """Multi-LoRA serving against PEFT: each adapter's greedy tokens equal PeftModel's on the same base, alone
 and mixed in one batch with the base model and the other adapters; loads and unloads while serving compile
 nothing; the prefix cache keeps adapters' pages apart; bad adapters and names are refused clearly and the
-engine keeps serving."""
+engine keeps serving. The engine speculates (n-gram proposals verified in their own executable, which must
+apply each row's adapter as plain steps do), and is built through the offline API's lora_adapters."""
 
 from __future__ import annotations
 
@@ -28,7 +29,15 @@ def greedy(adapter: str | None) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(BASE_MODEL, **LORA_ENGINE)
+    engine = {name: value for name, value in LORA_ENGINE.items() if name != "lora"}
+    return LLM(
+        BASE_MODEL,
+        lora_adapters=LORA_ENGINE["lora"]["adapters"],
+        max_adapters=LORA_ENGINE["lora"]["max_adapters"],
+        max_rank=LORA_ENGINE["lora"]["max_rank"],
+        speculative=dict(method="ngram", num_speculative_tokens=3, speculative_adaptive=False),
+        **engine,
+    )
 
 
 def generate(llm, cases: list[tuple[str | None, int]]) -> list[list[int]]:
@@ -53,6 +62,14 @@ def test_mixed_batch_matches_peft(llm):
     cases = [(adapter, index) for index in range(len(PROMPTS)) for adapter in (None, *ADAPTER_NAMES)]
     assert generate(llm, cases) == [want(*case) for case in cases]
     assert llm.stats()["num_compiles_after_warmup"] == 0
+
+
+def test_generate_lora_argument(llm):
+    """generate(lora=...) applies to the prompts whose params name no adapter; the params' own wins."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, lora=name) for name in (None, "mixed_r3")]
+    outputs = llm.generate([PROMPTS[2], PROMPTS[2]], params, lora="mlp_r8_rslora")
+    assert [o.outputs[0].token_ids for o in outputs] == [want("mlp_r8_rslora", 2), want("mixed_r3", 2)]
+    assert llm.stats()["speculative_num_verify_rows"] > 0  # verify steps ran adapter rows
 
 
 def test_load_and_unload_while_serving_compile_nothing(llm):
@@ -104,6 +121,7 @@ def _check_still_serves(llm):
         (lora_pair("layers.5.self_attn.q_proj", 64, 64, 4), {}, "another base model"),  # no layer 5
         (lora_pair("layers.0.mlp.gate_proj", 64, 96, 16), {"r": 16}, "above the slot rank 8"),
         (lora_pair("layers.0.self_attn.rotary", 64, 64, 4), {}, "targets rotary"),
+        (lora_pair("layers.0.mlp.experts.1.gate_proj", 64, 96, 4), {}, "routed experts"),
         (
             {
                 "base_model.model.lm_head.lora_A.weight": lora_pair("x", 64, 4, 4)[
@@ -116,7 +134,7 @@ def _check_still_serves(llm):
         (lora_pair("layers.0.self_attn.q_proj", 64, 64, 4), {"use_dora": True}, "DoRA"),
         (lora_pair("layers.0.self_attn.q_proj", 64, 64, 4), {"modules_to_save": ["lm_head"]}, "fully trained modules"),
     ],
-    ids=["shapes", "layers", "rank", "target", "lm_head", "dora", "modules_to_save"],
+    ids=["shapes", "layers", "rank", "target", "experts", "lm_head", "dora", "modules_to_save"],
 )
 def test_bad_adapters_are_refused(llm, tmp_path, tensors, config, message):
     path = write_adapter(str(tmp_path / "adapter"), tensors, **config)

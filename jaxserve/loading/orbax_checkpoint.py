@@ -94,12 +94,15 @@ def write_checkpoint(
                 shutil.copy(os.path.join(source_dir, name), directory)
     import orbax.checkpoint as ocp  # imported when used: it is slow to import and claims the root logger
 
+    from jaxserve.loading.quantize_orbax import split_for_saving
+
+    arrays, quantized = split_for_saving(_flat(params))  # quantized params: their arrays, described in MARKER
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.join(directory, "params"), _flat(params))
+    checkpointer.save(os.path.join(directory, "params"), arrays)
     checkpointer.wait_until_finished()
     if writes_description:
         with open(os.path.join(directory, MARKER), "w") as f:
-            json.dump({"format": 1, "dtype": dtype}, f)
+            json.dump({"format": 1, "dtype": dtype, **({"quantized": quantized} if quantized else {})}, f)
 
 
 RESTORE_GROUP_BYTES = 16 * 2**20  # params restored per orbax call: bounds the host buffers held at once
@@ -112,14 +115,21 @@ def restore_params(abstract_state: nnx.State, directory: str, dtype, placement) 
     import jax
     from flax import nnx
 
+    from jaxserve.loading.quantize import EMBEDDING
+    from jaxserve.loading.quantize_orbax import assemble, restore_targets
+
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     flat = list(nnx.to_flat_state(abstract_state))
-    target = {
-        ".".join(map(str, path)): jax.ShapeDtypeStruct(
-            variable.get_value().shape, dtype, sharding=placement(path) or default
-        )
-        for path, variable in flat
-    }
+    with open(os.path.join(directory, MARKER)) as f:
+        quantized = json.load(f).get("quantized", {})  # saved quantized: restored so, whatever the options say
+    target = {}
+    for path, variable in flat:
+        name = ".".join(map(str, path))
+        if name in quantized:
+            transposed = tuple(map(str, path[-2:])) == EMBEDDING
+            target.update(restore_targets(name, quantized[name], placement(path), transposed))
+        else:
+            target[name] = jax.ShapeDtypeStruct(variable.get_value().shape, dtype, sharding=placement(path) or default)
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
@@ -138,6 +148,8 @@ def restore_params(abstract_state: nnx.State, directory: str, dtype, placement) 
     missing = sorted(set(target) - set(restored))
     if missing:
         raise ValueError(f"the orbax checkpoint in {directory} lacks params {missing[:5]}")
+    for name, description in quantized.items():
+        restored[name] = assemble(name, description, restored)
     return nnx.from_flat_state(
         [(path, variable.replace(restored[".".join(map(str, path))])) for path, variable in flat]
     )

@@ -50,9 +50,22 @@ class QuantizationSpec:
             )
 
 
+EMBEDDING = ("embed_tokens", "embedding")  # [V, E]: quantized, it is stored [E, V], as the tied head it may be
+
+
 def is_projection_kernel(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
     """Whether the param at `path` is a projection's [K, N] kernel that quantization applies to."""
     return path[-1] == "kernel" and len(shape) == 2 and (len(path) < 2 or path[-2] not in UNQUANTIZED_MODULES)
+
+
+def is_quantizable(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
+    """A projection kernel, or the token embedding (a lookup, and the head where it is tied)."""
+    return is_projection_kernel(path, shape) or (tuple(path[-2:]) == EMBEDDING and len(shape) == 2)
+
+
+def stored_shape(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The [K, N] a quantized param is stored as: the embedding [V, E] transposed, a kernel as it is."""
+    return shape[::-1] if tuple(path[-2:]) == EMBEDDING else shape
 
 
 def mark_quantized(abstract_state: nnx.State, spec: QuantizationSpec) -> nnx.State:
@@ -64,8 +77,8 @@ def mark_quantized(abstract_state: nnx.State, spec: QuantizationSpec) -> nnx.Sta
     for path, variable in nnx.to_flat_state(abstract_state):
         shape = tuple(variable.get_value().shape)
         names = tuple(str(p) for p in path)
-        if is_projection_kernel(names, shape):
-            check_groups(names, shape, spec)
+        if is_quantizable(names, shape):
+            check_groups(names, stored_shape(names, shape), spec)
             variable = variable.replace(variable.get_value(), quantization=spec)
         marked.append((path, variable))
     return nnx.from_flat_state(marked)
@@ -121,7 +134,9 @@ def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, 
     the spec (auto: left float). Returns a placed QuantizedWeight, or None for the caller's float path."""
     compute_dtype = str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype
     stored = _stored_quantized(reader, read_param, path, compute_dtype)
-    if stored is not None and tuple(stored.shape) != shape:
+    as_stored = stored_shape(path, shape)
+    transposed = as_stored != shape
+    if stored is not None and tuple(stored.shape) != as_stored:
         raise ValueError(
             f"checkpoint tensor for {'.'.join(path)} has shape {stored.shape}, config.json implies {shape}"
         )
@@ -133,9 +148,9 @@ def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, 
             raise ValueError(
                 f"checkpoint tensor for {'.'.join(path)} has shape {tuple(tensor.shape)}, config.json implies {shape}"
             )
-        stored = quantize(tensor, spec, compute_dtype)
+        stored = quantize(tensor.T if transposed else tensor, spec, compute_dtype)
         del tensor
-    return place(stored, sharding)
+    return place(stored, sharding, stored_transposed=transposed)
 
 
 def _stored_quantized(reader, read_param, path, compute_dtype) -> QuantizedWeight | None:
@@ -149,15 +164,27 @@ def _stored_quantized(reader, read_param, path, compute_dtype) -> QuantizedWeigh
     return read_quantized(llama.hf_name(path), compute_dtype)
 
 
-def place(weight: QuantizedWeight, sharding) -> QuantizedWeight:
-    """Each of the weight's arrays on the device(s): with a NamedSharding for the float weight, values,
-    scales and mins split as it splits K and N wherever their own sizes divide (packed rows and groups
-    stay whole on a shard), else kept whole along that axis."""
+def place(weight: QuantizedWeight, sharding, stored_transposed: bool = False) -> QuantizedWeight:
+    """Each of the weight's arrays on the device(s) place_shardings gives them; without a sharding, on the
+    default device uncommitted, as the float params are."""
     if sharding is None:
         return jax.tree.map(jax.numpy.asarray, weight)
+    return jax.tree.map(jax.device_put, weight, place_shardings(weight, sharding, stored_transposed))
+
+
+def place_shardings(weight: QuantizedWeight, sharding, stored_transposed: bool = False) -> QuantizedWeight:
+    """A sharding for each of the weight's arrays, given the float param's (None: the default device). With a
+    NamedSharding, values, scales and mins split as it splits K and N wherever their own sizes divide
+    (packed rows and groups stay whole on a shard), else stay whole along that axis; stored_transposed: the
+    param's axes are [N, K] (the embedding [V, E], stored [E, V])."""
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     if not isinstance(sharding, NamedSharding):
-        return jax.device_put(weight, sharding)
-    return jax.tree.map(lambda leaf: jax.device_put(leaf, _leaf_sharding(leaf.shape, sharding)), weight)
+        return jax.tree.map(lambda leaf: sharding, weight)
+    if stored_transposed:
+        first, second = (tuple(sharding.spec) + (None, None))[:2]
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(second, first))
+    return jax.tree.map(lambda leaf: _leaf_sharding(leaf.shape, sharding), weight)
 
 
 def _leaf_sharding(shape: tuple[int, ...], sharding: NamedSharding) -> NamedSharding:
@@ -176,10 +203,12 @@ __all__ = [
     "FORMATS",
     "QuantizationSpec",
     "is_projection_kernel",
+    "is_quantizable",
     "load_quantized",
     "mark_quantized",
     "pack_nibbles",
     "place",
+    "place_shardings",
     "quantize",
     "quantize_int4",
     "quantize_int8",

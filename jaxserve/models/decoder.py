@@ -94,7 +94,9 @@ class CausalLM(nnx.Module):
 
     def __call__(self, token_ids, kv_pages: KVPages, metadata: AttentionMetadata):
         """token_ids [T] -> final hidden states [T, E] and the updated pages."""
-        x = self.embed_tokens(token_ids)
+        # quantized, the embedding is stored as the head it also is, [E, V], and looks itself up
+        quantized_lookup = getattr(self.embed_tokens.embedding[...], "embedding_rows", None)
+        x = self.embed_tokens(token_ids) if quantized_lookup is None else quantized_lookup(token_ids)
         if self.embedding_scale is not None:
             x = x * jnp.asarray(self.embedding_scale, x.dtype)
         keys, values = [], []
@@ -108,7 +110,8 @@ class CausalLM(nnx.Module):
         """hidden [S, E] -> float32 logits [S, V]."""
         if self.lm_head is None:  # tied: the embedding [V, E] is the head, contracted on E as it lies
             embedding = self.embed_tokens.embedding[...]
-            logits = project(hidden, embedding, matmul=self.matmul, transposed=True).astype(jnp.float32)
+            transposed = not hasattr(embedding, "embedding_rows")  # a quantized one is stored [E, V]
+            logits = project(hidden, embedding, matmul=self.matmul, transposed=transposed).astype(jnp.float32)
         else:
             logits = self.lm_head(hidden).astype(jnp.float32)
         if self.final_logit_soft_cap:  # Gemma 2

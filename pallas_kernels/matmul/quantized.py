@@ -71,6 +71,11 @@ class QuantizedWeight:
     def num_groups(self) -> int:
         return self.scales.shape[-2]
 
+    def embedding_rows(self, token_ids):
+        """A quantized embedding (stored [E, V], as the tied head it also is) looked up: [T, E] in the compute
+        dtype. The model asks for this method rather than naming the type (models import no kernel)."""
+        return take_columns(self, token_ids)
+
 
 def integers(weight: QuantizedWeight):
     """q [..., K, N] int8: the stored integers, unpacked, the 4-bit offset taken out where there are no mins."""
@@ -125,8 +130,30 @@ def matmul(rows, weight: QuantizedWeight, *, transposed: bool = False):
     return y
 
 
+def take_columns(weight: QuantizedWeight, column_ids, dtype=None):
+    """Columns of a [K, N] weight, dequantized -> [len(column_ids), K]: a quantized embedding (stored as the head
+    it also is, [E, V]) looked up by token ids. Reads only those columns' bytes."""
+    picked = QuantizedWeight(
+        jnp.take(weight.values, column_ids, axis=-1),
+        jnp.take(weight.scales, column_ids, axis=-1),
+        None if weight.mins is None else jnp.take(weight.mins, column_ids, axis=-1),
+        bits=weight.bits,
+        group_size=weight.group_size,
+        compute_dtype=weight.compute_dtype,
+    )
+    return dequantize(picked, dtype).T
+
+
 def is_quantized(weight) -> bool:
     return isinstance(weight, QuantizedWeight)
 
 
-__all__ = ["DEQUANTIZE_FROM_ROWS", "QuantizedWeight", "dequantize", "integers", "is_quantized", "matmul"]
+__all__ = [
+    "DEQUANTIZE_FROM_ROWS",
+    "QuantizedWeight",
+    "dequantize",
+    "integers",
+    "is_quantized",
+    "matmul",
+    "take_columns",
+]

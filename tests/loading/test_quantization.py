@@ -5,6 +5,7 @@ shapes are refused at start, naming the tensor and the option."""
 
 import os
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -38,6 +39,7 @@ GGUF_CONFIG = dict(
     torch_dtype="float32",
 )
 GGUF_TYPES = {
+    "token_embd": T.Q8_0,
     "attn_q": T.Q8_0,
     "attn_k": T.Q4_0,
     "attn_v": T.Q4_1,
@@ -65,19 +67,33 @@ def _kernels(llm: LLM) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def float_scores():
-    return _scores(_engine(FIXTURE))
+    cache = {}
+
+    def scores(name: str):
+        if name not in cache:
+            cache[name] = _scores(_engine(fixture_dir(name)))
+        return cache[name]
+
+    return scores
 
 
-@pytest.mark.parametrize("quantization,min_agreement,max_drift", [("int8", 0.9, 0.08), ("int4", 0.55, 0.6)])
-def test_quantized_at_load_tracks_the_float_model(float_scores, quantization, min_agreement, max_drift):
-    llm = _engine(FIXTURE, quantization=quantization)
+@pytest.mark.parametrize(
+    "name,quantization,min_agreement,max_drift",
+    [("llama_gqa", "int8", 0.9, 0.08), ("llama_gqa", "int4", 0.55, 0.6), ("llama_mha_tied", "int8", 0.9, 0.08)],
+)
+def test_quantized_at_load_tracks_the_float_model(float_scores, name, quantization, min_agreement, max_drift):
+    """llama_mha_tied: the embedding, quantized, is also the head (stored [E, V], looked up by columns)."""
+    llm = _engine(fixture_dir(name), quantization=quantization)
     kernels = _kernels(llm)
     quantized = {name: weight for name, weight in kernels.items() if isinstance(weight, QuantizedWeight)}
-    assert len(quantized) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    head = 0 if "lm_head.kernel" not in kernels else 1
+    assert len(quantized) == 2 * 7 + 1 + head  # q, k, v, o, gate, up, down per layer, the embedding, the head
+    assert quantized["embed_tokens.embedding"].shape == tuple(kernels["embed_tokens.embedding"].shape)
+    assert quantized["embed_tokens.embedding"].values.shape[-1] == 384  # stored [E, V]
     assert {weight.bits for weight in quantized.values()} == {8 if quantization == "int8" else 4}
     scores = _scores(llm)
     agreed, drifts = [], []
-    for expected_prompt, got_prompt in zip(float_scores, scores):
+    for expected_prompt, got_prompt in zip(float_scores(name), scores):
         for expected, got in zip(expected_prompt, got_prompt):
             top = max(expected, key=expected.get)
             agreed.append(top == max(got, key=got.get))
@@ -112,6 +128,8 @@ def test_gguf_blocks_load_quantized_and_compute_their_dequantized_values(gguf_pa
             assert weight.nbytes == stored.n_bytes  # Q8_0 and Q4_0 blocks: the file's bytes exactly
         assert isinstance(kernels[f"layers.{layer}.mlp.down_proj.kernel"], QuantizedWeight)  # Q6_K / Q5_K
     assert not isinstance(kernels["lm_head.kernel"], QuantizedWeight)  # Q5_0: no quantized layout
+    embedding = kernels["embed_tokens.embedding"]
+    assert isinstance(embedding, QuantizedWeight) and embedding.nbytes == tensors["token_embd.weight"].n_bytes
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
     for a, b in zip(quantized.generate(PROMPTS, params), dequantized.generate(PROMPTS, params)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -129,3 +147,22 @@ def test_bad_quantization_options_are_refused_at_start():
     # down_proj's K is 96: groups of 64 do not divide it
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj\.kernel.*quantization_group_size 64"):
         _engine(FIXTURE, quantization="int4", quantization_group_size=64)
+
+
+def test_orbax_checkpoints_save_and_restore_quantized(tmp_path):
+    """Saved from an int4 engine, restored by an engine with no quantization option: the same quantized
+    arrays (bytes and values), the same outputs."""
+    llm = _engine(FIXTURE, quantization="int4")
+    llm.save_checkpoint(str(tmp_path / "checkpoint"))
+    restored = _engine(str(tmp_path / "checkpoint"))
+    saved_kernels, restored_kernels = _kernels(llm), _kernels(restored)
+    assert saved_kernels.keys() == restored_kernels.keys()
+    for name, weight in saved_kernels.items():
+        again = restored_kernels[name]
+        assert type(again) is type(weight), name
+        for leaf, leaf_again in zip(jax.tree.leaves(weight), jax.tree.leaves(again)):
+            assert leaf.dtype == leaf_again.dtype and np.array_equal(np.asarray(leaf), np.asarray(leaf_again))
+    assert restored.stats()["weights_device_bytes"] == llm.stats()["weights_device_bytes"]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    expected = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, params)]
+    assert [output.outputs[0].token_ids for output in restored.generate(PROMPTS, params)] == expected

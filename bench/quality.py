@@ -1,0 +1,152 @@
+"""What quantized weights cost in quality, beside what they save: perplexity on a fixed public-domain text and
+greedy agreement with the unquantized model, per `model.quantization`, with weight bytes and decode speed.
+
+    .venv/bin/python bench/quality.py [--model default] [--formats none,int8,int4,auto] [--group-size 32]
+                                      [--max-tokens 4096] [--window 512] [--prompts 8] [--generate 32]
+
+The text is bench/data/kjv_genesis_1-9.txt (bench/data/README.md says where it comes from). Perplexity: the
+text's first max-tokens tokens in windows of `window` tokens, each scored teacher-forced (prompt_logprobs, in
+the prefill: one step per chunk), exp of the mean negative log-likelihood of every token after a window's
+first. Greedy agreement: `prompts` prompts of 48 tokens taken from the text, `generate` greedy tokens each;
+reported as the share of positions where a format's token equals the first format's (the baseline, `none`)
+and the mean length of the common prefix. Decode speed: one stream of `generate` tokens, best of two, in the
+same process run as the baseline. Each format prints a JSON line; the last line compares them.
+
+The default model's only checkpoint is llama.cpp's Q4_1 GGUF: `none` is those weights dequantized to float32,
+`auto` serves its Q4_1 blocks as stored (and should match `none` to float rounding), `int8` / `int4`
+re-quantize the dequantized values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEXT = os.path.join(HERE, "data", "kjv_genesis_1-9.txt")
+
+
+def emit(**record) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def perplexity(llm, token_ids: list[int], window: int, bos: int | None) -> float:
+    from jaxserve import SamplingParams
+
+    step = window - (1 if bos is not None else 0)
+    windows = [token_ids[i : i + step] for i in range(0, len(token_ids), step)]
+    windows = [([bos] if bos is not None else []) + w for w in windows if len(w) > 1]
+    outputs = llm.generate(windows, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    total, count = 0.0, 0
+    for prompt, output in zip(windows, outputs):
+        first_scored = 2 if bos is not None else 1  # the BOS predicts the window's first token: not text
+        for token, scores in zip(prompt[first_scored:], output.prompt_logprobs[first_scored:]):
+            total -= scores[token]
+            count += 1
+    return math.exp(total / count)
+
+
+def greedy(llm, prompts, num_tokens: int) -> list[list[int]]:
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+
+
+def decode_tokens_per_second(llm, prompt, num_tokens: int) -> float:
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    best = math.inf
+    for _ in range(2):
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        best = min(best, time.perf_counter() - start)
+    return num_tokens / best
+
+
+def agreement(baseline: list[list[int]], tokens: list[list[int]]) -> dict:
+    same = [a == b for base, got in zip(baseline, tokens) for a, b in zip(base, got)]
+    prefixes = []
+    for base, got in zip(baseline, tokens):
+        prefix = 0
+        while prefix < min(len(base), len(got)) and base[prefix] == got[prefix]:
+            prefix += 1
+        prefixes.append(prefix)
+    return dict(greedy_token_agreement=sum(same) / len(same), mean_common_prefix=sum(prefixes) / len(prefixes))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--formats", default="none,int8,int4,auto", help="model.quantization values; first: baseline")
+    parser.add_argument("--group-size", type=int, default=32, help="int4's quantization_group_size")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="of the text, for perplexity")
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--generate", type=int, default=32)
+    args = parser.parse_args()
+
+    from jaxserve import LLM
+
+    with open(TEXT) as f:
+        text = f.read()
+    results, baseline = {}, None
+    for quantization in args.formats.split(","):
+        start = time.perf_counter()
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            quantization=quantization,
+            quantization_group_size=args.group_size,
+            max_model_len=args.window + args.generate + 64,
+            max_num_seqs=max(8, args.prompts),
+            max_num_batched_tokens=args.window,
+            show_progress=False,
+        )
+        load_seconds = time.perf_counter() - start
+        tokenizer = llm.engine.parts.source.tokenizer
+        token_ids = tokenizer.encode(text, add_special_tokens=False)[: args.max_tokens]
+        bos = getattr(tokenizer, "bos_token_id", None)
+        stride = max(1, (len(token_ids) - 48) // args.prompts)
+        prompts = [token_ids[i * stride : i * stride + 48] for i in range(args.prompts)]
+        record = dict(
+            model=args.model,
+            quantization=quantization,
+            group_size=args.group_size if quantization == "int4" else None,
+            dtype=args.dtype,
+            text_tokens=len(token_ids),
+            perplexity=perplexity(llm, token_ids, args.window, bos),
+            weights_device_bytes=llm.stats()["weights_device_bytes"],
+            decode_tokens_per_second=decode_tokens_per_second(llm, prompts[0], args.generate),
+            load_seconds=load_seconds,
+        )
+        tokens = greedy(llm, prompts, args.generate)
+        baseline = baseline or tokens
+        record.update(agreement(baseline, tokens))
+        record["num_compiles_after_warmup"] = llm.stats()["num_compiles_after_warmup"]
+        emit(**record)
+        results[quantization] = record
+        del llm
+        gc.collect()
+    first = next(iter(results.values()))
+    emit(
+        summary={
+            name: dict(
+                perplexity_ratio=r["perplexity"] / first["perplexity"],
+                weights_bytes_ratio=r["weights_device_bytes"] / first["weights_device_bytes"],
+                decode_speed_ratio=r["decode_tokens_per_second"] / first["decode_tokens_per_second"],
+                greedy_token_agreement=r["greedy_token_agreement"],
+            )
+            for name, r in results.items()
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

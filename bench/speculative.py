@@ -228,9 +228,8 @@ def main() -> None:
             del engine
             gc.collect()
         for variant in ("ngram", "ngram-forced"):
-            same = all(
-                single[f"jaxserve-{variant}"][w][0] == single["jaxserve-plain"][w][0] for w in single["jaxserve-plain"]
-            )
+            runs = single[f"jaxserve-{variant}"]
+            same = all(runs[w][0] == single["jaxserve-plain"][w][0] for w in runs)
             emit(check=f"greedy tokens equal, jaxserve-{variant} vs plain", identical=same)
     if "llamacpp" in args.engines:
         peer.ensure_built(CACHE_DIR)

@@ -88,6 +88,8 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     quantization = QuantizationSpec(config.quantization, config.quantization_group_size)
     model = _load_model(source, dtype, attention, mesh, expert_parallel, quantization)
     lora_slots = _attach_lora(model, config, model_config, mesh, expert_parallel)
+    if lora_slots and process_group is not None:  # the slot writes would have to reach every process
+        raise ValueError("LoRA adapters over several processes (jax.distributed) are not available yet")
     if mesh is None:
         move_weights_to_huge_pages(model)  # a CPU decode step streams them twice as fast
     config = agree_on_engine(config, model_config, process_group)  # several processes: the same engine everywhere

@@ -160,7 +160,9 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sampling_seed: int
     ) -> SequenceState:
         """A sequence with this engine's next id and arrival order, for a request admitted some other
-        way than add_request (a decode replica's handed-over request), with its sampling controls."""
+        way than add_request (a decode replica's handed-over request), with its sampling controls and
+        its LoRA adapter (ValueError when this engine has not loaded it)."""
+        adapter = self.lora_adapter(params)
         seq = SequenceState(
             seq_id=next(self._seq_ids),
             request_id=request_id,
@@ -168,6 +170,8 @@ class Engine:
             params=params,
             sampling_seed=sampling_seed,
             arrival_order=next(self._arrivals),
+            lora_slot=0 if adapter is None else adapter.slot,
+            cache_root_key=ROOT_KEY if adapter is None else adapter.identity,
         )
         self.constraints.attach(seq, *self.constraints.prepare(params))
         return seq

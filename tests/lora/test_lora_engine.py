@@ -184,3 +184,14 @@ def test_engine_without_slots_refuses_adapters(llama_llm):
 def test_fixture_adapters_are_peft_files():
     for name in ADAPTER_NAMES:
         assert sorted(os.listdir(adapter_dir(name))) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_handed_over_sequences_carry_their_adapter(llm):
+    """A decode replica admits handed-over requests through new_sequence: the adapter comes with them."""
+    engine = llm.engine
+    seq = engine.new_sequence("handed", PROMPTS[0], greedy("mixed_r3"), sampling_seed=0)
+    loaded = engine.parts.lora.adapters["mixed_r3"]
+    assert (seq.lora_slot, seq.cache_root_key) == (loaded.slot, loaded.identity) and loaded.slot > 0
+    assert engine.new_sequence("plain", PROMPTS[0], greedy(None), sampling_seed=0).lora_slot == 0
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'elsewhere'"):
+        engine.new_sequence("missing", PROMPTS[0], greedy("elsewhere"), sampling_seed=0)

@@ -161,7 +161,7 @@ class Engine:
     ) -> SequenceState:
         """A sequence with this engine's next id and arrival order, for a request admitted some other
         way than add_request (a decode replica's handed-over request), with its sampling controls and
-        its LoRA adapter (ValueError when this engine has not loaded it)."""
+        its LoRA adapter (ValueError where this engine cannot serve it)."""
         adapter = self.lora_adapter(params)
         seq = SequenceState(
             seq_id=next(self._seq_ids),
@@ -187,6 +187,9 @@ class Engine:
                 f"LoRA adapter {params.lora!r} asked for, but this engine serves none (start it with lora "
                 "adapters or max_adapters)"
             )
+        if self.config.disagg.role != EngineRole.BOTH:
+            # a handover's reservation and page keys do not carry the adapter yet: its KV could mix with the base's
+            raise ValueError("LoRA adapters on a disaggregated prefill or decode replica are not available yet")
         return self.parts.lora.resolve(params.lora)
 
     def load_lora(self, name: str, path: str) -> LoadedAdapter:

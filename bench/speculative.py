@@ -142,7 +142,11 @@ class Jaxserve:
         return [o.outputs[0].token_ids for o in outputs], time.perf_counter() - start
 
 
-def llama_complete(server: peer.LlamaServer, prompt: list[int], max_tokens: int) -> list[int]:
+def llama_complete(
+    server: peer.LlamaServer, prompt: list[int], max_tokens: int, drafts: dict | None = None
+) -> list[int]:
+    """Greedy token ids; drafts (when given) sums the server's draft_n / draft_n_accepted timings, when it
+    reports them."""
     body = dict(
         prompt=prompt,
         n_predict=max_tokens,
@@ -158,19 +162,25 @@ def llama_complete(server: peer.LlamaServer, prompt: list[int], max_tokens: int)
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=1800) as response:
-        return json.loads(response.read())["tokens"]
+        reply = json.loads(response.read())
+    for key in ("draft_n", "draft_n_accepted"):
+        if drafts is not None and key in reply.get("timings", {}):
+            drafts[key] = drafts.get(key, 0) + reply["timings"][key]
+    return reply["tokens"]
 
 
 def run_llamacpp(gguf: str, threads: int, context: int, workloads: dict, max_tokens: int, extra: list[str]):
     server = peer.LlamaServer(CACHE_DIR, gguf, threads, 1, context_per_slot=context)
     server.command += extra
-    results = {}
+    results, drafts = {}, {}
     with server:
         llama_complete(server, workloads["chat"][0], 8)  # warm-up
         for name, prompts in workloads.items():
             start = time.perf_counter()
-            tokens = [llama_complete(server, p, max_tokens) for p in prompts]
+            tokens = [llama_complete(server, p, max_tokens, drafts) for p in prompts]
             results[name] = (tokens, time.perf_counter() - start)
+    if drafts:
+        emit(engine="llamacpp" + ("-lookup" if extra else "-plain"), **drafts)
     return results
 
 

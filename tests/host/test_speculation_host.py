@@ -4,7 +4,7 @@ and budget), the per-batch-size policy, and appending a verify row's tokens (sto
 import numpy as np
 
 from jaxserve.host.output_processor import OutputProcessor
-from jaxserve.host.page_allocator import PageAllocator
+from jaxserve.host.page_allocator import ROOT_KEY, PageAllocator, page_key
 from jaxserve.host.proposers import NgramProposer
 from jaxserve.host.request import FinishReason, SamplingParams, SequenceState
 from jaxserve.host.scheduler import Scheduler
@@ -52,7 +52,10 @@ def running_scheduler(num_pages, prompt_len=6, page_size=4, budget=64, max_token
     """A sequence that prefilled its prompt and sampled its first token (admission wants pages for all of
     prompt + max_tokens)."""
     scheduler = Scheduler(
-        PageAllocator(num_pages, page_size), max_num_seqs=4, max_num_batched_tokens=budget, prefill_query_block=4
+        PageAllocator(num_pages, page_size, enable_prefix_caching=True),
+        max_num_seqs=4,
+        max_num_batched_tokens=budget,
+        prefill_query_block=4,
     )
     seq = sequence(range(10, 10 + prompt_len), max_tokens=max_tokens)
     scheduler.add(seq)
@@ -139,6 +142,13 @@ def test_a_verify_row_appends_accepted_tokens_and_the_next_one():
     assert seq.num_computed_tokens == seq.num_tokens - 1  # the newest token (9) has no KV yet
     assert (counts.num_draft_tokens, counts.num_accepted_tokens, counts.mean_accepted_length) == (3, 2, 3.0)
     assert (seq.num_draft_tokens, seq.num_accepted_draft_tokens) == (3, 2)
+    # cached as full pages: positions 0-7 only; page 3 holds the rejected proposal's KV at position 9
+    tokens = seq.token_ids
+    assert seq.page_keys == [
+        page_key(ROOT_KEY, tuple(tokens[0:4])),
+        page_key(seq.page_keys[0], tuple(tokens[4:8])),
+    ]
+    assert scheduler.allocator.num_cached_pages == 2
 
 
 def test_a_stop_token_among_accepted_proposals_ends_the_row_there():

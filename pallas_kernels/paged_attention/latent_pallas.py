@@ -3,11 +3,13 @@ contract of latent_reference.ragged_paged_latent_attention, reading both pools' 
 
 Grid: (query block,). With one cache head, a program's rows are all of its block's tokens x query heads
 (pallas_layout.py, padded to a power of two of at least MIN_ROWS rows). It walks the block's pages in
-spans, gathering the span's halves from the two pools through the page table, and scores them as two
-matmuls (the query's first half against the key pool's, its second against the value pool's), never
-joining the halves into one tile: an entry's 2C lanes need not be a power of two, each half is read
-as it lies. The same two tiles are the values, folded into two accumulators with an online softmax in
-float32. Spans past the block's newest position are never visited.
+spans, gathering the span's halves from the two pools through the page table, and scores them as a sum
+of matmuls (the query's first half against the key pool's, its second against the value pool's), never
+joining the halves into one tile. Triton lowers only power-of-two tiles, and a half need not be one
+(DeepSeek's entry is 512 + 64 lanes, halves of 288), so each half is read in power-of-two lane pieces
+(256 + 32; lane_chunks), each its own matmul. The same tiles are the values, folded into one
+accumulator each with an online softmax in float32. Spans past the block's newest position are never
+visited.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ MIN_ROWS = 16  # matmul tiles on GPUs want at least 16 rows (and Triton, a power
 # Legend: N = query blocks, R = rows per program (B tokens x H heads, padded), C = lanes per pool, L = keys.
 
 
+def lane_chunks(width: int) -> tuple[tuple[int, int], ...]:
+    """(start, size) pieces of a row of `width` lanes, each a power of two, largest first (288 -> 256, 32):
+    Triton lowers only power-of-two tiles, and an entry half (DeepSeek's 576 / 2) need not be one."""
+    chunks, start = [], 0
+    for bit in reversed(range(width.bit_length())):
+        if width & (1 << bit):
+            chunks.append((start, 1 << bit))
+            start += 1 << bit
+    return tuple(chunks)
+
+
 def _kernel(
     first_q_ref,
     second_q_ref,
@@ -48,21 +61,35 @@ def _kernel(
     scale: float,
 ):
     rows, half = first_q_ref.shape
+    chunks = lane_chunks(half)
     page_size = first_pages_ref.shape[1]
     span = pages_per_span * page_size
     dtype = first_pages_ref.dtype
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # no TF32 for float32
-    first_q, second_q = first_q_ref[...].astype(dtype), second_q_ref[...].astype(dtype)
+    q_refs, pool_refs, out_refs = (
+        (first_q_ref, second_q_ref),
+        (first_pages_ref, second_pages_ref),
+        (
+            first_out_ref,
+            second_out_ref,
+        ),
+    )
+    queries = [q_ref[:, pl.ds(start, size)].astype(dtype) for q_ref in q_refs for start, size in chunks]
     positions = positions_ref[...]  # [R]; -1 for padding rows
     num_spans = jnp.clip((jnp.max(positions) + span) // span, 0, pages_ref.shape[0] // pages_per_span)
 
     def attend_span(index, carry):
-        running_max, denominator, first_sum, second_sum = carry
+        running_max, denominator, sums = carry
         pages = pages_ref[pl.ds(index * pages_per_span, pages_per_span)]
-        first = first_pages_ref[pages].reshape(span, half)
-        second = second_pages_ref[pages].reshape(span, half)
-        scores = jnp.dot(first_q, first.T, preferred_element_type=jnp.float32, precision=precision)
-        scores += jnp.dot(second_q, second.T, preferred_element_type=jnp.float32, precision=precision)
+        tiles = [
+            pool_ref[pages, :, pl.ds(start, size)].reshape(span, size)
+            for pool_ref in pool_refs
+            for start, size in chunks
+        ]  # [L, size] each: the entry's lanes, piece by piece
+        scores = sum(
+            jnp.dot(query, tile.T, preferred_element_type=jnp.float32, precision=precision)
+            for query, tile in zip(queries, tiles)
+        )
         scores = scores * scale  # [R, L]
         visible = index * span + jnp.arange(span)[None, :] <= positions[:, None]
         scores = jnp.where(visible, scores, MASK_VALUE)
@@ -71,25 +98,24 @@ def _kernel(
         weights = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
         denominator = denominator * rescale + weights.sum(axis=-1)
         weights = weights.astype(dtype)
-        first_sum = first_sum * rescale[:, None] + jnp.dot(
-            weights, first, preferred_element_type=jnp.float32, precision=precision
+        sums = tuple(
+            total * rescale[:, None] + jnp.dot(weights, tile, preferred_element_type=jnp.float32, precision=precision)
+            for total, tile in zip(sums, tiles)
         )
-        second_sum = second_sum * rescale[:, None] + jnp.dot(
-            weights, second, preferred_element_type=jnp.float32, precision=precision
-        )
-        return new_max, denominator, first_sum, second_sum
+        return new_max, denominator, sums
 
     init = (
         jnp.full((rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
-        jnp.zeros((rows, half), jnp.float32),
-        jnp.zeros((rows, half), jnp.float32),
+        tuple(jnp.zeros((rows, size), jnp.float32) for _ in pool_refs for _, size in chunks),
     )
-    _, denominator, first_sum, second_sum = jax.lax.fori_loop(0, num_spans, attend_span, init)
+    _, denominator, sums = jax.lax.fori_loop(0, num_spans, attend_span, init)
     normalizer = jnp.where(denominator > 0, denominator, 1.0)[:, None]
     seen = (positions >= 0)[:, None]
-    first_out_ref[...] = jnp.where(seen, first_sum / normalizer, 0.0).astype(first_out_ref.dtype)
-    second_out_ref[...] = jnp.where(seen, second_sum / normalizer, 0.0).astype(second_out_ref.dtype)
+    pieces = iter(sums)
+    for out_ref in out_refs:
+        for start, size in chunks:
+            out_ref[:, pl.ds(start, size)] = jnp.where(seen, next(pieces) / normalizer, 0.0).astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("query_block", "scale", "interpret"))

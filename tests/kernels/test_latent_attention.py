@@ -2,6 +2,9 @@
 and the Pallas kernel (interpret mode) against the reference, over page sizes, query blocks, odd widths,
 padding tokens and dtypes."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -184,3 +187,30 @@ def test_latent_attention_refuses_several_cache_heads():
             query_block=1,
             scale=1.0,
         )
+
+
+def test_lane_chunks_are_powers_of_two_covering_the_row():
+    assert latent_pallas.lane_chunks(288) == ((0, 256), (256, 32))
+    assert latent_pallas.lane_chunks(12) == ((0, 8), (8, 4))
+    assert latent_pallas.lane_chunks(64) == ((0, 64),)
+
+
+@pytest.mark.parametrize("half, heads, query_block", [(288, 16, 1), (12, 3, 4)])
+def test_pallas_latent_kernel_lowers_to_triton(half, heads, query_block):
+    """The real (not interpret-mode) Triton lowering for CUDA, run on this CPU machine: DeepSeek's entry
+    halves (288 lanes: not a power of two) and odd head counts."""
+    num_tokens = 2 * query_block
+    args = (
+        jnp.zeros((num_tokens, heads, 2 * half), jnp.bfloat16),
+        jnp.zeros((9, 16, 1, half), jnp.bfloat16),
+        jnp.zeros((9, 16, 1, half), jnp.bfloat16),
+        jnp.zeros((2, 4), jnp.int32),
+        jnp.repeat(jnp.arange(2, dtype=jnp.int32), query_block),
+        jnp.zeros(num_tokens, jnp.int32),
+    )
+    kernel = jax.jit(
+        functools.partial(
+            latent_pallas.ragged_paged_latent_attention, query_block=query_block, scale=0.1, interpret=False
+        )
+    )
+    assert "triton" in kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

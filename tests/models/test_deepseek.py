@@ -204,3 +204,18 @@ def test_prefix_cache_reuses_latent_pages(v3_pallas):
     assert again.num_cached_tokens >= 64
     assert first.outputs[0].token_ids == again.outputs[0].token_ids == prompt["greedy_token_ids"]
     assert v3_pallas.stats()["num_compiles_after_warmup"] == 0
+
+
+def test_latent_pages_hand_over_from_prefill_to_decode():
+    """Disaggregation moves the latent halves as any model's pages (device/page_copies.py stacks key and value
+    pools alike; the host tier uses the same copies): a prefill engine and a decode engine in one process give
+    transformers' greedy tokens, compiling nothing while serving."""
+    from jaxserve.disagg.handover import DisaggregatedPair
+
+    engines = [LLM(fixture_dir("deepseek_v2_lite"), role=role, **SMALL_ENGINE).engine for role in ("prefill", "decode")]
+    pair = DisaggregatedPair(*engines)
+    prompts = expected("deepseek_v2_lite")["prompts"]
+    outputs = pair.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=12, temperature=0.0))
+    assert [o.outputs[0].token_ids for o in outputs] == [p["greedy_token_ids"][:12] for p in prompts]
+    assert pair.stats.num_handovers == sum(len(o.outputs[0].token_ids) > 1 for o in outputs) > 0
+    assert [engine.runner.num_compiles_after_warmup for engine in engines] == [0, 0]

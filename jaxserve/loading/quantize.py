@@ -77,6 +77,12 @@ def mark_quantized(abstract_state: nnx.State, spec: QuantizationSpec) -> nnx.Sta
     for path, variable in nnx.to_flat_state(abstract_state):
         shape = tuple(variable.get_value().shape)
         names = tuple(str(p) for p in path)
+        if spec.format in ("int8", "int4") and "expert" in (variable.get_metadata("logical_axes", None) or ()):
+            raise ValueError(
+                f"quantization {spec.format} does not cover mixture-of-experts expert weights yet "
+                f"({'.'.join(names)} {list(shape)}): set quantization to none, or auto (a GGUF file's quantized "
+                "tensors where jaxserve reads them quantized, the rest dequantized)"
+            )
         if is_quantizable(names, shape):
             check_groups(names, stored_shape(names, shape), spec)
             variable = variable.replace(variable.get_value(), quantization=spec)

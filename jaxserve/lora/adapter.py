@@ -92,6 +92,32 @@ def read_adapter(path: str) -> LoraAdapter:
     return LoraAdapter(path=path, projections=projections, identity=identity or 1)
 
 
+# Checkpoints that fuse projections (Phi-3) are split at load (models/phi3.py); PEFT adapts the fused module,
+# whose output columns are the parts' in this order, so each part takes the fused A and its own columns of B.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def split_fused(adapter: LoraAdapter, out_features: dict[str, int]) -> LoraAdapter:
+    """The adapter with each fused projection (qkv_proj, gate_up_proj) split into the model's parts, where
+    the model has them (out_features: our module path -> its output size)."""
+    projections = {}
+    for path, projection in adapter.projections.items():
+        prefix, module = path.rsplit(".", 1)
+        parts = [f"{prefix}.{part}" for part in FUSED_PROJECTIONS.get(module, ())]
+        if not parts or any(part not in out_features for part in parts):
+            projections[path] = projection
+            continue
+        sizes = [out_features[part] for part in parts]
+        if sum(sizes) != projection.b.shape[1]:
+            raise ValueError(
+                f"adapter {adapter.path!r} maps {path} to {projection.b.shape[1]} features, where the model's "
+                f"{'/'.join(FUSED_PROJECTIONS[module])} make {sum(sizes)} (an adapter for another base model?)"
+            )
+        for part, b in zip(parts, np.split(projection.b, np.cumsum(sizes)[:-1], axis=1)):
+            projections[part] = Projection(a=projection.a, b=np.ascontiguousarray(b))
+    return LoraAdapter(path=adapter.path, projections=projections, identity=adapter.identity)
+
+
 def _check_config(config: dict, path: str) -> None:
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"adapter {path!r} is a {config.get('peft_type')} adapter; only LoRA is served")

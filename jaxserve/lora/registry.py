@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxserve.config import LoraConfig
 from jaxserve.device.page_copies import CountingCompiles
-from jaxserve.lora.adapter import LoraAdapter, read_adapter
+from jaxserve.lora.adapter import LoraAdapter, read_adapter, split_fused
 from jaxserve.lora.slots import LoraSlots, write_slot
 
 BASE_SLOT = 0  # zeros in every projection: rows without an adapter
@@ -75,7 +75,7 @@ class LoraRegistry:
                 f"all {self.num_slots - 1} LoRA adapter slots are in use ({sorted(self.adapters)}); unload one "
                 "first, or start the engine with a larger lora max_adapters"
             )
-        adapter = read_adapter(path)
+        adapter = split_fused(read_adapter(path), {module: shape[1] for module, shape in self.shapes.items()})
         self.check(adapter)
         with CountingCompiles(self.runner):
             self._write_slot(free[0], adapter)

@@ -2,7 +2,8 @@
 
 Run once, when the adapters need to change (needs torch, transformers and peft: the bench extras):
 
-    /tmp/hf-venv/bin/python tests/support/make_lora_fixtures.py
+    /tmp/hf-venv/bin/python tests/support/make_lora_fixtures.py          # the llama_gqa adapters
+    /tmp/hf-venv/bin/python tests/support/make_lora_fixtures.py phi3     # an adapter of Phi-3's fused projections
 
 Each adapter is written by PEFT's own save_pretrained (adapter_config.json + adapter_model.safetensors)
 in tests/lora/fixtures/<name>/; their A and B matrices are random (PEFT starts B at zero, which would
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import torch
 import transformers
@@ -40,9 +42,17 @@ ADAPTERS = {
 }
 
 
-def build(name: str, options: dict, seed: int) -> list[list[int]]:
+# Phi-3's checkpoints fuse q/k/v (qkv_proj) and gate/up (gate_up_proj): PEFT adapts the fused modules.
+PHI3_BASE = os.path.join(FIXTURES, "phi3")
+PHI3_ADAPTER = (
+    "phi3_fused_r4",
+    dict(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+)
+
+
+def build(name: str, options: dict, seed: int, base_dir: str = BASE) -> list[list[int]]:
     torch.manual_seed(seed)
-    base = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     model = get_peft_model(base, LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **options))
     with torch.no_grad():
         for param_name, param in model.named_parameters():
@@ -53,10 +63,10 @@ def build(name: str, options: dict, seed: int) -> list[list[int]]:
     model.save_pretrained(directory)
     os.remove(os.path.join(directory, "README.md"))  # PEFT's model card template
     # Greedy outputs from the adapter as a user loads it: PeftModel over a fresh base.
-    base = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     loaded = PeftModel.from_pretrained(base, directory).eval()
     outputs = []
-    for prompt in prompts():
+    for prompt in prompts(base_dir):
         input_ids = torch.tensor([prompt])
         with torch.no_grad():
             generated = loaded.generate(
@@ -66,9 +76,17 @@ def build(name: str, options: dict, seed: int) -> list[list[int]]:
     return outputs
 
 
-def prompts() -> list[list[int]]:
-    with open(os.path.join(BASE, "expected.json")) as f:
+def prompts(base_dir: str = BASE) -> list[list[int]]:
+    with open(os.path.join(base_dir, "expected.json")) as f:
         return [prompt["token_ids"] for prompt in json.load(f)["prompts"]]
+
+
+def main_phi3() -> None:
+    name, options = PHI3_ADAPTER
+    greedy = build(name, options, seed=7, base_dir=PHI3_BASE)
+    record = dict(base="phi3", adapter=name, prompts=prompts(PHI3_BASE), greedy_token_ids=greedy)
+    with open(os.path.join(OUT, f"{name}.json"), "w") as f:
+        json.dump(record, f, indent=1)
 
 
 def main() -> None:
@@ -98,4 +116,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_phi3() if sys.argv[1:] == ["phi3"] else main()

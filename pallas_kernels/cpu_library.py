@@ -5,9 +5,15 @@ One library rather than one per kernel: both run on the same process-wide helper
 which spin briefly after each call so that the next call finds them awake. Two libraries would each start
 and spin their own set, taking cores from each other between a projection and the attention after it.
 
-The build is keyed by the sources, the JAX version and the host, so a changed kernel or a different
-machine rebuilds. `load()` is None when no compiler works; each kernel's `available()` is then False and
-the engine uses the jax.numpy references.
+Instruction paths (issue #29): the kernels are written once on the compiler's vector types; the flags
+they are compiled with pick the path. By default the best this CPU has (`native_path`): avx512 (AVX-512
+F/BW/VL), avx2 (AVX2 + FMA + F16C), or portable (x86-64's SSE2 baseline; other architectures' defaults).
+JAXSERVE_CPU_KERNEL_PATH=avx512|avx2|portable forces one (read when the library is first loaded; a path
+this CPU cannot run is refused), e.g. avx2 on an AVX-512 machine to measure what an AVX2-only one gets.
+
+The build is keyed by the sources, the JAX version, the host and the path's flags, so a changed kernel, a
+different machine or another path rebuilds. `load()` is None when no compiler works; each kernel's
+`available()` is then False and the engine uses the jax.numpy references.
 """
 
 from __future__ import annotations
@@ -32,8 +38,69 @@ SOURCES += (os.path.join(HERE, "matmul", "cpu_quantized_matmul.cc"),)  # quantiz
 HEADERS = (os.path.join(HERE, "cpu_workers.h"),)  # included from HERE (-I); part of the build's cache key
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "kernels")
 
+PATH_ENV = "JAXSERVE_CPU_KERNEL_PATH"
+PATHS = ("avx512", "avx2", "portable")  # fastest first
+# /proc/cpuinfo flags each x86 path needs (the kernels use F16C to widen float16, FMA to accumulate).
+PATH_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl"}, "avx2": {"avx2", "fma", "f16c"}}
 
-def _build(library_path: str) -> None:
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where there is no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_path() -> str:
+    """The fastest instruction path this CPU runs."""
+    flags = cpu_flags()
+    if _is_x86():
+        for path in ("avx512", "avx2"):
+            if PATH_CPU_FLAGS[path] <= flags:
+                return path
+    return "portable"
+
+
+def runnable_paths() -> tuple[str, ...]:
+    """The paths this CPU can run: the native one and every slower one."""
+    return PATHS[PATHS.index(native_path()) :]
+
+
+def chosen_path(requested: str | None = None) -> str:
+    """`requested`, else JAXSERVE_CPU_KERNEL_PATH, else the native path; ValueError for an unknown path or
+    one this CPU cannot run (its instructions would fault)."""
+    requested = requested or os.environ.get(PATH_ENV, "").strip().lower() or "native"
+    if requested in ("native", "auto"):
+        return native_path()
+    if requested not in PATHS:
+        raise ValueError(f"{PATH_ENV}={requested!r}: expected one of {', '.join(PATHS)} (or native)")
+    if requested not in runnable_paths():
+        raise ValueError(
+            f"{PATH_ENV}={requested!r}: this CPU ({platform.machine()}) runs only {', '.join(runnable_paths())}"
+        )
+    return requested
+
+
+def compile_flags(path: str) -> list[str]:
+    """The compiler flags that select `path`: the host's own ISA, less AVX-512 for avx2 (what an AVX2-only
+    CPU of the same family has), or the architecture's baseline for portable."""
+    if path == "avx512":
+        return ["-march=native", "-mprefer-vector-width=512"]
+    if path == "avx2":
+        return ["-march=native", "-mno-avx512f", "-mprefer-vector-width=256"]
+    return ["-march=x86-64", "-mtune=generic"] if _is_x86() else []
+
+
+def _build(library_path: str, path: str) -> None:
     compiler = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
@@ -43,8 +110,7 @@ def _build(library_path: str) -> None:
         command = [
             compiler,
             "-O3",
-            "-march=native",
-            "-mprefer-vector-width=512",
+            *compile_flags(path),
             "-fopenmp-simd",
             "-fno-math-errno",
             "-fno-trapping-math",
@@ -66,21 +132,30 @@ def _build(library_path: str) -> None:
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernels' library, built first where this host has no copy of these sources' build; None when it
-    cannot be built or loaded (with a warning saying why)."""
+def load(path: str | None = None) -> ctypes.CDLL | None:
+    """The kernels' library for `path` (default: JAXSERVE_CPU_KERNEL_PATH, else this CPU's best), built
+    first where this host has no copy of these sources' build; None when it cannot be built or loaded
+    (with a warning saying why)."""
+    path = chosen_path(path)
     sources = b""
     for source in SOURCES + HEADERS:
         with open(source, "rb") as f:
             sources += f.read()
     key = hashlib.sha256(
-        sources + jax.__version__.encode() + platform.processor().encode() + platform.machine().encode()
+        sources
+        + jax.__version__.encode()
+        + platform.processor().encode()
+        + platform.machine().encode()
+        + " ".join([path, *compile_flags(path)]).encode()
+        + ",".join(sorted(cpu_flags())).encode()
     ).hexdigest()[:16]
-    library_path = os.path.join(CACHE_DIR, f"cpu_kernels_{key}.so")
+    library_path = os.path.join(CACHE_DIR, f"cpu_kernels_{path}_{key}.so")
     try:
         if not os.path.isfile(library_path):
-            _build(library_path)
-        return ctypes.cdll.LoadLibrary(library_path)
+            _build(library_path, path)
+        library = ctypes.cdll.LoadLibrary(library_path)
+        library.JaxserveCpuKernelPath.restype = ctypes.c_char_p
+        return library
     except (RuntimeError, OSError) as error:
         logger.warning("CPU kernels unavailable, using the jax.numpy references: %s", error)
         return None

@@ -33,10 +33,33 @@ import jax.numpy as jnp
 
 from pallas_kernels.matmul import cpu, quantized, quantized_cpu, reference
 
-# Rows up to which the CPU kernel serves a dot (it reads the weights once for up to eight rows): where it
-# beat XLA:CPU's dots on SmolLM2-135M decode steps (bench/results/ has the figures). float16 has no XLA
-# dot that reads the weight as stored, so the kernel goes as far as it can.
-SMALL_MATMUL_MAX_ROWS = {jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.float16): 64, jnp.dtype(jnp.float32): 8}
+
+def _bfloat16_max_rows() -> int:
+    """bfloat16 rows the kernel serves: all of a decode step's (64, the kernel's limit and the default
+    largest decode bucket) unless XLA's own bfloat16 dots run on native bfloat16 instructions here (its
+    YNNPACK dots on AVX-512 BF16 / AMX: twice the kernel's float32 FMAs from 16 rows on, issue #29). On
+    AVX2-only CPUs XLA widens or runs bfloat16 slowly, and its batches fell behind float32's; the kernel's
+    widen-in-registers tiles keep them at least as fast per row. The kernel's path follows
+    JAXSERVE_CPU_KERNEL_PATH, so an avx2 run on an AVX-512 machine routes as an AVX2 machine would."""
+    from pallas_kernels import cpu_library
+
+    try:
+        path = cpu_library.chosen_path()
+    except ValueError:  # a bad JAXSERVE_CPU_KERNEL_PATH: loading the kernel reports it
+        return 8
+    native_bf16 = bool({"avx512_bf16", "amx_bf16"} & cpu_library.cpu_flags())
+    return 8 if path == "avx512" and native_bf16 else cpu.MATMUL_MAX_ROWS
+
+
+# Rows up to which the CPU kernel serves a dot: where it beat XLA:CPU's dots on SmolLM2-135M decode steps
+# (bench/results/ has the figures). float32: up to eight rows (XLA's GEMMs win above). bfloat16: see
+# _bfloat16_max_rows. float16 has no XLA dot that reads the weight as stored, so the kernel goes as far as
+# it can.
+SMALL_MATMUL_MAX_ROWS = {
+    jnp.dtype(jnp.bfloat16): _bfloat16_max_rows(),
+    jnp.dtype(jnp.float16): 64,
+    jnp.dtype(jnp.float32): 8,
+}
 
 
 class MatmulEntry(Protocol):

@@ -1,6 +1,7 @@
 """The C++ small matmul (cpu_matmul.cc): a few rows times float32, bfloat16 or float16 weights, each weight
 element read once at its stored width and widened in registers, accumulated in float32. Built at first use
-into the CPU kernels' one library (pallas_kernels/cpu_library.py).
+into the CPU kernels' one library (pallas_kernels/cpu_library.py), for this CPU's instruction path (or
+JAXSERVE_CPU_KERNEL_PATH's); `path=` builds and calls another path's library beside it (tests, benches).
 
 A custom call XLA's partitioner cannot split: it must only see whole weights on one device.
 """
@@ -19,12 +20,17 @@ MATMUL_MAX_ROWS = 64  # cpu_matmul.cc's kMaxRows
 DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))  # of the weights it serves
 
 
+def target(path: str | None = None) -> str:
+    """The custom call's name for `path`'s library: MATMUL_TARGET for the engine's own (path None)."""
+    return MATMUL_TARGET if path is None else f"{MATMUL_TARGET}_{path}"
+
+
 @functools.cache
-def _register() -> bool:
-    library = cpu_library.load()
+def _register(path: str | None = None) -> bool:
+    library = cpu_library.load(path)
     if library is None:
         return False
-    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.JaxserveSmallMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(target(path), jax.ffi.pycapsule(library.JaxserveSmallMatmul), platform="cpu")
     return True
 
 
@@ -32,15 +38,23 @@ def available() -> bool:
     return _register()
 
 
-def small_matmul(x, w, *, transposed: bool = False):
+def kernel_path(path: str | None = None) -> str | None:
+    """The instruction path the library for `path` (default: the engine's) was compiled for, as the
+    library itself reports it; None where it does not build."""
+    library = cpu_library.load(path)
+    return None if library is None else library.JaxserveCpuKernelPath().decode()
+
+
+def small_matmul(x, w, *, transposed: bool = False, path: str | None = None):
     """x [M, K] @ w [K, N] (w [N, K] when transposed) -> float32 [M, N], for M <= MATMUL_MAX_ROWS, x and w
     of one dtype."""
-    return small_matmuls(x, (w,), transposed=transposed)[0]
+    return small_matmuls(x, (w,), transposed=transposed, path=path)[0]
 
 
-def small_matmuls(x, weights, *, transposed: bool = False):
+def small_matmuls(x, weights, *, transposed: bool = False, path: str | None = None):
     """small_matmul of one x by several weights in one call (a layer's q, k and v): the threads share the
-    work of all of them. Returns a tuple of float32 [M, N_i]."""
+    work of all of them. Returns a tuple of float32 [M, N_i]. `path` (cpu_library.PATHS) picks another
+    instruction path's build than the engine's."""
     weights = tuple(weights)
     for w in weights:
         if jnp.dtype(w.dtype) not in DTYPES:
@@ -54,9 +68,9 @@ def small_matmuls(x, weights, *, transposed: bool = False):
             )
     if not weights:
         raise ValueError("small_matmuls wants at least one weight")
-    if not _register():
+    if not _register(path):
         raise RuntimeError("the CPU small matmul could not be built; project with the reference")
     results = tuple(
         jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transposed else w.shape[1]), jnp.float32) for w in weights
     )
-    return tuple(jax.ffi.ffi_call(MATMUL_TARGET, results)(x, *weights, transposed=transposed))
+    return tuple(jax.ffi.ffi_call(target(path), results)(x, *weights, transposed=transposed))

@@ -5,8 +5,21 @@
 // Why: XLA:CPU widens a 16-bit weight to float32 as a whole before a dot with few rows (issue #16),
 // so a bfloat16 decode step moved five times its weights' bytes. Here each weight element is read
 // once and widened in registers: the step costs the weights' bytes, which is the memory roofline.
+// Two regimes ([K, N] weights): up to kKnRows rows (bound by reading the weights) the item's rows are
+// walked in address order with the accumulators in L1 (RowWalk); with more rows (up to 64, the default
+// largest decode bucket; bound by the multiplies) each pass of rows is packed, widened to float32 once,
+// and register-tiled like a GEMM's micro-kernel (KnTile), so that bfloat16 batches run at least as fast
+// per row as float32 ones (issue #29). [N, K] (a tied embedding as the head): register tiles of dot
+// products over contiguous rows, packed first where several groups of rows reuse them.
 //
-// Work is split into small items shared by the caller and helper threads (../cpu_workers.h). Built by
+// Instruction paths (issue #29): the code is written once on GCC/Clang vector types whose width comes
+// from the compiler flags cpu_library.py picked for this CPU (or JAXSERVE_CPU_KERNEL_PATH):
+//   avx512    16 float lanes, 32 registers (AVX-512F/BW/VL; AMX is not used)
+//   avx2      8 lanes, 16 registers, FMA and F16C
+//   portable  4 lanes (SSE2 on x86-64, NEON on arm64), multiply then add, no FMA
+// Each path's tiles fill its register file; JaxserveCpuKernelPath() names the path a library was built for.
+//
+// Work is split into items shared by the caller and helper threads (../cpu_workers.h). Built by
 // pallas_kernels/cpu_library.py into one library with the attention kernel (they share the helpers).
 
 #include <algorithm>
@@ -18,6 +31,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
 #include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -25,54 +42,128 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kColumns = 4096;          // most output columns per item ([K, N] weights): 8 KiB of a 16-bit row
-constexpr int64_t kAccumulatorBytes = 16 * 1024;  // an item's float32 accumulators ([rows, columns]) stay in L1
-constexpr int64_t kItemBytes = 32 * 1024;    // weight bytes per work item ([N, K] weights)
-constexpr int64_t kMaxRows = 64;             // the wrapper sends no more
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr const char* kPath = "avx512";
+// Vectors of output columns per register tile, by rows in the tile ([K, N] weights): R * V accumulators
+// plus V widened weights plus a broadcast x within 32 registers; widths that divide kBlockColumns.
+constexpr int kKnVectors[] = {0, 8, 8, 6, 4, 4, 4, 3, 3};
+// Weight rows (outputs) per register tile, by rows of x ([N, K] weights): R * NT accumulators plus R x
+// vectors plus a weight vector within 32 registers.
+constexpr int kNkOutputs[] = {0, 8, 8, 6, 6};
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+constexpr const char* kPath = "avx2";
+constexpr int kKnVectors[] = {0, 6, 4, 3, 2, 2, 2};  // within 16 registers
+constexpr int kNkOutputs[] = {0, 6, 4, 3};
+#else
+constexpr int kLanes = 4;
+constexpr const char* kPath = "portable";
+constexpr int kKnVectors[] = {0, 6, 4, 3, 2, 2, 2};
+constexpr int kNkOutputs[] = {0, 6, 4, 3};
+#endif
+constexpr int kKnRows = int(sizeof(kKnVectors) / sizeof(int)) - 1;  // rows of x per [K, N] tile; RowWalk up to it
+constexpr int kNkRows = int(sizeof(kNkOutputs) / sizeof(int)) - 1;  // rows of x per [N, K] tile
 
-// Software prefetch, this many bytes ahead of the rows being read: without it the out-of-order window,
-// full of widening and multiplying, issues too few cache misses at a time (figures in bench/results/).
-constexpr int64_t kPrefetchBytes = 4096;
+typedef float VecF __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t VecU __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t VecH __attribute__((vector_size(2 * kLanes)));
+typedef _Float16 VecHalf __attribute__((vector_size(2 * kLanes)));
+
+constexpr int64_t kMaxRows = 64;           // the wrapper sends no more
+constexpr int64_t kBlockColumns = 384;     // [K, N], many rows: output columns per item; tile widths divide it
+constexpr int64_t kWideColumns = 4096;     // [K, N], few rows: output columns per item, at most
+constexpr int64_t kAccumulatorBytes = 16 * 1024;  // [K, N], few rows: an item's accumulators stay in L1
+constexpr int64_t kPrefetchBytes = 4096;   // [K, N], few rows: software prefetch this far ahead (see RowWalk)
+constexpr int64_t kPackFloats = 32 * 1024; // a worker's packed weights per pass (128 KiB: in L2)
+constexpr int64_t kItemBytes = 32 * 1024;  // [N, K]: weight bytes per work item, about
+constexpr int64_t kNkItemMultiple = 24;    // [N, K]: outputs per item are a multiple of every tile's
 constexpr int64_t kLineBytes = 64;
 
-// Weight rows to prefetch ahead, rows of `row_bytes` apart: at least kPrefetchBytes, a multiple of 4.
-inline int64_t PrefetchRows(int64_t row_bytes) {
-  const int64_t rows = (kPrefetchBytes + row_bytes - 1) / std::max<int64_t>(1, row_bytes);
-  return std::max<int64_t>(4, (rows + 3) / 4 * 4);
+inline VecF Fma(VecF a, VecF b, VecF acc) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, acc);
+#else
+  return acc + a * b;
+#endif
 }
 
-inline float Widen(uint16_t bits, std::true_type /*bfloat16*/) {
-  const uint32_t wide = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
-inline float Widen(uint16_t bits, std::false_type /*float16*/) {
-  _Float16 h;
-  std::memcpy(&h, &bits, sizeof(h));
-  return float(h);
+// Intrinsics where the vector types' generic code is slower: a broadcast (VecF{} + x adds a zero first,
+// the sign of zero forbidding its removal) and the 16-bit widenings (GCC splits a generic one in halves).
+inline VecF Broadcast(float x) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(x);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return _mm256_set1_ps(x);
+#else
+  VecF v;
+  for (int i = 0; i < kLanes; ++i) v[i] = x;
+  return v;
+#endif
 }
 
-struct BF16Tag {};
-struct F16Tag {};
+inline float HorizontalSum(VecF v) {
+  float sum = 0.0f;
+  for (int i = 0; i < kLanes; ++i) sum += v[i];
+  return sum;
+}
 
-template <typename Tag>
-struct Element;
-template <>
-struct Element<float> {
+// The stored element types: how one element, and kLanes elements at once, widen to float32.
+struct F32 {
   using Stored = float;
-  static float ToFloat(float x) { return x; }
+  static float One(float x) { return x; }
+  static VecF Vector(const float* p) {
+    VecF v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
 };
-template <>
-struct Element<BF16Tag> {
+struct BF16 {
   using Stored = uint16_t;
-  static float ToFloat(uint16_t x) { return Widen(x, std::true_type()); }
+  static float One(uint16_t bits) {
+    const uint32_t wide = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &wide, sizeof(f));
+    return f;
+  }
+  static VecF Vector(const uint16_t* p) {
+#if defined(__AVX512F__)
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+#else
+    VecH h;
+    std::memcpy(&h, p, sizeof(h));
+    return (VecF)(__builtin_convertvector(h, VecU) << 16);
+#endif
+  }
 };
-template <>
-struct Element<F16Tag> {
+struct F16 {
   using Stored = uint16_t;
-  static float ToFloat(uint16_t x) { return Widen(x, std::false_type()); }
+  static float One(uint16_t bits) {
+    _Float16 h;
+    std::memcpy(&h, &bits, sizeof(h));
+    return float(h);
+  }
+  static VecF Vector(const uint16_t* p) {
+#if defined(__AVX512F__)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    VecHalf h;
+    std::memcpy(&h, p, sizeof(h));
+    return __builtin_convertvector(h, VecF);
+#endif
+  }
 };
+
+inline VecF LoadF(const float* p) { return F32::Vector(p); }
+inline void StoreF(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
 
 struct Problem {
   const void* w;
@@ -81,258 +172,347 @@ struct Problem {
   int64_t rows, depth, columns;  // M, K, N
 };
 
-// Rows [k0, k1) of w [K, N] times x's columns [k0, k1), result columns [c0, c0 + width), added into
-// partial [M, N], for x rows [r0, r0 + R). Four weight rows at a time: each accumulator is loaded and
-// stored once per four weight rows, and each weight element, widened in a register, serves all R rows.
-// The item's weight rows are walked in address order (a stream the hardware prefetcher follows).
-template <typename Tag, int R>
-void RowGroup(const Problem& p, int64_t r0, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
-  using E = Element<Tag>;
-  const auto* w = static_cast<const typename E::Stored*>(p.w);
+// A worker's packed weights: the rows a pass reads, copied in address order (a stream the hardware
+// prefetchers follow at full speed, where tiles reading column strips of a row-major matrix hop between
+// rows and ran at half the speed) and widened to float32 once (not once per group of rows).
+inline float* PackBuffer(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (int64_t(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+// `count` runs of `width` elements, `stride` apart, widened into packed [count, width].
+template <typename T>
+void Pack(const typename T::Stored* w, int64_t stride, int64_t count, int64_t width, float* packed) {
+  for (int64_t i = 0; i < count; ++i) {
+    const auto* row = w + i * stride;
+    float* to = packed + i * width;
+    int64_t c = 0;
+    for (; c + 2 * kLanes <= width; c += 2 * kLanes) {
+      StoreF(to + c, T::Vector(row + c));
+      StoreF(to + c + kLanes, T::Vector(row + c + kLanes));
+    }
+    for (; c < width; ++c) to[c] = T::One(row[c]);
+  }
+}
+
+// ---- [K, N] weights: out[r, c] += sum_k x[r, k] w[k, c] ----
+
+// R rows of x by V vectors of columns, over `count` packed weight rows: the R * V accumulators stay in
+// registers; each weight vector serves all R rows.
+template <int R, int V>
+inline void KnTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t count, float* out, int64_t ldo) {
+  VecF acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v] = LoadF(out + r * ldo + v * kLanes);
+  for (int64_t k = 0; k < count; ++k) {
+    const float* row = w + k * ldw;
+    VecF wv[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) wv[v] = LoadF(row + v * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const VecF xb = Broadcast(x[r * ldx + k]);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] = Fma(xb, wv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) StoreF(out + r * ldo + v * kLanes, acc[r][v]);
+}
+
+// R rows of x (from x, its rows ldx apart) by all `width` packed columns: whole tiles of kKnVectors[R]
+// vectors, then single vectors, then single columns (N not a multiple of kLanes).
+template <int R>
+void KnRows(const float* x, int64_t ldx, const float* packed, int64_t count, int64_t width, float* out, int64_t ldo) {
+  constexpr int V = kKnVectors[R];
+  int64_t c = 0;
+  for (; c + V * kLanes <= width; c += V * kLanes) KnTile<R, V>(x, ldx, packed + c, width, count, out + c, ldo);
+  for (; c + kLanes <= width; c += kLanes) KnTile<R, 1>(x, ldx, packed + c, width, count, out + c, ldo);
+  for (; c < width; ++c) {
+    for (int r = 0; r < R; ++r) {
+      float sum = out[r * ldo + c];
+      for (int64_t k = 0; k < count; ++k) sum += x[r * ldx + k] * packed[k * width + c];
+      out[r * ldo + c] = sum;
+    }
+  }
+}
+
+template <int R>
+void KnRemainder(int rows, const float* x, int64_t ldx, const float* packed, int64_t count, int64_t width, float* out,
+                 int64_t ldo) {
+  if constexpr (R > 0) {
+    if (rows == R) return KnRows<R>(x, ldx, packed, count, width, out, ldo);
+    KnRemainder<R - 1>(rows, x, ldx, packed, count, width, out, ldo);
+  }
+}
+
+// Few rows of x (a decode step of up to kKnRows sequences: bound by reading the weights): the item's
+// weight rows are read in address order, four at a time, each widened vector serving all R rows; the
+// accumulators [R, width] stay in L1. Software prefetch kPrefetchBytes ahead: without it the
+// out-of-order window, full of widening and multiplying, issues too few misses at a time (a bfloat16
+// stream went from 6 to 8.5 GB/s a core on the Xeon of bench/results/cpu-2core).
+template <typename T, int R>
+void RowWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
+  const auto* w = static_cast<const typename T::Stored*>(p.w);
+  constexpr int64_t kElement = sizeof(typename T::Stored);
+  constexpr int64_t kPerLine = kLineBytes / kElement;
+  const int64_t row_bytes = width * kElement;
+  const int64_t ahead_rows = std::max<int64_t>(4, ((kPrefetchBytes + row_bytes - 1) / row_bytes + 3) / 4 * 4);
+  const int64_t ahead = ahead_rows * p.columns;
   float* acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = partial + (r0 + r) * p.columns + c0;
-  constexpr int64_t kPerLine = kLineBytes / int64_t(sizeof(typename E::Stored));
-  const int64_t ahead = PrefetchRows(width * int64_t(sizeof(typename E::Stored))) * p.columns;
+  for (int r = 0; r < R; ++r) acc[r] = partial + r * p.columns + c0;
+  const int64_t vectors = width / kLanes * kLanes;
   int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
-    const auto* __restrict s0 = w + k * p.columns + c0;
-    const auto* __restrict s1 = s0 + p.columns;
-    const auto* __restrict s2 = s1 + p.columns;
-    const auto* __restrict s3 = s2 + p.columns;
-    float xv[R][4];
+    const auto* s0 = w + k * p.columns + c0;
+    const auto* s1 = s0 + p.columns;
+    const auto* s2 = s1 + p.columns;
+    const auto* s3 = s2 + p.columns;
+    VecF xv[R][4];
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) xv[r][j] = p.x[(r0 + r) * p.depth + k + j];
-    for (int64_t line = 0; line < width; line += kPerLine) {
-      for (int64_t j = 0; j < 4; ++j) __builtin_prefetch(s0 + ahead + j * p.columns + line);
-      const int64_t end = std::min(width, line + kPerLine);
-#pragma omp simd
-      for (int64_t c = line; c < end; ++c) {
-        const float w0 = E::ToFloat(s0[c]), w1 = E::ToFloat(s1[c]), w2 = E::ToFloat(s2[c]), w3 = E::ToFloat(s3[c]);
-        for (int r = 0; r < R; ++r) {
-        float a = acc[r][c];
-        a += xv[r][0] * w0;
-        a += xv[r][1] * w1;
-        a += xv[r][2] * w2;
-        a += xv[r][3] * w3;
-        acc[r][c] = a;
+      for (int j = 0; j < 4; ++j) xv[r][j] = Broadcast(p.x[r * p.depth + k + j]);
+    for (int64_t c = 0; c < vectors; c += kLanes) {
+      if (c % kPerLine == 0) {
+        for (int64_t j = 0; j < 4; ++j) __builtin_prefetch(s0 + ahead + j * p.columns + c);
       }
+      const VecF w0 = T::Vector(s0 + c), w1 = T::Vector(s1 + c), w2 = T::Vector(s2 + c), w3 = T::Vector(s3 + c);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        VecF a = LoadF(acc[r] + c);
+        a = Fma(xv[r][0], w0, a);
+        a = Fma(xv[r][1], w1, a);
+        a = Fma(xv[r][2], w2, a);
+        a = Fma(xv[r][3], w3, a);
+        StoreF(acc[r] + c, a);
+      }
+    }
+    for (int64_t c = vectors; c < width; ++c) {
+      for (int r = 0; r < R; ++r) {
+        for (int j = 0; j < 4; ++j) acc[r][c] += p.x[r * p.depth + k + j] * T::One(w[(k + j) * p.columns + c0 + c]);
       }
     }
   }
   for (; k < k1; ++k) {
-    const auto* __restrict segment = w + k * p.columns + c0;
-    float xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = p.x[(r0 + r) * p.depth + k];
-#pragma omp simd
-    for (int64_t c = 0; c < width; ++c) {
-      const float wv = E::ToFloat(segment[c]);
-      for (int r = 0; r < R; ++r) acc[r][c] += xv[r] * wv;
+    const auto* s0 = w + k * p.columns + c0;
+    for (int r = 0; r < R; ++r) {
+      const VecF xb = Broadcast(p.x[r * p.depth + k]);
+      int64_t c = 0;
+      for (; c < vectors; c += kLanes) StoreF(acc[r] + c, Fma(xb, T::Vector(s0 + c), LoadF(acc[r] + c)));
+      for (; c < width; ++c) acc[r][c] += p.x[r * p.depth + k] * T::One(s0[c]);
     }
   }
 }
 
-// x's rows in groups of up to eight, each group one pass over the item's weights: a decode step of up
-// to eight sequences reads its weights once.
-template <typename Tag>
-void RowBlock(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
+template <typename T, int R>
+void RowWalkRows(int rows, const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
+  if constexpr (R > 0) {
+    if (rows == R) return RowWalk<T, R>(p, k0, k1, c0, width, partial);
+    RowWalkRows<T, R - 1>(rows, p, k0, k1, c0, width, partial);
+  }
+}
+
+// One item: weight rows [k0, k1) by columns [c0, c0 + width), added into partial [M, N], in passes of
+// `chunk` rows: each pass packs its rows, then every group of rows of x runs over them from cache.
+template <typename T>
+void KnItem(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, int64_t chunk, float* partial) {
+  if (p.rows <= kKnRows) return RowWalkRows<T, kKnRows>(int(p.rows), p, k0, k1, c0, width, partial);
+  float* packed = PackBuffer(chunk * width);
+  const auto* w = static_cast<const typename T::Stored*>(p.w);
+  for (int64_t k = k0; k < k1; k += chunk) {
+    const int64_t count = std::min(chunk, k1 - k);
+    Pack<T>(w + k * p.columns + c0, p.columns, count, width, packed);
+    int64_t r0 = 0;
+    for (; r0 + kKnRows <= p.rows; r0 += kKnRows) {
+      KnRows<kKnRows>(p.x + r0 * p.depth + k, p.depth, packed, count, width, partial + r0 * p.columns + c0, p.columns);
+    }
+    if (r0 < p.rows) {
+      KnRemainder<kKnRows - 1>(int(p.rows - r0), p.x + r0 * p.depth + k, p.depth, packed, count, width,
+                               partial + r0 * p.columns + c0, p.columns);
+    }
+  }
+}
+
+// ---- [N, K] weights (transposed): out[r, n] = sum_k x[r, k] w[n, k], dot products of contiguous rows ----
+
+// R rows of x by NT packed weight rows: R * NT vector accumulators over K, summed across lanes at the end.
+template <typename T, int R, int NT>
+inline void NkTile(const float* x, int64_t depth, const typename T::Stored* w, float* out, int64_t ldo) {
+  VecF acc[R][NT];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int n = 0; n < NT; ++n) acc[r][n] = VecF{};
+  int64_t k = 0;
+  for (; k + kLanes <= depth; k += kLanes) {
+    VecF xv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) xv[r] = LoadF(x + r * depth + k);
+#pragma GCC unroll 8
+    for (int n = 0; n < NT; ++n) {
+      const VecF wv = T::Vector(w + n * depth + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][n] = Fma(xv[r], wv, acc[r][n]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int n = 0; n < NT; ++n) {
+      float sum = HorizontalSum(acc[r][n]);
+      for (int64_t j = k; j < depth; ++j) sum += x[r * depth + j] * T::One(w[n * depth + j]);
+      out[r * ldo + n] = sum;
+    }
+  }
+}
+
+// R rows of x (from x) by `count` packed weight rows: tiles of kNkOutputs[R], then single rows.
+template <typename T, int R>
+void NkRows(const float* x, int64_t depth, const typename T::Stored* w, int64_t count, float* out, int64_t ldo) {
+  constexpr int NT = kNkOutputs[R];
+  int64_t n = 0;
+  for (; n + NT <= count; n += NT) NkTile<T, R, NT>(x, depth, w + n * depth, out + n, ldo);
+  for (; n < count; ++n) NkTile<T, R, 1>(x, depth, w + n * depth, out + n, ldo);
+}
+
+template <typename T, int R>
+void NkRemainder(int rows, const float* x, int64_t depth, const typename T::Stored* w, int64_t count, float* out,
+                 int64_t ldo) {
+  if constexpr (R > 0) {
+    if (rows == R) return NkRows<T, R>(x, depth, w, count, out, ldo);
+    NkRemainder<T, R - 1>(rows, x, depth, w, count, out, ldo);
+  }
+}
+
+// One item: outputs [n0, n0 + count) of every row of x, written once; the item's weight rows, one
+// contiguous run, packed first.
+template <typename T>
+void NkItem(const Problem& p, int64_t n0, int64_t count) {
+  const auto* w = static_cast<const typename T::Stored*>(p.w) + n0 * p.depth;
+  if (p.rows <= kNkRows) {  // one group of rows: straight from the weights, widened once anyway
+    return NkRemainder<T, kNkRows>(int(p.rows), p.x, p.depth, w, count, p.out + n0, p.columns);
+  }
+  float* packed = PackBuffer(count * p.depth);
+  Pack<T>(w, p.depth, count, p.depth, packed);
   int64_t r0 = 0;
-  for (; r0 + 8 <= p.rows; r0 += 8) RowGroup<Tag, 8>(p, r0, k0, k1, c0, width, partial);
-  switch (p.rows - r0) {
-    case 7: RowGroup<Tag, 7>(p, r0, k0, k1, c0, width, partial); break;
-    case 6: RowGroup<Tag, 6>(p, r0, k0, k1, c0, width, partial); break;
-    case 5: RowGroup<Tag, 5>(p, r0, k0, k1, c0, width, partial); break;
-    case 4: RowGroup<Tag, 4>(p, r0, k0, k1, c0, width, partial); break;
-    case 3: RowGroup<Tag, 3>(p, r0, k0, k1, c0, width, partial); break;
-    case 2: RowGroup<Tag, 2>(p, r0, k0, k1, c0, width, partial); break;
-    case 1: RowGroup<Tag, 1>(p, r0, k0, k1, c0, width, partial); break;
-    default: break;
+  for (; r0 + kNkRows <= p.rows; r0 += kNkRows) {
+    NkRows<F32, kNkRows>(p.x + r0 * p.depth, p.depth, packed, count, p.out + r0 * p.columns + n0, p.columns);
+  }
+  if (r0 < p.rows) {
+    NkRemainder<F32, kNkRows>(int(p.rows - r0), p.x + r0 * p.depth, p.depth, packed, count, p.out + r0 * p.columns + n0,
+                         p.columns);
   }
 }
 
-// Outputs [n0, n0 + count) of every row, w [N, K]: each is a dot product of two contiguous rows. One
-// row of x: four weight rows at a time, widened and multiplied in one pass; more: each weight row is
-// widened once into `wide` (in L1) and reused for every row of x.
-template <typename Tag>
-void TransposedItem(const Problem& p, int64_t n0, int64_t count, float* wide) {
-  using E = Element<Tag>;
-  const auto* w = static_cast<const typename E::Stored*>(p.w);
-  constexpr int64_t kPerLine = kLineBytes / int64_t(sizeof(typename E::Stored));
-  const int64_t ahead = PrefetchRows(p.depth * int64_t(sizeof(typename E::Stored))) * p.depth;
-  for (int64_t n = n0; n < n0 + count; ++n) {
-    const auto* __restrict row = w + n * p.depth;
-    for (int64_t line = 0; line < p.depth; line += kPerLine) __builtin_prefetch(row + ahead + line);
-    if (p.rows == 1 && n + 4 <= n0 + count) {  // four outputs at once: four independent sums
-      for (int64_t j = 1; j < 4; ++j) {
-        for (int64_t line = 0; line < p.depth; line += kPerLine) __builtin_prefetch(row + ahead + j * p.depth + line);
-      }
-      const auto* __restrict row1 = row + p.depth;
-      const auto* __restrict row2 = row1 + p.depth;
-      const auto* __restrict row3 = row2 + p.depth;
-      float sum0 = 0.0f, sum1 = 0.0f, sum2 = 0.0f, sum3 = 0.0f;
-#pragma omp simd reduction(+ : sum0, sum1, sum2, sum3)
-      for (int64_t k = 0; k < p.depth; ++k) {
-        const float xk = p.x[k];
-        sum0 += xk * E::ToFloat(row[k]);
-        sum1 += xk * E::ToFloat(row1[k]);
-        sum2 += xk * E::ToFloat(row2[k]);
-        sum3 += xk * E::ToFloat(row3[k]);
-      }
-      p.out[n] = sum0;
-      p.out[n + 1] = sum1;
-      p.out[n + 2] = sum2;
-      p.out[n + 3] = sum3;
-      n += 3;
-      continue;
-    }
-#pragma omp simd
-    for (int64_t k = 0; k < p.depth; ++k) wide[k] = E::ToFloat(row[k]);
-    int64_t r = 0;
-    for (; r + 8 <= p.rows; r += 8) {  // eight rows of x at once: eight independent sums keep both FMA units busy
-      const float* __restrict xr = p.x + r * p.depth;
-      const int64_t d = p.depth;
-      float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f, s4 = 0.0f, s5 = 0.0f, s6 = 0.0f, s7 = 0.0f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5, s6, s7)
-      for (int64_t k = 0; k < d; ++k) {
-        const float wk = wide[k];
-        s0 += xr[k] * wk;
-        s1 += xr[d + k] * wk;
-        s2 += xr[2 * d + k] * wk;
-        s3 += xr[3 * d + k] * wk;
-        s4 += xr[4 * d + k] * wk;
-        s5 += xr[5 * d + k] * wk;
-        s6 += xr[6 * d + k] * wk;
-        s7 += xr[7 * d + k] * wk;
-      }
-      const float sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
-      for (int64_t j = 0; j < 8; ++j) p.out[(r + j) * p.columns + n] = sums[j];
-    }
-    for (; r + 4 <= p.rows; r += 4) {  // four rows of x at once: four independent sums, not one FMA chain
-      const float* __restrict x0 = p.x + r * p.depth;
-      const float* __restrict x1 = x0 + p.depth;
-      const float* __restrict x2 = x1 + p.depth;
-      const float* __restrict x3 = x2 + p.depth;
-      float sum0 = 0.0f, sum1 = 0.0f, sum2 = 0.0f, sum3 = 0.0f;
-#pragma omp simd reduction(+ : sum0, sum1, sum2, sum3)
-      for (int64_t k = 0; k < p.depth; ++k) {
-        const float wk = wide[k];
-        sum0 += x0[k] * wk;
-        sum1 += x1[k] * wk;
-        sum2 += x2[k] * wk;
-        sum3 += x3[k] * wk;
-      }
-      p.out[r * p.columns + n] = sum0;
-      p.out[(r + 1) * p.columns + n] = sum1;
-      p.out[(r + 2) * p.columns + n] = sum2;
-      p.out[(r + 3) * p.columns + n] = sum3;
-    }
-    for (; r < p.rows; ++r) {
-      const float* xr = p.x + r * p.depth;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t k = 0; k < p.depth; ++k) sum += xr[k] * wide[k];
-      p.out[r * p.columns + n] = sum;
-    }
-  }
-}
+// ---- Scheduling ----
 
-// How one weight's work is cut into items. [K, N] weights: column blocks (up to kColumns) times a fixed
-// split of K into `parts` (only where there are too few column blocks to keep the threads busy); each
-// part accumulates into its own [M, N] partial, and the partials are summed in part order, so that the
-// result never depends on which thread took which item (the same request gets the same logprobs, to
-// the last bit, however the threads ran). Transposed [N, K]: runs of weight rows (outputs), each
-// written once.
+// How one weight's work is cut into items. [K, N] weights: column blocks times a fixed split of K into
+// `parts` (only where there are too few column blocks to keep the threads busy); each part accumulates
+// into its own [M, N] partial, and the partials are summed in part order, so that the result never
+// depends on which thread took which item (the same request gets the same logprobs, to the last bit,
+// however the threads ran). With one group of rows (decode of a few sequences: bound by reading the
+// weights) the blocks are wide, so that an item reads long runs of memory; with more, kBlockColumns,
+// so that the threads split the columns rather than K (fewer partials to sum). Transposed [N, K]: runs
+// of weight rows (outputs), each written once.
 struct Plan {
   Problem problem;
   int64_t first_item = 0, num_items = 0;
-  int64_t blocks = 1, block_columns = kColumns, parts = 1;  // [K, N]
-  int64_t outputs_per_item = 1;                              // [N, K]
-  int64_t partial_offset = 0;                                // into the partials, [K, N]
+  int64_t block_columns = kBlockColumns, blocks = 1, parts = 1, chunk = 1;  // [K, N]
+  int64_t outputs_per_item = 1;                                             // [N, K]
+  int64_t partial_offset = 0;  // into the scratch partials, [K, N] parts after the first
 };
 
-template <typename Tag>
+template <typename T>
 Plan MakePlan(const Problem& p, bool transposed, int64_t num_workers) {
-  const int64_t element = sizeof(typename Element<Tag>::Stored);
+  const int64_t element = sizeof(typename T::Stored);
   Plan plan;
   plan.problem = p;
   if (transposed) {
-    plan.outputs_per_item = std::max<int64_t>(1, kItemBytes / (p.depth * element));
+    const int64_t fitting = kItemBytes / std::max<int64_t>(1, p.depth * element) / kNkItemMultiple * kNkItemMultiple;
+    plan.outputs_per_item = std::max(kNkItemMultiple, fitting);
     plan.num_items = (p.columns + plan.outputs_per_item - 1) / plan.outputs_per_item;
     return plan;
   }
-  // Columns per block: the item's accumulators, re-read for every four weight rows, must stay in L1 (at
-  // eight rows of x and 1536 columns they did not, and a batch-8 step ran at half the speed).
-  const int64_t fitting = kAccumulatorBytes / (int64_t(sizeof(float)) * p.rows) / 16 * 16;
-  plan.block_columns = std::max<int64_t>(64, std::min(kColumns, fitting));
+  if (p.rows <= kKnRows) {  // RowWalk: as wide as the accumulators fit in L1
+    const int64_t fitting = kAccumulatorBytes / (int64_t(sizeof(float)) * std::max<int64_t>(1, p.rows)) / 64 * 64;
+    plan.block_columns = std::max<int64_t>(64, std::min(kWideColumns, fitting));
+  } else {
+    plan.block_columns = kBlockColumns;
+  }
   plan.blocks = (p.columns + plan.block_columns - 1) / plan.block_columns;
+  const int64_t width = std::min(plan.block_columns, p.columns);
+  plan.chunk = std::max<int64_t>(4, std::min<int64_t>(64, kPackFloats / std::max<int64_t>(1, width)));
   // Two items per thread at least, so that a late helper still gets its share.
   const int64_t wanted = 2 * num_workers;
-  if (plan.blocks < wanted) plan.parts = std::min((wanted + plan.blocks - 1) / plan.blocks, std::max<int64_t>(1, p.depth / 4));
+  if (plan.blocks < wanted) {
+    const int64_t chunks = (p.depth + plan.chunk - 1) / plan.chunk;
+    plan.parts = std::max<int64_t>(1, std::min((wanted + plan.blocks - 1) / plan.blocks, chunks));
+  }
   plan.num_items = plan.blocks * plan.parts;
   return plan;
 }
 
 // Several weights times the same x (a layer's q, k and v, or gate and up) in one call: the items of
 // all of them in one schedule, so the threads stay busy across the weights' boundaries.
-template <typename Tag>
-void Run(ffi::ThreadPool& pool, std::vector<Problem> problems, bool transposed) {
-  const int64_t num_workers = std::max<int64_t>(1, pool.num_threads());
+template <typename T>
+void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
   std::vector<Plan> plans;
-  int64_t num_items = 0, partial_size = 0, depth = 0;
+  int64_t num_items = 0, partial_size = 0;
   for (const Problem& p : problems) {
-    plans.push_back(MakePlan<Tag>(p, transposed, num_workers));
+    plans.push_back(MakePlan<T>(p, transposed, num_workers));
     plans.back().first_item = num_items;
     plans.back().partial_offset = partial_size;
     num_items += plans.back().num_items;
-    if (!transposed) partial_size += plans.back().parts * p.rows * p.columns;
-    depth = std::max(depth, p.depth);
+    if (!transposed) {
+      partial_size += (plans.back().parts - 1) * p.rows * p.columns;
+      std::memset(p.out, 0, sizeof(float) * p.rows * p.columns);  // part 0 accumulates in the output
+    }
   }
-  // [K, N]: every part's partial, zeroed; [N, K]: a widened weight row per worker.
-  std::vector<float> scratch(transposed ? num_workers * depth : partial_size, 0.0f);
+  std::vector<float> scratch(partial_size, 0.0f);  // [K, N]: the partials of parts 1, 2, ...
   float* scratch_data = scratch.data();
   const Plan* plan_data = plans.data();
   const int64_t num_plans = int64_t(plans.size());
-  jaxserve_cpu::RunItems(num_workers, num_items, [=](int64_t worker, int64_t item) {
+  jaxserve_cpu::RunItems(num_workers, num_items, [=](int64_t /*worker*/, int64_t item) {
     const Plan* plan = plan_data;
     while (plan + 1 < plan_data + num_plans && item >= plan[1].first_item) ++plan;
     const Problem& p = plan->problem;
     const int64_t i = item - plan->first_item;
     if (transposed) {
       const int64_t n0 = i * plan->outputs_per_item;
-      TransposedItem<Tag>(p, n0, std::min(plan->outputs_per_item, p.columns - n0), scratch_data + worker * depth);
+      NkItem<T>(p, n0, std::min(plan->outputs_per_item, p.columns - n0));
       return;
     }
     const int64_t block = i % plan->blocks, part = i / plan->blocks;
     const int64_t c0 = block * plan->block_columns;
-    const int64_t k0 = p.depth * part / plan->parts, k1 = p.depth * (part + 1) / plan->parts;
-    float* partial = scratch_data + plan->partial_offset + part * p.rows * p.columns;
-    RowBlock<Tag>(p, k0, k1, c0, std::min(plan->block_columns, p.columns - c0), partial);
+    // Part boundaries on whole chunks, so that a part's passes are those a single part would make.
+    const int64_t chunks = (p.depth + plan->chunk - 1) / plan->chunk;
+    const int64_t k0 = std::min(p.depth, chunks * part / plan->parts * plan->chunk);
+    const int64_t k1 = std::min(p.depth, chunks * (part + 1) / plan->parts * plan->chunk);
+    float* partial = part == 0 ? p.out : scratch_data + plan->partial_offset + (part - 1) * p.rows * p.columns;
+    KnItem<T>(p, k0, k1, c0, std::min(plan->block_columns, p.columns - c0), plan->chunk, partial);
   });
   if (transposed) return;
   for (const Plan& plan : plans) {
     const Problem& p = plan.problem;
     const int64_t size = p.rows * p.columns;
     const float* partials = scratch_data + plan.partial_offset;
-    std::memcpy(p.out, partials, size * sizeof(float));
     for (int64_t part = 1; part < plan.parts; ++part) {
 #pragma omp simd
-      for (int64_t i = 0; i < size; ++i) p.out[i] += partials[part * size + i];
+      for (int64_t i = 0; i < size; ++i) p.out[i] += partials[(part - 1) * size + i];
     }
   }
 }
 
-template <typename Tag>
-void WidenRows(const void* x, int64_t count, float* out) {
-  const auto* in = static_cast<const typename Element<Tag>::Stored*>(x);
-  for (int64_t i = 0; i < count; ++i) out[i] = Element<Tag>::ToFloat(in[i]);
-}
-
-template <typename Tag>
-void WidenAndRun(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, std::vector<Problem> problems, bool transposed) {
+template <typename T>
+void WidenAndRun(int64_t num_workers, const ffi::AnyBuffer& x, std::vector<Problem> problems, bool transposed) {
   const int64_t count = problems[0].rows * problems[0].depth;
   std::vector<float> x_wide(count);
-  WidenRows<Tag>(x.untyped_data(), count, x_wide.data());
+  const auto* in = static_cast<const typename T::Stored*>(x.untyped_data());
+  for (int64_t i = 0; i < count; ++i) x_wide[i] = T::One(in[i]);
   for (Problem& p : problems) p.x = x_wide.data();
-  Run<Tag>(pool, std::move(problems), transposed);
+  Run<T>(std::move(problems), transposed, num_workers);
 }
 
 // x [M, K] times each weight w_i ([K, N_i], or [N_i, K] when transposed), into out_i [M, N_i] float32.
@@ -360,16 +540,20 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArg
     if (w->element_type() != type) return ffi::Error::InvalidArgument("small_matmul: x and w must share a dtype");
     problems.push_back(Problem{w->untyped_data(), nullptr, (*out)->typed_data(), rows, depth, columns});
   }
+  const int64_t num_workers = std::max<int64_t>(1, pool.num_threads());
   switch (type) {
-    case ffi::DataType::BF16: WidenAndRun<BF16Tag>(pool, x, std::move(problems), transposed); break;
-    case ffi::DataType::F16: WidenAndRun<F16Tag>(pool, x, std::move(problems), transposed); break;
-    case ffi::DataType::F32: WidenAndRun<float>(pool, x, std::move(problems), transposed); break;
+    case ffi::DataType::BF16: WidenAndRun<BF16>(num_workers, x, std::move(problems), transposed); break;
+    case ffi::DataType::F16: WidenAndRun<F16>(num_workers, x, std::move(problems), transposed); break;
+    case ffi::DataType::F32: WidenAndRun<F32>(num_workers, x, std::move(problems), transposed); break;
     default: return ffi::Error::InvalidArgument("small_matmul: float32, bfloat16 or float16 only");
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+// The instruction path this library was compiled for: "avx512", "avx2" or "portable".
+extern "C" const char* JaxserveCpuKernelPath() { return kPath; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmul, SmallMatmul,
                               ffi::Ffi::Bind()

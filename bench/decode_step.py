@@ -1,18 +1,23 @@
 """Where a decode step's time goes, against the memory roofline (issue #16 item 3).
 
-For each dtype: the compiled decode step alone (device time, batch 1 and 8, fixed context), the engine's
-single-stream decode end to end (tokens/s, from two generate calls that differ only in output length), the
-host's share of an engine step (schedule, input building, dispatch, fetch, postprocess), and the roofline:
-bytes a decode token must read (weights + the context's KV) over a read bandwidth measured in the same run.
-Prints JSON lines.
+For each dtype: the compiled decode step alone (device time at each of --batches, fixed context), the
+engine's single-stream decode end to end (tokens/s, from two generate calls that differ only in output
+length), the host's share of an engine step (schedule, input building, dispatch, fetch, postprocess), and
+the roofline: bytes a decode token must read (weights + the context's KV) over a read bandwidth measured
+in the same run. `--profile` splits each step (issue #29): the model's projections alone, those the C++
+small matmul serves and those XLA's dots serve (each group timed on its own with the step's rows), and
+the rest of the step. The CPU (model, vector flags) and the kernel's instruction path head the output
+(JAXSERVE_CPU_KERNEL_PATH=avx2 measures what an AVX2-only CPU's kernel does). Prints JSON lines.
 
     .venv/bin/python bench/decode_step.py [--model default] [--dtypes float32,bfloat16] [--rounds 3]
+        [--batches 1,8,32] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -129,6 +134,68 @@ def single_stream(llm, clock: HostClock, prompt: list[int], new_tokens: int, dev
     return steps / (whole - first), per_step, tokens
 
 
+def cpu_description() -> dict:
+    """The CPU model, its vector flags and the kernel's instruction path: which machine a figure came from."""
+    from pallas_kernels import cpu_library
+    from pallas_kernels.matmul import SMALL_MATMUL_MAX_ROWS, cpu
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    vector = sorted(f for f in cpu_library.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    return dict(
+        cpu_model=model,
+        cpu_vector_flags=vector,
+        kernel_path=cpu.kernel_path() if cpu.available() else None,
+        small_matmul_max_rows={str(dtype): rows for dtype, rows in SMALL_MATMUL_MAX_ROWS.items()},
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+    )
+
+
+def projection_groups(llm, batch: int):
+    """The engine's matmul plan, and the model's projection weights by who serves `batch` rows: "kernel"
+    (the C++ small matmul) or "xla" (the reference's dots), each entry (weight, transposed)."""
+    from flax import nnx
+
+    from jaxserve.models.layers import Linear
+    from pallas_kernels.matmul import SmallMatmul
+
+    runner = llm.engine.runner
+    model = nnx.merge(runner.graphdef, jax.tree.unflatten(runner.params_treedef, runner.param_leaves))
+    linears = [node for _, node in nnx.iter_graph(model) if isinstance(node, Linear)]
+    plan = linears[0].matmul
+    weights = [(linear.kernel[...], False) for linear in linears]
+    config = llm.engine.model_config
+    if getattr(config, "tie_word_embeddings", False):  # the embedding serves as the head, transposed
+        embedding = next(x for x in runner.param_leaves if x.ndim == 2 and x.shape[0] == config.vocab_size)
+        weights.append((embedding, True))
+    groups: dict[str, list] = {"kernel": [], "xla": []}
+    for weight, transposed in weights:
+        served = isinstance(plan._entry(batch, (weight,)), SmallMatmul)
+        groups["kernel" if served else "xla"].append((weight, transposed))
+    return plan, {name: group for name, group in groups.items() if group}
+
+
+def projections_ms(llm, batch: int, repeats: int) -> dict[str, float]:
+    """Median ms of each group of projections (projection_groups) at `batch` rows, every result kept."""
+    plan, groups = projection_groups(llm, batch)
+    times = {}
+    for name, group in groups.items():
+        weights = [w for w, _ in group]
+        flags = [t for _, t in group]
+        depth_of = [w.shape[1] if t else w.shape[0] for w, t in group]
+        xs = {d: jnp.ones((batch, d), weights[0].dtype) for d in set(depth_of)}
+
+        def run(xs, weights, flags=tuple(flags), depth_of=tuple(depth_of)):
+            return [plan(xs[d], w, transposed=t) for w, t, d in zip(weights, flags, depth_of)]
+
+        times[name] = round(1e3 * median_time(jax.jit(run), xs, weights, repeats=repeats), 3)
+    return times
+
+
 def weight_bytes(llm) -> int:
     return sum(x.nbytes for x in llm.engine.runner.param_leaves)
 
@@ -147,24 +214,37 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
         resolve_model_path(args.model),
         dtype=dtype,
         max_model_len=512,
-        max_num_seqs=8,
-        decode_seq_buckets=(1, 8),
+        max_num_seqs=max(args.batches),
+        decode_seq_buckets=tuple(args.batches),
         prefill_token_buckets=(64, 256),
         max_num_batched_tokens=256,
         show_progress=False,
     )
+    prompt = [token % llm.engine.model_config.vocab_size for token in prompt]  # tiny models' small vocabularies
     context = len(prompt) + args.new_tokens // 2
     roof_bytes = weight_bytes(llm) + kv_bytes_per_token(llm, context)
     roofline_tok_s = bandwidth / roof_bytes
     clock = HostClock(llm.engine)
     for round_ in range(args.rounds):
-        step_ms = {b: device_step_ms(llm, b, context, args.repeats) for b in (1, 8)}
+        step_ms = {b: device_step_ms(llm, b, context, args.repeats) for b in args.batches}
         tok_s, host, tokens = single_stream(llm, clock, prompt, args.new_tokens, step_ms[1])
+        if args.profile:
+            for b in args.batches:
+                parts = projections_ms(llm, b, args.repeats)
+                emit(
+                    dtype=dtype,
+                    round=round_,
+                    batch=b,
+                    step_ms=round(step_ms[b], 3),
+                    step_ms_per_row=round(step_ms[b] / b, 3),
+                    projections_ms=parts,
+                    rest_ms=round(step_ms[b] - sum(parts.values()), 3),
+                )
         emit(
             dtype=dtype,
             round=round_,
-            step_ms_batch1=round(step_ms[1], 3),
-            step_ms_batch8=round(step_ms[8], 3),
+            **{f"step_ms_batch{b}": round(step_ms[b], 3) for b in args.batches},
+            **{f"step_ms_per_row_batch{b}": round(step_ms[b] / b, 3) for b in args.batches},
             device_roofline_fraction=round(1e3 / step_ms[1] / roofline_tok_s, 3),
             single_stream_tok_s=round(tok_s, 2),
             roofline_tok_s=round(roofline_tok_s, 2),
@@ -184,7 +264,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (the engine's decode buckets)")
+    parser.add_argument("--profile", action="store_true", help="split each step: kernel / XLA projections, rest")
     args = parser.parse_args()
+    args.batches = sorted({1, *(int(b) for b in args.batches.split(","))})
     bandwidth = read_bandwidth()
     emit(
         bench="decode_step",
@@ -192,6 +275,7 @@ def main() -> None:
         read_bandwidth_gb_s=round(bandwidth / 1e9, 2),
         jax=jax.__version__,
         python=sys.version.split()[0],
+        **cpu_description(),
     )
     prompt = np.random.default_rng(0).integers(100, 10000, size=args.prompt_tokens).tolist()
     for dtype in args.dtypes.split(","):

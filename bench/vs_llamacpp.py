@@ -17,7 +17,10 @@ Per precision, with 2 threads each (llama.cpp: -t 2; jaxserve: XLA on this machi
            once: LLM.generate vs llama-server -np 8 -cb, output tokens/s
   greedy   token-for-token agreement of the two engines' greedy outputs (a few text prompts and the
            batched requests)
-Prints JSON lines, then a table with the ratios (jaxserve / llama.cpp; > 1: jaxserve faster).
+Prints JSON lines, then a table with the ratios (jaxserve / llama.cpp; > 1: jaxserve faster). The first line
+names the machine: CPU model, vector flags, jaxserve's kernel instruction path. `--kernel-path avx2` builds
+jaxserve's CPU kernels without AVX-512 (JAXSERVE_CPU_KERNEL_PATH) to measure what an AVX2-only CPU's
+kernels do; XLA's own dots and llama.cpp still use the machine's full ISA (say so beside such figures).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamacpp_peer as peer  # noqa: E402
+from decode_step import cpu_description  # noqa: E402
 
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")
 DTYPES = {"f32": ("float32", "F32"), "bf16": ("bfloat16", "BF16")}  # precision -> (jaxserve dtype, GGUF type)
@@ -220,7 +224,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-q8", dest="q8", action="store_false", help="skip the llama.cpp Q8_0 reference line")
     parser.add_argument("--no-llama-bench", dest="llama_bench", action="store_false")
+    parser.add_argument("--kernel-path", default=None, help="jaxserve's CPU kernel path: avx512, avx2 or portable")
     args = parser.parse_args()
+    if args.kernel_path:  # before jaxserve builds its kernels
+        os.environ["JAXSERVE_CPU_KERNEL_PATH"] = args.kernel_path
     pin_threads(args.threads)
     peer.ensure_built(CACHE_DIR)
     jax_path, ggufs, name = model_files(args)
@@ -228,6 +235,7 @@ def main() -> None:
     emit(
         bench="vs_llamacpp",
         model=name,
+        **cpu_description(),
         threads=args.threads,
         cpu_count=os.cpu_count(),
         single=dict(prompt_tokens=len(single[0]), new_tokens=single[1]),

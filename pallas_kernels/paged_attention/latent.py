@@ -12,21 +12,24 @@ Implementations, one signature each (latent_reference.py is the specification):
   reference  pure jax.numpy, any backend, any dtype
   cpu        the reference under XLA (the C++ kernels serve per-head K/V only); pages written by the
              C++ writer, in place
-  pallas     latent_pallas.py: Triton on GPU, interpret mode on the CPU; on TPU the reference for now
+  pallas     latent_pallas.py (Triton) off a TPU, interpret mode on the CPU; latent_pallas_tpu.py (Mosaic)
+             on a TPU
 """
 
 from __future__ import annotations
 
 import jax
 
-from pallas_kernels.paged_attention import kernel_modules, latent_pallas, latent_reference
+from pallas_kernels.paged_attention import kernel_modules, latent_pallas, latent_pallas_tpu, latent_reference
 
 
 def ragged_paged_latent_attention(
     q, first_pages, second_pages, page_table, token_seq_ids, positions, *, query_block: int, scale: float, impl: str
 ):
     """q [T, H, 2C] (absorbed, unscaled); pools [num_pages, page_size, 1, C] -> [T, H, 2C]."""
-    module = latent_pallas if impl == "pallas" and jax.default_backend() != "tpu" else latent_reference
+    module = latent_reference
+    if impl == "pallas":
+        module = latent_pallas_tpu if jax.default_backend() == "tpu" else latent_pallas
     return module.ragged_paged_latent_attention(
         q, first_pages, second_pages, page_table, token_seq_ids, positions, query_block=query_block, scale=scale
     )

@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.mesh import AbstractDevice, AbstractMesh
 
-from pallas_kernels.paged_attention import latent, latent_pallas, latent_reference
+from pallas_kernels.paged_attention import latent, latent_pallas, latent_pallas_tpu, latent_reference
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 
@@ -124,9 +125,13 @@ def test_reference_equals_dense_latent_attention(heads, half, page_size, query_b
     assert not got[padding].any(), "padding tokens come out as zeros"
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "module, dtype",
+    [(latent_pallas, jnp.float32), (latent_pallas, jnp.bfloat16), (latent_pallas_tpu, jnp.float32)],
+    ids=["triton-f32", "triton-bf16", "mosaic-f32"],
+)
 @pytest.mark.parametrize("heads, half, page_size, query_block, lengths, new_tokens", CASES)
-def test_pallas_equals_reference(heads, half, page_size, query_block, lengths, new_tokens, dtype):
+def test_pallas_equals_reference(heads, half, page_size, query_block, lengths, new_tokens, module, dtype):
     rng = np.random.default_rng(heads * 7 + page_size)
     arrays, _, _ = make_case(
         rng,
@@ -139,7 +144,7 @@ def test_pallas_equals_reference(heads, half, page_size, query_block, lengths, n
         dtype=dtype,
     )
     expected = attend(latent_reference, arrays, query_block, 0.21)
-    got = attend(latent_pallas, arrays, query_block, 0.21)
+    got = attend(module, arrays, query_block, 0.21)
     np.testing.assert_allclose(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -196,9 +201,9 @@ def test_lane_chunks_are_powers_of_two_covering_the_row():
 
 
 @pytest.mark.parametrize("half, heads, query_block", [(288, 16, 1), (12, 3, 4)])
-def test_pallas_latent_kernel_lowers_to_triton(half, heads, query_block):
-    """The real (not interpret-mode) Triton lowering for CUDA, run on this CPU machine: DeepSeek's entry
-    halves (288 lanes: not a power of two) and odd head counts."""
+def test_pallas_latent_kernels_lower_for_gpu_and_tpu(half, heads, query_block):
+    """The real (not interpret-mode) lowerings, run on this CPU machine: Triton for CUDA and Mosaic for a TPU
+    v5e, with DeepSeek's entry halves (288 lanes: not a power of two) and odd head counts."""
     num_tokens = 2 * query_block
     args = (
         jnp.zeros((num_tokens, heads, 2 * half), jnp.bfloat16),
@@ -214,3 +219,13 @@ def test_pallas_latent_kernel_lowers_to_triton(half, heads, query_block):
         )
     )
     assert "triton" in kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    tpu = jax.jit(
+        functools.partial(
+            latent_pallas_tpu.ragged_paged_latent_attention, query_block=query_block, scale=0.1, interpret=False
+        )
+    )
+    v5e = AbstractMesh(
+        (1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    )
+    with jax.sharding.use_abstract_mesh(v5e):
+        assert "tpu_custom_call" in tpu.trace(*args).lower(lowering_platforms=("tpu",)).as_text()

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sharding.moe import ExpertPlacement, place_experts, store_experts
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_BIASES = ("gate_proj_bias", "up_proj_bias", "down_proj_bias")  # GPT-OSS's, stored row by row alike
 
 
 def read_load_profile(source, num_layers: int, num_experts: int) -> np.ndarray:
@@ -88,6 +89,11 @@ def _stored_rows(flat: dict, prefix: tuple) -> np.ndarray:
     return device_of * rows_per_device + slot_of
 
 
+def _expert_arrays(flat: dict, prefix: tuple) -> tuple[str, ...]:
+    """The per-expert arrays of an MoE layer: its weights, and its biases where the model has them."""
+    return EXPERT_WEIGHTS + tuple(name for name in EXPERT_BIASES if prefix + (name,) in flat)
+
+
 def device_of_experts(state: nnx.State) -> np.ndarray:
     """[layers, experts]: the device each expert of each MoE layer sits on."""
     flat = dict(nnx.to_flat_state(state))
@@ -134,7 +140,7 @@ def rebalance(state: nnx.State, load: np.ndarray) -> nnx.State:
         if np.array_equal(device_of, placed) and np.array_equal(slot_of, flat[prefix + ("expert_slot",)].get_value()):
             continue  # this layer's experts already sit where they should
         gather = _rebalance_gather(_stored_rows(flat, prefix), np.asarray(storage_order))
-        for name in EXPERT_WEIGHTS:
+        for name in _expert_arrays(flat, prefix):
             variable = flat[prefix + (name,)]
             flat[prefix + (name,)] = variable.replace(move_rows(variable.get_value(), gather))
         for name, value in (("expert_device", device_of), ("expert_slot", slot_of)):
@@ -158,7 +164,7 @@ def canonical_params(state: nnx.State) -> nnx.State:
     flat = dict(nnx.to_flat_state(state))
     for prefix in _moe_layers(flat):
         rows = _stored_rows(flat, prefix)  # expert e <- its current row
-        for name in EXPERT_WEIGHTS:
+        for name in _expert_arrays(flat, prefix):
             variable = flat[prefix + (name,)]
             stored = variable.get_value()
             if len(rows) == stored.shape[0]:

@@ -44,13 +44,26 @@ class ExpertPlacement(nnx.Variable):
     """
 
 
-def grouped_expert_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, activation):
+def grouped_expert_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, activation, biases=(), glu=None):
     """rows [R, E] sorted by expert, group_sizes [X] (rows past their sum are left out) -> [R, E]:
-    each expert's gated MLP over its own rows; gate/up [X, E, F], down [X, F, E]."""
-    hidden = activation(jax.lax.ragged_dot(rows, gate_proj, group_sizes)) * jax.lax.ragged_dot(
-        rows, up_proj, group_sizes
-    )
-    return jax.lax.ragged_dot(hidden, down_proj, group_sizes)
+    each expert's gated MLP over its own rows; gate/up [X, E, F], down [X, F, E]. biases (GPT-OSS): the
+    experts' gate, up and down biases ([X, F], [X, F], [X, E]), or () for none; glu(gate, up) -> hidden
+    replaces activation(gate) * up where the model gates otherwise (GPT-OSS's clamped SwiGLU)."""
+    gate = jax.lax.ragged_dot(rows, gate_proj, group_sizes)
+    up = jax.lax.ragged_dot(rows, up_proj, group_sizes)
+    if biases:
+        gate_bias, up_bias, down_bias = (_bias_by_row(bias, group_sizes, rows.shape[0]) for bias in biases)
+        gate, up = gate + gate_bias.astype(gate.dtype), up + up_bias.astype(up.dtype)
+    hidden = glu(gate, up) if glu is not None else activation(gate) * up
+    out = jax.lax.ragged_dot(hidden, down_proj, group_sizes)
+    return out + down_bias.astype(out.dtype) if biases else out
+
+
+def _bias_by_row(bias, group_sizes, num_rows: int):
+    """bias [X, N] -> [R, N]: each grouped row's expert's bias; zero for rows past the groups."""
+    ends = jnp.cumsum(group_sizes)
+    expert_of_row = jnp.searchsorted(ends, jnp.arange(num_rows), side="right")  # [R]; X past the groups
+    return jnp.where((expert_of_row < bias.shape[0])[:, None], bias[jnp.minimum(expert_of_row, bias.shape[0] - 1)], 0)
 
 
 @dataclass(frozen=True)
@@ -63,14 +76,28 @@ class LocalExperts:
     def initial_placement(self, num_experts: int) -> tuple:
         return ()  # nothing to place: every expert is everywhere
 
-    def __call__(self, x, weights, expert_ids, gate_proj, up_proj, down_proj, placement: tuple, *, activation):
-        """x [T, E], weights / expert_ids [T, k] -> [T, E]; placement: () as initial_placement gave."""
+    def __call__(
+        self,
+        x,
+        weights,
+        expert_ids,
+        gate_proj,
+        up_proj,
+        down_proj,
+        placement: tuple,
+        *,
+        activation,
+        biases=(),
+        glu=None,
+    ):
+        """x [T, E], weights / expert_ids [T, k] -> [T, E]; placement: () as initial_placement gave; biases and
+        glu as grouped_expert_mlp takes them."""
         num_tokens, top_k = expert_ids.shape
         flat_experts = expert_ids.reshape(-1)  # [R]
         order = jnp.argsort(flat_experts, stable=True)
         token_of_copy = order // top_k  # [R]
         group_sizes = jnp.bincount(flat_experts, length=gate_proj.shape[0]).astype(jnp.int32)
-        out = grouped_expert_mlp(x[token_of_copy], group_sizes, gate_proj, up_proj, down_proj, activation)
+        out = grouped_expert_mlp(x[token_of_copy], group_sizes, gate_proj, up_proj, down_proj, activation, biases, glu)
         out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
         combined = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token_of_copy].add(out)
         return combined.astype(x.dtype)
@@ -90,7 +117,20 @@ class ExpertParallel:
         device_of, slot_of, _ = place_experts(None, num_experts, self.mesh.size)
         return ExpertPlacement(device_of), ExpertPlacement(slot_of)
 
-    def __call__(self, x, weights, expert_ids, gate_proj, up_proj, down_proj, placement: tuple, *, activation):
+    def __call__(
+        self,
+        x,
+        weights,
+        expert_ids,
+        gate_proj,
+        up_proj,
+        down_proj,
+        placement: tuple,
+        *,
+        activation,
+        biases=(),
+        glu=None,
+    ):
         expert_to_device, expert_slot = placement
         return expert_parallel_moe(
             x,
@@ -104,6 +144,8 @@ class ExpertParallel:
             mesh=self.mesh,
             axis=self.mesh.axis_names,
             activation=activation,
+            biases=biases,
+            glu=glu,
         )
 
 
@@ -113,7 +155,7 @@ def expert_dispatch(mesh: Mesh | None = None) -> LocalExperts | ExpertParallel:
 
 
 def _local_moe(
-    x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *, axis, activation
+    x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *biases, axis, activation, glu
 ):
     num_devices = jax.lax.psum(1, axis)
     tokens, embed = x.shape
@@ -148,7 +190,9 @@ def _local_moe(
     sort_key = jnp.where(slots < 0, local_experts, slots)
     row_order = jnp.argsort(sort_key, stable=True)
     group_sizes = jnp.bincount(sort_key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
-    out_grouped = grouped_expert_mlp(rows[row_order], group_sizes, gate_proj, up_proj, down_proj, activation)
+    out_grouped = grouped_expert_mlp(
+        rows[row_order], group_sizes, gate_proj, up_proj, down_proj, activation, tuple(biases), glu
+    )
     out_rows = jnp.zeros_like(out_grouped).at[row_order].set(out_grouped)
     returned = jax.lax.all_to_all(out_rows.reshape(num_devices, copies, embed), axis, 0, 0, tiled=False)
 
@@ -175,10 +219,13 @@ def expert_parallel_moe(
     mesh,
     axis,
     activation=jax.nn.silu,
+    biases=(),
+    glu=None,
 ):
     """x [T, E] and its routing (weights / expert_ids [T, k], ids < X) split over `axis`; gate/up [S, E, F] and
     down [S, F, E] stored per device, L rows each (expert_to_device / expert_slot [X] say where each expert
-    is; `store_experts` lays canonical weights out so). Returns [T, E], split like x."""
+    is; `store_experts` lays canonical weights out so); biases ([S, F], [S, F], [S, E] or ()) stored alike.
+    Returns [T, E], split like x."""
     num_rows = gate_proj.shape[0]
     axes = axis if isinstance(axis, tuple) else (axis,)
     num_devices = 1
@@ -193,13 +240,14 @@ def expert_parallel_moe(
     padding = ((0, -num_tokens % num_devices), (0, 0))  # every device gets the same number of tokens
     x, weights, expert_ids = (jnp.pad(a, padding) for a in (x, weights, expert_ids))  # padding: weight 0
     body = jax.shard_map(
-        lambda *args: _local_moe(*args, axis=axis, activation=activation),
+        lambda *args: _local_moe(*args, axis=axis, activation=activation, glu=glu),
         mesh=mesh,
-        in_specs=(P(axis),) * 6 + (P(), P()),  # tokens, routing, expert weights; placements
+        in_specs=(P(axis),) * 6 + (P(), P()) + (P(axis),) * len(biases),  # tokens, routing, experts; placements
         out_specs=P(axis),
         check_vma=False,
     )
-    return body(x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot)[:num_tokens]
+    operands = (x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *biases)
+    return body(*operands)[:num_tokens]
 
 
 def num_expert_rows(num_experts: int, num_devices: int) -> int:

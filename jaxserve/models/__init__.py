@@ -39,7 +39,7 @@ _LAZY = {
 
 def _checkpoint_names() -> dict:
     """model_type -> read_param(reader, our param path, its shape) -> the checkpoint tensor laid out as ours"""
-    from jaxserve.models import deepseek, llama, mixtral, phi3, qwen3_moe
+    from jaxserve.models import deepseek, gpt_oss, llama, mixtral, phi3, qwen3_moe
 
     return {
         "gemma2": llama.read_param,
@@ -55,6 +55,7 @@ def _checkpoint_names() -> dict:
         "deepseek_v2": deepseek.read_param,
         "deepseek_v3": deepseek.read_param,
         "kimi_k2": deepseek.read_param,
+        "gpt_oss": gpt_oss.read_param,
     }
 
 

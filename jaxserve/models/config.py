@@ -20,6 +20,7 @@ from typing import Any
 
 from jaxserve.config import canonical_dtype
 from jaxserve.models.deepseek_config import DEEPSEEK_MODEL_TYPES, deepseek_fields
+from jaxserve.models.gpt_oss_config import GPT_OSS_MODEL_TYPES, gpt_oss_fields, with_default_rope
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -33,6 +34,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "phi3",
     *DEEPSEEK_MODEL_TYPES,
+    *GPT_OSS_MODEL_TYPES,
 )
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
@@ -144,6 +146,13 @@ class ModelConfig:
     num_expert_groups_kept: int = 1
     routed_scaling_factor: float = 1.0
     expert_score_correction_bias: bool = False
+    # GPT-OSS (gpt_oss_config.py): a learned sink logit per query head in every attention softmax; a bias on
+    # the router and on each expert's projections; experts gate with a clamped SwiGLU where swiglu_limit > 0
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_biases: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 0.0
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -270,6 +279,8 @@ class ModelConfig:
             )
         except KeyError as missing:
             raise ValueError(f"config.json is missing required key {missing}") from None
+        if model_type in GPT_OSS_MODEL_TYPES:
+            hf = with_default_rope(hf)
         eos = hf.get("eos_token_id")
         fields: dict[str, Any] = dict(
             model_type=model_type,
@@ -291,6 +302,8 @@ class ModelConfig:
         fields.update(_family_fields(model_type, hf, fields))
         if model_type in DEEPSEEK_MODEL_TYPES:
             fields.update(deepseek_fields(model_type, hf))
+        if model_type in GPT_OSS_MODEL_TYPES:
+            fields.update(gpt_oss_fields(hf, sizes["num_layers"]))
         return cls(**fields)
 
     @classmethod

@@ -273,6 +273,9 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, "head_dim", offset) if config.qk_norm else None
         self.sliding_window = config.layer_sliding_window(layer)
         self.logits_soft_cap = config.attention_logit_soft_cap
+        # GPT-OSS: a learned logit per query head that joins every softmax's denominator
+        sinks = nnx.Param(jnp.zeros((config.num_heads,), dtype), logical_axes=("heads",))  # [H]
+        self.sinks = sinks if config.attention_sinks else None
         # Gemma scales scores by query_pre_attn_scalar ** -0.5; the kernels by head_dim ** -0.5, so the
         # queries make up the difference
         scalar = config.query_pre_attention_scalar
@@ -307,6 +310,7 @@ class Attention(nnx.Module):
             metadata,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            **({} if self.sinks is None else {"sinks": self.sinks[...]}),
         )
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)), key_pages, value_pages
 

@@ -8,6 +8,7 @@ or an all-to-all to the devices that hold them) is the `experts` function the mo
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import jax
@@ -33,9 +34,22 @@ class Experts(Protocol):
         ...
 
     def __call__(
-        self, x, weights, expert_ids, gate_proj, up_proj, down_proj, placement: tuple, *, activation
+        self,
+        x,
+        weights,
+        expert_ids,
+        gate_proj,
+        up_proj,
+        down_proj,
+        placement: tuple,
+        *,
+        activation,
+        biases: tuple = (),
+        glu=None,
     ) -> jax.Array:
-        """x [T, E], weights / expert_ids [T, k], gate/up [S, E, F], down [S, F, E] -> [T, E]."""
+        """x [T, E], weights / expert_ids [T, k], gate/up [S, E, F], down [S, F, E] -> [T, E]; biases: the
+        experts' gate/up [S, F] and down [S, E] biases, or (); glu(gate, up) -> hidden in place of
+        activation(gate) * up (None: that)."""
         ...
 
 
@@ -49,13 +63,21 @@ def route(router_logits, top_k: int, normalize: bool = True):
     return weights, expert_ids
 
 
+def clamped_swiglu(gate, up, *, alpha: float, limit: float):
+    """GPT-OSS's gated unit: the gate clamped from above and the up projection both ways at `limit`, then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
 class SparseMoE(nnx.Module):
     def __init__(self, config: ModelConfig, dtype, matmul: Matmul, rngs: nnx.Rngs, experts: Experts):
         e, f, x = config.hidden_size, config.expert_intermediate_size, config.num_experts
         s = experts.num_expert_rows(x)
         init = nnx.initializers.lecun_normal()
         # the router: small, replicated
-        self.gate = linear(e, x, ("embed", None), bias=False, dtype=dtype, matmul=matmul, rngs=rngs)
+        self.gate = linear(e, x, ("embed", None), bias=config.router_bias, dtype=dtype, matmul=matmul, rngs=rngs)
         self.gate_proj = nnx.Param(
             init(rngs.params(), (s, e, f), dtype), logical_axes=("expert", "embed", "expert_mlp")
         )  # [S, E, F]
@@ -65,6 +87,16 @@ class SparseMoE(nnx.Module):
         self.down_proj = nnx.Param(
             init(rngs.params(), (s, f, e), dtype), logical_axes=("expert", "expert_mlp", "embed")
         )  # [S, F, E]
+        # GPT-OSS: each expert's projections have biases, and its unit is a clamped SwiGLU
+        biases = config.expert_biases
+        self.gate_proj_bias = (
+            nnx.Param(jnp.zeros((s, f), dtype), logical_axes=("expert", "expert_mlp")) if biases else None
+        )
+        self.up_proj_bias = (
+            nnx.Param(jnp.zeros((s, f), dtype), logical_axes=("expert", "expert_mlp")) if biases else None
+        )
+        self.down_proj_bias = nnx.Param(jnp.zeros((s, e), dtype), logical_axes=("expert", "embed")) if biases else None
+        self.swiglu = (config.swiglu_alpha, config.swiglu_limit) if config.swiglu_limit else None
         if config.shared_expert_intermediate_size:
             self.shared_expert = MLP(config, dtype, matmul, rngs, shared_expert=True)
             self.shared_expert_gate = (
@@ -107,6 +139,7 @@ class SparseMoE(nnx.Module):
             self.down_proj[...],
             placement,
             activation=ACTIVATIONS[self.activation],
+            **self._gpt_oss_expert_options(),
         )
         if self.shared_expert is None:
             return routed
@@ -114,3 +147,13 @@ class SparseMoE(nnx.Module):
             return routed + self.shared_expert(x)
         gate = jax.nn.sigmoid(self.shared_expert_gate(x))  # [T, 1]
         return routed + gate * self.shared_expert(x)
+
+    def _gpt_oss_expert_options(self) -> dict:
+        """The experts' biases and gated unit where the model has them (GPT-OSS); nothing otherwise."""
+        options = {}
+        if self.gate_proj_bias is not None and self.up_proj_bias is not None and self.down_proj_bias is not None:
+            options["biases"] = (self.gate_proj_bias[...], self.up_proj_bias[...], self.down_proj_bias[...])
+        if self.swiglu is not None:
+            alpha, limit = self.swiglu
+            options["glu"] = functools.partial(clamped_swiglu, alpha=alpha, limit=limit)
+        return options

@@ -28,8 +28,9 @@ def lora_weight(rng, num_rows, size_in, size_out, num_slots, rank, dtype, row_sl
     )
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 3, 6, 40])  # up to 1, 3, 5 and 5 distinct adapters of 5
+@pytest.mark.parametrize(  # up to 1, 3, 5 and 5 distinct adapters of 5
+    "num_rows, dtype", [(1, jnp.float32), (3, jnp.bfloat16), (6, jnp.float32), (40, jnp.bfloat16)]
+)
 def test_batched_lora_matches_reference(num_rows, dtype):
     rng = np.random.default_rng(num_rows)
     weight = lora_weight(rng, num_rows, 24, 40, 6, 4, dtype)
@@ -50,7 +51,7 @@ def test_rows_without_adapters_get_the_base_product_exactly():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(REFERENCE_PLAN(rows, weight.base)))
 
 
-@pytest.mark.parametrize("num_distinct", [0, 1, 2, 3, 5, 8, 9])
+@pytest.mark.parametrize("num_distinct", [0, 1, 3, 9])  # no branch, and those for 1, 4 and 9
 def test_each_branch_size_matches_reference(num_distinct):
     """9 slots past the base: branches for 1, 2, 4, 8 and 9 adapters; rows use num_distinct of them (some
     rows none), in an order that leaves gaps among the slots used."""

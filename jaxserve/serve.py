@@ -166,6 +166,7 @@ class Server:
         parser = self.config.server.tool_call_parser
         self.service.attach(self.loop, limits, self.chat_template, fingerprint, parser)
         self.http_context.attach(self.loop, limits, self.chat_template, fingerprint, parser)
+        self.http_context.reasoning_parser = self.config.server.reasoning_parser
         self.disagg.attach(self.loop, limits)
         self.metrics.observe_engine(self.loop.stats)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)

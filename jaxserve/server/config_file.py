@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from jaxserve.config import ENGINE_GROUPS, EngineConfig
 from jaxserve.config_sections import build_section, read_sections, section_values
 from jaxserve.distributed.config import DistributedConfig
+from jaxserve.server.reasoning_parsers import PARSER_NAMES as REASONING_PARSER_NAMES
 from jaxserve.server.tool_parsers import PARSER_NAMES
 
 
@@ -83,6 +84,9 @@ class ServerConfig:
     max_sampling_token_ids: int = 1024  # entries of logit_bias and allowed_token_ids together
     # how chat replies' tool calls are read: hermes | llama3_json | mistral | auto (told from the chat template)
     tool_call_parser: str = "auto"
+    # how chat replies' reasoning is kept out of their content (returned as reasoning_content): gpt_oss |
+    # none | auto (gpt_oss for GPT-OSS checkpoints)
+    reasoning_parser: str = "auto"
     # The names the HTTP API answers to (vLLM's --served-model-name): one, or a list of aliases whose first
     # is the one responses carry; the checkpoint's name is accepted too. None: the checkpoint's name.
     served_model_name: str | tuple[str, ...] | None = None
@@ -107,6 +111,11 @@ class ServerConfig:
         if self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(
                 f"server.tool_call_parser must be one of {', '.join(PARSER_NAMES)}, got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser not in REASONING_PARSER_NAMES:
+            raise ValueError(
+                f"server.reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, "
+                f"got {self.reasoning_parser!r}"
             )
         for name in caps + (("max_prompt_bytes",) if self.max_prompt_bytes is not None else ()):
             if getattr(self, name) < 0:

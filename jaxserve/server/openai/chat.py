@@ -33,6 +33,7 @@ from jaxserve.server.openai.responses import (
     sse,
 )
 from jaxserve.server.openai.streams import StreamGroup, until_disconnected
+from jaxserve.server.reasoning_parsers import HarmonyReasoning
 from jaxserve.server.tool_choice import ToolPlan, plan_tools, template_messages
 from jaxserve.server.tool_parsers import ParsedReply
 from jaxserve.server.tool_parsers.stream import ToolCallHoldback
@@ -83,7 +84,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         request_id,
         body.session_id,
     )
-    call = ChatCall(context, body, group, plan)
+    call = ChatCall(context, body, group, plan, context.reasoning())
     if body.stream:
         return EventStreamResponse(call.events(), group)
     result = await until_disconnected(request.receive, call.collect())
@@ -91,10 +92,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 
 class ChatCall:
-    def __init__(self, context: ServingContext, body: ChatCompletionRequest, group: StreamGroup, plan: ToolPlan):
+    def __init__(
+        self,
+        context: ServingContext,
+        body: ChatCompletionRequest,
+        group: StreamGroup,
+        plan: ToolPlan,
+        reasoning: HarmonyReasoning | None = None,
+    ):
+        """reasoning: the parser that keeps a reply's reasoning out of its content (server.reasoning_parser),
+        returned as reasoning_content; None: a reply is all content."""
         self.body = body
         self.group = group
         self.plan = plan
+        self.reasoning = reasoning
         self.token_text = TokenText(group.engine_loop.engine.tokenizer)
         self.header = {
             "id": response_id("chatcmpl"),
@@ -131,13 +142,19 @@ class ChatCall:
         for index in range(self.body.n):
             yield self.chunk(index, {"role": "assistant", "content": ""})
         usage = UsageCounter()
-        holdbacks = {}
+        holdbacks, splits = {}, {}
         async for position, delta in self.group.deltas():
             if (message := failure(delta)) is not None:
                 yield sse(error_body(self.group.streams[position].error_status, message))
                 break
             usage.add(position, delta)
-            text, reply = delta.text, None
+            text, reply, reasoning = delta.text, None, ""
+            if self.reasoning is not None:  # the reply's tokens say which text is reasoning
+                split = splits.setdefault(delta.index, self.reasoning.start())
+                reasoning, text = split.feed(delta.token_ids)
+                if delta.finish_reason is not None:
+                    more_reasoning, more_text = split.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
             if self.plan.parser is not None:
                 holdback = holdbacks.setdefault(delta.index, ToolCallHoldback(self.plan.parser))
                 text = holdback.feed(text)
@@ -146,7 +163,9 @@ class ChatCall:
                     text += rest
             calls = self.calls(reply)
             finish_reason = None if calls else delta.finish_reason
-            content = {"content": text} if text or finish_reason is None else {}
+            content = {"content": text} if text or (finish_reason is None and not reasoning) else {}
+            if reasoning:
+                content = {"reasoning_content": reasoning, **content}
             self.group.mark_sending(True)
             yield self.chunk(
                 delta.index,
@@ -170,14 +189,19 @@ class ChatCall:
         listed = []
         for index in sorted(choices):
             gathered = choices[index]
-            content, calls = gathered.text, []
+            content, calls, reasoning = gathered.text, [], None
+            if self.reasoning is not None:
+                reasoning, content = self.reasoning.split(gathered.token_ids)
             if self.plan.parser is not None:
-                reply = self.plan.parser.parse(gathered.text)
+                reply = self.plan.parser.parse(content)
                 calls = self.calls(reply)
-                content = reply.content if calls else gathered.text
+                content = reply.content if calls else content
+            message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
+            if self.reasoning is not None:
+                message["reasoning_content"] = reasoning
             choice = {
                 "index": index,
-                "message": {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]},
+                "message": message,
                 "logprobs": self.logprobs(gathered.token_ids, gathered.logprobs),
                 "finish_reason": self.finish_reason(gathered.finish_reason, calls),
                 "stop_reason": None,

@@ -17,6 +17,7 @@ from jaxserve.server.limits import RequestLimits
 from jaxserve.server.openai.errors import APIError, api_error
 from jaxserve.server.openai.loop import GenerationLoop, RefusalMetrics
 from jaxserve.server.openai.streams import StreamGroup, submit_all
+from jaxserve.server.reasoning_parsers import HarmonyReasoning, reasoning_parser
 from jaxserve.server.tool_choice import parser_for_template
 from jaxserve.server.tool_parsers import ToolParser
 
@@ -47,6 +48,7 @@ class ServingContext:
         self._limits: RequestLimits | None = None
         self.chat_template: str | None = None
         self.tool_call_parser = "auto"  # server.tool_call_parser
+        self.reasoning_parser = "auto"  # server.reasoning_parser
         self.system_fingerprint = ""
         self.created = int(time.time())
         self.executor = ThreadPoolExecutor(ADMISSION_THREADS, thread_name_prefix="jaxserve-http-admit")
@@ -97,6 +99,17 @@ class ServingContext:
         if tokenizer is None:
             raise APIError(400, "the model has no tokenizer: send token ids")
         return tokenizer
+
+    def reasoning(self) -> HarmonyReasoning | None:
+        """server.reasoning_parser's parser for the served model; None: replies are all content (also for
+        "auto" where the tokenizer cannot write the model's reasoning format)."""
+        engine = self.ready_loop().engine
+        try:
+            return reasoning_parser(self.reasoning_parser, engine.model_config.model_type, engine.tokenizer)
+        except ValueError:
+            if self.reasoning_parser == "auto":
+                return None
+            raise
 
     def tool_parser(self, tools) -> ToolParser:
         """server.tool_call_parser's parser; "auto" reads the template this chat renders with."""

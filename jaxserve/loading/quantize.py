@@ -15,6 +15,7 @@ a GGUF file's quantized blocks stay quantized, float tensors stay float).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -128,10 +129,31 @@ def pack_nibbles(q: np.ndarray) -> np.ndarray:
     return (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).astype(np.uint8)
 
 
+# Bytes of float32 input quantized at a time: each chunk's temporaries (several float32 copies) stay small
+# beside the tensor, so loading holds the tensor once plus its quantized form (bench: peak load memory).
+CHUNK_BYTES = 8 << 20
+
+
 def quantize(weight: np.ndarray, spec: QuantizationSpec, compute_dtype: str) -> QuantizedWeight:
-    if spec.format == "int8":
-        return quantize_int8(weight, compute_dtype)
-    return quantize_int4(weight, spec.group_size, compute_dtype)
+    """weight [K, N] -> its QuantizedWeight, computed in chunks of columns (columns quantize independently)."""
+    depth, columns = weight.shape
+    step = max(16, CHUNK_BYTES // (4 * depth))
+    parts = []
+    for start in range(0, columns, step):
+        chunk = weight[:, start : start + step]
+        if spec.format == "int8":
+            parts.append(quantize_int8(chunk, compute_dtype))
+        else:
+            parts.append(quantize_int4(chunk, spec.group_size, compute_dtype))
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+
+    def joined(leaf: str):
+        arrays = [getattr(part, leaf) for part in parts]
+        return None if arrays[0] is None else np.concatenate(arrays, axis=-1)
+
+    return dataclasses.replace(first, values=joined("values"), scales=joined("scales"), mins=joined("mins"))
 
 
 def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, ...], spec, dtype, sharding):

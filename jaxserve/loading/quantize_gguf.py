@@ -101,22 +101,33 @@ def has_quantized_layout(qtype) -> bool:
     return qtype in LAYOUTS
 
 
+ROWS_PER_CHUNK = 2048  # GGUF rows (outputs) decoded at a time: decoding's temporaries stay small
+
+
 def from_gguf_blocks(raw: np.ndarray, qtype, compute_dtype: str) -> QuantizedWeight:
-    """raw [N, bytes per row] uint8 (a GGUF matrix's rows) -> the [K, N] QuantizedWeight with its values."""
+    """raw [N, bytes per row] uint8 (a GGUF matrix's rows) -> the [K, N] QuantizedWeight with its values,
+    decoded a chunk of rows at a time into arrays allocated once."""
     block_bytes, block_values, decode, bits = LAYOUTS[qtype]
     columns = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(-1, block_bytes)
-    q, scales, mins, group = decode(blocks)
     depth = raw.shape[1] // block_bytes * block_values
-    groups = depth // group
-    q = q.reshape(columns, depth).T  # [K, N]
-    scales = np.ascontiguousarray(scales.reshape(columns, groups).T)  # [G, N]
-    if mins is not None:
-        mins = np.ascontiguousarray(mins.reshape(columns, groups).T)
-    if bits == 4:
-        values = pack_nibbles(q.astype(np.uint8))
-    else:
-        values = np.ascontiguousarray(q.astype(np.int8))
+    values = scales = mins = None
+    group = 0
+    for start in range(0, columns, ROWS_PER_CHUNK):
+        rows = raw[start : start + ROWS_PER_CHUNK]
+        count = rows.shape[0]
+        q, chunk_scales, chunk_mins, group = decode(np.ascontiguousarray(rows).reshape(-1, block_bytes))
+        groups = depth // group
+        if values is None:
+            values = np.empty((depth // 2 if bits == 4 else depth, columns), np.uint8 if bits == 4 else np.int8)
+            scales = np.empty((groups, columns), chunk_scales.dtype)
+            mins = None if chunk_mins is None else np.empty((groups, columns), chunk_mins.dtype)
+        assert values is not None and scales is not None
+        q = q.reshape(count, depth).T  # [K, count]
+        values[:, start : start + count] = pack_nibbles(q.astype(np.uint8)) if bits == 4 else q
+        scales[:, start : start + count] = chunk_scales.reshape(count, groups).T
+        if mins is not None and chunk_mins is not None:
+            mins[:, start : start + count] = chunk_mins.reshape(count, groups).T
+    assert values is not None and scales is not None, "a GGUF matrix has rows"
     return QuantizedWeight(values, scales, mins, bits=bits, group_size=group, compute_dtype=compute_dtype)
 
 

@@ -13,8 +13,11 @@ and the mean length of the common prefix. Decode speed: one stream of `generate`
 same process run as the baseline. Each format prints a JSON line; the last line compares them.
 
 The default model's only checkpoint is llama.cpp's Q4_1 GGUF: `none` is those weights dequantized to float32,
-`auto` serves its Q4_1 blocks as stored (and should match `none` to float rounding), `int8` / `int4`
-re-quantize the dequantized values.
+`auto` and `int4` serve its Q4_1 blocks as stored (4 bits already), `int8` re-quantizes the dequantized values.
+To measure jaxserve's own int4 against llama.cpp's files, start from an F32 GGUF of the same weights (bench/
+vs_llamacpp.py writes one with llama-quantize) and name the other files as variants:
+
+    bench/quality.py --model F32.gguf --formats none,int8,int4,Q8_0.gguf:auto,Q4_0.gguf:auto
 """
 
 from __future__ import annotations
@@ -83,7 +86,11 @@ def agreement(baseline: list[list[int]], tokens: list[list[int]]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--formats", default="none,int8,int4,auto", help="model.quantization values; first: baseline")
+    parser.add_argument(
+        "--formats",
+        default="none,int8,int4,auto",
+        help="model.quantization values, or PATH:quantization for another file of the model; first: baseline",
+    )
     parser.add_argument("--group-size", type=int, default=32, help="int4's quantization_group_size")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=4096, help="of the text, for perplexity")
@@ -97,10 +104,12 @@ def main() -> None:
     with open(TEXT) as f:
         text = f.read()
     results, baseline = {}, None
-    for quantization in args.formats.split(","):
+    for variant in args.formats.split(","):
+        model, _, quantization = variant.rpartition(":")
+        model = model or args.model
         start = time.perf_counter()
         llm = LLM(
-            args.model,
+            model,
             dtype=args.dtype,
             quantization=quantization,
             quantization_group_size=args.group_size,
@@ -116,7 +125,7 @@ def main() -> None:
         stride = max(1, (len(token_ids) - 48) // args.prompts)
         prompts = [token_ids[i * stride : i * stride + 48] for i in range(args.prompts)]
         record = dict(
-            model=args.model,
+            model=os.path.basename(model),
             quantization=quantization,
             group_size=args.group_size if quantization == "int4" else None,
             dtype=args.dtype,
@@ -131,7 +140,7 @@ def main() -> None:
         record.update(agreement(baseline, tokens))
         record["num_compiles_after_warmup"] = llm.stats()["num_compiles_after_warmup"]
         emit(**record)
-        results[quantization] = record
+        results[variant if model == args.model else f"{os.path.basename(model)}:{quantization}"] = record
         del llm
         gc.collect()
     first = next(iter(results.values()))

@@ -29,6 +29,7 @@ from pallas_kernels.matmul.quantized import QuantizedWeight
 logger = logging.getLogger(__name__)
 
 FORMATS = ("none", "int8", "int4", "auto")
+SPEC_BITS = {"int8": 8, "int4": 4}  # a stored layout of these bits serves the format as it is
 INT4_GROUP_SIZES = (32, 64, 128)
 # Kernels that stay float: MoE routers (a handful of columns whose exact scores pick the experts, as
 # llama.cpp keeps ffn_gate_inp) and the shared expert's one-column gate.
@@ -158,10 +159,12 @@ def quantize(weight: np.ndarray, spec: QuantizationSpec, compute_dtype: str) -> 
 
 def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, ...], spec, dtype, sharding):
     """The value of a param marked for quantization: the reader's quantized blocks where it holds this
-    tensor quantized (and the spec is not asking for another format), else the float tensor quantized by
-    the spec (auto: left float). Returns a placed QuantizedWeight, or None for the caller's float path."""
+    tensor quantized with as many bits as the spec asks (auto: any), else the float tensor quantized by the
+    spec (auto: left float). Returns a placed QuantizedWeight, or None for the caller's float path."""
     compute_dtype = str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype
     stored = _stored_quantized(reader, read_param, path, compute_dtype)
+    if stored is not None and spec.format in SPEC_BITS and stored.bits != SPEC_BITS[spec.format]:
+        stored = None  # e.g. int8 asked of a Q4_1 file: re-quantized from the dequantized values
     as_stored = stored_shape(path, shape)
     transposed = as_stored != shape
     if stored is not None and tuple(stored.shape) != as_stored:

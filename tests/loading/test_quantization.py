@@ -14,7 +14,9 @@ from gguf import GGMLQuantizationType as T
 from jaxserve import LLM, SamplingParams
 from jaxserve.loading.default_model import random_llama_weights
 from jaxserve.loading.gguf import GGUFFile
-from pallas_kernels.matmul.quantized import QuantizedWeight
+from jaxserve.loading.quantize import QuantizationSpec, load_quantized
+from jaxserve.models import llama
+from pallas_kernels.matmul.quantized import QuantizedWeight, dequantize
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 from tests.support.gguf_files import write_gguf
 
@@ -169,3 +171,24 @@ def test_orbax_checkpoints_save_and_restore_quantized(tmp_path):
     params = SamplingParams(max_tokens=6, temperature=0.0)
     expected = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, params)]
     assert [output.outputs[0].token_ids for output in restored.generate(PROMPTS, params)] == expected
+
+
+def test_a_format_asked_for_keeps_blocks_of_its_bits_and_requantizes_the_rest(gguf_path):
+    """int8 asked of a GGUF file: Q8_0 blocks kept as stored, Q4_0 ones re-quantized to int8 per channel
+    from their dequantized values; int4 asked: the reverse."""
+    reader = GGUFFile(gguf_path).tensor_reader()
+
+    def load(module: str, shape: tuple[int, int], format: str) -> QuantizedWeight:
+        path = ("layers", "0", "self_attn", module, "kernel")
+        weight = load_quantized(reader, llama.read_param, path, shape, QuantizationSpec(format), "float32", None)
+        assert isinstance(weight, QuantizedWeight)
+        return weight
+
+    float_k = reader.read("model.layers.0.self_attn.k_proj.weight").T  # Q4_0, dequantized
+    q8 = load("q_proj", (256, 256), "int8")
+    assert (q8.bits, q8.group_size) == (8, 32)  # the file's Q8_0
+    k8 = load("k_proj", (256, 128), "int8")
+    assert (k8.bits, k8.group_size) == (8, 256)  # per channel, from the Q4_0 values
+    error = np.abs(np.asarray(dequantize(k8), np.float32) - float_k)
+    assert np.all(error <= np.asarray(k8.scales) / 2 + 1e-6)
+    assert load("k_proj", (256, 128), "int4").group_size == 32 and load("q_proj", (256, 256), "int4").bits == 4

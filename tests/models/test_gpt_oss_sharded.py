@@ -10,7 +10,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUNS = ["gpt_oss:2:1", "gpt_oss_6x:2:2:ep"]  # TP 2; data 2 x tensor 2 with the experts over all 4
+# TP 2; data 2 x tensor 2 with the experts over all 4; Qwen3-30B-A3B's shape with its 128 experts over 8 devices
+RUNS = ["gpt_oss:2:1", "gpt_oss_6x:2:2:ep", "qwen3_moe_30b_a3b_shape:1:8:ep"]
+GPT_OSS_RUNS = RUNS[:2]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def test_sharded_gpt_oss_equals_transformers(sharded_results, run):
 
 
 def test_sinks_split_with_the_query_heads(sharded_results):
-    for run in RUNS:
+    for run in GPT_OSS_RUNS:
         specs = sharded_results[run]["param_specs"]
         assert specs["layers.0.self_attn.sinks"] == ["tensor"]
         assert specs["layers.0.self_attn.q_proj.kernel"] == ["None", "tensor"]
@@ -54,3 +56,10 @@ def test_expert_biases_live_and_move_with_their_experts(sharded_results):
     assert uneven["same_bias_rows"] and uneven["bias_rows_moved"]
     assert all(uneven["after_rebalance"]["greedy_equal"])
     assert uneven["after_rebalance"]["max_logprob_error"] < 1e-3
+
+
+def test_qwen3_30b_a3b_shape_spreads_128_experts_over_8_devices(sharded_results):
+    outcome = sharded_results["qwen3_moe_30b_a3b_shape:1:8:ep"]
+    assert all(counts == [16] * 8 for counts in outcome["experts_per_device"])
+    assert outcome["param_specs"]["layers.0.mlp.gate_proj"][0] == "('data', 'tensor')"
+    assert all(outcome["after_rebalance"]["greedy_equal"])

@@ -434,6 +434,27 @@ MODELS = {
             random_vectors=True,
         ),
     ),
+    # Qwen3-30B-A3B's structure at a tenth of its width and two layers: 128 experts top 8 renormalized
+    # (norm_topk_prob), GQA 32:4, head_dim 128 independent of (and wider than) hidden / heads; bf16 on disk
+    # to keep the file small (the expectations are float32 math on the rounded weights)
+    "qwen3_moe_30b_a3b_shape": (
+        "qwen3_moe",
+        dict(
+            hidden_size=32,
+            intermediate_size=96,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            torch_dtype="bfloat16",
+        ),
+    ),
 }
 HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),

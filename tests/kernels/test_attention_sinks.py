@@ -81,9 +81,16 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize("page_size,head_dim,groups,dtype,query_block,sliding_window", GRID)
-def test_kernels_sinks_match_reference(kernel, page_size, head_dim, groups, dtype, query_block, sliding_window):
+# TPU interpret mode emulates every DMA and is slow: a decode step with a window and a bf16 prefill chunk
+CASES = [(kernel, case) for kernel in ("cpu", "pallas_gpu") for case in GRID] + [
+    ("pallas_tpu", GRID[3]),
+    ("pallas_tpu", GRID[2]),
+]
+
+
+@pytest.mark.parametrize("kernel,case", CASES)
+def test_kernels_sinks_match_reference(kernel, case):
+    page_size, head_dim, groups, dtype, query_block, sliding_window = case
     if kernel == "cpu" and not cpu.available():
         pytest.fail("the C++ CPU kernels could not be built")
     if kernel == "pallas_tpu" and dtype == jnp.float16:
@@ -109,7 +116,7 @@ def test_cpu_sinks_with_key_ranges_split_over_threads():
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("num_splits", [3])
 def test_gpu_context_splits_count_the_sink_once(num_splits):
     args, sinks = sink_step(num_splits, 8, 64, 4, jnp.float32, 1)
     options = dict(query_block=1, sliding_window=20, sinks=sinks)

@@ -41,7 +41,7 @@ class ScriptedGroup:
 def chat_call(group: ScriptedGroup, **body) -> ChatCall:
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "?"}], tools=[TOOL], **body)
     plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, tool_parser("hermes"))
-    context = SimpleNamespace(model_name="m", system_fingerprint="fp_test")
+    context = SimpleNamespace(model_name="m", system_fingerprint="fp_test", response_model=lambda name: "m")
     return ChatCall(context, request, group, plan)  # type: ignore[arg-type]
 
 

@@ -19,6 +19,7 @@ DTYPE_NAMES = {
 
 
 QUANTIZATION_FORMATS = ("none", "int8", "int4", "auto")  # as jaxserve/loading/quantize.py's FORMATS
+KV_DTYPES = ("auto", "int8", "float8_e4m3")  # as pallas_kernels/paged_attention/kv_quantization.py's
 
 
 def canonical_dtype(name: str) -> str:
@@ -54,9 +55,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB of host memory for evicted prefix pages (needs prefix caching)
     session_ttl: float = 300.0  # seconds a session's pages are kept in preference to others
+    # auto: pages in the model's dtype; int8 / float8_e4m3: one byte per value plus a float32 scale per
+    # token and KV head (pallas_kernels/paged_attention/kv_quantization.py), about twice the pages per GiB
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         _require_positive(self, ("page_size",))
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown cache.kv_dtype {self.kv_dtype!r}; expected one of {KV_DTYPES}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (one page is reserved), got {self.num_pages}")
         if self.swap_space < 0 or self.session_ttl < 0:

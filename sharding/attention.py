@@ -23,9 +23,10 @@ import functools
 from dataclasses import dataclass
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels import ragged_paged_attention, write_kv_pages
+from pallas_kernels.paged_attention.kv_quantization import QuantizedPages, is_quantized
 from pallas_kernels.paged_attention.latent import ragged_paged_latent_attention, write_latent_pages
 from sharding.rules import partition_spec
 
@@ -127,6 +128,28 @@ def kv_pages_spec(mesh, num_cache_heads: int) -> PartitionSpec:
     return partition_spec(("pages", "page_offset", "kv_heads", "head_dim"), mesh, {"kv_heads": num_cache_heads})
 
 
+def pool_spec(pool, spec: PartitionSpec):
+    """The spec of one layer's pool: a quantized pool's scales [pages, page_size, kv heads] split as its
+    values are (kv_quantization.py)."""
+    if is_quantized(pool):
+        return QuantizedPages(data=spec, scales=PartitionSpec(*spec[:3]))  # pyright: ignore[reportArgumentType]
+    return spec
+
+
+def kv_pages_shardings(kv_pages, mesh, num_cache_heads: int):
+    """NamedShardings for a KVPages pytree (quantized pools and their scales included)."""
+    spec = kv_pages_spec(mesh, num_cache_heads)
+
+    def pool_sharding(pool):
+        specs = pool_spec(pool, spec)
+        is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+        return jax.tree.map(lambda leaf_spec: NamedSharding(mesh, leaf_spec), specs, is_leaf=is_spec)
+
+    return type(kv_pages)(
+        keys=[pool_sharding(pool) for pool in kv_pages.keys], values=[pool_sharding(pool) for pool in kv_pages.values]
+    )
+
+
 def attention_specs(mesh, num_cache_heads: int) -> dict[str, PartitionSpec]:
     """Partition specs of the sharded attention's operands, from the rules table."""
     pages = kv_pages_spec(mesh, num_cache_heads)
@@ -163,6 +186,7 @@ def sharded_write_and_attend(
             **options,
         )
         kv_heads = PartitionSpec(tokens[0], None)
+    pages = pool_spec(key_pages, pages)
     in_specs = (heads, kv_heads, kv_heads, pages, pages) + (tokens,) * 4
     operands = (q, k, v, key_pages, value_pages, metadata.positions, metadata.kv_indices, metadata.token_seq_ids)
     operands += (metadata.page_table,)
@@ -198,12 +222,12 @@ class WriteAndAttend:
             impl=self.impl,
         )
 
-    def latent(self, q, entries, first_pages, second_pages, metadata, *, scale):
+    def latent(self, q, entries, key_pages, value_pages, metadata, *, scale):
         return _write_and_attend_latent(
             q,
             entries,
-            first_pages,
-            second_pages,
+            key_pages,
+            value_pages,
             metadata.positions,
             metadata.kv_indices,
             metadata.token_seq_ids,
@@ -236,9 +260,9 @@ class ShardedWriteAndAttend:
             sinks=sinks,
         )
 
-    def latent(self, q, entries, first_pages, second_pages, metadata, *, scale):
+    def latent(self, q, entries, key_pages, value_pages, metadata, *, scale):
         return sharded_write_and_attend_latent(
-            self.mesh, q, entries, first_pages, second_pages, metadata, scale=scale, impl=self.impl
+            self.mesh, q, entries, key_pages, value_pages, metadata, scale=scale, impl=self.impl
         )
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxserve.host.page_allocator import RESERVED_PAGE
 from jaxserve.models.kv_pages import KVPages
+from pallas_kernels.paged_attention.kv_quantization import from_page_bytes, page_bytes
 
 logger = logging.getLogger(__name__)
 PAGE_COPY_GROUP = 16  # pages per host-tier copy
@@ -26,7 +27,8 @@ PAGE_COPY_GROUP = 16  # pages per host-tier copy
 
 @dataclass(frozen=True)
 class HostPage:
-    """One page's KV in host memory: a column of a copied group [2 * num_layers, group, page_size, K, D]."""
+    """One page's KV in host memory: a column of a copied group [2 * num_layers, group, page_size, K, D]
+    (quantized pages: bytes, D + 4 wide with their scales)."""
 
     group: jax.Array
     column: int
@@ -93,6 +95,10 @@ def scatter_pages(kv_pages: KVPages, pages: list[int], chunks: list[jax.Array]) 
     indices = _chunks(pages)
     if [len(i) for i in indices] != [chunk.shape[1] for chunk in chunks]:
         raise ValueError(f"{len(pages)} pages to write but chunks of {[chunk.shape[1] for chunk in chunks]} pages")
+    stored = jax.eval_shape(_gather_pages, kv_pages, np.zeros(1, np.int32))  # what this pool's pages copy as
+    for chunk in chunks:  # a replica whose cache differs (kv_dtype, heads, width) sent them
+        if (chunk.shape[0], *chunk.shape[2:], chunk.dtype) != (stored.shape[0], *stored.shape[2:], stored.dtype):
+            raise ValueError(f"page chunk {chunk.shape} {chunk.dtype} does not fit this cache's pages ({stored})")
     for index, chunk in zip(indices, chunks):
         kv_pages = _scatter_pages(kv_pages, index, chunk)
     return kv_pages
@@ -142,13 +148,15 @@ class CountingCompiles:
             self.runner.num_compiles_after_warmup += compiled
 
 
+# A quantized pool's pages travel as bytes, values and scales together (kv_quantization.page_bytes), so
+# every copy here (host tier, handover, multi-host) moves the scales with the pages.
 @jax.jit
 def _gather_pages(kv_pages: KVPages, pages):
-    return jax.numpy.stack([layer[pages] for layer in kv_pages.keys + kv_pages.values])
+    return jax.numpy.stack([page_bytes(layer, pages) for layer in kv_pages.keys + kv_pages.values])
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter_pages(kv_pages: KVPages, pages, data):
     num_layers = len(kv_pages.keys)
-    layers = [layer.at[pages].set(data[i]) for i, layer in enumerate(kv_pages.keys + kv_pages.values)]
+    layers = [from_page_bytes(layer, pages, data[i]) for i, layer in enumerate(kv_pages.keys + kv_pages.values)]
     return KVPages(keys=layers[:num_layers], values=layers[num_layers:])

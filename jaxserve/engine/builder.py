@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jaxserve.config import Buckets, EngineConfig, EngineRole
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
@@ -35,7 +35,7 @@ from jaxserve.models import KVPages, build_model
 from jaxserve.models.config import ModelConfig
 from pallas_kernels.matmul import choose_matmul
 from sharding import build_mesh, param_shardings
-from sharding.attention import attention_dispatch, kv_pages_spec
+from sharding.attention import attention_dispatch, kv_pages_shardings
 from sharding.expert_placement import expert_parallel_reader, initial_placement, read_load_profile
 from sharding.moe import expert_dispatch
 from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES
@@ -240,8 +240,19 @@ def _kv_cache(
 ) -> tuple[list[Scheduler], KVPages, RankLayout]:
     """The page pool, one scheduler per rank over its own pages (addressed locally), and the layout
     that places each rank's pages in the pool."""
+    kv_dtype = config.cache.kv_dtype
+    if kv_dtype != "auto" and model.is_latent_attention:
+        raise ValueError(
+            f"cache.kv_dtype={kv_dtype!r} is not served for multi-head latent attention (DeepSeek MLA) models: "
+            "their latent cache stays in the model dtype; use cache.kv_dtype='auto'"
+        )
     page_bytes = KVPages.bytes_per_page(
-        model.num_layers, config.cache.page_size, attention.num_cache_kv_heads, attention.cache_head_dim, dtype
+        model.num_layers,
+        config.cache.page_size,
+        attention.num_cache_kv_heads,
+        attention.cache_head_dim,
+        dtype,
+        kv_dtype,
     )
     # Beyond what max_num_seqs full-length sequences can hold, pages only serve as prefix cache.
     useful_pages = (
@@ -280,8 +291,9 @@ def _kv_cache(
         attention.num_cache_kv_heads,
         attention.cache_head_dim,
         dtype,
+        kv_dtype,
     )
     if mesh is not None:
         # Each data-parallel rank holds its own pages; each tensor shard its KV heads' slice of them.
-        kv_pages = jax.device_put(kv_pages, NamedSharding(mesh, kv_pages_spec(mesh, attention.num_cache_kv_heads)))
+        kv_pages = jax.device_put(kv_pages, kv_pages_shardings(kv_pages, mesh, attention.num_cache_kv_heads))
     return schedulers, kv_pages, layout

@@ -148,6 +148,7 @@ def engine_stats(engine) -> dict:
         # weights and KV bytes on the devices (replicas counted on each device), executables, compiles
         **engine.runner.stats(),
         "kv_cache_bytes_per_token": kv_cache_bytes_per_token(engine.runner.kv_pages),
+        "kv_cache_dtype": engine.config.cache.kv_dtype,  # auto: the model's dtype; int8 / float8_e4m3 + scales
         "page_size": engine.config.cache.page_size,
         "num_running": load.num_running,
         "num_waiting": load.num_waiting,
@@ -173,7 +174,8 @@ def engine_stats(engine) -> dict:
 def kv_cache_bytes_per_token(kv_pages) -> int:
     """What one token's KV takes in the cache, every layer's key and value pools together (copies of a KV head
     kept for tensor parallelism included): for DeepSeek's MLA, its latent and rope key, not full K/V."""
-    return sum(math.prod(pool.shape[2:]) * pool.dtype.itemsize for pool in kv_pages.keys + kv_pages.values)
+    # every leaf: a quantized pool's scales count too (cache.kv_dtype)
+    return sum(math.prod(leaf.shape[2:]) * leaf.dtype.itemsize for leaf in jax.tree.leaves(kv_pages))
 
 
 def prefix_cache_stats(allocators) -> dict:

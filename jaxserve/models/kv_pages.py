@@ -8,27 +8,43 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.arrays import HostOrDeviceArray
+from pallas_kernels.paged_attention.kv_quantization import QuantizedPages, bytes_per_token_head
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class KVPages:
-    """One key and one value page pool per layer; page 0 is reserved for padding writes."""
+    """One key and one value page pool per layer; page 0 is reserved for padding writes. With
+    cache.kv_dtype int8 / float8_e4m3 a pool is a QuantizedPages (values plus a scale per token-head,
+    pallas_kernels/paged_attention/kv_quantization.py) that the model passes through as it would an array."""
 
-    keys: list[jax.Array]  # num_layers x [num_pages, page_size, num_kv_heads, head_dim]
-    values: list[jax.Array]  # num_layers x [num_pages, page_size, num_kv_heads, head_dim]
+    keys: list[jax.Array | QuantizedPages]  # num_layers x [num_pages, page_size, num_kv_heads, head_dim]
+    values: list[jax.Array | QuantizedPages]  # num_layers x [num_pages, page_size, num_kv_heads, head_dim]
 
     @classmethod
-    def zeros(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype):
+    def zeros(
+        cls,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype,
+        kv_dtype: str = "auto",
+    ):
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        return cls(
-            keys=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
-            values=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
-        )
+
+        def pool():
+            return jnp.zeros(shape, dtype) if kv_dtype == "auto" else QuantizedPages.zeros(shape, kv_dtype)
+
+        return cls(keys=[pool() for _ in range(num_layers)], values=[pool() for _ in range(num_layers)])
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, kv_dtype: str = "auto"
+    ) -> int:
+        """Values and (quantized) scales of every layer's key and value pools."""
+        return 2 * num_layers * page_size * num_kv_heads * bytes_per_token_head(head_dim, kv_dtype, dtype)
 
 
 @jax.tree_util.register_dataclass

@@ -1,8 +1,9 @@
 """The C++ CPU attention kernels (cpu_kernel.cc), built at first use into the CPU kernels' one library
 (pallas_kernels/cpu_library.py).
 
-They serve float32, bfloat16 and float16 pages (accumulating in float32) and write new K/V into the
-donated pages in place. The reference cannot do that with 16-bit pages: XLA:CPU computes 16-bit
+They serve float32, bfloat16 and float16 pages (accumulating in float32), or quantized pages (int8 or
+float8_e4m3 with a scale per token-head, kv_quantization.py) read by queries of those types, and write
+new K/V into the donated pages in place. The reference cannot do that with 16-bit pages: XLA:CPU computes 16-bit
 gathers and scatters in float32, converting the whole page pool (and back) every step (issue #16).
 
 `available()` is False when the library cannot be built; callers then use the reference.
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_library
+from pallas_kernels.paged_attention.kv_quantization import QuantizedPages, is_quantized, quantize, split_pages
 
 ATTENTION_TARGET = "jaxserve_cpu_paged_attention"
 WRITE_TARGET = "jaxserve_cpu_write_kv_pages"
@@ -57,17 +59,24 @@ def ragged_paged_attention(
     logits_soft_cap: float | None = None,
     sinks=None,
 ):
-    """The reference's contract, with q in the pages' dtype (sinks in float32, whatever it)."""
-    _require(k_pages.dtype)
-    if q.dtype != k_pages.dtype or v_pages.dtype != k_pages.dtype:
+    """The reference's contract, with q in the pages' dtype, or pages quantized (sinks in float32, whatever it)."""
+    _require(q.dtype)
+    if is_quantized(k_pages) != is_quantized(v_pages) or (
+        not is_quantized(k_pages) and (q.dtype != k_pages.dtype or v_pages.dtype != k_pages.dtype)
+    ):
         raise ValueError(
-            f"the CPU kernel wants q and pages of one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+            f"the CPU kernel wants q and pages of one dtype (or quantized pages), got {q.dtype}, {k_pages.dtype}, "
+            f"{v_pages.dtype}"
         )
+    (k_values, k_scales), (v_values, v_scales) = split_pages(k_pages), split_pages(v_pages)
+    no_scales = np.zeros((0,), np.float32)
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q,
-        k_pages,
-        v_pages,
+        k_values,
+        v_values,
+        no_scales if k_scales is None else k_scales,
+        no_scales if v_scales is None else v_scales,
         page_table.astype(np.int32),
         token_seq_ids.astype(np.int32),
         positions.astype(np.int32),
@@ -80,8 +89,21 @@ def ragged_paged_attention(
 
 
 def write_kv_pages(k_pages, v_pages, k, v, kv_indices):
-    """The reference's contract; the results alias the pages, so donated pages are updated in place."""
+    """The reference's contract; the results alias the pages, so donated pages are updated in place.
+    Quantized pools: the rows are quantized here, then values and scales are written by the same kernel."""
+    if is_quantized(k_pages) and is_quantized(v_pages):
+        (k_values, k_scales), (v_values, v_scales) = quantize(k, k_pages.data.dtype), quantize(v, v_pages.data.dtype)
+        k_data, v_data = _write_rows(k_pages.data, v_pages.data, k_values, v_values, kv_indices)
+        k_scale_pool, v_scale_pool = _write_rows(k_pages.scales, v_pages.scales, k_scales, v_scales, kv_indices)
+        return QuantizedPages(k_data, k_scale_pool), QuantizedPages(v_data, v_scale_pool)
     _require(k_pages.dtype)
+    return _write_rows(k_pages, v_pages, k.astype(k_pages.dtype), v.astype(v_pages.dtype), kv_indices)
+
+
+def _write_rows(k_pages, v_pages, k, v, kv_indices):
+    """Row t of k / v [T, ...] into row kv_indices[t] of the pools [N, page_size, ...], in place."""
+    if not _register():
+        raise RuntimeError("the CPU attention kernel could not be built; use attention_impl='reference'")
     pages = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
     call = jax.ffi.ffi_call(WRITE_TARGET, pages, input_output_aliases={0: 0, 1: 1})
-    return tuple(call(k_pages, v_pages, k.astype(k_pages.dtype), v.astype(v_pages.dtype), kv_indices.astype(np.int32)))
+    return tuple(call(k_pages, v_pages, k, v, kv_indices.astype(np.int32)))

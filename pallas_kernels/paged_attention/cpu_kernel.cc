@@ -12,6 +12,10 @@
 // denominator without a value: a row's output is its values' weighted sum over (sum of key weights +
 // exp(sink)), all taken relative to one max.
 //
+// Quantized pages (cache.kv_dtype int8 / float8_e4m3, kv_quantization.py) hold one byte per value and a
+// float32 scale per token and KV head: a tile's keys and values are widened to float32 and scaled as they
+// are read, so the step reads a quarter (of float32 pages) or half (of 16-bit pages) of the bytes.
+//
 // The KV write copies each token's [K, D] row into its KV index (page * page_size + offset) of the pages, which the call returns
 // aliased (XLA passes the donated pool itself, so the write is in place).
 //
@@ -46,6 +50,10 @@ struct BFloat16 {
 struct Float16 {
   uint16_t bits;
 };
+// float8_e4m3fn as stored: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities.
+struct Float8E4M3 {
+  uint8_t bits;
+};
 
 inline float ToFloat(float x) { return x; }
 
@@ -60,6 +68,27 @@ inline float ToFloat(Float16 x) {
   _Float16 h;
   std::memcpy(&h, &x.bits, sizeof(h));
   return float(h);
+}
+
+inline float ToFloat(int8_t x) { return float(x); }
+
+// All 256 float8_e4m3fn values, decoded once: a table lookup widens a byte.
+struct Float8Table {
+  float values[256];
+  Float8Table() {
+    for (int bits = 0; bits < 256; ++bits) {
+      const int exponent = (bits >> 3) & 0xf, mantissa = bits & 0x7;
+      float magnitude = exponent == 0 ? std::ldexp(float(mantissa), -9)  // subnormal: m / 8 * 2^-6
+                                      : std::ldexp(1.0f + float(mantissa) / 8.0f, exponent - 7);
+      if (exponent == 0xf && mantissa == 0x7) magnitude = std::numeric_limits<float>::quiet_NaN();
+      values[bits] = (bits & 0x80) ? -magnitude : magnitude;
+    }
+  }
+};
+
+inline float ToFloat(Float8E4M3 x) {
+  static const Float8Table table;
+  return table.values[x.bits];
 }
 
 template <typename T>
@@ -99,11 +128,27 @@ inline const float* AsFloat(const T* source, int64_t n, float* scratch) {
   }
 }
 
-template <typename T>
+// n = K * D values of one token's page row as float32, each kv head's D scaled by its scale when the
+// pages are quantized (scales non-null: [K]); the source itself when it is float32 and unscaled.
+template <typename PageT>
+inline const float* RowAsFloat(const PageT* source, const float* scales, int64_t num_kv_heads, int64_t head_dim,
+                               float* scratch) {
+  if (scales == nullptr) return AsFloat(source, num_kv_heads * head_dim, scratch);
+  for (int64_t k = 0; k < num_kv_heads; ++k) {
+    const float scale = scales[k];
+    for (int64_t d = 0; d < head_dim; ++d) scratch[k * head_dim + d] = ToFloat(source[k * head_dim + d]) * scale;
+  }
+  return scratch;
+}
+
+// T: the queries' and output's type; PageT: the pages' (T, or int8_t / Float8E4M3 with scales).
+template <typename T, typename PageT>
 struct Problem {
   const T* q;                    // [T, H, D]
-  const T* k_pages;              // [num_pages, page_size, K, D]
-  const T* v_pages;              // [num_pages, page_size, K, D]
+  const PageT* k_pages;          // [num_pages, page_size, K, D]
+  const PageT* v_pages;          // [num_pages, page_size, K, D]
+  const float* k_scales;         // [num_pages, page_size, K] for quantized pages, else null
+  const float* v_scales;         // [num_pages, page_size, K] for quantized pages, else null
   const int32_t* page_table;     // [S, P]
   const int32_t* token_seq_ids;  // [T]
   const int32_t* positions;      // [T]
@@ -169,8 +214,8 @@ struct PartialState {
 // Rows of a block are (token b, query head h): row = b * H + h, its kv head is h / (H / K).
 // Keys [key_begin, key_end) of the block (a multiple of kKeysPerTile apart from the start, or the
 // whole sequence): the block's output when `partial` is null, else its softmax state there.
-template <typename T>
-void AttendRange(const Problem<T>& p, int64_t block, int64_t key_begin, int64_t key_end, Scratch& s,
+template <typename T, typename PageT>
+void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, int64_t key_end, Scratch& s,
                  const PartialState* partial) {
   const int64_t B = p.query_block, H = p.num_heads, D = p.head_dim, K = p.num_kv_heads;
   const int64_t groups = H / K, rows = B * H, first_token = block * B, row_width = K * D;
@@ -213,8 +258,10 @@ void AttendRange(const Problem<T>& p, int64_t block, int64_t key_begin, int64_t 
     for (int64_t t = 0; t < num_keys; ++t) {
       const int64_t key = tile_start + t;
       const int64_t kv_index = int64_t(pages[key / p.page_size]) * p.page_size + key % p.page_size;
-      key_rows[t] = AsFloat(p.k_pages + kv_index * row_width, row_width, s.key_tile.data() + t * row_width);
-      value_rows[t] = AsFloat(p.v_pages + kv_index * row_width, row_width, s.value_tile.data() + t * row_width);
+      const float* k_scales = p.k_scales == nullptr ? nullptr : p.k_scales + kv_index * K;
+      const float* v_scales = p.v_scales == nullptr ? nullptr : p.v_scales + kv_index * K;
+      key_rows[t] = RowAsFloat(p.k_pages + kv_index * row_width, k_scales, K, D, s.key_tile.data() + t * row_width);
+      value_rows[t] = RowAsFloat(p.v_pages + kv_index * row_width, v_scales, K, D, s.value_tile.data() + t * row_width);
     }
     for (int64_t kv_head = 0; kv_head < K; ++kv_head) {
       const int64_t kv_offset = kv_head * D;
@@ -296,8 +343,8 @@ void AttendRange(const Problem<T>& p, int64_t block, int64_t key_begin, int64_t 
 }
 
 // A block's output from the softmax states of its key ranges.
-template <typename T>
-void MergeRanges(const Problem<T>& p, int64_t block, const PartialState* ranges, int64_t num_ranges) {
+template <typename T, typename PageT>
+void MergeRanges(const Problem<T, PageT>& p, int64_t block, const PartialState* ranges, int64_t num_ranges) {
   const int64_t rows = p.query_block * p.num_heads, D = p.head_dim;
   T* out = p.out + block * rows * D;
   std::vector<float> merged(D);
@@ -325,8 +372,8 @@ void MergeRanges(const Problem<T>& p, int64_t block, const PartialState* ranges,
 // Work items are (block, key range). A block is cut into ranges of whole tiles only when there are too
 // few blocks to keep the threads busy (one long sequence decoding): each range then leaves its softmax
 // state, merged into the block's output once all items are done (as flash-decoding does on a GPU).
-template <typename T>
-void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T>& p, int64_t num_blocks, bool own_helpers) {
+template <typename T, typename PageT>
+void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T, PageT>& p, int64_t num_blocks, bool own_helpers) {
   const int64_t num_workers = std::max<int64_t>(1, thread_pool.num_threads());
   const int64_t rows = p.query_block * p.num_heads, D = p.head_dim;
   const int64_t wanted_items = 2 * num_workers;
@@ -371,15 +418,18 @@ void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T>& p, int64_t 
   }
 }
 
-template <typename T>
+template <typename T, typename PageT>
 void Attend(ffi::ThreadPool& thread_pool, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_pages,
-            const ffi::AnyBuffer& v_pages, const ffi::Buffer<ffi::S32>& page_table,
+            const ffi::AnyBuffer& v_pages, const ffi::Buffer<ffi::F32>& k_scales, const ffi::Buffer<ffi::F32>& v_scales,
+            const ffi::Buffer<ffi::S32>& page_table,
             const ffi::Buffer<ffi::S32>& token_seq_ids, const ffi::Buffer<ffi::S32>& positions,
             const ffi::Buffer<ffi::F32>& sinks, int64_t query_block, int64_t sliding_window, float soft_cap,
             bool own_helpers, ffi::AnyBuffer& out) {
   const auto q_dims = q.dimensions(), page_dims = k_pages.dimensions();
-  Problem<T> p{static_cast<const T*>(q.untyped_data()), static_cast<const T*>(k_pages.untyped_data()),
-               static_cast<const T*>(v_pages.untyped_data()), page_table.typed_data(), token_seq_ids.typed_data(),
+  const bool quantized = k_scales.element_count() != 0;
+  Problem<T, PageT> p{static_cast<const T*>(q.untyped_data()), static_cast<const PageT*>(k_pages.untyped_data()),
+               static_cast<const PageT*>(v_pages.untyped_data()), quantized ? k_scales.typed_data() : nullptr,
+               quantized ? v_scales.typed_data() : nullptr, page_table.typed_data(), token_seq_ids.typed_data(),
                positions.typed_data(), sinks.element_count() ? sinks.typed_data() : nullptr,
                static_cast<T*>(out.untyped_data()), q_dims[1], page_dims[2], q_dims[2],
                page_dims[1], page_table.dimensions()[1], query_block, sliding_window,
@@ -391,8 +441,29 @@ bool IsServedType(ffi::DataType type) {
   return type == ffi::DataType::F32 || type == ffi::DataType::BF16 || type == ffi::DataType::F16;
 }
 
+// The queries' type T and the pages' (T itself, or int8 / float8_e4m3fn with scales).
+template <typename T>
+void AttendPages(ffi::ThreadPool& thread_pool, ffi::DataType page_type, const ffi::AnyBuffer& q,
+                 const ffi::AnyBuffer& k_pages, const ffi::AnyBuffer& v_pages, const ffi::Buffer<ffi::F32>& k_scales,
+                 const ffi::Buffer<ffi::F32>& v_scales, const ffi::Buffer<ffi::S32>& page_table,
+                 const ffi::Buffer<ffi::S32>& token_seq_ids, const ffi::Buffer<ffi::S32>& positions,
+                 const ffi::Buffer<ffi::F32>& sinks, int64_t query_block, int64_t sliding_window, float soft_cap,
+                 bool own_helpers, ffi::AnyBuffer& out) {
+  if (page_type == ffi::DataType::S8) {
+    Attend<T, int8_t>(thread_pool, q, k_pages, v_pages, k_scales, v_scales, page_table, token_seq_ids, positions,
+                      sinks, query_block, sliding_window, soft_cap, own_helpers, out);
+  } else if (page_type == ffi::DataType::F8E4M3FN) {
+    Attend<T, Float8E4M3>(thread_pool, q, k_pages, v_pages, k_scales, v_scales, page_table, token_seq_ids,
+                          positions, sinks, query_block, sliding_window, soft_cap, own_helpers, out);
+  } else {
+    Attend<T, T>(thread_pool, q, k_pages, v_pages, k_scales, v_scales, page_table, token_seq_ids, positions, sinks,
+                 query_block, sliding_window, soft_cap, own_helpers, out);
+  }
+}
+
 ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
-                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
+                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
+                          ffi::Buffer<ffi::S32> page_table,
                           ffi::Buffer<ffi::S32> token_seq_ids, ffi::Buffer<ffi::S32> positions,
                           ffi::Buffer<ffi::F32> sinks, int64_t query_block, int64_t sliding_window, float soft_cap, bool own_helpers,
                           ffi::Result<ffi::AnyBuffer> out) {
@@ -406,23 +477,29 @@ ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::An
   if (sinks.element_count() != 0 && int64_t(sinks.element_count()) != q_dims[1]) {
     return ffi::Error::InvalidArgument("paged attention: sinks must be [H] (or empty: none)");
   }
-  const ffi::DataType type = q.element_type();
-  if (!IsServedType(type) || k_pages.element_type() != type || v_pages.element_type() != type ||
+  const ffi::DataType type = q.element_type(), page_type = k_pages.element_type();
+  const bool quantized = page_type == ffi::DataType::S8 || page_type == ffi::DataType::F8E4M3FN;
+  if (!IsServedType(type) || (page_type != type && !quantized) || v_pages.element_type() != page_type ||
       out->element_type() != type) {
-    return ffi::Error::InvalidArgument("paged attention: q, pages and output must share a float32/bfloat16/float16 type");
+    return ffi::Error::InvalidArgument(
+        "paged attention: q and output must share a float32/bfloat16/float16 type, the pages that type or int8/float8_e4m3fn");
+  }
+  const size_t scale_count = quantized ? size_t(page_dims[0] * page_dims[1] * page_dims[2]) : 0;
+  if (k_scales.element_count() != scale_count || v_scales.element_count() != scale_count) {
+    return ffi::Error::InvalidArgument("paged attention: quantized pages need scales [N, page_size, K] (else none)");
   }
   switch (type) {
     case ffi::DataType::BF16:
-      Attend<BFloat16>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, sinks, query_block,
-                       sliding_window, soft_cap, own_helpers, *out);
+      AttendPages<BFloat16>(thread_pool, page_type, q, k_pages, v_pages, k_scales, v_scales, page_table, token_seq_ids,
+                            positions, sinks, query_block, sliding_window, soft_cap, own_helpers, *out);
       break;
     case ffi::DataType::F16:
-      Attend<Float16>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, sinks, query_block,
-                      sliding_window, soft_cap, own_helpers, *out);
+      AttendPages<Float16>(thread_pool, page_type, q, k_pages, v_pages, k_scales, v_scales, page_table, token_seq_ids,
+                           positions, sinks, query_block, sliding_window, soft_cap, own_helpers, *out);
       break;
     default:
-      Attend<float>(thread_pool, q, k_pages, v_pages, page_table, token_seq_ids, positions, sinks, query_block,
-                    sliding_window, soft_cap, own_helpers, *out);
+      AttendPages<float>(thread_pool, page_type, q, k_pages, v_pages, k_scales, v_scales, page_table, token_seq_ids,
+                         positions, sinks, query_block, sliding_window, soft_cap, own_helpers, *out);
   }
   return ffi::Error::Success();
 }
@@ -438,19 +515,22 @@ void WriteRows(const ffi::AnyBuffer& pages, ffi::AnyBuffer& target, const ffi::A
   for (int64_t t = 0; t < num_tokens; ++t) std::memcpy(target_data + kv_indices[t] * row_bytes, row_data + t * row_bytes, row_bytes);
 }
 
-// Token t's row [K, D] into row kv_indices[t] of each pool; the results alias the pools.
+// Token t's row [K, D] into row kv_indices[t] of each pool; the results alias the pools. Rows of any type
+// and shape ([T, ...] into [N, page_size, ...]): quantized pools write their values and then their scales
+// ([T, K] into [N, page_size, K]) with it.
 ffi::Error WriteKvPages(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::Buffer<ffi::S32> kv_indices, ffi::Result<ffi::AnyBuffer> k_pages_out,
                         ffi::Result<ffi::AnyBuffer> v_pages_out) {
   const auto page_dims = k_pages.dimensions(), token_dims = k.dimensions();
-  if (page_dims.size() != 4 || token_dims.size() != 3 || token_dims[1] != page_dims[2] ||
-      token_dims[2] != page_dims[3] || kv_indices.element_count() != size_t(token_dims[0]) ||
+  bool shapes_match = page_dims.size() >= 2 && page_dims.size() == token_dims.size() + 1;
+  for (size_t i = 1; shapes_match && i < token_dims.size(); ++i) shapes_match = token_dims[i] == page_dims[i + 1];
+  if (!shapes_match || kv_indices.element_count() != size_t(token_dims[0]) ||
       v.element_count() != k.element_count() || v_pages.element_count() != k_pages.element_count()) {
-    return ffi::Error::InvalidArgument("write_kv_pages: k/v must be [T, K, D] and pages [N, page_size, K, D]");
+    return ffi::Error::InvalidArgument("write_kv_pages: k/v must be [T, K(, D)] and pages [N, page_size, K(, D)]");
   }
   const ffi::DataType type = k_pages.element_type();
-  if (!IsServedType(type) || k.element_type() != type || v.element_type() != type || v_pages.element_type() != type) {
-    return ffi::Error::InvalidArgument("write_kv_pages: k, v and pages must share a float32/bfloat16/float16 type");
+  if (k.element_type() != type || v.element_type() != type || v_pages.element_type() != type) {
+    return ffi::Error::InvalidArgument("write_kv_pages: k, v and pages must share a type");
   }
   const int64_t num_rows = page_dims[0] * page_dims[1];
   const size_t row_bytes = k.size_bytes() / std::max<int64_t>(1, token_dims[0]);
@@ -471,6 +551,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -18,6 +18,10 @@ want every dimension >= 16. page_size must then be a power of two (`supported`);
 not is served from a cache whose pages are wider (`cache_head_dim`, zero padded): the engine
 allocates them so, the write kernel zero-fills the extra lanes, queries are padded to match, and
 the softmax scale stays that of the real head_dim. On the CPU it runs with interpret=True, any sizes.
+
+Quantized pages (int8 / float8_e4m3 with a float32 scale per token-head, kv_quantization.py): a span's
+keys and values are widened to the queries' dtype (exact for both formats) and their scales applied to the
+scores' columns and to the weights, so the matmuls stay as they are and no scaled copy of a page is made.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.paged_attention.kv_quantization import QuantizedPages, is_quantized, quantize, split_pages
 from pallas_kernels.paged_attention.pallas_layout import (
     MASK_VALUE,
     block_page_rows,
@@ -81,20 +86,23 @@ def _kernel(
     pages_ref,
     positions_ref,
     sinks_ref,
-    *out_refs,
+    *refs,
     pages_per_span: int,
     sliding_window: int | None,
     logits_soft_cap: float | None,
     has_sinks: bool,
     normalize: bool,
     scale: float,
+    quantized: bool,
 ):
+    # quantized pages: their scales [num_pages, page_size] (this kv head's) come before the outputs
+    k_scales_ref, v_scales_ref, *out_refs = refs if quantized else (None, None, *refs)
     rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     span = pages_per_span * page_size
     spans_per_split = pages_ref.shape[0] // pages_per_span
     first_span = pl.program_id(2) * spans_per_split
-    keys_dtype = k_pages_ref.dtype
+    keys_dtype = q_ref.dtype if quantized else k_pages_ref.dtype  # the matmuls' dtype
     precision = jax.lax.Precision.HIGHEST if keys_dtype == jnp.float32 else None  # no TF32 for float32
     queries = q_ref[...].astype(keys_dtype)
     positions = positions_ref[...]  # [R]; -1 for padding rows
@@ -103,10 +111,13 @@ def _kernel(
     def attend_span(index, carry):
         running_max, denominator, accumulator = carry
         pages = pages_ref[pl.ds(index * pages_per_span, pages_per_span)]
-        keys = k_pages_ref[pages].reshape(span, head_dim)
-        values = v_pages_ref[pages].reshape(span, head_dim)
+        keys = k_pages_ref[pages].reshape(span, head_dim).astype(keys_dtype)
+        values = v_pages_ref[pages].reshape(span, head_dim).astype(keys_dtype)
         scores = jnp.dot(queries, keys.T, preferred_element_type=jnp.float32, precision=precision)  # [R, L]
         scores = scores * scale  # the real head_dim's, when the pages are padded wider
+        if quantized:
+            assert k_scales_ref is not None
+            scores = scores * k_scales_ref[pages].reshape(1, span)
         if logits_soft_cap:
             scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
         key_positions = (first_span + index) * span + jnp.arange(span)[None, :]
@@ -118,8 +129,9 @@ def _kernel(
         rescale = jnp.exp(running_max - new_max)
         weights = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
         denominator = denominator * rescale + weights.sum(axis=-1)
+        scaled_weights = weights * v_scales_ref[pages].reshape(1, span) if v_scales_ref is not None else weights
         accumulator = accumulator * rescale[:, None] + jnp.dot(
-            weights.astype(keys_dtype), values, preferred_element_type=jnp.float32, precision=precision
+            scaled_weights.astype(keys_dtype), values, preferred_element_type=jnp.float32, precision=precision
         )
         return new_max, denominator, accumulator
 
@@ -176,9 +188,11 @@ def ragged_paged_attention(
 ):
     """Same arguments and result as reference.ragged_paged_attention; num_splits: context splits
     (default: default_num_splits for this device). The pages may be wider than q's head dim
-    (cache_head_dim): their extra lanes hold zeros."""
+    (cache_head_dim): their extra lanes hold zeros. Pages may be quantized (kv_quantization.QuantizedPages)."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
+    (k_pages, k_scales), (v_pages, v_scales) = split_pages(k_pages), split_pages(v_pages)
+    quantized = k_scales is not None and v_scales is not None
     num_tokens, num_heads, true_head_dim = q.shape
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     q = jnp.pad(q, ((0, 0), (0, 0), (0, head_dim - true_head_dim)))  # zero lanes add nothing to scores
@@ -211,6 +225,7 @@ def ragged_paged_attention(
             has_sinks=sinks is not None,
             normalize=normalize,
             scale=true_head_dim**-0.5,
+            quantized=quantized,
         ),
         grid=(num_blocks, num_kv_heads, splits),
         in_specs=[
@@ -220,7 +235,8 @@ def ragged_paged_attention(
             pl.BlockSpec((None, pages_per_split), lambda n, k, s: (n, s)),
             pl.BlockSpec((None, padded_rows), lambda n, k, s: (n, 0)),
             pl.BlockSpec((None, padded_rows), lambda n, k, s: (k, 0)),
-        ],
+        ]
+        + [pl.BlockSpec((num_pages, page_size, None), lambda n, k, s: (0, 0, k))] * (2 if quantized else 0),
         out_specs=[out_spec] if normalize else [out_spec, rows_spec, rows_spec],
         out_shape=[out_shape] if normalize else [out_shape, rows_shape, rows_shape],
         interpret=interpret,
@@ -228,7 +244,15 @@ def ragged_paged_attention(
         # here a kv head's slice of the page pool, in shared memory.
         compiler_params=pltriton.CompilerParams(num_warps=4 if padded_rows <= 32 else 8, num_stages=2),
         name="ragged_paged_attention",
-    )(queries, k_pages, v_pages, block_pages, positions_by_row, sinks_by_row)
+    )(
+        queries,
+        k_pages,
+        v_pages,
+        block_pages,
+        positions_by_row,
+        sinks_by_row,
+        *((k_scales, v_scales) if quantized else ()),
+    )
     if normalize:
         out = outs[0][0]
     else:
@@ -259,11 +283,25 @@ def _write_kernel(
 def write_kv_pages(k_pages, v_pages, k, v, kv_indices, *, interpret: bool | None = None):
     """Same contract as reference.write_kv_pages: token t's K/V [K, D] goes to row kv_indices[t]; pages
     wider than D (cache_head_dim) get zeros in their extra lanes.
-    Grid: (token group, kv head); each program stores [D] vectors, whatever the number of kv heads."""
+    Grid: (token group, kv head); each program stores [D] vectors, whatever the number of kv heads.
+    Quantized pools: the kernel stores the quantized values; their scales [T, K] go in by XLA's scatter."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     padding = ((0, 0), (0, 0), (0, k_pages.shape[-1] - k.shape[-1]))
     k, v = jnp.pad(k, padding), jnp.pad(v, padding)
+    if is_quantized(k_pages) and is_quantized(v_pages):
+        (k, k_scales), (v, v_scales) = quantize(k, k_pages.dtype), quantize(v, v_pages.dtype)
+        k_values, v_values = _write_values(k_pages.data, v_pages.data, k, v, kv_indices, interpret)
+        page_size = k_pages.shape[1]
+        page, offset = kv_indices // page_size, kv_indices % page_size
+        return (
+            QuantizedPages(k_values, k_pages.scales.at[page, offset].set(k_scales, mode="promise_in_bounds")),
+            QuantizedPages(v_values, v_pages.scales.at[page, offset].set(v_scales, mode="promise_in_bounds")),
+        )
+    return _write_values(k_pages, v_pages, k, v, kv_indices, interpret)
+
+
+def _write_values(k_pages, v_pages, k, v, kv_indices, interpret: bool):
     num_tokens, num_kv_heads, head_dim = k.shape
     num_pages, page_size = k_pages.shape[:2]
     tokens_per_program = next(n for n in (16, 8, 4, 2, 1) if num_tokens % n == 0)

@@ -8,6 +8,10 @@ page pool in HBM) into one of two VMEM buffers while the other span is computed 
 and folds the span into an online softmax in float32 (matmuls in the KV dtype).
 Spans past the block's newest position are never copied. On the CPU it runs in Pallas' TPU
 interpret mode, which emulates the DMAs and semaphores.
+
+Quantized pages (int8 / float8_e4m3, kv_quantization.py): each page's scales [page_size] for this kv head
+travel by DMA beside its values; the values are widened to the queries' dtype in VMEM and the scales applied
+to the scores' columns and the weights (the matmuls unchanged).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.paged_attention.kv_quantization import split_pages
 from pallas_kernels.paged_attention.pallas_layout import (
     MASK_VALUE,
     block_page_rows,
@@ -41,22 +46,25 @@ def _kernel(
     sinks_ref,
     k_pages_hbm,
     v_pages_hbm,
-    o_ref,
-    k_buffers,
-    v_buffers,
-    semaphores,
-    *,
+    *refs,
     pages_per_seq: int,
     pages_per_span: int,
     sliding_window: int | None,
     logits_soft_cap: float | None,
     has_sinks: bool,
+    quantized: bool,
 ):
+    # quantized: the scale pools [num_pages, page_size, K] in HBM, and after the output their VMEM buffers
+    if quantized:
+        k_scales_hbm, v_scales_hbm, o_ref, k_buffers, v_buffers, k_scale_buffers, v_scale_buffers, semaphores = refs
+    else:
+        o_ref, k_buffers, v_buffers, semaphores = refs
+        k_scales_hbm = v_scales_hbm = k_scale_buffers = v_scale_buffers = None
     block, kv_head = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
     page_size = k_buffers.shape[2]
     span = pages_per_span * page_size
-    dtype = k_buffers.dtype
+    dtype = q_ref.dtype if quantized else k_buffers.dtype  # the matmuls' dtype
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # float32 stays float32 on the MXU
     queries = q_ref[...].astype(dtype)
     positions = positions_ref[...]  # [R, 1]; -1 for padding rows
@@ -73,6 +81,14 @@ def _kernel(
                         source.at[page, :, kv_head, :], target.at[buffer, slot], semaphores.at[kind, buffer, slot]
                     )
                 )
+            if k_scales_hbm is not None and v_scales_hbm is not None:
+                assert k_scale_buffers is not None and v_scale_buffers is not None
+                for source, target, kind in ((k_scales_hbm, k_scale_buffers, 2), (v_scales_hbm, v_scale_buffers, 3)):
+                    copies.append(
+                        pltpu.make_async_copy(
+                            source.at[page, :, kv_head], target.at[buffer, slot], semaphores.at[kind, buffer, slot]
+                        )
+                    )
         return copies
 
     @pl.when(num_spans > 0)
@@ -91,11 +107,13 @@ def _kernel(
 
         for copy in span_copies(index, buffer):
             copy.wait()
-        keys = k_buffers[buffer].reshape(span, head_dim)
-        values = v_buffers[buffer].reshape(span, head_dim)
+        keys = k_buffers[buffer].reshape(span, head_dim).astype(dtype)
+        values = v_buffers[buffer].reshape(span, head_dim).astype(dtype)
         scores = jax.lax.dot_general(
             queries, keys, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         ) * (head_dim**-0.5)  # [R, L]
+        if k_scale_buffers is not None:
+            scores = scores * k_scale_buffers[buffer].reshape(1, span)
         if logits_soft_cap:
             scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
         key_positions = index * span + jax.lax.broadcasted_iota(jnp.int32, (1, span), 1)
@@ -107,6 +125,8 @@ def _kernel(
         rescale = jnp.exp(running_max - new_max)
         weights = jnp.exp(scores - new_max)
         denominator = denominator * rescale + weights.sum(axis=-1, keepdims=True)
+        if v_scale_buffers is not None:
+            weights = weights * v_scale_buffers[buffer].reshape(1, span)
         accumulator = accumulator * rescale + jnp.dot(
             weights.astype(dtype), values, precision=precision, preferred_element_type=jnp.float32
         )
@@ -140,9 +160,12 @@ def ragged_paged_attention(
     interpret: bool | pltpu.InterpretParams | None = None,
 ):
     """Same arguments and result as reference.ragged_paged_attention. interpret: Pallas' TPU
-    interpret mode (default: off a TPU), or its InterpretParams (to detect DMA races, say)."""
+    interpret mode (default: off a TPU), or its InterpretParams (to detect DMA races, say). Pages may be
+    quantized (kv_quantization.QuantizedPages)."""
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
+    (k_pages, k_scales), (v_pages, v_scales) = split_pages(k_pages), split_pages(v_pages)
+    quantized = k_scales is not None and v_scales is not None
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     groups = num_heads // num_kv_heads
@@ -168,13 +191,15 @@ def ragged_paged_attention(
             pl.BlockSpec((None, padded_rows, 1), lambda n, k, *_: (k, 0, 0)),
             pl.BlockSpec(memory_space=pl.ANY),  # the page pools stay in HBM: pages are DMA'd in place
             pl.BlockSpec(memory_space=pl.ANY),
-        ],
+        ]
+        + [pl.BlockSpec(memory_space=pl.ANY)] * (2 if quantized else 0),  # scale pools, likewise
         out_specs=pl.BlockSpec((None, None, padded_rows, head_dim), lambda n, k, *_: (n, k, 0, 0)),
         scratch_shapes=[
             pltpu.VMEM((2, pages_per_span, page_size, head_dim), k_pages.dtype),  # two buffers
             pltpu.VMEM((2, pages_per_span, page_size, head_dim), v_pages.dtype),
-            pltpu.SemaphoreType.DMA((2, 2, pages_per_span)),
-        ],  # (K or V, buffer, page)
+        ]
+        + [pltpu.VMEM((2, pages_per_span, page_size), jnp.float32)] * (2 if quantized else 0)
+        + [pltpu.SemaphoreType.DMA((4 if quantized else 2, 2, pages_per_span))],  # (K, V(, their scales), buffer, page)
     )
     out = pl.pallas_call(
         functools.partial(
@@ -184,6 +209,7 @@ def ragged_paged_attention(
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             has_sinks=sinks is not None,
+            quantized=quantized,
         ),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, padded_rows, head_dim), q.dtype),
@@ -191,5 +217,14 @@ def ragged_paged_attention(
         if isinstance(interpret, pltpu.InterpretParams)
         else (pltpu.InterpretParams() if interpret else False),
         name="ragged_paged_attention_tpu",
-    )(block_pages.reshape(-1), block_max_position, queries, positions_by_row, sinks_by_row, k_pages, v_pages)
+    )(
+        block_pages.reshape(-1),
+        block_max_position,
+        queries,
+        positions_by_row,
+        sinks_by_row,
+        k_pages,
+        v_pages,
+        *((k_scales, v_scales) if quantized else ()),
+    )
     return tokens_from_rows(out, query_block, groups)

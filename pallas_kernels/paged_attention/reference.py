@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_attention.kv_quantization import gather_dequantized, is_quantized, write_quantized
+
 KEYS_PER_SPAN = 64  # keys gathered per online-softmax step: large enough for real matmuls, small enough for cache
 
 # Legend: T = query tokens, N = query blocks, B = tokens per block, H = query heads, K = kv heads,
@@ -13,7 +15,10 @@ def write_kv_pages(k_pages, v_pages, k, v, kv_indices):
     """Scatter this step's keys/values [T, K, D] into the pages [num_pages, page_size, K, D].
 
     kv_indices[t] = page * page_size + offset; padding tokens write to the reserved page 0.
+    Quantized pools (kv_quantization.QuantizedPages) get the rows quantized with their scales.
     """
+    if is_quantized(k_pages):
+        return write_quantized(k_pages, k, kv_indices), write_quantized(v_pages, v, kv_indices)
     page_size = k_pages.shape[1]
     pages, offsets = kv_indices // page_size, kv_indices % page_size
     k_pages = k_pages.at[pages, offsets].set(k.astype(k_pages.dtype), mode="promise_in_bounds")
@@ -41,6 +46,7 @@ def ragged_paged_attention(
     logits_soft_cap: scaled scores become cap * tanh(score / cap) before the softmax (None or 0: as they are);
     sinks: [H] attention sinks (GPT-OSS), one learned logit per query head that joins each softmax's
     denominator with no value (None: none).
+    Pages may be quantized (kv_quantization.QuantizedPages): each span is widened and scaled as it is read.
 
     Walks the pages in spans of KEYS_PER_SPAN keys with an online softmax, as a kernel would: only
     one span of pages is gathered at a time, and spans past the step's longest context are skipped,
@@ -62,8 +68,8 @@ def ragged_paged_attention(
     def attend_span(index, carry):
         running_max, denominator, accumulator = carry  # [N, K, G, B], [N, K, G, B], [N, K, G, B, D]
         pages = jax.lax.dynamic_slice_in_dim(block_pages, index * pages_per_span, pages_per_span, axis=1)
-        keys = k_pages[pages].reshape(num_blocks, span, num_kv_heads, head_dim)
-        values = v_pages[pages].reshape(num_blocks, span, num_kv_heads, head_dim)
+        keys = gather_dequantized(k_pages, pages).reshape(num_blocks, span, num_kv_heads, head_dim)
+        values = gather_dequantized(v_pages, pages).reshape(num_blocks, span, num_kv_heads, head_dim)
         scores = jnp.einsum("nbkgd,nlkd->nkgbl", queries, keys, preferred_element_type=jnp.float32)
         if logits_soft_cap:
             scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)

@@ -41,6 +41,10 @@ from decode_step import cpu_description  # noqa: E402
 
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")
 DTYPES = {"f32": ("float32", "F32"), "bf16": ("bfloat16", "BF16")}  # precision -> (jaxserve dtype, GGUF type)
+# Quantized rows (issue 25): both engines serve the same llama-quantize'd file, jaxserve with quantization auto
+# (its blocks kept as stored: pallas_kernels/matmul/quantized.py), computing in float32.
+DTYPES.update({"q8_0": ("float32", "Q8_0"), "q4_0": ("float32", "Q4_0")})
+QUANTIZED_PRECISIONS = ("q8_0", "q4_0")
 TEXT_PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when",
     "Here is a short recipe for a tomato soup. First,",
@@ -78,7 +82,7 @@ def agreement(ours, theirs) -> dict:
 
 
 class Jaxserve:
-    def __init__(self, path: str, dtype: str, max_num_seqs: int):
+    def __init__(self, path: str, dtype: str, max_num_seqs: int, quantization: str = "none"):
         from jaxserve import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
@@ -90,6 +94,7 @@ class Jaxserve:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=512,
             show_progress=False,
+            quantization=quantization,
         )
         self.startup_s = time.perf_counter() - start
 
@@ -132,7 +137,8 @@ def run_precision(args, precision: str, jax_path: str | None, gguf: str, single,
     results = {}
     if jax_path is not None:
         dtype = DTYPES[precision][0]
-        ours = Jaxserve(jax_path, dtype, args.max_num_seqs)
+        quantization = "auto" if precision in QUANTIZED_PRECISIONS else "none"
+        ours = Jaxserve(jax_path, dtype, args.max_num_seqs, quantization)
         results["jaxserve"] = measure(f"jaxserve-{precision}", ours.generate, single, batch, text_prompts, args.repeats)
         stats = ours.llm.stats()
         emit(
@@ -213,7 +219,9 @@ def print_table(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a Hugging Face dir")
-    parser.add_argument("--precisions", default="f32,bf16", help="of f32, bf16 (q8_0 always runs for llama.cpp)")
+    parser.add_argument(
+        "--precisions", default="f32,bf16", help="of f32, bf16, q8_0, q4_0 (q8_0 always runs for llama.cpp)"
+    )
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--max-num-seqs", type=int, default=48, help="jaxserve's batch limit")
     parser.add_argument("--slots", type=int, default=8, help="llama-server -np")
@@ -250,11 +258,15 @@ def main() -> None:
     results = {}
     for precision in args.precisions.split(","):
         if precision not in DTYPES:
-            raise SystemExit(f"unknown precision {precision!r}; expected f32 or bf16")
+            raise SystemExit(f"unknown precision {precision!r}; expected one of {', '.join(DTYPES)}")
+        if precision in QUANTIZED_PRECISIONS:  # the same quantized file for both engines
+            gguf = quantized_gguf(ggufs, DTYPES[precision][1])
+            results[precision] = run_precision(args, precision, gguf, gguf, single, batch, text_prompts)
+            continue
         results[precision] = run_precision(
             args, precision, jax_path, ggufs[DTYPES[precision][1]], single, batch, text_prompts
         )
-    if args.q8:  # a reference line only: its failure does not cost the rows above
+    if args.q8 and "q8_0" not in results:  # a reference line only: its failure does not cost the rows above
         try:
             results["q8_0"] = run_precision(args, "q8_0", None, ggufs["Q8_0"], single, batch, text_prompts)
         except (RuntimeError, OSError) as error:
@@ -264,6 +276,14 @@ def main() -> None:
             by_engine.get(engine, {}).pop("outputs", None)
     emit(result="vs_llamacpp", **results)
     print_table(results)
+
+
+def quantized_gguf(ggufs: dict, kind: str) -> str:
+    """The model's GGUF file of this llama-quantize type, written from its F32 file where missing."""
+    path = ggufs.get(kind) or os.path.join(os.path.dirname(ggufs["F32"]), f"{kind}.gguf")
+    if not os.path.isfile(path):
+        peer.quantize(CACHE_DIR, ggufs["F32"], path, kind)
+    return path
 
 
 def pin_threads(threads: int) -> None:

@@ -6,11 +6,12 @@ length), the host's share of an engine step (schedule, input building, dispatch,
 the roofline: bytes a decode token must read (weights + the context's KV) over a read bandwidth measured
 in the same run. `--profile` splits each step (issue #29): the model's projections alone, those the C++
 small matmul serves and those XLA's dots serve (each group timed on its own with the step's rows), and
-the rest of the step. The CPU (model, vector flags) and the kernel's instruction path head the output
+the rest of the step; with `--paths`, all projections through each kernel path this CPU runs and through
+XLA's dots. The CPU (model, vector flags) and the kernel's instruction path head the output
 (JAXSERVE_CPU_KERNEL_PATH=avx2 measures what an AVX2-only CPU's kernel does). Prints JSON lines.
 
     .venv/bin/python bench/decode_step.py [--model default] [--dtypes float32,bfloat16] [--rounds 3]
-        [--batches 1,8,32] [--profile]
+        [--batches 1,8,32] [--profile [--paths]]
 """
 
 from __future__ import annotations
@@ -196,6 +197,32 @@ def projections_ms(llm, batch: int, repeats: int) -> dict[str, float]:
     return times
 
 
+def paths_ms(llm, batch: int, repeats: int) -> dict[str, float]:
+    """Median ms of all the model's projections at `batch` rows through each kernel path this CPU runs and
+    through XLA's dots (every result kept): where each should serve, per machine and dtype."""
+    from pallas_kernels import cpu_library
+    from pallas_kernels.matmul import cpu, reference
+
+    _, groups = projection_groups(llm, batch)
+    group = [entry for entries in groups.values() for entry in entries]
+    weights = [w for w, _ in group]
+    flags = tuple(t for _, t in group)
+    depth_of = tuple(w.shape[1] if t else w.shape[0] for w, t in group)
+    xs = {d: jnp.ones((batch, d), weights[0].dtype) for d in set(depth_of)}
+    times = {}
+    for path in (*cpu_library.runnable_paths(), "xla"):
+        if path != "xla" and batch > cpu.MATMUL_MAX_ROWS:
+            continue
+
+        def run(xs, weights, path=path):
+            if path == "xla":
+                return [reference.matmul(xs[d], w, transposed=t) for w, t, d in zip(weights, flags, depth_of)]
+            return [cpu.small_matmul(xs[d], w, transposed=t, path=path) for w, t, d in zip(weights, flags, depth_of)]
+
+        times[path] = round(1e3 * median_time(jax.jit(run), xs, weights, repeats=repeats), 3)
+    return times
+
+
 def weight_bytes(llm) -> int:
     return sum(x.nbytes for x in llm.engine.runner.param_leaves)
 
@@ -239,6 +266,7 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
                     step_ms_per_row=round(step_ms[b] / b, 3),
                     projections_ms=parts,
                     rest_ms=round(step_ms[b] - sum(parts.values()), 3),
+                    **({"projections_ms_by_path": paths_ms(llm, b, args.repeats)} if args.paths else {}),
                 )
         emit(
             dtype=dtype,
@@ -266,6 +294,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (the engine's decode buckets)")
     parser.add_argument("--profile", action="store_true", help="split each step: kernel / XLA projections, rest")
+    parser.add_argument("--paths", action="store_true", help="with --profile: projections through every kernel path")
     args = parser.parse_args()
     args.batches = sorted({1, *(int(b) for b in args.batches.split(","))})
     bandwidth = read_bandwidth()

@@ -89,8 +89,11 @@ GRID = [
 ]
 
 
-# Pallas' TPU interpret mode emulates every DMA: two cases of the grid, both formats between them
-CASES = [(kernel, kv_dtype, *case) for kernel in ("cpu", "pallas_gpu") for kv_dtype in KV_DTYPES for case in GRID]
+# The C++ kernel over the whole grid; the interpret-mode Pallas kernels (slow: Python per program, every TPU
+# DMA emulated) over the grid's cases split between the formats
+CASES = [("cpu", kv_dtype, *case) for kv_dtype in KV_DTYPES for case in GRID]
+CASES += [("pallas_gpu", KV_DTYPES[index % 2], *case) for index, case in enumerate(GRID)]
+CASES += [("pallas_gpu", KV_DTYPES[(index + 1) % 2], *case) for index, case in enumerate(GRID[2:])]
 CASES += [("pallas_tpu", "int8", *GRID[3]), ("pallas_tpu", "float8_e4m3", *GRID[2])]
 
 

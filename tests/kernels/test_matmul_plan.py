@@ -144,4 +144,8 @@ def test_models_import_no_kernel():
             elif isinstance(node, ast.Import):
                 imported += [(path.name, alias.name) for alias in node.names]
     assert any(module == "jaxserve.models.layers" for _, module in imported)  # the walk sees the imports
-    assert [(name, module) for name, module in imported if module.startswith("pallas_kernels")] == []
+    # The one exception is the quantized KV pages' layout (a pytree of values and scales): a data type
+    # defined beside the kernels that read it, which the cache allocates; no kernel comes with it.
+    layout = "pallas_kernels.paged_attention.kv_quantization"
+    kernels = [(name, module) for name, module in imported if module.startswith("pallas_kernels") and module != layout]
+    assert kernels == []

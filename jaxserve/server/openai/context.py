@@ -105,7 +105,10 @@ class ServingContext:
         "auto" where the tokenizer cannot write the model's reasoning format)."""
         engine = self.ready_loop().engine
         try:
-            return reasoning_parser(self.reasoning_parser, engine.model_config.model_type, engine.tokenizer)
+            # a router's loop stands in for an engine with its tokenizer only: "auto" finds no model type there
+            model_config = getattr(engine, "model_config", None)
+            model_type = model_config.model_type if model_config is not None else ""
+            return reasoning_parser(self.reasoning_parser, model_type, engine.tokenizer)
         except ValueError:
             if self.reasoning_parser == "auto":
                 return None

@@ -176,7 +176,7 @@ class DisaggConfig:
             raise ValueError(f"when_decode_full must be queue or prefill_here, got {self.when_decode_full!r}")
 
 
-SPECULATIVE_METHODS = ("ngram",)  # "draft" (a smaller or quantized copy as the proposer) comes with issue #21
+SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 15  # a verify row is k + 1 tokens: one query block of the verify step
 
 
@@ -184,7 +184,10 @@ MAX_SPECULATIVE_TOKENS = 15  # a verify row is k + 1 tokens: one query block of 
 class SpeculativeConfig:
     """Speculative decoding (engine/speculation.py): a decode row with proposed tokens becomes a
     (k + 1)-token chunk that the target model verifies in one step; greedy and sampled outputs keep the
-    target's distribution. `method: ngram` proposes by prompt lookup over the sequence's own tokens."""
+    target's distribution. `method: ngram` proposes by prompt lookup over the sequence's own tokens;
+    `method: draft` by a draft model's greedy tokens (engine/draft_proposer.py): `draft_model` (a model
+    source, or "self": the target's own) loaded with `draft_quantization` (self-speculation: its int4 or
+    int8 copy)."""
 
     method: str | None = None  # None: off
     num_speculative_tokens: int = 4  # k: proposed tokens per verify row at most
@@ -195,15 +198,16 @@ class SpeculativeConfig:
     # Per batch size, speculate only while measured tokens/s beat plain (overlapped) decoding; False:
     # speculate whenever a row has a proposal (tests, benchmarks).
     speculative_adaptive: bool = True
+    # method draft: the draft's model source (an HF directory, a GGUF file, a model name) or "self" (the
+    # target's own source), its weights' quantization (none, int8, int4, auto) and its own KV pages (None:
+    # enough for speculative_max_batch_size sequences of max_model_len tokens)
+    draft_model: str = "self"
+    draft_quantization: str = "none"
+    draft_num_pages: int | None = None
 
     def __post_init__(self):
         if self.method is None:
             return
-        if self.method == "draft":
-            raise ValueError(
-                "speculative method 'draft' (a draft model or a quantized copy of the target) is not "
-                "available yet; use method: ngram"
-            )
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; expected one of {SPECULATIVE_METHODS}")
         k = self.num_speculative_tokens
@@ -215,6 +219,23 @@ class SpeculativeConfig:
                 "must satisfy 1 <= min <= max"
             )
         _require_positive(self, ("speculative_max_batch_size",))
+        if self.method == "draft":
+            self._check_draft()
+
+    def _check_draft(self) -> None:
+        if not isinstance(self.draft_model, str) or not self.draft_model:
+            raise ValueError(f"draft_model must name a model source or 'self', got {self.draft_model!r}")
+        if self.draft_quantization not in QUANTIZATION_FORMATS:
+            raise ValueError(
+                f"unknown draft_quantization {self.draft_quantization!r}; known: {list(QUANTIZATION_FORMATS)}"
+            )
+        if self.draft_model == "self" and self.draft_quantization in ("none", "auto"):
+            raise ValueError(
+                "a draft that is the target itself (draft_model: self) needs draft_quantization int8 or int4: "
+                "the same weights would cost as much as the target and propose nothing it would not decode"
+            )
+        if self.draft_num_pages is not None and (isinstance(self.draft_num_pages, bool) or self.draft_num_pages < 2):
+            raise ValueError(f"draft_num_pages must be at least 2, got {self.draft_num_pages!r}")
 
     @property
     def enabled(self) -> bool:

@@ -24,6 +24,8 @@ from jaxserve.distributed.agreement import agree_on_engine, check_every_process_
 from jaxserve.distributed.leader_runner import wrap_runner
 from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
+from jaxserve.engine.draft_model import build_draft
+from jaxserve.engine.draft_proposer import DraftProposer
 from jaxserve.engine.expert_balancer import ExpertBalancer
 from jaxserve.host.page_allocator import PageAllocator, num_pages_for, swap_in_is_cheaper
 from jaxserve.host.scheduler import Scheduler
@@ -62,6 +64,7 @@ class EngineParts:
     experts: ExpertBalancer | None  # mixture-of-experts models only
     process_group: ProcessGroup | None  # several processes: from runtime.initialize; None: one
     lora: LoraRegistry | None = None  # LoRA adapter slots (jaxserve/lora), when the config gives any
+    draft: DraftProposer | None = None  # speculative.method draft: the draft model (engine/draft_model.py)
 
 
 def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGroup | None = None) -> EngineParts:
@@ -123,6 +126,9 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
                 )
             )
     runner.warm_up(show_progress=config.show_progress)
+    draft = None
+    if config.speculative.method == "draft":
+        draft = build_draft(source, config, mesh, max_model_len, runner.buckets, _load_model, runner)
     lora = LoraRegistry(config.lora, runner, lora_slots) if lora_slots else None
     if lora is not None:
         for name, path in (config.lora.adapters or {}).items():
@@ -145,6 +151,7 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
         experts=experts,
         process_group=process_group,
         lora=lora,
+        draft=draft,
     )
 
 

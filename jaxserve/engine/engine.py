@@ -102,7 +102,7 @@ class Engine:
             self.runner,
         )
         self.admission = RequestChecks(parts, self.constraints)
-        self.speculation = Speculation(self.config.speculative, parts.max_model_len)
+        self.speculation = Speculation(self.config.speculative, parts.max_model_len, parts.draft)
 
     @classmethod
     def from_model(cls, model_path: str, config: EngineConfig, process_group: ProcessGroup | None = None) -> Engine:

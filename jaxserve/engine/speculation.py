@@ -158,8 +158,11 @@ class Speculation:
     def stats(self) -> dict:
         if not self.enabled:
             return {"speculative_method": None}
+        self._forget_finished()  # a draft's pages come back once its sequences ended, not a step later
         counts = self.counts
+        proposer_stats = getattr(self.proposer, "stats", None)
         return {
+            **(proposer_stats() if proposer_stats is not None else {}),
             "speculative_method": self.config.method,
             "speculative_num_verify_rows": counts.num_verify_rows,
             "speculative_num_draft_tokens": counts.num_draft_tokens,

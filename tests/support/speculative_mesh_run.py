@@ -1,5 +1,5 @@
 """Run by tests/engine/test_speculative_meshes.py with 8 fake CPU devices: for each case (a fixture and its
-mesh), greedy and seeded sampled outputs with n-gram speculation on and off, and what the engines held and
+mesh), greedy and seeded sampled outputs with speculation (n-gram or a draft model) on and off, and what the engines held and
 compiled afterwards. Prints one JSON object."""
 
 import json
@@ -9,25 +9,27 @@ from jaxserve import LLM
 from tests.engine.test_speculative import ENGINE, NGRAM, summary, workload
 from tests.support.fixtures import fixture_dir
 
-CASES = {
-    "llama_tp2": ("llama_gqa", dict(tensor_parallel_size=2)),
-    "mixtral_dp2_ep": ("mixtral", dict(data_parallel_size=2, enable_expert_parallel=True)),
+SELF_INT8 = {"method": "draft", "draft_quantization": "int8", "speculative_adaptive": False}
+CASES = {  # fixture, mesh, speculation
+    "llama_tp2": ("llama_gqa", dict(tensor_parallel_size=2), NGRAM),
+    "mixtral_dp2_ep": ("mixtral", dict(data_parallel_size=2, enable_expert_parallel=True), NGRAM),
+    "llama_tp2_draft": ("llama_gqa", dict(tensor_parallel_size=2), SELF_INT8),
 }
 
 results = {}
 for case in sys.argv[1:]:
-    fixture, parallel = CASES[case]
+    fixture, parallel, speculation = CASES[case]
     prompts, params = workload(3, 16)
     outputs, stats = {}, {}
-    for name, speculative in (("plain", None), ("ngram", NGRAM)):
+    for name, speculative in (("plain", None), ("speculative", speculation)):
         options = {**ENGINE, **parallel, **({"speculative": speculative} if speculative else {})}
         llm = LLM(fixture_dir(fixture), **options)
         outputs[name] = summary(llm.generate(prompts, params))
         stats[name] = llm.stats()
-    ngram = stats["ngram"]
+    speculative_stats = stats["speculative"]
     results[case] = dict(
-        equal=outputs["ngram"] == outputs["plain"],
-        accepted=ngram["speculative_num_accepted_tokens"],
+        equal=outputs["speculative"] == outputs["plain"],
+        accepted=speculative_stats["speculative_num_accepted_tokens"],
         compiles_after_warmup=[s["num_compiles_after_warmup"] for s in stats.values()],
         pages_held=[s["kv_pages_total"] - s["kv_pages_free"] for s in stats.values()],
     )

@@ -1,0 +1,147 @@
+"""Start-up of a draft model for speculative decoding (`speculative.method: draft`): the draft's params,
+its own paged KV cache and its own runner, built by the same machinery as the target's (engine/builder.py)
+and warmed up the same way, so that proposing never compiles.
+
+    speculative.draft_model: "self" (the target's own source) or any model source the engine loads
+    speculative.draft_quantization: none | int8 | int4 | auto (self-speculation: the target's int4 copy)
+
+Refused at start: a draft whose vocabulary or tokenizer differs from the target's (its proposals would be
+other tokens), a draft on a data-parallel mesh (not built yet), a draft that cannot hold max_model_len.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import Mesh
+
+from jaxserve.config import Buckets, EngineConfig
+from jaxserve.device.rank_layout import RankLayout
+from jaxserve.device.runner import ModelRunner, kv_cache_bytes_available
+from jaxserve.device.sampling_inputs import SamplingWidths
+from jaxserve.engine.attention_plan import choose_attention
+from jaxserve.engine.draft_proposer import DraftProposer
+from jaxserve.host.page_allocator import PageAllocator, num_pages_for
+from jaxserve.loading.model_source import ModelSource, open_model
+from jaxserve.loading.quantize import QuantizationSpec
+from jaxserve.loading.tokenizer import Tokenizer
+from jaxserve.models import KVPages
+from sharding.attention import kv_pages_shardings
+
+# Text whose encoding two tokenizers must agree on (words, code, digits, whitespace runs, non-ASCII).
+TOKENIZER_PROBE = "Hello, world! def f(x):\n    return x * 12345  # ünïcödé 日本語 \t\n\n<|end|></s>"
+
+
+def build_draft(
+    target: ModelSource,
+    config: EngineConfig,
+    mesh: Mesh | None,
+    max_model_len: int,
+    target_buckets: Buckets,
+    load_model,
+    compile_counter,
+) -> DraftProposer:
+    """load_model: builder._load_model (params placed by the rules table as they are read);
+    compile_counter: the target's runner, whose count of compiles after warm-up the draft's add to."""
+    speculative = config.speculative
+    if mesh is not None and config.parallel.data_parallel_size > 1:
+        raise ValueError(
+            "speculative method draft with data_parallel_size > 1 is not available yet (the draft's rows would "
+            "have to follow each rank's sequences); use tensor parallelism or method ngram"
+        )
+    source = target if speculative.draft_model == "self" else open_model(speculative.draft_model)
+    check_draft_matches(source, target, max_model_len)
+    model_config = source.config.with_context_length(max_model_len)
+    dtype = source.checkpoint_dtype if config.dtype == "auto" else config.dtype
+    attention = choose_attention(model_config, config, dtype, mesh)
+    expert_parallel = config.parallel.enable_expert_parallel and model_config.is_moe and mesh is not None
+    quantization = QuantizationSpec(speculative.draft_quantization, config.quantization_group_size)
+    model = load_model(
+        dataclasses.replace(source, config=model_config), dtype, attention, mesh, expert_parallel, quantization
+    )
+
+    rows = min(speculative.speculative_max_batch_size, config.scheduler.max_num_seqs)
+    page_size = config.cache.page_size
+    # Enough for every proposing row at max_model_len, within a quarter of the target's KV budget: a row
+    # that finds no pages proposes nothing, and the least recently proposing rows give theirs up first.
+    page_bytes = KVPages.bytes_per_page(
+        model_config.num_layers, page_size, attention.num_cache_kv_heads, attention.cache_head_dim, dtype
+    )
+    budget_pages = kv_cache_bytes_available(config.cache.kv_cache_memory_gib) // 4 // page_bytes
+    num_pages = speculative.draft_num_pages or max(
+        2, min(rows * num_pages_for(max_model_len, page_size) + 1, budget_pages)
+    )
+    layout = RankLayout(1, num_pages, entries_per_rank=rows)
+    kv_pages = KVPages.zeros(
+        model_config.num_layers, num_pages, page_size, attention.num_cache_kv_heads, attention.cache_head_dim, dtype
+    )
+    if mesh is not None:
+        kv_pages = jax.device_put(kv_pages, kv_pages_shardings(kv_pages, mesh, attention.num_cache_kv_heads))
+    buckets = Buckets(
+        decode_seqs=tuple(b for b in target_buckets.decode_seqs if b < rows) + (rows,),
+        prefill_tokens=target_buckets.prefill_tokens,
+        pages_per_seq=target_buckets.pages_per_seq,
+    )
+    runner = ModelRunner(
+        model,
+        kv_pages=kv_pages,
+        buckets=buckets,
+        page_size=page_size,
+        prefill_query_block=config.scheduler.prefill_query_block,
+        max_logprobs=0,
+        vocab_size=model_config.vocab_size,
+        sampling_widths=SamplingWidths.for_vocab(model_config.vocab_size, 0),
+        num_experts=model_config.num_experts,
+        layout=layout,
+        mesh=mesh,
+    )
+    runner.warm_up(show_progress=config.show_progress)
+    return DraftProposer(
+        runner,
+        PageAllocator(num_pages, page_size),
+        max_rows=rows,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        prefill_query_block=config.scheduler.prefill_query_block,
+        compile_counter=compile_counter,
+        description=f"{source.name} ({speculative.draft_quantization})",
+    )
+
+
+def check_draft_matches(draft: ModelSource, target: ModelSource, max_model_len: int) -> None:
+    """The draft must speak the target's tokens: the same vocabulary size and the same tokenizer."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"draft model {draft.path!r} has a vocabulary of {draft.config.vocab_size} tokens, the target "
+            f"{target.path!r} {target.config.vocab_size}: a draft must share the target's tokenizer"
+        )
+    if max_model_len > draft.config.max_position_embeddings:
+        raise ValueError(
+            f"draft model {draft.path!r} holds {draft.config.max_position_embeddings} positions, fewer than "
+            f"max_model_len ({max_model_len})"
+        )
+    problem = tokenizer_difference(draft.tokenizer, target.tokenizer)
+    if problem is not None:
+        raise ValueError(f"draft model {draft.path!r} has another tokenizer than the target {target.path!r}: {problem}")
+
+
+def tokenizer_difference(draft: Tokenizer | None, target: Tokenizer | None) -> str | None:
+    """What tells the two tokenizers apart (None: nothing that matters to proposals)."""
+    if draft is None or target is None:
+        return None if draft is target else "only one of them has a tokenizer"
+    checks = (
+        ("vocabulary size", draft.vocab_size, target.vocab_size),
+        ("EOS ids", sorted(draft.eos_token_ids), sorted(target.eos_token_ids)),
+        ("BOS id", draft.bos_token_id, target.bos_token_id),
+        ("special tokens", draft.special_tokens, target.special_tokens),
+        ("encoding of a probe text", draft.encode(TOKENIZER_PROBE), target.encode(TOKENIZER_PROBE)),
+    )
+    for what, mine, theirs in checks:
+        if mine != theirs:
+            return f"{what} differ ({_short(mine)} vs {_short(theirs)})"
+    return None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,158 @@
+"""Speculation with a draft model (engine/draft_proposer.py) changes no output: greedy and seeded sampled
+requests give the same tokens, text, logprobs and finish reasons as without speculation, with the target's
+own int8 copy as the draft and with another tiny model of the same tokenizer, under continuous batching
+with more requests than slots, preemption, and a draft pool too small for every row; no compile after
+warm-up, and both caches' pages come back. A draft that speaks other tokens is refused at start."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.draft_model import check_draft_matches
+from jaxserve.loading.model_source import open_model
+from tests.engine.test_speculative import ENGINE, assert_logprobs_close, assert_nothing_held, summary, workload
+from tests.support.fixtures import fixture_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SELF_INT8 = {
+    "method": "draft",
+    "draft_quantization": "int8",
+    "num_speculative_tokens": 4,
+    "speculative_adaptive": False,
+}
+# Another model of the same tokenizer, with a pool of 6 pages of 4 tokens: rows evict each other's draft KV
+# or find none and propose nothing that step.
+OTHER_SMALL_POOL = {
+    "method": "draft",
+    "draft_model": fixture_dir("llama_mqa_odd"),
+    "num_speculative_tokens": 3,
+    "draft_num_pages": 7,
+    "speculative_adaptive": False,
+}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {
+        "plain": LLM(fixture_dir("llama_gqa"), **ENGINE),
+        "self_int8": LLM(fixture_dir("llama_gqa"), **ENGINE, speculative=SELF_INT8),
+        "other": LLM(fixture_dir("llama_gqa"), **ENGINE, speculative=OTHER_SMALL_POOL),
+    }
+
+
+def assert_draft_holds_nothing(llm):
+    assert_nothing_held(llm)
+    stats = llm.stats()
+    assert stats["speculative_draft_kv_pages_free"] == stats["speculative_draft_kv_pages_total"]
+    assert stats["speculative_draft_num_compiles_after_warmup"] == 0
+    assert not llm.engine.speculation.proposer.rows
+
+
+def test_outputs_equal_with_a_draft_model_and_without(engines):
+    prompts, params = workload(1, 28)  # 8 slots: continuous batching; 40 pages of 4 tokens: preemption
+    results = {name: llm.generate(prompts, params) for name, llm in engines.items()}
+    for name in ("self_int8", "other"):
+        assert summary(results[name]) == summary(results["plain"]), name
+        assert_logprobs_close(results[name], results["plain"])
+        stats = engines[name].stats()
+        assert stats["speculative_method"] == "draft"
+        assert stats["speculative_num_draft_tokens"] > 20, name
+        drafted = sum(o.num_draft_tokens for r in results[name] for o in r.outputs)
+        assert drafted == stats["speculative_num_draft_tokens"]
+        assert_draft_holds_nothing(engines[name])
+    assert engines["self_int8"].stats()["num_preemptions"] > 0
+    # the int8 copy agrees with its target far more often than an unrelated (random) model does
+    assert engines["self_int8"].stats()["speculative_num_accepted_tokens"] > 100
+    rates = {name: engines[name].stats()["speculative_acceptance_rate"] for name in ("self_int8", "other")}
+    assert rates["self_int8"] > 0.3 and rates["self_int8"] > 2 * rates["other"], rates
+    assert engines["other"].stats()["speculative_draft_rows_without_pages"] > 0
+
+
+def test_a_long_greedy_run_speculates_nearly_every_token(engines):
+    """One long stream: the int8 draft's proposals are mostly accepted, so verify rows emit several
+    tokens each; its KV follows the target's across many accept / reject rounds."""
+    prompt = list(range(3, 40))
+    params = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
+    reference = engines["plain"].generate([prompt], params)[0].outputs[0].token_ids
+    output = engines["self_int8"].generate([prompt], params)[0].outputs[0]
+    assert output.token_ids == reference
+    assert output.num_accepted_draft_tokens > 45
+    assert_draft_holds_nothing(engines["self_int8"])
+
+
+def test_metrics_report_the_draft_methods_acceptance(engines):
+    from prometheus_client import generate_latest
+
+    from jaxserve.server.metrics import ServerMetrics
+
+    stats = engines["self_int8"].stats()
+    metrics = ServerMetrics()
+    metrics.observe_engine(stats)
+    text = generate_latest(metrics.registry).decode()
+    assert f"jaxserve_spec_decode_accepted_tokens {float(stats['speculative_num_accepted_tokens'])}" in text
+    assert f"jaxserve_spec_decode_acceptance_rate {stats['speculative_acceptance_rate']}" in text
+
+
+def _copy_with_config(tmp_path, name: str, **changes) -> str:
+    copy = tmp_path / name
+    shutil.copytree(fixture_dir("llama_mqa_odd"), copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, **changes}))
+    return str(copy)
+
+
+def test_a_draft_of_other_tokens_is_refused_at_start(tmp_path):
+    target = open_model(fixture_dir("llama_gqa"))
+    check_draft_matches(open_model(fixture_dir("llama_mqa_odd")), target, 128)
+    with pytest.raises(ValueError, match="vocabulary of 400 tokens"):
+        check_draft_matches(open_model(_copy_with_config(tmp_path, "vocab", vocab_size=400)), target, 128)
+    with pytest.raises(ValueError, match="another tokenizer than the target.*EOS ids differ"):
+        check_draft_matches(open_model(_copy_with_config(tmp_path, "eos", eos_token_id=5)), target, 128)
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        check_draft_matches(open_model(_copy_with_config(tmp_path, "short", max_position_embeddings=64)), target, 128)
+    with pytest.raises(ValueError, match="vocabulary of 400 tokens"):  # through the engine's start-up
+        LLM(
+            fixture_dir("llama_gqa"),
+            **ENGINE,
+            speculative={"method": "draft", "draft_model": str(tmp_path / "vocab")},
+        )
+
+
+@pytest.mark.parametrize(
+    "speculative, problem",
+    [
+        ({"method": "draft"}, "needs draft_quantization int8 or int4"),
+        ({"method": "draft", "draft_quantization": "int3"}, "unknown draft_quantization"),
+        ({"method": "draft", "draft_model": ""}, "draft_model must name a model source"),
+        ({"method": "draft", "draft_quantization": "int4", "draft_num_pages": 1}, "draft_num_pages"),
+        ({"method": "draft", "draft_quantization": "int4", "num_speculative_tokens": 16}, "num_speculative_tokens"),
+    ],
+)
+def test_bad_draft_options_are_refused(speculative, problem):
+    from jaxserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match=problem):
+        EngineConfig.from_options(speculative=speculative)
+
+
+def test_outputs_equal_with_a_draft_on_a_tensor_parallel_mesh():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.support.speculative_mesh_run", "llama_tp2_draft"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])["llama_tp2_draft"]
+    assert outcome["equal"]
+    assert outcome["accepted"] > 5  # proposals were verified and accepted on the mesh
+    assert outcome["compiles_after_warmup"] == [0, 0]
+    assert outcome["pages_held"] == [0, 0]

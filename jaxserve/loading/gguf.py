@@ -31,6 +31,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from jaxserve.loading import gguf_families
 from jaxserve.loading.gguf_metadata import GGUFMetadataReader
 from jaxserve.loading.gguf_rope import llama3_rope_scaling
 
@@ -44,6 +45,7 @@ MODEL_TYPES = {  # GGUF architecture -> HF model_type
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
+    **gguf_families.FAMILY_MODEL_TYPES,
 }
 ARCHITECTURE_CLASSES = {  # HF model_type -> config.json architectures
     "llama": "LlamaForCausalLM",
@@ -53,6 +55,7 @@ ARCHITECTURE_CLASSES = {  # HF model_type -> config.json architectures
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    **gguf_families.ARCHITECTURE_CLASSES,
 }
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's 27B: scores scaled by (hidden / heads) ** -1/2
@@ -104,6 +107,8 @@ def layer_tensor_names(architecture: str) -> dict[str, str]:
     """blk.N.<name> -> model.layers.N.<name> for one GGUF architecture."""
     if architecture in GEMMA_ARCHITECTURES:
         return GEMMA_LAYER_TENSORS
+    if architecture in gguf_families.LAYER_TENSORS:
+        return gguf_families.LAYER_TENSORS[architecture]
     return PHI3_LAYER_TENSORS if architecture == "phi3" else LAYER_TENSORS
 
 
@@ -203,6 +208,8 @@ class GGUFFile:
             self._add_gemma_config(config)
         elif self.architecture == "phi3":
             self._add_phi3_config(config)
+        elif self.architecture in gguf_families.FAMILY_MODEL_TYPES:
+            gguf_families.family_config(self.architecture, self._family_metadata(), config)
         self._check_layers(num_layers, num_experts)
         return config
 
@@ -261,7 +268,16 @@ class GGUFFile:
             sliding_window=int(self._get("attention.sliding_window") or 0) or None,
         )
 
+    def _family_metadata(self) -> gguf_families.GGUFMetadata:
+        return gguf_families.GGUFMetadata(self._get, self.tensors, self.path)
+
     def _check_layers(self, num_layers: int, num_experts: int) -> None:
+        if self.architecture in gguf_families.FAMILY_MODEL_TYPES:
+            for layer in range(num_layers):
+                missing = gguf_families.missing_layer_tensor(self.architecture, self._family_metadata(), layer)
+                if missing is not None:
+                    raise ValueError(f"GGUF file {self.path} lacks tensor {missing}")
+            return
         mlp = ("ffn_gate_inp", *EXPERT_TENSORS) if num_experts else ("ffn_gate", "ffn_up", "ffn_down")
         required = FAMILY_LAYER_TENSORS.get(self.architecture, REQUIRED_LAYER_TENSORS + mlp)
         for layer in range(num_layers):
@@ -333,6 +349,7 @@ class GGUFTensorReader:
         self.gguf = gguf
         self.names: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, expert index or None)
         layer_tensors = layer_tensor_names(gguf.architecture)
+        expert_tensors = gguf_families.EXPERT_TENSORS.get(gguf.architecture)
         for name, tensor in gguf.tensors.items():
             if name in GLOBAL_TENSORS:
                 self.names[GLOBAL_TENSORS[name]] = (name, None)
@@ -343,10 +360,16 @@ class GGUFTensorReader:
             prefix = f"model.layers.{parts[1]}."
             if parts[2] in layer_tensors:
                 self.names[prefix + layer_tensors[parts[2]] + "." + parts[3]] = (name, None)
+            elif expert_tensors is not None:  # the family's own per-expert names
+                for expert in range(tensor.data.shape[0]) if parts[2] in expert_tensors else ():
+                    hf_name = f"{prefix}{expert_tensors[parts[2]].format(expert=expert)}.{parts[3]}"
+                    self.names[hf_name] = (name, expert)
             elif parts[2] in EXPERT_TENSORS:
                 for expert in range(tensor.data.shape[0]):
                     hf_name = f"{prefix}block_sparse_moe.experts.{expert}.{EXPERT_TENSORS[parts[2]]}.{parts[3]}"
                     self.names[hf_name] = (name, expert)
+        # HF name -> how to build it from other GGUF tensors (deepseek2's kv_b_proj, gpt-oss' fused experts)
+        self.derived = gguf_families.derived_tensors(gguf.architecture, gguf.tensors)
         config = gguf.hf_config()
         self.rotary_heads = {}
         if gguf.architecture == "llama":
@@ -355,9 +378,14 @@ class GGUFTensorReader:
         self._cached: tuple[str, np.ndarray] | None = None
 
     def __contains__(self, hf_name: str) -> bool:
-        return hf_name in self.names
+        return hf_name in self.names or hf_name in self.derived
 
     def read(self, hf_name: str) -> np.ndarray:
+        if hf_name in self.derived:  # gpt-oss reads gate_up_proj twice (gate, then up columns): kept once
+            if self._cached is None or self._cached[0] != hf_name:
+                values = self.derived[hf_name](lambda name: read_dequantized(self.gguf.path, self.gguf.tensors[name]))
+                self._cached = (hf_name, values)
+            return self._cached[1]
         if hf_name not in self.names:
             raise ValueError(f"GGUF file {self.gguf.path} has no tensor for {hf_name!r}")
         name, expert = self.names[hf_name]
@@ -381,6 +409,8 @@ class GGUFTensorReader:
         copy (loading/quantize_gguf.py); None where its type has no quantized layout (it then dequantizes)."""
         from jaxserve.loading.quantize_gguf import from_gguf_blocks, has_quantized_layout
 
+        if hf_name in self.derived:  # assembled from several tensors: dequantized
+            return None
         if hf_name not in self.names:
             raise ValueError(f"GGUF file {self.gguf.path} has no tensor for {hf_name!r}")
         name, expert = self.names[hf_name]

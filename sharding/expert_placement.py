@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pallas_kernels.matmul.quantized import QuantizedWeight, place_shardings
 from sharding.moe import ExpertPlacement, place_experts, store_experts
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
@@ -142,7 +143,10 @@ def rebalance(state: nnx.State, load: np.ndarray) -> nnx.State:
         gather = _rebalance_gather(_stored_rows(flat, prefix), np.asarray(storage_order))
         for name in _expert_arrays(flat, prefix):
             variable = flat[prefix + (name,)]
-            flat[prefix + (name,)] = variable.replace(move_rows(variable.get_value(), gather))
+            # a quantized weight's arrays (values, scales, mins) each move their rows alike
+            flat[prefix + (name,)] = variable.replace(
+                jax.tree.map(functools.partial(move_rows, gather=gather), variable.get_value())
+            )
         for name, value in (("expert_device", device_of), ("expert_slot", slot_of)):
             variable = flat[prefix + (name,)]
             flat[prefix + (name,)] = variable.replace(jax.device_put(value, variable.get_value().sharding))
@@ -166,16 +170,20 @@ def canonical_params(state: nnx.State) -> nnx.State:
         rows = _stored_rows(flat, prefix)  # expert e <- its current row
         for name in _expert_arrays(flat, prefix):
             variable = flat[prefix + (name,)]
-            stored = variable.get_value()
-            if len(rows) == stored.shape[0]:
-                canonical = move_rows(stored, rows)  # the same sharding fits X rows
-            else:  # X rows do not split over the devices: gather them where another axis is split
-                sharding = canonical_sharding((len(rows),) + stored.shape[1:], stored.sharding.mesh)
-                canonical = _gather_rows(jax.device_put(stored, sharding), jnp.asarray(rows), sharding)
+            canonical = jax.tree.map(functools.partial(_canonical_rows, rows=rows), variable.get_value())
             flat[prefix + (name,)] = variable.replace(canonical)
     return nnx.from_flat_state(
         [(path, variable) for path, variable in flat.items() if not isinstance(variable, ExpertPlacement)]
     )
+
+
+def _canonical_rows(stored, rows: np.ndarray) -> jax.Array:
+    """One stored [S, ...] array's rows in canonical order ([X, ...]): row e <- stored row rows[e]."""
+    if len(rows) == stored.shape[0]:
+        return move_rows(stored, rows)  # the same sharding fits X rows
+    # X rows do not split over the devices: gather them where another axis is split
+    sharding = canonical_sharding((len(rows),) + stored.shape[1:], stored.sharding.mesh)
+    return _gather_rows(jax.device_put(stored, sharding), jnp.asarray(rows), sharding)
 
 
 def canonical_sharding(shape: tuple[int, ...], mesh) -> NamedSharding:
@@ -229,14 +237,25 @@ def expert_parallel_reader(read_params, num_experts: int, mesh):
                 )
             )
         )
-        for path, sharding in canonical.items():  # one at a time: each read copy is freed as its rows are stored
+        for path in canonical:  # one at a time: each read copy is freed as its rows are stored
             variable = loaded[path]
-            loaded[path] = variable.replace(
-                jax.device_put(_gather_rows(variable.get_value(), storage_order, sharding), placement(path))
-            )
+            loaded[path] = variable.replace(_store_rows(variable.get_value(), storage_order, placement(path)))
         return nnx.from_flat_state(list(loaded.items()))
 
     return read
+
+
+def _store_rows(canonical, storage_order, sharding):
+    """A canonical [X, ...] expert weight (an array, or a QuantizedWeight's arrays each) laid out in its stored
+    rows and placed by `sharding` (the float param's; per array for a quantized weight)."""
+    if not isinstance(canonical, QuantizedWeight):
+        return jax.device_put(_gather_rows(canonical, storage_order, canonical.sharding), sharding)
+    shardings = place_shardings(canonical, sharding)
+    return jax.tree.map(
+        lambda array, placed: jax.device_put(_gather_rows(array, storage_order, array.sharding), placed),
+        canonical,
+        shardings,
+    )
 
 
 def _is_expert_weight(variable) -> bool:

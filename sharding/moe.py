@@ -31,6 +31,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.matmul.quantized_experts import expert_matmul
+
 # Legend: T = tokens, D = devices on the axis, t = tokens per device, k = experts per token, C = t * k
 # routed copies per device, R = routed copies, E = embed, X = experts, F = expert mlp, L = expert rows per device
 # (ceil(X / D)), S = D * L stored expert rows (X plus padding).
@@ -49,13 +51,13 @@ def grouped_expert_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, activat
     each expert's gated MLP over its own rows; gate/up [X, E, F], down [X, F, E]. biases (GPT-OSS): the
     experts' gate, up and down biases ([X, F], [X, F], [X, E]), or () for none; glu(gate, up) -> hidden
     replaces activation(gate) * up where the model gates otherwise (GPT-OSS's clamped SwiGLU)."""
-    gate = jax.lax.ragged_dot(rows, gate_proj, group_sizes)
-    up = jax.lax.ragged_dot(rows, up_proj, group_sizes)
+    gate = expert_matmul(rows, gate_proj, group_sizes)  # a float or quantized (int8 / int4) [X, E, F] weight
+    up = expert_matmul(rows, up_proj, group_sizes)
     if biases:
         gate_bias, up_bias, down_bias = (_bias_by_row(bias, group_sizes, rows.shape[0]) for bias in biases)
         gate, up = gate + gate_bias.astype(gate.dtype), up + up_bias.astype(up.dtype)
     hidden = glu(gate, up) if glu is not None else activation(gate) * up
-    out = jax.lax.ragged_dot(hidden, down_proj, group_sizes)
+    out = expert_matmul(hidden, down_proj, group_sizes)
     return out + down_bias.astype(out.dtype) if biases else out
 
 

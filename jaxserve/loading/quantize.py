@@ -22,9 +22,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from pallas_kernels.matmul.quantized import QuantizedWeight
+from pallas_kernels.matmul.quantized import QuantizedWeight, place_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +52,9 @@ class QuantizationSpec:
 
 
 EMBEDDING = ("embed_tokens", "embedding")  # [V, E]: quantized, it is stored [E, V], as the tied head it may be
+# A mixture-of-experts layer's stacked expert weights, [X, K, N] each (models/moe.py): quantized expert by
+# expert, read by the grouped expert matmul (pallas_kernels/matmul/quantized_experts.py). Biases stay float.
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
 def is_projection_kernel(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
@@ -60,9 +62,19 @@ def is_projection_kernel(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
     return path[-1] == "kernel" and len(shape) == 2 and (len(path) < 2 or path[-2] not in UNQUANTIZED_MODULES)
 
 
+def is_expert_weight(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
+    """A mixture-of-experts layer's stacked [X, K, N] expert weight."""
+    return len(shape) == 3 and path[-1] in EXPERT_WEIGHTS
+
+
 def is_quantizable(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
-    """A projection kernel, or the token embedding (a lookup, and the head where it is tied)."""
-    return is_projection_kernel(path, shape) or (tuple(path[-2:]) == EMBEDDING and len(shape) == 2)
+    """A projection kernel, the stacked expert weights, or the token embedding (a lookup, and the head where
+    it is tied)."""
+    return (
+        is_projection_kernel(path, shape)
+        or is_expert_weight(path, shape)
+        or (tuple(path[-2:]) == EMBEDDING and len(shape) == 2)
+    )
 
 
 def stored_shape(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -79,12 +91,6 @@ def mark_quantized(abstract_state: nnx.State, spec: QuantizationSpec) -> nnx.Sta
     for path, variable in nnx.to_flat_state(abstract_state):
         shape = tuple(variable.get_value().shape)
         names = tuple(str(p) for p in path)
-        if spec.format in ("int8", "int4") and "expert" in (variable.get_metadata("logical_axes", None) or ()):
-            raise ValueError(
-                f"quantization {spec.format} does not cover mixture-of-experts expert weights yet "
-                f"({'.'.join(names)} {list(shape)}): set quantization to none, or auto (a GGUF file's quantized "
-                "tensors where jaxserve reads them quantized, the rest dequantized)"
-            )
         if is_quantizable(names, shape):
             check_groups(names, stored_shape(names, shape), spec)
             variable = variable.replace(variable.get_value(), quantization=spec)
@@ -93,9 +99,11 @@ def mark_quantized(abstract_state: nnx.State, spec: QuantizationSpec) -> nnx.Sta
 
 
 def check_groups(path: tuple[str, ...], shape: tuple[int, ...], spec: QuantizationSpec) -> None:
-    if spec.format == "int4" and shape[0] % spec.group_size:
+    """shape: the stored [..., K, N]."""
+    depth = shape[-2]
+    if spec.format == "int4" and depth % spec.group_size:
         raise ValueError(
-            f"cannot quantize {'.'.join(path)} [{shape[0]}, {shape[1]}] to int4: K = {shape[0]} is not a "
+            f"cannot quantize {'.'.join(path)} {list(shape)} to int4: K = {depth} is not a "
             f"multiple of quantization_group_size {spec.group_size} (choose one that divides it, or int8)"
         )
 
@@ -136,6 +144,24 @@ CHUNK_BYTES = 8 << 20
 
 
 def quantize(weight: np.ndarray, spec: QuantizationSpec, compute_dtype: str) -> QuantizedWeight:
+    """weight [K, N], or stacked experts [X, K, N] (each quantized on its own) -> its QuantizedWeight."""
+    if weight.ndim == 2:
+        return _quantize_matrix(weight, spec, compute_dtype)
+    return stack([_quantize_matrix(np.asarray(matrix), spec, compute_dtype) for matrix in weight])
+
+
+def stack(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """[K, N] QuantizedWeights of one layout -> the [X, K, N] one, each array stacked along a new first axis."""
+    first = weights[0]
+
+    def stacked(leaf: str):
+        arrays = [getattr(weight, leaf) for weight in weights]
+        return None if arrays[0] is None else np.stack(arrays)
+
+    return dataclasses.replace(first, values=stacked("values"), scales=stacked("scales"), mins=stacked("mins"))
+
+
+def _quantize_matrix(weight: np.ndarray, spec: QuantizationSpec, compute_dtype: str) -> QuantizedWeight:
     """weight [K, N] -> its QuantizedWeight, computed in chunks of columns (columns quantize independently)."""
     depth, columns = weight.shape
     step = max(16, CHUNK_BYTES // (4 * depth))
@@ -179,7 +205,7 @@ def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, 
             raise ValueError(
                 f"checkpoint tensor for {'.'.join(path)} has shape {tuple(tensor.shape)}, config.json implies {shape}"
             )
-        stored = quantize(tensor.T if transposed else tensor, spec, compute_dtype)
+        stored = quantize(np.asarray(tensor).T if transposed else np.asarray(tensor), spec, compute_dtype)
         del tensor
     return place(stored, sharding, stored_transposed=transposed)
 
@@ -203,36 +229,10 @@ def place(weight: QuantizedWeight, sharding, stored_transposed: bool = False) ->
     return jax.tree.map(jax.device_put, weight, place_shardings(weight, sharding, stored_transposed))
 
 
-def place_shardings(weight: QuantizedWeight, sharding, stored_transposed: bool = False) -> QuantizedWeight:
-    """A sharding for each of the weight's arrays, given the float param's (None: the default device). With a
-    NamedSharding, values, scales and mins split as it splits K and N wherever their own sizes divide
-    (packed rows and groups stay whole on a shard), else stay whole along that axis; stored_transposed: the
-    param's axes are [N, K] (the embedding [V, E], stored [E, V])."""
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    if not isinstance(sharding, NamedSharding):
-        return jax.tree.map(lambda leaf: sharding, weight)
-    if stored_transposed:
-        first, second = (tuple(sharding.spec) + (None, None))[:2]
-        sharding = NamedSharding(sharding.mesh, PartitionSpec(second, first))
-    return jax.tree.map(lambda leaf: _leaf_sharding(leaf.shape, sharding), weight)
-
-
-def _leaf_sharding(shape: tuple[int, ...], sharding: NamedSharding) -> NamedSharding:
-    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    for axis, mesh_axis in enumerate(spec):
-        if mesh_axis is None:
-            continue
-        names = mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)
-        split = int(np.prod([sharding.mesh.shape[name] for name in names]))
-        if shape[axis] % split:
-            spec[axis] = None
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
-
-
 __all__ = [
     "FORMATS",
     "QuantizationSpec",
+    "is_expert_weight",
     "is_projection_kernel",
     "is_quantizable",
     "load_quantized",
@@ -243,4 +243,5 @@ __all__ = [
     "quantize",
     "quantize_int4",
     "quantize_int8",
+    "stack",
 ]

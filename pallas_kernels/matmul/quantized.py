@@ -21,6 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 # Rows from which the reference dequantizes the weight and runs one dot (compute-bound prefill: the copy
 # is paid once for many rows); below, it dots the integers group by group and scales the group sums, so
@@ -144,6 +145,33 @@ def take_columns(weight: QuantizedWeight, column_ids, dtype=None):
     return dequantize(picked, dtype).T
 
 
+def place_shardings(weight: QuantizedWeight, sharding, stored_transposed: bool = False) -> QuantizedWeight:
+    """A sharding for each of the weight's arrays, given the float param's (None: the default device). With a
+    NamedSharding, values, scales and mins split as it splits K and N wherever their own sizes divide
+    (packed rows and groups stay whole on a shard), else stay whole along that axis; stored_transposed: the
+    param's axes are [N, K] (the embedding [V, E], stored [E, V])."""
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if not isinstance(sharding, NamedSharding):
+        return jax.tree.map(lambda leaf: sharding, weight)
+    if stored_transposed:
+        first, second = (tuple(sharding.spec) + (None, None))[:2]
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(second, first))
+    return jax.tree.map(lambda leaf: _leaf_sharding(leaf.shape, sharding), weight)
+
+
+def _leaf_sharding(shape: tuple[int, ...], sharding: NamedSharding) -> NamedSharding:
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    for axis, mesh_axis in enumerate(spec):
+        if mesh_axis is None:
+            continue
+        names = mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)
+        split = int(np.prod([sharding.mesh.shape[name] for name in names]))
+        if shape[axis] % split:
+            spec[axis] = None
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
 def is_quantized(weight) -> bool:
     return isinstance(weight, QuantizedWeight)
 
@@ -155,5 +183,6 @@ __all__ = [
     "integers",
     "is_quantized",
     "matmul",
+    "place_shardings",
     "take_columns",
 ]

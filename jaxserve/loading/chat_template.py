@@ -125,10 +125,17 @@ def template_variables(chat_template_kwargs) -> dict:
 
 def text_content(messages: list) -> list:
     """Messages whose content is OpenAI-style text parts ([{"type": "text", "text": ...}]) with the parts
-    joined into one string, as vLLM gives text-only templates."""
+    joined into one string, as vLLM gives text-only templates. ValueError for any other part (an image, audio):
+    every model served is a text model (a multimodal checkpoint's vision tower is not loaded)."""
     flattened = []
-    for message in messages:
+    for position, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
+        for index, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") != "text":
+                raise ValueError(
+                    f"messages[{position}].content[{index}] is a {part.get('type')!r} part: only text is "
+                    f"accepted (this server serves text models; a multimodal checkpoint's vision tower is not loaded)"
+                )
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
         flattened.append(message)

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
+from jaxserve.loading.multimodal import language_model_aliases
 from jaxserve.loading.quantize import load_quantized
 from jaxserve.models import CHECKPOINT_NAMES, ModelConfig
 
@@ -57,12 +58,15 @@ class CheckpointReader:
             missing = [key for key, name in weight_map.items() if key not in self.location]
             if missing:
                 raise ValueError(f"checkpoint index lists tensors not found in the files: {missing[:5]}")
+        # a multimodal checkpoint's language model, under text-only names (Gemma 3's model.language_model.*)
+        self.aliases = language_model_aliases(self.location, model_dir)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.location
+        return key in self.location or key in self.aliases
 
     def read(self, key: str) -> np.ndarray:
         """A host (numpy) copy: converted to the served dtype on the host, no compilation per shape."""
+        key = self.aliases.get(key, key)
         if key not in self.location:
             raise ValueError(f"checkpoint is missing tensor {key!r}")
         try:

@@ -20,6 +20,7 @@ from typing import Any
 
 from jaxserve.config import canonical_dtype
 from jaxserve.models.deepseek_config import DEEPSEEK_MODEL_TYPES, deepseek_fields
+from jaxserve.models.gemma3_config import gemma3_text_config
 from jaxserve.models.gpt_oss_config import GPT_OSS_MODEL_TYPES, gpt_oss_fields, with_default_rope
 
 SUPPORTED_MODEL_TYPES = (
@@ -32,6 +33,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2_moe",
     "gemma2",
     "gemma3_text",
+    "gemma3",  # multimodal: its text model is served (gemma3_config.py)
     "phi3",
     *DEEPSEEK_MODEL_TYPES,
     *GPT_OSS_MODEL_TYPES,
@@ -267,6 +269,9 @@ class ModelConfig:
             raise ValueError(
                 f"unknown model type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type == "gemma3":
+            hf = gemma3_text_config(hf)
+            model_type = hf["model_type"]
         try:
             hidden_size = int(hf["hidden_size"])
             num_heads = int(hf["num_attention_heads"])

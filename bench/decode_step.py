@@ -11,7 +11,7 @@ XLA's dots. The CPU (model, vector flags) and the kernel's instruction path head
 (JAXSERVE_CPU_KERNEL_PATH=avx2 measures what an AVX2-only CPU's kernel does). Prints JSON lines.
 
     .venv/bin/python bench/decode_step.py [--model default] [--dtypes float32,bfloat16] [--rounds 3]
-        [--batches 1,8,32] [--profile [--paths]]
+        [--batches 1,8,32] [--profile [--paths]] [--quantization none|int8|int4|auto]
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def projection_groups(llm, batch: int):
     from flax import nnx
 
     from jaxserve.models.layers import Linear
-    from pallas_kernels.matmul import SmallMatmul
+    from pallas_kernels.matmul import SmallMatmul, quantized_cpu
 
     runner = llm.engine.runner
     model = nnx.merge(runner.graphdef, jax.tree.unflatten(runner.params_treedef, runner.param_leaves))
@@ -171,11 +171,13 @@ def projection_groups(llm, batch: int):
     weights = [(linear.kernel[...], False) for linear in linears]
     config = llm.engine.model_config
     if getattr(config, "tie_word_embeddings", False):  # the embedding serves as the head, transposed
-        embedding = next(x for x in runner.param_leaves if x.ndim == 2 and x.shape[0] == config.vocab_size)
-        weights.append((embedding, True))
+        embedding = next(node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Embed)).embedding[...]
+        # a quantized embedding is stored [E, V], as the head it also is
+        weights.append((embedding, not hasattr(embedding, "embedding_rows")))
     groups: dict[str, list] = {"kernel": [], "xla": []}
+    kernels = (SmallMatmul, quantized_cpu.QuantizedSmallMatmul)
     for weight, transposed in weights:
-        served = isinstance(plan._entry(batch, (weight,)), SmallMatmul)
+        served = isinstance(plan._entry(batch, (weight,)), kernels)
         groups["kernel" if served else "xla"].append((weight, transposed))
     return plan, {name: group for name, group in groups.items() if group}
 
@@ -246,6 +248,7 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
         prefill_token_buckets=(64, 256),
         max_num_batched_tokens=256,
         show_progress=False,
+        quantization=args.quantization,
     )
     prompt = [token % llm.engine.model_config.vocab_size for token in prompt]  # tiny models' small vocabularies
     context = len(prompt) + args.new_tokens // 2
@@ -294,6 +297,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (the engine's decode buckets)")
     parser.add_argument("--profile", action="store_true", help="split each step: kernel / XLA projections, rest")
+    parser.add_argument(
+        "--quantization", default="none", help="model.quantization: none, int8, int4, auto (a GGUF file's blocks)"
+    )
     parser.add_argument("--paths", action="store_true", help="with --profile: projections through every kernel path")
     args = parser.parse_args()
     args.batches = sorted({1, *(int(b) for b in args.batches.split(","))})

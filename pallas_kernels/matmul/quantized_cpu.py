@@ -1,6 +1,8 @@
-"""The C++ quantized matmul (cpu_quantized_matmul.cc): a few rows times a QuantizedWeight (quantized.py), each
-weight byte read once and widened in registers, group sums scaled once per group. Built at first use into
-the CPU kernels' one library (pallas_kernels/cpu_library.py).
+"""The C++ quantized matmul (cpu_quantized_matmul.cc): a few rows times QuantizedWeights (quantized.py), each
+weight byte read once and widened in registers, group sums scaled once per group; several weights by the
+same rows (a layer's q, k and v; gate and up) in one call whose threads share the work. Built at first use
+into the CPU kernels' one library (pallas_kernels/cpu_library.py), for this CPU's instruction path (or
+JAXSERVE_CPU_KERNEL_PATH's); `path=` builds and calls another path's library beside it (tests, benches).
 
 A custom call XLA's partitioner cannot split: it must only see whole weights on one device.
 """
@@ -13,24 +15,32 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quantized
 
 QUANTIZED_TARGET = "jaxserve_cpu_quantized_matmul"
-QUANTIZED_MAX_ROWS = 8  # where one pass over the weights serves every row (cpu_quantized_matmul.cc's kRowGroup)
 KERNEL_MAX_ROWS = 64  # cpu_quantized_matmul.cc's kMaxRows
+# Rows the plan sends to the kernel: all of a decode step's (64, the default largest decode bucket). It
+# passes over a group's weight rows once per 8 rows of x (the register tile) from cache; XLA's reference
+# dequantizes the whole weight from 32 rows and ran a 48-row step at a third of the kernel's speed.
+QUANTIZED_MAX_ROWS = KERNEL_MAX_ROWS
 ROW_DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))
 SCALE_DTYPES = ROW_DTYPES
 
 
+def target(path: str | None = None) -> str:
+    """The custom call's name for `path`'s library: QUANTIZED_TARGET for the engine's own (path None)."""
+    return QUANTIZED_TARGET if path is None else f"{QUANTIZED_TARGET}_{path}"
+
+
 @functools.cache
-def _register() -> bool:
-    library = cpu_library.load()
+def _register(path: str | None = None) -> bool:
+    library = cpu_library.load(path)
     if library is None or not hasattr(library, "JaxserveQuantizedMatmul"):
         return False
-    target = jax.ffi.pycapsule(library.JaxserveQuantizedMatmul)
-    jax.ffi.register_ffi_target(QUANTIZED_TARGET, target, platform="cpu")
+    jax.ffi.register_ffi_target(target(path), jax.ffi.pycapsule(library.JaxserveQuantizedMatmul), platform="cpu")
     return True
 
 
@@ -49,29 +59,45 @@ def serves_weight(weight) -> bool:
     )
 
 
-def quantized_matmul(x, weight: quantized.QuantizedWeight):
+def quantized_matmul(x, weight: quantized.QuantizedWeight, *, path: str | None = None):
     """x [M <= KERNEL_MAX_ROWS, K] @ weight [K, N] -> float32 [M, N]."""
-    if not serves_weight(weight):
-        raise ValueError(f"the CPU quantized matmul does not serve this weight: {jax.tree.map(jnp.shape, weight)}")
-    if x.ndim != 2 or x.shape[0] > KERNEL_MAX_ROWS or x.shape[1] != weight.shape[0]:
-        raise ValueError(f"quantized_matmul wants x [M <= {KERNEL_MAX_ROWS}, {weight.shape[0]}], got {x.shape}")
+    return quantized_matmuls(x, (weight,), path=path)[0]
+
+
+def quantized_matmuls(x, weights, *, path: str | None = None) -> tuple:
+    """x [M <= KERNEL_MAX_ROWS, K] by each weight [K, N_i] in one call -> float32 [M, N_i] each. The weights may
+    differ in bits, groups and scale widths (a GGUF file mixes block types within a layer). `path`
+    (cpu_library.PATHS) picks another instruction path's build than the engine's."""
+    weights = tuple(weights)
+    if not weights:
+        raise ValueError("quantized_matmuls wants at least one weight")
+    for weight in weights:
+        if not serves_weight(weight):
+            raise ValueError(f"the CPU quantized matmul does not serve this weight: {jax.tree.map(jnp.shape, weight)}")
+        if x.ndim != 2 or x.shape[0] > KERNEL_MAX_ROWS or x.shape[1] != weight.shape[0]:
+            raise ValueError(f"quantized_matmul wants x [M <= {KERNEL_MAX_ROWS}, {weight.shape[0]}], got {x.shape}")
     if jnp.dtype(x.dtype) not in ROW_DTYPES:
         raise ValueError(f"quantized_matmul takes float32, bfloat16 or float16 rows, got {x.dtype}")
-    if not _register():
+    if not _register(path):
         raise RuntimeError("the CPU quantized matmul could not be built; project with the reference")
-    has_mins = weight.mins is not None
-    mins = weight.mins if has_mins else jnp.zeros((1, 1), weight.scales.dtype)
-    result = jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), jnp.float32)
-    call = jax.ffi.ffi_call(QUANTIZED_TARGET, result)
-    return call(x, weight.values, weight.scales, mins, bits=int(weight.bits), has_mins=has_mins)
+    arrays = []
+    for weight in weights:
+        mins = weight.mins if weight.mins is not None else jnp.zeros((1, 1), weight.scales.dtype)
+        arrays += [weight.values, weight.scales, mins]
+    results = tuple(jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), jnp.float32) for weight in weights)
+    call = jax.ffi.ffi_call(target(path), results)
+    bits = [int(weight.bits) for weight in weights]
+    has_mins = [int(weight.mins is not None) for weight in weights]
+    return tuple(call(x, *arrays, bits=np.asarray(bits, np.int64), has_mins=np.asarray(has_mins, np.int64)))
 
 
 @dataclass(frozen=True)
 class QuantizedSmallMatmul:
-    """The C++ kernel, for up to `max_rows` rows of quantized weights it serves (the rest: the reference)."""
+    """The C++ kernel, for up to `max_rows` rows of quantized weights it serves (the rest: the reference);
+    a layer's weights by the same rows in one call."""
 
     max_rows: int
-    joins_weights: ClassVar[bool] = False
+    joins_weights: ClassVar[bool] = True
 
     def serves(self, num_rows: int, weights: tuple) -> bool:
         return num_rows <= self.max_rows and all(serves_weight(weight) for weight in weights)
@@ -79,4 +105,4 @@ class QuantizedSmallMatmul:
     def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
         if transposed:
             raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
-        return tuple(quantized_matmul(rows, weight) for weight in weights)
+        return quantized_matmuls(rows, weights)

@@ -143,3 +143,34 @@ def test_gguf_blocks_keep_their_values(qtype):
     assert stored <= 2.2 * raw.nbytes  # Q8_0 / Q4_0 / Q4_1: the file's bytes; K-quants: see docs/notes
     if qtype in (T.Q8_0, T.Q4_0, T.Q4_1):
         assert stored == raw.nbytes
+
+
+def test_one_call_serves_mixed_weights_on_every_instruction_path():
+    """A layer's weights joined in one call (int8 and 4-bit, with and without mins, groups of 16 to K, scale
+    widths mixed as a GGUF file mixes block types), at 1, 5 and 20 rows (walks of 8 rows and the rest), on
+    each path this CPU runs (AVX-512, AVX2, the portable vector types), against numpy."""
+    from pallas_kernels import cpu_library
+
+    rng = np.random.default_rng(7)
+    depth = 96
+    weights = (
+        random_weight(rng, depth, 83, 8, 32, jnp.float16, False),  # Q8_0, N not a multiple of a vector
+        random_weight(rng, depth, 64, 4, 32, jnp.float16, True),  # Q4_1 / Q4_K
+        random_weight(rng, depth, 30, 8, 16, jnp.float32, True),  # Q5_K / Q6_K-like
+        random_weight(rng, depth, 150, 4, 96, jnp.bfloat16, False),  # one group: Q4_0-like, a wide group
+        random_weight(rng, depth, 17, 8, 96, jnp.float32, False),  # int8 per channel
+    )
+    expected = [numpy_dequantize(weight) for weight in weights]
+    for path in cpu_library.runnable_paths():
+        call = jax.jit(lambda x, ws, path=path: quantized_cpu.quantized_matmuls(x, ws, path=path))
+        for num_rows in (1, 5, 20):
+            x = rng.standard_normal((num_rows, depth)).astype(np.float32)
+            for got, dense in zip(call(jnp.asarray(x), weights), expected, strict=True):
+                np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ dense, rtol=1e-5, atol=1e-4)
+
+
+def test_the_plan_joins_a_layers_quantized_weights_in_one_call():
+    weights = [random_weight(np.random.default_rng(3), 64, n, 8, 32, jnp.float16, False) for n in (40, 24, 24)]
+    plan = choose_matmul("cpu", 1)
+    text = jax.jit(lambda x, ws: plan.together(x, ws)).lower(jnp.ones((2, 64)), weights).as_text()
+    assert text.count(quantized_cpu.QUANTIZED_TARGET) == 1

@@ -29,14 +29,14 @@ REPLY = (
 )
 
 
-def byte_level_tokenizer(special: tuple[str, ...]) -> FastTokenizer:
+def byte_level_tokenizer(special: tuple[str, ...], texts: list[str] | None = None) -> FastTokenizer:
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300, special_tokens=list(special), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    backend.train_from_iterator(["The user asks a question and the assistant answers it.", THINKING], trainer)
+    backend.train_from_iterator(texts or ["The user asks a question and the assistant answers it.", THINKING], trainer)
     return FastTokenizer(backend, TokenizerSettings())
 
 

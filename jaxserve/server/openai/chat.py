@@ -5,7 +5,8 @@ content, the last content chunk carrying the finish reason) or answered whole.
 With tools (server/tool_choice.py), each reply is parsed for tool calls by the server's parser
 (server.tool_call_parser): message.tool_calls when answered whole; streamed, text that may begin a call
 is held back (tool_parsers/stream.py) and each call follows as one delta.tool_calls chunk, then an
-empty delta with finish_reason "tool_calls"."""
+empty delta with finish_reason "tool_calls". GPT-OSS's harmony calls (messages to functions) are read from the
+reply's tokens by the reasoning parser and join the parser's calls."""
 
 from __future__ import annotations
 
@@ -149,19 +150,21 @@ class ChatCall:
                 break
             usage.add(position, delta)
             text, reply, reasoning = delta.text, None, ""
+            found = []  # harmony's tool calls, known when the reply ends
             if self.reasoning is not None:  # the reply's tokens say which text is reasoning
-                split = splits.setdefault(delta.index, self.reasoning.start())
+                split = splits.setdefault(delta.index, self.reasoning.start(self.plan.parser is not None))
                 reasoning, text = split.feed(delta.token_ids)
                 if delta.finish_reason is not None:
                     more_reasoning, more_text = split.finish()
                     reasoning, text = reasoning + more_reasoning, text + more_text
+                    found = split.tool_calls
             if self.plan.parser is not None:
                 holdback = holdbacks.setdefault(delta.index, ToolCallHoldback(self.plan.parser))
                 text = holdback.feed(text)
                 if delta.finish_reason is not None:
                     rest, reply = holdback.finish()
                     text += rest
-            calls = self.calls(reply)
+            calls = self.calls(ParsedReply(None, (*found, *(reply.tool_calls if reply is not None else ()))))
             finish_reason = None if calls else delta.finish_reason
             content = {"content": text} if text or (finish_reason is None and not reasoning) else {}
             if reasoning:
@@ -189,13 +192,16 @@ class ChatCall:
         listed = []
         for index in sorted(choices):
             gathered = choices[index]
-            content, calls, reasoning = gathered.text, [], None
+            content, found, reasoning = gathered.text, [], None
             if self.reasoning is not None:
-                reasoning, content = self.reasoning.split(gathered.token_ids)
+                reasoning, content, found = self.reasoning.parse(gathered.token_ids, self.plan.parser is not None)
             if self.plan.parser is not None:
                 reply = self.plan.parser.parse(content)
-                calls = self.calls(reply)
-                content = reply.content if calls else content
+                if reply.tool_calls:
+                    found, content = [*found, *reply.tool_calls], reply.content
+            calls = self.calls(ParsedReply(content, tuple(found)))
+            if calls and not content:
+                content = None
             message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
             if self.reasoning is not None:
                 message["reasoning_content"] = reasoning

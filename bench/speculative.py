@@ -1,9 +1,15 @@
-"""Speculative decoding with the n-gram (prompt-lookup) proposer: single-stream generated tokens/s with
-speculation vs without, on two workloads, jaxserve beside llama.cpp's server (plain and with its own
-lookup decoding, --spec-type ngram-simple) in the same run; and batched throughput with speculation on vs
-off (goal: not below).
+"""Speculative decoding with the n-gram (prompt-lookup) proposer and with a draft model: single-stream
+generated tokens/s with speculation vs without, on two workloads, jaxserve beside llama.cpp's server (plain,
+with its own lookup decoding, --spec-type ngram-simple, and with a draft model, --model-draft) in the same
+run; and batched throughput with speculation on vs off (goal: not below).
 
     .venv/bin/python bench/speculative.py [--precision f32] [--requests 3] [--max-tokens 256] [--batch 32]
+        [--variants plain,ngram,ngram-forced,draft,draft-forced] [--draft-k 4] [--draft-quantization int4]
+
+Draft rows: jaxserve's target is the F32 file, its draft the target's own --draft-quantization copy
+(draft_model: self, quantized as it loads: self-speculation); llama.cpp serves the same F32 file with
+the Q4_0 file llama-quantize writes from it as --model-draft. The policy's variants as for ngram: "draft"
+adaptive, "draft-forced" always speculating.
 
 The default model (SmolLM2-135M-Instruct) as vs_llamacpp.py serves it: its GGUF dequantized to F32 (or
 BF16), the same file loaded by both engines, 2 threads each. Prompts are chat prompts rendered once with
@@ -33,7 +39,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamacpp_peer as peer  # noqa: E402
-from vs_llamacpp import CACHE_DIR, DTYPES, emit, model_files, pin_threads  # noqa: E402
+from vs_llamacpp import CACHE_DIR, DTYPES, emit, model_files, pin_threads, quantized_gguf  # noqa: E402
 
 CODE_SNIPPETS = (
     '''def moving_average(values, window):
@@ -180,7 +186,7 @@ def run_llamacpp(gguf: str, threads: int, context: int, workloads: dict, max_tok
             tokens = [llama_complete(server, p, max_tokens, drafts) for p in prompts]
             results[name] = (tokens, time.perf_counter() - start)
     if drafts:
-        emit(engine="llamacpp" + ("-lookup" if extra else "-plain"), **drafts)
+        emit(engine="llamacpp" + ("-draft" if "--model-draft" in extra else "-lookup" if extra else "-plain"), **drafts)
     return results
 
 
@@ -201,6 +207,10 @@ def main() -> None:
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engines", default="jaxserve,llamacpp")
+    parser.add_argument("--variants", default="plain,ngram,ngram-forced,draft,draft-forced", help="jaxserve's")
+    parser.add_argument("--draft-k", type=int, default=4, help="num_speculative_tokens with a draft model")
+    parser.add_argument("--draft-quantization", default="int4", help="of the target's own copy as the draft")
+    parser.add_argument("--llamacpp", default="plain,lookup,draft", help="llama.cpp's servers to run")
     args = parser.parse_args()
     pin_threads(args.threads)
     jax_path, ggufs, name = model_files(args)
@@ -217,7 +227,11 @@ def main() -> None:
          prompt_tokens={w: [len(p) for p in ps] for w, ps in workloads.items()})  # fmt: skip
     ngram = dict(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=args.lookup_min,
                  prompt_lookup_max=args.lookup_max)  # fmt: skip
-    variants = {"plain": None, "ngram": ngram, "ngram-forced": {**ngram, "speculative_adaptive": False}}
+    draft = dict(method="draft", num_speculative_tokens=args.draft_k, draft_model="self",
+                 draft_quantization=args.draft_quantization)  # fmt: skip
+    variants = {"plain": None, "ngram": ngram, "ngram-forced": {**ngram, "speculative_adaptive": False},
+                "draft": draft, "draft-forced": {**draft, "speculative_adaptive": False}}  # fmt: skip
+    variants = {name: variants[name] for name in args.variants.split(",")}
     single: dict[str, dict] = {}
     if "jaxserve" in args.engines:
         for variant, speculative in variants.items():
@@ -230,25 +244,30 @@ def main() -> None:
                      generated=sum(map(len, tokens)), seconds=round(seconds, 3))  # fmt: skip
             emit(engine=f"jaxserve-{variant}", compiles_after_warmup=stats["num_compiles_after_warmup"],
                  **{k: v for k, v in stats.items() if k.startswith("speculative_")})  # fmt: skip
-            if args.batch and variant != "ngram-forced":
+            if args.batch and not variant.endswith("-forced"):
                 tokens, seconds = engine.run(batch_prompts, args.batch_tokens, at_once=True, ignore_eos=True)
                 single[f"jaxserve-{variant}"]["batch"] = (tokens, seconds)
                 emit(engine=f"jaxserve-{variant}", workload=f"chat x {args.batch} at once",
                      tokens_per_s=rate(tokens, seconds), generated=sum(map(len, tokens)))  # fmt: skip
             del engine
             gc.collect()
-        for variant in ("ngram", "ngram-forced"):
+        for variant in [v for v in variants if v != "plain" and "plain" in variants]:
             runs = single[f"jaxserve-{variant}"]
             same = all(runs[w][0] == single["jaxserve-plain"][w][0] for w in runs)
             emit(check=f"greedy tokens equal, jaxserve-{variant} vs plain", identical=same)
     if "llamacpp" in args.engines:
         peer.ensure_built(CACHE_DIR)
         context = max_model_len
-        single["llamacpp-plain"] = run_llamacpp(gguf, args.threads, context, workloads, args.max_tokens, [])
-        lookup = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.lookup_max),
-                  "--spec-ngram-simple-size-m", str(args.k)]  # fmt: skip
-        single["llamacpp-lookup"] = run_llamacpp(gguf, args.threads, context, workloads, args.max_tokens, lookup)
-        for engine in ("llamacpp-plain", "llamacpp-lookup"):
+        servers = {
+            "plain": [],
+            "lookup": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.lookup_max),
+                       "--spec-ngram-simple-size-m", str(args.k)],
+            "draft": ["--model-draft", quantized_gguf(ggufs, "Q4_0"), "--spec-draft-n-max", str(args.draft_k),
+                      "--threads-draft", str(args.threads)],
+        }  # fmt: skip
+        for server in args.llamacpp.split(","):
+            engine = f"llamacpp-{server}"
+            single[engine] = run_llamacpp(gguf, args.threads, context, workloads, args.max_tokens, servers[server])
             for w, (tokens, seconds) in single[engine].items():
                 emit(engine=engine, workload=w, tokens_per_s=rate(tokens, seconds), generated=sum(map(len, tokens)))
     report(single)
@@ -258,7 +277,7 @@ def report(single: dict) -> None:
     print("\n| engine | workload | tokens/s | speculation / plain |\n|---|---|---|---|")
     for engine, by_workload in single.items():
         base = single.get(engine.rsplit("-", 1)[0] + "-plain") if not engine.endswith("plain") else None
-        if engine.startswith("jaxserve-ngram"):
+        if engine.startswith(("jaxserve-ngram", "jaxserve-draft")):
             base = single.get("jaxserve-plain")
         for workload, (tokens, seconds) in by_workload.items():
             ours = rate(tokens, seconds)

@@ -80,7 +80,8 @@ def build_draft(
         kv_pages = jax.device_put(kv_pages, kv_pages_shardings(kv_pages, mesh, attention.num_cache_kv_heads))
     buckets = Buckets(
         decode_seqs=tuple(b for b in target_buckets.decode_seqs if b < rows) + (rows,),
-        prefill_tokens=target_buckets.prefill_tokens,
+        # a prefill of one query block too: a row a few tokens behind (it backed off) catches up cheaply
+        prefill_tokens=tuple(sorted({config.scheduler.prefill_query_block, *target_buckets.prefill_tokens})),
         pages_per_seq=target_buckets.pages_per_seq,
     )
     runner = ModelRunner(

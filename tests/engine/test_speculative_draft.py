@@ -2,13 +2,11 @@
 requests give the same tokens, text, logprobs and finish reasons as without speculation, with the target's
 own int8 copy as the draft and with another tiny model of the same tokenizer, under continuous batching
 with more requests than slots, preemption, and a draft pool too small for every row; no compile after
-warm-up, and both caches' pages come back. A draft that speaks other tokens is refused at start."""
+warm-up, and both caches' pages come back. A draft that speaks other tokens is refused at start. On a
+tensor-parallel mesh: tests/engine/test_speculative_meshes.py."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -18,7 +16,6 @@ from jaxserve.loading.model_source import open_model
 from tests.engine.test_speculative import ENGINE, assert_logprobs_close, assert_nothing_held, summary, workload
 from tests.support.fixtures import fixture_dir
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SELF_INT8 = {
     "method": "draft",
     "draft_quantization": "int8",
@@ -138,21 +135,3 @@ def test_bad_draft_options_are_refused(speculative, problem):
 
     with pytest.raises(ValueError, match=problem):
         EngineConfig.from_options(speculative=speculative)
-
-
-def test_outputs_equal_with_a_draft_on_a_tensor_parallel_mesh():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.support.speculative_mesh_run", "llama_tp2_draft"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    outcome = json.loads(result.stdout.strip().splitlines()[-1])["llama_tp2_draft"]
-    assert outcome["equal"]
-    assert outcome["accepted"] > 5  # proposals were verified and accepted on the mesh
-    assert outcome["compiles_after_warmup"] == [0, 0]
-    assert outcome["pages_held"] == [0, 0]

@@ -1,6 +1,7 @@
 """Speculation on meshes (8 fake CPU devices, in a subprocess: the device count is fixed when JAX starts):
-tensor parallelism on a dense model, data x expert parallelism on a mixture of experts. Outputs equal
-speculation off, no compile after warm-up, no page held."""
+tensor parallelism on a dense model (n-gram proposals, and a draft model: the target's int8 copy), data x
+expert parallelism on a mixture of experts (n-gram). Outputs equal speculation off, no compile after
+warm-up, no page held."""
 
 import json
 import os
@@ -13,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_outputs_equal_on_tensor_and_expert_parallel_meshes():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
-        [sys.executable, "-m", "tests.support.speculative_mesh_run", "llama_tp2", "mixtral_dp2_ep"],
+        [sys.executable, "-m", "tests.support.speculative_mesh_run", "llama_tp2", "mixtral_dp2_ep", "llama_tp2_draft"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -404,25 +404,32 @@ class GGUFTensorReader:
             values = values - 1.0  # the converter's unit offset, which jaxserve's Gemma norms add themselves
         return values
 
-    def read_quantized(self, hf_name: str, compute_dtype: str):
-        """The tensor as a [K, N] QuantizedWeight (numpy arrays) in its own block layout, read without a float
-        copy (loading/quantize_gguf.py); None where its type has no quantized layout (it then dequantizes)."""
-        from jaxserve.loading.quantize_gguf import from_gguf_blocks, has_quantized_layout
+    def read_blocks(self, hf_name: str):
+        """The tensor's quantized blocks as a stand-in for its float values (quantize_gguf.Blocks: read when
+        asked, without a float copy), for a family's read_param to lay out as it lays out float tensors; None
+        where its type has no quantized layout (or it is assembled from several tensors): it then dequantizes."""
+        from jaxserve.loading.quantize_gguf import LAYOUTS, Blocks, has_quantized_layout
 
-        if hf_name in self.derived:  # assembled from several tensors: dequantized
+        if hf_name in self.derived:
             return None
         if hf_name not in self.names:
             raise ValueError(f"GGUF file {self.gguf.path} has no tensor for {hf_name!r}")
         name, expert = self.names[hf_name]
         tensor = self.gguf.tensors[name]
-        if expert is not None or len(tensor.data.shape) != 2 or not has_quantized_layout(tensor.tensor_type):
-            if expert is None and tensor.tensor_type not in FLOAT_TYPES:
+        if not has_quantized_layout(tensor.tensor_type) or len(tensor.data.shape) != (2 if expert is None else 3):
+            if tensor.tensor_type not in FLOAT_TYPES:
                 logger.info("GGUF tensor %s (%s) has no quantized layout: dequantized", name, tensor.tensor_type.name)
             return None
-        with open(self.gguf.path, "rb") as f:
-            f.seek(tensor.data_offset)
-            raw = np.fromfile(f, dtype=np.uint8, count=tensor.data.nbytes).reshape(tensor.data.shape[0], -1)
-        projection = hf_name.split(".")[-2]
-        if projection in self.rotary_heads:
-            raw = unpermute_rotary_rows(raw, self.rotary_heads[projection])
-        return from_gguf_blocks(raw, tensor.tensor_type, compute_dtype)
+        num_rows, row_bytes = tensor.data.shape[-2:]  # [(X,) N, bytes per row] uint8
+        offset = tensor.data_offset + (expert or 0) * num_rows * row_bytes  # expert e's rows of a stack
+        rotary_heads = self.rotary_heads.get(hf_name.split(".")[-2])
+        block_bytes, block_values = LAYOUTS[tensor.tensor_type][:2]
+
+        def raw() -> np.ndarray:
+            with open(self.gguf.path, "rb") as f:
+                f.seek(offset)
+                rows = np.fromfile(f, dtype=np.uint8, count=num_rows * row_bytes).reshape(num_rows, row_bytes)
+            return rows if rotary_heads is None else unpermute_rotary_rows(rows, rotary_heads)
+
+        depth = row_bytes // block_bytes * block_values
+        return Blocks(raw, lambda: self.read(hf_name), tensor.tensor_type, num_rows, depth)

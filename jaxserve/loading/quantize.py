@@ -188,7 +188,7 @@ def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, 
     tensor quantized with as many bits as the spec asks (auto: any), else the float tensor quantized by the
     spec (auto: left float). Returns a placed QuantizedWeight, or None for the caller's float path."""
     compute_dtype = str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype
-    stored = _stored_quantized(reader, read_param, path, compute_dtype)
+    stored = _stored_quantized(reader, read_param, path, shape, compute_dtype)
     if stored is not None and spec.format in SPEC_BITS and stored.bits != SPEC_BITS[spec.format]:
         stored = None  # e.g. int8 asked of a Q4_1 file: re-quantized from the dequantized values
     as_stored = stored_shape(path, shape)
@@ -210,15 +210,12 @@ def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, 
     return place(stored, sharding, stored_transposed=transposed)
 
 
-def _stored_quantized(reader, read_param, path, compute_dtype) -> QuantizedWeight | None:
-    """The checkpoint's own quantized layout of this tensor, where the reader has one and the family's name
-    mapping is the plain one (name by path, transposed) that quantized blocks can follow."""
-    read_quantized = getattr(reader, "read_quantized", None)
-    from jaxserve.models import llama
+def _stored_quantized(reader, read_param, path, shape, compute_dtype) -> QuantizedWeight | None:
+    """The checkpoint's own quantized layout of this tensor, where the reader has one (a GGUF file's blocks),
+    laid out by the family's own name mapping (quantize_gguf.kept_blocks: any family, no list of them)."""
+    from jaxserve.loading.quantize_gguf import kept_blocks
 
-    if read_quantized is None or read_param is not llama.read_param:
-        return None
-    return read_quantized(llama.hf_name(path), compute_dtype)
+    return kept_blocks(reader, read_param, path, shape, stored_shape(path, shape) != shape, compute_dtype)
 
 
 def place(weight: QuantizedWeight, sharding, stored_transposed: bool = False) -> QuantizedWeight:

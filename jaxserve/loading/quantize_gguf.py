@@ -15,9 +15,19 @@ as QuantizedWeight's groups). Every type here maps onto `w = q * scale (+ min)` 
 
 The decoding follows the gguf package's own dequantizers (gguf.quants), which the tests compare against.
 Other types have no quantized path: the reader dequantizes them as before (and says so in the log).
+
+Which tensors stay quantized does not depend on the family: the GGUF reader hands a family's read_param
+(jaxserve/models/*.py, the same mapping as for safetensors) `Blocks` in place of float arrays. A Blocks
+behaves as the float [N, K] tensor for the few things name mappings do to tensors (`.T`, a slice of output
+rows as Phi-3's fused qkv / gate_up split, np.stack of per-expert tensors as Mixtral / Qwen-MoE / DeepSeek
+stack them), which keep the blocks (they run along K); anything else gets the dequantized values
+(`__array__` / `__array_function__`), and the param then loads as float or re-quantized.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -131,4 +141,164 @@ def from_gguf_blocks(raw: np.ndarray, qtype, compute_dtype: str) -> QuantizedWei
     return QuantizedWeight(values, scales, mins, bits=bits, group_size=group, compute_dtype=compute_dtype)
 
 
-__all__ = ["LAYOUTS", "from_gguf_blocks", "has_quantized_layout"]
+class NoBlocks(Exception):
+    """A tensor a name mapping asked for has no quantized layout kept (a float or another type): the param is
+    read as float instead."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Blocks:
+    """A GGUF matrix's quantized blocks standing in for its float values: [N, K] as a checkpoint holds it
+    (rows: outputs; the blocks run along K), or [K, N] once transposed; `start:stop` the rows kept.
+    Nothing is read until `quantized` (the blocks) or `__array__` (the float values) is asked for."""
+
+    raw: Callable[[], np.ndarray]  # -> uint8 [N, bytes per row], every row of the tensor
+    dequantized: Callable[[], np.ndarray]  # -> float32 [N, K]: the reader's float values of the same tensor
+    qtype: GGMLQuantizationType
+    num_rows: int
+    depth: int
+    start: int = 0
+    stop: int | None = None
+    transposed: bool = False
+
+    ndim = 2
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows = (self.num_rows if self.stop is None else self.stop) - self.start
+        return (self.depth, rows) if self.transposed else (rows, self.depth)
+
+    @property
+    def T(self) -> Blocks:  # noqa: N802 (numpy's name)
+        return dataclasses.replace(self, transposed=not self.transposed)
+
+    def __getitem__(self, index):
+        """A contiguous slice of output rows keeps the blocks; any other index reads the float values."""
+        if not self.transposed and isinstance(index, slice) and index.step in (None, 1):
+            start, stop, _ = index.indices(self.shape[0])
+            return dataclasses.replace(self, start=self.start + start, stop=self.start + max(start, stop))
+        return np.asarray(self)[index]
+
+    def __array__(self, dtype=None, copy=None):
+        values = self.dequantized()[self.start : self.stop]
+        values = values.T if self.transposed else values
+        return values if dtype is None else values.astype(dtype)
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _array_function(func, args, kwargs)
+
+    def quantized(self, compute_dtype: str) -> QuantizedWeight:
+        """The [K, N] QuantizedWeight of the rows kept (whichever way this stand-in is transposed)."""
+        return from_gguf_blocks(self.raw()[self.start : self.stop], self.qtype, compute_dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StackedBlocks:
+    """np.stack of per-expert Blocks: [X, ...] of its parts' shape."""
+
+    parts: tuple[Blocks, ...]
+
+    ndim = 3
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.parts), *self.parts[0].shape)
+
+    def __getitem__(self, index):
+        return np.asarray(self)[index]
+
+    def __array__(self, dtype=None, copy=None):
+        return np.stack([np.asarray(part, dtype) for part in self.parts])
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _array_function(func, args, kwargs)
+
+    @property
+    def transposed(self) -> bool:
+        return all(part.transposed for part in self.parts)
+
+    def quantized(self, compute_dtype: str) -> QuantizedWeight:
+        """The [X, K, N] QuantizedWeight, its arrays allocated once and filled expert by expert."""
+        first = self.parts[0].quantized(compute_dtype)
+        arrays = {
+            leaf: None
+            if getattr(first, leaf) is None
+            else np.empty((len(self.parts), *getattr(first, leaf).shape), getattr(first, leaf).dtype)
+            for leaf in ("values", "scales", "mins")
+        }
+        for expert, part in enumerate(self.parts):
+            weight = first if expert == 0 else part.quantized(compute_dtype)
+            for leaf, array in arrays.items():
+                if array is not None:
+                    array[expert] = getattr(weight, leaf)
+        return dataclasses.replace(first, **arrays)
+
+
+def _array_function(func, args, kwargs):
+    """np.stack of Blocks of one type keeps them as blocks; any other numpy function gets float values."""
+    if func is np.stack and kwargs.get("axis", 0) == 0 and len(args) == 1:
+        parts = tuple(args[0])
+        if parts and all(isinstance(part, Blocks) for part in parts):
+            if len({(part.qtype, part.shape, part.transposed) for part in parts}) == 1:
+                return StackedBlocks(parts)
+    return func(*_float_values(args), **{key: _float_values(value) for key, value in kwargs.items()})
+
+
+def _float_values(value):
+    if isinstance(value, (Blocks, StackedBlocks)):
+        return np.asarray(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_float_values(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _float_values(item) for key, item in value.items()}
+    return value
+
+
+class BlocksReader:
+    """A checkpoint reader (`name in reader`, `reader.read(name)`) that answers with a GGUF reader's Blocks:
+    what a family's read_param is handed to find a param's quantized blocks. A tensor without a quantized
+    layout raises NoBlocks (the param is then read as float, once)."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.reader
+
+    def read(self, name: str) -> Blocks:
+        blocks = self.reader.read_blocks(name)
+        if blocks is None:
+            raise NoBlocks(name)
+        return blocks
+
+
+def kept_blocks(
+    reader, read_param, path: tuple[str, ...], shape: tuple[int, ...], stored_transposed: bool, compute_dtype: str
+):
+    """The param at `path` as its checkpoint's quantized blocks, laid out by the family's own read_param: a
+    QuantizedWeight [..., K, N], or None where the reader has no blocks or the mapping did not keep them (a
+    float tensor, a type without a layout, or an operation other than a transpose, a row slice or a stack).
+    stored_transposed: the param is [N, K] (the embedding, stored [E, V]); a kernel is [K, N]."""
+    if not hasattr(reader, "read_blocks"):
+        return None
+    try:
+        value = read_param(BlocksReader(reader), path, shape)
+    except NoBlocks:
+        return None
+    if not isinstance(value, (Blocks, StackedBlocks)) or tuple(value.shape) != tuple(shape):
+        return None
+    if value.transposed == stored_transposed:  # blocks run along K: a kernel must be [K, N], the embedding [N, K]
+        return None
+    return value.quantized(compute_dtype)
+
+
+__all__ = [
+    "LAYOUTS",
+    "Blocks",
+    "BlocksReader",
+    "NoBlocks",
+    "StackedBlocks",
+    "from_gguf_blocks",
+    "has_quantized_layout",
+    "kept_blocks",
+]

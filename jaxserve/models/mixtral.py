@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.models import llama
 
@@ -33,14 +33,15 @@ class MoENames:
     def _read_experts(self, reader, layer: str, name: str, num_experts: int):
         per_expert = self.per_expert.format(layer=layer, expert="{expert}", name=self.expert_names[name])
         if per_expert.format(expert=0) in reader:
-            return jnp.stack([reader.read(per_expert.format(expert=e)).T for e in range(num_experts)])
+            # np.stack on the host: a GGUF reader's quantized blocks stack as blocks (loading/quantize_gguf.py)
+            return np.stack([reader.read(per_expert.format(expert=e)).T for e in range(num_experts)])
         fused = f"model.layers.{layer}.mlp.experts."
         if name == "down_proj":
-            return jnp.swapaxes(reader.read(fused + "down_proj"), 1, 2)
+            return np.swapaxes(reader.read(fused + "down_proj"), 1, 2)
         gate_up = reader.read(fused + "gate_up_proj")
         half = gate_up.shape[1] // 2
         rows = slice(0, half) if name == "gate_proj" else slice(half, 2 * half)
-        return jnp.swapaxes(gate_up[:, rows, :], 1, 2)
+        return np.swapaxes(gate_up[:, rows, :], 1, 2)
 
 
 MIXTRAL = MoENames(

@@ -7,13 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.loading.quantize import quantize_int4, quantize_int8, stack
 from pallas_kernels.matmul.quantized import QuantizedWeight, dequantize
 from pallas_kernels.matmul.quantized_experts import grouped_matmul
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
+from tests.support.quantized_twin import dequantized_twin, params_by_path
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
 
@@ -56,49 +56,26 @@ def _engine(name: str, **options) -> LLM:
     return LLM(fixture_dir(name), **SMALL_ENGINE, **options)
 
 
-def _params(llm: LLM) -> dict:
-    return dict(nnx.to_flat_state(llm.engine.runner.params()))
-
-
-def dequantized_twin(quantized: LLM, name: str) -> LLM:
-    """A float engine of the same fixture whose params are the quantized engine's, dequantized: the model the
-    quantized one stands for."""
-    twin = _engine(name)
-    stored = _params(quantized)
-    replaced = []
-    for path, variable in nnx.to_flat_state(twin.engine.runner.params()):
-        value = stored[path].get_value()
-        if isinstance(value, QuantizedWeight):
-            float_value = dequantize(value, jnp.float32)
-            if tuple(map(str, path[-2:])) == ("embed_tokens", "embedding"):
-                float_value = float_value.T  # stored [E, V]
-            value = jax.device_put(float_value, variable.get_value().sharding)
-        replaced.append((path, variable.replace(value)))
-    twin.engine.runner.replace_params(nnx.from_flat_state(replaced))
-    return twin
-
-
 @pytest.mark.parametrize(
     "name",
     [
-        "mixtral",  # GQA, untied, 4 experts top 2
         "qwen2_moe",  # odd sizes (36 / 20), a gated shared expert beside the routed ones
         "gpt_oss_mha_tied",  # expert biases and the clamped SwiGLU, tied embedding
     ],
 )
 def test_int8_experts_compute_the_dequantized_model(name):
     quantized = _engine(name, quantization="int8")
-    params = _params(quantized)
-    experts = {path: v.get_value() for path, v in params.items() if path[-1] in ("gate_proj", "up_proj", "down_proj")}
+    params = params_by_path(quantized)
+    experts = {path: value for path, value in params.items() if path[-1] in ("gate_proj", "up_proj", "down_proj")}
     experts = {path: value for path, value in experts.items() if len(value.shape) == 3}
     assert experts and all(isinstance(value, QuantizedWeight) and value.bits == 8 for value in experts.values())
     for path, value in experts.items():
         assert value.values.dtype == jnp.int8 and value.scales.shape == (value.shape[0], 1, value.shape[2]), path
-    for path, variable in params.items():  # routers and expert biases stay float
+    for path, value in params.items():  # routers and expert biases stay float
         if path[-1] in ("gate_proj_bias", "up_proj_bias", "down_proj_bias") or path[-2:] == ("gate", "kernel"):
-            assert not isinstance(variable.get_value(), QuantizedWeight), path
+            assert not isinstance(value, QuantizedWeight), path
 
-    twin = dequantized_twin(quantized, name)
+    twin = dequantized_twin(quantized, _engine(name))
     prompts = [p["token_ids"] for p in expected(name)["prompts"]][:4]
     for got, want in zip(quantized.generate(prompts, GREEDY), twin.generate(prompts, GREEDY)):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids

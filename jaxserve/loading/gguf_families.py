@@ -14,6 +14,8 @@ taken equal to it, as in every released checkpoint.
 qwen2moe (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention, experts stacked as ffn_*_exps, the shared expert
 as ffn_*_shexp with its sigmoid gate ffn_gate_inp_shexp. A layer without ffn_gate_inp keeps a dense
 ffn_gate / ffn_up / ffn_down (llama.cpp's converter cannot write one; transformers' mlp_only_layers can).
+qwen3moe (Qwen3-30B-A3B, 235B-A22B): Qwen3's attention (per-head q/k norms), experts in every layer, no shared
+expert; llama.cpp always renormalizes the top k (norm_topk_prob true, as every released Qwen3-MoE config says).
 
 gpt-oss: the experts' gate and up are stored apart (the converter de-interleaves transformers'
 gate_up_proj) and usually as MXFP4 blocks, which gguf.quants dequantizes; they are interleaved back into
@@ -30,7 +32,12 @@ from typing import Any
 
 import numpy as np
 
-FAMILY_MODEL_TYPES = {"deepseek2": "deepseek_v2", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss"}
+FAMILY_MODEL_TYPES = {
+    "deepseek2": "deepseek_v2",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+}
 SIGMOID_GATING = 2  # gguf.ExpertGatingFuncType.SIGMOID (1 is SOFTMAX)
 YARN_LOG_MULTIPLIER_SCALE = 0.1  # convert_hf_to_gguf.py writes 0.1 * mscale_all_dim for deepseek2
 
@@ -69,6 +76,13 @@ LAYER_TENSORS = {  # blk.N.<name> -> model.layers.N.<name>
         "ffn_down_shexp": "mlp.shared_expert.down_proj",
         "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     },
+    "qwen3moe": {
+        **_NORMS,
+        **_ATTENTION,
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate_inp": "mlp.gate",
+    },
     "gpt-oss": {
         "attn_norm": "input_layernorm",
         "post_attention_norm": "post_attention_layernorm",
@@ -84,7 +98,7 @@ EXPERT_TENSORS = {
         "ffn_down_exps": "mlp.experts.{expert}.down_proj",
     },
 }
-EXPERT_TENSORS["qwen2moe"] = EXPERT_TENSORS["deepseek2"]
+EXPERT_TENSORS["qwen2moe"] = EXPERT_TENSORS["qwen3moe"] = EXPERT_TENSORS["deepseek2"]
 EXPERT_TENSORS["gpt-oss"] = {}  # read whole, through derived_tensors
 _ATTENTION_REQUIRED = ("attn_norm", "ffn_norm", "attn_output")
 _MOE_REQUIRED = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -108,9 +122,13 @@ class GGUFMetadata:
 
 def family_config(architecture: str, meta: GGUFMetadata, config: dict) -> None:
     """Turn the generic config (gguf.py's) into the family's config.json, in place."""
-    {"deepseek2": _deepseek2_config, "qwen2moe": _qwen2moe_config, "gpt-oss": _gpt_oss_config}[architecture](
-        meta, config
-    )
+    family = {
+        "deepseek2": _deepseek2_config,
+        "qwen2moe": _qwen2moe_config,
+        "qwen3moe": _qwen3moe_config,
+        "gpt-oss": _gpt_oss_config,
+    }
+    family[architecture](meta, config)
     config["architectures"] = [ARCHITECTURE_CLASSES[config["model_type"]]]
 
 
@@ -118,6 +136,7 @@ ARCHITECTURE_CLASSES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }
 
@@ -190,6 +209,19 @@ def _qwen2moe_config(meta: GGUFMetadata, config: dict) -> None:
     )
 
 
+def _qwen3moe_config(meta: GGUFMetadata, config: dict) -> None:
+    config.pop("num_local_experts", None)
+    norm = meta.get("expert_weights_norm")
+    config.update(
+        model_type="qwen3_moe",
+        intermediate_size=int(meta.get("feed_forward_length") or meta.required("expert_feed_forward_length")),
+        num_experts=int(meta.required("expert_count")),
+        num_experts_per_tok=int(meta.required("expert_used_count")),
+        moe_intermediate_size=int(meta.required("expert_feed_forward_length")),
+        norm_topk_prob=True if norm is None else bool(norm),
+    )
+
+
 def _gpt_oss_config(meta: GGUFMetadata, config: dict) -> None:
     num_layers = config["num_hidden_layers"]
     pattern = meta.get("attention.sliding_window_pattern")
@@ -250,6 +282,8 @@ def missing_layer_tensor(architecture: str, meta: GGUFMetadata, layer: int) -> s
         required += list(_MOE_REQUIRED) if moe else list(_DENSE_MLP)
         if moe and meta.get("expert_shared_feed_forward_length"):
             required += ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"]
+    elif architecture == "qwen3moe":
+        required += ["attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", *_MOE_REQUIRED]
     else:  # gpt-oss
         required = ["attn_norm", "post_attention_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_sinks"]
         required += list(_MOE_REQUIRED)

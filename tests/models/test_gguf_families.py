@@ -1,4 +1,4 @@
-"""GGUF files of the DeepSeek, Qwen2-MoE and GPT-OSS fixtures, written as llama.cpp's converter writes them
+"""GGUF files of the DeepSeek, Qwen2-MoE, Qwen3-MoE and GPT-OSS fixtures, written as llama.cpp's converter writes them
 (tests/support/gguf_family_files.py): greedy tokens and logprobs equal transformers' recorded ones."""
 
 import numpy as np
@@ -22,7 +22,7 @@ from tests.support.hf_parity import check_against_hf
         ("deepseek_v2_lite", False),  # q_proj, softmax, tied head, the older converter's whole attn_kv_b
         ("qwen2_moe", True),  # shared expert and its gate, a dense layer between MoE layers, q/k/v biases
         ("gpt_oss", True),  # sinks, biases, clamp limit from swiglu_clamp_exp, llama.cpp's sliding pattern
-        ("gpt_oss_mha_tied", True),  # tied, MHA, a layer pattern that is not llama.cpp's (written per layer)
+        ("qwen3_moe_30b_a3b_shape", True),  # per-head q/k norms, 128 experts top 8, renormalized
     ],
 )
 def test_family_gguf_matches_transformers(name, split_kv_b, tmp_path):
@@ -30,7 +30,11 @@ def test_family_gguf_matches_transformers(name, split_kv_b, tmp_path):
     check_against_hf(llm, name)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_grouped", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize(
+    "name",
+    # gpt_oss_mha_tied: tied, MHA, a layer pattern that is not llama.cpp's (written per layer)
+    ["deepseek_v3", "deepseek_v2_grouped", "qwen2_moe", "qwen3_moe_30b_a3b_shape", "gpt_oss", "gpt_oss_mha_tied"],
+)
 def test_family_gguf_metadata_describes_the_checkpoint(name, tmp_path):
     """The config read back from the metadata is the one config.json gives, every ModelConfig field (V2's
     grouped routing and YaRN mscale 0.707, which GGUF stores as a float32 log multiplier, included)."""
@@ -42,10 +46,19 @@ def test_family_gguf_metadata_describes_the_checkpoint(name, tmp_path):
         for field in vars(reference)
         if getattr(from_gguf, field) != getattr(reference, field)
     }
+    differing.pop("checkpoint_dtype", None)  # the file's storage: these are written as F32 (the bf16 fixture too)
     for field in ("rms_norm_eps", "swiglu_limit"):  # float32 in GGUF
         if field in differing:
             assert differing[field][0] == pytest.approx(differing.pop(field)[1], rel=1e-6)
     assert differing == {}
+
+
+def test_qwen3moe_renormalizes_its_top_k_as_llama_cpp_does(tmp_path):
+    """The converter writes no norm_topk_prob and llama.cpp's qwen3moe always renormalizes (every released
+    Qwen3-MoE says norm_topk_prob: true); the qwen3_moe fixture says false, which GGUF cannot carry."""
+    gguf = GGUFFile(write_family_gguf("qwen3_moe", str(tmp_path / "m.gguf")))
+    assert ModelConfig.from_hf_dict(gguf.hf_config()).normalize_expert_weights
+    assert not ModelConfig.from_model_dir(fixture_dir("qwen3_moe")).normalize_expert_weights
 
 
 def test_missing_family_tensors_are_named(tmp_path):

@@ -1,4 +1,4 @@
-"""GGUF files of the committed DeepSeek, Qwen2-MoE and GPT-OSS fixtures, named and laid out as llama.cpp's
+"""GGUF files of the committed DeepSeek, Qwen2-MoE, Qwen3-MoE and GPT-OSS fixtures, named and laid out as llama.cpp's
 convert_hf_to_gguf.py (b10605) writes them (learned by running it on these fixtures).
 
 deepseek2: kv_b_proj split per head into attn_k_b [H, R, N] (transposed) and attn_v_b [H, V, R], or kept
@@ -24,7 +24,13 @@ from safetensors.numpy import load_file
 from tests.support.fixtures import fixture_dir
 from tests.support.gguf_files import GLOBAL_NAMES, add_sentencepiece_vocab
 
-ARCHITECTURES = {"deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "qwen2_moe": "qwen2moe", "gpt_oss": "gpt-oss"}
+ARCHITECTURES = {
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "gpt_oss": "gpt-oss",
+}
 COMMON = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -57,6 +63,7 @@ LAYER_NAMES = {
         "mlp.shared_expert.down_proj": "ffn_down_shexp",
         "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     },
+    "qwen3moe": {**COMMON, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"},
     "gpt-oss": {
         **COMMON,
         "post_attention_layernorm": "post_attention_norm",
@@ -140,9 +147,13 @@ def write_family_gguf(
     experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
     writer.add_expert_count(experts)
     writer.add_expert_used_count(config["num_experts_per_tok"])
-    {"deepseek2": _deepseek2_metadata, "qwen2moe": _qwen2moe_metadata, "gpt-oss": _gpt_oss_metadata}[architecture](
-        writer, config, split_kv_b
-    )
+    family = {
+        "deepseek2": _deepseek2_metadata,
+        "qwen2moe": _qwen2moe_metadata,
+        "qwen3moe": _qwen3moe_metadata,
+        "gpt-oss": _gpt_oss_metadata,
+    }
+    family[architecture](writer, config, split_kv_b)
     add_sentencepiece_vocab(writer, os.path.join(directory, "tokenizer.model"), "")
     for tensor_name, value in family_tensors(config, weights, architecture, split_kv_b).items():
         if tensor_name in drop:
@@ -192,6 +203,14 @@ def _qwen2moe_metadata(writer: GGUFWriter, config: dict, _split_kv_b: bool) -> N
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def _qwen3moe_metadata(writer: GGUFWriter, config: dict, _split_kv_b: bool) -> None:
+    """As Qwen3MoeModel (Qwen2MoeModel's): no key for norm_topk_prob (llama.cpp always renormalizes)."""
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
 
 
 def _gpt_oss_metadata(writer: GGUFWriter, config: dict, _split_kv_b: bool) -> None:

@@ -104,10 +104,20 @@ inline VecF Broadcast(float x) {
 #endif
 }
 
+// A tree of shuffles and adds (a lane-by-lane loop is kLanes dependent scalar adds: with a dot product
+// per weight row of the head at one row of x, that loop cost as much as the multiplies).
 inline float HorizontalSum(VecF v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(v);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
   float sum = 0.0f;
   for (int i = 0; i < kLanes; ++i) sum += v[i];
   return sum;
+#endif
 }
 
 // The stored element types: how one element, and kLanes elements at once, widen to float32.
@@ -256,8 +266,39 @@ void KnRemainder(int rows, const float* x, int64_t ldx, const float* packed, int
 // accumulators [R, width] stay in L1. Software prefetch kPrefetchBytes ahead: without it the
 // out-of-order window, full of widening and multiplying, issues too few misses at a time (a bfloat16
 // stream went from 6 to 8.5 GB/s a core on the Xeon of bench/results/cpu-2core).
+// One row of x (single-stream decode): the item's rows [k0, k1) as two halves read side by side, each
+// half one run of rows in address order (with whole rows, one contiguous stream). Adjacent rows read side
+// by side (RowWalk's four) are four short streams that restart at every row, and the hardware prefetchers
+// lose them: one thread read the SmolLM2 layers' weights at 0.4-0.55 of a plain read stream that way and
+// at 0.8-1.0 this way (bench/results/cpu-2core-epyc-avx512, issue #29). No software prefetch: on these
+// streams it only cost issue slots.
+template <typename T>
+void SplitWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
+  const auto* w = static_cast<const typename T::Stored*>(p.w);
+  float* acc = partial + c0;
+  const int64_t vectors = width / kLanes * kLanes;
+  const int64_t half = (k1 - k0) / 2;
+  for (int64_t t = 0; t < half; ++t) {
+    const int64_t ka = k0 + t, kb = k0 + half + t;
+    const auto* sa = w + ka * p.columns + c0;
+    const auto* sb = w + kb * p.columns + c0;
+    const VecF xa = Broadcast(p.x[ka]), xb = Broadcast(p.x[kb]);
+    int64_t c = 0;
+    for (; c < vectors; c += kLanes) StoreF(acc + c, Fma(xb, T::Vector(sb + c), Fma(xa, T::Vector(sa + c), LoadF(acc + c))));
+    for (; c < width; ++c) acc[c] += p.x[ka] * T::One(sa[c]) + p.x[kb] * T::One(sb[c]);
+  }
+  for (int64_t k = k0 + 2 * half; k < k1; ++k) {  // an odd row out
+    const auto* s0 = w + k * p.columns + c0;
+    const VecF xk = Broadcast(p.x[k]);
+    int64_t c = 0;
+    for (; c < vectors; c += kLanes) StoreF(acc + c, Fma(xk, T::Vector(s0 + c), LoadF(acc + c)));
+    for (; c < width; ++c) acc[c] += p.x[k] * T::One(s0[c]);
+  }
+}
+
 template <typename T, int R>
 void RowWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
+  if constexpr (R == 1) return SplitWalk<T>(p, k0, k1, c0, width, partial);
   const auto* w = static_cast<const typename T::Stored*>(p.w);
   constexpr int64_t kElement = sizeof(typename T::Stored);
   constexpr int64_t kPerLine = kLineBytes / kElement;
@@ -386,13 +427,61 @@ void NkRemainder(int rows, const float* x, int64_t depth, const typename T::Stor
   }
 }
 
+// R rows of x by `count` weight rows read straight from memory, one weight row after the other (address
+// order: the item is one stream). NkTile's tiles read NT rows side by side, which the hardware prefetchers
+// follow badly: at one row of x the tied head ran at 0.3-0.5 of a plain read stream that way, and at about
+// 1.0 this way (issue #29). Each row's dot products keep R * A accumulators (A per row so that about four
+// chains of FMAs are in flight).
+template <typename T, int R>
+void NkRowDots(const float* x, int64_t depth, const typename T::Stored* w, int64_t count, float* out, int64_t ldo) {
+  constexpr int A = R == 1 ? 4 : (R == 2 ? 2 : 1);
+  for (int64_t n = 0; n < count; ++n) {
+    const auto* row = w + n * depth;
+    VecF acc[R][A];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int a = 0; a < A; ++a) acc[r][a] = VecF{};
+    int64_t k = 0;
+    for (; k + A * kLanes <= depth; k += A * kLanes) {
+#pragma GCC unroll 4
+      for (int a = 0; a < A; ++a) {
+        const VecF wv = T::Vector(row + k + a * kLanes);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r][a] = Fma(LoadF(x + r * depth + k + a * kLanes), wv, acc[r][a]);
+      }
+    }
+    for (; k + kLanes <= depth; k += kLanes) {
+      const VecF wv = T::Vector(row + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][0] = Fma(LoadF(x + r * depth + k), wv, acc[r][0]);
+    }
+    for (int r = 0; r < R; ++r) {
+      VecF total = acc[r][0];
+      for (int a = 1; a < A; ++a) total += acc[r][a];
+      float sum = HorizontalSum(total);
+      for (int64_t j = k; j < depth; ++j) sum += x[r * depth + j] * T::One(row[j]);
+      out[r * ldo + n] = sum;
+    }
+  }
+}
+
+template <typename T, int R>
+void NkDirect(int rows, const float* x, int64_t depth, const typename T::Stored* w, int64_t count, float* out,
+              int64_t ldo) {
+  if constexpr (R > 0) {
+    if (rows == R) return NkRowDots<T, R>(x, depth, w, count, out, ldo);
+    NkDirect<T, R - 1>(rows, x, depth, w, count, out, ldo);
+  }
+}
+
 // One item: outputs [n0, n0 + count) of every row of x, written once; the item's weight rows, one
 // contiguous run, packed first.
 template <typename T>
 void NkItem(const Problem& p, int64_t n0, int64_t count) {
   const auto* w = static_cast<const typename T::Stored*>(p.w) + n0 * p.depth;
   if (p.rows <= kNkRows) {  // one group of rows: straight from the weights, widened once anyway
-    return NkRemainder<T, kNkRows>(int(p.rows), p.x, p.depth, w, count, p.out + n0, p.columns);
+    return NkDirect<T, kNkRows>(int(p.rows), p.x, p.depth, w, count, p.out + n0, p.columns);
   }
   float* packed = PackBuffer(count * p.depth);
   Pack<T>(w, p.depth, count, p.depth, packed);

@@ -13,8 +13,11 @@ from pallas_kernels import cpu_library
 from pallas_kernels.matmul import _bfloat16_max_rows, cpu
 
 # (rows, depth, columns): K and N not multiples of any vector width; 1-8 rows take the few-row walk
-# (AVX-512) and more the register tiles with their remainders; 4100 columns span two wide blocks.
-SHAPES = [(1, 96, 4100), (3, 17, 70), (7, 40, 391), (9, 33, 777), (13, 24, 70), (64, 65, 130)]
+# (AVX-512) and more the register tiles with their remainders; 4100 columns span two wide blocks. One row
+# takes the split walk (an odd K leaves a row out of its two halves), and up to four rows of a transposed
+# weight the row-by-row dot products (one to four accumulators a row, a tail of K under a vector).
+SHAPES = [(1, 96, 4100), (1, 37, 50), (2, 45, 33), (3, 17, 70), (4, 19, 40), (7, 40, 391), (9, 33, 777)]
+SHAPES += [(13, 24, 70), (64, 65, 130)]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 

@@ -29,7 +29,20 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
-SPLITS = {
+# o200k (GPT-OSS: llama.cpp's "gpt-4o"), as its tokenizer.json writes it: cased words keep their contraction
+GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# DeepSeek-V3 / R1 (llama.cpp's "deepseek-v3"): three splits in turn, as its tokenizer.json's Sequence
+DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+SPLITS: dict[str, str | tuple[str, ...]] = {  # one regex, or several applied in turn
     "llama3": LLAMA3_SPLIT,
     "llama-v3": LLAMA3_SPLIT,
     "llama-bpe": LLAMA3_SPLIT,
@@ -38,6 +51,8 @@ SPLITS = {
     "qwen2": QWEN2_SPLIT,
     "deepseek-r1-qwen": QWEN2_SPLIT,
     "megrez": QWEN2_SPLIT,
+    "gpt-4o": GPT4O_SPLIT,
+    "deepseek-v3": DEEPSEEK3_SPLITS,
 }
 SINGLE_DIGIT_PRES = ("smollm", "starcoder", "refact")  # GPT-2's regex after splitting off each digit
 
@@ -141,11 +156,10 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokeni
         )
     )
     if pre in SPLITS:
+        regexes = SPLITS[pre]
+        splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in _as_tuple(regexes)]
         backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
+            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
     elif pre in SINGLE_DIGIT_PRES:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -155,6 +169,10 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokeni
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _as_tuple(regexes: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (regexes,) if isinstance(regexes, str) else regexes
 
 
 def _sentencepiece(tokens: list[str], scores: list[float], add_prefix_space: bool) -> Tokenizer:

@@ -99,3 +99,26 @@ def test_mxfp4_gpt_oss_experts_are_interleaved_back(tmp_path):
     fused = reader.read("model.layers.1.mlp.experts.gate_up_proj")
     np.testing.assert_array_equal(fused, interleave_columns(rounded(gate), rounded(up)))
     assert not np.array_equal(fused, interleave_columns(gate, up))  # MXFP4 rounds these weights
+
+
+@pytest.mark.parametrize(
+    "pre, pieces",
+    [
+        # o200k: a cased word keeps its contraction, digits in threes
+        ("gpt-4o", ["Hello", " WORLD's", " ", "123", "45", " ok", " 你好"]),
+        # digits first, then CJK runs, then punctuation-led words
+        ("deepseek-v3", ["Hello", " WORLD", "'s", " ", "123", "45", " ok", " ", "你好"]),
+        (None, ["Hello", " WORLD", "'s", " 12345", " ok", " 你好"]),  # GPT-2's split: what unknown pres get
+    ],
+)
+def test_the_families_byte_level_splits(pre, pieces):
+    """GPT-OSS ("gpt-4o") and DeepSeek-V3 ("deepseek-v3") GGUF vocabularies split text as their tokenizer.json
+    (and llama.cpp) do."""
+    from jaxserve.loading.gguf_tokenizer import _byte_level, _bytes_to_unicode
+
+    spelling = _bytes_to_unicode()
+    backend = _byte_level(sorted(set(spelling.values())), [], pre)
+    assert backend.pre_tokenizer is not None
+    unspell = {character: byte for byte, character in spelling.items()}
+    split = backend.pre_tokenizer.pre_tokenize_str("Hello WORLD's 12345 ok 你好")
+    assert [bytes(unspell[c] for c in piece).decode() for piece, _ in split] == pieces

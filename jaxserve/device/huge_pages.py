@@ -22,6 +22,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.matmul.quantized import is_quantized
+
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
@@ -52,8 +54,15 @@ def _weights(model) -> list[nnx.Variable]:
     return [
         node
         for _, node in nnx.iter_graph(model)
-        if isinstance(node, nnx.Variable) and isinstance(node.get_value(), jax.Array)
+        if isinstance(node, nnx.Variable)
+        and (isinstance(node.get_value(), jax.Array) or is_quantized(node.get_value()))
     ]
+
+
+def _arrays(variable: nnx.Variable) -> list[jax.Array]:
+    """A weight's arrays: the weight itself, or a quantized one's values, scales and mins (issue 25: its
+    decode reads stream as a float weight's do)."""
+    return jax.tree.leaves(variable.get_value())
 
 
 def move_weights_to_huge_pages(model) -> int:
@@ -62,7 +71,7 @@ def move_weights_to_huge_pages(model) -> int:
     if not sys.platform.startswith("linux") or jax.default_backend() != "cpu" or jax.device_count() != 1:
         return 0
     variables = _weights(model)
-    sizes = [-(-variable.get_value().nbytes // ALIGNMENT) * ALIGNMENT for variable in variables]
+    sizes = [-(-array.nbytes // ALIGNMENT) * ALIGNMENT for variable in variables for array in _arrays(variable)]
     total = sum(sizes)
     if total < HUGE_PAGE_BYTES:
         return 0
@@ -72,16 +81,20 @@ def move_weights_to_huge_pages(model) -> int:
         logger.info("madvise(MADV_HUGEPAGE) refused: weights stay in XLA's own buffers")
         return 0
     offset = 0
-    for variable, size in zip(variables, sizes):
-        old = variable.get_value()
-        view = arena[offset : offset + old.nbytes].view(old.dtype).reshape(old.shape)
-        np.copyto(view, np.asarray(old))
-        # As committed as before: a committed argument costs the compiled step's dispatch a little more.
-        new = jax.device_put(view, old.sharding if old.committed else None)
-        if new.unsafe_buffer_pointer() != view.ctypes.data:  # XLA copied: keep the weights where they were
-            logger.info("XLA copied a host buffer instead of aliasing it: weights stay in its own buffers")
-            return offset
-        variable.set_value(new)
-        del old, new
-        offset += size
+    sizes_left = iter(sizes)
+    for variable in variables:
+        olds, treedef = jax.tree.flatten(variable.get_value())
+        news = []
+        for old, size in zip(olds, sizes_left):
+            view = arena[offset : offset + old.nbytes].view(old.dtype).reshape(old.shape)
+            np.copyto(view, np.asarray(old))
+            # As committed as before: a committed argument costs the compiled step's dispatch a little more.
+            new = jax.device_put(view, old.sharding if old.committed else None)
+            if new.unsafe_buffer_pointer() != view.ctypes.data:  # XLA copied: keep the weights where they were
+                logger.info("XLA copied a host buffer instead of aliasing it: weights stay in its own buffers")
+                return offset
+            news.append(new)
+            offset += size
+        variable.set_value(jax.tree.unflatten(treedef, news))
+        del olds, news
     return offset

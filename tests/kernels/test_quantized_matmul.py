@@ -174,3 +174,33 @@ def test_the_plan_joins_a_layers_quantized_weights_in_one_call():
     plan = choose_matmul("cpu", 1)
     text = jax.jit(lambda x, ws: plan.together(x, ws)).lower(jnp.ones((2, 64)), weights).as_text()
     assert text.count(quantized_cpu.QUANTIZED_TARGET) == 1
+
+
+def test_quantized_weights_move_into_huge_pages_unchanged():
+    """A quantized param's values, scales and mins go into the huge-page arena as float weights do (a decode
+    step streams them), aliased by XLA without a copy, with the same products."""
+    import sys
+
+    from flax import nnx
+
+    from jaxserve.device.huge_pages import ALIGNMENT, move_weights_to_huge_pages
+
+    class Holder(nnx.Module):
+        def __init__(self, weight):
+            self.kernel = nnx.Param(weight)
+
+    weight = random_weight(np.random.default_rng(4), 1024, 3000, 8, 32, jnp.float16, True)  # 3 MiB of int8
+    holder = Holder(weight)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 1024)), jnp.float32)
+    before = np.asarray(quantized_cpu.quantized_matmul(x, weight))
+    moved = move_weights_to_huge_pages(holder)
+    if not sys.platform.startswith("linux"):
+        return
+    placed = holder.kernel.get_value()
+    leaves = jax.tree.leaves(placed)
+    assert quantized.is_quantized(placed) and len(leaves) == 3
+    assert moved == sum(-(-leaf.nbytes // ALIGNMENT) * ALIGNMENT for leaf in leaves)
+    assert all(new is not old for new, old in zip(leaves, jax.tree.leaves(weight), strict=True))
+    for new, old in zip(leaves, jax.tree.leaves(weight), strict=True):
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+    np.testing.assert_array_equal(np.asarray(quantized_cpu.quantized_matmul(x, placed)), before)

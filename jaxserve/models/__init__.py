@@ -44,6 +44,7 @@ def _checkpoint_names() -> dict:
     return {
         "gemma2": llama.read_param,
         "gemma3_text": llama.read_param,
+        "gemma3": llama.read_param,  # multimodal: its text model loads as gemma3_text (loading/multimodal.py's names)
         "phi3": phi3.read_param,
         "llama": llama.read_param,
         "mistral": llama.read_param,

@@ -247,15 +247,12 @@ def expert_parallel_reader(read_params, num_experts: int, mesh):
 
 def _store_rows(canonical, storage_order, sharding):
     """A canonical [X, ...] expert weight (an array, or a QuantizedWeight's arrays each) laid out in its stored
-    rows and placed by `sharding` (the float param's; per array for a quantized weight)."""
-    if not isinstance(canonical, QuantizedWeight):
-        return jax.device_put(_gather_rows(canonical, storage_order, canonical.sharding), sharding)
-    shardings = place_shardings(canonical, sharding)
-    return jax.tree.map(
-        lambda array, placed: jax.device_put(_gather_rows(array, storage_order, array.sharding), placed),
-        canonical,
-        shardings,
-    )
+    rows and placed by `sharding` (the float param's; per array of the stored [S, ...] for a quantized weight,
+    whose rows then split as the float param's do)."""
+    stored = jax.tree.map(lambda array: _gather_rows(array, storage_order, array.sharding), canonical)
+    if not isinstance(stored, QuantizedWeight):
+        return jax.device_put(stored, sharding)
+    return jax.tree.map(jax.device_put, stored, place_shardings(stored, sharding))
 
 
 def _is_expert_weight(variable) -> bool:

@@ -1,0 +1,56 @@
+"""int4 experts under expert parallelism (4 fake CPU devices, in a subprocess: tests/support/
+quantized_experts_meshes_run.py): Mixtral's 6 experts spread 2, 2, 1, 1 with padded rows, the quantized
+arrays split by experts as the float weights are, moved by a load profile with their scales; greedy outputs
+equal one device's, which equal the same model dequantized."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.support.quantized_experts_meshes_run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _close(a: list, b: list) -> bool:
+    """Per-step logprobs of the same tokens within 2e-4."""
+    return all(
+        step_a.keys() == step_b.keys() and all(abs(step_a[t] - step_b[t]) <= 2e-4 for t in step_a)
+        for prompt_a, prompt_b in zip(a, b)
+        for step_a, step_b in zip(prompt_a, prompt_b)
+    )
+
+
+def test_int4_experts_on_one_device_compute_the_dequantized_model(results):
+    assert results["one"]["tokens"] == results["dequantized"]["tokens"]
+    assert _close(results["one"]["logprobs"], results["dequantized"]["logprobs"])
+    assert results["one"]["compiles_after_warmup"] == 0
+    assert results["one"]["weights_device_bytes"] < results["dequantized"]["weights_device_bytes"] / 6
+
+
+def test_int4_experts_spread_over_devices_and_moved_equal_one_device(results):
+    ep = results["ep"]
+    assert ep["stored_rows"] == 8  # 6 experts padded to 2 per device
+    assert ep["values_spec"][0] == ep["scales_spec"][0] == "('data', 'tensor')"
+    assert ep["experts_per_device"][0] != ep["experts_per_device"][1]  # the load profile moved experts
+    for run in ("ep", "rebalanced"):
+        assert results[run]["tokens"] == results["one"]["tokens"], run
+        assert _close(results[run]["logprobs"], results["one"]["logprobs"]), run
+        assert results[run]["canonical_equal"], run  # canonical_params: one device's quantized arrays exactly
+    assert results["rebalanced"]["compiles_after_warmup"] == 0

@@ -58,10 +58,8 @@ def _engine(name: str, **options) -> LLM:
 
 @pytest.mark.parametrize(
     "name",
-    [
-        "qwen2_moe",  # odd sizes (36 / 20), a gated shared expert beside the routed ones
-        "gpt_oss_mha_tied",  # expert biases and the clamped SwiGLU, tied embedding
-    ],
+    # odd sizes (36 / 20), a gated shared expert beside the routed ones (Mixtral: the GGUF and mesh tests)
+    ["qwen2_moe"],
 )
 def test_int8_experts_compute_the_dequantized_model(name):
     quantized = _engine(name, quantization="int8")

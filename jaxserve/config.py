@@ -260,6 +260,9 @@ class LoraConfig:
     max_adapters: int | None = None  # slots; None: as many as `adapters` names (0: LoRA off)
     max_rank: int = 64  # the slot rank: adapters of rank up to this load
     target_modules: tuple[str, ...] = LORA_TARGET_MODULES  # projections given slots (every decoder layer)
+    # MoE models: slots on the routed experts' gate/up/down too (where target_modules name them); each
+    # holds every expert's A and B, num_experts times a dense projection's slot bytes
+    routed_experts: bool = True
 
     def __post_init__(self):
         adapters = dict(self.adapters or {})

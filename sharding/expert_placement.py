@@ -95,6 +95,12 @@ def _expert_arrays(flat: dict, prefix: tuple) -> tuple[str, ...]:
     return EXPERT_WEIGHTS + tuple(name for name in EXPERT_BIASES if prefix + (name,) in flat)
 
 
+def _lora_arrays(flat: dict, prefix: tuple) -> list[tuple]:
+    """Paths of an MoE layer's LoRA slots on its experts (jaxserve/lora: A [S, K, L, r], B [S, L, r, N],
+    stored row by row as the expert weights)."""
+    return [path for path in flat if path[: len(prefix) + 1] == prefix + ("lora",)]
+
+
 def device_of_experts(state: nnx.State) -> np.ndarray:
     """[layers, experts]: the device each expert of each MoE layer sits on."""
     flat = dict(nnx.to_flat_state(state))
@@ -147,6 +153,8 @@ def rebalance(state: nnx.State, load: np.ndarray) -> nnx.State:
             flat[prefix + (name,)] = variable.replace(
                 jax.tree.map(functools.partial(move_rows, gather=gather), variable.get_value())
             )
+        for path in _lora_arrays(flat, prefix):  # LoRA adapter slots on the experts move with them
+            flat[path] = flat[path].replace(move_rows(flat[path].get_value(), gather))
         for name, value in (("expert_device", device_of), ("expert_slot", slot_of)):
             variable = flat[prefix + (name,)]
             flat[prefix + (name,)] = variable.replace(jax.device_put(value, variable.get_value().sharding))

@@ -23,6 +23,7 @@ routed copies rather than by experts, do not change.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -31,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.matmul.lora import ExpertLora, add_expert_lora
 from pallas_kernels.matmul.quantized_experts import expert_matmul
 
 # Legend: T = tokens, D = devices on the axis, t = tokens per device, k = experts per token, C = t * k
@@ -46,18 +48,26 @@ class ExpertPlacement(nnx.Variable):
     """
 
 
-def grouped_expert_mlp(rows, group_sizes, gate_proj, up_proj, down_proj, activation, biases=(), glu=None):
+def grouped_expert_mlp(
+    rows, group_sizes, gate_proj, up_proj, down_proj, activation, biases=(), glu=None, lora: ExpertLora | None = None
+):
     """rows [R, E] sorted by expert, group_sizes [X] (rows past their sum are left out) -> [R, E]:
     each expert's gated MLP over its own rows; gate/up [X, E, F], down [X, F, E]. biases (GPT-OSS): the
     experts' gate, up and down biases ([X, F], [X, F], [X, E]), or () for none; glu(gate, up) -> hidden
-    replaces activation(gate) * up where the model gates otherwise (GPT-OSS's clamped SwiGLU)."""
+    replaces activation(gate) * up where the model gates otherwise (GPT-OSS's clamped SwiGLU). lora: each
+    row's adapter on the expert projections (jaxserve/lora; row_slots [R]), or None."""
     gate = expert_matmul(rows, gate_proj, group_sizes)  # a float or quantized (int8 / int4) [X, E, F] weight
     up = expert_matmul(rows, up_proj, group_sizes)
     if biases:
         gate_bias, up_bias, down_bias = (_bias_by_row(bias, group_sizes, rows.shape[0]) for bias in biases)
         gate, up = gate + gate_bias.astype(gate.dtype), up + up_bias.astype(up.dtype)
+    if lora is not None:
+        gate = add_expert_lora(gate, rows, group_sizes, lora.gate, lora.row_slots)
+        up = add_expert_lora(up, rows, group_sizes, lora.up, lora.row_slots)
     hidden = glu(gate, up) if glu is not None else activation(gate) * up
     out = expert_matmul(hidden, down_proj, group_sizes)
+    if lora is not None:
+        out = add_expert_lora(out, hidden, group_sizes, lora.down, lora.row_slots)
     return out + down_bias.astype(out.dtype) if biases else out
 
 
@@ -91,15 +101,20 @@ class LocalExperts:
         activation,
         biases=(),
         glu=None,
+        lora: ExpertLora | None = None,
     ):
         """x [T, E], weights / expert_ids [T, k] -> [T, E]; placement: () as initial_placement gave; biases and
-        glu as grouped_expert_mlp takes them."""
+        glu as grouped_expert_mlp takes them; lora: the adapter slots, each token's slot [T] (None: none)."""
         num_tokens, top_k = expert_ids.shape
         flat_experts = expert_ids.reshape(-1)  # [R]
         order = jnp.argsort(flat_experts, stable=True)
         token_of_copy = order // top_k  # [R]
         group_sizes = jnp.bincount(flat_experts, length=gate_proj.shape[0]).astype(jnp.int32)
-        out = grouped_expert_mlp(x[token_of_copy], group_sizes, gate_proj, up_proj, down_proj, activation, biases, glu)
+        if lora is not None:  # each routed copy runs its token's adapter
+            lora = dataclasses.replace(lora, row_slots=lora.row_slots[token_of_copy])
+        out = grouped_expert_mlp(
+            x[token_of_copy], group_sizes, gate_proj, up_proj, down_proj, activation, biases, glu, lora
+        )
         out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
         combined = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token_of_copy].add(out)
         return combined.astype(x.dtype)
@@ -132,6 +147,7 @@ class ExpertParallel:
         activation,
         biases=(),
         glu=None,
+        lora: ExpertLora | None = None,
     ):
         expert_to_device, expert_slot = placement
         return expert_parallel_moe(
@@ -148,6 +164,7 @@ class ExpertParallel:
             activation=activation,
             biases=biases,
             glu=glu,
+            lora=lora,
         )
 
 
@@ -157,7 +174,19 @@ def expert_dispatch(mesh: Mesh | None = None) -> LocalExperts | ExpertParallel:
 
 
 def _local_moe(
-    x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *biases, axis, activation, glu
+    x,
+    weights,
+    expert_ids,
+    gate_proj,
+    up_proj,
+    down_proj,
+    expert_to_device,
+    expert_slot,
+    lora,
+    *biases,
+    axis,
+    activation,
+    glu,
 ):
     num_devices = jax.lax.psum(1, axis)
     tokens, embed = x.shape
@@ -183,6 +212,13 @@ def _local_moe(
     )
     received = jax.lax.all_to_all(send_tokens, axis, 0, 0, tiled=False)  # [D, C, E] from each source
     received_slots = jax.lax.all_to_all(send_slots, axis, 0, 0, tiled=False)  # -1: an empty slot
+    if lora is not None:  # each copy's LoRA adapter slot travels with it
+        send_adapters = (
+            jnp.zeros((num_devices, copies), jnp.int32)
+            .at[sorted_destination, position_in_buffer]
+            .set(lora.row_slots[order // top_k])
+        )
+        received_adapters = jax.lax.all_to_all(send_adapters, axis, 0, 0, tiled=False)
 
     # Grouped matmuls over this device's L rows; empty buffer slots sort last, past every group, and a
     # padding row (no expert id maps to it) is a group of none.
@@ -192,8 +228,10 @@ def _local_moe(
     sort_key = jnp.where(slots < 0, local_experts, slots)
     row_order = jnp.argsort(sort_key, stable=True)
     group_sizes = jnp.bincount(sort_key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
+    if lora is not None:
+        lora = dataclasses.replace(lora, row_slots=received_adapters.reshape(-1)[row_order])
     out_grouped = grouped_expert_mlp(
-        rows[row_order], group_sizes, gate_proj, up_proj, down_proj, activation, tuple(biases), glu
+        rows[row_order], group_sizes, gate_proj, up_proj, down_proj, activation, tuple(biases), glu, lora
     )
     out_rows = jnp.zeros_like(out_grouped).at[row_order].set(out_grouped)
     returned = jax.lax.all_to_all(out_rows.reshape(num_devices, copies, embed), axis, 0, 0, tiled=False)
@@ -223,10 +261,12 @@ def expert_parallel_moe(
     activation=jax.nn.silu,
     biases=(),
     glu=None,
+    lora: ExpertLora | None = None,
 ):
     """x [T, E] and its routing (weights / expert_ids [T, k], ids < X) split over `axis`; gate/up [S, E, F] and
     down [S, F, E] stored per device, L rows each (expert_to_device / expert_slot [X] say where each expert
-    is; `store_experts` lays canonical weights out so); biases ([S, F], [S, F], [S, E] or ()) stored alike.
+    is; `store_experts` lays canonical weights out so); biases ([S, F], [S, F], [S, E] or ()) stored alike;
+    lora: adapter slots stored alike (expert rows first), its row_slots [T] split like x (None: none).
     Returns [T, E], split like x."""
     num_rows = gate_proj.shape[0]
     axes = axis if isinstance(axis, tuple) else (axis,)
@@ -241,14 +281,17 @@ def expert_parallel_moe(
     num_tokens = x.shape[0]
     padding = ((0, -num_tokens % num_devices), (0, 0))  # every device gets the same number of tokens
     x, weights, expert_ids = (jnp.pad(a, padding) for a in (x, weights, expert_ids))  # padding: weight 0
+    if lora is not None:  # padding tokens: no adapter
+        lora = dataclasses.replace(lora, row_slots=jnp.pad(lora.row_slots, padding[:1]))
     body = jax.shard_map(
         lambda *args: _local_moe(*args, axis=axis, activation=activation, glu=glu),
         mesh=mesh,
-        in_specs=(P(axis),) * 6 + (P(), P()) + (P(axis),) * len(biases),  # tokens, routing, experts; placements
+        # tokens, routing, experts; placements; adapter slots (expert rows) and each token's slot; biases
+        in_specs=(P(axis),) * 6 + (P(), P()) + (P(axis),) * (1 + len(biases)),
         out_specs=P(axis),
         check_vma=False,
     )
-    operands = (x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, *biases)
+    operands = (x, weights, expert_ids, gate_proj, up_proj, down_proj, expert_to_device, expert_slot, lora, *biases)
     return body(*operands)[:num_tokens]
 
 

@@ -230,6 +230,7 @@ def _attach_lora(model, config: EngineConfig, model_config: ModelConfig, mesh: M
         num_slots=int(config.lora.max_adapters or 0) + 1,  # slot 0: no adapter
         max_rank=config.lora.max_rank,
         target_modules=config.lora.target_modules,
+        routed_experts=config.lora.routed_experts,
         mesh=mesh,
         sizes=model_config.logical_axis_sizes(),
         rules=EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_AXIS_RULES,

@@ -7,6 +7,10 @@ with use_rslora (r and alpha per module where rank_pattern / alpha_pattern name 
 and B [r, out] with the scaling folded in, keyed by our module path ("layers.3.self_attn.q_proj"), which is
 the checkpoint's module name without its "model." prefix.
 
+Routed experts of mixture-of-experts models are read by expert_adapter.py (per-expert Linears of older
+checkpoints, or transformers 5's fused 3-D params adapted through PEFT's target_parameters) into per-expert
+projections `layers.3.mlp.experts.5.gate_proj`.
+
 Only what the engine computes exactly is accepted: plain LoRA (no DoRA, no LoRA bias, no extra trained
 modules such as embeddings or the head) on decoder-layer projections. Anything else is a ValueError that
 names it, so a request never silently runs an adapter that is not the one trained.
@@ -16,13 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
 
 import numpy as np
 from safetensors.numpy import load_file
+
+from jaxserve.lora.expert_adapter import FUSED_EXPERTS, fused_expert_projections, per_expert_path, scaling_for
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -72,17 +77,21 @@ def read_adapter(path: str) -> LoraAdapter:
             )
         module, half = match.groups()
         halves.setdefault(module, {})[half] = np.asarray(tensor, np.float32)
-    projections = {}
+    projections, fused_experts, scale = {}, {}, scaling_for(config)
     for module, pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
             raise ValueError(f"adapter {path!r}: {module} has lora_{''.join(pair)} but not both A and B")
-        a, b = pair["A"], pair["B"]  # [r, in], [out, r]
+        a, b = pair["A"], pair["B"]  # [r, in], [out, r]; a fused experts wrapper: [X * r, in], [out, r * X]
+        if FUSED_EXPERTS.match(module):
+            fused_experts[module] = (a, b)
+            continue
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise ValueError(f"adapter {path!r}: {module}'s lora_A {a.shape} and lora_B {b.shape} do not chain")
-        rank = a.shape[0]
-        alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
-        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        projections[module] = Projection(a=np.ascontiguousarray(a.T), b=np.ascontiguousarray(b.T) * np.float32(scaling))
+        scaling = np.float32(scale(module, a.shape[0]))
+        projection = Projection(a=np.ascontiguousarray(a.T), b=np.ascontiguousarray(b.T) * scaling)
+        projections[per_expert_path(module) or module] = projection
+    for module, (a, b) in fused_expert_projections(fused_experts, config, path, scale).items():
+        projections[module] = Projection(a=a, b=b)
     if not projections:
         raise ValueError(f"adapter {path!r} holds no LoRA weights")
     with open(weights_path, "rb") as f:
@@ -134,11 +143,3 @@ def _check_config(config: dict, path: str) -> None:
             raise ValueError(f"adapter {path!r} uses {what}, which the engine does not serve")
     if config.get("bias", "none") != "none":
         raise ValueError(f"adapter {path!r} trains biases (bias={config.get('bias')!r}); only bias='none' is served")
-
-
-def _pattern_value(pattern: dict, module: str, default):
-    """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module's name."""
-    for key, value in pattern.items():
-        if re.match(rf"(.*\.)?{key}$", module):
-            return value
-    return default

@@ -8,6 +8,7 @@ the device, so a bad adapter leaves every slot as it was.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -16,9 +17,11 @@ import numpy as np
 from jaxserve.config import LoraConfig
 from jaxserve.device.page_copies import CountingCompiles
 from jaxserve.lora.adapter import LoraAdapter, read_adapter, split_fused
-from jaxserve.lora.slots import LoraSlots, write_slot
+from jaxserve.lora.expert_adapter import split_expert_path
+from jaxserve.lora.slots import ExpertSlots, LoraSlots, write_slot
 
 BASE_SLOT = 0  # zeros in every projection: rows without an adapter
+EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -33,20 +36,31 @@ class LoadedAdapter:
 class LoraRegistry:
     """Host bookkeeping of the adapter slots plus the compiled-once write of a slot's values."""
 
-    def __init__(self, config: LoraConfig, runner, slots: dict[str, LoraSlots]):
+    def __init__(self, config: LoraConfig, runner, all_slots: dict[str, LoraSlots | ExpertSlots]):
+        slots = {path: s for path, s in all_slots.items() if isinstance(s, LoraSlots)}
+        expert_slots = {path: s for path, s in all_slots.items() if isinstance(s, ExpertSlots)}
         self.runner = runner
         self.max_rank = config.max_rank
         self.num_slots = int(config.max_adapters or 0) + 1
         self.target_modules = tuple(config.target_modules)
         self.shapes = {path: (s.a.shape[1], s.b.shape[2]) for path, s in slots.items()}  # path -> (in, out)
+        # routed experts: "layers.0.mlp.gate_proj" -> (stored expert rows, in, out)
+        self.expert_shapes = {path: (s.a.shape[0], s.a.shape[1], s.b.shape[3]) for path, s in expert_slots.items()}
         self.adapters: dict[str, LoadedAdapter] = {}
         # Where each slot array sits among the runner's flat params, in (module path, "a" | "b") order.
         self._leaf_names, self._leaf_indices = _lora_leaves(runner)
-        missing = {path for path, _ in self._leaf_names} ^ set(self.shapes)
+        missing = {path for path, _ in self._leaf_names} ^ (set(self.shapes) | set(self.expert_shapes))
         if missing:
             raise AssertionError(f"LoRA slots and the runner's params disagree on {sorted(missing)}")
         leaves = [runner.param_leaves[i] for i in self._leaf_indices]
-        self._write = jax.jit(write_slot, donate_argnums=(0,), out_shardings=[leaf.sharding for leaf in leaves])
+        slot_axes = tuple(
+            (2 if half == "a" else 1) if path in self.expert_shapes else 0 for path, half in self._leaf_names
+        )  # A [S, K, L, r] and B [S, L, r, N] for experts; A [L, K, r] and B [L, r, N] otherwise
+        self._write = jax.jit(
+            functools.partial(write_slot, slot_axes=slot_axes),
+            donate_argnums=(0,),
+            out_shardings=[leaf.sharding for leaf in leaves],
+        )
         # Compiled now: zeros into the base slot (twice: fresh arrays are not yet committed to a device,
         # the written ones are, and each is its own executable).
         for _ in range(2):
@@ -93,12 +107,10 @@ class LoraRegistry:
         """That every projection the adapter adapts has slots here, of its shape and at least its rank."""
         for path, projection in adapter.projections.items():
             module = path.rsplit(".", 1)[-1]
+            if split_expert_path(path) is not None or ".experts." in f".{path}.":
+                self._check_expert(adapter, path, projection)
+                continue
             if path not in self.shapes:
-                if ".experts." in f".{path}.":
-                    raise ValueError(
-                        f"adapter {adapter.path!r} adapts routed experts ({path}); LoRA slots cover attention, "
-                        "dense MLPs and shared experts, not routed expert projections yet"
-                    )
                 if module in self.target_modules:
                     raise ValueError(
                         f"adapter {adapter.path!r} adapts {path}, which this model does not have "
@@ -120,11 +132,57 @@ class LoraRegistry:
                     f"maps {self.shapes[path][0]} -> {self.shapes[path][1]} (an adapter for another base model?)"
                 )
 
+    def _check_expert(self, adapter: LoraAdapter, path: str, projection) -> None:
+        """That a routed expert's projection has expert slots here, of its shape and at least its rank."""
+        where = split_expert_path(path)
+        if where is None or where[0] not in self.expert_shapes:
+            raise ValueError(
+                f"adapter {adapter.path!r} adapts routed experts ({path}), which have no LoRA slots in this engine "
+                f"(slots on the experts' {list(EXPERT_TARGETS)} need lora routed_experts and those names in "
+                "target_modules, and a Mixtral / Qwen-MoE style expert MLP)"
+            )
+        slots_path, expert, _ = where
+        num_experts = len(self._expert_rows()[slots_path.rsplit(".", 1)[0]])
+        _, size_in, size_out = self.expert_shapes[slots_path]
+        shape = (projection.a.shape[0], projection.b.shape[1])
+        if expert >= num_experts or shape != (size_in, size_out):
+            raise ValueError(
+                f"adapter {adapter.path!r} maps {shape[0]} -> {shape[1]} features at {path}, where the model has "
+                f"{num_experts} experts mapping {size_in} -> {size_out} (an adapter for another base model?)"
+            )
+        if projection.rank > self.max_rank:
+            raise ValueError(
+                f"adapter {adapter.path!r} has rank {projection.rank} at {path}, above the slot rank "
+                f"{self.max_rank} (lora max_rank)"
+            )
+
+    def _expert_rows(self) -> dict[str, np.ndarray]:
+        """MoE layer path ("layers.0.mlp") -> the stored row of each of its experts [X] (expert placement
+        may have moved them: sharding/expert_placement.py)."""
+        flat = {  # "layers.0.mlp.expert_device" -> its array (a state's leaves end in the variable's value)
+            ".".join(str(key.key) for key in key_path if isinstance(key, jax.tree_util.DictKey)): leaf
+            for key_path, leaf in jax.tree_util.tree_flatten_with_path(self.runner.params())[0]
+        }
+        rows = {}
+        for path, (num_rows, _, _) in self.expert_shapes.items():
+            layer = path.rsplit(".", 1)[0]
+            device_of, slot_of = flat.get(f"{layer}.expert_device"), flat.get(f"{layer}.expert_slot")
+            if device_of is None or slot_of is None:
+                rows[layer] = np.arange(num_rows)
+            else:
+                rows_per_device = num_rows // device_of.sharding.mesh.devices.size
+                rows[layer] = np.asarray(device_of) * rows_per_device + np.asarray(slot_of)
+        return rows
+
     def _write_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Slot `slot` of every projection takes the adapter's A and B (zero-padded to the slot rank), or
         zeros where it adapts nothing (and everywhere for None)."""
         values = []
+        expert_rows = self._expert_rows() if self.expert_shapes else {}
         for path, half in self._leaf_names:
+            if path in self.expert_shapes:
+                values.append(self._expert_value(path, half, adapter, expert_rows))
+                continue
             size_in, size_out = self.shapes[path]
             shape = (size_in, self.max_rank) if half == "a" else (self.max_rank, size_out)
             value = np.zeros(shape, np.float32)
@@ -141,6 +199,23 @@ class LoraRegistry:
             leaves[index] = array
         self.runner.replace_params(jax.tree.unflatten(self.runner.params_treedef, leaves))
 
+    def _expert_value(self, path: str, half: str, adapter: LoraAdapter | None, expert_rows) -> np.ndarray:
+        """One expert projection's new slot: [S, K, r] (A) or [S, r, N] (B), each expert's in its stored row."""
+        num_rows, size_in, size_out = self.expert_shapes[path]
+        value = np.zeros((num_rows, size_in, self.max_rank) if half == "a" else (num_rows, self.max_rank, size_out))
+        if adapter is None:
+            return value.astype(np.float32)
+        layer, projection_name = path.rsplit(".", 1)
+        for expert, row in enumerate(expert_rows[layer]):
+            projection = adapter.projections.get(f"{layer}.experts.{expert}.{projection_name}")
+            if projection is None:
+                continue
+            if half == "a":
+                value[row, :, : projection.rank] = projection.a
+            else:
+                value[row, : projection.rank] = projection.b
+        return value.astype(np.float32)
+
     def describe(self) -> list[dict]:
         return [
             dict(name=a.name, slot=a.slot, path=a.path, rank=a.rank)
@@ -154,8 +229,9 @@ def _lora_leaves(runner) -> tuple[list[tuple[str, str]], list[int]]:
     flat = jax.tree_util.tree_flatten_with_path(runner.params())[0]
     for index, (key_path, _) in enumerate(flat):
         parts = [getattr(key, "key", getattr(key, "name", None)) for key in key_path]
-        if "lora" in parts:
+        if "lora" in parts:  # ...q_proj.lora.a (a Linear's) or ...mlp.lora.gate_proj.a (routed experts')
             at = parts.index("lora")
-            names.append((".".join(str(part) for part in parts[:at]), str(parts[at + 1])))
+            half = max(i for i, part in enumerate(parts) if part in ("a", "b"))
+            names.append((".".join(str(part) for part in parts[:at] + parts[at + 1 : half]), str(parts[half])))
             indices.append(index)
     return names, indices

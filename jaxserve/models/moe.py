@@ -9,7 +9,7 @@ or an all-to-all to the devices that hold them) is the `experts` function the mo
 from __future__ import annotations
 
 import functools
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +46,12 @@ class Experts(Protocol):
         activation,
         biases: tuple = (),
         glu=None,
+        lora=None,
     ) -> jax.Array:
         """x [T, E], weights / expert_ids [T, k], gate/up [S, E, F], down [S, F, E] -> [T, E]; biases: the
         experts' gate/up [S, F] and down [S, E] biases, or (); glu(gate, up) -> hidden in place of
-        activation(gate) * up (None: that)."""
+        activation(gate) * up (None: that); lora: adapter slots on the experts and each token's slot
+        (pallas_kernels/matmul/lora.py's ExpertLora), or None."""
         ...
 
 
@@ -72,6 +74,8 @@ def clamped_swiglu(gate, up, *, alpha: float, limit: float):
 
 
 class SparseMoE(nnx.Module):
+    lora: Any = None  # jaxserve/lora's ExpertLoraSlots where adapters may target the routed experts
+
     def __init__(self, config: ModelConfig, dtype, matmul: Matmul, rngs: nnx.Rngs, experts: Experts):
         e, f, x = config.hidden_size, config.expert_intermediate_size, config.num_experts
         s = experts.num_expert_rows(x)
@@ -140,6 +144,7 @@ class SparseMoE(nnx.Module):
             placement,
             activation=ACTIVATIONS[self.activation],
             **self._gpt_oss_expert_options(),
+            **({} if self.lora is None else {"lora": self.lora.weights()}),
         )
         if self.shared_expert is None:
             return routed

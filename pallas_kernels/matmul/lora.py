@@ -89,6 +89,63 @@ def _active_delta(rows, a, b, active, row_position):
     return jnp.dot(xa, b[active].reshape(num_active * rank, -1), preferred_element_type=jnp.float32)
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ExpertLora:
+    """The adapter slots of one mixture-of-experts layer's routed-expert projections and the slot of each row.
+
+    Each projection's slots keep the expert rows first, as the expert weights do (so expert placement moves
+    them alike): A [S, K, L, r], B [S, L, r, N], B scaled; None where the adapters do not reach it."""
+
+    row_slots: jax.Array  # [T] per token; per routed copy [R] once the copies are grouped by expert
+    gate: tuple[jax.Array, jax.Array] | None  # A [S, E, L, r], B [S, L, r, F]
+    up: tuple[jax.Array, jax.Array] | None  # as gate
+    down: tuple[jax.Array, jax.Array] | None  # A [S, F, L, r], B [S, L, r, E]
+
+
+def expert_lora_delta(rows, group_sizes, a, b, row_slots):
+    """rows [R, K] sorted by expert (group_sizes [S]), a [S, K, L, r], b [S, L, r, N], row_slots [R] ->
+    float32 [R, N]: each row's (x @ A[expert, slot]) @ B[expert, slot].
+
+    Two grouped matmuls over the same expert groups as the base projection: every row times all L slots of
+    its expert's A at once ([R, L * r]), the columns of the other slots zeroed per row, times the slots' B
+    stacked ([L * r, N])."""
+    num_rows, (num_rows_stored, depth, num_slots, rank) = rows.shape[0], a.shape
+    xa = jax.lax.ragged_dot(
+        rows.astype(a.dtype),
+        a.reshape(num_rows_stored, depth, num_slots * rank),
+        group_sizes,
+        preferred_element_type=jnp.float32,
+    ).reshape(num_rows, num_slots, rank)
+    own = (row_slots[:, None] == jnp.arange(num_slots)[None, :]).astype(jnp.float32)  # [R, L]
+    xa = (xa * own[:, :, None]).reshape(num_rows, num_slots * rank).astype(b.dtype)
+    return jax.lax.ragged_dot(
+        xa, b.reshape(num_rows_stored, num_slots * rank, -1), group_sizes, preferred_element_type=jnp.float32
+    )
+
+
+def add_expert_lora(product, rows, group_sizes, slots, row_slots):
+    """A grouped expert projection's product [R, N] plus each row's adapter (slots: (A, B), or None: not
+    adapted); a step without adapter rows skips the low-rank products."""
+    if slots is None:
+        return product
+    a, b = slots
+    delta = jax.lax.cond(
+        jnp.any(row_slots > 0),
+        lambda: expert_lora_delta(rows, group_sizes, a, b, row_slots),
+        lambda: jnp.zeros(product.shape, jnp.float32),
+    )
+    return (product.astype(jnp.float32) + delta).astype(product.dtype)
+
+
+def expert_reference(rows, expert_ids, a, b, row_slots):
+    """The specification of expert_lora_delta, one row at a time in float32: row i's expert expert_ids[i]."""
+    x = rows.astype(jnp.float32)
+    a_rows = a[expert_ids, :, row_slots].astype(jnp.float32)  # [R, K, r]
+    b_rows = b[expert_ids, row_slots].astype(jnp.float32)  # [R, r, N]
+    return jnp.einsum("mr,mrn->mn", jnp.einsum("mk,mkr->mr", x, a_rows), b_rows)
+
+
 def add_lora(rows, base_product, weight: LoraWeight):
     """The base product [M, N] float32 plus the rows' adapters (nothing added where no row has one)."""
     return base_product + lora_delta(rows.astype(weight.a.dtype), weight.a, weight.b, weight.row_slots)

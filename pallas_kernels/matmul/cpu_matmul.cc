@@ -296,9 +296,58 @@ void SplitWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t wid
   }
 }
 
+// Two to four rows of x: RowWalk's four weight rows a step taken from the four quarters of [k0, k1), four
+// long streams (one thread, the SmolLM2 layers: 0.45-0.5 -> 0.65-0.85 of a read stream at 2 and 4 rows
+// in float32, 0.4 -> 0.8 at 2 rows in bfloat16; at 8 rows, bound by the multiplies, no gain: issue #29).
+template <typename T, int R>
+void QuarterWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
+  const auto* w = static_cast<const typename T::Stored*>(p.w);
+  float* acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = partial + r * p.columns + c0;
+  const int64_t vectors = width / kLanes * kLanes;
+  const int64_t quarter = (k1 - k0) / 4;
+  for (int64_t t = 0; t < quarter; ++t) {
+    const int64_t ks[4] = {k0 + t, k0 + quarter + t, k0 + 2 * quarter + t, k0 + 3 * quarter + t};
+    const auto* s0 = w + ks[0] * p.columns + c0;
+    const auto* s1 = w + ks[1] * p.columns + c0;
+    const auto* s2 = w + ks[2] * p.columns + c0;
+    const auto* s3 = w + ks[3] * p.columns + c0;
+    VecF xv[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) xv[r][j] = Broadcast(p.x[r * p.depth + ks[j]]);
+    for (int64_t c = 0; c < vectors; c += kLanes) {
+      const VecF w0 = T::Vector(s0 + c), w1 = T::Vector(s1 + c), w2 = T::Vector(s2 + c), w3 = T::Vector(s3 + c);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        VecF a = LoadF(acc[r] + c);
+        a = Fma(xv[r][0], w0, a);
+        a = Fma(xv[r][1], w1, a);
+        a = Fma(xv[r][2], w2, a);
+        a = Fma(xv[r][3], w3, a);
+        StoreF(acc[r] + c, a);
+      }
+    }
+    for (int64_t c = vectors; c < width; ++c) {
+      for (int r = 0; r < R; ++r) {
+        for (int j = 0; j < 4; ++j) acc[r][c] += p.x[r * p.depth + ks[j]] * T::One(w[ks[j] * p.columns + c0 + c]);
+      }
+    }
+  }
+  for (int64_t k = k0 + 4 * quarter; k < k1; ++k) {  // the rows left over from the quarters
+    const auto* s0 = w + k * p.columns + c0;
+    for (int r = 0; r < R; ++r) {
+      const VecF xb = Broadcast(p.x[r * p.depth + k]);
+      int64_t c = 0;
+      for (; c < vectors; c += kLanes) StoreF(acc[r] + c, Fma(xb, T::Vector(s0 + c), LoadF(acc[r] + c)));
+      for (; c < width; ++c) acc[r][c] += p.x[r * p.depth + k] * T::One(s0[c]);
+    }
+  }
+}
+
 template <typename T, int R>
 void RowWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
   if constexpr (R == 1) return SplitWalk<T>(p, k0, k1, c0, width, partial);
+  if constexpr (R > 1 && R <= 4) return QuarterWalk<T, R>(p, k0, k1, c0, width, partial);
   const auto* w = static_cast<const typename T::Stored*>(p.w);
   constexpr int64_t kElement = sizeof(typename T::Stored);
   constexpr int64_t kPerLine = kLineBytes / kElement;

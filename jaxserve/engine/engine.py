@@ -64,6 +64,7 @@ class DispatchedStep:
     prefill_room: int  # prompt tokens the step had room for (StepTimings)
     speculated: bool = False  # planned while speculation was on (engine/speculation.py's policy)
     batch_size: int = 0  # the decoding sequences the policy saw then
+    proposal_seconds: float = 0.0  # what its proposer took (a draft model's steps), for the policy
 
 
 class Engine:
@@ -260,7 +261,12 @@ class Engine:
         if to_process is not None:
             generated = self.outputs.num_generated_tokens - num_generated_before
             self.speculation.observe_step(
-                to_process.executables, timer.elapsed, generated, to_process.speculated, to_process.batch_size
+                to_process.executables,
+                timer.elapsed,
+                generated,
+                to_process.speculated,
+                to_process.batch_size,
+                to_process.proposal_seconds,
             )
         self._was_busy = dispatched is not None and self.has_unfinished_requests()
         return self._end_step(progressed)
@@ -285,7 +291,11 @@ class Engine:
                 executables.append(self._dispatch(per_rank, kind, continues_busy_period))
         speculation = self.speculation
         return DispatchedStep(
-            executables, self._prefill_room(schedules), speculation.speculating, speculation.batch_size
+            executables,
+            self._prefill_room(schedules),
+            speculation.speculating,
+            speculation.batch_size,
+            speculation.proposal_seconds,
         )
 
     def _step_to_process(self, dispatched: DispatchedStep | None) -> DispatchedStep | None:

@@ -23,6 +23,8 @@ the tokens before), a flushing sequence's, and one whose newest token is still o
 
 from __future__ import annotations
 
+import time
+
 from jaxserve.config import SpeculativeConfig
 from jaxserve.host.output_processor import OutputProcessor
 from jaxserve.host.proposers import NgramProposer, Proposer
@@ -56,6 +58,9 @@ class Speculation:
         self.counts = AcceptanceCounts()
         self.speculating = False  # this step's decision
         self.batch_size = 0  # decoding sequences when it was made
+        # What proposing for the step being planned took: the step that uses the proposals is charged
+        # with it, not the step processed in the same call (with a draft model, it is most of a step)
+        self.proposal_seconds = 0.0
         self.num_steps_speculating = 0
         self.num_steps_plain = 0
         self._proposed_for: dict[int, SequenceState] = {}  # seq_id -> sequence the proposer may hold state for
@@ -68,6 +73,7 @@ class Speculation:
         """Decide whether the step about to be planned speculates (from the busiest rank's decoding rows)."""
         if not self.enabled:
             return
+        self.proposal_seconds = 0.0
         self.batch_size = max(sum(is_decoding(seq) for seq in s.running) for s in schedulers)
         self.speculating = self.policy.speculate(self.batch_size)
         if self.speculating:
@@ -117,7 +123,10 @@ class Speculation:
                 limits.append(limit)
                 self._proposed_for[seq.seq_id] = seq
         proposals = {}
-        for seq, proposal in zip(seqs, self.proposer.propose(seqs, limits)):
+        start = time.perf_counter()
+        proposed = self.proposer.propose(seqs, limits) if seqs else []
+        self.proposal_seconds += time.perf_counter() - start
+        for seq, proposal in zip(seqs, proposed):
             if proposal:
                 proposals[seq.seq_id] = proposal
             else:
@@ -139,10 +148,20 @@ class Speculation:
             chunks, scheduler, result.sampled, result.num_accepted, first_row, width, outputs, self.counts
         )
 
-    def observe_step(self, executables, seconds: float, num_tokens: int, speculated: bool, batch_size: int) -> None:
+    def observe_step(
+        self,
+        executables,
+        seconds: float,
+        num_tokens: int,
+        speculated: bool,
+        batch_size: int,
+        proposal_seconds: float = 0.0,
+    ) -> None:
         """A processed step's wall time and tokens, for the policy (steps with prefill chunks are left out:
-        their time is not decoding's)."""
+        their time is not decoding's). `seconds` is the engine call's, which also proposed for the step it
+        planned: that is taken out, and what proposing for this step took (proposal_seconds) put in."""
         if self.enabled and executables and not any(e.shape.kind == "prefill" for e in executables):
+            seconds = max(seconds - self.proposal_seconds + proposal_seconds, 0.0)
             self.policy.observe(batch_size, speculated, seconds, num_tokens)
 
     def _forget_finished(self) -> None:

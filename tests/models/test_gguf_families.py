@@ -1,10 +1,13 @@
 """GGUF files of the DeepSeek, Qwen2-MoE, Qwen3-MoE and GPT-OSS fixtures, written as llama.cpp's converter writes them
 (tests/support/gguf_family_files.py): greedy tokens and logprobs equal transformers' recorded ones."""
 
+import os
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
+from safetensors.numpy import load_file
 
 from jaxserve import LLM
 from jaxserve.loading.gguf import GGUFFile
@@ -19,7 +22,6 @@ from tests.support.hf_parity import check_against_hf
     "name, split_kv_b",
     [
         ("deepseek_v3", True),  # q_lora, sigmoid + correction bias, 4 groups keep 2, YaRN, kv_b split per head
-        ("deepseek_v2_lite", False),  # q_proj, softmax, tied head, the older converter's whole attn_kv_b
         ("qwen2_moe", True),  # shared expert and its gate, a dense layer between MoE layers, q/k/v biases
         ("gpt_oss", True),  # sinks, biases, clamp limit from swiglu_clamp_exp, llama.cpp's sliding pattern
         ("qwen3_moe_30b_a3b_shape", True),  # per-head q/k norms, 128 experts top 8, renormalized
@@ -51,6 +53,26 @@ def test_family_gguf_metadata_describes_the_checkpoint(name, tmp_path):
         if field in differing:
             assert differing[field][0] == pytest.approx(differing.pop(field)[1], rel=1e-6)
     assert differing == {}
+
+
+@pytest.mark.parametrize(
+    "name, split_kv_b",
+    [
+        ("deepseek_v2_lite", False),  # q_proj, tied head, the older converter's whole attn_kv_b
+        ("deepseek_v2_grouped", True),  # attention biases, q_lora
+        ("deepseek_v3", True),
+        ("qwen2_moe", True),
+        ("gpt_oss", True),
+    ],
+)
+def test_every_checkpoint_tensor_reads_back(name, split_kv_b, tmp_path):
+    """Each tensor of the fixture's safetensors, by its Hugging Face name, from the GGUF file (joined, interleaved,
+    per expert), equal; nothing else is in the file."""
+    weights = load_file(os.path.join(fixture_dir(name), "model.safetensors"))
+    reader = GGUFFile(write_family_gguf(name, str(tmp_path / "m.gguf"), split_kv_b=split_kv_b)).tensor_reader()
+    for hf_name, value in weights.items():
+        np.testing.assert_array_equal(reader.read(hf_name), value, err_msg=hf_name)
+    assert set(reader.names) | set(reader.derived) == set(weights)
 
 
 def test_qwen3moe_renormalizes_its_top_k_as_llama_cpp_does(tmp_path):

@@ -310,6 +310,7 @@ class EngineConfig:
     # Projections' weights (issue 25, jaxserve/loading/quantize.py): none | int8 | int4 | auto (the checkpoint's)
     quantization: str = "none"
     quantization_group_size: int = 32  # int4: rows of K per scale (32, 64 or 128)
+    quantization_embedding: str = "same"  # int4: "int8" keeps the embedding and head at int8 (llama.cpp's Q4_0)
     seed: int = 0
     show_progress: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -329,6 +330,8 @@ class EngineConfig:
             )
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size}")
+        if self.quantization_embedding not in ("same", "int8"):
+            raise ValueError(f"quantization_embedding must be same or int8, got {self.quantization_embedding!r}")
         for name, group_type in ENGINE_GROUPS.items():
             group = getattr(self, name)
             if isinstance(group, dict):

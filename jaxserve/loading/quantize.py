@@ -28,6 +28,7 @@ from pallas_kernels.matmul.quantized import QuantizedWeight, place_shardings
 logger = logging.getLogger(__name__)
 
 FORMATS = ("none", "int8", "int4", "auto")
+EMBEDDING_FORMATS = ("same", "int8")  # quantization_embedding: the vocabulary tensors under int4
 SPEC_BITS = {"int8": 8, "int4": 4}  # a stored layout of these bits serves the format as it is
 INT4_GROUP_SIZES = (32, 64, 128)
 # Kernels that stay float: MoE routers (a handful of columns whose exact scores pick the experts, as
@@ -41,6 +42,9 @@ class QuantizationSpec:
 
     format: str = "none"  # one of FORMATS
     group_size: int = 32  # int4: rows of K per scale
+    # int4 only: the token embedding and the head ([V, E] each; the tied one is both) at int8, as llama.cpp's
+    # Q4_0 files keep them at 6-8 bits (they weigh most in quality per byte); "same": int4 like the rest
+    embedding: str = "same"
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -49,6 +53,8 @@ class QuantizationSpec:
             raise ValueError(
                 f"quantization_group_size must be one of {list(INT4_GROUP_SIZES)} for int4, got {self.group_size}"
             )
+        if self.embedding not in EMBEDDING_FORMATS:
+            raise ValueError(f"unknown quantization_embedding {self.embedding!r}; known: {list(EMBEDDING_FORMATS)}")
 
 
 EMBEDDING = ("embed_tokens", "embedding")  # [V, E]: quantized, it is stored [E, V], as the tied head it may be
@@ -92,10 +98,23 @@ def mark_quantized(abstract_state: nnx.State, spec: QuantizationSpec) -> nnx.Sta
         shape = tuple(variable.get_value().shape)
         names = tuple(str(p) for p in path)
         if is_quantizable(names, shape):
-            check_groups(names, stored_shape(names, shape), spec)
-            variable = variable.replace(variable.get_value(), quantization=spec)
+            param_spec = spec_for(names, spec)
+            check_groups(names, stored_shape(names, shape), param_spec)
+            variable = variable.replace(variable.get_value(), quantization=param_spec)
         marked.append((path, variable))
     return nnx.from_flat_state(marked)
+
+
+HEAD = ("lm_head", "kernel")
+
+
+def spec_for(path: tuple[str, ...], spec: QuantizationSpec) -> QuantizationSpec:
+    """The spec one param is quantized by: int8 for the embedding and the head where quantization_embedding
+    asks it of int4, else the engine's."""
+    vocabulary = tuple(path[-2:]) in (EMBEDDING, HEAD)
+    if vocabulary and spec.format == "int4" and spec.embedding == "int8":
+        return dataclasses.replace(spec, format="int8")
+    return spec
 
 
 def check_groups(path: tuple[str, ...], shape: tuple[int, ...], spec: QuantizationSpec) -> None:
@@ -227,6 +246,7 @@ def place(weight: QuantizedWeight, sharding, stored_transposed: bool = False) ->
 
 
 __all__ = [
+    "EMBEDDING_FORMATS",
     "FORMATS",
     "QuantizationSpec",
     "is_expert_weight",
@@ -240,5 +260,6 @@ __all__ = [
     "quantize",
     "quantize_int4",
     "quantize_int8",
+    "spec_for",
     "stack",
 ]

@@ -33,6 +33,8 @@ from jaxserve.distributed.config import DistributedConfig
 from jaxserve.server.reasoning_parsers import PARSER_NAMES as REASONING_PARSER_NAMES
 from jaxserve.server.tool_parsers import PARSER_NAMES
 
+QUANTIZATION_OPTIONS = ("quantization", "quantization_group_size", "quantization_embedding")  # model: -> engine
+
 
 @dataclass(frozen=True)
 class ModelSection:
@@ -40,6 +42,7 @@ class ModelSection:
     dtype: str = "auto"
     quantization: str = "none"  # none | int8 | int4 | auto (issue 25)
     quantization_group_size: int = 32
+    quantization_embedding: str = "same"  # int4: int8 keeps the embedding and head at int8
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,7 @@ def _engine_config(tree: dict) -> EngineConfig:
             options[name] = value
     model = section_values("model", tree.get("model"))
     try:
-        quantization = {name: model[name] for name in ("quantization", "quantization_group_size") if name in model}
+        quantization = {name: model[name] for name in QUANTIZATION_OPTIONS if name in model}
         return EngineConfig.from_options(dtype=model.get("dtype", "auto"), **quantization, **options)
     except TypeError as error:
         raise ValueError(f"engine config: {error}") from None

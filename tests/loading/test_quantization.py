@@ -141,6 +141,26 @@ def test_gguf_blocks_load_quantized_and_compute_their_dequantized_values(gguf_pa
     assert quantized.stats()["weights_device_bytes"] < 0.6 * dequantized.stats()["weights_device_bytes"]
 
 
+def test_int4_keeps_the_embedding_and_head_at_int8_when_asked(float_scores):
+    """quantization_embedding int8 (llama.cpp's Q4_0 files keep the vocabulary tensors at 6-8 bits): the embedding
+    and the untied head int8 per channel, every other projection int4; it tracks the float model at least as
+    closely as plain int4 is required to."""
+    llm = _engine(FIXTURE, quantization="int4", quantization_embedding="int8")
+    quantized = {name: w for name, w in _kernels(llm).items() if isinstance(w, QuantizedWeight)}
+    vocabulary = ("embed_tokens.embedding", "lm_head.kernel")
+    assert [(quantized[name].bits, quantized[name].group_size) for name in vocabulary] == [(8, 64), (8, 64)]
+    assert {w.bits for name, w in quantized.items() if name not in vocabulary} == {4}
+    agreed = [
+        max(expected, key=expected.get) == max(got, key=got.get)
+        for expected_prompt, got_prompt in zip(float_scores("llama_gqa"), _scores(llm))
+        for expected, got in zip(expected_prompt, got_prompt)
+    ]
+    assert np.mean(agreed) >= 0.55
+    assert llm.stats()["num_compiles_after_warmup"] == 0
+    with pytest.raises(ValueError, match="quantization_embedding must be same or int8, got 'int2'"):
+        _engine(FIXTURE, quantization="int4", quantization_embedding="int2")
+
+
 def test_bad_quantization_options_are_refused_at_start():
     with pytest.raises(ValueError, match="unknown quantization 'int3'.*option quantization"):
         _engine(FIXTURE, quantization="int3")

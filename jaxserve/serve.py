@@ -167,6 +167,7 @@ class Server:
         self.service.attach(self.loop, limits, self.chat_template, fingerprint, parser)
         self.http_context.attach(self.loop, limits, self.chat_template, fingerprint, parser)
         self.http_context.reasoning_parser = self.config.server.reasoning_parser
+        self.service.reasoning_parser = self.config.server.reasoning_parser
         self.http_context.reasoning()  # a reasoning format the tokenizer cannot write fails start-up, not each chat
         self.disagg.attach(self.loop, limits)
         self.metrics.observe_engine(self.loop.stats)

@@ -1,5 +1,7 @@
 """The gRPC Chat call's own parts: its messages and tools read from the proto, and the tool calls
-parsed out of each completion's text onto its last message (GenerateResponse.tool_calls, content)."""
+parsed out of each completion's text onto its last message (GenerateResponse.tool_calls, content). GPT-OSS's
+harmony calls are read from the completion's token ids (its text has lost harmony's special tokens); the proto has
+no reasoning field, so the streamed text is unsplit, but with calls `content` is the final channel's text only."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server import limits as request_limits
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
 from jaxserve.server.limits import RequestLimits
+from jaxserve.server.reasoning_parsers import HarmonyReasoning
 from jaxserve.server.sampling_proto import check_sampling, sampling_params_from_proto
 from jaxserve.server.tool_choice import ToolPlan, parser_for_template, plan_tools, template_messages
 
@@ -78,18 +81,28 @@ def checked_chat(
     return token_ids, params, plan
 
 
-def with_tool_calls(responses: Iterator[pb.GenerateResponse], plan: ToolPlan) -> Iterator[pb.GenerateResponse]:
-    """The responses, each completion's last one carrying the calls parsed from its whole text."""
+def with_tool_calls(
+    responses: Iterator[pb.GenerateResponse], plan: ToolPlan, harmony: HarmonyReasoning | None = None
+) -> Iterator[pb.GenerateResponse]:
+    """The responses, each completion's last one carrying the calls parsed from its whole text (and, with harmony,
+    the messages its token ids address to functions)."""
     texts: dict[int, str] = defaultdict(str)
+    token_ids: dict[int, list[int]] = defaultdict(list)
     for response in responses:
         if plan.parser is not None:
             texts[response.index] += response.text
+            token_ids[response.index] += response.token_ids
             if response.finish_reason:
-                reply = plan.parser.parse(texts.pop(response.index))
-                calls = list(reply.tool_calls) if plan.parallel else list(reply.tool_calls[:1])
+                text, found = texts.pop(response.index), []
+                ids = token_ids.pop(response.index)
+                if harmony is not None:
+                    _, text, found = harmony.parse(ids, parse_tool_calls=True)
+                reply = plan.parser.parse(text)
+                calls = [*found, *reply.tool_calls]
+                calls = calls if plan.parallel else calls[:1]
                 if calls:
                     response.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
-                    response.content = reply.content or ""
+                    response.content = (reply.content if reply.tool_calls else text.strip()) or ""
                     if response.finish_reason == "stop":
                         response.finish_reason = "tool_calls"
         yield response

@@ -17,6 +17,7 @@ from jaxserve.server.engine_loop import Draining, EngineLoop, Overloaded
 from jaxserve.server.grpc_chat import checked_chat, with_tool_calls
 from jaxserve.server.kv_events_service import router_info
 from jaxserve.server.limits import RequestLimits
+from jaxserve.server.reasoning_parsers import engine_reasoning_parser
 from jaxserve.server.request_stream import Delta
 from jaxserve.server.rpc import abort
 from jaxserve.server.sampling_proto import (  # re-exported: the router reads them from here
@@ -91,6 +92,7 @@ class GenerationService:
         self.limits: RequestLimits | None = None
         self.chat_template: str | None = None  # server.chat_template; None: the model's own
         self.tool_call_parser = "auto"  # server.tool_call_parser
+        self.reasoning_parser = "auto"  # server.reasoning_parser: GPT-OSS's harmony calls in Chat
         self.system_fingerprint = ""
 
     def attach(
@@ -124,9 +126,10 @@ class GenerationService:
         def checked() -> tuple[list[int], SamplingParams, ToolPlan]:
             return checked_chat(request, loop.engine.tokenizer, limits, self.chat_template, self.tool_call_parser)
 
-        yield from self._stream(loop, context, request.request_id, request.session_id, checked)
+        harmony = engine_reasoning_parser(self.reasoning_parser, loop.engine)
+        yield from self._stream(loop, context, request.request_id, request.session_id, checked, harmony)
 
-    def _stream(self, loop: EngineLoop, context, request_id: str, session_id: str, checked):
+    def _stream(self, loop: EngineLoop, context, request_id: str, session_id: str, checked, harmony=None):
         """Submit what checked() returns (prompt, params, tool plan) and yield its messages."""
         if (
             loop.engine.config.disagg.role == EngineRole.PREFILL
@@ -144,7 +147,7 @@ class GenerationService:
             loop.release(stream)  # the RPC ended already
             return
         stream.on_expire = context.cancel
-        yield from with_tool_calls((response_from_delta(delta, stream.request_id) for delta in stream), plan)
+        yield from with_tool_calls((response_from_delta(delta, stream.request_id) for delta in stream), plan, harmony)
 
     def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
         loop, _ = self._ready(context)

@@ -155,3 +155,27 @@ def test_the_tool_call_round_trip_renders(tokenizer):
         '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{\\"celsius\\": 21}"<|end|>'
         "<|start|>assistant"
     )
+
+
+def test_grpc_chat_reads_harmony_calls_from_the_token_ids(tokenizer):
+    """gRPC Chat: the last message carries the harmony call (from the token ids: the text has lost the special
+    tokens) and, as content, the final channel's text only; without the parser the call is not seen."""
+    from jaxserve.proto import jaxserve_pb2 as pb
+    from jaxserve.server.grpc_chat import with_tool_calls
+
+    token_ids = tokenizer.encode(REPLY + "<|start|>assistant<|channel|>final<|message|>Checking.<|return|>")
+    pieces = [token_ids[i : i + 5] for i in range(0, len(token_ids), 5)]
+
+    def responses():
+        for number, piece in enumerate(pieces):
+            text = tokenizer.decode(piece, skip_special_tokens=True)
+            yield pb.GenerateResponse(
+                token_ids=piece, text=text, finish_reason="stop" if number == len(pieces) - 1 else ""
+            )
+
+    plan = plan_tools(TOOLS, None, None, tool_parser("hermes"))
+    harmony = reasoning_parser("auto", "gpt_oss", tokenizer)
+    last = list(with_tool_calls(responses(), plan, harmony))[-1]
+    assert [(c.name, c.arguments) for c in last.tool_calls] == [("get_weather", ARGUMENTS)]
+    assert last.finish_reason == "tool_calls" and last.content == "Checking."
+    assert not list(with_tool_calls(responses(), plan))[-1].tool_calls

@@ -27,4 +27,16 @@ def reasoning_parser(name: str, model_type: str, tokenizer) -> HarmonyReasoning 
     return HarmonyReasoning.for_tokenizer(tokenizer)
 
 
-__all__ = ["PARSER_NAMES", "HarmonyReasoning", "ReasoningSplit", "reasoning_parser"]
+def engine_reasoning_parser(name: str, engine) -> HarmonyReasoning | None:
+    """reasoning_parser for a serving engine; "auto" gives None where the tokenizer cannot write the model's format
+    (a router's loop stands in for an engine with its tokenizer only: no model type there)."""
+    model_config = getattr(engine, "model_config", None)
+    try:
+        return reasoning_parser(name, model_config.model_type if model_config is not None else "", engine.tokenizer)
+    except ValueError:
+        if name == "auto":
+            return None
+        raise
+
+
+__all__ = ["PARSER_NAMES", "HarmonyReasoning", "ReasoningSplit", "engine_reasoning_parser", "reasoning_parser"]

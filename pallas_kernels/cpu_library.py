@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = (os.path.join(HERE, "paged_attention", "cpu_kernel.cc"), os.path.join(HERE, "matmul", "cpu_matmul.cc"))
 SOURCES += (os.path.join(HERE, "matmul", "cpu_quantized_matmul.cc"),)  # quantized weights (issue 25)
 HEADERS = (os.path.join(HERE, "cpu_workers.h"),)  # included from HERE (-I); part of the build's cache key
+HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_vectors.h"),)  # cpu_matmul.cc's vector basics
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "kernels")
 
 PATH_ENV = "JAXSERVE_CPU_KERNEL_PATH"

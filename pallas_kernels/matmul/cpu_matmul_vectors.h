@@ -1,0 +1,146 @@
+// The small matmul's vector basics (cpu_matmul.cc), for the instruction path the compiler flags select:
+// lanes and register-tile tables, FMA, broadcast, horizontal sum, the stored element types' widenings, and
+// a problem's operands. Included once, by cpu_matmul.cc; cpu_library.py keys its build on this file too.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr const char* kPath = "avx512";
+// Vectors of output columns per register tile, by rows in the tile ([K, N] weights): R * V accumulators
+// plus V widened weights plus a broadcast x within 32 registers; widths that divide kBlockColumns.
+constexpr int kKnVectors[] = {0, 8, 8, 6, 4, 4, 4, 3, 3};
+// Weight rows (outputs) per register tile, by rows of x ([N, K] weights): R * NT accumulators plus R x
+// vectors plus a weight vector within 32 registers.
+constexpr int kNkOutputs[] = {0, 8, 8, 6, 6};
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+constexpr const char* kPath = "avx2";
+constexpr int kKnVectors[] = {0, 6, 4, 3, 2, 2, 2};  // within 16 registers
+constexpr int kNkOutputs[] = {0, 6, 4, 3};
+#else
+constexpr int kLanes = 4;
+constexpr const char* kPath = "portable";
+constexpr int kKnVectors[] = {0, 6, 4, 3, 2, 2, 2};
+constexpr int kNkOutputs[] = {0, 6, 4, 3};
+#endif
+constexpr int kKnRows = int(sizeof(kKnVectors) / sizeof(int)) - 1;  // rows of x per [K, N] tile; RowWalk up to it
+constexpr int kNkRows = int(sizeof(kNkOutputs) / sizeof(int)) - 1;  // rows of x per [N, K] tile
+
+typedef float VecF __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t VecU __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t VecH __attribute__((vector_size(2 * kLanes)));
+typedef _Float16 VecHalf __attribute__((vector_size(2 * kLanes)));
+
+inline VecF Fma(VecF a, VecF b, VecF acc) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, acc);
+#else
+  return acc + a * b;
+#endif
+}
+
+// Intrinsics where the vector types' generic code is slower: a broadcast (VecF{} + x adds a zero first,
+// the sign of zero forbidding its removal) and the 16-bit widenings (GCC splits a generic one in halves).
+inline VecF Broadcast(float x) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(x);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return _mm256_set1_ps(x);
+#else
+  VecF v;
+  for (int i = 0; i < kLanes; ++i) v[i] = x;
+  return v;
+#endif
+}
+
+// A tree of shuffles and adds (a lane-by-lane loop is kLanes dependent scalar adds: with a dot product
+// per weight row of the head at one row of x, that loop cost as much as the multiplies).
+inline float HorizontalSum(VecF v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(v);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
+  float sum = 0.0f;
+  for (int i = 0; i < kLanes; ++i) sum += v[i];
+  return sum;
+#endif
+}
+
+// The stored element types: how one element, and kLanes elements at once, widen to float32.
+struct F32 {
+  using Stored = float;
+  static float One(float x) { return x; }
+  static VecF Vector(const float* p) {
+    VecF v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+};
+struct BF16 {
+  using Stored = uint16_t;
+  static float One(uint16_t bits) {
+    const uint32_t wide = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &wide, sizeof(f));
+    return f;
+  }
+  static VecF Vector(const uint16_t* p) {
+#if defined(__AVX512F__)
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+#else
+    VecH h;
+    std::memcpy(&h, p, sizeof(h));
+    return (VecF)(__builtin_convertvector(h, VecU) << 16);
+#endif
+  }
+};
+struct F16 {
+  using Stored = uint16_t;
+  static float One(uint16_t bits) {
+    _Float16 h;
+    std::memcpy(&h, &bits, sizeof(h));
+    return float(h);
+  }
+  static VecF Vector(const uint16_t* p) {
+#if defined(__AVX512F__)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    VecHalf h;
+    std::memcpy(&h, p, sizeof(h));
+    return __builtin_convertvector(h, VecF);
+#endif
+  }
+};
+
+inline VecF LoadF(const float* p) { return F32::Vector(p); }
+inline void StoreF(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
+
+struct Problem {
+  const void* w;
+  const float* x;  // [M, K], widened
+  float* out;      // [M, N]
+  int64_t rows, depth, columns;  // M, K, N
+};
+
+}  // namespace

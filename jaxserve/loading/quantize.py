@@ -159,7 +159,7 @@ def pack_nibbles(q: np.ndarray) -> np.ndarray:
 
 # Bytes of float32 input quantized at a time: each chunk's temporaries (several float32 copies) stay small
 # beside the tensor, so loading holds the tensor once plus its quantized form (bench: peak load memory).
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 4 << 20
 
 
 def quantize(weight: np.ndarray, spec: QuantizationSpec, compute_dtype: str) -> QuantizedWeight:
@@ -181,25 +181,30 @@ def stack(weights: list[QuantizedWeight]) -> QuantizedWeight:
 
 
 def _quantize_matrix(weight: np.ndarray, spec: QuantizationSpec, compute_dtype: str) -> QuantizedWeight:
-    """weight [K, N] -> its QuantizedWeight, computed in chunks of columns (columns quantize independently)."""
+    """weight [K, N] -> its QuantizedWeight, computed in chunks of columns (columns quantize independently)
+    written into arrays allocated once (no second copy of the result while joining chunks)."""
     depth, columns = weight.shape
     step = max(16, CHUNK_BYTES // (4 * depth))
-    parts = []
+    result: dict[str, np.ndarray | None] = {}
+    first = None
     for start in range(0, columns, step):
         chunk = weight[:, start : start + step]
         if spec.format == "int8":
-            parts.append(quantize_int8(chunk, compute_dtype))
+            part = quantize_int8(chunk, compute_dtype)
         else:
-            parts.append(quantize_int4(chunk, spec.group_size, compute_dtype))
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-
-    def joined(leaf: str):
-        arrays = [getattr(part, leaf) for part in parts]
-        return None if arrays[0] is None else np.concatenate(arrays, axis=-1)
-
-    return dataclasses.replace(first, values=joined("values"), scales=joined("scales"), mins=joined("mins"))
+            part = quantize_int4(chunk, spec.group_size, compute_dtype)
+        if first is None:
+            if step >= columns:
+                return part
+            first = part
+            for leaf in ("values", "scales", "mins"):
+                array = getattr(part, leaf)
+                result[leaf] = None if array is None else np.empty((*array.shape[:-1], columns), array.dtype)
+        for leaf, array in result.items():
+            if array is not None:
+                array[..., start : start + step] = getattr(part, leaf)
+    assert first is not None, "a weight has columns"
+    return dataclasses.replace(first, **result)
 
 
 def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, ...], spec, dtype, sharding):
@@ -207,9 +212,8 @@ def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, 
     tensor quantized with as many bits as the spec asks (auto: any), else the float tensor quantized by the
     spec (auto: left float). Returns a placed QuantizedWeight, or None for the caller's float path."""
     compute_dtype = str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype
-    stored = _stored_quantized(reader, read_param, path, shape, compute_dtype)
-    if stored is not None and spec.format in SPEC_BITS and stored.bits != SPEC_BITS[spec.format]:
-        stored = None  # e.g. int8 asked of a Q4_1 file: re-quantized from the dequantized values
+    # e.g. int8 asked of a Q4_1 file: no blocks kept, re-quantized from the dequantized values
+    stored = _stored_quantized(reader, read_param, path, shape, compute_dtype, SPEC_BITS.get(spec.format))
     as_stored = stored_shape(path, shape)
     transposed = as_stored != shape
     if stored is not None and tuple(stored.shape) != as_stored:
@@ -229,12 +233,13 @@ def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, 
     return place(stored, sharding, stored_transposed=transposed)
 
 
-def _stored_quantized(reader, read_param, path, shape, compute_dtype) -> QuantizedWeight | None:
-    """The checkpoint's own quantized layout of this tensor, where the reader has one (a GGUF file's blocks),
-    laid out by the family's own name mapping (quantize_gguf.kept_blocks: any family, no list of them)."""
+def _stored_quantized(reader, read_param, path, shape, compute_dtype, bits) -> QuantizedWeight | None:
+    """The checkpoint's own quantized layout of this tensor (of `bits` bits; None: any), where the reader has
+    one (a GGUF file's blocks), laid out by the family's own name mapping (quantize_gguf.kept_blocks: any
+    family, no list of them)."""
     from jaxserve.loading.quantize_gguf import kept_blocks
 
-    return kept_blocks(reader, read_param, path, shape, stored_shape(path, shape) != shape, compute_dtype)
+    return kept_blocks(reader, read_param, path, shape, stored_shape(path, shape) != shape, compute_dtype, bits)
 
 
 def place(weight: QuantizedWeight, sharding, stored_transposed: bool = False) -> QuantizedWeight:

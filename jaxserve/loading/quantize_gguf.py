@@ -273,12 +273,19 @@ class BlocksReader:
 
 
 def kept_blocks(
-    reader, read_param, path: tuple[str, ...], shape: tuple[int, ...], stored_transposed: bool, compute_dtype: str
+    reader,
+    read_param,
+    path: tuple[str, ...],
+    shape: tuple[int, ...],
+    stored_transposed: bool,
+    compute_dtype: str,
+    bits: int | None = None,
 ):
     """The param at `path` as its checkpoint's quantized blocks, laid out by the family's own read_param: a
     QuantizedWeight [..., K, N], or None where the reader has no blocks or the mapping did not keep them (a
     float tensor, a type without a layout, or an operation other than a transpose, a row slice or a stack).
-    stored_transposed: the param is [N, K] (the embedding, stored [E, V]); a kernel is [K, N]."""
+    stored_transposed: the param is [N, K] (the embedding, stored [E, V]); a kernel is [K, N]. bits: keep only
+    a layout of that many bits (None: any); checked before anything is decoded."""
     if not hasattr(reader, "read_blocks"):
         return None
     try:
@@ -288,6 +295,9 @@ def kept_blocks(
     if not isinstance(value, (Blocks, StackedBlocks)) or tuple(value.shape) != tuple(shape):
         return None
     if value.transposed == stored_transposed:  # blocks run along K: a kernel must be [K, N], the embedding [N, K]
+        return None
+    qtype = value.qtype if isinstance(value, Blocks) else value.parts[0].qtype
+    if bits is not None and LAYOUTS[qtype][3] != bits:
         return None
     return value.quantized(compute_dtype)
 

@@ -130,12 +130,14 @@ def test_mxfp4_gpt_oss_experts_are_interleaved_back(tmp_path):
         ("gpt-4o", ["Hello", " WORLD's", " ", "123", "45", " ok", " 你好"]),
         # digits first, then CJK runs, then punctuation-led words
         ("deepseek-v3", ["Hello", " WORLD", "'s", " ", "123", "45", " ok", " ", "你好"]),
+        # DeepSeek LLM / V2: letters, then ASCII punctuation and letters (":-~"), CJK and digit runs, each in turn
+        ("deepseek-llm", ["Hello", " WORLD", "'", "s", " ", "12345", " ok", " ", "你好"]),
         (None, ["Hello", " WORLD", "'s", " 12345", " ok", " 你好"]),  # GPT-2's split: what unknown pres get
     ],
 )
 def test_the_families_byte_level_splits(pre, pieces):
-    """GPT-OSS ("gpt-4o") and DeepSeek-V3 ("deepseek-v3") GGUF vocabularies split text as their tokenizer.json
-    (and llama.cpp) do."""
+    """GPT-OSS ("gpt-4o"), DeepSeek-V3 ("deepseek-v3") and DeepSeek-V2 ("deepseek-llm") GGUF vocabularies split text
+    as their tokenizer.json (and llama.cpp) do."""
     from jaxserve.loading.gguf_tokenizer import _byte_level, _bytes_to_unicode
 
     spelling = _bytes_to_unicode()

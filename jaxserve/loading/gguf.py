@@ -269,7 +269,7 @@ class GGUFFile:
         )
 
     def _family_metadata(self) -> gguf_families.GGUFMetadata:
-        return gguf_families.GGUFMetadata(self._get, self.tensors, self.path)
+        return gguf_families.GGUFMetadata(self._get, self.tensors, self.path, self.architecture)
 
     def _check_layers(self, num_layers: int, num_experts: int) -> None:
         if self.architecture in gguf_families.FAMILY_MODEL_TYPES:

@@ -107,13 +107,13 @@ _MOE_REQUIRED = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"
 class GGUFMetadata:
     """`get(key)`: the architecture's `<arch>.<key>` value or default; `tensors`: name -> tensor."""
 
-    def __init__(self, get: Callable[..., Any], tensors: dict, path: str):
-        self.get, self.tensors, self.path = get, tensors, path
+    def __init__(self, get: Callable[..., Any], tensors: dict, path: str, architecture: str):
+        self.get, self.tensors, self.path, self.architecture = get, tensors, path, architecture
 
     def required(self, key: str) -> Any:
         value = self.get(key)
         if value is None:
-            raise ValueError(f"GGUF file {self.path}: metadata lacks {key}")
+            raise ValueError(f"GGUF file {self.path}: metadata lacks {self.architecture}.{key}")
         return value
 
     def has(self, layer: int, name: str) -> bool:

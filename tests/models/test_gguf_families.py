@@ -92,6 +92,15 @@ def test_missing_family_tensors_are_named(tmp_path):
         GGUFFile(path).hf_config()
 
 
+def test_missing_family_metadata_is_named(tmp_path, monkeypatch):
+    from gguf import GGUFWriter
+
+    monkeypatch.setattr(GGUFWriter, "add_kv_lora_rank", lambda self, value: None)
+    path = write_family_gguf("deepseek_v3", str(tmp_path / "m.gguf"))
+    with pytest.raises(ValueError, match=r"metadata lacks deepseek2\.attention\.kv_lora_rank"):
+        LLM(path, **SMALL_ENGINE)
+
+
 def test_mxfp4_blocks_dequantize_as_llama_cpp_defines_them():
     """ggml's dequantize_row_mxfp4: one E8M0 byte (2^(e - 128) with the doubled e2m1 table), then 16 bytes whose
     low nibbles are elements 0-15 and high nibbles 16-31."""

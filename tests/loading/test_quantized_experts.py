@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.loading.quantize import quantize_int4, quantize_int8, stack
@@ -61,7 +62,8 @@ def _engine(name: str, **options) -> LLM:
     # odd sizes (36 / 20), a gated shared expert beside the routed ones (Mixtral: the GGUF and mesh tests)
     ["qwen2_moe"],
 )
-def test_int8_experts_compute_the_dequantized_model(name):
+def test_int8_experts_compute_the_dequantized_model(name, tmp_path):
+    """Also: an orbax checkpoint of the quantized engine restores its quantized experts array for array."""
     quantized = _engine(name, quantization="int8")
     params = params_by_path(quantized)
     experts = {path: value for path, value in params.items() if path[-1] in ("gate_proj", "up_proj", "down_proj")}
@@ -87,6 +89,27 @@ def test_int8_experts_compute_the_dequantized_model(name):
     float_experts = sum(4 * np.prod(value.shape) for value in experts.values())
     # the float twin holds every expert as float32 (and the other quantized params as float too)
     assert twin.stats()["weights_device_bytes"] - stats["weights_device_bytes"] >= float_experts - expert_bytes
+
+    quantized.save_checkpoint(str(tmp_path / "checkpoint"))
+    restored = _restored_params(str(tmp_path / "checkpoint"))
+    for path, value in experts.items():
+        again = restored[path]
+        assert isinstance(again, QuantizedWeight) and (again.bits, again.group_size) == (value.bits, value.group_size)
+        for leaf, leaf_again in zip(jax.tree.leaves(value), jax.tree.leaves(again)):
+            assert leaf.dtype == leaf_again.dtype and np.array_equal(np.asarray(leaf), np.asarray(leaf_again))
+
+
+def _restored_params(directory: str) -> dict:
+    """The params an engine would restore from an orbax checkpoint (the engine's own loading, no compiling)."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.attention_plan import choose_attention
+    from jaxserve.engine.builder import _load_model
+    from jaxserve.loading.model_source import open_model
+
+    source = open_model(directory)
+    attention = choose_attention(source.config, EngineConfig.from_options(attention_impl="reference"), "float32", None)
+    model = _load_model(source, "float32", attention, None, False)
+    return {path: variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 def test_int4_groups_must_divide_the_expert_depth():

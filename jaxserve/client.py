@@ -34,12 +34,15 @@ class Completion:
     # a chat with tools: the calls parsed from the reply, as OpenAI's tool_calls, and the text outside them
     tool_calls: list[dict] = field(default_factory=list)
     content: str = ""
+    # a chat whose reply the server's reasoning parser split (GPT-OSS): its reasoning, kept out of text and content
+    reasoning_content: str = ""
     # prompt_logprobs asked: {token_id: logprob} for each prompt token after the first (its own and the top)
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.token_ids += response.token_ids
         self.text += response.text
+        self.reasoning_content += response.reasoning_content
         self.finish_reason = response.finish_reason or self.finish_reason
         self.num_prompt_tokens = response.num_prompt_tokens
         self.num_cached_tokens = response.num_cached_tokens

@@ -1,7 +1,7 @@
-"""The gRPC Chat call's own parts: its messages and tools read from the proto, and the tool calls
-parsed out of each completion's text onto its last message (GenerateResponse.tool_calls, content). GPT-OSS's
-harmony calls are read from the completion's token ids (its text has lost harmony's special tokens); the proto has
-no reasoning field, so the streamed text is unsplit, but with calls `content` is the final channel's text only."""
+"""The gRPC Chat call's own parts: its messages and tools read from the proto, each message's text split into
+reasoning and content by the reasoning parser (GenerateResponse.reasoning_content, text), and the tool calls parsed
+out of each completion's content onto its last message (GenerateResponse.tool_calls, content). GPT-OSS's harmony
+channels and calls are read from the token ids (the text has lost harmony's special tokens), as the HTTP chat does."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server import limits as request_limits
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
 from jaxserve.server.limits import RequestLimits
-from jaxserve.server.reasoning_parsers import HarmonyReasoning
+from jaxserve.server.reasoning_parsers import HarmonyReasoning, ReasoningSplit
 from jaxserve.server.sampling_proto import check_sampling, sampling_params_from_proto
 from jaxserve.server.tool_choice import ToolPlan, parser_for_template, plan_tools, template_messages
+from jaxserve.server.tool_parsers.base import ToolCall
 
 
 def messages_from_proto(messages) -> list[dict]:
@@ -84,19 +85,26 @@ def checked_chat(
 def with_tool_calls(
     responses: Iterator[pb.GenerateResponse], plan: ToolPlan, harmony: HarmonyReasoning | None = None
 ) -> Iterator[pb.GenerateResponse]:
-    """The responses, each completion's last one carrying the calls parsed from its whole text (and, with harmony,
-    the messages its token ids address to functions)."""
-    texts: dict[int, str] = defaultdict(str)
-    token_ids: dict[int, list[int]] = defaultdict(list)
+    """The responses, with harmony each one's text split into reasoning_content and text (the final and commentary
+    channels) from its token ids, and each completion's last one carrying the calls parsed from its whole content
+    (with harmony, also the messages its token ids address to functions)."""
+    texts: dict[int, str] = defaultdict(str)  # each completion's content so far (tools only)
+    splits: dict[int, ReasoningSplit] = {}
     for response in responses:
+        found: list[ToolCall] = []  # harmony's calls, known when the completion ends
+        if harmony is not None:
+            # a call's body is held back by the split (never text) only when the request has tools to parse
+            split = splits.setdefault(response.index, harmony.start(parse_tool_calls=plan.parser is not None))
+            reasoning, text = split.feed(list(response.token_ids))
+            if response.finish_reason:
+                more_reasoning, more_text = split.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+                found = splits.pop(response.index).tool_calls
+            response.text, response.reasoning_content = text, reasoning
         if plan.parser is not None:
             texts[response.index] += response.text
-            token_ids[response.index] += response.token_ids
             if response.finish_reason:
-                text, found = texts.pop(response.index), []
-                ids = token_ids.pop(response.index)
-                if harmony is not None:
-                    _, text, found = harmony.parse(ids, parse_tool_calls=True)
+                text = texts.pop(response.index)
                 reply = plan.parser.parse(text)
                 calls = [*found, *reply.tool_calls]
                 calls = calls if plan.parallel else calls[:1]

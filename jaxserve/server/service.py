@@ -92,7 +92,7 @@ class GenerationService:
         self.limits: RequestLimits | None = None
         self.chat_template: str | None = None  # server.chat_template; None: the model's own
         self.tool_call_parser = "auto"  # server.tool_call_parser
-        self.reasoning_parser = "auto"  # server.reasoning_parser: GPT-OSS's harmony calls in Chat
+        self.reasoning_parser = "auto"  # server.reasoning_parser: Chat's reasoning_content, GPT-OSS's harmony calls
         self.system_fingerprint = ""
 
     def attach(

@@ -1,0 +1,150 @@
+"""gRPC Chat with GPT-OSS's harmony format: each GenerateResponse carries the reasoning (analysis channel) since the
+previous message in reasoning_content and only the final/commentary text in text; tool calls on the last message.
+No engine: scripted token ids (a byte-level tokenizer with harmony's special tokens, as test_gpt_oss_reasoning.py)
+run through GenerationService.Chat over a stand-in engine loop, gathered by the client's Completion; Generate is
+left unsplit."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from jaxserve.client import Completion
+from jaxserve.config import EngineRole
+from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.server.limits import RequestLimits
+from jaxserve.server.reasoning_parsers.harmony import SPECIAL
+from jaxserve.server.request_stream import Delta
+from jaxserve.server.service import GenerationService
+from tests.server.test_gpt_oss_reasoning import ANSWER, REPLY, THINKING, byte_level_tokenizer
+from tests.server.test_gpt_oss_tool_calls import ARGUMENTS, CALL, TOOLS
+
+TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+TOOL_REPLY = (
+    f"<|channel|>analysis<|message|>{THINKING}<|end|>{CALL}"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    words = "assistant analysis commentary final to=functions.get_weather json"
+    return byte_level_tokenizer((*SPECIAL, "<|constrain|>"), [words] * 20 + [THINKING, ANSWER, ARGUMENTS])
+
+
+class ScriptedLoop:
+    """What GenerationService reads of an EngineLoop: submit() answers a stream of the scripted pieces' deltas."""
+
+    def __init__(self, tokenizer, model_type: str = "gpt_oss"):
+        self.tokenizer, self.pieces = tokenizer, []
+        self.metrics = None
+        self.engine = SimpleNamespace(
+            tokenizer=tokenizer,
+            model_config=SimpleNamespace(model_type=model_type),
+            config=SimpleNamespace(disagg=SimpleNamespace(role=EngineRole.BOTH)),
+        )
+
+    def submit(self, prompt, params, request_id, session_id):
+        def deltas():
+            for number, token_ids in enumerate(self.pieces):
+                finish = "stop" if number == len(self.pieces) - 1 else None
+                text = self.tokenizer.decode(token_ids, skip_special_tokens=True)  # as the engine's detokenizer
+                yield Delta(token_ids, text, None, finish, len(prompt), 0)
+
+        return ScriptedStream(deltas(), request_id or "r")
+
+    def release(self, stream) -> None:
+        pass
+
+
+class ScriptedStream:
+    def __init__(self, deltas, request_id: str):
+        self.deltas, self.request_id, self.on_expire = deltas, request_id, None
+
+    def __iter__(self):
+        return self.deltas
+
+
+class Context:
+    def add_callback(self, callback) -> bool:
+        return True
+
+    def cancel(self) -> None:
+        pass
+
+    def abort(self, code, details):
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+def service(tokenizer, reasoning_parser: str = "auto", model_type: str = "gpt_oss") -> GenerationService:
+    served = GenerationService()
+    served.attach(
+        ScriptedLoop(tokenizer, model_type),  # type: ignore[arg-type]
+        RequestLimits.for_engine(max_model_len=512, vocab_size=tokenizer.vocab_size),
+        chat_template=TEMPLATE,
+    )
+    served.reasoning_parser = reasoning_parser
+    return served
+
+
+def run(served: GenerationService, token_ids: list[int], per_message: int, tools=()) -> list[pb.GenerateResponse]:
+    served.loop.pieces = [token_ids[i : i + per_message] for i in range(0, len(token_ids), per_message)]  # type: ignore[union-attr]
+    request = pb.ChatRequest(
+        messages=[pb.ChatMessage(role="user", content="2 + 2?")],
+        tools=[json.dumps(tool) for tool in tools],
+        sampling=pb.SamplingParams(max_tokens=64),
+    )
+    return list(served.Chat(request, Context()))
+
+
+def gathered(responses: list[pb.GenerateResponse]) -> Completion:
+    completion = Completion()
+    for response in responses:
+        completion.add(response)
+    return completion
+
+
+@pytest.mark.parametrize("per_message", [1000, 1, 3])  # the whole reply in one message, then streamed
+def test_chat_keeps_the_analysis_out_of_text(tokenizer, per_message):
+    token_ids = tokenizer.encode(REPLY)
+    responses = run(service(tokenizer), token_ids, per_message)
+    completion = gathered(responses)
+    assert completion.text == ANSWER  # no reasoning leaks into the text, no "\ufffd" from a cut emoji
+    assert completion.reasoning_content == THINKING
+    assert completion.token_ids == token_ids and completion.finish_reason == "stop"
+    assert not completion.tool_calls and completion.content == ""
+    if per_message == 1:  # streamed: the reasoning arrives first, message by message, then the answer
+        last_reasoning = max(i for i, r in enumerate(responses) if r.reasoning_content)
+        first_text = min(i for i, r in enumerate(responses) if r.text)
+        assert last_reasoning < first_text and sum(bool(r.reasoning_content) for r in responses) > 5
+        assert not any(r.reasoning_content and r.text for r in responses)
+
+
+@pytest.mark.parametrize("per_message", [1000, 2])
+def test_chat_with_tools_splits_reasoning_and_reads_the_call(tokenizer, per_message):
+    responses = run(service(tokenizer), tokenizer.encode(TOOL_REPLY), per_message, TOOLS)
+    completion = gathered(responses)
+    assert completion.reasoning_content == THINKING
+    assert completion.text == "Checking."  # neither the reasoning nor the call's arguments
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in completion.tool_calls] == [
+        ("get_weather", ARGUMENTS)
+    ]
+    assert completion.content == "Checking." and completion.finish_reason == "tool_calls"
+
+
+def test_without_a_reasoning_parser_chat_and_generate_are_unsplit(tokenizer):
+    token_ids = tokenizer.encode(REPLY)
+    whole_text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    streamed = "".join(
+        tokenizer.decode(token_ids[i : i + 4], skip_special_tokens=True) for i in range(0, len(token_ids), 4)
+    )
+    for served in (service(tokenizer, "none"), service(tokenizer, "auto", model_type="llama")):
+        completion = gathered(run(served, token_ids, 4))
+        assert completion.text == streamed and completion.reasoning_content == ""  # the engine's text as it came
+    served = service(tokenizer)  # a GPT-OSS server: Generate (not a chat) still returns every channel's text
+    served.loop.pieces = [token_ids]  # type: ignore[union-attr]
+    completion = gathered(list(served.Generate(pb.GenerateRequest(token_ids=[1, 2, 3]), Context())))
+    assert completion.text == whole_text and completion.reasoning_content == ""

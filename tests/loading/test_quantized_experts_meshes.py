@@ -1,7 +1,7 @@
 """int4 experts under expert parallelism (4 fake CPU devices, in a subprocess: tests/support/
 quantized_experts_meshes_run.py): Mixtral's 6 experts spread 2, 2, 1, 1 with padded rows, the quantized
 arrays split by experts as the float weights are, moved by a load profile with their scales; greedy outputs
-equal one device's, which equal the same model dequantized."""
+equal one device's, which equal the same model dequantized; and under tensor parallelism 2."""
 
 import json
 import os
@@ -54,3 +54,15 @@ def test_int4_experts_spread_over_devices_and_moved_equal_one_device(results):
         assert _close(results[run]["logprobs"], results["one"]["logprobs"]), run
         assert results[run]["canonical_equal"], run  # canonical_params: one device's quantized arrays exactly
     assert results["rebalanced"]["compiles_after_warmup"] == 0
+
+
+def test_int4_experts_under_tensor_parallelism_split_with_their_scales(results):
+    """gate [X, E, F] splits along its columns (F), values and scales alike; down [X, F, E] along K = F:
+    4-bit rows packed two per byte (16 of 32 rows) and one scale group per 32 (1 group: kept whole)."""
+    tp = results["tp"]
+    assert tp["specs"]["gate_proj"] == {"values": ["None", "None", "tensor"], "scales": ["None", "None", "tensor"]}
+    assert tp["specs"]["down_proj"]["values"] == ["None", "tensor", "None"]
+    assert tp["specs"]["down_proj"]["scales"] == ["None", "None", "None"]
+    assert tp["tokens"] == results["one"]["tokens"]
+    assert _close(tp["logprobs"], results["one"]["logprobs"])
+    assert tp["compiles_after_warmup"] == 0

@@ -1,6 +1,7 @@
 """Run by tests/loading/test_quantized_experts_meshes.py with 4 fake CPU devices: Mixtral with 6 experts, int4
 (every K is 32: one group), on one device, beside the same model dequantized, and with its experts spread
-over the 4 devices (uneven: 2, 2, 1, 1, padded rows), before and after moving them by a load profile.
+over the 4 devices (uneven: 2, 2, 1, 1, padded rows), before and after moving them by a load profile; and
+under tensor parallelism 2 (every expert on both devices, split along its F axis with its scales).
 
 Prints one JSON object: greedy tokens and first logprobs per run, the expert values' partition spec, whether
 canonical_params gives back one device's quantized arrays exactly, and compiles after warm-up."""
@@ -49,6 +50,19 @@ report["dequantized"] = outputs(twin)
 report["dequantized"]["weights_device_bytes"] = twin.stats()["weights_device_bytes"]
 canonical_one = expert_arrays(params_by_path(one))
 del twin
+
+tp = LLM(fixture_dir(NAME), **OPTIONS, tensor_parallel_size=2)  # every expert on both, split along F
+report["tp"] = outputs(tp)
+tp_params = params_by_path(tp)
+report["tp"]["specs"] = {
+    name: {
+        leaf: [str(axis) for axis in getattr(tp_params[("layers", 0, "mlp", name)], leaf).sharding.spec]
+        for leaf in ("values", "scales")
+    }
+    for name in ("gate_proj", "down_proj")
+}
+report["tp"]["compiles_after_warmup"] = tp.stats()["num_compiles_after_warmup"]
+del tp
 
 ep = LLM(fixture_dir(NAME), **OPTIONS, data_parallel_size=4, enable_expert_parallel=True)
 report["ep"] = outputs(ep)

@@ -5,8 +5,9 @@ is what need not travel), as a jaxserve.disagg.v1.Decode/Generate naming a prefi
 the policy within the prefill pool (prefix-aware: its cached prefix is prefill not redone). The decode
 replica drives the handover (jaxserve/disagg/decode_service.py) and streams the tokens, forwarded here
 message by message. A Chat is rendered here (tools included) and sent as token ids, with the grammar its
-tool_choice imposes; its tool calls are parsed here from the whole reply (router.tool_call_parser), as a
-replica's Chat would.
+tool_choice imposes; its tool calls are parsed here from the whole reply (router.tool_call_parser), and its
+reasoning split out of the text (GPT-OSS: the parser server.reasoning_parser auto would pick), as a replica's
+Chat would.
 
 Faults: the prefill replica failing is the decode replica's to absorb (it recomputes the prompt); with
 no prefill replica up, the decode replica prefills itself (an empty prefill_address). The decode
@@ -19,6 +20,7 @@ continuation is the same tokens; a sampled one is drawn afresh from the same dis
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import grpc
 
@@ -28,10 +30,16 @@ from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.policy import Prediction, RouteRequest
 from jaxserve.router.service import BUSY, REPLICA_FAILURES, RouterService, route_request
 from jaxserve.server.grpc_chat import with_tool_calls
+from jaxserve.server.reasoning_parsers import HarmonyReasoning, engine_reasoning_parser
 from jaxserve.server.sampling_proto import guided_decoding_to_proto
 from jaxserve.server.service import DEFAULT_MAX_TOKENS
 
 POLL_INTERVAL = 0.1  # seconds between looks for a decode replica back up
+
+
+def model_reasoning_parser(source) -> HarmonyReasoning | None:
+    """The reasoning parser a replica of this model (a ModelSource) picks with server.reasoning_parser auto."""
+    return engine_reasoning_parser("auto", SimpleNamespace(model_config=source.config, tokenizer=source.tokenizer))
 
 
 def continuation(request: pb.GenerateRequest, streamed: list[int]) -> pb.GenerateRequest:
@@ -72,6 +80,8 @@ class DisaggregatedRouterService(RouterService):
         self.prefill_replicas = prefill_replicas
         self.decode_replicas = decode_replicas
         self.resend_wait = resend_wait
+        # the decode replica answers a Generate: the reply's reasoning is split here (model_reasoning_parser)
+        self.reasoning: HarmonyReasoning | None = None
 
     def Chat(self, request: pb.ChatRequest, context):
         """The decode replica gets token ids (a Generate): tool_choice's grammar travels in the sampling, and
@@ -87,7 +97,7 @@ class DisaggregatedRouterService(RouterService):
             forwarded.sampling.guided_decoding.CopyFrom(guide)
         responses = self._serve("Chat", forwarded, route_request(token_ids, forwarded), context)
         try:
-            yield from with_tool_calls(responses, plan)
+            yield from with_tool_calls(responses, plan, self.reasoning)
         finally:
             responses.close()
 

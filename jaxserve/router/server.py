@@ -27,7 +27,7 @@ from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc
 from jaxserve.router.config import LaunchSection, RouterConfig
 from jaxserve.router.connection import replica_channel, replica_connection
-from jaxserve.router.disaggregated import DisaggregatedRouterService
+from jaxserve.router.disaggregated import DisaggregatedRouterService, model_reasoning_parser
 from jaxserve.router.http_api import RoutedContext, RoutedLoop
 from jaxserve.router.launcher import Supervisor, launch_replicas, stop_replicas
 from jaxserve.router.metrics import RouterMetrics
@@ -173,6 +173,7 @@ class RouterServer:
                 section.resend_wait,
                 section.tool_call_parser,
             )
+            service.reasoning = model_reasoning_parser(source)
         else:
             service = RouterService(
                 self.replicas,

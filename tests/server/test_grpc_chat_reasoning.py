@@ -2,7 +2,7 @@
 previous message in reasoning_content and only the final/commentary text in text; tool calls on the last message.
 No engine: scripted token ids (a byte-level tokenizer with harmony's special tokens, as test_gpt_oss_reasoning.py)
 run through GenerationService.Chat over a stand-in engine loop, gathered by the client's Completion; Generate is
-left unsplit."""
+left unsplit. The disaggregated router, whose decode replica answers a Generate, splits the reply itself."""
 
 import json
 from types import SimpleNamespace
@@ -11,7 +11,10 @@ import pytest
 
 from jaxserve.client import Completion
 from jaxserve.config import EngineRole
+from jaxserve.loading.fast_tokenizer import FastTokenizer
+from jaxserve.loading.tokenizer_config import TokenizerSettings
 from jaxserve.proto import jaxserve_pb2 as pb
+from jaxserve.router.disaggregated import DisaggregatedRouterService, model_reasoning_parser
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.reasoning_parsers.harmony import SPECIAL
 from jaxserve.server.request_stream import Delta
@@ -32,7 +35,8 @@ TOOL_REPLY = (
 @pytest.fixture(scope="module")
 def tokenizer():
     words = "assistant analysis commentary final to=functions.get_weather json"
-    return byte_level_tokenizer((*SPECIAL, "<|constrain|>"), [words] * 20 + [THINKING, ANSWER, ARGUMENTS])
+    trained = byte_level_tokenizer((*SPECIAL, "<|constrain|>"), [words] * 20 + [THINKING, ANSWER, ARGUMENTS])
+    return FastTokenizer(trained.backend, TokenizerSettings(chat_template=TEMPLATE))  # the router renders with it
 
 
 class ScriptedLoop:
@@ -148,3 +152,29 @@ def test_without_a_reasoning_parser_chat_and_generate_are_unsplit(tokenizer):
     served.loop.pieces = [token_ids]  # type: ignore[union-attr]
     completion = gathered(list(served.Generate(pb.GenerateRequest(token_ids=[1, 2, 3]), Context())))
     assert completion.text == whole_text and completion.reasoning_content == ""
+
+
+def test_the_disaggregated_router_splits_what_its_decode_replica_streams(tokenizer):
+    limits = RequestLimits.for_engine(max_model_len=512, vocab_size=tokenizer.vocab_size)
+    router = DisaggregatedRouterService([], [], None, tokenizer, limits, None, 8, 0, 1.0)
+    router.reasoning = model_reasoning_parser(
+        SimpleNamespace(config=SimpleNamespace(model_type="gpt_oss"), tokenizer=tokenizer)
+    )
+    assert (
+        model_reasoning_parser(SimpleNamespace(config=SimpleNamespace(model_type="llama"), tokenizer=tokenizer)) is None
+    )
+    token_ids = tokenizer.encode(TOOL_REPLY)
+    pieces = [token_ids[i : i + 3] for i in range(0, len(token_ids), 3)]
+
+    def serve(method, request, route, context):  # the decode replica's Generate: every channel's text
+        for number, piece in enumerate(pieces):
+            text = tokenizer.decode(piece, skip_special_tokens=True)
+            yield pb.GenerateResponse(
+                token_ids=piece, text=text, finish_reason="stop" if number == len(pieces) - 1 else ""
+            )
+
+    router._serve = serve  # type: ignore[method-assign]
+    request = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Weather?")], tools=[json.dumps(TOOLS[0])])
+    completion = gathered(list(router.Chat(request, Context())))
+    assert (completion.reasoning_content, completion.text) == (THINKING, "Checking.")
+    assert [c["function"]["name"] for c in completion.tool_calls] == ["get_weather"]

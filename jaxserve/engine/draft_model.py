@@ -6,7 +6,7 @@ and warmed up the same way, so that proposing never compiles.
     speculative.draft_quantization: none | int8 | int4 | auto (self-speculation: the target's int4 copy)
 
 Refused at start: a draft whose vocabulary or tokenizer differs from the target's (its proposals would be
-other tokens), a draft on a data-parallel mesh (not built yet), a draft that cannot hold max_model_len.
+other tokens), a draft that cannot hold max_model_len (and, with the config, a data-parallel mesh).
 """
 
 from __future__ import annotations
@@ -45,12 +45,7 @@ def build_draft(
 ) -> DraftProposer:
     """load_model: builder._load_model (params placed by the rules table as they are read);
     compile_counter: the target's runner, whose count of compiles after warm-up the draft's add to."""
-    speculative = config.speculative
-    if mesh is not None and config.parallel.data_parallel_size > 1:
-        raise ValueError(
-            "speculative method draft with data_parallel_size > 1 is not available yet (the draft's rows would "
-            "have to follow each rank's sequences); use tensor parallelism or method ngram"
-        )
+    speculative = config.speculative  # a data-parallel mesh was refused with the config (config.py)
     source = target if speculative.draft_model == "self" else open_model(speculative.draft_model)
     check_draft_matches(source, target, max_model_len)
     model_config = source.config.with_context_length(max_model_len)

@@ -134,10 +134,11 @@ def delta_from_response(response: pb.GenerateResponse) -> Delta:
 
 
 class RoutedLoop:
-    def __init__(self, service, description, tokenizer):
+    def __init__(self, service, description, tokenizer, model_config=None):
         self.service = service  # a RouterService
         self.description = description  # model_name, max_model_len, max_num_seqs
-        self.engine = SimpleNamespace(tokenizer=tokenizer)
+        # model_config's model_type: the reasoning parser server.reasoning_parser auto picks (GPT-OSS's harmony)
+        self.engine = SimpleNamespace(tokenizer=tokenizer, model_config=model_config)
         self.draining = False
         self.max_in_flight = service.max_in_flight
         self._handles = itertools.count()

@@ -187,7 +187,7 @@ class RouterServer:
             )
         self._serve(service)
         if section.http_port:
-            self._serve_http(service, infos[0].model, limits, source.tokenizer)
+            self._serve_http(service, infos[0].model, limits, source.tokenizer, source.config)
         self._wait_for_replicas(min(section.startup_timeout, 60.0))
         logger.info(
             "routing %s over %d replicas (%s, %s) on %s:%d",
@@ -256,7 +256,9 @@ class RouterServer:
         for name in ("", GENERATION_SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    def _serve_http(self, service: RouterService, model_name: str, limits: RequestLimits, tokenizer) -> None:
+    def _serve_http(
+        self, service: RouterService, model_name: str, limits: RequestLimits, tokenizer, model_config=None
+    ) -> None:
         section = self.config.router
         self.http_context = RoutedContext(self.metrics, self.replicas)
         app = build_app(
@@ -265,7 +267,7 @@ class RouterServer:
         self.http_server = HTTPServer(app, section.host, section.http_port, section.tls)
         self.http_server.start()
         description = SimpleNamespace(model_name=model_name, max_model_len=limits.max_prompt_tokens)
-        loop = RoutedLoop(service, description, tokenizer)  # a GenerationLoop (server/openai/loop.py)
+        loop = RoutedLoop(service, description, tokenizer, model_config)  # a GenerationLoop (server/openai/loop.py)
         # no chat template of its own: the tokenizer's renders, and tells "auto" the tool-call format
         self.http_context.attach(loop, limits, None, "", section.tool_call_parser)
         logger.info("OpenAI HTTP API on %s:%d", section.host, self.http_server.port)

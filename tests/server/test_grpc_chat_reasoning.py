@@ -15,6 +15,7 @@ from jaxserve.loading.fast_tokenizer import FastTokenizer
 from jaxserve.loading.tokenizer_config import TokenizerSettings
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.disaggregated import DisaggregatedRouterService, model_reasoning_parser
+from jaxserve.router.http_api import RoutedContext, RoutedLoop
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.reasoning_parsers.harmony import SPECIAL
 from jaxserve.server.request_stream import Delta
@@ -178,3 +179,13 @@ def test_the_disaggregated_router_splits_what_its_decode_replica_streams(tokeniz
     completion = gathered(list(router.Chat(request, Context())))
     assert (completion.reasoning_content, completion.text) == (THINKING, "Checking.")
     assert [c["function"]["name"] for c in completion.tool_calls] == ["get_weather"]
+
+
+def test_the_router_http_chat_knows_the_model_type(tokenizer):
+    """The router's OpenAI chat forwards a Generate and splits the reply itself: its loop names the model type."""
+    limits = RequestLimits.for_engine(max_model_len=512, vocab_size=tokenizer.vocab_size)
+    for model_type, splits in (("gpt_oss", True), ("llama", False)):
+        context = RoutedContext(None, [])  # type: ignore[arg-type]
+        loop = RoutedLoop(SimpleNamespace(max_in_flight=1), None, tokenizer, SimpleNamespace(model_type=model_type))
+        context.attach(loop, limits, None, "", "auto")  # type: ignore[arg-type]
+        assert (context.reasoning() is not None) == splits

@@ -105,7 +105,7 @@ class ServingContext:
         "auto" where the tokenizer cannot write the model's reasoning format)."""
         engine = self.ready_loop().engine
         try:
-            # a router's loop stands in for an engine with its tokenizer only: "auto" finds no model type there
+            # a router's loop stands in for an engine: its tokenizer and model config (None in a bare stand-in)
             model_config = getattr(engine, "model_config", None)
             model_type = model_config.model_type if model_config is not None else ""
             return reasoning_parser(self.reasoning_parser, model_type, engine.tokenizer)

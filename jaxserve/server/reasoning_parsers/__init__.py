@@ -29,7 +29,7 @@ def reasoning_parser(name: str, model_type: str, tokenizer) -> HarmonyReasoning 
 
 def engine_reasoning_parser(name: str, engine) -> HarmonyReasoning | None:
     """reasoning_parser for a serving engine; "auto" gives None where the tokenizer cannot write the model's format
-    (a router's loop stands in for an engine with its tokenizer only: no model type there)."""
+    (a router's loop stands in for an engine: its tokenizer and model config, which may be None)."""
     model_config = getattr(engine, "model_config", None)
     try:
         return reasoning_parser(name, model_config.model_type if model_config is not None else "", engine.tokenizer)

@@ -16,10 +16,13 @@ from jaxserve.loading.tokenizer_config import TokenizerSettings
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.disaggregated import DisaggregatedRouterService, model_reasoning_parser
 from jaxserve.router.http_api import RoutedContext, RoutedLoop
+from jaxserve.server.grpc_chat import with_tool_calls
 from jaxserve.server.limits import RequestLimits
+from jaxserve.server.reasoning_parsers import reasoning_parser
 from jaxserve.server.reasoning_parsers.harmony import SPECIAL
 from jaxserve.server.request_stream import Delta
 from jaxserve.server.service import GenerationService
+from jaxserve.server.tool_choice import NO_TOOLS
 from tests.server.test_gpt_oss_reasoning import ANSWER, REPLY, THINKING, byte_level_tokenizer
 from tests.server.test_gpt_oss_tool_calls import ARGUMENTS, CALL, TOOLS
 
@@ -189,3 +192,22 @@ def test_the_router_http_chat_knows_the_model_type(tokenizer):
         loop = RoutedLoop(SimpleNamespace(max_in_flight=1), None, tokenizer, SimpleNamespace(model_type=model_type))
         context.attach(loop, limits, None, "", "auto")  # type: ignore[arg-type]
         assert (context.reasoning() is not None) == splits
+
+
+def test_n_completions_are_split_each_on_its_own(tokenizer):
+    """Messages of two completions interleaved (index 0 and 1): one split each, the state never shared."""
+    replies = [tokenizer.encode(REPLY), tokenizer.encode(f"<|channel|>final<|message|>{ANSWER}<|return|>")]
+    interleaved = []
+    for start in range(0, max(map(len, replies)), 2):
+        for index, token_ids in enumerate(replies):
+            if start < len(token_ids):
+                last = start + 2 >= len(token_ids)
+                interleaved.append(
+                    pb.GenerateResponse(
+                        token_ids=token_ids[start : start + 2], index=index, finish_reason="stop" * last
+                    )
+                )
+    responses = list(with_tool_calls(iter(interleaved), NO_TOOLS, reasoning_parser("auto", "gpt_oss", tokenizer)))
+    for index, reasoning in ((0, THINKING), (1, "")):
+        completion = gathered([r for r in responses if r.index == index])
+        assert (completion.reasoning_content, completion.text) == (reasoning, ANSWER)

@@ -9,7 +9,8 @@ run; and batched throughput with speculation on vs off (goal: not below).
 Draft rows: jaxserve's target is the F32 file, its draft the target's own --draft-quantization copy
 (draft_model: self, quantized as it loads: self-speculation); llama.cpp serves the same F32 file with
 the Q4_0 file llama-quantize writes from it as --model-draft. The policy's variants as for ngram: "draft"
-adaptive, "draft-forced" always speculating.
+adaptive, "draft-forced" always speculating; "draft-q4_0" (not run by default): adaptive, with that same
+Q4_0 file as jaxserve's draft (quantization auto: its blocks as stored).
 
 The default model (SmolLM2-135M-Instruct) as vs_llamacpp.py serves it: its GGUF dequantized to F32 (or
 BF16), the same file loaded by both engines, 2 threads each. Prompts are chat prompts rendered once with
@@ -231,6 +232,8 @@ def main() -> None:
                  draft_quantization=args.draft_quantization)  # fmt: skip
     variants = {"plain": None, "ngram": ngram, "ngram-forced": {**ngram, "speculative_adaptive": False},
                 "draft": draft, "draft-forced": {**draft, "speculative_adaptive": False}}  # fmt: skip
+    if "draft-q4_0" in args.variants:  # the very pair of files llama.cpp's draft row serves, blocks as stored
+        variants["draft-q4_0"] = {**draft, "draft_model": quantized_gguf(ggufs, "Q4_0"), "draft_quantization": "auto"}
     variants = {name: variants[name] for name in args.variants.split(",")}
     single: dict[str, dict] = {}
     if "jaxserve" in args.engines:

@@ -1,0 +1,117 @@
+// One thread's GB/s of the CPU small matmul's work items over SmolLM2-135M's weights (30 layers: q, k, v,
+// o, gate, up, down, and the tied head read transposed), against a plain read stream in the same run
+// (issue #29). Times are thread CPU time, best of 5 after a 512 MiB read that evicts the caches: on a
+// shared machine wall time mostly measures the other processes, thread time far less.
+//
+//   g++ -O3 -march=native -fopenmp-simd -fno-math-errno -fno-trapping-math -std=c++17 \
+//       -I pallas_kernels -I $(.venv/bin/python -c "import jax; print(jax.ffi.include_dir())") \
+//       bench/cpu_matmul_stream.cc -o /tmp/cpu_matmul_stream && /tmp/cpu_matmul_stream
+//
+// Add -mno-avx512f for the avx2 path's code (what JAXSERVE_CPU_KERNEL_PATH=avx2 builds). Prints one JSON
+// line per dtype, rows and round: "layers" and "head" as fractions of the read stream.
+#include "../pallas_kernels/matmul/cpu_matmul.cc"
+
+#include <sys/mman.h>
+
+#include <cstdio>
+#include <ctime>
+
+namespace {
+
+double ThreadSeconds() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
+
+void* HugePages(size_t bytes) {  // as the engine's weights (jaxserve/device/huge_pages.py)
+  bytes = (bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  madvise(p, bytes, MADV_HUGEPAGE);
+  std::memset(p, 0, bytes);
+  return p;
+}
+
+__attribute__((noinline)) float ReadStream(const float* p, int64_t n) {
+  VecF a0{}, a1{}, a2{}, a3{};
+  for (int64_t i = 0; i + 4 * kLanes <= n; i += 4 * kLanes) {
+    a0 += LoadF(p + i);
+    a1 += LoadF(p + i + kLanes);
+    a2 += LoadF(p + i + 2 * kLanes);
+    a3 += LoadF(p + i + 3 * kLanes);
+  }
+  return HorizontalSum(a0 + a1 + a2 + a3);
+}
+
+template <typename T>
+void Bench(const char* dtype, int64_t rows) {
+  using S = typename T::Stored;
+  constexpr int64_t kLayers = 30, kEmbed = 576, kKv = 192, kMlp = 1536, kVocab = 49152;
+  const int64_t shapes[7][2] = {{kEmbed, kEmbed}, {kEmbed, kKv}, {kEmbed, kKv}, {kEmbed, kEmbed},
+                                {kEmbed, kMlp},   {kEmbed, kMlp}, {kMlp, kEmbed}};
+  int64_t layer_elements = 0;
+  for (const auto& s : shapes) layer_elements += s[0] * s[1];
+  auto* layers = static_cast<S*>(HugePages(kLayers * layer_elements * sizeof(S)));
+  auto* head = static_cast<S*>(HugePages(kVocab * kEmbed * sizeof(S)));
+  const int64_t stream_floats = (512 << 20) / 4;
+  auto* stream = static_cast<float*>(HugePages(stream_floats * 4));
+  std::vector<float> x(rows * kMlp, 0.01f), out(rows * kVocab);
+  volatile float sink = 0;
+  auto best = [&](auto fn) {
+    double seconds = 1e9;
+    for (int r = 0; r < 5; ++r) {
+      sink = ReadStream(stream, stream_floats);
+      const double start = ThreadSeconds();
+      fn();
+      seconds = std::min(seconds, ThreadSeconds() - start);
+    }
+    return seconds;
+  };
+  for (int round = 0; round < 3; ++round) {
+    const double stream_s = best([&] { sink = ReadStream(stream, stream_floats); });
+    // Each weight as the engine's plan cuts it for two workers (MakePlan), its items run one after another.
+    const double layers_s = best([&] {
+      const S* w = layers;
+      for (int64_t l = 0; l < kLayers; ++l) {
+        for (const auto& s : shapes) {
+          Problem p{w, x.data(), out.data(), rows, s[0], s[1]};
+          const Plan plan = MakePlan<T>(p, false, 2);
+          for (int64_t i = 0; i < plan.num_items; ++i) {
+            const int64_t block = i % plan.blocks, part = i / plan.blocks, c0 = block * plan.block_columns;
+            const int64_t chunks = (p.depth + plan.chunk - 1) / plan.chunk;
+            const int64_t k0 = std::min(p.depth, chunks * part / plan.parts * plan.chunk);
+            const int64_t k1 = std::min(p.depth, chunks * (part + 1) / plan.parts * plan.chunk);
+            KnItem<T>(p, k0, k1, c0, std::min(plan.block_columns, p.columns - c0), plan.chunk, out.data());
+          }
+          w += s[0] * s[1];
+        }
+      }
+    });
+    const double head_s = best([&] {
+      Problem p{head, x.data(), out.data(), rows, kEmbed, kVocab};
+      const Plan plan = MakePlan<T>(p, true, 2);
+      for (int64_t n0 = 0; n0 < kVocab; n0 += plan.outputs_per_item) {
+        NkItem<T>(p, n0, std::min(plan.outputs_per_item, kVocab - n0));
+      }
+    });
+    const double stream_gb_s = stream_floats * 4.0 / stream_s / 1e9;
+    const double layers_gb_s = kLayers * layer_elements * sizeof(S) / layers_s / 1e9;
+    const double head_gb_s = kVocab * kEmbed * sizeof(S) / head_s / 1e9;
+    std::printf(
+        "{\"path\": \"%s\", \"dtype\": \"%s\", \"rows\": %lld, \"round\": %d, \"read_stream_gb_s\": %.1f, "
+        "\"layers_gb_s\": %.1f, \"head_gb_s\": %.1f, \"layers_of_stream\": %.2f, \"head_of_stream\": %.2f}\n",
+        kPath, dtype, static_cast<long long>(rows), round, stream_gb_s, layers_gb_s, head_gb_s,
+        layers_gb_s / stream_gb_s, head_gb_s / stream_gb_s);
+    std::fflush(stdout);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int64_t rows : {1, 2, 4, 8}) {
+    if (argc > 1 && std::atoi(argv[1]) != rows) continue;
+    Bench<F32>("float32", rows);
+    Bench<BF16>("bfloat16", rows);
+  }
+}

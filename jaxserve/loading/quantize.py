@@ -209,20 +209,24 @@ def _quantize_matrix(weight: np.ndarray, spec: QuantizationSpec, compute_dtype: 
 
 def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, ...], spec, dtype, sharding):
     """The value of a param marked for quantization: the reader's quantized blocks where it holds this
-    tensor quantized with as many bits as the spec asks (auto: any), else the float tensor quantized by the
-    spec (auto: left float). Returns a placed QuantizedWeight, or None for the caller's float path."""
+    tensor quantized with as many bits as the spec asks (auto: any), else the tensor quantized by the spec
+    (auto: left float): blocks of other bits re-quantized chunk by chunk, a float tensor quantized whole.
+    Returns a placed QuantizedWeight, or None for the caller's float path."""
+    from jaxserve.loading.quantize_gguf import layout_bits, mapped_blocks, requantized
+
     compute_dtype = str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype
-    # e.g. int8 asked of a Q4_1 file: no blocks kept, re-quantized from the dequantized values
-    stored = _stored_quantized(reader, read_param, path, shape, compute_dtype, SPEC_BITS.get(spec.format))
     as_stored = stored_shape(path, shape)
     transposed = as_stored != shape
-    if stored is not None and tuple(stored.shape) != as_stored:
-        raise ValueError(
-            f"checkpoint tensor for {'.'.join(path)} has shape {stored.shape}, config.json implies {shape}"
-        )
-    if stored is None and spec.format == "auto":
+    # a GGUF file's blocks, through the family's own name mapping (any family: no list of them)
+    blocks = mapped_blocks(reader, read_param, path, shape, transposed)
+    if blocks is not None and spec.format in SPEC_BITS and layout_bits(blocks) != SPEC_BITS[spec.format]:
+        # e.g. int8 asked of a Q4_1 file: re-quantized from the dequantized values, a chunk of rows at a time
+        stored = requantized(blocks, lambda matrix: _quantize_matrix(matrix, spec, compute_dtype))
+    elif blocks is not None:
+        stored = blocks.quantized(compute_dtype)
+    elif spec.format == "auto":
         return None
-    if stored is None:
+    else:
         tensor = read_param(reader, path, shape)
         if tuple(tensor.shape) != shape:
             raise ValueError(
@@ -230,16 +234,11 @@ def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, 
             )
         stored = quantize(np.asarray(tensor).T if transposed else np.asarray(tensor), spec, compute_dtype)
         del tensor
+    if tuple(stored.shape) != as_stored:
+        raise ValueError(
+            f"checkpoint tensor for {'.'.join(path)} has shape {stored.shape}, config.json implies {shape}"
+        )
     return place(stored, sharding, stored_transposed=transposed)
-
-
-def _stored_quantized(reader, read_param, path, shape, compute_dtype, bits) -> QuantizedWeight | None:
-    """The checkpoint's own quantized layout of this tensor (of `bits` bits; None: any), where the reader has
-    one (a GGUF file's blocks), laid out by the family's own name mapping (quantize_gguf.kept_blocks: any
-    family, no list of them)."""
-    from jaxserve.loading.quantize_gguf import kept_blocks
-
-    return kept_blocks(reader, read_param, path, shape, stored_shape(path, shape) != shape, compute_dtype, bits)
 
 
 def place(weight: QuantizedWeight, sharding, stored_transposed: bool = False) -> QuantizedWeight:

@@ -31,8 +31,9 @@ from collections.abc import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
-from jaxserve.loading.quantize import pack_nibbles
+from jaxserve.loading.quantize import pack_nibbles, stack
 from pallas_kernels.matmul.quantized import QuantizedWeight
 
 Q = GGMLQuantizationType
@@ -272,20 +273,11 @@ class BlocksReader:
         return blocks
 
 
-def kept_blocks(
-    reader,
-    read_param,
-    path: tuple[str, ...],
-    shape: tuple[int, ...],
-    stored_transposed: bool,
-    compute_dtype: str,
-    bits: int | None = None,
-):
-    """The param at `path` as its checkpoint's quantized blocks, laid out by the family's own read_param: a
-    QuantizedWeight [..., K, N], or None where the reader has no blocks or the mapping did not keep them (a
-    float tensor, a type without a layout, or an operation other than a transpose, a row slice or a stack).
-    stored_transposed: the param is [N, K] (the embedding, stored [E, V]); a kernel is [K, N]. bits: keep only
-    a layout of that many bits (None: any); checked before anything is decoded."""
+def mapped_blocks(reader, read_param, path: tuple[str, ...], shape: tuple[int, ...], stored_transposed: bool):
+    """The param at `path` as its checkpoint's quantized blocks, laid out by the family's own read_param:
+    Blocks / StackedBlocks of `shape`, or None where the reader has no blocks or the mapping did not keep them
+    (a float tensor, a type without a layout, or an operation other than a transpose, a row slice or a stack).
+    stored_transposed: the param is [N, K] (the embedding, stored [E, V]); a kernel is [K, N]."""
     if not hasattr(reader, "read_blocks"):
         return None
     try:
@@ -296,10 +288,42 @@ def kept_blocks(
         return None
     if value.transposed == stored_transposed:  # blocks run along K: a kernel must be [K, N], the embedding [N, K]
         return None
-    qtype = value.qtype if isinstance(value, Blocks) else value.parts[0].qtype
-    if bits is not None and LAYOUTS[qtype][3] != bits:
-        return None
-    return value.quantized(compute_dtype)
+    return value
+
+
+def layout_bits(value: Blocks | StackedBlocks) -> int:
+    """Bits of the layout the blocks load as (8 or 4)."""
+    return LAYOUTS[value.qtype if isinstance(value, Blocks) else value.parts[0].qtype][3]
+
+
+def requantized(value: Blocks | StackedBlocks, quantize_matrix: Callable[[np.ndarray], QuantizedWeight]):
+    """The blocks re-quantized to another layout (int8 asked of Q4_0 blocks, int4 of Q8_0), a chunk of GGUF
+    rows (our output columns, which quantize independently) at a time: each chunk dequantized by gguf.quants,
+    transposed to [K, n] and quantized, so the tensor is never whole in float. Equal to quantizing the whole
+    dequantized tensor."""
+    if isinstance(value, StackedBlocks):
+        return stack([requantized(part, quantize_matrix) for part in value.parts])
+    raw = value.raw()[value.start : value.stop]
+    columns = raw.shape[0]
+    step = max(16, REQUANTIZE_CHUNK_BYTES // (4 * value.depth))
+    first, arrays = None, {}
+    for start in range(0, columns, step):
+        part = quantize_matrix(np.ascontiguousarray(dequantize(raw[start : start + step], value.qtype).T))
+        if first is None:
+            if step >= columns:
+                return part
+            first = part
+            for leaf in ("values", "scales", "mins"):
+                array = getattr(part, leaf)
+                arrays[leaf] = None if array is None else np.empty((*array.shape[:-1], columns), array.dtype)
+        for leaf, array in arrays.items():
+            if array is not None:
+                array[..., start : start + step] = getattr(part, leaf)
+    assert first is not None, "a GGUF matrix has rows"
+    return dataclasses.replace(first, **arrays)
+
+
+REQUANTIZE_CHUNK_BYTES = 4 << 20  # float32 rows dequantized at a time
 
 
 __all__ = [
@@ -310,5 +334,7 @@ __all__ = [
     "StackedBlocks",
     "from_gguf_blocks",
     "has_quantized_layout",
-    "kept_blocks",
+    "layout_bits",
+    "mapped_blocks",
+    "requantized",
 ]

@@ -12,9 +12,10 @@ from flax import nnx
 from gguf import GGMLQuantizationType as T
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.loading import quantize_gguf
 from jaxserve.loading.default_model import random_llama_weights
 from jaxserve.loading.gguf import GGUFFile
-from jaxserve.loading.quantize import QuantizationSpec, load_quantized
+from jaxserve.loading.quantize import QuantizationSpec, load_quantized, quantize
 from jaxserve.models import llama
 from pallas_kernels.matmul.quantized import QuantizedWeight, dequantize
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
@@ -190,7 +191,7 @@ def test_orbax_checkpoints_save_and_restore_quantized(tmp_path):
     assert [output.outputs[0].token_ids for output in restored.generate(PROMPTS, params)] == expected
 
 
-def test_a_format_asked_for_keeps_blocks_of_its_bits_and_requantizes_the_rest(gguf_path):
+def test_a_format_asked_for_keeps_blocks_of_its_bits_and_requantizes_the_rest(gguf_path, monkeypatch):
     """int8 asked of a GGUF file: Q8_0 blocks kept as stored, Q4_0 ones re-quantized to int8 per channel
     from their dequantized values; int4 asked: the reverse."""
     reader = GGUFFile(gguf_path).tensor_reader()
@@ -209,3 +210,11 @@ def test_a_format_asked_for_keeps_blocks_of_its_bits_and_requantizes_the_rest(gg
     error = np.abs(np.asarray(dequantize(k8), np.float32) - float_k)
     assert np.all(error <= np.asarray(k8.scales) / 2 + 1e-6)
     assert load("k_proj", (256, 128), "int4").group_size == 32 and load("q_proj", (256, 256), "int4").bits == 4
+    # re-quantized a chunk of GGUF rows at a time (16 here): equal to quantizing the whole dequantized tensor
+    monkeypatch.setattr(quantize_gguf, "REQUANTIZE_CHUNK_BYTES", 4 * 256 * 16)
+    for format, module, shape in (("int8", "k_proj", (256, 128)), ("int4", "q_proj", (256, 256))):
+        whole = quantize(
+            reader.read(f"model.layers.0.self_attn.{module}.weight").T, QuantizationSpec(format), "float32"
+        )
+        for leaf, leaf_whole in zip(jax.tree.leaves(load(module, shape, format)), jax.tree.leaves(whole)):
+            assert np.array_equal(np.asarray(leaf), leaf_whole), (format, module)

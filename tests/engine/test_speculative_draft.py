@@ -137,8 +137,10 @@ def test_bad_draft_options_are_refused(speculative, problem):
         EngineConfig.from_options(speculative=speculative)
 
 
-def test_a_draft_on_a_data_parallel_mesh_is_refused():
+def test_a_draft_on_a_data_parallel_mesh_or_a_prefill_replica_is_refused():
     from jaxserve.config import EngineConfig
 
     with pytest.raises(ValueError, match="draft with data_parallel_size > 1 is not available yet"):
         EngineConfig.from_options(speculative=SELF_INT8, data_parallel_size=2)
+    with pytest.raises(ValueError, match="prefill replica"):
+        EngineConfig.from_options(speculative=SELF_INT8, role="prefill")

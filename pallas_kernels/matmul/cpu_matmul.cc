@@ -9,8 +9,9 @@
 // walked in address order with the accumulators in L1 (RowWalk); with more rows (up to 64, the default
 // largest decode bucket; bound by the multiplies) each pass of rows is packed, widened to float32 once,
 // and register-tiled like a GEMM's micro-kernel (KnTile), so that bfloat16 batches run at least as fast
-// per row as float32 ones (issue #29). [N, K] (a tied embedding as the head): register tiles of dot
-// products over contiguous rows, packed first where several groups of rows reuse them.
+// per row as float32 ones (issue #29). [N, K] (a tied embedding as the head): up to kNkRows rows, one
+// dot product per weight row after the other, straight from memory (NkRowDots); more, register tiles of
+// dot products over the item's rows, packed first since several groups of rows reuse them.
 //
 // Instruction paths (issue #29): the code is written once on GCC/Clang vector types whose width comes
 // from the compiler flags cpu_library.py picked for this CPU (or JAXSERVE_CPU_KERNEL_PATH):

@@ -32,8 +32,10 @@ EMBEDDING_FORMATS = ("same", "int8")  # quantization_embedding: the vocabulary t
 SPEC_BITS = {"int8": 8, "int4": 4}  # a stored layout of these bits serves the format as it is
 INT4_GROUP_SIZES = (32, 64, 128)
 # Kernels that stay float: MoE routers (a handful of columns whose exact scores pick the experts, as
-# llama.cpp keeps ffn_gate_inp) and the shared expert's one-column gate.
-UNQUANTIZED_MODULES = ("gate", "shared_expert_gate")
+# llama.cpp keeps ffn_gate_inp), the shared expert's one-column gate, and MLA's kv_b_proj, which attention
+# reads in place as [rank, heads, dims] to absorb it into the query and output (models/mla.py), not as a
+# projection.
+UNQUANTIZED_MODULES = ("gate", "shared_expert_gate", "kv_b_proj")
 
 
 @dataclass(frozen=True)

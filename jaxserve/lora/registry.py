@@ -43,7 +43,7 @@ class LoraRegistry:
         self.max_rank = config.max_rank
         self.num_slots = int(config.max_adapters or 0) + 1
         self.target_modules = tuple(config.target_modules)
-        self.shapes = {path: (s.a.shape[1], s.b.shape[2]) for path, s in slots.items()}  # path -> (in, out)
+        self.shapes = {path: (s.a.shape[0], s.b.shape[2]) for path, s in slots.items()}  # path -> (in, out)
         # routed experts: "layers.0.mlp.gate_proj" -> (stored expert rows, in, out)
         self.expert_shapes = {path: (s.a.shape[0], s.a.shape[1], s.b.shape[3]) for path, s in expert_slots.items()}
         self.adapters: dict[str, LoadedAdapter] = {}
@@ -54,8 +54,9 @@ class LoraRegistry:
             raise AssertionError(f"LoRA slots and the runner's params disagree on {sorted(missing)}")
         leaves = [runner.param_leaves[i] for i in self._leaf_indices]
         slot_axes = tuple(
-            (2 if half == "a" else 1) if path in self.expert_shapes else 0 for path, half in self._leaf_names
-        )  # A [S, K, L, r] and B [S, L, r, N] for experts; A [L, K, r] and B [L, r, N] otherwise
+            (2 if half == "a" else 1) if path in self.expert_shapes else (1 if half == "a" else 0)
+            for path, half in self._leaf_names
+        )  # A [S, K, L, r] and B [S, L, r, N] for experts; A [K, L, r] and B [L, r, N] otherwise
         self._write = jax.jit(
             functools.partial(write_slot, slot_axes=slot_axes),
             donate_argnums=(0,),

@@ -1,6 +1,6 @@
 """The device side of multi-LoRA: adapter slots beside each targeted projection, and writing into them.
 
-`attach_lora` gives every targeted Linear of the loaded model a `LoraSlots` (A [L, K, r], B [L, r, N], zeros,
+`attach_lora` gives every targeted Linear of the loaded model a `LoraSlots` (A [K, L, r], B [L, r, N], zeros,
 placed by the rules table: A's K and B's N as the base kernel's in and out axes, the slot and rank axes
 replicated) and puts the LoRA entry in front of its matmul plan. Their params join the model's, so the
 runner's step takes them like any weight. Each step, `bind_row_slots` hands every LoraSlots the adapter slot
@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.models.layers import Linear
 from jaxserve.models.moe import SparseMoE
-from pallas_kernels.matmul.lora import ExpertLora, LoraWeight, with_lora
+from pallas_kernels.matmul.lora import ExpertLora, LoraWeight, RowAdapters, route_rows, with_lora
 from sharding import partition_spec
 from sharding.rules import LOGICAL_AXIS_RULES
 
@@ -35,14 +35,14 @@ class LoraSlots(nnx.Module):
     """One projection's adapter slots; slot 0 stays zeros (rows without an adapter)."""
 
     def __init__(self, a, b, in_axis: str | None, out_axis: str | None):
-        self.a = nnx.Param(a, logical_axes=("lora_slots", in_axis, "lora_rank"))  # [L, K, r]
+        self.a = nnx.Param(a, logical_axes=(in_axis, "lora_slots", "lora_rank"))  # [K, L, r]
         self.b = nnx.Param(b, logical_axes=("lora_slots", "lora_rank", out_axis))  # [L, r, N], scaled
-        self.row_slots = None  # [T] int32 during a step (bind_row_slots)
+        self.row_adapters: RowAdapters | None = None  # during a step (bind_row_slots)
 
     def weight(self, base) -> LoraWeight:
-        if self.row_slots is None:
+        if self.row_adapters is None:
             raise ValueError("a projection with LoRA slots ran outside a step that bound each row's adapter")
-        return LoraWeight(base, self.a[...], self.b[...], self.row_slots)
+        return LoraWeight(base, self.a[...], self.b[...], self.row_adapters)
 
 
 class ExpertSlots(nnx.Module):
@@ -106,9 +106,9 @@ def attach_lora(
         in_axis, out_axis = linear.kernel.get_metadata().get("logical_axes", (None, None))
         (in_features, out_features), dtype = kernel.shape, kernel.dtype
         a = _placed(
-            np.zeros((num_slots, in_features, max_rank)),
+            np.zeros((in_features, num_slots, max_rank)),
             dtype,
-            ("lora_slots", in_axis, "lora_rank"),
+            (in_axis, "lora_slots", "lora_rank"),
             mesh,
             sizes,
             rules,
@@ -168,10 +168,16 @@ def _placed(values: np.ndarray, dtype, axes, mesh: Mesh | None, sizes, rules):
 
 
 def bind_row_slots(model, token_slots) -> None:
-    """Each token's adapter slot [T] for this step's projections (called on the step's merged model)."""
-    for _, module in nnx.iter_graph(model):
-        if isinstance(module, (LoraSlots, ExpertLoraSlots)):
-            module.row_slots = token_slots
+    """Each token's adapter slot [T] for this step's projections (called on the step's merged model). The
+    step's mix of adapters (route_rows) is worked out here once, for every projection."""
+    modules = [module for _, module in nnx.iter_graph(model) if isinstance(module, (LoraSlots, ExpertLoraSlots))]
+    linear_slots = [module for module in modules if isinstance(module, LoraSlots)]
+    routing = route_rows(token_slots, linear_slots[0].b[...].shape[0]) if linear_slots else None
+    for module in modules:
+        if isinstance(module, LoraSlots):
+            module.row_adapters = routing
+        else:
+            module.row_slots = token_slots  # the routed copies' slots are gathered from these per layer
 
 
 def write_slot(slot_arrays: list, slot, new_values: list, *, slot_axes: tuple[int, ...]) -> list:

@@ -1,8 +1,9 @@
 """Batched LoRA projections (Punica / S-LoRA style): every row of a step has its own adapter.
 
 A projection with adapters attached sees a `LoraWeight`: the base weight [K, N] beside the stacked adapter
-slots A [slots, K, r] and B [slots, r, N] (B already scaled by alpha / r, or alpha / sqrt(r) for rsLoRA)
-and the adapter slot of each row [M] (slot 0 holds zeros: no adapter). The result is
+slots A [K, slots, r] and B [slots, r, N] (B already scaled by alpha / r, or alpha / sqrt(r) for rsLoRA)
+and the step's RowAdapters (each row's slot [M], slot 0 holds zeros: no adapter; worked out once per step
+by route_rows for every projection). The result is
 
     rows @ base + (rows @ A[slot]) @ B[slot]     per row, accumulated in float32
 
@@ -11,8 +12,12 @@ decode step, XLA's dots otherwise); `lora_delta` adds the low-rank part. Its cos
 step's rows use, not the number of slots: the n distinct adapters present are found on the device, and a
 lax.switch branch sized for n (1, 2, 4, ... slots - 1) gathers just their A and B, multiplies every row by
 all n A's at once ([M, K] @ [K, n * r]), zeroes each row's columns of the other adapters, and multiplies by
-the n B's stacked ([M, n * r] @ [n * r, N]): two dense matmuls, whatever the mix. A step without adapter
-rows takes the branch that adds nothing. All branches live in one executable.
+the n B's stacked ([M, n * r] @ [n * r, N]): two dense matmuls, whatever the mix. The last branch (more
+than half the slots in use) does the same over every slot as stored, copying nothing. A step without
+adapter rows takes the branch that hands the base product back. All branches live in one executable.
+
+Routed experts (ExpertLora) keep their slots per expert and run inside the grouped expert matmul
+(expert_lora_delta, called from sharding/moe.py).
 Slot contents change by writing new values into the same arrays (jaxserve/lora/slots.py): nothing here
 depends on which adapters are loaded, so loading, unloading and mixing adapters never recompiles.
 """
@@ -37,9 +42,9 @@ class LoraWeight:
     """A base weight with the adapter slots of its projection and the slot of each row of this step."""
 
     base: jax.Array  # [K, N]
-    a: jax.Array  # [L, K, r]
+    a: jax.Array  # [K, L, r]: the slot axis inside, so that all slots side by side ([K, L * r]) is a free reshape
     b: jax.Array  # [L, r, N], scaling folded in
-    row_slots: jax.Array  # [M] int32, 0: no adapter
+    rows: RowAdapters  # each row's adapter, and the step's mix of adapters
 
     @property
     def dtype(self):
@@ -50,24 +55,53 @@ class LoraWeight:
         return self.base.shape
 
 
-def lora_delta(rows, a, b, row_slots):
-    """rows [M, K] (in the adapters' dtype) -> float32 [M, N]: each row's (x @ A[slot]) @ B[slot].
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RowAdapters:
+    """Each row's adapter slot in a step and what the batched product needs to know about the step's mix of
+    adapters: worked out once per step (route_rows) and shared by every projection, not once per projection
+    (a decode step has ~7 x layers of them, and each of these small ops costs as much as a projection's
+    matmul on a small batch)."""
 
-    Costs what the adapters present in the step need, whatever the number of slots: the distinct slots
-    among the rows (n of them, slot 0 aside) are found on the device, and a branch sized for n (the next
-    power of two, under lax.switch: one executable) gathers their A and B and runs two dense matmuls, the
-    columns of other adapters zeroed per row. No adapter: zeros, without touching A or B."""
-    num_slots = a.shape[0]
+    slots: jax.Array  # [M] int32, 0: no adapter
+    active: jax.Array  # [L - 1] int32: the slots in use first (the rest 0)
+    position: jax.Array  # [M] int32: each row's place among the active slots; -1: no adapter
+    branch: jax.Array  # [] int32: 0 when no row has an adapter, else 1 + the index of the branch sized for them
+
+
+def route_rows(row_slots, num_slots: int) -> RowAdapters:
+    """row_slots [M] (0: no adapter) among num_slots slots -> the step's RowAdapters."""
     present = jnp.zeros(num_slots, jnp.int32).at[row_slots].set(1).at[0].set(0)  # [L]: slots in use
     num_present = jnp.sum(present)
     (active,) = jnp.nonzero(present, size=num_slots - 1, fill_value=0)  # [L - 1]: the slots in use first
     position = jnp.cumsum(present) - 1  # slot -> its place among the active ones
     row_position = jnp.where(row_slots > 0, position[row_slots], -1)  # [M]; -1: no adapter
-    sizes = branch_sizes(num_slots - 1)
-    branches = [lambda: jnp.zeros((rows.shape[0], b.shape[2]), jnp.float32)]
-    branches += [functools.partial(_active_delta, rows, a, b, active[:size], row_position) for size in sizes]
-    index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), num_present) + (num_present > 0)
-    return jax.lax.switch(jnp.where(num_present > 0, index, 0), branches)
+    index = jnp.searchsorted(jnp.asarray(branch_sizes(num_slots - 1), jnp.int32), num_present) + 1
+    branch = jnp.where(num_present > 0, index, 0).astype(jnp.int32)
+    return RowAdapters(row_slots.astype(jnp.int32), active.astype(jnp.int32), row_position, branch)
+
+
+def lora_delta(rows, a, b, routing: RowAdapters):
+    """rows [M, K] (in the adapters' dtype) -> float32 [M, N]: each row's (x @ A[slot]) @ B[slot].
+
+    Costs what the adapters present in the step need, whatever the number of slots: for the n distinct
+    slots among the rows (slot 0 aside; route_rows found them), a branch sized for n (the next power of
+    two, under lax.switch: one executable) gathers their A and B and runs two dense matmuls, the columns of
+    other adapters zeroed per row. No adapter: zeros, without touching A or B."""
+    return _add_delta(jnp.zeros((rows.shape[0], b.shape[2]), jnp.float32), rows, a, b, routing)
+
+
+def _add_delta(product, rows, a, b, routing: RowAdapters):
+    """product [M, N] float32 plus lora_delta's: the branch without adapters hands the product back as it
+    is; the branch for the most adapters reads every slot in place, gathering nothing."""
+    sizes = branch_sizes(a.shape[1] - 1)
+    branches = [lambda: product]
+    branches += [
+        functools.partial(_plus_active_delta, product, rows, a, b, routing.active[:size], routing.position)
+        for size in sizes[:-1]
+    ]
+    branches.append(functools.partial(_plus_every_slot_delta, product, rows, a, b, routing.slots))
+    return jax.lax.switch(routing.branch, branches)
 
 
 def branch_sizes(max_active: int) -> list[int]:
@@ -79,14 +113,25 @@ def branch_sizes(max_active: int) -> list[int]:
     return [*sizes, max_active]
 
 
-def _active_delta(rows, a, b, active, row_position):
-    """The low-rank products of the n adapters in `active` [n]: rows [M, K] -> float32 [M, N]."""
-    (num_active,), (num_rows, rank) = active.shape, (rows.shape[0], a.shape[2])
-    a_active = jnp.moveaxis(a[active], 0, 1).reshape(a.shape[1], num_active * rank)  # [K, n * r]
-    xa = jnp.dot(rows, a_active, preferred_element_type=jnp.float32).reshape(num_rows, num_active, rank)
+def _plus_active_delta(product, rows, a, b, active, row_position):
+    """product plus the low-rank products of the n adapters in `active` [n] (their A and B gathered)."""
+    return product + _masked_delta(rows, a[:, active], b[active], row_position)
+
+
+def _plus_every_slot_delta(product, rows, a, b, row_slots):
+    """product plus the low-rank products through every slot as stored (slot 0 zeros): no copy of A or B,
+    at up to L / n times the gathered branch's flops, which wins once most slots are in use."""
+    return product + _masked_delta(rows, a, b, row_slots)
+
+
+def _masked_delta(rows, a, b, row_position):
+    """rows [M, K] times n slots' a [K, n, r] side by side, each row's columns of the other slots zeroed (its
+    own: row_position [M], -1 none), times their b [n, r, N] stacked -> float32 [M, N]."""
+    (size_in, num_active, rank), num_rows = a.shape, rows.shape[0]
+    xa = jnp.dot(rows, a.reshape(size_in, num_active * rank), preferred_element_type=jnp.float32)
     own = (row_position[:, None] == jnp.arange(num_active)[None, :]).astype(jnp.float32)  # [M, n]
-    xa = (xa * own[:, :, None]).reshape(num_rows, num_active * rank).astype(b.dtype)
-    return jnp.dot(xa, b[active].reshape(num_active * rank, -1), preferred_element_type=jnp.float32)
+    xa = (xa.reshape(num_rows, num_active, rank) * own[:, :, None]).reshape(num_rows, num_active * rank)
+    return jnp.dot(xa.astype(b.dtype), b.reshape(num_active * rank, -1), preferred_element_type=jnp.float32)
 
 
 @jax.tree_util.register_dataclass
@@ -148,14 +193,14 @@ def expert_reference(rows, expert_ids, a, b, row_slots):
 
 def add_lora(rows, base_product, weight: LoraWeight):
     """The base product [M, N] float32 plus the rows' adapters (nothing added where no row has one)."""
-    return base_product + lora_delta(rows.astype(weight.a.dtype), weight.a, weight.b, weight.row_slots)
+    return _add_delta(base_product, rows.astype(weight.a.dtype), weight.a, weight.b, weight.rows)
 
 
 def reference(rows, weight: LoraWeight):
     """The specification: rows [M, K] @ base + each row's adapter, all in float32, one row at a time."""
     x = rows.astype(jnp.float32)
-    a = weight.a[weight.row_slots].astype(jnp.float32)
-    b = weight.b[weight.row_slots].astype(jnp.float32)
+    a = jnp.moveaxis(weight.a, 1, 0)[weight.rows.slots].astype(jnp.float32)
+    b = weight.b[weight.rows.slots].astype(jnp.float32)
     low_rank = jnp.einsum("mr,mrn->mn", jnp.einsum("mk,mkr->mr", x, a), b)
     return x @ weight.base.astype(jnp.float32) + low_rank
 

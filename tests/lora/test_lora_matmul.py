@@ -9,22 +9,30 @@ import numpy as np
 import pytest
 
 from pallas_kernels.matmul import REFERENCE_PLAN, choose_matmul
-from pallas_kernels.matmul.lora import LoraWeight, lora_delta, reference, with_lora
+from pallas_kernels.matmul.lora import (
+    LoraWeight,
+    expert_lora_delta,
+    expert_reference,
+    lora_delta,
+    reference,
+    route_rows,
+    with_lora,
+)
 
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 3e-2}
 
 
 def lora_weight(rng, num_rows, size_in, size_out, num_slots, rank, dtype, row_slots=None):
-    a = rng.normal(size=(num_slots, size_in, rank)).astype(np.float32)
+    a = rng.normal(size=(size_in, num_slots, rank)).astype(np.float32)
     b = rng.normal(size=(num_slots, rank, size_out)).astype(np.float32)
-    a[0], b[0] = 0, 0  # slot 0: no adapter
+    a[:, 0], b[0] = 0, 0  # slot 0: no adapter
     if row_slots is None:
         row_slots = rng.integers(0, num_slots, size=num_rows)
     return LoraWeight(
         jnp.asarray(rng.normal(size=(size_in, size_out)), dtype),
         jnp.asarray(a, dtype),
         jnp.asarray(b, dtype),
-        jnp.asarray(row_slots, jnp.int32),
+        route_rows(jnp.asarray(row_slots, jnp.int32), num_slots),
     )
 
 
@@ -60,7 +68,7 @@ def test_each_branch_size_matches_reference(num_distinct):
     row_slots = np.concatenate([used, used, [0, 0]]) if num_distinct else np.zeros(4, np.int64)
     weight = lora_weight(rng, len(row_slots), 16, 8, 10, 3, jnp.float32, row_slots=rng.permutation(row_slots))
     rows = jnp.asarray(rng.normal(size=(len(row_slots), 16)), jnp.float32)
-    delta = jax.jit(lora_delta)(rows, weight.a, weight.b, weight.row_slots)
+    delta = jax.jit(lora_delta)(rows, weight.a, weight.b, weight.rows)
     want = np.asarray(reference(rows, weight)) - np.asarray(rows @ weight.base)
     np.testing.assert_allclose(np.asarray(delta), want, rtol=1e-4, atol=1e-4)
     assert (np.abs(np.asarray(delta)).max() > 1) == (num_distinct > 0)
@@ -77,3 +85,20 @@ def test_joined_projections_mix_adapted_and_plain_weights():
     assert joined is not None
     np.testing.assert_allclose(np.asarray(joined[0]), np.asarray(reference(rows, adapted)), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(joined[1]), np.asarray(rows @ plain), rtol=1e-4, atol=1e-4)
+
+
+def test_expert_lora_matches_reference():
+    """Routed copies grouped by expert (an empty group, rows past the groups), each with its token's slot."""
+    rng = np.random.default_rng(5)
+    num_experts, size_in, size_out, num_slots, rank = 4, 12, 10, 3, 2
+    group_sizes = np.array([3, 0, 4, 2])
+    expert_ids = np.repeat(np.arange(num_experts), group_sizes)  # 9 grouped rows, then 2 past the groups
+    row_slots = rng.integers(0, num_slots, size=11)
+    a = rng.normal(size=(num_experts, size_in, num_slots, rank)).astype(np.float32)
+    b = rng.normal(size=(num_experts, num_slots, rank, size_out)).astype(np.float32)
+    a[:, :, 0], b[:, 0] = 0, 0
+    rows = rng.normal(size=(11, size_in)).astype(np.float32)
+    got = jax.jit(expert_lora_delta)(rows, jnp.asarray(group_sizes, jnp.int32), a, b, jnp.asarray(row_slots))
+    want = np.asarray(expert_reference(rows[:9], expert_ids, a, b, row_slots[:9]))
+    np.testing.assert_allclose(np.asarray(got)[:9], want, rtol=1e-4, atol=1e-4)
+    assert not np.asarray(got)[9:].any() and np.abs(want).max() > 1

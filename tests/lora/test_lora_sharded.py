@@ -39,8 +39,8 @@ def test_sharded_adapters_equal_peft(results, mesh):
 @pytest.mark.parametrize("mesh", MESHES)
 def test_slots_are_split_as_their_base_kernels(results, mesh):
     specs = results[mesh]["specs"]
-    assert specs["layers.0.self_attn.q_proj.a"] == [None, None, None]  # [slots, embed, rank]: replicated
+    assert specs["layers.0.self_attn.q_proj.a"] == [None, None, None]  # [embed, slots, rank]: replicated
     assert specs["layers.0.self_attn.q_proj.b"] == [None, None, "tensor"]  # [slots, rank, heads]
-    assert specs["layers.0.self_attn.o_proj.a"] == [None, "tensor", None]  # [slots, heads, rank]
+    assert specs["layers.0.self_attn.o_proj.a"] == ["tensor", None, None]  # [heads, slots, rank]
     assert specs["layers.0.self_attn.o_proj.b"] == [None, None, None]
-    assert specs["layers.1.mlp.down_proj.a"] == [None, "tensor", None]
+    assert specs["layers.1.mlp.down_proj.a"] == ["tensor", None, None]

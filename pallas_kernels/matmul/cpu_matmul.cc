@@ -9,7 +9,7 @@
 // walked in address order with the accumulators in L1 (RowWalk); with more rows (up to 64, the default
 // largest decode bucket; bound by the multiplies) each pass of rows is packed, widened to float32 once,
 // and register-tiled like a GEMM's micro-kernel (KnTile), so that bfloat16 batches run at least as fast
-// per row as float32 ones (issue #29). [N, K] (a tied embedding as the head): up to kNkRows rows, one
+// per row as float32 ones (issue #29). [N, K] (a tied embedding as the head): up to 4 rows, one
 // dot product per weight row after the other, straight from memory (NkRowDots); more, register tiles of
 // dot products over the item's rows, packed first since several groups of rows reuse them.
 //
@@ -49,6 +49,7 @@ constexpr int64_t kPackFloats = 32 * 1024; // a worker's packed weights per pass
 constexpr int64_t kItemBytes = 32 * 1024;  // [N, K]: weight bytes per work item, about
 constexpr int64_t kNkItemMultiple = 24;    // [N, K]: outputs per item are a multiple of every tile's
 constexpr int64_t kLineBytes = 64;
+constexpr int kNkDirectRows = 4;            // [N, K]: rows of x up to which NkRowDots reads the weights directly
 
 // A worker's packed weights: the rows a pass reads, copied in address order (a stream the hardware
 // prefetchers follow at full speed, where tiles reading column strips of a row-major matrix hop between
@@ -347,11 +348,11 @@ void NkRemainder(int rows, const float* x, int64_t depth, const typename T::Stor
 // R rows of x by `count` weight rows read straight from memory, one weight row after the other (address
 // order: the item is one stream). NkTile's tiles read NT rows side by side, which the hardware prefetchers
 // follow badly: at one row of x the tied head ran at 0.3-0.5 of a plain read stream that way, and at about
-// 1.0 this way (issue #29). Each row's dot products keep R * A accumulators (A per row so that about four
-// chains of FMAs are in flight).
+// 1.0 this way (issue #29). Each row's dot products keep R * A accumulators (A = 4 at one row, else 2:
+// at 3 and 4 rows one chain a row left the FMAs waiting on each other).
 template <typename T, int R>
 void NkRowDots(const float* x, int64_t depth, const typename T::Stored* w, int64_t count, float* out, int64_t ldo) {
-  constexpr int A = R == 1 ? 4 : (R == 2 ? 2 : 1);
+  constexpr int A = R == 1 ? 4 : 2;
   for (int64_t n = 0; n < count; ++n) {
     const auto* row = w + n * depth;
     VecF acc[R][A];
@@ -397,8 +398,8 @@ void NkDirect(int rows, const float* x, int64_t depth, const typename T::Stored*
 template <typename T>
 void NkItem(const Problem& p, int64_t n0, int64_t count) {
   const auto* w = static_cast<const typename T::Stored*>(p.w) + n0 * p.depth;
-  if (p.rows <= kNkRows) {  // one group of rows: straight from the weights, widened once anyway
-    return NkDirect<T, kNkRows>(int(p.rows), p.x, p.depth, w, count, p.out + n0, p.columns);
+  if (p.rows <= kNkDirectRows) {  // few rows: straight from the weights, widened once anyway
+    return NkDirect<T, kNkDirectRows>(int(p.rows), p.x, p.depth, w, count, p.out + n0, p.columns);
   }
   float* packed = PackBuffer(count * p.depth);
   Pack<T>(w, p.depth, count, p.depth, packed);

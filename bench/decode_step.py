@@ -203,7 +203,7 @@ def paths_ms(llm, batch: int, repeats: int) -> dict[str, float]:
     """Median ms of all the model's projections at `batch` rows through each kernel path this CPU runs and
     through XLA's dots (every result kept): where each should serve, per machine and dtype."""
     from pallas_kernels import cpu_library
-    from pallas_kernels.matmul import cpu, reference
+    from pallas_kernels.matmul import cpu
 
     _, groups = projection_groups(llm, batch)
     group = [entry for entries in groups.values() for entry in entries]
@@ -218,11 +218,29 @@ def paths_ms(llm, batch: int, repeats: int) -> dict[str, float]:
 
         def run(xs, weights, path=path):
             if path == "xla":
-                return [reference.matmul(xs[d], w, transposed=t) for w, t, d in zip(weights, flags, depth_of)]
-            return [cpu.small_matmul(xs[d], w, transposed=t, path=path) for w, t, d in zip(weights, flags, depth_of)]
+                return [project_xla(xs[d], w, t) for w, t, d in zip(weights, flags, depth_of)]
+            return [project_path(xs[d], w, t, path) for w, t, d in zip(weights, flags, depth_of)]
 
         times[path] = round(1e3 * median_time(jax.jit(run), xs, weights, repeats=repeats), 3)
     return times
+
+
+def project_xla(x, w, transposed: bool):
+    """XLA's dots for a float or a quantized weight (--quantization)."""
+    from pallas_kernels.matmul import quantized, reference
+
+    if quantized.is_quantized(w):
+        return quantized.matmul(x, w)
+    return reference.matmul(x, w, transposed=transposed)
+
+
+def project_path(x, w, transposed: bool, path: str):
+    """A kernel path's build for a float or a quantized weight (--quantization)."""
+    from pallas_kernels.matmul import cpu, quantized, quantized_cpu
+
+    if quantized.is_quantized(w):
+        return quantized_cpu.quantized_matmul(x, w, path=path)
+    return cpu.small_matmul(x, w, transposed=transposed, path=path)
 
 
 def weight_bytes(llm) -> int:

@@ -45,6 +45,7 @@ class BatchSizeState:
     )
     num_decisions: int = 0
     trial_left: int = 0  # steps left of trying the mode that is not the best
+    last_observed: bool | None = None  # the mode of the last step measured
 
 
 class SpeculationPolicy:
@@ -84,6 +85,12 @@ class SpeculationPolicy:
         if seconds <= 0 or not 1 <= batch_size <= self.max_batch_size:
             return
         state = self.by_batch_size.setdefault(batch_size, BatchSizeState())
+        switched, state.last_observed = state.last_observed not in (None, speculated), speculated
+        # Once both modes are measured, the first step after a switch stands for neither: a plain step
+        # after a verify step was not overlapped, and a draft model's first proposals after plain steps
+        # catch up on every token decoded meanwhile; counted, they kept an exploring trial from ever winning.
+        if switched and all(e.num_samples >= self.MIN_SAMPLES for e in state.estimates.values()):
+            return
         state.estimates[speculated].observe(num_tokens, seconds)
 
     def stats(self) -> dict:

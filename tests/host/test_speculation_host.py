@@ -164,3 +164,16 @@ def test_max_tokens_cuts_a_verify_row():
     seq.params = SamplingParams(max_tokens=3)
     verified(seq, scheduler, [4, 5, 6], [4, 5, 6, 7], accepted=3)
     assert seq.output_token_ids == [3, 4, 5] and seq.finish_reason == FinishReason.LENGTH
+
+
+def test_policy_leaves_out_the_first_step_after_a_switch():
+    """Once both modes are measured, a switch's first step (a draft catching up, a plain step that was not
+    overlapped) is not counted against the mode it switched to."""
+    policy = SpeculationPolicy(4)
+    for on in (True,) * 3 + (False,) * 3:
+        policy.observe(1, on, 0.01, 3 if on else 1)
+    policy.observe(1, True, 10.0, 1)  # the first speculating step after plain ones: left out
+    assert policy.stats()["1"] == {"on": 300.0, "off": 100.0}
+    policy.observe(1, True, 0.01, 3)
+    policy.observe(1, True, 10.0, 1)  # not after a switch: counted
+    assert policy.stats()["1"]["on"] < 100.0

@@ -249,7 +249,8 @@ void GroupRows(const Problem& p, const Rows& x, int64_t r0, int64_t g, int64_t c
 
 // Block columns for `rows` rows of x: the group sums of up to 8 rows, [8, width] float32, stay in L1.
 inline int64_t BlockColumns(int64_t rows) {
-  return std::min<int64_t>(kBlockColumns, kSumsBytes / int64_t(sizeof(float) * std::min<int64_t>(rows, kRowGroup)));
+  const int64_t fits = kSumsBytes / int64_t(sizeof(float) * std::min<int64_t>(rows, kRowGroup));
+  return std::min<int64_t>(kBlockColumns, fits / kMinBlockColumns * kMinBlockColumns);  // whole vectors
 }
 
 // Groups [g0, g1) of every row of x times columns [c0, c0 + width), added into partial [M, N]: group by

@@ -9,7 +9,9 @@ none). Adapters are random PEFT-format adapters (every q/k/v/o and MLP projectio
 --rank, nonzero A and B) written to a temporary directory; speed does not depend on their values. Request i
 uses adapter i % k. Prompts are random token ids (--prompt-tokens each, the same in every mode), outputs
 --max-tokens long with EOS ignored, greedy; prefix caching is off so that every mode computes every prompt.
-Rates are generated tokens over wall time, prompt processing included, the best of --repeats runs.
+Rates are generated tokens over wall time, prompt processing included, the best of --repeats runs. Both
+engines stay up and the modes take turns within each repeat, so that a machine whose load drifts during the
+run (a shared one) skews every mode alike rather than the later ones.
 
 Prints one JSON line per (engine, adapters) and a last line with each mode's ratio to the peer (goal: >= 0.8
 with 16 adapters).
@@ -56,16 +58,12 @@ def write_adapters(directory: str, llm: LLM, count: int, rank: int, seed: int = 
     return paths
 
 
-def run(llm: LLM, prompts: list[list[int]], adapters: list[str | None], max_tokens: int, repeats: int) -> dict:
+def run_once(llm: LLM, prompts: list[list[int]], adapters: list[str | None], max_tokens: int) -> tuple[float, int]:
+    """(seconds, generated tokens) of one batch."""
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, lora=a) for a in adapters]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm: the adapters' first use
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        best = min(best, time.perf_counter() - start)
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return dict(seconds=round(best, 3), generated_tokens=generated, tokens_per_second=round(generated / best, 2))
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
 def main() -> None:
@@ -95,21 +93,36 @@ def main() -> None:
     vocab_size = peer.engine.model_config.vocab_size
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, vocab_size, args.prompt_tokens).tolist() for _ in range(args.num_requests)]
-    results = {"base": run(peer, prompts, [None] * args.num_requests, args.max_tokens, args.repeats)}
-    print(json.dumps(dict(engine="no_lora_slots", adapters=0, **results["base"])), flush=True)
-    del peer
-
     llm = LLM(args.model, **engine, lora=dict(max_adapters=max(counts), max_rank=args.rank))
     with tempfile.TemporaryDirectory() as directory:
         for name, path in write_adapters(directory, llm, max(counts), args.rank).items():
             llm.load_lora(name, path)
-        base_with_slots = run(llm, prompts, [None] * args.num_requests, args.max_tokens, args.repeats)
-        results["base_with_slots"] = base_with_slots
-        print(json.dumps(dict(engine="lora_slots", adapters=0, **base_with_slots)), flush=True)
+        # mode -> (engine, its name in the output, adapters, each request's adapter)
+        modes = {"base": (peer, "no_lora_slots", 0, [None] * args.num_requests)}
+        modes["base_with_slots"] = (llm, "lora_slots", 0, [None] * args.num_requests)
         for count in counts:
-            adapters = [f"adapter{i % count}" for i in range(args.num_requests)]
-            results[f"{count}_adapters"] = run(llm, prompts, adapters, args.max_tokens, args.repeats)
-            print(json.dumps(dict(engine="lora_slots", adapters=count, **results[f"{count}_adapters"])), flush=True)
+            modes[f"{count}_adapters"] = (
+                llm,
+                "lora_slots",
+                count,
+                [f"adapter{i % count}" for i in range(args.num_requests)],
+            )
+        for engine_llm, _, _, adapters in modes.values():  # warm: each adapter's first use
+            run_once(engine_llm, prompts[:2], adapters[:2], args.max_tokens)
+        best = {mode: float("inf") for mode in modes}
+        generated = {}
+        for _ in range(args.repeats):  # the modes take turns, so load drift hits them alike
+            for mode, (engine_llm, _, _, adapters) in modes.items():
+                seconds, generated[mode] = run_once(engine_llm, prompts, adapters, args.max_tokens)
+                best[mode] = min(best[mode], seconds)
+    results = {}
+    for mode, (_, name, count, _) in modes.items():
+        results[mode] = dict(
+            seconds=round(best[mode], 3),
+            generated_tokens=generated[mode],
+            tokens_per_second=round(generated[mode] / best[mode], 2),
+        )
+        print(json.dumps(dict(engine=name, adapters=count, **results[mode])), flush=True)
     stats = llm.stats()
     base_rate = results["base"]["tokens_per_second"]
     ratios = {name: round(result["tokens_per_second"] / base_rate, 3) for name, result in results.items()}

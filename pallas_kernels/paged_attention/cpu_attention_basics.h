@@ -1,0 +1,104 @@
+// Scalar basics of the CPU attention kernels: 16-bit floats as stored, their widening and rounding, and
+// the online softmax's exp. Used by cpu_latent_kernel.cc; they are the same definitions cpu_kernel.cc
+// carries for itself (which also decodes float8 and scales quantized rows).
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+namespace jaxserve_cpu_attention {
+
+constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
+
+// 16-bit floats as stored in a buffer: their bits.
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
+
+inline float ToFloat(float x) { return x; }
+
+inline float ToFloat(BFloat16 x) {
+  const uint32_t bits = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float ToFloat(Float16 x) {
+  _Float16 h;
+  std::memcpy(&h, &x.bits, sizeof(h));
+  return float(h);
+}
+
+template <typename T>
+T FromFloat(float x);
+
+template <>
+inline float FromFloat<float>(float x) {
+  return x;
+}
+
+// Rounded to nearest even, as XLA's convert does.
+template <>
+inline BFloat16 FromFloat<BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if (std::isnan(x)) return {uint16_t((bits >> 16) | 0x40)};  // stays a (quiet) NaN
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return {uint16_t(bits >> 16)};
+}
+
+template <>
+inline Float16 FromFloat<Float16>(float x) {
+  const _Float16 h = _Float16(x);
+  Float16 out;
+  std::memcpy(&out.bits, &h, sizeof(h));
+  return out;
+}
+
+// n values widened to float32 into `target`.
+template <typename T>
+inline void Widen(const T* source, int64_t n, float* target) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(target, source, n * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < n; ++i) target[i] = ToFloat(source[i]);
+  }
+}
+
+// exp(x) for the x <= 0 of an online softmax, in a form the compiler vectorizes (std::exp is a scalar
+// libm call): Cody-Waite range reduction and Cephes' expf polynomial, within a few ulp of expf.
+// Anything below expf's underflow, -inf included, is exactly 0, so masked keys get no weight.
+inline float ExpNonpositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float f = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  const float r = p * f * f + f + 1.0f;
+  int32_t exponent_bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &exponent_bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : r * scale;
+}
+
+inline float Dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+}  // namespace jaxserve_cpu_attention

@@ -37,6 +37,7 @@ using jaxserve_cpu_attention::kNegativeInfinity;
 using jaxserve_cpu_attention::Widen;
 
 constexpr int64_t kKeysPerTile = 64;
+constexpr int64_t kLanes = 32;  // lanes of AttendTile's weighted sums held in registers per row
 constexpr int64_t kRowsPerGroup = 4;  // AttendTile's rows at once (its loops are written for 4)
 
 template <typename T>
@@ -54,7 +55,7 @@ struct LatentProblem {
 
 // A worker's buffers, kept across the items it takes.
 struct LatentScratch {
-  std::vector<float> queries, accumulator, scores, running_max, denominator, entries;
+  std::vector<float> queries, accumulator, scores, running_max, denominator, entries, spare;
 };
 
 // Rows [group, group + n) (n <= kRowsPerGroup; row = token b * heads + head) against the tile's entries:
@@ -88,10 +89,8 @@ inline void AttendTile(LatentScratch& s, int64_t group, int64_t n, int64_t heads
     }
     scores[0][t] = s0, scores[1][t] = s1, scores[2][t] = s2, scores[3][t] = s3;
   }
-  float weights_scale[kRowsPerGroup];  // unused rows weigh nothing
   for (int64_t r = 0; r < kRowsPerGroup; ++r) {
-    weights_scale[r] = 0.0f;
-    if (visible[r] == 0) {
+    if (visible[r] == 0) {  // weighs nothing (a missing row of a short group too)
       std::fill(scores[r], scores[r] + num_keys, 0.0f);
       continue;
     }
@@ -113,34 +112,43 @@ inline void AttendTile(LatentScratch& s, int64_t group, int64_t n, int64_t heads
     std::fill(scores[r] + visible[r], scores[r] + num_keys, 0.0f);  // keys in the row's future
     s.denominator[row] += tile_sum;
     s.running_max[row] = new_max;
-    weights_scale[r] = 1.0f;
   }
-  // A short group's repeated rows alias a real row's accumulator: only a full group takes the 4-row loop.
-  for (int64_t t = 0; t < num_keys; ++t) {
+  // The weighted sums, kLanes lanes of the 4 rows at a time held in registers across the tile's keys (a
+  // short group's missing rows add zeros into a spare accumulator rather than alias a real row's).
+  for (int64_t r = n; r < kRowsPerGroup; ++r) accumulator[r] = s.spare.data() + r * W;
+  const float* weights0 = scores[0];
+  const float* weights1 = scores[1];
+  const float* weights2 = scores[2];
+  const float* weights3 = scores[3];
+  int64_t w0 = 0;
+  for (; w0 + kLanes <= W; w0 += kLanes) {
+    float a0[kLanes], a1[kLanes], a2[kLanes], a3[kLanes];
+    std::copy(accumulator[0] + w0, accumulator[0] + w0 + kLanes, a0);
+    std::copy(accumulator[1] + w0, accumulator[1] + w0 + kLanes, a1);
+    std::copy(accumulator[2] + w0, accumulator[2] + w0 + kLanes, a2);
+    std::copy(accumulator[3] + w0, accumulator[3] + w0 + kLanes, a3);
+    for (int64_t t = 0; t < num_keys; ++t) {
+      const float* entry = entries + t * W + w0;
+      const float c0 = weights0[t], c1 = weights1[t], c2 = weights2[t], c3 = weights3[t];
+#pragma omp simd
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const float e = entry[j];
+        a0[j] += c0 * e;
+        a1[j] += c1 * e;
+        a2[j] += c2 * e;
+        a3[j] += c3 * e;
+      }
+    }
+    std::copy(a0, a0 + kLanes, accumulator[0] + w0);
+    std::copy(a1, a1 + kLanes, accumulator[1] + w0);
+    std::copy(a2, a2 + kLanes, accumulator[2] + w0);
+    std::copy(a3, a3 + kLanes, accumulator[3] + w0);
+  }
+  for (int64_t t = 0; t < num_keys && w0 < W; ++t) {  // the last W % kLanes lanes
     const float* entry = entries + t * W;
-    if (n == kRowsPerGroup) {
-      const float w0 = scores[0][t] * weights_scale[0], w1 = scores[1][t] * weights_scale[1], w2 = scores[2][t] * weights_scale[2],
-                  w3 = scores[3][t] * weights_scale[3];
-      float* a0 = accumulator[0];
-      float* a1 = accumulator[1];
-      float* a2 = accumulator[2];
-      float* a3 = accumulator[3];
-#pragma omp simd
-      for (int64_t w = 0; w < W; ++w) {
-        const float e = entry[w];
-        a0[w] += w0 * e;
-        a1[w] += w1 * e;
-        a2[w] += w2 * e;
-        a3[w] += w3 * e;
-      }
-    } else {
-      for (int64_t r = 0; r < n; ++r) {
-        const float weight = scores[r][t] * weights_scale[r];
-        if (weight == 0.0f) continue;
-        float* a = accumulator[r];
-#pragma omp simd
-        for (int64_t w = 0; w < W; ++w) a[w] += weight * entry[w];
-      }
+    for (int64_t r = 0; r < n; ++r) {
+      const float weight = scores[r][t];
+      for (int64_t w = w0; w < W; ++w) accumulator[r][w] += weight * entry[w];
     }
   }
 }
@@ -166,6 +174,7 @@ void AttendHeads(const LatentProblem<T>& p, int64_t block, int64_t head_begin, i
   s.running_max.assign(rows, kNegativeInfinity);
   s.denominator.assign(rows, 0.0f);
   s.entries.resize(kKeysPerTile * W);
+  s.spare.resize(kRowsPerGroup * W);
   for (int64_t b = 0; b < B; ++b) {  // the queries scaled in float32 first, as the reference does
     float* queries = s.queries.data() + b * heads * W;
     Widen(p.q + ((first_token + b) * H + head_begin) * W, heads * W, queries);

@@ -77,7 +77,13 @@ def test_phi3_su_rope_partial_rotary_and_the_attention_factor():
     assert config.with_context_length(8192).context_length == 8192
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "gemma", "phi", "phimoe"])
+@pytest.mark.parametrize("model_type", ["gemma", "phi", "phimoe"])
 def test_other_families_keep_the_clear_error(model_type):
     with pytest.raises(ValueError, match="unknown model type"):
         ModelConfig.from_hf_dict(dict(BASE, model_type=model_type, num_hidden_layers=2))
+
+
+def test_a_multimodal_gemma3_config_without_its_text_config_is_refused():
+    # gemma3 (Gemma3ForConditionalGeneration) serves its text_config; a flat config has none to serve
+    with pytest.raises(ValueError, match="needs a text_config"):
+        ModelConfig.from_hf_dict(dict(BASE, model_type="gemma3", num_hidden_layers=2))

@@ -1,6 +1,6 @@
 // Scalar basics of the CPU attention kernels: 16-bit floats as stored, their widening and rounding, and
-// the online softmax's exp. Used by cpu_latent_kernel.cc; they are the same definitions cpu_kernel.cc
-// carries for itself (which also decodes float8 and scales quantized rows).
+// the online softmax's exp. Used by cpu_kernel.cc and cpu_latent_kernel.cc (cpu_kernel.cc adds the
+// quantized page types: int8 and float8 rows with their scales).
 
 #pragma once
 

@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_attention_basics.h"
 #include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -41,34 +42,20 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kKeysPerTile = 64;
-constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
+// The 16-bit float types, their widening and rounding, the online softmax's exp and the dot product are
+// shared with the latent kernel (cpu_attention_basics.h); this kernel adds the quantized page types.
+using jaxserve_cpu_attention::BFloat16;
+using jaxserve_cpu_attention::Dot;
+using jaxserve_cpu_attention::ExpNonpositive;
+using jaxserve_cpu_attention::Float16;
+using jaxserve_cpu_attention::FromFloat;
+using jaxserve_cpu_attention::kNegativeInfinity;
+using jaxserve_cpu_attention::ToFloat;
 
-// 16-bit floats as stored in a buffer: their bits.
-struct BFloat16 {
-  uint16_t bits;
-};
-struct Float16 {
-  uint16_t bits;
-};
 // float8_e4m3fn as stored: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities.
 struct Float8E4M3 {
   uint8_t bits;
 };
-
-inline float ToFloat(float x) { return x; }
-
-inline float ToFloat(BFloat16 x) {
-  const uint32_t bits = uint32_t(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline float ToFloat(Float16 x) {
-  _Float16 h;
-  std::memcpy(&h, &x.bits, sizeof(h));
-  return float(h);
-}
 
 inline float ToFloat(int8_t x) { return float(x); }
 
@@ -89,32 +76,6 @@ struct Float8Table {
 inline float ToFloat(Float8E4M3 x) {
   static const Float8Table table;
   return table.values[x.bits];
-}
-
-template <typename T>
-T FromFloat(float x);
-
-template <>
-inline float FromFloat<float>(float x) {
-  return x;
-}
-
-// Rounded to nearest even, as XLA's convert does.
-template <>
-inline BFloat16 FromFloat<BFloat16>(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  if (std::isnan(x)) return {uint16_t((bits >> 16) | 0x40)};  // stays a (quiet) NaN
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return {uint16_t(bits >> 16)};
-}
-
-template <>
-inline Float16 FromFloat<Float16>(float x) {
-  const _Float16 h = _Float16(x);
-  Float16 out;
-  std::memcpy(&out.bits, &h, sizeof(h));
-  return out;
 }
 
 // n values as float32: the source itself when it is float32, else widened into `scratch`.
@@ -164,41 +125,14 @@ struct Scratch {
   std::vector<float> queries, accumulator, scores, running_max, denominator, keys_transposed, key_tile, value_tile;
 };
 
-// exp(x) for the x <= 0 of an online softmax, in a form the compiler vectorizes (std::exp is a scalar
-// libm call): Cody-Waite range reduction and Cephes' expf polynomial, within a few ulp of expf.
-// Anything below expf's underflow, -inf included, is exactly 0, so masked keys get no weight.
-inline float exp_nonpositive(float x) {
-  const float clamped = std::max(x, -87.0f);
-  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
-  const float f = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  const float r = p * f * f + f + 1.0f;
-  int32_t exponent_bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &exponent_bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : r * scale;
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
 // A row's output scale, 1 / denominator, with the row's sink (if any) folded into its softmax state: the
 // accumulator is rescaled by `rescale` to the max both share. Zero for a row that saw nothing.
 inline float OutputScale(float running_max, float denominator, const float* sink, float& rescale) {
   rescale = 1.0f;
   if (sink != nullptr) {
     const float max = std::max(running_max, *sink);
-    rescale = exp_nonpositive(running_max - max);  // 0 when no key was seen (-inf)
-    denominator = denominator * rescale + exp_nonpositive(*sink - max);
+    rescale = ExpNonpositive(running_max - max);  // 0 when no key was seen (-inf)
+    denominator = denominator * rescale + ExpNonpositive(*sink - max);
   }
   return denominator > 0.0f ? rescale / denominator : 0.0f;
 }
@@ -289,7 +223,7 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
               for (int64_t t = 0; t < kKeysPerTile; ++t) row_scores[t] += q_d * keys_d[t];
             }
           } else {
-            for (int64_t t = 0; t < num_keys; ++t) row_scores[t] = dot(query, key_rows[t] + kv_offset, D);
+            for (int64_t t = 0; t < num_keys; ++t) row_scores[t] = Dot(query, key_rows[t] + kv_offset, D);
           }
           float tile_max = kNegativeInfinity;
           for (int64_t t = 0; t < num_keys; ++t) {
@@ -302,7 +236,7 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
           }
           if (tile_max == kNegativeInfinity) continue;
           const float new_max = std::max(s.running_max[row], tile_max);
-          const float rescale = exp_nonpositive(s.running_max[row] - new_max);  // 0 on the first tile
+          const float rescale = ExpNonpositive(s.running_max[row] - new_max);  // 0 on the first tile
           float* accumulator = s.accumulator.data() + row * D;
           if (rescale != 1.0f) {
             s.denominator[row] *= rescale;
@@ -311,7 +245,7 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
           float tile_sum = 0.0f;
 #pragma omp simd reduction(+ : tile_sum)
           for (int64_t t = 0; t < num_keys; ++t) {
-            row_scores[t] = exp_nonpositive(row_scores[t] - new_max);  // masked keys: 0
+            row_scores[t] = ExpNonpositive(row_scores[t] - new_max);  // masked keys: 0
             tile_sum += row_scores[t];
           }
           s.denominator[row] += tile_sum;
@@ -356,7 +290,7 @@ void MergeRanges(const Problem<T, PageT>& p, int64_t block, const PartialState* 
     if (max != kNegativeInfinity) {
       for (int64_t r = 0; r < num_ranges; ++r) {
         if (ranges[r].denominator[row] <= 0.0f) continue;  // saw no key in this range
-        const float weight = exp_nonpositive(ranges[r].max[row] - max);
+        const float weight = ExpNonpositive(ranges[r].max[row] - max);
         denominator += weight * ranges[r].denominator[row];
         const float* accumulator = ranges[r].accumulator + row * D;
         for (int64_t d = 0; d < D; ++d) merged[d] += weight * accumulator[d];

@@ -143,26 +143,33 @@ class DecodeService:
         handover.handover_id = response.handover_id
         answered = time.perf_counter()
         chunks = self.transfers.pull(response.transfer_address, response.transfer_id, response.chunks, self.timeout)
-        installed = chunks is not None and self._install_on_loop(handover, response, chunks)
+
+        def count_handover() -> None:  # before the request is admitted: a client that saw its reply sees it
+            self.stats.num_handovers += 1
+            self.stats.bytes_moved += sum(chunk.nbytes for chunk in chunks)
+            self.stats.num_pages_moved += len(reservation.missing_page_ids)
+            self.stats.num_pages_reused += len(reservation.held_keys)
+            self.stats.seconds_moving += time.perf_counter() - answered
+            self.stats.seconds_prefilling += answered - started
+
+        installed = chunks is not None and self._install_on_loop(handover, response, chunks, count_handover)
         self._release(handover)
         if chunks is None or not installed:
             return self._recompute(handover, "the pages did not arrive" if chunks is None else "reservation gone")
-        self.stats.num_handovers += 1
-        self.stats.bytes_moved += sum(chunk.nbytes for chunk in chunks)
-        self.stats.num_pages_moved += len(reservation.missing_page_ids)
-        self.stats.num_pages_reused += len(reservation.held_keys)
-        self.stats.seconds_moving += time.perf_counter() - answered
-        self.stats.seconds_prefilling += answered - started
         return None
 
-    def _install_on_loop(self, handover: Handover, response: dpb.PrefillResponse, chunks) -> bool:
+    def _install_on_loop(self, handover: Handover, response: dpb.PrefillResponse, chunks, count_handover) -> bool:
         try:
-            return self.loop.call(lambda engine: self._install(engine, handover, response, chunks)).result(self.timeout)
+            return self.loop.call(
+                lambda engine: self._install(engine, handover, response, chunks, count_handover)
+            ).result(self.timeout)
         except Exception:  # late (it still completes; recomputing then does nothing) or failed: recompute
             return False
 
-    def _install(self, engine, handover: Handover, response: dpb.PrefillResponse, chunks) -> bool:
-        """Loop thread: the pulled KV into the reserved pages, and the request admitted at its first token."""
+    def _install(self, engine, handover: Handover, response: dpb.PrefillResponse, chunks, count_handover) -> bool:
+        """Loop thread: the pulled KV into the reserved pages, the handover counted, and the request admitted
+        at its first token (counted first: once admitted it may finish and its client ask for Status before
+        the handover thread runs again)."""
         handle = handover.stream.handle
         pending = engine.handovers.reservations.get(handle)
         if pending is None or handover.ended:
@@ -174,6 +181,7 @@ class DecodeService:
             engine.runner.scatter_pages(
                 reservation.missing_page_ids, jax.device_put(chunks, engine.runner.page_array_sharding())
             )
+        count_handover()
         logprobs = first_logprobs(response) if response.HasField("first_logprobs") else None
         engine.handovers.complete(
             PrefilledRequest(

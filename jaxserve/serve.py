@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import sys
 import threading
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -211,11 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
+    groups: list[ProcessGroup] = []
+
     def start() -> Server:
         config = load_config(args.config, args.overrides)
         group = initialize(config.distributed)
         if group is not None and not group.is_leader:
-            sys.exit(follow(config, group))
+            leave_multiprocess_program(follow(config, group))
+        if group is not None:
+            groups.append(group)
         server = Server(config, group)
         server.start()
         return server
@@ -225,7 +231,20 @@ def main(argv: list[str] | None = None) -> int:
         server.drain_and_stop()
         logger.info("stopped")
 
-    return run_until_signalled("jaxserve.serve", start, stop)
+    code = run_until_signalled("jaxserve.serve", start, stop)
+    if groups and groups[0].is_multiprocess:
+        leave_multiprocess_program(code)
+    return code
+
+
+def leave_multiprocess_program(code: int) -> NoReturn:
+    """After an orderly stop of a multi-process program: flush and exit without finalizing the interpreter.
+    XLA's CPU collectives (gloo) and the coordination client keep C++ threads of their own that
+    finalization can catch mid-call, which aborts a process that had stopped cleanly."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def follow(config: ServeConfig, group: ProcessGroup) -> int:

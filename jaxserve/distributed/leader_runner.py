@@ -96,6 +96,7 @@ class LeaderRunner:
         self._busy: tuple[str, float] | None = None  # the device call in flight and since when
         self._beats = Beats(group, session, config.beat_interval)
         self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -183,6 +184,8 @@ class LeaderRunner:
                 self._send(END, ())
             self._stop.set()
             self._beats.stop()
+            if self._watchdog is not None and self._watchdog is not threading.current_thread():
+                self._watchdog.join(timeout=self.group.config.beat_interval + 5)
         if self.group.active_leader is self:
             self.group.active_leader = None
 
@@ -200,7 +203,8 @@ class LeaderRunner:
         self.serving = True
         self.group.active_leader = self
         self._beats.start()
-        threading.Thread(target=self._watch, daemon=True, name="jaxserve-leader-watchdog").start()
+        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="jaxserve-leader-watchdog")
+        self._watchdog.start()
 
     def _watch(self) -> None:
         fatal = self.group.fatal

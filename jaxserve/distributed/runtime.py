@@ -58,7 +58,7 @@ def initialize(config: DistributedConfig | None) -> ProcessGroup | None:
     )
     group = ProcessGroup(config, jax.process_index(), jax.process_count())
     if group.is_leader and group.is_multiprocess:
-        threading.Thread(target=group.watch_start_failures, daemon=True, name="jaxserve-start-watch").start()
+        group.start_watching_start_failures()
     logger.info(
         "process %d of %d; %d devices, %d local",
         group.process_index,
@@ -100,6 +100,8 @@ class ProcessGroup:
     # one session per engine built, one key per exchange: drawn in the same order on every process
     _sessions: Iterator[int] = field(default_factory=itertools.count)
     _exchanges: Iterator[int] = field(default_factory=itertools.count)
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _start_watch: threading.Thread | None = None
 
     @property
     def is_multiprocess(self) -> bool:
@@ -139,11 +141,14 @@ class ProcessGroup:
         except Exception:  # the coordination service is gone: process 0 is stopping anyway
             logger.exception("could not report the start failure to process 0")
 
+    def start_watching_start_failures(self) -> None:
+        self._start_watch = threading.Thread(target=self.watch_start_failures, daemon=True, name="jaxserve-start-watch")
+        self._start_watch.start()
+
     def watch_start_failures(self) -> None:
-        """Process 0, for as long as it runs: a follower's reported start failure ends it with that error."""
+        """Process 0, until shutdown: a follower's reported start failure ends it with that error."""
         kv = client()
-        while True:
-            time.sleep(START_WATCH_INTERVAL)
+        while not self._stopping.wait(START_WATCH_INTERVAL):
             for process in range(1, self.num_processes):
                 try:
                     message = kv.key_value_try_get(f"{START_ERROR_KEY}/{process}")
@@ -159,9 +164,15 @@ class ProcessGroup:
             self.fatal(message)
 
     def shutdown(self) -> None:
-        """Process 0: tell the followers to stop, then leave the program."""
+        """Tell the followers to stop (process 0), end this process's own threads that call into the
+        coordination service, then leave the distributed runtime. The threads are joined, not left as
+        daemons: one still inside a C++ call when the interpreter finalizes is unwound by force there,
+        and the runtime's C++ aborts the process ("FATAL: exception not rethrown") after a clean stop."""
         if self.active_leader is not None:
             self.active_leader.shutdown()
+        self._stopping.set()
+        if self._start_watch is not None and self._start_watch is not threading.current_thread():
+            self._start_watch.join(timeout=2 * START_WATCH_INTERVAL + 5)
         jax.distributed.shutdown()
 
     def exchange(self, what: str, value: str) -> list[str]:
@@ -200,6 +211,8 @@ class Beats:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 5)
 
     def _run(self) -> None:
         count = 0

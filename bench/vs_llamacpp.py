@@ -18,9 +18,12 @@ Per precision, with 2 threads each (llama.cpp: -t 2; jaxserve: XLA on this machi
   greedy   token-for-token agreement of the two engines' greedy outputs (a few text prompts and the
            batched requests)
 Prints JSON lines, then a table with the ratios (jaxserve / llama.cpp; > 1: jaxserve faster). The first line
-names the machine: CPU model, vector flags, jaxserve's kernel instruction path. `--kernel-path avx2` builds
-jaxserve's CPU kernels without AVX-512 (JAXSERVE_CPU_KERNEL_PATH) to measure what an AVX2-only CPU's
-kernels do; XLA's own dots and llama.cpp still use the machine's full ISA (say so beside such figures).
+names the machine: CPU model, vector flags, jaxserve's kernel instruction path, llama.cpp's build.
+`--kernel-path avx2` builds jaxserve's CPU kernels without AVX-512 (JAXSERVE_CPU_KERNEL_PATH) to measure what
+an AVX2-only CPU's kernels do; `--llamacpp-build avx2` runs llama.cpp's AVX2 build (GGML_NATIVE off,
+AVX-512 off; bench/llamacpp_peer.py), and `--avx2` sets both: an emulated AVX2 machine with both engines on
+AVX2 kernels. XLA's own dots (jaxserve's projections it serves, its norms and sampler) still use the
+machine's full ISA, AVX-512 included: the machine line says so (`isa_note`).
 """
 
 from __future__ import annotations
@@ -149,7 +152,9 @@ def run_precision(args, precision: str, jax_path: str | None, gguf: str, single,
         )
         del ours
         gc.collect()
-    with peer.LlamaServer(CACHE_DIR, gguf, args.threads, args.slots, context_per_slot=512) as server:
+    with peer.LlamaServer(
+        CACHE_DIR, gguf, args.threads, args.slots, context_per_slot=512, build=args.llamacpp_build
+    ) as server:
         results["llamacpp"] = measure(
             f"llamacpp-{precision}",
             lambda p, n: llamacpp_generate(server, p, n),
@@ -159,7 +164,9 @@ def run_precision(args, precision: str, jax_path: str | None, gguf: str, single,
             args.repeats,
         )
     if args.llama_bench:
-        rates = peer.llama_bench(CACHE_DIR, gguf, args.threads, len(single[0]), single[1], repetitions=2)
+        rates = peer.llama_bench(
+            CACHE_DIR, gguf, args.threads, len(single[0]), single[1], repetitions=2, build=args.llamacpp_build
+        )
         results["llamacpp"]["llama_bench"] = rates
         emit(engine=f"llamacpp-{precision}", llama_bench=rates)
     if jax_path is not None:
@@ -233,17 +240,26 @@ def main() -> None:
     parser.add_argument("--no-q8", dest="q8", action="store_false", help="skip the llama.cpp Q8_0 reference line")
     parser.add_argument("--no-llama-bench", dest="llama_bench", action="store_false")
     parser.add_argument("--kernel-path", default=None, help="jaxserve's CPU kernel path: avx512, avx2 or portable")
+    parser.add_argument("--llamacpp-build", default="native", choices=sorted(peer.BUILDS), help="llama.cpp's build")
+    parser.add_argument(
+        "--avx2", action="store_true", help="both engines on AVX2 kernels: --kernel-path avx2 --llamacpp-build avx2"
+    )
     args = parser.parse_args()
+    if args.avx2:
+        args.kernel_path, args.llamacpp_build = "avx2", "avx2"
     if args.kernel_path:  # before jaxserve builds its kernels
         os.environ["JAXSERVE_CPU_KERNEL_PATH"] = args.kernel_path
     pin_threads(args.threads)
-    peer.ensure_built(CACHE_DIR)
+    peer.ensure_built(CACHE_DIR)  # its llama-quantize writes the GGUF files
+    peer.ensure_built(CACHE_DIR, args.llamacpp_build)
     jax_path, ggufs, name = model_files(args)
     single, batch, text_prompts = workload(jax_path, args)
     emit(
         bench="vs_llamacpp",
         model=name,
         **cpu_description(),
+        llamacpp_build=args.llamacpp_build,
+        isa_note=isa_note(args),
         threads=args.threads,
         cpu_count=os.cpu_count(),
         single=dict(prompt_tokens=len(single[0]), new_tokens=single[1]),
@@ -276,6 +292,18 @@ def main() -> None:
             by_engine.get(engine, {}).pop("outputs", None)
     emit(result="vs_llamacpp", **results)
     print_table(results)
+
+
+def isa_note(args) -> str:
+    """Which instructions each engine ran, where a flag restricted them below the machine's."""
+    from pallas_kernels import cpu_library
+
+    if not args.kernel_path and args.llamacpp_build == "native":
+        return "both engines on this machine's full ISA"
+    kernels = cpu_library.chosen_path(args.kernel_path)
+    avx512 = "avx512f" in cpu_library.cpu_flags()
+    xla = "XLA's own dots, norms and sampler still use AVX-512" if avx512 else "XLA on this machine's ISA"
+    return f"jaxserve's C++ kernels on the {kernels} path ({xla}); llama.cpp's {args.llamacpp_build} build"
 
 
 def quantized_gguf(ggufs: dict, kind: str) -> str:

@@ -31,7 +31,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.matmul import MatmulPlan
+from pallas_kernels.matmul import MatmulPlan, SmallMatmul, cpu_lora
 
 # Legend: M = rows (tokens) in the step, K = in features, N = out features, L = adapter slots, r = slot rank.
 
@@ -208,9 +208,11 @@ def reference(rows, weight: LoraWeight):
 @dataclass(frozen=True)
 class LoraMatmul:
     """A matmul plan entry for calls where some weight carries adapters: the base products by `base` (the
-    plan without this entry), then each adapter's low-rank product added."""
+    plan without this entry), then each adapter's low-rank product added: by the C++ segmented kernel
+    (cpu_lora.py: each row times its own adapter only) when `segmented`, else by the masked XLA product."""
 
     base: MatmulPlan  # whatever serves the base weights
+    segmented: bool = False  # one CPU device where the kernel library builds
     joins_weights: ClassVar[bool] = True
 
     def serves(self, num_rows: int, weights: tuple) -> bool:
@@ -223,12 +225,21 @@ class LoraMatmul:
         products = self.base.together(rows, bases)
         if products is None:
             products = tuple(self.base(rows, base) for base in bases)
+        add = add_lora_segmented if self.segmented else add_lora
         return tuple(
-            add_lora(rows, product, weight) if isinstance(weight, LoraWeight) else product
+            add(rows, product, weight) if isinstance(weight, LoraWeight) else product
             for product, weight in zip(products, weights)
         )
 
 
+def add_lora_segmented(rows, base_product, weight: LoraWeight):
+    """add_lora by the C++ segmented kernel: each row's own adapter only, its A and B read once a step."""
+    return cpu_lora.add_lora(rows.astype(weight.a.dtype), base_product, weight.a, weight.b, weight.rows.slots)
+
+
 def with_lora(plan: MatmulPlan) -> MatmulPlan:
-    """The plan with LoRA in front: calls with adapters go through LoraMatmul, the rest as before."""
-    return MatmulPlan((LoraMatmul(plan), *plan.entries))
+    """The plan with LoRA in front: calls with adapters go through LoraMatmul, the rest as before. The plan
+    holds the C++ small matmul exactly where a custom call sees whole weights on one CPU device
+    (choose_matmul); there the segmented kernel adds the adapters, where it builds."""
+    segmented = any(isinstance(entry, SmallMatmul) for entry in plan.entries) and cpu_lora.available()
+    return MatmulPlan((LoraMatmul(plan, segmented), *plan.entries))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from jaxserve.disagg.metadata import PrefilledRequest
 from jaxserve.host.output_processor import append_token
+from jaxserve.host.page_allocator import ROOT_KEY
 from jaxserve.host.request import Request, SamplingParams
 from jaxserve.host.schedule import Reservation
 
@@ -110,8 +111,10 @@ class DecodeHandovers:
         if engine.has_request(request_id) or request_id in self.reservations:
             raise ValueError(f"request id {request_id!r} is already in use")
         engine.validate(prompt_token_ids, params)
+        adapter = engine.lora_adapter(params)  # its pages chain from the adapter's identity, not the base's root
+        root_key = ROOT_KEY if adapter is None else adapter.identity
         rank = min(range(len(engine.schedulers)), key=lambda r: engine.schedulers[r].num_sequences)
-        reservation = engine.schedulers[rank].reserve(request_id, prompt_token_ids, params.max_tokens)
+        reservation = engine.schedulers[rank].reserve(request_id, prompt_token_ids, params.max_tokens, root_key)
         if reservation is None:
             return None
         # Cached pages evicted for these go to the host tier now, before the handover overwrites them.

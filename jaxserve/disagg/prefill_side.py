@@ -48,7 +48,8 @@ class PrefillHandovers:
     def pages_to_send(self, request_id: str, held_keys) -> list[int]:
         """This side's page ids of the prompt pages the receiver does not hold, in prompt order."""
         seq = self.parked[request_id].seq
-        indices = missing_page_indices(seq.prompt_token_ids, self.engine.config.cache.page_size, held_keys)
+        page_size = self.engine.config.cache.page_size
+        indices = missing_page_indices(seq.prompt_token_ids, page_size, held_keys, seq.cache_root_key)
         return [seq.page_ids[index] for index in indices]
 
     def release(self, request_id: str) -> None:

@@ -188,9 +188,7 @@ class Engine:
                 f"LoRA adapter {params.lora!r} asked for, but this engine serves none (start it with lora "
                 "adapters or max_adapters)"
             )
-        if self.config.disagg.role != EngineRole.BOTH:
-            # a handover's reservation and page keys do not carry the adapter yet: its KV could mix with the base's
-            raise ValueError("LoRA adapters on a disaggregated prefill or decode replica are not available yet")
+        # A handover names its adapter (params.lora); both replicas key its pages from the adapter's identity.
         return self.parts.lora.resolve(params.lora)
 
     def load_lora(self, name: str, path: str) -> LoadedAdapter:

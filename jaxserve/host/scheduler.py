@@ -112,14 +112,17 @@ class Scheduler:
         chunk.seq.num_inflight_tokens -= chunk.num_tokens
         chunk.seq.num_pending_tokens -= chunk.samples_next_token
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> Reservation | None:
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], max_tokens: int, root_key: int = ROOT_KEY
+    ) -> Reservation | None:
         """Hold a slot and pages for a prompt whose KV arrives from elsewhere, or None when admission
-        would refuse it (no free slot, too few pages for prompt + max_tokens)."""
+        would refuse it (no free slot, too few pages for prompt + max_tokens). root_key: the chain its cached
+        pages are found under (a LoRA adapter's identity; ROOT_KEY for the base model)."""
         if request_id in self.reservations:
             raise ValueError(f"request id {request_id!r} already has a reservation")
         num_prompt_tokens = len(prompt_token_ids)
         # the whole prompt may be cached: its first token comes with the handover
-        found = self._admissible(prompt_token_ids, num_prompt_tokens, num_prompt_tokens + max_tokens)
+        found = self._admissible(prompt_token_ids, num_prompt_tokens, num_prompt_tokens + max_tokens, root_key)
         if found is None:
             return None
         page_ids = self._claim(found, num_prompt_tokens)

@@ -15,6 +15,10 @@ run (a shared one) skews every mode alike rather than the later ones.
 
 Prints one JSON line per (engine, adapters) and a last line with each mode's ratio to the peer (goal: >= 0.8
 with 16 adapters).
+
+On one CPU device the adapters go through the C++ segmented kernel (pallas_kernels/matmul/cpu_lora.py);
+--compare-masked adds a third engine whose adapters take lora.py's masked XLA product (what every other
+backend runs), its modes suffixed "_masked", taking turns with the others.
 """
 
 from __future__ import annotations
@@ -66,6 +70,19 @@ def run_once(llm: LLM, prompts: list[list[int]], adapters: list[str | None], max
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
+def masked_engine(model: str, engine: dict, lora: dict) -> LLM:
+    """An engine whose adapters take the masked XLA product, the segmented kernel reported unavailable
+    while its plan is built."""
+    from pallas_kernels.matmul import cpu_lora
+
+    available = cpu_lora.available
+    cpu_lora.available = lambda: False
+    try:
+        return LLM(model, **engine, lora=lora)
+    finally:
+        cpu_lora.available = available
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -76,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapters", default="1,4,16", help="distinct adapters per batch, comma separated")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--compare-masked", action="store_true", help="also the masked XLA product's engine")
     args = parser.parse_args()
     counts = [int(c) for c in args.adapters.split(",")]
     max_len = args.prompt_tokens + args.max_tokens
@@ -93,10 +111,13 @@ def main() -> None:
     vocab_size = peer.engine.model_config.vocab_size
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, vocab_size, args.prompt_tokens).tolist() for _ in range(args.num_requests)]
-    llm = LLM(args.model, **engine, lora=dict(max_adapters=max(counts), max_rank=args.rank))
+    lora = dict(max_adapters=max(counts), max_rank=args.rank)
+    llm = LLM(args.model, **engine, lora=lora)
+    masked = masked_engine(args.model, engine, lora) if args.compare_masked else None
     with tempfile.TemporaryDirectory() as directory:
         for name, path in write_adapters(directory, llm, max(counts), args.rank).items():
-            llm.load_lora(name, path)
+            for slotted in (llm, masked) if masked is not None else (llm,):
+                slotted.load_lora(name, path)
         # mode -> (engine, its name in the output, adapters, each request's adapter)
         modes = {"base": (peer, "no_lora_slots", 0, [None] * args.num_requests)}
         modes["base_with_slots"] = (llm, "lora_slots", 0, [None] * args.num_requests)
@@ -107,6 +128,8 @@ def main() -> None:
                 count,
                 [f"adapter{i % count}" for i in range(args.num_requests)],
             )
+            if masked is not None:
+                modes[f"{count}_adapters_masked"] = (masked, "lora_slots_masked", *modes[f"{count}_adapters"][2:])
         for engine_llm, _, _, adapters in modes.values():  # warm: each adapter's first use
             run_once(engine_llm, prompts[:2], adapters[:2], args.max_tokens)
         best = {mode: float("inf") for mode in modes}

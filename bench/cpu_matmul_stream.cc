@@ -7,8 +7,10 @@
 //       -I pallas_kernels -I $(.venv/bin/python -c "import jax; print(jax.ffi.include_dir())") \
 //       bench/cpu_matmul_stream.cc -o /tmp/cpu_matmul_stream && /tmp/cpu_matmul_stream
 //
-// Add -mno-avx512f for the avx2 path's code (what JAXSERVE_CPU_KERNEL_PATH=avx2 builds). Prints one JSON
-// line per dtype, rows and round: "layers" and "head" as fractions of the read stream.
+// Add -mno-avx512f for the avx2 path's code (what JAXSERVE_CPU_KERNEL_PATH=avx2 builds), or
+// -DJAXSERVE_NO_BF16_PAIRS for bfloat16 above 8 rows widened rather than in vdpbf16ps pairs. Prints one JSON
+// line per dtype, rows and round: "layers" and "head" as fractions of the read stream. An argument picks
+// one row count (1, 2, 4, 8, 16, 64).
 #include "../pallas_kernels/matmul/cpu_matmul.cc"
 
 #include <sys/mman.h>
@@ -56,6 +58,8 @@ void Bench(const char* dtype, int64_t rows) {
   const int64_t stream_floats = (512 << 20) / 4;
   auto* stream = static_cast<float*>(HugePages(stream_floats * 4));
   std::vector<float> x(rows * kMlp, 0.01f), out(rows * kVocab);
+  std::vector<uint16_t> x16(rows * kMlp, 0x3c24);  // 0.01 in bfloat16: x's pairs for vdpbf16ps (kMlp is even)
+  const std::vector<uint32_t> xt = TransposedPairs(x16.data(), rows, kEmbed, (rows + kLanes - 1) / kLanes * kLanes);
   volatile float sink = 0;
   auto best = [&](auto fn) {
     double seconds = 1e9;
@@ -74,7 +78,7 @@ void Bench(const char* dtype, int64_t rows) {
       const S* w = layers;
       for (int64_t l = 0; l < kLayers; ++l) {
         for (const auto& s : shapes) {
-          Problem p{w, x.data(), out.data(), rows, s[0], s[1]};
+          Problem p{w, x.data(), out.data(), rows, s[0], s[1], x16.data(), kMlp};
           const Plan plan = MakePlan<T>(p, false, 2);
           for (int64_t i = 0; i < plan.num_items; ++i) {
             const int64_t block = i % plan.blocks, part = i / plan.blocks, c0 = block * plan.block_columns;
@@ -88,7 +92,8 @@ void Bench(const char* dtype, int64_t rows) {
       }
     });
     const double head_s = best([&] {
-      Problem p{head, x.data(), out.data(), rows, kEmbed, kVocab};
+      Problem p{head, x.data(), out.data(), rows, kEmbed, kVocab, x16.data(), kMlp};
+      p.xt = xt.data(), p.xt_stride = (rows + kLanes - 1) / kLanes * kLanes;
       const Plan plan = MakePlan<T>(p, true, 2);
       for (int64_t n0 = 0; n0 < kVocab; n0 += plan.outputs_per_item) {
         NkItem<T>(p, n0, std::min(plan.outputs_per_item, kVocab - n0));
@@ -109,7 +114,7 @@ void Bench(const char* dtype, int64_t rows) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int64_t rows : {1, 2, 4, 8}) {
+  for (int64_t rows : {1, 2, 4, 8, 16, 64}) {
     if (argc > 1 && std::atoi(argv[1]) != rows) continue;
     Bench<F32>("float32", rows);
     Bench<BF16>("bfloat16", rows);

@@ -9,7 +9,8 @@
 // walked in address order with the accumulators in L1 (RowWalk); with more rows (up to 64, the default
 // largest decode bucket; bound by the multiplies) each pass of rows is packed, widened to float32 once,
 // and register-tiled like a GEMM's micro-kernel (KnTile), so that bfloat16 batches run at least as fast
-// per row as float32 ones (issue #29). [N, K] (a tied embedding as the head): up to 4 rows, one
+// per row as float32 ones (issue #29); on AVX-512 BF16 CPUs bfloat16 passes are packed in pairs of rows and
+// tiled with vdpbf16ps instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own bfloat16 dots there). [N, K] (a tied embedding as the head): up to 4 rows, one
 // dot product per weight row after the other, straight from memory (NkRowDots); more, register tiles of
 // dot products over the item's rows, packed first since several groups of rows reuse them.
 //
@@ -30,8 +31,10 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
+#include "cpu_matmul_bf16_pairs.h"
 #include "cpu_matmul_vectors.h"
 #include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
@@ -280,6 +283,7 @@ void RowWalkRows(int rows, const Problem& p, int64_t k0, int64_t k1, int64_t c0,
 template <typename T>
 void KnItem(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, int64_t chunk, float* partial) {
   if (p.rows <= kKnRows) return RowWalkRows<T, kKnRows>(int(p.rows), p, k0, k1, c0, width, partial);
+  if constexpr (std::is_same_v<T, BF16> && kBf16Pairs) return PairItem(p, k0, k1, c0, width, chunk, partial);
   float* packed = PackBuffer(chunk * width);
   const auto* w = static_cast<const typename T::Stored*>(p.w);
   for (int64_t k = k0; k < k1; k += chunk) {
@@ -401,6 +405,7 @@ void NkItem(const Problem& p, int64_t n0, int64_t count) {
   if (p.rows <= kNkDirectRows) {  // few rows: straight from the weights, widened once anyway
     return NkDirect<T, kNkDirectRows>(int(p.rows), p.x, p.depth, w, count, p.out + n0, p.columns);
   }
+  if constexpr (std::is_same_v<T, BF16> && kBf16Pairs) return PairNkItem(p, n0, count);
   float* packed = PackBuffer(count * p.depth);
   Pack<T>(w, p.depth, count, p.depth, packed);
   int64_t r0 = 0;
@@ -450,7 +455,8 @@ Plan MakePlan(const Problem& p, bool transposed, int64_t num_workers) {
   }
   plan.blocks = (p.columns + plan.block_columns - 1) / plan.block_columns;
   const int64_t width = std::min(plan.block_columns, p.columns);
-  plan.chunk = std::max<int64_t>(4, std::min<int64_t>(64, kPackFloats / std::max<int64_t>(1, width)));
+  // Even: the bfloat16 pairs (cpu_matmul_bf16_pairs.h) never straddle two passes or two parts.
+  plan.chunk = std::max<int64_t>(4, std::min<int64_t>(64, kPackFloats / std::max<int64_t>(1, width)) / 2 * 2);
   // Two items per thread at least, so that a late helper still gets its share.
   const int64_t wanted = 2 * num_workers;
   if (plan.blocks < wanted) {
@@ -514,11 +520,26 @@ void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
 
 template <typename T>
 void WidenAndRun(int64_t num_workers, const ffi::AnyBuffer& x, std::vector<Problem> problems, bool transposed) {
-  const int64_t count = problems[0].rows * problems[0].depth;
+  const int64_t rows = problems[0].rows, depth = problems[0].depth, count = rows * depth;
   std::vector<float> x_wide(count);
   const auto* in = static_cast<const typename T::Stored*>(x.untyped_data());
   for (int64_t i = 0; i < count; ++i) x_wide[i] = T::One(in[i]);
   for (Problem& p : problems) p.x = x_wide.data();
+  // bfloat16 on AVX-512 BF16 (cpu_matmul_bf16_pairs.h): x's rows with K padded to even for [K, N] weights,
+  // x transposed in pairs for [N, K] ones
+  std::vector<uint16_t> x_pairs;
+  std::vector<uint32_t> x_transposed;
+  if (std::is_same_v<T, BF16> && kBf16Pairs && !transposed && rows > kKnRows) {
+    const int64_t stride = depth + depth % 2;
+    x_pairs.assign(rows * stride, 0);
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(&x_pairs[r * stride], in + r * depth, depth * sizeof(uint16_t));
+    for (Problem& p : problems) p.x16 = x_pairs.data(), p.x16_stride = stride;
+  }
+  if (std::is_same_v<T, BF16> && kBf16Pairs && transposed && rows > kNkDirectRows) {
+    const int64_t stride = (rows + kLanes - 1) / kLanes * kLanes;
+    x_transposed = TransposedPairs(reinterpret_cast<const uint16_t*>(in), rows, depth, stride);
+    for (Problem& p : problems) p.xt = x_transposed.data(), p.xt_stride = stride;
+  }
   Run<T>(std::move(problems), transposed, num_workers);
 }
 

@@ -141,6 +141,10 @@ struct Problem {
   const float* x;  // [M, K], widened
   float* out;      // [M, N]
   int64_t rows, depth, columns;  // M, K, N
+  const uint16_t* x16 = nullptr;  // bfloat16 x as given, K padded to even with a zero (cpu_matmul_bf16_pairs.h)
+  int64_t x16_stride = 0;
+  const uint32_t* xt = nullptr;  // bfloat16 x transposed in pairs along K, [K / 2, rows padded] (transposed w)
+  int64_t xt_stride = 0;
 };
 
 }  // namespace

@@ -18,6 +18,9 @@ from pallas_kernels.matmul import _bfloat16_max_rows, cpu
 # weight the row-by-row dot products (one to four accumulators a row, a tail of K under a vector).
 SHAPES = [(1, 96, 4100), (1, 37, 50), (2, 45, 33), (3, 17, 70), (4, 19, 40), (7, 40, 391), (9, 33, 777)]
 SHAPES += [(13, 24, 70), (64, 65, 130)]
+# bfloat16 on AVX-512 BF16 above 8 rows ([K, N]) or 4 rows ([N, K]): pairs along K (an odd K pads a zero),
+# 1-4 vectors of rows against a transposed weight, the last one part padding.
+SHAPES += [(20, 37, 99), (40, 31, 200)]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 

@@ -3,6 +3,7 @@ record their outputs, as make_fixtures.py does for the other families (its promp
 
     /tmp/hfvenv/bin/python -m tests.support.make_deepseek_fixtures            # all of them
     /tmp/hfvenv/bin/python -m tests.support.make_deepseek_fixtures deepseek_v3  # only these
+    /tmp/hfvenv/bin/python -m tests.support.make_deepseek_fixtures --out /tmp/f  # elsewhere
 
 Its own script because V3's e_score_correction_bias is a buffer, not a parameter: make_fixtures' build
 leaves it at zero, and a bias read wrongly (or not at all) would not show. Routers get larger weights
@@ -11,25 +12,13 @@ than the rest so that routing is decided by margins far above float32 noise.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import sys
 
-import numpy as np
-import sentencepiece
 import torch
 import transformers
 
-from tests.support.make_fixtures import (
-    COMMON,
-    FIXTURES,
-    MAX_NEW_TOKENS,
-    NUM_TOP_LOGPROBS,
-    TEXT_PROMPTS,
-    TOKENIZER,
-    token_prompts,
-)
+from tests.support.fixture_recording import COMMON, record_outputs, save_checkpoint, split_output_option, tokenizer_in
 
 ROUTER_SCALE = 6.0
 WEIGHT_SCALE = 4.0
@@ -154,9 +143,7 @@ MODELS = {
 }
 
 
-def build(name: str, classes, overrides: dict, seed: int) -> None:
-    directory = os.path.join(FIXTURES, name)
-    shutil.rmtree(directory, ignore_errors=True)
+def build(name: str, classes, overrides: dict, seed: int, out: str, tokenizer: str) -> None:
     torch.manual_seed(seed)
     config_class, model_class = classes
     model = model_class(config_class(**{**COMMON, **overrides})).eval()
@@ -169,46 +156,21 @@ def build(name: str, classes, overrides: dict, seed: int) -> None:
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.2 * torch.randn_like(buffer))
-    model.save_pretrained(directory)
-    shutil.copy(TOKENIZER, os.path.join(directory, "tokenizer.model"))
+    directory = os.path.join(out, name)
+    save_checkpoint(model, directory, tokenizer)
     model = model_class.from_pretrained(directory, dtype=torch.float32).eval()
-
-    processor = sentencepiece.SentencePieceProcessor(model_file=TOKENIZER)
-    prompts = [dict(text=text, token_ids=[1] + processor.EncodeAsIds(text)) for text in TEXT_PROMPTS]
-    prompts += [dict(text=None, token_ids=ids) for ids in token_prompts(np.random.default_rng(seed))]
-    for prompt in prompts:
-        input_ids = torch.tensor([prompt["token_ids"]])
-        with torch.no_grad():
-            logits = model(input_ids).logits[0, -1].float()
-            generated = model.generate(
-                input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=2, pad_token_id=0
-            )
-        logprobs = torch.log_softmax(logits, dim=-1)
-        top = torch.topk(logprobs, NUM_TOP_LOGPROBS)
-        prompt["greedy_token_ids"] = generated[0, input_ids.shape[1] :].tolist()
-        prompt["first_top_token_ids"] = top.indices.tolist()
-        prompt["first_top_logprobs"] = top.values.tolist()
-    with open(os.path.join(directory, "expected.json"), "w") as f:
-        json.dump(
-            dict(
-                model_type=model.config.model_type,
-                dtype="float32",
-                transformers_version=transformers.__version__,
-                prompts=prompts,
-            ),
-            f,
-            indent=1,
-        )
+    record_outputs(model, directory, tokenizer, seed, model.config.model_type, "float32")
 
 
 def main() -> None:
-    only = sys.argv[1:]
+    out, only = split_output_option(sys.argv[1:])
+    tokenizer = tokenizer_in(out)
     unknown = set(only) - set(MODELS)
     if unknown:
         raise SystemExit(f"unknown fixtures {sorted(unknown)}; known: {', '.join(MODELS)}")
     for seed, (name, (classes, overrides)) in enumerate(MODELS.items(), start=100):
         if not only or name in only:
-            build(name, classes, dict(overrides), seed)
+            build(name, classes, dict(overrides), seed, out, tokenizer)
             print("built", name, file=sys.stderr)
 
 

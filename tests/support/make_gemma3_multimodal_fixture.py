@@ -2,7 +2,7 @@
 gemma-3-4b-it is: text_config, a SigLIP vision tower and a projector, a tied head) written by transformers, and
 record its text-only outputs in make_fixtures.py's format (its prompts and tokenizer).
 
-    /tmp/hfvenv/bin/python -m tests.support.make_gemma3_multimodal_fixture
+    /tmp/hfvenv/bin/python -m tests.support.make_gemma3_multimodal_fixture  # [--out DIR]: elsewhere
 
 The vision tower is one layer over 28x28 images (2x2 patches, 4 image tokens): it only has to exist, since
 jaxserve serves the language model alone. The image token ids lie inside the tiny vocabulary.
@@ -10,24 +10,13 @@ jaxserve serves the language model alone. The image token ids lie inside the tin
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
+import sys
 
-import numpy as np
-import sentencepiece
 import torch
 import transformers
 
-from tests.support.make_fixtures import (
-    COMMON,
-    FIXTURES,
-    MAX_NEW_TOKENS,
-    NUM_TOP_LOGPROBS,
-    TEXT_PROMPTS,
-    TOKENIZER,
-    token_prompts,
-)
+from tests.support.fixture_recording import COMMON, record_outputs, save_checkpoint, split_output_option, tokenizer_in
 
 NAME = "gemma3_multimodal"
 SEED = 27
@@ -53,8 +42,8 @@ VISION_CONFIG = dict(
 
 
 def main() -> None:
-    directory = os.path.join(FIXTURES, NAME)
-    shutil.rmtree(directory, ignore_errors=True)
+    out, _ = split_output_option(sys.argv[1:])
+    tokenizer = tokenizer_in(out)
     torch.manual_seed(SEED)
     config = transformers.Gemma3Config(
         text_config=TEXT_CONFIG,
@@ -71,32 +60,12 @@ def main() -> None:
                 param.mul_(4.0)
             else:
                 param.add_(0.3 * torch.randn_like(param))
-    model.save_pretrained(directory)
-    shutil.copy(TOKENIZER, os.path.join(directory, "tokenizer.model"))
+    directory = os.path.join(out, NAME)
+    save_checkpoint(model, directory, tokenizer)
     model = transformers.Gemma3ForConditionalGeneration.from_pretrained(
         directory, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    processor = sentencepiece.SentencePieceProcessor(model_file=TOKENIZER)
-    prompts = [dict(text=text, token_ids=[1] + processor.EncodeAsIds(text)) for text in TEXT_PROMPTS]
-    prompts += [dict(text=None, token_ids=ids) for ids in token_prompts(np.random.default_rng(SEED))]
-    for prompt in prompts:
-        input_ids = torch.tensor([prompt["token_ids"]])
-        with torch.no_grad():
-            logits = model(input_ids).logits[0, -1].float()
-            generated = model.generate(
-                input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=2, pad_token_id=0
-            )
-        logprobs = torch.log_softmax(logits, dim=-1)
-        top = torch.topk(logprobs, NUM_TOP_LOGPROBS)
-        prompt["greedy_token_ids"] = generated[0, input_ids.shape[1] :].tolist()
-        prompt["first_top_token_ids"] = top.indices.tolist()
-        prompt["first_top_logprobs"] = top.values.tolist()
-    with open(os.path.join(directory, "expected.json"), "w") as f:
-        json.dump(
-            dict(model_type="gemma3", dtype="float32", transformers_version=transformers.__version__, prompts=prompts),
-            f,
-            indent=1,
-        )
+    record_outputs(model, directory, tokenizer, SEED, "gemma3", "float32")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,9 @@
 """Gemma 2/3 and Phi-3 under tensor (and data) parallelism on fake CPU devices, against transformers: the
 soft-caps, per-layer windows and ropes, and Phi-3's split fused projections, sharded by the rules table."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.fake_devices import run_on_fake_devices
 
 # name:tp[:dp]. gemma3 has one KV head (copied per tensor shard); the 3 and 5 query heads of the LongRoPE
 # fixtures do not split over 2 shards (XLA partitions the reference there); gemma2 also runs data-parallel
@@ -26,17 +21,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.support.multi_device_run", *RUNS],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices("tests.support.multi_device_run", *RUNS, timeout=1200)
 
 
 @pytest.mark.parametrize("run", list(RUNS))

@@ -5,9 +5,20 @@ them, and a step with verify rows is processed before the next is planned (the n
 on what was accepted), which gives up the overlap of host and device. On a busy batch the compute is
 already used by batching, so the policy (as vLLM's dynamic speculation) measures, per batch size, the
 tokens per second of steps with speculation and of steps without, and speculates only while it wins;
-every `explore_every` steps at a batch size it tries the other way for `trial_steps` steps, so a change
-in acceptance (another kind of text) is noticed. Above `max_batch_size` rows it never speculates (no
+every `explore_every` steps at a batch size (and no more often than 1 / EXPLORE_TIME_RATIO of the time)
+it tries the other way for `trial_steps` steps, so a change in acceptance (another kind of text) is
+noticed. Above `max_batch_size` rows it never speculates (no
 verify step is compiled that large).
+
+A batch size not measured yet borrows the verdict of the nearest measured one where that verdict carries
+over (speculation pays less the larger the batch: plain winning at a smaller batch means plain here,
+speculation winning at a larger one means speculation here), so that a growing batch does not pay for
+measuring speculation at every size once it stopped paying, and measures only when nothing carries over.
+
+What a measurement leaves out: the first step after a switch of mode (a plain step after a verify step
+was not overlapped, and a draft model's first proposals after plain steps catch up on every token decoded
+meanwhile); counted, they kept the draft's exploring trials from ever winning. The engine also leaves out
+steps with prefill chunks and charges a draft's catch-up prefills to no step (engine/speculation.py).
 """
 
 from __future__ import annotations
@@ -26,11 +37,10 @@ class ThroughputEstimate:
     weight: float = 0.1  # of the newest sample
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        if self.num_samples == 0:
-            self.tokens, self.seconds = num_tokens, seconds
-        else:
-            self.tokens += self.weight * (num_tokens - self.tokens)
-            self.seconds += self.weight * (seconds - self.seconds)
+        # a plain mean of the first 1 / weight samples (no weight on the first sample alone), then moving
+        weight = max(self.weight, 1 / (self.num_samples + 1))
+        self.tokens += weight * (num_tokens - self.tokens)
+        self.seconds += weight * (seconds - self.seconds)
         self.num_samples += 1
 
     @property
@@ -43,13 +53,18 @@ class BatchSizeState:
     estimates: dict[bool, ThroughputEstimate] = field(
         default_factory=lambda: {True: ThroughputEstimate(), False: ThroughputEstimate()}
     )
-    num_decisions: int = 0
     trial_left: int = 0  # steps left of trying the mode that is not the best
+    steps_since_trial: int = 0  # decided since the last trial ended
+    seconds_since_trial: float = 0.0  # measured since the last trial ended
     last_observed: bool | None = None  # the mode of the last step measured
 
 
 class SpeculationPolicy:
     MIN_SAMPLES = 3  # measurements of each mode before comparing them
+    # A trial of the losing mode waits for this many times its expected length of steps in the winning
+    # mode: on a batch where a verify step takes 6 plain steps' time, trials every 64 steps spent half the
+    # time in the losing mode.
+    EXPLORE_TIME_RATIO = 20
 
     def __init__(
         self, max_batch_size: int, adaptive: bool = True, explore_every: int = 64, trial_steps: int = 6
@@ -67,29 +82,48 @@ class SpeculationPolicy:
         if not self.adaptive:
             return True
         state = self.by_batch_size.setdefault(batch_size, BatchSizeState())
-        state.num_decisions += 1
-        on, off = state.estimates[True], state.estimates[False]
-        for mode in (True, False):  # speculation is measured first
-            if state.estimates[mode].num_samples < self.MIN_SAMPLES:
-                return mode
-        best = on.tokens_per_second >= off.tokens_per_second
-        if state.trial_left == 0 and state.num_decisions % self.explore_every == 0:
-            state.trial_left = self.trial_steps
+        best = self.best_mode(batch_size)
+        if best is None:  # measured neither here nor anywhere that carries over: speculation first, then plain
+            return next(mode for mode in (True, False) if state.estimates[mode].num_samples < self.MIN_SAMPLES)
+        if state.trial_left == 0:
+            state.steps_since_trial += 1
+            other = state.estimates[not best]
+            # an unmeasured mode's step (a verdict carried over) is taken to be as long as a measured one's
+            trial_seconds = self.trial_steps * (other.seconds or state.estimates[best].seconds)
+            if (
+                state.steps_since_trial >= self.explore_every
+                and state.seconds_since_trial >= self.EXPLORE_TIME_RATIO * trial_seconds
+            ):
+                state.trial_left, state.steps_since_trial, state.seconds_since_trial = self.trial_steps, 0, 0.0
         if state.trial_left:
             state.trial_left -= 1
             return not best
         return best
+
+    def best_mode(self, batch_size: int) -> bool | None:
+        """Whether speculation wins at this batch size: measured here, else carried over from the nearest
+        measured batch size whose verdict carries over (see the module docstring); None: unknown."""
+        state = self.by_batch_size.get(batch_size)
+        if state is not None and _measured(state):
+            return _speculation_wins(state)
+        for size in sorted(self.by_batch_size, key=lambda size: abs(size - batch_size)):
+            other = self.by_batch_size[size]
+            if size == batch_size or not _measured(other):
+                continue
+            wins = _speculation_wins(other)
+            if (size < batch_size and not wins) or (size > batch_size and wins):
+                return wins
+        return None
 
     def observe(self, batch_size: int, speculated: bool, seconds: float, num_tokens: int) -> None:
         """A decode-only step's wall time (overlap or its loss included) and the tokens it produced."""
         if seconds <= 0 or not 1 <= batch_size <= self.max_batch_size:
             return
         state = self.by_batch_size.setdefault(batch_size, BatchSizeState())
+        if not state.trial_left:
+            state.seconds_since_trial += seconds
         switched, state.last_observed = state.last_observed not in (None, speculated), speculated
-        # Once both modes are measured, the first step after a switch stands for neither: a plain step
-        # after a verify step was not overlapped, and a draft model's first proposals after plain steps
-        # catch up on every token decoded meanwhile; counted, they kept an exploring trial from ever winning.
-        if switched and all(e.num_samples >= self.MIN_SAMPLES for e in state.estimates.values()):
+        if switched:  # the first step after a switch stands for neither mode (see the module docstring)
             return
         state.estimates[speculated].observe(num_tokens, seconds)
 
@@ -102,6 +136,14 @@ class SpeculationPolicy:
             }
             for size, state in sorted(self.by_batch_size.items())
         }
+
+
+def _measured(state: BatchSizeState) -> bool:
+    return all(e.num_samples >= SpeculationPolicy.MIN_SAMPLES for e in state.estimates.values())
+
+
+def _speculation_wins(state: BatchSizeState) -> bool:
+    return state.estimates[True].tokens_per_second >= state.estimates[False].tokens_per_second
 
 
 @dataclass

@@ -2,9 +2,6 @@
 and the logical-axis rules."""
 
 import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,13 +16,11 @@ from sharding.attention import attention_dispatch
 from sharding.expert_placement import canonical_sharding
 from sharding.moe import ExpertParallel, expert_dispatch, place_experts, store_experts
 from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # helpers run as tests.support.*
+from tests.support.fake_devices import run_on_fake_devices
 
 
 @pytest.fixture(scope="module")
 def multi_device_results(tmp_path_factory):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     runs = [
         "llama_gqa:2",
         "llama_gqa:4",
@@ -51,16 +46,7 @@ def multi_device_results(tmp_path_factory):
         f"--rebalance={tmp_path_factory.mktemp('rb')}",
         f"--uneven={tmp_path_factory.mktemp('uneven')}",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.support.multi_device_run", *runs],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices("tests.support.multi_device_run", *runs)
 
 
 @pytest.mark.parametrize(
@@ -368,12 +354,7 @@ def test_uneven_expert_weights_are_padded_and_split_over_every_device():
 
 @pytest.fixture(scope="module")
 def expert_parallel_results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.support.ep_run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices("tests.support.ep_run", timeout=600)
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = (os.path.join(HERE, "paged_attention", "cpu_kernel.cc"), os.path.join(HERE, "matmul", "cpu_matmul.cc"))
 SOURCES += (os.path.join(HERE, "matmul", "cpu_quantized_matmul.cc"),)  # quantized weights (issue 25)
+SOURCES += (os.path.join(HERE, "matmul", "cpu_quantized_int8_dot.cc"),)  # int8-activation dots (issue 25)
 SOURCES += (os.path.join(HERE, "paged_attention", "cpu_latent_kernel.cc"),)  # DeepSeek's MLA (issue 27)
 SOURCES += (os.path.join(HERE, "matmul", "cpu_lora_matmul.cc"),)  # segmented multi-LoRA (issue 28)
 HEADERS = (os.path.join(HERE, "cpu_workers.h"),)  # included from HERE (-I); part of the build's cache key

@@ -1,8 +1,17 @@
-"""The C++ quantized matmul (cpu_quantized_matmul.cc): a few rows times QuantizedWeights (quantized.py), each
-weight byte read once and widened in registers, group sums scaled once per group; several weights by the
-same rows (a layer's q, k and v; gate and up) in one call whose threads share the work. Built at first use
-into the CPU kernels' one library (pallas_kernels/cpu_library.py), for this CPU's instruction path (or
-JAXSERVE_CPU_KERNEL_PATH's); `path=` builds and calls another path's library beside it (tests, benches).
+"""The C++ quantized matmuls: a few rows times QuantizedWeights (quantized.py), each weight byte read once;
+several weights by the same rows (a layer's q, k and v; gate and up) in one call whose threads share the
+work. Two kernels with one interface, picked by JAXSERVE_QUANTIZED_ACTIVATIONS (read when a step is traced):
+
+- `int8` (default; cpu_quantized_int8_dot.cc): each row of x quantized to int8 per 32 k (llama.cpp's
+  quantize_row_q8_0 rounding), integer dot products (AVX-512 VNNI, or AVX2 maddubs), one float multiply per
+  32-block. What llama.cpp computes on the same file, so results differ from the dequantized float product
+  by the activations' rounding (a relative ~0.4% of each block's largest |x| per element).
+- `float` (cpu_quantized_matmul.cc): x stays float, the weights are widened to float32 in registers: the
+  dequantized product to float rounding, at the float instruction rate (the A/B baseline).
+
+Built at first use into the CPU kernels' one library (pallas_kernels/cpu_library.py), for this CPU's
+instruction path (or JAXSERVE_CPU_KERNEL_PATH's); `path=` builds and calls another path's library beside
+it (tests, benches).
 
 A custom call XLA's partitioner cannot split: it must only see whole weights on one device.
 """
@@ -10,6 +19,7 @@ A custom call XLA's partitioner cannot split: it must only see whole weights on 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -20,7 +30,10 @@ import numpy as np
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quantized
 
-QUANTIZED_TARGET = "jaxserve_cpu_quantized_matmul"
+QUANTIZED_TARGET = "jaxserve_cpu_quantized_matmul"  # every kernel's custom call name starts with it
+ACTIVATIONS_ENV = "JAXSERVE_QUANTIZED_ACTIVATIONS"
+# activations -> (the library's FFI symbol, the custom call's name suffix)
+KERNELS = {"int8": ("JaxserveQuantizedInt8Dot", ""), "float": ("JaxserveQuantizedMatmul", "_float_rows")}
 KERNEL_MAX_ROWS = 64  # cpu_quantized_matmul.cc's kMaxRows
 # Rows the plan sends to the kernel: all of a decode step's (64, the default largest decode bucket). It
 # passes over a group's weight rows once per 8 rows of x (the register tile) from cache; XLA's reference
@@ -30,28 +43,39 @@ ROW_DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"
 SCALE_DTYPES = ROW_DTYPES
 
 
-def target(path: str | None = None) -> str:
-    """The custom call's name for `path`'s library: QUANTIZED_TARGET for the engine's own (path None)."""
-    return QUANTIZED_TARGET if path is None else f"{QUANTIZED_TARGET}_{path}"
+def chosen_activations(requested: str | None = None) -> str:
+    """`requested`, else JAXSERVE_QUANTIZED_ACTIVATIONS, else int8; ValueError naming the variable otherwise."""
+    chosen = requested or os.environ.get(ACTIVATIONS_ENV, "").strip().lower() or "int8"
+    if chosen not in KERNELS:
+        raise ValueError(f"{ACTIVATIONS_ENV}={chosen!r}: expected one of {', '.join(KERNELS)}")
+    return chosen
+
+
+def target(path: str | None = None, activations: str = "int8") -> str:
+    """The custom call's name for `path`'s library (None: the engine's own) and kernel."""
+    name = QUANTIZED_TARGET + KERNELS[activations][1]
+    return name if path is None else f"{name}_{path}"
 
 
 @functools.cache
-def _register(path: str | None = None) -> bool:
+def _register(path: str | None = None, activations: str = "int8") -> bool:
     library = cpu_library.load(path)
-    if library is None or not hasattr(library, "JaxserveQuantizedMatmul"):
+    symbol = KERNELS[activations][0]
+    if library is None or not hasattr(library, symbol):
         return False
-    jax.ffi.register_ffi_target(target(path), jax.ffi.pycapsule(library.JaxserveQuantizedMatmul), platform="cpu")
+    handler = jax.ffi.pycapsule(getattr(library, symbol))
+    jax.ffi.register_ffi_target(target(path, activations), handler, platform="cpu")
     return True
 
 
 def available() -> bool:
-    return _register()
+    return _register(None, chosen_activations())
 
 
 def serves_weight(weight) -> bool:
     """Whether the kernel computes this weight: a 2-d QuantizedWeight with scales of a float width it reads."""
     return (
-        quantized.is_quantized(weight)
+        isinstance(weight, quantized.QuantizedWeight)  # K-quants: kquant_cpu.py
         and weight.values.ndim == 2
         and jnp.dtype(weight.scales.dtype) in SCALE_DTYPES
         and jnp.dtype(weight.dtype) in ROW_DTYPES
@@ -59,15 +83,17 @@ def serves_weight(weight) -> bool:
     )
 
 
-def quantized_matmul(x, weight: quantized.QuantizedWeight, *, path: str | None = None):
+def quantized_matmul(x, weight: quantized.QuantizedWeight, *, path: str | None = None, activations: str | None = None):
     """x [M <= KERNEL_MAX_ROWS, K] @ weight [K, N] -> float32 [M, N]."""
-    return quantized_matmuls(x, (weight,), path=path)[0]
+    return quantized_matmuls(x, (weight,), path=path, activations=activations)[0]
 
 
-def quantized_matmuls(x, weights, *, path: str | None = None) -> tuple:
+def quantized_matmuls(x, weights, *, path: str | None = None, activations: str | None = None) -> tuple:
     """x [M <= KERNEL_MAX_ROWS, K] by each weight [K, N_i] in one call -> float32 [M, N_i] each. The weights may
     differ in bits, groups and scale widths (a GGUF file mixes block types within a layer). `path`
-    (cpu_library.PATHS) picks another instruction path's build than the engine's."""
+    (cpu_library.PATHS) picks another instruction path's build than the engine's; `activations` (int8,
+    float) the kernel (default: JAXSERVE_QUANTIZED_ACTIVATIONS, else int8)."""
+    activations = chosen_activations(activations)
     weights = tuple(weights)
     if not weights:
         raise ValueError("quantized_matmuls wants at least one weight")
@@ -78,14 +104,14 @@ def quantized_matmuls(x, weights, *, path: str | None = None) -> tuple:
             raise ValueError(f"quantized_matmul wants x [M <= {KERNEL_MAX_ROWS}, {weight.shape[0]}], got {x.shape}")
     if jnp.dtype(x.dtype) not in ROW_DTYPES:
         raise ValueError(f"quantized_matmul takes float32, bfloat16 or float16 rows, got {x.dtype}")
-    if not _register(path):
+    if not _register(path, activations):
         raise RuntimeError("the CPU quantized matmul could not be built; project with the reference")
     arrays = []
     for weight in weights:
         mins = weight.mins if weight.mins is not None else jnp.zeros((1, 1), weight.scales.dtype)
         arrays += [weight.values, weight.scales, mins]
     results = tuple(jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), jnp.float32) for weight in weights)
-    call = jax.ffi.ffi_call(target(path), results)
+    call = jax.ffi.ffi_call(target(path, activations), results)
     bits = [int(weight.bits) for weight in weights]
     has_mins = [int(weight.mins is not None) for weight in weights]
     return tuple(call(x, *arrays, bits=np.asarray(bits, np.int64), has_mins=np.asarray(has_mins, np.int64)))

@@ -1,4 +1,5 @@
-"""Quantized weights (pallas_kernels/matmul/quantized.py): the XLA reference and the C++ CPU kernel against a
+"""Quantized weights (pallas_kernels/matmul/quantized.py): the XLA reference and the C++ CPU float-activation
+kernel (JAXSERVE_QUANTIZED_ACTIVATIONS=float; the int8-activation one: test_quantized_int8_dot.py) against a
 numpy dequantize-then-dot written here from the layout's definition, for every layout (int8 per channel and
 in groups, 4-bit with offset 8 or with mins, float16 / bfloat16 / float32 scales) at odd sizes; the host
 quantizers' rounding; and GGUF's block types re-expressed exactly (against the gguf package's own
@@ -70,7 +71,7 @@ def test_quantized_matmuls_match_numpy(depth, columns, bits, group, scale_dtype,
     expected_weight = numpy_dequantize(weight)
     np.testing.assert_allclose(np.asarray(quantized.dequantize(weight)), expected_weight, rtol=1e-6, atol=1e-7)
     assert weight.shape == (depth, columns) and weight.dtype == jnp.float32
-    kernel = jax.jit(quantized_cpu.quantized_matmul)
+    kernel = jax.jit(lambda x, w: quantized_cpu.quantized_matmul(x, w, activations="float"))
     reference = jax.jit(quantized.matmul)
     # the reference: 3 rows (the decode path: group sums, scaled) and 40 (dequantize, then one dot); the
     # kernel: 1 row, and 9 (a pass over the weights for 8 rows, then one for the last)
@@ -83,7 +84,8 @@ def test_quantized_matmuls_match_numpy(depth, columns, bits, group, scale_dtype,
 
 
 @pytest.mark.parametrize("compute_dtype", [jnp.bfloat16, jnp.float16])
-def test_quantized_matmuls_take_16_bit_rows(compute_dtype):
+def test_quantized_matmuls_take_16_bit_rows(compute_dtype, monkeypatch):
+    monkeypatch.setenv(quantized_cpu.ACTIVATIONS_ENV, "float")  # the plan's kernel: the float-activation one
     rng = np.random.default_rng(1)
     weight = random_weight(rng, 64, 90, 4, 32, jnp.float16, True, compute_dtype=str(jnp.dtype(compute_dtype)))
     x = jnp.asarray(rng.standard_normal((4, 64)), compute_dtype)
@@ -162,7 +164,7 @@ def test_one_call_serves_mixed_weights_on_every_instruction_path():
     )
     expected = [numpy_dequantize(weight) for weight in weights]
     for path in cpu_library.runnable_paths():
-        call = jax.jit(lambda x, ws, path=path: quantized_cpu.quantized_matmuls(x, ws, path=path))
+        call = jax.jit(lambda x, ws, path=path: quantized_cpu.quantized_matmuls(x, ws, path=path, activations="float"))
         for num_rows in (1, 5, 20):
             x = rng.standard_normal((num_rows, depth)).astype(np.float32)
             for got, dense in zip(call(jnp.asarray(x), weights), expected, strict=True):

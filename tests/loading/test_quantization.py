@@ -118,7 +118,10 @@ def gguf_path(tmp_path_factory):
     return path
 
 
-def test_gguf_blocks_load_quantized_and_compute_their_dequantized_values(gguf_path):
+def test_gguf_blocks_load_quantized_and_compute_their_dequantized_values(gguf_path, monkeypatch):
+    # the CPU kernel that keeps x in float (the default quantizes x to int8 per 32 as llama.cpp does: see
+    # tests/kernels/test_quantized_int8_dot.py), so that the dequantized values are the oracle to float rounding
+    monkeypatch.setenv("JAXSERVE_QUANTIZED_ACTIVATIONS", "float")
     dequantized = _engine(gguf_path)  # quantization none: every tensor dequantized to float32, as before
     quantized = _engine(gguf_path, quantization="auto")
     kernels = _kernels(quantized)

@@ -1,0 +1,651 @@
+// A few rows times quantized weights with integer dot products (llama.cpp's arithmetic), as an XLA FFI
+// custom call: out_i [M, N_i] float32 = x [M, K] @ w_i, w [K, N] = q * scales[k / G] (+ mins[k / G])
+// (pallas_kernels/matmul/quantized.py's layout: q int8 [K, N], or 4-bit packed two rows to a byte [K / 2, N],
+// low nibble row 2i, offset 8 where there are no mins). Same interface as cpu_quantized_matmul.cc (the
+// float-widening kernel it replaces by default; JAXSERVE_QUANTIZED_ACTIVATIONS=float picks that one).
+//
+// Why: widening every weight to float32 and doing an FMA runs at the float instruction rate, so int8 could
+// never beat llama.cpp, which quantizes each row of x to int8 per 32-block of K (ggml's quantize_row_q8_0:
+// d = max|x| / 127, q = round(x / d), ties away from zero) and does integer dot products, four int8 pairs
+// per 32-bit lane and instruction, then one float multiply per block by (weight scale * d). Here too:
+//  - x is quantized once per call, per "chunk": 32 consecutive k within a weight group (a group of 16, or
+//    a per-channel group's last k, gives a shorter chunk). d stays float32 (ggml rounds it to float16).
+//  - each chunk's integer sums are exact int32; a chunk adds float(sum) * d * scale (+ d * sum(q_x) * min)
+//    to the result, so the only float rounding is that of these per-chunk products and their sum.
+//  - AVX-512 VNNI: vpdpbusd takes u8 x s8. int8 weights are made unsigned (w ^ 0x80 = w + 128) and the
+//    128 * sum(q_x) this adds is taken out through the accumulator's start; 4-bit nibbles are unsigned
+//    already (the offset 8 is taken out the same way). Without VNNI (AVX2, or AVX-512BW alone):
+//    vpmaddubsw + vpmaddwd, int8 through the sign trick (|w| x sign(x, w): |w| <= 128, no saturation).
+//    Portable: plain int32 loops the compiler vectorizes.
+//  - the layout is [K, N] (columns contiguous), the dot wants four k of one column in a 32-bit lane: four
+//    weight rows of a tile of columns are interleaved in registers (two rounds of unpacks, within 128-bit
+//    lanes), which leaves the tile's columns in a fixed order; scales are widened in that order and the
+//    item's results put back in column order at its end.
+// The walk over the weights is cpu_quantized_matmul.cc's: per work item a block of columns and a range of
+// groups; within a chunk, weight rows eight at a time in address order (the int32 sums of up to 8 rows of
+// x, [8, width], in L1), software prefetch ahead along the walk; the same thread split (column blocks, then
+// parts of K summed in part order: deterministic).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_workers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define QDOT_X86 1
+constexpr int kTile = 64;  // columns per tile: one weight row's bytes in a vector
+typedef __m512i VecI;
+inline VecI LoadBytes(const void* p) { return _mm512_loadu_si512(p); }
+inline void StoreInts(int32_t* p, VecI v) { _mm512_storeu_si512(p, v); }
+inline VecI LoadInts(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline VecI SplatInt(int32_t v) { return _mm512_set1_epi32(v); }
+inline VecI SplatByte(int8_t v) { return _mm512_set1_epi8(v); }
+inline VecI And(VecI a, VecI b) { return _mm512_and_si512(a, b); }
+inline VecI Xor(VecI a, VecI b) { return _mm512_xor_si512(a, b); }
+inline VecI ShiftRight4(VecI a) { return _mm512_srli_epi16(a, 4); }
+inline VecI UnpackLo8(VecI a, VecI b) { return _mm512_unpacklo_epi8(a, b); }
+inline VecI UnpackHi8(VecI a, VecI b) { return _mm512_unpackhi_epi8(a, b); }
+inline VecI UnpackLo16(VecI a, VecI b) { return _mm512_unpacklo_epi16(a, b); }
+inline VecI UnpackHi16(VecI a, VecI b) { return _mm512_unpackhi_epi16(a, b); }
+typedef __m512 VecF;
+inline VecF LoadF(const float* p) { return _mm512_loadu_ps(p); }
+inline void StoreF(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline VecF SplatF(float v) { return _mm512_set1_ps(v); }
+inline VecF ToFloat(VecI v) { return _mm512_cvtepi32_ps(v); }
+inline VecF Fma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF Mul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+// 64 columns' floats (in[0] columns 0-15, ...) into the tile's order: a 4 x 4 transpose of 128-bit blocks
+inline void TileOrder(const float* in, float* out) {
+  const VecF a = LoadF(in), b = LoadF(in + 16), c = LoadF(in + 32), d = LoadF(in + 48);
+  const VecF ab_lo = _mm512_shuffle_f32x4(a, b, 0x44), ab_hi = _mm512_shuffle_f32x4(a, b, 0xEE);
+  const VecF cd_lo = _mm512_shuffle_f32x4(c, d, 0x44), cd_hi = _mm512_shuffle_f32x4(c, d, 0xEE);
+  StoreF(out, _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88));
+  StoreF(out + 16, _mm512_shuffle_f32x4(ab_lo, cd_lo, 0xDD));
+  StoreF(out + 32, _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88));
+  StoreF(out + 48, _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xDD));
+}
+#if defined(__AVX512VNNI__)
+#define QDOT_VNNI 1
+inline VecI DotUnsigned(VecI acc, VecI u, VecI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#else
+inline VecI DotUnsigned(VecI acc, VecI u, VecI s) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+// sign(x, w): x negated where w < 0 (where w is 0 the product is 0 anyway: |w| is)
+inline VecI DotSigned(VecI acc, VecI w, VecI x) {
+  const __mmask64 negative = _mm512_movepi8_mask(w);
+  return DotUnsigned(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x));
+}
+#endif
+#elif defined(__AVX2__)
+#define QDOT_X86 1
+constexpr int kTile = 32;
+typedef __m256i VecI;
+inline VecI LoadBytes(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline void StoreInts(int32_t* p, VecI v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline VecI LoadInts(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VecI SplatInt(int32_t v) { return _mm256_set1_epi32(v); }
+inline VecI SplatByte(int8_t v) { return _mm256_set1_epi8(v); }
+inline VecI And(VecI a, VecI b) { return _mm256_and_si256(a, b); }
+inline VecI Xor(VecI a, VecI b) { return _mm256_xor_si256(a, b); }
+inline VecI ShiftRight4(VecI a) { return _mm256_srli_epi16(a, 4); }
+inline VecI UnpackLo8(VecI a, VecI b) { return _mm256_unpacklo_epi8(a, b); }
+inline VecI UnpackHi8(VecI a, VecI b) { return _mm256_unpackhi_epi8(a, b); }
+inline VecI UnpackLo16(VecI a, VecI b) { return _mm256_unpacklo_epi16(a, b); }
+inline VecI UnpackHi16(VecI a, VecI b) { return _mm256_unpackhi_epi16(a, b); }
+typedef __m256 VecF;
+inline VecF LoadF(const float* p) { return _mm256_loadu_ps(p); }
+inline void StoreF(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline VecF SplatF(float v) { return _mm256_set1_ps(v); }
+inline VecF ToFloat(VecI v) { return _mm256_cvtepi32_ps(v); }
+inline VecF Fma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF Mul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+// 32 columns' floats into the tile's order: vector j holds columns 4j..4j+3 and 16+4j..16+4j+3
+inline void TileOrder(const float* in, float* out) {
+  const VecF a = LoadF(in), b = LoadF(in + 8), c = LoadF(in + 16), d = LoadF(in + 24);
+  StoreF(out, _mm256_permute2f128_ps(a, c, 0x20));
+  StoreF(out + 8, _mm256_permute2f128_ps(a, c, 0x31));
+  StoreF(out + 16, _mm256_permute2f128_ps(b, d, 0x20));
+  StoreF(out + 24, _mm256_permute2f128_ps(b, d, 0x31));
+}
+#if defined(__AVXVNNI__)
+#define QDOT_VNNI 1
+inline VecI DotUnsigned(VecI acc, VecI u, VecI s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+inline VecI DotUnsigned(VecI acc, VecI u, VecI s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+inline VecI DotSigned(VecI acc, VecI w, VecI x) {
+  return DotUnsigned(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+}
+#endif
+#else
+constexpr int kTile = 16;  // portable: no interleaving, tiles in column order
+#endif
+
+#if defined(QDOT_X86)
+constexpr int kDwords = kTile / 4;  // 32-bit lanes per vector: columns of a vector after interleaving
+// int8 weights: what DotInt8 adds per unit of sum(q_x) beyond w * x (VNNI's w + 128)
+#if defined(QDOT_VNNI)
+constexpr int kInt8Offset = 128;
+inline VecI PrepareInt8(VecI w) { return Xor(w, SplatByte(int8_t(0x80))); }
+inline VecI DotInt8(VecI acc, VecI w, VecI x) { return DotUnsigned(acc, w, x); }
+#else
+constexpr int kInt8Offset = 0;
+inline VecI PrepareInt8(VecI w) { return w; }
+inline VecI DotInt8(VecI acc, VecI w, VecI x) { return DotSigned(acc, w, x); }
+#endif
+
+// Rows k .. k + 3 of a tile (a, b, c, d: kTile bytes each) -> four vectors whose 32-bit lanes hold the four
+// k of one column. Unpacks work within 128-bit lanes: vector j, lane t holds column
+// (t / 4) * 16 + 4 * j + t % 4 (ColumnInTile).
+inline void Interleave(VecI& a, VecI& b, VecI& c, VecI& d) {
+  const VecI ab_lo = UnpackLo8(a, b), ab_hi = UnpackHi8(a, b);
+  const VecI cd_lo = UnpackLo8(c, d), cd_hi = UnpackHi8(c, d);
+  a = UnpackLo16(ab_lo, cd_lo);
+  b = UnpackHi16(ab_lo, cd_lo);
+  c = UnpackLo16(ab_hi, cd_hi);
+  d = UnpackHi16(ab_hi, cd_hi);
+}
+#endif
+
+// The column (within its tile) whose sum sits at position `pos` of the tile's accumulators.
+constexpr int ColumnInTile(int pos) {
+#if defined(QDOT_X86)
+  return (pos % kDwords) / 4 * 16 + 4 * (pos / kDwords) + pos % 4;
+#else
+  return pos;
+#endif
+}
+
+constexpr int64_t kBlockColumns = 4096;   // an item's columns at most
+constexpr int64_t kSumsBytes = 16 * 1024;  // an item's int32 sums [rows, width], in L1
+constexpr int64_t kMinBlockColumns = 64;   // narrower blocks where a weight has too few columns for the threads
+constexpr int64_t kMaxRows = 64;           // the wrapper sends no more
+constexpr int kRowGroup = 8;               // rows of x per walk over a chunk's weights
+constexpr int64_t kChunk = 32;             // k per activation scale (ggml's QK8_0)
+constexpr int64_t kPrefetchBytes = 4096;   // software prefetch this far ahead along the walk
+
+float HalfToFloat(uint16_t bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof(h));
+  return float(h);
+}
+float BFloat16ToFloat(uint16_t bits) {
+  const uint32_t wide = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+// A float array of one of the three widths, read as float32.
+struct FloatArray {
+  const void* data = nullptr;
+  ffi::DataType type = ffi::DataType::F32;
+
+  float At(int64_t i) const {
+    switch (type) {
+      case ffi::DataType::F16: return HalfToFloat(static_cast<const uint16_t*>(data)[i]);
+      case ffi::DataType::BF16: return BFloat16ToFloat(static_cast<const uint16_t*>(data)[i]);
+      default: return static_cast<const float*>(data)[i];
+    }
+  }
+
+  void Widen(int64_t offset, int64_t count, float* out) const {
+    switch (type) {
+      case ffi::DataType::F16: {
+        const auto* in = static_cast<const uint16_t*>(data) + offset;
+        for (int64_t i = 0; i < count; ++i) out[i] = HalfToFloat(in[i]);
+        break;
+      }
+      case ffi::DataType::BF16: {
+        const auto* in = static_cast<const uint16_t*>(data) + offset;
+        for (int64_t i = 0; i < count; ++i) out[i] = BFloat16ToFloat(in[i]);
+        break;
+      }
+      default:
+        std::memcpy(out, static_cast<const float*>(data) + offset, count * sizeof(float));
+    }
+  }
+
+  // `count` values from `offset` in the sums' order: whole tiles (the first `vectors`) in tile order
+  void WidenInTileOrder(int64_t offset, int64_t count, int64_t vectors, float* natural, float* out) const {
+    Widen(offset, count, natural);
+#if defined(QDOT_X86)
+    for (int64_t t = 0; t < vectors; t += kTile) TileOrder(natural + t, out + t);
+#else
+    vectors = 0;  // portable tiles are in column order
+#endif
+    std::memcpy(out + vectors, natural + vectors, (count - vectors) * sizeof(float));
+  }
+};
+
+// x quantized for one chunking (chunks of up to 32 k within groups of `group`).
+struct Activations {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> scale;   // [M, chunks]: d
+  std::vector<int32_t> sum;   // [M, chunks]: sum of q over the chunk
+  int64_t chunks_per_group = 0, chunks = 0;
+};
+
+// ggml's quantize_row_q8_0_ref per chunk, d kept in float32.
+Activations Quantize(const std::vector<float>& x, int64_t rows, int64_t depth, int64_t group) {
+  Activations a;
+  a.chunks_per_group = (group + kChunk - 1) / kChunk;
+  a.chunks = depth / group * a.chunks_per_group;
+  a.q.resize(rows * depth);
+  a.scale.resize(rows * a.chunks);
+  a.sum.resize(rows * a.chunks);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < a.chunks; ++c) {
+      const int64_t k0 = c / a.chunks_per_group * group + c % a.chunks_per_group * kChunk;
+      const int64_t k1 = std::min(k0 + kChunk, c / a.chunks_per_group * group + group);
+      const float* xr = x.data() + r * depth;
+      float amax = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      int32_t sum = 0;
+      for (int64_t k = k0; k < k1; ++k) {
+        const int8_t q = int8_t(std::round(xr[k] * id));
+        a.q[r * depth + k] = q;
+        sum += q;
+      }
+      a.scale[r * a.chunks + c] = d;
+      a.sum[r * a.chunks + c] = sum;
+    }
+  }
+  return a;
+}
+
+struct Problem {
+  const void* values;  // int8 [K, N] or uint8 [K / 2, N]
+  FloatArray scales;   // [G, N]
+  FloatArray mins;     // [G, N]; data null: none
+  float* out;          // [M, N]
+  const Activations* x;
+  int64_t columns, depth, group, num_groups;
+  int bits;
+  int64_t block_columns, blocks, parts;  // the split into work items (Plan)
+};
+
+// One stored weight as the signed integer it stands for (4-bit without mins: the nibble less 8).
+template <int Bits>
+inline int32_t Weight(const Problem& p, int64_t k, int64_t col) {
+  if (Bits == 8) return static_cast<const int8_t*>(p.values)[k * p.columns + col];
+  const uint8_t byte = static_cast<const uint8_t*>(p.values)[(k / 2) * p.columns + col];
+  const int32_t nibble = k % 2 ? byte >> 4 : byte & 0x0F;
+  return p.mins.data != nullptr ? nibble : nibble - 8;
+}
+
+// Position of column c (of the item's block, `vectors` of its columns in whole tiles) among the sums.
+inline int64_t PositionOf(int64_t c, int64_t vectors) {
+  if (c >= vectors) return c;
+  int64_t in_tile = c % kTile;
+  for (int pos = 0; pos < kTile; ++pos) {
+    if (ColumnInTile(pos) == in_tile) return c - in_tile + pos;
+  }
+  return c;
+}
+
+// Up to 8 rows r0 .. r0 + R of x times chunk `chunk` (k in [k0, k1)) of the weight at columns
+// [c0, c0 + width): exact int32 sums in `sums` [R, width] (tile order), then added into `partial`'s rows,
+// scaled: float(sum) * d * scale (+ d * sum(q_x) * min).
+template <int R, int Bits>
+void ChunkRows(const Problem& p, int64_t r0, int64_t chunk, int64_t k0, int64_t k1, int64_t c0, int64_t width,
+               const float* scale, const float* minimum, int32_t* sums, float* partial) {
+  const Activations& x = *p.x;
+  const int64_t depth = p.depth, row_bytes = p.columns;
+  const int64_t vectors = width / kTile * kTile;
+  const bool has_mins = p.mins.data != nullptr;
+  // what the vector steps' arithmetic adds per unit of sum(q_x) beyond the signed product
+#if defined(QDOT_X86)
+  const int32_t offset = Bits == 8 ? kInt8Offset : (has_mins ? 0 : 8);
+  const int64_t vector_end = k0 + (k1 - k0) / 4 * 4;  // k the vector steps take; the rest one by one
+#endif
+  const int8_t* xq = x.q.data() + r0 * depth;
+  // per row: d, and d * sum(q_x) (for the mins)
+  float d[R], d_sum[R];
+  for (int r = 0; r < R; ++r) {
+    d[r] = x.scale[(r0 + r) * x.chunks + chunk];
+    d_sum[r] = has_mins ? d[r] * float(x.sum[(r0 + r) * x.chunks + chunk]) : 0.0f;
+  }
+  // the sums start at -offset * sum(q_x) over the vector steps' k (vector columns; the first step starts
+  // from it), 0 elsewhere
+  for (int r = 0; r < R; ++r) std::fill(sums + r * width + vectors, sums + (r + 1) * width, 0);
+  const auto* base = static_cast<const uint8_t*>(p.values);
+  // whether the vector columns are done: the last vector step scales its sums straight into partial
+  bool finished = false;
+#if defined(QDOT_X86)
+  int32_t start[R];
+  for (int r = 0; r < R; ++r) {
+    start[r] = 0;
+    for (int64_t k = k0; k < vector_end; ++k) start[r] -= offset * xq[r * depth + k];
+  }
+  if (vector_end == k0) {
+    for (int r = 0; r < R; ++r) std::fill(sums + r * width, sums + r * width + vectors, 0);
+  }
+  int64_t k = k0;
+  // eight k per step (two interleaved quads) where the chunk has them, then four
+  auto step = [&](auto quads_constant, auto first_constant, auto last_constant) {
+    constexpr int Q = decltype(quads_constant)::value;
+    constexpr bool First = decltype(first_constant)::value, Last = decltype(last_constant)::value;
+    constexpr int64_t byte_rows = Bits == 8 ? 4 * Q : 2 * Q;
+    const uint8_t* s0 = base + (Bits == 8 ? k : k / 2) * row_bytes + c0;
+    const int64_t ahead_steps = std::max<int64_t>(1, (kPrefetchBytes + width * byte_rows - 1) / (width * byte_rows));
+    const int64_t ahead = ahead_steps * byte_rows * row_bytes;
+    VecI xv[R][Q];
+    for (int r = 0; r < R; ++r) {
+      for (int q = 0; q < Q; ++q) {
+        int32_t four;
+        std::memcpy(&four, xq + r * depth + k + 4 * q, sizeof(four));
+        xv[r][q] = SplatInt(four);
+      }
+    }
+    for (int64_t c = 0; c < vectors; c += kTile) {
+      if (c % 64 == 0) {
+        for (int64_t j = 0; j < byte_rows; ++j) __builtin_prefetch(s0 + ahead + j * row_bytes + c);
+      }
+      VecI w[4 * Q];
+      if constexpr (Bits == 8) {
+        for (int j = 0; j < 4 * Q; ++j) w[j] = LoadBytes(s0 + j * row_bytes + c);
+      } else {
+        const VecI low = SplatByte(0x0F);
+        for (int j = 0; j < 2 * Q; ++j) {
+          const VecI packed = LoadBytes(s0 + j * row_bytes + c);
+          w[2 * j] = And(packed, low);
+          w[2 * j + 1] = And(ShiftRight4(packed), low);
+        }
+      }
+      for (int q = 0; q < Q; ++q) {
+        Interleave(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+        if constexpr (Bits == 8) {
+          for (int j = 0; j < 4; ++j) w[4 * q + j] = PrepareInt8(w[4 * q + j]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t* sum = sums + r * width + c;
+        float* out = partial + (r0 + r) * p.columns + c0 + c;
+        for (int j = 0; j < 4; ++j) {
+          VecI a = First ? SplatInt(start[r]) : LoadInts(sum + j * kDwords);
+          for (int q = 0; q < Q; ++q) {
+            a = Bits == 8 ? DotInt8(a, w[4 * q + j], xv[r][q]) : DotUnsigned(a, w[4 * q + j], xv[r][q]);
+          }
+          if constexpr (Last) {
+            const int64_t at = c + j * kDwords;
+            VecF o = Fma(ToFloat(a), Mul(SplatF(d[r]), LoadF(scale + at)), LoadF(out + j * kDwords));
+            if (has_mins) o = Fma(SplatF(d_sum[r]), LoadF(minimum + at), o);
+            StoreF(out + j * kDwords, o);
+          } else {
+            StoreInts(sum + j * kDwords, a);
+          }
+        }
+      }
+    }
+    k += 4 * Q;
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  const bool fuse = vector_end == k1;  // no k left for one-by-one sums after the vector steps
+  while (k < vector_end) {
+    const bool first = k == k0;
+    if (k + 8 <= vector_end) {
+      const bool last = fuse && k + 8 == vector_end;
+      if (first && last) step(std::integral_constant<int, 2>(), Yes(), Yes());
+      else if (first) step(std::integral_constant<int, 2>(), Yes(), No());
+      else if (last) step(std::integral_constant<int, 2>(), No(), Yes());
+      else step(std::integral_constant<int, 2>(), No(), No());
+      finished = last;
+    } else {
+      const bool last = fuse;  // a step of four is the chunk's last
+      if (first && last) step(std::integral_constant<int, 1>(), Yes(), Yes());
+      else if (first) step(std::integral_constant<int, 1>(), Yes(), No());
+      else if (last) step(std::integral_constant<int, 1>(), No(), Yes());
+      else step(std::integral_constant<int, 1>(), No(), No());
+      finished = last;
+    }
+  }
+  // the chunk's last k (fewer than four) of the vector columns
+  for (; k < k1; ++k) {
+    for (int64_t c = 0; c < vectors; ++c) {
+      const int32_t w = Weight<Bits>(p, k, c0 + c);
+      const int64_t pos = PositionOf(c, vectors);
+      for (int r = 0; r < R; ++r) sums[r * width + pos] += w * xq[r * depth + k];
+    }
+  }
+#else
+  // portable: column order, int32 sums the compiler vectorizes
+  for (int r = 0; r < R; ++r) std::fill(sums + r * width, sums + r * width + vectors, 0);
+  for (int64_t k = k0; k < k1; ++k) {
+    if (Bits == 8) {
+      const int8_t* row = static_cast<const int8_t*>(p.values) + k * row_bytes + c0;
+      for (int r = 0; r < R; ++r) {
+        const int32_t xk = xq[r * depth + k];
+        int32_t* __restrict s = sums + r * width;
+#pragma omp simd
+        for (int64_t c = 0; c < vectors; ++c) s[c] += int32_t(row[c]) * xk;
+      }
+    } else {
+      const uint8_t* row = base + (k / 2) * row_bytes + c0;
+      const int shift = k % 2 ? 4 : 0;
+      const int32_t bias = has_mins ? 0 : 8;
+      for (int r = 0; r < R; ++r) {
+        const int32_t xk = xq[r * depth + k];
+        int32_t* __restrict s = sums + r * width;
+#pragma omp simd
+        for (int64_t c = 0; c < vectors; ++c) s[c] += (int32_t((row[c] >> shift) & 0x0F) - bias) * xk;
+      }
+    }
+  }
+#endif
+  // the block's last columns (N not a multiple of the tile), one at a time, in column order
+  for (int64_t c = vectors; c < width; ++c) {
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      const int32_t w = Weight<Bits>(p, kk, c0 + c);
+      for (int r = 0; r < R; ++r) sums[r * width + c] += w * xq[r * depth + kk];
+    }
+  }
+  const int64_t from = finished ? vectors : 0;  // what is left to scale into partial
+  for (int r = 0; r < R; ++r) {
+    float* __restrict out = partial + (r0 + r) * p.columns + c0;
+    const int32_t* __restrict sum = sums + r * width;
+    const float dr = d[r], dr_sum = d_sum[r];
+    if (has_mins) {
+#pragma omp simd
+      for (int64_t c = from; c < width; ++c) out[c] += float(sum[c]) * (dr * scale[c]) + dr_sum * minimum[c];
+    } else {
+#pragma omp simd
+      for (int64_t c = from; c < width; ++c) out[c] += float(sum[c]) * (dr * scale[c]);
+    }
+  }
+}
+
+// Block columns for `rows` rows of x: the int32 sums of up to 8 rows, [8, width], stay in L1.
+inline int64_t BlockColumns(int64_t rows) {
+  const int64_t fits = kSumsBytes / int64_t(sizeof(int32_t) * std::min<int64_t>(rows, kRowGroup));
+  return std::min<int64_t>(kBlockColumns, fits / kMinBlockColumns * kMinBlockColumns);  // whole tiles
+}
+
+template <int Bits>
+void Item(const Problem& p, int64_t rows, int64_t g0, int64_t g1, int64_t c0, int64_t width, float* partial) {
+  alignas(64) float scale[kBlockColumns];
+  alignas(64) float minimum[kBlockColumns];
+  alignas(64) float natural[kBlockColumns];
+  alignas(64) int32_t sums[kSumsBytes / sizeof(int32_t)];
+  const int64_t vectors = width / kTile * kTile;
+  // each position's column: tiles in their sums' order, the last columns in column order
+  int64_t column_at[kTile];
+  for (int pos = 0; pos < kTile; ++pos) column_at[pos] = ColumnInTile(pos);
+  if (p.mins.data == nullptr) std::fill(minimum, minimum + width, 0.0f);
+  const Activations& x = *p.x;
+  for (int64_t g = g0; g < g1; ++g) {
+    p.scales.WidenInTileOrder(g * p.columns + c0, width, vectors, natural, scale);
+    if (p.mins.data != nullptr) p.mins.WidenInTileOrder(g * p.columns + c0, width, vectors, natural, minimum);
+    for (int64_t i = 0; i < x.chunks_per_group; ++i) {
+      const int64_t chunk = g * x.chunks_per_group + i;
+      const int64_t k0 = g * p.group + i * kChunk, k1 = std::min(k0 + kChunk, (g + 1) * p.group);
+      int64_t r0 = 0;
+      for (; r0 + kRowGroup <= rows; r0 += kRowGroup) {
+        ChunkRows<kRowGroup, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial);
+      }
+      switch (rows - r0) {
+        case 7: ChunkRows<7, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
+        case 6: ChunkRows<6, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
+        case 5: ChunkRows<5, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
+        case 4: ChunkRows<4, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
+        case 3: ChunkRows<3, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
+        case 2: ChunkRows<2, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
+        case 1: ChunkRows<1, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
+        default: break;
+      }
+    }
+  }
+  // the item's results back in column order
+  float tile[kTile];
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = partial + r * p.columns + c0;
+    for (int64_t t = 0; t < vectors; t += kTile) {
+      for (int pos = 0; pos < kTile; ++pos) tile[column_at[pos]] = out[t + pos];
+      std::memcpy(out + t, tile, sizeof(tile));
+    }
+  }
+}
+
+// A weight's split: column blocks (narrower where there are too few for the threads), then parts of K.
+void Plan(Problem& p, int64_t rows, int64_t num_workers) {
+  const int64_t wanted = 2 * num_workers;  // two items per thread at least, so that a late helper gets its share
+  const int64_t widest = BlockColumns(rows);
+  int64_t width = widest;
+  if ((p.columns + width - 1) / width < wanted) {
+    const int64_t even = (p.columns + wanted - 1) / wanted;
+    width = std::min(widest, std::max(kMinBlockColumns, (even + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns));
+  }
+  p.block_columns = width;
+  p.blocks = (p.columns + width - 1) / width;
+  p.parts = 1;
+  if (p.blocks < wanted) p.parts = std::min((wanted + p.blocks - 1) / p.blocks, p.num_groups);
+}
+
+void Run(int64_t num_workers, std::vector<Problem>& problems, int64_t rows) {
+  std::vector<int64_t> first_item;  // each problem's first work item
+  std::vector<std::vector<float>> partials(problems.size());  // parts beyond the first, where K is split
+  int64_t num_items = 0;
+  for (size_t i = 0; i < problems.size(); ++i) {
+    Problem& p = problems[i];
+    Plan(p, rows, num_workers);
+    first_item.push_back(num_items);
+    num_items += p.blocks * p.parts;
+    std::fill(p.out, p.out + rows * p.columns, 0.0f);
+    if (p.parts > 1) partials[i].assign((p.parts - 1) * rows * p.columns, 0.0f);
+  }
+  jaxserve_cpu::RunItems(num_workers, num_items, [&](int64_t, int64_t item) {
+    const size_t i = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+    const Problem& p = problems[i];
+    const int64_t local = item - first_item[i];
+    const int64_t block = local % p.blocks, part = local / p.blocks;
+    const int64_t c0 = block * p.block_columns, width = std::min(p.block_columns, p.columns - c0);
+    const int64_t g0 = p.num_groups * part / p.parts, g1 = p.num_groups * (part + 1) / p.parts;
+    float* partial = part == 0 ? p.out : partials[i].data() + (part - 1) * rows * p.columns;
+    if (p.bits == 8) {
+      Item<8>(p, rows, g0, g1, c0, width, partial);
+    } else {
+      Item<4>(p, rows, g0, g1, c0, width, partial);
+    }
+  });
+  for (size_t i = 0; i < problems.size(); ++i) {
+    const Problem& p = problems[i];
+    const int64_t size = rows * p.columns;
+    for (int64_t part = 1; part < p.parts; ++part) {
+      const float* from = partials[i].data() + (part - 1) * size;
+#pragma omp simd
+      for (int64_t j = 0; j < size; ++j) p.out[j] += from[j];
+    }
+  }
+}
+
+ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs arrays, ffi::RemainingRets outs,
+                            ffi::Span<const int64_t> bits, ffi::Span<const int64_t> has_mins) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() != 2) return ffi::Error::InvalidArgument("quantized_int8_dot: x must be 2-d");
+  const int64_t rows = x_dims[0], depth = x_dims[1];
+  if (rows > kMaxRows) return ffi::Error::InvalidArgument("quantized_int8_dot: too many rows");
+  const size_t count = outs.size();
+  if (count == 0 || arrays.size() != 3 * count || bits.size() != count || has_mins.size() != count) {
+    return ffi::Error::InvalidArgument("quantized_int8_dot: values, scales and mins, bits and has_mins per result");
+  }
+  std::vector<Problem> problems;
+  for (size_t i = 0; i < count; ++i) {
+    auto values = arrays.get<ffi::AnyBuffer>(3 * i);
+    auto scales = arrays.get<ffi::AnyBuffer>(3 * i + 1);
+    auto mins = arrays.get<ffi::AnyBuffer>(3 * i + 2);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!values.has_value() || !scales.has_value() || !mins.has_value() || !out.has_value()) {
+      return ffi::Error::InvalidArgument("quantized_int8_dot: bad weight or result");
+    }
+    const auto v_dims = values->dimensions(), s_dims = scales->dimensions(), m_dims = mins->dimensions();
+    if (v_dims.size() != 2 || s_dims.size() != 2) {
+      return ffi::Error::InvalidArgument("quantized_int8_dot: values and scales must be 2-d");
+    }
+    if (bits[i] != 8 && bits[i] != 4) return ffi::Error::InvalidArgument("quantized_int8_dot: bits must be 8 or 4");
+    const int64_t columns = v_dims[1], num_groups = s_dims[0];
+    const ffi::DataType value_type = bits[i] == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
+    if (values->element_type() != value_type || v_dims[0] * (8 / bits[i]) != depth || s_dims[1] != columns ||
+        num_groups < 1 || depth % num_groups || (bits[i] == 4 && (depth / num_groups) % 2) ||
+        (*out)->element_count() != size_t(rows * columns)) {
+      return ffi::Error::InvalidArgument("quantized_int8_dot: inconsistent shapes or types");
+    }
+    if (has_mins[i] && (m_dims.size() != 2 || m_dims[0] != num_groups || m_dims[1] != columns ||
+                        mins->element_type() != scales->element_type())) {
+      return ffi::Error::InvalidArgument("quantized_int8_dot: mins must be shaped and typed as scales");
+    }
+    problems.push_back(Problem{values->untyped_data(),
+                               FloatArray{scales->untyped_data(), scales->element_type()},
+                               FloatArray{has_mins[i] ? mins->untyped_data() : nullptr, mins->element_type()},
+                               (*out)->typed_data(),
+                               nullptr,
+                               columns,
+                               depth,
+                               depth / num_groups,
+                               num_groups,
+                               int(bits[i]),
+                               0,
+                               0,
+                               0});
+  }
+  std::vector<float> x_wide(rows * depth);
+  const FloatArray x_array{x.untyped_data(), x.element_type()};
+  for (int64_t i = 0; i < rows * depth; ++i) x_wide[i] = x_array.At(i);
+  std::map<int64_t, Activations> by_group;  // x quantized once per chunking (weights of one group size share)
+  for (Problem& p : problems) {
+    auto found = by_group.find(p.group);
+    if (found == by_group.end()) found = by_group.emplace(p.group, Quantize(x_wide, rows, depth, p.group)).first;
+    p.x = &found->second;
+  }
+  Run(std::max<int64_t>(1, pool.num_threads()), problems, rows);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedInt8Dot, QuantizedInt8Dot,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("bits")
+                                  .Attr<ffi::Span<const int64_t>>("has_mins"));

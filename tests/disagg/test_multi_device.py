@@ -1,30 +1,16 @@
 """Two engines on disjoint fake CPU devices with different tensor-parallel meshes (a subprocess: the
 device count is fixed when JAX starts): greedy outputs through the pair equal transformers'."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.fake_devices import run_on_fake_devices
+
 RUNS = ["2:0-1/1:4-4", "1:2-2/2:6-7"]
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.disagg.multi_device_handover", *RUNS],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices("tests.disagg.multi_device_handover", *RUNS)
 
 
 @pytest.mark.parametrize("run", RUNS)

@@ -2,30 +2,16 @@
 parallelism (each shard a whole copy of the one latent head, its slice of the query heads), data parallelism
 with experts spread over every device (evenly and not), and experts re-placed while serving."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.fake_devices import run_on_fake_devices
+
 RUNS = ["deepseek_v3:2:1", "deepseek_v2_lite:2:2:ep", "deepseek_v3_kimi:1:4:ep"]
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.support.deepseek_multi_device_run", *RUNS],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices("tests.support.deepseek_multi_device_run", *RUNS)
 
 
 @pytest.mark.parametrize("run", RUNS)

@@ -33,7 +33,8 @@ def run(spec: str) -> dict:
         fixture_dir(name),
         **{
             **SMALL_ENGINE,
-            "max_num_seqs": 4,  # fewer buckets to compile on each mesh
+            "max_num_seqs": 4,  # fewer buckets to compile on each mesh: one decode bucket
+            "decode_seq_buckets": (4,),
             "tensor_parallel_size": int(tp),
             "data_parallel_size": int(dp),
             "enable_expert_parallel": bool(ep),

@@ -2,14 +2,10 @@
 sinks split with their query heads under tensor parallelism; expert biases stored, split and moved row by row
 with their experts under expert parallelism (evenly and not), before and after rebalancing."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.fake_devices import run_on_fake_devices
+
 # TP 2; data 2 x tensor 2 with the experts over all 4; Qwen3-30B-A3B's shape with its 128 experts over 8 devices
 RUNS = ["gpt_oss:2:1", "gpt_oss_6x:2:2:ep", "qwen3_moe_30b_a3b_shape:1:8:ep"]
 GPT_OSS_RUNS = RUNS[:2]
@@ -17,17 +13,7 @@ GPT_OSS_RUNS = RUNS[:2]
 
 @pytest.fixture(scope="module")
 def sharded_results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.support.gpt_oss_sharded_run", *RUNS],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices("tests.support.gpt_oss_sharded_run", *RUNS)
 
 
 @pytest.mark.parametrize("run", RUNS)

@@ -1,29 +1,14 @@
 """An int8 KV cache under tensor and data parallelism (4 fake CPU devices, in a subprocess): the scale pools
 split as their values, and greedy outputs equal one device's."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.fake_devices import run_on_fake_devices
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.support.kv_quantization_meshes_run"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices("tests.support.kv_quantization_meshes_run", devices=4)
 
 
 @pytest.mark.parametrize("mesh,spec", [("tp2", ["None", "None", "tensor"]), ("tp4", ["None", "None", "tensor"])])

@@ -3,29 +3,14 @@ quantized_experts_meshes_run.py): Mixtral's 6 experts spread 2, 2, 1, 1 with pad
 arrays split by experts as the float weights are, moved by a load profile with their scales; greedy outputs
 equal one device's, which equal the same model dequantized; and under tensor parallelism 2."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.fake_devices import run_on_fake_devices
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.support.quantized_experts_meshes_run"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices("tests.support.quantized_experts_meshes_run", devices=4)
 
 
 def _close(a: list, b: list) -> bool:

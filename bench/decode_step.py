@@ -236,8 +236,10 @@ def project_xla(x, w, transposed: bool):
 
 def project_path(x, w, transposed: bool, path: str):
     """A kernel path's build for a float or a quantized weight (--quantization)."""
-    from pallas_kernels.matmul import cpu, quantized, quantized_cpu
+    from pallas_kernels.matmul import cpu, kquant, kquant_cpu, quantized, quantized_cpu
 
+    if kquant.is_kquant(w):  # a K-quant file's weights (Q4_K_M): their own kernel
+        return kquant_cpu.kquant_matmuls(x, [w], path=path)[0]
     if quantized.is_quantized(w):
         return quantized_cpu.quantized_matmul(x, w, path=path)
     return cpu.small_matmul(x, w, transposed=transposed, path=path)

@@ -47,7 +47,10 @@ DTYPES = {"f32": ("float32", "F32"), "bf16": ("bfloat16", "BF16")}  # precision 
 # Quantized rows (issue 25): both engines serve the same llama-quantize'd file, jaxserve with quantization auto
 # (its blocks kept as stored: pallas_kernels/matmul/quantized.py), computing in float32.
 DTYPES.update({"q8_0": ("float32", "Q8_0"), "q4_0": ("float32", "Q4_0")})
-QUANTIZED_PRECISIONS = ("q8_0", "q4_0")
+# llama.cpp's most used mixes: K-quants (Q4_K + Q6_K; Q5_K + Q6_K), and Q5_0 / Q5_1 where a matrix's K is not a
+# multiple of 256 (SmolLM2's 576), all held at the file's bytes (pallas_kernels/matmul/kquant.py)
+DTYPES.update({"q4_k_m": ("float32", "Q4_K_M"), "q5_k_m": ("float32", "Q5_K_M")})
+QUANTIZED_PRECISIONS = ("q8_0", "q4_0", "q4_k_m", "q5_k_m")
 TEXT_PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when",
     "Here is a short recipe for a tomato soup. First,",
@@ -227,7 +230,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a Hugging Face dir")
     parser.add_argument(
-        "--precisions", default="f32,bf16", help="of f32, bf16, q8_0, q4_0 (q8_0 always runs for llama.cpp)"
+        "--precisions",
+        default="f32,bf16",
+        help="of f32, bf16, q8_0, q4_0, q4_k_m, q5_k_m (q8_0 always runs for llama.cpp)",
     )
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--max-num-seqs", type=int, default=48, help="jaxserve's batch limit")

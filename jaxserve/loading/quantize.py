@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.matmul.kquant import KQuantWeight
 from pallas_kernels.matmul.quantized import QuantizedWeight, place_shardings
 
 logger = logging.getLogger(__name__)
@@ -243,7 +244,7 @@ def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, 
     return place(stored, sharding, stored_transposed=transposed)
 
 
-def place(weight: QuantizedWeight, sharding, stored_transposed: bool = False) -> QuantizedWeight:
+def place(weight: QuantizedWeight | KQuantWeight, sharding, stored_transposed: bool = False):
     """Each of the weight's arrays on the device(s) place_shardings gives them; without a sharding, on the
     default device uncommitted, as the float params are."""
     if sharding is None:

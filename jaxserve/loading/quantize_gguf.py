@@ -13,6 +13,11 @@ as QuantizedWeight's groups). Every type here maps onto `w = q * scale (+ min)` 
     Q6_K   super-blocks of 256: d, int8 scales per 16, 6-bit values
                                                          -> int8 groups of 16, float32 scales (exact)
 
+That is how stacked experts load them (the grouped expert matmul reads QuantizedWeight). A 2-d matrix of
+a K-quant (and Q5_0 / Q5_1, which a Q4_K_M / Q5_K_M file holds where K is not a multiple of 256) loads as
+kquant.py's KQuantWeight instead: the blocks' bits moved into planes along K with the two-level scales as
+stored, at 1.00-1.03x the file's bytes (`from_gguf_kquant_blocks`). Q5_0 / Q5_1 experts dequantize.
+
 The decoding follows the gguf package's own dequantizers (gguf.quants), which the tests compare against.
 Other types have no quantized path: the reader dequantizes them as before (and says so in the log).
 
@@ -34,6 +39,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from jaxserve.loading.quantize import pack_nibbles, stack
+from pallas_kernels.matmul.kquant import HIGH_BITS, KQuantWeight, pack_rows
 from pallas_kernels.matmul.quantized import QuantizedWeight
 
 Q = GGMLQuantizationType
@@ -105,11 +111,98 @@ LAYOUTS = {
     Q.Q4_K: (144, QK_K, _q4_k, 4),
     Q.Q5_K: (176, QK_K, _q5_k, 8),
     Q.Q6_K: (210, QK_K, _q6_k, 8),
+    # only as KQuantWeight (two-level); as a QuantizedWeight (experts) they dequantize
+    Q.Q5_0: (22, 32, None, 8),
+    Q.Q5_1: (24, 32, None, 8),
 }
 
 
 def has_quantized_layout(qtype) -> bool:
     return qtype in LAYOUTS
+
+
+def _q4_k_planes(b):
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    qs = b[:, 16:].reshape(-1, 4, 32)  # four 32-byte chunks, each two sub-blocks (low, then high nibbles)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, QK_K)
+    return q, sc, mn, _f16(b[:, 0:2]), _f16(b[:, 2:4])
+
+
+def _q5_k_planes(b):
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    qh, qs = b[:, 16:48], b[:, 48:].reshape(-1, 4, 32)
+    low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+    high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [B, 8, 32]
+    return (low | (high << 4)).reshape(-1, QK_K), sc, mn, _f16(b[:, 0:2]), _f16(b[:, 2:4])
+
+
+def _q6_k_planes(b):
+    ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
+    low = np.stack([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 2, 4, 32)
+    high = np.stack([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], axis=2)  # [B, 2, 4, 32]
+    q = (low | (high << 4)).reshape(-1, QK_K)  # 0..63: q + 32, as stored
+    return q, b[:, 192:208].view(np.int8), None, _f16(b[:, 208:210]), None
+
+
+def _q5_high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1's 4 bytes of high bits [B, 4] -> [B, 32]: element j's bit is bit j of the little-endian word."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def _q5_0_planes(b):
+    q = _halves(b[:, 6:]) | (_q5_high_bits(b[:, 2:6]) << 4)  # 0..31: q + 16, as stored
+    return q, None, None, _f16(b[:, 0:2]), None
+
+
+def _q5_1_planes(b):
+    q = _halves(b[:, 8:]) | (_q5_high_bits(b[:, 4:8]) << 4)
+    return q, None, None, _f16(b[:, 0:2]), _f16(b[:, 2:4])
+
+
+# type -> (its KQuantWeight kind, values per block, the block's planes: q [B, values] uint8 as stored in
+# natural order, sub-block scales [B, S] or None, mins [B, S] or None, d [B, 1] float16, dmin [B, 1] or None)
+KQUANT_PLANES = {
+    Q.Q4_K: ("q4_k", QK_K, _q4_k_planes),
+    Q.Q5_K: ("q5_k", QK_K, _q5_k_planes),
+    Q.Q6_K: ("q6_k", QK_K, _q6_k_planes),
+    Q.Q5_0: ("q5_0", 32, _q5_0_planes),
+    Q.Q5_1: ("q5_1", 32, _q5_1_planes),
+}
+
+
+def from_gguf_kquant_blocks(raw: np.ndarray, qtype, compute_dtype: str) -> KQuantWeight:
+    """raw [N, bytes per row] uint8 (a GGUF K-quant matrix's rows) -> the [K, N] KQuantWeight: the blocks' bits
+    moved into planes (no dequantization), a chunk of rows at a time into arrays allocated once."""
+    kind, block_values, planes = KQUANT_PLANES[qtype]
+    block_bytes = LAYOUTS[qtype][0]
+    columns = raw.shape[0]
+    depth = raw.shape[1] // block_bytes * block_values
+    high_bits = HIGH_BITS[kind]
+    arrays: dict[str, np.ndarray | None] = {}
+    for start in range(0, columns, ROWS_PER_CHUNK):
+        rows = raw[start : start + ROWS_PER_CHUNK]
+        count = rows.shape[0]
+        q, sc, mn, d, dmin = planes(np.ascontiguousarray(rows).reshape(-1, block_bytes))
+        q = q.reshape(count, depth).T  # [K, count]
+        parts = {
+            "low": pack_rows(q, 4),
+            "high": pack_rows(q >> 4, high_bits) if high_bits else None,
+            "sub_scales": None if sc is None else sc.reshape(count, -1).T,
+            "sub_mins": None if mn is None else mn.reshape(count, -1).T,
+            "d": d.reshape(count, -1).T,
+            "dmin": None if dmin is None else dmin.reshape(count, -1).T,
+        }
+        if not arrays:
+            arrays = {
+                name: None if part is None else np.empty((part.shape[0], columns), part.dtype)
+                for name, part in parts.items()
+            }
+        for name, part in parts.items():
+            array = arrays[name]
+            if array is not None and part is not None:
+                array[:, start : start + count] = part
+    assert arrays, "a GGUF matrix has rows"
+    return KQuantWeight(**arrays, kind=kind, compute_dtype=compute_dtype)  # type: ignore[arg-type]
 
 
 ROWS_PER_CHUNK = 2048  # GGUF rows (outputs) decoded at a time: decoding's temporaries stay small
@@ -188,9 +281,14 @@ class Blocks:
     def __array_function__(self, func, types, args, kwargs):
         return _array_function(func, args, kwargs)
 
-    def quantized(self, compute_dtype: str) -> QuantizedWeight:
-        """The [K, N] QuantizedWeight of the rows kept (whichever way this stand-in is transposed)."""
-        return from_gguf_blocks(self.raw()[self.start : self.stop], self.qtype, compute_dtype)
+    def quantized(self, compute_dtype: str, two_level: bool = True) -> QuantizedWeight | KQuantWeight:
+        """The [K, N] weight of the rows kept (whichever way this stand-in is transposed): K-quant blocks as a
+        KQuantWeight (two_level; the file's bytes), other types (and K-quants with two_level False) as a
+        QuantizedWeight."""
+        raw = self.raw()[self.start : self.stop]
+        if two_level and self.qtype in KQUANT_PLANES:
+            return from_gguf_kquant_blocks(raw, self.qtype, compute_dtype)
+        return from_gguf_blocks(raw, self.qtype, compute_dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -220,7 +318,9 @@ class StackedBlocks:
 
     def quantized(self, compute_dtype: str) -> QuantizedWeight:
         """The [X, K, N] QuantizedWeight, its arrays allocated once and filled expert by expert."""
-        first = self.parts[0].quantized(compute_dtype)
+        # experts keep the one-level layout: the grouped expert matmul (quantized_experts.py) reads QuantizedWeight
+        first = self.parts[0].quantized(compute_dtype, two_level=False)
+        assert isinstance(first, QuantizedWeight)
         arrays = {
             leaf: None
             if getattr(first, leaf) is None
@@ -228,7 +328,7 @@ class StackedBlocks:
             for leaf in ("values", "scales", "mins")
         }
         for expert, part in enumerate(self.parts):
-            weight = first if expert == 0 else part.quantized(compute_dtype)
+            weight = first if expert == 0 else part.quantized(compute_dtype, two_level=False)
             for leaf, array in arrays.items():
                 if array is not None:
                     array[expert] = getattr(weight, leaf)
@@ -239,7 +339,7 @@ def _array_function(func, args, kwargs):
     """np.stack of Blocks of one type keeps them as blocks; any other numpy function gets float values."""
     if func is np.stack and kwargs.get("axis", 0) == 0 and len(args) == 1:
         parts = tuple(args[0])
-        if parts and all(isinstance(part, Blocks) for part in parts):
+        if parts and all(isinstance(part, Blocks) for part in parts) and LAYOUTS[parts[0].qtype][2] is not None:
             if len({(part.qtype, part.shape, part.transposed) for part in parts}) == 1:
                 return StackedBlocks(parts)
     return func(*_float_values(args), **{key: _float_values(value) for key, value in kwargs.items()})
@@ -333,6 +433,7 @@ __all__ = [
     "NoBlocks",
     "StackedBlocks",
     "from_gguf_blocks",
+    "from_gguf_kquant_blocks",
     "has_quantized_layout",
     "layout_bits",
     "mapped_blocks",

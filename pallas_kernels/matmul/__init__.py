@@ -31,7 +31,7 @@ from typing import ClassVar, Protocol
 
 import jax.numpy as jnp
 
-from pallas_kernels.matmul import cpu, quantized, quantized_cpu, reference
+from pallas_kernels.matmul import cpu, kquant_cpu, quantized, quantized_cpu, reference
 
 
 def _bfloat16_max_rows() -> int:
@@ -166,6 +166,8 @@ def quantized_entries(platform: str, num_devices: int) -> tuple[MatmulEntry, ...
     entries: tuple[MatmulEntry, ...] = (QuantizedReferenceMatmul(),)
     if platform == "cpu" and num_devices == 1 and quantized_cpu.available():
         entries = (quantized_cpu.QuantizedSmallMatmul(quantized_cpu.QUANTIZED_MAX_ROWS), *entries)
+    if platform == "cpu" and num_devices == 1 and kquant_cpu.available():  # GGUF K-quants (kquant.py)
+        entries = (kquant_cpu.KQuantSmallMatmul(kquant_cpu.KERNEL_MAX_ROWS), *entries)
     return entries
 
 

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pallas_kernels.matmul import kquant
+from pallas_kernels.matmul.kquant import KQuantWeight
+
 # Rows from which the reference dequantizes the weight and runs one dot (compute-bound prefill: the copy
 # is paid once for many rows); below, it dots the integers group by group and scales the group sums, so
 # no float copy of the weight is made (a decode step reads the weight at its stored width).
@@ -92,6 +95,8 @@ def integers(weight: QuantizedWeight):
 def dequantize(weight: QuantizedWeight, dtype=None):
     """The float weight [..., K, N] it stands for, in `dtype` (default: its compute dtype); scales applied in
     float32."""
+    if isinstance(weight, KQuantWeight):  # GGUF K-quants' two-level layout (kquant.py)
+        return kquant.dequantize(weight, dtype)
     q = integers(weight)
     *lead, depth, columns = q.shape
     groups = weight.num_groups
@@ -104,6 +109,8 @@ def dequantize(weight: QuantizedWeight, dtype=None):
 
 def matmul(rows, weight: QuantizedWeight, *, transposed: bool = False):
     """rows [M, K] (the compute dtype) @ weight [K, N] -> float32 [M, N], with XLA's dots."""
+    if isinstance(weight, KQuantWeight):  # GGUF K-quants' two-level layout (kquant.py)
+        return kquant.matmul(rows, weight, transposed=transposed)
     if transposed:
         raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
     if weight.values.ndim != 2:
@@ -134,6 +141,8 @@ def matmul(rows, weight: QuantizedWeight, *, transposed: bool = False):
 def take_columns(weight: QuantizedWeight, column_ids, dtype=None):
     """Columns of a [K, N] weight, dequantized -> [len(column_ids), K]: a quantized embedding (stored as the head
     it also is, [E, V]) looked up by token ids. Reads only those columns' bytes."""
+    if isinstance(weight, KQuantWeight):
+        return kquant.take_columns(weight, column_ids, dtype)
     picked = QuantizedWeight(
         jnp.take(weight.values, column_ids, axis=-1),
         jnp.take(weight.scales, column_ids, axis=-1),
@@ -145,7 +154,7 @@ def take_columns(weight: QuantizedWeight, column_ids, dtype=None):
     return dequantize(picked, dtype).T
 
 
-def place_shardings(weight: QuantizedWeight, sharding, stored_transposed: bool = False) -> QuantizedWeight:
+def place_shardings(weight: QuantizedWeight | KQuantWeight, sharding, stored_transposed: bool = False):
     """A sharding for each of the weight's arrays, given the float param's (None: the default device). With a
     NamedSharding, values, scales and mins split as it splits K and N wherever their own sizes divide
     (packed rows and groups stay whole on a shard), else stay whole along that axis; stored_transposed: the
@@ -173,7 +182,8 @@ def _leaf_sharding(shape: tuple[int, ...], sharding: NamedSharding) -> NamedShar
 
 
 def is_quantized(weight) -> bool:
-    return isinstance(weight, QuantizedWeight)
+    """A QuantizedWeight or a GGUF K-quant's KQuantWeight (kquant.py): what the quantized entries serve."""
+    return isinstance(weight, (QuantizedWeight, KQuantWeight))
 
 
 __all__ = [

@@ -17,6 +17,7 @@ from jaxserve.loading.default_model import random_llama_weights
 from jaxserve.loading.gguf import GGUFFile
 from jaxserve.loading.quantize import QuantizationSpec, load_quantized, quantize
 from jaxserve.models import llama
+from pallas_kernels.matmul.kquant import KQuantWeight
 from pallas_kernels.matmul.quantized import QuantizedWeight, dequantize
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 from tests.support.gguf_files import write_gguf
@@ -51,7 +52,7 @@ GGUF_TYPES = {
     "ffn_up": T.Q4_0,
     "blk.0.ffn_down": T.Q6_K,
     "blk.1.ffn_down": T.Q5_K,
-    "output": T.Q5_0,  # no quantized layout: dequantized
+    "output": T.Q3_K,  # no quantized layout: dequantized
 }
 
 
@@ -132,8 +133,8 @@ def test_gguf_blocks_load_quantized_and_compute_their_dequantized_values(gguf_pa
             stored = tensors[f"blk.{layer}.{gguf_name}.weight"]
             assert isinstance(weight, QuantizedWeight)
             assert weight.nbytes == stored.n_bytes  # Q8_0 and Q4_0 blocks: the file's bytes exactly
-        assert isinstance(kernels[f"layers.{layer}.mlp.down_proj.kernel"], QuantizedWeight)  # Q6_K / Q5_K
-    assert not isinstance(kernels["lm_head.kernel"], QuantizedWeight)  # Q5_0: no quantized layout
+        assert isinstance(kernels[f"layers.{layer}.mlp.down_proj.kernel"], KQuantWeight)  # Q6_K / Q5_K
+    assert not isinstance(kernels["lm_head.kernel"], (QuantizedWeight, KQuantWeight))  # Q3_K: no quantized layout
     embedding = kernels["embed_tokens.embedding"]
     assert isinstance(embedding, QuantizedWeight) and embedding.nbytes == tensors["token_embd.weight"].n_bytes
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)

@@ -1,0 +1,94 @@
+"""The C++ K-quant matmul (cpu_kquant_matmul.cc): a few rows times GGUF Q4_K / Q5_K / Q6_K weights held at the
+file's bytes (kquant.py's KQuantWeight), widened from their planes in L1, sums scaled once per sub-block;
+several weights by the same rows (a layer's q, k and v; gate and up: a Q4_K_M file mixes Q4_K and Q6_K
+within a layer) in one call whose threads share the work. Built into the CPU kernels' one library
+(pallas_kernels/cpu_library.py); `path=` builds and calls another instruction path's library (tests).
+
+A custom call XLA's partitioner cannot split: it must only see whole weights on one device.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import cpu_library
+from pallas_kernels.matmul import kquant
+
+KQUANT_TARGET = "jaxserve_cpu_kquant_matmul"
+KERNEL_MAX_ROWS = 64  # cpu_kquant_matmul.cc's kMaxRows: every decode bucket
+ROW_DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))
+KIND_NUMBERS = {"q4_k": 4, "q5_k": 5, "q6_k": 6, "q5_0": 50, "q5_1": 51}  # cpu_kquant_matmul.cc's
+
+
+def target(path: str | None = None) -> str:
+    """The custom call's name for `path`'s library: KQUANT_TARGET for the engine's own (path None)."""
+    return KQUANT_TARGET if path is None else f"{KQUANT_TARGET}_{path}"
+
+
+@functools.cache
+def _register(path: str | None = None) -> bool:
+    library = cpu_library.load(path)
+    if library is None or not hasattr(library, "JaxserveKQuantMatmul"):
+        return False
+    jax.ffi.register_ffi_target(target(path), jax.ffi.pycapsule(library.JaxserveKQuantMatmul), platform="cpu")
+    return True
+
+
+def available() -> bool:
+    return _register()
+
+
+def serves_weight(weight) -> bool:
+    """Whether the kernel computes this weight: a 2-d KQuantWeight (K in whole blocks, as loaded)."""
+    return kquant.is_kquant(weight) and weight.low.ndim == 2 and jnp.dtype(weight.dtype) in ROW_DTYPES
+
+
+def kquant_matmuls(x, weights, *, path: str | None = None) -> tuple:
+    """x [M <= KERNEL_MAX_ROWS, K] by each KQuantWeight [K, N_i] in one call -> float32 [M, N_i] each; the
+    weights may be of different kinds. `path` (cpu_library.PATHS) picks another path's build."""
+    weights = tuple(weights)
+    if not weights:
+        raise ValueError("kquant_matmuls wants at least one weight")
+    for weight in weights:
+        if not serves_weight(weight):
+            raise ValueError(f"the CPU K-quant matmul does not serve this weight: {jax.tree.map(jnp.shape, weight)}")
+        if x.ndim != 2 or x.shape[0] > KERNEL_MAX_ROWS or x.shape[1] != weight.shape[0]:
+            raise ValueError(f"kquant_matmul wants x [M <= {KERNEL_MAX_ROWS}, {weight.shape[0]}], got {x.shape}")
+    if jnp.dtype(x.dtype) not in ROW_DTYPES:
+        raise ValueError(f"kquant_matmul takes float32, bfloat16 or float16 rows, got {x.dtype}")
+    if not _register(path):
+        raise RuntimeError("the CPU K-quant matmul could not be built; project with the reference")
+    absent = jnp.zeros((1, 1), jnp.uint8)  # a kind's missing planes (Q4_K's high, Q6_K's mins and dmin)
+    arrays = []
+    for w in weights:
+        arrays += [w.low, absent if w.high is None else w.high, absent if w.sub_scales is None else w.sub_scales]
+        arrays += [absent if w.sub_mins is None else w.sub_mins, w.d, absent if w.dmin is None else w.dmin]
+    results = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in weights)
+    kinds = np.asarray([KIND_NUMBERS[w.kind] for w in weights], np.int64)
+    return tuple(jax.ffi.ffi_call(target(path), results)(x, *arrays, kinds=kinds))
+
+
+@dataclass(frozen=True)
+class KQuantSmallMatmul:
+    """The C++ kernel, for up to `max_rows` rows of K-quant weights (all of a call's weights; the rest: the
+    reference); a layer's weights by the same rows in one call."""
+
+    max_rows: int
+    joins_weights: ClassVar[bool] = True
+
+    def serves(self, num_rows: int, weights: tuple) -> bool:
+        return num_rows <= self.max_rows and all(serves_weight(weight) for weight in weights)
+
+    def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
+        if transposed:
+            raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
+        return kquant_matmuls(rows, weights)
+
+
+__all__ = ["KERNEL_MAX_ROWS", "KQuantSmallMatmul", "available", "kquant_matmuls", "serves_weight"]

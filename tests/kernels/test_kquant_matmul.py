@@ -1,0 +1,135 @@
+"""GGUF K-quants (and Q5_0 / Q5_1) at the file's bytes (pallas_kernels/matmul/kquant.py): the blocks moved into
+planes hold exactly the gguf package's values, at <= 1.03x the blocks' bytes; the XLA reference and the C++ kernel
+(cpu_kquant_matmul.cc, every instruction path this CPU runs) against numpy at odd N, one to several
+super-blocks of K, 1 to 20 rows, mixed kinds in one call; the plan joins a Q4_K_M layer's weights in one
+call; tensor-parallel placements split every plane with its scales (4 fake devices, in a subprocess)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from jaxserve.loading.quantize_gguf import from_gguf_kquant_blocks
+from pallas_kernels import cpu_library
+from pallas_kernels.matmul import choose_matmul, kquant, kquant_cpu
+from pallas_kernels.matmul.kquant import KQuantWeight, numpy_dequantize
+from tests.support.gguf_files import random_blocks
+
+KQUANTS = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1)
+
+
+def _blocks(qtype, columns: int, depth: int, seed: int) -> np.ndarray:
+    """[columns, bytes per row]: random K-quant blocks, or gguf's Q5_0 / Q5_1 of random values."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.Q5_0, T.Q5_1):
+        return gguf_quantize(rng.standard_normal((columns, depth)).astype(np.float32), qtype)
+    return random_blocks((columns, depth), qtype, rng)
+
+
+def _weight(qtype, columns: int, depth: int, seed: int) -> tuple[KQuantWeight, np.ndarray]:
+    """A placed KQuantWeight [depth, columns] from random blocks, and its float64 values by gguf."""
+    raw = _blocks(qtype, columns, depth, seed)
+    weight = jax.tree.map(jnp.asarray, from_gguf_kquant_blocks(raw, qtype, "float32"))
+    return weight, gguf_dequantize(raw, qtype).T.astype(np.float64)
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_blocks_become_planes_with_the_files_values_and_bytes(qtype):
+    raw = _blocks(qtype, 7, 512, 1)
+    weight = from_gguf_kquant_blocks(raw, qtype, "float32")
+    assert weight.shape == (512, 7) and weight.kind == qtype.name.lower()
+    expected = gguf_dequantize(raw, qtype).T
+    assert np.array_equal(numpy_dequantize(weight), expected)  # bit for bit: the same float32 products
+    assert np.array_equal(np.asarray(kquant.dequantize(jax.tree.map(jnp.asarray, weight))), expected)
+    assert weight.nbytes <= 1.03 * raw.nbytes  # Q4_K 148 / 144, Q5_K 180 / 176
+    if qtype in (T.Q6_K, T.Q5_0, T.Q5_1):
+        assert weight.nbytes == raw.nbytes
+
+
+@pytest.mark.parametrize("num_rows", [3, 40])  # group sums below 32 rows, one dequantized dot from there
+def test_the_xla_reference_computes_the_dequantized_product(num_rows):
+    rng = np.random.default_rng(2)
+    for index, qtype in enumerate(KQUANTS):
+        weight, dense = _weight(qtype, 37, 512, index)
+        x = rng.standard_normal((num_rows, 512)).astype(np.float32)
+        got = jax.jit(kquant.matmul)(jnp.asarray(x), weight)
+        np.testing.assert_allclose(np.asarray(got), x @ dense, rtol=1e-5, atol=2e-3)
+        rows = np.asarray(kquant.take_columns(weight, jnp.asarray([0, 36, 5])))  # an embedding's lookup
+        assert np.array_equal(rows, dense[:, [0, 36, 5]].T.astype(np.float32))
+
+
+def test_the_cpu_kernel_computes_mixed_kinds_in_one_call_on_every_path():
+    weights, dense = zip(
+        _weight(T.Q4_K, 37, 768, 3),  # N not a multiple of a vector
+        _weight(T.Q6_K, 300, 768, 4),  # more than one column block
+        _weight(T.Q5_K, 531, 768, 5),
+        _weight(T.Q4_K, 3, 768, 6),  # fewer columns than threads: K split into parts
+        _weight(T.Q5_0, 40, 768, 8),  # blocks of 32, d per block
+        _weight(T.Q5_1, 5, 768, 9),
+        strict=True,
+    )
+    rng = np.random.default_rng(7)
+    for path in cpu_library.runnable_paths():
+        call = jax.jit(lambda x, ws, path=path: kquant_cpu.kquant_matmuls(x, ws, path=path))
+        for num_rows, dtype in ((1, jnp.float32), (9, jnp.bfloat16), (20, jnp.float32)):
+            x = jnp.asarray(rng.standard_normal((num_rows, 768)), dtype)
+            wide = np.asarray(x.astype(jnp.float32), np.float64)
+            for got, expected in zip(call(x, weights), dense, strict=True):
+                np.testing.assert_allclose(np.asarray(got), wide @ expected, rtol=1e-5, atol=2e-3)
+
+
+def test_the_plan_joins_a_q4_k_m_layers_weights_in_one_kernel_call():
+    weights = [_weight(qtype, n, 256, i)[0] for i, (qtype, n) in enumerate(((T.Q4_K, 64), (T.Q4_K, 32), (T.Q6_K, 32)))]
+    plan = choose_matmul("cpu", 1)
+    text = jax.jit(lambda x, ws: plan.together(x, ws)).lower(jnp.ones((2, 256)), weights).as_text()
+    assert text.count(kquant_cpu.KQUANT_TARGET) == 1
+    with pytest.raises(ValueError, match="does not serve"):
+        kquant_cpu.kquant_matmuls(jnp.ones((1, 256)), [jnp.ones((256, 8))])
+
+
+SHARDED = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from gguf import GGMLQuantizationType as T
+from jaxserve.loading.quantize import place
+from jaxserve.loading.quantize_gguf import from_gguf_kquant_blocks
+from pallas_kernels.matmul import kquant
+from tests.support.gguf_files import random_blocks
+
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+result = {}
+for qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
+    weight = from_gguf_kquant_blocks(random_blocks((64, 512), qtype, np.random.default_rng(0)), qtype, "float32")
+    dense = kquant.numpy_dequantize(weight)
+    x = np.random.default_rng(1).standard_normal((3, 512)).astype(np.float32)
+    for name, spec in (("columns", P(None, "model")), ("rows", P("model", None))):
+        placed = place(weight, NamedSharding(mesh, spec))
+        got = np.asarray(jax.jit(kquant.matmul)(jnp.asarray(x), placed))
+        specs = {f: [str(a) for a in getattr(placed, f).sharding.spec] for f in ("low", "sub_scales", "d")}
+        result[f"{qtype.name} {name}"] = dict(specs=specs, error=float(np.max(np.abs(got - x @ dense))))
+print("RESULT" + json.dumps(result))
+"""
+
+
+def test_tensor_parallel_placements_split_the_planes_with_their_scales():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=root)
+    run = subprocess.run(
+        [sys.executable, "-c", SHARDED], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    for name, entry in json.loads(lines[-1][len("RESULT") :]).items():
+        assert entry["error"] < 2e-3, name
+        axis = ["None", "model"] if name.endswith("columns") else ["model", "None"]
+        # K 512: two super-blocks, so d splits along K with the planes and the sub-block scales
+        assert entry["specs"] == {"low": axis, "sub_scales": axis, "d": axis}, name

@@ -350,11 +350,6 @@ class EngineConfig:
         """Paths that cannot take speculation, refused at start."""
         if self.disagg.role == EngineRole.PREFILL:
             raise ValueError("speculative decoding on a prefill replica (disagg role prefill) has nothing to decode")
-        if self.speculative.method == "draft" and self.parallel.data_parallel_size > 1:
-            raise ValueError(
-                "speculative method draft with data_parallel_size > 1 is not available yet (the draft's rows "
-                "would have to follow each rank's sequences); use tensor parallelism or method ngram"
-            )
         if self.speculative.verify_width > self.scheduler.max_num_batched_tokens:
             raise ValueError(
                 f"num_speculative_tokens + 1 ({self.speculative.verify_width}) exceeds max_num_batched_tokens "

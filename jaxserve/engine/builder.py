@@ -24,6 +24,7 @@ from jaxserve.distributed.agreement import agree_on_engine, check_every_process_
 from jaxserve.distributed.leader_runner import wrap_runner
 from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
+from jaxserve.engine.draft_lora import AdaptersWithDraft
 from jaxserve.engine.draft_model import build_draft
 from jaxserve.engine.draft_proposer import DraftProposer
 from jaxserve.engine.expert_balancer import ExpertBalancer
@@ -128,8 +129,15 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     runner.warm_up(show_progress=config.show_progress)
     draft = None
     if config.speculative.method == "draft":
-        draft = build_draft(source, config, mesh, max_model_len, runner.buckets, _load_model, runner)
-    lora = LoraRegistry(config.lora, runner, lora_slots) if lora_slots else None
+        draft = build_draft(source, config, mesh, max_model_len, runner.buckets, _load_model, _attach_lora, runner)
+    lora = None
+    if lora_slots:  # a self-draft's adapter slots load with the target's (engine/draft_lora.py)
+        draft_lora = draft.lora if draft is not None else None
+        lora = (
+            LoraRegistry(config.lora, runner, lora_slots)
+            if draft_lora is None
+            else AdaptersWithDraft(config.lora, runner, lora_slots, draft_lora)
+        )
     if lora is not None:
         for name, path in (config.lora.adapters or {}).items():
             lora.load(name, path)

@@ -6,7 +6,10 @@ and warmed up the same way, so that proposing never compiles.
     speculative.draft_quantization: none | int8 | int4 | auto (self-speculation: the target's int4 copy)
 
 Refused at start: a draft whose vocabulary or tokenizer differs from the target's (its proposals would be
-other tokens), a draft that cannot hold max_model_len (and, with the config, a data-parallel mesh).
+other tokens), a draft that cannot hold max_model_len.
+
+On a data-parallel mesh the draft's pool is split as the target's is (device/rank_layout.py): each rank's
+pages on its own devices, one allocator per rank, and each sequence's draft rows on its rank.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import ModelRunner, kv_cache_bytes_available
 from jaxserve.device.sampling_inputs import SamplingWidths
 from jaxserve.engine.attention_plan import choose_attention
+from jaxserve.engine.draft_lora import log_adapters_not_followed
 from jaxserve.engine.draft_proposer import DraftProposer
 from jaxserve.host.page_allocator import PageAllocator, num_pages_for
 from jaxserve.loading.model_source import ModelSource, open_model
 from jaxserve.loading.quantize import QuantizationSpec
 from jaxserve.loading.tokenizer import Tokenizer
+from jaxserve.lora.registry import LoraRegistry
 from jaxserve.models import KVPages
 from sharding.attention import kv_pages_shardings
 
@@ -41,11 +46,13 @@ def build_draft(
     max_model_len: int,
     target_buckets: Buckets,
     load_model,
+    attach_lora,
     compile_counter,
 ) -> DraftProposer:
-    """load_model: builder._load_model (params placed by the rules table as they are read);
+    """load_model: builder._load_model (params placed by the rules table as they are read); attach_lora:
+    builder._attach_lora (a self-draft gets the target's adapter slots: engine/draft_lora.py);
     compile_counter: the target's runner, whose count of compiles after warm-up the draft's add to."""
-    speculative = config.speculative  # a data-parallel mesh was refused with the config (config.py)
+    speculative = config.speculative
     source = target if speculative.draft_model == "self" else open_model(speculative.draft_model)
     check_draft_matches(source, target, max_model_len)
     model_config = source.config.with_context_length(max_model_len)
@@ -56,13 +63,19 @@ def build_draft(
     model = load_model(
         dataclasses.replace(source, config=model_config), dtype, attention, mesh, expert_parallel, quantization
     )
-
+    lora_slots = {}
+    if config.lora.enabled and speculative.draft_model == "self":
+        lora_slots = attach_lora(model, config, model_config, mesh, expert_parallel)
+    elif config.lora.enabled:
+        log_adapters_not_followed(speculative.draft_model)
     if mesh is None:
         move_weights_to_huge_pages(model)  # as the target's: a CPU draft step streams them twice as fast
-    rows = min(speculative.speculative_max_batch_size, config.scheduler.max_num_seqs)
+    rows = min(speculative.speculative_max_batch_size, config.scheduler.max_num_seqs)  # per rank
+    num_ranks = config.parallel.data_parallel_size
     page_size = config.cache.page_size
-    # Enough for every proposing row at max_model_len, within a quarter of the target's KV budget: a row
-    # that finds no pages proposes nothing, and the least recently proposing rows give theirs up first.
+    # Per rank: enough for every proposing row at max_model_len, within a quarter of the target's KV budget
+    # (a device's): a row that finds no pages proposes nothing, and the least recently proposing rows of its
+    # rank give theirs up first.
     page_bytes = KVPages.bytes_per_page(
         model_config.num_layers, page_size, attention.num_cache_kv_heads, attention.cache_head_dim, dtype
     )
@@ -70,9 +83,14 @@ def build_draft(
     num_pages = speculative.draft_num_pages or max(
         2, min(rows * num_pages_for(max_model_len, page_size) + 1, budget_pages)
     )
-    layout = RankLayout(1, num_pages, entries_per_rank=rows)
+    layout = RankLayout(num_ranks, num_pages, entries_per_rank=rows)
     kv_pages = KVPages.zeros(
-        model_config.num_layers, num_pages, page_size, attention.num_cache_kv_heads, attention.cache_head_dim, dtype
+        model_config.num_layers,
+        layout.total_pages,
+        page_size,
+        attention.num_cache_kv_heads,
+        attention.cache_head_dim,
+        dtype,
     )
     if mesh is not None:
         kv_pages = jax.device_put(kv_pages, kv_pages_shardings(kv_pages, mesh, attention.num_cache_kv_heads))
@@ -98,12 +116,13 @@ def build_draft(
     runner.warm_up(show_progress=config.show_progress)
     return DraftProposer(
         runner,
-        PageAllocator(num_pages, page_size),
+        [PageAllocator(num_pages, page_size) for _ in range(num_ranks)],
         max_rows=rows,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         prefill_query_block=config.scheduler.prefill_query_block,
         compile_counter=compile_counter,
         description=f"{source.name} ({speculative.draft_quantization})",
+        lora=LoraRegistry(config.lora, runner, lora_slots) if lora_slots else None,
     )
 
 

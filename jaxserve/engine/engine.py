@@ -278,7 +278,8 @@ class Engine:
         ) or self.speculation.waits_for(self._in_flight.executables, self.schedulers)
 
     def _schedule_and_dispatch(self) -> DispatchedStep | None:
-        schedules = [scheduler.schedule(self.speculation.proposals(scheduler)) for scheduler in self.schedulers]
+        proposals = self.speculation.proposals(self.schedulers)  # every rank's at once (one draft call)
+        schedules = [scheduler.schedule(p) for scheduler, p in zip(self.schedulers, proposals)]
         if all(schedule.is_empty for schedule in schedules):
             return None
         self.move_host_tier_pages()

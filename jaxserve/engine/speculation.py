@@ -45,7 +45,15 @@ def may_speculate(seq: SequenceState) -> bool:
 
 
 def is_decoding(seq: SequenceState) -> bool:
+    """Ready to decode (or verify) its next token now."""
     return seq.num_planned_tokens - seq.next_kv_position == 1
+
+
+def is_past_its_prompt(seq: SequenceState) -> bool:
+    """Decoding, or verifying in a step in flight (its proposals' KV is in flight beyond its planned
+    tokens): what the policy counts as the batch. Counting only is_decoding rows saw a batch of 0 while
+    a verify step was in flight, and so planned a plain step after every verify step."""
+    return seq.status is RequestStatus.RUNNING and seq.num_planned_tokens - seq.next_kv_position <= 1
 
 
 class Speculation:
@@ -58,8 +66,10 @@ class Speculation:
         self.counts = AcceptanceCounts()
         self.speculating = False  # this step's decision
         self.batch_size = 0  # decoding sequences when it was made
-        # What proposing for the step being planned took: the step that uses the proposals is charged
-        # with it, not the step processed in the same call (with a draft model, it is most of a step)
+        # What proposing for the step being planned took (all of it), and the part its step is charged with
+        # (catch-up prefills left out): the step that uses the proposals is charged, not the step processed
+        # in the same call (with a draft model, proposing is most of a step)
+        self.proposing_seconds = 0.0
         self.proposal_seconds = 0.0
         self.num_steps_speculating = 0
         self.num_steps_plain = 0
@@ -73,8 +83,8 @@ class Speculation:
         """Decide whether the step about to be planned speculates (from the busiest rank's decoding rows)."""
         if not self.enabled:
             return
-        self.proposal_seconds = 0.0
-        self.batch_size = max(sum(is_decoding(seq) for seq in s.running) for s in schedulers)
+        self.proposing_seconds = self.proposal_seconds = 0.0
+        self.batch_size = max(sum(is_past_its_prompt(seq) for seq in s.running) for s in schedulers)
         self.speculating = self.policy.speculate(self.batch_size)
         if self.speculating:
             self.num_steps_speculating += 1
@@ -104,14 +114,15 @@ class Speculation:
         misses = self._misses[seq.seq_id] = self._misses.get(seq.seq_id, 0) + 1
         self._resume_at[seq.seq_id] = len(seq.output_token_ids) + min(2**misses, MAX_BACKOFF_TOKENS)
 
-    def proposals(self, scheduler: Scheduler) -> dict[int, list[int]]:
-        """seq_id -> proposed tokens for the rank's decoding sequences (empty unless this step speculates)."""
+    def proposals(self, schedulers: list[Scheduler]) -> list[dict[int, list[int]]]:
+        """Per rank: seq_id -> proposed tokens for its decoding sequences (empty unless this step
+        speculates). One proposer call for every rank, so that a draft model runs all ranks' rows at once."""
         self._forget_finished()
         if not self.speculating:
-            return {}
+            return [{} for _ in schedulers]
         seqs, limits = [], []
         k = self.config.num_speculative_tokens
-        for seq in scheduler.running:
+        for seq in (seq for scheduler in schedulers for seq in scheduler.running):
             if not (is_decoding(seq) and not seq.num_pending_tokens and self._may_propose(seq)):
                 continue
             # a verify row may emit all its proposals and one more: never past max_tokens or max_model_len
@@ -122,13 +133,17 @@ class Speculation:
                 seqs.append(seq)
                 limits.append(limit)
                 self._proposed_for[seq.seq_id] = seq
-        proposals = {}
+        proposals: list[dict[int, list[int]]] = [{} for _ in schedulers]
         start = time.perf_counter()
         proposed = self.proposer.propose(seqs, limits) if seqs else []
-        self.proposal_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.proposing_seconds += seconds
+        # a draft's catch-up prefills are a one-off per row: charged to no step (host/speculation_policy.py)
+        catch_up = getattr(self.proposer, "catch_up_seconds", 0.0) if seqs else 0.0
+        self.proposal_seconds += max(seconds - catch_up, 0.0)
         for seq, proposal in zip(seqs, proposed):
             if proposal:
-                proposals[seq.seq_id] = proposal
+                proposals[seq.rank][seq.seq_id] = proposal
             else:
                 self._observe_outcome(seq, 0)
         return proposals
@@ -161,7 +176,7 @@ class Speculation:
         their time is not decoding's). `seconds` is the engine call's, which also proposed for the step it
         planned: that is taken out, and what proposing for this step took (proposal_seconds) put in."""
         if self.enabled and executables and not any(e.shape.kind == "prefill" for e in executables):
-            seconds = max(seconds - self.proposal_seconds + proposal_seconds, 0.0)
+            seconds = max(seconds - self.proposing_seconds + proposal_seconds, 0.0)
             self.policy.observe(batch_size, speculated, seconds, num_tokens)
 
     def _forget_finished(self) -> None:

@@ -2,8 +2,8 @@
 requests give the same tokens, text, logprobs and finish reasons as without speculation, with the target's
 own int8 copy as the draft and with another tiny model of the same tokenizer, under continuous batching
 with more requests than slots, preemption, and a draft pool too small for every row; no compile after
-warm-up, and both caches' pages come back. A draft that speaks other tokens is refused at start. On a
-tensor-parallel mesh: tests/engine/test_speculative_meshes.py."""
+warm-up, and both caches' pages come back. A draft that speaks other tokens is refused at start. On
+tensor- and data-parallel meshes (and data x expert): tests/engine/test_speculative_meshes.py."""
 
 import json
 import shutil
@@ -137,10 +137,9 @@ def test_bad_draft_options_are_refused(speculative, problem):
         EngineConfig.from_options(speculative=speculative)
 
 
-def test_a_draft_on_a_data_parallel_mesh_or_a_prefill_replica_is_refused():
+def test_a_draft_on_a_prefill_replica_is_refused():
     from jaxserve.config import EngineConfig
 
-    with pytest.raises(ValueError, match="draft with data_parallel_size > 1 is not available yet"):
-        EngineConfig.from_options(speculative=SELF_INT8, data_parallel_size=2)
+    EngineConfig.from_options(speculative=SELF_INT8, data_parallel_size=2)  # served: per-rank draft pools
     with pytest.raises(ValueError, match="prefill replica"):
         EngineConfig.from_options(speculative=SELF_INT8, role="prefill")

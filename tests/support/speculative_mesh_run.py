@@ -14,6 +14,10 @@ CASES = {  # fixture, mesh, speculation
     "llama_tp2": ("llama_gqa", dict(tensor_parallel_size=2), NGRAM),
     "mixtral_dp2_ep": ("mixtral", dict(data_parallel_size=2, enable_expert_parallel=True), NGRAM),
     "llama_tp2_draft": ("llama_gqa", dict(tensor_parallel_size=2), SELF_INT8),
+    "llama_dp2_draft": ("llama_gqa", dict(data_parallel_size=2), SELF_INT8),
+    "llama_dp2_tp2": ("llama_gqa", dict(data_parallel_size=2, tensor_parallel_size=2), NGRAM),
+    "llama_dp2_tp2_draft": ("llama_gqa", dict(data_parallel_size=2, tensor_parallel_size=2), SELF_INT8),
+    "mixtral_dp2_ep_draft": ("mixtral", dict(data_parallel_size=2, enable_expert_parallel=True), SELF_INT8),
 }
 
 results, plain_runs = {}, {}  # cases on the same fixture and mesh share the plain engine's run
@@ -38,5 +42,7 @@ for case in sys.argv[1:]:
         accepted=speculative_stats["speculative_num_accepted_tokens"],
         compiles_after_warmup=[s["num_compiles_after_warmup"] for s in stats.values()],
         pages_held=[s["kv_pages_total"] - s["kv_pages_free"] for s in stats.values()],
+        draft_pages_held=speculative_stats.get("speculative_draft_kv_pages_total", 0)
+        - speculative_stats.get("speculative_draft_kv_pages_free", 0),
     )
 print(json.dumps(results))

@@ -5,12 +5,18 @@ run; and batched throughput with speculation on vs off (goal: not below).
 
     .venv/bin/python bench/speculative.py [--precision f32] [--requests 3] [--max-tokens 256] [--batch 32]
         [--variants plain,ngram,ngram-forced,draft,draft-forced] [--draft-k 4] [--draft-quantization int4]
+        [--request-timeout 300] [--llamacpp-budget 1200]
 
-Draft rows: jaxserve's target is the F32 file, its draft the target's own --draft-quantization copy
-(draft_model: self, quantized as it loads: self-speculation); llama.cpp serves the same F32 file with
-the Q4_0 file llama-quantize writes from it as --model-draft. The policy's variants as for ngram: "draft"
-adaptive, "draft-forced" always speculating; "draft-q4_0" (not run by default): adaptive, with that same
-Q4_0 file as jaxserve's draft (quantization auto: its blocks as stored).
+Draft rows: jaxserve's target is the --precision file (F32, or Q8_0 served with quantization auto), its
+draft the target's own --draft-quantization copy (draft_model: self, quantized as it loads: self-speculation;
+with a Q8_0 target, the draft file below); llama.cpp serves the same target file with the file
+llama-quantize writes from the F32 one (int4: Q4_0, int8: Q8_0) as --model-draft. The policy's variants as
+for ngram: "draft" adaptive, "draft-forced" always speculating; "draft-gguf" (not run by default):
+adaptive, with that very draft file as jaxserve's draft (quantization auto: its blocks as stored).
+
+Bounded in time: every llama-server call has a timeout (--request-timeout, seconds; its start-up 300 s),
+and each llama.cpp server gets --llamacpp-budget seconds in all: past it, or after a timed-out call, the
+server is stopped and its rows report the requests it finished ("partial": true) or none.
 
 The default model (SmolLM2-135M-Instruct) as vs_llamacpp.py serves it: its GGUF dequantized to F32 (or
 BF16), the same file loaded by both engines, 2 threads each. Prompts are chat prompts rendered once with
@@ -25,7 +31,8 @@ Single stream: --requests requests one after another per workload; rate = genera
 (prefill included). jaxserve's ngram engine runs its default adaptive policy and, as a second line, with
 speculation forced on (speculative_adaptive false). Batched: --batch chat requests at once (EOS ignored,
 --batch-tokens each), jaxserve only. Greedy outputs with speculation on and off are compared (they must be
-identical). Prints JSON lines, then a table of ratios (ngram / plain).
+identical). Prints JSON lines, then a table of ratios (speculation / plain in each engine, and jaxserve /
+llama.cpp for the same kind of row: plain, ngram vs lookup, draft vs draft).
 """
 
 from __future__ import annotations
@@ -40,7 +47,17 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamacpp_peer as peer  # noqa: E402
-from vs_llamacpp import CACHE_DIR, DTYPES, emit, model_files, pin_threads, quantized_gguf  # noqa: E402
+from vs_llamacpp import (  # noqa: E402
+    CACHE_DIR,
+    DTYPES,
+    QUANTIZED_PRECISIONS,
+    emit,
+    model_files,
+    pin_threads,
+    quantized_gguf,
+)
+
+DRAFT_FILES = {"int4": "Q4_0", "int8": "Q8_0"}  # the draft's quantization -> llama.cpp's draft file
 
 CODE_SNIPPETS = (
     '''def moving_average(values, window):
@@ -125,11 +142,20 @@ def prompts_for(tokenizer, workload: str, count: int) -> list[list[int]]:
 
 
 class Jaxserve:
-    def __init__(self, path: str, dtype: str, max_num_seqs: int, max_model_len: int, speculative: dict | None):
+    def __init__(
+        self,
+        path: str,
+        dtype: str,
+        max_num_seqs: int,
+        max_model_len: int,
+        speculative: dict | None,
+        quantization: str = "none",
+    ):
         from jaxserve import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
         options = dict(
+            quantization=quantization,
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -150,10 +176,10 @@ class Jaxserve:
 
 
 def llama_complete(
-    server: peer.LlamaServer, prompt: list[int], max_tokens: int, drafts: dict | None = None
+    server: peer.LlamaServer, prompt: list[int], max_tokens: int, timeout: float, drafts: dict | None = None
 ) -> list[int]:
     """Greedy token ids; drafts (when given) sums the server's draft_n / draft_n_accepted timings, when it
-    reports them."""
+    reports them. Raises TimeoutError (or URLError) past `timeout` seconds."""
     body = dict(
         prompt=prompt,
         n_predict=max_tokens,
@@ -168,7 +194,7 @@ def llama_complete(
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=1800) as response:
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         reply = json.loads(response.read())
     for key in ("draft_n", "draft_n_accepted"):
         if drafts is not None and key in reply.get("timings", {}):
@@ -176,19 +202,32 @@ def llama_complete(
     return reply["tokens"]
 
 
-def run_llamacpp(gguf: str, threads: int, context: int, workloads: dict, max_tokens: int, extra: list[str]):
+def run_llamacpp(
+    gguf: str, threads: int, context: int, workloads: dict, max_tokens: int, extra: list[str], limits: tuple
+) -> tuple[dict, bool]:
+    """({workload: (token ids per finished request, seconds)}, whether it finished every request): the
+    server is stopped at the first call past its timeout or once its budget of seconds is spent."""
+    request_timeout, budget = limits
     server = peer.LlamaServer(CACHE_DIR, gguf, threads, 1, context_per_slot=context)
     server.command += extra
-    results, drafts = {}, {}
-    with server:
-        llama_complete(server, workloads["chat"][0], 8)  # warm-up
-        for name, prompts in workloads.items():
-            start = time.perf_counter()
-            tokens = [llama_complete(server, p, max_tokens, drafts) for p in prompts]
-            results[name] = (tokens, time.perf_counter() - start)
+    results, drafts, deadline = {}, {}, time.monotonic() + budget
+    try:
+        with server:
+            llama_complete(server, workloads["chat"][0], 8, request_timeout)  # warm-up
+            for name, prompts in workloads.items():
+                tokens, start = [], time.perf_counter()
+                results[name] = (tokens, 0.0)
+                for prompt in prompts:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the server's budget of {budget} s is spent")
+                    tokens.append(llama_complete(server, prompt, max_tokens, request_timeout, drafts))
+                    results[name] = (tokens, time.perf_counter() - start)
+    except (OSError, RuntimeError) as error:  # TimeoutError and URLError are OSErrors
+        emit(engine="llamacpp", command_tail=extra, stopped=f"{type(error).__name__}: {error}"[:300])
+        return {name: run for name, run in results.items() if run[0]}, False
     if drafts:
         emit(engine="llamacpp" + ("-draft" if "--model-draft" in extra else "-lookup" if extra else "-plain"), **drafts)
-    return results
+    return results, True
 
 
 def rate(tokens: list[list[int]], seconds: float) -> float:
@@ -210,12 +249,24 @@ def main() -> None:
     parser.add_argument("--engines", default="jaxserve,llamacpp")
     parser.add_argument("--variants", default="plain,ngram,ngram-forced,draft,draft-forced", help="jaxserve's")
     parser.add_argument("--draft-k", type=int, default=4, help="num_speculative_tokens with a draft model")
-    parser.add_argument("--draft-quantization", default="int4", help="of the target's own copy as the draft")
+    parser.add_argument(
+        "--draft-quantization",
+        default="int4",
+        choices=sorted(DRAFT_FILES),
+        help="of the target's own copy as the draft",
+    )
     parser.add_argument("--llamacpp", default="plain,lookup,draft", help="llama.cpp's servers to run")
+    parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds per llama-server call")
+    parser.add_argument("--llamacpp-budget", type=float, default=1200.0, help="seconds per llama.cpp server")
     args = parser.parse_args()
     pin_threads(args.threads)
     jax_path, ggufs, name = model_files(args)
-    gguf = ggufs[DTYPES[args.precision][1]]
+    gguf_type = DTYPES[args.precision][1]
+    gguf = ggufs[gguf_type] if gguf_type in ggufs else quantized_gguf(ggufs, gguf_type)
+    draft_gguf = quantized_gguf(ggufs, DRAFT_FILES[args.draft_quantization])  # the pair llama.cpp serves
+    quantization = "none"
+    if args.precision in QUANTIZED_PRECISIONS:  # jaxserve serves that very file, its blocks as stored
+        jax_path, quantization = gguf, "auto"
     from jaxserve.loading.model_source import open_model
 
     tokenizer = open_model(jax_path).tokenizer
@@ -230,15 +281,19 @@ def main() -> None:
                  prompt_lookup_max=args.lookup_max)  # fmt: skip
     draft = dict(method="draft", num_speculative_tokens=args.draft_k, draft_model="self",
                  draft_quantization=args.draft_quantization)  # fmt: skip
+    draft_file = {**draft, "draft_model": draft_gguf, "draft_quantization": "auto"}
+    if quantization != "none":  # a quantized target's draft: the file llama.cpp's draft row serves
+        draft = draft_file
     variants = {"plain": None, "ngram": ngram, "ngram-forced": {**ngram, "speculative_adaptive": False},
                 "draft": draft, "draft-forced": {**draft, "speculative_adaptive": False}}  # fmt: skip
-    if "draft-q4_0" in args.variants:  # the very pair of files llama.cpp's draft row serves, blocks as stored
-        variants["draft-q4_0"] = {**draft, "draft_model": quantized_gguf(ggufs, "Q4_0"), "draft_quantization": "auto"}
+    variants["draft-gguf"] = draft_file  # the very pair of files llama.cpp's draft row serves, blocks as stored
     variants = {name: variants[name] for name in args.variants.split(",")}
     single: dict[str, dict] = {}
     if "jaxserve" in args.engines:
         for variant, speculative in variants.items():
-            engine = Jaxserve(jax_path, DTYPES[args.precision][0], max(args.batch, 1), max_model_len, speculative)
+            engine = Jaxserve(
+                jax_path, DTYPES[args.precision][0], max(args.batch, 1), max_model_len, speculative, quantization
+            )
             engine.run(workloads["chat"][:1], 8, at_once=False)  # warm-up
             single[f"jaxserve-{variant}"] = {w: engine.run(p, args.max_tokens, False) for w, p in workloads.items()}
             stats = engine.llm.stats()
@@ -265,29 +320,47 @@ def main() -> None:
             "plain": [],
             "lookup": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.lookup_max),
                        "--spec-ngram-simple-size-m", str(args.k)],
-            "draft": ["--model-draft", quantized_gguf(ggufs, "Q4_0"), "--spec-draft-n-max", str(args.draft_k),
+            "draft": ["--model-draft", draft_gguf, "--spec-draft-n-max", str(args.draft_k),
                       "--threads-draft", str(args.threads)],
         }  # fmt: skip
+        limits = (args.request_timeout, args.llamacpp_budget)
         for server in args.llamacpp.split(","):
             engine = f"llamacpp-{server}"
-            single[engine] = run_llamacpp(gguf, args.threads, context, workloads, args.max_tokens, servers[server])
-            for w, (tokens, seconds) in single[engine].items():
-                emit(engine=engine, workload=w, tokens_per_s=rate(tokens, seconds), generated=sum(map(len, tokens)))
+            runs, finished = run_llamacpp(
+                gguf, args.threads, context, workloads, args.max_tokens, servers[server], limits
+            )
+            single[engine] = runs
+            for w, (tokens, seconds) in runs.items():
+                emit(engine=engine, workload=w, tokens_per_s=rate(tokens, seconds), generated=sum(map(len, tokens)),
+                     requests=len(tokens), **({} if finished else {"partial": True}))  # fmt: skip
     report(single)
 
 
+PEERS = {"plain": "llamacpp-plain", "ngram": "llamacpp-lookup", "draft": "llamacpp-draft"}  # same kind of row
+
+
 def report(single: dict) -> None:
-    print("\n| engine | workload | tokens/s | speculation / plain |\n|---|---|---|---|")
+    """A table of tokens/s with two ratios per row: speculation / plain in the same engine, and jaxserve /
+    llama.cpp for the same kind of speculation (plain, lookup, draft); also emitted as JSON lines."""
+    print("\n| engine | workload | tokens/s | speculation / plain | jaxserve / llama.cpp |\n|---|---|---|---|---|")
     for engine, by_workload in single.items():
         base = single.get(engine.rsplit("-", 1)[0] + "-plain") if not engine.endswith("plain") else None
-        if engine.startswith(("jaxserve-ngram", "jaxserve-draft")):
-            base = single.get("jaxserve-plain")
+        peer_runs = None
+        if engine.startswith("jaxserve-"):
+            kind = engine.removeprefix("jaxserve-").split("-")[0]
+            base = single.get("jaxserve-plain") if kind != "plain" else None
+            peer_runs = single.get(PEERS.get(kind, ""))
         for workload, (tokens, seconds) in by_workload.items():
             ours = rate(tokens, seconds)
-            ratio = "-"
+            ratios = {}
             if base is not None and workload in base:
-                ratio = f"{ours / rate(*base[workload]):.2f}x"
-            print(f"| {engine} | {workload} | {ours} | {ratio} |")
+                ratios["vs_plain"] = round(ours / rate(*base[workload]), 2)
+            if peer_runs is not None and workload in peer_runs:
+                ratios["vs_llamacpp"] = round(ours / rate(*peer_runs[workload]), 2)
+            if ratios:
+                emit(ratio=engine, workload=workload, **ratios)
+            cells = [f"{ratios[key]:.2f}x" if key in ratios else "-" for key in ("vs_plain", "vs_llamacpp")]
+            print(f"| {engine} | {workload} | {ours} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":

@@ -400,23 +400,23 @@ void ChunkRows(const Problem& p, int64_t r0, int64_t chunk, int64_t k0, int64_t 
   };
   using Yes = std::true_type;
   using No = std::false_type;
+  // (instantiated sparingly: each variant is compiled for 8 row counts and 2 widths on 3 paths)
   const bool fuse = vector_end == k1;  // no k left for one-by-one sums after the vector steps
-  while (k < vector_end) {
-    const bool first = k == k0;
-    if (k + 8 <= vector_end) {
-      const bool last = fuse && k + 8 == vector_end;
-      if (first && last) step(std::integral_constant<int, 2>(), Yes(), Yes());
-      else if (first) step(std::integral_constant<int, 2>(), Yes(), No());
-      else if (last) step(std::integral_constant<int, 2>(), No(), Yes());
-      else step(std::integral_constant<int, 2>(), No(), No());
-      finished = last;
-    } else {
-      const bool last = fuse;  // a step of four is the chunk's last
-      if (first && last) step(std::integral_constant<int, 1>(), Yes(), Yes());
-      else if (first) step(std::integral_constant<int, 1>(), Yes(), No());
-      else if (last) step(std::integral_constant<int, 1>(), No(), Yes());
-      else step(std::integral_constant<int, 1>(), No(), No());
-      finished = last;
+  if ((vector_end - k0) % 8 != 0 || vector_end - k0 == 8) {
+    // a step of four, or a single step of eight: start from filled sums, scale in the pass below
+    for (int r = 0; r < R; ++r) std::fill(sums + r * width, sums + r * width + vectors, start[r]);
+    for (; k + 8 <= vector_end;) step(std::integral_constant<int, 2>(), No(), No());
+    for (; k + 4 <= vector_end;) step(std::integral_constant<int, 1>(), No(), No());
+  } else {
+    while (k < vector_end) {
+      if (k == k0) {
+        step(std::integral_constant<int, 2>(), Yes(), No());
+      } else if (fuse && k + 8 == vector_end) {
+        step(std::integral_constant<int, 2>(), No(), Yes());
+        finished = true;
+      } else {
+        step(std::integral_constant<int, 2>(), No(), No());
+      }
     }
   }
   // the chunk's last k (fewer than four) of the vector columns

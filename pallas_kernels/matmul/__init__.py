@@ -36,19 +36,20 @@ from pallas_kernels.matmul import cpu, kquant_cpu, quantized, quantized_cpu, ref
 
 def _bfloat16_max_rows() -> int:
     """bfloat16 rows the kernel serves: all of a decode step's (64, the kernel's limit and the default
-    largest decode bucket) unless XLA's own bfloat16 dots run on native bfloat16 instructions here (its
-    YNNPACK dots on AVX-512 BF16 / AMX: twice the kernel's float32 FMAs from 16 rows on, issue #29). On
-    AVX2-only CPUs XLA widens or runs bfloat16 slowly, and its batches fell behind float32's; the kernel's
-    widen-in-registers tiles keep them at least as fast per row. The kernel's path follows
-    JAXSERVE_CPU_KERNEL_PATH, so an avx2 run on an AVX-512 machine routes as an AVX2 machine would."""
+    largest decode bucket) unless XLA's own bfloat16 dots run on AMX tiles here (YNNPACK on AMX: twice the
+    kernel's float32 FMAs from 16 rows on, measured before the kernel had vdpbf16ps; issue #29). With
+    AVX-512 BF16 the kernel's passes run on vdpbf16ps as XLA's do (cpu_matmul_bf16_pairs.h: as fast as
+    XLA's dots at 16-64 rows, its tied head faster); on AVX2-only CPUs XLA widens or runs bfloat16 slowly,
+    and the kernel's widen-in-registers tiles keep bfloat16 batches at least as fast per row as float32.
+    The kernel's path follows JAXSERVE_CPU_KERNEL_PATH, so an avx2 run on an AVX-512 machine routes as an
+    AVX2 machine would."""
     from pallas_kernels import cpu_library
 
     try:
         path = cpu_library.chosen_path()
     except ValueError:  # a bad JAXSERVE_CPU_KERNEL_PATH: loading the kernel reports it
         return 8
-    native_bf16 = bool({"avx512_bf16", "amx_bf16"} & cpu_library.cpu_flags())
-    return 8 if path == "avx512" and native_bf16 else cpu.MATMUL_MAX_ROWS
+    return 8 if path == "avx512" and "amx_bf16" in cpu_library.cpu_flags() else cpu.MATMUL_MAX_ROWS
 
 
 # Rows up to which the CPU kernel serves a dot: where it beat XLA:CPU's dots on SmolLM2-135M decode steps

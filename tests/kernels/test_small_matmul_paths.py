@@ -82,17 +82,18 @@ def test_the_environment_forces_a_path_and_bad_ones_are_refused(monkeypatch):
             cpu_library.chosen_path("avx512")
 
 
-def test_bfloat16_rows_go_to_the_kernel_unless_xla_has_native_bfloat16_dots(monkeypatch):
+def test_bfloat16_rows_go_to_the_kernel_unless_xla_has_amx(monkeypatch):
     avx512_bf16 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
-    monkeypatch.setattr(cpu_library, "cpu_flags", lambda: avx512_bf16)
+    monkeypatch.setattr(cpu_library, "cpu_flags", lambda: avx512_bf16 | {"amx_bf16", "amx_tile"})
     monkeypatch.delenv(cpu_library.PATH_ENV, raising=False)
     if cpu_library._is_x86():
-        assert _bfloat16_max_rows() == 8  # XLA's YNNPACK dots use the bfloat16 instructions
+        assert _bfloat16_max_rows() == 8  # XLA's YNNPACK dots use AMX tiles
         monkeypatch.setenv(cpu_library.PATH_ENV, "avx2")  # as an AVX2-only machine routes
         assert _bfloat16_max_rows() == cpu.MATMUL_MAX_ROWS
-    monkeypatch.delenv(cpu_library.PATH_ENV)
-    monkeypatch.setattr(cpu_library, "cpu_flags", lambda: avx512_bf16 - {"avx512_bf16"})
-    assert _bfloat16_max_rows() == cpu.MATMUL_MAX_ROWS
+    monkeypatch.delenv(cpu_library.PATH_ENV, raising=False)
+    for flags in (avx512_bf16, avx512_bf16 - {"avx512_bf16"}):  # the kernel's vdpbf16ps tiles, or no XLA bf16
+        monkeypatch.setattr(cpu_library, "cpu_flags", lambda flags=flags: flags)
+        assert _bfloat16_max_rows() == cpu.MATMUL_MAX_ROWS
 
 
 def test_largest_decode_bucket_in_bfloat16_matches_numpy_under_jit():

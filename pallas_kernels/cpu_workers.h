@@ -20,6 +20,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -34,6 +35,25 @@ inline void CpuRelax() {
 #else
   std::this_thread::yield();
 #endif
+}
+
+// Spins after which a wait also yields the core at each further spin (issue #29): with more runnable
+// threads than cores (the engine's host thread beside the kernel's two, or other processes) the thread
+// being waited for may be descheduled, and spinning on would hold the core it needs. Short waits (items
+// microseconds apart, the usual case) never reach the yields. JAXSERVE_CPU_SPINS_BEFORE_YIELD sets it (0:
+// never yield, the behaviour before; read once per process) for end-to-end A/B runs.
+inline int64_t SpinsBeforeYield() {
+  static const int64_t spins = [] {
+    const char* value = std::getenv("JAXSERVE_CPU_SPINS_BEFORE_YIELD");
+    return value != nullptr && *value != '\0' ? std::max<int64_t>(0, std::atoll(value)) : int64_t(1024);
+  }();
+  return spins;
+}
+
+inline void SpinOrYield(int64_t& spins) {
+  CpuRelax();
+  const int64_t limit = SpinsBeforeYield();
+  if (++spins >= limit && limit > 0) std::this_thread::yield();
 }
 
 class HelperThreads {
@@ -70,10 +90,10 @@ class HelperThreads {
     uint64_t seen = generation_.load();
     while (true) {
       auto deadline = std::chrono::steady_clock::now() + kSpin;
-      int spins = 0;
+      int64_t spins = 0;
       while (generation_.load(std::memory_order_acquire) == seen) {
-        CpuRelax();
-        if (++spins % 64 == 0 && std::chrono::steady_clock::now() > deadline) break;
+        SpinOrYield(spins);
+        if (spins % 64 == 0 && std::chrono::steady_clock::now() > deadline) break;
       }
       std::shared_ptr<std::function<void()>> job;
       {
@@ -142,7 +162,8 @@ inline void RunItems(int64_t max_workers, int64_t num_items, std::function<void(
     if (helpers.size() > 0) helpers.Offer(std::make_shared<std::function<void()>>(work), wanted);
   }
   work();
-  while (shared->done.load() < num_items) CpuRelax();
+  int64_t spins = 0;
+  while (shared->done.load() < num_items) SpinOrYield(spins);
 }
 
 }  // namespace jaxserve_cpu

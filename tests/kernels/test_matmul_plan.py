@@ -23,6 +23,7 @@ from pallas_kernels.matmul import (
     SmallMatmul,
     choose_matmul,
     cpu,
+    kquant_cpu,
     quantized_cpu,
     reference,
 )
@@ -32,9 +33,10 @@ MODELS = pathlib.Path(__file__).resolve().parents[2] / "jaxserve" / "models"
 
 def test_the_plan_takes_the_kernel_only_on_a_one_device_cpu_process():
     cpu_plan = choose_matmul("cpu", 1)
-    quantized_entries = [quantized_cpu.QuantizedSmallMatmul, QuantizedReferenceMatmul]  # first: they take only those
+    # first: they take only quantized weights (K-quant planes, then the int8 / 4-bit groups)
+    quantized_entries = [kquant_cpu.KQuantSmallMatmul, quantized_cpu.QuantizedSmallMatmul, QuantizedReferenceMatmul]
     assert [type(entry) for entry in cpu_plan.entries] == [*quantized_entries, SmallMatmul, ReferenceMatmul]
-    assert dict(cpu_plan.entries[2].max_rows) == {str(dtype): rows for dtype, rows in SMALL_MATMUL_MAX_ROWS.items()}
+    assert dict(cpu_plan.entries[3].max_rows) == {str(dtype): rows for dtype, rows in SMALL_MATMUL_MAX_ROWS.items()}
     # several devices (a mesh, or fake CPU devices): weights may be sharded, which the custom call cannot split
     for platform, num_devices in [("cpu", 8), ("gpu", 1), ("tpu", 4)]:
         assert choose_matmul(platform, num_devices) == REFERENCE_PLAN
@@ -44,6 +46,7 @@ def test_the_plan_falls_back_to_the_reference_without_a_compiler(monkeypatch, tm
     cpu_library.load.cache_clear()
     cpu._register.cache_clear()
     quantized_cpu._register.cache_clear()
+    kquant_cpu._register.cache_clear()
     try:
         with monkeypatch.context() as patch:
             patch.setattr(cpu_library, "CACHE_DIR", str(tmp_path))
@@ -53,6 +56,7 @@ def test_the_plan_falls_back_to_the_reference_without_a_compiler(monkeypatch, tm
         cpu_library.load.cache_clear()
         cpu._register.cache_clear()
         quantized_cpu._register.cache_clear()
+        kquant_cpu._register.cache_clear()
     assert choose_matmul("cpu", 1) != REFERENCE_PLAN  # built again once a compiler is back
 
 

@@ -83,10 +83,12 @@ def binary(cache_dir: str, name: str, build: str = "native") -> str:
     return os.path.join(build_dir(cache_dir), BUILDS[build][0], "bin", name)
 
 
-def ensure_built(cache_dir: str, build: str = "native") -> None:
+def ensure_built(cache_dir: str, build: str = "native", extra_targets: tuple[str, ...] = ()) -> None:
     """The named build's executables (BUILDS), built on first use (minutes) and cached. The native build
-    also has llama-quantize (it writes the GGUF files of every build)."""
+    also has llama-quantize (it writes the GGUF files of every build). extra_targets: other tools wanted
+    (e.g. llama-perplexity for bench/quality.py)."""
     targets = TARGETS if build == "native" else tuple(t for t in TARGETS if t != "llama-quantize")
+    targets += tuple(extra_targets)
     if all(os.access(binary(cache_dir, name, build), os.X_OK) for name in targets):
         return
     root = build_dir(cache_dir)

@@ -18,6 +18,14 @@ To measure jaxserve's own int4 against llama.cpp's files, start from an F32 GGUF
 vs_llamacpp.py writes one with llama-quantize) and name the other files as variants:
 
     bench/quality.py --model F32.gguf --formats none,int8,int4,Q8_0.gguf:auto,Q4_0.gguf:auto
+
+`--llamacpp` puts llama.cpp beside every GGUF variant (issue #25's "text close to llama.cpp's on the same
+file"): `llama-perplexity` on the same file and text (built once, bench/llamacpp_peer.py), jaxserve's
+perplexity computed the way llama-perplexity computes it (chunks of `window` tokens of the text tokenized with
+its special tokens, a chunk's first token replaced by BOS where the vocabulary adds one, only the second half
+of each chunk scored), and greedy agreement of jaxserve's tokens with llama-server's on the same prompts:
+
+    bench/quality.py --model F32.gguf --formats none,Q8_0.gguf:auto,Q4_0.gguf:auto,Q4_K_M.gguf:auto --llamacpp
 """
 
 from __future__ import annotations
@@ -27,10 +35,14 @@ import gc
 import json
 import math
 import os
+import re
+import subprocess
+import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "data", "kjv_genesis_1-9.txt")
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")  # llama.cpp's build, as vs_llamacpp.py's
 
 
 def emit(**record) -> None:
@@ -51,6 +63,67 @@ def perplexity(llm, token_ids: list[int], window: int, bos: int | None) -> float
             total -= scores[token]
             count += 1
     return math.exp(total / count)
+
+
+def perplexity_as_llamacpp(llm, token_ids: list[int], n_ctx: int, bos: int | None) -> float:
+    """llama-perplexity's figure (tools/perplexity/perplexity.cpp, `perplexity()`): whole chunks of n_ctx
+    tokens, the first token of each replaced by BOS where the vocabulary adds one, each chunk's tokens
+    n_ctx / 2 + 1 .. n_ctx - 1 scored (the first half is context)."""
+    from jaxserve import SamplingParams
+
+    chunks = [list(token_ids[i : i + n_ctx]) for i in range(0, len(token_ids) - n_ctx + 1, n_ctx)]
+    if bos is not None:
+        for chunk in chunks:
+            chunk[0] = bos
+    outputs = llm.generate(chunks, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    total, count = 0.0, 0
+    for chunk, output in zip(chunks, outputs):
+        for position in range(n_ctx // 2 + 1, n_ctx):
+            total -= output.prompt_logprobs[position][chunk[position]]
+            count += 1
+    return math.exp(total / count)
+
+
+def llamacpp_perplexity(gguf: str, n_ctx: int, chunks: int, threads: int) -> float:
+    import llamacpp_peer as peer
+
+    peer.ensure_built(CACHE_DIR, extra_targets=("llama-perplexity",))
+    command = [peer.binary(CACHE_DIR, "llama-perplexity"), "-m", gguf, "-f", TEXT, "-c", str(n_ctx)]
+    command += ["-b", str(n_ctx), "--chunks", str(chunks), "-t", str(threads)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", result.stdout + result.stderr)
+    if result.returncode != 0 or found is None:
+        raise RuntimeError(f"llama-perplexity failed ({result.returncode}): {result.stderr[-2000:]}")
+    return float(found.group(1))
+
+
+def llamacpp_greedy(gguf: str, prompts: list[list[int]], num_tokens: int, threads: int) -> list[list[int]]:
+    import llamacpp_peer as peer
+
+    peer.ensure_built(CACHE_DIR)
+    with peer.LlamaServer(CACHE_DIR, gguf, threads, 1, 48 + num_tokens + 16) as server:
+        return [server.complete(prompt, num_tokens)["tokens"] for prompt in prompts]
+
+
+def compare_with_llamacpp(llm, gguf: str, text: str, prompts, tokens, args) -> dict:
+    """llama.cpp's perplexity and greedy tokens on the same file, beside jaxserve's computed its way."""
+    tokenizer = llm.engine.parts.source.tokenizer
+    with_special = tokenizer.encode(text, add_special_tokens=True)
+    plain = tokenizer.encode(text, add_special_tokens=False)
+    adds_bos = len(with_special) > len(plain) and with_special[1:] == plain[: len(with_special) - 1]
+    bos = with_special[0] if adds_bos else None
+    chunks = min(args.max_tokens, len(with_special)) // args.window
+    ours = perplexity_as_llamacpp(llm, with_special[: chunks * args.window], args.window, bos)
+    theirs = llamacpp_perplexity(gguf, args.window, chunks, args.threads)
+    reference = llamacpp_greedy(gguf, prompts, args.generate, args.threads)
+    versus = agreement(reference, tokens)
+    return dict(
+        perplexity_llamacpp_method=ours,
+        llamacpp_perplexity=theirs,
+        perplexity_ratio_vs_llamacpp=ours / theirs,
+        greedy_token_agreement_vs_llamacpp=versus["greedy_token_agreement"],
+        mean_common_prefix_vs_llamacpp=versus["mean_common_prefix"],
+    )
 
 
 def greedy(llm, prompts, num_tokens: int) -> list[list[int]]:
@@ -97,7 +170,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--generate", type=int, default=32)
+    parser.add_argument("--llamacpp", action="store_true", help="llama.cpp's perplexity and greedy tokens beside")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads")
     args = parser.parse_args()
+    if args.llamacpp:
+        sys.path.insert(0, HERE)
 
     from jaxserve import LLM
 
@@ -138,6 +215,8 @@ def main() -> None:
         tokens = greedy(llm, prompts, args.generate)
         baseline = baseline or tokens
         record.update(agreement(baseline, tokens))
+        if args.llamacpp and model.endswith(".gguf"):
+            record.update(compare_with_llamacpp(llm, model, text, prompts, tokens, args))
         record["num_compiles_after_warmup"] = llm.stats()["num_compiles_after_warmup"]
         emit(**record)
         results[variant if model == args.model else f"{os.path.basename(model)}:{quantization}"] = record
@@ -151,6 +230,7 @@ def main() -> None:
                 weights_bytes_ratio=r["weights_device_bytes"] / first["weights_device_bytes"],
                 decode_speed_ratio=r["decode_tokens_per_second"] / first["decode_tokens_per_second"],
                 greedy_token_agreement=r["greedy_token_agreement"],
+                **{k: r[k] for k in ("perplexity_ratio_vs_llamacpp", "greedy_token_agreement_vs_llamacpp") if k in r},
             )
             for name, r in results.items()
         }

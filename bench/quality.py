@@ -215,7 +215,7 @@ def main() -> None:
         tokens = greedy(llm, prompts, args.generate)
         baseline = baseline or tokens
         record.update(agreement(baseline, tokens))
-        if args.llamacpp and model.endswith(".gguf"):
+        if args.llamacpp and model.endswith(".gguf") and quantization in ("none", "auto"):  # the file's weights
             record.update(compare_with_llamacpp(llm, model, text, prompts, tokens, args))
         record["num_compiles_after_warmup"] = llm.stats()["num_compiles_after_warmup"]
         emit(**record)

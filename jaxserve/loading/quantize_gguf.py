@@ -12,6 +12,14 @@ as QuantizedWeight's groups). Every type here maps onto `w = q * scale (+ min)` 
     Q5_K   as Q4_K plus a fifth bit                      -> int8 groups of 32 with mins, float32 (exact)
     Q6_K   super-blocks of 256: d, int8 scales per 16, 6-bit values
                                                          -> int8 groups of 16, float32 scales (exact)
+    Q3_K   super-blocks of 256: d, 6-bit scales per 16, 3-bit values
+                                                         -> 4-bit, offset 8, groups of 16, float32 (exact)
+    Q2_K   super-blocks of 256: d, dmin, 4-bit scales and mins per 16, 2-bit values
+                                                         -> 4-bit with mins, groups of 16, float32 (exact)
+    IQ4_NL blocks of 32: float16 d, 4-bit indices into a 16-value table
+                                                         -> int8 (the table's values), groups of 32, float16
+    IQ4_XS as IQ4_NL in super-blocks of 256 with 6-bit scales per 32
+                                                         -> int8 groups of 32, float32 scales (exact)
 
 That is how stacked experts load them (the grouped expert matmul reads QuantizedWeight). A 2-d matrix of
 a K-quant (and Q5_0 / Q5_1, which a Q4_K_M / Q5_K_M file holds where K is not a multiple of 256) loads as
@@ -103,6 +111,45 @@ def _q6_k(b):
     return q, d * scales, None, 16
 
 
+def _q2_k(b):
+    """scales [16] (low nibble sc, high m), 2-bit q [64 bytes], d, dmin: w = d sc q - dmin m per 16."""
+    d, dmin = _f16(b[:, 80:82]).astype(np.float32), _f16(b[:, 82:84]).astype(np.float32)
+    scales = b[:, :16]
+    q = (b[:, 16:80].reshape(-1, 2, 1, 32) >> SHIFTS_2BIT) & 3  # [B, 2, 4, 32]: natural order
+    return q.reshape(-1, QK_K), d * (scales & 0x0F), -(dmin * (scales >> 4)), 16
+
+
+def _q3_k(b):
+    """hmask [32], 2-bit low q [64], 6-bit scales [12], d: w = d (sc - 32) (q - 4) per 16, as nibbles q + 4."""
+    hmask, qs, packed, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110]).astype(np.float32)
+    low = (packed[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(-1, 16) & 0x0F
+    high = (packed[:, 8:].reshape(-1, 1, 4) >> SHIFTS_2BIT.reshape(1, 4, 1)).reshape(-1, 16) & 0x03
+    sc = (low | (high << 4)).astype(np.float32) - 32
+    q_low = ((qs.reshape(-1, 2, 1, 32) >> SHIFTS_2BIT) & 3).reshape(-1, QK_K)
+    q_high = ((hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1).reshape(-1, QK_K)
+    return q_low + (q_high << 2) + 4, d * sc, None, 16  # (q - 4 + 4 high) + 8: a set high bit means no -4
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+
+def _iq4_nl(b):
+    """d, 16 bytes of indices into IQ4_VALUES: w = d * value, kept as int8 values (exact, 8 bits)."""
+    return IQ4_VALUES[_halves(b[:, 2:])], _f16(b[:, :2]), None, 32
+
+
+def _iq4_xs(b):
+    """d, 6-bit sub-block scales (2 high bits [2 bytes], 4 low [4 bytes]), 8 x 16 bytes of indices."""
+    d = _f16(b[:, 0:2]).astype(np.float32)
+    high = (b[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [B, 8]
+    low = (b[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], np.uint8).reshape(1, 1, 2)).reshape(-1, 8) & 0x0F
+    sc = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
+    indices = _halves(b[:, 8:].reshape(-1, 16)).reshape(-1, QK_K)
+    return IQ4_VALUES[indices], d * sc, None, 32
+
+
+SHIFTS_2BIT = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+
 # type -> (bytes per block, values per block, decoder, bits of the stored layout)
 LAYOUTS = {
     Q.Q8_0: (34, 32, _q8_0, 8),
@@ -111,6 +158,11 @@ LAYOUTS = {
     Q.Q4_K: (144, QK_K, _q4_k, 4),
     Q.Q5_K: (176, QK_K, _q5_k, 8),
     Q.Q6_K: (210, QK_K, _q6_k, 8),
+    # exact in a wider layout than the file's (bytes: Q3_K 1.75x, Q2_K 3x, IQ4 ~2x), not a float copy
+    Q.Q2_K: (84, QK_K, _q2_k, 4),
+    Q.Q3_K: (110, QK_K, _q3_k, 4),
+    Q.IQ4_NL: (18, 32, _iq4_nl, 8),
+    Q.IQ4_XS: (136, QK_K, _iq4_xs, 8),
     # only as KQuantWeight (two-level); as a QuantizedWeight (experts) they dequantize
     Q.Q5_0: (22, 32, None, 8),
     Q.Q5_1: (24, 32, None, 8),

@@ -48,11 +48,14 @@ GGUF_TYPES = {
     "attn_k": T.Q4_0,
     "attn_v": T.Q4_1,
     "attn_output": T.Q4_K,
+    "blk.0.ffn_gate": T.IQ4_XS,  # the types below load exactly in a wider layout (not a float copy)
+    "blk.1.ffn_gate": T.Q2_K,
+    "blk.1.ffn_up": T.IQ4_NL,
     "ffn_gate": T.Q8_0,
     "ffn_up": T.Q4_0,
     "blk.0.ffn_down": T.Q6_K,
     "blk.1.ffn_down": T.Q5_K,
-    "output": T.Q3_K,  # no quantized layout: dequantized
+    "output": T.Q3_K,
 }
 
 
@@ -134,7 +137,12 @@ def test_gguf_blocks_load_quantized_and_compute_their_dequantized_values(gguf_pa
             assert isinstance(weight, QuantizedWeight)
             assert weight.nbytes == stored.n_bytes  # Q8_0 and Q4_0 blocks: the file's bytes exactly
         assert isinstance(kernels[f"layers.{layer}.mlp.down_proj.kernel"], KQuantWeight)  # Q6_K / Q5_K
-    assert not isinstance(kernels["lm_head.kernel"], (QuantizedWeight, KQuantWeight))  # Q3_K: no quantized layout
+    head = kernels["lm_head.kernel"]  # Q3_K: 4-bit in groups of 16
+    assert isinstance(head, QuantizedWeight) and (head.bits, head.group_size) == (4, 16)
+    assert head.nbytes < 1.8 * tensors["output.weight"].n_bytes
+    for layer, module, bits in ((0, "gate_proj", 8), (1, "gate_proj", 4), (1, "up_proj", 8)):  # IQ4_XS, Q2_K, IQ4_NL
+        weight = kernels[f"layers.{layer}.mlp.{module}.kernel"]
+        assert isinstance(weight, QuantizedWeight) and weight.bits == bits
     embedding = kernels["embed_tokens.embedding"]
     assert isinstance(embedding, QuantizedWeight) and embedding.nbytes == tensors["token_embd.weight"].n_bytes
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)

@@ -114,7 +114,8 @@ def random_blocks(shape: tuple[int, ...], qtype: T, rng: np.random.Generator) ->
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block_size, type_size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(0.004).tobytes(), np.uint8)
-    scale_bytes = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q2_K: (-4, -2), T.Q6_K: (-2,), T.Q3_K: (-2,)}[qtype]
+    scale_bytes = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q2_K: (-4, -2), T.Q6_K: (-2,), T.Q3_K: (-2,)}.get(qtype, (0,))
+    # (IQ4_NL, IQ4_XS: d first)
     for start in scale_bytes:
         blocks[..., start] = scale[0]
         blocks[..., start + 1] = scale[1]
@@ -169,7 +170,7 @@ def write_gguf(
         writer.add_chat_template(chat_template)
     for name, value in gguf_tensors(hf_config, weights, architecture).items():
         qtype = next((q for fragment, q in quant_types.items() if fragment in name), T.F32) if value.ndim > 1 else T.F32
-        if qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K):
+        if qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS):
             writer.add_tensor(name, random_blocks(value.shape, qtype, rng), raw_dtype=qtype)
         elif qtype == T.F32:
             writer.add_tensor(name, value)

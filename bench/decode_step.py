@@ -12,6 +12,7 @@ XLA's dots. The CPU (model, vector flags) and the kernel's instruction path head
 
     .venv/bin/python bench/decode_step.py [--model default] [--dtypes float32,bfloat16] [--rounds 3]
         [--batches 1,8,32] [--profile [--paths]] [--quantization none|int8|int4|auto]
+        [--quantized-activations int8|float]
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ def projections_ms(llm, batch: int, repeats: int) -> dict[str, float]:
     return times
 
 
-def paths_ms(llm, batch: int, repeats: int) -> dict[str, float]:
+def paths_ms(llm, batch: int, repeats: int, activations: str) -> dict[str, float]:
     """Median ms of all the model's projections at `batch` rows through each kernel path this CPU runs and
     through XLA's dots (every result kept): where each should serve, per machine and dtype."""
     from pallas_kernels import cpu_library
@@ -219,7 +220,7 @@ def paths_ms(llm, batch: int, repeats: int) -> dict[str, float]:
         def run(xs, weights, path=path):
             if path == "xla":
                 return [project_xla(xs[d], w, t) for w, t, d in zip(weights, flags, depth_of)]
-            return [project_path(xs[d], w, t, path) for w, t, d in zip(weights, flags, depth_of)]
+            return [project_path(xs[d], w, t, path, activations) for w, t, d in zip(weights, flags, depth_of)]
 
         times[path] = round(1e3 * median_time(jax.jit(run), xs, weights, repeats=repeats), 3)
     return times
@@ -234,14 +235,14 @@ def project_xla(x, w, transposed: bool):
     return reference.matmul(x, w, transposed=transposed)
 
 
-def project_path(x, w, transposed: bool, path: str):
-    """A kernel path's build for a float or a quantized weight (--quantization)."""
+def project_path(x, w, transposed: bool, path: str, activations: str):
+    """A kernel path's build for a float or a quantized weight (--quantization, --quantized-activations)."""
     from pallas_kernels.matmul import cpu, kquant, kquant_cpu, quantized, quantized_cpu
 
     if kquant.is_kquant(w):  # a K-quant file's weights (Q4_K_M): their own kernel
         return kquant_cpu.kquant_matmuls(x, [w], path=path)[0]
     if quantized.is_quantized(w):
-        return quantized_cpu.quantized_matmul(x, w, path=path)
+        return quantized_cpu.quantized_matmul(x, w, path=path, activations=activations)
     return cpu.small_matmul(x, w, transposed=transposed, path=path)
 
 
@@ -269,6 +270,7 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
         max_num_batched_tokens=256,
         show_progress=False,
         quantization=args.quantization,
+        quantized_activations=args.quantized_activations,
     )
     prompt = [token % llm.engine.model_config.vocab_size for token in prompt]  # tiny models' small vocabularies
     context = len(prompt) + args.new_tokens // 2
@@ -289,7 +291,11 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
                     step_ms_per_row=round(step_ms[b] / b, 3),
                     projections_ms=parts,
                     rest_ms=round(step_ms[b] - sum(parts.values()), 3),
-                    **({"projections_ms_by_path": paths_ms(llm, b, args.repeats)} if args.paths else {}),
+                    **(
+                        {"projections_ms_by_path": paths_ms(llm, b, args.repeats, args.quantized_activations)}
+                        if args.paths
+                        else {}
+                    ),
                 )
         emit(
             dtype=dtype,
@@ -319,6 +325,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="split each step: kernel / XLA projections, rest")
     parser.add_argument(
         "--quantization", default="none", help="model.quantization: none, int8, int4, auto (a GGUF file's blocks)"
+    )
+    parser.add_argument(
+        "--quantized-activations",
+        default="int8",
+        choices=("int8", "float"),
+        help="the engine option quantized_activations: the CPU quantized kernel's x as int8 per 32 or float",
     )
     parser.add_argument("--paths", action="store_true", help="with --profile: projections through every kernel path")
     args = parser.parse_args()

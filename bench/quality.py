@@ -166,6 +166,9 @@ def main() -> None:
     )
     parser.add_argument("--group-size", type=int, default=32, help="int4's quantization_group_size")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--quantized-activations", default="int8", choices=("int8", "float"), help="the CPU quantized kernel's x"
+    )
     parser.add_argument("--max-tokens", type=int, default=4096, help="of the text, for perplexity")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--prompts", type=int, default=8)
@@ -190,6 +193,7 @@ def main() -> None:
             dtype=args.dtype,
             quantization=quantization,
             quantization_group_size=args.group_size,
+            quantized_activations=args.quantized_activations,
             max_model_len=args.window + args.generate + 64,
             max_num_seqs=max(8, args.prompts),
             max_num_batched_tokens=args.window,

@@ -88,7 +88,9 @@ def agreement(ours, theirs) -> dict:
 
 
 class Jaxserve:
-    def __init__(self, path: str, dtype: str, max_num_seqs: int, quantization: str = "none"):
+    def __init__(
+        self, path: str, dtype: str, max_num_seqs: int, quantization: str = "none", quantized_activations: str = "int8"
+    ):
         from jaxserve import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
@@ -101,6 +103,7 @@ class Jaxserve:
             max_num_batched_tokens=512,
             show_progress=False,
             quantization=quantization,
+            quantized_activations=quantized_activations,
         )
         self.startup_s = time.perf_counter() - start
 
@@ -144,7 +147,7 @@ def run_precision(args, precision: str, jax_path: str | None, gguf: str, single,
     if jax_path is not None:
         dtype = DTYPES[precision][0]
         quantization = "auto" if precision in QUANTIZED_PRECISIONS else "none"
-        ours = Jaxserve(jax_path, dtype, args.max_num_seqs, quantization)
+        ours = Jaxserve(jax_path, dtype, args.max_num_seqs, quantization, args.quantized_activations)
         results["jaxserve"] = measure(f"jaxserve-{precision}", ours.generate, single, batch, text_prompts, args.repeats)
         stats = ours.llm.stats()
         emit(
@@ -245,6 +248,12 @@ def main() -> None:
     parser.add_argument("--no-q8", dest="q8", action="store_false", help="skip the llama.cpp Q8_0 reference line")
     parser.add_argument("--no-llama-bench", dest="llama_bench", action="store_false")
     parser.add_argument("--kernel-path", default=None, help="jaxserve's CPU kernel path: avx512, avx2 or portable")
+    parser.add_argument(
+        "--quantized-activations",
+        default="int8",
+        choices=("int8", "float"),
+        help="jaxserve's quantized_activations: its CPU quantized kernel's x as int8 per 32 (llama.cpp's) or float",
+    )
     parser.add_argument("--llamacpp-build", default="native", choices=sorted(peer.BUILDS), help="llama.cpp's build")
     parser.add_argument(
         "--avx2", action="store_true", help="both engines on AVX2 kernels: --kernel-path avx2 --llamacpp-build avx2"

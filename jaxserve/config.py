@@ -19,6 +19,9 @@ DTYPE_NAMES = {
 
 
 QUANTIZATION_FORMATS = ("none", "int8", "int4", "auto")  # as jaxserve/loading/quantize.py's FORMATS
+# What the CPU quantized matmul does with x (pallas_kernels/matmul/quantized_cpu.py's KERNELS): int8 rounds each
+# row per 32 values as llama.cpp does (integer dots), float keeps it (the dequantized product, slower)
+QUANTIZED_ACTIVATIONS = ("int8", "float")
 KV_DTYPES = ("auto", "int8", "float8_e4m3")  # as pallas_kernels/paged_attention/kv_quantization.py's
 
 
@@ -311,6 +314,7 @@ class EngineConfig:
     quantization: str = "none"
     quantization_group_size: int = 32  # int4: rows of K per scale (32, 64 or 128)
     quantization_embedding: str = "same"  # int4: "int8" keeps the embedding and head at int8 (llama.cpp's Q4_0)
+    quantized_activations: str = "int8"  # CPU kernel for quantized weights: x as int8 per 32 (llama.cpp) or float
     seed: int = 0
     show_progress: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -332,6 +336,10 @@ class EngineConfig:
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size}")
         if self.quantization_embedding not in ("same", "int8"):
             raise ValueError(f"quantization_embedding must be same or int8, got {self.quantization_embedding!r}")
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(
+                f"unknown quantized_activations {self.quantized_activations!r}; expected one of {QUANTIZED_ACTIVATIONS}"
+            )
         for name, group_type in ENGINE_GROUPS.items():
             group = getattr(self, name)
             if isinstance(group, dict):

@@ -9,6 +9,7 @@ Everything here runs once; `Engine` takes the result and only loops.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -90,7 +91,7 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     expert_parallel = _expert_parallel(model_config, config, mesh)
     attention = choose_attention(model_config, config, dtype, mesh)
     quantization = QuantizationSpec(config.quantization, config.quantization_group_size, config.quantization_embedding)
-    model = _load_model(source, dtype, attention, mesh, expert_parallel, quantization)
+    model = _load_model(source, dtype, attention, mesh, expert_parallel, quantization, config.quantized_activations)
     lora_slots = _attach_lora(model, config, model_config, mesh, expert_parallel)
     if lora_slots and process_group is not None:  # the slot writes would have to reach every process
         raise ValueError("LoRA adapters over several processes (jax.distributed) are not available yet")
@@ -129,7 +130,9 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     runner.warm_up(show_progress=config.show_progress)
     draft = None
     if config.speculative.method == "draft":
-        draft = build_draft(source, config, mesh, max_model_len, runner.buckets, _load_model, _attach_lora, runner)
+        # the draft's quantized projections keep x as the target's do
+        load_draft = functools.partial(_load_model, quantized_activations=config.quantized_activations)
+        draft = build_draft(source, config, mesh, max_model_len, runner.buckets, load_draft, _attach_lora, runner)
     lora = None
     if lora_slots:  # a self-draft's adapter slots load with the target's (engine/draft_lora.py)
         draft_lora = draft.lora if draft is not None else None
@@ -199,10 +202,13 @@ def _load_model(
     mesh: Mesh | None,
     expert_parallel: bool,
     quantization: QuantizationSpec = NO_QUANTIZATION,
+    quantized_activations: str = "int8",
 ):
     """The model with its params read from the checkpoint, each placed on the mesh as it is read; expert
-    placements (expert parallelism only) are not params: they start contiguous."""
-    matmul = choose_matmul(jax.default_backend(), jax.device_count())  # the projections' kernels
+    placements (expert parallelism only) are not params: they start contiguous. `quantized_activations`:
+    the engine option, for the CPU quantized kernel (pallas_kernels/matmul/quantized_cpu.py)."""
+    # the projections' kernels
+    matmul = choose_matmul(jax.default_backend(), jax.device_count(), quantized_activations)
     abstract_model = nnx.eval_shape(
         lambda: build_model(
             source.config,

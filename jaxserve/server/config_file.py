@@ -1,6 +1,7 @@
 """YAML config files: one section per concern, every key checked (jaxserve/config_sections.py).
 
-    model:     {path: PATH | default, dtype: auto}
+    model:     {path: PATH | default, dtype: auto, quantization, quantization_group_size, quantization_embedding,
+                quantized_activations}
     cache:     {page_size, num_pages, kv_cache_memory_gib, enable_prefix_caching, swap_space, session_ttl}
     scheduler: {max_model_len, max_num_seqs, max_num_batched_tokens, prefill_query_block, overlap_steps,
                 max_logprobs}
@@ -33,7 +34,8 @@ from jaxserve.distributed.config import DistributedConfig
 from jaxserve.server.reasoning_parsers import PARSER_NAMES as REASONING_PARSER_NAMES
 from jaxserve.server.tool_parsers import PARSER_NAMES
 
-QUANTIZATION_OPTIONS = ("quantization", "quantization_group_size", "quantization_embedding")  # model: -> engine
+# model: -> engine
+QUANTIZATION_OPTIONS = ("quantization", "quantization_group_size", "quantization_embedding", "quantized_activations")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class ModelSection:
     quantization: str = "none"  # none | int8 | int4 | auto (issue 25)
     quantization_group_size: int = 32
     quantization_embedding: str = "same"  # int4: int8 keeps the embedding and head at int8
+    quantized_activations: str = "int8"  # the CPU quantized kernel's x: int8 per 32 (llama.cpp's) or float
 
 
 @dataclass(frozen=True)

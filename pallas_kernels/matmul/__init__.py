@@ -148,25 +148,28 @@ class MatmulPlan:
         return next(entry for entry in self.entries if entry.serves(num_rows, weights))
 
 
-def choose_matmul(platform: str, num_devices: int) -> MatmulPlan:
+def choose_matmul(platform: str, num_devices: int, quantized_activations: str = "int8") -> MatmulPlan:
     """The plan for an engine on `platform` in a process with `num_devices` devices: the CPU kernel for
     decode-sized rows (SMALL_MATMUL_MAX_ROWS by dtype) where there is one CPU device and the kernel
     builds, the reference for everything else. With several devices a weight may be sharded over them,
-    and the kernel is a custom call XLA's partitioner cannot split."""
+    and the kernel is a custom call XLA's partitioner cannot split. `quantized_activations` (the engine
+    option: int8 | float) picks the CPU quantized kernel's treatment of x (quantized_cpu.py)."""
     entries: tuple[MatmulEntry, ...] = (ReferenceMatmul(),)
     if platform == "cpu" and num_devices == 1 and cpu.available():
         max_rows = tuple((str(dtype), rows) for dtype, rows in SMALL_MATMUL_MAX_ROWS.items())
         entries = (SmallMatmul(max_rows), *entries)
-    entries = (*quantized_entries(platform, num_devices), *entries)  # ahead: the others take float weights
+    # ahead: the others take float weights
+    entries = (*quantized_entries(platform, num_devices, quantized_activations), *entries)
     return MatmulPlan(entries)
 
 
-def quantized_entries(platform: str, num_devices: int) -> tuple[MatmulEntry, ...]:
+def quantized_entries(platform: str, num_devices: int, activations: str = "int8") -> tuple[MatmulEntry, ...]:
     """The entries for quantized weights, ahead of the float ones: the CPU kernel for decode-sized rows where
-    it serves (quantized_cpu.py), XLA's dots for the rest."""
+    it serves (quantized_cpu.py, x kept as `activations` says), XLA's dots for the rest."""
+    quantized_cpu.check_activations(activations)  # refused on every platform, not only where the kernel runs
     entries: tuple[MatmulEntry, ...] = (QuantizedReferenceMatmul(),)
-    if platform == "cpu" and num_devices == 1 and quantized_cpu.available():
-        entries = (quantized_cpu.QuantizedSmallMatmul(quantized_cpu.QUANTIZED_MAX_ROWS), *entries)
+    if platform == "cpu" and num_devices == 1 and quantized_cpu.available(activations):
+        entries = (quantized_cpu.QuantizedSmallMatmul(quantized_cpu.QUANTIZED_MAX_ROWS, activations), *entries)
     if platform == "cpu" and num_devices == 1 and kquant_cpu.available():  # GGUF K-quants (kquant.py)
         entries = (kquant_cpu.KQuantSmallMatmul(kquant_cpu.KERNEL_MAX_ROWS), *entries)
     return entries

@@ -1,6 +1,8 @@
 """The C++ quantized matmuls: a few rows times QuantizedWeights (quantized.py), each weight byte read once;
 several weights by the same rows (a layer's q, k and v; gate and up) in one call whose threads share the
-work. Two kernels with one interface, picked by JAXSERVE_QUANTIZED_ACTIVATIONS (read when a step is traced):
+work. Two kernels with one interface, picked by the engine option `quantized_activations` (EngineConfig,
+`model.quantized_activations` in a config file), which the builder hands to `choose_matmul` and the plan's
+entry keeps (library code reads no environment variable):
 
 - `int8` (default; cpu_quantized_int8_dot.cc): each row of x quantized to int8 per 32 k (llama.cpp's
   quantize_row_q8_0 rounding), integer dot products (AVX-512 VNNI, or AVX2 maddubs), one float multiply per
@@ -19,7 +21,6 @@ A custom call XLA's partitioner cannot split: it must only see whole weights on 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,7 +32,6 @@ from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quantized
 
 QUANTIZED_TARGET = "jaxserve_cpu_quantized_matmul"  # every kernel's custom call name starts with it
-ACTIVATIONS_ENV = "JAXSERVE_QUANTIZED_ACTIVATIONS"
 # activations -> (the library's FFI symbol, the custom call's name suffix)
 KERNELS = {"int8": ("JaxserveQuantizedInt8Dot", ""), "float": ("JaxserveQuantizedMatmul", "_float_rows")}
 KERNEL_MAX_ROWS = 64  # cpu_quantized_matmul.cc's kMaxRows
@@ -43,12 +43,11 @@ ROW_DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"
 SCALE_DTYPES = ROW_DTYPES
 
 
-def chosen_activations(requested: str | None = None) -> str:
-    """`requested`, else JAXSERVE_QUANTIZED_ACTIVATIONS, else int8; ValueError naming the variable otherwise."""
-    chosen = requested or os.environ.get(ACTIVATIONS_ENV, "").strip().lower() or "int8"
-    if chosen not in KERNELS:
-        raise ValueError(f"{ACTIVATIONS_ENV}={chosen!r}: expected one of {', '.join(KERNELS)}")
-    return chosen
+def check_activations(activations: str) -> str:
+    """`activations` if a kernel of that name exists; a ValueError naming the option otherwise."""
+    if activations not in KERNELS:
+        raise ValueError(f"unknown quantized_activations {activations!r}; expected one of {', '.join(KERNELS)}")
+    return activations
 
 
 def target(path: str | None = None, activations: str = "int8") -> str:
@@ -68,8 +67,8 @@ def _register(path: str | None = None, activations: str = "int8") -> bool:
     return True
 
 
-def available() -> bool:
-    return _register(None, chosen_activations())
+def available(activations: str = "int8") -> bool:
+    return _register(None, check_activations(activations))
 
 
 def serves_weight(weight) -> bool:
@@ -83,17 +82,17 @@ def serves_weight(weight) -> bool:
     )
 
 
-def quantized_matmul(x, weight: quantized.QuantizedWeight, *, path: str | None = None, activations: str | None = None):
+def quantized_matmul(x, weight: quantized.QuantizedWeight, *, path: str | None = None, activations: str = "int8"):
     """x [M <= KERNEL_MAX_ROWS, K] @ weight [K, N] -> float32 [M, N]."""
     return quantized_matmuls(x, (weight,), path=path, activations=activations)[0]
 
 
-def quantized_matmuls(x, weights, *, path: str | None = None, activations: str | None = None) -> tuple:
+def quantized_matmuls(x, weights, *, path: str | None = None, activations: str = "int8") -> tuple:
     """x [M <= KERNEL_MAX_ROWS, K] by each weight [K, N_i] in one call -> float32 [M, N_i] each. The weights may
     differ in bits, groups and scale widths (a GGUF file mixes block types within a layer). `path`
     (cpu_library.PATHS) picks another instruction path's build than the engine's; `activations` (int8,
-    float) the kernel (default: JAXSERVE_QUANTIZED_ACTIVATIONS, else int8)."""
-    activations = chosen_activations(activations)
+    float) the kernel."""
+    check_activations(activations)
     weights = tuple(weights)
     if not weights:
         raise ValueError("quantized_matmuls wants at least one weight")
@@ -120,9 +119,10 @@ def quantized_matmuls(x, weights, *, path: str | None = None, activations: str |
 @dataclass(frozen=True)
 class QuantizedSmallMatmul:
     """The C++ kernel, for up to `max_rows` rows of quantized weights it serves (the rest: the reference);
-    a layer's weights by the same rows in one call."""
+    a layer's weights by the same rows in one call, x kept as `activations` (int8 | float) says."""
 
     max_rows: int
+    activations: str = "int8"
     joins_weights: ClassVar[bool] = True
 
     def serves(self, num_rows: int, weights: tuple) -> bool:
@@ -131,4 +131,4 @@ class QuantizedSmallMatmul:
     def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
         if transposed:
             raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
-        return quantized_matmuls(rows, weights)
+        return quantized_matmuls(rows, weights, activations=self.activations)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import cpu_library
-from pallas_kernels.matmul import quantized_cpu
+from pallas_kernels.matmul import choose_matmul, quantized_cpu
 from pallas_kernels.matmul.quantized import QuantizedWeight
 from tests.kernels.test_quantized_matmul import LAYOUTS, numpy_dequantize, random_weight
 
@@ -161,17 +161,20 @@ def test_int8_dot_takes_16_bit_rows(compute_dtype):
     assert_matches_model(np.asarray(got), np.asarray(x, np.float32), weight)
 
 
-def test_the_activations_switch_picks_the_kernel(monkeypatch):
+def test_the_activations_option_picks_the_plans_kernel():
     weight = random_weight(np.random.default_rng(2), 64, 40, 8, 32, jnp.float16, False)
     rows = jnp.ones((1, 64), jnp.float32)
 
-    def target_in_hlo() -> str:
-        text = jax.jit(lambda x, w: quantized_cpu.quantized_matmul(x, w)).lower(rows, weight).as_text()
+    def target_in_hlo(plan) -> str:
+        text = jax.jit(lambda x, w: plan(x, w)).lower(rows, weight).as_text()
+        assert quantized_cpu.QUANTIZED_TARGET in text
         return "float" if quantized_cpu.target(None, "float") in text else "int8"
 
-    assert target_in_hlo() == "int8"  # the default
-    monkeypatch.setenv(quantized_cpu.ACTIVATIONS_ENV, "float")
-    assert target_in_hlo() == "float"
-    monkeypatch.setenv(quantized_cpu.ACTIVATIONS_ENV, "fp8")
-    with pytest.raises(ValueError, match=quantized_cpu.ACTIVATIONS_ENV):
-        target_in_hlo()
+    assert target_in_hlo(choose_matmul("cpu", 1)) == "int8"  # the default
+    assert target_in_hlo(choose_matmul("cpu", 1, "int8")) == "int8"
+    assert target_in_hlo(choose_matmul("cpu", 1, "float")) == "float"
+    for platform in ("cpu", "gpu"):  # refused wherever the plan is chosen, naming the option
+        with pytest.raises(ValueError, match="quantized_activations"):
+            choose_matmul(platform, 1, "fp8")
+    with pytest.raises(ValueError, match="quantized_activations"):
+        quantized_cpu.quantized_matmul(rows, weight, activations="fp8")

@@ -1,5 +1,5 @@
 """Quantized weights (pallas_kernels/matmul/quantized.py): the XLA reference and the C++ CPU float-activation
-kernel (JAXSERVE_QUANTIZED_ACTIVATIONS=float; the int8-activation one: test_quantized_int8_dot.py) against a
+kernel (engine option quantized_activations: float; the int8-activation one: test_quantized_int8_dot.py) against a
 numpy dequantize-then-dot written here from the layout's definition, for every layout (int8 per channel and
 in groups, 4-bit with offset 8 or with mins, float16 / bfloat16 / float32 scales) at odd sizes; the host
 quantizers' rounding; and GGUF's block types re-expressed exactly (against the gguf package's own
@@ -84,13 +84,13 @@ def test_quantized_matmuls_match_numpy(depth, columns, bits, group, scale_dtype,
 
 
 @pytest.mark.parametrize("compute_dtype", [jnp.bfloat16, jnp.float16])
-def test_quantized_matmuls_take_16_bit_rows(compute_dtype, monkeypatch):
-    monkeypatch.setenv(quantized_cpu.ACTIVATIONS_ENV, "float")  # the plan's kernel: the float-activation one
+def test_quantized_matmuls_take_16_bit_rows(compute_dtype):
     rng = np.random.default_rng(1)
     weight = random_weight(rng, 64, 90, 4, 32, jnp.float16, True, compute_dtype=str(jnp.dtype(compute_dtype)))
     x = jnp.asarray(rng.standard_normal((4, 64)), compute_dtype)
     expected = np.asarray(x, np.float64) @ numpy_dequantize(weight)
-    for plan in (REFERENCE_PLAN, choose_matmul("cpu", 1)):
+    # the plan with the float-activation kernel: the int8 one rounds x (test_quantized_int8_dot.py)
+    for plan in (REFERENCE_PLAN, choose_matmul("cpu", 1, quantized_activations="float")):
         got = jax.jit(lambda x, w, plan=plan: plan(x, w))(x, weight)
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-3, atol=1e-3)
 

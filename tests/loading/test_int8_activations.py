@@ -10,7 +10,10 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
 from jaxserve.loading.default_model import random_llama_weights
+from jaxserve.server.config_file import load_config
+from pallas_kernels.matmul import quantized_cpu
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 from tests.support.gguf_files import write_gguf
 
@@ -46,12 +49,12 @@ def gguf_path(tmp_path_factory):
     return path
 
 
-def test_int8_activations_stay_close_to_float_activations(gguf_path, monkeypatch):
+def test_int8_activations_stay_close_to_float_activations(gguf_path):
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
     outputs = {}
     for activations in ("float", "int8"):
-        monkeypatch.setenv("JAXSERVE_QUANTIZED_ACTIVATIONS", activations)
-        llm = LLM(gguf_path, **{**SMALL_ENGINE, "max_num_batched_tokens": 128}, quantization="auto")
+        options = {**SMALL_ENGINE, "max_num_batched_tokens": 128, "quantized_activations": activations}
+        llm = LLM(gguf_path, **options, quantization="auto")
         outputs[activations] = [output.outputs[0] for output in llm.generate(PROMPTS, params)]
         assert llm.stats()["num_compiles_after_warmup"] == 0
         del llm
@@ -70,3 +73,30 @@ def test_int8_activations_stay_close_to_float_activations(gguf_path, monkeypatch
     assert agreed >= 0.75 * sum(len(out.token_ids) for out in outputs["float"])
     # the activations' rounding: ~0.4% of a 32-block's largest |x| per element, through two layers
     assert len(drifts) >= 12 and np.max(drifts) < 0.1 and np.median(drifts) < 0.03, drifts
+
+
+def _custom_call_targets(runner) -> set[str]:
+    """The quantized kernels' custom-call names in a runner's compiled steps."""
+    names = (quantized_cpu.target(None, activations) for activations in quantized_cpu.KERNELS)
+    texts = [executable.as_text() for executable in runner.executables.values()]
+    return {name for name in names if any(f'custom_call_target="{name}"' in text for text in texts)}
+
+
+def test_the_option_reaches_the_target_and_a_self_draft():
+    """quantized_activations is an engine option (no environment variable): the target's quantized
+    projections and its int8 self-draft's are compiled with the kernel it names; a bad value is refused at
+    start, naming the option."""
+    speculative = {"method": "draft", "draft_quantization": "int8", "num_speculative_tokens": 2}
+    speculative |= {"speculative_max_batch_size": 2}
+    engine = {**SMALL_ENGINE, "max_num_seqs": 2, "decode_seq_buckets": (2,)}
+    llm = LLM(
+        fixture_dir("llama_gqa"), **engine, quantization="int8", quantized_activations="float", speculative=speculative
+    )
+    assert _custom_call_targets(llm.engine.runner) == {quantized_cpu.target(None, "float")}
+    assert _custom_call_targets(llm.engine.parts.draft.runner) == {quantized_cpu.target(None, "float")}
+    with pytest.raises(ValueError, match="quantized_activations"):
+        EngineConfig.from_options(quantized_activations="fp8")
+    config = load_config(overrides=["model.quantization=int8", "model.quantized_activations=float"])
+    assert config.engine.quantized_activations == "float" and config.engine.quantization == "int8"
+    with pytest.raises(ValueError, match="quantized_activations"):
+        load_config(overrides=["model.quantized_activations=int4"])

@@ -122,12 +122,11 @@ def gguf_path(tmp_path_factory):
     return path
 
 
-def test_gguf_blocks_load_quantized_and_compute_their_dequantized_values(gguf_path, monkeypatch):
+def test_gguf_blocks_load_quantized_and_compute_their_dequantized_values(gguf_path):
+    dequantized = _engine(gguf_path)  # quantization none: every tensor dequantized to float32, as before
     # the CPU kernel that keeps x in float (the default quantizes x to int8 per 32 as llama.cpp does: see
     # tests/kernels/test_quantized_int8_dot.py), so that the dequantized values are the oracle to float rounding
-    monkeypatch.setenv("JAXSERVE_QUANTIZED_ACTIVATIONS", "float")
-    dequantized = _engine(gguf_path)  # quantization none: every tensor dequantized to float32, as before
-    quantized = _engine(gguf_path, quantization="auto")
+    quantized = _engine(gguf_path, quantization="auto", quantized_activations="float")
     kernels = _kernels(quantized)
     tensors = {t.name: t for t in GGUFFile(gguf_path).reader.tensors}
     for layer in range(2):

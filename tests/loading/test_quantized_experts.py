@@ -12,19 +12,9 @@ from flax import nnx
 from jaxserve import LLM, SamplingParams
 from jaxserve.loading.quantize import QuantizationSpec, quantize_int4, quantize_int8, stack
 from pallas_kernels.matmul.quantized import QuantizedWeight, dequantize
-from pallas_kernels.matmul.quantized_cpu import ACTIVATIONS_ENV
 from pallas_kernels.matmul.quantized_experts import grouped_matmul
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 from tests.support.quantized_twin import dequantized_twin, params_by_path
-
-
-@pytest.fixture(autouse=True)
-def _float_activations(monkeypatch):
-    """The oracle here is the dequantized float model, so the CPU kernel that keeps x in float: the default
-    one rounds x to int8 per 32 values as llama.cpp does (tests/kernels/test_quantized_int8_dot.py and
-    tests/loading/test_int8_activations.py test that arithmetic)."""
-    monkeypatch.setenv(ACTIVATIONS_ENV, "float")
-
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
 
@@ -64,7 +54,10 @@ def test_grouped_matmul_is_ragged_dot_over_the_dequantized_experts(layout, dtype
 
 
 def _engine(name: str, **options) -> LLM:
-    return LLM(fixture_dir(name), **SMALL_ENGINE, **options)
+    """The oracle here is the dequantized float model, so the CPU kernel that keeps x in float: the default
+    one rounds x to int8 per 32 values as llama.cpp does (tests/kernels/test_quantized_int8_dot.py and
+    tests/loading/test_int8_activations.py test that arithmetic)."""
+    return LLM(fixture_dir(name), **SMALL_ENGINE, quantized_activations="float", **options)
 
 
 @pytest.mark.parametrize(

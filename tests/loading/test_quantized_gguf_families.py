@@ -15,20 +15,10 @@ from jaxserve.loading.gguf import GGUFFile
 from jaxserve.loading.quantize import QuantizationSpec, load_quantized
 from jaxserve.models import CHECKPOINT_NAMES
 from pallas_kernels.matmul.quantized import QuantizedWeight, dequantize
-from pallas_kernels.matmul.quantized_cpu import ACTIVATIONS_ENV
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 from tests.support.gguf_family_files import write_family_gguf
 from tests.support.gguf_files import write_gguf
 from tests.support.quantized_twin import params_by_path
-
-
-@pytest.fixture(autouse=True)
-def _float_activations(monkeypatch):
-    """The oracle here is the dequantized float model, so the CPU kernel that keeps x in float: the default
-    one rounds x to int8 per 32 values as llama.cpp does (tests/kernels/test_quantized_int8_dot.py and
-    tests/loading/test_int8_activations.py test that arithmetic)."""
-    monkeypatch.setenv(ACTIVATIONS_ENV, "float")
-
 
 TOKENIZER = ("llama", os.path.join(fixture_dir("llama_gqa"), "tokenizer.model"))
 PROMPTS = [[1] + np.random.default_rng(seed).integers(3, 384, size=24).tolist() for seed in range(3)]
@@ -113,7 +103,10 @@ def _write(path, config, types, architecture="llama") -> str:
 
 
 def _engine(path: str, **options) -> LLM:
-    return LLM(path, **{**SMALL_ENGINE, "max_num_seqs": 4}, **options)
+    """The oracle here is the dequantized float model, so the CPU kernel that keeps x in float: the default
+    one rounds x to int8 per 32 values as llama.cpp does (tests/kernels/test_quantized_int8_dot.py and
+    tests/loading/test_int8_activations.py test that arithmetic)."""
+    return LLM(path, **{**SMALL_ENGINE, "max_num_seqs": 4}, quantized_activations="float", **options)
 
 
 def _tensor_bytes(path: str) -> int:

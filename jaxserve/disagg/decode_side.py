@@ -36,6 +36,9 @@ class PendingHandover:
     reservation: Reservation  # the rank's scheduler holds its slot and pages
     rank: int
     deadline: float
+    # the LoRA adapter the request names (None: the base model): its pages chain from the adapter's identity,
+    # and the adapter must stay loaded until the request runs (requests_using_adapter)
+    adapter: str | None = None
 
 
 class DecodeHandovers:
@@ -119,8 +122,14 @@ class DecodeHandovers:
             return None
         # Cached pages evicted for these go to the host tier now, before the handover overwrites them.
         engine.move_host_tier_pages()
-        self.reservations[request_id] = PendingHandover(reservation, rank, self.clock() + self.timeout)
+        self.reservations[request_id] = PendingHandover(reservation, rank, self.clock() + self.timeout, params.lora)
         return reservation
+
+    def requests_using_adapter(self, name: str) -> list[str]:
+        """Handovers reserved or queued for adapter `name`: not yet the engine's requests, but completing
+        one needs the adapter loaded (Engine.unload_lora refuses while any exists)."""
+        reserved = [request_id for request_id, pending in self.reservations.items() if pending.adapter == name]
+        return reserved + [queued.request_id for queued in self.queued if queued.params.lora == name]
 
     def complete(self, prefilled: PrefilledRequest) -> None:
         """The missing pages hold the prompt's KV now: run the request from its first token on."""

@@ -38,6 +38,11 @@ class PrefillHandovers:
     def stats(self) -> dict:
         return {"handover_parked": len(self.parked), "handover_expired": self.num_expired}
 
+    def requests_using_adapter(self, name: str) -> list[str]:
+        """None beyond the engine's own: a parked request stays an unfinished request of the engine until it
+        is released, so Engine.unload_lora already counts it."""
+        return []
+
     def prefilled(self, request_id: str) -> PrefilledRequest:
         seq = self.parked[request_id].seq
         logprobs = seq.output_logprobs[0] if seq.output_logprobs else None

@@ -207,6 +207,8 @@ class Engine:
             for request in self.requests.values()
             if any(seq.params.lora == name and not seq.is_finished for seq in request.seqs)
         )
+        if self.handovers is not None:  # a decode replica's handovers reserved or queued for the adapter
+            users += self.handovers.requests_using_adapter(name)
         if users:
             raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished requests ({users[:4]})")
         self.parts.lora.unload(name)

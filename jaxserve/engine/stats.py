@@ -168,6 +168,8 @@ def engine_stats(engine) -> dict:
         **(engine.experts.stats() if engine.experts is not None else {}),
         # disaggregated: requests parked for a decode replica, or reserved, queued, prefilled here (disagg/)
         **(engine.handovers.stats() if engine.handovers is not None else {}),
+        # LoRA: each adapter's root page key, sent to routers (server/kv_events_service.py)
+        **({"lora_root_keys": engine.parts.lora.root_keys()} if engine.parts.lora is not None else {}),
     }
 
 

@@ -217,6 +217,11 @@ class LoraRegistry:
                 value[row, : projection.rank] = projection.b
         return value.astype(np.float32)
 
+    def root_keys(self) -> dict[str, int]:
+        """Each loaded adapter's name -> its identity, the key its requests' page keys chain from (what a
+        router needs to key them as this cache does)."""
+        return {name: adapter.identity for name, adapter in self.adapters.items()}
+
     def describe(self) -> list[dict]:
         return [
             dict(name=a.name, slot=a.slot, path=a.path, rank=a.rank)

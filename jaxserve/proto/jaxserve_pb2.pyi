@@ -303,7 +303,14 @@ class KVEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[KVEvent.Kind, str]] = ..., key: _Optional[int] = ..., parent_key: _Optional[int] = ..., num_tokens: _Optional[int] = ..., tier: _Optional[_Union[KVEvent.Tier, str]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_pages", "num_tokens_waiting_prefill", "prefill_seconds_per_token", "swap_in_seconds_per_page", "step_seconds")
+    __slots__ = ("num_running", "num_waiting", "num_free_pages", "num_tokens_waiting_prefill", "prefill_seconds_per_token", "swap_in_seconds_per_page", "step_seconds", "lora_root_keys")
+    class LoraRootKeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +318,7 @@ class ReplicaLoad(_message.Message):
     PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_SECONDS_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ROOT_KEYS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_pages: int
@@ -318,7 +326,8 @@ class ReplicaLoad(_message.Message):
     prefill_seconds_per_token: float
     swap_in_seconds_per_page: float
     step_seconds: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    lora_root_keys: _containers.ScalarMap[str, int]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_tokens_waiting_prefill: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ..., swap_in_seconds_per_page: _Optional[float] = ..., step_seconds: _Optional[float] = ..., lora_root_keys: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("sequence", "snapshot", "events", "load", "instance_id", "more")

@@ -17,10 +17,11 @@ from jaxserve.host.page_allocator import ROOT_KEY, page_key
 MAX_PENDING_PAGES = 4096  # beyond this, expired pending pages are swept when more are noted
 
 
-def prefix_keys(token_ids: list[int], page_size: int) -> list[int]:
-    """The keys of the full pages a replica could find cached for this prompt. As the scheduler does,
-    the last prompt token is never looked up: its logits must be computed."""
-    keys, parent = [], ROOT_KEY
+def prefix_keys(token_ids: list[int], page_size: int, root_key: int = ROOT_KEY) -> list[int]:
+    """The keys of the full pages a replica could find cached for this prompt, chained from `root_key` (the
+    base model's, or a LoRA adapter's identity as the replica reports it). As the scheduler does, the last
+    prompt token is never looked up: its logits must be computed."""
+    keys, parent = [], root_key
     for start in range(0, len(token_ids) - 1 - page_size + 1, page_size):
         parent = page_key(parent, tuple(token_ids[start : start + page_size]))
         keys.append(parent)

@@ -27,7 +27,7 @@ import grpc
 from jaxserve.proto import disagg_pb2 as dpb
 from jaxserve.proto import disagg_pb2_grpc
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.router.policy import Prediction, RouteRequest
+from jaxserve.router.policy import Prediction, RouteRequest, replica_keys
 from jaxserve.router.service import BUSY, REPLICA_FAILURES, RouterService, route_request
 from jaxserve.server.grpc_chat import with_tool_calls
 from jaxserve.server.reasoning_parsers import HarmonyReasoning, engine_reasoning_parser
@@ -135,7 +135,9 @@ class DisaggregatedRouterService(RouterService):
         tried, last_error = {}, ""  # decode replicas that failed: their snapshot count then
         for _ in range(self.max_resends + 1):
             forwarded = continuation(original, streamed)
-            now = RouteRequest(list(forwarded.token_ids), request.session_id, route.max_new_tokens - len(streamed))
+            now = RouteRequest(
+                list(forwarded.token_ids), request.session_id, route.max_new_tokens - len(streamed), lora=route.lora
+            )
             decode = self._choose_decode(now, tried, bool(tried) and not last_error.startswith(BUSY.name), context)
             if decode is None:
                 break
@@ -168,7 +170,7 @@ class DisaggregatedRouterService(RouterService):
         replica, labels = decode.replica, (decode.replica.address,)
         for chosen in (prefill, decode):
             if chosen is not None:
-                chosen.replica.view.note_routed(route.keys(chosen.replica.page_size))
+                chosen.replica.view.note_routed(replica_keys(chosen.replica, route))
         self.metrics.requests.labels(*labels).inc()
         num_resent = len(streamed)
         sent_at, waiting_first = time.perf_counter(), True

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from jaxserve.host.page_allocator import ROOT_KEY
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.cache_view import CacheView, PrefixMatch, prefix_keys
 
@@ -62,12 +63,23 @@ class RouteRequest:
     token_ids: list[int]
     session_id: str = ""
     max_new_tokens: int = 16  # what the request may grow by: the pages it needs
-    _keys: dict[int, list[int]] = field(default_factory=dict)
+    lora: str = ""  # the LoRA adapter it names (empty: the base model): its pages chain from the adapter's root
+    _keys: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
-    def keys(self, page_size: int) -> list[int]:
-        if page_size not in self._keys:
-            self._keys[page_size] = prefix_keys(self.token_ids, page_size)
-        return self._keys[page_size]
+    def keys(self, page_size: int, root_key: int = ROOT_KEY) -> list[int]:
+        if (page_size, root_key) not in self._keys:
+            self._keys[page_size, root_key] = prefix_keys(self.token_ids, page_size, root_key)
+        return self._keys[page_size, root_key]
+
+
+def replica_keys(replica: RoutableReplica, request: RouteRequest) -> list[int]:
+    """The request's page keys as `replica`'s cache chains them: from the base root, or for a LoRA request from
+    the adapter's identity as the replica reports it (ReplicaLoad.lora_root_keys, the same on every replica
+    that loaded the same files); none where the replica has not reported the adapter (nothing there can hit)."""
+    if not request.lora:
+        return request.keys(replica.page_size)
+    root_key = replica.load.lora_root_keys.get(request.lora)
+    return [] if root_key is None else request.keys(replica.page_size, root_key)
 
 
 @dataclass(frozen=True)
@@ -137,7 +149,7 @@ def sharing_seconds(replica: RoutableReplica, request: RouteRequest, replicas: S
 
 def predict(replica: ReplicaT, request: RouteRequest, replicas: list[ReplicaT]) -> Prediction[ReplicaT]:
     page_size = replica.page_size
-    match = replica.view.match(request.keys(page_size))
+    match = replica.view.match(replica_keys(replica, request))
     num_hit_tokens = match.num_pages * page_size
     num_uncached = len(request.token_ids) - num_hit_tokens
     per_token = prefill_rate(replica, replicas)

@@ -17,7 +17,7 @@ import grpc
 import jaxserve
 from jaxserve.host.request import SamplingParams
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.router.policy import Prediction, RouteRequest
+from jaxserve.router.policy import Prediction, RouteRequest, replica_keys
 from jaxserve.server import limits as request_limits
 from jaxserve.server.grpc_chat import checked_chat
 from jaxserve.server.service import DEFAULT_MAX_TOKENS, checked_request
@@ -37,7 +37,7 @@ def route_request(token_ids: list[int], request) -> RouteRequest:
     """What the policy needs of a GenerateRequest or ChatRequest: its prompt and what it may grow by."""
     sampling = request.sampling
     max_new_tokens = (sampling.max_tokens or DEFAULT_MAX_TOKENS) * max(sampling.n, 1)
-    return RouteRequest(token_ids, request.session_id, max_new_tokens)
+    return RouteRequest(token_ids, request.session_id, max_new_tokens, lora=sampling.lora)
 
 
 class RouterService:
@@ -148,7 +148,7 @@ class RouterService:
     def _forward(self, method: str, request, route: RouteRequest, prediction: Prediction, context):
         """Stream one attempt; returns None when done (or the client left), else why to try another replica."""
         replica, labels = prediction.replica, (prediction.replica.address,)
-        replica.view.note_routed(route.keys(replica.page_size))  # the blind window: hits before the events say so
+        replica.view.note_routed(replica_keys(replica, route))  # the blind window: hits before the events say so
         self.metrics.requests.labels(*labels).inc()
         self.metrics.predicted_ttft.labels(*labels).observe(prediction.ttft)
         sent_at, waiting_first = time.perf_counter(), True

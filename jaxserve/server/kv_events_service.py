@@ -52,6 +52,7 @@ def load_to_proto(stats: dict) -> pb.ReplicaLoad:
         prefill_seconds_per_token=stats["prefill_seconds_per_token"],
         swap_in_seconds_per_page=stats["swap_in_seconds_per_page"],
         step_seconds=stats["step_seconds"],
+        lora_root_keys=stats.get("lora_root_keys", {}),
     )
 
 

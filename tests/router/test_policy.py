@@ -25,9 +25,9 @@ class FakeReplica:
         self.load.num_free_pages = 1000
         self.num_outstanding = self.outstanding_prefill_tokens = self.outstanding_pages = 0
 
-    def cache(self, token_ids: list[int], tier: str = DEVICE, num_pages: int | None = None) -> None:
-        keys = RouteRequest(token_ids + [0]).keys(PAGE_SIZE)[:num_pages]
-        parents = [0] + keys[:-1]
+    def cache(self, token_ids: list[int], tier: str = DEVICE, num_pages: int | None = None, root_key: int = 0) -> None:
+        keys = RouteRequest(token_ids + [0]).keys(PAGE_SIZE, root_key)[:num_pages]
+        parents = [root_key] + keys[:-1]
         self.view.reset(0, [KVEvent(STORED, key, parent, PAGE_SIZE, tier) for key, parent in zip(keys, parents)])
 
 

@@ -4,8 +4,8 @@ with its own lookup decoding, --spec-type ngram-simple, and with a draft model, 
 run; and batched throughput with speculation on vs off (goal: not below).
 
     .venv/bin/python bench/speculative.py [--precision f32] [--requests 3] [--max-tokens 256] [--batch 32]
-        [--variants plain,ngram,ngram-forced,draft,draft-forced] [--draft-k 4] [--draft-quantization int4]
-        [--request-timeout 300] [--llamacpp-budget 1200]
+        [--variants plain,ngram,ngram-forced,draft,draft-forced,ngram-forced:k4:min2] [--k 7] [--lookup-min 1]
+        [--draft-k 4] [--draft-quantization int4] [--request-timeout 300] [--llamacpp-budget 1200]
 
 Draft rows: jaxserve's target is the --precision file (F32, or Q8_0 served with quantization auto), its
 draft the target's own --draft-quantization copy (draft_model: self, quantized as it loads: self-speculation;
@@ -13,6 +13,8 @@ with a Q8_0 target, the draft file below); llama.cpp serves the same target file
 llama-quantize writes from the F32 one (int4: Q4_0, int8: Q8_0) as --model-draft. The policy's variants as
 for ngram: "draft" adaptive, "draft-forced" always speculating; "draft-gguf" (not run by default):
 adaptive, with that very draft file as jaxserve's draft (quantization auto: its blocks as stored).
+Sweeps in one run: a variant name may carry ":k<N>", ":min<N>", ":max<N>" (k, prompt_lookup_min / max),
+e.g. --variants plain,ngram-forced,ngram-forced:k4:min2,ngram:k5:min3:max5.
 
 Bounded in time: every llama-server call has a timeout (--request-timeout, seconds; its start-up 300 s),
 and each llama.cpp server gets --llamacpp-budget seconds in all: past it, or after a timed-out call, the
@@ -230,6 +232,24 @@ def run_llamacpp(
     return results, True
 
 
+VARIANT_OPTIONS = {"k": "num_speculative_tokens", "min": "prompt_lookup_min", "max": "prompt_lookup_max"}
+
+
+def variant_config(variants: dict, name: str) -> dict | None:
+    """A variant by name; ":"-separated suffixes override its speculative settings, for sweeps in one run:
+    "ngram-forced:k7:min3:max5" is ngram-forced with k = 7 and prompt lookup lengths 3..5."""
+    base, *overrides = name.split(":")
+    if base not in variants:
+        raise SystemExit(f"unknown variant {base!r}; known: {sorted(variants)}")
+    config = variants[base]
+    for override in overrides:
+        key = override.rstrip("0123456789")
+        if key not in VARIANT_OPTIONS or key == override or config is None:
+            raise SystemExit(f"bad variant suffix {override!r} in {name!r}: one of k<N>, min<N>, max<N>")
+        config = {**config, VARIANT_OPTIONS[key]: int(override[len(key) :])}
+    return config
+
+
 def rate(tokens: list[list[int]], seconds: float) -> float:
     return round(sum(map(len, tokens)) / seconds, 2)
 
@@ -242,8 +262,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch", type=int, default=32, help="requests at once in the batched run (0: none)")
     parser.add_argument("--batch-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--k", type=int, default=7, help="num_speculative_tokens for ngram (the engine's default)")
+    parser.add_argument("--lookup-min", type=int, default=1)
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engines", default="jaxserve,llamacpp")
@@ -287,7 +307,7 @@ def main() -> None:
     variants = {"plain": None, "ngram": ngram, "ngram-forced": {**ngram, "speculative_adaptive": False},
                 "draft": draft, "draft-forced": {**draft, "speculative_adaptive": False}}  # fmt: skip
     variants["draft-gguf"] = draft_file  # the very pair of files llama.cpp's draft row serves, blocks as stored
-    variants = {name: variants[name] for name in args.variants.split(",")}
+    variants = {name: variant_config(variants, name) for name in args.variants.split(",")}
     single: dict[str, dict] = {}
     if "jaxserve" in args.engines:
         for variant, speculative in variants.items():
@@ -302,7 +322,7 @@ def main() -> None:
                      generated=sum(map(len, tokens)), seconds=round(seconds, 3))  # fmt: skip
             emit(engine=f"jaxserve-{variant}", compiles_after_warmup=stats["num_compiles_after_warmup"],
                  **{k: v for k, v in stats.items() if k.startswith("speculative_")})  # fmt: skip
-            if args.batch and not variant.endswith("-forced"):
+            if args.batch and not variant.split(":")[0].endswith("-forced"):
                 tokens, seconds = engine.run(batch_prompts, args.batch_tokens, at_once=True, ignore_eos=True)
                 single[f"jaxserve-{variant}"]["batch"] = (tokens, seconds)
                 emit(engine=f"jaxserve-{variant}", workload=f"chat x {args.batch} at once",

@@ -43,6 +43,7 @@ HEADERS = (os.path.join(HERE, "cpu_workers.h"),)  # included from HERE (-I); par
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_vectors.h"),)  # cpu_matmul.cc's vector basics
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_bf16_pairs.h"),)  # cpu_matmul.cc's AVX-512 BF16 tiles
 HEADERS += (os.path.join(HERE, "paged_attention", "cpu_attention_basics.h"),)  # cpu_latent_kernel.cc's
+HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_vectors.h"),)  # cpu_quantized_int8_dot.cc's vector basics
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "kernels")
 
 PATH_ENV = "JAXSERVE_CPU_KERNEL_PATH"

@@ -24,7 +24,9 @@
 // The walk over the weights is cpu_quantized_matmul.cc's: per work item a block of columns and a range of
 // groups; within a chunk, weight rows eight at a time in address order (the int32 sums of up to 8 rows of
 // x, [8, width], in L1), software prefetch ahead along the walk; the same thread split (column blocks, then
-// parts of K summed in part order: deterministic).
+// parts of K summed in part order: deterministic). One or two rows take a whole chunk per tile with the sums
+// in registers (ChunkInRegisters), and up to 8 rows read whole weight rows with the threads splitting K
+// (Plan). The vector basics are in cpu_int8_dot_vectors.h.
 
 #include <algorithm>
 #include <cmath>
@@ -33,134 +35,13 @@
 #include <map>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
+#include "cpu_int8_dot_vectors.h"
 #include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define QDOT_X86 1
-constexpr int kTile = 64;  // columns per tile: one weight row's bytes in a vector
-typedef __m512i VecI;
-inline VecI LoadBytes(const void* p) { return _mm512_loadu_si512(p); }
-inline void StoreInts(int32_t* p, VecI v) { _mm512_storeu_si512(p, v); }
-inline VecI LoadInts(const int32_t* p) { return _mm512_loadu_si512(p); }
-inline VecI SplatInt(int32_t v) { return _mm512_set1_epi32(v); }
-inline VecI SplatByte(int8_t v) { return _mm512_set1_epi8(v); }
-inline VecI And(VecI a, VecI b) { return _mm512_and_si512(a, b); }
-inline VecI Xor(VecI a, VecI b) { return _mm512_xor_si512(a, b); }
-inline VecI ShiftRight4(VecI a) { return _mm512_srli_epi16(a, 4); }
-inline VecI UnpackLo8(VecI a, VecI b) { return _mm512_unpacklo_epi8(a, b); }
-inline VecI UnpackHi8(VecI a, VecI b) { return _mm512_unpackhi_epi8(a, b); }
-inline VecI UnpackLo16(VecI a, VecI b) { return _mm512_unpacklo_epi16(a, b); }
-inline VecI UnpackHi16(VecI a, VecI b) { return _mm512_unpackhi_epi16(a, b); }
-typedef __m512 VecF;
-inline VecF LoadF(const float* p) { return _mm512_loadu_ps(p); }
-inline void StoreF(float* p, VecF v) { _mm512_storeu_ps(p, v); }
-inline VecF SplatF(float v) { return _mm512_set1_ps(v); }
-inline VecF ToFloat(VecI v) { return _mm512_cvtepi32_ps(v); }
-inline VecF Fma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
-inline VecF Mul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
-// 64 columns' floats (in[0] columns 0-15, ...) into the tile's order: a 4 x 4 transpose of 128-bit blocks
-inline void TileOrder(const float* in, float* out) {
-  const VecF a = LoadF(in), b = LoadF(in + 16), c = LoadF(in + 32), d = LoadF(in + 48);
-  const VecF ab_lo = _mm512_shuffle_f32x4(a, b, 0x44), ab_hi = _mm512_shuffle_f32x4(a, b, 0xEE);
-  const VecF cd_lo = _mm512_shuffle_f32x4(c, d, 0x44), cd_hi = _mm512_shuffle_f32x4(c, d, 0xEE);
-  StoreF(out, _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88));
-  StoreF(out + 16, _mm512_shuffle_f32x4(ab_lo, cd_lo, 0xDD));
-  StoreF(out + 32, _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88));
-  StoreF(out + 48, _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xDD));
-}
-#if defined(__AVX512VNNI__)
-#define QDOT_VNNI 1
-inline VecI DotUnsigned(VecI acc, VecI u, VecI s) { return _mm512_dpbusd_epi32(acc, u, s); }
-#else
-inline VecI DotUnsigned(VecI acc, VecI u, VecI s) {
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
-}
-// sign(x, w): x negated where w < 0 (where w is 0 the product is 0 anyway: |w| is)
-inline VecI DotSigned(VecI acc, VecI w, VecI x) {
-  const __mmask64 negative = _mm512_movepi8_mask(w);
-  return DotUnsigned(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x));
-}
-#endif
-#elif defined(__AVX2__)
-#define QDOT_X86 1
-constexpr int kTile = 32;
-typedef __m256i VecI;
-inline VecI LoadBytes(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-inline void StoreInts(int32_t* p, VecI v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
-inline VecI LoadInts(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline VecI SplatInt(int32_t v) { return _mm256_set1_epi32(v); }
-inline VecI SplatByte(int8_t v) { return _mm256_set1_epi8(v); }
-inline VecI And(VecI a, VecI b) { return _mm256_and_si256(a, b); }
-inline VecI Xor(VecI a, VecI b) { return _mm256_xor_si256(a, b); }
-inline VecI ShiftRight4(VecI a) { return _mm256_srli_epi16(a, 4); }
-inline VecI UnpackLo8(VecI a, VecI b) { return _mm256_unpacklo_epi8(a, b); }
-inline VecI UnpackHi8(VecI a, VecI b) { return _mm256_unpackhi_epi8(a, b); }
-inline VecI UnpackLo16(VecI a, VecI b) { return _mm256_unpacklo_epi16(a, b); }
-inline VecI UnpackHi16(VecI a, VecI b) { return _mm256_unpackhi_epi16(a, b); }
-typedef __m256 VecF;
-inline VecF LoadF(const float* p) { return _mm256_loadu_ps(p); }
-inline void StoreF(float* p, VecF v) { _mm256_storeu_ps(p, v); }
-inline VecF SplatF(float v) { return _mm256_set1_ps(v); }
-inline VecF ToFloat(VecI v) { return _mm256_cvtepi32_ps(v); }
-inline VecF Fma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
-inline VecF Mul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
-// 32 columns' floats into the tile's order: vector j holds columns 4j..4j+3 and 16+4j..16+4j+3
-inline void TileOrder(const float* in, float* out) {
-  const VecF a = LoadF(in), b = LoadF(in + 8), c = LoadF(in + 16), d = LoadF(in + 24);
-  StoreF(out, _mm256_permute2f128_ps(a, c, 0x20));
-  StoreF(out + 8, _mm256_permute2f128_ps(a, c, 0x31));
-  StoreF(out + 16, _mm256_permute2f128_ps(b, d, 0x20));
-  StoreF(out + 24, _mm256_permute2f128_ps(b, d, 0x31));
-}
-#if defined(__AVXVNNI__)
-#define QDOT_VNNI 1
-inline VecI DotUnsigned(VecI acc, VecI u, VecI s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-#else
-inline VecI DotUnsigned(VecI acc, VecI u, VecI s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-inline VecI DotSigned(VecI acc, VecI w, VecI x) {
-  return DotUnsigned(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-}
-#endif
-#else
-constexpr int kTile = 16;  // portable: no interleaving, tiles in column order
-#endif
-
-#if defined(QDOT_X86)
-constexpr int kDwords = kTile / 4;  // 32-bit lanes per vector: columns of a vector after interleaving
-// int8 weights: what DotInt8 adds per unit of sum(q_x) beyond w * x (VNNI's w + 128)
-#if defined(QDOT_VNNI)
-constexpr int kInt8Offset = 128;
-inline VecI PrepareInt8(VecI w) { return Xor(w, SplatByte(int8_t(0x80))); }
-inline VecI DotInt8(VecI acc, VecI w, VecI x) { return DotUnsigned(acc, w, x); }
-#else
-constexpr int kInt8Offset = 0;
-inline VecI PrepareInt8(VecI w) { return w; }
-inline VecI DotInt8(VecI acc, VecI w, VecI x) { return DotSigned(acc, w, x); }
-#endif
-
-// Rows k .. k + 3 of a tile (a, b, c, d: kTile bytes each) -> four vectors whose 32-bit lanes hold the four
-// k of one column. Unpacks work within 128-bit lanes: vector j, lane t holds column
-// (t / 4) * 16 + 4 * j + t % 4 (ColumnInTile).
-inline void Interleave(VecI& a, VecI& b, VecI& c, VecI& d) {
-  const VecI ab_lo = UnpackLo8(a, b), ab_hi = UnpackHi8(a, b);
-  const VecI cd_lo = UnpackLo8(c, d), cd_hi = UnpackHi8(c, d);
-  a = UnpackLo16(ab_lo, cd_lo);
-  b = UnpackHi16(ab_lo, cd_lo);
-  c = UnpackLo16(ab_hi, cd_hi);
-  d = UnpackHi16(ab_hi, cd_hi);
-}
-#endif
 
 // The column (within its tile) whose sum sits at position `pos` of the tile's accumulators.
 constexpr int ColumnInTile(int pos) {
@@ -177,7 +58,10 @@ constexpr int64_t kMinBlockColumns = 64;   // narrower blocks where a weight has
 constexpr int64_t kMaxRows = 64;           // the wrapper sends no more
 constexpr int kRowGroup = 8;               // rows of x per walk over a chunk's weights
 constexpr int64_t kChunk = 32;             // k per activation scale (ggml's QK8_0)
-constexpr int64_t kPrefetchBytes = 4096;   // software prefetch this far ahead along the walk
+// Software prefetch this far ahead along the walk, into L2 (prefetcht1): a prefetcht0 from memory holds one
+// of L1's few miss buffers for the whole memory latency, and one row's walk read 0.3 of a stream with t0
+// against 0.5-0.55 with t1 (4-16 KiB ahead alike; issue 25).
+constexpr int64_t kPrefetchBytes = 8192;
 
 float HalfToFloat(uint16_t bits) {
   _Float16 h;
@@ -208,7 +92,18 @@ struct FloatArray {
     switch (type) {
       case ffi::DataType::F16: {
         const auto* in = static_cast<const uint16_t*>(data) + offset;
-        for (int64_t i = 0; i < count; ++i) out[i] = HalfToFloat(in[i]);
+        int64_t i = 0;
+        // (one at a time, the conversion took a fifth of a one-row item's time over 576 columns)
+#if defined(__AVX512F__)
+        for (; i + 16 <= count; i += 16) {
+          _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
+        }
+#elif defined(__F16C__)
+        for (; i + 8 <= count; i += 8) {
+          _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+        }
+#endif
+        for (; i < count; ++i) out[i] = HalfToFloat(in[i]);
         break;
       }
       case ffi::DataType::BF16: {
@@ -301,6 +196,67 @@ inline int64_t PositionOf(int64_t c, int64_t vectors) {
   return c;
 }
 
+#if defined(QDOT_X86)
+// One or two rows of x (R) times one whole chunk (32 k, all in vector steps) of a block's whole tiles (the
+// first `vectors` columns at s0, the chunk's first stored row): tile by tile, the tile's int32 sums stay in
+// registers over the chunk's 32 weight rows, then go straight into `out` (rows `out_stride` apart, tile
+// order), scaled. The row walk below stores and reloads its sums every 8 k and sets up each step anew; at
+// one row that was a third of the instructions (issue 25). Prefetch: the same tile one chunk ahead.
+template <int R, int Bits, bool HasMins>
+void ChunkInRegisters(const uint8_t* s0, int64_t row_bytes, int64_t vectors, const int8_t* xq, int64_t depth,
+                      const int32_t* start, const float* d, const float* d_sum, const float* scale,
+                      const float* minimum, float* out, int64_t out_stride) {
+  constexpr int kQuads = kChunk / 4;
+  constexpr int64_t byte_rows = Bits == 8 ? kChunk : kChunk / 2;
+  const int64_t ahead = byte_rows * row_bytes;
+  VecI xv[R][kQuads];
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < kQuads; ++q) {
+      int32_t four;
+      std::memcpy(&four, xq + r * depth + 4 * q, sizeof(four));
+      xv[r][q] = SplatInt(four);
+    }
+  }
+  for (int64_t c = 0; c < vectors; c += kTile) {
+    for (int64_t j = 0; j < byte_rows; ++j) __builtin_prefetch(s0 + ahead + j * row_bytes + c, 0, 2);
+    VecI acc[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < 4; ++j) acc[r][j] = SplatInt(start[r]);
+    }
+#pragma GCC unroll 8
+    for (int q = 0; q < kQuads; ++q) {
+      VecI w[4];
+      if constexpr (Bits == 8) {
+        for (int j = 0; j < 4; ++j) w[j] = LoadBytes(s0 + (4 * q + j) * row_bytes + c);
+      } else {
+        const VecI low = SplatByte(0x0F);
+        for (int j = 0; j < 2; ++j) {
+          const VecI packed = LoadBytes(s0 + (2 * q + j) * row_bytes + c);
+          w[2 * j] = And(packed, low);
+          w[2 * j + 1] = And(ShiftRight4(packed), low);
+        }
+      }
+      Interleave(w[0], w[1], w[2], w[3]);
+      for (int j = 0; j < 4; ++j) {
+        if constexpr (Bits == 8) w[j] = PrepareInt8(w[j]);
+        for (int r = 0; r < R; ++r) {
+          acc[r][j] = Bits == 8 ? DotInt8(acc[r][j], w[j], xv[r][q]) : DotUnsigned(acc[r][j], w[j], xv[r][q]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float* o = out + r * out_stride + c;
+      for (int j = 0; j < 4; ++j) {
+        const int64_t at = c + j * kDwords;
+        VecF v = Fma(ToFloat(acc[r][j]), Mul(SplatF(d[r]), LoadF(scale + at)), LoadF(o + j * kDwords));
+        if constexpr (HasMins) v = Fma(SplatF(d_sum[r]), LoadF(minimum + at), v);
+        StoreF(o + j * kDwords, v);
+      }
+    }
+  }
+}
+#endif
+
 // Up to 8 rows r0 .. r0 + R of x times chunk `chunk` (k in [k0, k1)) of the weight at columns
 // [c0, c0 + width): exact int32 sums in `sums` [R, width] (tile order), then added into `partial`'s rows,
 // scaled: float(sum) * d * scale (+ d * sum(q_x) * min).
@@ -338,7 +294,21 @@ void ChunkRows(const Problem& p, int64_t r0, int64_t chunk, int64_t k0, int64_t 
   if (vector_end == k0) {
     for (int r = 0; r < R; ++r) std::fill(sums + r * width, sums + r * width + vectors, 0);
   }
-  int64_t k = k0;
+  if constexpr (R <= 2) {
+    if (k1 - k0 == kChunk) {  // a whole chunk (vector_end == k1): the tiles' sums in registers
+      const uint8_t* s0 = base + (Bits == 8 ? k0 : k0 / 2) * row_bytes + c0;
+      float* out = partial + r0 * p.columns + c0;
+      if (has_mins) {
+        ChunkInRegisters<R, Bits, true>(s0, row_bytes, vectors, xq + k0, depth, start, d, d_sum, scale, minimum,
+                                        out, p.columns);
+      } else {
+        ChunkInRegisters<R, Bits, false>(s0, row_bytes, vectors, xq + k0, depth, start, d, d_sum, scale, minimum,
+                                         out, p.columns);
+      }
+      finished = true;
+    }
+  }
+  int64_t k = finished ? k1 : k0;  // (finished: the steps below have nothing left to do)
   // eight k per step (two interleaved quads) where the chunk has them, then four
   auto step = [&](auto quads_constant, auto first_constant, auto last_constant) {
     constexpr int Q = decltype(quads_constant)::value;
@@ -357,7 +327,7 @@ void ChunkRows(const Problem& p, int64_t r0, int64_t chunk, int64_t k0, int64_t 
     }
     for (int64_t c = 0; c < vectors; c += kTile) {
       if (c % 64 == 0) {
-        for (int64_t j = 0; j < byte_rows; ++j) __builtin_prefetch(s0 + ahead + j * row_bytes + c);
+        for (int64_t j = 0; j < byte_rows; ++j) __builtin_prefetch(s0 + ahead + j * row_bytes + c, 0, 2);
       }
       VecI w[4 * Q];
       if constexpr (Bits == 8) {
@@ -530,7 +500,14 @@ void Plan(Problem& p, int64_t rows, int64_t num_workers) {
   const int64_t wanted = 2 * num_workers;  // two items per thread at least, so that a late helper gets its share
   const int64_t widest = BlockColumns(rows);
   int64_t width = widest;
-  if ((p.columns + width - 1) / width < wanted) {
+  if (rows <= kRowGroup) {
+    // Few rows: whole rows of the weight (blocks as even as whole tiles allow), the threads splitting K. A
+    // block narrower than a row reads short runs N bytes apart that the hardware prefetchers lose, and pays
+    // each chunk's fixed costs on fewer columns (one row: 0.2-0.3 of a read stream with 192-column blocks);
+    // the parts' partial sums ([rows, N] floats each) cost little at these row counts.
+    const int64_t blocks = (p.columns + widest - 1) / widest;
+    width = ((p.columns + blocks - 1) / blocks + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns;
+  } else if ((p.columns + width - 1) / width < wanted) {
     const int64_t even = (p.columns + wanted - 1) / wanted;
     width = std::min(widest, std::max(kMinBlockColumns, (even + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns));
   }

@@ -132,7 +132,7 @@ def test_every_path_computes_the_integer_sums_exactly():
 
 def test_one_int8_call_serves_mixed_weights_on_every_instruction_path():
     """A layer's weights joined in one call (int8 and 4-bit, with and without mins, groups of 16 to K, scale
-    widths mixed), at 1, 5 and 20 rows, on each path this CPU runs (AVX-512 VNNI or maddubs, AVX2 maddubs,
+    widths mixed), at 1, 2, 5 and 20 rows, on each path this CPU runs (AVX-512 VNNI or maddubs, AVX2 maddubs,
     portable), against the integer model."""
     rng = np.random.default_rng(7)
     depth = 96
@@ -145,7 +145,7 @@ def test_one_int8_call_serves_mixed_weights_on_every_instruction_path():
     )
     for path in cpu_library.runnable_paths():
         call = jax.jit(lambda x, ws, path=path: quantized_cpu.quantized_matmuls(x, ws, path=path))
-        for num_rows in (1, 5, 20):
+        for num_rows in (1, 2, 5, 20):  # 1 and 2 rows: whole chunks' sums in registers
             x = rng.standard_normal((num_rows, depth)).astype(np.float32)
             x[0, :32] = 0.0  # a chunk of zeros: d = 0, its sums 0
             for got, weight in zip(call(jnp.asarray(x), weights), weights, strict=True):

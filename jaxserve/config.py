@@ -181,6 +181,10 @@ class DisaggConfig:
 
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 15  # a verify row is k + 1 tokens: one query block of the verify step
+# k when the config names none. Prompt lookup proposes for free and a verify step's cost grows far slower
+# than its width on a CPU (8 tokens ~1.6 plain steps, 5 tokens ~1.4: docs/notes/speculative.md), so ngram
+# rows propose up to 7; a draft model pays a decode step per proposed token, so it proposes 4.
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 4}
 
 
 @dataclass(frozen=True)
@@ -193,8 +197,9 @@ class SpeculativeConfig:
     int8 copy)."""
 
     method: str | None = None  # None: off
-    num_speculative_tokens: int = 4  # k: proposed tokens per verify row at most
-    prompt_lookup_min: int = 2  # the shortest suffix n-gram that may match earlier tokens
+    # k: proposed tokens per verify row at most (None: the method's DEFAULT_SPECULATIVE_TOKENS)
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int = 1  # the shortest suffix n-gram that may match earlier tokens
     prompt_lookup_max: int = 4  # the longest, tried first
     # Verify steps are compiled up to this many rows; larger batches decode without speculation.
     speculative_max_batch_size: int = 8
@@ -213,6 +218,8 @@ class SpeculativeConfig:
             return
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; expected one of {SPECULATIVE_METHODS}")
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS[self.method])
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
@@ -247,7 +254,7 @@ class SpeculativeConfig:
     @property
     def verify_width(self) -> int:
         """Tokens per verify row: the newest token and k proposals (0 when off)."""
-        return self.num_speculative_tokens + 1 if self.enabled else 0
+        return self.num_speculative_tokens + 1 if self.num_speculative_tokens and self.enabled else 0
 
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

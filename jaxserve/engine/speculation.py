@@ -121,7 +121,7 @@ class Speculation:
         if not self.speculating:
             return [{} for _ in schedulers]
         seqs, limits = [], []
-        k = self.config.num_speculative_tokens
+        k = self.config.verify_width - 1
         for seq in (seq for scheduler in schedulers for seq in scheduler.running):
             if not (is_decoding(seq) and not seq.num_pending_tokens and self._may_propose(seq)):
                 continue

@@ -195,3 +195,16 @@ def test_a_config_file_section_turns_speculation_on(tmp_path):
     assert overridden.prompt_lookup_max == 6
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         load_config(str(path), ["speculative.num_speculative_tokens=99"])
+
+
+def test_k_defaults_to_the_methods_own():
+    """Prompt lookup proposes up to 7 tokens (a verify step's cost grows far slower than its width), a
+    draft model 4 (each proposal is a draft decode step); an explicit k wins."""
+    from jaxserve.config import SpeculativeConfig
+
+    ngram = SpeculativeConfig(method="ngram")
+    assert (ngram.num_speculative_tokens, ngram.verify_width, ngram.prompt_lookup_min) == (7, 8, 1)
+    draft = SpeculativeConfig(method="draft", draft_quantization="int8")
+    assert (draft.num_speculative_tokens, draft.verify_width) == (4, 5)
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=2).verify_width == 3
+    assert SpeculativeConfig().verify_width == 0

@@ -4,28 +4,14 @@ whose rows follow each data-parallel rank's sequences), data x expert parallelis
 (n-gram and the int8 draft). Outputs equal speculation off, no compile after warm-up, no page held in
 either cache."""
 
-import json
-import os
-import subprocess
-import sys
+from tests.support.fake_devices import run_on_fake_devices
 
 # Cases on one fixture and mesh share the plain engine's run (tests/support/speculative_mesh_run.py).
 CASES = ("llama_dp2_tp2", "llama_dp2_tp2_draft", "mixtral_dp2_ep", "mixtral_dp2_ep_draft")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_outputs_equal_on_data_tensor_and_expert_parallel_meshes():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.support.speculative_mesh_run", *CASES],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    results = json.loads(result.stdout.strip().splitlines()[-1])
+    results = run_on_fake_devices("tests.support.speculative_mesh_run", *CASES, devices=8)
     for case, outcome in results.items():
         assert outcome["equal"], case
         assert outcome["accepted"] > 5, case  # proposals were verified and accepted on the mesh

@@ -22,12 +22,16 @@ def recorded() -> dict:
 
 @pytest.fixture(scope="module")
 def default_llm():
+    """One decode and one prefill bucket (2 executables, not 5: each costs tracing and lowering at warm-up,
+    compiling on a cold cache); outputs do not depend on the bucket."""
     return LLM(
         resolve_model_path("default"),
         dtype="float32",
         max_model_len=512,
         max_num_seqs=8,
         max_num_batched_tokens=128,
+        decode_seq_buckets=(8,),
+        prefill_token_buckets=(128,),
         show_progress=False,
     )
 

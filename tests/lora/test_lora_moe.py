@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,9 +15,9 @@ from safetensors.numpy import load_file
 
 from jaxserve import LLM, SamplingParams
 from tests.lora.support import LORA_FIXTURES, adapter_dir, write_adapter
+from tests.support.fake_devices import run_on_fake_devices
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = dict(SMALL_ENGINE, decode_seq_buckets=(8,), prefill_token_buckets=(64,))
 EP_CASES = ("qwen3_moe:2:1", "mixtral:1:3")  # 4 experts over 2 devices; over 3 (padded: one holds one expert)
 
@@ -151,17 +149,7 @@ def test_bad_expert_adapters_are_refused(llm, tmp_path):
 
 @pytest.fixture(scope="module")
 def expert_parallel():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.lora.moe_run", *EP_CASES],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices("tests.lora.moe_run", *EP_CASES, devices=3)
 
 
 @pytest.mark.parametrize("case", EP_CASES)

@@ -2,30 +2,16 @@
 rules table (A's in axis and B's out axis split as their base kernel's), each adapter's greedy tokens equal
 PEFT's in a mixed batch, and reloading compiles nothing."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.fake_devices import run_on_fake_devices
+
 MESHES = ("2:2",)  # data:tensor: tensor-parallel adapters, and ranks' tokens laid end to end
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.lora.tp_run", *MESHES],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices("tests.lora.tp_run", *MESHES, devices=4)
 
 
 @pytest.mark.parametrize("mesh", MESHES)

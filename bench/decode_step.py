@@ -163,7 +163,7 @@ def projection_groups(llm, batch: int):
     from flax import nnx
 
     from jaxserve.models.layers import Linear
-    from pallas_kernels.matmul import SmallMatmul, quantized_cpu
+    from pallas_kernels.matmul import SmallMatmul, kquant_cpu, quantized_cpu
 
     runner = llm.engine.runner
     model = nnx.merge(runner.graphdef, jax.tree.unflatten(runner.params_treedef, runner.param_leaves))
@@ -176,7 +176,7 @@ def projection_groups(llm, batch: int):
         # a quantized embedding is stored [E, V], as the head it also is
         weights.append((embedding, not hasattr(embedding, "embedding_rows")))
     groups: dict[str, list] = {"kernel": [], "xla": []}
-    kernels = (SmallMatmul, quantized_cpu.QuantizedSmallMatmul)
+    kernels = (SmallMatmul, quantized_cpu.QuantizedSmallMatmul, kquant_cpu.KQuantSmallMatmul)  # K-quants: theirs
     for weight, transposed in weights:
         served = isinstance(plan._entry(batch, (weight,)), kernels)
         groups["kernel" if served else "xla"].append((weight, transposed))

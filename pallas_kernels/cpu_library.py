@@ -44,6 +44,8 @@ HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_vectors.h"),)  # cpu_matmul
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_bf16_pairs.h"),)  # cpu_matmul.cc's AVX-512 BF16 tiles
 HEADERS += (os.path.join(HERE, "paged_attention", "cpu_attention_basics.h"),)  # cpu_latent_kernel.cc's
 HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_vectors.h"),)  # cpu_quantized_int8_dot.cc's vector basics
+HEADERS += (os.path.join(HERE, "matmul", "cpu_kquant_vectors.h"),)  # cpu_kquant_matmul.cc's vector basics
+HEADERS += (os.path.join(HERE, "matmul", "cpu_kquant_int8.h"),)  # cpu_kquant_matmul.cc's int8 (VNNI) tiles
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "kernels")
 
 PATH_ENV = "JAXSERVE_CPU_KERNEL_PATH"

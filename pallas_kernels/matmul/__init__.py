@@ -171,7 +171,7 @@ def quantized_entries(platform: str, num_devices: int, activations: str = "int8"
     if platform == "cpu" and num_devices == 1 and quantized_cpu.available(activations):
         entries = (quantized_cpu.QuantizedSmallMatmul(quantized_cpu.QUANTIZED_MAX_ROWS, activations), *entries)
     if platform == "cpu" and num_devices == 1 and kquant_cpu.available():  # GGUF K-quants (kquant.py)
-        entries = (kquant_cpu.KQuantSmallMatmul(kquant_cpu.KERNEL_MAX_ROWS), *entries)
+        entries = (kquant_cpu.KQuantSmallMatmul(kquant_cpu.KERNEL_MAX_ROWS, activations), *entries)
     return entries
 
 

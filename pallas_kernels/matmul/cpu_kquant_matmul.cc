@@ -26,33 +26,30 @@
 // library; the loops are plain C++ that the compiler vectorizes for the path's flags.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-
 #include "cpu_workers.h"
+#include "matmul/cpu_kquant_vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxRows = 64;          // the wrapper sends no more
-constexpr int kRowGroup = 8;              // rows of x per pass over a sub-block's weights
-constexpr int kStep = 8;                  // weight rows widened at a time (one Q5_K high byte, two Q6_K ones)
-constexpr int64_t kSuperBlock = 256;      // values per super-block
-constexpr int64_t kBlockColumns = 256;    // an item's columns at most: [8, 256] floats of weights and of sums
-constexpr int64_t kMinBlockColumns = 32;  // narrower blocks where a weight has too few columns for the threads
+using namespace kquant_vectors;
 
-float HalfToFloat(uint16_t bits) {
-  _Float16 h;
-  std::memcpy(&h, &bits, sizeof(h));
-  return float(h);
-}
+constexpr int64_t kMaxRows = 64;          // the wrapper sends no more
+constexpr int64_t kSuperBlock = 256;      // values per super-block
+constexpr int64_t kBlockColumns = 256;    // an item's columns at most
+// Narrower blocks where a weight has too few columns for the threads, in whole 64-byte lines of the planes: a
+// block edge inside a line has two items read it (SmolLM2's 192 / 576 columns were cut in 48 / 144; one row,
+// int8, under load: 0.23-0.26 of a read stream before, 0.25-0.30 after, bench/cpu_kquant_stream.cc)
+constexpr int64_t kMinBlockColumns = 64;
+constexpr int64_t kPrefetchGroups = 2;    // software prefetch this many sub-blocks ahead along K
+
 float BFloat16ToFloat(uint16_t bits) {
   const uint32_t wide = uint32_t(bits) << 16;
   float f;
@@ -62,20 +59,38 @@ float BFloat16ToFloat(uint16_t bits) {
 
 constexpr int kQ5_0 = 50, kQ5_1 = 51;
 
-// count float16 values -> float32, eight or sixteen at a time where the CPU converts them (F16C).
-void WidenHalves(const uint16_t* in, int64_t count, float* out) {
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  for (; j + 16 <= count; j += 16) {
-    _mm512_storeu_ps(out + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + j))));
+// x quantized to int8 per 32 k as ggml's quantize_row_q8_0_ref (d = max|x| / 127, q = roundf(x / d) as
+// x * (1 / d), ties away from zero; d kept in float32), for the int8-activation tiles (cpu_kquant_int8.h).
+struct QuantizedRows {
+  std::vector<int8_t> q;       // [M, K]
+  std::vector<float> d;        // [M, K / 32]
+  std::vector<int32_t> sum16;  // [M, K / 16]: each 16 k's sum of q (Q6_K's sub-blocks; two make a 32)
+  int64_t rows = 0, depth = 0;
+};
+
+QuantizedRows QuantizeRows(const float* x, int64_t rows, int64_t depth) {
+  QuantizedRows a;
+  a.rows = rows;
+  a.depth = depth;
+  a.q.resize(rows * depth);
+  a.d.resize(rows * (depth / 32));
+  a.sum16.assign(rows * (depth / 16), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k0 = 0; k0 < depth; k0 += 32) {
+      const float* xr = x + r * depth;
+      float amax = 0.0f;
+      for (int64_t k = k0; k < k0 + 32; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      for (int64_t k = k0; k < k0 + 32; ++k) {
+        const int8_t q = int8_t(std::round(xr[k] * id));
+        a.q[r * depth + k] = q;
+        a.sum16[r * (depth / 16) + k / 16] += q;
+      }
+      a.d[r * (depth / 32) + k0 / 32] = d;
+    }
   }
-#endif
-#if defined(__F16C__)
-  for (; j + 8 <= count; j += 8) {
-    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + j))));
-  }
-#endif
-  for (; j < count; ++j) out[j] = HalfToFloat(in[j]);
+  return a;
 }
 
 struct Weight {
@@ -88,6 +103,7 @@ struct Weight {
   const uint16_t* dmin = nullptr;     // [K / 256, N] float16 (Q4_K, Q5_K)
   float* out = nullptr;               // [M, N]
   const float* x_sums = nullptr;      // [M, K / 32]: each sub-block's sum of x (the mins)
+  const QuantizedRows* x_int8 = nullptr;  // x quantized: the int8-activation tiles serve this weight
   int64_t columns = 0, group = 32;
   int64_t groups_per_d = 8;  // sub-blocks per row of d: 8 (Q4_K, Q5_K), 16 (Q6_K), 1 (Q5_0, Q5_1)
   int64_t block_columns = 0, blocks = 0, parts = 1;  // the split into work items (Plan)
@@ -98,103 +114,210 @@ struct Rows {
   int64_t rows, depth;
 };
 
-// Weight rows k0 .. k0 + 7, columns c0 .. c0 + width, as float q (Q6_K: less 32) into wq[8][kBlockColumns].
-void Widen(const Weight& w, int64_t k0, int64_t c0, int64_t width, float* wq) {
+// How a kind's planes widen: the bits above the low nibble and the offset stored in q.
+constexpr int HighBits(int kind) { return kind == 4 ? 0 : kind == 6 ? 2 : 1; }
+constexpr int Offset(int kind) { return kind == 6 ? 32 : kind == kQ5_0 ? 16 : 0; }
+constexpr bool HasMins(int kind) { return kind == 4 || kind == 5 || kind == kQ5_1; }
+
+// One stored q less its offset (the column tails, and the portable reference of the vector widening).
+template <int Kind>
+inline int32_t Integer(const Weight& w, int64_t k, int64_t c) {
   const int64_t n = w.columns;
-  for (int i = 0; i < kStep / 2; ++i) {
-    const uint8_t* low = w.low + (k0 / 2 + i) * n + c0;
-    float* even = wq + (2 * i) * kBlockColumns;
-    float* odd = wq + (2 * i + 1) * kBlockColumns;
-    if (w.kind == 4) {
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) {
-        even[j] = float(low[j] & 0x0F);
-        odd[j] = float(low[j] >> 4);
+  const uint8_t byte = w.low[(k / 2) * n + c];
+  int32_t q = k % 2 ? byte >> 4 : byte & 0x0F;
+  if (HighBits(Kind) == 1) q |= ((w.high[(k / 8) * n + c] >> (k % 8)) & 1) << 4;
+  if (HighBits(Kind) == 2) q |= ((w.high[(k / 4) * n + c] >> (2 * (k % 4))) & 3) << 4;
+  return q - Offset(Kind);
+}
+
+// Sub-block g's scale (d * sc, formed in float32 as ggml does) and subtracted min (dmin * m; Q5_1: -m) of
+// column c.
+template <int Kind>
+inline float ScaleAt(const Weight& w, int64_t g, int64_t c) {
+  const float d = HalfToFloat(w.d[(g / w.groups_per_d) * w.columns + c]);
+  if (Kind == 6) return d * float(static_cast<const int8_t*>(w.sub_scales)[g * w.columns + c]);
+  if (Kind == 4 || Kind == 5) return d * float(static_cast<const uint8_t*>(w.sub_scales)[g * w.columns + c]);
+  return d;
+}
+template <int Kind>
+inline float MinAt(const Weight& w, int64_t g, int64_t c) {
+  if (Kind == kQ5_1) return -HalfToFloat(w.dmin[g * w.columns + c]);
+  if (Kind == 4 || Kind == 5) {
+    return HalfToFloat(w.dmin[(g / w.groups_per_d) * w.columns + c]) * float(w.sub_mins[g * w.columns + c]);
+  }
+  return 0.0f;
+}
+
+// The same for kLanes columns from c.
+template <int Kind>
+inline VecF ScaleVector(const Weight& w, int64_t g, int64_t c) {
+  const VecF d = Halves(w.d + (g / w.groups_per_d) * w.columns + c);
+  if (Kind == 6) return d * ToFloat(SignedBytes(static_cast<const int8_t*>(w.sub_scales) + g * w.columns + c));
+  if (Kind == 4 || Kind == 5) return d * ToFloat(Bytes(static_cast<const uint8_t*>(w.sub_scales) + g * w.columns + c));
+  return d;
+}
+template <int Kind>
+inline VecF MinVector(const Weight& w, int64_t g, int64_t c) {
+  if (Kind == kQ5_1) return -Halves(w.dmin + g * w.columns + c);
+  const VecF dmin = Halves(w.dmin + (g / w.groups_per_d) * w.columns + c);
+  return dmin * ToFloat(Bytes(w.sub_mins + g * w.columns + c));
+}
+
+#include "matmul/cpu_kquant_int8.h"
+
+// R rows of x (from r0) times sub-block g of the weight at T vectors of columns from c, widened in registers:
+// per pair of k, T vectors of the low plane's bytes zero-extended to 32-bit lanes, split into their nibbles,
+// the high plane's bits (loaded once per byte's worth of k) or'ed in, the offset taken out, converted to
+// float and multiplied into R x T accumulators; at the sub-block's end the sums are scaled into the result
+// once per column (and the min applied through the sub-block's sum of x).
+template <int Kind, int R, int T>
+inline void Tile(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c, float* partial) {
+  constexpr int kBits = HighBits(Kind);
+  constexpr int kPerHigh = kBits == 0 ? 2 : 8 / kBits;  // k per high-plane byte: the step (Q4_K: a pair)
+  const int64_t n = w.columns, depth = x.depth;
+  const float* xr = x.data + r0 * depth;
+  VecF acc[R][T];
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < T; ++t) acc[r][t] = VecF{};
+  }
+  const VecI nibble = VecI{} + 0x0F, offset = VecI{} + Offset(Kind);
+  for (int64_t k = g * w.group; k < (g + 1) * w.group; k += kPerHigh) {
+    VecI high[T];
+    if constexpr (kBits > 0) {  // shifted up 4: bit (or bits) j of a k lands at bit 4 after >> j
+      const uint8_t* h = w.high + (k / kPerHigh) * n + c;
+      for (int t = 0; t < T; ++t) high[t] = Bytes(h + t * kLanes) << 4;
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < kPerHigh / 2; ++p) {
+      const uint8_t* low = w.low + (k / 2 + p) * n + c;
+      VecF even[T], odd[T];
+      for (int t = 0; t < T; ++t) {
+        const VecI l = Bytes(low + t * kLanes);
+        VecI e = l & nibble, o = l >> 4;
+        if constexpr (kBits == 1) {
+          e |= (high[t] >> (2 * p)) & 0x10;
+          o |= (high[t] >> (2 * p + 1)) & 0x10;
+        } else if constexpr (kBits == 2) {
+          e |= (high[t] >> (4 * p)) & 0x30;
+          o |= (high[t] >> (4 * p + 2)) & 0x30;
+        }
+        if constexpr (Offset(Kind) != 0) {
+          e -= offset;
+          o -= offset;
+        }
+        even[t] = ToFloat(e);
+        odd[t] = ToFloat(o);
       }
-    } else if (w.kind != 6) {  // a fifth bit: Q5_K, Q5_1 (q 0..31), Q5_0 (q + 16 stored)
-      const uint8_t* high = w.high + (k0 / 8) * n + c0;
-      const int shift = 2 * i, offset = w.kind == kQ5_0 ? 16 : 0;
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) {
-        even[j] = float(int((low[j] & 0x0F) | (((high[j] >> shift) & 1) << 4)) - offset);
-        odd[j] = float(int((low[j] >> 4) | (((high[j] >> (shift + 1)) & 1) << 4)) - offset);
+      const int64_t kk = k + 2 * p;
+      for (int r = 0; r < R; ++r) {
+        const VecF xe = Splat(xr[r * depth + kk]), xo = Splat(xr[r * depth + kk + 1]);
+        for (int t = 0; t < T; ++t) acc[r][t] = Fma(odd[t], xo, Fma(even[t], xe, acc[r][t]));
+      }
+    }
+  }
+  VecF scale[T], minimum[T];
+  for (int t = 0; t < T; ++t) {
+    scale[t] = ScaleVector<Kind>(w, g, c + t * kLanes);
+    if constexpr (HasMins(Kind)) minimum[t] = MinVector<Kind>(w, g, c + t * kLanes);
+  }
+  const int64_t num_x_groups = depth / 32;
+  for (int r = 0; r < R; ++r) {
+    float* out = partial + (r0 + r) * n + c;
+    if constexpr (HasMins(Kind)) {
+      const VecF x_sum = Splat(-w.x_sums[(r0 + r) * num_x_groups + g]);
+      for (int t = 0; t < T; ++t) {
+        StoreF(out + t * kLanes, Fma(x_sum, minimum[t], Fma(acc[r][t], scale[t], LoadF(out + t * kLanes))));
       }
     } else {
-      const uint8_t* high = w.high + (k0 / 4 + i / 2) * n + c0;
-      const int shift = 4 * (i % 2);
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) {
-        even[j] = float(int((low[j] & 0x0F) | (((high[j] >> shift) & 3) << 4)) - 32);
-        odd[j] = float(int((low[j] >> 4) | (((high[j] >> (shift + 2)) & 3) << 4)) - 32);
+      for (int t = 0; t < T; ++t) StoreF(out + t * kLanes, Fma(acc[r][t], scale[t], LoadF(out + t * kLanes)));
+    }
+  }
+}
+
+// R rows from r0, sub-block g, columns c0 .. c0 + width: register tiles of kTileVectors[R] vectors, then
+// single vectors, then the last columns (width not a multiple of kLanes) one at a time.
+template <int Kind, int R>
+void RowGroup(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c0, int64_t width, float* partial) {
+  constexpr int T = kTileVectors[R];
+  const int64_t end = c0 + width, vectors_end = c0 + width / kLanes * kLanes;
+  int64_t c = c0;
+#if defined(KQUANT_INT8)
+  if (w.x_int8 != nullptr) {
+    const QuantizedRows& xq = *w.x_int8;
+    for (; c + T * kLanes <= vectors_end; c += T * kLanes) Int8Tile<Kind, R, T>(w, xq, r0, g, c, partial);
+    for (; c < vectors_end; c += kLanes) Int8Tile<Kind, R, 1>(w, xq, r0, g, c, partial);
+    for (; c < end; ++c) {  // the last columns one at a time: the same integers, the same scaling
+      const float scale = ScaleAt<Kind>(w, g, c), minimum = MinAt<Kind>(w, g, c);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = xq.q.data() + (r0 + r) * x.depth;
+        int32_t sum = 0, q_sum = 0;
+        for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+          sum += int32_t(q[k]) * Integer<Kind>(w, k, c);
+          q_sum += q[k];
+        }
+        const float dx = xq.d[(r0 + r) * (x.depth / 32) + g * w.group / 32];
+        float& out = partial[(r0 + r) * w.columns + c];
+        out += float(sum) * (dx * scale);
+        if (HasMins(Kind)) out -= dx * float(q_sum) * minimum;
       }
+    }
+    return;
+  }
+#endif
+  for (; c + T * kLanes <= vectors_end; c += T * kLanes) Tile<Kind, R, T>(w, x, r0, g, c, partial);
+  for (; c < vectors_end; c += kLanes) Tile<Kind, R, 1>(w, x, r0, g, c, partial);
+  const int64_t num_x_groups = x.depth / 32;
+  for (; c < end; ++c) {
+    const float scale = ScaleAt<Kind>(w, g, c), minimum = MinAt<Kind>(w, g, c);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x.data + (r0 + r) * x.depth;
+      float sum = 0.0f;
+      for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) sum += xr[k] * float(Integer<Kind>(w, k, c));
+      float& out = partial[(r0 + r) * w.columns + c];
+      out += sum * scale;
+      if (HasMins(Kind)) out -= w.x_sums[(r0 + r) * num_x_groups + g] * minimum;
+    }
+  }
+}
+
+// Sub-block g + kPrefetchGroups's planes at columns c0 .. c0 + width, one touch per cache line.
+void Prefetch(const Weight& w, int64_t g, int64_t c0, int64_t width, int64_t depth) {
+  if ((g + kPrefetchGroups) * w.group >= depth) return;
+  const int64_t n = w.columns, k0 = (g + kPrefetchGroups) * w.group;
+  const int bits = HighBits(w.kind);
+  for (int64_t c = 0; c < width; c += 64) {
+    for (int64_t i = 0; i < w.group / 2; ++i) __builtin_prefetch(w.low + (k0 / 2 + i) * n + c0 + c);
+    for (int64_t i = 0; i < w.group * bits / 8; ++i) __builtin_prefetch(w.high + (k0 * bits / 8 + i) * n + c0 + c);
+  }
+}
+
+template <int Kind>
+void ItemOfKind(const Weight& w, const Rows& x, int64_t g0, int64_t g1, int64_t c0, int64_t width, float* partial) {
+  for (int64_t g = g0; g < g1; ++g) {
+    Prefetch(w, g, c0, width, x.depth);
+    int64_t r0 = 0;
+    for (; r0 + kTileRows <= x.rows; r0 += kTileRows) RowGroup<Kind, kTileRows>(w, x, r0, g, c0, width, partial);
+    switch (x.rows - r0) {
+      case 7: RowGroup<Kind, 7>(w, x, r0, g, c0, width, partial); break;
+      case 6: RowGroup<Kind, 6>(w, x, r0, g, c0, width, partial); break;
+      case 5: RowGroup<Kind, 5>(w, x, r0, g, c0, width, partial); break;
+      case 4: RowGroup<Kind, 4>(w, x, r0, g, c0, width, partial); break;
+      case 3: RowGroup<Kind, 3>(w, x, r0, g, c0, width, partial); break;
+      case 2: RowGroup<Kind, 2>(w, x, r0, g, c0, width, partial); break;
+      case 1: RowGroup<Kind, 1>(w, x, r0, g, c0, width, partial); break;
+      default: break;
     }
   }
 }
 
 // One item: columns c0 .. c0 + width over sub-blocks g0 .. g1, added into partial [M, N].
 void Item(const Weight& w, const Rows& x, int64_t g0, int64_t g1, int64_t c0, int64_t width, float* partial) {
-  alignas(64) float wq[kStep * kBlockColumns];
-  alignas(64) float sums[kRowGroup * kBlockColumns];
-  alignas(64) float scale[kBlockColumns];
-  alignas(64) float minimum[kBlockColumns];
-  const int64_t n = w.columns, group = w.group;
-  const int64_t num_x_groups = x.depth / 32;
-  for (int64_t r0 = 0; r0 < x.rows; r0 += kRowGroup) {
-    const int rows = int(std::min<int64_t>(kRowGroup, x.rows - r0));
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t s = g / w.groups_per_d;  // the row of d (and dmin)
-      std::fill(sums, sums + rows * kBlockColumns, 0.0f);
-      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kStep) {
-        Widen(w, k0, c0, width, wq);
-        for (int r = 0; r < rows; ++r) {
-          const float* xr = x.data + (r0 + r) * x.depth + k0;
-          const float x0 = xr[0], x1 = xr[1], x2 = xr[2], x3 = xr[3];
-          const float x4 = xr[4], x5 = xr[5], x6 = xr[6], x7 = xr[7];
-          float* sum = sums + r * kBlockColumns;
-#pragma omp simd
-          for (int64_t j = 0; j < width; ++j) {
-            float a = sum[j];
-            a += x0 * wq[j] + x1 * wq[kBlockColumns + j];
-            a += x2 * wq[2 * kBlockColumns + j] + x3 * wq[3 * kBlockColumns + j];
-            a += x4 * wq[4 * kBlockColumns + j] + x5 * wq[5 * kBlockColumns + j];
-            a += x6 * wq[6 * kBlockColumns + j] + x7 * wq[7 * kBlockColumns + j];
-            sum[j] = a;
-          }
-        }
-      }
-      // float16 rows widened in vectors first (as many conversions per sub-block as columns), then the products
-      WidenHalves(w.d + s * n + c0, width, scale);
-      if (w.kind == kQ5_1) {
-        WidenHalves(w.dmin + s * n + c0, width, minimum);
-#pragma omp simd
-        for (int64_t j = 0; j < width; ++j) minimum[j] = -minimum[j];  // m is added: a negative min
-      } else if (w.kind == 6) {
-        const int8_t* sc = static_cast<const int8_t*>(w.sub_scales) + g * n + c0;
-#pragma omp simd
-        for (int64_t j = 0; j < width; ++j) scale[j] *= float(sc[j]);
-      } else if (w.kind != kQ5_0) {
-        const uint8_t* sc = static_cast<const uint8_t*>(w.sub_scales) + g * n + c0;
-        const uint8_t* m = w.sub_mins + g * n + c0;
-        WidenHalves(w.dmin + s * n + c0, width, minimum);
-#pragma omp simd
-        for (int64_t j = 0; j < width; ++j) {
-          scale[j] *= float(sc[j]);
-          minimum[j] *= float(m[j]);
-        }
-      }
-      for (int r = 0; r < rows; ++r) {
-        float* out = partial + (r0 + r) * n + c0;
-        const float* sum = sums + r * kBlockColumns;
-        if (w.kind == 6 || w.kind == kQ5_0) {
-#pragma omp simd
-          for (int64_t j = 0; j < width; ++j) out[j] += sum[j] * scale[j];
-        } else {
-          const float x_sum = w.x_sums[(r0 + r) * num_x_groups + g];
-#pragma omp simd
-          for (int64_t j = 0; j < width; ++j) out[j] += sum[j] * scale[j] - x_sum * minimum[j];
-        }
-      }
-    }
+  switch (w.kind) {
+    case 4: ItemOfKind<4>(w, x, g0, g1, c0, width, partial); break;
+    case 5: ItemOfKind<5>(w, x, g0, g1, c0, width, partial); break;
+    case 6: ItemOfKind<6>(w, x, g0, g1, c0, width, partial); break;
+    case kQ5_0: ItemOfKind<kQ5_0>(w, x, g0, g1, c0, width, partial); break;
+    default: ItemOfKind<kQ5_1>(w, x, g0, g1, c0, width, partial); break;
   }
 }
 
@@ -205,7 +328,7 @@ void Plan(Weight& w, int64_t depth, int64_t num_workers) {
   int64_t width = kBlockColumns;
   if ((w.columns + width - 1) / width < wanted) {
     const int64_t even = (w.columns + wanted - 1) / wanted;
-    width = std::min(kBlockColumns, std::max(kMinBlockColumns, (even + 15) / 16 * 16));
+    width = std::min(kBlockColumns, (even + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns);
   }
   w.block_columns = width;
   w.blocks = (w.columns + width - 1) / width;
@@ -256,7 +379,7 @@ bool Is(const ffi::AnyBuffer& buffer, ffi::DataType type, int64_t rows, int64_t 
 constexpr int kArraysPerWeight = 6;  // low, high, sub_scales, sub_mins, d, dmin (dummies where a kind has none)
 
 ffi::Error KQuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs arrays, ffi::RemainingRets outs,
-                        ffi::Span<const int64_t> kinds) {
+                        ffi::Span<const int64_t> kinds, int64_t int8_activations) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return ffi::Error::InvalidArgument("kquant_matmul: x must be 2-d");
   const int64_t rows = x_dims[0], depth = x_dims[1];
@@ -333,6 +456,15 @@ ffi::Error KQuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingAr
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < depth; ++k) x_sums[r * (depth / 32) + k / 32] += x_wide[r * depth + k];
   for (Weight& w : weights) w.x_sums = x_sums.data();
+#if defined(KQUANT_INT8)
+  QuantizedRows x_int8;  // llama.cpp's arithmetic where asked for and this path has it; else x stays float
+  if (int8_activations) {
+    x_int8 = QuantizeRows(x_wide.data(), rows, depth);
+    for (Weight& w : weights) w.x_int8 = &x_int8;
+  }
+#else
+  (void)int8_activations;
+#endif
   Run(std::max<int64_t>(1, pool.num_threads()), weights, Rows{x_wide.data(), rows, depth});
   return ffi::Error::Success();
 }
@@ -345,4 +477,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveKQuantMatmul, KQuantMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("kinds"));
+                                  .Attr<ffi::Span<const int64_t>>("kinds")
+                                  .Attr<int64_t>("int8_activations"));

@@ -1,5 +1,6 @@
 """The C++ K-quant matmul (cpu_kquant_matmul.cc): a few rows times GGUF Q4_K / Q5_K / Q6_K weights held at the
-file's bytes (kquant.py's KQuantWeight), widened from their planes in L1, sums scaled once per sub-block;
+file's bytes (kquant.py's KQuantWeight), widened from their planes in registers, sums scaled once per
+sub-block; x quantized to int8 per 32 k with integer dots as llama.cpp (AVX-512 VNNI) or kept in float;
 several weights by the same rows (a layer's q, k and v; gate and up: a Q4_K_M file mixes Q4_K and Q6_K
 within a layer) in one call whose threads share the work. Built into the CPU kernels' one library
 (pallas_kernels/cpu_library.py); `path=` builds and calls another instruction path's library (tests).
@@ -18,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_library
-from pallas_kernels.matmul import kquant
+from pallas_kernels.matmul import kquant, quantized_cpu
 
 KQUANT_TARGET = "jaxserve_cpu_kquant_matmul"
 KERNEL_MAX_ROWS = 64  # cpu_kquant_matmul.cc's kMaxRows: every decode bucket
 ROW_DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))
+INT8_CPU_FLAGS = frozenset({"avx512_vnni", "avx512vbmi", "avx512bw"})  # what the int8 tiles' instructions need
 KIND_NUMBERS = {"q4_k": 4, "q5_k": 5, "q6_k": 6, "q5_0": 50, "q5_1": 51}  # cpu_kquant_matmul.cc's
 
 
@@ -49,9 +51,18 @@ def serves_weight(weight) -> bool:
     return kquant.is_kquant(weight) and weight.low.ndim == 2 and jnp.dtype(weight.dtype) in ROW_DTYPES
 
 
-def kquant_matmuls(x, weights, *, path: str | None = None) -> tuple:
+def computes_int8(path: str | None = None) -> bool:
+    """Whether `path`'s build (None: the engine's) has the int8-activation tiles (cpu_kquant_int8.h: AVX-512
+    VNNI and VBMI, which the avx512 path's -march=native turns on where the CPU has them); elsewhere an int8
+    request keeps x in float."""
+    return cpu_library.chosen_path(path) == "avx512" and INT8_CPU_FLAGS <= cpu_library.cpu_flags()
+
+
+def kquant_matmuls(x, weights, *, path: str | None = None, activations: str = "int8") -> tuple:
     """x [M <= KERNEL_MAX_ROWS, K] by each KQuantWeight [K, N_i] in one call -> float32 [M, N_i] each; the
-    weights may be of different kinds. `path` (cpu_library.PATHS) picks another path's build."""
+    weights may be of different kinds. `path` (cpu_library.PATHS) picks another path's build; `activations`
+    int8 quantizes x per 32 k as llama.cpp (where the path has the tiles: computes_int8), float keeps it."""
+    quantized_cpu.check_activations(activations)
     weights = tuple(weights)
     if not weights:
         raise ValueError("kquant_matmuls wants at least one weight")
@@ -71,15 +82,17 @@ def kquant_matmuls(x, weights, *, path: str | None = None) -> tuple:
         arrays += [absent if w.sub_mins is None else w.sub_mins, w.d, absent if w.dmin is None else w.dmin]
     results = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in weights)
     kinds = np.asarray([KIND_NUMBERS[w.kind] for w in weights], np.int64)
-    return tuple(jax.ffi.ffi_call(target(path), results)(x, *arrays, kinds=kinds))
+    int8 = np.int64(activations == "int8")
+    return tuple(jax.ffi.ffi_call(target(path), results)(x, *arrays, kinds=kinds, int8_activations=int8))
 
 
 @dataclass(frozen=True)
 class KQuantSmallMatmul:
     """The C++ kernel, for up to `max_rows` rows of K-quant weights (all of a call's weights; the rest: the
-    reference); a layer's weights by the same rows in one call."""
+    reference); a layer's weights by the same rows in one call, x kept as `activations` (int8 | float) says."""
 
     max_rows: int
+    activations: str = "int8"
     joins_weights: ClassVar[bool] = True
 
     def serves(self, num_rows: int, weights: tuple) -> bool:
@@ -88,7 +101,7 @@ class KQuantSmallMatmul:
     def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
         if transposed:
             raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
-        return kquant_matmuls(rows, weights)
+        return kquant_matmuls(rows, weights, activations=self.activations)
 
 
-__all__ = ["KERNEL_MAX_ROWS", "KQuantSmallMatmul", "available", "kquant_matmuls", "serves_weight"]
+__all__ = ["KERNEL_MAX_ROWS", "KQuantSmallMatmul", "available", "computes_int8", "kquant_matmuls", "serves_weight"]

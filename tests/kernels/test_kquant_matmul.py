@@ -21,6 +21,7 @@ from jaxserve.loading.quantize_gguf import from_gguf_kquant_blocks
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import choose_matmul, kquant, kquant_cpu
 from pallas_kernels.matmul.kquant import KQuantWeight, numpy_dequantize
+from tests.kernels.test_quantized_int8_dot import FLOAT32_EPS, quantize_rows
 from tests.support.gguf_files import random_blocks
 
 KQUANTS = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1)
@@ -78,12 +79,73 @@ def test_the_cpu_kernel_computes_mixed_kinds_in_one_call_on_every_path():
     )
     rng = np.random.default_rng(7)
     for path in cpu_library.runnable_paths():
-        call = jax.jit(lambda x, ws, path=path: kquant_cpu.kquant_matmuls(x, ws, path=path))
+        call = jax.jit(lambda x, ws, path=path: kquant_cpu.kquant_matmuls(x, ws, path=path, activations="float"))
         for num_rows, dtype in ((1, jnp.float32), (9, jnp.bfloat16), (20, jnp.float32)):
             x = jnp.asarray(rng.standard_normal((num_rows, 768)), dtype)
             wide = np.asarray(x.astype(jnp.float32), np.float64)
             for got, expected in zip(call(x, weights), dense, strict=True):
                 np.testing.assert_allclose(np.asarray(got), wide @ expected, rtol=1e-5, atol=2e-3)
+
+
+def int8_activation_model(x: np.ndarray, weight: KQuantWeight):
+    """The int8 tiles' arithmetic (cpu_kquant_int8.h) in float64 from exact integer sums: x quantized per 32 k
+    as ggml's quantize_row_q8_0, per sub-block sum(q_x * q) * d_x * (d * sc) - d_x * sum(q_x) * (dmin * m).
+    Returns (result [M, N], the sum of its terms' sizes [M, N], the number of sub-blocks)."""
+    q = np.asarray(kquant.integers(weight), np.int64)
+    depth = q.shape[0]
+    group = weight.group_size
+    scales = np.asarray(kquant.group_scales(weight), np.float64)
+    mins = kquant.group_mins(weight)
+    mins = None if mins is None else np.asarray(mins, np.float64)
+    xq, d = zip(*(quantize_rows(x, k0, k0 + 32) for k0 in range(0, depth, 32)), strict=True)
+    result = np.zeros((x.shape[0], q.shape[1]))
+    size = np.zeros_like(result)
+    for g in range(depth // group):
+        k0 = g * group
+        chunk, offset = k0 // 32, k0 % 32
+        part = xq[chunk][:, offset : offset + group]
+        dx = d[chunk].astype(np.float64)[:, None]
+        term = (part @ q[k0 : k0 + group]) * dx * scales[g]
+        result += term
+        size += np.abs(term)
+        if mins is not None:
+            min_term = dx * part.sum(axis=1)[:, None] * mins[g]
+            result -= min_term
+            size += np.abs(min_term)
+    return result, size, depth // group
+
+
+def test_int8_activations_compute_llama_cpps_integer_arithmetic_on_every_path():
+    """Where the path has the int8 tiles (AVX-512 VNNI + VBMI): exact integer sums per sub-block, within float32
+    rounding of the model above, and within the activations' rounding of the dequantized product; elsewhere an
+    int8 request keeps x in float (the dequantized product). Every kind, odd N (column tails), 1 / 5 / 9 rows."""
+    weights, dense = zip(
+        _weight(T.Q4_K, 37, 512, 11),
+        _weight(T.Q5_K, 531, 512, 12),
+        _weight(T.Q6_K, 45, 512, 13),
+        _weight(T.Q5_0, 83, 512, 14),
+        _weight(T.Q5_1, 19, 512, 15),
+        strict=True,
+    )
+    rng = np.random.default_rng(16)
+    for path in cpu_library.runnable_paths():
+        call = jax.jit(lambda x, ws, path=path: kquant_cpu.kquant_matmuls(x, ws, path=path, activations="int8"))
+        for num_rows in (1, 5, 9):
+            x = rng.standard_normal((num_rows, 512)).astype(np.float32)
+            x[0, 32:64] = 0.0  # a chunk of zeros: d = 0
+            for got, weight, expected in zip(call(jnp.asarray(x), weights), weights, dense, strict=True):
+                got = np.asarray(got, np.float64)
+                if not kquant_cpu.computes_int8(path):
+                    np.testing.assert_allclose(got, x @ expected, rtol=1e-5, atol=2e-3)
+                    continue
+                model, size, count = int8_activation_model(x, weight)
+                error = np.abs(got - model)
+                bound = (count + 6) * FLOAT32_EPS * size + 1e-30
+                assert np.all(error <= bound), (path, weight.kind, num_rows, float(np.max(error / bound)))
+                # each x is off by at most max|x of its chunk| / 254, times |w| over the chunk
+                amax = np.abs(x).reshape(num_rows, -1, 32).max(axis=2) / 254
+                rounding = amax @ np.abs(expected).reshape(-1, 32, expected.shape[1]).sum(axis=1)
+                assert np.all(np.abs(got - x @ expected) <= rounding * (1 + 1e-5) + 1e-4), (path, weight.kind)
 
 
 def test_the_plan_joins_a_q4_k_m_layers_weights_in_one_kernel_call():
@@ -103,6 +165,7 @@ from gguf import GGMLQuantizationType as T
 from jaxserve.loading.quantize import place
 from jaxserve.loading.quantize_gguf import from_gguf_kquant_blocks
 from pallas_kernels.matmul import kquant
+from tests.kernels.test_quantized_int8_dot import FLOAT32_EPS, quantize_rows
 from tests.support.gguf_files import random_blocks
 
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))

@@ -2,7 +2,7 @@
 // custom call: out_i [M, N_i] float32 = x [M, K] @ w_i, w [K, N] = q * scales[k / G] (+ mins[k / G])
 // (pallas_kernels/matmul/quantized.py's layout: q int8 [K, N], or 4-bit packed two rows to a byte [K / 2, N],
 // low nibble row 2i, offset 8 where there are no mins). Same interface as cpu_quantized_matmul.cc (the
-// float-widening kernel it replaces by default; JAXSERVE_QUANTIZED_ACTIVATIONS=float picks that one).
+// float-widening kernel it replaces by default; the engine option quantized_activations=float picks that one).
 //
 // Why: widening every weight to float32 and doing an FMA runs at the float instruction rate, so int8 could
 // never beat llama.cpp, which quantizes each row of x to int8 per 32-block of K (ggml's quantize_row_q8_0:

@@ -9,9 +9,10 @@
 // d = max|x| / 127, q = round(x / d), ties away from zero) and does integer dot products, four int8 pairs
 // per 32-bit lane and instruction, then one float multiply per block by (weight scale * d). Here too:
 //  - x is quantized once per call, per "chunk": 32 consecutive k within a weight group (a group of 16, or
-//    a per-channel group's last k, gives a shorter chunk). d stays float32 (ggml rounds it to float16).
+//    a per-channel group's last k, gives a shorter chunk). d and d * sum(q) are used rounded to float16,
+//    as ggml's q8_0 / q8_1 blocks hold them (x itself is quantized with the float32 d, as there).
 //  - each chunk's integer sums are exact int32; a chunk adds float(sum) * d * scale (+ d * sum(q_x) * min)
-//    to the result, so the only float rounding is that of these per-chunk products and their sum.
+//    to the result, so the only other float rounding is that of these per-chunk products and their sum.
 //  - AVX-512 VNNI: vpdpbusd takes u8 x s8. int8 weights are made unsigned (w ^ 0x80 = w + 128) and the
 //    128 * sum(q_x) this adds is taken out through the accumulator's start; 4-bit nibbles are unsigned
 //    already (the offset 8 is taken out the same way). Without VNNI (AVX2, or AVX-512BW alone):
@@ -131,12 +132,17 @@ struct FloatArray {
 // x quantized for one chunking (chunks of up to 32 k within groups of `group`).
 struct Activations {
   std::vector<int8_t> q;      // [M, K]
-  std::vector<float> scale;   // [M, chunks]: d
-  std::vector<int32_t> sum;   // [M, chunks]: sum of q over the chunk
+  std::vector<float> scale;   // [M, chunks]: d, as float16 holds it
+  std::vector<float> sum;     // [M, chunks]: d * sum of q over the chunk, as float16 holds it
   int64_t chunks_per_group = 0, chunks = 0;
 };
 
-// ggml's quantize_row_q8_0_ref per chunk, d kept in float32.
+// ggml keeps a q8_0 / q8_1 block's d (and q8_1's s = d * sum q) in float16, and its dot products use those
+// rounded values: doing the same makes the products equal llama.cpp's up to the order of additions (x is
+// quantized with the float32 d, as there). Beyond float16's range the float32 value stays.
+inline float AsHalf(float v) { return std::fabs(v) <= 65504.0f ? static_cast<float>(static_cast<_Float16>(v)) : v; }
+
+// ggml's quantize_row_q8_0_ref (q8_1's s too) per chunk.
 Activations Quantize(const std::vector<float>& x, int64_t rows, int64_t depth, int64_t group) {
   Activations a;
   a.chunks_per_group = (group + kChunk - 1) / kChunk;
@@ -159,8 +165,8 @@ Activations Quantize(const std::vector<float>& x, int64_t rows, int64_t depth, i
         a.q[r * depth + k] = q;
         sum += q;
       }
-      a.scale[r * a.chunks + c] = d;
-      a.sum[r * a.chunks + c] = sum;
+      a.scale[r * a.chunks + c] = AsHalf(d);
+      a.sum[r * a.chunks + c] = AsHalf(d * float(sum));
     }
   }
   return a;
@@ -277,7 +283,7 @@ void ChunkRows(const Problem& p, int64_t r0, int64_t chunk, int64_t k0, int64_t 
   float d[R], d_sum[R];
   for (int r = 0; r < R; ++r) {
     d[r] = x.scale[(r0 + r) * x.chunks + chunk];
-    d_sum[r] = has_mins ? d[r] * float(x.sum[(r0 + r) * x.chunks + chunk]) : 0.0f;
+    d_sum[r] = has_mins ? x.sum[(r0 + r) * x.chunks + chunk] : 0.0f;
   }
   // the sums start at -offset * sum(q_x) over the vector steps' k (vector columns; the first step starts
   // from it), 0 elsewhere

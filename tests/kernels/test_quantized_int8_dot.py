@@ -1,7 +1,8 @@
 """The CPU quantized matmul's int8-activation kernel (cpu_quantized_int8_dot.cc, the default), against a numpy
 model of its arithmetic written here from llama.cpp's definition (x quantized per 32 k within each weight
 group: d = max|x| / 127 in float32, q = round(x / d) ties away from zero as C's roundf; exact integer dot
-per chunk; float(sum) * d * scale (+ d * sum(q_x) * min) summed over chunks), on every instruction path this
+per chunk; float(sum) * d16 * scale (+ s16 * min) summed over chunks, where d16 and s16 = d * sum(q_x) are
+rounded to float16 as ggml's q8_0 / q8_1 blocks store them), on every instruction path this
 CPU runs; and against the dequantized float product within the bound the activations' rounding allows."""
 
 import jax
@@ -38,6 +39,12 @@ def quantize_rows(x: np.ndarray, k0: int, k1: int):
     return round_away((part * inverse[:, None]).astype(np.float32)).astype(np.int64), d
 
 
+def as_half_blocks(q: np.ndarray, d: np.ndarray):
+    """(d, s = d * sum(q)) as ggml's q8_0 / q8_1 blocks store them, in float16, for the products."""
+    s = (d * q.sum(axis=1).astype(np.float32)).astype(np.float32)
+    return d.astype(np.float16).astype(np.float64), s.astype(np.float16).astype(np.float64)
+
+
 def signed_integers(weight: QuantizedWeight) -> np.ndarray:
     """The integers q [K, N] of w = q * scale (+ min): 4-bit without mins less its offset 8."""
     values = np.asarray(weight.values)
@@ -61,11 +68,12 @@ def int8_activation_model(x: np.ndarray, weight: QuantizedWeight):
     count = 0
     for g, k0, k1 in chunks(depth, group):
         xq, d = quantize_rows(x, k0, k1)
-        term = (xq @ q[k0:k1]) * d[:, None].astype(np.float64) * scales[g]
+        d, s = as_half_blocks(xq, d)
+        term = (xq @ q[k0:k1]) * d[:, None] * scales[g]
         result += term
         size += np.abs(term)
         if mins is not None:
-            min_term = (d.astype(np.float64) * xq.sum(axis=1))[:, None] * mins[g]
+            min_term = s[:, None] * mins[g]
             result += min_term
             size += np.abs(min_term)
         count += 1
@@ -82,12 +90,13 @@ def assert_matches_model(got, x, weight):
 
 def rounding_bound(x: np.ndarray, weight: QuantizedWeight) -> np.ndarray:
     """How far the int8-activation product may lie from the dequantized float one: each x differs from
-    d * round(x / d) by at most d / 2 = max|x of its chunk| / 254, times |w| summed over the chunk."""
+    d * round(x / d) by at most d / 2 = max|x of its chunk| / 254, and from d16 * round(x / d) by at most
+    2^-11 d * 127 more (d16: d rounded to float16; s16 likewise), times |w| summed over the chunk."""
     dense = np.abs(numpy_dequantize(weight))
     bound = np.zeros((x.shape[0], dense.shape[1]))
     for _, k0, k1 in chunks(dense.shape[0], dense.shape[0] // weight.scales.shape[0]):
         amax = np.max(np.abs(x[:, k0:k1].astype(np.float64)), axis=1)
-        bound += (amax / 254)[:, None] * dense[k0:k1].sum(axis=0)[None, :]
+        bound += (amax / 254 * (1 + 2 * 254 * 2.0**-11))[:, None] * dense[k0:k1].sum(axis=0)[None, :]
     return bound
 
 

@@ -10,7 +10,7 @@
 // Add -mno-avx512f for the avx2 path's code (what JAXSERVE_CPU_KERNEL_PATH=avx2 builds), or
 // -DJAXSERVE_NO_BF16_PAIRS for bfloat16 above 8 rows widened rather than in vdpbf16ps pairs. Prints one JSON
 // line per dtype, rows and round: "layers" and "head" as fractions of the read stream. An argument picks
-// one row count (1, 2, 4, 8, 16, 64).
+// one row count (1, 2, 4, 5, 8, 16, 64; 5 is a speculative verify step of k = 4).
 #include "../pallas_kernels/matmul/cpu_matmul.cc"
 
 #include <sys/mman.h>
@@ -114,7 +114,7 @@ void Bench(const char* dtype, int64_t rows) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int64_t rows : {1, 2, 4, 8, 16, 64}) {
+  for (int64_t rows : {1, 2, 4, 5, 8, 16, 64}) {
     if (argc > 1 && std::atoi(argv[1]) != rows) continue;
     Bench<F32>("float32", rows);
     Bench<BF16>("bfloat16", rows);

@@ -42,6 +42,7 @@ SOURCES += (os.path.join(HERE, "matmul", "cpu_lora_matmul.cc"),)  # segmented mu
 HEADERS = (os.path.join(HERE, "cpu_workers.h"),)  # included from HERE (-I); part of the build's cache key
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_vectors.h"),)  # cpu_matmul.cc's vector basics
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_bf16_pairs.h"),)  # cpu_matmul.cc's AVX-512 BF16 tiles
+HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_few_rows.h"),)  # cpu_matmul.cc's 2-8 row walks
 HEADERS += (os.path.join(HERE, "paged_attention", "cpu_attention_basics.h"),)  # cpu_latent_kernel.cc's
 HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_vectors.h"),)  # cpu_quantized_int8_dot.cc's vector basics
 HEADERS += (os.path.join(HERE, "matmul", "cpu_kquant_vectors.h"),)  # cpu_kquant_matmul.cc's vector basics

@@ -6,12 +6,14 @@
 // so a bfloat16 decode step moved five times its weights' bytes. Here each weight element is read
 // once and widened in registers: the step costs the weights' bytes, which is the memory roofline.
 // Two regimes ([K, N] weights): up to kKnRows rows (bound by reading the weights) the item's rows are
-// walked in address order with the accumulators in L1 (RowWalk); with more rows (up to 64, the default
+// walked in address order with the accumulators in L1 (RowWalk; from 3 rows register tiles over blocks
+// of rows, cpu_matmul_few_rows.h); with more rows (up to 64, the default
 // largest decode bucket; bound by the multiplies) each pass of rows is packed, widened to float32 once,
 // and register-tiled like a GEMM's micro-kernel (KnTile), so that bfloat16 batches run at least as fast
 // per row as float32 ones (issue #29); on AVX-512 BF16 CPUs bfloat16 passes are packed in pairs of rows and
-// tiled with vdpbf16ps instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own bfloat16 dots there). [N, K] (a tied embedding as the head): up to 4 rows, one
-// dot product per weight row after the other, straight from memory (NkRowDots); more, register tiles of
+// tiled with vdpbf16ps instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own bfloat16 dots there). [N, K] (a tied embedding as the head): up to 2 rows, one
+// dot product per weight row after the other, straight from memory (NkRowDots); 3-8 rows, several weight
+// rows at once from as many long runs (NkStreams, cpu_matmul_few_rows.h); more, register tiles of
 // dot products over the item's rows, packed first since several groups of rows reuse them.
 //
 // Instruction paths (issue #29): the code is written once on GCC/Clang vector types whose width comes
@@ -35,6 +37,7 @@
 #include <vector>
 
 #include "cpu_matmul_bf16_pairs.h"
+#include "cpu_matmul_few_rows.h"
 #include "cpu_matmul_vectors.h"
 #include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
@@ -47,12 +50,14 @@ constexpr int64_t kMaxRows = 64;           // the wrapper sends no more
 constexpr int64_t kBlockColumns = 384;     // [K, N], many rows: output columns per item; tile widths divide it
 constexpr int64_t kWideColumns = 4096;     // [K, N], few rows: output columns per item, at most
 constexpr int64_t kAccumulatorBytes = 16 * 1024;  // [K, N], few rows: an item's accumulators stay in L1
-constexpr int64_t kPrefetchBytes = 4096;   // [K, N], few rows: software prefetch this far ahead (see RowWalk)
 constexpr int64_t kPackFloats = 32 * 1024; // a worker's packed weights per pass (128 KiB: in L2)
 constexpr int64_t kItemBytes = 32 * 1024;  // [N, K]: weight bytes per work item, about
+#ifndef JAXSERVE_STREAM_ITEM_KIB
+#define JAXSERVE_STREAM_ITEM_KIB 256
+#endif
+constexpr int64_t kStreamItemBytes = JAXSERVE_STREAM_ITEM_KIB * 1024;  // [N, K], 2-8 rows of x
 constexpr int64_t kNkItemMultiple = 24;    // [N, K]: outputs per item are a multiple of every tile's
-constexpr int64_t kLineBytes = 64;
-constexpr int kNkDirectRows = 4;            // [N, K]: rows of x up to which NkRowDots reads the weights directly
+constexpr int kNkDirectRows = 8;            // [N, K]: rows of x up to which the weights are read directly
 
 // A worker's packed weights: the rows a pass reads, copied in address order (a stream the hardware
 // prefetchers follow at full speed, where tiles reading column strips of a row-major matrix hop between
@@ -133,11 +138,9 @@ void KnRemainder(int rows, const float* x, int64_t ldx, const float* packed, int
   }
 }
 
-// Few rows of x (a decode step of up to kKnRows sequences: bound by reading the weights): the item's
-// weight rows are read in address order, four at a time, each widened vector serving all R rows; the
-// accumulators [R, width] stay in L1. Software prefetch kPrefetchBytes ahead: without it the
-// out-of-order window, full of widening and multiplying, issues too few misses at a time (a bfloat16
-// stream went from 6 to 8.5 GB/s a core on the Xeon of bench/results/cpu-2core).
+// Few rows of x (a decode step of up to kKnRows sequences, or a speculative verify step: bound by reading
+// the weights): the accumulators of an item's columns stay in L1 (or in registers, TiledWalk), and the
+// walks differ in the order they read the weight rows in (RowWalk below).
 // One row of x (single-stream decode): the item's rows [k0, k1) as two halves read side by side, each
 // half one run of rows in address order (with whole rows, one contiguous stream). Adjacent rows read side
 // by side (RowWalk's four) are four short streams that restart at every row, and the hardware prefetchers
@@ -168,7 +171,7 @@ void SplitWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t wid
   }
 }
 
-// Two to four rows of x: RowWalk's four weight rows a step taken from the four quarters of [k0, k1), four
+// Two rows of x: four weight rows a step taken from the four quarters of [k0, k1), four
 // long streams (one thread, the SmolLM2 layers: 0.45-0.5 -> 0.65-0.85 of a read stream at 2 and 4 rows
 // in float32, 0.4 -> 0.8 at 2 rows in bfloat16; at 8 rows, bound by the multiplies, no gain: issue #29).
 template <typename T, int R>
@@ -216,58 +219,13 @@ void QuarterWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t w
   }
 }
 
+// Which walk serves R rows of x (issue #29, bench/cpu_matmul_stream.cc): the split walk at one row, the
+// quarters at two (as fast as a register tile there, and no column strips), register tiles from three.
 template <typename T, int R>
 void RowWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
   if constexpr (R == 1) return SplitWalk<T>(p, k0, k1, c0, width, partial);
-  if constexpr (R > 1 && R <= 4) return QuarterWalk<T, R>(p, k0, k1, c0, width, partial);
-  const auto* w = static_cast<const typename T::Stored*>(p.w);
-  constexpr int64_t kElement = sizeof(typename T::Stored);
-  constexpr int64_t kPerLine = kLineBytes / kElement;
-  const int64_t row_bytes = width * kElement;
-  const int64_t ahead_rows = std::max<int64_t>(4, ((kPrefetchBytes + row_bytes - 1) / row_bytes + 3) / 4 * 4);
-  const int64_t ahead = ahead_rows * p.columns;
-  float* acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = partial + r * p.columns + c0;
-  const int64_t vectors = width / kLanes * kLanes;
-  int64_t k = k0;
-  for (; k + 4 <= k1; k += 4) {
-    const auto* s0 = w + k * p.columns + c0;
-    const auto* s1 = s0 + p.columns;
-    const auto* s2 = s1 + p.columns;
-    const auto* s3 = s2 + p.columns;
-    VecF xv[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) xv[r][j] = Broadcast(p.x[r * p.depth + k + j]);
-    for (int64_t c = 0; c < vectors; c += kLanes) {
-      if (c % kPerLine == 0) {
-        for (int64_t j = 0; j < 4; ++j) __builtin_prefetch(s0 + ahead + j * p.columns + c);
-      }
-      const VecF w0 = T::Vector(s0 + c), w1 = T::Vector(s1 + c), w2 = T::Vector(s2 + c), w3 = T::Vector(s3 + c);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        VecF a = LoadF(acc[r] + c);
-        a = Fma(xv[r][0], w0, a);
-        a = Fma(xv[r][1], w1, a);
-        a = Fma(xv[r][2], w2, a);
-        a = Fma(xv[r][3], w3, a);
-        StoreF(acc[r] + c, a);
-      }
-    }
-    for (int64_t c = vectors; c < width; ++c) {
-      for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < 4; ++j) acc[r][c] += p.x[r * p.depth + k + j] * T::One(w[(k + j) * p.columns + c0 + c]);
-      }
-    }
-  }
-  for (; k < k1; ++k) {
-    const auto* s0 = w + k * p.columns + c0;
-    for (int r = 0; r < R; ++r) {
-      const VecF xb = Broadcast(p.x[r * p.depth + k]);
-      int64_t c = 0;
-      for (; c < vectors; c += kLanes) StoreF(acc[r] + c, Fma(xb, T::Vector(s0 + c), LoadF(acc[r] + c)));
-      for (; c < width; ++c) acc[r][c] += p.x[r * p.depth + k] * T::One(s0[c]);
-    }
-  }
+  if constexpr (R == 2) return QuarterWalk<T, R>(p, k0, k1, c0, width, partial);
+  if constexpr (R > 2) return TiledWalk<T, R>(p, k0, k1, c0, width, partial);
 }
 
 template <typename T, int R>
@@ -389,6 +347,14 @@ void NkRowDots(const float* x, int64_t depth, const typename T::Stored* w, int64
 }
 
 template <typename T, int R>
+void NkStreamsRows(const Problem& p, const typename T::Stored* w, int64_t count, float* out) {
+  if constexpr (R > 2) {
+    if (p.rows == R) return NkStreams<T, R>(p, w, count, out);
+    NkStreamsRows<T, R - 1>(p, w, count, out);
+  }
+}
+
+template <typename T, int R>
 void NkDirect(int rows, const float* x, int64_t depth, const typename T::Stored* w, int64_t count, float* out,
               int64_t ldo) {
   if constexpr (R > 0) {
@@ -402,8 +368,9 @@ void NkDirect(int rows, const float* x, int64_t depth, const typename T::Stored*
 template <typename T>
 void NkItem(const Problem& p, int64_t n0, int64_t count) {
   const auto* w = static_cast<const typename T::Stored*>(p.w) + n0 * p.depth;
+  if (p.rows <= 2) return NkDirect<T, 2>(int(p.rows), p.x, p.depth, w, count, p.out + n0, p.columns);
   if (p.rows <= kNkDirectRows) {  // few rows: straight from the weights, widened once anyway
-    return NkDirect<T, kNkDirectRows>(int(p.rows), p.x, p.depth, w, count, p.out + n0, p.columns);
+    return NkStreamsRows<T, kNkDirectRows>(p, w, count, p.out + n0);
   }
   if constexpr (std::is_same_v<T, BF16> && kBf16Pairs) return PairNkItem(p, n0, count);
   float* packed = PackBuffer(count * p.depth);
@@ -442,7 +409,9 @@ Plan MakePlan(const Problem& p, bool transposed, int64_t num_workers) {
   Plan plan;
   plan.problem = p;
   if (transposed) {
-    const int64_t fitting = kItemBytes / std::max<int64_t>(1, p.depth * element) / kNkItemMultiple * kNkItemMultiple;
+    // 2-8 rows (NkStreams): items long enough for each of their streams to be a long run of memory.
+    const int64_t item_bytes = p.rows > 1 && p.rows <= kNkDirectRows ? kStreamItemBytes : kItemBytes;
+    const int64_t fitting = item_bytes / std::max<int64_t>(1, p.depth * element) / kNkItemMultiple * kNkItemMultiple;
     plan.outputs_per_item = std::max(kNkItemMultiple, fitting);
     plan.num_items = (p.columns + plan.outputs_per_item - 1) / plan.outputs_per_item;
     return plan;
@@ -525,11 +494,11 @@ void WidenAndRun(int64_t num_workers, const ffi::AnyBuffer& x, std::vector<Probl
   const auto* in = static_cast<const typename T::Stored*>(x.untyped_data());
   for (int64_t i = 0; i < count; ++i) x_wide[i] = T::One(in[i]);
   for (Problem& p : problems) p.x = x_wide.data();
-  // bfloat16 on AVX-512 BF16 (cpu_matmul_bf16_pairs.h): x's rows with K padded to even for [K, N] weights,
-  // x transposed in pairs for [N, K] ones
+  // bfloat16 on AVX-512 BF16 (cpu_matmul_bf16_pairs.h, cpu_matmul_few_rows.h): x's rows with K padded to
+  // even for [K, N] weights and 3-8 rows of [N, K] ones, x transposed in pairs for more rows of [N, K] ones
   std::vector<uint16_t> x_pairs;
   std::vector<uint32_t> x_transposed;
-  if (std::is_same_v<T, BF16> && kBf16Pairs && !transposed && rows > kKnRows) {
+  if (std::is_same_v<T, BF16> && kBf16Pairs && rows > 2 && (!transposed || rows <= kNkDirectRows)) {
     const int64_t stride = depth + depth % 2;
     x_pairs.assign(rows * stride, 0);
     for (int64_t r = 0; r < rows; ++r) std::memcpy(&x_pairs[r * stride], in + r * depth, depth * sizeof(uint16_t));

@@ -25,6 +25,7 @@ namespace {
 // JAXSERVE_NO_BF16_PAIRS: widen instead (bench/cpu_matmul_stream.cc's A/B).
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && !defined(JAXSERVE_NO_BF16_PAIRS)
 constexpr bool kBf16Pairs = true;
+#define JAXSERVE_BF16_PAIRS 1  // cpu_matmul_few_rows.h's tiles too
 
 // A worker's packed pairs of weight rows, reused across passes and calls.
 inline uint16_t* PairBuffer(int64_t elements) {

@@ -1,0 +1,313 @@
+// The small matmul's walks for 2 to 8 rows of x (cpu_matmul.cc): a decode step of a few sequences, or one
+// sequence's speculative verify step (k + 1 = 5 rows, issue #26), over weights read once from memory.
+//
+// [K, N] weights (TiledWalk): register tiles of R rows by V vectors of columns ("columns in registers,
+// rows of x broadcast"), each widened weight vector serving all R rows straight from registers. The walk
+// before (four weight rows a step, accumulators [R, width] in L1) loaded and stored every accumulator
+// once per four weight rows: at 5 rows that work, not the memory, bound it (0.4-0.5 of a read stream).
+// A tile reads a column strip of the weights (rows `columns` apart), which the hardware prefetchers follow
+// badly (notes: cpu-kernels.md), so the item's rows are walked in blocks of kWalkBlockRows: every tile
+// of a block runs over the block's rows, and prefetches the same strip kWalkAheadRows rows further on,
+// so the lines of a block arrive in about address order, a block's distance ahead.
+//
+// [N, K] weights (NkStreams, the tied head): each weight row is a dot product along K; S weight rows at
+// once, taken from S equal parts of the item (S long runs in address order, as QuarterWalk's quarters),
+// each weight vector serving all R rows of x from registers.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "cpu_matmul_bf16_pairs.h"
+#include "cpu_matmul_vectors.h"
+
+namespace {
+
+#ifndef JAXSERVE_WALK_BLOCK_ROWS
+#define JAXSERVE_WALK_BLOCK_ROWS 32
+#endif
+#ifndef JAXSERVE_WALK_AHEAD_ROWS
+#define JAXSERVE_WALK_AHEAD_ROWS 32
+#endif
+#ifndef JAXSERVE_WALK_LOCALITY
+#define JAXSERVE_WALK_LOCALITY 1
+#endif
+constexpr int64_t kWalkBlockRows = JAXSERVE_WALK_BLOCK_ROWS;  // weight rows every tile walks before the next block
+constexpr int64_t kWalkAheadRows = JAXSERVE_WALK_AHEAD_ROWS;  // software prefetch this many rows ahead in a strip
+constexpr int64_t kWalkLineBytes = 64;
+
+#if defined(__AVX512F__)
+// Vectors of columns per tile by rows of x: R * V accumulators + V weights + a broadcast within 32 registers.
+constexpr int kWalkVectors[] = {0, 8, 8, 6, 5, 4, 4, 3, 3};
+// Weight rows read side by side by rows of x ([N, K]): R * S accumulators + S weights + an x vector.
+constexpr int kStreams[] = {0, 1, 4, 4, 4, 4, 4, 3, 3};
+#else
+constexpr int kWalkVectors[] = {0, 6, 4, 3, 2, 2, 2, 1, 1};  // within 16 registers
+constexpr int kStreams[] = {0, 1, 4, 3, 2, 2, 2, 1, 1};
+#endif
+
+// The lines of a strip of `Bytes` from p, into L2 (JAXSERVE_WALK_LOCALITY 1: prefetcht2; into L1 (3) a
+// block's distance ahead evicted the block being read: 32 rows of a 576-wide float32 weight are 72 KiB).
+template <int64_t Bytes>
+inline void PrefetchStrip(const void* p) {
+  const char* next = static_cast<const char*>(p);
+#pragma GCC unroll 8
+  for (int64_t b = 0; b < Bytes; b += kWalkLineBytes) __builtin_prefetch(next + b, 0, JAXSERVE_WALK_LOCALITY);
+  if (Bytes % kWalkLineBytes != 0) __builtin_prefetch(next + Bytes - 1, 0, JAXSERVE_WALK_LOCALITY);
+}
+
+// R rows of x by V vectors of columns over `count` weight rows (w: the strip's first row, rows `ldw`
+// apart), adding into out [R, ...] (rows ldo apart). Prefetches each row's strip `ahead` elements on.
+template <typename T, int R, int V>
+inline void WalkTile(const float* x, int64_t ldx, const typename T::Stored* w, int64_t ldw, int64_t count,
+                     int64_t ahead, float* out, int64_t ldo) {
+  using S = typename T::Stored;
+  constexpr int64_t kStripBytes = int64_t(V) * kLanes * int64_t(sizeof(S));
+  VecF acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v] = LoadF(out + r * ldo + v * kLanes);
+  for (int64_t k = 0; k < count; ++k) {
+    const S* row = w + k * ldw;
+    if (ahead != 0) PrefetchStrip<kStripBytes>(row + ahead);
+    VecF wv[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) wv[v] = T::Vector(row + v * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const VecF xb = Broadcast(x[r * ldx + k]);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] = Fma(xb, wv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) StoreF(out + r * ldo + v * kLanes, acc[r][v]);
+}
+
+#if defined(JAXSERVE_BF16_PAIRS)
+// bfloat16 on AVX-512 BF16: rows k and k + 1 of a strip interleaved in registers (vpunpcklwd/hwd: one
+// instruction each, no pack) give the pairs vdpbf16ps multiplies by the broadcast pair (x[r, k], x[r, k + 1]):
+// half the multiply instructions of widened FMAs and no widening, which bound bfloat16 at 3-8 rows. The
+// unpacks interleave within 128-bit lanes, so of a group of 32 columns the low accumulator holds columns
+// 0-3, 8-11, 16-19, 24-27 and the high one the rest: permuted from and back to column order once a tile.
+template <int R, int G>
+inline void PairWalkTile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t count, int64_t ahead,
+                         float* out, int64_t ldo, __mmask32 last) {
+  constexpr int64_t kStripBytes = int64_t(G) * 64;
+  const __m512i to_low = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i to_high = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i from_low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i from_high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512 acc[R][G][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __mmask32 mask = g == G - 1 ? last : ~__mmask32(0);
+      const __m512 a = _mm512_maskz_loadu_ps(__mmask16(mask), out + r * ldo + g * 32);
+      const __m512 b = _mm512_maskz_loadu_ps(__mmask16(mask >> 16), out + r * ldo + g * 32 + 16);
+      acc[r][g][0] = _mm512_permutex2var_ps(a, to_low, b);
+      acc[r][g][1] = _mm512_permutex2var_ps(a, to_high, b);
+    }
+  }
+  for (int64_t k = 0; k < count; k += 2) {
+    const uint16_t* row = w + k * ldw;
+    const bool has_next = k + 1 < count;  // an odd count's last row pairs with zeros
+    if (ahead != 0) {
+      PrefetchStrip<kStripBytes>(row + ahead);
+      PrefetchStrip<kStripBytes>(row + ldw + ahead);
+    }
+    __m512bh low[G], high[G];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __mmask32 mask = g == G - 1 ? last : ~__mmask32(0);
+      const __m512i a = _mm512_maskz_loadu_epi16(mask, row + g * 32);
+      const __m512i b = has_next ? _mm512_maskz_loadu_epi16(mask, row + ldw + g * 32) : _mm512_setzero_si512();
+      low[g] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      high[g] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + k, sizeof(pair));
+      __m512i xb = _mm512_set1_epi32(pair);
+      asm("" : "+v"(xb));  // one broadcast a row, not one memory operand per instruction
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        acc[r][g][0] = _mm512_dpbf16_ps(acc[r][g][0], (__m512bh)xb, low[g]);
+        acc[r][g][1] = _mm512_dpbf16_ps(acc[r][g][1], (__m512bh)xb, high[g]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __mmask32 mask = g == G - 1 ? last : ~__mmask32(0);
+      _mm512_mask_storeu_ps(out + r * ldo + g * 32, __mmask16(mask),
+                            _mm512_permutex2var_ps(acc[r][g][0], from_low, acc[r][g][1]));
+      _mm512_mask_storeu_ps(out + r * ldo + g * 32 + 16, __mmask16(mask >> 16),
+                            _mm512_permutex2var_ps(acc[r][g][0], from_high, acc[r][g][1]));
+    }
+  }
+}
+
+// Groups of 32 columns per pair tile by rows of x: R * 2G accumulators + 2G pairs + a broadcast.
+constexpr int kPairWalkGroups[] = {0, 4, 4, 3, 3, 2, 2, 1, 1};
+
+// TiledWalk's blocks for bfloat16 in pairs (x in bfloat16: Problem::x16, K padded to even; k0 even).
+template <int R>
+void PairTiledWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
+  constexpr int G = kPairWalkGroups[R];
+  const auto* w = static_cast<const uint16_t*>(p.w);
+  const int64_t tiles = width / (G * 32) * (G * 32), groups = width / 32 * 32;
+  for (int64_t kb = k0; kb < k1; kb += kWalkBlockRows) {
+    const int64_t count = std::min(kWalkBlockRows, k1 - kb);
+    const int64_t ahead = kb + count < k1 ? kWalkAheadRows * p.columns : 0;
+    const uint16_t* x = p.x16 + kb;
+    const uint16_t* wb = w + kb * p.columns + c0;
+    float* out = partial + c0;
+    int64_t c = 0;
+    for (; c < tiles; c += G * 32) PairWalkTile<R, G>(x, p.x16_stride, wb + c, p.columns, count, ahead, out + c, p.columns, ~__mmask32(0));
+    for (; c < groups; c += 32) PairWalkTile<R, 1>(x, p.x16_stride, wb + c, p.columns, count, ahead, out + c, p.columns, ~__mmask32(0));
+    if (c < width) {
+      const __mmask32 mask = (__mmask32(1) << (width - c)) - 1;
+      PairWalkTile<R, 1>(x, p.x16_stride, wb + c, p.columns, count, ahead, out + c, p.columns, mask);
+    }
+  }
+}
+#endif
+
+// Rows [k0, k1) of the weights by columns [c0, c0 + width), R rows of x, added into partial [R, N].
+template <typename T, int R>
+void TiledWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
+#if defined(JAXSERVE_BF16_PAIRS)
+  if constexpr (std::is_same_v<T, BF16>) return PairTiledWalk<R>(p, k0, k1, c0, width, partial);
+#endif
+  constexpr int V = kWalkVectors[R];
+  const auto* w = static_cast<const typename T::Stored*>(p.w);
+  const int64_t tiles = width / (V * kLanes) * (V * kLanes), vectors = width / kLanes * kLanes;
+  for (int64_t kb = k0; kb < k1; kb += kWalkBlockRows) {
+    const int64_t count = std::min(kWalkBlockRows, k1 - kb);
+    // The strip kWalkAheadRows rows on; the last block's rows were prefetched by the blocks before it.
+    const int64_t ahead = kb + count < k1 ? kWalkAheadRows * p.columns : 0;
+    const float* x = p.x + kb;
+    const auto* wb = w + kb * p.columns + c0;
+    float* out = partial + c0;
+    int64_t c = 0;
+    for (; c < tiles; c += V * kLanes) WalkTile<T, R, V>(x, p.depth, wb + c, p.columns, count, ahead, out + c, p.columns);
+    for (; c < vectors; c += kLanes) WalkTile<T, R, 1>(x, p.depth, wb + c, p.columns, count, ahead, out + c, p.columns);
+    for (; c < width; ++c) {
+      for (int r = 0; r < R; ++r) {
+        float sum = out[r * p.columns + c];
+        for (int64_t k = 0; k < count; ++k) sum += x[r * p.depth + k] * T::One(wb[k * p.columns + c]);
+        out[r * p.columns + c] = sum;
+      }
+    }
+  }
+}
+
+// Keeps the compiler from folding a load into each instruction that uses it: x's vector, loaded once and
+// used by S FMAs, was otherwise read S times from memory (memory operands), and the loads bound the loop.
+inline void KeepInRegister(VecF& v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+v"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#endif
+}
+
+// R rows of x by weight rows n, n + part, ..., n + (S - 1) part (for n in [0, part)): out[r, n] = x[r] . w[n].
+template <typename T, int R, int S>
+void NkStreamRows(const float* x, int64_t depth, const typename T::Stored* w, int64_t part, float* out, int64_t ldo) {
+  for (int64_t n = 0; n < part; ++n) {
+    const typename T::Stored* rows[S];
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s) rows[s] = w + (n + s * part) * depth;
+    VecF acc[R][S];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int s = 0; s < S; ++s) acc[r][s] = VecF{};
+    int64_t k = 0;
+    for (; k + kLanes <= depth; k += kLanes) {
+      VecF wv[S];
+#pragma GCC unroll 8
+      for (int s = 0; s < S; ++s) wv[s] = T::Vector(rows[s] + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        VecF xv = LoadF(x + r * depth + k);
+        KeepInRegister(xv);
+#pragma GCC unroll 8
+        for (int s = 0; s < S; ++s) acc[r][s] = Fma(xv, wv[s], acc[r][s]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int s = 0; s < S; ++s) {
+        float sum = HorizontalSum(acc[r][s]);
+        for (int64_t j = k; j < depth; ++j) sum += x[r * depth + j] * T::One(rows[s][j]);
+        out[r * ldo + n + s * part] = sum;
+      }
+    }
+  }
+}
+
+#if defined(JAXSERVE_BF16_PAIRS)
+// NkStreamRows for bfloat16 on AVX-512 BF16: along K, 32 elements of a weight row are 16 pairs already, so
+// vdpbf16ps multiplies them by x's bfloat16 row as they are (x16, rows ldx apart): half the instructions
+// of widened FMAs, no widening. The tail of K is a masked load of both (zeros past the row).
+template <int R, int S>
+void NkPairStreamRows(const uint16_t* x, int64_t ldx, int64_t depth, const uint16_t* w, int64_t part, float* out,
+                      int64_t ldo) {
+  for (int64_t n = 0; n < part; ++n) {
+    const uint16_t* rows[S];
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s) rows[s] = w + (n + s * part) * depth;
+    __m512 acc[R][S];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < depth; k += 32) {
+      const __mmask32 mask = depth - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (depth - k)) - 1;
+      __m512bh wv[S];
+#pragma GCC unroll 8
+      for (int s = 0; s < S; ++s) wv[s] = (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[s] + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m512i xv = _mm512_maskz_loadu_epi16(mask, x + r * ldx + k);
+        asm("" : "+v"(xv));  // loaded once, not once per instruction
+#pragma GCC unroll 8
+        for (int s = 0; s < S; ++s) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], (__m512bh)xv, wv[s]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int s = 0; s < S; ++s) out[r * ldo + n + s * part] = _mm512_reduce_add_ps(acc[r][s]);
+  }
+}
+#endif
+
+// R rows of x by `count` weight rows (w [count, depth]) into out [R, ...] (rows ldo apart).
+template <typename T, int R>
+void NkStreams(const Problem& p, const typename T::Stored* w, int64_t count, float* out) {
+  constexpr int S = kStreams[R];
+  const int64_t part = count / S, done = part * S;
+#if defined(JAXSERVE_BF16_PAIRS)
+  if constexpr (std::is_same_v<T, BF16>) {
+    NkPairStreamRows<R, S>(p.x16, p.x16_stride, p.depth, w, part, out, p.columns);
+    return NkPairStreamRows<R, 1>(p.x16, p.x16_stride, p.depth, w + done * p.depth, count - done, out + done, p.columns);
+  }
+#endif
+  const float* x = p.x;
+  const int64_t depth = p.depth, ldo = p.columns;
+  NkStreamRows<T, R, S>(x, depth, w, part, out, ldo);
+  NkStreamRows<T, R, 1>(x, depth, w + done * depth, count - done, out + done, ldo);
+}
+
+}  // namespace

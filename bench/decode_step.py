@@ -5,8 +5,8 @@ engine's single-stream decode end to end (tokens/s, from two generate calls that
 length), the host's share of an engine step (schedule, input building, dispatch, fetch, postprocess), and
 the roofline: bytes a decode token must read (weights + the context's KV) over a read bandwidth measured
 in the same run. `--profile` splits each step (issue #29): the model's projections alone, those the C++
-small matmul serves and those XLA's dots serve (each group timed on its own with the step's rows), and
-the rest of the step; with `--paths`, all projections through each kernel path this CPU runs and through
+small matmul serves and those XLA's dots serve (each group timed on its own with the step's rows), every
+layer's attention alone (the CPU kernel at the step's context), and the rest of the step; with `--paths`, all projections through each kernel path this CPU runs and through
 XLA's dots. The CPU (model, vector flags) and the kernel's instruction path head the output
 (JAXSERVE_CPU_KERNEL_PATH=avx2 measures what an AVX2-only CPU's kernel does). Prints JSON lines.
 
@@ -200,6 +200,28 @@ def projections_ms(llm, batch: int, repeats: int) -> dict[str, float]:
     return times
 
 
+def attention_ms(llm, batch: int, context: int, repeats: int) -> float | None:
+    """Median ms of the step's attention alone: every layer's paged attention through the CPU kernel over that
+    layer's own pages, `batch` rows at `context` keys each (decode_inputs' tables). None where the kernel does
+    not serve this engine (not a CPU, quantized pages)."""
+    from pallas_kernels.paged_attention import cpu as cpu_attention
+
+    runner = llm.engine.runner
+    keys, values = runner.kv_pages.keys, runner.kv_pages.values
+    if jax.default_backend() != "cpu" or not cpu_attention.available() or not isinstance(keys[0], jax.Array):
+        return None
+    config = llm.engine.model_config
+    shape = next(s for s in runner.executables if s.query_block == 1 and s.num_seqs == batch)
+    attention = decode_inputs(runner, batch, context, shape, config.vocab_size).attention
+    tables = [jnp.asarray(a) for a in (attention.page_table, attention.token_seq_ids, attention.positions)]
+    q = jnp.ones((len(attention.positions), config.num_heads, config.head_dim), keys[0].dtype)
+
+    def run(q, keys, values, tables):
+        return [cpu_attention.ragged_paged_attention(q, k, v, *tables, query_block=1) for k, v in zip(keys, values)]
+
+    return round(1e3 * median_time(jax.jit(run), q, keys, values, tables, repeats=repeats), 3)
+
+
 def paths_ms(llm, batch: int, repeats: int, activations: str) -> dict[str, float]:
     """Median ms of all the model's projections at `batch` rows through each kernel path this CPU runs and
     through XLA's dots (every result kept): where each should serve, per machine and dtype."""
@@ -283,6 +305,7 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
         if args.profile:
             for b in args.batches:
                 parts = projections_ms(llm, b, args.repeats)
+                attention = attention_ms(llm, b, context, args.repeats)
                 emit(
                     dtype=dtype,
                     round=round_,
@@ -290,7 +313,8 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
                     step_ms=round(step_ms[b], 3),
                     step_ms_per_row=round(step_ms[b] / b, 3),
                     projections_ms=parts,
-                    rest_ms=round(step_ms[b] - sum(parts.values()), 3),
+                    attention_ms=attention,
+                    rest_ms=round(step_ms[b] - sum(parts.values()) - (attention or 0.0), 3),
                     **(
                         {"projections_ms_by_path": paths_ms(llm, b, args.repeats, args.quantized_activations)}
                         if args.paths

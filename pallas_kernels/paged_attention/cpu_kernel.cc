@@ -45,7 +45,6 @@ constexpr int64_t kKeysPerTile = 64;
 // The 16-bit float types, their widening and rounding, the online softmax's exp and the dot product are
 // shared with the latent kernel (cpu_attention_basics.h); this kernel adds the quantized page types.
 using jaxserve_cpu_attention::BFloat16;
-using jaxserve_cpu_attention::Dot;
 using jaxserve_cpu_attention::ExpNonpositive;
 using jaxserve_cpu_attention::Float16;
 using jaxserve_cpu_attention::FromFloat;
@@ -100,6 +99,105 @@ inline const float* RowAsFloat(const PageT* source, const float* scales, int64_t
     for (int64_t d = 0; d < head_dim; ++d) scratch[k * head_dim + d] = ToFloat(source[k * head_dim + d]) * scale;
   }
   return scratch;
+}
+
+// One vector register of floats on the instruction path the flags chose (cpu_library.py): 16 lanes on AVX-512, 8 on
+// AVX2, 4 otherwise. (A 16-lane vector type on AVX2 compiled to code three times slower than the scalar loop.)
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+constexpr int kValueVectors = 4;  // AddWeightedRows' accumulators: 64 columns
+#elif defined(__AVX2__)
+constexpr int64_t kLanes = 8;
+constexpr int kValueVectors = 8;  // 64 columns in 8 of the 16 registers
+#else
+constexpr int64_t kLanes = 4;
+constexpr int kValueVectors = 4;
+#endif
+typedef float Lanes __attribute__((vector_size(4 * kLanes)));
+typedef float Floats4 __attribute__((vector_size(16)));
+
+inline Lanes LoadLanes(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// A vector's lanes added in a tree of halves (the upper half onto the lower) down to 4, then pairs.
+inline float SumLanes(Lanes v) {
+  Floats4 sum4;
+  if constexpr (kLanes == 16) {
+    typedef float Floats8 __attribute__((vector_size(32)));
+    Floats8 low8, high8;
+    std::memcpy(&low8, &v, sizeof(low8));
+    std::memcpy(&high8, reinterpret_cast<const char*>(&v) + sizeof(low8), sizeof(high8));
+    const Floats8 sum8 = low8 + high8;
+    Floats4 low4, high4;
+    std::memcpy(&low4, &sum8, sizeof(low4));
+    std::memcpy(&high4, reinterpret_cast<const char*>(&sum8) + sizeof(low4), sizeof(high4));
+    sum4 = low4 + high4;
+  } else if constexpr (kLanes == 8) {
+    Floats4 low4, high4;
+    std::memcpy(&low4, &v, sizeof(low4));
+    std::memcpy(&high4, reinterpret_cast<const char*>(&v) + sizeof(low4), sizeof(high4));
+    sum4 = low4 + high4;
+  } else {
+    std::memcpy(&sum4, &v, sizeof(sum4));
+  }
+  return (sum4[0] + sum4[2]) + (sum4[1] + sum4[3]);
+}
+
+// A query row's dot product with a key row (decode: a few query rows per kv head), in lanes of partial sums
+// added in a tree at the end. The omp simd reduction it replaces (jaxserve_cpu_attention::Dot) ended every
+// score with kLanes dependent scalar adds: most of a decode step's attention (issue 29).
+inline float LaneTreeDot(const float* a, const float* b, int64_t n) {
+  Lanes sum0 = {}, sum1 = {};
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    sum0 += LoadLanes(a + i) * LoadLanes(b + i);
+    sum1 += LoadLanes(a + i + kLanes) * LoadLanes(b + i + kLanes);
+  }
+  for (; i + kLanes <= n; i += kLanes) sum0 += LoadLanes(a + i) * LoadLanes(b + i);
+  float sum = SumLanes(sum0 + sum1);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// accumulator[d] += sum over keys t (in order) of weights[t] * rows[t][offset + d], d < n, keys of weight 0
+// skipped (a masked key's value may be anything). kValueVectors vectors of columns stay in registers across
+// the keys: the loop this replaces loaded and stored the accumulator at every key, each key's adds waiting
+// on the previous key's stores.
+inline void AddWeightedRows(float* accumulator, const float* const* rows, int64_t offset, const float* weights,
+                            int64_t count, int64_t n) {
+  constexpr int64_t kBlock = kValueVectors * kLanes;
+  int64_t d = 0;
+  for (; d + kBlock <= n; d += kBlock) {
+    Lanes sums[kValueVectors];
+#pragma GCC unroll 8
+    for (int v = 0; v < kValueVectors; ++v) sums[v] = LoadLanes(accumulator + d + v * kLanes);
+    for (int64_t t = 0; t < count; ++t) {
+      const float weight = weights[t];
+      if (weight == 0.0f) continue;
+      const float* value = rows[t] + offset + d;
+#pragma GCC unroll 8
+      for (int v = 0; v < kValueVectors; ++v) sums[v] += weight * LoadLanes(value + v * kLanes);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < kValueVectors; ++v) std::memcpy(accumulator + d + v * kLanes, &sums[v], sizeof(Lanes));
+  }
+  for (; d + kLanes <= n; d += kLanes) {
+    Lanes sum = LoadLanes(accumulator + d);
+    for (int64_t t = 0; t < count; ++t) {
+      if (weights[t] != 0.0f) sum += weights[t] * LoadLanes(rows[t] + offset + d);
+    }
+    std::memcpy(accumulator + d, &sum, sizeof(sum));
+  }
+  for (; d < n; ++d) {
+    float sum = accumulator[d];
+    for (int64_t t = 0; t < count; ++t) {
+      if (weights[t] != 0.0f) sum += weights[t] * rows[t][offset + d];
+    }
+    accumulator[d] = sum;
+  }
 }
 
 // T: the queries' and output's type; PageT: the pages' (T, or int8_t / Float8E4M3 with scales).
@@ -175,7 +273,7 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
   s.scores.resize(rows * kKeysPerTile);
   s.running_max.assign(rows, kNegativeInfinity);
   s.denominator.assign(rows, 0.0f);
-  s.keys_transposed.assign(D * kKeysPerTile, 0.0f);
+  if (B * groups >= 4) s.keys_transposed.assign(D * kKeysPerTile, 0.0f);  // only the transposed scores use it
   s.key_tile.resize(kKeysPerTile * row_width);
   s.value_tile.resize(kKeysPerTile * row_width);
   const float* block_queries = AsFloat(p.q + first_token * H * D, rows * D, s.queries.data());
@@ -223,7 +321,7 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
               for (int64_t t = 0; t < kKeysPerTile; ++t) row_scores[t] += q_d * keys_d[t];
             }
           } else {
-            for (int64_t t = 0; t < num_keys; ++t) row_scores[t] = Dot(query, key_rows[t] + kv_offset, D);
+            for (int64_t t = 0; t < num_keys; ++t) row_scores[t] = LaneTreeDot(query, key_rows[t] + kv_offset, D);
           }
           float tile_max = kNegativeInfinity;
           for (int64_t t = 0; t < num_keys; ++t) {
@@ -249,13 +347,7 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
             tile_sum += row_scores[t];
           }
           s.denominator[row] += tile_sum;
-          for (int64_t t = 0; t < num_keys; ++t) {
-            const float weight = row_scores[t];
-            if (weight == 0.0f) continue;
-            const float* value = value_rows[t] + kv_offset;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) accumulator[d] += weight * value[d];
-          }
+          AddWeightedRows(accumulator, value_rows, kv_offset, row_scores, num_keys, D);
           s.running_max[row] = new_max;
         }
       }
@@ -330,17 +422,17 @@ void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T, PageT>& p, i
     float* base = states.data() + i * rows * (D + 2);
     partials[i] = PartialState{base, base + rows, base + 2 * rows};
   }
-  std::vector<Scratch> scratch(num_workers);
   const int64_t* first_item_data = first_item.data();
   const int64_t* keys_per_range_data = keys_per_range.data();
   const PartialState* partial_data = partials.data();
-  Scratch* scratch_data = scratch.data();
-  auto item = [&p, num_blocks, split, first_item_data, keys_per_range_data, partial_data, scratch_data](int64_t worker,
-                                                                                                     int64_t i) {
+  auto item = [&p, num_blocks, split, first_item_data, keys_per_range_data, partial_data](int64_t /*worker*/, int64_t i) {
+    // Each thread's buffers outlive the call: allocated (and zeroed) per call, they cost a decode step's
+    // 30 calls more than their keys (issue 29).
+    thread_local Scratch scratch;
     const int64_t block = std::upper_bound(first_item_data, first_item_data + num_blocks + 1, i) - first_item_data - 1;
     const int64_t range = i - first_item_data[block];
     const int64_t begin = range * keys_per_range_data[block];
-    AttendRange(p, block, begin, begin + keys_per_range_data[block], scratch_data[worker], split ? partial_data + i : nullptr);
+    AttendRange(p, block, begin, begin + keys_per_range_data[block], scratch, split ? partial_data + i : nullptr);
   };
   // Several device programs share XLA's pool on a CPU mesh: there the helpers come from it.
   std::function<void(std::function<void()>)> schedule = nullptr;

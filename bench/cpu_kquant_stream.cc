@@ -126,7 +126,7 @@ void Bench(int64_t rows) {
       w.out = out.data();
       w.x_sums = x_sums.data();
       w.x_int8 = !int8 ? nullptr : depths[i] == kEmbed ? &x_embed : &x_mlp;
-      Plan(w, depths[i], 2);
+      Plan(w, depths[i], 2, rows);
       const int64_t groups = depths[i] / w.group;
       for (int64_t item = 0; item < w.blocks * w.parts; ++item) {
         const int64_t block = item % w.blocks, part = item / w.blocks;

@@ -47,6 +47,8 @@ inline void TileOrder(const float* in, float* out) {
   StoreF(out + 32, _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88));
   StoreF(out + 48, _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xDD));
 }
+// and back: the 4 x 4 block transpose is its own inverse
+inline void FromTileOrder(const float* in, float* out) { TileOrder(in, out); }
 #if defined(__AVX512VNNI__)
 #define QDOT_VNNI 1
 inline VecI DotUnsigned(VecI acc, VecI u, VecI s) { return _mm512_dpbusd_epi32(acc, u, s); }
@@ -90,6 +92,14 @@ inline void TileOrder(const float* in, float* out) {
   StoreF(out + 8, _mm256_permute2f128_ps(a, c, 0x31));
   StoreF(out + 16, _mm256_permute2f128_ps(b, d, 0x20));
   StoreF(out + 24, _mm256_permute2f128_ps(b, d, 0x31));
+}
+// and back: out holds columns 0-3, 4-7, ... again (blocks 0, 2, 4, 6 of the input, then 1, 3, 5, 7)
+inline void FromTileOrder(const float* in, float* out) {
+  const VecF a = LoadF(in), b = LoadF(in + 8), c = LoadF(in + 16), d = LoadF(in + 24);
+  StoreF(out, _mm256_permute2f128_ps(a, b, 0x20));
+  StoreF(out + 8, _mm256_permute2f128_ps(c, d, 0x20));
+  StoreF(out + 16, _mm256_permute2f128_ps(a, b, 0x31));
+  StoreF(out + 24, _mm256_permute2f128_ps(c, d, 0x31));
 }
 #if defined(__AVXVNNI__)
 #define QDOT_VNNI 1

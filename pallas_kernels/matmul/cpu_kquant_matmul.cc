@@ -49,6 +49,42 @@ constexpr int64_t kBlockColumns = 256;    // an item's columns at most
 // int8, under load: 0.23-0.26 of a read stream before, 0.25-0.30 after, bench/cpu_kquant_stream.cc)
 constexpr int64_t kMinBlockColumns = 64;
 constexpr int64_t kPrefetchGroups = 2;    // software prefetch this many sub-blocks ahead along K
+constexpr int64_t kWideColumns = 4096;    // one or two rows: an item's columns at most (whole rows below)
+
+#ifndef JAXSERVE_KQ_AHEAD
+#define JAXSERVE_KQ_AHEAD 1
+#endif
+
+// One or two rows: the next sub-block's bytes of one plane ([runs, run_bytes], runs `stride` apart; whole
+// rows: one run), prefetched into L2 (prefetcht1) in address order, a few lines per register tile while
+// this sub-block's tiles are read (as cpu_quantized_int8_dot.cc's AheadLines: a tile reads one line of each
+// of the sub-block's 16-20 plane rows, and lines prefetched tile by tile in that order ran at ~0.25 of a
+// read stream).
+struct AheadLines {
+  const uint8_t* run = nullptr;
+  int64_t run_bytes = 0, stride = 0, runs = 0, offset = 0;
+
+  AheadLines() = default;
+  AheadLines(const uint8_t* start, int64_t run_bytes_, int64_t stride_, int64_t runs_)
+      : run(start), run_bytes(run_bytes_), stride(stride_), runs(runs_) {
+    if (run_bytes == stride) {  // whole rows: one run
+      run_bytes *= runs;
+      runs = 1;
+    }
+  }
+  int64_t Lines() const { return runs * ((run_bytes + 63) / 64); }
+  inline void Issue(int64_t lines) {
+    for (; lines > 0 && runs > 0; --lines) {
+      __builtin_prefetch(run + offset, 0, 2);
+      offset += 64;
+      if (offset >= run_bytes) {
+        offset = 0;
+        run += stride;
+        --runs;
+      }
+    }
+  }
+};
 
 float BFloat16ToFloat(uint16_t bits) {
   const uint32_t wide = uint32_t(bits) << 16;
@@ -237,14 +273,30 @@ inline void Tile(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t 
 // R rows from r0, sub-block g, columns c0 .. c0 + width: register tiles of kTileVectors[R] vectors, then
 // single vectors, then the last columns (width not a multiple of kLanes) one at a time.
 template <int Kind, int R>
-void RowGroup(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c0, int64_t width, float* partial) {
+void RowGroup(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c0, int64_t width, float* partial,
+              AheadLines* ahead = nullptr) {
   constexpr int T = kTileVectors[R];
   const int64_t end = c0 + width, vectors_end = c0 + width / kLanes * kLanes;
   int64_t c = c0;
+  AheadLines lines[2];  // the low and high planes' next sub-block (locals: kept in registers)
+  int64_t per_tile[2] = {0, 0};
+  if (ahead != nullptr) {
+    const int64_t tiles = std::max<int64_t>(1, width / (T * kLanes));
+    for (int i = 0; i < 2; ++i) {
+      lines[i] = ahead[i];
+      per_tile[i] = (lines[i].Lines() + tiles - 1) / tiles;
+    }
+  }
 #if defined(KQUANT_INT8)
   if (w.x_int8 != nullptr) {
     const QuantizedRows& xq = *w.x_int8;
-    for (; c + T * kLanes <= vectors_end; c += T * kLanes) Int8Tile<Kind, R, T>(w, xq, r0, g, c, partial);
+    for (; c + T * kLanes <= vectors_end; c += T * kLanes) {
+      lines[0].Issue(per_tile[0]);
+      lines[1].Issue(per_tile[1]);
+      Int8Tile<Kind, R, T>(w, xq, r0, g, c, partial);
+    }
+    lines[0].Issue(INT64_MAX);
+    lines[1].Issue(INT64_MAX);
     for (; c < vectors_end; c += kLanes) Int8Tile<Kind, R, 1>(w, xq, r0, g, c, partial);
     for (; c < end; ++c) {  // the last columns one at a time: the same integers, the same scaling
       const float scale = ScaleAt<Kind>(w, g, c), minimum = MinAt<Kind>(w, g, c);
@@ -264,7 +316,13 @@ void RowGroup(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c0,
     return;
   }
 #endif
-  for (; c + T * kLanes <= vectors_end; c += T * kLanes) Tile<Kind, R, T>(w, x, r0, g, c, partial);
+  for (; c + T * kLanes <= vectors_end; c += T * kLanes) {
+    lines[0].Issue(per_tile[0]);
+    lines[1].Issue(per_tile[1]);
+    Tile<Kind, R, T>(w, x, r0, g, c, partial);
+  }
+  lines[0].Issue(INT64_MAX);
+  lines[1].Issue(INT64_MAX);
   for (; c < vectors_end; c += kLanes) Tile<Kind, R, 1>(w, x, r0, g, c, partial);
   const int64_t num_x_groups = x.depth / 32;
   for (; c < end; ++c) {
@@ -291,8 +349,57 @@ void Prefetch(const Weight& w, int64_t g, int64_t c0, int64_t width, int64_t dep
   }
 }
 
+// Sub-block g's scales (d, dmin, sc, m: a few lines per sub-block), prefetched into L2.
+template <int Kind>
+void PrefetchScales(const Weight& w, int64_t g, int64_t c0, int64_t width) {
+  const int64_t n = w.columns;
+  if (g % w.groups_per_d == 0) {
+    AheadLines(reinterpret_cast<const uint8_t*>(w.d + (g / w.groups_per_d) * n + c0), 2 * width, 0, 1).Issue(INT64_MAX);
+    if (w.dmin != nullptr) {
+      AheadLines(reinterpret_cast<const uint8_t*>(w.dmin + (g / w.groups_per_d) * n + c0), 2 * width, 0, 1)
+          .Issue(INT64_MAX);
+    }
+  }
+  if (w.sub_scales != nullptr) {
+    AheadLines(static_cast<const uint8_t*>(w.sub_scales) + g * n + c0, width, 0, 1).Issue(INT64_MAX);
+  }
+  if (w.sub_mins != nullptr) AheadLines(w.sub_mins + g * n + c0, width, 0, 1).Issue(INT64_MAX);
+}
+
+// One or two rows: the planes of sub-block g (low, high) as lines to prefetch; none past the weight's end.
+template <int Kind>
+void SubBlockLines(const Weight& w, int64_t g, int64_t c0, int64_t width, int64_t depth, AheadLines lines[2]) {
+  lines[0] = lines[1] = AheadLines();
+  if (g * w.group >= depth) return;
+  const int64_t n = w.columns, k0 = g * w.group;
+  lines[0] = AheadLines(w.low + (k0 / 2) * n + c0, width, n, w.group / 2);
+  constexpr int kBits = HighBits(Kind);
+  if (kBits > 0) lines[1] = AheadLines(w.high + (k0 * kBits / 8) * n + c0, width, n, w.group * kBits / 8);
+}
+
 template <int Kind>
 void ItemOfKind(const Weight& w, const Rows& x, int64_t g0, int64_t g1, int64_t c0, int64_t width, float* partial) {
+#if JAXSERVE_KQ_AHEAD
+  if (x.rows <= 2) {
+    // the first sub-block at once; then each sub-block's tiles prefetch the next one (past the item's end too:
+    // the threads take runs of consecutive items, whose parts of K follow in memory)
+    AheadLines next[2];
+    SubBlockLines<Kind>(w, g0, c0, width, x.depth, next);
+    next[0].Issue(INT64_MAX);
+    next[1].Issue(INT64_MAX);
+    PrefetchScales<Kind>(w, g0, c0, width);
+    for (int64_t g = g0; g < g1; ++g) {
+      if ((g + 1) * w.group < x.depth) PrefetchScales<Kind>(w, g + 1, c0, width);
+      SubBlockLines<Kind>(w, g + 1, c0, width, x.depth, next);
+      if (x.rows == 2) {
+        RowGroup<Kind, 2>(w, x, 0, g, c0, width, partial, next);
+      } else {
+        RowGroup<Kind, 1>(w, x, 0, g, c0, width, partial, next);
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t g = g0; g < g1; ++g) {
     Prefetch(w, g, c0, width, x.depth);
     int64_t r0 = 0;
@@ -322,10 +429,21 @@ void Item(const Weight& w, const Rows& x, int64_t g0, int64_t g1, int64_t c0, in
 }
 
 // A weight's split: column blocks (narrower where there are too few for the threads), then parts of K
-// along sub-blocks.
-void Plan(Weight& w, int64_t depth, int64_t num_workers) {
+// along sub-blocks. One or two rows take whole rows (up to kWideColumns): each item's planes are then one
+// run per plane in memory, which the address-order prefetch (AheadLines) walks; with 192-column blocks a
+// one-row int8 walk read 0.25 of a stream, with whole rows and AheadLines 0.5-0.6 (issue 25, session 11).
+void Plan(Weight& w, int64_t depth, int64_t num_workers, int64_t rows) {
   const int64_t wanted = 2 * num_workers;
   int64_t width = kBlockColumns;
+#if JAXSERVE_KQ_AHEAD
+  if (rows <= 2) {
+    // whole rows (up to kWideColumns), the threads splitting K: an item's planes are then contiguous runs
+    const int64_t blocks = (w.columns + kWideColumns - 1) / kWideColumns;
+    width = ((w.columns + blocks - 1) / blocks + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns;
+  } else
+#else
+  (void)rows;
+#endif
   if ((w.columns + width - 1) / width < wanted) {
     const int64_t even = (w.columns + wanted - 1) / wanted;
     width = std::min(kBlockColumns, (even + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns);
@@ -342,7 +460,7 @@ void Run(int64_t num_workers, std::vector<Weight>& weights, const Rows& x) {
   int64_t num_items = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     Weight& w = weights[i];
-    Plan(w, x.depth, num_workers);
+    Plan(w, x.depth, num_workers, x.rows);
     first_item.push_back(num_items);
     num_items += w.blocks * w.parts;
     std::fill(w.out, w.out + x.rows * w.columns, 0.0f);

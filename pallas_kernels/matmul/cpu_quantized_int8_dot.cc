@@ -64,6 +64,52 @@ constexpr int64_t kChunk = 32;             // k per activation scale (ggml's QK8
 // against 0.5-0.55 with t1 (4-16 KiB ahead alike; issue 25).
 constexpr int64_t kPrefetchBytes = 8192;
 
+// One or two rows (ChunkInRegisters): the next chunk's weights are prefetched into L2 in ADDRESS order, a
+// few lines per tile of this chunk (AheadLines), where they were prefetched tile by tile (the same 64 columns
+// of the chunk's 32 rows, N bytes apart). Software prefetches in address order let one core keep more lines
+// in flight: one thread, loads alone in a /tmp pattern bench, 0.57-0.70 -> 0.7-0.8 of a read stream on
+// SmolLM2's layers (issue 25, session 11). Prefetching only every 2nd-16th line (to let the hardware
+// streamer fill in) fell to 0.2-0.3: it does not train on software prefetches. A/B builds:
+// -DJAXSERVE_QDOT_AHEAD=0 (the tile-by-tile prefetch), -DJAXSERVE_QDOT_LOCALITY=1 (prefetcht2).
+#ifndef JAXSERVE_QDOT_AHEAD
+#define JAXSERVE_QDOT_AHEAD 1
+#endif
+#ifndef JAXSERVE_QDOT_LOCALITY
+#define JAXSERVE_QDOT_LOCALITY 2
+#endif
+
+// A chunk's weights [runs, run_bytes] (runs `stride` apart; whole rows: one run) as lines to prefetch in
+// address order, lines_per_tile at a time.
+struct AheadLines {
+  const uint8_t* run = nullptr;
+  int64_t run_bytes = 0, stride = 0, runs = 0, offset = 0;
+  int64_t lines_per_tile = 0;
+
+  AheadLines() = default;
+  AheadLines(const uint8_t* start, int64_t run_bytes_, int64_t stride_, int64_t runs_, int64_t tiles)
+      : run(start), run_bytes(run_bytes_), stride(stride_), runs(runs_) {
+    if (run_bytes == stride) {  // whole rows: one run
+      run_bytes *= runs;
+      runs = 1;
+    }
+    const int64_t lines = runs * ((run_bytes + 63) / 64);
+    lines_per_tile = tiles > 0 ? (lines + tiles - 1) / tiles : lines;
+  }
+  inline void Issue(int64_t lines) {
+    for (; lines > 0 && runs > 0; --lines) {
+      __builtin_prefetch(run + offset, 0, JAXSERVE_QDOT_LOCALITY);
+      offset += 64;
+      if (offset >= run_bytes) {
+        offset = 0;
+        run += stride;
+        --runs;
+      }
+    }
+  }
+  inline void IssueTile() { Issue(lines_per_tile); }
+  inline void IssueAll() { Issue(INT64_MAX); }
+};
+
 float HalfToFloat(uint16_t bits) {
   _Float16 h;
   std::memcpy(&h, &bits, sizeof(h));
@@ -207,11 +253,12 @@ inline int64_t PositionOf(int64_t c, int64_t vectors) {
 // first `vectors` columns at s0, the chunk's first stored row): tile by tile, the tile's int32 sums stay in
 // registers over the chunk's 32 weight rows, then go straight into `out` (rows `out_stride` apart, tile
 // order), scaled. The row walk below stores and reloads its sums every 8 k and sets up each step anew; at
-// one row that was a third of the instructions (issue 25). Prefetch: the same tile one chunk ahead.
+// one row that was a third of the instructions (issue 25). Prefetch: `next` (the next chunk), a share of
+// its lines per tile, in address order.
 template <int R, int Bits, bool HasMins>
 void ChunkInRegisters(const uint8_t* s0, int64_t row_bytes, int64_t vectors, const int8_t* xq, int64_t depth,
                       const int32_t* start, const float* d, const float* d_sum, const float* scale,
-                      const float* minimum, float* out, int64_t out_stride) {
+                      const float* minimum, float* out, int64_t out_stride, AheadLines& next) {
   constexpr int kQuads = kChunk / 4;
   constexpr int64_t byte_rows = Bits == 8 ? kChunk : kChunk / 2;
   const int64_t ahead = byte_rows * row_bytes;
@@ -223,8 +270,15 @@ void ChunkInRegisters(const uint8_t* s0, int64_t row_bytes, int64_t vectors, con
       xv[r][q] = SplatInt(four);
     }
   }
+  AheadLines lines = next;  // (a local: kept in registers)
   for (int64_t c = 0; c < vectors; c += kTile) {
+#if JAXSERVE_QDOT_AHEAD
+    lines.IssueTile();
+    (void)ahead;
+#else
+    (void)next;
     for (int64_t j = 0; j < byte_rows; ++j) __builtin_prefetch(s0 + ahead + j * row_bytes + c, 0, 2);
+#endif
     VecI acc[R][4];
     for (int r = 0; r < R; ++r) {
       for (int j = 0; j < 4; ++j) acc[r][j] = SplatInt(start[r]);
@@ -268,7 +322,7 @@ void ChunkInRegisters(const uint8_t* s0, int64_t row_bytes, int64_t vectors, con
 // scaled: float(sum) * d * scale (+ d * sum(q_x) * min).
 template <int R, int Bits>
 void ChunkRows(const Problem& p, int64_t r0, int64_t chunk, int64_t k0, int64_t k1, int64_t c0, int64_t width,
-               const float* scale, const float* minimum, int32_t* sums, float* partial) {
+               const float* scale, const float* minimum, int32_t* sums, float* partial, AheadLines* next) {
   const Activations& x = *p.x;
   const int64_t depth = p.depth, row_bytes = p.columns;
   const int64_t vectors = width / kTile * kTile;
@@ -306,10 +360,10 @@ void ChunkRows(const Problem& p, int64_t r0, int64_t chunk, int64_t k0, int64_t 
       float* out = partial + r0 * p.columns + c0;
       if (has_mins) {
         ChunkInRegisters<R, Bits, true>(s0, row_bytes, vectors, xq + k0, depth, start, d, d_sum, scale, minimum,
-                                        out, p.columns);
+                                        out, p.columns, *next);
       } else {
         ChunkInRegisters<R, Bits, false>(s0, row_bytes, vectors, xq + k0, depth, start, d, d_sum, scale, minimum,
-                                         out, p.columns);
+                                         out, p.columns, *next);
       }
       finished = true;
     }
@@ -468,34 +522,65 @@ void Item(const Problem& p, int64_t rows, int64_t g0, int64_t g1, int64_t c0, in
   for (int pos = 0; pos < kTile; ++pos) column_at[pos] = ColumnInTile(pos);
   if (p.mins.data == nullptr) std::fill(minimum, minimum + width, 0.0f);
   const Activations& x = *p.x;
+  const auto* base = static_cast<const uint8_t*>(p.values);
+  const int64_t per_byte_row = Bits == 8 ? 1 : 2;  // k per stored row
+  const int64_t tiles = vectors / kTile;
+  // the chunk starting at k as lines to prefetch: past the item's end too (the threads take runs of
+  // consecutive items, and with whole rows the next part of K follows in memory), not past the weight's
+  auto chunk_lines = [&](int64_t k) {
+    if (k >= p.depth) return AheadLines();
+    const int64_t k_end = std::min(k + kChunk, (k / p.group + 1) * p.group);
+    return AheadLines(base + k / per_byte_row * p.columns + c0, width, p.columns, (k_end - k) / per_byte_row, tiles);
+  };
+  if (JAXSERVE_QDOT_AHEAD && rows <= 2) {  // (ChunkInRegisters prefetches the chunks after the first)
+    AheadLines first = chunk_lines(g0 * p.group);
+    first.IssueAll();
+  }
+  const int64_t scale_bytes = p.scales.type == ffi::DataType::F32 ? 4 : 2;
   for (int64_t g = g0; g < g1; ++g) {
+#if JAXSERVE_QDOT_AHEAD
+    if (rows <= 2 && g + 1 < p.num_groups) {  // the next group's scales (and mins), in address order
+      AheadLines(static_cast<const uint8_t*>(p.scales.data) + ((g + 1) * p.columns + c0) * scale_bytes,
+                 width * scale_bytes, 0, 1, 1).IssueAll();
+      if (p.mins.data != nullptr) {
+        AheadLines(static_cast<const uint8_t*>(p.mins.data) + ((g + 1) * p.columns + c0) * scale_bytes,
+                   width * scale_bytes, 0, 1, 1).IssueAll();
+      }
+    }
+#endif
     p.scales.WidenInTileOrder(g * p.columns + c0, width, vectors, natural, scale);
     if (p.mins.data != nullptr) p.mins.WidenInTileOrder(g * p.columns + c0, width, vectors, natural, minimum);
     for (int64_t i = 0; i < x.chunks_per_group; ++i) {
       const int64_t chunk = g * x.chunks_per_group + i;
       const int64_t k0 = g * p.group + i * kChunk, k1 = std::min(k0 + kChunk, (g + 1) * p.group);
+      AheadLines next = chunk_lines(k1);
       int64_t r0 = 0;
       for (; r0 + kRowGroup <= rows; r0 += kRowGroup) {
-        ChunkRows<kRowGroup, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial);
+        ChunkRows<kRowGroup, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next);
       }
       switch (rows - r0) {
-        case 7: ChunkRows<7, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
-        case 6: ChunkRows<6, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
-        case 5: ChunkRows<5, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
-        case 4: ChunkRows<4, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
-        case 3: ChunkRows<3, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
-        case 2: ChunkRows<2, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
-        case 1: ChunkRows<1, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial); break;
+        case 7: ChunkRows<7, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
+        case 6: ChunkRows<6, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
+        case 5: ChunkRows<5, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
+        case 4: ChunkRows<4, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
+        case 3: ChunkRows<3, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
+        case 2: ChunkRows<2, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
+        case 1: ChunkRows<1, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
         default: break;
       }
     }
   }
   // the item's results back in column order
-  float tile[kTile];
+  alignas(64) float tile[kTile];
   for (int64_t r = 0; r < rows; ++r) {
     float* out = partial + r * p.columns + c0;
     for (int64_t t = 0; t < vectors; t += kTile) {
+#if defined(QDOT_X86)
+      FromTileOrder(out + t, tile);
+      (void)column_at;
+#else
       for (int pos = 0; pos < kTile; ++pos) tile[column_at[pos]] = out[t + pos];
+#endif
       std::memcpy(out + t, tile, sizeof(tile));
     }
   }

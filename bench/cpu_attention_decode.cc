@@ -26,6 +26,14 @@
 
 namespace {
 
+#if defined(__AVX512F__)
+constexpr const char* kPathName = "avx512";
+#elif defined(__AVX2__)
+constexpr const char* kPathName = "avx2";
+#else
+constexpr const char* kPathName = "portable";
+#endif
+
 double ThreadSeconds() {
   timespec t;
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
@@ -72,7 +80,7 @@ void Bench(const char* dtype, int64_t context) {
   }
   std::printf("{\"path\": \"%s\", \"dtype\": \"%s\", \"context\": %lld, \"one_layer\": %d, \"step_us\": %.1f, "
               "\"out0\": %.6f}\n",
-              kLanes == 16 ? "avx512" : kLanes == 8 ? "avx2" : "portable", dtype, static_cast<long long>(context),
+              kPathName, dtype, static_cast<long long>(context),
               ONE_LAYER, best * 1e6, ToFloat(out[0]));
   std::fflush(stdout);
 }

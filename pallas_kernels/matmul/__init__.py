@@ -31,7 +31,7 @@ from typing import ClassVar, Protocol
 
 import jax.numpy as jnp
 
-from pallas_kernels.matmul import cpu, kquant_cpu, quantized, quantized_cpu, reference
+from pallas_kernels.matmul import cpu, kquant, kquant_cpu, quantized, quantized_cpu, reference
 
 
 def _bfloat16_max_rows() -> int:
@@ -110,20 +110,26 @@ class SmallMatmul:
 @dataclass(frozen=True)
 class QuantizedReferenceMatmul:
     """Quantized weights (quantized.py) with XLA's dots, any backend: serves every call with a quantized weight
-    among its weights (a float one beside it, as a GGUF file may mix them, is projected by the reference)."""
+    among its weights (a float one beside it, as a GGUF file may mix them, is projected by the reference).
+    `activations` (QuantizedWeight) and `kquant_activations` (K-quants): int8 where the plan's CPU kernel for
+    that weight type rounds x to int8, so rows past the kernel's limit (prefill chunks) are computed as the
+    kernel computes decode rows (int8_activations.py); float: the dequantized product."""
 
+    activations: str = "float"
+    kquant_activations: str = "float"
     joins_weights: ClassVar[bool] = False
 
     def serves(self, num_rows: int, weights: tuple) -> bool:
         return any(quantized.is_quantized(weight) for weight in weights)
 
     def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
-        return tuple(
-            (quantized.matmul if quantized.is_quantized(weight) else reference.matmul)(
-                rows, weight, transposed=transposed
-            )
-            for weight in weights
-        )
+        return tuple(self._one(rows, weight, transposed) for weight in weights)
+
+    def _one(self, rows, weight, transposed: bool):
+        if not quantized.is_quantized(weight):
+            return reference.matmul(rows, weight, transposed=transposed)
+        activations = self.kquant_activations if kquant.is_kquant(weight) else self.activations
+        return quantized.matmul(rows, weight, transposed=transposed, activations=activations)
 
 
 @dataclass(frozen=True)
@@ -167,12 +173,16 @@ def quantized_entries(platform: str, num_devices: int, activations: str = "int8"
     """The entries for quantized weights, ahead of the float ones: the CPU kernel for decode-sized rows where
     it serves (quantized_cpu.py, x kept as `activations` says), XLA's dots for the rest."""
     quantized_cpu.check_activations(activations)  # refused on every platform, not only where the kernel runs
-    entries: tuple[MatmulEntry, ...] = (QuantizedReferenceMatmul(),)
-    if platform == "cpu" and num_devices == 1 and quantized_cpu.available(activations):
-        entries = (quantized_cpu.QuantizedSmallMatmul(quantized_cpu.QUANTIZED_MAX_ROWS, activations), *entries)
+    kernels: tuple[MatmulEntry, ...] = ()
+    # x as the kernels treat it, in the reference too (rows past their limit), where the kernels run
+    reference_activations = kquant_reference_activations = "float"
     if platform == "cpu" and num_devices == 1 and kquant_cpu.available():  # GGUF K-quants (kquant.py)
-        entries = (kquant_cpu.KQuantSmallMatmul(kquant_cpu.KERNEL_MAX_ROWS, activations), *entries)
-    return entries
+        kernels += (kquant_cpu.KQuantSmallMatmul(kquant_cpu.KERNEL_MAX_ROWS, activations),)
+        kquant_reference_activations = activations if kquant_cpu.computes_int8() else "float"
+    if platform == "cpu" and num_devices == 1 and quantized_cpu.available(activations):
+        kernels += (quantized_cpu.QuantizedSmallMatmul(quantized_cpu.QUANTIZED_MAX_ROWS, activations),)
+        reference_activations = activations
+    return (*kernels, QuantizedReferenceMatmul(reference_activations, kquant_reference_activations))
 
 
 # XLA's dots only: any backend, any placement of the weights

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.matmul import int8_activations
+
 SUPER_BLOCK = 256  # values per super-block (ggml's QK_K)
 KINDS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")
 SUB_BLOCK = {"q4_k": 32, "q5_k": 32, "q6_k": 16, "q5_0": 32, "q5_1": 32}  # values per scale
@@ -147,10 +149,11 @@ def dequantize(weight: KQuantWeight, dtype=None):
     return w.reshape(*lead, depth, columns).astype(dtype or weight.dtype)
 
 
-def matmul(rows, weight: KQuantWeight, *, transposed: bool = False):
+def matmul(rows, weight: KQuantWeight, *, transposed: bool = False, activations: str = "float"):
     """rows [M, K] (the compute dtype) @ weight [K, N] -> float32 [M, N], with XLA's dots: below
     DEQUANTIZE_FROM_ROWS rows the integers are dotted sub-block by sub-block and the sums scaled after (no
-    float copy of the weight); from there the weight is dequantized once for the many rows."""
+    float copy of the weight); from there the weight is dequantized once for the many rows. `activations`
+    int8: x rounded per 32 k first as the CPU kernel's int8 tiles round it (d in float32; int8_activations.py)."""
     if transposed:
         raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
     if weight.low.ndim != 2:
@@ -158,6 +161,10 @@ def matmul(rows, weight: KQuantWeight, *, transposed: bool = False):
     num_rows, depth = rows.shape
     if depth != weight.shape[0]:
         raise ValueError(f"rows {rows.shape} do not contract with a K-quant weight {weight.shape}")
+    if activations == "int8":  # in float32: q * d needs more bits than a 16-bit compute dtype holds
+        rows, _ = int8_activations.fake_quantize(rows, int8_activations.CHUNK, half_d=False)
+    elif activations != "float":
+        raise ValueError(f"unknown activations {activations!r}; expected int8 or float")
     if num_rows >= DEQUANTIZE_FROM_ROWS:
         return jax.lax.dot_general(
             rows, dequantize(weight, rows.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pallas_kernels.matmul import kquant
+from pallas_kernels.matmul import int8_activations, kquant
 from pallas_kernels.matmul.kquant import KQuantWeight
 
 # Rows from which the reference dequantizes the weight and runs one dot (compute-bound prefill: the copy
@@ -107,10 +107,11 @@ def dequantize(weight: QuantizedWeight, dtype=None):
     return w.reshape(*lead, depth, columns).astype(dtype or weight.dtype)
 
 
-def matmul(rows, weight: QuantizedWeight, *, transposed: bool = False):
-    """rows [M, K] (the compute dtype) @ weight [K, N] -> float32 [M, N], with XLA's dots."""
+def matmul(rows, weight: QuantizedWeight, *, transposed: bool = False, activations: str = "float"):
+    """rows [M, K] (the compute dtype) @ weight [K, N] -> float32 [M, N], with XLA's dots. `activations` int8:
+    x rounded per 32 k first as the CPU int8 kernel rounds it (int8_activations.py), the products in float32."""
     if isinstance(weight, KQuantWeight):  # GGUF K-quants' two-level layout (kquant.py)
-        return kquant.matmul(rows, weight, transposed=transposed)
+        return kquant.matmul(rows, weight, transposed=transposed, activations=activations)
     if transposed:
         raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
     if weight.values.ndim != 2:
@@ -118,12 +119,23 @@ def matmul(rows, weight: QuantizedWeight, *, transposed: bool = False):
     num_rows, depth = rows.shape
     if depth != weight.shape[0]:
         raise ValueError(f"rows {rows.shape} do not contract with a quantized weight {weight.shape}")
-    if num_rows >= DEQUANTIZE_FROM_ROWS:
-        return jax.lax.dot_general(
-            rows, dequantize(weight, rows.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
     groups = weight.num_groups
     group = depth // groups
+    group_sums = None  # [M, G]: what the mins multiply (the rows' sums per group)
+    if activations == "int8":
+        # float32 throughout: q * d needs more bits than a 16-bit compute dtype holds
+        rows, group_sums = int8_activations.fake_quantize(rows, group)
+    elif activations != "float":
+        raise ValueError(f"unknown activations {activations!r}; expected int8 or float")
+    if num_rows >= DEQUANTIZE_FROM_ROWS:
+        y = jax.lax.dot_general(
+            rows, dequantize(weight, rows.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        if group_sums is not None and weight.mins is not None:  # as the int8 kernel: mins times q8_1's s
+            mins = weight.mins.astype(jnp.float32)
+            sums = jnp.sum(rows.reshape(num_rows, groups, group), axis=-1)
+            y = y + (group_sums - sums) @ mins  # the float16-rounded s in place of the sums of q * d
+        return y
     # XLA:CPU has no batched 16-bit dot into float32: there (where the C++ kernel serves decode rows on one
     # device) the group sums take float32 operands
     operand_dtype = jnp.float32 if jax.default_backend() == "cpu" else rows.dtype
@@ -133,8 +145,9 @@ def matmul(rows, weight: QuantizedWeight, *, transposed: bool = False):
     sums = jnp.einsum("mgk,gkn->mgn", grouped_rows, q, preferred_element_type=jnp.float32)
     y = jnp.einsum("mgn,gn->mn", sums, weight.scales.astype(jnp.float32))
     if weight.mins is not None:
-        row_sums = jnp.sum(grouped_rows.astype(jnp.float32), axis=-1)  # [M, G]
-        y = y + row_sums @ weight.mins.astype(jnp.float32)
+        if group_sums is None:
+            group_sums = jnp.sum(grouped_rows.astype(jnp.float32), axis=-1)
+        y = y + group_sums @ weight.mins.astype(jnp.float32)
     return y
 
 

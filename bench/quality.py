@@ -23,7 +23,10 @@ vs_llamacpp.py writes one with llama-quantize) and name the other files as varia
 file"): `llama-perplexity` on the same file and text (built once, bench/llamacpp_peer.py), jaxserve's
 perplexity computed the way llama-perplexity computes it (chunks of `window` tokens of the text tokenized with
 its special tokens, a chunk's first token replaced by BOS where the vocabulary adds one, only the second half
-of each chunk scored), and greedy agreement of jaxserve's tokens with llama-server's on the same prompts:
+of each chunk scored), and greedy agreement of jaxserve's tokens with llama-server's on the same prompts,
+beside llama-server's agreement with itself with its flash attention off (the ceiling: on quantized files
+int8-rounded activations turn any change in the order of additions into different tokens; session 11 of
+docs/notes/quantization.md):
 
     bench/quality.py --model F32.gguf --formats none,Q8_0.gguf:auto,Q4_0.gguf:auto,Q4_K_M.gguf:auto --llamacpp
 """
@@ -97,11 +100,15 @@ def llamacpp_perplexity(gguf: str, n_ctx: int, chunks: int, threads: int) -> flo
     return float(found.group(1))
 
 
-def llamacpp_greedy(gguf: str, prompts: list[list[int]], num_tokens: int, threads: int) -> list[list[int]]:
+def llamacpp_greedy(
+    gguf: str, prompts: list[list[int]], num_tokens: int, threads: int, extra_args: tuple[str, ...] = ()
+) -> list[list[int]]:
     import llamacpp_peer as peer
 
     peer.ensure_built(CACHE_DIR)
-    with peer.LlamaServer(CACHE_DIR, gguf, threads, 1, 48 + num_tokens + 16) as server:
+    server = peer.LlamaServer(CACHE_DIR, gguf, threads, 1, max(map(len, prompts)) + num_tokens + 16)
+    server.command += list(extra_args)
+    with server:
         return [server.complete(prompt, num_tokens)["tokens"] for prompt in prompts]
 
 
@@ -117,12 +124,16 @@ def compare_with_llamacpp(llm, gguf: str, text: str, prompts, tokens, args) -> d
     theirs = llamacpp_perplexity(gguf, args.window, chunks, args.threads)
     reference = llamacpp_greedy(gguf, prompts, args.generate, args.threads)
     versus = agreement(reference, tokens)
+    # the ceiling: on quantized files rounding x to int8 amplifies any change in the order of additions, so
+    # llama.cpp with its flash attention off disagrees with itself too (docs/notes/quantization.md, session 11)
+    itself = agreement(reference, llamacpp_greedy(gguf, prompts, args.generate, args.threads, ("-fa", "off")))
     return dict(
         perplexity_llamacpp_method=ours,
         llamacpp_perplexity=theirs,
         perplexity_ratio_vs_llamacpp=ours / theirs,
         greedy_token_agreement_vs_llamacpp=versus["greedy_token_agreement"],
         mean_common_prefix_vs_llamacpp=versus["mean_common_prefix"],
+        llamacpp_self_agreement_flash_attention_off=itself["greedy_token_agreement"],
     )
 
 

@@ -56,6 +56,17 @@ def is_past_its_prompt(seq: SequenceState) -> bool:
     return seq.status is RequestStatus.RUNNING and seq.num_planned_tokens - seq.next_kv_position <= 1
 
 
+def speculation_batch_size(scheduler: Scheduler) -> int:
+    """What the policy counts as a rank's batch: 0 while no row decodes (nothing to propose for), else every
+    sequence in the rank, prefilling and waiting ones too. Counting only the decoding rows (and rows verifying
+    in a step in flight) let the first few rows of a large burst speculate while the rest prefilled: a draft
+    model's catch-up prefills and decode steps were added to each of those steps, which the policy never
+    measures (steps with prefill chunks are not observed): 32 requests at once ran at 0.87x of speculation
+    off (idle, int8 self-draft)."""
+    decoding = sum(is_past_its_prompt(seq) for seq in scheduler.running)
+    return scheduler.num_sequences if decoding else 0
+
+
 class Speculation:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None):
         self.config = config
@@ -65,7 +76,7 @@ class Speculation:
         self.policy = SpeculationPolicy(config.speculative_max_batch_size, config.speculative_adaptive)
         self.counts = AcceptanceCounts()
         self.speculating = False  # this step's decision
-        self.batch_size = 0  # decoding sequences when it was made
+        self.batch_size = 0  # speculation_batch_size when it was made
         # What proposing for the step being planned took (all of it), and the part its step is charged with
         # (catch-up prefills left out): the step that uses the proposals is charged, not the step processed
         # in the same call (with a draft model, proposing is most of a step)
@@ -84,7 +95,7 @@ class Speculation:
         if not self.enabled:
             return
         self.proposing_seconds = self.proposal_seconds = 0.0
-        self.batch_size = max(sum(is_past_its_prompt(seq) for seq in s.running) for s in schedulers)
+        self.batch_size = max(speculation_batch_size(s) for s in schedulers)
         self.speculating = self.policy.speculate(self.batch_size)
         if self.speculating:
             self.num_steps_speculating += 1

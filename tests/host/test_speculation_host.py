@@ -228,3 +228,20 @@ def test_policy_carries_a_verdict_over_to_batch_sizes_not_measured():
     # its own measurements, once both modes have them, overrule a carried-over verdict
     fraction_on, _ = simulated_run(losing, 6, {True: 60.0, False: 30.0}, 320)
     assert losing.best_mode(6) is True and fraction_on > 0.5
+
+
+def test_the_policy_batch_counts_every_sequence_once_one_decodes():
+    """A burst's first decoding rows do not speculate while the rest of it prefills or waits."""
+    from jaxserve.engine.speculation import speculation_batch_size
+
+    scheduler, _ = running_scheduler(num_pages=64)
+    assert speculation_batch_size(scheduler) == 1
+    for seq_id in range(1, 9):
+        scheduler.add(sequence(range(20, 26), max_tokens=8, seq_id=seq_id))
+    assert speculation_batch_size(scheduler) == 9  # one decoding, eight waiting
+    policy = SpeculationPolicy(max_batch_size=8)
+    assert not policy.speculate(speculation_batch_size(scheduler))
+    allocator = PageAllocator(64, 4, enable_prefix_caching=True)
+    prefilling = Scheduler(allocator, max_num_seqs=4, max_num_batched_tokens=64, prefill_query_block=4)
+    prefilling.add(sequence(range(10, 16)))
+    assert speculation_batch_size(prefilling) == 0  # nothing decodes: nothing to propose for

@@ -47,6 +47,7 @@ HEADERS += (os.path.join(HERE, "paged_attention", "cpu_attention_basics.h"),)  #
 HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_vectors.h"),)  # cpu_quantized_int8_dot.cc's vector basics
 HEADERS += (os.path.join(HERE, "matmul", "cpu_kquant_vectors.h"),)  # cpu_kquant_matmul.cc's vector basics
 HEADERS += (os.path.join(HERE, "matmul", "cpu_kquant_int8.h"),)  # cpu_kquant_matmul.cc's int8 (VNNI) tiles
+HEADERS += (os.path.join(HERE, "matmul", "cpu_weight_basics.h"),)  # the quantized kernels' scalar basics, prefetch
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "kernels")
 
 PATH_ENV = "JAXSERVE_CPU_KERNEL_PATH"

@@ -33,6 +33,7 @@
 
 #include "cpu_workers.h"
 #include "matmul/cpu_kquant_vectors.h"
+#include "matmul/cpu_weight_basics.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -57,41 +58,10 @@ constexpr int64_t kWideColumns = 4096;    // one or two rows: an item's columns 
 
 // One or two rows: the next sub-block's bytes of one plane ([runs, run_bytes], runs `stride` apart; whole
 // rows: one run), prefetched into L2 (prefetcht1) in address order, a few lines per register tile while
-// this sub-block's tiles are read (as cpu_quantized_int8_dot.cc's AheadLines: a tile reads one line of each
-// of the sub-block's 16-20 plane rows, and lines prefetched tile by tile in that order ran at ~0.25 of a
-// read stream).
-struct AheadLines {
-  const uint8_t* run = nullptr;
-  int64_t run_bytes = 0, stride = 0, runs = 0, offset = 0;
-
-  AheadLines() = default;
-  AheadLines(const uint8_t* start, int64_t run_bytes_, int64_t stride_, int64_t runs_)
-      : run(start), run_bytes(run_bytes_), stride(stride_), runs(runs_) {
-    if (run_bytes == stride) {  // whole rows: one run
-      run_bytes *= runs;
-      runs = 1;
-    }
-  }
-  int64_t Lines() const { return runs * ((run_bytes + 63) / 64); }
-  inline void Issue(int64_t lines) {
-    for (; lines > 0 && runs > 0; --lines) {
-      __builtin_prefetch(run + offset, 0, 2);
-      offset += 64;
-      if (offset >= run_bytes) {
-        offset = 0;
-        run += stride;
-        --runs;
-      }
-    }
-  }
-};
-
-float BFloat16ToFloat(uint16_t bits) {
-  const uint32_t wide = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
+// this sub-block's tiles are read (a tile reads one line of each of the sub-block's 16-20 plane rows, and
+// lines prefetched tile by tile in that order ran at ~0.25 of a read stream).
+using AheadLines = jaxserve_cpu::AheadLines<2>;  // cpu_weight_basics.h
+using jaxserve_cpu::BFloat16ToFloat;
 
 constexpr int kQ5_0 = 50, kQ5_1 = 51;
 

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "matmul/cpu_weight_basics.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -91,11 +93,7 @@ inline VecI SignedBytes(const int8_t* p) {
 #endif
 }
 
-inline float HalfToFloat(uint16_t bits) {
-  _Float16 h;
-  std::memcpy(&h, &bits, sizeof(h));
-  return float(h);
-}
+using jaxserve_cpu::HalfToFloat;  // cpu_weight_basics.h
 
 // kLanes float16 -> float32 (F16C's vcvtph2ps where there is one: GCC 12 left _Float16 loops scalar).
 inline VecF Halves(const uint16_t* p) {

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "cpu_int8_dot_vectors.h"
+#include "matmul/cpu_weight_basics.h"
 #include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -78,49 +79,10 @@ constexpr int64_t kPrefetchBytes = 8192;
 #define JAXSERVE_QDOT_LOCALITY 2
 #endif
 
-// A chunk's weights [runs, run_bytes] (runs `stride` apart; whole rows: one run) as lines to prefetch in
-// address order, lines_per_tile at a time.
-struct AheadLines {
-  const uint8_t* run = nullptr;
-  int64_t run_bytes = 0, stride = 0, runs = 0, offset = 0;
-  int64_t lines_per_tile = 0;
-
-  AheadLines() = default;
-  AheadLines(const uint8_t* start, int64_t run_bytes_, int64_t stride_, int64_t runs_, int64_t tiles)
-      : run(start), run_bytes(run_bytes_), stride(stride_), runs(runs_) {
-    if (run_bytes == stride) {  // whole rows: one run
-      run_bytes *= runs;
-      runs = 1;
-    }
-    const int64_t lines = runs * ((run_bytes + 63) / 64);
-    lines_per_tile = tiles > 0 ? (lines + tiles - 1) / tiles : lines;
-  }
-  inline void Issue(int64_t lines) {
-    for (; lines > 0 && runs > 0; --lines) {
-      __builtin_prefetch(run + offset, 0, JAXSERVE_QDOT_LOCALITY);
-      offset += 64;
-      if (offset >= run_bytes) {
-        offset = 0;
-        run += stride;
-        --runs;
-      }
-    }
-  }
-  inline void IssueTile() { Issue(lines_per_tile); }
-  inline void IssueAll() { Issue(INT64_MAX); }
-};
-
-float HalfToFloat(uint16_t bits) {
-  _Float16 h;
-  std::memcpy(&h, &bits, sizeof(h));
-  return float(h);
-}
-float BFloat16ToFloat(uint16_t bits) {
-  const uint32_t wide = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
+// AheadLines, HalfToFloat, BFloat16ToFloat: cpu_weight_basics.h.
+using AheadLines = jaxserve_cpu::AheadLines<JAXSERVE_QDOT_LOCALITY>;
+using jaxserve_cpu::BFloat16ToFloat;
+using jaxserve_cpu::HalfToFloat;
 
 // A float array of one of the three widths, read as float32.
 struct FloatArray {

@@ -27,6 +27,7 @@
 #endif
 
 #include "cpu_workers.h"
+#include "matmul/cpu_weight_basics.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -53,17 +54,8 @@ constexpr int64_t kMaxRows = 64;         // the wrapper sends no more
 constexpr int kRowGroup = 8;             // rows of x per walk over a group's weights
 constexpr int64_t kPrefetchBytes = 4096; // software prefetch this far ahead along the walk (as cpu_matmul.cc)
 
-float HalfToFloat(uint16_t bits) {
-  _Float16 h;
-  std::memcpy(&h, &bits, sizeof(h));
-  return float(h);
-}
-float BFloat16ToFloat(uint16_t bits) {
-  const uint32_t wide = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
+using jaxserve_cpu::BFloat16ToFloat;  // cpu_weight_basics.h
+using jaxserve_cpu::HalfToFloat;
 
 inline VecF Fma(VecF a, VecF b, VecF acc) {
 #if defined(__AVX512F__)

@@ -1,0 +1,64 @@
+// What the quantized CPU kernels (cpu_quantized_matmul.cc, cpu_quantized_int8_dot.cc, cpu_kquant_matmul.cc)
+// share that is not a vector operation: 16-bit floats read one at a time, and the address-order prefetch
+// of the next part of a weight (AheadLines). One copy here, so a fix to either reaches every kernel.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace jaxserve_cpu {
+
+inline float HalfToFloat(uint16_t bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof(h));
+  return float(h);
+}
+
+inline float BFloat16ToFloat(uint16_t bits) {
+  const uint32_t wide = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+// A weight region [runs, run_bytes] (runs `stride` bytes apart; whole rows, run_bytes == stride, are one
+// run) as cache lines to prefetch in ADDRESS order, a few at a time while the current part is read.
+// Why address order: the kernels' tiles read one line of each of a chunk's 16-32 weight rows, N bytes
+// apart; lines prefetched in that order let one core keep few misses in flight (one row read ~0.25-0.5 of
+// a read stream), lines in address order 0.6-0.8 (issue 25, session 11). Every line needs its own
+// prefetch: the hardware streamer does not train on software prefetches (every 2nd-16th line: 0.2-0.3).
+// kLocality 2 = prefetcht1 (L2): a prefetcht0 from memory holds one of L1's few miss buffers for the whole
+// memory latency (0.24-0.37 of a stream).
+template <int kLocality = 2>
+struct AheadLines {
+  const uint8_t* run = nullptr;
+  int64_t run_bytes = 0, stride = 0, runs = 0, offset = 0;
+  int64_t lines_per_tile = 0;  // Issue(lines_per_tile) per tile spreads the region over `tiles` tiles
+
+  AheadLines() = default;
+  AheadLines(const uint8_t* start, int64_t run_bytes_, int64_t stride_, int64_t runs_, int64_t tiles = 1)
+      : run(start), run_bytes(run_bytes_), stride(stride_), runs(runs_) {
+    if (run_bytes == stride) {  // whole rows: one run
+      run_bytes *= runs;
+      runs = 1;
+    }
+    lines_per_tile = tiles > 0 ? (Lines() + tiles - 1) / tiles : Lines();
+  }
+  int64_t Lines() const { return runs * ((run_bytes + 63) / 64); }
+  inline void Issue(int64_t lines) {
+    for (; lines > 0 && runs > 0; --lines) {
+      __builtin_prefetch(run + offset, 0, kLocality);
+      offset += 64;
+      if (offset >= run_bytes) {
+        offset = 0;
+        run += stride;
+        --runs;
+      }
+    }
+  }
+  inline void IssueTile() { Issue(lines_per_tile); }
+  inline void IssueAll() { Issue(INT64_MAX); }
+};
+
+}  // namespace jaxserve_cpu

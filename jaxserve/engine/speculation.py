@@ -58,13 +58,13 @@ def is_past_its_prompt(seq: SequenceState) -> bool:
 
 def speculation_batch_size(scheduler: Scheduler) -> int:
     """What the policy counts as a rank's batch: 0 while no row decodes (nothing to propose for), else every
-    sequence in the rank, prefilling and waiting ones too. Counting only the decoding rows (and rows verifying
-    in a step in flight) let the first few rows of a large burst speculate while the rest prefilled: a draft
-    model's catch-up prefills and decode steps were added to each of those steps, which the policy never
-    measures (steps with prefill chunks are not observed): 32 requests at once ran at 0.87x of speculation
-    off (idle, int8 self-draft)."""
+    running sequence, prefilling ones too (not the waiting queue: it adds nothing to a step's cost). Counting
+    only the decoding rows (and rows verifying in a step in flight) let the first few rows of a large burst
+    speculate while the rest prefilled: a draft model's catch-up prefills and decode steps were added to each
+    of those steps, which the policy never measures (steps with prefill chunks are not observed): 32 requests
+    at once ran at 0.87x of speculation off (idle, int8 self-draft)."""
     decoding = sum(is_past_its_prompt(seq) for seq in scheduler.running)
-    return scheduler.num_sequences if decoding else 0
+    return len(scheduler.running) if decoding else 0
 
 
 class Speculation:

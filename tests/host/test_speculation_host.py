@@ -48,12 +48,12 @@ def test_ngram_index_matches_a_brute_force_search():
     assert not proposer._indexes
 
 
-def running_scheduler(num_pages, prompt_len=6, page_size=4, budget=64, max_tokens=8):
+def running_scheduler(num_pages, prompt_len=6, page_size=4, budget=64, max_tokens=8, max_num_seqs=4):
     """A sequence that prefilled its prompt and sampled its first token (admission wants pages for all of
     prompt + max_tokens)."""
     scheduler = Scheduler(
         PageAllocator(num_pages, page_size, enable_prefix_caching=True),
-        max_num_seqs=4,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         prefill_query_block=4,
     )
@@ -234,11 +234,14 @@ def test_the_policy_batch_counts_every_sequence_once_one_decodes():
     """A burst's first decoding rows do not speculate while the rest of it prefills or waits."""
     from jaxserve.engine.speculation import speculation_batch_size
 
-    scheduler, _ = running_scheduler(num_pages=64)
+    scheduler, _ = running_scheduler(num_pages=64, max_num_seqs=10)
     assert speculation_batch_size(scheduler) == 1
-    for seq_id in range(1, 9):
+    for seq_id in range(1, 10):
         scheduler.add(sequence(range(20, 26), max_tokens=8, seq_id=seq_id))
-    assert speculation_batch_size(scheduler) == 9  # one decoding, eight waiting
+    assert speculation_batch_size(scheduler) == 1  # the waiting queue adds nothing to a step
+    chunks = scheduler.schedule().prefills  # admitted: prefilling in this step
+    assert len(chunks) >= 8 and len(scheduler.running) == 1 + len(chunks)
+    assert speculation_batch_size(scheduler) == 1 + len(chunks)  # one decoding, the rest prefilling
     policy = SpeculationPolicy(max_batch_size=8)
     assert not policy.speculate(speculation_batch_size(scheduler))
     allocator = PageAllocator(64, 4, enable_prefix_caching=True)

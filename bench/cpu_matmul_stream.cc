@@ -11,10 +11,17 @@
 // -DJAXSERVE_NO_BF16_PAIRS for bfloat16 above 8 rows widened rather than in vdpbf16ps pairs. Prints one JSON
 // line per dtype, rows and round: "layers" and "head" as fractions of the read stream. An argument picks
 // one row count (1, 2, 4, 5, 8, 16, 64; 5 is a speculative verify step of k = 4).
+//
+// A second argument, `2`, is the two-thread mode: a decode step's calls as the engine makes them (per layer
+// q/k/v joined, o, gate/up joined, down; then the head), each through Run on the caller and one helper
+// thread (cpu_workers.h), in wall time, against two threads reading halves of a stream at once (on a
+// machine where one thread cannot read at the memory's bandwidth, the single-stream roofline is the
+// two-thread one), and against the same calls on one worker. Wall time: run it on a quiet machine.
 #include "../pallas_kernels/matmul/cpu_matmul.cc"
 
 #include <sys/mman.h>
 
+#include <chrono>
 #include <cstdio>
 #include <ctime>
 
@@ -111,12 +118,91 @@ void Bench(const char* dtype, int64_t rows) {
   }
 }
 
+double WallSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Two threads reading the two halves of the stream at once: what a step's two workers can read.
+float TwoThreadStream(const float* p, int64_t n) {
+  volatile float other = 0;
+  std::thread helper([&] { other = ReadStream(p + n / 2, n - n / 2); });
+  const float mine = ReadStream(p, n / 2);
+  helper.join();
+  return mine + other;
+}
+
+template <typename T>
+void BenchTwoThreads(const char* dtype, int64_t rows) {
+  using S = typename T::Stored;
+  constexpr int64_t kLayers = 30, kEmbed = 576, kKv = 192, kMlp = 1536, kVocab = 49152;
+  // A layer's weights in the engine's calls: {q, k, v}, {o}, {gate, up}, {down}.
+  const int64_t shapes[7][2] = {{kEmbed, kEmbed}, {kEmbed, kKv}, {kEmbed, kKv}, {kEmbed, kEmbed},
+                                {kEmbed, kMlp},   {kEmbed, kMlp}, {kMlp, kEmbed}};
+  const int calls[4][2] = {{0, 3}, {3, 4}, {4, 6}, {6, 7}};  // [first, end) of shapes
+  int64_t layer_elements = 0;
+  for (const auto& s : shapes) layer_elements += s[0] * s[1];
+  auto* layers = static_cast<S*>(HugePages(kLayers * layer_elements * sizeof(S)));
+  auto* head = static_cast<S*>(HugePages(kVocab * kEmbed * sizeof(S)));
+  const int64_t stream_floats = (512 << 20) / 4;
+  auto* stream = static_cast<float*>(HugePages(stream_floats * 4));
+  std::vector<float> x(rows * kMlp, 0.01f), out(rows * (kVocab + 4 * kMlp));
+  std::vector<uint16_t> x16(rows * kMlp, 0x3c24);
+  volatile float sink = 0;
+  auto step = [&](int64_t workers) {
+    const S* w = layers;
+    for (int64_t l = 0; l < kLayers; ++l) {
+      for (const auto& call : calls) {
+        std::vector<Problem> problems;
+        float* o = out.data();
+        for (int i = call[0]; i < call[1]; ++i) {
+          problems.push_back(Problem{w, x.data(), o, rows, shapes[i][0], shapes[i][1], x16.data(), kMlp});
+          o += rows * shapes[i][1];
+          w += shapes[i][0] * shapes[i][1];
+        }
+        Run<T>(std::move(problems), false, workers);
+      }
+    }
+    Run<T>({Problem{head, x.data(), out.data(), rows, kEmbed, kVocab, x16.data(), kMlp}}, true, workers);
+  };
+  auto best = [&](auto fn) {
+    double seconds = 1e9;
+    for (int r = 0; r < 5; ++r) {
+      sink = TwoThreadStream(stream, stream_floats);
+      const double start = WallSeconds();
+      fn();
+      seconds = std::min(seconds, WallSeconds() - start);
+    }
+    return seconds;
+  };
+  const double bytes = double(kLayers * layer_elements + kVocab * kEmbed) * sizeof(S);
+  for (int round = 0; round < 3; ++round) {
+    const double one_stream_s = best([&] { sink = ReadStream(stream, stream_floats); });
+    const double two_stream_s = best([&] { sink = TwoThreadStream(stream, stream_floats); });
+    const double two_s = best([&] { step(2); });
+    const double one_s = best([&] { step(1); });
+    const double two_stream_gb_s = stream_floats * 4.0 / two_stream_s / 1e9;
+    std::printf(
+        "{\"path\": \"%s\", \"dtype\": \"%s\", \"rows\": %lld, \"round\": %d, \"one_thread_stream_gb_s\": %.1f, "
+        "\"two_thread_stream_gb_s\": %.1f, \"step_ms_two_workers\": %.2f, \"step_ms_one_worker\": %.2f, "
+        "\"two_workers_of_two_thread_stream\": %.2f, \"one_worker_of_two_thread_stream\": %.2f}\n",
+        kPath, dtype, static_cast<long long>(rows), round, stream_floats * 4.0 / one_stream_s / 1e9, two_stream_gb_s,
+        1e3 * two_s, 1e3 * one_s, bytes / two_s / 1e9 / two_stream_gb_s, bytes / one_s / 1e9 / two_stream_gb_s);
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  const bool two_threads = argc > 2 && std::atoi(argv[2]) == 2;
   for (int64_t rows : {1, 2, 4, 5, 8, 16, 64}) {
     if (argc > 1 && std::atoi(argv[1]) != rows) continue;
-    Bench<F32>("float32", rows);
-    Bench<BF16>("bfloat16", rows);
+    if (two_threads) {
+      BenchTwoThreads<F32>("float32", rows);
+      BenchTwoThreads<BF16>("bfloat16", rows);
+    } else {
+      Bench<F32>("float32", rows);
+      Bench<BF16>("bfloat16", rows);
+    }
   }
 }

@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +35,13 @@ def emit(**record) -> None:
     print(json.dumps(record), flush=True)
 
 
-def read_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 10) -> float:
-    """Bytes read per second over a large float32 array, the best of a whole-array sum and a per-row sum
-    (XLA:CPU may run the first on one thread, the second spreads rows over its threads): what a decode
-    step does to its weights. The array lives in huge pages where the engine puts its weights there
+def read_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 10) -> dict[str, float]:
+    """Bytes read per second over a large float32 array by each way of reading it: XLA's whole-array sum
+    and per-row sum (XLA:CPU may run the first on one thread, the second spreads rows over its threads)
+    and, on the CPU, two threads each summing one half at once (numpy, outside the GIL). What a decode
+    step does to its weights; the roofline takes the best. The two-thread read matters where one thread
+    cannot read at the memory's bandwidth (an Intel Xeon here: ~16 GB/s one thread, ~27 two), since a step's
+    kernels read with two workers. The array lives in huge pages where the engine puts its weights there
     (jaxserve/device/huge_pages.py): over 4 KiB pages reads run at about half the speed."""
     from jaxserve.device.huge_pages import huge_page_arena
 
@@ -48,10 +52,27 @@ def read_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 10) -> float:
         host[:] = 1.0
         x = jax.device_put(host)
     else:
+        host = None
         x = jnp.ones(shape, jnp.float32)
-    whole = median_time(jax.jit(jnp.sum), x, repeats=repeats)
-    rows = median_time(jax.jit(lambda a: a.sum(axis=1)), x, repeats=repeats)
-    return x.nbytes / min(whole, rows)
+    seconds = {
+        "xla_whole": median_time(jax.jit(jnp.sum), x, repeats=repeats),
+        "xla_rows": median_time(jax.jit(lambda a: a.sum(axis=1)), x, repeats=repeats),
+    }
+    if host is not None:
+        seconds["two_threads"] = two_thread_read_seconds(host, repeats)
+    return {name: x.nbytes / s for name, s in seconds.items()}
+
+
+def two_thread_read_seconds(host: np.ndarray, repeats: int) -> float:
+    """Median seconds for two threads to sum the two halves of `host` at the same time."""
+    halves = np.array_split(host, 2)
+    times = []
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            list(pool.map(np.sum, halves))
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def decode_inputs(runner, batch: int, context: int, shape, vocab_size: int):
@@ -359,11 +380,13 @@ def main() -> None:
     parser.add_argument("--paths", action="store_true", help="with --profile: projections through every kernel path")
     args = parser.parse_args()
     args.batches = sorted({1, *(int(b) for b in args.batches.split(","))})
-    bandwidth = read_bandwidth()
+    bandwidths = read_bandwidth()
+    bandwidth = max(bandwidths.values())
     emit(
         bench="decode_step",
         model=args.model,
         read_bandwidth_gb_s=round(bandwidth / 1e9, 2),
+        read_bandwidth_gb_s_by_reader={name: round(b / 1e9, 2) for name, b in bandwidths.items()},
         jax=jax.__version__,
         python=sys.version.split()[0],
         **cpu_description(),

@@ -35,15 +35,37 @@ inline __m512i WidenBytes(const uint8_t* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// R rows of quantized x (from r0) times sub-block g at T vectors of 16 columns from c: exact int32 sums, then
-// scaled into the result (see the file's comment).
-template <int Kind, int R, int T>
-inline void Int8Tile(const Weight& w, const QuantizedRows& x, int64_t r0, int64_t g, int64_t c, float* partial) {
-  constexpr int kBits = HighBits(Kind);
-  const int64_t n = w.columns, depth = x.depth, k0 = g * w.group;
-  const int64_t chunk = k0 / 32, num_chunks = depth / 32;
+// A kind's weights as vpdpbusd operands: 4 k (from k, a multiple of 4) of 16 columns (from c), the stored
+// q (offset included) of one column per 32-bit lane in k order (see the file's comment).
+template <int Kind>
+struct Int8Widener {
+  static constexpr int kBits = HighBits(Kind);
   const __m512i nibbles = _mm512_set1_epi8(0x0F), high_mask = _mm512_set1_epi8(kBits == 1 ? 0x10 : 0x30);
   const __m512i control0 = HighBitsControl(kBits, 0), control1 = HighBitsControl(kBits, 1);
+
+  inline __m512i operator()(const Weight& w, int64_t k, int64_t c) const {
+    const int64_t n = w.columns;
+    const uint8_t* low = w.low + (k / 2) * n + c;
+    const __m512i u = _mm512_or_si512(WidenBytes(low), _mm512_slli_epi32(WidenBytes(low + n), 16));
+    __m512i v = _mm512_and_si512(_mm512_or_si512(u, _mm512_slli_epi32(u, 4)), nibbles);
+    if constexpr (kBits > 0) {
+      const int64_t per_byte = 8 / kBits;  // k per high-plane byte
+      const __m512i h = WidenBytes(w.high + (k / per_byte) * n + c);
+      const __m512i spread = _mm512_multishift_epi64_epi8(kBits == 1 && k % 8 ? control1 : control0, h);
+      v = _mm512_ternarylogic_epi32(v, spread, high_mask, 0xF8);  // v | (spread & mask)
+    }
+    return v;
+  }
+};
+
+// R rows of quantized x (from r0) times sub-block g at T vectors of 16 columns, their weights from
+// `weights(k, t)`, scaled by `scale` and `minimum` (ScaleVector, MinVector of those columns) and added into
+// the results, `result(r, t, add)` applying `add` to (row r, vector t)'s: exact int32 sums, then one float
+// multiply per (row, column) (see the file's comment).
+template <int Kind, int R, int T, class Weights, class Result>
+inline void Int8SubBlock(const Weight& w, const QuantizedRows& x, int64_t r0, int64_t g, const Weights& weights,
+                         const VecF (&scale)[T], const VecF (&minimum)[T], const Result& result) {
+  const int64_t depth = x.depth, k0 = g * w.group;
   __m512i acc[R][T];
   int32_t sums[R];  // the sub-block's sum of q_x per row (the offset's and the mins' term)
   for (int r = 0; r < R; ++r) {
@@ -53,17 +75,7 @@ inline void Int8Tile(const Weight& w, const QuantizedRows& x, int64_t r0, int64_
   }
   for (int64_t k = k0; k < k0 + w.group; k += 4) {
     __m512i v[T];
-    for (int t = 0; t < T; ++t) {
-      const uint8_t* low = w.low + (k / 2) * n + c + 16 * t;
-      const __m512i u = _mm512_or_si512(WidenBytes(low), _mm512_slli_epi32(WidenBytes(low + n), 16));
-      v[t] = _mm512_and_si512(_mm512_or_si512(u, _mm512_slli_epi32(u, 4)), nibbles);
-      if constexpr (kBits > 0) {
-        const int64_t per_byte = 8 / kBits;  // k per high-plane byte
-        const __m512i h = WidenBytes(w.high + (k / per_byte) * n + c + 16 * t);
-        const __m512i spread = _mm512_multishift_epi64_epi8(kBits == 1 && k % 8 ? control1 : control0, h);
-        v[t] = _mm512_ternarylogic_epi32(v[t], spread, high_mask, 0xF8);  // v | (spread & mask)
-      }
-    }
+    for (int t = 0; t < T; ++t) v[t] = weights(k, t);
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, x.q.data() + (r0 + r) * depth + k, sizeof(four));
@@ -71,20 +83,120 @@ inline void Int8Tile(const Weight& w, const QuantizedRows& x, int64_t r0, int64_
       for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], v[t], xq);
     }
   }
+  for (int r = 0; r < R; ++r) {
+    const float dx = x.d[(r0 + r) * (depth / 32) + k0 / 32];
+    const VecF dx_vector = Splat(dx), min_factor = Splat(-dx * float(sums[r]));
+    for (int t = 0; t < T; ++t) {
+      result(r, t, [&](VecF o) {
+        o = Fma(ToFloat(VecI(acc[r][t])), dx_vector * scale[t], o);
+        if constexpr (HasMins(Kind)) o = Fma(min_factor, minimum[t], o);
+        return o;
+      });
+    }
+  }
+}
+
+// One to a few rows: R rows times sub-block g at T vectors of columns from c, widened from the planes as the
+// tile goes (a weight byte serves few rows), added into the result.
+template <int Kind, int R, int T>
+inline void Int8Tile(const Weight& w, const QuantizedRows& x, int64_t r0, int64_t g, int64_t c, float* partial) {
+  const Int8Widener<Kind> widen;
   VecF scale[T], minimum[T];
   for (int t = 0; t < T; ++t) {
     scale[t] = ScaleVector<Kind>(w, g, c + 16 * t);
     if constexpr (HasMins(Kind)) minimum[t] = MinVector<Kind>(w, g, c + 16 * t);
   }
-  for (int r = 0; r < R; ++r) {
-    float* out = partial + (r0 + r) * n + c;
-    const float dx = x.d[(r0 + r) * num_chunks + chunk];
-    const VecF dx_vector = Splat(dx), min_factor = Splat(-dx * float(sums[r]));
-    for (int t = 0; t < T; ++t) {
-      VecF o = Fma(ToFloat(VecI(acc[r][t])), dx_vector * scale[t], LoadF(out + 16 * t));
-      if constexpr (HasMins(Kind)) o = Fma(min_factor, minimum[t], o);
-      StoreF(out + 16 * t, o);
+  const auto weights = [&](int64_t k, int t) { return widen(w, k, c + 16 * t); };
+  const auto result = [&](int r, int t, auto add) {
+    float* out = partial + (r0 + r) * w.columns + c + 16 * t;
+    StoreF(out, add(LoadF(out)));
+  };
+  Int8SubBlock<Kind, R, T>(w, x, r0, g, weights, scale, minimum, result);
+}
+
+// Many rows: an item's weights widened once (WidenItem), with their sub-blocks' scales and mins, for every row
+// group to read (the widening costs about as many instructions as 8 rows' vpdpbusd).
+struct WidenedItem {
+  const __m512i* vectors;  // [(g1 - g0) * group / 4 steps of 4 k, stride]
+  const VecF* scales;      // [g1 - g0, stride]: ScaleVector
+  const VecF* mins;        // [g1 - g0, stride]: MinVector (kinds with mins)
+  int64_t g0, g1, c0, stride;  // sub-blocks, first column, full vectors of columns
+};
+
+// Sub-blocks g0 .. g1 of columns c0 .. c0 + 16 * stride into `item`'s arrays (planes walked along their rows).
+template <int Kind>
+void WidenItem(const Weight& w, const WidenedItem& item) {
+  const Int8Widener<Kind> widen;
+  __m512i* vectors = const_cast<__m512i*>(item.vectors);
+  for (int64_t k = item.g0 * w.group; k < item.g1 * w.group; k += 4, vectors += item.stride) {
+    for (int64_t v = 0; v < item.stride; ++v) vectors[v] = widen(w, k, item.c0 + 16 * v);
+  }
+  for (int64_t g = item.g0; g < item.g1; ++g) {
+    for (int64_t v = 0; v < item.stride; ++v) {
+      const int64_t i = (g - item.g0) * item.stride + v;
+      const_cast<VecF*>(item.scales)[i] = ScaleVector<Kind>(w, g, item.c0 + 16 * v);
+      if constexpr (HasMins(Kind)) const_cast<VecF*>(item.mins)[i] = MinVector<Kind>(w, g, item.c0 + 16 * v);
     }
+  }
+}
+
+// Rows per widened tile and its vectors of columns: R * T int32 sums, R * T float results and T weights in
+// 32 registers (x's four bytes are vpdpbusd's broadcast operand); 4 vectors divide the items' 64-column widths.
+constexpr int kWidenedRows = 3, kWidenedVectors = 4;
+
+// R rows times the widened item's sub-blocks at T vectors from vector v0: the results held in registers
+// over all the sub-blocks (added in sub-block order, as the one-pass tiles add them: the same floats).
+template <int Kind, int R, int T>
+inline void Int8WidenedTile(const Weight& w, const QuantizedRows& x, int64_t r0, const WidenedItem& item, int64_t v0,
+                            float* partial) {
+  const int64_t c = item.c0 + 16 * v0;
+  VecF out[R][T];
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < T; ++t) out[r][t] = LoadF(partial + (r0 + r) * w.columns + c + 16 * t);
+  }
+  for (int64_t g = item.g0; g < item.g1; ++g) {
+    const int64_t first = (g - item.g0) * item.stride + v0;
+    const __m512i* vectors = item.vectors + (g - item.g0) * (w.group / 4) * item.stride + v0;
+    const int64_t k0 = g * w.group;
+    const auto weights = [&](int64_t k, int t) { return vectors[(k - k0) / 4 * item.stride + t]; };
+    VecF scale[T], minimum[T];
+    for (int t = 0; t < T; ++t) {
+      scale[t] = item.scales[first + t];
+      if constexpr (HasMins(Kind)) minimum[t] = item.mins[first + t];
+    }
+    Int8SubBlock<Kind, R, T>(w, x, r0, g, weights, scale, minimum,
+                             [&](int r, int t, auto add) { out[r][t] = add(out[r][t]); });
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < T; ++t) StoreF(partial + (r0 + r) * w.columns + c + 16 * t, out[r][t]);
+  }
+}
+
+template <int Kind, int R>
+void Int8WidenedRows(const Weight& w, const QuantizedRows& x, int64_t r0, const WidenedItem& item, float* partial) {
+  int64_t v = 0;
+  for (; v + kWidenedVectors <= item.stride; v += kWidenedVectors) {
+    Int8WidenedTile<Kind, R, kWidenedVectors>(w, x, r0, item, v, partial);
+  }
+  for (; v < item.stride; ++v) Int8WidenedTile<Kind, R, 1>(w, x, r0, item, v, partial);
+}
+
+// R rows of quantized x times sub-block g at column c, one column (the tails: the same integers, the same
+// scaling as the tiles).
+template <int Kind, int R>
+inline void Int8Column(const Weight& w, const QuantizedRows& x, int64_t r0, int64_t g, int64_t c, float* partial) {
+  const float scale = ScaleAt<Kind>(w, g, c), minimum = MinAt<Kind>(w, g, c);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* q = x.q.data() + (r0 + r) * x.depth;
+    int32_t sum = 0, q_sum = 0;
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+      sum += int32_t(q[k]) * Integer<Kind>(w, k, c);
+      q_sum += q[k];
+    }
+    const float dx = x.d[(r0 + r) * (x.depth / 32) + g * w.group / 32];
+    float& out = partial[(r0 + r) * w.columns + c];
+    out += float(sum) * (dx * scale);
+    if (HasMins(Kind)) out -= dx * float(q_sum) * minimum;
   }
 }
 

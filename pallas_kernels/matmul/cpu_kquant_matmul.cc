@@ -1,6 +1,6 @@
-// A few rows times GGUF K-quant weights (Q4_K, Q5_K, Q6_K, and the Q5_0 / Q5_1 of Q4_K_M / Q5_K_M files) at
-// the file's bytes, for decode steps on the CPU, as an XLA FFI custom call: out_i [M, N_i] float32 =
-// x [M, K] @ w_i, with w_i in kquant.py's planes:
+// Rows times GGUF K-quant weights (Q4_K, Q5_K, Q6_K, and the Q5_0 / Q5_1 of Q4_K_M / Q5_K_M files) at the
+// file's bytes, for decode steps and (x in int8) prefill chunks on the CPU, as an XLA FFI custom call:
+// out_i [M, N_i] float32 = x [M, K] @ w_i, with w_i in kquant.py's planes:
 //
 //   low [K / 2, N] uint8        q's low 4 bits, rows 2i (low nibble) and 2i + 1 (high nibble)
 //   high [K / 8 or K / 4, N]    Q5_K / Q5_0 / Q5_1: bit 4 of rows 8i + j at bit j; Q6_K: bits 4-5 of rows
@@ -18,7 +18,8 @@
 // are widened from their planes into floats (in L1) and used by every row of x (up to 8 per pass; more
 // rows pass over the sub-block again), their products summed per (row, column); at the sub-block's end
 // the sums are scaled by d * sc (formed in float32 as ggml does) once per column, and the min applied
-// through the sub-block's sum of x (sum x w = d sc sum x q - dmin m sum x).
+// through the sub-block's sum of x (sum x w = d sc sum x q - dmin m sum x). Many rows with x in int8
+// (ManyRowsItem): an item's weights are widened once into a buffer that every row group reads.
 //
 // Threads: column blocks, and where there are too few for the threads a fixed split of the sub-blocks
 // into parts, each into its own partial, summed in part order (results do not depend on which thread took
@@ -29,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_workers.h"
@@ -42,7 +44,6 @@ namespace {
 
 using namespace kquant_vectors;
 
-constexpr int64_t kMaxRows = 64;          // the wrapper sends no more
 constexpr int64_t kSuperBlock = 256;      // values per super-block
 constexpr int64_t kBlockColumns = 256;    // an item's columns at most
 // Narrower blocks where a weight has too few columns for the threads, in whole 64-byte lines of the planes: a
@@ -240,15 +241,27 @@ inline void Tile(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t 
   }
 }
 
-// R rows from r0, sub-block g, columns c0 .. c0 + width: register tiles of kTileVectors[R] vectors, then
-// single vectors, then the last columns (width not a multiple of kLanes) one at a time.
+// R rows of x times sub-block g at column c, one column (the tails of a width not a multiple of kLanes).
 template <int Kind, int R>
-void RowGroup(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c0, int64_t width, float* partial,
-              AheadLines* ahead = nullptr) {
-  constexpr int T = kTileVectors[R];
+inline void Column(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c, float* partial) {
+  const float scale = ScaleAt<Kind>(w, g, c), minimum = MinAt<Kind>(w, g, c);
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x.data + (r0 + r) * x.depth;
+    float sum = 0.0f;
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) sum += xr[k] * float(Integer<Kind>(w, k, c));
+    float& out = partial[(r0 + r) * w.columns + c];
+    out += sum * scale;
+    if (HasMins(Kind)) out -= w.x_sums[(r0 + r) * (x.depth / 32) + g] * minimum;
+  }
+}
+
+// Columns c0 .. c0 + width: register tiles of T vectors (`tile(std::integral_constant<int, T>(), c)`), then
+// single vectors, then the last columns one at a time (`column(c)`). One or two rows: `ahead` (the next
+// sub-block's low and high planes) prefetched a share before each tile, the rest after the tiles.
+template <int T, class TileAt, class ColumnAt>
+inline void WalkColumns(int64_t c0, int64_t width, const AheadLines* ahead, TileAt tile, ColumnAt column) {
   const int64_t end = c0 + width, vectors_end = c0 + width / kLanes * kLanes;
-  int64_t c = c0;
-  AheadLines lines[2];  // the low and high planes' next sub-block (locals: kept in registers)
+  AheadLines lines[2];  // locals: kept in registers
   int64_t per_tile[2] = {0, 0};
   if (ahead != nullptr) {
     const int64_t tiles = std::max<int64_t>(1, width / (T * kLanes));
@@ -257,54 +270,53 @@ void RowGroup(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c0,
       per_tile[i] = (lines[i].Lines() + tiles - 1) / tiles;
     }
   }
-#if defined(KQUANT_INT8)
-  if (w.x_int8 != nullptr) {
-    const QuantizedRows& xq = *w.x_int8;
-    for (; c + T * kLanes <= vectors_end; c += T * kLanes) {
-      lines[0].Issue(per_tile[0]);
-      lines[1].Issue(per_tile[1]);
-      Int8Tile<Kind, R, T>(w, xq, r0, g, c, partial);
-    }
-    lines[0].Issue(INT64_MAX);
-    lines[1].Issue(INT64_MAX);
-    for (; c < vectors_end; c += kLanes) Int8Tile<Kind, R, 1>(w, xq, r0, g, c, partial);
-    for (; c < end; ++c) {  // the last columns one at a time: the same integers, the same scaling
-      const float scale = ScaleAt<Kind>(w, g, c), minimum = MinAt<Kind>(w, g, c);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = xq.q.data() + (r0 + r) * x.depth;
-        int32_t sum = 0, q_sum = 0;
-        for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
-          sum += int32_t(q[k]) * Integer<Kind>(w, k, c);
-          q_sum += q[k];
-        }
-        const float dx = xq.d[(r0 + r) * (x.depth / 32) + g * w.group / 32];
-        float& out = partial[(r0 + r) * w.columns + c];
-        out += float(sum) * (dx * scale);
-        if (HasMins(Kind)) out -= dx * float(q_sum) * minimum;
-      }
-    }
-    return;
-  }
-#endif
+  int64_t c = c0;
   for (; c + T * kLanes <= vectors_end; c += T * kLanes) {
     lines[0].Issue(per_tile[0]);
     lines[1].Issue(per_tile[1]);
-    Tile<Kind, R, T>(w, x, r0, g, c, partial);
+    tile(std::integral_constant<int, T>(), c);
   }
   lines[0].Issue(INT64_MAX);
   lines[1].Issue(INT64_MAX);
-  for (; c < vectors_end; c += kLanes) Tile<Kind, R, 1>(w, x, r0, g, c, partial);
-  const int64_t num_x_groups = x.depth / 32;
-  for (; c < end; ++c) {
-    const float scale = ScaleAt<Kind>(w, g, c), minimum = MinAt<Kind>(w, g, c);
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x.data + (r0 + r) * x.depth;
-      float sum = 0.0f;
-      for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) sum += xr[k] * float(Integer<Kind>(w, k, c));
-      float& out = partial[(r0 + r) * w.columns + c];
-      out += sum * scale;
-      if (HasMins(Kind)) out -= w.x_sums[(r0 + r) * num_x_groups + g] * minimum;
-    }
+  for (; c < vectors_end; c += kLanes) tile(std::integral_constant<int, 1>(), c);
+  for (; c < end; ++c) column(c);
+}
+
+// R rows from r0, sub-block g, columns c0 .. c0 + width: the int8 tiles where x is quantized (their weights
+// widened from the planes as they go), else the float ones.
+template <int Kind, int R>
+void RowGroup(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c0, int64_t width, float* partial,
+              const AheadLines* ahead = nullptr) {
+#if defined(KQUANT_INT8)
+  if (w.x_int8 != nullptr) {
+    const QuantizedRows& xq = *w.x_int8;
+    const auto tile = [&](auto vectors, int64_t c) {
+      Int8Tile<Kind, R, decltype(vectors)::value>(w, xq, r0, g, c, partial);
+    };
+    const auto column = [&](int64_t c) { Int8Column<Kind, R>(w, xq, r0, g, c, partial); };
+    WalkColumns<kTileVectors[R]>(c0, width, ahead, tile, column);
+    return;
+  }
+#endif
+  const auto tile = [&](auto vectors, int64_t c) { Tile<Kind, R, decltype(vectors)::value>(w, x, r0, g, c, partial); };
+  const auto column = [&](int64_t c) { Column<Kind, R>(w, x, r0, g, c, partial); };
+  WalkColumns<kTileVectors[R]>(c0, width, ahead, tile, column);
+}
+
+// Rows r0 .. r1 of sub-block g: row groups of kTileRows, then the rest in one.
+template <int Kind>
+void RowGroups(const Weight& w, const Rows& x, int64_t r0, int64_t r1, int64_t g, int64_t c0, int64_t width,
+               float* partial) {
+  for (; r0 + kTileRows <= r1; r0 += kTileRows) RowGroup<Kind, kTileRows>(w, x, r0, g, c0, width, partial);
+  switch (r1 - r0) {
+    case 7: RowGroup<Kind, 7>(w, x, r0, g, c0, width, partial); break;
+    case 6: RowGroup<Kind, 6>(w, x, r0, g, c0, width, partial); break;
+    case 5: RowGroup<Kind, 5>(w, x, r0, g, c0, width, partial); break;
+    case 4: RowGroup<Kind, 4>(w, x, r0, g, c0, width, partial); break;
+    case 3: RowGroup<Kind, 3>(w, x, r0, g, c0, width, partial); break;
+    case 2: RowGroup<Kind, 2>(w, x, r0, g, c0, width, partial); break;
+    case 1: RowGroup<Kind, 1>(w, x, r0, g, c0, width, partial); break;
+    default: break;
   }
 }
 
@@ -347,6 +359,38 @@ void SubBlockLines(const Weight& w, int64_t g, int64_t c0, int64_t width, int64_
   if (kBits > 0) lines[1] = AheadLines(w.high + (k0 * kBits / 8) * n + c0, width, n, w.group * kBits / 8);
 }
 
+#if defined(KQUANT_INT8)
+// Many rows, x quantized: the item's full vectors of columns widened once (WidenItem, into this thread's
+// buffer: K / 4 * 16 vectors at most, 1.5 MB for K 6144), then every kWidenedRows rows pass over all of it
+// with their results in registers; the columns past the last vector one at a time. A weight byte is read
+// from memory and widened once per call (the one-pass tiles: once per 8 rows, and results loaded and stored
+// per sub-block). The same integers and float operations as the one-pass tiles: the same results.
+template <int Kind>
+void ManyRowsItem(const Weight& w, const QuantizedRows& x, int64_t g0, int64_t g1, int64_t c0, int64_t width,
+                  float* partial) {
+  struct alignas(64) Line {
+    uint8_t bytes[64];
+  };
+  thread_local std::vector<Line> buffer;
+  const int64_t stride = width / kLanes, steps = (g1 - g0) * w.group / 4, scales = (g1 - g0) * stride;
+  buffer.resize(std::max<size_t>(buffer.size(), size_t(steps * stride + 2 * scales)));
+  const __m512i* vectors = reinterpret_cast<const __m512i*>(buffer.data());
+  const VecF* scale_vectors = reinterpret_cast<const VecF*>(buffer.data() + steps * stride);
+  const WidenedItem item{vectors, scale_vectors, scale_vectors + scales, g0, g1, c0, stride};
+  WidenItem<Kind>(w, item);
+  int64_t r0 = 0;
+  for (; r0 + kWidenedRows <= x.rows; r0 += kWidenedRows) Int8WidenedRows<Kind, kWidenedRows>(w, x, r0, item, partial);
+  static_assert(kWidenedRows <= 3, "the rest below");
+  if (x.rows - r0 == 2) Int8WidenedRows<Kind, 2>(w, x, r0, item, partial);
+  if (x.rows - r0 == 1) Int8WidenedRows<Kind, 1>(w, x, r0, item, partial);
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t c = c0 + stride * kLanes; c < c0 + width; ++c) {
+      for (r0 = 0; r0 < x.rows; ++r0) Int8Column<Kind, 1>(w, x, r0, g, c, partial);
+    }
+  }
+}
+#endif
+
 template <int Kind>
 void ItemOfKind(const Weight& w, const Rows& x, int64_t g0, int64_t g1, int64_t c0, int64_t width, float* partial) {
 #if JAXSERVE_KQ_AHEAD
@@ -370,20 +414,15 @@ void ItemOfKind(const Weight& w, const Rows& x, int64_t g0, int64_t g1, int64_t 
     return;
   }
 #endif
+#if defined(KQUANT_INT8)
+  if (w.x_int8 != nullptr && x.rows > kTileRows) {
+    ManyRowsItem<Kind>(w, *w.x_int8, g0, g1, c0, width, partial);
+    return;
+  }
+#endif
   for (int64_t g = g0; g < g1; ++g) {
     Prefetch(w, g, c0, width, x.depth);
-    int64_t r0 = 0;
-    for (; r0 + kTileRows <= x.rows; r0 += kTileRows) RowGroup<Kind, kTileRows>(w, x, r0, g, c0, width, partial);
-    switch (x.rows - r0) {
-      case 7: RowGroup<Kind, 7>(w, x, r0, g, c0, width, partial); break;
-      case 6: RowGroup<Kind, 6>(w, x, r0, g, c0, width, partial); break;
-      case 5: RowGroup<Kind, 5>(w, x, r0, g, c0, width, partial); break;
-      case 4: RowGroup<Kind, 4>(w, x, r0, g, c0, width, partial); break;
-      case 3: RowGroup<Kind, 3>(w, x, r0, g, c0, width, partial); break;
-      case 2: RowGroup<Kind, 2>(w, x, r0, g, c0, width, partial); break;
-      case 1: RowGroup<Kind, 1>(w, x, r0, g, c0, width, partial); break;
-      default: break;
-    }
+    RowGroups<Kind>(w, x, 0, x.rows, g, c0, width, partial);
   }
 }
 
@@ -471,7 +510,6 @@ ffi::Error KQuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingAr
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return ffi::Error::InvalidArgument("kquant_matmul: x must be 2-d");
   const int64_t rows = x_dims[0], depth = x_dims[1];
-  if (rows > kMaxRows) return ffi::Error::InvalidArgument("kquant_matmul: too many rows");
   if (depth % 32) return ffi::Error::InvalidArgument("kquant_matmul: K must be a multiple of 32");
   const size_t count = outs.size();
   if (count == 0 || arrays.size() != kArraysPerWeight * count || kinds.size() != count) {

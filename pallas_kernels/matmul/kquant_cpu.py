@@ -1,6 +1,7 @@
-"""The C++ K-quant matmul (cpu_kquant_matmul.cc): a few rows times GGUF Q4_K / Q5_K / Q6_K weights held at the
+"""The C++ K-quant matmul (cpu_kquant_matmul.cc): rows times GGUF Q4_K / Q5_K / Q6_K weights held at the
 file's bytes (kquant.py's KQuantWeight), widened from their planes in registers, sums scaled once per
 sub-block; x quantized to int8 per 32 k with integer dots as llama.cpp (AVX-512 VNNI) or kept in float;
+with int8 x, any number of rows (prefill chunks too: from 9 rows each weight is widened once per call);
 several weights by the same rows (a layer's q, k and v; gate and up: a Q4_K_M file mixes Q4_K and Q6_K
 within a layer) in one call whose threads share the work. Built into the CPU kernels' one library
 (pallas_kernels/cpu_library.py); `path=` builds and calls another instruction path's library (tests).
@@ -22,7 +23,7 @@ from pallas_kernels import cpu_library
 from pallas_kernels.matmul import kquant, quantized_cpu
 
 KQUANT_TARGET = "jaxserve_cpu_kquant_matmul"
-KERNEL_MAX_ROWS = 64  # cpu_kquant_matmul.cc's kMaxRows: every decode bucket
+KERNEL_MAX_ROWS = 64  # float x: every decode bucket (its tiles widen the weights again every 8 rows)
 ROW_DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))
 INT8_CPU_FLAGS = frozenset({"avx512_vnni", "avx512vbmi", "avx512bw"})  # what the int8 tiles' instructions need
 KIND_NUMBERS = {"q4_k": 4, "q5_k": 5, "q6_k": 6, "q5_0": 50, "q5_1": 51}  # cpu_kquant_matmul.cc's
@@ -59,8 +60,8 @@ def computes_int8(path: str | None = None) -> bool:
 
 
 def kquant_matmuls(x, weights, *, path: str | None = None, activations: str = "int8") -> tuple:
-    """x [M <= KERNEL_MAX_ROWS, K] by each KQuantWeight [K, N_i] in one call -> float32 [M, N_i] each; the
-    weights may be of different kinds. `path` (cpu_library.PATHS) picks another path's build; `activations`
+    """x [M, K] by each KQuantWeight [K, N_i] in one call -> float32 [M, N_i] each; the weights may be of
+    different kinds. `path` (cpu_library.PATHS) picks another path's build; `activations`
     int8 quantizes x per 32 k as llama.cpp (where the path has the tiles: computes_int8), float keeps it."""
     quantized_cpu.check_activations(activations)
     weights = tuple(weights)
@@ -69,8 +70,8 @@ def kquant_matmuls(x, weights, *, path: str | None = None, activations: str = "i
     for weight in weights:
         if not serves_weight(weight):
             raise ValueError(f"the CPU K-quant matmul does not serve this weight: {jax.tree.map(jnp.shape, weight)}")
-        if x.ndim != 2 or x.shape[0] > KERNEL_MAX_ROWS or x.shape[1] != weight.shape[0]:
-            raise ValueError(f"kquant_matmul wants x [M <= {KERNEL_MAX_ROWS}, {weight.shape[0]}], got {x.shape}")
+        if x.ndim != 2 or x.shape[1] != weight.shape[0]:
+            raise ValueError(f"kquant_matmul wants x [M, {weight.shape[0]}], got {x.shape}")
     if jnp.dtype(x.dtype) not in ROW_DTYPES:
         raise ValueError(f"kquant_matmul takes float32, bfloat16 or float16 rows, got {x.dtype}")
     if not _register(path):
@@ -89,14 +90,17 @@ def kquant_matmuls(x, weights, *, path: str | None = None, activations: str = "i
 @dataclass(frozen=True)
 class KQuantSmallMatmul:
     """The C++ kernel, for up to `max_rows` rows of K-quant weights (all of a call's weights; the rest: the
-    reference); a layer's weights by the same rows in one call, x kept as `activations` (int8 | float) says."""
+    reference), or any number where x is int8 and this build has the int8 tiles (prefill chunks: faster
+    than the reference's dequantize-and-dot at 16-512 rows on SmolLM2's shapes, issue 25 session 12); a
+    layer's weights by the same rows in one call, x kept as `activations` (int8 | float) says."""
 
     max_rows: int
     activations: str = "int8"
     joins_weights: ClassVar[bool] = True
 
     def serves(self, num_rows: int, weights: tuple) -> bool:
-        return num_rows <= self.max_rows and all(serves_weight(weight) for weight in weights)
+        any_rows = self.activations == "int8" and computes_int8()
+        return (any_rows or num_rows <= self.max_rows) and all(serves_weight(weight) for weight in weights)
 
     def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
         if transposed:

@@ -42,6 +42,12 @@ def _weight(qtype, columns: int, depth: int, seed: int) -> tuple[KQuantWeight, n
     return weight, gguf_dequantize(raw, qtype).T.astype(np.float64)
 
 
+def _weights(*specs) -> tuple[tuple[KQuantWeight, ...], tuple[np.ndarray, ...]]:
+    """(_weight(*spec) for each spec) as the weights and their float64 values."""
+    pairs = [_weight(*spec) for spec in specs]
+    return tuple(weight for weight, _ in pairs), tuple(dense for _, dense in pairs)
+
+
 @pytest.mark.parametrize("qtype", KQUANTS)
 def test_blocks_become_planes_with_the_files_values_and_bytes(qtype):
     raw = _blocks(qtype, 7, 512, 1)
@@ -68,14 +74,13 @@ def test_the_xla_reference_computes_the_dequantized_product(num_rows):
 
 
 def test_the_cpu_kernel_computes_mixed_kinds_in_one_call_on_every_path():
-    weights, dense = zip(
-        _weight(T.Q4_K, 37, 768, 3),  # N not a multiple of a vector
-        _weight(T.Q6_K, 300, 768, 4),  # more than one column block
-        _weight(T.Q5_K, 531, 768, 5),
-        _weight(T.Q4_K, 3, 768, 6),  # fewer columns than threads: K split into parts
-        _weight(T.Q5_0, 40, 768, 8),  # blocks of 32, d per block
-        _weight(T.Q5_1, 5, 768, 9),
-        strict=True,
+    weights, dense = _weights(
+        (T.Q4_K, 37, 768, 3),  # N not a multiple of a vector
+        (T.Q6_K, 300, 768, 4),  # more than one column block
+        (T.Q5_K, 531, 768, 5),
+        (T.Q4_K, 3, 768, 6),  # fewer columns than threads: K split into parts
+        (T.Q5_0, 40, 768, 8),  # blocks of 32, d per block
+        (T.Q5_1, 5, 768, 9),
     )
     rng = np.random.default_rng(7)
     for path in cpu_library.runnable_paths():
@@ -119,13 +124,12 @@ def test_int8_activations_compute_llama_cpps_integer_arithmetic_on_every_path():
     """Where the path has the int8 tiles (AVX-512 VNNI + VBMI): exact integer sums per sub-block, within float32
     rounding of the model above, and within the activations' rounding of the dequantized product; elsewhere an
     int8 request keeps x in float (the dequantized product). Every kind, odd N (column tails), 1 / 5 / 9 rows."""
-    weights, dense = zip(
-        _weight(T.Q4_K, 37, 512, 11),
-        _weight(T.Q5_K, 531, 512, 12),
-        _weight(T.Q6_K, 45, 512, 13),
-        _weight(T.Q5_0, 83, 512, 14),
-        _weight(T.Q5_1, 19, 512, 15),
-        strict=True,
+    weights, dense = _weights(
+        (T.Q4_K, 37, 512, 11),
+        (T.Q5_K, 531, 512, 12),
+        (T.Q6_K, 45, 512, 13),
+        (T.Q5_0, 83, 512, 14),
+        (T.Q5_1, 19, 512, 15),
     )
     rng = np.random.default_rng(16)
     for path in cpu_library.runnable_paths():
@@ -148,11 +152,48 @@ def test_int8_activations_compute_llama_cpps_integer_arithmetic_on_every_path():
                 assert np.all(np.abs(got - x @ expected) <= rounding * (1 + 1e-5) + 1e-4), (path, weight.kind)
 
 
+def test_prefill_sized_rows_compute_as_the_few_row_tiles_bit_for_bit():
+    """65 and 200 rows (past the decode buckets; odd): with int8 x the many-rows items (each weight widened
+    once per call, cpu_kquant_int8.h's WidenedItem) give each row exactly what the one-pass tiles give it in a
+    call of 8 rows, and within float32 rounding of the integer model; paths without the int8 tiles keep x in
+    float (the dequantized product)."""
+    weights, dense = _weights(
+        (T.Q4_K, 531, 512, 21),  # two 256-column blocks and a tail of 19 columns
+        (T.Q5_K, 64, 512, 22),
+        (T.Q6_K, 45, 512, 23),
+        (T.Q5_0, 192, 512, 24),
+        (T.Q5_1, 19, 512, 25),
+    )
+    rng = np.random.default_rng(26)
+    for path in cpu_library.runnable_paths():
+        call = jax.jit(lambda x, ws, path=path: kquant_cpu.kquant_matmuls(x, ws, path=path, activations="int8"))
+        for num_rows in (65, 200):
+            x = rng.standard_normal((num_rows, 512)).astype(np.float32)
+            x[3, 64:96] = 0.0  # a chunk of zeros: d = 0
+            got = call(jnp.asarray(x), weights)
+            few = call(jnp.asarray(x[:8]), weights)
+            for many, eight, weight, expected in zip(got, few, weights, dense, strict=True):
+                many = np.asarray(many, np.float64)
+                if not kquant_cpu.computes_int8(path):
+                    np.testing.assert_allclose(many, x @ expected, rtol=1e-5, atol=2e-3)
+                    continue
+                assert np.array_equal(many[:8], np.asarray(eight)), (path, weight.kind, num_rows)
+                model, size, count = int8_activation_model(x, weight)
+                bound = (count + 6) * FLOAT32_EPS * size + 1e-30
+                assert np.all(np.abs(many - model) <= bound), (path, weight.kind, num_rows)
+
+
 def test_the_plan_joins_a_q4_k_m_layers_weights_in_one_kernel_call():
     weights = [_weight(qtype, n, 256, i)[0] for i, (qtype, n) in enumerate(((T.Q4_K, 64), (T.Q4_K, 32), (T.Q6_K, 32)))]
     plan = choose_matmul("cpu", 1)
     text = jax.jit(lambda x, ws: plan.together(x, ws)).lower(jnp.ones((2, 256)), weights).as_text()
     assert text.count(kquant_cpu.KQUANT_TARGET) == 1
+    # a prefill chunk: the kernel where it rounds x to int8 (any rows), else XLA's dots past its 64 rows
+    text = jax.jit(lambda x, ws: plan.together(x, ws)).lower(jnp.ones((200, 256)), weights).as_text()
+    assert text.count(kquant_cpu.KQUANT_TARGET) == (1 if kquant_cpu.computes_int8() else 0)
+    float_plan = choose_matmul("cpu", 1, quantized_activations="float")
+    text = jax.jit(lambda x, ws: float_plan(x, ws[0])).lower(jnp.ones((200, 256)), weights).as_text()
+    assert kquant_cpu.KQUANT_TARGET not in text
     with pytest.raises(ValueError, match="does not serve"):
         kquant_cpu.kquant_matmuls(jnp.ones((1, 256)), [jnp.ones((256, 8))])
 

@@ -83,7 +83,8 @@ void Bench(const char* layout, int bits, int64_t rows) {
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
   for (float& v : x) v = normal(rng);
-  const Activations x_embed = Quantize(x, rows, kEmbed, kGroup), x_mlp = Quantize(x, rows, kMlp, kGroup);
+  const Activations x_embed = Quantize(FloatArray{x.data(), ffi::DataType::F32}, rows, kEmbed, kGroup, 1);
+  const Activations x_mlp = Quantize(FloatArray{x.data(), ffi::DataType::F32}, rows, kMlp, kGroup, 1);
   std::vector<float> out(rows * kVocab);
   volatile int64_t sink = 0;
   auto best = [&](auto fn) {
@@ -100,16 +101,16 @@ void Bench(const char* layout, int bits, int64_t rows) {
   auto run = [&](const StoredWeight& w) {
     Problem p{w.values, FloatArray{w.scales, ffi::DataType::F16}, FloatArray{nullptr, ffi::DataType::F16},
               out.data(), w.depth == kEmbed ? &x_embed : &x_mlp, w.columns, w.depth, kGroup, w.depth / kGroup,
-              bits, 0, 0, 0};
+              bits, 0, 0, 0, 0};
     Plan(p, rows, 2);
     for (int64_t item = 0; item < p.blocks * p.parts; ++item) {
       const int64_t block = item % p.blocks, part = item / p.blocks;
       const int64_t c0 = block * p.block_columns, width = std::min(p.block_columns, p.columns - c0);
       const int64_t g0 = p.num_groups * part / p.parts, g1 = p.num_groups * (part + 1) / p.parts;
       if (bits == 8) {
-        Item<8>(p, rows, g0, g1, c0, width, out.data());
+        Item<8>(p, 0, rows, g0, g1, c0, width, out.data());
       } else {
-        Item<4>(p, rows, g0, g1, c0, width, out.data());
+        Item<4>(p, 0, rows, g0, g1, c0, width, out.data());
       }
     }
   };

@@ -170,8 +170,9 @@ def choose_matmul(platform: str, num_devices: int, quantized_activations: str = 
 
 
 def quantized_entries(platform: str, num_devices: int, activations: str = "int8") -> tuple[MatmulEntry, ...]:
-    """The entries for quantized weights, ahead of the float ones: the CPU kernel for decode-sized rows where
-    it serves (quantized_cpu.py, x kept as `activations` says), XLA's dots for the rest."""
+    """The entries for quantized weights, ahead of the float ones: the CPU kernel where it serves (quantized_cpu.py,
+    x kept as `activations` says: decode-sized rows; with int8 prefill chunks too, PLAN_MAX_ROWS), XLA's dots for
+    the rest."""
     quantized_cpu.check_activations(activations)  # refused on every platform, not only where the kernel runs
     kernels: tuple[MatmulEntry, ...] = ()
     # x as the kernels treat it, in the reference too (rows past their limit), where the kernels run
@@ -180,7 +181,7 @@ def quantized_entries(platform: str, num_devices: int, activations: str = "int8"
         kernels += (kquant_cpu.KQuantSmallMatmul(kquant_cpu.KERNEL_MAX_ROWS, activations),)
         kquant_reference_activations = activations if kquant_cpu.computes_int8() else "float"
     if platform == "cpu" and num_devices == 1 and quantized_cpu.available(activations):
-        kernels += (quantized_cpu.QuantizedSmallMatmul(quantized_cpu.QUANTIZED_MAX_ROWS, activations),)
+        kernels += (quantized_cpu.QuantizedSmallMatmul(quantized_cpu.PLAN_MAX_ROWS[activations], activations),)
         reference_activations = activations
     return (*kernels, QuantizedReferenceMatmul(reference_activations, kquant_reference_activations))
 

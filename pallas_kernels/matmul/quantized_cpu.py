@@ -1,4 +1,6 @@
-"""The C++ quantized matmuls: a few rows times QuantizedWeights (quantized.py), each weight byte read once;
+"""The C++ quantized matmuls: rows times QuantizedWeights (quantized.py): a decode step's few, each weight byte
+read once, and with int8 activations a prefill chunk's too (in blocks of 64 rows, a block of weight columns
+kept in cache while the row blocks pass);
 several weights by the same rows (a layer's q, k and v; gate and up) in one call whose threads share the
 work. Two kernels with one interface, picked by the engine option `quantized_activations` (EngineConfig,
 `model.quantized_activations` in a config file), which the builder hands to `choose_matmul` and the plan's
@@ -34,11 +36,15 @@ from pallas_kernels.matmul import quantized
 QUANTIZED_TARGET = "jaxserve_cpu_quantized_matmul"  # every kernel's custom call name starts with it
 # activations -> (the library's FFI symbol, the custom call's name suffix)
 KERNELS = {"int8": ("JaxserveQuantizedInt8Dot", ""), "float": ("JaxserveQuantizedMatmul", "_float_rows")}
-KERNEL_MAX_ROWS = 64  # cpu_quantized_matmul.cc's kMaxRows
-# Rows the plan sends to the kernel: all of a decode step's (64, the default largest decode bucket). It
-# passes over a group's weight rows once per 8 rows of x (the register tile) from cache; XLA's reference
-# dequantizes the whole weight from 32 rows and ran a 48-row step at a third of the kernel's speed.
-QUANTIZED_MAX_ROWS = KERNEL_MAX_ROWS
+# Rows one call takes: cpu_quantized_matmul.cc's kMaxRows; the int8 kernel any number (blocks of 64 rows)
+KERNEL_MAX_ROWS = {"int8": None, "float": 64}
+# Rows the plan sends to each kernel. float: all of a decode step's (64, the default largest decode bucket):
+# it passes over a group's weight rows once per 8 rows of x (the register tile) from cache; XLA's reference
+# dequantizes the whole weight from 32 rows and ran a 48-row step at a third of the kernel's speed. int8:
+# prefill chunks too, up to PREFILL_MAX_ROWS (docs/notes/quantized-int8-activations.md, Session 12).
+PREFILL_MAX_ROWS = 512
+PLAN_MAX_ROWS = {"int8": PREFILL_MAX_ROWS, "float": KERNEL_MAX_ROWS["float"]}
+QUANTIZED_MAX_ROWS = PLAN_MAX_ROWS["int8"]  # the default kernel's
 ROW_DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))
 SCALE_DTYPES = ROW_DTYPES
 
@@ -83,12 +89,13 @@ def serves_weight(weight) -> bool:
 
 
 def quantized_matmul(x, weight: quantized.QuantizedWeight, *, path: str | None = None, activations: str = "int8"):
-    """x [M <= KERNEL_MAX_ROWS, K] @ weight [K, N] -> float32 [M, N]."""
+    """x [M, K] @ weight [K, N] -> float32 [M, N] (M up to KERNEL_MAX_ROWS[activations])."""
     return quantized_matmuls(x, (weight,), path=path, activations=activations)[0]
 
 
 def quantized_matmuls(x, weights, *, path: str | None = None, activations: str = "int8") -> tuple:
-    """x [M <= KERNEL_MAX_ROWS, K] by each weight [K, N_i] in one call -> float32 [M, N_i] each. The weights may
+    """x [M, K] by each weight [K, N_i] in one call -> float32 [M, N_i] each (M up to KERNEL_MAX_ROWS[activations];
+    the int8 kernel any). The weights may
     differ in bits, groups and scale widths (a GGUF file mixes block types within a layer). `path`
     (cpu_library.PATHS) picks another instruction path's build than the engine's; `activations` (int8,
     float) the kernel."""
@@ -99,8 +106,11 @@ def quantized_matmuls(x, weights, *, path: str | None = None, activations: str =
     for weight in weights:
         if not serves_weight(weight):
             raise ValueError(f"the CPU quantized matmul does not serve this weight: {jax.tree.map(jnp.shape, weight)}")
-        if x.ndim != 2 or x.shape[0] > KERNEL_MAX_ROWS or x.shape[1] != weight.shape[0]:
-            raise ValueError(f"quantized_matmul wants x [M <= {KERNEL_MAX_ROWS}, {weight.shape[0]}], got {x.shape}")
+        if x.ndim != 2 or x.shape[1] != weight.shape[0]:
+            raise ValueError(f"quantized_matmul wants x [M, {weight.shape[0]}], got {x.shape}")
+    max_rows = KERNEL_MAX_ROWS[activations]
+    if max_rows is not None and x.shape[0] > max_rows:
+        raise ValueError(f"the {activations}-activation kernel takes at most {max_rows} rows, got {x.shape[0]}")
     if jnp.dtype(x.dtype) not in ROW_DTYPES:
         raise ValueError(f"quantized_matmul takes float32, bfloat16 or float16 rows, got {x.dtype}")
     if not _register(path, activations):

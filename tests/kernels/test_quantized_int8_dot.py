@@ -128,6 +128,7 @@ def test_every_path_computes_the_integer_sums_exactly():
     int8 = QuantizedWeight(jnp.asarray(q8), jnp.ones((1, 131), jnp.float32), None, bits=8, group_size=depth)
     nibbles = rng.integers(0, 256, (32, 67)).astype(np.uint8)
     int4 = QuantizedWeight(jnp.asarray(nibbles), jnp.ones((2, 67), jnp.float32), None, bits=4, group_size=32)
+    x = np.tile(x, (14, 1))  # 70 rows: a 64-row block, then 6 (a prefill chunk's rows in one call)
     x4 = x[:, :64].copy()
     x_ints = round_away(x).astype(np.int64)
     assert x_ints[0, 1:4].tolist() == [1, 2, -3]
@@ -187,3 +188,57 @@ def test_the_activations_option_picks_the_plans_kernel():
             choose_matmul(platform, 1, "fp8")
     with pytest.raises(ValueError, match="quantized_activations"):
         quantized_cpu.quantized_matmul(rows, weight, activations="fp8")
+
+
+@pytest.mark.parametrize(
+    "depth,columns,bits,group,scale_dtype,with_mins",
+    [
+        (96, 200, 8, 32, jnp.float16, False),  # Q8_0
+        (64, 90, 4, 32, jnp.float16, False),  # Q4_0
+        (128, 70, 4, 64, jnp.bfloat16, True),  # 4-bit with mins, groups of 64
+        (256, 33, 8, 128, jnp.float32, True),  # groups of 128 (four chunks), N under a tile
+        (70, 150, 8, 70, jnp.float32, False),  # int8 per channel: chunks 32, 32, 6
+    ],
+)
+def test_prefill_rows_past_64_match_the_integer_model(depth, columns, bits, group, scale_dtype, with_mins):
+    """A prefill chunk's rows in one call (blocks of 64 rows, x quantized once): 65 (a block and one row), 130
+    and 200 (a last block of 2 and of 8 rows), on every path this CPU runs."""
+    rng = np.random.default_rng(depth + 3 * columns)
+    weight = random_weight(rng, depth, columns, bits, group, scale_dtype, with_mins)
+    for path in cpu_library.runnable_paths():
+        kernel = jax.jit(lambda x, w, path=path: quantized_cpu.quantized_matmul(x, w, path=path))
+        for num_rows in (65, 130, 200):
+            x = rng.standard_normal((num_rows, depth)).astype(np.float32)
+            x[num_rows - 1, :] = 0.0  # a row of zeros in the last block: d = 0
+            got = np.asarray(kernel(jnp.asarray(x), weight))
+            assert got.shape == (num_rows, columns)
+            assert_matches_model(got, x, weight)
+
+
+def test_prefill_rows_are_computed_as_their_64_row_blocks_alone():
+    """Where neither call splits K among the threads (columns enough for every thread's items), each row of a
+    200-row call equals, bit for bit, the same row in a call of its 64-row block alone: the greedy tokens of a
+    prefill do not depend on how many rows its chunk had. 16-bit rows too (widened per row)."""
+    rng = np.random.default_rng(5)
+    weight = random_weight(rng, 96, 4096, 4, 32, jnp.float16, True)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.asarray(rng.standard_normal((200, 96)), dtype)
+        whole = np.asarray(jax.jit(quantized_cpu.quantized_matmul)(x, weight))
+        for r0 in range(0, 200, 64):
+            block = np.asarray(jax.jit(quantized_cpu.quantized_matmul)(x[r0 : r0 + 64], weight))
+            np.testing.assert_array_equal(whole[r0 : r0 + 64], block)
+
+
+def test_the_int8_plan_sends_prefill_chunks_to_the_kernel_and_the_float_plan_does_not():
+    weight = random_weight(np.random.default_rng(4), 64, 40, 4, 32, jnp.float16, False)
+
+    def kernel_in_hlo(plan, num_rows: int) -> bool:
+        rows = jnp.ones((num_rows, 64), jnp.float32)
+        return quantized_cpu.QUANTIZED_TARGET in jax.jit(lambda x, w: plan(x, w)).lower(rows, weight).as_text()
+
+    int8_plan, float_plan = choose_matmul("cpu", 1, "int8"), choose_matmul("cpu", 1, "float")
+    assert kernel_in_hlo(int8_plan, 512) and kernel_in_hlo(int8_plan, quantized_cpu.PREFILL_MAX_ROWS)
+    assert not kernel_in_hlo(int8_plan, quantized_cpu.PREFILL_MAX_ROWS + 1)
+    assert kernel_in_hlo(float_plan, 64) and not kernel_in_hlo(float_plan, 65)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        quantized_cpu.quantized_matmul(jnp.ones((65, 64), jnp.float32), weight, activations="float")

@@ -1,0 +1,165 @@
+// The int8-activation quantized kernel's (cpu_quantized_int8_dot.cc) inputs as it reads them: float arrays of
+// one of three widths (x, scales, mins), and x quantized to int8 per chunk of up to 32 k within a weight group
+// (ggml's quantize_row_q8_0 rounding), once per call for all its rows, the rows split among the threads.
+// Included once, by that file (after cpu_int8_dot_vectors.h): its names live in the file's anonymous namespace.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_workers.h"
+#include "matmul/cpu_weight_basics.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace {
+
+namespace ffi = xla::ffi;
+
+// AheadLines, HalfToFloat, BFloat16ToFloat: cpu_weight_basics.h.
+using jaxserve_cpu::BFloat16ToFloat;
+using jaxserve_cpu::HalfToFloat;
+
+constexpr int64_t kChunk = 32;  // k per activation scale (ggml's QK8_0)
+
+// A float array of one of the three widths, read as float32.
+struct FloatArray {
+  const void* data = nullptr;
+  ffi::DataType type = ffi::DataType::F32;
+
+  float At(int64_t i) const {
+    switch (type) {
+      case ffi::DataType::F16: return HalfToFloat(static_cast<const uint16_t*>(data)[i]);
+      case ffi::DataType::BF16: return BFloat16ToFloat(static_cast<const uint16_t*>(data)[i]);
+      default: return static_cast<const float*>(data)[i];
+    }
+  }
+
+  void Widen(int64_t offset, int64_t count, float* out) const {
+    switch (type) {
+      case ffi::DataType::F16: {
+        const auto* in = static_cast<const uint16_t*>(data) + offset;
+        int64_t i = 0;
+        // (one at a time, the conversion took a fifth of a one-row item's time over 576 columns)
+#if defined(__AVX512F__)
+        for (; i + 16 <= count; i += 16) {
+          _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
+        }
+#elif defined(__F16C__)
+        for (; i + 8 <= count; i += 8) {
+          _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+        }
+#endif
+        for (; i < count; ++i) out[i] = HalfToFloat(in[i]);
+        break;
+      }
+      case ffi::DataType::BF16: {
+        const auto* in = static_cast<const uint16_t*>(data) + offset;
+        for (int64_t i = 0; i < count; ++i) out[i] = BFloat16ToFloat(in[i]);
+        break;
+      }
+      default:
+        std::memcpy(out, static_cast<const float*>(data) + offset, count * sizeof(float));
+    }
+  }
+
+  // `count` values from `offset` in the sums' order: whole tiles (the first `vectors`) in tile order
+  void WidenInTileOrder(int64_t offset, int64_t count, int64_t vectors, float* natural, float* out) const {
+    Widen(offset, count, natural);
+#if defined(QDOT_X86)
+    for (int64_t t = 0; t < vectors; t += kTile) TileOrder(natural + t, out + t);
+#else
+    vectors = 0;  // portable tiles are in column order
+#endif
+    std::memcpy(out + vectors, natural + vectors, (count - vectors) * sizeof(float));
+  }
+};
+
+// x quantized for one chunking (chunks of up to 32 k within groups of `group`).
+struct Activations {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> scale;   // [M, chunks]: d, as float16 holds it
+  std::vector<float> sum;     // [M, chunks]: d * sum of q over the chunk, as float16 holds it
+  int64_t chunks_per_group = 0, chunks = 0;
+};
+
+// ggml keeps a q8_0 / q8_1 block's d (and q8_1's s = d * sum q) in float16, and its dot products use those
+// rounded values: doing the same makes the products equal llama.cpp's up to the order of additions (x is
+// quantized with the float32 d, as there). Beyond float16's range the float32 value stays.
+inline float AsHalf(float v) { return std::fabs(v) <= 65504.0f ? static_cast<float>(static_cast<_Float16>(v)) : v; }
+
+// One chunk of one row, ggml's quantize_row_q8_0_ref: d = max|x| / 127, q = roundf(x * (1 / d)); returns sum(q).
+inline int32_t QuantizeChunk(const float* x, int64_t count, int8_t* q, float* d_out) {
+  int64_t k = 0;
+  float amax = 0.0f;
+#if defined(__AVX512F__)
+  // (scalar, a 512-row prefill chunk's x took as long as a third of its int8 dots)
+  const __m512 sign_bit = _mm512_set1_ps(-0.0f);
+  __m512 vmax = _mm512_setzero_ps();
+  for (; k + 16 <= count; k += 16) vmax = _mm512_max_ps(vmax, _mm512_andnot_ps(sign_bit, _mm512_loadu_ps(x + k)));
+  amax = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; k < count; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  *d_out = d;
+  int32_t sum = 0;
+  k = 0;
+#if defined(__AVX512F__)
+  // roundf exactly: the truncation, plus sign(v) where the (exact) remainder is at least a half
+  const __m512 inverse = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+  __m512i sums = _mm512_setzero_si512();
+  for (; k + 16 <= count; k += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + k), inverse);
+    __m512 whole = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_andnot_ps(sign_bit, _mm512_sub_ps(v, whole)), half, _CMP_GE_OQ);
+    whole = _mm512_mask_add_ps(whole, up, whole, _mm512_or_ps(one, _mm512_and_ps(sign_bit, v)));
+    const __m512i ints = _mm512_cvttps_epi32(whole);
+    sums = _mm512_add_epi32(sums, ints);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(ints));
+  }
+  sum = _mm512_reduce_add_epi32(sums);
+#endif
+  for (; k < count; ++k) {
+    q[k] = int8_t(std::round(x[k] * id));
+    sum += q[k];
+  }
+  return sum;
+}
+
+// Rows [r0, r1) of x (float [M, K], any of the three widths) quantized into `a` (already sized).
+inline void QuantizeRows(const FloatArray& x, int64_t r0, int64_t r1, int64_t depth, int64_t group, Activations& a) {
+  std::vector<float> row(depth);
+  for (int64_t r = r0; r < r1; ++r) {
+    x.Widen(r * depth, depth, row.data());
+    for (int64_t c = 0; c < a.chunks; ++c) {
+      const int64_t g0 = c / a.chunks_per_group * group;
+      const int64_t k0 = g0 + c % a.chunks_per_group * kChunk, k1 = std::min(k0 + kChunk, g0 + group);
+      float d;
+      const int32_t sum = QuantizeChunk(row.data() + k0, k1 - k0, a.q.data() + r * depth + k0, &d);
+      a.scale[r * a.chunks + c] = AsHalf(d);
+      a.sum[r * a.chunks + c] = AsHalf(d * float(sum));
+    }
+  }
+}
+
+// x [rows, depth] quantized per chunk of groups of `group`, rows split among up to `num_workers` threads.
+inline Activations Quantize(const FloatArray& x, int64_t rows, int64_t depth, int64_t group, int64_t num_workers) {
+  Activations a;
+  a.chunks_per_group = (group + kChunk - 1) / kChunk;
+  a.chunks = depth / group * a.chunks_per_group;
+  a.q.resize(rows * depth);
+  a.scale.resize(rows * a.chunks);
+  a.sum.resize(rows * a.chunks);
+  constexpr int64_t kRowsPerItem = 16;  // (a decode step's few rows: one item, no helper woken)
+  const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
+  jaxserve_cpu::RunItems(num_workers, items, [&](int64_t, int64_t item) {
+    QuantizeRows(x, item * kRowsPerItem, std::min(rows, (item + 1) * kRowsPerItem), depth, group, a);
+  });
+  return a;
+}
+
+}  // namespace

@@ -248,3 +248,42 @@ def test_the_policy_batch_counts_every_sequence_once_one_decodes():
     prefilling = Scheduler(allocator, max_num_seqs=4, max_num_batched_tokens=64, prefill_query_block=4)
     prefilling.add(sequence(range(10, 16)))
     assert speculation_batch_size(prefilling) == 0  # nothing decodes: nothing to propose for
+
+
+def test_a_row_backs_off_after_its_second_miss_in_a_row():
+    """The first proposal that gives nothing costs no backoff (a code edit's renamed word: the quote resumes
+    a token later); the second in a row skips 2 tokens, the third 4; an accepted proposal forgives."""
+    from jaxserve.config import SpeculativeConfig
+    from jaxserve.engine.speculation import Speculation
+
+    class NothingToPropose:
+        def __init__(self):
+            self.calls = 0
+
+        def propose(self, seqs, max_tokens):
+            self.calls += 1
+            return [[] for _ in seqs]
+
+        def forget(self, seq):
+            pass
+
+    scheduler, seq = running_scheduler(num_pages=64, max_tokens=64)
+    proposer = NothingToPropose()
+    config = SpeculativeConfig(method="ngram", speculative_adaptive=False)
+    speculation = Speculation(config, max_model_len=256, proposer=proposer)
+
+    def proposed_after(new_tokens: int) -> bool:
+        seq.output_token_ids += [5] * new_tokens
+        seq.num_computed_tokens += new_tokens  # decoded: still one token ahead of its KV
+        calls = proposer.calls
+        speculation.begin_step([scheduler])
+        speculation.proposals([scheduler])
+        return proposer.calls > calls
+
+    assert proposed_after(0)  # miss 1: free
+    assert proposed_after(1)  # miss 2: backs off 2 tokens
+    assert not proposed_after(1) and proposed_after(1)  # miss 3: backs off 4 tokens
+    assert not proposed_after(3) and proposed_after(1)  # miss 4
+    speculation._observe_outcome(seq, 3)  # an accepted proposal
+    assert proposed_after(1) and proposed_after(1)  # its first miss after it is free again
+    assert not proposed_after(1)

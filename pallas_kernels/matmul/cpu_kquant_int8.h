@@ -12,6 +12,8 @@
 // s + t of the byte; Q6_K: bits 2t, 2t + 1) are moved to bit 4 of byte t by one vpmultishiftqb (it picks any
 // 8-bit window of each qword; the lanes are zero-extended bytes, so the windows that wrap read zeros) and
 // or'ed in under a mask. The storage offset (Q5_0 16, Q6_K 32) is the accumulators' start: -offset * sum(q_x).
+// One to 8 rows widen the weights as the tiles go (Int8Tile); more rows widen each item once into a buffer
+// that every row group reads, holding their results in registers across the sub-blocks (ManyRowsItem).
 
 #pragma once
 
@@ -200,4 +202,33 @@ inline void Int8Column(const Weight& w, const QuantizedRows& x, int64_t r0, int6
   }
 }
 
+// Many rows, x quantized: the item's full vectors of columns widened once (WidenItem, into this thread's
+// buffer: K / 4 * 16 vectors at most, 1.5 MB for K 6144), then every kWidenedRows rows pass over all of it
+// with their results in registers; the columns past the last vector one at a time. A weight byte is read
+// from memory and widened once per call (the one-pass tiles: once per 8 rows, and results loaded and stored
+// per sub-block). The same integers and float operations as the one-pass tiles: the same results.
+template <int Kind>
+void ManyRowsItem(const Weight& w, const QuantizedRows& x, int64_t g0, int64_t g1, int64_t c0, int64_t width,
+                  float* partial) {
+  struct alignas(64) Line {
+    uint8_t bytes[64];
+  };
+  thread_local std::vector<Line> buffer;
+  const int64_t stride = width / kLanes, steps = (g1 - g0) * w.group / 4, scales = (g1 - g0) * stride;
+  buffer.resize(std::max<size_t>(buffer.size(), size_t(steps * stride + 2 * scales)));
+  const __m512i* vectors = reinterpret_cast<const __m512i*>(buffer.data());
+  const VecF* scale_vectors = reinterpret_cast<const VecF*>(buffer.data() + steps * stride);
+  const WidenedItem item{vectors, scale_vectors, scale_vectors + scales, g0, g1, c0, stride};
+  WidenItem<Kind>(w, item);
+  int64_t r0 = 0;
+  for (; r0 + kWidenedRows <= x.rows; r0 += kWidenedRows) Int8WidenedRows<Kind, kWidenedRows>(w, x, r0, item, partial);
+  static_assert(kWidenedRows <= 3, "the rest below");
+  if (x.rows - r0 == 2) Int8WidenedRows<Kind, 2>(w, x, r0, item, partial);
+  if (x.rows - r0 == 1) Int8WidenedRows<Kind, 1>(w, x, r0, item, partial);
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t c = c0 + stride * kLanes; c < c0 + width; ++c) {
+      for (r0 = 0; r0 < x.rows; ++r0) Int8Column<Kind, 1>(w, x, r0, g, c, partial);
+    }
+  }
+}
 #endif

@@ -42,7 +42,7 @@ KERNEL_MAX_ROWS = {"int8": None, "float": 64}
 # it passes over a group's weight rows once per 8 rows of x (the register tile) from cache; XLA's reference
 # dequantizes the whole weight from 32 rows and ran a 48-row step at a third of the kernel's speed. int8:
 # prefill chunks too, up to PREFILL_MAX_ROWS (docs/notes/quantized-int8-activations.md, Session 12).
-PREFILL_MAX_ROWS = 512
+PREFILL_MAX_ROWS = 2048
 PLAN_MAX_ROWS = {"int8": PREFILL_MAX_ROWS, "float": KERNEL_MAX_ROWS["float"]}
 QUANTIZED_MAX_ROWS = PLAN_MAX_ROWS["int8"]  # the default kernel's
 ROW_DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))

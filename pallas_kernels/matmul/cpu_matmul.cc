@@ -11,8 +11,9 @@
 // largest decode bucket; bound by the multiplies) each pass of rows is packed, widened to float32 once,
 // and register-tiled like a GEMM's micro-kernel (KnTile), so that bfloat16 batches run at least as fast
 // per row as float32 ones (issue #29); on AVX-512 BF16 CPUs bfloat16 passes are packed in pairs of rows and
-// tiled with vdpbf16ps instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own bfloat16 dots there). [N, K] (a tied embedding as the head): up to 2 rows, one
-// dot product per weight row after the other, straight from memory (NkRowDots); 3-8 rows, several weight
+// tiled with vdpbf16ps instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own bfloat16 dots there). [N, K] (a tied embedding as the head): one row, the
+// item's two halves side by side (NkSplitDots); two rows, one dot product per weight row after the other,
+// straight from memory (NkRowDots); 3-8 rows, several weight
 // rows at once from as many long runs (NkStreams, cpu_matmul_few_rows.h); more, register tiles of
 // dot products over the item's rows, packed first since several groups of rows reuse them.
 //
@@ -55,7 +56,7 @@ constexpr int64_t kItemBytes = 32 * 1024;  // [N, K]: weight bytes per work item
 #ifndef JAXSERVE_STREAM_ITEM_KIB
 #define JAXSERVE_STREAM_ITEM_KIB 256
 #endif
-constexpr int64_t kStreamItemBytes = JAXSERVE_STREAM_ITEM_KIB * 1024;  // [N, K], 2-8 rows of x
+constexpr int64_t kStreamItemBytes = JAXSERVE_STREAM_ITEM_KIB * 1024;  // [N, K], 1-8 rows of x
 constexpr int64_t kNkItemMultiple = 24;    // [N, K]: outputs per item are a multiple of every tile's
 constexpr int kNkDirectRows = 8;            // [N, K]: rows of x up to which the weights are read directly
 
@@ -346,6 +347,47 @@ void NkRowDots(const float* x, int64_t depth, const typename T::Stored* w, int64
   }
 }
 
+// One row of x: the item's weight rows as two halves read side by side (two runs in address order, as
+// SplitWalk's), each row's dot product computed exactly as NkRowDots<T, 1> computes it (the same
+// accumulators in the same order: the same bits). One thread on SmolLM2's tied head, fraction of a
+// one-thread read stream (bench/cpu_matmul_stream.cc 1, Intel Xeon with AVX-512): float32 0.88 -> 1.11-1.13,
+// bfloat16 0.95-0.98 -> 1.00-1.07 (with 256 KiB items, MakePlan); two runs keep more lines in flight than one.
+template <typename T>
+void NkSplitDots(const float* x, int64_t depth, const typename T::Stored* w, int64_t count, float* out) {
+  constexpr int A = 4;
+  const int64_t half = count / 2;
+  for (int64_t n = 0; n < half; ++n) {
+    const typename T::Stored* rows[2] = {w + n * depth, w + (n + half) * depth};
+    VecF acc[2][A];
+#pragma GCC unroll 4
+    for (int s = 0; s < 2; ++s)
+#pragma GCC unroll 4
+      for (int a = 0; a < A; ++a) acc[s][a] = VecF{};
+    int64_t k = 0;
+    for (; k + A * kLanes <= depth; k += A * kLanes) {
+#pragma GCC unroll 4
+      for (int a = 0; a < A; ++a) {
+        const VecF xv = LoadF(x + k + a * kLanes);
+#pragma GCC unroll 2
+        for (int s = 0; s < 2; ++s) acc[s][a] = Fma(xv, T::Vector(rows[s] + k + a * kLanes), acc[s][a]);
+      }
+    }
+    for (; k + kLanes <= depth; k += kLanes) {
+      const VecF xv = LoadF(x + k);
+#pragma GCC unroll 2
+      for (int s = 0; s < 2; ++s) acc[s][0] = Fma(xv, T::Vector(rows[s] + k), acc[s][0]);
+    }
+    for (int s = 0; s < 2; ++s) {
+      VecF total = acc[s][0];
+      for (int a = 1; a < A; ++a) total += acc[s][a];
+      float sum = HorizontalSum(total);
+      for (int64_t j = k; j < depth; ++j) sum += x[j] * T::One(rows[s][j]);
+      out[n + s * half] = sum;
+    }
+  }
+  if (count % 2 != 0) NkRowDots<T, 1>(x, depth, w + 2 * half * depth, 1, out + 2 * half, 0);
+}
+
 template <typename T, int R>
 void NkStreamsRows(const Problem& p, const typename T::Stored* w, int64_t count, float* out) {
   if constexpr (R > 2) {
@@ -368,6 +410,7 @@ void NkDirect(int rows, const float* x, int64_t depth, const typename T::Stored*
 template <typename T>
 void NkItem(const Problem& p, int64_t n0, int64_t count) {
   const auto* w = static_cast<const typename T::Stored*>(p.w) + n0 * p.depth;
+  if (p.rows == 1) return NkSplitDots<T>(p.x, p.depth, w, count, p.out + n0);
   if (p.rows <= 2) return NkDirect<T, 2>(int(p.rows), p.x, p.depth, w, count, p.out + n0, p.columns);
   if (p.rows <= kNkDirectRows) {  // few rows: straight from the weights, widened once anyway
     return NkStreamsRows<T, kNkDirectRows>(p, w, count, p.out + n0);
@@ -409,8 +452,9 @@ Plan MakePlan(const Problem& p, bool transposed, int64_t num_workers) {
   Plan plan;
   plan.problem = p;
   if (transposed) {
-    // 2-8 rows (NkStreams): items long enough for each of their streams to be a long run of memory.
-    const int64_t item_bytes = p.rows > 1 && p.rows <= kNkDirectRows ? kStreamItemBytes : kItemBytes;
+    // 1-8 rows (NkSplitDots, NkStreams): items long enough for each of their streams to be a long run of
+    // memory (at one row, 24-row items ran the bfloat16 head at 0.91-0.94 of a stream, 256 KiB ones 1.0-1.07).
+    const int64_t item_bytes = p.rows <= kNkDirectRows ? kStreamItemBytes : kItemBytes;
     const int64_t fitting = item_bytes / std::max<int64_t>(1, p.depth * element) / kNkItemMultiple * kNkItemMultiple;
     plan.outputs_per_item = std::max(kNkItemMultiple, fitting);
     plan.num_items = (p.columns + plan.outputs_per_item - 1) / plan.outputs_per_item;

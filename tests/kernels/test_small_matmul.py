@@ -30,8 +30,10 @@ def _assert_is_product(got, x, w, transposed):
 def test_small_matmul_matches_numpy(dtype, transposed):
     rng = np.random.default_rng(0)
     # 4100 columns: more than one 4096-column block, the last one partial; 70: less than one block; 8 rows
-    # of 1000 columns: blocks of 512 (accumulators sized to L1), the last partial; 13 rows: a group of 8 and 5.
-    for rows, depth, columns in [(1, 96, 4100), (3, 40, 70), (8, 17, 300), (5, 1, 9), (8, 40, 1000), (13, 24, 70)]:
+    # of 1000 columns: blocks of 512 (accumulators sized to L1), the last partial; 13 rows: a group of 8 and 5;
+    # one row of 333 transposed outputs: two halves and an odd row out, K's tail past the vectors.
+    cases = [(1, 96, 4100), (1, 41, 333), (3, 40, 70), (8, 17, 300), (5, 1, 9), (8, 40, 1000), (13, 24, 70)]
+    for rows, depth, columns in cases:
         x = jnp.asarray(rng.standard_normal((rows, depth)), dtype)
         w = jnp.asarray(rng.standard_normal((columns, depth) if transposed else (depth, columns)), dtype)
         got = jax.jit(lambda x, w: cpu.small_matmul(x, w, transposed=transposed))(x, w)

@@ -263,7 +263,9 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
   std::map<int64_t, Activations> by_group;  // x quantized once per chunking (weights of one group size share)
   for (Problem& p : problems) {
     auto found = by_group.find(p.group);
-    if (found == by_group.end()) found = by_group.emplace(p.group, Quantize(x_array, rows, depth, p.group, num_workers)).first;
+    if (found == by_group.end()) {
+      found = by_group.emplace(p.group, Quantize(x_array, rows, depth, p.group, num_workers)).first;
+    }
     p.x = &found->second;
   }
   Run(num_workers, problems, rows);

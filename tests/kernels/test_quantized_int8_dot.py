@@ -216,15 +216,16 @@ def test_prefill_rows_past_64_match_the_integer_model(depth, columns, bits, grou
 
 
 def test_prefill_rows_are_computed_as_their_64_row_blocks_alone():
-    """Where neither call splits K among the threads (columns enough for every thread's items), each row of a
-    200-row call equals, bit for bit, the same row in a call of its 64-row block alone: the greedy tokens of a
-    prefill do not depend on how many rows its chunk had. 16-bit rows too (widened per row)."""
+    """Where neither call splits K among the threads (4096 columns: enough items for up to 32 threads), each row
+    of a 192-row call equals, bit for bit, the same row in a call of its 64-row block alone: the greedy tokens
+    of a prefill do not depend on how many rows its chunk had. 16-bit rows too (widened per row). (A block
+    of 8 rows or fewer alone would split K: whole weight rows, parts of K summed after.)"""
     rng = np.random.default_rng(5)
     weight = random_weight(rng, 96, 4096, 4, 32, jnp.float16, True)
     for dtype in (jnp.float32, jnp.bfloat16):
-        x = jnp.asarray(rng.standard_normal((200, 96)), dtype)
+        x = jnp.asarray(rng.standard_normal((192, 96)), dtype)
         whole = np.asarray(jax.jit(quantized_cpu.quantized_matmul)(x, weight))
-        for r0 in range(0, 200, 64):
+        for r0 in range(0, 192, 64):
             block = np.asarray(jax.jit(quantized_cpu.quantized_matmul)(x[r0 : r0 + 64], weight))
             np.testing.assert_array_equal(whole[r0 : r0 + 64], block)
 

@@ -10,7 +10,13 @@
 // rounding, and denormal inputs and results are flushed to zero (bfloat16 denormals are below 1e-38).
 // Determinism holds as before: the order of the sums depends only on the plan.
 //
-// Elsewhere (no AVX-512 BF16 at build time) kBf16Pairs is false and cpu_matmul.cc widens as before.
+// Elsewhere (no AVX-512 BF16 at build time) kBf16Pairs is false and cpu_matmul.cc widens as before. Also
+// off on CPUs with AMX (Intel Sapphire Rapids and later; `-march=native` defines __AMX_BF16__ there): their
+// `vdpbf16ps` issues on one port where FMAs issue on two, and the widened FMA paths ran faster at every row
+// count (one thread, SmolLM2-135M, fraction of a read stream, bench/cpu_matmul_stream.cc with and without
+// -DJAXSERVE_NO_BF16_PAIRS, session 12): 5 rows layers 0.71-0.73 -> 0.75-0.78, head 0.70-0.74 -> 0.81-0.83;
+// 8 rows 0.50-0.54 -> 0.62-0.64, head 0.35-0.37 -> 0.66-0.73; 16 rows 0.24 -> 0.29; 64 rows layers 0.09 ->
+// 0.12-0.13; 4 rows equal. (The pairs were tuned on an AMD Zen 4, where both retire about 3.5 G/s.)
 
 #pragma once
 
@@ -22,8 +28,10 @@
 
 namespace {
 
-// JAXSERVE_NO_BF16_PAIRS: widen instead (bench/cpu_matmul_stream.cc's A/B).
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && !defined(JAXSERVE_NO_BF16_PAIRS)
+// JAXSERVE_NO_BF16_PAIRS: widen instead (bench/cpu_matmul_stream.cc's A/B); JAXSERVE_BF16_PAIRS_WITH_AMX: pairs
+// on an AMX CPU too (the same A/B the other way).
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && !defined(JAXSERVE_NO_BF16_PAIRS) && \
+    (!defined(__AMX_BF16__) || defined(JAXSERVE_BF16_PAIRS_WITH_AMX))
 constexpr bool kBf16Pairs = true;
 #define JAXSERVE_BF16_PAIRS 1  // cpu_matmul_few_rows.h's tiles too
 

@@ -8,7 +8,8 @@
 //       bench/cpu_matmul_stream.cc -o /tmp/cpu_matmul_stream && /tmp/cpu_matmul_stream
 //
 // Add -mno-avx512f for the avx2 path's code (what JAXSERVE_CPU_KERNEL_PATH=avx2 builds), or
-// -DJAXSERVE_NO_BF16_PAIRS for bfloat16 above 8 rows widened rather than in vdpbf16ps pairs. Prints one JSON
+// -DJAXSERVE_NO_BF16_PAIRS for bfloat16 at 3+ rows widened rather than in vdpbf16ps pairs (on AMX CPUs, widened
+// is the default and -DJAXSERVE_BF16_PAIRS_WITH_AMX builds the pairs). Prints one JSON
 // line per dtype, rows and round: "layers" and "head" as fractions of the read stream. An argument picks
 // one row count (1, 2, 4, 5, 8, 16, 64; 5 is a speculative verify step of k = 4).
 //

@@ -10,8 +10,8 @@
 // of rows, cpu_matmul_few_rows.h); with more rows (up to 64, the default
 // largest decode bucket; bound by the multiplies) each pass of rows is packed, widened to float32 once,
 // and register-tiled like a GEMM's micro-kernel (KnTile), so that bfloat16 batches run at least as fast
-// per row as float32 ones (issue #29); on AVX-512 BF16 CPUs bfloat16 passes are packed in pairs of rows and
-// tiled with vdpbf16ps instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own bfloat16 dots there). [N, K] (a tied embedding as the head): one row, the
+// per row as float32 ones (issue #29); on AVX-512 BF16 CPUs without AMX bfloat16 passes are packed in pairs
+// of rows and tiled with vdpbf16ps instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own bfloat16 dots there). [N, K] (a tied embedding as the head): one row, the
 // item's two halves side by side (NkSplitDots); two rows, one dot product per weight row after the other,
 // straight from memory (NkRowDots); 3-8 rows, several weight
 // rows at once from as many long runs (NkStreams, cpu_matmul_few_rows.h); more, register tiles of

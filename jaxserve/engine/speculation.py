@@ -17,7 +17,13 @@ accepted proposal), and is not waited for meanwhile, so plain chat (little to lo
 overlap while code edits (long quotes) speculate on every step. The first miss after an accepted proposal
 (or a row's first) costs no backoff: in a code edit it is where the reply departs from the quoted text (a
 renamed variable) and the quote resumes a token later; backing off there turned the 2 steps after every
-edit into plain ones (bench/speculative.py's code prompts: 29 -> 15 plain steps for 54 -> 59 verify steps).
+edit into plain ones (bench/speculative.py's code prompts replayed: 29 -> 15 plain steps, 54 -> 59 verify steps).
+
+While the policy has plain decoding winning, an ngram proposer (free to run) still proposes for the rows
+(`_look_ahead`): a row whose next tokens follow such a proposal for LOOK_AHEAD_HIT_TOKENS has the policy
+measure speculation again now. The policy's estimates are per batch size, not per text: bench/speculative.py's
+adaptive engine measured speculation losing on its 8-token chat warm-up and then ran the code prompts plain
+until its next trial, 64+ steps later (10 verify rows in all; 57 with the look-ahead).
 
 Rows that never speculate (they decode as usual): a grammar's (its mask for each proposed position
 would need the grammar advanced through the proposals), multi-token bad words' (their bans depend on
@@ -38,6 +44,7 @@ from jaxserve.host.speculation_policy import AcceptanceCounts, SpeculationPolicy
 from jaxserve.host.verify_outputs import process_verified
 
 MAX_BACKOFF_TOKENS = 16
+LOOK_AHEAD_HIT_TOKENS = 4  # a look-ahead proposal followed this far (or all of it): try speculation now
 
 
 def may_speculate(seq: SequenceState) -> bool:
@@ -90,6 +97,8 @@ class Speculation:
         self._proposed_for: dict[int, SequenceState] = {}  # seq_id -> sequence the proposer may hold state for
         self._misses: dict[int, int] = {}  # seq_id -> proposals in a row that gave nothing
         self._resume_at: dict[int, int] = {}  # seq_id -> output length before which it does not speculate
+        # seq_id -> (output length then, proposal) made while plain decoding won (_look_ahead)
+        self._looked_ahead: dict[int, tuple[int, list[int]]] = {}
 
     # -- each step ----------------------------------------------------------------------------------
 
@@ -134,6 +143,7 @@ class Speculation:
         speculates). One proposer call for every rank, so that a draft model runs all ranks' rows at once."""
         self._forget_finished()
         if not self.speculating:
+            self._look_ahead(schedulers)
             return [{} for _ in schedulers]
         seqs, limits = [], []
         k = self.config.verify_width - 1
@@ -162,6 +172,33 @@ class Speculation:
             else:
                 self._observe_outcome(seq, 0)
         return proposals
+
+    def _look_ahead(self, schedulers: list[Scheduler]) -> None:
+        """While plain decoding wins at this batch size: check the proposals made at earlier steps against the
+        tokens that followed, and propose again (see the module docstring). Only for a proposer that costs
+        nothing (prompt lookup; a draft model's proposals cost it steps)."""
+        if not (self.policy.adaptive and isinstance(self.proposer, NgramProposer)):
+            return
+        if not 1 <= self.batch_size <= self.policy.max_batch_size:
+            return
+        k = self.config.verify_width - 1
+        for seq in (seq for scheduler in schedulers for seq in scheduler.running):
+            if not (is_past_its_prompt(seq) and self._may_propose(seq)):
+                continue
+            if seq.seq_id in self._looked_ahead:
+                start, proposal = self._looked_ahead[seq.seq_id]
+                followed = seq.output_token_ids[start : start + len(proposal)]
+                matched = next((i for i, (a, b) in enumerate(zip(followed, proposal)) if a != b), len(followed))
+                if matched >= min(LOOK_AHEAD_HIT_TOKENS, len(proposal)):
+                    self.policy.try_speculation_now(self.batch_size)
+                if matched < len(followed) or len(followed) == len(proposal) or matched >= LOOK_AHEAD_HIT_TOKENS:
+                    del self._looked_ahead[seq.seq_id]  # settled
+            if seq.seq_id not in self._looked_ahead:
+                # what follows the known tokens (overlapped, the newest is still in flight: it is checked too)
+                (proposal,) = self.proposer.propose([seq], [k])
+                if proposal:
+                    self._looked_ahead[seq.seq_id] = (len(seq.output_token_ids), proposal)
+                    self._proposed_for[seq.seq_id] = seq
 
     def process(
         self,
@@ -201,6 +238,7 @@ class Speculation:
                 del self._proposed_for[seq_id]
                 self._misses.pop(seq_id, None)
                 self._resume_at.pop(seq_id, None)
+                self._looked_ahead.pop(seq_id, None)
 
     # -- reporting ----------------------------------------------------------------------------------
 

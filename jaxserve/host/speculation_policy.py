@@ -100,6 +100,19 @@ class SpeculationPolicy:
             return not best
         return best
 
+    def try_speculation_now(self, batch_size: int) -> None:
+        """Evidence that speculation would pay at this batch size while plain decoding wins (the text changed:
+        rows now follow what the proposer would have proposed): speculation is measured again from its next
+        step, its old estimate (taken on other text) forgotten, instead of at the next scheduled trial, 64+
+        steps away. At most once every `explore_every // 4` steps."""
+        state = self.by_batch_size.get(batch_size)
+        if not self.adaptive or state is None or state.trial_left or not _measured(state):
+            return
+        if _speculation_wins(state) or state.steps_since_trial < self.explore_every // 4:
+            return
+        state.estimates[True] = ThroughputEstimate()  # unmeasured: speculate() measures it first
+        state.steps_since_trial, state.seconds_since_trial = 0, 0.0
+
     def best_mode(self, batch_size: int) -> bool | None:
         """Whether speculation wins at this batch size: measured here, else carried over from the nearest
         measured batch size whose verdict carries over (see the module docstring); None: unknown."""

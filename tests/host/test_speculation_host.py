@@ -1,6 +1,8 @@
 """The host side of speculation without JAX: prompt-lookup proposals, verify chunks in the scheduler (pages
 and budget), the per-batch-size policy, and appending a verify row's tokens (stops, KV accounting)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from jaxserve.host.output_processor import OutputProcessor
@@ -118,7 +120,7 @@ def test_policy_turns_speculation_off_above_its_batch_size_and_follows_measureme
     # speculation wins; plain is retried now and then (every 20 steps, and 1/20 of the time at most)
     assert later.count(True) >= 54 and later.count(False) >= 2
     for _ in range(20):
-        policy.observe(2, True, 0.01, 0.5)  # acceptance collapses: speculation now loses
+        policy.observe(2, True, 0.02, 1)  # acceptance collapses: speculation now loses (50 tokens/s)
     assert [policy.speculate(2) for _ in range(10)].count(False) >= 8
 
 
@@ -131,9 +133,7 @@ def verified(seq, scheduler, drafts, samples, accepted):
     (chunk,) = scheduler.schedule({seq.seq_id: drafts}).verifies
     scheduler.mark_dispatched([chunk])
     width = len(samples)
-    sampled = type("Sampled", (), {})()
-    sampled.token_ids = np.asarray(samples)
-    sampled.no_token_allowed = np.zeros(width, bool)
+    sampled = SimpleNamespace(token_ids=np.asarray(samples), no_token_allowed=np.zeros(width, bool))
     counts = AcceptanceCounts()
     process_verified([chunk], scheduler, sampled, np.asarray([accepted]), 0, width, Tokenizerless(), counts)
     return counts
@@ -287,3 +287,28 @@ def test_a_row_backs_off_after_its_second_miss_in_a_row():
     speculation._observe_outcome(seq, 3)  # an accepted proposal
     assert proposed_after(1) and proposed_after(1)  # its first miss after it is free again
     assert not proposed_after(1)
+
+
+def test_plain_decoding_looks_ahead_and_tries_speculation_when_the_text_turns_to_quoting():
+    """While the policy has plain decoding winning, prompt lookup still proposes (free): once a row's next tokens
+    follow such a proposal for LOOK_AHEAD_HIT_TOKENS, speculation is measured again from the next step."""
+    from jaxserve.config import SpeculativeConfig
+    from jaxserve.engine.speculation import Speculation
+
+    scheduler, seq = running_scheduler(num_pages=64, max_tokens=64)  # prompt 10..15
+    speculation = Speculation(SpeculativeConfig(method="ngram"), max_model_len=256)
+    for on in (True,) * 4 + (False,) * 4:  # speculation measured at 100 tokens/s, plain at 200
+        speculation.policy.observe(1, on, 0.01, 1 if on else 2)
+
+    def step(*tokens: int) -> bool:
+        seq.output_token_ids += tokens
+        seq.num_computed_tokens += len(tokens)  # decoded: still one token ahead of its KV
+        speculation.begin_step([scheduler])
+        speculation.proposals([scheduler])
+        return speculation.speculating
+
+    assert not any(step(100 + i) for i in range(20))  # nothing to look up: plain throughout
+    assert not step(10)  # looks ahead: 11 12 13 14 15 10 ...
+    assert not step(11) and not step(12) and not step(13) and not step(14)  # followed for 4 tokens now
+    assert step(15)  # speculation measured again
+    assert speculation.policy.stats()["1"]["on"] == 0.0  # from scratch (its old estimate was of other text)

@@ -53,6 +53,19 @@ BUILDS = {
             "-DGGML_AVX512=OFF",
         ),
     ),
+    # The native build without AMX: on the AMX Xeon of bench/results/cpu-2core, b10605's native build dies on
+    # every quantized file, in llama-server and llama-bench alike (Q8_0 and Q4_K_M: a segfault in its AMX
+    # int8 kernel, tinygemm_kernel_amx<block_q8_0> from ggml_backend_amx_mul_mat; Q4_0: illegal instruction);
+    # F32 and BF16 files, which take no AMX path, run. Quantized rows there use this build.
+    # GCC keeps an explicit -mno-amx-* over what -march=native implies, whatever their order.
+    "native-no-amx": (
+        "build-no-amx",
+        (
+            "-DGGML_NATIVE=ON",
+            "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+            "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+        ),
+    ),
 }
 # b10605's server fails a whole request (HTTP 500 "does not match the expected Content-only format") when
 # the model emits invalid UTF-8, which random-token prompts provoke (upstream issue #27543, fixed by

@@ -23,7 +23,9 @@ names the machine: CPU model, vector flags, jaxserve's kernel instruction path, 
 an AVX2-only CPU's kernels do; `--llamacpp-build avx2` runs llama.cpp's AVX2 build (GGML_NATIVE off,
 AVX-512 off; bench/llamacpp_peer.py), and `--avx2` sets both: an emulated AVX2 machine with both engines on
 AVX2 kernels. XLA's own dots (jaxserve's projections it serves, its norms and sampler) still use the
-machine's full ISA, AVX-512 included: the machine line says so (`isa_note`).
+machine's full ISA, AVX-512 included: the machine line says so (`isa_note`). On an AMX Xeon, b10605's
+native build dies on every quantized file (its AMX kernels): `--llamacpp-build native-no-amx` is the same
+build without AMX (its AVX-512 VNNI paths), which runs them.
 """
 
 from __future__ import annotations

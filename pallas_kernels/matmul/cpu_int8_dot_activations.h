@@ -19,64 +19,25 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// AheadLines, HalfToFloat, BFloat16ToFloat: cpu_weight_basics.h.
+// FloatArray, HalfToFloat, BFloat16ToFloat: cpu_weight_basics.h.
 using jaxserve_cpu::BFloat16ToFloat;
 using jaxserve_cpu::HalfToFloat;
 
 constexpr int64_t kChunk = 32;  // k per activation scale (ggml's QK8_0)
 
-// A float array of one of the three widths, read as float32.
-struct FloatArray {
-  const void* data = nullptr;
-  ffi::DataType type = ffi::DataType::F32;
+using jaxserve_cpu::FloatArray;  // x, scales, mins
 
-  float At(int64_t i) const {
-    switch (type) {
-      case ffi::DataType::F16: return HalfToFloat(static_cast<const uint16_t*>(data)[i]);
-      case ffi::DataType::BF16: return BFloat16ToFloat(static_cast<const uint16_t*>(data)[i]);
-      default: return static_cast<const float*>(data)[i];
-    }
-  }
-
-  void Widen(int64_t offset, int64_t count, float* out) const {
-    switch (type) {
-      case ffi::DataType::F16: {
-        const auto* in = static_cast<const uint16_t*>(data) + offset;
-        int64_t i = 0;
-        // (one at a time, the conversion took a fifth of a one-row item's time over 576 columns)
-#if defined(__AVX512F__)
-        for (; i + 16 <= count; i += 16) {
-          _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
-        }
-#elif defined(__F16C__)
-        for (; i + 8 <= count; i += 8) {
-          _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
-        }
-#endif
-        for (; i < count; ++i) out[i] = HalfToFloat(in[i]);
-        break;
-      }
-      case ffi::DataType::BF16: {
-        const auto* in = static_cast<const uint16_t*>(data) + offset;
-        for (int64_t i = 0; i < count; ++i) out[i] = BFloat16ToFloat(in[i]);
-        break;
-      }
-      default:
-        std::memcpy(out, static_cast<const float*>(data) + offset, count * sizeof(float));
-    }
-  }
-
-  // `count` values from `offset` in the sums' order: whole tiles (the first `vectors`) in tile order
-  void WidenInTileOrder(int64_t offset, int64_t count, int64_t vectors, float* natural, float* out) const {
-    Widen(offset, count, natural);
+// `count` values of `array` from `offset` in the sums' order: whole tiles (the first `vectors`) in tile order
+inline void WidenInTileOrder(const FloatArray& array, int64_t offset, int64_t count, int64_t vectors, float* natural,
+                             float* out) {
+  array.Widen(offset, count, natural);
 #if defined(QDOT_X86)
-    for (int64_t t = 0; t < vectors; t += kTile) TileOrder(natural + t, out + t);
+  for (int64_t t = 0; t < vectors; t += kTile) TileOrder(natural + t, out + t);
 #else
-    vectors = 0;  // portable tiles are in column order
+  vectors = 0;  // portable tiles are in column order
 #endif
-    std::memcpy(out + vectors, natural + vectors, (count - vectors) * sizeof(float));
-  }
-};
+  std::memcpy(out + vectors, natural + vectors, (count - vectors) * sizeof(float));
+}
 
 // x quantized for one chunking (chunks of up to 32 k within groups of `group`).
 struct Activations {

@@ -102,8 +102,8 @@ void Item(const Problem& p, int64_t r_begin, int64_t r_end, int64_t g0, int64_t 
       }
     }
 #endif
-    p.scales.WidenInTileOrder(g * p.columns + c0, width, vectors, natural, scale);
-    if (p.mins.data != nullptr) p.mins.WidenInTileOrder(g * p.columns + c0, width, vectors, natural, minimum);
+    WidenInTileOrder(p.scales, g * p.columns + c0, width, vectors, natural, scale);
+    if (p.mins.data != nullptr) WidenInTileOrder(p.mins, g * p.columns + c0, width, vectors, natural, minimum);
     for (int64_t i = 0; i < x.chunks_per_group; ++i) {
       const int64_t chunk = g * x.chunks_per_group + i;
       const int64_t k0 = g * p.group + i * kChunk, k1 = std::min(k0 + kChunk, (g + 1) * p.group);

@@ -118,28 +118,7 @@ inline void WidenNibbles(const uint8_t* p, VecF& low, VecF& high) {
 #endif
 }
 
-// A float array of one of the three widths, read as float32.
-struct FloatArray {
-  const void* data = nullptr;
-  ffi::DataType type = ffi::DataType::F32;
-
-  void Widen(int64_t offset, int64_t count, float* out) const {
-    switch (type) {
-      case ffi::DataType::F16: {
-        const auto* in = static_cast<const uint16_t*>(data) + offset;
-        for (int64_t i = 0; i < count; ++i) out[i] = HalfToFloat(in[i]);
-        break;
-      }
-      case ffi::DataType::BF16: {
-        const auto* in = static_cast<const uint16_t*>(data) + offset;
-        for (int64_t i = 0; i < count; ++i) out[i] = BFloat16ToFloat(in[i]);
-        break;
-      }
-      default:
-        std::memcpy(out, static_cast<const float*>(data) + offset, count * sizeof(float));
-    }
-  }
-};
+using jaxserve_cpu::FloatArray;  // x, scales, mins: cpu_weight_basics.h
 
 struct Problem {
   const void* values;   // int8 [K, N] or uint8 [K / 2, N]

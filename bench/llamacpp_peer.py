@@ -67,6 +67,25 @@ BUILDS = {
         ),
     ),
 }
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU advertises AMX int8 tiles (where the native build's quantized kernels crash)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_int8" in line for line in f)
+    except OSError:
+        return False
+
+
+def build_for(build: str, quantized: bool) -> str:
+    """The BUILDS entry to run: `build` itself, or for "auto" the native build, except for a quantized file
+    on an AMX CPU, which gets native-no-amx (the native build dies on it; see BUILDS)."""
+    if build != "auto":
+        return build
+    return "native-no-amx" if quantized and cpu_has_amx() else "native"
+
+
 # b10605's server fails a whole request (HTTP 500 "does not match the expected Content-only format") when
 # the model emits invalid UTF-8, which random-token prompts provoke (upstream issue #27543, fixed by
 # PR #29161): plain completions keep such text as content instead.

@@ -24,8 +24,10 @@ an AVX2-only CPU's kernels do; `--llamacpp-build avx2` runs llama.cpp's AVX2 bui
 AVX-512 off; bench/llamacpp_peer.py), and `--avx2` sets both: an emulated AVX2 machine with both engines on
 AVX2 kernels. XLA's own dots (jaxserve's projections it serves, its norms and sampler) still use the
 machine's full ISA, AVX-512 included: the machine line says so (`isa_note`). On an AMX Xeon, b10605's
-native build dies on every quantized file (its AMX kernels): `--llamacpp-build native-no-amx` is the same
-build without AMX (its AVX-512 VNNI paths), which runs them.
+native build dies on every quantized file (its AMX kernels): the default `--llamacpp-build auto` runs
+quantized rows there on `native-no-amx`, the same build without AMX (its AVX-512 VNNI paths), and float rows
+on `native`; each row's `llamacpp_build` says which ran. If jaxserve's C++ kernels fail to build, the bench
+stops instead of timing the jax.numpy references.
 """
 
 from __future__ import annotations
@@ -160,9 +162,9 @@ def run_precision(args, precision: str, jax_path: str | None, gguf: str, single,
         )
         del ours
         gc.collect()
-    with peer.LlamaServer(
-        CACHE_DIR, gguf, args.threads, args.slots, context_per_slot=512, build=args.llamacpp_build
-    ) as server:
+    build = llamacpp_build(args, precision)
+    with peer.LlamaServer(CACHE_DIR, gguf, args.threads, args.slots, context_per_slot=512, build=build) as server:
+        results["llamacpp_build"] = build
         results["llamacpp"] = measure(
             f"llamacpp-{precision}",
             lambda p, n: llamacpp_generate(server, p, n),
@@ -172,9 +174,7 @@ def run_precision(args, precision: str, jax_path: str | None, gguf: str, single,
             args.repeats,
         )
     if args.llama_bench:
-        rates = peer.llama_bench(
-            CACHE_DIR, gguf, args.threads, len(single[0]), single[1], repetitions=2, build=args.llamacpp_build
-        )
+        rates = peer.llama_bench(CACHE_DIR, gguf, args.threads, len(single[0]), single[1], repetitions=2, build=build)
         results["llamacpp"]["llama_bench"] = rates
         emit(engine=f"llamacpp-{precision}", llama_bench=rates)
     if jax_path is not None:
@@ -256,7 +256,12 @@ def main() -> None:
         choices=("int8", "float"),
         help="jaxserve's quantized_activations: its CPU quantized kernel's x as int8 per 32 (llama.cpp's) or float",
     )
-    parser.add_argument("--llamacpp-build", default="native", choices=sorted(peer.BUILDS), help="llama.cpp's build")
+    parser.add_argument(
+        "--llamacpp-build",
+        default="auto",
+        choices=("auto", *sorted(peer.BUILDS)),
+        help="llama.cpp's build; auto: native, but native-no-amx for quantized files on an AMX CPU",
+    )
     parser.add_argument(
         "--avx2", action="store_true", help="both engines on AVX2 kernels: --kernel-path avx2 --llamacpp-build avx2"
     )
@@ -266,8 +271,11 @@ def main() -> None:
     if args.kernel_path:  # before jaxserve builds its kernels
         os.environ["JAXSERVE_CPU_KERNEL_PATH"] = args.kernel_path
     pin_threads(args.threads)
+    require_cpu_kernels()
     peer.ensure_built(CACHE_DIR)  # its llama-quantize writes the GGUF files
-    peer.ensure_built(CACHE_DIR, args.llamacpp_build)
+    precisions = args.precisions.split(",") + (["q8_0"] if args.q8 else [])
+    for build in sorted({llamacpp_build(args, precision) for precision in precisions}):
+        peer.ensure_built(CACHE_DIR, build)
     jax_path, ggufs, name = model_files(args)
     single, batch, text_prompts = workload(jax_path, args)
     emit(
@@ -314,12 +322,30 @@ def isa_note(args) -> str:
     """Which instructions each engine ran, where a flag restricted them below the machine's."""
     from pallas_kernels import cpu_library
 
-    if not args.kernel_path and args.llamacpp_build == "native":
+    if not args.kernel_path and args.llamacpp_build == "auto" and peer.cpu_has_amx():
+        return "both engines on this machine's full ISA (llama.cpp's quantized rows without AMX: native-no-amx)"
+    if not args.kernel_path and args.llamacpp_build in ("native", "auto"):
         return "both engines on this machine's full ISA"
     kernels = cpu_library.chosen_path(args.kernel_path)
     avx512 = "avx512f" in cpu_library.cpu_flags()
     xla = "XLA's own dots, norms and sampler still use AVX-512" if avx512 else "XLA on this machine's ISA"
     return f"jaxserve's C++ kernels on the {kernels} path ({xla}); llama.cpp's {args.llamacpp_build} build"
+
+
+def llamacpp_build(args, precision: str) -> str:
+    """llama.cpp's build for a precision's row (--llamacpp-build auto picks per file, bench/llamacpp_peer.py)."""
+    return peer.build_for(args.llamacpp_build, precision in QUANTIZED_PRECISIONS)
+
+
+def require_cpu_kernels() -> None:
+    """Stop before timing anything when jaxserve's C++ kernels failed to build or load: the engine would
+    still run, on the jax.numpy references, and every jaxserve figure would be silently slow."""
+    import jax
+
+    from pallas_kernels import cpu_library
+
+    if jax.default_backend() == "cpu" and cpu_library.load() is None:
+        raise SystemExit("jaxserve's CPU kernels are unavailable (see the warning above): not timing the references")
 
 
 def quantized_gguf(ggufs: dict, kind: str) -> str:

@@ -7,11 +7,12 @@ the roofline: bytes a decode token must read (weights + the context's KV) over a
 in the same run. `--profile` splits each step (issue #29): the model's projections alone, those the C++
 small matmul serves and those XLA's dots serve (each group timed on its own with the step's rows), every
 layer's attention alone (the CPU kernel at the step's context), and the rest of the step; with `--paths`, all projections through each kernel path this CPU runs and through
-XLA's dots. The CPU (model, vector flags) and the kernel's instruction path head the output
+XLA's dots; with `--trace`, the step itself op by op from XLA's trace (bench/step_trace.py: each kernel's
+calls, XLA's fusions, the executor's gaps). The CPU (model, vector flags) and the kernel's instruction path head the output
 (JAXSERVE_CPU_KERNEL_PATH=avx2 measures what an AVX2-only CPU's kernel does). Prints JSON lines.
 
     .venv/bin/python bench/decode_step.py [--model default] [--dtypes float32,bfloat16] [--rounds 3]
-        [--batches 1,8,32] [--profile [--paths]] [--quantization none|int8|int4|auto]
+        [--batches 1,8,32] [--profile [--paths] [--trace]] [--quantization none|int8|int4|auto]
         [--quantized-activations int8|float]
 """
 
@@ -90,6 +91,21 @@ def decode_inputs(runner, batch: int, context: int, shape, vocab_size: int):
     inputs.token_ids[:] = np.arange(len(inputs.token_ids)) % vocab_size
     inputs.logits_indices[:] = np.arange(len(inputs.logits_indices))
     return inputs
+
+
+def traced_step_ms(llm, batch: int, context: int) -> dict:
+    """The compiled decode step's ms by kind of op, from XLA's trace (step_trace.py): the kernels' calls, XLA's
+    fusions between them, the executor's gaps between thunks."""
+    from step_trace import step_breakdown
+
+    runner = llm.engine.runner
+    shape = next(s for s in runner.executables if s.query_block == 1 and s.num_seqs == batch)
+    inputs = decode_inputs(runner, batch, context, shape, llm.engine.model_config.vocab_size)
+
+    def run_step():
+        jax.block_until_ready(runner.execute(shape, inputs).sampled.token_ids)
+
+    return step_breakdown(run_step, runner.executables[shape].as_text())
 
 
 def device_step_ms(llm, batch: int, context: int, repeats: int) -> float:
@@ -179,28 +195,42 @@ def cpu_description() -> dict:
 
 
 def projection_groups(llm, batch: int):
-    """The engine's matmul plan, and the model's projection weights by who serves `batch` rows: "kernel"
-    (the C++ small matmul) or "xla" (the reference's dots), each entry (weight, transposed)."""
+    """The engine's matmul plan, and the model's projections by who serves `batch` rows: "kernel" (the C++
+    small matmul) or "xla" (the reference's dots). Each entry is one call as the model makes it: (weights,
+    transposed), a layer's q/k/v and gate/up joined where the plan joins them (models/layers.py's
+    project_many), every other weight alone (timing each weight alone made 211 kernel calls of a SmolLM2 step's
+    121: 90 calls' fixed costs and short items the step does not have, which weigh most in bfloat16)."""
     from flax import nnx
 
     from jaxserve.models.layers import Linear
-    from pallas_kernels.matmul import SmallMatmul, kquant_cpu, quantized_cpu
+    from pallas_kernels.matmul import MatmulPlan, SmallMatmul, kquant_cpu, quantized_cpu
 
     runner = llm.engine.runner
     model = nnx.merge(runner.graphdef, jax.tree.unflatten(runner.params_treedef, runner.param_leaves))
-    linears = [node for _, node in nnx.iter_graph(model) if isinstance(node, Linear)]
-    plan = linears[0].matmul
-    weights = [(linear.kernel[...], False) for linear in linears]
+    linears = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, Linear)]
+    plan = linears[0][1].matmul
+    assert isinstance(plan, MatmulPlan)
+    calls: dict[tuple, list] = {}
+    for path, linear in linears:
+        name = str(path[-1])
+        joined = (
+            "qkv" if name in ("q_proj", "k_proj", "v_proj") else "gate_up" if name in ("gate_proj", "up_proj") else name
+        )
+        calls.setdefault((*path[:-1], joined), []).append(linear.kernel[...])
+    entries = []
+    for weights in calls.values():
+        joins = len(weights) > 1 and plan._entry(batch, tuple(weights)).joins_weights
+        entries += [(tuple(weights), False)] if joins else [((w,), False) for w in weights]
     config = llm.engine.model_config
     if getattr(config, "tie_word_embeddings", False):  # the embedding serves as the head, transposed
         embedding = next(node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Embed)).embedding[...]
         # a quantized embedding is stored [E, V], as the head it also is
-        weights.append((embedding, not hasattr(embedding, "embedding_rows")))
+        entries.append(((embedding,), not hasattr(embedding, "embedding_rows")))
     groups: dict[str, list] = {"kernel": [], "xla": []}
     kernels = (SmallMatmul, quantized_cpu.QuantizedSmallMatmul, kquant_cpu.KQuantSmallMatmul)  # K-quants: theirs
-    for weight, transposed in weights:
-        served = isinstance(plan._entry(batch, (weight,)), kernels)
-        groups["kernel" if served else "xla"].append((weight, transposed))
+    for weights, transposed in entries:
+        served = isinstance(plan._entry(batch, weights), kernels)
+        groups["kernel" if served else "xla"].append((weights, transposed))
     return plan, {name: group for name, group in groups.items() if group}
 
 
@@ -209,15 +239,19 @@ def projections_ms(llm, batch: int, repeats: int) -> dict[str, float]:
     plan, groups = projection_groups(llm, batch)
     times = {}
     for name, group in groups.items():
-        weights = [w for w, _ in group]
-        flags = [t for _, t in group]
-        depth_of = [w.shape[1] if t else w.shape[0] for w, t in group]
-        xs = {d: jnp.ones((batch, d), weights[0].dtype) for d in set(depth_of)}
+        weight_sets = [ws for ws, _ in group]
+        flags = tuple(t for _, t in group)
+        depth_of = tuple(ws[0].shape[1] if t else ws[0].shape[0] for ws, t in group)
+        xs = {d: jnp.ones((batch, d), weight_sets[0][0].dtype) for d in set(depth_of)}
 
-        def run(xs, weights, flags=tuple(flags), depth_of=tuple(depth_of)):
-            return [plan(xs[d], w, transposed=t) for w, t, d in zip(weights, flags, depth_of)]
+        def run(xs, weight_sets, flags=flags, depth_of=depth_of):
+            out = []
+            for ws, t, d in zip(weight_sets, flags, depth_of):
+                joined = plan.together(xs[d], ws) if len(ws) > 1 else None
+                out += list(joined) if joined is not None else [plan(xs[d], w, transposed=t) for w in ws]
+            return out
 
-        times[name] = round(1e3 * median_time(jax.jit(run), xs, weights, repeats=repeats), 3)
+        times[name] = round(1e3 * median_time(jax.jit(run), xs, weight_sets, repeats=repeats), 3)
     return times
 
 
@@ -250,7 +284,7 @@ def paths_ms(llm, batch: int, repeats: int, activations: str) -> dict[str, float
     from pallas_kernels.matmul import cpu
 
     _, groups = projection_groups(llm, batch)
-    group = [entry for entries in groups.values() for entry in entries]
+    group = [(w, t) for entries in groups.values() for ws, t in entries for w in ws]
     weights = [w for w, _ in group]
     flags = tuple(t for _, t in group)
     depth_of = tuple(w.shape[1] if t else w.shape[0] for w, t in group)
@@ -341,6 +375,7 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
                         if args.paths
                         else {}
                     ),
+                    **({"traced_step_ms": traced_step_ms(llm, b, context)} if args.trace else {}),
                 )
         emit(
             dtype=dtype,
@@ -378,6 +413,9 @@ def main() -> None:
         help="the engine option quantized_activations: the CPU quantized kernel's x as int8 per 32 or float",
     )
     parser.add_argument("--paths", action="store_true", help="with --profile: projections through every kernel path")
+    parser.add_argument(
+        "--trace", action="store_true", help="with --profile: the step's ms by kind of op from XLA's trace"
+    )
     args = parser.parse_args()
     args.batches = sorted({1, *(int(b) for b in args.batches.split(","))})
     bandwidths = read_bandwidth()

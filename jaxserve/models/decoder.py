@@ -44,12 +44,19 @@ class DecoderLayer(nnx.Module):
             self.mlp = SparseMoE(config, dtype, matmul, rngs, experts)
 
     def __call__(self, x, key_pages, value_pages, metadata: AttentionMetadata):
-        attended, key_pages, value_pages = self.self_attn(self.input_layernorm(x), key_pages, value_pages, metadata)
+        # Attention and MLP take their input norm along: where the matmul plan's kernel runs it inside the q/k/v
+        # and gate/up calls, a decode step skips its XLA thunks (issue #29)
+        if isinstance(self.self_attn, Attention):
+            attended, key_pages, value_pages = self.self_attn(x, key_pages, value_pages, metadata, self.input_layernorm)
+        else:
+            attended, key_pages, value_pages = self.self_attn(self.input_layernorm(x), key_pages, value_pages, metadata)
         if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
             x = x + self.post_attention_layernorm(attended)
             x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
             return x, key_pages, value_pages
         x = x + attended
+        if isinstance(self.mlp, MLP):
+            return x + self.mlp(x, self.post_attention_layernorm), key_pages, value_pages
         return x + self.mlp(self.post_attention_layernorm(x)), key_pages, value_pages
 
 

@@ -74,6 +74,11 @@ class Matmul(Protocol):
         [M, N_i] each; None where each is better projected on its own."""
         ...
 
+    def together_normed(self, rows, scale, eps: float, weights) -> tuple | None:
+        """RMSNorm(rows; scale, eps) by several weights in one call where a kernel takes the norm into it ->
+        float32 [M, N_i] each; None where the caller normalizes first."""
+        ...
+
 
 class RMSNorm(nnx.Module):
     def __init__(self, size: int, eps: float, dtype, axis: str = "embed", unit_offset: bool = False):
@@ -185,10 +190,17 @@ def _finish(y, bias, dtype, lead):
     return y.astype(dtype).reshape(*lead, y.shape[-1])
 
 
-def project_many(x, linears):
+def project_many(x, linears, norm: RMSNorm | None = None):
     """The same x through several Linears (a layer's q, k and v; gate and up): in one call where the plan
     joins them (the CPU kernel: its threads share their work and a decode step makes fewer calls);
-    otherwise each Linear on its own. Same results as [linear(x) for linear in linears]."""
+    otherwise each Linear on its own. Same results as [linear(x) for linear in linears]. With `norm`, x is
+    first normalized by it: inside that call where the plan's kernel takes the norm (norm(x) up to the order
+    of its sum of squares), otherwise by norm(x)."""
+    if norm is not None:
+        ys = _project_normed(x, linears, norm)
+        if ys is not None:
+            return ys
+        x = norm(x)
     weights = [linear.projected_weight() if isinstance(linear, Linear) else linear.kernel[...] for linear in linears]
     *lead, size = x.shape
     dtype = weights[0].dtype
@@ -203,6 +215,27 @@ def project_many(x, linears):
                 for y, linear in zip(ys, linears)
             ]
     return [linear(x) for linear in linears]
+
+
+def _project_normed(x, linears, norm: RMSNorm) -> list | None:
+    """project_many(norm(x), linears) in one call with the norm inside, where the plan's kernel does that: plain
+    Linears (no adapters) of x's dtype and a norm without Gemma's unit offset; else None."""
+    dtype = x.dtype
+    plain = all(
+        isinstance(linear, Linear) and linear.lora is None and linear.dtype in (None, dtype) for linear in linears
+    )
+    if not plain or norm.unit_offset or norm.weight.dtype != dtype:
+        return None
+    weights = [linear.kernel[...] for linear in linears]
+    if any(w.dtype != dtype for w in weights):
+        return None
+    *lead, size = x.shape
+    ys = linears[0].matmul.together_normed(x.reshape(-1, size), norm.weight[...], norm.eps, weights)
+    if ys is None:
+        return None
+    return [
+        _finish(y, None if linear.bias is None else linear.bias[...], dtype, lead) for y, linear in zip(ys, linears)
+    ]
 
 
 class Linear(nnx.Linear):
@@ -288,9 +321,10 @@ class Attention(nnx.Module):
         )
         self.rope_attention_factor = rope_attention_factor(scaling)
 
-    def __call__(self, x, key_pages, value_pages, metadata: AttentionMetadata):
+    def __call__(self, x, key_pages, value_pages, metadata: AttentionMetadata, norm: RMSNorm | None = None):
+        """x [T, E] (with `norm`: before that norm, which project_many applies) -> (out [T, E], pages)."""
         num_tokens = x.shape[0]
-        q, k, v = project_many(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = project_many(x, (self.q_proj, self.k_proj, self.v_proj), norm)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -327,6 +361,7 @@ class MLP(nnx.Module):
         self.down_proj = linear(f, e, (axis, "embed"), bias=bias, dtype=dtype, matmul=matmul, rngs=rngs)
         self.activation = config.hidden_act
 
-    def __call__(self, x):
-        gate, up = project_many(x, (self.gate_proj, self.up_proj))
+    def __call__(self, x, norm: RMSNorm | None = None):
+        """x [T, E] (with `norm`: before that norm, which project_many applies) -> [T, E]."""
+        gate, up = project_many(x, (self.gate_proj, self.up_proj), norm)
         return self.down_proj(ACTIVATIONS[self.activation](gate) * up)

@@ -106,6 +106,10 @@ class SmallMatmul:
     def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
         return cpu.small_matmuls(rows, weights, transposed=transposed)
 
+    def normed(self, rows, scale, eps: float, weights: tuple) -> tuple:
+        """RMSNorm(rows; scale, eps) by each weight [K, N_i], the norm inside the kernel's call."""
+        return cpu.small_matmuls_normed(rows, scale, eps, weights)
+
 
 @dataclass(frozen=True)
 class QuantizedReferenceMatmul:
@@ -149,6 +153,14 @@ class MatmulPlan:
         weights = tuple(weights)
         entry = self._entry(rows.shape[0], weights)
         return entry(rows, weights, transposed=False) if entry.joins_weights else None
+
+    def together_normed(self, rows, scale, eps: float, weights) -> tuple | None:
+        """RMSNorm(rows) (in float32, rounded to rows' dtype, times `scale`: models/layers.py's RMSNorm) by several
+        weights [K, N_i] in one call where the serving entry takes the norm into it (the CPU kernel: a decode step's
+        norm is four XLA thunks between two calls) -> float32 [M, N_i] each; None where the caller normalizes."""
+        weights = tuple(weights)
+        normed = getattr(self._entry(rows.shape[0], weights), "normed", None)
+        return None if normed is None else normed(rows, scale, eps, weights)
 
     def _entry(self, num_rows: int, weights: tuple) -> MatmulEntry:
         return next(entry for entry in self.entries if entry.serves(num_rows, weights))

@@ -12,17 +12,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import cpu_library
 
 MATMUL_TARGET = "jaxserve_cpu_small_matmul"
+NORMED_TARGET = "jaxserve_cpu_small_matmul_normed"  # x through an RMS norm first (small_matmuls_normed)
 MATMUL_MAX_ROWS = 64  # cpu_matmul.cc's kMaxRows
 DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))  # of the weights it serves
 
 
-def target(path: str | None = None) -> str:
-    """The custom call's name for `path`'s library: MATMUL_TARGET for the engine's own (path None)."""
-    return MATMUL_TARGET if path is None else f"{MATMUL_TARGET}_{path}"
+def target(path: str | None = None, name: str = MATMUL_TARGET) -> str:
+    """The custom call's name for `path`'s library: `name` itself for the engine's own (path None)."""
+    return name if path is None else f"{name}_{path}"
 
 
 @functools.cache
@@ -31,6 +33,8 @@ def _register(path: str | None = None) -> bool:
     if library is None:
         return False
     jax.ffi.register_ffi_target(target(path), jax.ffi.pycapsule(library.JaxserveSmallMatmul), platform="cpu")
+    normed = jax.ffi.pycapsule(library.JaxserveSmallMatmulNormed)
+    jax.ffi.register_ffi_target(target(path, NORMED_TARGET), normed, platform="cpu")
     return True
 
 
@@ -56,6 +60,30 @@ def small_matmuls(x, weights, *, transposed: bool = False, path: str | None = No
     work of all of them. Returns a tuple of float32 [M, N_i]. `path` (cpu_library.PATHS) picks another
     instruction path's build than the engine's."""
     weights = tuple(weights)
+    _check(x, weights, transposed, path)
+    results = tuple(
+        jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transposed else w.shape[1]), jnp.float32) for w in weights
+    )
+    return tuple(jax.ffi.ffi_call(target(path), results)(x, *weights, transposed=transposed))
+
+
+def small_matmuls_normed(x, scale, eps: float, weights, *, path: str | None = None):
+    """small_matmuls of RMSNorm(x) by [K, N_i] weights, the norm inside the call: x's rows through
+    x * rsqrt(mean(x^2) + eps) in float32, rounded to x's dtype, times `scale` [K] (x's dtype), as
+    models/layers.py's RMSNorm (without Gemma's unit offset; the sum of squares in its own order, so float32 rows
+    may differ from XLA's in the last bits). In a decode step this saves the norm's four XLA thunks between two
+    kernel calls (issue #29)."""
+    weights = tuple(weights)
+    _check(x, weights, False, path)
+    if scale.shape != (x.shape[1],) or scale.dtype != x.dtype:
+        raise ValueError(
+            f"small_matmuls_normed wants the norm's scale [{x.shape[1]}] {x.dtype}, got {scale.shape} {scale.dtype}"
+        )
+    results = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in weights)
+    return tuple(jax.ffi.ffi_call(target(path, NORMED_TARGET), results)(x, scale, *weights, eps=np.float32(eps)))
+
+
+def _check(x, weights: tuple, transposed: bool, path: str | None) -> None:
     for w in weights:
         if jnp.dtype(w.dtype) not in DTYPES:
             raise ValueError(f"the CPU small matmul serves {[str(d) for d in DTYPES]} weights, not {w.dtype}")
@@ -70,7 +98,3 @@ def small_matmuls(x, weights, *, transposed: bool = False, path: str | None = No
         raise ValueError("small_matmuls wants at least one weight")
     if not _register(path):
         raise RuntimeError("the CPU small matmul could not be built; project with the reference")
-    results = tuple(
-        jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transposed else w.shape[1]), jnp.float32) for w in weights
-    )
-    return tuple(jax.ffi.ffi_call(target(path), results)(x, *weights, transposed=transposed))

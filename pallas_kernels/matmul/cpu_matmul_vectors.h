@@ -85,6 +85,7 @@ inline float HorizontalSum(VecF v) {
 struct F32 {
   using Stored = float;
   static float One(float x) { return x; }
+  static float Round(float x) { return x; }
   static VecF Vector(const float* p) {
     VecF v;
     std::memcpy(&v, p, sizeof(v));
@@ -98,6 +99,12 @@ struct BF16 {
     float f;
     std::memcpy(&f, &wide, sizeof(f));
     return f;
+  }
+  static uint16_t Round(float x) {  // to nearest, ties to even, as XLA's convert (NaN stays a quiet NaN)
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
+    return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
   }
   static VecF Vector(const uint16_t* p) {
 #if defined(__AVX512F__)
@@ -119,6 +126,12 @@ struct F16 {
     _Float16 h;
     std::memcpy(&h, &bits, sizeof(h));
     return float(h);
+  }
+  static uint16_t Round(float x) {
+    const _Float16 h = _Float16(x);
+    uint16_t bits;
+    std::memcpy(&bits, &h, sizeof(bits));
+    return bits;
   }
   static VecF Vector(const uint16_t* p) {
 #if defined(__AVX512F__)

@@ -152,3 +152,53 @@ def test_results_do_not_depend_on_how_the_threads_ran(dtype):
     for _ in range(30):
         for a, b in zip(fn(x, *weights), first):
             np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("depth", [576, 100])
+def test_the_norm_inside_the_call_is_the_models_norm(dtype, depth):
+    """small_matmuls_normed(x, scale) by an identity weight returns the normalized rows themselves: the model's
+    RMSNorm(x) up to the order of the sum of squares (float32: within 2 ulps; 16-bit: the rounded rows equal, or
+    where the float32 value sat on a rounding boundary one ulp apart), for a depth that is a multiple of 32 and
+    one that is not; a scale of the wrong size is refused."""
+    from jaxserve.models.layers import RMSNorm
+
+    rng = np.random.default_rng(6)
+    norm = RMSNorm(depth, 1e-5, dtype)
+    norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, depth), dtype)
+    x = jnp.asarray(3 * rng.standard_normal((5, depth)), dtype)
+    identity = jnp.eye(depth, dtype=dtype)
+    (got,) = jax.jit(lambda x, s, w: cpu.small_matmuls_normed(x, s, 1e-5, (w,)))(x, norm.weight[...], identity)
+    expected = np.asarray(jax.jit(norm)(x), np.float32)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=2.5e-7, atol=0)
+    else:
+        assert np.mean(np.asarray(got) == expected) > 0.99
+        one_ulp = 2.0**-7 if dtype == jnp.bfloat16 else 2.0**-10
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=one_ulp, atol=0)
+    with pytest.raises(ValueError, match="scale"):
+        cpu.small_matmuls_normed(x, norm.weight[...][:-1], 1e-5, (identity,))
+
+
+@pytest.mark.parametrize("dtype,rows", [(jnp.float32, 1), (jnp.bfloat16, 1), (jnp.bfloat16, 9)])
+def test_project_many_takes_the_norm_into_the_kernels_call(dtype, rows):
+    """project_many(x, linears, norm) gives project_many(norm(x), linears); where the kernel serves the rows
+    the norm runs inside its one call (no XLA reduction left in the program), elsewhere norm(x) comes first."""
+    from flax import nnx
+
+    from jaxserve.models.layers import RMSNorm, linear, project_many
+
+    rngs = nnx.Rngs(0)
+    linears = [linear(64, n, ("embed", "heads"), bias=False, dtype=dtype, matmul=CPU_PLAN, rngs=rngs) for n in (64, 16)]
+    norm = RMSNorm(64, 1e-6, dtype)
+    norm.weight[...] = jnp.asarray(np.random.default_rng(7).uniform(0.5, 1.5, 64), dtype)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((rows, 64)), dtype)
+    got = nnx.jit(lambda x: project_many(x, linears, norm))(x)
+    expected = nnx.jit(lambda x: project_many(norm(x), linears))(x)
+    for a, b in zip(got, expected):
+        tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tolerance, atol=tolerance)
+    hlo = jax.jit(lambda x: project_many(x, linears, norm)).lower(x).compile().as_text() or ""
+    served = rows <= SMALL_MATMUL_MAX_ROWS[jnp.dtype(dtype)]
+    assert hlo.count(f'custom_call_target="{cpu.NORMED_TARGET}"') == (1 if served else 0)
+    assert ("reduce" in hlo) == (not served)

@@ -87,3 +87,14 @@ def test_finish_reasons_travel_as_plain_strings():
 
     assert json.dumps({"finish_reason": FinishReason.LENGTH}) == '{"finish_reason": "length"}'
     assert FinishReason.STOP == "stop" and str(FinishReason.ABORT) == "abort"
+
+
+def test_default_prefill_buckets_are_at_most_a_third_padding():
+    from jaxserve.config import Buckets
+
+    engine = EngineConfig.from_options(max_num_batched_tokens=512, prefill_query_block=16)
+    buckets = Buckets.derive(engine, max_model_len=1024).prefill_tokens
+    assert buckets == (64, 128, 192, 256, 384, 512)
+    for tokens in range(129, 513):  # a 160-190-token prompt fits 192, not 256
+        bucket = Buckets.fit(tokens, buckets)
+        assert bucket - tokens <= bucket / 3

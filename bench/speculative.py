@@ -5,7 +5,8 @@ run; and batched throughput with speculation on vs off (goal: not below).
 
     .venv/bin/python bench/speculative.py [--precision f32] [--requests 3] [--repeats 1] [--max-tokens 256] [--batch 32]
         [--variants plain,ngram,ngram-forced,draft,draft-forced,ngram-forced:k4:min2] [--k 7] [--lookup-min 1]
-        [--draft-k 4] [--draft-quantization int4] [--request-timeout 300] [--llamacpp-budget 1200]
+        [--draft-k 4] [--draft-quantization int4|int8|source] [--llamacpp-build auto] [--request-timeout 300]
+        [--llamacpp-budget 1200]
 
 Draft rows: jaxserve's target is the --precision file (F32, or Q8_0 served with quantization auto), its
 draft the target's own --draft-quantization copy (draft_model: self, quantized as it loads: self-speculation;
@@ -13,6 +14,10 @@ with a Q8_0 target, the draft file below); llama.cpp serves the same target file
 llama-quantize writes from the F32 one (int4: Q4_0, int8: Q8_0) as --model-draft. The policy's variants as
 for ngram: "draft" adaptive, "draft-forced" always speculating; "draft-gguf" (not run by default):
 adaptive, with that very draft file as jaxserve's draft (quantization auto: its blocks as stored).
+--draft-quantization source: both engines' draft is the model's own GGUF file as published (the default
+model's Q4_1 file, of which the F32 target is the exact dequantization: a 4-bit draft with the target's
+weights; Q4_0 / Q8_0 re-quantize those weights once more). llama.cpp's servers all run one build: on an AMX
+CPU native-no-amx when one loads a quantized file (its native build crashes there), else native.
 Sweeps in one run: a variant name may carry ":k<N>", ":min<N>", ":max<N>" (k, prompt_lookup_min / max),
 e.g. --variants plain,ngram-forced,ngram-forced:k4:min2,ngram:k5:min3:max5.
 
@@ -49,6 +54,7 @@ import os
 import sys
 import time
 import urllib.request
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamacpp_peer as peer  # noqa: E402
@@ -63,6 +69,27 @@ from vs_llamacpp import (  # noqa: E402
 )
 
 DRAFT_FILES = {"int4": "Q4_0", "int8": "Q8_0"}  # the draft's quantization -> llama.cpp's draft file
+# "source": the model's own GGUF file as published, blocks as stored (the default model's is Q4_1, and the
+# F32 target both engines serve is its exact dequantization: this draft has the target's weights at 4 bits)
+DRAFT_QUANTIZATIONS = (*DRAFT_FILES, "source")
+
+
+def draft_pair(args, ggufs: dict) -> tuple[dict, str]:
+    """(jaxserve's draft settings, llama.cpp's --model-draft file) for --draft-quantization: int4 / int8 a
+    self-draft quantized as it loads beside llama-quantize's Q4_0 / Q8_0 file; source the model's own GGUF
+    file in both engines (quantization auto)."""
+    draft = dict(method="draft", num_speculative_tokens=args.draft_k)
+    if args.draft_quantization == "source":
+        from jaxserve.loading.default_model import resolve_model_path
+
+        path = resolve_model_path(args.model)
+        if not path.endswith(".gguf"):
+            raise SystemExit(f"--draft-quantization source needs a model published as a GGUF file, not {path}")
+        return {**draft, "draft_model": path, "draft_quantization": "auto"}, path
+    return {**draft, "draft_model": "self", "draft_quantization": args.draft_quantization}, quantized_gguf(
+        ggufs, DRAFT_FILES[args.draft_quantization]
+    )
+
 
 CODE_SNIPPETS = (
     '''def moving_average(values, window):
@@ -159,7 +186,7 @@ class Jaxserve:
         from jaxserve import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
-        options = dict(
+        options: dict[str, Any] = dict(
             quantization=quantization,
             dtype=dtype,
             max_model_len=max_model_len,
@@ -168,7 +195,9 @@ class Jaxserve:
             enable_prefix_caching=False,  # as llama.cpp's cache_prompt=False: every run prefills its prompts
             show_progress=False,
         )
-        self.llm = LLM(path, **options, **({"speculative": speculative} if speculative else {}))
+        if speculative:
+            options["speculative"] = speculative
+        self.llm = LLM(path, **options)
 
     def run(self, prompts, max_tokens: int, at_once: bool, ignore_eos: bool = False):
         """(generated token ids per request, seconds)."""
@@ -208,12 +237,20 @@ def llama_complete(
 
 
 def run_llamacpp(
-    gguf: str, threads: int, context: int, workloads: dict, max_tokens: int, extra: list[str], limits: tuple
+    gguf: str,
+    threads: int,
+    context: int,
+    workloads: dict,
+    max_tokens: int,
+    extra: list[str],
+    limits: tuple,
+    build: str,
 ) -> tuple[dict, bool]:
     """({workload: (token ids per finished request, seconds)}, whether it finished every request): the
-    server is stopped at the first call past its timeout or once its budget of seconds is spent."""
+    server (of the named build) is stopped at the first call past its timeout or once its budget of seconds
+    is spent."""
     request_timeout, budget = limits
-    server = peer.LlamaServer(CACHE_DIR, gguf, threads, 1, context_per_slot=context)
+    server = peer.LlamaServer(CACHE_DIR, gguf, threads, 1, context_per_slot=context, build=build)
     server.command += extra
     results, drafts, deadline = {}, {}, time.monotonic() + budget
     try:
@@ -291,10 +328,18 @@ def main() -> None:
     parser.add_argument(
         "--draft-quantization",
         default="int4",
-        choices=sorted(DRAFT_FILES),
-        help="of the target's own copy as the draft",
+        choices=DRAFT_QUANTIZATIONS,
+        help="of the target's own copy as the draft (int4 / int8: quantized as it loads, beside llama-quantize's "
+        "Q4_0 / Q8_0 file; source: the model's own published GGUF file in both engines, see DRAFT_QUANTIZATIONS)",
     )
     parser.add_argument("--llamacpp", default="plain,lookup,draft", help="llama.cpp's servers to run")
+    parser.add_argument(
+        "--llamacpp-build",
+        default="auto",
+        choices=("auto", *sorted(peer.BUILDS)),
+        help="llama.cpp's build for every server of the run; auto: native, but native-no-amx on an AMX CPU when "
+        "a server loads a quantized file (the draft server, a quantized --precision)",
+    )
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds per llama-server call")
     parser.add_argument("--llamacpp-budget", type=float, default=1200.0, help="seconds per llama.cpp server")
     args = parser.parse_args()
@@ -302,7 +347,7 @@ def main() -> None:
     jax_path, ggufs, name = model_files(args)
     gguf_type = DTYPES[args.precision][1]
     gguf = ggufs[gguf_type] if gguf_type in ggufs else quantized_gguf(ggufs, gguf_type)
-    draft_gguf = quantized_gguf(ggufs, DRAFT_FILES[args.draft_quantization])  # the pair llama.cpp serves
+    draft, draft_gguf = draft_pair(args, ggufs)  # draft_gguf: llama.cpp's --model-draft
     quantization = "none"
     if args.precision in QUANTIZED_PRECISIONS:  # jaxserve serves that very file, its blocks as stored
         jax_path, quantization = gguf, "auto"
@@ -318,8 +363,6 @@ def main() -> None:
          prompt_tokens={w: [len(p) for p in ps] for w, ps in workloads.items()})  # fmt: skip
     ngram = dict(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=args.lookup_min,
                  prompt_lookup_max=args.lookup_max)  # fmt: skip
-    draft = dict(method="draft", num_speculative_tokens=args.draft_k, draft_model="self",
-                 draft_quantization=args.draft_quantization)  # fmt: skip
     draft_file = {**draft, "draft_model": draft_gguf, "draft_quantization": "auto"}
     if quantization != "none":  # a quantized target's draft: the file llama.cpp's draft row serves
         draft = draft_file
@@ -363,7 +406,13 @@ def main() -> None:
             same = all(runs[w][0] == single["jaxserve-plain"][w][0] for w in runs)
             emit(check=f"greedy tokens equal, jaxserve-{variant} vs plain", identical=same)
     if "llamacpp" in args.engines:
-        peer.ensure_built(CACHE_DIR)
+        # One build for all servers, so that their ratios compare kernels of one build (F32 files take no
+        # AMX path: native-no-amx runs them as native does).
+        quantized_file = quantization != "none" or "draft" in args.llamacpp.split(",")
+        build = peer.build_for(args.llamacpp_build, quantized_file)
+        peer.ensure_built(CACHE_DIR)  # its llama-quantize writes the GGUF files
+        peer.ensure_built(CACHE_DIR, build)
+        emit(engine="llamacpp", build=build)
         context = max_model_len
         servers = {
             "plain": [],
@@ -376,7 +425,7 @@ def main() -> None:
         for server in args.llamacpp.split(","):
             engine = f"llamacpp-{server}"
             runs, finished = run_llamacpp(
-                gguf, args.threads, context, workloads, args.max_tokens, servers[server], limits
+                gguf, args.threads, context, workloads, args.max_tokens, servers[server], limits, build
             )
             single[engine] = runs
             for w, (tokens, seconds) in runs.items():

@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from speculative import Jaxserve, prompts_for, variant_config  # noqa: E402
+from speculative import DRAFT_QUANTIZATIONS, Jaxserve, draft_pair, prompts_for, variant_config  # noqa: E402
 from vs_llamacpp import DTYPES, emit, model_files, pin_threads  # noqa: E402
 
 
@@ -139,19 +139,18 @@ def main() -> None:
     parser.add_argument("--draft-k", type=int, default=4, help="a draft model's num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=1)
     parser.add_argument("--lookup-max", type=int, default=4)
-    parser.add_argument("--draft-quantization", default="int8", choices=("int8", "int4"))
+    parser.add_argument("--draft-quantization", default="int8", choices=DRAFT_QUANTIZATIONS)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     pin_threads(args.threads)
-    jax_path, _, name = model_files(args)
+    jax_path, ggufs, name = model_files(args)
     from jaxserve.loading.model_source import open_model
 
     prompts = prompts_for(open_model(jax_path).tokenizer, args.workload, args.requests)
     max_model_len = max(map(len, prompts)) + args.max_tokens + 16
     ngram = dict(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=args.lookup_min,
                  prompt_lookup_max=args.lookup_max)  # fmt: skip
-    draft = dict(method="draft", num_speculative_tokens=args.draft_k, draft_model="self",
-                 draft_quantization=args.draft_quantization)  # fmt: skip
+    draft = draft_pair(args, ggufs)[0]
     variants = {"plain": None, "ngram": ngram, "ngram-forced": {**ngram, "speculative_adaptive": False},
                 "draft": draft, "draft-forced": {**draft, "speculative_adaptive": False}}  # fmt: skip
     emit(bench="speculative_profile", model=name, workload=args.workload, k=args.k,

@@ -329,7 +329,8 @@ def isa_note(args) -> str:
     kernels = cpu_library.chosen_path(args.kernel_path)
     avx512 = "avx512f" in cpu_library.cpu_flags()
     xla = "XLA's own dots, norms and sampler still use AVX-512" if avx512 else "XLA on this machine's ISA"
-    return f"jaxserve's C++ kernels on the {kernels} path ({xla}); llama.cpp's {args.llamacpp_build} build"
+    builds = sorted({llamacpp_build(args, precision) for precision in args.precisions.split(",")})
+    return f"jaxserve's C++ kernels on the {kernels} path ({xla}); llama.cpp's {' and '.join(builds)} build"
 
 
 def llamacpp_build(args, precision: str) -> str:

@@ -168,7 +168,7 @@ int main(int argc, char** argv) {
     Problem p{w.values, FloatArray{w.scales, ffi::DataType::F16}, FloatArray{nullptr, ffi::DataType::F16}, out,
               w.K == E ? &xe : &xm, w.N, w.K, G, w.K / G, bits, 0, 0, 0, 0};
     std::fill(out, out + w.N, 0.f);
-    if (bits == 8) Item<8>(p, 0, 1, 0, w.K / G, 0, w.N, out); else Item<4>(p, 0, 1, 0, w.K / G, 0, w.N, out);
+    RunPiece(Piece{&p, 0, w.N, 0, w.K / G, out, w.N}, 0, 1, true, nullptr);
   };
   auto packed = [&](const Wt& w, float* out) {
     std::fill(out, out + w.N, 0.f);

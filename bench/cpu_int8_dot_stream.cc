@@ -97,22 +97,16 @@ void Bench(const char* layout, int bits, int64_t rows) {
     }
     return seconds;
   };
-  // Each weight as the kernel's plan cuts it for two workers (Plan), its items run one after another.
+  // Each weight as the kernel's plan cuts a call of it alone for two workers (PlanCall), its runs one after
+  // another.
   auto run = [&](const StoredWeight& w) {
-    Problem p{w.values, FloatArray{w.scales, ffi::DataType::F16}, FloatArray{nullptr, ffi::DataType::F16},
-              out.data(), w.depth == kEmbed ? &x_embed : &x_mlp, w.columns, w.depth, kGroup, w.depth / kGroup,
-              bits, 0, 0, 0, 0};
-    Plan(p, rows, 2);
-    for (int64_t item = 0; item < p.blocks * p.parts; ++item) {
-      const int64_t block = item % p.blocks, part = item / p.blocks;
-      const int64_t c0 = block * p.block_columns, width = std::min(p.block_columns, p.columns - c0);
-      const int64_t g0 = p.num_groups * part / p.parts, g1 = p.num_groups * (part + 1) / p.parts;
-      if (bits == 8) {
-        Item<8>(p, 0, rows, g0, g1, c0, width, out.data());
-      } else {
-        Item<4>(p, 0, rows, g0, g1, c0, width, out.data());
-      }
-    }
+    std::vector<Problem> problems{Problem{w.values, FloatArray{w.scales, ffi::DataType::F16},
+                                          FloatArray{nullptr, ffi::DataType::F16}, out.data(),
+                                          w.depth == kEmbed ? &x_embed : &x_mlp, w.columns, w.depth, kGroup,
+                                          w.depth / kGroup, bits, 0, 0, 0, 0}};
+    const CallPlan plan = PlanCall(problems, rows, 2);
+    for (size_t r = 0; r + 1 < plan.run_starts.size(); ++r) RunCallPieces(plan, int64_t(r), rows);
+    AddPartials(plan, rows);
   };
   for (int round = 0; round < 3; ++round) {
     const double stream_s = best([&] { sink = ReadStream(stream, stream_words); });

@@ -148,11 +148,12 @@ void ChunkInRegisters(const uint8_t* s0, int64_t row_bytes, int64_t vectors, con
 #endif
 
 // Up to 8 rows r0 .. r0 + R of x times chunk `chunk` (k in [k0, k1)) of the weight at columns
-// [c0, c0 + width): exact int32 sums in `sums` [R, width] (tile order), then added into `partial`'s rows,
-// scaled: float(sum) * d * scale (+ d * sum(q_x) * min).
+// [c0, c0 + width): exact int32 sums in `sums` [R, width] (tile order), then added into `out`'s rows (row r,
+// the block's column j at out[r * out_stride + j]), scaled: float(sum) * d * scale (+ d * sum(q_x) * min).
 template <int R, int Bits>
 void ChunkRows(const Problem& p, int64_t r0, int64_t chunk, int64_t k0, int64_t k1, int64_t c0, int64_t width,
-               const float* scale, const float* minimum, int32_t* sums, float* partial, AheadLines* next) {
+               const float* scale, const float* minimum, int32_t* sums, float* block_out, int64_t out_stride,
+               AheadLines* next) {
   const Activations& x = *p.x;
   const int64_t depth = p.depth, row_bytes = p.columns;
   const int64_t vectors = width / kTile * kTile;
@@ -173,7 +174,7 @@ void ChunkRows(const Problem& p, int64_t r0, int64_t chunk, int64_t k0, int64_t 
   // from it), 0 elsewhere
   for (int r = 0; r < R; ++r) std::fill(sums + r * width + vectors, sums + (r + 1) * width, 0);
   const auto* base = static_cast<const uint8_t*>(p.values);
-  // whether the vector columns are done: the last vector step scales its sums straight into partial
+  // whether the vector columns are done: the last vector step scales its sums straight into out
   bool finished = false;
 #if defined(QDOT_X86)
   int32_t start[R];
@@ -187,13 +188,13 @@ void ChunkRows(const Problem& p, int64_t r0, int64_t chunk, int64_t k0, int64_t 
   if constexpr (R <= 2) {
     if (k1 - k0 == kChunk) {  // a whole chunk (vector_end == k1): the tiles' sums in registers
       const uint8_t* s0 = base + (Bits == 8 ? k0 : k0 / 2) * row_bytes + c0;
-      float* out = partial + r0 * p.columns + c0;
+      float* out = block_out + r0 * out_stride;
       if (has_mins) {
         ChunkInRegisters<R, Bits, true>(s0, row_bytes, vectors, xq + k0, depth, start, d, d_sum, scale, minimum,
-                                        out, p.columns, *next);
+                                        out, out_stride, *next);
       } else {
         ChunkInRegisters<R, Bits, false>(s0, row_bytes, vectors, xq + k0, depth, start, d, d_sum, scale, minimum,
-                                         out, p.columns, *next);
+                                         out, out_stride, *next);
       }
       finished = true;
     }
@@ -239,7 +240,7 @@ void ChunkRows(const Problem& p, int64_t r0, int64_t chunk, int64_t k0, int64_t 
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         int32_t* sum = sums + r * width + c;
-        float* out = partial + (r0 + r) * p.columns + c0 + c;
+        float* out = block_out + (r0 + r) * out_stride + c;
         for (int j = 0; j < 4; ++j) {
           VecI a = First ? SplatInt(start[r]) : LoadInts(sum + j * kDwords);
           for (int q = 0; q < Q; ++q) {
@@ -319,9 +320,9 @@ void ChunkRows(const Problem& p, int64_t r0, int64_t chunk, int64_t k0, int64_t 
       for (int r = 0; r < R; ++r) sums[r * width + c] += w * xq[r * depth + kk];
     }
   }
-  const int64_t from = finished ? vectors : 0;  // what is left to scale into partial
+  const int64_t from = finished ? vectors : 0;  // what is left to scale into out
   for (int r = 0; r < R; ++r) {
-    float* __restrict out = partial + (r0 + r) * p.columns + c0;
+    float* __restrict out = block_out + (r0 + r) * out_stride;
     const int32_t* __restrict sum = sums + r * width;
     const float dr = d[r], dr_sum = d_sum[r];
     if (has_mins) {

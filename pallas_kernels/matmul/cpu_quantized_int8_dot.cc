@@ -26,8 +26,9 @@
 // groups; within a chunk, weight rows eight at a time in address order (the int32 sums of up to 8 rows of
 // x, [8, width], in L1), software prefetch ahead along the walk; the same thread split (column blocks, then
 // parts of K summed in part order: deterministic). One or two rows take a whole chunk per tile with the sums
-// in registers (ChunkInRegisters), and up to 8 rows read whole weight rows with the threads splitting K
-// (Plan). Any number of rows: a decode step's up to 64 in one row block, a prefill chunk's in blocks of 64
+// in registers (ChunkInRegisters). Up to 8 rows read whole weight rows, and the call is planned as a whole
+// (PlanCall): its weights' bytes cut into one contiguous run per worker, K split only where a run ends inside
+// a weight. More rows (Plan): a decode step's up to 64 in one row block, a prefill chunk's in blocks of 64
 // (items of one column block and one row block, row blocks adjacent so that a thread's column block of
 // weights stays in L2 while its row blocks pass), x quantized once for all of them; each row's result is
 // what a call with its block's rows alone computes, up to the order in which K's parts are added.
@@ -60,11 +61,47 @@ inline int64_t BlockColumns(int64_t rows) {
   return std::min<int64_t>(kBlockColumns, fits / kMinBlockColumns * kMinBlockColumns);  // whole tiles
 }
 
-// Rows [r_begin, r_end) of x (at most kRowBlock) times groups [g0, g1) of the weight's columns [c0, c0 + width),
-// added into `partial` ([M, N], tile order while the item runs, column order at its end).
+// A work item's share of one weight: its columns [c0, c0 + width) over groups [g0, g1), added into `out` (row
+// r, column c0 + j at out[r * out_stride + j]; tile order while it runs, column order at its end): the
+// result itself, or the partial sums of a part of K that starts past group 0.
+struct Piece {
+  const Problem* problem = nullptr;
+  int64_t c0 = 0, width = 0, g0 = 0, g1 = 0;
+  float* out = nullptr;
+  int64_t out_stride = 0;
+};
+
+// The lines of p's chunk that starts at k, columns [c0, c0 + width), as a prefetch spread over `tiles` tiles.
+inline AheadLines ChunkLines(const Problem& p, int64_t k, int64_t c0, int64_t width, int64_t tiles) {
+  if (k >= p.depth) return AheadLines();
+  const int64_t per_byte_row = p.bits == 8 ? 1 : 2;  // k per stored row
+  const int64_t k_end = std::min(k + kChunk, (k / p.group + 1) * p.group);
+  const auto* base = static_cast<const uint8_t*>(p.values);
+  return AheadLines(base + k / per_byte_row * p.columns + c0, width, p.columns, (k_end - k) / per_byte_row, tiles);
+}
+
+// Group g's scales (and mins) of columns [c0, c0 + width) into L2, in address order.
+inline void PrefetchScales(const Problem& p, int64_t g, int64_t c0, int64_t width) {
+  const int64_t scale_bytes = p.scales.type == ffi::DataType::F32 ? 4 : 2;
+  AheadLines(static_cast<const uint8_t*>(p.scales.data) + (g * p.columns + c0) * scale_bytes, width * scale_bytes,
+             0, 1, 1)
+      .IssueAll();
+  if (p.mins.data != nullptr) {
+    AheadLines(static_cast<const uint8_t*>(p.mins.data) + (g * p.columns + c0) * scale_bytes, width * scale_bytes,
+               0, 1, 1)
+        .IssueAll();
+  }
+}
+
+// Rows [r_begin, r_end) of x (at most kRowBlock) times `piece`. One or two rows prefetch along the walk: the
+// piece's first chunk at its start where `first` (the thread's first piece of the call: nothing earlier
+// fetched it), each next chunk and group's scales while the one before runs, and while the last runs the
+// first chunk and scales of `after`, the piece the same thread runs next (null: none), so that the memory
+// latency of a piece's start (a third of a call's time on SmolLM2's narrow weights, issue 25) overlaps work.
 template <int Bits>
-void Item(const Problem& p, int64_t r_begin, int64_t r_end, int64_t g0, int64_t g1, int64_t c0, int64_t width,
-          float* partial) {
+void Item(const Piece& piece, int64_t r_begin, int64_t r_end, bool first, const Piece* after) {
+  const Problem& p = *piece.problem;
+  const int64_t g0 = piece.g0, g1 = piece.g1, c0 = piece.c0, width = piece.width;
   const int64_t rows = r_end - r_begin;
   alignas(64) float scale[kBlockColumns];
   alignas(64) float minimum[kBlockColumns];
@@ -76,29 +113,24 @@ void Item(const Problem& p, int64_t r_begin, int64_t r_end, int64_t g0, int64_t 
   for (int pos = 0; pos < kTile; ++pos) column_at[pos] = ColumnInTile(pos);
   if (p.mins.data == nullptr) std::fill(minimum, minimum + width, 0.0f);
   const Activations& x = *p.x;
-  const auto* base = static_cast<const uint8_t*>(p.values);
-  const int64_t per_byte_row = Bits == 8 ? 1 : 2;  // k per stored row
   const int64_t tiles = vectors / kTile;
-  // the chunk starting at k as lines to prefetch: past the item's end too (the threads take runs of
-  // consecutive items, and with whole rows the next part of K follows in memory), not past the weight's
+  // the chunk starting at k as lines to prefetch: within the piece, then the first of `after`'s
   auto chunk_lines = [&](int64_t k) {
-    if (k >= p.depth) return AheadLines();
-    const int64_t k_end = std::min(k + kChunk, (k / p.group + 1) * p.group);
-    return AheadLines(base + k / per_byte_row * p.columns + c0, width, p.columns, (k_end - k) / per_byte_row, tiles);
+    if (k < g1 * p.group) return ChunkLines(p, k, c0, width, tiles);
+    if (after == nullptr) return AheadLines();
+    return ChunkLines(*after->problem, after->g0 * after->problem->group, after->c0, after->width, tiles);
   };
-  if (JAXSERVE_QDOT_AHEAD && rows <= 2) {  // (ChunkInRegisters prefetches the chunks after the first)
-    AheadLines first = chunk_lines(g0 * p.group);
-    first.IssueAll();
+  if (JAXSERVE_QDOT_AHEAD && rows <= 2 && first) {  // (ChunkInRegisters prefetches the chunks after the first)
+    AheadLines lines = chunk_lines(g0 * p.group);
+    lines.IssueAll();
   }
-  const int64_t scale_bytes = p.scales.type == ffi::DataType::F32 ? 4 : 2;
   for (int64_t g = g0; g < g1; ++g) {
 #if JAXSERVE_QDOT_AHEAD
-    if (rows <= 2 && g + 1 < p.num_groups) {  // the next group's scales (and mins), in address order
-      AheadLines(static_cast<const uint8_t*>(p.scales.data) + ((g + 1) * p.columns + c0) * scale_bytes,
-                 width * scale_bytes, 0, 1, 1).IssueAll();
-      if (p.mins.data != nullptr) {
-        AheadLines(static_cast<const uint8_t*>(p.mins.data) + ((g + 1) * p.columns + c0) * scale_bytes,
-                   width * scale_bytes, 0, 1, 1).IssueAll();
+    if (rows <= 2) {  // the next group's scales (and mins)
+      if (g + 1 < g1) {
+        PrefetchScales(p, g + 1, c0, width);
+      } else if (after != nullptr) {
+        PrefetchScales(*after->problem, after->g0, after->c0, after->width);
       }
     }
 #endif
@@ -108,18 +140,20 @@ void Item(const Problem& p, int64_t r_begin, int64_t r_end, int64_t g0, int64_t 
       const int64_t chunk = g * x.chunks_per_group + i;
       const int64_t k0 = g * p.group + i * kChunk, k1 = std::min(k0 + kChunk, (g + 1) * p.group);
       AheadLines next = chunk_lines(k1);
+      float* out = piece.out;
+      const int64_t stride = piece.out_stride;
       int64_t r0 = r_begin;
       for (; r0 + kRowGroup <= r_end; r0 += kRowGroup) {
-        ChunkRows<kRowGroup, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next);
+        ChunkRows<kRowGroup, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, out, stride, &next);
       }
       switch (r_end - r0) {
-        case 7: ChunkRows<7, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
-        case 6: ChunkRows<6, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
-        case 5: ChunkRows<5, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
-        case 4: ChunkRows<4, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
-        case 3: ChunkRows<3, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
-        case 2: ChunkRows<2, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
-        case 1: ChunkRows<1, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, partial, &next); break;
+        case 7: ChunkRows<7, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, out, stride, &next); break;
+        case 6: ChunkRows<6, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, out, stride, &next); break;
+        case 5: ChunkRows<5, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, out, stride, &next); break;
+        case 4: ChunkRows<4, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, out, stride, &next); break;
+        case 3: ChunkRows<3, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, out, stride, &next); break;
+        case 2: ChunkRows<2, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, out, stride, &next); break;
+        case 1: ChunkRows<1, Bits>(p, r0, chunk, k0, k1, c0, width, scale, minimum, sums, out, stride, &next); break;
         default: break;
       }
     }
@@ -127,7 +161,7 @@ void Item(const Problem& p, int64_t r_begin, int64_t r_end, int64_t g0, int64_t 
   // the item's results back in column order
   alignas(64) float tile[kTile];
   for (int64_t r = r_begin; r < r_end; ++r) {
-    float* out = partial + r * p.columns + c0;
+    float* out = piece.out + r * piece.out_stride;
     for (int64_t t = 0; t < vectors; t += kTile) {
 #if defined(QDOT_X86)
       FromTileOrder(out + t, tile);
@@ -140,22 +174,123 @@ void Item(const Problem& p, int64_t r_begin, int64_t r_end, int64_t g0, int64_t 
   }
 }
 
-// A weight's split: blocks of kRowBlock rows, column blocks (narrower where there are too few items for the
-// threads), then parts of K. Up to kRowBlock rows the split does not depend on how many rows there are beyond
-// 8, so each row's sums are added in the same order at 9 rows as at 64.
+inline void RunPiece(const Piece& piece, int64_t r_begin, int64_t r_end, bool first, const Piece* after) {
+  if (piece.problem->bits == 8) {
+    Item<8>(piece, r_begin, r_end, first, after);
+  } else {
+    Item<4>(piece, r_begin, r_end, first, after);
+  }
+}
+
+// A call of up to 8 rows (a decode step), planned as a whole: each weight in whole-row column blocks (as
+// even as whole tiles allow, at most BlockColumns wide: a block narrower than a row reads short runs N bytes
+// apart that the hardware prefetchers lose), the call's blocks in order as one sequence of bytes (weights and
+// scales), cut at group boundaries into one contiguous run per worker. So a weight is split along K only
+// where a run ends inside it (a call of two workers: at most one part sum), and each worker starts the call
+// once. Planning per weight instead (every weight cut into parts of K, two items per worker) cost each
+// part's first chunk and scales a memory latency: 0.63-0.66 of a two-thread stream on Q4_0 (issue 25).
+// The cut depends on the shapes, the rows and the number of workers only: each row's sums are added in the
+// same order every time, whoever runs which run, however late a helper starts.
+struct CallPlan {
+  std::vector<Piece> pieces;        // run by run, each run's pieces in the sequence's order
+  std::vector<int64_t> run_starts;  // each run's first piece, then pieces.size()
+  std::vector<float> partials;      // [rows, width] per piece that starts past its block's group 0
+};
+
+CallPlan PlanCall(std::vector<Problem>& problems, int64_t rows, int64_t num_workers) {
+  struct Block {
+    const Problem* problem;
+    int64_t c0, width, group_bytes;
+  };
+  std::vector<Block> blocks;
+  int64_t total = 0;
+  const int64_t widest = BlockColumns(rows);
+  for (const Problem& p : problems) {
+    const int64_t count = (p.columns + widest - 1) / widest;
+    const int64_t width = ((p.columns + count - 1) / count + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns;
+    const int64_t scale_bytes = (p.scales.type == ffi::DataType::F32 ? 4 : 2) * (p.mins.data != nullptr ? 2 : 1);
+    for (int64_t c0 = 0; c0 < p.columns; c0 += width) {
+      const int64_t w = std::min(width, p.columns - c0);
+      blocks.push_back(Block{&p, c0, w, w * (p.group * p.bits / 8 + scale_bytes)});
+      total += blocks.back().group_bytes * p.num_groups;
+    }
+  }
+  CallPlan plan;
+  std::vector<int64_t> partial_at;  // per piece: its offset in partials, or -1 (it adds into the result)
+  int64_t partial_floats = 0, run = 0, position = 0;  // position: bytes before the block's first group
+  const int64_t num_runs = std::max<int64_t>(1, num_workers);
+  plan.run_starts.push_back(0);
+  for (const Block& b : blocks) {
+    const Problem& p = *b.problem;
+    int64_t g = 0;
+    while (g < p.num_groups) {
+      int64_t end = p.num_groups;
+      if (run + 1 < num_runs) {  // where the run's share of the bytes ends, to the nearest group
+        const int64_t bound = total * (run + 1) / num_runs;
+        const int64_t cut = (bound - position + b.group_bytes / 2) / b.group_bytes;
+        end = std::clamp<int64_t>(cut, g, p.num_groups);
+      }
+      if (end > g) {
+        plan.pieces.push_back(Piece{&p, b.c0, b.width, g, end, p.out + b.c0, p.columns});
+        partial_at.push_back(g > 0 ? partial_floats : -1);
+        if (g > 0) partial_floats += rows * b.width;
+        g = end;
+      }
+      if (g < p.num_groups) {  // the run ends here: the next one starts
+        ++run;
+        if (plan.run_starts.back() < int64_t(plan.pieces.size())) plan.run_starts.push_back(plan.pieces.size());
+      }
+    }
+    position += b.group_bytes * p.num_groups;
+  }
+  if (plan.run_starts.back() < int64_t(plan.pieces.size())) plan.run_starts.push_back(plan.pieces.size());
+  plan.partials.assign(partial_floats, 0.0f);
+  for (size_t i = 0; i < plan.pieces.size(); ++i) {
+    if (partial_at[i] >= 0) {
+      plan.pieces[i].out = plan.partials.data() + partial_at[i];
+      plan.pieces[i].out_stride = plan.pieces[i].width;
+    }
+  }
+  return plan;
+}
+
+// Whether a piece's walk prefetches the piece after it (ChunkInRegisters: whole chunks of whole tiles).
+inline bool PrefetchesAfter(const Piece& piece) { return piece.problem->group % kChunk == 0 && piece.width >= kTile; }
+
+// Run `run` of the plan: its pieces in order, each prefetching the next one's start.
+void RunCallPieces(const CallPlan& plan, int64_t run, int64_t rows) {
+  const int64_t begin = plan.run_starts[run], end = plan.run_starts[run + 1];
+  for (int64_t i = begin; i < end; ++i) {
+    const bool first = i == begin || !PrefetchesAfter(plan.pieces[i - 1]);
+    RunPiece(plan.pieces[i], 0, rows, first, i + 1 < end ? &plan.pieces[i + 1] : nullptr);
+  }
+}
+
+// The parts of K beyond a block's first added into the result, in K's order (pieces of one block are in
+// K's order in the plan).
+void AddPartials(const CallPlan& plan, int64_t rows) {
+  for (const Piece& piece : plan.pieces) {
+    const Problem& p = *piece.problem;
+    if (piece.out == p.out + piece.c0) continue;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* __restrict to = p.out + r * p.columns + piece.c0;
+      const float* __restrict from = piece.out + r * piece.out_stride;
+#pragma omp simd
+      for (int64_t c = 0; c < piece.width; ++c) to[c] += from[c];
+    }
+  }
+}
+
+// More rows (a prefill chunk, or a decode step past 8): per weight, blocks of kRowBlock rows, column blocks
+// (narrower where there are too few items for the threads), then parts of K. Up to kRowBlock rows the split
+// does not depend on how many rows there are beyond 8, so each row's sums are added in the same order at 9
+// rows as at 64.
 void Plan(Problem& p, int64_t rows, int64_t num_workers) {
   const int64_t wanted = 2 * num_workers;  // two items per thread at least, so that a late helper gets its share
   p.row_blocks = (rows + kRowBlock - 1) / kRowBlock;
   const int64_t widest = BlockColumns(rows);
   int64_t width = widest;
-  if (rows <= kRowGroup) {
-    // Few rows: whole rows of the weight (blocks as even as whole tiles allow), the threads splitting K. A
-    // block narrower than a row reads short runs N bytes apart that the hardware prefetchers lose, and pays
-    // each chunk's fixed costs on fewer columns (one row: 0.2-0.3 of a read stream with 192-column blocks);
-    // the parts' partial sums ([rows, N] floats each) cost little at these row counts.
-    const int64_t blocks = (p.columns + widest - 1) / widest;
-    width = ((p.columns + blocks - 1) / blocks + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns;
-  } else if ((p.columns + width - 1) / width * p.row_blocks < wanted) {
+  if ((p.columns + width - 1) / width * p.row_blocks < wanted) {
     const int64_t blocks_wanted = (wanted + p.row_blocks - 1) / p.row_blocks;
     const int64_t even = (p.columns + blocks_wanted - 1) / blocks_wanted;
     width = std::min(widest, std::max(kMinBlockColumns, (even + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns));
@@ -167,7 +302,7 @@ void Plan(Problem& p, int64_t rows, int64_t num_workers) {
   if (items < wanted) p.parts = std::min((wanted + items - 1) / items, p.num_groups);
 }
 
-void Run(int64_t num_workers, std::vector<Problem>& problems, int64_t rows) {
+void RunRowBlocks(int64_t num_workers, std::vector<Problem>& problems, int64_t rows) {
   std::vector<int64_t> first_item;  // each problem's first work item
   std::vector<std::vector<float>> partials(problems.size());  // parts beyond the first, where K is split
   int64_t num_items = 0;
@@ -176,7 +311,6 @@ void Run(int64_t num_workers, std::vector<Problem>& problems, int64_t rows) {
     Plan(p, rows, num_workers);
     first_item.push_back(num_items);
     num_items += p.row_blocks * p.blocks * p.parts;
-    std::fill(p.out, p.out + rows * p.columns, 0.0f);
     if (p.parts > 1) partials[i].assign((p.parts - 1) * rows * p.columns, 0.0f);
   }
   jaxserve_cpu::RunItems(num_workers, num_items, [&](int64_t, int64_t item) {
@@ -192,11 +326,10 @@ void Run(int64_t num_workers, std::vector<Problem>& problems, int64_t rows) {
     const int64_t c0 = block * p.block_columns, width = std::min(p.block_columns, p.columns - c0);
     const int64_t g0 = p.num_groups * part / p.parts, g1 = p.num_groups * (part + 1) / p.parts;
     float* partial = part == 0 ? p.out : partials[i].data() + (part - 1) * rows * p.columns;
-    if (p.bits == 8) {
-      Item<8>(p, r_begin, r_end, g0, g1, c0, width, partial);
-    } else {
-      Item<4>(p, r_begin, r_end, g0, g1, c0, width, partial);
-    }
+    const Piece piece{&p, c0, width, g0, g1, partial + c0, p.columns};
+    // (a thread's next item is likely the next part of K: its first chunk and scales follow in memory)
+    const Piece after{&p, c0, width, g1, p.num_groups, nullptr, 0};
+    RunPiece(piece, r_begin, r_end, true, g1 < p.num_groups ? &after : nullptr);
   });
   for (size_t i = 0; i < problems.size(); ++i) {
     const Problem& p = problems[i];
@@ -207,6 +340,18 @@ void Run(int64_t num_workers, std::vector<Problem>& problems, int64_t rows) {
       for (int64_t j = 0; j < size; ++j) p.out[j] += from[j];
     }
   }
+}
+
+void Run(int64_t num_workers, std::vector<Problem>& problems, int64_t rows) {
+  for (Problem& p : problems) std::fill(p.out, p.out + rows * p.columns, 0.0f);
+  if (rows > kRowGroup) {
+    RunRowBlocks(num_workers, problems, rows);
+    return;
+  }
+  const CallPlan plan = PlanCall(problems, rows, num_workers);
+  const int64_t num_runs = int64_t(plan.run_starts.size()) - 1;
+  jaxserve_cpu::RunItems(num_workers, num_runs, [&](int64_t, int64_t run) { RunCallPieces(plan, run, rows); });
+  AddPartials(plan, rows);
 }
 
 ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs arrays, ffi::RemainingRets outs,

@@ -162,6 +162,33 @@ def test_one_int8_call_serves_mixed_weights_on_every_instruction_path():
                 assert_matches_model(np.asarray(got), x, weight)
 
 
+def test_decode_calls_are_cut_per_call_and_repeat_bit_for_bit():
+    """A call of up to 8 rows is planned as a whole: its weights' bytes in order, cut into one contiguous run per
+    worker, so that a weight is split along K only where a run ends inside it (here inside the first weight of
+    the small call, and inside a column block of the head-wide weight, 3 blocks at one row, 18 at eight), and
+    each piece prefetches the start of the next. Against the integer model on every path; the same call again
+    gives the same bits (the cut depends on the shapes, the rows and the workers, never on timing)."""
+    rng = np.random.default_rng(12)
+    depth = 256
+    small = (
+        random_weight(rng, depth, 200, 4, 32, jnp.float16, False),
+        random_weight(rng, depth, 64, 4, 32, jnp.float16, True),
+        random_weight(rng, depth, 64, 8, 32, jnp.float16, False),
+    )
+    head = random_weight(rng, depth, 9000, 8, 32, jnp.float16, False)
+    for path in cpu_library.runnable_paths():
+        call = jax.jit(lambda x, ws, path=path: quantized_cpu.quantized_matmuls(x, ws, path=path))
+        for num_rows in (1, 2, 8):
+            x = rng.standard_normal((num_rows, depth)).astype(np.float32)
+            for weights in (small, (*small, head)):
+                first = [np.asarray(got) for got in call(jnp.asarray(x), weights)]
+                for got, weight in zip(first, weights, strict=True):
+                    assert_matches_model(got, x, weight)
+                for _ in range(3):
+                    for again, got in zip(call(jnp.asarray(x), weights), first, strict=True):
+                        np.testing.assert_array_equal(np.asarray(again), got)
+
+
 @pytest.mark.parametrize("compute_dtype", [jnp.bfloat16, jnp.float16])
 def test_int8_dot_takes_16_bit_rows(compute_dtype):
     rng = np.random.default_rng(1)

@@ -18,6 +18,9 @@
 // thread (cpu_workers.h), in wall time, against two threads reading halves of a stream at once (on a
 // machine where one thread cannot read at the memory's bandwidth, the single-stream roofline is the
 // two-thread one), and against the same calls on one worker. Wall time: run it on a quiet machine.
+//
+// A second argument `hot` runs the walks over weights that stay in L2 instead (BenchHot): the instructions'
+// cost per byte, which a machine with more bandwidth per core would expose, per path and dtype.
 #include "../pallas_kernels/matmul/cpu_matmul.cc"
 
 #include <sys/mman.h>
@@ -25,6 +28,7 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <string>
 
 namespace {
 
@@ -119,6 +123,71 @@ void Bench(const char* dtype, int64_t rows) {
   }
 }
 
+// Hot caches: the same walks over weights that stay in L2 (one thread), repeated: what the walk's
+// instructions cost per byte once memory is out of the way (a machine with more bandwidth per core than
+// this one exposes it). "layers": a [576, 576] weight (SmolLM2's q) and a [1536, 576] slice of down's rows
+// cut to 288 (K 288, N 576), as the engine's plan cuts them for two workers; "head": 384 rows of the tied
+// head read transposed. Bytes of weights per thread-CPU second, best of 5 runs of 200 repeats, beside a
+// plain read of the layer weights' bytes from L2 (hot_read_gb_s).
+template <typename T>
+void BenchHot(const char* dtype, int64_t rows) {
+  using S = typename T::Stored;
+  constexpr int64_t kEmbed = 576, kHeadRows = 384, kRepeats = 200;
+  const int64_t shapes[2][2] = {{kEmbed, kEmbed}, {288, kEmbed}};
+  std::vector<S> layer(kEmbed * kEmbed + 288 * kEmbed), head(kHeadRows * kEmbed);
+  for (size_t i = 0; i < layer.size(); ++i) layer[i] = T::Round(0.001f * float(int(i % 17) - 8));
+  for (size_t i = 0; i < head.size(); ++i) head[i] = T::Round(0.001f * float(int(i % 13) - 6));
+  std::vector<float> x(rows * kEmbed, 0.01f), out(rows * kEmbed * 2);
+  std::vector<uint16_t> x16(rows * kEmbed, 0x3c24);
+  const std::vector<uint32_t> xt = TransposedPairs(x16.data(), rows, kEmbed, (rows + kLanes - 1) / kLanes * kLanes);
+  auto best = [&](auto fn) {
+    double seconds = 1e9;
+    for (int r = 0; r < 5; ++r) {
+      fn();  // warm
+      const double start = ThreadSeconds();
+      for (int i = 0; i < kRepeats; ++i) fn();
+      seconds = std::min(seconds, (ThreadSeconds() - start) / kRepeats);
+    }
+    return seconds;
+  };
+  volatile float sink = 0;
+  const int64_t layer_floats = int64_t(layer.size() * sizeof(S) / sizeof(float));
+  for (int round = 0; round < 3; ++round) {
+    const double read_s = best([&] { sink = ReadStream(reinterpret_cast<const float*>(layer.data()), layer_floats); });
+    const double layers_s = best([&] {
+      const S* w = layer.data();
+      for (const auto& s : shapes) {
+        Problem p{w, x.data(), out.data(), rows, s[0], s[1], x16.data(), kEmbed};
+        const Plan plan = MakePlan<T>(p, false, 2);
+        for (int64_t i = 0; i < plan.num_items; ++i) {
+          const int64_t block = i % plan.blocks, part = i / plan.blocks, c0 = block * plan.block_columns;
+          const int64_t chunks = (p.depth + plan.chunk - 1) / plan.chunk;
+          const int64_t k0 = std::min(p.depth, chunks * part / plan.parts * plan.chunk);
+          const int64_t k1 = std::min(p.depth, chunks * (part + 1) / plan.parts * plan.chunk);
+          KnItem<T>(p, k0, k1, c0, std::min(plan.block_columns, p.columns - c0), plan.chunk, out.data());
+        }
+        w += s[0] * s[1];
+      }
+    });
+    const double head_s = best([&] {
+      Problem p{head.data(), x.data(), out.data(), rows, kEmbed, kHeadRows, x16.data(), kEmbed};
+      p.xt = xt.data(), p.xt_stride = (rows + kLanes - 1) / kLanes * kLanes;
+      const Plan plan = MakePlan<T>(p, true, 2);
+      for (int64_t n0 = 0; n0 < kHeadRows; n0 += plan.outputs_per_item) {
+        NkItem<T>(p, n0, std::min(plan.outputs_per_item, kHeadRows - n0));
+      }
+    });
+    std::printf(
+        "{\"path\": \"%s\", \"dtype\": \"%s\", \"rows\": %lld, \"round\": %d, \"hot_read_gb_s\": %.1f, "
+        "\"hot_layers_gb_s\": %.1f, \"hot_head_gb_s\": %.1f, \"hot_layers_gflop_s\": %.1f, \"hot_head_gflop_s\": %.1f}\n",
+        kPath, dtype, static_cast<long long>(rows), round, layer_floats * 4.0 / read_s / 1e9,
+        layer.size() * sizeof(S) / layers_s / 1e9,
+        head.size() * sizeof(S) / head_s / 1e9, 2.0 * rows * layer.size() / layers_s / 1e9,
+        2.0 * rows * head.size() / head_s / 1e9);
+    std::fflush(stdout);
+  }
+}
+
 double WallSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -196,9 +265,13 @@ void BenchTwoThreads(const char* dtype, int64_t rows) {
 
 int main(int argc, char** argv) {
   const bool two_threads = argc > 2 && std::atoi(argv[2]) == 2;
-  for (int64_t rows : {1, 2, 4, 5, 8, 16, 64}) {
+  const bool hot = argc > 2 && std::string(argv[2]) == "hot";
+  for (int64_t rows : {1, 2, 4, 5, 7, 8, 16, 64}) {
     if (argc > 1 && std::atoi(argv[1]) != rows) continue;
-    if (two_threads) {
+    if (hot) {
+      BenchHot<F32>("float32", rows);
+      BenchHot<BF16>("bfloat16", rows);
+    } else if (two_threads) {
       BenchTwoThreads<F32>("float32", rows);
       BenchTwoThreads<BF16>("bfloat16", rows);
     } else {

@@ -149,11 +149,44 @@ void KnRemainder(int rows, const float* x, int64_t ldx, const float* packed, int
 // lose them: one thread read the SmolLM2 layers' weights at 0.4-0.55 of a plain read stream that way and
 // at 0.8-1.0 this way (bench/results/cpu-2core-epyc-avx512, issue #29). No software prefetch: on these
 // streams it only cost issue slots.
+//
+// bfloat16 (session 14): 2 * kLanes weights at once, one 32-bit lane holding elements 2j and 2j + 1, widened
+// by a shift (the even elements) and an and (the odd ones): two plain ALU operations where two widening loads
+// (vpmovzxwd, a shuffle each) and two shifts did, so the walk needs fewer instructions per byte (with the caches
+// hot, where a faster memory would put it, one row ran ~1.6x slower per byte in bfloat16 than in float32 on
+// both x86 paths). The item's accumulators are kept in [evens, odds] order per 2 * kLanes columns meanwhile
+// (permuted once at each end of the item); every column still sees the same FMAs in the same order: the same
+// bits. (Session 8's version of this permuted per block and measured the same memory-bound; it was dropped.)
+inline void EvenOddWeights(const uint16_t* p, VecF& even, VecF& odd) {
+  VecU pairs;
+  std::memcpy(&pairs, p, sizeof(pairs));
+  even = (VecF)(pairs << 16);
+  odd = (VecF)(pairs & 0xffff0000u);
+}
+
+// Columns [0, n) of acc (n a multiple of 2 * kLanes) to [evens, odds] order per 2 * kLanes, or back.
+inline void ToEvenOdd(float* acc, int64_t n, bool back) {
+  float block[2 * kLanes];
+  for (int64_t c = 0; c < n; c += 2 * kLanes) {
+    std::memcpy(block, acc + c, sizeof(block));
+    for (int j = 0; j < kLanes; ++j) {
+      if (back) {
+        acc[c + 2 * j] = block[j], acc[c + 2 * j + 1] = block[kLanes + j];
+      } else {
+        acc[c + j] = block[2 * j], acc[c + kLanes + j] = block[2 * j + 1];
+      }
+    }
+  }
+}
+
 template <typename T>
 void SplitWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
   const auto* w = static_cast<const typename T::Stored*>(p.w);
   float* acc = partial + c0;
   const int64_t vectors = width / kLanes * kLanes;
+  constexpr bool kEvenOdd = std::is_same_v<T, BF16>;
+  const int64_t paired = kEvenOdd ? width / (2 * kLanes) * (2 * kLanes) : 0;  // columns walked in [evens, odds]
+  if constexpr (kEvenOdd) ToEvenOdd(acc, paired, false);
   const int64_t half = (k1 - k0) / 2;
   for (int64_t t = 0; t < half; ++t) {
     const int64_t ka = k0 + t, kb = k0 + half + t;
@@ -161,6 +194,15 @@ void SplitWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t wid
     const auto* sb = w + kb * p.columns + c0;
     const VecF xa = Broadcast(p.x[ka]), xb = Broadcast(p.x[kb]);
     int64_t c = 0;
+    if constexpr (kEvenOdd) {
+      for (; c < paired; c += 2 * kLanes) {
+        VecF even_a, odd_a, even_b, odd_b;
+        EvenOddWeights(sa + c, even_a, odd_a);
+        EvenOddWeights(sb + c, even_b, odd_b);
+        StoreF(acc + c, Fma(xb, even_b, Fma(xa, even_a, LoadF(acc + c))));
+        StoreF(acc + c + kLanes, Fma(xb, odd_b, Fma(xa, odd_a, LoadF(acc + c + kLanes))));
+      }
+    }
     for (; c < vectors; c += kLanes) StoreF(acc + c, Fma(xb, T::Vector(sb + c), Fma(xa, T::Vector(sa + c), LoadF(acc + c))));
     for (; c < width; ++c) acc[c] += p.x[ka] * T::One(sa[c]) + p.x[kb] * T::One(sb[c]);
   }
@@ -168,9 +210,18 @@ void SplitWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t wid
     const auto* s0 = w + k * p.columns + c0;
     const VecF xk = Broadcast(p.x[k]);
     int64_t c = 0;
+    if constexpr (kEvenOdd) {
+      for (; c < paired; c += 2 * kLanes) {
+        VecF even, odd;
+        EvenOddWeights(s0 + c, even, odd);
+        StoreF(acc + c, Fma(xk, even, LoadF(acc + c)));
+        StoreF(acc + c + kLanes, Fma(xk, odd, LoadF(acc + c + kLanes)));
+      }
+    }
     for (; c < vectors; c += kLanes) StoreF(acc + c, Fma(xk, T::Vector(s0 + c), LoadF(acc + c)));
     for (; c < width; ++c) acc[c] += p.x[k] * T::One(s0[c]);
   }
+  if constexpr (kEvenOdd) ToEvenOdd(acc, paired, true);
 }
 
 // Two rows of x: four weight rows a step taken from the four quarters of [k0, k1), four
@@ -242,7 +293,7 @@ void RowWalkRows(int rows, const Problem& p, int64_t k0, int64_t k1, int64_t c0,
 // `chunk` rows: each pass packs its rows, then every group of rows of x runs over them from cache.
 template <typename T>
 void KnItem(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, int64_t chunk, float* partial) {
-  if (p.rows <= kKnRows) return RowWalkRows<T, kKnRows>(int(p.rows), p, k0, k1, c0, width, partial);
+  if (p.rows <= kWalkRows) return RowWalkRows<T, kWalkRows>(int(p.rows), p, k0, k1, c0, width, partial);
   if constexpr (std::is_same_v<T, BF16> && kBf16Pairs) return PairItem(p, k0, k1, c0, width, chunk, partial);
   float* packed = PackBuffer(chunk * width);
   const auto* w = static_cast<const typename T::Stored*>(p.w);
@@ -461,7 +512,7 @@ Plan MakePlan(const Problem& p, bool transposed, int64_t num_workers) {
     plan.num_items = (p.columns + plan.outputs_per_item - 1) / plan.outputs_per_item;
     return plan;
   }
-  if (p.rows <= kKnRows) {  // RowWalk: as wide as the accumulators fit in L1
+  if (p.rows <= kWalkRows) {  // RowWalk: as wide as the accumulators fit in L1
     const int64_t fitting = kAccumulatorBytes / (int64_t(sizeof(float)) * std::max<int64_t>(1, p.rows)) / 64 * 64;
     plan.block_columns = std::max<int64_t>(64, std::min(kWideColumns, fitting));
   } else {

@@ -44,9 +44,14 @@ constexpr int64_t kWalkLineBytes = 64;
 constexpr int kWalkVectors[] = {0, 8, 8, 6, 5, 4, 4, 3, 3};
 // Weight rows read side by side by rows of x ([N, K]): R * S accumulators + S weights + an x vector.
 constexpr int kStreams[] = {0, 1, 4, 4, 4, 4, 4, 3, 3};
+constexpr int kWalkGroupRows = 8;  // rows of x in one register tile; more run as two groups over the same strip
 #else
 constexpr int kWalkVectors[] = {0, 6, 4, 3, 2, 2, 2, 1, 1};  // within 16 registers
 constexpr int kStreams[] = {0, 1, 4, 3, 2, 2, 2, 1, 1};
+// 16 registers: one tile of 7-8 rows has a single vector of columns (8 FMAs per weight vector, 9 loads with
+// the broadcasts) or a single stream of the head; two groups of 4 (and 3) rows over the same weights (the
+// second group's reads hit L1) keep two vectors, resp. two streams, in registers (session 14).
+constexpr int kWalkGroupRows = 6;
 #endif
 
 // The lines of a strip of `Bytes` from p, into L2 (JAXSERVE_WALK_LOCALITY 1: prefetcht2; into L1 (3) a
@@ -190,9 +195,12 @@ void TiledWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t wid
 #if defined(JAXSERVE_BF16_PAIRS)
   if constexpr (std::is_same_v<T, BF16>) return PairTiledWalk<R>(p, k0, k1, c0, width, partial);
 #endif
-  constexpr int V = kWalkVectors[R];
+  // More rows than a register tile holds: two groups (R1 + R2) over each strip, the first prefetching.
+  constexpr int R1 = R > kWalkGroupRows ? (R + 1) / 2 : R, R2 = R - R1;
+  constexpr int V = kWalkVectors[R1];
   const auto* w = static_cast<const typename T::Stored*>(p.w);
   const int64_t tiles = width / (V * kLanes) * (V * kLanes), vectors = width / kLanes * kLanes;
+  const int64_t ldo = p.columns;
   for (int64_t kb = k0; kb < k1; kb += kWalkBlockRows) {
     const int64_t count = std::min(kWalkBlockRows, k1 - kb);
     // The strip kWalkAheadRows rows on; the last block's rows were prefetched by the blocks before it.
@@ -201,8 +209,14 @@ void TiledWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t wid
     const auto* wb = w + kb * p.columns + c0;
     float* out = partial + c0;
     int64_t c = 0;
-    for (; c < tiles; c += V * kLanes) WalkTile<T, R, V>(x, p.depth, wb + c, p.columns, count, ahead, out + c, p.columns);
-    for (; c < vectors; c += kLanes) WalkTile<T, R, 1>(x, p.depth, wb + c, p.columns, count, ahead, out + c, p.columns);
+    for (; c < tiles; c += V * kLanes) {
+      WalkTile<T, R1, V>(x, p.depth, wb + c, p.columns, count, ahead, out + c, ldo);
+      if constexpr (R2 > 0) WalkTile<T, R2, V>(x + R1 * p.depth, p.depth, wb + c, p.columns, count, 0, out + R1 * ldo + c, ldo);
+    }
+    for (; c < vectors; c += kLanes) {
+      WalkTile<T, R1, 1>(x, p.depth, wb + c, p.columns, count, ahead, out + c, ldo);
+      if constexpr (R2 > 0) WalkTile<T, R2, 1>(x + R1 * p.depth, p.depth, wb + c, p.columns, count, 0, out + R1 * ldo + c, ldo);
+    }
     for (; c < width; ++c) {
       for (int r = 0; r < R; ++r) {
         float sum = out[r * p.columns + c];
@@ -223,10 +237,11 @@ inline void KeepInRegister(VecF& v) {
 #endif
 }
 
-// R rows of x by weight rows n, n + part, ..., n + (S - 1) part (for n in [0, part)): out[r, n] = x[r] . w[n].
+// R rows of x by weight rows n, n + part, ..., n + (S - 1) part (for n in [n0, n1)): out[r, n] = x[r] . w[n].
 template <typename T, int R, int S>
-void NkStreamRows(const float* x, int64_t depth, const typename T::Stored* w, int64_t part, float* out, int64_t ldo) {
-  for (int64_t n = 0; n < part; ++n) {
+void NkStreamRows(const float* x, int64_t depth, const typename T::Stored* w, int64_t part, float* out, int64_t ldo,
+                  int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
     const typename T::Stored* rows[S];
 #pragma GCC unroll 8
     for (int s = 0; s < S; ++s) rows[s] = w + (n + s * part) * depth;
@@ -306,8 +321,25 @@ void NkStreams(const Problem& p, const typename T::Stored* w, int64_t count, flo
 #endif
   const float* x = p.x;
   const int64_t depth = p.depth, ldo = p.columns;
-  NkStreamRows<T, R, S>(x, depth, w, part, out, ldo);
-  NkStreamRows<T, R, 1>(x, depth, w + done * depth, count - done, out + done, ldo);
+  if constexpr (R > kWalkGroupRows) {
+    // Two groups of rows of x (R1 + R2) with kStreams[R1] streams each, over blocks of kGroupBlock weight
+    // rows a stream: the second group reads the block the first has just brought into L1. Every output's
+    // dot product is the same chain of FMAs as in one group (the same bits).
+    constexpr int R1 = (R + 1) / 2, R2 = R - R1, S1 = kStreams[R1];
+    constexpr int64_t kGroupBlock = 4;
+    const int64_t part1 = count / S1, done1 = part1 * S1;
+    for (int64_t n = 0; n < part1; n += kGroupBlock) {
+      const int64_t end = std::min(part1, n + kGroupBlock);
+      NkStreamRows<T, R1, S1>(x, depth, w, part1, out, ldo, n, end);
+      NkStreamRows<T, R2, S1>(x + R1 * depth, depth, w, part1, out + R1 * ldo, ldo, n, end);
+    }
+    NkStreamRows<T, R1, 1>(x, depth, w + done1 * depth, count - done1, out + done1, ldo, 0, count - done1);
+    NkStreamRows<T, R2, 1>(x + R1 * depth, depth, w + done1 * depth, count - done1, out + R1 * ldo + done1, ldo, 0,
+                           count - done1);
+    return;
+  }
+  NkStreamRows<T, R, S>(x, depth, w, part, out, ldo, 0, part);
+  NkStreamRows<T, R, 1>(x, depth, w + done * depth, count - done, out + done, ldo, 0, count - done);
 }
 
 }  // namespace

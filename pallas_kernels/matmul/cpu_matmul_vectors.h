@@ -33,7 +33,11 @@ constexpr const char* kPath = "portable";
 constexpr int kKnVectors[] = {0, 6, 4, 3, 2, 2, 2};
 constexpr int kNkOutputs[] = {0, 6, 4, 3};
 #endif
-constexpr int kKnRows = int(sizeof(kKnVectors) / sizeof(int)) - 1;  // rows of x per [K, N] tile; RowWalk up to it
+constexpr int kKnRows = int(sizeof(kKnVectors) / sizeof(int)) - 1;  // rows of x per packed [K, N] tile (KnTile)
+// Rows of x up to which [K, N] weights are walked straight from memory (RowWalk, cpu_matmul_few_rows.h) on every
+// path: bound by reading the weights there. On avx2 up to session 14, 7-8 rows were packed (kKnRows 6): an extra
+// store and load of every widened element, at half avx512's rate per byte with the caches hot.
+constexpr int kWalkRows = 8;
 constexpr int kNkRows = int(sizeof(kNkOutputs) / sizeof(int)) - 1;  // rows of x per [N, K] tile
 
 typedef float VecF __attribute__((vector_size(4 * kLanes)));

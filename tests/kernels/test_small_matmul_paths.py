@@ -22,6 +22,9 @@ SHAPES += [(13, 24, 70), (64, 65, 130)]
 # zero), remainder columns (a partial group of 32 for bfloat16 pairs), and transposed weights read as
 # several streams with rows left over.
 SHAPES += [(5, 70, 100), (6, 33, 47), (8, 67, 130)]
+# 7-8 rows on avx2: two groups of rows over each strip (and over each block of the head's streams), strips
+# of one vector and single columns left over ([K, N]); rows of the head left over from the streams.
+SHAPES += [(8, 70, 60), (7, 45, 29)]
 # bfloat16 on AVX-512 BF16 above 8 rows ([K, N]) or 4 rows ([N, K]): pairs along K (an odd K pads a zero),
 # 1-4 vectors of rows against a transposed weight, the last one part padding.
 SHAPES += [(20, 37, 99), (40, 31, 200)]

@@ -42,9 +42,9 @@ class ExecutableLog:
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._watch, daemon=True).start()
 
-    def dispatched(self, kind: str, pending, called_at: float) -> None:
-        """called_at: when the runner's execute was called (the host's dispatch time is part of the gap)."""
-        record = [kind, called_at, None, time.perf_counter()]
+    def dispatched(self, kind: str, pending, called_at: float, call_cpu: float) -> None:
+        """called_at: when the runner's execute was called; call_cpu: the calling thread's CPU seconds in it."""
+        record = [kind, called_at, None, time.perf_counter(), call_cpu]
         self.records.append(record)
         self._work.put((record, pending.sampled.token_ids))
 
@@ -57,16 +57,18 @@ class ExecutableLog:
     def summary(self) -> dict:
         while any(record[2] is None for record in self.records):
             time.sleep(0.01)
-        busy, idle, call = defaultdict(list), defaultdict(list), defaultdict(list)
+        busy, idle, call, call_cpu, before_call = (defaultdict(list) for _ in range(5))
         previous_done, previous_kind = None, "start"
-        for kind, called, done, returned in self.records:
+        for kind, called, done, returned, cpu in self.records:
             # the execute call's own time counts as the gap (the host's), the device's from its return on
             started = returned if previous_done is None else max(returned, previous_done)
             key = f"{kind} after {previous_kind}"
             busy[key].append(done - started)
             call[key].append(returned - called)
+            call_cpu[key].append(cpu)
             if previous_done is not None:
                 idle[key].append(max(0.0, returned - previous_done))
+                before_call[key].append(max(0.0, called - previous_done))
             previous_done, previous_kind = done, kind
 
         def ms(values, reduce):
@@ -80,6 +82,12 @@ class ExecutableLog:
                 "idle_before_ms_median": ms(idle[key], statistics.median),
                 "idle_before_ms_total": ms(idle[key], sum),
                 "execute_call_ms_median": ms(call[key], statistics.median),
+                # of the idle gap: the host's work before the execute call, and the calling thread's CPU in the
+                # call. An execute call onto an idle CPU device runs the start of the step while the caller
+                # waits (idle-device calls of 12-20 ms burnt 2.5-3.5 ms of the caller's CPU, and a step alone
+                # took as long as one of 5 back to back): the rest of such a "gap" is the step computing
+                "host_before_call_ms_median": ms(before_call[key], statistics.median),
+                "execute_call_cpu_ms_median": ms(call_cpu[key], statistics.median),
             }
             for key in sorted(busy)
         }
@@ -105,9 +113,11 @@ def instrument(engine, log: ExecutableLog) -> dict[str, float]:
         execute = runner.execute
 
         def execute_logged(shape, inputs):
-            called = time.perf_counter()
+            called, cpu = time.perf_counter(), time.thread_time()
             pending = execute(shape, inputs)
-            log.dispatched(prefix + shape.kind, pending, called)
+            # a draft's two-token catch-up step is a "prefill" shape of query blocks of 2: named apart
+            kind = "catch-up" if shape.query_block == runner.buckets.catch_up_width else shape.kind
+            log.dispatched(prefix + kind, pending, called, time.thread_time() - cpu)
             return pending
 
         runner.execute = execute_logged
@@ -169,7 +179,9 @@ def main() -> None:
              seconds=round(seconds, 3), steps=len(log.records),
              verify_rows=stats.get("speculative_num_verify_rows"),
              tokens_per_verify_row=stats.get("speculative_mean_accepted_length"),
-             acceptance=stats.get("speculative_acceptance_rate"))  # fmt: skip
+             acceptance=stats.get("speculative_acceptance_rate"), steps_on=stats.get("speculative_steps_on"),
+             steps_off=stats.get("speculative_steps_off"), draft_steps=stats.get("speculative_draft_decode_steps"),
+             policy_tokens_per_s=stats.get("speculative_tokens_per_second"))  # fmt: skip
         emit(variant=variant, host_phases_ms={k: round(1e3 * v, 1) for k, v in sorted(phases.items())})
         for key, row in log.summary().items():
             emit(variant=variant, executable=key, **row)

@@ -450,6 +450,9 @@ class Buckets:
     pages_per_seq: tuple[int, ...]
     verify_seqs: tuple[int, ...] = ()  # rows of a speculative verify step (empty: speculation off)
     verify_width: int = 0  # tokens per verify row: k + 1
+    # tokens per row of a draft model's catch-up decode steps (its last proposal and the target's next token
+    # in one step: engine/draft_proposer.py); 0: none
+    catch_up_width: int = 0
 
     @classmethod
     def derive(cls, engine: EngineConfig, max_model_len: int) -> Buckets:

@@ -159,9 +159,23 @@ def build_ranked_inputs(
     return jax.tree.map(lambda *arrays: np.concatenate(arrays), *per_rank)
 
 
+def catch_up_step_shape(per_rank_chunks: list[list[ScheduledChunk]], buckets: Buckets, page_size: int) -> StepShape:
+    """A decode step whose rows hold up to catch_up_width tokens each (a draft model's catch-up): the decode
+    bucket of the rows, each row a query block of that width."""
+    every = [chunk for chunks in per_rank_chunks for chunk in chunks]
+    pages_per_seq = Buckets.fit(max(num_pages_for(chunk.end, page_size) for chunk in every), buckets.pages_per_seq)
+    num_seqs = Buckets.fit(max(len(chunks) for chunks in per_rank_chunks), buckets.decode_seqs)
+    width = buckets.catch_up_width
+    return StepShape(num_seqs * width, num_seqs, pages_per_seq, width)
+
+
 def all_step_shapes(buckets: Buckets, prefill_query_block: int) -> list[StepShape]:
-    """Every shape the runner compiles at warm-up: decode buckets, then prefill buckets."""
+    """Every shape the runner compiles at warm-up: decode buckets, catch-up decode buckets (a draft
+    model's), then prefill buckets."""
     shapes = [StepShape(s, s, p, 1) for s in buckets.decode_seqs for p in buckets.pages_per_seq]
+    width = buckets.catch_up_width
+    if width:
+        shapes += [StepShape(s * width, s, p, width) for s in buckets.decode_seqs for p in buckets.pages_per_seq]
     block = prefill_query_block
     return shapes + [StepShape(t, t // block, p, block) for t in buckets.prefill_tokens for p in buckets.pages_per_seq]
 

@@ -26,7 +26,7 @@ from jaxserve.device.runner import ModelRunner, kv_cache_bytes_available
 from jaxserve.device.sampling_inputs import SamplingWidths
 from jaxserve.engine.attention_plan import choose_attention
 from jaxserve.engine.draft_lora import log_adapters_not_followed
-from jaxserve.engine.draft_proposer import DraftProposer
+from jaxserve.engine.draft_proposer import DECODE_CATCH_UP, DraftProposer
 from jaxserve.host.page_allocator import PageAllocator, num_pages_for
 from jaxserve.loading.model_source import ModelSource, open_model
 from jaxserve.loading.quantize import QuantizationSpec
@@ -99,6 +99,9 @@ def build_draft(
         # a prefill of one query block too: a row a few tokens behind (it backed off) catches up cheaply
         prefill_tokens=tuple(sorted({config.scheduler.prefill_query_block, *target_buckets.prefill_tokens})),
         pages_per_seq=target_buckets.pages_per_seq,
+        # a row two tokens behind (all proposals accepted: the last one and the target's next token) feeds
+        # both in one step
+        catch_up_width=DECODE_CATCH_UP,
     )
     runner = ModelRunner(
         model,

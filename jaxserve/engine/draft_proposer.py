@@ -39,7 +39,7 @@ import jax
 from jaxserve.arrays import HostOrDeviceArray
 from jaxserve.device.page_copies import CountingCompiles
 from jaxserve.device.runner import ModelRunner
-from jaxserve.device.step_inputs import step_shape
+from jaxserve.device.step_inputs import StepShape, catch_up_step_shape, step_shape
 from jaxserve.host.page_allocator import PageAllocator, num_pages_for
 from jaxserve.host.request import SamplingParams, SequenceState
 from jaxserve.host.schedule import ScheduledChunk, padded_to_blocks
@@ -78,10 +78,20 @@ class RowPlan:
     position: int  # the next position whose KV the draft computes
     limit: int  # proposals wanted
 
-    @property
-    def num_decode_steps(self) -> int:
-        """Feeding position .. newest token, then limit - 1 proposals (the last proposal is not fed)."""
-        return self.seq.num_tokens - self.position + self.limit - 1
+    def catch_up_chunk(self) -> ScheduledChunk:
+        """The draft's first step: position .. the newest token (one or two tokens), sampling the first proposal."""
+        self.view.num_pending_tokens = 0
+        return ScheduledChunk(self.view, self.position, self.seq.num_tokens - self.position)
+
+    def proposal_chunk(self, step: int) -> ScheduledChunk:
+        """The draft's later steps feed its own previous sample, which the step reads from the draft's token
+        buffer: the view knows the tokens up to its position (placeholders past the sequence's), and one
+        pending."""
+        position, view = self.seq.num_tokens + step - 1, self.view
+        del view.prompt_token_ids[position:]
+        view.prompt_token_ids.extend([0] * (position - len(view.prompt_token_ids)))
+        view.num_pending_tokens = 1
+        return ScheduledChunk(view, position, 1)
 
 
 class DraftProposer:
@@ -211,38 +221,36 @@ class DraftProposer:
                 per_rank_chunks.append(chunks)
             if not any(per_rank_chunks):
                 break
-            token_ids, _ = self._run(per_rank_chunks, is_decode=False)
+            runner = self.runner
+            shape = step_shape(per_rank_chunks, False, runner.buckets, runner.page_size, self.block)
+            token_ids = self._run(per_rank_chunks, shape)
             self.num_prefill_steps += 1
         if token_ids is not None:  # waited for, so that its time is known (rare: not the steady state)
             jax.block_until_ready(token_ids)
             self.catch_up_seconds += time.perf_counter() - start
 
     def _decode(self, per_rank_plans: list[list[RowPlan]]) -> list[list[list[int]]]:
-        """Each row feeds its remaining known tokens and then its own samples, one position per step;
-        the samples from the newest token on are its proposals (per rank, per plan)."""
-        layout = self.runner.layout
+        """Each row feeds its remaining known tokens (one or two: DECODE_CATCH_UP) in a first step and then
+        its own samples, one position per step: `limit` steps, whose samples are its proposals (per rank,
+        per plan). Two known tokens (all proposals accepted: the last one, never fed, and the target's next
+        token) go in one catch-up step of two-token rows: a whole draft step less per such round."""
+        runner = self.runner
         sampled = []  # (step's sampled token ids on the device, [(plan, row of the step)])
-        num_steps = max(plan.num_decode_steps for plans in per_rank_plans for plan in plans)
-        for step in range(num_steps):
+        for step in range(max(plan.limit for plans in per_rank_plans for plan in plans)):
             per_rank_chunks, proposing = [], []
             for rank, plans in enumerate(per_rank_plans):
                 chunks = []
                 for plan in plans:
-                    if step >= plan.num_decode_steps:
-                        continue
-                    position, view = plan.position + step, plan.view
-                    # a position past the known tokens reads the token the previous step sampled (the token
-                    # buffer): the view knows tokens up to it, and samples the next
-                    del view.prompt_token_ids[max(position, plan.seq.num_tokens) :]
-                    view.prompt_token_ids.extend([0] * (position - len(view.prompt_token_ids)))
-                    view.num_pending_tokens = int(position >= plan.seq.num_tokens)
-                    chunk = ScheduledChunk(view, position, 1)
-                    if chunk.samples_next_token:
+                    if step < plan.limit:
                         proposing.append((plan, rank, len(chunks)))
-                    chunks.append(chunk)
+                        chunks.append(plan.catch_up_chunk() if step == 0 else plan.proposal_chunk(step))
                 per_rank_chunks.append(chunks)
-            token_ids, num_seqs = self._run(per_rank_chunks, is_decode=True)
-            rows = [(plan, layout.rows(rank, num_seqs).start + row) for plan, rank, row in proposing]
+            if any(chunk.num_tokens > 1 for chunks in per_rank_chunks for chunk in chunks):
+                shape = catch_up_step_shape(per_rank_chunks, runner.buckets, runner.page_size)
+            else:
+                shape = step_shape(per_rank_chunks, True, runner.buckets, runner.page_size, self.block)
+            token_ids = self._run(per_rank_chunks, shape)
+            rows = [(plan, runner.layout.rows(rank, shape.num_seqs).start + row) for plan, rank, row in proposing]
             sampled.append((token_ids, rows))
             self.num_decode_steps += 1
         fetched = jax.device_get([token_ids for token_ids, _ in sampled])
@@ -250,15 +258,13 @@ class DraftProposer:
         for token_ids, (_, proposing) in zip(fetched, sampled):
             for plan, row in proposing:
                 proposals[id(plan)].append(int(token_ids[row]))
-        return [[proposals[id(plan)][: plan.limit] for plan in plans] for plans in per_rank_plans]
+        return [[proposals[id(plan)] for plan in plans] for plans in per_rank_plans]
 
-    def _run(self, per_rank_chunks: list[list[ScheduledChunk]], is_decode: bool) -> tuple[HostOrDeviceArray, int]:
-        """Dispatch one draft step: its sampled token ids (on the device, not fetched) and its rows per rank
-        (rank r's rows start at layout.rows(r, that).start)."""
-        runner = self.runner
-        shape = step_shape(per_rank_chunks, is_decode, runner.buckets, runner.page_size, self.block)
-        pending = runner.execute(shape, runner.build_inputs(per_rank_chunks, shape))
-        return pending.sampled.token_ids, shape.num_seqs
+    def _run(self, per_rank_chunks: list[list[ScheduledChunk]], shape: StepShape) -> HostOrDeviceArray:
+        """Dispatch one draft step: its sampled token ids (on the device, not fetched); rank r's rows start at
+        layout.rows(r, shape.num_seqs).start."""
+        pending = self.runner.execute(shape, self.runner.build_inputs(per_rank_chunks, shape))
+        return pending.sampled.token_ids
 
     def stats(self) -> dict:
         return {

@@ -65,6 +65,8 @@ class SpeculationPolicy:
     # mode: on a batch where a verify step takes 6 plain steps' time, trials every 64 steps spent half the
     # time in the losing mode.
     EXPLORE_TIME_RATIO = 20
+    # While speculation wins, trials of plain decoding wait up to this many times longer (_speculation_margin)
+    MAX_PATIENCE = 2.0
 
     def __init__(
         self, max_batch_size: int, adaptive: bool = True, explore_every: int = 64, trial_steps: int = 6
@@ -90,9 +92,10 @@ class SpeculationPolicy:
             other = state.estimates[not best]
             # an unmeasured mode's step (a verdict carried over) is taken to be as long as a measured one's
             trial_seconds = self.trial_steps * (other.seconds or state.estimates[best].seconds)
+            patience = _speculation_margin(state) if best else 1.0
             if (
-                state.steps_since_trial >= self.explore_every
-                and state.seconds_since_trial >= self.EXPLORE_TIME_RATIO * trial_seconds
+                state.steps_since_trial >= self.explore_every * patience
+                and state.seconds_since_trial >= self.EXPLORE_TIME_RATIO * trial_seconds * patience
             ):
                 state.trial_left, state.steps_since_trial, state.seconds_since_trial = self.trial_steps, 0, 0.0
         if state.trial_left:
@@ -153,6 +156,18 @@ class SpeculationPolicy:
 
 def _measured(state: BatchSizeState) -> bool:
     return all(e.num_samples >= SpeculationPolicy.MIN_SAMPLES for e in state.estimates.values())
+
+
+def _speculation_margin(state: BatchSizeState) -> float:
+    """How far speculation's measured tokens/s lead plain's here (1 to MAX_PATIENCE; 1 unless both are
+    measured here). While speculation wins, its own estimate is measured on every step, so a change of text
+    (acceptance) shows at once: a trial of plain decoding only refreshes plain's estimate, and waits this
+    many times longer. Each plain trial cost a draft model 6 plain steps and a catch-up prefill (7 tokens in
+    a query block of 16) when it came back: the adaptive draft's whole lag behind forced speculation."""
+    on, off = (state.estimates[mode].tokens_per_second for mode in (True, False))
+    if not _measured(state) or off <= 0:
+        return 1.0
+    return min(max(on / off, 1.0), SpeculationPolicy.MAX_PATIENCE)
 
 
 def _speculation_wins(state: BatchSizeState) -> bool:

@@ -82,6 +82,32 @@ def test_a_long_greedy_run_speculates_nearly_every_token(engines):
     assert_draft_holds_nothing(engines["self_int8"])
 
 
+def test_the_draft_catches_up_in_one_step(engines):
+    """A round whose proposals were all accepted leaves the draft two tokens behind (its last proposal, never
+    fed, and the target's next token): it feeds both in one two-token step, so every round of a single
+    stream costs the draft one step per proposal, where two decode steps made it one more per such round."""
+    llm = engines["self_int8"]
+    prompt = list(range(5, 45))
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    before = llm.stats()
+    llm.generate([prompt], params)
+    after = llm.stats()
+    steps, drafted, accepted = (
+        after[key] - before[key]
+        for key in (
+            "speculative_draft_decode_steps",
+            "speculative_num_draft_tokens",
+            "speculative_num_accepted_tokens",
+        )
+    )
+    # above 3/4 accepted at k = 4, some round had all its proposals accepted
+    assert accepted > 0.75 * drafted > 20, (accepted, drafted)
+    assert steps == drafted, (steps, drafted)
+    assert after["speculative_draft_num_compiles_after_warmup"] == 0
+    # the two-token steps were compiled at warm-up, beside the decode buckets
+    assert any(shape.query_block == 2 for shape in llm.engine.speculation.proposer.runner.executables)
+
+
 def test_metrics_report_the_draft_methods_acceptance(engines):
     from prometheus_client import generate_latest
 

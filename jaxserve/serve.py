@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from jaxserve.disagg.service import DisaggService
-from jaxserve.distributed.runtime import ProcessGroup, initialize
+from jaxserve.distributed.runtime import ProcessGroup, RefusedOnEveryProcess, initialize
 from jaxserve.engine import Engine
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
 from jaxserve.server.chat_prompt import load_chat_template
@@ -253,6 +253,8 @@ def follow(config: ServeConfig, group: ProcessGroup) -> int:
 
     try:
         engine = Engine.from_model(config.model_dir(), config.engine, group)
+    except RefusedOnEveryProcess:  # process 0 refuses the same and stops by itself
+        raise
     except Exception as error:  # process 0 must not wait for (or serve without) this process
         group.report_start_failure(str(error) if isinstance(error, ValueError) else repr(error))
         raise

@@ -9,7 +9,7 @@ import dataclasses
 import jax
 
 from jaxserve.config import EngineRole
-from jaxserve.distributed.runtime import ProcessGroup, spans_processes
+from jaxserve.distributed.runtime import ProcessGroup, RefusedOnEveryProcess, spans_processes
 
 
 def check_every_process_holds_devices(mesh, parallel, group: ProcessGroup | None) -> None:
@@ -23,7 +23,7 @@ def check_every_process_holds_devices(mesh, parallel, group: ProcessGroup | None
     missing = [process for process in range(jax.process_count()) if process not in used]
     if missing:
         local = [sum(1 for d in jax.devices() if d.process_index == p) for p in range(jax.process_count())]
-        raise ValueError(
+        raise RefusedOnEveryProcess(
             f"data_parallel_size {parallel.data_parallel_size} x tensor_parallel_size "
             f"{parallel.tensor_parallel_size} uses {len(devices)} device(s), all on process(es) {sorted(used)}; "
             f"the {jax.process_count()} processes hold {jax.device_count()} devices ({local} per process), so "

@@ -69,6 +69,12 @@ def initialize(config: DistributedConfig | None) -> ProcessGroup | None:
     return group
 
 
+class RefusedOnEveryProcess(ValueError):
+    """A start-up refusal that every process reaches alike from the same config (e.g. a mesh that leaves a
+    process without devices): a follower does not report it to process 0, which refuses it itself and may
+    already have stopped the coordination service."""
+
+
 def spans_processes(group: ProcessGroup | None) -> bool:
     """Whether an engine built with this group runs as one program over several processes."""
     return group is not None and group.is_multiprocess
@@ -138,8 +144,9 @@ class ProcessGroup:
         waiting for it (or serving without it)."""
         try:
             client().key_value_set(f"{START_ERROR_KEY}/{self.process_index}", message, allow_overwrite=True)
-        except Exception:  # the coordination service is gone: process 0 is stopping anyway
-            logger.exception("could not report the start failure to process 0")
+        except Exception as error:  # the coordination service is gone: process 0 is stopping anyway
+            first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+            logger.warning("could not report the start failure to process 0 (it has stopped?): %s", first_line)
 
     def start_watching_start_failures(self) -> None:
         self._start_watch = threading.Thread(target=self.watch_start_failures, daemon=True, name="jaxserve-start-watch")

@@ -8,7 +8,7 @@ import jax
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.disagg.handover import DisaggregatedPair
-from tests.support.fixtures import ONE_DECODE_BUCKET, expected, fixture_dir
+from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 results = {"num_devices": len(jax.devices())}
@@ -24,7 +24,7 @@ for run in sys.argv[1:]:  # prefill_tp:prefill_devices/decode_tp:decode_devices,
                 role=role,
                 tensor_parallel_size=int(tp),
                 device_ids=tuple(range(first, last + 1)),
-                **ONE_DECODE_BUCKET,
+                **SMALL_ENGINE,
             ).engine
         )
     pair = DisaggregatedPair(*sides)

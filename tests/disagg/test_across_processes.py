@@ -18,6 +18,7 @@ ENGINE = (
     "model.dtype=float32",
     "engine.max_model_len=128",
     "engine.max_num_seqs=4",
+    "engine.decode_seq_buckets=[4]",  # one decode bucket: one executable less to compile on each replica
     "engine.max_num_batched_tokens=64",
     "engine.page_size=8",
     "engine.num_pages=48",

@@ -42,7 +42,10 @@ def replicas(tmp_path_factory):
             index,
             fixture_dir("llama_gqa"),
             None,
-            ENGINE + (f"engine.role={role}", f"disagg.when_decode_full={policy}", f"engine.max_num_seqs={slots}"),
+            # one decode bucket of max_num_seqs rows: the prefill side compiles 4 rows, not 1 and 4
+            ENGINE
+            + (f"engine.role={role}", f"disagg.when_decode_full={policy}")
+            + (f"engine.max_num_seqs={slots}", f"engine.decode_seq_buckets=[{slots}]"),
             log_dir,
         )
         for index, (name, (role, policy, slots)) in enumerate(REPLICAS.items())

@@ -20,6 +20,12 @@ def pair():
     return DisaggregatedPair(prefill, decode)
 
 
+@pytest.fixture(scope="module")
+def one_slot_decode():
+    """A decode engine with one slot, shared by both ways of handling a full decode side."""
+    return LLM(fixture_dir("llama_gqa"), role="decode", **{**SMALL_ENGINE, "max_num_seqs": 1}).engine
+
+
 def all_pages_free(engine):
     stats = engine.stats()
     return stats["kv_pages_free"] == stats["kv_pages_total"]
@@ -98,6 +104,16 @@ def test_handover_chunks_are_powers_of_two_without_padding(num_pages, sizes):
     assert handover_chunk_sizes(num_pages) == sizes
 
 
+def test_seeded_sampling_continues_as_colocated(pair, llama_llm):
+    """The decode side draws later tokens from the prefill side's sampling seed: a seeded sampled request
+    is the same disaggregated as colocated."""
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+    prompts = [p["token_ids"] for p in expected("llama_gqa")["prompts"][:3]]
+    disaggregated = pair.generate(prompts, sampled)
+    colocated = llama_llm.generate(prompts, sampled)
+    assert [o.outputs[0].token_ids for o in disaggregated] == [o.outputs[0].token_ids for o in colocated]
+
+
 def test_chunked_copies_move_exactly_the_pages(pair):  # last: it overwrites free decode pages
     prefill, decode = pair.prefill_engine, pair.decode_engine
     source, target = [3, 9, 4, 12, 5, 6, 7], [20, 21, 22, 23, 24, 25, 26]
@@ -114,32 +130,23 @@ def test_chunked_copies_move_exactly_the_pages(pair):  # last: it overwrites fre
     assert prefill.runner.num_compiles_after_warmup == decode.runner.num_compiles_after_warmup == 0
 
 
-def test_seeded_sampling_continues_as_colocated(llama_llm):
-    """The decode side draws later tokens from the prefill side's sampling seed: a seeded sampled request
-    is the same disaggregated as colocated."""
-    prefill = LLM(fixture_dir("llama_gqa"), role="prefill", **SMALL_ENGINE).engine
-    decode = LLM(fixture_dir("llama_gqa"), role="decode", **SMALL_ENGINE).engine
-    sampled = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
-    prompts = [p["token_ids"] for p in expected("llama_gqa")["prompts"][:3]]
-    disaggregated = DisaggregatedPair(prefill, decode).generate(prompts, sampled)
-    colocated = llama_llm.generate(prompts, sampled)
-    assert [o.outputs[0].token_ids for o in disaggregated] == [o.outputs[0].token_ids for o in colocated]
-
-
 @pytest.mark.parametrize("when_decode_full", ["queue", "prefill_here"])
-def test_a_full_decode_side_queues_the_handover_or_prefills_and_counts_it(llama_llm, when_decode_full):
+def test_a_full_decode_side_queues_the_handover_or_prefills_and_counts_it(
+    pair, one_slot_decode, llama_llm, when_decode_full
+):
     """One decode slot for four requests: queued, every request is handed over once the slot frees;
-    otherwise the decode side prefills the ones that found it full, and says how many."""
-    prefill = LLM(fixture_dir("llama_gqa"), role="prefill", **SMALL_ENGINE).engine
-    decode = LLM(fixture_dir("llama_gqa"), role="decode", **{**SMALL_ENGINE, "max_num_seqs": 1}).engine
-    pair = DisaggregatedPair(prefill, decode, when_decode_full=when_decode_full)
+    otherwise the decode side prefills the ones that found it full, and says how many. (The module pair's
+    prefill engine, whose pages test_chunked_copies_move_exactly_the_pages only read.)"""
+    prefill, decode = pair.prefill_engine, one_slot_decode
+    local_before = decode.stats()["handover_local_prefills"]
+    full_pair = DisaggregatedPair(prefill, decode, when_decode_full=when_decode_full)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [p["token_ids"] for p in expected("llama_gqa")["prompts"][:4]]
-    outputs = pair.generate(prompts, params)
+    outputs = full_pair.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [
         o.outputs[0].token_ids for o in llama_llm.generate(prompts, params)
     ]
-    local = decode.stats()["handover_local_prefills"]
-    assert pair.stats.num_handovers + local == 4
+    local = decode.stats()["handover_local_prefills"] - local_before
+    assert full_pair.stats.num_handovers + local == 4
     assert local == 0 if when_decode_full == "queue" else local > 0
     assert all_pages_free(prefill) and all_pages_free(decode) and not decode.handovers.queued

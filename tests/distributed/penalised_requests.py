@@ -3,7 +3,7 @@
 from jaxserve import SamplingParams
 from tests.support.fixtures import SMALL_ENGINE, expected
 
-ENGINE = {**SMALL_ENGINE, "decode_seq_buckets": (8,)}
+ENGINE = SMALL_ENGINE
 PENALTIES = [
     dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.5),
     dict(repetition_penalty=2.0),

@@ -36,7 +36,18 @@ from jaxserve import LLM  # noqa: E402
 from tests.distributed.penalised_requests import ENGINE, generate_rounds  # noqa: E402
 from tests.support.fixtures import fixture_dir  # noqa: E402
 
-llm = LLM(fixture_dir("llama_gqa"), process_group=group, data_parallel_size=2, tensor_parallel_size=4, **ENGINE)
+# A fresh persistent cache, as worker.py's (which says why): on the default one process 0 loads the engine's
+# executables while process 1 (which JAX never lets write entries) compiles them cold, and process 0 waits at the
+# first collective; past gloo's 30 s on a loaded machine (session 15: exit codes [3, -6] at load 10).
+cache = os.path.join(out_dir, "xla_cache")
+llm = LLM(
+    fixture_dir("llama_gqa"),
+    process_group=group,
+    data_parallel_size=2,
+    tensor_parallel_size=4,
+    compilation_cache_dir=cache,
+    **ENGINE,
+)
 if process_id == 0:
     results = {"rounds": generate_rounds(llm), "stats": llm.stats()}
     llm.engine.runner.shutdown()

@@ -19,7 +19,11 @@ def start_pair(tmp_path, engine: dict, model_paths: tuple[str, str]) -> ProcessP
     for process_id in range(2):
         config = {
             "model": {"path": model_paths[process_id], "dtype": "float32"},
-            "engine": {**{k: v for k, v in SMALL_ENGINE.items() if k != "dtype"}, **engine},
+            "engine": {
+                **{k: v for k, v in SMALL_ENGINE.items() if k != "dtype"},
+                "decode_seq_buckets": list(SMALL_ENGINE["decode_seq_buckets"]),  # yaml.safe_dump refuses tuples
+                **engine,
+            },
             "server": {"port": free_port(), "http_port": 0, "metrics_port": 0},
             "distributed": {
                 "coordinator_address": f"127.0.0.1:{coordinator}",

@@ -39,7 +39,7 @@ from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir  # noqa: 
 # default cache process 0 loads every executable while process 1 compiles them all cold, and process 0 waits
 # at the first collective past peer_timeout and gloo's 30 s (exit codes [3, -6], in this session and the
 # last). Cold in both, the two stay in step. The last engine (tp8 again) finds process 0's executables here.
-ENGINE = {**SMALL_ENGINE, "decode_seq_buckets": (8,), "compilation_cache_dir": os.path.join(out_dir, "xla_cache")}
+ENGINE = {**SMALL_ENGINE, "compilation_cache_dir": os.path.join(out_dir, "xla_cache")}
 # (fixture, engine options): tensor parallelism across the processes (8 devices), data across them
 # (a rank per process) with tensor within, experts over all 8 devices (6 experts: uneven, two hold none)
 ENGINES = {

@@ -11,7 +11,7 @@ from jaxserve.device.runner import _abstract
 from jaxserve.device.step_inputs import all_step_shapes
 from jaxserve.engine import attention_plan
 from pallas_kernels.paged_attention import pallas_gpu
-from tests.support.fixtures import ONE_DECODE_BUCKET, SMALL_ENGINE, fixture_dir
+from tests.support.fixtures import DERIVED_BUCKETS, SMALL_ENGINE, fixture_dir
 from tests.support.hf_parity import check_against_hf
 
 
@@ -19,7 +19,7 @@ def test_engine_serves_from_padded_pages(monkeypatch):
     """What a GPU does for a head dim Triton cannot tile (12 here): pages 16 wide, zero padded."""
     monkeypatch.setattr(attention_plan, "kv_cache_head_dim", lambda impl, platform, head_dim: 16)
     # one decode bucket: the interpret-mode kernel compiles slowly, and outputs do not depend on the bucket
-    llm = LLM(fixture_dir("llama_mqa_odd"), **{**ONE_DECODE_BUCKET, "attention_impl": "pallas"})
+    llm = LLM(fixture_dir("llama_mqa_odd"), **{**SMALL_ENGINE, "attention_impl": "pallas"})
     assert llm.engine.runner.kv_pages.keys[0].shape[-1] == 16
     check_against_hf(llm, "llama_mqa_odd")
 
@@ -62,7 +62,8 @@ def test_the_whole_engine_step_lowers_for_a_gpu(monkeypatch):
     monkeypatch.setattr(
         attention_plan, "kv_cache_head_dim", lambda impl, platform, head_dim: pallas_gpu.cache_head_dim(head_dim, "gpu")
     )
-    llm = LLM(fixture_dir("mixtral"), **{**SMALL_ENGINE, "attention_impl": "pallas", "dtype": "bfloat16"})
+    # every derived bucket: a 1-row decode lowers its own kernel grid
+    llm = LLM(fixture_dir("mixtral"), **{**DERIVED_BUCKETS, "attention_impl": "pallas", "dtype": "bfloat16"})
     texts = _lower_every_step(monkeypatch, llm, "gpu", "cuda")
     assert len(texts) == llm.stats()["num_executables"]
     assert all("triton" in text for text in texts)
@@ -70,7 +71,7 @@ def test_the_whole_engine_step_lowers_for_a_gpu(monkeypatch):
 
 def test_the_whole_engine_step_lowers_for_a_tpu(monkeypatch):
     """The same for a TPU v5e (abstract device): the Mosaic kernel with DMA'd pages, XLA's page writes."""
-    llm = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "attention_impl": "pallas", "dtype": "bfloat16"})
+    llm = LLM(fixture_dir("llama_gqa"), **{**DERIVED_BUCKETS, "attention_impl": "pallas", "dtype": "bfloat16"})
     v5e = AbstractMesh(
         (1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
     )

@@ -10,7 +10,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.loading.default_model import random_llama_weights
 from pallas_kernels.matmul import quantized_cpu
 from tests.loading.test_int8_activations import CONFIG, TOKENIZER_MODEL, TYPES
-from tests.support.fixtures import ONE_DECODE_BUCKET
+from tests.support.fixtures import SMALL_ENGINE
 from tests.support.gguf_files import write_gguf
 
 # 70-150 tokens each: chunks of the 256-token prefill bucket, past the kernel's old 64 rows
@@ -35,7 +35,7 @@ def _prefill_uses_kernel(llm) -> bool:
 
 
 def test_prefill_past_64_rows_takes_the_kernel_and_keeps_the_references_tokens(gguf_path, monkeypatch):
-    options = {**ONE_DECODE_BUCKET, "max_model_len": 256, "max_num_batched_tokens": 256}
+    options = {**SMALL_ENGINE, "max_model_len": 256, "max_num_batched_tokens": 256}
     options |= {"prefill_token_buckets": (64, 256)}
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
     outputs = {}

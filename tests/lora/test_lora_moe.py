@@ -18,7 +18,7 @@ from tests.lora.support import LORA_FIXTURES, adapter_dir, write_adapter
 from tests.support.fake_devices import run_on_fake_devices
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 
-ENGINE = dict(SMALL_ENGINE, decode_seq_buckets=(8,), prefill_token_buckets=(64,))
+ENGINE = dict(SMALL_ENGINE, prefill_token_buckets=(64,))
 EP_CASES = ("qwen3_moe:2:1", "mixtral:1:3")  # 4 experts over 2 devices; over 3 (padded: one holds one expert)
 
 

@@ -19,7 +19,7 @@ def test_fused_projection_adapter_matches_peft():
         fixture_dir("phi3"),
         lora_adapters={"fused": adapter_dir("phi3_fused_r4")},
         max_rank=4,
-        **dict(SMALL_ENGINE, decode_seq_buckets=(8,), prefill_token_buckets=(64,)),
+        **dict(SMALL_ENGINE, prefill_token_buckets=(64,)),
     )
     assert {"layers.0.self_attn.k_proj", "layers.1.mlp.up_proj"} <= set(llm.engine.parts.lora.shapes)
     prompts, base = record["prompts"], [p["greedy_token_ids"] for p in expected("phi3")["prompts"]]

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
-from tests.support.fixtures import ONE_DECODE_BUCKET, expected, fixture_dir
+from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 
 def parity(llm, name):
@@ -46,7 +46,7 @@ for run in sys.argv[1:]:
     llm = LLM(
         fixture_dir(name),
         **{
-            **ONE_DECODE_BUCKET,
+            **SMALL_ENGINE,
             "tensor_parallel_size": int(tp),
             "data_parallel_size": int(dp),
             "enable_expert_parallel": ep,

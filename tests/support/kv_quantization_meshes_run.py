@@ -5,7 +5,7 @@ one JSON line: per mesh, greedy tokens, the scale pools' partition spec and comp
 import json
 
 from jaxserve import LLM, SamplingParams
-from tests.support.fixtures import ONE_DECODE_BUCKET, expected, fixture_dir
+from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 MESHES = {"one": {}, "tp2": {"tensor_parallel_size": 2}, "tp4": {"tensor_parallel_size": 4}}
 MESHES["dp2"] = {"data_parallel_size": 2}
@@ -16,7 +16,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     results = {}
     for name, options in MESHES.items():
-        llm = LLM(fixture_dir("llama_gqa"), **{**ONE_DECODE_BUCKET, "kv_dtype": "int8", **options})
+        llm = LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "kv_dtype": "int8", **options})
         scales = llm.engine.runner.kv_pages.keys[0].scales
         results[name] = dict(
             tokens=[output.outputs[0].token_ids for output in llm.generate(prompts, params)],

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
-from tests.support.fixtures import ONE_DECODE_BUCKET, expected, fixture_dir
+from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 results = {"num_devices": len(jax.devices())}
 runs = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
@@ -45,7 +45,7 @@ def experts_per_device(llm):
 
 for directory in rebalance_dirs:
     # DP=4 x EP: serve, rebalance by what was routed, serve again; the profile and checkpoint go to directory
-    ep4 = {**ONE_DECODE_BUCKET, "data_parallel_size": 4, "enable_expert_parallel": True}
+    ep4 = {**SMALL_ENGINE, "data_parallel_size": 4, "enable_expert_parallel": True}
     llm = LLM(fixture_dir("mixtral_8x"), **ep4)
     before_equal = greedy_equal(llm, "mixtral_8x")
     before = llm.stats()
@@ -62,7 +62,7 @@ for directory in rebalance_dirs:
         if ".".join(map(str, p)) == "layers.0.mlp.gate_proj"
     )
     device0_rows = np.asarray(next(s.data for s in gate.addressable_shards if s.device == jax.devices()[0]))
-    restored = LLM(os.path.join(directory, "checkpoint"), **ONE_DECODE_BUCKET)  # one device, experts in canonical order
+    restored = LLM(os.path.join(directory, "checkpoint"), **SMALL_ENGINE)  # one device, experts in canonical order
     canonical = np.asarray(
         next(
             v.get_value()
@@ -96,7 +96,7 @@ for directory in rebalance_dirs:
 for directory in uneven_dirs:
     # 6 experts over data 2 x tensor 2 (2, 2, 1, 1 per device): rebalance, save, restore onto 1 device and onto
     # 8 (six hold one), and place at start-up from the load profile
-    mesh = {**ONE_DECODE_BUCKET, "data_parallel_size": 2, "tensor_parallel_size": 2, "enable_expert_parallel": True}
+    mesh = {**SMALL_ENGINE, "data_parallel_size": 2, "tensor_parallel_size": 2, "enable_expert_parallel": True}
     llm = LLM(fixture_dir("mixtral_6x"), **mesh)
     before_equal, before, before_per_device = greedy_equal(llm, "mixtral_6x"), llm.stats(), experts_per_device(llm)
     llm.rebalance_experts()
@@ -108,12 +108,12 @@ for directory in uneven_dirs:
     llm.save_checkpoint(os.path.join(directory, "checkpoint"))
     stored = expert_weight(llm)
     device0_rows = np.asarray(next(s.data for s in stored.addressable_shards if s.device == jax.devices()[0]))
-    restored = LLM(os.path.join(directory, "checkpoint"), **ONE_DECODE_BUCKET)
+    restored = LLM(os.path.join(directory, "checkpoint"), **SMALL_ENGINE)
     canonical = np.asarray(expert_weight(restored))
     on_device0 = canonical[np.flatnonzero(np.asarray(moved["expert_devices"][0]) == 0)]
     restored_ep8 = LLM(
         os.path.join(directory, "checkpoint"),
-        **{**ONE_DECODE_BUCKET, "data_parallel_size": 8, "enable_expert_parallel": True},
+        **{**SMALL_ENGINE, "data_parallel_size": 8, "enable_expert_parallel": True},
     )
     at_start = LLM(fixture_dir("mixtral_6x"), **{**mesh, "expert_load_profile": profile})
     results["uneven"] = {
@@ -139,10 +139,10 @@ for directory in uneven_dirs:
     }
 for directory in orbax_dirs:
     # saved from a 2-way tensor-parallel engine, restored onto 4 devices and onto 1
-    LLM(fixture_dir("mixtral"), **{**ONE_DECODE_BUCKET, "tensor_parallel_size": 2}).save_checkpoint(directory)
+    LLM(fixture_dir("mixtral"), **{**SMALL_ENGINE, "tensor_parallel_size": 2}).save_checkpoint(directory)
     prompts = expected("mixtral")["prompts"]
     for tp in (4, 1):
-        llm = LLM(directory, **{**ONE_DECODE_BUCKET, "tensor_parallel_size": tp})
+        llm = LLM(directory, **{**SMALL_ENGINE, "tensor_parallel_size": tp})
         outputs = llm.generate([p["token_ids"] for p in prompts], SamplingParams(max_tokens=24, temperature=0.0))
         spec = next(iter(nnx.to_flat_state(llm.engine.runner.params())))[1].get_value().sharding
         results[f"orbax:{tp}"] = {
@@ -157,7 +157,7 @@ for run in runs:
         llm = LLM(
             fixture_dir(name),
             **{
-                **ONE_DECODE_BUCKET,
+                **SMALL_ENGINE,
                 "tensor_parallel_size": tp,
                 "data_parallel_size": dp,
                 "enable_expert_parallel": ep,

@@ -57,6 +57,19 @@ __attribute__((noinline)) float ReadStream(const float* p, int64_t n) {
   return HorizontalSum(a0 + a1 + a2 + a3);
 }
 
+// One [K, N] weight as the engine's plan cuts it for two workers (MakePlan), its items run one after another.
+template <typename T>
+void RunWeightItems(Problem& p, float* out) {
+  const Plan plan = MakePlan<T>(p, false, 2);
+  for (int64_t i = 0; i < plan.num_items; ++i) {
+    const int64_t block = i % plan.blocks, part = i / plan.blocks, c0 = block * plan.block_columns;
+    const int64_t chunks = (p.depth + plan.chunk - 1) / plan.chunk;
+    const int64_t k0 = std::min(p.depth, chunks * part / plan.parts * plan.chunk);
+    const int64_t k1 = std::min(p.depth, chunks * (part + 1) / plan.parts * plan.chunk);
+    KnItem<T>(p, k0, k1, c0, std::min(plan.block_columns, p.columns - c0), plan.chunk, out);
+  }
+}
+
 template <typename T>
 void Bench(const char* dtype, int64_t rows) {
   using S = typename T::Stored;
@@ -85,20 +98,12 @@ void Bench(const char* dtype, int64_t rows) {
   };
   for (int round = 0; round < 3; ++round) {
     const double stream_s = best([&] { sink = ReadStream(stream, stream_floats); });
-    // Each weight as the engine's plan cuts it for two workers (MakePlan), its items run one after another.
     const double layers_s = best([&] {
       const S* w = layers;
       for (int64_t l = 0; l < kLayers; ++l) {
         for (const auto& s : shapes) {
           Problem p{w, x.data(), out.data(), rows, s[0], s[1], x16.data(), kMlp};
-          const Plan plan = MakePlan<T>(p, false, 2);
-          for (int64_t i = 0; i < plan.num_items; ++i) {
-            const int64_t block = i % plan.blocks, part = i / plan.blocks, c0 = block * plan.block_columns;
-            const int64_t chunks = (p.depth + plan.chunk - 1) / plan.chunk;
-            const int64_t k0 = std::min(p.depth, chunks * part / plan.parts * plan.chunk);
-            const int64_t k1 = std::min(p.depth, chunks * (part + 1) / plan.parts * plan.chunk);
-            KnItem<T>(p, k0, k1, c0, std::min(plan.block_columns, p.columns - c0), plan.chunk, out.data());
-          }
+          RunWeightItems<T>(p, out.data());
           w += s[0] * s[1];
         }
       }
@@ -158,14 +163,7 @@ void BenchHot(const char* dtype, int64_t rows) {
       const S* w = layer.data();
       for (const auto& s : shapes) {
         Problem p{w, x.data(), out.data(), rows, s[0], s[1], x16.data(), kEmbed};
-        const Plan plan = MakePlan<T>(p, false, 2);
-        for (int64_t i = 0; i < plan.num_items; ++i) {
-          const int64_t block = i % plan.blocks, part = i / plan.blocks, c0 = block * plan.block_columns;
-          const int64_t chunks = (p.depth + plan.chunk - 1) / plan.chunk;
-          const int64_t k0 = std::min(p.depth, chunks * part / plan.parts * plan.chunk);
-          const int64_t k1 = std::min(p.depth, chunks * (part + 1) / plan.parts * plan.chunk);
-          KnItem<T>(p, k0, k1, c0, std::min(plan.block_columns, p.columns - c0), plan.chunk, out.data());
-        }
+        RunWeightItems<T>(p, out.data());
         w += s[0] * s[1];
       }
     });

@@ -5,7 +5,7 @@
 // Why: XLA:CPU widens a 16-bit weight to float32 as a whole before a dot with few rows (issue #16),
 // so a bfloat16 decode step moved five times its weights' bytes. Here each weight element is read
 // once and widened in registers: the step costs the weights' bytes, which is the memory roofline.
-// Two regimes ([K, N] weights): up to kKnRows rows (bound by reading the weights) the item's rows are
+// Two regimes ([K, N] weights): up to kWalkRows rows (bound by reading the weights) the item's rows are
 // walked in address order with the accumulators in L1 (RowWalk; from 3 rows register tiles over blocks
 // of rows, cpu_matmul_few_rows.h); with more rows (up to 64, the default
 // largest decode bucket; bound by the multiplies) each pass of rows is packed, widened to float32 once,

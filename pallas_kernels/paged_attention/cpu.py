@@ -25,13 +25,20 @@ WRITE_TARGET = "jaxserve_cpu_write_kv_pages"
 DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))  # of the pages it serves
 
 
+def target(path: str | None = None, name: str = ATTENTION_TARGET) -> str:
+    """The custom call's name for `path`'s library: `name` itself for the engine's own (path None)."""
+    return name if path is None else f"{name}_{path}"
+
+
 @functools.cache
-def _register() -> bool:
-    library = cpu_library.load()
+def _register(path: str | None = None) -> bool:
+    library = cpu_library.load(path)
     if library is None:
         return False
-    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(library.JaxservePagedAttention), platform="cpu")
-    jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(library.JaxserveWriteKvPages), platform="cpu")
+    attention = jax.ffi.pycapsule(library.JaxservePagedAttention)
+    jax.ffi.register_ffi_target(target(path), attention, platform="cpu")
+    write = jax.ffi.pycapsule(library.JaxserveWriteKvPages)
+    jax.ffi.register_ffi_target(target(path, WRITE_TARGET), write, platform="cpu")
     return True
 
 
@@ -39,10 +46,10 @@ def available() -> bool:
     return _register()
 
 
-def _require(dtype) -> None:
+def _require(dtype, path: str | None = None) -> None:
     if jnp.dtype(dtype) not in DTYPES:
         raise ValueError(f"the CPU kernels serve {[str(d) for d in DTYPES]} pages, not {jnp.dtype(dtype)}")
-    if not _register():
+    if not _register(path):
         raise RuntimeError("the CPU attention kernel could not be built; use attention_impl='reference'")
 
 
@@ -58,9 +65,11 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks=None,
+    path: str | None = None,
 ):
-    """The reference's contract, with q in the pages' dtype, or pages quantized (sinks in float32, whatever it)."""
-    _require(q.dtype)
+    """The reference's contract, with q in the pages' dtype, or pages quantized (sinks in float32, whatever it).
+    `path` (cpu_library.PATHS) picks another instruction path's build than the engine's."""
+    _require(q.dtype, path)
     if is_quantized(k_pages) != is_quantized(v_pages) or (
         not is_quantized(k_pages) and (q.dtype != k_pages.dtype or v_pages.dtype != k_pages.dtype)
     ):
@@ -70,7 +79,7 @@ def ragged_paged_attention(
         )
     (k_values, k_scales), (v_values, v_scales) = split_pages(k_pages), split_pages(v_pages)
     no_scales = np.zeros((0,), np.float32)
-    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call(target(path), jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q,
         k_values,

@@ -42,6 +42,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kKeysPerTile = 64;
+// A block's keys are attended in ranges of kKeysPerRange (whole tiles), each with its own online softmax, folded
+// in key order: fixed by the key positions alone, so that one thread or several may attend a block's ranges
+// with the same result (AttendRange).
+constexpr int64_t kKeysPerRange = 512;
 // The 16-bit float types, their widening and rounding, the online softmax's exp and the dot product are
 // shared with the latent kernel (cpu_attention_basics.h); this kernel adds the quantized page types.
 using jaxserve_cpu_attention::BFloat16;
@@ -158,7 +162,7 @@ inline float LaneTreeDot(const float* a, const float* b, int64_t n) {
   }
   for (; i + kLanes <= n; i += kLanes) sum0 += LoadLanes(a + i) * LoadLanes(b + i);
   float sum = SumLanes(sum0 + sum1);
-  for (; i < n; ++i) sum += a[i] * b[i];
+  for (; i < n; ++i) sum = std::fma(a[i], b[i], sum);  // fused, as LaneTreeDotsTransposed's tail
   return sum;
 }
 
@@ -193,8 +197,10 @@ inline void AddWeightedRows(float* accumulator, const float* const* rows, int64_
   }
   for (; d < n; ++d) {
     float sum = accumulator[d];
+    // Fused whatever the compiler makes of the loop: an if-converted vector body multiplied, then added, while
+    // its scalar remainder fused, so a row's result depended on how many keys its block read.
     for (int64_t t = 0; t < count; ++t) {
-      if (weights[t] != 0.0f) sum += weights[t] * rows[t][offset + d];
+      if (weights[t] != 0.0f) sum = std::fma(weights[t], rows[t][offset + d], sum);
     }
     accumulator[d] = sum;
   }
@@ -218,9 +224,11 @@ struct Problem {
   float soft_cap;  // scores become soft_cap * tanh(score / soft_cap) when > 0 (Gemma 2)
 };
 
-// A worker's buffers, kept across the blocks it takes.
+// A worker's buffers, kept across the blocks it takes. `running_*` and `accumulator`: the softmax state of the
+// range being attended; `folded_*`: the ranges before it, folded (FoldState).
 struct Scratch {
   std::vector<float> queries, accumulator, scores, running_max, denominator, keys_transposed, key_tile, value_tile;
+  std::vector<float> folded_max, folded_denominator, folded_accumulator;
 };
 
 // A row's output scale, 1 / denominator, with the row's sink (if any) folded into its softmax state: the
@@ -235,17 +243,102 @@ inline float OutputScale(float running_max, float denominator, const float* sink
   return denominator > 0.0f ? rescale / denominator : 0.0f;
 }
 
-// One block's softmax state over a range of keys, for merging with the block's other ranges: per row
-// the running max, the denominator and the unnormalized [D] accumulator.
+// One row's softmax state over some keys: the running max, the denominator and the unnormalized [D] accumulator.
+// A key range's state is folded into the state of the ranges before it, in key order. One function, not
+// inlined, so that the fold is the same arithmetic whether one thread attended all of a block's ranges or each
+// range ran on its own thread (AttendAllBlocks).
+__attribute__((noinline)) void FoldState(float& max, float& denominator, float* accumulator, float range_max,
+                                         float range_denominator, const float* range_accumulator, int64_t D) {
+  if (range_denominator <= 0.0f) return;  // the range saw no key of this row
+  if (denominator <= 0.0f) {
+    max = range_max;
+    denominator = range_denominator;
+    std::copy(range_accumulator, range_accumulator + D, accumulator);
+    return;
+  }
+  const float new_max = std::max(max, range_max);
+  const float before = ExpNonpositive(max - new_max), range = ExpNonpositive(range_max - new_max);
+  denominator = denominator * before + range_denominator * range;
+  for (int64_t d = 0; d < D; ++d) accumulator[d] = accumulator[d] * before + range_accumulator[d] * range;
+  max = new_max;
+}
+
+// A block's state over one range of keys (AttendAllBlocks' items when a few blocks split their ranges over
+// the threads), per row.
 struct PartialState {
   float* max;          // [rows]
   float* denominator;  // [rows]
   float* accumulator;  // [rows, D]
 };
 
+// Scores of a query row against a tile of keys stored transposed ([n][kKeysPerTile]), each the same bits as
+// LaneTreeDot(query, key, n): the same products in the same lanes, the same tree. So a row scores alike whether
+// its block computed per key (few query rows per kv head: decode) or across keys (many: prefill, verify).
+inline void LaneTreeDotsTransposed(const float* query, const float* keys_transposed, int64_t n, float* scores) {
+  constexpr int64_t T = kKeysPerTile;
+  const int64_t pairs_end = n / (2 * kLanes) * (2 * kLanes);  // LaneTreeDot's sum0 / sum1 loop
+  const int64_t lanes_end = n / kLanes * kLanes;              // then one more vector into sum0, or none
+  float lanes[kLanes][T];
+  for (int64_t l = 0; l < kLanes; ++l) {
+    float sum0[T] = {}, sum1[T] = {};
+    for (int64_t i = 0; i < pairs_end; i += 2 * kLanes) {
+      const float q0 = query[i + l], q1 = query[i + kLanes + l];
+      const float* k0 = keys_transposed + (i + l) * T;
+      const float* k1 = keys_transposed + (i + kLanes + l) * T;
+#pragma omp simd
+      for (int64_t t = 0; t < T; ++t) {
+        sum0[t] += q0 * k0[t];
+        sum1[t] += q1 * k1[t];
+      }
+    }
+    if (lanes_end > pairs_end) {
+      const float q0 = query[pairs_end + l];
+      const float* k0 = keys_transposed + (pairs_end + l) * T;
+#pragma omp simd
+      for (int64_t t = 0; t < T; ++t) sum0[t] += q0 * k0[t];
+    }
+#pragma omp simd
+    for (int64_t t = 0; t < T; ++t) lanes[l][t] = sum0[t] + sum1[t];
+  }
+  for (int64_t half = kLanes / 2; half >= 4; half /= 2) {  // SumLanes: the upper half onto the lower, down to 4
+    for (int64_t l = 0; l < half; ++l) {
+#pragma omp simd
+      for (int64_t t = 0; t < T; ++t) lanes[l][t] = lanes[l][t] + lanes[l + half][t];
+    }
+  }
+#pragma omp simd
+  for (int64_t t = 0; t < T; ++t) scores[t] = (lanes[0][t] + lanes[2][t]) + (lanes[1][t] + lanes[3][t]);
+  for (int64_t d = lanes_end; d < n; ++d) {  // LaneTreeDot's scalar tail
+    const float q_d = query[d];
+    const float* k_d = keys_transposed + d * T;
+#pragma omp simd
+    for (int64_t t = 0; t < T; ++t) scores[t] = std::fma(q_d, k_d[t], scores[t]);
+  }
+}
+
+// Rows' outputs from their folded softmax states (a row that saw no key stays zero: a sink adds no value).
+template <typename T, typename PageT>
+void WriteOutputRows(const Problem<T, PageT>& p, T* out, int64_t rows, const float* max, const float* denominator,
+               const float* accumulator) {
+  const int64_t D = p.head_dim;
+  for (int64_t row = 0; row < rows; ++row) {
+    if (denominator[row] <= 0.0f) continue;
+    float rescale;
+    const float* sink = p.sinks == nullptr ? nullptr : p.sinks + row % p.num_heads;
+    const float inverse = OutputScale(max[row], denominator[row], sink, rescale);
+    for (int64_t d = 0; d < D; ++d) out[row * D + d] = FromFloat<T>(accumulator[row * D + d] * inverse);
+  }
+}
+
 // Rows of a block are (token b, query head h): row = b * H + h, its kv head is h / (H / K).
-// Keys [key_begin, key_end) of the block (a multiple of kKeysPerTile apart from the start, or the
-// whole sequence): the block's output when `partial` is null, else its softmax state there.
+// Keys [key_begin, key_end) of the block (whole ranges of kKeysPerRange keys): the block's output when
+// `partial` is null, else its softmax state there (key_end - key_begin is then one range).
+//
+// Each row's arithmetic depends on its own query, position and keys only, never on the other rows of its
+// block or on how the block's work was split: tiles are kKeysPerTile keys from key 0, every tile loop runs over
+// the whole tile (keys past the row's last are -inf, weight 0), each range of kKeysPerRange keys has its own
+// online softmax, folded in key order (FoldState), and both ways of scoring give the same bits. A verify row
+// (speculation: k + 1 query tokens of a sequence in one block) then computes what a decode row (one) does.
 template <typename T, typename PageT>
 void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, int64_t key_end, Scratch& s,
                  const PartialState* partial) {
@@ -273,10 +366,27 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
   s.scores.resize(rows * kKeysPerTile);
   s.running_max.assign(rows, kNegativeInfinity);
   s.denominator.assign(rows, 0.0f);
-  if (B * groups >= 4) s.keys_transposed.assign(D * kKeysPerTile, 0.0f);  // only the transposed scores use it
+  s.folded_max.assign(rows, kNegativeInfinity);
+  s.folded_denominator.assign(rows, 0.0f);
+  s.folded_accumulator.assign(rows * D, 0.0f);
+  // Many query rows per kv head (prefill, verify): transpose the tile's keys once so each row's scores are
+  // axpys across keys instead of one horizontal sum per key. The same bits either way (LaneTreeDotsTransposed).
+  const bool transpose_keys = B * groups >= 4;
+  if (transpose_keys) s.keys_transposed.assign(D * kKeysPerTile, 0.0f);
   s.key_tile.resize(kKeysPerTile * row_width);
   s.value_tile.resize(kKeysPerTile * row_width);
   const float* block_queries = AsFloat(p.q + first_token * H * D, rows * D, s.queries.data());
+
+  // The range state so far joins the ranges before it, and the next range starts afresh.
+  auto fold_range = [&]() {
+    for (int64_t row = 0; row < rows; ++row) {
+      FoldState(s.folded_max[row], s.folded_denominator[row], s.folded_accumulator.data() + row * D,
+                s.running_max[row], s.denominator[row], s.accumulator.data() + row * D, D);
+    }
+    std::fill(s.running_max.begin(), s.running_max.end(), kNegativeInfinity);
+    std::fill(s.denominator.begin(), s.denominator.end(), 0.0f);
+    std::fill(s.accumulator.begin(), s.accumulator.end(), 0.0f);
+  };
 
   int64_t first_key = 0;
   if (p.sliding_window > 0) first_key = std::max<int64_t>(0, min_position - p.sliding_window + 1);
@@ -286,6 +396,7 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
   const float* key_rows[kKeysPerTile];
   const float* value_rows[kKeysPerTile];
   for (int64_t tile_start = first_key; tile_start <= last_key; tile_start += kKeysPerTile) {
+    if (tile_start % kKeysPerRange == 0 && tile_start > first_key) fold_range();
     const int64_t num_keys = std::min<int64_t>(kKeysPerTile, last_key + 1 - tile_start);
     for (int64_t t = 0; t < num_keys; ++t) {
       const int64_t key = tile_start + t;
@@ -297,9 +408,6 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
     }
     for (int64_t kv_head = 0; kv_head < K; ++kv_head) {
       const int64_t kv_offset = kv_head * D;
-      // Many query rows per kv head (prefill): transpose the tile's keys once so each row's scores
-      // are axpys across keys instead of one horizontal dot product per key.
-      const bool transpose_keys = B * groups >= 4;
       if (transpose_keys) {
         for (int64_t t = 0; t < num_keys; ++t)
           for (int64_t d = 0; d < D; ++d) s.keys_transposed[d * kKeysPerTile + t] = key_rows[t][kv_offset + d];
@@ -313,21 +421,15 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
           const float* query = block_queries + row * D;
           float* row_scores = s.scores.data() + row * kKeysPerTile;
           if (transpose_keys) {
-            std::fill(row_scores, row_scores + kKeysPerTile, 0.0f);
-            for (int64_t d = 0; d < D; ++d) {
-              const float q_d = query[d];
-              const float* keys_d = s.keys_transposed.data() + d * kKeysPerTile;
-#pragma omp simd
-              for (int64_t t = 0; t < kKeysPerTile; ++t) row_scores[t] += q_d * keys_d[t];
-            }
+            LaneTreeDotsTransposed(query, s.keys_transposed.data(), D, row_scores);
           } else {
             for (int64_t t = 0; t < num_keys; ++t) row_scores[t] = LaneTreeDot(query, key_rows[t] + kv_offset, D);
           }
           float tile_max = kNegativeInfinity;
-          for (int64_t t = 0; t < num_keys; ++t) {
+          for (int64_t t = 0; t < kKeysPerTile; ++t) {  // the whole tile: keys past the block's last are masked
             const int64_t key = tile_start + t;
-            const bool visible = key <= position && key >= lowest_visible;
-            float score = row_scores[t] * p.scale;
+            const bool visible = t < num_keys && key <= position && key >= lowest_visible;
+            float score = visible ? row_scores[t] * p.scale : 0.0f;
             if (p.soft_cap > 0.0f) score = p.soft_cap * std::tanh(score / p.soft_cap);
             row_scores[t] = visible ? score : kNegativeInfinity;
             tile_max = std::max(tile_max, row_scores[t]);
@@ -342,7 +444,7 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
           }
           float tile_sum = 0.0f;
 #pragma omp simd reduction(+ : tile_sum)
-          for (int64_t t = 0; t < num_keys; ++t) {
+          for (int64_t t = 0; t < kKeysPerTile; ++t) {
             row_scores[t] = ExpNonpositive(row_scores[t] - new_max);  // masked keys: 0
             tile_sum += row_scores[t];
           }
@@ -353,69 +455,50 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
       }
     }
   }
+  fold_range();
   if (partial != nullptr) {
-    std::copy(s.running_max.begin(), s.running_max.begin() + rows, partial->max);
-    std::copy(s.denominator.begin(), s.denominator.begin() + rows, partial->denominator);
-    std::copy(s.accumulator.begin(), s.accumulator.begin() + rows * D, partial->accumulator);
+    std::copy(s.folded_max.begin(), s.folded_max.begin() + rows, partial->max);
+    std::copy(s.folded_denominator.begin(), s.folded_denominator.begin() + rows, partial->denominator);
+    std::copy(s.folded_accumulator.begin(), s.folded_accumulator.begin() + rows * D, partial->accumulator);
     return;
   }
-  for (int64_t row = 0; row < rows; ++row) {
-    if (s.denominator[row] <= 0.0f) continue;  // saw no key: stays zero (a sink adds no value)
-    float rescale;
-    const float* sink = p.sinks == nullptr ? nullptr : p.sinks + row % H;
-    const float inverse = OutputScale(s.running_max[row], s.denominator[row], sink, rescale);
-    for (int64_t d = 0; d < D; ++d) out[row * D + d] = FromFloat<T>(s.accumulator[row * D + d] * inverse);
-  }
+  WriteOutputRows(p, out, rows, s.folded_max.data(), s.folded_denominator.data(), s.folded_accumulator.data());
 }
 
-// A block's output from the softmax states of its key ranges.
+// A block's output from the softmax states of its key ranges, folded in key order as one thread folds them.
 template <typename T, typename PageT>
 void MergeRanges(const Problem<T, PageT>& p, int64_t block, const PartialState* ranges, int64_t num_ranges) {
   const int64_t rows = p.query_block * p.num_heads, D = p.head_dim;
-  T* out = p.out + block * rows * D;
-  std::vector<float> merged(D);
-  for (int64_t row = 0; row < rows; ++row) {
-    float max = kNegativeInfinity;
-    for (int64_t r = 0; r < num_ranges; ++r) max = std::max(max, ranges[r].max[row]);
-    std::fill(merged.begin(), merged.end(), 0.0f);
-    float denominator = 0.0f;
-    if (max != kNegativeInfinity) {
-      for (int64_t r = 0; r < num_ranges; ++r) {
-        if (ranges[r].denominator[row] <= 0.0f) continue;  // saw no key in this range
-        const float weight = ExpNonpositive(ranges[r].max[row] - max);
-        denominator += weight * ranges[r].denominator[row];
-        const float* accumulator = ranges[r].accumulator + row * D;
-        for (int64_t d = 0; d < D; ++d) merged[d] += weight * accumulator[d];
-      }
+  std::vector<float> max(rows, kNegativeInfinity), denominator(rows, 0.0f), accumulator(rows * D, 0.0f);
+  for (int64_t r = 0; r < num_ranges; ++r) {
+    for (int64_t row = 0; row < rows; ++row) {
+      FoldState(max[row], denominator[row], accumulator.data() + row * D, ranges[r].max[row],
+                ranges[r].denominator[row], ranges[r].accumulator + row * D, D);
     }
-    float rescale;
-    const float* sink = p.sinks == nullptr ? nullptr : p.sinks + row % p.num_heads;
-    const float inverse = denominator > 0.0f ? OutputScale(max, denominator, sink, rescale) : 0.0f;  // saw no key: zero
-    for (int64_t d = 0; d < D; ++d) out[row * D + d] = FromFloat<T>(merged[d] * inverse);
   }
+  T* out = p.out + block * rows * D;
+  std::fill(out, out + rows * D, FromFloat<T>(0.0f));
+  WriteOutputRows(p, out, rows, max.data(), denominator.data(), accumulator.data());
 }
 
-// Work items are (block, key range). A block is cut into ranges of whole tiles only when there are too
-// few blocks to keep the threads busy (one long sequence decoding): each range then leaves its softmax
-// state, merged into the block's output once all items are done (as flash-decoding does on a GPU).
+// Work items are (block, key range). A block is cut into its ranges (kKeysPerRange keys each, fixed by the key
+// positions) only when there are too few blocks to keep the threads busy (one long sequence decoding): each
+// range then leaves its softmax state, folded into the block's output once all items are done (as
+// flash-decoding does on a GPU), the same arithmetic as one thread attending the whole block.
 template <typename T, typename PageT>
 void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T, PageT>& p, int64_t num_blocks, bool own_helpers) {
   const int64_t num_workers = std::max<int64_t>(1, thread_pool.num_threads());
   const int64_t rows = p.query_block * p.num_heads, D = p.head_dim;
-  const int64_t wanted_items = 2 * num_workers;
-  const int64_t ranges_wanted = num_blocks >= wanted_items ? 1 : (wanted_items + num_blocks - 1) / num_blocks;
-  // Per block: its ranges' first item and the keys each range covers.
-  std::vector<int64_t> first_item(num_blocks + 1, 0), keys_per_range(num_blocks, 0);
+  const bool split = num_blocks < 2 * num_workers;
+  // Per block: its ranges' first item.
+  std::vector<int64_t> first_item(num_blocks + 1, 0);
   for (int64_t block = 0; block < num_blocks; ++block) {
     int32_t max_position = -1;
     for (int64_t b = 0; b < p.query_block; ++b) max_position = std::max(max_position, p.positions[block * p.query_block + b]);
-    const int64_t tiles = (int64_t(max_position) + kKeysPerTile) / kKeysPerTile;  // 0 for padding
-    const int64_t ranges = std::max<int64_t>(1, std::min(ranges_wanted, tiles));
-    keys_per_range[block] = ranges == 1 ? std::numeric_limits<int32_t>::max() : (tiles + ranges - 1) / ranges * kKeysPerTile;
+    const int64_t ranges = split ? std::max<int64_t>(1, (int64_t(max_position) + kKeysPerRange) / kKeysPerRange) : 1;
     first_item[block + 1] = first_item[block] + ranges;
   }
   const int64_t num_items = first_item[num_blocks];
-  const bool split = num_items > num_blocks;
   std::vector<float> states(split ? num_items * rows * (D + 2) : 0);
   std::vector<PartialState> partials(split ? num_items : 0);
   for (int64_t i = 0; i < int64_t(partials.size()); ++i) {
@@ -423,16 +506,18 @@ void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T, PageT>& p, i
     partials[i] = PartialState{base, base + rows, base + 2 * rows};
   }
   const int64_t* first_item_data = first_item.data();
-  const int64_t* keys_per_range_data = keys_per_range.data();
   const PartialState* partial_data = partials.data();
-  auto item = [&p, num_blocks, split, first_item_data, keys_per_range_data, partial_data](int64_t /*worker*/, int64_t i) {
+  auto item = [&p, num_blocks, split, first_item_data, partial_data](int64_t /*worker*/, int64_t i) {
     // Each thread's buffers outlive the call: allocated (and zeroed) per call, they cost a decode step's
     // 30 calls more than their keys (issue 29).
     thread_local Scratch scratch;
     const int64_t block = std::upper_bound(first_item_data, first_item_data + num_blocks + 1, i) - first_item_data - 1;
-    const int64_t range = i - first_item_data[block];
-    const int64_t begin = range * keys_per_range_data[block];
-    AttendRange(p, block, begin, begin + keys_per_range_data[block], scratch, split ? partial_data + i : nullptr);
+    if (!split) {
+      AttendRange(p, block, 0, std::numeric_limits<int64_t>::max(), scratch, nullptr);
+      return;
+    }
+    const int64_t begin = (i - first_item_data[block]) * kKeysPerRange;
+    AttendRange(p, block, begin, begin + kKeysPerRange, scratch, partial_data + i);
   };
   // Several device programs share XLA's pool on a CPU mesh: there the helpers come from it.
   std::function<void(std::function<void()>)> schedule = nullptr;

@@ -1,0 +1,175 @@
+"""The CPU attention kernel computes a query row the same, bit for bit, whatever else is in its call.
+
+Speculation's greedy identity rests on it (issue 26): a verify step attends a sequence's k + 1 tokens as one
+query block where a decode step attended one token, prefill chunks come in blocks of 16, and a batch may hold
+one sequence (its keys then split over the threads) or many (one thread per block). With bfloat16 activations
+or int8 ones, a 1e-7 difference rounds into a different value and flips greedy near-ties (session 15: 3 of 4
+outputs of the default Q4_1 model changed with ngram speculation). So a query row's output depends on its own
+query, position and keys only."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_library
+from pallas_kernels.paged_attention import cpu
+from pallas_kernels.paged_attention.kv_quantization import QuantizedPages, quantize
+from tests.kernels.steps import cdiv
+
+PAGE_SIZE, NUM_PAGES = 16, 160
+
+
+def attend_one_token(case, length, block, offset, neighbours, path=None):
+    """The output of the token at position length - 1, attended as row `offset` of a query block of `block`
+    tokens (the block's other rows: the positions around it, or padding past the sequence's end), beside
+    `neighbours` other one-block sequences."""
+    (q_row, (k_pages, v_pages), page_table_row, sliding_window, soft_cap, sinks) = case
+    num_heads, head_dim = q_row.shape
+    rng = np.random.default_rng(block * 100 + offset + neighbours)
+    q, seq_ids, positions = [], [], []
+    first = length - 1 - offset
+    for b in range(block):
+        position = first + b
+        q.append(q_row if b == offset else rng.standard_normal((num_heads, head_dim)))
+        seq_ids.append(0)
+        positions.append(position if position >= 0 else -1)
+    for n in range(neighbours):  # other sequences: short ones, each its own block
+        for b in range(block):
+            q.append(rng.standard_normal((num_heads, head_dim)))
+            seq_ids.append(1 + n)
+            positions.append(3 + n + b)
+    page_table = np.zeros((1 + neighbours, page_table_row.shape[0]), np.int32)
+    page_table[0] = page_table_row
+    page_table[1:, :2] = [1, 2]  # neighbours read (and write nothing to) pages 1-2
+    got = cpu.ragged_paged_attention(
+        jnp.asarray(np.stack(q), q_row.dtype),
+        k_pages,
+        v_pages,
+        jnp.asarray(page_table),
+        jnp.asarray(seq_ids, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        query_block=block,
+        sliding_window=sliding_window,
+        logits_soft_cap=soft_cap,
+        sinks=sinks,
+        path=path,
+    )
+    return np.asarray(jnp.asarray(got[offset], jnp.float32))
+
+
+def make_case(rng, dtype, kv_dtype, num_kv_heads, groups, head_dim, max_length, sliding_window, soft_cap, sinks):
+    num_heads = num_kv_heads * groups
+    shape = (NUM_PAGES, PAGE_SIZE, num_kv_heads, head_dim)
+    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+    if kv_dtype is None:
+        pages = (jnp.asarray(k, dtype), jnp.asarray(v, dtype))
+    else:
+        pages = tuple(QuantizedPages(*quantize(jnp.asarray(x, jnp.float32), kv_dtype)) for x in (k, v))
+    page_table_row = np.zeros(cdiv(max_length + 16, PAGE_SIZE) + 1, np.int32)
+    used = cdiv(max_length + 16, PAGE_SIZE)
+    page_table_row[:used] = rng.permutation(np.arange(3, NUM_PAGES))[:used]
+    q_row = np.asarray(jnp.asarray(rng.standard_normal((num_heads, head_dim)), dtype))
+    sinks = jnp.asarray(rng.standard_normal(num_heads), jnp.float32) if sinks else None
+    return (q_row, pages, page_table_row, sliding_window, soft_cap, sinks)
+
+
+@pytest.mark.parametrize(
+    "dtype,kv_dtype,num_kv_heads,groups,head_dim,sliding_window,soft_cap,sinks",
+    [
+        (jnp.float32, None, 3, 3, 64, None, None, False),  # SmolLM2-135M's heads
+        (jnp.bfloat16, None, 2, 4, 80, None, None, False),  # a head dim with a lane tail
+        (jnp.float32, None, 4, 1, 96, 100, None, False),  # MHA, a sliding window
+        (jnp.float32, None, 1, 5, 12, None, 30.0, True),  # MQA, tiny heads, soft cap, sinks
+        (jnp.float16, None, 2, 2, 128, None, None, False),
+        (jnp.float32, "int8", 2, 3, 64, None, None, False),  # quantized pages
+    ],
+)
+def test_a_query_row_computes_alike_in_any_block_and_batch(
+    dtype, kv_dtype, num_kv_heads, groups, head_dim, sliding_window, soft_cap, sinks
+):
+    """Decode (one token), verify (a block of k + 1 with the token anywhere in it), prefill (blocks of 16),
+    alone (keys split over the threads in ranges) or beside 7 other sequences (a block per thread), at lengths
+    inside one tile, one range, and several ranges: the same bits."""
+    rng = np.random.default_rng(head_dim + groups)
+    lengths = (37, 333, 1100)
+    case = make_case(
+        rng, dtype, kv_dtype, num_kv_heads, groups, head_dim, max(lengths), sliding_window, soft_cap, sinks
+    )
+    layouts = [(1, 0, 0), (1, 0, 7), (2, 1, 0), (5, 0, 0), (5, 3, 7), (8, 7, 0), (8, 4, 2), (16, 9, 0), (16, 15, 7)]
+    for path, length in itertools.product(cpu_library.runnable_paths(), lengths):
+        want = attend_one_token(case, length, *layouts[0], path=path)
+        assert np.all(np.isfinite(want)) and np.any(want != 0)
+        for layout in layouts[1:]:
+            got = attend_one_token(case, length, *layout, path=path)
+            np.testing.assert_array_equal(
+                got, want, err_msg=f"{path}, length {length}, (block, offset, neighbours) {layout}"
+            )
+
+
+def test_the_rows_match_the_reference_too():
+    """The arithmetic that makes rows alike is still attention: a long lone decode row against the reference."""
+    from pallas_kernels.paged_attention import reference
+
+    rng = np.random.default_rng(3)
+    case = make_case(rng, jnp.float32, None, 2, 3, 64, 1100, None, None, False)
+    q_row, (k_pages, v_pages), page_table_row, *_ = case
+    got = attend_one_token(case, 1100, 1, 0, 0)
+    expected = reference.ragged_paged_attention(
+        jnp.asarray(q_row[None]),
+        k_pages,
+        v_pages,
+        jnp.asarray(page_table_row[None]),
+        jnp.zeros((1,), jnp.int32),
+        jnp.asarray([1099], jnp.int32),
+        query_block=1,
+    )
+    np.testing.assert_allclose(got, np.asarray(expected[0]), atol=1e-5, rtol=1e-5)
+    assert jax.devices()[0].platform == "cpu"
+
+
+@pytest.mark.parametrize("num_heads,half,dtype", [(5, 36, jnp.float32), (16, 36, jnp.bfloat16), (3, 64, jnp.float32)])
+def test_a_latent_query_row_computes_alike_in_any_block_and_batch(num_heads, half, dtype):
+    """The latent (MLA) kernel too: a row's heads are spread over the threads when blocks are few, and a
+    block's rows are scored four at a time, so a row sits in another group slot in a verify block than alone."""
+    from pallas_kernels.paged_attention import cpu_latent
+
+    rng = np.random.default_rng(num_heads + half)
+    length, pages_per_seq = 150, cdiv(150 + 16, PAGE_SIZE) + 1
+    first = jnp.asarray(rng.standard_normal((NUM_PAGES, PAGE_SIZE, 1, half)), dtype)
+    second = jnp.asarray(rng.standard_normal((NUM_PAGES, PAGE_SIZE, 1, half)), dtype)
+    table_row = rng.permutation(np.arange(3, NUM_PAGES))[:pages_per_seq].astype(np.int32)
+    q_row = rng.standard_normal((num_heads, 2 * half))
+
+    def attend(block, offset, neighbours):
+        q, seq_ids, positions = [], [], []
+        for b in range(block):
+            q.append(q_row if b == offset else rng.standard_normal((num_heads, 2 * half)))
+            seq_ids.append(0)
+            positions.append(length - 1 - offset + b)
+        for n in range(neighbours):
+            for b in range(block):
+                q.append(rng.standard_normal((num_heads, 2 * half)))
+                seq_ids.append(1 + n)
+                positions.append(3 + n + b)
+        page_table = np.zeros((1 + neighbours, pages_per_seq), np.int32)
+        page_table[0] = table_row
+        page_table[1:, :2] = [1, 2]
+        got = cpu_latent.ragged_paged_latent_attention(
+            jnp.asarray(np.stack(q), dtype),
+            first,
+            second,
+            jnp.asarray(page_table),
+            jnp.asarray(seq_ids, jnp.int32),
+            jnp.asarray(positions, jnp.int32),
+            query_block=block,
+            scale=0.19,
+        )
+        return np.asarray(jnp.asarray(got[offset], jnp.float32))
+
+    want = attend(1, 0, 0)
+    assert np.all(np.isfinite(want)) and np.any(want != 0)
+    for layout in [(1, 0, 7), (2, 1, 0), (5, 0, 0), (5, 3, 7), (8, 7, 0), (8, 4, 2), (16, 9, 0), (16, 15, 7)]:
+        np.testing.assert_array_equal(attend(*layout), want, err_msg=f"(block, offset, neighbours) {layout}")

@@ -46,3 +46,29 @@ def test_a_row_is_the_same_bits_in_calls_of_any_decode_or_verify_size(path, dtyp
                 np.testing.assert_array_equal(
                     got[row], want[0], err_msg=f"{path} {jnp.dtype(dtype)} {variant}: row {row} of {num_rows}, N {width}"
                 )
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_library.cpu_flags(), reason="no AVX-512 BF16 on this CPU")
+def test_the_bfloat16_pairs_build_too(tmp_path):
+    """The vdpbf16ps tiles (cpu_matmul_bf16_pairs.h) are the avx512 path's bfloat16 code on AVX-512 BF16 CPUs
+    without AMX only; built here with JAXSERVE_BF16_PAIRS_WITH_AMX wherever the CPU has the instruction, through
+    native/small_matmul_rows.cc (the same check: rows 0 and M / 2 of 2-64 rows against 1-row calls)."""
+    import os
+    import shutil
+    import subprocess
+
+    import jax
+
+    compiler = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    here = os.path.dirname(__file__)
+    binary = str(tmp_path / "small_matmul_rows")
+    flags = [*cpu_library.compile_flags("avx512"), "-DJAXSERVE_BF16_PAIRS_WITH_AMX", "-fopenmp-simd", "-std=c++17"]
+    source = os.path.join(here, "native", "small_matmul_rows.cc")
+    includes = ["-I", cpu_library.HERE, "-I", jax.ffi.include_dir()]
+    command = [compiler, "-O3", *flags, "-fno-math-errno", "-fno-trapping-math", *includes, source]
+    subprocess.run([*command, "-o", binary], check=True, capture_output=True)
+    result = subprocess.run([binary], capture_output=True, text=True)
+    assert result.stdout.startswith("pairs: 1"), result.stdout
+    assert result.returncode == 0, result.stdout

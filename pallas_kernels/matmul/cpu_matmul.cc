@@ -141,117 +141,16 @@ void KnRemainder(int rows, const float* x, int64_t ldx, const float* packed, int
 }
 
 // Few rows of x (a decode step of up to kWalkRows sequences, or a speculative verify step: bound by reading
-// the weights): the weights are read straight from memory, each output's terms added in K's order.
-// One or two rows (RowStream): the item's weight rows one after the other, each in address order (with whole
-// rows, one contiguous stream), the item's accumulators [R, width] in L1; three to eight, register tiles over
-// blocks of rows (TiledWalk, cpu_matmul_few_rows.h). Until session 16 one row read the item's two halves side
-// by side and two rows its four quarters (more streams, fewer loads and stores of the accumulators): each
-// output's sum then ran in another order than a row of a many-row call, which a speculative verify step (k + 1
-// rows of a sequence) exposed as flipped greedy near-ties (issue 26; "Row invariance" below).
-//
-// bfloat16 (session 14): 2 * kLanes weights at once, one 32-bit lane holding elements 2j and 2j + 1, widened
-// by a shift (the even elements) and an and (the odd ones): two plain ALU operations where two widening loads
-// (vpmovzxwd, a shuffle each) and two shifts did, so the walk needs fewer instructions per byte (with the caches
-// hot, where a faster memory would put it, one row ran ~1.6x slower per byte in bfloat16 than in float32 on
-// both x86 paths). The item's accumulators are kept in [evens, odds] order per 2 * kLanes columns meanwhile
-// (permuted once at each end of the item); every column still sees the same FMAs in the same order: the same
-// bits.
-inline void EvenOddWeights(const uint16_t* p, VecF& even, VecF& odd) {
-  VecU pairs;
-  std::memcpy(&pairs, p, sizeof(pairs));
-  even = (VecF)(pairs << 16);
-  odd = (VecF)(pairs & 0xffff0000u);
-}
-
-// Columns [0, n) of acc (n a multiple of 2 * kLanes) to [evens, odds] order per 2 * kLanes, or back.
-inline void ToEvenOdd(float* acc, int64_t n, bool back) {
-  float block[2 * kLanes];
-  for (int64_t c = 0; c < n; c += 2 * kLanes) {
-    std::memcpy(block, acc + c, sizeof(block));
-    for (int j = 0; j < kLanes; ++j) {
-      if (back) {
-        acc[c + 2 * j] = block[j], acc[c + 2 * j + 1] = block[kLanes + j];
-      } else {
-        acc[c + j] = block[2 * j], acc[c + kLanes + j] = block[2 * j + 1];
-      }
-    }
-  }
-}
-
-#ifndef JAXSERVE_STREAM_ROWS_A_SWEEP
-#define JAXSERVE_STREAM_ROWS_A_SWEEP 2
-#endif
-// Weight rows each sweep over the accumulators adds (RowStream): two halve the accumulators' loads and stores
-// per FMA; k and k + 1 are adjacent rows (with whole rows, still one run of memory).
-constexpr int kStreamRowsASweep = JAXSERVE_STREAM_ROWS_A_SWEEP;
-
-template <typename T, int R, int U>
-inline void StreamSweep(const Problem& p, int64_t k, int64_t c0, int64_t width, int64_t paired, float* const* acc) {
-  const auto* w = static_cast<const typename T::Stored*>(p.w);
-  const typename T::Stored* s[U];
-  VecF xv[R][U];
-#pragma GCC unroll 4
-  for (int u = 0; u < U; ++u) {
-    s[u] = w + (k + u) * p.columns + c0;
-#pragma GCC unroll 2
-    for (int r = 0; r < R; ++r) xv[r][u] = Broadcast(p.x[r * p.depth + k + u]);
-  }
-  const int64_t vectors = width / kLanes * kLanes;
-  int64_t c = 0;
-  if constexpr (std::is_same_v<T, BF16>) {
-    for (; c < paired; c += 2 * kLanes) {
-      VecF even[U], odd[U];
-#pragma GCC unroll 4
-      for (int u = 0; u < U; ++u) EvenOddWeights(s[u] + c, even[u], odd[u]);
-#pragma GCC unroll 2
-      for (int r = 0; r < R; ++r) {
-        VecF a = LoadF(acc[r] + c), b = LoadF(acc[r] + c + kLanes);
-#pragma GCC unroll 4
-        for (int u = 0; u < U; ++u) a = Fma(xv[r][u], even[u], a), b = Fma(xv[r][u], odd[u], b);
-        StoreF(acc[r] + c, a);
-        StoreF(acc[r] + c + kLanes, b);
-      }
-    }
-  }
-  for (; c < vectors; c += kLanes) {
-    VecF wv[U];
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) wv[u] = T::Vector(s[u] + c);
-#pragma GCC unroll 2
-    for (int r = 0; r < R; ++r) {
-      VecF a = LoadF(acc[r] + c);
-#pragma GCC unroll 4
-      for (int u = 0; u < U; ++u) a = Fma(xv[r][u], wv[u], a);
-      StoreF(acc[r] + c, a);
-    }
-  }
-  for (; c < width; ++c) {
-    for (int r = 0; r < R; ++r) {
-      for (int u = 0; u < U; ++u) acc[r][c] = FmaOne(p.x[r * p.depth + k + u], T::One(s[u][c]), acc[r][c]);
-    }
-  }
-}
-
-template <typename T, int R>
-void RowStream(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
-  float* acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = partial + r * p.columns + c0;
-  const int64_t paired = std::is_same_v<T, BF16> ? width / (2 * kLanes) * (2 * kLanes) : 0;  // in [evens, odds]
-  for (int r = 0; r < R; ++r) ToEvenOdd(acc[r], paired, false);
-  constexpr int U = kStreamRowsASweep;
-  int64_t k = k0;
-  for (; k + U <= k1; k += U) StreamSweep<T, R, U>(p, k, c0, width, paired, acc);
-  for (; k < k1; ++k) StreamSweep<T, R, 1>(p, k, c0, width, paired, acc);
-  for (int r = 0; r < R; ++r) ToEvenOdd(acc[r], paired, true);
-}
-
-// Which walk serves R rows of x ([K, N]): the row stream at one and two rows, register tiles from three
-// (bfloat16 on AVX-512 BF16: vdpbf16ps pair tiles at every row count, TiledWalk).
+// the weights): register tiles over blocks of the item's rows, straight from memory, each output's terms added
+// in K's order (TiledWalk, cpu_matmul_few_rows.h; bfloat16 on AVX-512 BF16 in vdpbf16ps pairs). Until session 16
+// one row read the item's two halves side by side (SplitWalk) and two rows its four quarters (QuarterWalk):
+// each output's sum then ran in another order than a row of a bigger call, which a speculative verify step
+// (k + 1 rows of a sequence) exposed as flipped greedy near-ties (issue 26; "Row invariance" below). The tiles
+// with their software prefetch read as fast at one and two rows (bench/cpu_matmul_stream.cc 1 and 2; a walk of
+// whole rows in address order with the accumulators in L1 was slower in bfloat16: docs/notes/cpu-kernels.md).
 template <typename T, int R>
 void RowWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
-  if constexpr (std::is_same_v<T, BF16> && kBf16Pairs) return TiledWalk<T, R>(p, k0, k1, c0, width, partial);
-  if constexpr (R <= 2) return RowStream<T, R>(p, k0, k1, c0, width, partial);
-  if constexpr (R > 2) return TiledWalk<T, R>(p, k0, k1, c0, width, partial);
+  TiledWalk<T, R>(p, k0, k1, c0, width, partial);
 }
 
 template <typename T, int R>

@@ -44,7 +44,9 @@ def test_a_row_is_the_same_bits_in_calls_of_any_decode_or_verify_size(path, dtyp
         for row in _rows_checked(num_rows):
             for width, got, want in zip(WIDTHS, together, alone[row], strict=True):
                 np.testing.assert_array_equal(
-                    got[row], want[0], err_msg=f"{path} {jnp.dtype(dtype)} {variant}: row {row} of {num_rows}, N {width}"
+                    got[row],
+                    want[0],
+                    err_msg=f"{path} {jnp.dtype(dtype)} {variant}: row {row} of {num_rows}, N {width}",
                 )
 
 

@@ -5,17 +5,16 @@
 // Why: XLA:CPU widens a 16-bit weight to float32 as a whole before a dot with few rows (issue #16),
 // so a bfloat16 decode step moved five times its weights' bytes. Here each weight element is read
 // once and widened in registers: the step costs the weights' bytes, which is the memory roofline.
-// Two regimes ([K, N] weights): up to kWalkRows rows (bound by reading the weights) the item's rows are
-// walked in address order with the accumulators in L1 (RowWalk; from 3 rows register tiles over blocks
-// of rows, cpu_matmul_few_rows.h); with more rows (up to 64, the default
-// largest decode bucket; bound by the multiplies) each pass of rows is packed, widened to float32 once,
-// and register-tiled like a GEMM's micro-kernel (KnTile), so that bfloat16 batches run at least as fast
-// per row as float32 ones (issue #29); on AVX-512 BF16 CPUs without AMX bfloat16 passes are packed in pairs
-// of rows and tiled with vdpbf16ps instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own bfloat16 dots there). [N, K] (a tied embedding as the head): one row, the
-// item's two halves side by side (NkSplitDots); two rows, one dot product per weight row after the other,
-// straight from memory (NkRowDots); 3-8 rows, several weight
-// rows at once from as many long runs (NkStreams, cpu_matmul_few_rows.h); more, register tiles of
-// dot products over the item's rows, packed first since several groups of rows reuse them.
+// Two regimes ([K, N] weights): up to kWalkRows rows (bound by reading the weights) register tiles over
+// blocks of the item's rows, read straight from memory (RowWalk -> TiledWalk, cpu_matmul_few_rows.h); with more
+// rows (up to 64, the default largest decode bucket; bound by the multiplies) each pass of rows is packed,
+// widened to float32 once, and register-tiled like a GEMM's micro-kernel (KnTile), so that bfloat16 batches run
+// at least as fast per row as float32 ones (issue #29); on AVX-512 BF16 CPUs without AMX bfloat16 runs in
+// vdpbf16ps pairs at every row count instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own bfloat16 dots there).
+// [N, K] (a tied embedding as the head): 1-8 rows, several weight rows at once from as many long runs
+// (NkStreams, cpu_matmul_few_rows.h); more, register tiles of dot products over the item's rows, packed first
+// since several groups of rows reuse them.
+// Every row of a call is the same bits as the 1-row call of that row (issue 26: "Row invariance" at Plan).
 //
 // Instruction paths (issue #29): the code is written once on GCC/Clang vector types whose width comes
 // from the compiler flags cpu_library.py picked for this CPU (or JAXSERVE_CPU_KERNEL_PATH):

@@ -1,4 +1,4 @@
-// The small matmul's walks for 2 to 8 rows of x (cpu_matmul.cc): a decode step of a few sequences, or one
+// The small matmul's walks for 1 to 8 rows of x (cpu_matmul.cc): a decode step of a few sequences, or one
 // sequence's speculative verify step (k + 1 = 5 rows, issue #26), over weights read once from memory.
 //
 // [K, N] weights (TiledWalk): register tiles of R rows by V vectors of columns ("columns in registers,
@@ -11,7 +11,7 @@
 // so the lines of a block arrive in about address order, a block's distance ahead.
 //
 // [N, K] weights (NkStreams, the tied head): each weight row is a dot product along K; S weight rows at
-// once, taken from S equal parts of the item (S long runs in address order, as QuarterWalk's quarters),
+// once, taken from S equal parts of the item (S long runs in address order),
 // each weight vector serving all R rows of x from registers.
 
 #pragma once

@@ -52,7 +52,7 @@ def main(dtypes: str, row_counts: str) -> None:
 
         for rows in [int(r) for r in row_counts.split(",")]:
             xs = {d: jnp.asarray(rng.standard_normal((rows, d)), dtype) for d in (EMBED, MLP)}
-            record = dict(dtype=name, rows=rows)
+            record: dict[str, str | int | float] = dict(dtype=name, rows=rows)
             record["kernel_all_ms"] = 1e3 * median_time(jax.jit(kernel), xs, layers, head, repeats=7)
             record["xla_all_ms"] = 1e3 * median_time(jax.jit(xla), xs, layers, head, repeats=7)
             record["kernel_head_ms"] = 1e3 * median_time(jax.jit(kernel_head), xs, head, repeats=7)

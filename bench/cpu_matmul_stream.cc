@@ -63,9 +63,8 @@ void RunWeightItems(Problem& p, float* out) {
   const Plan plan = MakePlan<T>(p, false, 2);
   for (int64_t i = 0; i < plan.num_items; ++i) {
     const int64_t block = i % plan.blocks, part = i / plan.blocks, c0 = block * plan.block_columns;
-    const int64_t chunks = (p.depth + plan.chunk - 1) / plan.chunk;
-    const int64_t k0 = std::min(p.depth, chunks * part / plan.parts * plan.chunk);
-    const int64_t k1 = std::min(p.depth, chunks * (part + 1) / plan.parts * plan.chunk);
+    int64_t k0, k1;
+    PartRows(plan, part, k0, k1);
     KnItem<T>(p, k0, k1, c0, std::min(plan.block_columns, p.columns - c0), plan.chunk, out);
   }
 }
@@ -84,7 +83,6 @@ void Bench(const char* dtype, int64_t rows) {
   auto* stream = static_cast<float*>(HugePages(stream_floats * 4));
   std::vector<float> x(rows * kMlp, 0.01f), out(rows * kVocab);
   std::vector<uint16_t> x16(rows * kMlp, 0x3c24);  // 0.01 in bfloat16: x's pairs for vdpbf16ps (kMlp is even)
-  const std::vector<uint32_t> xt = TransposedPairs(x16.data(), rows, kEmbed, (rows + kLanes - 1) / kLanes * kLanes);
   volatile float sink = 0;
   auto best = [&](auto fn) {
     double seconds = 1e9;
@@ -110,7 +108,6 @@ void Bench(const char* dtype, int64_t rows) {
     });
     const double head_s = best([&] {
       Problem p{head, x.data(), out.data(), rows, kEmbed, kVocab, x16.data(), kMlp};
-      p.xt = xt.data(), p.xt_stride = (rows + kLanes - 1) / kLanes * kLanes;
       const Plan plan = MakePlan<T>(p, true, 2);
       for (int64_t n0 = 0; n0 < kVocab; n0 += plan.outputs_per_item) {
         NkItem<T>(p, n0, std::min(plan.outputs_per_item, kVocab - n0));
@@ -144,7 +141,6 @@ void BenchHot(const char* dtype, int64_t rows) {
   for (size_t i = 0; i < head.size(); ++i) head[i] = T::Round(0.001f * float(int(i % 13) - 6));
   std::vector<float> x(rows * kEmbed, 0.01f), out(rows * kEmbed * 2);
   std::vector<uint16_t> x16(rows * kEmbed, 0x3c24);
-  const std::vector<uint32_t> xt = TransposedPairs(x16.data(), rows, kEmbed, (rows + kLanes - 1) / kLanes * kLanes);
   auto best = [&](auto fn) {
     double seconds = 1e9;
     for (int r = 0; r < 5; ++r) {
@@ -169,7 +165,6 @@ void BenchHot(const char* dtype, int64_t rows) {
     });
     const double head_s = best([&] {
       Problem p{head.data(), x.data(), out.data(), rows, kEmbed, kHeadRows, x16.data(), kEmbed};
-      p.xt = xt.data(), p.xt_stride = (rows + kLanes - 1) / kLanes * kLanes;
       const Plan plan = MakePlan<T>(p, true, 2);
       for (int64_t n0 = 0; n0 < kHeadRows; n0 += plan.outputs_per_item) {
         NkItem<T>(p, n0, std::min(plan.outputs_per_item, kHeadRows - n0));

@@ -52,14 +52,16 @@ def _bfloat16_max_rows() -> int:
     return 8 if path == "avx512" and "amx_bf16" in cpu_library.cpu_flags() else cpu.MATMUL_MAX_ROWS
 
 
-# Rows up to which the CPU kernel serves a dot: where it beat XLA:CPU's dots on SmolLM2-135M decode steps
-# (bench/results/ has the figures). float32: up to eight rows (XLA's GEMMs win above). bfloat16: see
-# _bfloat16_max_rows. float16 has no XLA dot that reads the weight as stored, so the kernel goes as far as
-# it can.
+# Rows up to which the CPU kernel serves a dot. Every decode and verify step's rows (64: the kernel's limit and the
+# default largest decode bucket) in float32 and float16, so that a row's projections are the same bits in a
+# 1-row decode step, a batched one and a speculative verify step (issue 26: greedy outputs identical with
+# speculation on and off; the kernel's rows do not depend on the call's row count, cpu_matmul.cc "Row
+# invariance", where XLA's dots sum in their own order). Until session 16 float32 stopped at eight rows (XLA's
+# GEMMs were faster above; docs/notes/cpu-kernels.md has the cost now). bfloat16: see _bfloat16_max_rows.
 SMALL_MATMUL_MAX_ROWS = {
     jnp.dtype(jnp.bfloat16): _bfloat16_max_rows(),
     jnp.dtype(jnp.float16): 64,
-    jnp.dtype(jnp.float32): 8,
+    jnp.dtype(jnp.float32): 64,
 }
 
 

@@ -5,17 +5,16 @@
 // Why: XLA:CPU widens a 16-bit weight to float32 as a whole before a dot with few rows (issue #16),
 // so a bfloat16 decode step moved five times its weights' bytes. Here each weight element is read
 // once and widened in registers: the step costs the weights' bytes, which is the memory roofline.
-// Two regimes ([K, N] weights): up to kWalkRows rows (bound by reading the weights) the item's rows are
-// walked in address order with the accumulators in L1 (RowWalk; from 3 rows register tiles over blocks
-// of rows, cpu_matmul_few_rows.h); with more rows (up to 64, the default
-// largest decode bucket; bound by the multiplies) each pass of rows is packed, widened to float32 once,
-// and register-tiled like a GEMM's micro-kernel (KnTile), so that bfloat16 batches run at least as fast
-// per row as float32 ones (issue #29); on AVX-512 BF16 CPUs without AMX bfloat16 passes are packed in pairs
-// of rows and tiled with vdpbf16ps instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own bfloat16 dots there). [N, K] (a tied embedding as the head): one row, the
-// item's two halves side by side (NkSplitDots); two rows, one dot product per weight row after the other,
-// straight from memory (NkRowDots); 3-8 rows, several weight
-// rows at once from as many long runs (NkStreams, cpu_matmul_few_rows.h); more, register tiles of
-// dot products over the item's rows, packed first since several groups of rows reuse them.
+// Two regimes ([K, N] weights): up to kWalkRows rows (bound by reading the weights) register tiles over
+// blocks of the item's rows, read straight from memory (RowWalk -> TiledWalk, cpu_matmul_few_rows.h); with more
+// rows (up to 64, the default largest decode bucket; bound by the multiplies) each pass of rows is packed,
+// widened to float32 once, and register-tiled like a GEMM's micro-kernel (KnTile), so that bfloat16 batches run
+// at least as fast per row as float32 ones (issue #29); on AVX-512 BF16 CPUs without AMX bfloat16 runs in
+// vdpbf16ps pairs at every row count instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own bfloat16 dots there).
+// [N, K] (a tied embedding as the head): 1-8 rows, several weight rows at once from as many long runs
+// (NkStreams, cpu_matmul_few_rows.h); more, register tiles of dot products over the item's rows, packed first
+// since several groups of rows reuse them.
+// Every row of a call is the same bits as the 1-row call of that row (issue 26: "Row invariance" at Plan).
 //
 // Instruction paths (issue #29): the code is written once on GCC/Clang vector types whose width comes
 // from the compiler flags cpu_library.py picked for this CPU (or JAXSERVE_CPU_KERNEL_PATH):
@@ -125,7 +124,7 @@ void KnRows(const float* x, int64_t ldx, const float* packed, int64_t count, int
   for (; c < width; ++c) {
     for (int r = 0; r < R; ++r) {
       float sum = out[r * ldo + c];
-      for (int64_t k = 0; k < count; ++k) sum += x[r * ldx + k] * packed[k * width + c];
+      for (int64_t k = 0; k < count; ++k) sum = FmaOne(x[r * ldx + k], packed[k * width + c], sum);
       out[r * ldo + c] = sum;
     }
   }
@@ -140,145 +139,17 @@ void KnRemainder(int rows, const float* x, int64_t ldx, const float* packed, int
   }
 }
 
-// Few rows of x (a decode step of up to kKnRows sequences, or a speculative verify step: bound by reading
-// the weights): the accumulators of an item's columns stay in L1 (or in registers, TiledWalk), and the
-// walks differ in the order they read the weight rows in (RowWalk below).
-// One row of x (single-stream decode): the item's rows [k0, k1) as two halves read side by side, each
-// half one run of rows in address order (with whole rows, one contiguous stream). Adjacent rows read side
-// by side (RowWalk's four) are four short streams that restart at every row, and the hardware prefetchers
-// lose them: one thread read the SmolLM2 layers' weights at 0.4-0.55 of a plain read stream that way and
-// at 0.8-1.0 this way (bench/results/cpu-2core-epyc-avx512, issue #29). No software prefetch: on these
-// streams it only cost issue slots.
-//
-// bfloat16 (session 14): 2 * kLanes weights at once, one 32-bit lane holding elements 2j and 2j + 1, widened
-// by a shift (the even elements) and an and (the odd ones): two plain ALU operations where two widening loads
-// (vpmovzxwd, a shuffle each) and two shifts did, so the walk needs fewer instructions per byte (with the caches
-// hot, where a faster memory would put it, one row ran ~1.6x slower per byte in bfloat16 than in float32 on
-// both x86 paths). The item's accumulators are kept in [evens, odds] order per 2 * kLanes columns meanwhile
-// (permuted once at each end of the item); every column still sees the same FMAs in the same order: the same
-// bits. (Session 8's version of this permuted per block and measured the same memory-bound; it was dropped.)
-inline void EvenOddWeights(const uint16_t* p, VecF& even, VecF& odd) {
-  VecU pairs;
-  std::memcpy(&pairs, p, sizeof(pairs));
-  even = (VecF)(pairs << 16);
-  odd = (VecF)(pairs & 0xffff0000u);
-}
-
-// Columns [0, n) of acc (n a multiple of 2 * kLanes) to [evens, odds] order per 2 * kLanes, or back.
-inline void ToEvenOdd(float* acc, int64_t n, bool back) {
-  float block[2 * kLanes];
-  for (int64_t c = 0; c < n; c += 2 * kLanes) {
-    std::memcpy(block, acc + c, sizeof(block));
-    for (int j = 0; j < kLanes; ++j) {
-      if (back) {
-        acc[c + 2 * j] = block[j], acc[c + 2 * j + 1] = block[kLanes + j];
-      } else {
-        acc[c + j] = block[2 * j], acc[c + kLanes + j] = block[2 * j + 1];
-      }
-    }
-  }
-}
-
-template <typename T>
-void SplitWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
-  const auto* w = static_cast<const typename T::Stored*>(p.w);
-  float* acc = partial + c0;
-  const int64_t vectors = width / kLanes * kLanes;
-  constexpr bool kEvenOdd = std::is_same_v<T, BF16>;
-  const int64_t paired = kEvenOdd ? width / (2 * kLanes) * (2 * kLanes) : 0;  // columns walked in [evens, odds]
-  if constexpr (kEvenOdd) ToEvenOdd(acc, paired, false);
-  const int64_t half = (k1 - k0) / 2;
-  for (int64_t t = 0; t < half; ++t) {
-    const int64_t ka = k0 + t, kb = k0 + half + t;
-    const auto* sa = w + ka * p.columns + c0;
-    const auto* sb = w + kb * p.columns + c0;
-    const VecF xa = Broadcast(p.x[ka]), xb = Broadcast(p.x[kb]);
-    int64_t c = 0;
-    if constexpr (kEvenOdd) {
-      for (; c < paired; c += 2 * kLanes) {
-        VecF even_a, odd_a, even_b, odd_b;
-        EvenOddWeights(sa + c, even_a, odd_a);
-        EvenOddWeights(sb + c, even_b, odd_b);
-        StoreF(acc + c, Fma(xb, even_b, Fma(xa, even_a, LoadF(acc + c))));
-        StoreF(acc + c + kLanes, Fma(xb, odd_b, Fma(xa, odd_a, LoadF(acc + c + kLanes))));
-      }
-    }
-    for (; c < vectors; c += kLanes) StoreF(acc + c, Fma(xb, T::Vector(sb + c), Fma(xa, T::Vector(sa + c), LoadF(acc + c))));
-    for (; c < width; ++c) acc[c] += p.x[ka] * T::One(sa[c]) + p.x[kb] * T::One(sb[c]);
-  }
-  for (int64_t k = k0 + 2 * half; k < k1; ++k) {  // an odd row out
-    const auto* s0 = w + k * p.columns + c0;
-    const VecF xk = Broadcast(p.x[k]);
-    int64_t c = 0;
-    if constexpr (kEvenOdd) {
-      for (; c < paired; c += 2 * kLanes) {
-        VecF even, odd;
-        EvenOddWeights(s0 + c, even, odd);
-        StoreF(acc + c, Fma(xk, even, LoadF(acc + c)));
-        StoreF(acc + c + kLanes, Fma(xk, odd, LoadF(acc + c + kLanes)));
-      }
-    }
-    for (; c < vectors; c += kLanes) StoreF(acc + c, Fma(xk, T::Vector(s0 + c), LoadF(acc + c)));
-    for (; c < width; ++c) acc[c] += p.x[k] * T::One(s0[c]);
-  }
-  if constexpr (kEvenOdd) ToEvenOdd(acc, paired, true);
-}
-
-// Two rows of x: four weight rows a step taken from the four quarters of [k0, k1), four
-// long streams (one thread, the SmolLM2 layers: 0.45-0.5 -> 0.65-0.85 of a read stream at 2 and 4 rows
-// in float32, 0.4 -> 0.8 at 2 rows in bfloat16; at 8 rows, bound by the multiplies, no gain: issue #29).
-template <typename T, int R>
-void QuarterWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
-  const auto* w = static_cast<const typename T::Stored*>(p.w);
-  float* acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = partial + r * p.columns + c0;
-  const int64_t vectors = width / kLanes * kLanes;
-  const int64_t quarter = (k1 - k0) / 4;
-  for (int64_t t = 0; t < quarter; ++t) {
-    const int64_t ks[4] = {k0 + t, k0 + quarter + t, k0 + 2 * quarter + t, k0 + 3 * quarter + t};
-    const auto* s0 = w + ks[0] * p.columns + c0;
-    const auto* s1 = w + ks[1] * p.columns + c0;
-    const auto* s2 = w + ks[2] * p.columns + c0;
-    const auto* s3 = w + ks[3] * p.columns + c0;
-    VecF xv[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) xv[r][j] = Broadcast(p.x[r * p.depth + ks[j]]);
-    for (int64_t c = 0; c < vectors; c += kLanes) {
-      const VecF w0 = T::Vector(s0 + c), w1 = T::Vector(s1 + c), w2 = T::Vector(s2 + c), w3 = T::Vector(s3 + c);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        VecF a = LoadF(acc[r] + c);
-        a = Fma(xv[r][0], w0, a);
-        a = Fma(xv[r][1], w1, a);
-        a = Fma(xv[r][2], w2, a);
-        a = Fma(xv[r][3], w3, a);
-        StoreF(acc[r] + c, a);
-      }
-    }
-    for (int64_t c = vectors; c < width; ++c) {
-      for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < 4; ++j) acc[r][c] += p.x[r * p.depth + ks[j]] * T::One(w[ks[j] * p.columns + c0 + c]);
-      }
-    }
-  }
-  for (int64_t k = k0 + 4 * quarter; k < k1; ++k) {  // the rows left over from the quarters
-    const auto* s0 = w + k * p.columns + c0;
-    for (int r = 0; r < R; ++r) {
-      const VecF xb = Broadcast(p.x[r * p.depth + k]);
-      int64_t c = 0;
-      for (; c < vectors; c += kLanes) StoreF(acc[r] + c, Fma(xb, T::Vector(s0 + c), LoadF(acc[r] + c)));
-      for (; c < width; ++c) acc[r][c] += p.x[r * p.depth + k] * T::One(s0[c]);
-    }
-  }
-}
-
-// Which walk serves R rows of x (issue #29, bench/cpu_matmul_stream.cc): the split walk at one row, the
-// quarters at two (as fast as a register tile there, and no column strips), register tiles from three.
+// Few rows of x (a decode step of up to kWalkRows sequences, or a speculative verify step: bound by reading
+// the weights): register tiles over blocks of the item's rows, straight from memory, each output's terms added
+// in K's order (TiledWalk, cpu_matmul_few_rows.h; bfloat16 on AVX-512 BF16 in vdpbf16ps pairs). Until session 16
+// one row read the item's two halves side by side (SplitWalk) and two rows its four quarters (QuarterWalk):
+// each output's sum then ran in another order than a row of a bigger call, which a speculative verify step
+// (k + 1 rows of a sequence) exposed as flipped greedy near-ties (issue 26; "Row invariance" below). The tiles
+// with their software prefetch read as fast at one and two rows (bench/cpu_matmul_stream.cc 1 and 2; a walk of
+// whole rows in address order with the accumulators in L1 was slower in bfloat16: docs/notes/cpu-kernels.md).
 template <typename T, int R>
 void RowWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
-  if constexpr (R == 1) return SplitWalk<T>(p, k0, k1, c0, width, partial);
-  if constexpr (R == 2) return QuarterWalk<T, R>(p, k0, k1, c0, width, partial);
-  if constexpr (R > 2) return TiledWalk<T, R>(p, k0, k1, c0, width, partial);
+  TiledWalk<T, R>(p, k0, k1, c0, width, partial);
 }
 
 template <typename T, int R>
@@ -336,7 +207,7 @@ inline void NkTile(const float* x, int64_t depth, const typename T::Stored* w, f
   for (int r = 0; r < R; ++r) {
     for (int n = 0; n < NT; ++n) {
       float sum = HorizontalSum(acc[r][n]);
-      for (int64_t j = k; j < depth; ++j) sum += x[r * depth + j] * T::One(w[n * depth + j]);
+      for (int64_t j = k; j < depth; ++j) sum = FmaOne(x[r * depth + j], T::One(w[n * depth + j]), sum);
       out[r * ldo + n] = sum;
     }
   }
@@ -360,114 +231,35 @@ void NkRemainder(int rows, const float* x, int64_t depth, const typename T::Stor
   }
 }
 
-// R rows of x by `count` weight rows read straight from memory, one weight row after the other (address
-// order: the item is one stream). NkTile's tiles read NT rows side by side, which the hardware prefetchers
-// follow badly: at one row of x the tied head ran at 0.3-0.5 of a plain read stream that way, and at about
-// 1.0 this way (issue #29). Each row's dot products keep R * A accumulators (A = 4 at one row, else 2:
-// at 3 and 4 rows one chain a row left the FMAs waiting on each other).
-template <typename T, int R>
-void NkRowDots(const float* x, int64_t depth, const typename T::Stored* w, int64_t count, float* out, int64_t ldo) {
-  constexpr int A = R == 1 ? 4 : 2;
-  for (int64_t n = 0; n < count; ++n) {
-    const auto* row = w + n * depth;
-    VecF acc[R][A];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int a = 0; a < A; ++a) acc[r][a] = VecF{};
-    int64_t k = 0;
-    for (; k + A * kLanes <= depth; k += A * kLanes) {
-#pragma GCC unroll 4
-      for (int a = 0; a < A; ++a) {
-        const VecF wv = T::Vector(row + k + a * kLanes);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[r][a] = Fma(LoadF(x + r * depth + k + a * kLanes), wv, acc[r][a]);
-      }
-    }
-    for (; k + kLanes <= depth; k += kLanes) {
-      const VecF wv = T::Vector(row + k);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][0] = Fma(LoadF(x + r * depth + k), wv, acc[r][0]);
-    }
-    for (int r = 0; r < R; ++r) {
-      VecF total = acc[r][0];
-      for (int a = 1; a < A; ++a) total += acc[r][a];
-      float sum = HorizontalSum(total);
-      for (int64_t j = k; j < depth; ++j) sum += x[r * depth + j] * T::One(row[j]);
-      out[r * ldo + n] = sum;
-    }
-  }
-}
-
-// One row of x: the item's weight rows as two halves read side by side (two runs in address order, as
-// SplitWalk's), each row's dot product computed exactly as NkRowDots<T, 1> computes it (the same
-// accumulators in the same order: the same bits). One thread on SmolLM2's tied head, fraction of a
-// one-thread read stream (bench/cpu_matmul_stream.cc 1, Intel Xeon with AVX-512): float32 0.88 -> 1.11-1.13,
-// bfloat16 0.95-0.98 -> 1.00-1.07 (with 256 KiB items, MakePlan); two runs keep more lines in flight than one.
-template <typename T>
-void NkSplitDots(const float* x, int64_t depth, const typename T::Stored* w, int64_t count, float* out) {
-  constexpr int A = 4;
-  const int64_t half = count / 2;
-  for (int64_t n = 0; n < half; ++n) {
-    const typename T::Stored* rows[2] = {w + n * depth, w + (n + half) * depth};
-    VecF acc[2][A];
-#pragma GCC unroll 4
-    for (int s = 0; s < 2; ++s)
-#pragma GCC unroll 4
-      for (int a = 0; a < A; ++a) acc[s][a] = VecF{};
-    int64_t k = 0;
-    for (; k + A * kLanes <= depth; k += A * kLanes) {
-#pragma GCC unroll 4
-      for (int a = 0; a < A; ++a) {
-        const VecF xv = LoadF(x + k + a * kLanes);
-#pragma GCC unroll 2
-        for (int s = 0; s < 2; ++s) acc[s][a] = Fma(xv, T::Vector(rows[s] + k + a * kLanes), acc[s][a]);
-      }
-    }
-    for (; k + kLanes <= depth; k += kLanes) {
-      const VecF xv = LoadF(x + k);
-#pragma GCC unroll 2
-      for (int s = 0; s < 2; ++s) acc[s][0] = Fma(xv, T::Vector(rows[s] + k), acc[s][0]);
-    }
-    for (int s = 0; s < 2; ++s) {
-      VecF total = acc[s][0];
-      for (int a = 1; a < A; ++a) total += acc[s][a];
-      float sum = HorizontalSum(total);
-      for (int64_t j = k; j < depth; ++j) sum += x[j] * T::One(rows[s][j]);
-      out[n + s * half] = sum;
-    }
-  }
-  if (count % 2 != 0) NkRowDots<T, 1>(x, depth, w + 2 * half * depth, 1, out + 2 * half, 0);
-}
-
 template <typename T, int R>
 void NkStreamsRows(const Problem& p, const typename T::Stored* w, int64_t count, float* out) {
-  if constexpr (R > 2) {
+  if constexpr (R > 0) {
     if (p.rows == R) return NkStreams<T, R>(p, w, count, out);
     NkStreamsRows<T, R - 1>(p, w, count, out);
   }
 }
 
-template <typename T, int R>
-void NkDirect(int rows, const float* x, int64_t depth, const typename T::Stored* w, int64_t count, float* out,
-              int64_t ldo) {
-  if constexpr (R > 0) {
-    if (rows == R) return NkRowDots<T, R>(x, depth, w, count, out, ldo);
-    NkDirect<T, R - 1>(rows, x, depth, w, count, out, ldo);
-  }
-}
-
-// One item: outputs [n0, n0 + count) of every row of x, written once; the item's weight rows, one
-// contiguous run, packed first.
+// One item: outputs [n0, n0 + count) of every row of x, written once. Every output is one dot product whose
+// terms are added in the same order at every row count: a vector of kLanes partial sums over K, summed across
+// lanes (HorizontalSum), then K's tail one term at a time (NkTile, NkStreamRows; bfloat16 on AVX-512 BF16:
+// vdpbf16ps pairs, NkPairStreamRows). Up to 8 rows the weights are read straight from memory, S weight rows
+// side by side (NkStreams; until session 16 one and two rows kept 4 and 2 partial sums a row, NkSplitDots and
+// NkRowDots: another order than the tiles'); more rows, the item is packed (widened once) and register-tiled.
 template <typename T>
 void NkItem(const Problem& p, int64_t n0, int64_t count) {
   const auto* w = static_cast<const typename T::Stored*>(p.w) + n0 * p.depth;
-  if (p.rows == 1) return NkSplitDots<T>(p.x, p.depth, w, count, p.out + n0);
-  if (p.rows <= 2) return NkDirect<T, 2>(int(p.rows), p.x, p.depth, w, count, p.out + n0, p.columns);
-  if (p.rows <= kNkDirectRows) {  // few rows: straight from the weights, widened once anyway
-    return NkStreamsRows<T, kNkDirectRows>(p, w, count, p.out + n0);
+  if (p.rows <= kNkDirectRows) return NkStreamsRows<T, kNkDirectRows>(p, w, count, p.out + n0);
+  if constexpr (std::is_same_v<T, BF16> && kBf16Pairs) {
+    // Groups of up to 8 rows as 3-8 row calls compute them (the item's 32 KiB in L1/L2 for each group). The pairs'
+    // tiles with rows in lanes (x transposed in pairs, session 9) summed each output in another order.
+    for (int64_t r0 = 0; r0 < p.rows; r0 += kNkDirectRows) {
+      Problem group = p;
+      group.rows = std::min<int64_t>(kNkDirectRows, p.rows - r0);
+      group.x16 = p.x16 + r0 * p.x16_stride;
+      NkStreamsRows<T, kNkDirectRows>(group, w, count, p.out + r0 * p.columns + n0);
+    }
+    return;
   }
-  if constexpr (std::is_same_v<T, BF16> && kBf16Pairs) return PairNkItem(p, n0, count);
   float* packed = PackBuffer(count * p.depth);
   Pack<T>(w, p.depth, count, p.depth, packed);
   int64_t r0 = 0;
@@ -488,15 +280,36 @@ void NkItem(const Problem& p, int64_t n0, int64_t count) {
 // depends on which thread took which item (the same request gets the same logprobs, to the last bit,
 // however the threads ran). With one group of rows (decode of a few sequences: bound by reading the
 // weights) the blocks are wide, so that an item reads long runs of memory; with more, kBlockColumns,
-// so that the threads split the columns rather than K (fewer partials to sum). Transposed [N, K]: runs
-// of weight rows (outputs), each written once.
+// so that the threads split the columns rather than K. Transposed [N, K]: runs of weight rows (outputs),
+// each written once.
+//
+// Row invariance (issue 26, session 16): a speculative verify step computes k + 1 rows of a sequence (up to 64
+// over a batch) where a decode step computed one, and greedy outputs must not change with speculation on, so
+// each row of a call of up to 64 rows is the same bits as the 1-row call of that row. The cuts of K (`parts`,
+// on whole `cut`s) are those of the 1-row call, whatever the rows (they depend on K, N and the workers); the
+// columns may be cut by rows (block_columns, and chunk: the rows a many-row pass packs), since every output's
+// terms are added in K's order within a part, whoever walks them; and every walk adds them so (RowWalk, KnTile,
+// NkItem; the bfloat16 pairs on AVX-512 BF16 at every row count, PairTiledWalk and PairItem).
 struct Plan {
   Problem problem;
   int64_t first_item = 0, num_items = 0;
-  int64_t block_columns = kBlockColumns, blocks = 1, parts = 1, chunk = 1;  // [K, N]
-  int64_t outputs_per_item = 1;                                             // [N, K]
+  int64_t block_columns = kBlockColumns, blocks = 1, parts = 1, chunk = 1, cut = 1;  // [K, N]
+  int64_t outputs_per_item = 1;                                                      // [N, K]
   int64_t partial_offset = 0;  // into the scratch partials, [K, N] parts after the first
 };
+
+// [K, N]: an item's columns by rows of x. Up to kWalkRows rows, as wide as the accumulators fit in L1 (RowWalk).
+inline int64_t BlockColumns(int64_t rows) {
+  if (rows > kWalkRows) return kBlockColumns;
+  const int64_t fitting = kAccumulatorBytes / (int64_t(sizeof(float)) * std::max<int64_t>(1, rows)) / 64 * 64;
+  return std::max<int64_t>(64, std::min(kWideColumns, fitting));
+}
+
+// [K, N]: rows of the weights per pass of the many-row regime (KnItem), about kPackFloats of packed weights.
+// Even: the bfloat16 pairs (cpu_matmul_bf16_pairs.h) never straddle two passes or two parts.
+inline int64_t PassRows(int64_t width) {
+  return std::max<int64_t>(4, std::min<int64_t>(64, kPackFloats / std::max<int64_t>(1, width)) / 2 * 2);
+}
 
 template <typename T>
 Plan MakePlan(const Problem& p, bool transposed, int64_t num_workers) {
@@ -504,32 +317,36 @@ Plan MakePlan(const Problem& p, bool transposed, int64_t num_workers) {
   Plan plan;
   plan.problem = p;
   if (transposed) {
-    // 1-8 rows (NkSplitDots, NkStreams): items long enough for each of their streams to be a long run of
-    // memory (at one row, 24-row items ran the bfloat16 head at 0.91-0.94 of a stream, 256 KiB ones 1.0-1.07).
+    // 1-8 rows (NkStreams): items long enough for each of their streams to be a long run of memory (at one row,
+    // 24-row items ran the bfloat16 head at 0.91-0.94 of a stream, 256 KiB ones 1.0-1.07).
     const int64_t item_bytes = p.rows <= kNkDirectRows ? kStreamItemBytes : kItemBytes;
     const int64_t fitting = item_bytes / std::max<int64_t>(1, p.depth * element) / kNkItemMultiple * kNkItemMultiple;
     plan.outputs_per_item = std::max(kNkItemMultiple, fitting);
     plan.num_items = (p.columns + plan.outputs_per_item - 1) / plan.outputs_per_item;
     return plan;
   }
-  if (p.rows <= kWalkRows) {  // RowWalk: as wide as the accumulators fit in L1
-    const int64_t fitting = kAccumulatorBytes / (int64_t(sizeof(float)) * std::max<int64_t>(1, p.rows)) / 64 * 64;
-    plan.block_columns = std::max<int64_t>(64, std::min(kWideColumns, fitting));
-  } else {
-    plan.block_columns = kBlockColumns;
-  }
+  plan.block_columns = BlockColumns(p.rows);
   plan.blocks = (p.columns + plan.block_columns - 1) / plan.block_columns;
-  const int64_t width = std::min(plan.block_columns, p.columns);
-  // Even: the bfloat16 pairs (cpu_matmul_bf16_pairs.h) never straddle two passes or two parts.
-  plan.chunk = std::max<int64_t>(4, std::min<int64_t>(64, kPackFloats / std::max<int64_t>(1, width)) / 2 * 2);
-  // Two items per thread at least, so that a late helper still gets its share.
+  plan.chunk = PassRows(std::min(plan.block_columns, p.columns));
+  // K's cut: the 1-row call's (Row invariance), two items per thread at least, so that a late helper still gets
+  // its share.
+  const int64_t one_row_columns = BlockColumns(1);
+  const int64_t one_row_blocks = (p.columns + one_row_columns - 1) / one_row_columns;
+  plan.cut = PassRows(std::min(one_row_columns, p.columns));
   const int64_t wanted = 2 * num_workers;
-  if (plan.blocks < wanted) {
-    const int64_t chunks = (p.depth + plan.chunk - 1) / plan.chunk;
-    plan.parts = std::max<int64_t>(1, std::min((wanted + plan.blocks - 1) / plan.blocks, chunks));
+  if (one_row_blocks < wanted) {
+    const int64_t cuts = (p.depth + plan.cut - 1) / plan.cut;
+    plan.parts = std::max<int64_t>(1, std::min((wanted + one_row_blocks - 1) / one_row_blocks, cuts));
   }
   plan.num_items = plan.blocks * plan.parts;
   return plan;
+}
+
+// Rows [k0, k1) of the weights that part `part` of a [K, N] plan adds (on whole cuts: even, Plan::cut).
+inline void PartRows(const Plan& plan, int64_t part, int64_t& k0, int64_t& k1) {
+  const int64_t depth = plan.problem.depth, cuts = (depth + plan.cut - 1) / plan.cut;
+  k0 = std::min(depth, cuts * part / plan.parts * plan.cut);
+  k1 = std::min(depth, cuts * (part + 1) / plan.parts * plan.cut);
 }
 
 // Several weights times the same x (a layer's q, k and v, or gate and up) in one call: the items of
@@ -564,10 +381,8 @@ void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
     }
     const int64_t block = i % plan->blocks, part = i / plan->blocks;
     const int64_t c0 = block * plan->block_columns;
-    // Part boundaries on whole chunks, so that a part's passes are those a single part would make.
-    const int64_t chunks = (p.depth + plan->chunk - 1) / plan->chunk;
-    const int64_t k0 = std::min(p.depth, chunks * part / plan->parts * plan->chunk);
-    const int64_t k1 = std::min(p.depth, chunks * (part + 1) / plan->parts * plan->chunk);
+    int64_t k0, k1;
+    PartRows(*plan, part, k0, k1);
     float* partial = part == 0 ? p.out : scratch_data + plan->partial_offset + (part - 1) * p.rows * p.columns;
     KnItem<T>(p, k0, k1, c0, std::min(plan->block_columns, p.columns - c0), plan->chunk, partial);
   });
@@ -589,20 +404,13 @@ void WidenAndRun(int64_t num_workers, const typename T::Stored* in, std::vector<
   std::vector<float> x_wide(count);
   for (int64_t i = 0; i < count; ++i) x_wide[i] = T::One(in[i]);
   for (Problem& p : problems) p.x = x_wide.data();
-  // bfloat16 on AVX-512 BF16 (cpu_matmul_bf16_pairs.h, cpu_matmul_few_rows.h): x's rows with K padded to
-  // even for [K, N] weights and 3-8 rows of [N, K] ones, x transposed in pairs for more rows of [N, K] ones
+  // bfloat16 on AVX-512 BF16 (cpu_matmul_bf16_pairs.h, cpu_matmul_few_rows.h): x's rows as given, K padded to even
   std::vector<uint16_t> x_pairs;
-  std::vector<uint32_t> x_transposed;
-  if (std::is_same_v<T, BF16> && kBf16Pairs && rows > 2 && (!transposed || rows <= kNkDirectRows)) {
+  if (std::is_same_v<T, BF16> && kBf16Pairs) {
     const int64_t stride = depth + depth % 2;
     x_pairs.assign(rows * stride, 0);
     for (int64_t r = 0; r < rows; ++r) std::memcpy(&x_pairs[r * stride], in + r * depth, depth * sizeof(uint16_t));
     for (Problem& p : problems) p.x16 = x_pairs.data(), p.x16_stride = stride;
-  }
-  if (std::is_same_v<T, BF16> && kBf16Pairs && transposed && rows > kNkDirectRows) {
-    const int64_t stride = (rows + kLanes - 1) / kLanes * kLanes;
-    x_transposed = TransposedPairs(reinterpret_cast<const uint16_t*>(in), rows, depth, stride);
-    for (Problem& p : problems) p.xt = x_transposed.data(), p.xt_stride = stride;
   }
   Run<T>(std::move(problems), transposed, num_workers);
 }

@@ -148,75 +148,9 @@ inline void PairItem(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64
 }
 
 
-// Transposed [N, K] weights (a tied embedding as the head) with more rows than NkRowDots takes. A pair
-// along K is one 32-bit word of a weight row already, so the roles swap: x is transposed once per call
-// into pairs [K / 2, rows] (Problem::xt, rows padded to whole vectors with zeros), and each weight row's
-// pair is broadcast against V vectors of x's rows: out[., n] for 16 rows a vector, no sums across lanes
-// (dot products along K in lanes needed a horizontal sum per output, which cost as much as the products)
-// and nothing packed. Outputs per tile by V (NT * V accumulators, V x vectors and a broadcast within 32).
-constexpr int kNkPairOutputs[] = {0, 24, 12, 8, 6};
-
-template <int V, int NT>
-inline void PairNkTile(const Problem& p, const uint16_t* w, float* out) {
-  __m512 acc[NT][V];
-#pragma GCC unroll 24
-  for (int n = 0; n < NT; ++n)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[n][v] = _mm512_setzero_ps();
-  const int64_t pairs = (p.depth + 1) / 2, whole = p.depth / 2;
-  for (int64_t j = 0; j < pairs; ++j) {
-    __m512bh xv[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) xv[v] = (__m512bh)_mm512_loadu_si512(p.xt + j * p.xt_stride + v * kLanes);
-#pragma GCC unroll 24
-    for (int n = 0; n < NT; ++n) {
-      uint32_t pair = w[n * p.depth + 2 * j];  // an odd K's last pair: the weight's element and a zero
-      if (j < whole) std::memcpy(&pair, w + n * p.depth + 2 * j, sizeof(pair));
-      const __m512bh wb = (__m512bh)_mm512_set1_epi32(int32_t(pair));
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[n][v] = _mm512_dpbf16_ps(acc[n][v], wb, xv[v]);
-    }
-  }
-  alignas(64) float column[V * kLanes];
-  for (int n = 0; n < NT; ++n) {
-    for (int v = 0; v < V; ++v) _mm512_store_ps(column + v * kLanes, acc[n][v]);
-    for (int64_t r = 0; r < p.rows; ++r) out[r * p.columns + n] = column[r];
-  }
-}
-
-template <int V>
-void PairNkOutputs(const Problem& p, const uint16_t* w, int64_t count, float* out) {
-  constexpr int NT = kNkPairOutputs[V];
-  int64_t n = 0;
-  for (; n + NT <= count; n += NT) PairNkTile<V, NT>(p, w + n * p.depth, out + n);
-  for (; n < count; ++n) PairNkTile<V, 1>(p, w + n * p.depth, out + n);
-}
-
-// One [N, K] item: outputs [n0, n0 + count) of every row of x (up to 64: four vectors of rows).
-inline void PairNkItem(const Problem& p, int64_t n0, int64_t count) {
-  const auto* w = static_cast<const uint16_t*>(p.w) + n0 * p.depth;
-  switch ((p.rows + kLanes - 1) / kLanes) {
-    case 1: return PairNkOutputs<1>(p, w, count, p.out + n0);
-    case 2: return PairNkOutputs<2>(p, w, count, p.out + n0);
-    case 3: return PairNkOutputs<3>(p, w, count, p.out + n0);
-    default: return PairNkOutputs<4>(p, w, count, p.out + n0);
-  }
-}
-
-// x [rows, depth] bfloat16 as pairs along K, transposed: word (j, r) = (x[r, 2j], x[r, 2j + 1]), a zero for
-// an odd K's missing element and for the rows that pad the last vector.
-inline std::vector<uint32_t> TransposedPairs(const uint16_t* x, int64_t rows, int64_t depth, int64_t stride) {
-  std::vector<uint32_t> pairs(((depth + 1) / 2) * stride, 0u);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t k = 0; k < depth; ++k) pairs[(k / 2) * stride + r] |= uint32_t(x[r * depth + k]) << (16 * (k % 2));
-  }
-  return pairs;
-}
 #else
 constexpr bool kBf16Pairs = false;
 inline void PairItem(const Problem&, int64_t, int64_t, int64_t, int64_t, int64_t, float*) {}
-inline void PairNkItem(const Problem&, int64_t, int64_t) {}
-inline std::vector<uint32_t> TransposedPairs(const uint16_t*, int64_t, int64_t, int64_t) { return {}; }
 #endif
 
 }  // namespace

@@ -1,4 +1,4 @@
-// The small matmul's walks for 2 to 8 rows of x (cpu_matmul.cc): a decode step of a few sequences, or one
+// The small matmul's walks for 1 to 8 rows of x (cpu_matmul.cc): a decode step of a few sequences, or one
 // sequence's speculative verify step (k + 1 = 5 rows, issue #26), over weights read once from memory.
 //
 // [K, N] weights (TiledWalk): register tiles of R rows by V vectors of columns ("columns in registers,
@@ -11,7 +11,7 @@
 // so the lines of a block arrive in about address order, a block's distance ahead.
 //
 // [N, K] weights (NkStreams, the tied head): each weight row is a dot product along K; S weight rows at
-// once, taken from S equal parts of the item (S long runs in address order, as QuarterWalk's quarters),
+// once, taken from S equal parts of the item (S long runs in address order),
 // each weight vector serving all R rows of x from registers.
 
 #pragma once
@@ -43,11 +43,11 @@ constexpr int64_t kWalkLineBytes = 64;
 // Vectors of columns per tile by rows of x: R * V accumulators + V weights + a broadcast within 32 registers.
 constexpr int kWalkVectors[] = {0, 8, 8, 6, 5, 4, 4, 3, 3};
 // Weight rows read side by side by rows of x ([N, K]): R * S accumulators + S weights + an x vector.
-constexpr int kStreams[] = {0, 1, 4, 4, 4, 4, 4, 3, 3};
+constexpr int kStreams[] = {0, 4, 4, 4, 4, 4, 4, 3, 3};
 constexpr int kWalkGroupRows = 8;  // rows of x in one register tile; more run as two groups over the same strip
 #else
 constexpr int kWalkVectors[] = {0, 6, 4, 3, 2, 2, 2, 1, 1};  // within 16 registers
-constexpr int kStreams[] = {0, 1, 4, 3, 2, 2, 2, 1, 1};
+constexpr int kStreams[] = {0, 4, 4, 3, 2, 2, 2, 1, 1};
 // 16 registers: one tile of 7-8 rows has a single vector of columns (8 FMAs per weight vector, 9 loads with
 // the broadcasts) or a single stream of the head; two groups of 4 (and 3) rows over the same weights (the
 // second group's reads hit L1) keep two vectors, resp. two streams, in registers (session 14).
@@ -220,7 +220,7 @@ void TiledWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t wid
     for (; c < width; ++c) {
       for (int r = 0; r < R; ++r) {
         float sum = out[r * p.columns + c];
-        for (int64_t k = 0; k < count; ++k) sum += x[r * p.depth + k] * T::One(wb[k * p.columns + c]);
+        for (int64_t k = 0; k < count; ++k) sum = FmaOne(x[r * p.depth + k], T::One(wb[k * p.columns + c]), sum);
         out[r * p.columns + c] = sum;
       }
     }
@@ -266,7 +266,7 @@ void NkStreamRows(const float* x, int64_t depth, const typename T::Stored* w, in
     for (int r = 0; r < R; ++r) {
       for (int s = 0; s < S; ++s) {
         float sum = HorizontalSum(acc[r][s]);
-        for (int64_t j = k; j < depth; ++j) sum += x[r * depth + j] * T::One(rows[s][j]);
+        for (int64_t j = k; j < depth; ++j) sum = FmaOne(x[r * depth + j], T::One(rows[s][j]), sum);
         out[r * ldo + n + s * part] = sum;
       }
     }

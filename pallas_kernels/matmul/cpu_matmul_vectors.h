@@ -55,6 +55,17 @@ inline VecF Fma(VecF a, VecF b, VecF acc) {
 #endif
 }
 
+// One lane of Fma: the same rounding as the vectors' (a fused multiply-add where the path has FMA, else a product
+// then a sum), so that the columns and K terms past whole vectors add up as explicitly as the vectors do (the
+// rows of a call must not depend on what the compiler contracts where; cpu_matmul.cc, "Row invariance").
+inline float FmaOne(float a, float b, float acc) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, acc);
+#else
+  return acc + a * b;
+#endif
+}
+
 // Intrinsics where the vector types' generic code is slower: a broadcast (VecF{} + x adds a zero first,
 // the sign of zero forbidding its removal) and the 16-bit widenings (GCC splits a generic one in halves).
 inline VecF Broadcast(float x) {
@@ -160,8 +171,6 @@ struct Problem {
   int64_t rows, depth, columns;  // M, K, N
   const uint16_t* x16 = nullptr;  // bfloat16 x as given, K padded to even with a zero (cpu_matmul_bf16_pairs.h)
   int64_t x16_stride = 0;
-  const uint32_t* xt = nullptr;  // bfloat16 x transposed in pairs along K, [K / 2, rows padded] (transposed w)
-  int64_t xt_stride = 0;
 };
 
 }  // namespace

@@ -26,9 +26,10 @@
 // groups; within a chunk, weight rows eight at a time in address order (the int32 sums of up to 8 rows of
 // x, [8, width], in L1), software prefetch ahead along the walk; the same thread split (column blocks, then
 // parts of K summed in part order: deterministic). One or two rows take a whole chunk per tile with the sums
-// in registers (ChunkInRegisters). Up to 8 rows read whole weight rows, and the call is planned as a whole
+// in registers (ChunkInRegisters). Up to 64 rows (decode and verify steps) the call is planned as a whole
 // (PlanCall): its weights' bytes cut into one contiguous run per worker, K split only where a run ends inside
-// a weight. More rows (Plan): a decode step's up to 64 in one row block, a prefill chunk's in blocks of 64
+// a weight, at the same groups whatever the rows (a verify row sums as a decode row does). More rows (Plan):
+// a prefill chunk's in blocks of 64
 // (items of one column block and one row block, row blocks adjacent so that a thread's column block of
 // weights stays in L2 while its row blocks pass), x quantized once for all of them; each row's result is
 // what a call with its block's rows alone computes, up to the order in which K's parts are added.
@@ -197,14 +198,15 @@ struct CallPlan {
   std::vector<float> partials;      // [rows, width] per piece that starts past its block's group 0
 };
 
-CallPlan PlanCall(std::vector<Problem>& problems, int64_t rows, int64_t num_workers) {
+// The cut in the one-row layout: pieces and runs as a one-row call would have them.
+CallPlan CutOneRowCall(std::vector<Problem>& problems, int64_t num_workers) {
   struct Block {
     const Problem* problem;
     int64_t c0, width, group_bytes;
   };
   std::vector<Block> blocks;
   int64_t total = 0;
-  const int64_t widest = BlockColumns(rows);
+  const int64_t widest = BlockColumns(1);
   for (const Problem& p : problems) {
     const int64_t count = (p.columns + widest - 1) / widest;
     const int64_t width = ((p.columns + count - 1) / count + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns;
@@ -216,8 +218,7 @@ CallPlan PlanCall(std::vector<Problem>& problems, int64_t rows, int64_t num_work
     }
   }
   CallPlan plan;
-  std::vector<int64_t> partial_at;  // per piece: its offset in partials, or -1 (it adds into the result)
-  int64_t partial_floats = 0, run = 0, position = 0;  // position: bytes before the block's first group
+  int64_t run = 0, position = 0;  // position: bytes before the block's first group
   const int64_t num_runs = std::max<int64_t>(1, num_workers);
   plan.run_starts.push_back(0);
   for (const Block& b : blocks) {
@@ -232,8 +233,6 @@ CallPlan PlanCall(std::vector<Problem>& problems, int64_t rows, int64_t num_work
       }
       if (end > g) {
         plan.pieces.push_back(Piece{&p, b.c0, b.width, g, end, p.out + b.c0, p.columns});
-        partial_at.push_back(g > 0 ? partial_floats : -1);
-        if (g > 0) partial_floats += rows * b.width;
         g = end;
       }
       if (g < p.num_groups) {  // the run ends here: the next one starts
@@ -244,6 +243,37 @@ CallPlan PlanCall(std::vector<Problem>& problems, int64_t rows, int64_t num_work
     position += b.group_bytes * p.num_groups;
   }
   if (plan.run_starts.back() < int64_t(plan.pieces.size())) plan.run_starts.push_back(plan.pieces.size());
+  return plan;
+}
+
+// A call of up to kRowBlock rows (a decode step, or a verify step of k + 1 tokens per row): K is cut where the
+// one-row layout's runs end, whatever the rows, so that each row's sums are added in the same order in a call
+// of 1 row as of 8 or 64. Speculation relies on it: a verify row must compute what a decode row does, bit for
+// bit, or int8 activations' rounding turns a 1e-6 difference into a flipped greedy near-tie (session 15).
+// Each one-row piece is then split along its columns into blocks at most BlockColumns(rows) wide (the sums
+// of up to 8 rows in L1), with the same groups: more partials at more rows, the same order of K.
+CallPlan PlanCall(std::vector<Problem>& problems, int64_t rows, int64_t num_workers) {
+  const CallPlan cut = CutOneRowCall(problems, num_workers);
+  const int64_t widest = BlockColumns(rows);
+  CallPlan plan;
+  std::vector<int64_t> partial_at;  // per piece: its offset in partials, or -1 (it adds into the result)
+  int64_t partial_floats = 0;
+  plan.run_starts.push_back(0);
+  for (size_t run = 0; run + 1 < cut.run_starts.size(); ++run) {
+    for (int64_t i = cut.run_starts[run]; i < cut.run_starts[run + 1]; ++i) {
+      const Piece& whole = cut.pieces[i];
+      const int64_t count = (whole.width + widest - 1) / widest;
+      const int64_t width = ((whole.width + count - 1) / count + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns;
+      for (int64_t c = 0; c < whole.width; c += width) {
+        const int64_t w = std::min(width, whole.width - c);
+        const Problem& p = *whole.problem;
+        plan.pieces.push_back(Piece{&p, whole.c0 + c, w, whole.g0, whole.g1, p.out + whole.c0 + c, p.columns});
+        partial_at.push_back(whole.g0 > 0 ? partial_floats : -1);
+        if (whole.g0 > 0) partial_floats += rows * w;
+      }
+    }
+    plan.run_starts.push_back(plan.pieces.size());
+  }
   plan.partials.assign(partial_floats, 0.0f);
   for (size_t i = 0; i < plan.pieces.size(); ++i) {
     if (partial_at[i] >= 0) {
@@ -344,7 +374,7 @@ void RunRowBlocks(int64_t num_workers, std::vector<Problem>& problems, int64_t r
 
 void Run(int64_t num_workers, std::vector<Problem>& problems, int64_t rows) {
   for (Problem& p : problems) std::fill(p.out, p.out + rows * p.columns, 0.0f);
-  if (rows > kRowGroup) {
+  if (rows > kRowBlock) {  // prefill chunks: per-weight items (no decode or verify step is this large)
     RunRowBlocks(num_workers, problems, rows);
     return;
   }

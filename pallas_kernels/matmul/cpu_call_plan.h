@@ -1,13 +1,22 @@
-// One plan per call of few rows (a decode step's joined projections: q/k/v, o, gate/up, down, the head),
-// shared by the quantized kernels that read whole weight rows at one to 8 rows of x (cpu_quantized_int8_dot.cc,
-// cpu_kquant_matmul.cc): the call's weights in whole-row column blocks, the blocks in order as one sequence of
-// bytes, cut at group boundaries into one contiguous run per worker. A weight is split along K only where a run
-// ends inside it, and that piece's sums go to a [rows, width] partial added after the runs, in K's order.
+// One plan per call of few rows (a decode step's joined projections: q/k/v, o, gate/up, down, the head; a verify
+// step's k + 1 rows per sequence), shared by the quantized kernels that read whole weight rows
+// (cpu_quantized_int8_dot.cc, cpu_kquant_matmul.cc): the call's weights in whole-row column blocks, the blocks
+// in order as one sequence of bytes, cut at group boundaries into one contiguous run per worker. A weight is
+// split along K only where a run ends inside it, and that piece's sums go to a [rows, width] partial added
+// after the runs, in K's order.
 //
 // Why per call: planning weight by weight (every weight cut into 2 x workers parts of K, a partial per part)
 // paid each part's first chunk and scales a memory latency, a third of a call's time on SmolLM2's narrow
-// weights (issue 25, sessions 13-14). The cut depends on the shapes, the rows and the number of workers only,
-// never on timing: each row's sums are added in the same order every time, whoever runs which run.
+// weights (issue 25, sessions 13-14). The cut depends on the shapes, the weights' kinds and the number of
+// workers only, never on timing: each row's sums are added in the same order every time, whoever runs which
+// run.
+//
+// Never on the rows either (session 16, issue 26): a call of M rows is cut where a ONE-row call's runs end
+// (CutCall over the one-row layout's blocks), then each piece is split along its columns only
+// (SplitColumns: narrower blocks for more rows, the same groups). So row r of an M-row call adds its K sums
+// in the order a one-row call of x[r] does, bit for bit: a verify step (k + 1 rows per sequence) computes
+// what the decode steps it replaces compute, which greedy identity with speculation on and off rests on
+// (with int8 activations a 1e-6 difference flips a rounding, then a near-tie).
 
 #pragma once
 
@@ -80,6 +89,29 @@ inline CallCut CutCall(const std::vector<CallBlock>& blocks, int64_t rows, int64
   }
   end_run();
   return cut;
+}
+
+// `cut` (pieces of whole one-row blocks; its partials' offsets ignored) with each piece split along its columns
+// into blocks as even as `multiple`-column multiples allow, at most `widest` wide, over the same groups [g0, g1),
+// and a [rows, width] partial for each that starts past its block's first group. A column's K order is the
+// piece's: where K is cut and the order the parts are added do not change, only how many columns a walk takes.
+inline CallCut SplitColumns(const CallCut& cut, int64_t rows, int64_t widest, int64_t multiple) {
+  CallCut split;
+  split.run_starts.push_back(0);
+  for (size_t run = 0; run + 1 < cut.run_starts.size(); ++run) {
+    for (int64_t i = cut.run_starts[run]; i < cut.run_starts[run + 1]; ++i) {
+      const CallPiece& whole = cut.pieces[i];
+      const int64_t width = EvenBlockWidth(whole.width, widest, multiple);
+      for (int64_t c = 0; c < whole.width; c += width) {
+        const int64_t w = std::min(width, whole.width - c);
+        split.pieces.push_back(
+            CallPiece{whole.weight, whole.c0 + c, w, whole.g0, whole.g1, whole.g0 > 0 ? split.partial_floats : -1});
+        if (whole.g0 > 0) split.partial_floats += rows * w;
+      }
+    }
+    split.run_starts.push_back(split.pieces.size());
+  }
+  return split;
 }
 
 // A piece's partial [rows, width] added into its columns of the result (rows `stride` apart).

@@ -21,12 +21,14 @@
 // through the sub-block's sum of x (sum x w = d sc sum x q - dmin m sum x). Many rows with x in int8
 // (ManyRowsItem): an item's weights are widened once into a buffer that every row group reads.
 //
-// Threads: up to 8 rows (a decode step), one plan per call (PlanCall, cpu_call_plan.h as the int8-dot
-// kernel's): the call's weights in whole-row column blocks, their bytes cut into one contiguous run per worker,
-// K split only where a run ends inside a block (that part into its own partial), each piece prefetching the
-// start of the next. More rows: per weight, column blocks, and where there are too few for the threads a
-// fixed split of the sub-blocks into parts, each into its own partial. Partials are summed in K's order, and
-// the cuts depend on shapes, rows and workers only: results do not depend on which thread took which item.
+// Threads: up to 64 rows (decode and verify steps), one plan per call (PlanCall, cpu_call_plan.h as the
+// int8-dot kernel's): the call's weights in whole-row column blocks, their bytes cut into one contiguous run
+// per worker, K split only where a run ends inside a block (that part into its own partial), each piece
+// prefetching the start of the next; the cut is a one-row call's whatever the rows, so each row's result is
+// the bits a one-row call gives it. More rows (prefill chunks): per weight, column blocks, and where there
+// are too few for the threads a fixed split of the sub-blocks into parts, each into its own partial. Partials
+// are summed in K's order, and the cuts depend on shapes, kinds and workers only (prefill's on the rows too):
+// results do not depend on which thread took which item.
 // Built by pallas_kernels/cpu_library.py into the kernels' one library; the loops are plain C++ that the
 // compiler vectorizes for the path's flags.
 
@@ -57,6 +59,7 @@ constexpr int64_t kBlockColumns = 256;    // an item's columns at most
 constexpr int64_t kMinBlockColumns = 64;
 constexpr int64_t kPrefetchGroups = 2;    // software prefetch this many sub-blocks ahead along K
 constexpr int64_t kWideColumns = 4096;    // one or two rows: an item's columns at most (whole rows below)
+constexpr int64_t kCallRows = 64;         // a call of up to this many rows (decode, verify) is planned as a whole
 
 #ifndef JAXSERVE_KQ_AHEAD
 #define JAXSERVE_KQ_AHEAD 1
@@ -442,13 +445,16 @@ void Item(const Piece& piece, const Rows& x, bool first, const Piece* after) {
   }
 }
 
-// A call of up to 8 rows (a decode step), planned as a whole (cpu_call_plan.h, as the int8-dot kernel's):
-// each weight in whole-row column blocks (one or two rows: up to kWideColumns, so that an item's planes are
-// contiguous runs for the address-order prefetch: with 192-column blocks a one-row int8 walk read 0.25 of a
-// stream, with whole rows 0.5-0.6, session 11; 3-8 rows: up to kBlockColumns, the walk that prefetches
-// kPrefetchGroups sub-blocks ahead at once), the blocks' bytes cut at sub-block boundaries into one contiguous run per
-// worker, K split only where a run ends inside a block. Planning weight by weight (2 x workers parts of K,
-// each its own partial) started every part with a memory latency (issue 25).
+// A call of up to kCallRows rows (a decode step, or a verify step of k + 1 rows per sequence), planned as a
+// whole (cpu_call_plan.h, as the int8-dot kernel's): each weight in whole-row column blocks as a one-row call
+// has them (up to kWideColumns, so that an item's planes are contiguous runs for the address-order prefetch:
+// with 192-column blocks a one-row int8 walk read 0.25 of a stream, with whole rows 0.5-0.6, session 11), the
+// blocks' bytes cut at sub-block boundaries into one contiguous run per worker, K split only where a run ends
+// inside a block. More rows only split each piece along its columns (3 rows and more: up to kBlockColumns,
+// the walk that prefetches kPrefetchGroups sub-blocks ahead at once), the same sub-blocks: a row's K sums are
+// added in the same order in a call of 1 row as of 8 or 64 (session 16: a verify row computes what a decode
+// row does, bit for bit). Planning weight by weight (2 x workers parts of K, each its own partial) started
+// every part with a memory latency (issue 25).
 struct CallPlan {
   std::vector<Piece> pieces;        // run by run, each run's pieces in the blocks' order
   std::vector<int64_t> run_starts;  // each run's first piece, then pieces.size()
@@ -463,18 +469,21 @@ int64_t SubBlockBytes(const Weight& w, int64_t width) {
   return width * (per_column * w.groups_per_d + d_bytes) / w.groups_per_d;
 }
 
+// Block columns at most for `rows` rows: whole rows where one or two rows prefetch along them (ItemOfKind).
+constexpr int64_t WidestColumns(int64_t rows) { return JAXSERVE_KQ_AHEAD && rows <= 2 ? kWideColumns : kBlockColumns; }
+
 CallPlan PlanCall(const std::vector<Weight>& weights, int64_t depth, int64_t rows, int64_t num_workers) {
-  const int64_t widest = JAXSERVE_KQ_AHEAD && rows <= 2 ? kWideColumns : kBlockColumns;
-  std::vector<jaxserve_cpu::CallBlock> blocks;
+  std::vector<jaxserve_cpu::CallBlock> blocks;  // a one-row call's
   for (size_t i = 0; i < weights.size(); ++i) {
     const Weight& w = weights[i];
-    const int64_t width = jaxserve_cpu::EvenBlockWidth(w.columns, widest, kMinBlockColumns);
+    const int64_t width = jaxserve_cpu::EvenBlockWidth(w.columns, WidestColumns(1), kMinBlockColumns);
     for (int64_t c0 = 0; c0 < w.columns; c0 += width) {
       const int64_t block_width = std::min(width, w.columns - c0);
       blocks.push_back({int64_t(i), c0, block_width, depth / w.group, SubBlockBytes(w, block_width)});
     }
   }
-  const jaxserve_cpu::CallCut cut = jaxserve_cpu::CutCall(blocks, rows, num_workers);
+  const jaxserve_cpu::CallCut cut = jaxserve_cpu::SplitColumns(jaxserve_cpu::CutCall(blocks, 1, num_workers), rows,
+                                                               WidestColumns(rows), kMinBlockColumns);
   CallPlan plan;
   plan.run_starts = cut.run_starts;
   plan.partials.assign(cut.partial_floats, 0.0f);
@@ -503,8 +512,10 @@ void AddPartials(const CallPlan& plan, int64_t rows) {
   }
 }
 
-// More than 8 rows (prefill chunks): per weight, column blocks (narrower where there are too few for the
-// threads), then parts of K along sub-blocks, each part past the first into its own [M, N] partial.
+// More than kCallRows rows (prefill chunks): per weight, column blocks (narrower where there are too few for the
+// threads), then parts of K along sub-blocks, each part past the first into its own [M, N] partial. The parts
+// are not PlanCall's: a prefill row's sums may be added in another order than a decode row's (they agree to
+// float rounding, not bits).
 void PlanWeight(Weight& w, int64_t depth, int64_t num_workers) {
   const int64_t wanted = 2 * num_workers;
   int64_t width = kBlockColumns;
@@ -556,7 +567,7 @@ void RunWeights(int64_t num_workers, std::vector<Weight>& weights, const Rows& x
 
 void Run(int64_t num_workers, std::vector<Weight>& weights, const Rows& x) {
   for (Weight& w : weights) std::fill(w.out, w.out + x.rows * w.columns, 0.0f);
-  if (x.rows > kTileRows) {
+  if (x.rows > kCallRows) {
     RunWeights(num_workers, weights, x);
     return;
   }

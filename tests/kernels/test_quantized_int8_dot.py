@@ -13,7 +13,8 @@ import pytest
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import choose_matmul, quantized_cpu
 from pallas_kernels.matmul.quantized import QuantizedWeight
-from tests.kernels.test_quantized_matmul import LAYOUTS, numpy_dequantize, random_weight
+from tests.kernels.row_invariance import assert_rows_as_alone
+from tests.kernels.test_quantized_matmul import LAYOUTS, numpy_dequantize, random_weight, row_invariance_weights
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
 
@@ -190,28 +191,21 @@ def test_decode_calls_are_cut_per_call_and_repeat_bit_for_bit():
 
 
 def test_a_row_sums_alike_in_calls_of_any_decode_or_verify_size():
-    """Speculation's greedy identity rests on it: a verify step computes k + 1 rows of a sequence (up to 64 rows
-    over a batch) where a decode step computed one, and with int8 activations a 1e-6 difference in the order K
-    is summed flips near-ties (session 15: the default model's Q4_1 file, 3 of 4 outputs changed with ngram
-    speculation). So the call's cut of K depends on the shapes and the workers, not the rows: row 0's result
-    is the same bits in calls of 1, 2, 5, 8, 9, 40 and 64 rows, with a cut inside a weight and inside a
-    head-wide one."""
+    """Speculation's greedy identity rests on it (tests/kernels/row_invariance.py): a verify step computes k + 1
+    rows of a sequence (up to 64 rows over a batch) where a decode step computed one, and with int8 activations
+    a 1e-6 difference in the order K is summed flips near-ties (session 15: the default model's Q4_1 file, 3 of
+    4 outputs changed with ngram speculation). So a call of up to 64 rows is cut along K where a one-row call
+    is, whatever the rows (cpu_call_plan.h's SplitColumns): rows 0 and M // 2 of an M-row call are the bits of
+    the one-row call, on every path, with the cut inside a small weight and inside the head-wide one. (Main
+    before session 16: 618 of 9000 columns differed at 2 rows.)"""
     rng = np.random.default_rng(15)
-    depth = 256
-    weights = (
-        random_weight(rng, depth, 200, 4, 32, jnp.float16, False),
-        random_weight(rng, depth, 64, 4, 32, jnp.float16, True),
-        random_weight(rng, depth, 64, 8, 32, jnp.float16, False),
-        random_weight(rng, depth, 9000, 4, 32, jnp.float16, False),
-    )
-    x = rng.standard_normal((64, depth)).astype(np.float32)
+    x = rng.standard_normal((64, 256)).astype(np.float32)
     for path in cpu_library.runnable_paths():
         call = jax.jit(lambda x, ws, path=path: quantized_cpu.quantized_matmuls(x, ws, path=path))
-        alone = [np.asarray(got)[0] for got in call(jnp.asarray(x[:1]), weights)]
-        for num_rows in (2, 5, 8, 9, 40, 64):
-            together = call(jnp.asarray(x[:num_rows]), weights)
-            for got, want in zip(together, alone, strict=True):
-                np.testing.assert_array_equal(np.asarray(got)[0], want, err_msg=f"{path}, {num_rows} rows")
+        for weights in row_invariance_weights(rng):
+            assert_rows_as_alone(
+                lambda rows, ws=weights, call=call: call(jnp.asarray(x[rows]), ws), f"{path}, {len(weights)}"
+            )
 
 
 @pytest.mark.parametrize("compute_dtype", [jnp.bfloat16, jnp.float16])

@@ -3,8 +3,8 @@
 // llama.cpp's fallback), down as Q6_K in 14 layers and Q4_K in 16; v and the head are Q8_0, the other
 // kernel's), against a plain read stream in the same run (issue #25). Times are thread CPU time, best of 5
 // after a 512 MiB read that evicts the caches: on a shared machine wall time mostly measures the other
-// processes, thread time far less. Each weight is cut into items as the kernel's Plan does for two
-// workers, and its items run one after another on this thread.
+// processes, thread time far less. Each weight is planned as a call of its own for two workers (PlanCall; more
+// than 8 rows: PlanWeight), and its items run one after another on this thread.
 //
 //   g++ -O3 -march=native -fopenmp-simd -fno-math-errno -fno-trapping-math -std=c++17 \
 //       -I pallas_kernels -I $(.venv/bin/python -c "import jax; print(jax.ffi.include_dir())") \
@@ -126,12 +126,21 @@ void Bench(int64_t rows) {
       w.out = out.data();
       w.x_sums = x_sums.data();
       w.x_int8 = !int8 ? nullptr : depths[i] == kEmbed ? &x_embed : &x_mlp;
-      Plan(w, depths[i], 2, rows);
+      if (rows <= kTileRows) {  // the weight as a call of its own, planned for two workers, run by run here
+        const std::vector<Weight> call{w};
+        const CallPlan plan = PlanCall(call, depths[i], rows, 2);
+        for (size_t r = 0; r + 1 < plan.run_starts.size(); ++r) RunCallPieces(plan, int64_t(r), xs);
+        AddPartials(plan, rows);
+        continue;
+      }
+      PlanWeight(w, depths[i], 2);
       const int64_t groups = depths[i] / w.group;
       for (int64_t item = 0; item < w.blocks * w.parts; ++item) {
         const int64_t block = item % w.blocks, part = item / w.blocks;
         const int64_t c0 = block * w.block_columns, width = std::min(w.block_columns, w.columns - c0);
-        Item(w, xs, groups * part / w.parts, groups * (part + 1) / w.parts, c0, width, out.data());
+        const Piece piece{&w, c0, width, groups * part / w.parts, groups * (part + 1) / w.parts,
+                          Target{out.data(), w.columns, 0}};
+        Item(piece, xs, true, nullptr);
       }
     }
   };

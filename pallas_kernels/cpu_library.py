@@ -50,6 +50,7 @@ HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_chunks.h"),)  # its walk 
 HEADERS += (os.path.join(HERE, "matmul", "cpu_kquant_vectors.h"),)  # cpu_kquant_matmul.cc's vector basics
 HEADERS += (os.path.join(HERE, "matmul", "cpu_kquant_int8.h"),)  # cpu_kquant_matmul.cc's int8 (VNNI) tiles
 HEADERS += (os.path.join(HERE, "matmul", "cpu_weight_basics.h"),)  # the quantized kernels' scalar basics, prefetch
+HEADERS += (os.path.join(HERE, "matmul", "cpu_call_plan.h"),)  # the quantized kernels' one-call plan (few rows)
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "kernels")
 
 PATH_ENV = "JAXSERVE_CPU_KERNEL_PATH"

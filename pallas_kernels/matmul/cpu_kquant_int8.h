@@ -2,7 +2,7 @@
 // 32 k as ggml's quantize_row_q8_0 (QuantizedRows, in cpu_kquant_matmul.cc), exact int32 sums of q_x * q_w
 // per sub-block with vpdpbusd (u8 weights x s8 activations, four k of one column per 32-bit lane), then one
 // float multiply per (sub-block, column): out += float(sum) * (d_x * d * sc) - d_x * sum(q_x) * dmin * m.
-// A part of cpu_kquant_matmul.cc, included after its Weight, QuantizedRows and scale helpers; other paths
+// A part of cpu_kquant_matmul.cc, included after its Weight, Target, QuantizedRows and scale helpers; other paths
 // (AVX2, portable, AVX-512 without VNNI or VBMI) have no KQUANT_INT8 and keep x in float.
 //
 // The planes are [K, N] (columns contiguous); a lane wants four k of one column. Two low-plane rows (k .. k + 3)
@@ -101,7 +101,7 @@ inline void Int8SubBlock(const Weight& w, const QuantizedRows& x, int64_t r0, in
 // One to a few rows: R rows times sub-block g at T vectors of columns from c, widened from the planes as the
 // tile goes (a weight byte serves few rows), added into the result.
 template <int Kind, int R, int T>
-inline void Int8Tile(const Weight& w, const QuantizedRows& x, int64_t r0, int64_t g, int64_t c, float* partial) {
+inline void Int8Tile(const Weight& w, const QuantizedRows& x, int64_t r0, int64_t g, int64_t c, const Target& target) {
   const Int8Widener<Kind> widen;
   VecF scale[T], minimum[T];
   for (int t = 0; t < T; ++t) {
@@ -110,7 +110,7 @@ inline void Int8Tile(const Weight& w, const QuantizedRows& x, int64_t r0, int64_
   }
   const auto weights = [&](int64_t k, int t) { return widen(w, k, c + 16 * t); };
   const auto result = [&](int r, int t, auto add) {
-    float* out = partial + (r0 + r) * w.columns + c + 16 * t;
+    float* out = target.At(r0 + r, c + 16 * t);
     StoreF(out, add(LoadF(out)));
   };
   Int8SubBlock<Kind, R, T>(w, x, r0, g, weights, scale, minimum, result);
@@ -150,11 +150,11 @@ constexpr int kWidenedRows = 3, kWidenedVectors = 4;
 // over all the sub-blocks (added in sub-block order, as the one-pass tiles add them: the same floats).
 template <int Kind, int R, int T>
 inline void Int8WidenedTile(const Weight& w, const QuantizedRows& x, int64_t r0, const WidenedItem& item, int64_t v0,
-                            float* partial) {
+                            const Target& target) {
   const int64_t c = item.c0 + 16 * v0;
   VecF out[R][T];
   for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < T; ++t) out[r][t] = LoadF(partial + (r0 + r) * w.columns + c + 16 * t);
+    for (int t = 0; t < T; ++t) out[r][t] = LoadF(target.At(r0 + r, c + 16 * t));
   }
   for (int64_t g = item.g0; g < item.g1; ++g) {
     const int64_t first = (g - item.g0) * item.stride + v0;
@@ -170,23 +170,25 @@ inline void Int8WidenedTile(const Weight& w, const QuantizedRows& x, int64_t r0,
                              [&](int r, int t, auto add) { out[r][t] = add(out[r][t]); });
   }
   for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < T; ++t) StoreF(partial + (r0 + r) * w.columns + c + 16 * t, out[r][t]);
+    for (int t = 0; t < T; ++t) StoreF(target.At(r0 + r, c + 16 * t), out[r][t]);
   }
 }
 
 template <int Kind, int R>
-void Int8WidenedRows(const Weight& w, const QuantizedRows& x, int64_t r0, const WidenedItem& item, float* partial) {
+void Int8WidenedRows(const Weight& w, const QuantizedRows& x, int64_t r0, const WidenedItem& item,
+                     const Target& target) {
   int64_t v = 0;
   for (; v + kWidenedVectors <= item.stride; v += kWidenedVectors) {
-    Int8WidenedTile<Kind, R, kWidenedVectors>(w, x, r0, item, v, partial);
+    Int8WidenedTile<Kind, R, kWidenedVectors>(w, x, r0, item, v, target);
   }
-  for (; v < item.stride; ++v) Int8WidenedTile<Kind, R, 1>(w, x, r0, item, v, partial);
+  for (; v < item.stride; ++v) Int8WidenedTile<Kind, R, 1>(w, x, r0, item, v, target);
 }
 
 // R rows of quantized x times sub-block g at column c, one column (the tails: the same integers, the same
 // scaling as the tiles).
 template <int Kind, int R>
-inline void Int8Column(const Weight& w, const QuantizedRows& x, int64_t r0, int64_t g, int64_t c, float* partial) {
+inline void Int8Column(const Weight& w, const QuantizedRows& x, int64_t r0, int64_t g, int64_t c,
+                       const Target& target) {
   const float scale = ScaleAt<Kind>(w, g, c), minimum = MinAt<Kind>(w, g, c);
   for (int r = 0; r < R; ++r) {
     const int8_t* q = x.q.data() + (r0 + r) * x.depth;
@@ -196,7 +198,7 @@ inline void Int8Column(const Weight& w, const QuantizedRows& x, int64_t r0, int6
       q_sum += q[k];
     }
     const float dx = x.d[(r0 + r) * (x.depth / 32) + g * w.group / 32];
-    float& out = partial[(r0 + r) * w.columns + c];
+    float& out = *target.At(r0 + r, c);
     out += float(sum) * (dx * scale);
     if (HasMins(Kind)) out -= dx * float(q_sum) * minimum;
   }
@@ -209,7 +211,7 @@ inline void Int8Column(const Weight& w, const QuantizedRows& x, int64_t r0, int6
 // per sub-block). The same integers and float operations as the one-pass tiles: the same results.
 template <int Kind>
 void ManyRowsItem(const Weight& w, const QuantizedRows& x, int64_t g0, int64_t g1, int64_t c0, int64_t width,
-                  float* partial) {
+                  const Target& target) {
   struct alignas(64) Line {
     uint8_t bytes[64];
   };
@@ -221,13 +223,13 @@ void ManyRowsItem(const Weight& w, const QuantizedRows& x, int64_t g0, int64_t g
   const WidenedItem item{vectors, scale_vectors, scale_vectors + scales, g0, g1, c0, stride};
   WidenItem<Kind>(w, item);
   int64_t r0 = 0;
-  for (; r0 + kWidenedRows <= x.rows; r0 += kWidenedRows) Int8WidenedRows<Kind, kWidenedRows>(w, x, r0, item, partial);
+  for (; r0 + kWidenedRows <= x.rows; r0 += kWidenedRows) Int8WidenedRows<Kind, kWidenedRows>(w, x, r0, item, target);
   static_assert(kWidenedRows <= 3, "the rest below");
-  if (x.rows - r0 == 2) Int8WidenedRows<Kind, 2>(w, x, r0, item, partial);
-  if (x.rows - r0 == 1) Int8WidenedRows<Kind, 1>(w, x, r0, item, partial);
+  if (x.rows - r0 == 2) Int8WidenedRows<Kind, 2>(w, x, r0, item, target);
+  if (x.rows - r0 == 1) Int8WidenedRows<Kind, 1>(w, x, r0, item, target);
   for (int64_t g = g0; g < g1; ++g) {
     for (int64_t c = c0 + stride * kLanes; c < c0 + width; ++c) {
-      for (r0 = 0; r0 < x.rows; ++r0) Int8Column<Kind, 1>(w, x, r0, g, c, partial);
+      for (r0 = 0; r0 < x.rows; ++r0) Int8Column<Kind, 1>(w, x, r0, g, c, target);
     }
   }
 }

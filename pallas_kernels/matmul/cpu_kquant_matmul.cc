@@ -21,10 +21,16 @@
 // through the sub-block's sum of x (sum x w = d sc sum x q - dmin m sum x). Many rows with x in int8
 // (ManyRowsItem): an item's weights are widened once into a buffer that every row group reads.
 //
-// Threads: column blocks, and where there are too few for the threads a fixed split of the sub-blocks
-// into parts, each into its own partial, summed in part order (results do not depend on which thread took
-// which item; as cpu_quantized_matmul.cc). Built by pallas_kernels/cpu_library.py into the kernels' one
-// library; the loops are plain C++ that the compiler vectorizes for the path's flags.
+// Threads: up to 64 rows (decode and verify steps), one plan per call (PlanCall, cpu_call_plan.h as the
+// int8-dot kernel's): the call's weights in whole-row column blocks, their bytes cut into one contiguous run
+// per worker, K split only where a run ends inside a block (that part into its own partial), each piece
+// prefetching the start of the next; the cut is a one-row call's whatever the rows, so each row's result is
+// the bits a one-row call gives it. More rows (prefill chunks): per weight, column blocks, and where there
+// are too few for the threads a fixed split of the sub-blocks into parts, each into its own partial. Partials
+// are summed in K's order, and the cuts depend on shapes, kinds and workers only (prefill's on the rows too):
+// results do not depend on which thread took which item.
+// Built by pallas_kernels/cpu_library.py into the kernels' one library; the loops are plain C++ that the
+// compiler vectorizes for the path's flags.
 
 #include <algorithm>
 #include <cmath>
@@ -34,6 +40,7 @@
 #include <vector>
 
 #include "cpu_workers.h"
+#include "matmul/cpu_call_plan.h"
 #include "matmul/cpu_kquant_vectors.h"
 #include "matmul/cpu_weight_basics.h"
 #include "xla/ffi/api/ffi.h"
@@ -52,6 +59,7 @@ constexpr int64_t kBlockColumns = 256;    // an item's columns at most
 constexpr int64_t kMinBlockColumns = 64;
 constexpr int64_t kPrefetchGroups = 2;    // software prefetch this many sub-blocks ahead along K
 constexpr int64_t kWideColumns = 4096;    // one or two rows: an item's columns at most (whole rows below)
+constexpr int64_t kCallRows = 64;         // a call of up to this many rows (decode, verify) is planned as a whole
 
 #ifndef JAXSERVE_KQ_AHEAD
 #define JAXSERVE_KQ_AHEAD 1
@@ -113,7 +121,15 @@ struct Weight {
   const QuantizedRows* x_int8 = nullptr;  // x quantized: the int8-activation tiles serve this weight
   int64_t columns = 0, group = 32;
   int64_t groups_per_d = 8;  // sub-blocks per row of d: 8 (Q4_K, Q5_K), 16 (Q6_K), 1 (Q5_0, Q5_1)
-  int64_t block_columns = 0, blocks = 0, parts = 1;  // the split into work items (Plan)
+  int64_t block_columns = 0, blocks = 0, parts = 1;  // the split into work items (PlanWeight, past 8 rows)
+};
+
+// Where an item adds its sums: the result [M, N] (rows N apart, columns from 0), or a piece's partial
+// [M, width] (rows width apart, its first column c0), so that a part of K needs no [M, N] buffer.
+struct Target {
+  float* data;
+  int64_t stride, c0;
+  float* At(int64_t r, int64_t c) const { return data + r * stride + (c - c0); }
 };
 
 struct Rows {
@@ -178,7 +194,7 @@ inline VecF MinVector(const Weight& w, int64_t g, int64_t c) {
 // float and multiplied into R x T accumulators; at the sub-block's end the sums are scaled into the result
 // once per column (and the min applied through the sub-block's sum of x).
 template <int Kind, int R, int T>
-inline void Tile(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c, float* partial) {
+inline void Tile(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c, const Target& target) {
   constexpr int kBits = HighBits(Kind);
   constexpr int kPerHigh = kBits == 0 ? 2 : 8 / kBits;  // k per high-plane byte: the step (Q4_K: a pair)
   const int64_t n = w.columns, depth = x.depth;
@@ -229,7 +245,7 @@ inline void Tile(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t 
   }
   const int64_t num_x_groups = depth / 32;
   for (int r = 0; r < R; ++r) {
-    float* out = partial + (r0 + r) * n + c;
+    float* out = target.At(r0 + r, c);
     if constexpr (HasMins(Kind)) {
       const VecF x_sum = Splat(-w.x_sums[(r0 + r) * num_x_groups + g]);
       for (int t = 0; t < T; ++t) {
@@ -243,13 +259,13 @@ inline void Tile(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t 
 
 // R rows of x times sub-block g at column c, one column (the tails of a width not a multiple of kLanes).
 template <int Kind, int R>
-inline void Column(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c, float* partial) {
+inline void Column(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c, const Target& target) {
   const float scale = ScaleAt<Kind>(w, g, c), minimum = MinAt<Kind>(w, g, c);
   for (int r = 0; r < R; ++r) {
     const float* xr = x.data + (r0 + r) * x.depth;
     float sum = 0.0f;
     for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) sum += xr[k] * float(Integer<Kind>(w, k, c));
-    float& out = partial[(r0 + r) * w.columns + c];
+    float& out = *target.At(r0 + r, c);
     out += sum * scale;
     if (HasMins(Kind)) out -= w.x_sums[(r0 + r) * (x.depth / 32) + g] * minimum;
   }
@@ -285,45 +301,45 @@ inline void WalkColumns(int64_t c0, int64_t width, const AheadLines* ahead, Tile
 // R rows from r0, sub-block g, columns c0 .. c0 + width: the int8 tiles where x is quantized (their weights
 // widened from the planes as they go), else the float ones.
 template <int Kind, int R>
-void RowGroup(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c0, int64_t width, float* partial,
+void RowGroup(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c0, int64_t width, const Target& target,
               const AheadLines* ahead = nullptr) {
 #if defined(KQUANT_INT8)
   if (w.x_int8 != nullptr) {
     const QuantizedRows& xq = *w.x_int8;
     const auto tile = [&](auto vectors, int64_t c) {
-      Int8Tile<Kind, R, decltype(vectors)::value>(w, xq, r0, g, c, partial);
+      Int8Tile<Kind, R, decltype(vectors)::value>(w, xq, r0, g, c, target);
     };
-    const auto column = [&](int64_t c) { Int8Column<Kind, R>(w, xq, r0, g, c, partial); };
+    const auto column = [&](int64_t c) { Int8Column<Kind, R>(w, xq, r0, g, c, target); };
     WalkColumns<kTileVectors[R]>(c0, width, ahead, tile, column);
     return;
   }
 #endif
-  const auto tile = [&](auto vectors, int64_t c) { Tile<Kind, R, decltype(vectors)::value>(w, x, r0, g, c, partial); };
-  const auto column = [&](int64_t c) { Column<Kind, R>(w, x, r0, g, c, partial); };
+  const auto tile = [&](auto vectors, int64_t c) { Tile<Kind, R, decltype(vectors)::value>(w, x, r0, g, c, target); };
+  const auto column = [&](int64_t c) { Column<Kind, R>(w, x, r0, g, c, target); };
   WalkColumns<kTileVectors[R]>(c0, width, ahead, tile, column);
 }
 
 // Rows r0 .. r1 of sub-block g: row groups of kTileRows, then the rest in one.
 template <int Kind>
 void RowGroups(const Weight& w, const Rows& x, int64_t r0, int64_t r1, int64_t g, int64_t c0, int64_t width,
-               float* partial) {
-  for (; r0 + kTileRows <= r1; r0 += kTileRows) RowGroup<Kind, kTileRows>(w, x, r0, g, c0, width, partial);
+               const Target& target) {
+  for (; r0 + kTileRows <= r1; r0 += kTileRows) RowGroup<Kind, kTileRows>(w, x, r0, g, c0, width, target);
   switch (r1 - r0) {
-    case 7: RowGroup<Kind, 7>(w, x, r0, g, c0, width, partial); break;
-    case 6: RowGroup<Kind, 6>(w, x, r0, g, c0, width, partial); break;
-    case 5: RowGroup<Kind, 5>(w, x, r0, g, c0, width, partial); break;
-    case 4: RowGroup<Kind, 4>(w, x, r0, g, c0, width, partial); break;
-    case 3: RowGroup<Kind, 3>(w, x, r0, g, c0, width, partial); break;
-    case 2: RowGroup<Kind, 2>(w, x, r0, g, c0, width, partial); break;
-    case 1: RowGroup<Kind, 1>(w, x, r0, g, c0, width, partial); break;
+    case 7: RowGroup<Kind, 7>(w, x, r0, g, c0, width, target); break;
+    case 6: RowGroup<Kind, 6>(w, x, r0, g, c0, width, target); break;
+    case 5: RowGroup<Kind, 5>(w, x, r0, g, c0, width, target); break;
+    case 4: RowGroup<Kind, 4>(w, x, r0, g, c0, width, target); break;
+    case 3: RowGroup<Kind, 3>(w, x, r0, g, c0, width, target); break;
+    case 2: RowGroup<Kind, 2>(w, x, r0, g, c0, width, target); break;
+    case 1: RowGroup<Kind, 1>(w, x, r0, g, c0, width, target); break;
     default: break;
   }
 }
 
-// Sub-block g + kPrefetchGroups's planes at columns c0 .. c0 + width, one touch per cache line.
-void Prefetch(const Weight& w, int64_t g, int64_t c0, int64_t width, int64_t depth) {
-  if ((g + kPrefetchGroups) * w.group >= depth) return;
-  const int64_t n = w.columns, k0 = (g + kPrefetchGroups) * w.group;
+// Sub-block g's planes at columns c0 .. c0 + width, one touch per cache line (3 rows and more: kPrefetchGroups
+// sub-blocks ahead of the one being read).
+void PrefetchSubBlock(const Weight& w, int64_t g, int64_t c0, int64_t width) {
+  const int64_t n = w.columns, k0 = g * w.group;
   const int bits = HighBits(w.kind);
   for (int64_t c = 0; c < width; c += 64) {
     for (int64_t i = 0; i < w.group / 2; ++i) __builtin_prefetch(w.low + (k0 / 2 + i) * n + c0 + c);
@@ -331,52 +347,70 @@ void Prefetch(const Weight& w, int64_t g, int64_t c0, int64_t width, int64_t dep
   }
 }
 
-// Sub-block g's scales (d, dmin, sc, m: a few lines per sub-block), prefetched into L2.
-template <int Kind>
-void PrefetchScales(const Weight& w, int64_t g, int64_t c0, int64_t width) {
+// Sub-block g's scales (d, dmin, sc, m: a few lines per sub-block), prefetched into L2; d and dmin where a
+// super-block starts, or where a piece does (`start`).
+void PrefetchScales(const Weight& w, int64_t g, int64_t c0, int64_t width, bool start) {
   const int64_t n = w.columns;
-  if (g % w.groups_per_d == 0) {
-    AheadLines(reinterpret_cast<const uint8_t*>(w.d + (g / w.groups_per_d) * n + c0), 2 * width, 0, 1).Issue(INT64_MAX);
+  if (start || g % w.groups_per_d == 0) {
+    AheadLines(reinterpret_cast<const uint8_t*>(w.d + (g / w.groups_per_d) * n + c0), 2 * width, 0, 1).IssueAll();
     if (w.dmin != nullptr) {
-      AheadLines(reinterpret_cast<const uint8_t*>(w.dmin + (g / w.groups_per_d) * n + c0), 2 * width, 0, 1)
-          .Issue(INT64_MAX);
+      AheadLines(reinterpret_cast<const uint8_t*>(w.dmin + (g / w.groups_per_d) * n + c0), 2 * width, 0, 1).IssueAll();
     }
   }
   if (w.sub_scales != nullptr) {
-    AheadLines(static_cast<const uint8_t*>(w.sub_scales) + g * n + c0, width, 0, 1).Issue(INT64_MAX);
+    AheadLines(static_cast<const uint8_t*>(w.sub_scales) + g * n + c0, width, 0, 1).IssueAll();
   }
-  if (w.sub_mins != nullptr) AheadLines(w.sub_mins + g * n + c0, width, 0, 1).Issue(INT64_MAX);
+  if (w.sub_mins != nullptr) AheadLines(w.sub_mins + g * n + c0, width, 0, 1).IssueAll();
 }
 
-// One or two rows: the planes of sub-block g (low, high) as lines to prefetch; none past the weight's end.
-template <int Kind>
-void SubBlockLines(const Weight& w, int64_t g, int64_t c0, int64_t width, int64_t depth, AheadLines lines[2]) {
-  lines[0] = lines[1] = AheadLines();
-  if (g * w.group >= depth) return;
+// One or two rows: the planes of sub-block g (low, high) at columns c0 .. c0 + width as lines to prefetch.
+void SubBlockLines(const Weight& w, int64_t g, int64_t c0, int64_t width, AheadLines lines[2]) {
   const int64_t n = w.columns, k0 = g * w.group;
+  const int bits = HighBits(w.kind);
   lines[0] = AheadLines(w.low + (k0 / 2) * n + c0, width, n, w.group / 2);
-  constexpr int kBits = HighBits(Kind);
-  if (kBits > 0) lines[1] = AheadLines(w.high + (k0 * kBits / 8) * n + c0, width, n, w.group * kBits / 8);
+  lines[1] = bits > 0 ? AheadLines(w.high + (k0 * bits / 8) * n + c0, width, n, w.group * bits / 8) : AheadLines();
 }
 
+// A work item: sub-blocks [g0, g1) of a weight's columns [c0, c0 + width), added into `target`.
+struct Piece {
+  const Weight* w;
+  int64_t c0, width, g0, g1;
+  Target target;
+};
+
+// One piece. `after`: the piece the same thread runs next (null: none), whose start this one prefetches while
+// it ends; `first`: nothing before fetched this piece's start.
 template <int Kind>
-void ItemOfKind(const Weight& w, const Rows& x, int64_t g0, int64_t g1, int64_t c0, int64_t width, float* partial) {
+void ItemOfKind(const Piece& piece, const Rows& x, bool first, const Piece* after) {
+  const Weight& w = *piece.w;
+  const int64_t g0 = piece.g0, g1 = piece.g1, c0 = piece.c0, width = piece.width;
+  const Target& target = piece.target;
 #if JAXSERVE_KQ_AHEAD
   if (x.rows <= 2) {
-    // the first sub-block at once; then each sub-block's tiles prefetch the next one (past the item's end too:
-    // the threads take runs of consecutive items, whose parts of K follow in memory)
+    // the first sub-block at once where nothing fetched it; then each sub-block's tiles prefetch the next one,
+    // and the last one's the first sub-block and scales of `after`, so that the memory latency of a piece's
+    // start overlaps work (a call's first sub-block still waits: the kernel does not know the next call)
     AheadLines next[2];
-    SubBlockLines<Kind>(w, g0, c0, width, x.depth, next);
-    next[0].Issue(INT64_MAX);
-    next[1].Issue(INT64_MAX);
-    PrefetchScales<Kind>(w, g0, c0, width);
+    if (first) {
+      SubBlockLines(w, g0, c0, width, next);
+      next[0].IssueAll();
+      next[1].IssueAll();
+      PrefetchScales(w, g0, c0, width, true);
+    }
     for (int64_t g = g0; g < g1; ++g) {
-      if ((g + 1) * w.group < x.depth) PrefetchScales<Kind>(w, g + 1, c0, width);
-      SubBlockLines<Kind>(w, g + 1, c0, width, x.depth, next);
-      if (x.rows == 2) {
-        RowGroup<Kind, 2>(w, x, 0, g, c0, width, partial, next);
+      if (g + 1 < g1) {
+        PrefetchScales(w, g + 1, c0, width, false);
+        SubBlockLines(w, g + 1, c0, width, next);
+      } else if (after != nullptr) {
+        PrefetchScales(*after->w, after->g0, after->c0, after->width, true);
+        SubBlockLines(*after->w, after->g0, after->c0, after->width, next);
       } else {
-        RowGroup<Kind, 1>(w, x, 0, g, c0, width, partial, next);
+        next[0] = next[1] = AheadLines();
+      }
+      if (x.rows == 2) {
+        RowGroup<Kind, 2>(w, x, 0, g, c0, width, target, next);
+      } else {
+        RowGroup<Kind, 1>(w, x, 0, g, c0, width, target, next);
       }
     }
     return;
@@ -384,43 +418,107 @@ void ItemOfKind(const Weight& w, const Rows& x, int64_t g0, int64_t g1, int64_t 
 #endif
 #if defined(KQUANT_INT8)
   if (w.x_int8 != nullptr && x.rows > kTileRows) {
-    ManyRowsItem<Kind>(w, *w.x_int8, g0, g1, c0, width, partial);
+    ManyRowsItem<Kind>(w, *w.x_int8, g0, g1, c0, width, target);
     return;
   }
 #endif
+  (void)first;
   for (int64_t g = g0; g < g1; ++g) {
-    Prefetch(w, g, c0, width, x.depth);
-    RowGroups<Kind>(w, x, 0, x.rows, g, c0, width, partial);
+    // kPrefetchGroups sub-blocks ahead; past the piece's end, into `after`'s first ones
+    const int64_t ahead = g + kPrefetchGroups;
+    if (ahead < g1) {
+      PrefetchSubBlock(w, ahead, c0, width);
+    } else if (after != nullptr && after->g0 + (ahead - g1) < after->g1) {
+      PrefetchSubBlock(*after->w, after->g0 + (ahead - g1), after->c0, after->width);
+    }
+    RowGroups<Kind>(w, x, 0, x.rows, g, c0, width, target);
   }
 }
 
-// One item: columns c0 .. c0 + width over sub-blocks g0 .. g1, added into partial [M, N].
-void Item(const Weight& w, const Rows& x, int64_t g0, int64_t g1, int64_t c0, int64_t width, float* partial) {
-  switch (w.kind) {
-    case 4: ItemOfKind<4>(w, x, g0, g1, c0, width, partial); break;
-    case 5: ItemOfKind<5>(w, x, g0, g1, c0, width, partial); break;
-    case 6: ItemOfKind<6>(w, x, g0, g1, c0, width, partial); break;
-    case kQ5_0: ItemOfKind<kQ5_0>(w, x, g0, g1, c0, width, partial); break;
-    default: ItemOfKind<kQ5_1>(w, x, g0, g1, c0, width, partial); break;
+void Item(const Piece& piece, const Rows& x, bool first, const Piece* after) {
+  switch (piece.w->kind) {
+    case 4: ItemOfKind<4>(piece, x, first, after); break;
+    case 5: ItemOfKind<5>(piece, x, first, after); break;
+    case 6: ItemOfKind<6>(piece, x, first, after); break;
+    case kQ5_0: ItemOfKind<kQ5_0>(piece, x, first, after); break;
+    default: ItemOfKind<kQ5_1>(piece, x, first, after); break;
   }
 }
 
-// A weight's split: column blocks (narrower where there are too few for the threads), then parts of K
-// along sub-blocks. One or two rows take whole rows (up to kWideColumns): each item's planes are then one
-// run per plane in memory, which the address-order prefetch (AheadLines) walks; with 192-column blocks a
-// one-row int8 walk read 0.25 of a stream, with whole rows and AheadLines 0.5-0.6 (issue 25, session 11).
-void Plan(Weight& w, int64_t depth, int64_t num_workers, int64_t rows) {
+// A call of up to kCallRows rows (a decode step, or a verify step of k + 1 rows per sequence), planned as a
+// whole (cpu_call_plan.h, as the int8-dot kernel's): each weight in whole-row column blocks as a one-row call
+// has them (up to kWideColumns, so that an item's planes are contiguous runs for the address-order prefetch:
+// with 192-column blocks a one-row int8 walk read 0.25 of a stream, with whole rows 0.5-0.6, session 11), the
+// blocks' bytes cut at sub-block boundaries into one contiguous run per worker, K split only where a run ends
+// inside a block. More rows only split each piece along its columns (3 rows and more: up to kBlockColumns,
+// the walk that prefetches kPrefetchGroups sub-blocks ahead at once), the same sub-blocks: a row's K sums are
+// added in the same order in a call of 1 row as of 8 or 64 (session 16: a verify row computes what a decode
+// row does, bit for bit). Planning weight by weight (2 x workers parts of K, each its own partial) started
+// every part with a memory latency (issue 25).
+struct CallPlan {
+  std::vector<Piece> pieces;        // run by run, each run's pieces in the blocks' order
+  std::vector<int64_t> run_starts;  // each run's first piece, then pieces.size()
+  std::vector<float> partials;      // [rows, width] per piece that starts past its block's sub-block 0
+};
+
+// The bytes a sub-block of `width` columns reads: the planes, sc and m, and its share of d and dmin.
+int64_t SubBlockBytes(const Weight& w, int64_t width) {
+  const int64_t per_column = w.group / 2 + w.group * HighBits(w.kind) / 8 + (w.sub_scales != nullptr ? 1 : 0) +
+                             (w.sub_mins != nullptr ? 1 : 0);
+  const int64_t d_bytes = w.dmin != nullptr ? 4 : 2;  // per column and row of d (a super-block; Q5_0 / Q5_1: 32 k)
+  return width * (per_column * w.groups_per_d + d_bytes) / w.groups_per_d;
+}
+
+// Block columns at most for `rows` rows: whole rows where one or two rows prefetch along them (ItemOfKind).
+constexpr int64_t WidestColumns(int64_t rows) { return JAXSERVE_KQ_AHEAD && rows <= 2 ? kWideColumns : kBlockColumns; }
+
+CallPlan PlanCall(const std::vector<Weight>& weights, int64_t depth, int64_t rows, int64_t num_workers) {
+  std::vector<jaxserve_cpu::CallBlock> blocks;  // a one-row call's
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const Weight& w = weights[i];
+    const int64_t width = jaxserve_cpu::EvenBlockWidth(w.columns, WidestColumns(1), kMinBlockColumns);
+    for (int64_t c0 = 0; c0 < w.columns; c0 += width) {
+      const int64_t block_width = std::min(width, w.columns - c0);
+      blocks.push_back({int64_t(i), c0, block_width, depth / w.group, SubBlockBytes(w, block_width)});
+    }
+  }
+  const jaxserve_cpu::CallCut cut = jaxserve_cpu::SplitColumns(jaxserve_cpu::CutCall(blocks, 1, num_workers), rows,
+                                                               WidestColumns(rows), kMinBlockColumns);
+  CallPlan plan;
+  plan.run_starts = cut.run_starts;
+  plan.partials.assign(cut.partial_floats, 0.0f);
+  for (const jaxserve_cpu::CallPiece& c : cut.pieces) {
+    const Weight& w = weights[c.weight];
+    const Target target = c.partial < 0 ? Target{w.out, w.columns, 0}
+                                        : Target{plan.partials.data() + c.partial, c.width, c.c0};
+    plan.pieces.push_back(Piece{&w, c.c0, c.width, c.g0, c.g1, target});
+  }
+  return plan;
+}
+
+// Run `run` of the plan: its pieces in order, each prefetching the next one's start.
+void RunCallPieces(const CallPlan& plan, int64_t run, const Rows& x) {
+  const int64_t begin = plan.run_starts[run], end = plan.run_starts[run + 1];
+  for (int64_t i = begin; i < end; ++i) {
+    Item(plan.pieces[i], x, i == begin, i + 1 < end ? &plan.pieces[i + 1] : nullptr);
+  }
+}
+
+// The parts of K past a block's first added into the result, in K's order (a block's pieces are in K's order).
+void AddPartials(const CallPlan& plan, int64_t rows) {
+  for (const Piece& piece : plan.pieces) {
+    if (piece.target.data == piece.w->out) continue;
+    jaxserve_cpu::AddPartial(piece.target.data, rows, piece.width, piece.w->out + piece.c0, piece.w->columns);
+  }
+}
+
+// More than kCallRows rows (prefill chunks): per weight, column blocks (narrower where there are too few for the
+// threads), then parts of K along sub-blocks, each part past the first into its own [M, N] partial. The parts
+// are not PlanCall's: a prefill row's sums may be added in another order than a decode row's (they agree to
+// float rounding, not bits).
+void PlanWeight(Weight& w, int64_t depth, int64_t num_workers) {
   const int64_t wanted = 2 * num_workers;
   int64_t width = kBlockColumns;
-#if JAXSERVE_KQ_AHEAD
-  if (rows <= 2) {
-    // whole rows (up to kWideColumns), the threads splitting K: an item's planes are then contiguous runs
-    const int64_t blocks = (w.columns + kWideColumns - 1) / kWideColumns;
-    width = ((w.columns + blocks - 1) / blocks + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns;
-  } else
-#else
-  (void)rows;
-#endif
   if ((w.columns + width - 1) / width < wanted) {
     const int64_t even = (w.columns + wanted - 1) / wanted;
     width = std::min(kBlockColumns, (even + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns);
@@ -431,16 +529,15 @@ void Plan(Weight& w, int64_t depth, int64_t num_workers, int64_t rows) {
   if (w.blocks < wanted) w.parts = std::min((wanted + w.blocks - 1) / w.blocks, depth / w.group);
 }
 
-void Run(int64_t num_workers, std::vector<Weight>& weights, const Rows& x) {
+void RunWeights(int64_t num_workers, std::vector<Weight>& weights, const Rows& x) {
   std::vector<int64_t> first_item;
   std::vector<std::vector<float>> partials(weights.size());  // parts beyond the first, where K is split
   int64_t num_items = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     Weight& w = weights[i];
-    Plan(w, x.depth, num_workers, x.rows);
+    PlanWeight(w, x.depth, num_workers);
     first_item.push_back(num_items);
     num_items += w.blocks * w.parts;
-    std::fill(w.out, w.out + x.rows * w.columns, 0.0f);
     if (w.parts > 1) partials[i].assign((w.parts - 1) * x.rows * w.columns, 0.0f);
   }
   jaxserve_cpu::RunItems(num_workers, num_items, [&](int64_t, int64_t item) {
@@ -452,7 +549,10 @@ void Run(int64_t num_workers, std::vector<Weight>& weights, const Rows& x) {
     const int64_t groups = x.depth / w.group;
     const int64_t g0 = groups * part / w.parts, g1 = groups * (part + 1) / w.parts;
     float* partial = part == 0 ? w.out : partials[i].data() + (part - 1) * x.rows * w.columns;
-    Item(w, x, g0, g1, c0, width, partial);
+    const Piece piece{&w, c0, width, g0, g1, Target{partial, w.columns, 0}};
+    // (the prefetch runs on into the next part of K: a thread's next item is likely that one)
+    const Piece after{&w, c0, width, g1, groups, Target{nullptr, 0, 0}};
+    Item(piece, x, true, g1 < groups ? &after : nullptr);
   });
   for (size_t i = 0; i < weights.size(); ++i) {
     const Weight& w = weights[i];
@@ -463,6 +563,18 @@ void Run(int64_t num_workers, std::vector<Weight>& weights, const Rows& x) {
       for (int64_t j = 0; j < size; ++j) w.out[j] += from[j];
     }
   }
+}
+
+void Run(int64_t num_workers, std::vector<Weight>& weights, const Rows& x) {
+  for (Weight& w : weights) std::fill(w.out, w.out + x.rows * w.columns, 0.0f);
+  if (x.rows > kCallRows) {
+    RunWeights(num_workers, weights, x);
+    return;
+  }
+  const CallPlan plan = PlanCall(weights, x.depth, x.rows, num_workers);
+  const int64_t num_runs = int64_t(plan.run_starts.size()) - 1;
+  jaxserve_cpu::RunItems(num_workers, num_runs, [&](int64_t, int64_t run) { RunCallPieces(plan, run, x); });
+  AddPartials(plan, x.rows);
 }
 
 // Whether `buffer` is 2-d [rows, columns] of `type`.

@@ -26,9 +26,10 @@
 // groups; within a chunk, weight rows eight at a time in address order (the int32 sums of up to 8 rows of
 // x, [8, width], in L1), software prefetch ahead along the walk; the same thread split (column blocks, then
 // parts of K summed in part order: deterministic). One or two rows take a whole chunk per tile with the sums
-// in registers (ChunkInRegisters). Up to 8 rows read whole weight rows, and the call is planned as a whole
+// in registers (ChunkInRegisters). Up to 64 rows (decode and verify steps) the call is planned as a whole
 // (PlanCall): its weights' bytes cut into one contiguous run per worker, K split only where a run ends inside
-// a weight. More rows (Plan): a decode step's up to 64 in one row block, a prefill chunk's in blocks of 64
+// a weight, at the same groups whatever the rows (a verify row sums as a decode row does, bit for bit). More
+// rows (Plan): a prefill chunk's in blocks of 64
 // (items of one column block and one row block, row blocks adjacent so that a thread's column block of
 // weights stays in L2 while its row blocks pass), x quantized once for all of them; each row's result is
 // what a call with its block's rows alone computes, up to the order in which K's parts are added.
@@ -45,6 +46,7 @@
 #include "cpu_int8_dot_vectors.h"
 #include "cpu_int8_dot_activations.h"
 #include "cpu_int8_dot_chunks.h"
+#include "matmul/cpu_call_plan.h"
 #include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -182,15 +184,17 @@ inline void RunPiece(const Piece& piece, int64_t r_begin, int64_t r_end, bool fi
   }
 }
 
-// A call of up to 8 rows (a decode step), planned as a whole: each weight in whole-row column blocks (as
-// even as whole tiles allow, at most BlockColumns wide: a block narrower than a row reads short runs N bytes
-// apart that the hardware prefetchers lose), the call's blocks in order as one sequence of bytes (weights and
-// scales), cut at group boundaries into one contiguous run per worker. So a weight is split along K only
-// where a run ends inside it (a call of two workers: at most one part sum), and each worker starts the call
-// once. Planning per weight instead (every weight cut into parts of K, two items per worker) cost each
-// part's first chunk and scales a memory latency: 0.63-0.66 of a two-thread stream on Q4_0 (issue 25).
-// The cut depends on the shapes, the rows and the number of workers only: each row's sums are added in the
-// same order every time, whoever runs which run, however late a helper starts.
+// A call of up to kRowBlock rows (a decode step, or a verify step of k + 1 tokens per sequence), planned as a
+// whole (cpu_call_plan.h, shared with the K-quant kernel): each weight in whole-row column blocks (as even as
+// whole tiles allow, at most BlockColumns(1) wide), the call's blocks in order as one sequence of bytes
+// (weights and scales), cut at group boundaries into one contiguous run per worker. So a weight is split
+// along K only where a run ends inside it (a call of two workers: at most one part sum), and each worker
+// starts the call once. Planning per weight instead (every weight cut into parts of K, two items per worker)
+// cost each part's first chunk and scales a memory latency: 0.63-0.66 of a two-thread stream on Q4_0 (issue
+// 25). The cut is a one-row call's whatever the rows (session 16): more rows only split each piece along its
+// columns into blocks at most BlockColumns(rows) wide (the sums of up to 8 rows in L1), the same groups. So a
+// row's sums are added in the same order in a call of 1 row as of 8 or 64, and every time: the cut depends on
+// the shapes and the number of workers only.
 struct CallPlan {
   std::vector<Piece> pieces;        // run by run, each run's pieces in the sequence's order
   std::vector<int64_t> run_starts;  // each run's first piece, then pieces.size()
@@ -198,58 +202,29 @@ struct CallPlan {
 };
 
 CallPlan PlanCall(std::vector<Problem>& problems, int64_t rows, int64_t num_workers) {
-  struct Block {
-    const Problem* problem;
-    int64_t c0, width, group_bytes;
-  };
-  std::vector<Block> blocks;
-  int64_t total = 0;
-  const int64_t widest = BlockColumns(rows);
-  for (const Problem& p : problems) {
-    const int64_t count = (p.columns + widest - 1) / widest;
-    const int64_t width = ((p.columns + count - 1) / count + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns;
+  std::vector<jaxserve_cpu::CallBlock> blocks;  // a one-row call's
+  for (size_t i = 0; i < problems.size(); ++i) {
+    const Problem& p = problems[i];
+    const int64_t width = jaxserve_cpu::EvenBlockWidth(p.columns, BlockColumns(1), kMinBlockColumns);
     const int64_t scale_bytes = (p.scales.type == ffi::DataType::F32 ? 4 : 2) * (p.mins.data != nullptr ? 2 : 1);
     for (int64_t c0 = 0; c0 < p.columns; c0 += width) {
       const int64_t w = std::min(width, p.columns - c0);
-      blocks.push_back(Block{&p, c0, w, w * (p.group * p.bits / 8 + scale_bytes)});
-      total += blocks.back().group_bytes * p.num_groups;
+      blocks.push_back({int64_t(i), c0, w, p.num_groups, w * (p.group * p.bits / 8 + scale_bytes)});
     }
   }
+  const jaxserve_cpu::CallCut cut = jaxserve_cpu::SplitColumns(jaxserve_cpu::CutCall(blocks, 1, num_workers), rows,
+                                                               BlockColumns(rows), kMinBlockColumns);
   CallPlan plan;
-  std::vector<int64_t> partial_at;  // per piece: its offset in partials, or -1 (it adds into the result)
-  int64_t partial_floats = 0, run = 0, position = 0;  // position: bytes before the block's first group
-  const int64_t num_runs = std::max<int64_t>(1, num_workers);
-  plan.run_starts.push_back(0);
-  for (const Block& b : blocks) {
-    const Problem& p = *b.problem;
-    int64_t g = 0;
-    while (g < p.num_groups) {
-      int64_t end = p.num_groups;
-      if (run + 1 < num_runs) {  // where the run's share of the bytes ends, to the nearest group
-        const int64_t bound = total * (run + 1) / num_runs;
-        const int64_t cut = (bound - position + b.group_bytes / 2) / b.group_bytes;
-        end = std::clamp<int64_t>(cut, g, p.num_groups);
-      }
-      if (end > g) {
-        plan.pieces.push_back(Piece{&p, b.c0, b.width, g, end, p.out + b.c0, p.columns});
-        partial_at.push_back(g > 0 ? partial_floats : -1);
-        if (g > 0) partial_floats += rows * b.width;
-        g = end;
-      }
-      if (g < p.num_groups) {  // the run ends here: the next one starts
-        ++run;
-        if (plan.run_starts.back() < int64_t(plan.pieces.size())) plan.run_starts.push_back(plan.pieces.size());
-      }
+  plan.run_starts = cut.run_starts;
+  plan.partials.assign(cut.partial_floats, 0.0f);
+  for (const jaxserve_cpu::CallPiece& c : cut.pieces) {
+    const Problem& p = problems[c.weight];
+    Piece piece{&p, c.c0, c.width, c.g0, c.g1, p.out + c.c0, p.columns};
+    if (c.partial >= 0) {
+      piece.out = plan.partials.data() + c.partial;
+      piece.out_stride = c.width;
     }
-    position += b.group_bytes * p.num_groups;
-  }
-  if (plan.run_starts.back() < int64_t(plan.pieces.size())) plan.run_starts.push_back(plan.pieces.size());
-  plan.partials.assign(partial_floats, 0.0f);
-  for (size_t i = 0; i < plan.pieces.size(); ++i) {
-    if (partial_at[i] >= 0) {
-      plan.pieces[i].out = plan.partials.data() + partial_at[i];
-      plan.pieces[i].out_stride = plan.pieces[i].width;
-    }
+    plan.pieces.push_back(piece);
   }
   return plan;
 }
@@ -272,19 +247,13 @@ void AddPartials(const CallPlan& plan, int64_t rows) {
   for (const Piece& piece : plan.pieces) {
     const Problem& p = *piece.problem;
     if (piece.out == p.out + piece.c0) continue;
-    for (int64_t r = 0; r < rows; ++r) {
-      float* __restrict to = p.out + r * p.columns + piece.c0;
-      const float* __restrict from = piece.out + r * piece.out_stride;
-#pragma omp simd
-      for (int64_t c = 0; c < piece.width; ++c) to[c] += from[c];
-    }
+    jaxserve_cpu::AddPartial(piece.out, rows, piece.width, p.out + piece.c0, p.columns);
   }
 }
 
-// More rows (a prefill chunk, or a decode step past 8): per weight, blocks of kRowBlock rows, column blocks
-// (narrower where there are too few items for the threads), then parts of K. Up to kRowBlock rows the split
-// does not depend on how many rows there are beyond 8, so each row's sums are added in the same order at 9
-// rows as at 64.
+// More rows than kRowBlock (a prefill chunk): per weight, blocks of kRowBlock rows, column blocks (narrower
+// where there are too few items for the threads), then parts of K. The parts are not PlanCall's: a prefill
+// row's sums may be added in another order than a decode row's (they agree to float rounding, not bits).
 void Plan(Problem& p, int64_t rows, int64_t num_workers) {
   const int64_t wanted = 2 * num_workers;  // two items per thread at least, so that a late helper gets its share
   p.row_blocks = (rows + kRowBlock - 1) / kRowBlock;
@@ -344,7 +313,7 @@ void RunRowBlocks(int64_t num_workers, std::vector<Problem>& problems, int64_t r
 
 void Run(int64_t num_workers, std::vector<Problem>& problems, int64_t rows) {
   for (Problem& p : problems) std::fill(p.out, p.out + rows * p.columns, 0.0f);
-  if (rows > kRowGroup) {
+  if (rows > kRowBlock) {  // prefill chunks: per-weight items (no decode or verify step is this large)
     RunRowBlocks(num_workers, problems, rows);
     return;
   }

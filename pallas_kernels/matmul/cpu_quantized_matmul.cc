@@ -13,7 +13,8 @@
 //
 // Work is split as cpu_matmul.cc splits a [K, N] weight: column blocks times (where there are too few
 // blocks for the threads) a fixed split of K into parts along group boundaries, each part into its own
-// partial, summed in part order, so results do not depend on which thread took which item. Built by
+// partial, summed in part order, so results do not depend on which thread took which item. The parts are a
+// one-row call's whatever the rows: each row's result is the bits a one-row call gives it (session 16). Built by
 // pallas_kernels/cpu_library.py into the kernels' one library (the helpers in ../cpu_workers.h); the
 // compiler flags pick the path (AVX-512, AVX2, or the portable vector types).
 
@@ -252,19 +253,27 @@ void Item(const Problem& p, const Rows& x, int64_t g0, int64_t g1, int64_t c0, i
   }
 }
 
-// A weight's split: column blocks (narrower where there are too few for the threads), then parts of K.
+// Column blocks of a weight for `rows` rows: at most BlockColumns(rows) wide, narrower (whole vectors, as even
+// as they allow) where there are fewer than `wanted` blocks.
+inline int64_t PlanWidth(const Problem& p, int64_t rows, int64_t wanted) {
+  const int64_t widest = BlockColumns(rows);
+  if ((p.columns + widest - 1) / widest >= wanted) return widest;
+  const int64_t even = (p.columns + wanted - 1) / wanted;
+  return std::min(widest, std::max(kMinBlockColumns, (even + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns));
+}
+
+// A weight's split: column blocks (narrower where there are too few for the threads), then parts of K. The
+// parts are a one-row call's whatever the rows (session 16): a row's groups are summed in the same parts, added
+// in the same order, in a call of 1 row as of 8 or 64, so a verify step's row gets a decode step's bits (a
+// column's sums do not depend on which block holds it). More rows only make more, narrower column blocks.
 void Plan(Problem& p, int64_t rows, int64_t num_workers) {
   const int64_t wanted = 2 * num_workers;  // two items per thread at least, so that a late helper gets its share
-  const int64_t widest = BlockColumns(rows);
-  int64_t width = widest;
-  if ((p.columns + width - 1) / width < wanted) {
-    const int64_t even = (p.columns + wanted - 1) / wanted;
-    width = std::min(widest, std::max(kMinBlockColumns, (even + kMinBlockColumns - 1) / kMinBlockColumns * kMinBlockColumns));
-  }
-  p.block_columns = width;
-  p.blocks = (p.columns + width - 1) / width;
+  p.block_columns = PlanWidth(p, rows, wanted);
+  p.blocks = (p.columns + p.block_columns - 1) / p.block_columns;
+  const int64_t one_row_width = PlanWidth(p, 1, wanted);
+  const int64_t one_row_blocks = (p.columns + one_row_width - 1) / one_row_width;
   p.parts = 1;
-  if (p.blocks < wanted) p.parts = std::min((wanted + p.blocks - 1) / p.blocks, p.num_groups);
+  if (one_row_blocks < wanted) p.parts = std::min((wanted + one_row_blocks - 1) / one_row_blocks, p.num_groups);
 }
 
 void Run(int64_t num_workers, std::vector<Problem>& problems, const Rows& x) {

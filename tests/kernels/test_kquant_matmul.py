@@ -21,6 +21,7 @@ from jaxserve.loading.quantize_gguf import from_gguf_kquant_blocks
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import choose_matmul, kquant, kquant_cpu
 from pallas_kernels.matmul.kquant import KQuantWeight, numpy_dequantize
+from tests.kernels.row_invariance import assert_rows_as_alone
 from tests.kernels.test_quantized_int8_dot import FLOAT32_EPS, quantize_rows
 from tests.support.gguf_files import random_blocks
 
@@ -152,11 +153,82 @@ def test_int8_activations_compute_llama_cpps_integer_arithmetic_on_every_path():
                 assert np.all(np.abs(got - x @ expected) <= rounding * (1 + 1e-5) + 1e-4), (path, weight.kind)
 
 
+def test_decode_calls_are_cut_per_call_and_repeat_bit_for_bit():
+    """A call of up to 64 rows is planned as a whole (cpu_call_plan.h, as the int8-dot kernel's): its weights'
+    whole-row column blocks in order as one sequence of bytes, cut at sub-block boundaries into one contiguous run
+    per worker, so that a weight is split along K only where a run ends inside it (with two workers: inside the
+    first Q6_K weight of the small call, mid super-block; inside a column block of the head-wide Q6_K weight, one
+    of 3 blocks at 1-2 rows, each piece split in 12 at 8), and each piece prefetches the start of the next. Every
+    path, x in int8 (the integer model where the path has the tiles) and in float (the dequantized product),
+    1 / 2 / 8 rows; the same call again gives the same bits (the cut depends on shapes and workers, never on
+    timing or the rows)."""
+    small_specs = ((T.Q6_K, 260, 512, 31), (T.Q4_K, 37, 512, 32), (T.Q5_0, 64, 512, 33))
+    small, small_dense = _weights(*small_specs)
+    head, head_dense = _weight(T.Q6_K, 9000, 512, 34)
+    rng = np.random.default_rng(35)
+    for path in cpu_library.runnable_paths():
+        for activations in ("int8", "float") if kquant_cpu.computes_int8(path) else ("float",):
+            call = jax.jit(
+                lambda x, ws, path=path, a=activations: kquant_cpu.kquant_matmuls(x, ws, path=path, activations=a)
+            )
+            for num_rows in (1, 2, 8):
+                x = rng.standard_normal((num_rows, 512)).astype(np.float32)
+                for weights, dense in ((small, small_dense), ((*small, head), (*small_dense, head_dense))):
+                    first = [np.asarray(got) for got in call(jnp.asarray(x), weights)]
+                    for got, weight, expected in zip(first, weights, dense, strict=True):
+                        _assert_kernel_result(got, x, weight, expected, path, activations)
+                    for _ in range(3):
+                        for again, got in zip(call(jnp.asarray(x), weights), first, strict=True):
+                            np.testing.assert_array_equal(np.asarray(again), got)
+
+
+def test_a_row_computes_alike_in_calls_of_any_decode_or_verify_size():
+    """tests/kernels/row_invariance.py's rule for the K-quant kernel: a call of up to 64 rows is cut along K where
+    a one-row call is (its whole-row blocks up to 4096 columns), more rows only splitting each piece along its
+    columns (3 rows and more: 256 wide), the same sub-blocks; so rows 0 and M // 2 of an M-row call are the bits
+    of the one-row call, x in int8 and in float, on every path, every kind at odd widths in one call (the cut
+    inside one of them) and with a head-wide Q4_K weight (the cut inside it). Main before session 16 cut the
+    1-2 row, 3-8 row and 9+ row calls differently."""
+    small, _ = _weights(
+        (T.Q6_K, 260, 512, 51),
+        (T.Q4_K, 37, 512, 52),
+        (T.Q5_0, 64, 512, 53),
+        (T.Q5_K, 83, 512, 54),
+        (T.Q5_1, 19, 512, 55),
+    )
+    head, _ = _weight(T.Q4_K, 9000, 512, 56)
+    x = np.random.default_rng(57).standard_normal((64, 512)).astype(np.float32)
+    for path in cpu_library.runnable_paths():
+        for activations in ("int8", "float") if kquant_cpu.computes_int8(path) else ("float",):
+            call = jax.jit(
+                lambda x, ws, path=path, a=activations: kquant_cpu.kquant_matmuls(x, ws, path=path, activations=a)
+            )
+            for weights in (small, (*small, head)):
+                label = f"{path}, {activations}, {len(weights)}"
+                assert_rows_as_alone(lambda rows, ws=weights, call=call: call(jnp.asarray(x[rows]), ws), label)
+
+
+def _assert_kernel_result(got, x: np.ndarray, weight: KQuantWeight, expected: np.ndarray, path: str, activations: str):
+    """The kernel's result against the integer model (x in int8 on a path with the int8 tiles: within float32
+    rounding of it) or the dequantized product (x in float)."""
+    got = np.asarray(got, np.float64)
+    if activations == "float" or not kquant_cpu.computes_int8(path):
+        np.testing.assert_allclose(got, x @ expected, rtol=1e-5, atol=2e-3)
+        return
+    model, size, count = int8_activation_model(x, weight)
+    bound = (count + 6) * FLOAT32_EPS * size + 1e-30
+    error = np.abs(got - model)
+    assert np.all(error <= bound), (path, weight.kind, x.shape[0], float(np.max(error / bound)))
+
+
 def test_prefill_sized_rows_compute_as_the_few_row_tiles_bit_for_bit():
-    """65 and 200 rows (past the decode buckets; odd): with int8 x the many-rows items (each weight widened
-    once per call, cpu_kquant_int8.h's WidenedItem) give each row exactly what the one-pass tiles give it in a
-    call of 8 rows, and within float32 rounding of the integer model; paths without the int8 tiles keep x in
-    float (the dequantized product)."""
+    """65 and 200 rows (past the decode and verify buckets; odd): with int8 x the many-rows items (each weight
+    widened once per call, cpu_kquant_int8.h's WidenedItem) are within float32 rounding of the integer model
+    (odd N, column tails), and give each row exactly what the one-pass tiles give it in a call of 8 rows where
+    neither call splits K: eight weights of a kind at 2048 columns (a one-row call's 8 whole-row blocks, which
+    the call plan cuts at block boundaries for 1, 2, 4 or 8 threads; at 65+ rows 8 blocks of 256 a weight, K
+    whole up to 4 threads). Where a call of 8 rows cuts K (odd shapes, joined weights) only the order of the
+    parts' sums differs. Paths without the int8 tiles keep x in float (the dequantized product)."""
     weights, dense = _weights(
         (T.Q4_K, 531, 512, 21),  # two 256-column blocks and a tail of 19 columns
         (T.Q5_K, 64, 512, 22),
@@ -164,23 +236,26 @@ def test_prefill_sized_rows_compute_as_the_few_row_tiles_bit_for_bit():
         (T.Q5_0, 192, 512, 24),
         (T.Q5_1, 19, 512, 25),
     )
+    wide, _ = _weights(*((qtype, 2048, 512, 40 + i) for i, qtype in enumerate(KQUANTS)))
     rng = np.random.default_rng(26)
     for path in cpu_library.runnable_paths():
         call = jax.jit(lambda x, ws, path=path: kquant_cpu.kquant_matmuls(x, ws, path=path, activations="int8"))
         for num_rows in (65, 200):
             x = rng.standard_normal((num_rows, 512)).astype(np.float32)
             x[3, 64:96] = 0.0  # a chunk of zeros: d = 0
-            got = call(jnp.asarray(x), weights)
-            few = call(jnp.asarray(x[:8]), weights)
-            for many, eight, weight, expected in zip(got, few, weights, dense, strict=True):
+            for many, weight, expected in zip(call(jnp.asarray(x), weights), weights, dense, strict=True):
                 many = np.asarray(many, np.float64)
                 if not kquant_cpu.computes_int8(path):
                     np.testing.assert_allclose(many, x @ expected, rtol=1e-5, atol=2e-3)
                     continue
-                assert np.array_equal(many[:8], np.asarray(eight)), (path, weight.kind, num_rows)
                 model, size, count = int8_activation_model(x, weight)
                 bound = (count + 6) * FLOAT32_EPS * size + 1e-30
                 assert np.all(np.abs(many - model) <= bound), (path, weight.kind, num_rows)
+            if not kquant_cpu.computes_int8(path):
+                continue
+            for weight in wide:
+                for many, eight in zip(call(jnp.asarray(x), (weight,) * 8), call(jnp.asarray(x[:8]), (weight,) * 8)):
+                    assert np.array_equal(np.asarray(many)[:8], np.asarray(eight)), (path, weight.kind, num_rows)
 
 
 def test_the_plan_joins_a_q4_k_m_layers_weights_in_one_kernel_call():

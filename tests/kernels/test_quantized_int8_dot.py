@@ -13,7 +13,8 @@ import pytest
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import choose_matmul, quantized_cpu
 from pallas_kernels.matmul.quantized import QuantizedWeight
-from tests.kernels.test_quantized_matmul import LAYOUTS, numpy_dequantize, random_weight
+from tests.kernels.row_invariance import assert_rows_as_alone
+from tests.kernels.test_quantized_matmul import LAYOUTS, numpy_dequantize, random_weight, row_invariance_weights
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
 
@@ -163,11 +164,11 @@ def test_one_int8_call_serves_mixed_weights_on_every_instruction_path():
 
 
 def test_decode_calls_are_cut_per_call_and_repeat_bit_for_bit():
-    """A call of up to 8 rows is planned as a whole: its weights' bytes in order, cut into one contiguous run per
+    """A call of up to 64 rows is planned as a whole: its weights' bytes in order, cut into one contiguous run per
     worker, so that a weight is split along K only where a run ends inside it (here inside the first weight of
     the small call, and inside a column block of the head-wide weight, 3 blocks at one row, 18 at eight), and
     each piece prefetches the start of the next. Against the integer model on every path; the same call again
-    gives the same bits (the cut depends on the shapes, the rows and the workers, never on timing)."""
+    gives the same bits (the cut depends on the shapes and the workers, never on timing or the rows)."""
     rng = np.random.default_rng(12)
     depth = 256
     small = (
@@ -187,6 +188,24 @@ def test_decode_calls_are_cut_per_call_and_repeat_bit_for_bit():
                 for _ in range(3):
                     for again, got in zip(call(jnp.asarray(x), weights), first, strict=True):
                         np.testing.assert_array_equal(np.asarray(again), got)
+
+
+def test_a_row_sums_alike_in_calls_of_any_decode_or_verify_size():
+    """Speculation's greedy identity rests on it (tests/kernels/row_invariance.py): a verify step computes k + 1
+    rows of a sequence (up to 64 rows over a batch) where a decode step computed one, and with int8 activations
+    a 1e-6 difference in the order K is summed flips near-ties (session 15: the default model's Q4_1 file, 3 of
+    4 outputs changed with ngram speculation). So a call of up to 64 rows is cut along K where a one-row call
+    is, whatever the rows (cpu_call_plan.h's SplitColumns): rows 0 and M // 2 of an M-row call are the bits of
+    the one-row call, on every path, with the cut inside a small weight and inside the head-wide one. (Main
+    before session 16: 618 of 9000 columns differed at 2 rows.)"""
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    for path in cpu_library.runnable_paths():
+        call = jax.jit(lambda x, ws, path=path: quantized_cpu.quantized_matmuls(x, ws, path=path))
+        for weights in row_invariance_weights(rng):
+            assert_rows_as_alone(
+                lambda rows, ws=weights, call=call: call(jnp.asarray(x[rows]), ws), f"{path}, {len(weights)}"
+            )
 
 
 @pytest.mark.parametrize("compute_dtype", [jnp.bfloat16, jnp.float16])
@@ -244,17 +263,19 @@ def test_prefill_rows_past_64_match_the_integer_model(depth, columns, bits, grou
 
 def test_prefill_rows_are_computed_as_their_64_row_blocks_alone():
     """Where neither call splits K among the threads (4096 columns: enough items for up to 32 threads), each row
-    of a 192-row call equals, bit for bit, the same row in a call of its 64-row block alone: the greedy tokens
-    of a prefill do not depend on how many rows its chunk had. 16-bit rows too (widened per row). (A block
-    of 8 rows or fewer alone would split K: whole weight rows, parts of K summed after.)"""
+    of a 192-row call equals, bit for bit, the same row in a prefill call of fewer of its 64-row blocks (65 and
+    128 rows): the greedy tokens of a prefill do not depend on how many rows its chunk had. 16-bit rows too
+    (widened per row). (64 rows or fewer are decode and verify calls, cut along K as one row is: a one-row
+    call splits this weight's K between two workers, so their rows may differ from a prefill's in the last
+    bits.)"""
     rng = np.random.default_rng(5)
     weight = random_weight(rng, 96, 4096, 4, 32, jnp.float16, True)
     for dtype in (jnp.float32, jnp.bfloat16):
         x = jnp.asarray(rng.standard_normal((192, 96)), dtype)
         whole = np.asarray(jax.jit(quantized_cpu.quantized_matmul)(x, weight))
-        for r0 in range(0, 192, 64):
-            block = np.asarray(jax.jit(quantized_cpu.quantized_matmul)(x[r0 : r0 + 64], weight))
-            np.testing.assert_array_equal(whole[r0 : r0 + 64], block)
+        for r0, r1 in ((0, 65), (64, 192)):
+            block = np.asarray(jax.jit(quantized_cpu.quantized_matmul)(x[r0:r1], weight))
+            np.testing.assert_array_equal(whole[r0:r1], block)
 
 
 def test_the_int8_plan_sends_prefill_chunks_to_the_kernel_and_the_float_plan_does_not():

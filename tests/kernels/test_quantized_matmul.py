@@ -17,6 +17,7 @@ from jaxserve.loading.quantize import quantize_int4, quantize_int8
 from jaxserve.loading.quantize_gguf import from_gguf_blocks
 from pallas_kernels.matmul import REFERENCE_PLAN, choose_matmul, quantized, quantized_cpu
 from pallas_kernels.matmul.quantized import QuantizedWeight
+from tests.kernels.row_invariance import assert_rows_as_alone
 from tests.support.gguf_files import random_blocks
 
 
@@ -48,6 +49,21 @@ def random_weight(rng, depth, columns, bits, group, scale_dtype, with_mins, comp
     scales = jnp.asarray(rng.uniform(0.001, 0.02, (groups, columns)), scale_dtype)
     mins = jnp.asarray(rng.uniform(-0.1, 0.1, (groups, columns)), scale_dtype) if with_mins else None
     return QuantizedWeight(jnp.asarray(values), scales, mins, bits=bits, group_size=group, compute_dtype=compute_dtype)
+
+
+def row_invariance_weights(rng, depth: int = 256):
+    """Weights of every layout the kernels take, at odd widths, in one call, and a head-wide one whose 3 column
+    blocks the call's cut lands inside (a one-row call of two workers: mid-K of its middle block)."""
+    small = (
+        random_weight(rng, depth, 200, 4, 32, jnp.float16, False),  # Q4_0
+        random_weight(rng, depth, 64, 4, 32, jnp.float16, True),  # Q4_1
+        random_weight(rng, depth, 64, 8, 32, jnp.float16, False),  # Q8_0
+        random_weight(rng, depth, 83, 8, 32, jnp.float16, False),  # N not a multiple of a tile
+        random_weight(rng, depth, 30, 8, 16, jnp.float32, True),  # chunks of 16
+        random_weight(rng, depth, 150, 4, 128, jnp.bfloat16, False),  # one group of four chunks
+        random_weight(rng, depth, 17, 8, depth, jnp.float32, False),  # int8 per channel
+    )
+    return small, (*small, random_weight(rng, depth, 9000, 4, 32, jnp.float16, False))
 
 
 # (K, N, bits, group, scale dtype, mins): int8 per channel at odd K and N, GGUF Q8_0 / Q6_K-like groups,
@@ -169,6 +185,23 @@ def test_one_call_serves_mixed_weights_on_every_instruction_path():
             x = rng.standard_normal((num_rows, depth)).astype(np.float32)
             for got, dense in zip(call(jnp.asarray(x), weights), expected, strict=True):
                 np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ dense, rtol=1e-5, atol=1e-4)
+
+
+def test_a_row_computes_alike_in_calls_of_any_decode_or_verify_size():
+    """tests/kernels/row_invariance.py's rule for the float-activation kernel (quantized_activations: float): a
+    weight's parts of K are a one-row call's whatever the rows (a head-wide weight: 3 column blocks at one row,
+    too few for two workers, so K in two parts; 7-18 blocks at 3-64 rows, where main kept K whole), so rows 0
+    and M // 2 of an M-row call are the bits of the one-row call, on every path."""
+    from pallas_kernels import cpu_library
+
+    rng = np.random.default_rng(16)
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    for path in cpu_library.runnable_paths():
+        call = jax.jit(lambda x, ws, path=path: quantized_cpu.quantized_matmuls(x, ws, path=path, activations="float"))
+        for weights in row_invariance_weights(rng):
+            assert_rows_as_alone(
+                lambda rows, ws=weights, call=call: call(jnp.asarray(x[rows]), ws), f"{path}, {len(weights)}"
+            )
 
 
 def test_the_plan_joins_a_layers_quantized_weights_in_one_call():

@@ -11,6 +11,7 @@ import pytest
 
 from pallas_kernels.matmul import choose_matmul, cpu_lora
 from pallas_kernels.matmul.lora import LoraMatmul, LoraWeight, reference, route_rows, with_lora
+from tests.kernels.row_invariance import assert_rows_as_alone
 
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3}
 
@@ -57,6 +58,26 @@ def test_segmented_lora_matches_reference(num_rows, size_in, size_out, num_slots
     plain = row_slots == 0
     np.testing.assert_array_equal(got[plain], np.asarray(product)[plain])  # untouched, bit for bit
     assert np.abs(got[~plain] - np.asarray(product)[~plain]).max() > 0.1 * scale  # the adapters did add
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_row_computes_alike_in_calls_of_any_decode_or_verify_size(dtype):
+    """tests/kernels/row_invariance.py's rule for the LoRA product (session 16): a row's x @ A sums K in order, its
+    t @ B the rank in order, whichever rows share its adapter, however many there are (one slot with 40 rows:
+    several shrink and expand items) and wherever the row falls in a register tile; so rows 0 and M // 2 of an
+    M-row call are the bits of the one-row call with that row's slot, on every path. (Nothing to fix: checked.)"""
+    from pallas_kernels import cpu_library
+
+    i = np.arange(64)
+    row_slots = np.where(i % 7 == 5, 0, np.where(i % 4 == 3, 2 + (i // 4) % 2, 1))
+    weight, rows = weight_and_rows(26, 64, 33, 300, 4, 20, dtype, row_slots)
+    product = jnp.asarray(np.random.default_rng(27).normal(size=(64, 300)), jnp.float32)
+    slots = jnp.asarray(row_slots, jnp.int32)
+    for path in cpu_library.runnable_paths():
+        call = jax.jit(lambda r, p, s, path=path: cpu_lora.add_lora(r, p, weight.a, weight.b, s, path=path))
+        assert_rows_as_alone(
+            lambda idx, call=call: (call(rows[idx], product[idx], slots[idx]),), f"{path}, {jnp.dtype(dtype)}"
+        )
 
 
 def test_engine_plan_on_one_cpu_device_uses_the_segmented_kernel():

@@ -34,6 +34,7 @@ from jaxserve.device.step import expert_token_counts
 from jaxserve.device.step_inputs import StepInputs
 from jaxserve.lora.slots import bind_row_slots
 from jaxserve.models.kv_pages import KVPages
+from pallas_kernels.matmul.row_blocks import verify_rows
 
 # Legend: S = verify rows, W = tokens per row (k + 1), V = vocab, E = token buffer entries.
 
@@ -119,10 +120,11 @@ def verify_step(
     step_inputs = inputs.step
     model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, param_leaves))
     bind_row_slots(model, step_inputs.lora_slots)  # each token's LoRA adapter (jaxserve/lora)
-    (hidden, kv_pages), intermediates = nnx.capture(model, nnx.Intermediate)(
-        step_inputs.token_ids, kv_pages, step_inputs.attention
-    )
-    logits = model.compute_logits(hidden[step_inputs.logits_indices])
+    with verify_rows():  # each row computed as a decode row is (pallas_kernels/matmul/row_blocks.py)
+        (hidden, kv_pages), intermediates = nnx.capture(model, nnx.Intermediate)(
+            step_inputs.token_ids, kv_pages, step_inputs.attention
+        )
+        logits = model.compute_logits(hidden[step_inputs.logits_indices])
     counts = expert_token_counts(jax.tree.leaves(intermediates), step_inputs, num_experts)
     sampled, num_accepted = verify(
         logits,

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.layers import row_softmax, tree_sum
 
 # Legend: T = tokens, X = experts, G = groups, k = experts per token.
 
@@ -44,14 +45,14 @@ class GroupedRouting:
     def __call__(self, router_logits, correction_bias=None):
         """router_logits [T, X], correction_bias [X] or None -> (weights [T, k] float32, expert ids [T, k])."""
         logits = router_logits.astype(jnp.float32)
-        scores = jax.nn.sigmoid(logits) if self.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+        scores = jax.nn.sigmoid(logits) if self.scoring == "sigmoid" else row_softmax(logits)
         choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)[None, :]
         if self.group_scoring != "none" and self.num_groups_kept < self.num_groups:
             choice = self._keep_best_groups(choice)
         _, expert_ids = jax.lax.top_k(choice, self.top_k)
         weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
         if self.normalize:
-            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+            weights = weights / (tree_sum(weights) + 1e-20)
         return weights * self.scaling_factor, expert_ids
 
     def _keep_best_groups(self, choice):

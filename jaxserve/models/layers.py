@@ -80,6 +80,28 @@ class Matmul(Protocol):
         ...
 
 
+def tree_sum(x):
+    """x [..., n] -> [..., 1]: the sum over the last axis in a fixed tree of halves (zero-padded to a power of two).
+    XLA:CPU's own reduction sums a float32 row in another order in a call of 8 rows or more than in one of fewer,
+    so a norm's row (and everything after it) depended on the step's rows: a verify step's row then rounded
+    differently from a decode step's (issue 26: greedy outputs identical with speculation on and off). Each add
+    here is elementwise, so every row is summed alike whatever the rows."""
+    width = 1 << (x.shape[-1] - 1).bit_length()
+    if width != x.shape[-1]:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x
+
+
+def row_softmax(x):
+    """softmax over the last axis with the sum taken by tree_sum: XLA's own softmax sums a row of 60-128 experts
+    in another order in a call of 40+ rows than of fewer (a router's weights then depended on the step's rows)."""
+    exps = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    return exps / tree_sum(exps)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, size: int, eps: float, dtype, axis: str = "embed", unit_offset: bool = False):
         # unit_offset (Gemma): the weight is stored as an offset from 1
@@ -90,7 +112,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        normed = x32 * jax.lax.rsqrt(tree_sum(x32 * x32) / x.shape[-1] + self.eps)
         if self.unit_offset:  # as HF's Gemma: scaled in float32, then cast
             return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         # As HF's Llama: normalize in float32, cast back, then scale in the input dtype.

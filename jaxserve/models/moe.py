@@ -18,7 +18,7 @@ from flax import nnx
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.deepseek_config import DEEPSEEK_MODEL_TYPES
 from jaxserve.models.grouped_routing import GroupedRouting
-from jaxserve.models.layers import ACTIVATIONS, MLP, Matmul, linear
+from jaxserve.models.layers import ACTIVATIONS, MLP, Matmul, linear, row_softmax, tree_sum
 
 # Legend: T = tokens, E = embed, X = experts, F = expert mlp, k = experts per token, S = stored expert rows
 # (X, or X padded to an even number per device under expert parallelism: rows no expert id points at).
@@ -58,10 +58,10 @@ class Experts(Protocol):
 def route(router_logits, top_k: int, normalize: bool = True):
     """As HF: softmax over all experts in float32, keep the top k (rescaled to sum to 1 where the model
     does) -> (weights [T, k] float32, expert ids [T, k])."""
-    router_probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [T, X]
+    router_probs = row_softmax(router_logits.astype(jnp.float32))  # [T, X], each row alike in any step (layers.py)
     weights, expert_ids = jax.lax.top_k(router_probs, top_k)
     if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / tree_sum(weights)
     return weights, expert_ids
 
 

@@ -32,6 +32,7 @@ from typing import ClassVar, Protocol
 import jax.numpy as jnp
 
 from pallas_kernels.matmul import cpu, kquant, kquant_cpu, quantized, quantized_cpu, reference
+from pallas_kernels.matmul.row_blocks import ROW_INVARIANT_ROWS, in_row_blocks, tracing_verify_rows
 
 
 def _bfloat16_max_rows() -> int:
@@ -94,7 +95,8 @@ class ReferenceMatmul:
 
 @dataclass(frozen=True)
 class SmallMatmul:
-    """The C++ kernel, for up to `max_rows` rows of weights in one of the dtypes it serves."""
+    """The C++ kernel, for up to `max_rows` rows of weights in one of the dtypes it serves; a dtype it serves
+    for every decode-sized call (ROW_INVARIANT_ROWS) it serves for any rows, 64 at a time (row_blocks.py)."""
 
     max_rows: tuple[tuple[str, int], ...]  # (weight dtype, rows up to which the kernel serves it)
     joins_weights: ClassVar[bool] = True
@@ -103,14 +105,20 @@ class SmallMatmul:
         dtype = str(jnp.dtype(weights[0].dtype))
         if any(str(jnp.dtype(weight.dtype)) != dtype for weight in weights):
             return False
-        return num_rows <= dict(self.max_rows).get(dtype, 0)
+        limit = self._limit(weights)
+        return num_rows <= limit or limit >= ROW_INVARIANT_ROWS or (limit > 0 and tracing_verify_rows())
 
     def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
-        return cpu.small_matmuls(rows, weights, transposed=transposed)
+        compute = lambda block: cpu.small_matmuls(block, weights, transposed=transposed)  # noqa: E731
+        return in_row_blocks(compute, rows, block=min(self._limit(weights), ROW_INVARIANT_ROWS))
 
     def normed(self, rows, scale, eps: float, weights: tuple) -> tuple:
         """RMSNorm(rows; scale, eps) by each weight [K, N_i], the norm inside the kernel's call."""
-        return cpu.small_matmuls_normed(rows, scale, eps, weights)
+        compute = lambda block: cpu.small_matmuls_normed(block, scale, eps, weights)  # noqa: E731
+        return in_row_blocks(compute, rows, block=min(self._limit(weights), ROW_INVARIANT_ROWS))
+
+    def _limit(self, weights: tuple) -> int:
+        return dict(self.max_rows).get(str(jnp.dtype(weights[0].dtype)), 0)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import numpy as np
 
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import kquant, quantized_cpu
+from pallas_kernels.matmul.row_blocks import ROW_INVARIANT_ROWS, in_row_blocks
 
 KQUANT_TARGET = "jaxserve_cpu_kquant_matmul"
 KERNEL_MAX_ROWS = 64  # float x: every decode bucket (its tiles widen the weights again every 8 rows)
@@ -99,13 +100,14 @@ class KQuantSmallMatmul:
     joins_weights: ClassVar[bool] = True
 
     def serves(self, num_rows: int, weights: tuple) -> bool:
-        any_rows = self.activations == "int8" and computes_int8()
+        any_rows = (self.activations == "int8" and computes_int8()) or self.max_rows >= ROW_INVARIANT_ROWS
         return (any_rows or num_rows <= self.max_rows) and all(serves_weight(weight) for weight in weights)
 
     def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
         if transposed:
             raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
-        return kquant_matmuls(rows, weights, activations=self.activations)
+        # 64 rows a call: a prefill chunk's row is the bits a decode row's is (row_blocks.py)
+        return in_row_blocks(lambda block: kquant_matmuls(block, weights, activations=self.activations), rows)
 
 
 __all__ = ["KERNEL_MAX_ROWS", "KQuantSmallMatmul", "available", "computes_int8", "kquant_matmuls", "serves_weight"]

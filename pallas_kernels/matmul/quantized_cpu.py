@@ -32,6 +32,7 @@ import numpy as np
 
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quantized
+from pallas_kernels.matmul.row_blocks import ROW_INVARIANT_ROWS, in_row_blocks
 
 QUANTIZED_TARGET = "jaxserve_cpu_quantized_matmul"  # every kernel's custom call name starts with it
 # activations -> (the library's FFI symbol, the custom call's name suffix)
@@ -136,9 +137,12 @@ class QuantizedSmallMatmul:
     joins_weights: ClassVar[bool] = True
 
     def serves(self, num_rows: int, weights: tuple) -> bool:
-        return num_rows <= self.max_rows and all(serves_weight(weight) for weight in weights)
+        return (num_rows <= self.max_rows or self.max_rows >= ROW_INVARIANT_ROWS) and all(
+            serves_weight(weight) for weight in weights
+        )
 
     def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
         if transposed:
             raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
-        return quantized_matmuls(rows, weights, activations=self.activations)
+        # 64 rows a call: a prefill chunk's row is the bits a decode row's is (row_blocks.py)
+        return in_row_blocks(lambda block: quantized_matmuls(block, weights, activations=self.activations), rows)

@@ -263,12 +263,12 @@ def test_the_plan_joins_a_q4_k_m_layers_weights_in_one_kernel_call():
     plan = choose_matmul("cpu", 1)
     text = jax.jit(lambda x, ws: plan.together(x, ws)).lower(jnp.ones((2, 256)), weights).as_text()
     assert text.count(kquant_cpu.KQUANT_TARGET) == 1
-    # a prefill chunk: the kernel where it rounds x to int8 (any rows), else XLA's dots past its 64 rows
+    # a prefill chunk: the kernel, 64 rows a call (row_blocks.py: a prefill row is the bits a decode row is)
     text = jax.jit(lambda x, ws: plan.together(x, ws)).lower(jnp.ones((200, 256)), weights).as_text()
-    assert text.count(kquant_cpu.KQUANT_TARGET) == (1 if kquant_cpu.computes_int8() else 0)
+    assert text.count(f"@{kquant_cpu.KQUANT_TARGET}(") == 4
     float_plan = choose_matmul("cpu", 1, quantized_activations="float")
     text = jax.jit(lambda x, ws: float_plan(x, ws[0])).lower(jnp.ones((200, 256)), weights).as_text()
-    assert kquant_cpu.KQUANT_TARGET not in text
+    assert text.count(f"@{kquant_cpu.KQUANT_TARGET}(") == 4
     with pytest.raises(ValueError, match="does not serve"):
         kquant_cpu.kquant_matmuls(jnp.ones((1, 256)), [jnp.ones((256, 8))])
 

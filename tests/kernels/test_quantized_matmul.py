@@ -119,8 +119,9 @@ def test_the_cpu_plan_sends_decode_rows_to_the_kernel():
         rows = jnp.ones((num_rows, 64), jnp.float32)
         return jax.jit(lambda x, w: plan(x, w)).lower(rows, weight).as_text()
 
-    assert quantized_cpu.QUANTIZED_TARGET in hlo(quantized_cpu.QUANTIZED_MAX_ROWS)
-    assert quantized_cpu.QUANTIZED_TARGET not in hlo(quantized_cpu.QUANTIZED_MAX_ROWS + 1)
+    # any rows, 64 a call: a prefill chunk's row is the bits a decode row's is (row_blocks.py)
+    for num_rows in (1, 64, 65, 200):
+        assert hlo(num_rows).count(f"@{quantized_cpu.QUANTIZED_TARGET}(") == -(-num_rows // 64)
     assert (
         quantized_cpu.QUANTIZED_TARGET
         not in jax.jit(lambda x, w: REFERENCE_PLAN(x, w)).lower(jnp.ones((1, 64)), weight).as_text()

@@ -22,35 +22,46 @@ from tests.kernels.steps import cdiv
 PAGE_SIZE, NUM_PAGES = 16, 160
 
 
+def step_layout(q_row, table_row, length, block, offset, neighbours, rng):
+    """The step's (q, seq ids, positions, page table): the token at position length - 1 as row `offset` of a query
+    block of `block` tokens (its other rows: the positions around it, padding before position 0), beside
+    `neighbours` short one-block sequences that read pages 1-2."""
+    q, seq_ids, positions = [], [], []
+    for b in range(block):
+        position = length - 1 - offset + b
+        q.append(q_row if b == offset else rng.standard_normal(q_row.shape))
+        seq_ids.append(0)
+        positions.append(position if position >= 0 else -1)
+    for n in range(neighbours):
+        for b in range(block):
+            q.append(rng.standard_normal(q_row.shape))
+            seq_ids.append(1 + n)
+            positions.append(3 + n + b)
+    page_table = np.zeros((1 + neighbours, table_row.shape[0]), np.int32)
+    page_table[0] = table_row
+    page_table[1:, :2] = [1, 2]
+    return (
+        jnp.asarray(np.stack(q), q_row.dtype),
+        jnp.asarray(seq_ids, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        jnp.asarray(page_table),
+    )
+
+
 def attend_one_token(case, length, block, offset, neighbours, path=None):
     """The output of the token at position length - 1, attended as row `offset` of a query block of `block`
     tokens (the block's other rows: the positions around it, or padding past the sequence's end), beside
     `neighbours` other one-block sequences."""
     (q_row, (k_pages, v_pages), page_table_row, sliding_window, soft_cap, sinks) = case
-    num_heads, head_dim = q_row.shape
     rng = np.random.default_rng(block * 100 + offset + neighbours)
-    q, seq_ids, positions = [], [], []
-    first = length - 1 - offset
-    for b in range(block):
-        position = first + b
-        q.append(q_row if b == offset else rng.standard_normal((num_heads, head_dim)))
-        seq_ids.append(0)
-        positions.append(position if position >= 0 else -1)
-    for n in range(neighbours):  # other sequences: short ones, each its own block
-        for b in range(block):
-            q.append(rng.standard_normal((num_heads, head_dim)))
-            seq_ids.append(1 + n)
-            positions.append(3 + n + b)
-    page_table = np.zeros((1 + neighbours, page_table_row.shape[0]), np.int32)
-    page_table[0] = page_table_row
-    page_table[1:, :2] = [1, 2]  # neighbours read (and write nothing to) pages 1-2
+    q, seq_ids, positions, page_table = step_layout(q_row, page_table_row, length, block, offset, neighbours, rng)
     got = cpu.ragged_paged_attention(
-        jnp.asarray(np.stack(q), q_row.dtype),
+        q,
         k_pages,
         v_pages,
-        jnp.asarray(page_table),
-        jnp.asarray(seq_ids, jnp.int32),
-        jnp.asarray(positions, jnp.int32),
+        page_table,
+        seq_ids,
+        positions,
         query_block=block,
         sliding_window=sliding_window,
         logits_soft_cap=soft_cap,
@@ -141,29 +152,17 @@ def test_a_latent_query_row_computes_alike_in_any_block_and_batch(num_heads, hal
     first = jnp.asarray(rng.standard_normal((NUM_PAGES, PAGE_SIZE, 1, half)), dtype)
     second = jnp.asarray(rng.standard_normal((NUM_PAGES, PAGE_SIZE, 1, half)), dtype)
     table_row = rng.permutation(np.arange(3, NUM_PAGES))[:pages_per_seq].astype(np.int32)
-    q_row = rng.standard_normal((num_heads, 2 * half))
+    q_row = np.asarray(jnp.asarray(rng.standard_normal((num_heads, 2 * half)), dtype))
 
     def attend(block, offset, neighbours):
-        q, seq_ids, positions = [], [], []
-        for b in range(block):
-            q.append(q_row if b == offset else rng.standard_normal((num_heads, 2 * half)))
-            seq_ids.append(0)
-            positions.append(length - 1 - offset + b)
-        for n in range(neighbours):
-            for b in range(block):
-                q.append(rng.standard_normal((num_heads, 2 * half)))
-                seq_ids.append(1 + n)
-                positions.append(3 + n + b)
-        page_table = np.zeros((1 + neighbours, pages_per_seq), np.int32)
-        page_table[0] = table_row
-        page_table[1:, :2] = [1, 2]
+        q, seq_ids, positions, page_table = step_layout(q_row, table_row, length, block, offset, neighbours, rng)
         got = cpu_latent.ragged_paged_latent_attention(
-            jnp.asarray(np.stack(q), dtype),
+            q,
             first,
             second,
-            jnp.asarray(page_table),
-            jnp.asarray(seq_ids, jnp.int32),
-            jnp.asarray(positions, jnp.int32),
+            page_table,
+            seq_ids,
+            positions,
             query_block=block,
             scale=0.19,
         )

@@ -40,7 +40,7 @@ variant's workloads in turn, and each keeps its fastest run (on a shared machine
 variants run one after another; the idle runs' ngram-forced code ratio read 1.65-1.83x over three runs of
 one variant each). jaxserve's ngram engine runs its default adaptive policy and, as a second line, with
 speculation forced on (speculative_adaptive false). Batched: --batch chat requests at once (EOS ignored,
---batch-tokens each), jaxserve only. Greedy outputs with speculation on and off are compared (they must be
+--batch-tokens each), jaxserve only, one of each round's workloads under --repeats (best of the rounds). Greedy outputs with speculation on and off are compared (they must be
 identical). Prints JSON lines, then a table of ratios (speculation / plain in each engine, and jaxserve /
 llama.cpp for the same kind of row: plain, ngram vs lookup, draft vs draft).
 """
@@ -290,17 +290,28 @@ def variant_config(variants: dict, name: str) -> dict | None:
     return config
 
 
-def best_single_runs(engines: dict, workloads: dict, max_tokens: int, repeats: int) -> dict:
+def best_single_runs(engines: dict, workloads: dict, max_tokens: int, repeats: int, batch: tuple) -> dict:
     """{(variant, workload): (token ids, seconds)}, the fastest of `repeats` runs, the engines taking turns
-    round after round (a shift in the machine's load hits every variant alike)."""
+    round after round (a shift in the machine's load hits every variant alike). `batch` is (prompts,
+    max_tokens) of the batched run (workload "batch": all at once, EOS ignored; not for forced variants),
+    or () for none."""
     best: dict = {}
+
+    def keep(variant, workload, run):
+        if (variant, workload) not in best or run[1] < best[variant, workload][1]:
+            best[variant, workload] = run
+
     for _ in range(repeats if engines else 0):
         for variant, engine in engines.items():
             for workload, prompts in workloads.items():
-                tokens, seconds = engine.run(prompts, max_tokens, False)
-                if (variant, workload) not in best or seconds < best[variant, workload][1]:
-                    best[variant, workload] = (tokens, seconds)
+                keep(variant, workload, engine.run(prompts, max_tokens, False))
+            if batch and not is_forced(variant):
+                keep(variant, "batch", engine.run(batch[0], batch[1], at_once=True, ignore_eos=True))
     return best
+
+
+def is_forced(variant: str) -> bool:
+    return variant.split(":")[0].endswith("-forced")
 
 
 def rate(tokens: list[list[int]], seconds: float) -> float:
@@ -382,7 +393,8 @@ def main() -> None:
 
         # --repeats > 1: every engine started first, then rounds of every variant in turn (best of each)
         kept = {variant: start(speculative) for variant, speculative in variants.items()} if args.repeats > 1 else {}
-        best = best_single_runs(kept, workloads, args.max_tokens, args.repeats)
+        batch = (batch_prompts, args.batch_tokens) if args.batch else ()
+        best = best_single_runs(kept, workloads, args.max_tokens, args.repeats, batch)
         for variant, speculative in variants.items():
             engine = kept.pop(variant, None) or start(speculative)
             single[f"jaxserve-{variant}"] = {
@@ -394,8 +406,8 @@ def main() -> None:
                      generated=sum(map(len, tokens)), seconds=round(seconds, 3))  # fmt: skip
             emit(engine=f"jaxserve-{variant}", compiles_after_warmup=stats["num_compiles_after_warmup"],
                  **{k: v for k, v in stats.items() if k.startswith("speculative_")})  # fmt: skip
-            if args.batch and not variant.split(":")[0].endswith("-forced"):
-                tokens, seconds = engine.run(batch_prompts, args.batch_tokens, at_once=True, ignore_eos=True)
+            if batch and not is_forced(variant):
+                tokens, seconds = best.get((variant, "batch")) or engine.run(*batch, at_once=True, ignore_eos=True)
                 single[f"jaxserve-{variant}"]["batch"] = (tokens, seconds)
                 emit(engine=f"jaxserve-{variant}", workload=f"chat x {args.batch} at once",
                      tokens_per_s=rate(tokens, seconds), generated=sum(map(len, tokens)))  # fmt: skip

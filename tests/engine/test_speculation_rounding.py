@@ -46,3 +46,32 @@ def test_greedy_outputs_are_identical_with_speculation_where_activations_round(o
     assert one_at_a_time == want[:6]
     stats = ngram.stats()
     assert stats["speculative_num_accepted_tokens"] > 20 and stats["num_compiles_after_warmup"] == 0
+
+
+def test_a_gguf_file_drafting_for_itself_keeps_every_output(tmp_path):
+    """A GGUF file of Q4_0 / Q4_1 / Q8_0 / Q6_K tensors (int8 activations: the default) as its own draft: every
+    proposal is accepted, so every token after the first of a round comes from a verify row of k + 1 tokens
+    in a call of S x (k + 1) rows, through the int8-dot and K-quant kernels. Before every kernel computed a
+    row alike in calls of any size (1fccce1), 10 of these 16 outputs changed."""
+    from gguf import GGMLQuantizationType as T
+
+    from jaxserve.loading.default_model import random_llama_weights
+    from tests.loading.test_kquant_gguf import CONFIG, TOKENIZER_MODEL
+    from tests.support.gguf_files import write_gguf
+
+    path = str(tmp_path / "mixed.gguf")
+    types = {"output.weight": T.Q6_K, "ffn_down": T.Q4_1, "attn_v": T.Q8_0, "": T.Q4_0}  # first match wins
+    write_gguf(path, CONFIG, random_llama_weights(CONFIG), types, tokenizer=("llama", TOKENIZER_MODEL))
+    engine = {**ENGINE, "quantization": "auto"}
+    itself = {"method": "draft", "draft_model": path, "draft_quantization": "auto", "num_speculative_tokens": 4}
+    plain = LLM(path, **engine)
+    drafted = LLM(path, **engine, speculative={**itself, "speculative_adaptive": False})
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    batch = prompts(1, 16)
+    want = [r.outputs[0].token_ids for r in plain.generate(batch, params)]
+    got = [r.outputs[0].token_ids for r in drafted.generate(batch, params)]
+    diverged = [i for i, (a, b) in enumerate(zip(want, got)) if a != b]
+    assert not diverged, f"{len(diverged)} of {len(batch)} outputs changed with speculation"
+    stats = drafted.stats()
+    assert stats["speculative_acceptance_rate"] == 1.0 and stats["speculative_num_verify_rows"] >= 16 * 9
+    assert stats["num_compiles_after_warmup"] == 0

@@ -46,7 +46,10 @@ constexpr int kWalkVectors[] = {0, 8, 8, 6, 5, 4, 4, 3, 3};
 constexpr int kStreams[] = {0, 4, 4, 4, 4, 4, 4, 3, 3};
 constexpr int kWalkGroupRows = 8;  // rows of x in one register tile; more run as two groups over the same strip
 #else
-constexpr int kWalkVectors[] = {0, 6, 4, 3, 2, 2, 2, 1, 1};  // within 16 registers
+// Within 16 registers. One row: 8 vectors (128 bytes of bfloat16 a weight row, two lines; 6 read 3-12% slower
+// from memory on avx2 by the medians of four alternating runs, session 17, within the ranges' noise); two rows
+// stay at 4 (6: 12 accumulators, or two groups of one row at 8, were no faster).
+constexpr int kWalkVectors[] = {0, 8, 4, 3, 2, 2, 2, 1, 1};
 constexpr int kStreams[] = {0, 4, 4, 3, 2, 2, 2, 1, 1};
 // 16 registers: one tile of 7-8 rows has a single vector of columns (8 FMAs per weight vector, 9 loads with
 // the broadcasts) or a single stream of the head; two groups of 4 (and 3) rows over the same weights (the
@@ -64,9 +67,53 @@ inline void PrefetchStrip(const void* p) {
   if (Bytes % kWalkLineBytes != 0) __builtin_prefetch(next + Bytes - 1, 0, JAXSERVE_WALK_LOCALITY);
 }
 
+// bfloat16 weights 2 * kLanes at a time: one 32-bit lane holds elements 2j and 2j + 1, widened by a shift (the
+// even elements) and an and (the odd ones), two plain ALU operations where two widening loads (vpmovzxwd, a
+// shuffle each) and two shifts did (session 14's SplitWalk at one row). The accumulators of such columns are kept in
+// [evens, odds] order per 2 * kLanes columns (EvenOddColumns at each end of TiledWalk): every output still sees
+// the same FMAs in the same order (the same bits). On avx2 and portable (session 17, avx2 one row with the caches
+// hot: 18-23 -> 24-32 GB/s; from memory, and at 2 and 8 rows, no change beyond the noise); avx512 keeps vpmovzxwd
+// (not measured there).
+#if defined(__AVX512F__)
+constexpr bool kWalkEvenOdd = false;
+#else
+constexpr bool kWalkEvenOdd = true;
+#endif
+inline void EvenOddWeights(const uint16_t* p, VecF& even, VecF& odd) {
+  VecU pairs;
+  std::memcpy(&pairs, p, sizeof(pairs));
+  even = (VecF)(pairs << 16);
+  odd = (VecF)(pairs & 0xffff0000u);
+}
+
+// Columns [0, n) of one row of accumulators (n a multiple of 2 * kLanes) into [evens, odds] order per 2 * kLanes
+// columns, or back.
+inline void EvenOddColumns(float* acc, int64_t n, bool back) {
+  for (int64_t c = 0; c < n; c += 2 * kLanes) {
+    const VecF a = LoadF(acc + c), b = LoadF(acc + c + kLanes);
+#if defined(__AVX512F__)
+    const VecF lo = back ? __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
+                         : __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const VecF hi = back ? __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31)
+                         : __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const VecF lo = back ? __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11)
+                         : __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
+    const VecF hi = back ? __builtin_shufflevector(a, b, 4, 12, 5, 13, 6, 14, 7, 15)
+                         : __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+    const VecF lo = back ? __builtin_shufflevector(a, b, 0, 4, 1, 5) : __builtin_shufflevector(a, b, 0, 2, 4, 6);
+    const VecF hi = back ? __builtin_shufflevector(a, b, 2, 6, 3, 7) : __builtin_shufflevector(a, b, 1, 3, 5, 7);
+#endif
+    StoreF(acc + c, lo);
+    StoreF(acc + c + kLanes, hi);
+  }
+}
+
 // R rows of x by V vectors of columns over `count` weight rows (w: the strip's first row, rows `ldw`
 // apart), adding into out [R, ...] (rows ldo apart). Prefetches each row's strip `ahead` elements on.
-template <typename T, int R, int V>
+// EvenOdd (bfloat16, V even): the weights widened by EvenOddWeights, out's columns in [evens, odds] order.
+template <typename T, int R, int V, bool EvenOdd = false>
 inline void WalkTile(const float* x, int64_t ldx, const typename T::Stored* w, int64_t ldw, int64_t count,
                      int64_t ahead, float* out, int64_t ldo) {
   using S = typename T::Stored;
@@ -80,8 +127,14 @@ inline void WalkTile(const float* x, int64_t ldx, const typename T::Stored* w, i
     const S* row = w + k * ldw;
     if (ahead != 0) PrefetchStrip<kStripBytes>(row + ahead);
     VecF wv[V];
+    if constexpr (EvenOdd) {
+      static_assert(std::is_same_v<T, BF16> && V % 2 == 0);
 #pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) wv[v] = T::Vector(row + v * kLanes);
+      for (int v = 0; v < V; v += 2) EvenOddWeights(row + v * kLanes, wv[v], wv[v + 1]);
+    } else {
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) wv[v] = T::Vector(row + v * kLanes);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const VecF xb = Broadcast(x[r * ldx + k]);
@@ -198,9 +251,17 @@ void TiledWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t wid
   // More rows than a register tile holds: two groups (R1 + R2) over each strip, the first prefetching.
   constexpr int R1 = R > kWalkGroupRows ? (R + 1) / 2 : R, R2 = R - R1;
   constexpr int V = kWalkVectors[R1];
+  // bfloat16 in tiles of an even number of vectors: the even/odd widening (EvenOddWeights) over the tiles and then
+  // strips of two vectors, up to `strips` columns, whose accumulators are in [evens, odds] order while the item runs.
+  constexpr bool kEvenOdd = kWalkEvenOdd && std::is_same_v<T, BF16> && V % 2 == 0;
+  constexpr int V1 = kEvenOdd ? 2 : 1;  // vectors of a strip past the whole tiles
   const auto* w = static_cast<const typename T::Stored*>(p.w);
-  const int64_t tiles = width / (V * kLanes) * (V * kLanes), vectors = width / kLanes * kLanes;
+  const int64_t tiles = width / (V * kLanes) * (V * kLanes), strips = width / (V1 * kLanes) * (V1 * kLanes);
+  const int64_t vectors = width / kLanes * kLanes;
   const int64_t ldo = p.columns;
+  if constexpr (kEvenOdd) {
+    for (int r = 0; r < R; ++r) EvenOddColumns(partial + r * ldo + c0, strips, false);
+  }
   for (int64_t kb = k0; kb < k1; kb += kWalkBlockRows) {
     const int64_t count = std::min(kWalkBlockRows, k1 - kb);
     // The strip kWalkAheadRows rows on; the last block's rows were prefetched by the blocks before it.
@@ -210,8 +271,16 @@ void TiledWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t wid
     float* out = partial + c0;
     int64_t c = 0;
     for (; c < tiles; c += V * kLanes) {
-      WalkTile<T, R1, V>(x, p.depth, wb + c, p.columns, count, ahead, out + c, ldo);
-      if constexpr (R2 > 0) WalkTile<T, R2, V>(x + R1 * p.depth, p.depth, wb + c, p.columns, count, 0, out + R1 * ldo + c, ldo);
+      WalkTile<T, R1, V, kEvenOdd>(x, p.depth, wb + c, p.columns, count, ahead, out + c, ldo);
+      if constexpr (R2 > 0) {
+        WalkTile<T, R2, V, kEvenOdd>(x + R1 * p.depth, p.depth, wb + c, p.columns, count, 0, out + R1 * ldo + c, ldo);
+      }
+    }
+    for (; c < strips; c += V1 * kLanes) {
+      WalkTile<T, R1, V1, kEvenOdd>(x, p.depth, wb + c, p.columns, count, ahead, out + c, ldo);
+      if constexpr (R2 > 0) {
+        WalkTile<T, R2, V1, kEvenOdd>(x + R1 * p.depth, p.depth, wb + c, p.columns, count, 0, out + R1 * ldo + c, ldo);
+      }
     }
     for (; c < vectors; c += kLanes) {
       WalkTile<T, R1, 1>(x, p.depth, wb + c, p.columns, count, ahead, out + c, ldo);
@@ -224,6 +293,9 @@ void TiledWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t wid
         out[r * p.columns + c] = sum;
       }
     }
+  }
+  if constexpr (kEvenOdd) {
+    for (int r = 0; r < R; ++r) EvenOddColumns(partial + r * ldo + c0, strips, true);
   }
 }
 

@@ -8,6 +8,7 @@ visible in stats instead of silently stalling the loop.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -33,6 +34,7 @@ from jaxserve.device.step_inputs import StepInputs, StepShape, all_step_shapes, 
 from jaxserve.device.verify_inputs import build_ranked_verify_inputs, verify_shapes
 from jaxserve.device.verify_step import VerifyInputs, verify_step
 from jaxserve.models.kv_pages import KVPages
+from pallas_kernels.matmul.row_blocks import verify_rows
 from sharding import partition_spec
 
 logger = logging.getLogger(__name__)
@@ -226,16 +228,19 @@ class ModelRunner:
 
     def _compile(self, shape: StepShape) -> jax.stages.Compiled:
         example_inputs = self.build_inputs([[]] * self.num_ranks, shape)
-        return (
-            (self._jitted_verify if shape.verifies else self._jitted)
-            .lower(
+        # A draft model's catch-up step (rows of catch_up_width tokens) computes its rows as its decode rows
+        # are, as a verify step does (pallas_kernels/matmul/row_blocks.py): in bfloat16 on AMX CPUs its 2 x S
+        # rows went to XLA's dots above 8, and the draft's proposals then differed from what the target, and
+        # the draft's own one-token steps, compute (a self-draft accepted 95-99%, not all)
+        catch_up = bool(self.buckets.catch_up_width) and shape.query_block == self.buckets.catch_up_width
+        with verify_rows() if catch_up and not shape.verifies else contextlib.nullcontext():
+            lowered = (self._jitted_verify if shape.verifies else self._jitted).lower(
                 _abstract(self.param_leaves),
                 _abstract(self.kv_pages),
                 _abstract(self.buffers),
                 _abstract(example_inputs, self.input_sharding),
             )
-            .compile()
-        )
+        return lowered.compile()
 
     def build_inputs(self, per_rank_chunks, shape: StepShape) -> StepInputs | VerifyInputs:
         if shape.verifies:

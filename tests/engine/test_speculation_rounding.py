@@ -75,3 +75,22 @@ def test_a_gguf_file_drafting_for_itself_keeps_every_output(tmp_path):
     stats = drafted.stats()
     assert stats["speculative_acceptance_rate"] == 1.0 and stats["speculative_num_verify_rows"] >= 16 * 9
     assert stats["num_compiles_after_warmup"] == 0
+
+
+def test_a_bfloat16_model_drafting_for_itself_has_every_proposal_accepted():
+    """The target's own directory as its draft, in bfloat16: the draft's steps (one-token decode, two-token
+    catch-up, prefill) must compute each row as the target's decode and verify steps do, or its greedy proposals
+    part from the target's samples. On an AMX CPU the catch-up step's 2 x S rows went to XLA's AMX dots above 8
+    rows (the kernel serves decode rows there) and 1.5% of llama_gqa's proposals were rejected."""
+    path = fixture_dir("llama_gqa")
+    engine = {**ENGINE, "dtype": "bfloat16"}
+    itself = {"method": "draft", "draft_model": path, "num_speculative_tokens": 4, "speculative_adaptive": False}
+    plain = LLM(path, **engine)
+    drafted = LLM(path, **engine, speculative=itself)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    batch = prompts(1, 16)
+    want = [r.outputs[0].token_ids for r in plain.generate(batch, params)]
+    got = [r.outputs[0].token_ids for r in drafted.generate(batch, params)]
+    assert got == want
+    stats = drafted.stats()
+    assert stats["speculative_acceptance_rate"] == 1.0 and stats["speculative_num_verify_rows"] >= 16 * 9

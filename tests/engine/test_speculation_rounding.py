@@ -27,25 +27,30 @@ def prompts(seed: int, count: int) -> list[list[int]]:
     return out
 
 
+def assert_speculation_keeps_outputs(path: str, engine: dict, speculative: dict, max_tokens: int, count: int) -> LLM:
+    """Greedy outputs of `count` prompts equal with and without `speculative`; returns the speculating engine."""
+    plain = LLM(path, **engine)
+    speculating = LLM(path, **engine, speculative=speculative)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    batch = prompts(1, count)
+    want = [r.outputs[0].token_ids for r in plain.generate(batch, params)]
+    got = [r.outputs[0].token_ids for r in speculating.generate(batch, params)]
+    diverged = [i for i, (a, b) in enumerate(zip(want, got)) if a != b]
+    assert not diverged, f"{len(diverged)} of {len(batch)} outputs changed with speculation"
+    one_at_a_time = [speculating.generate([p], params)[0].outputs[0].token_ids for p in batch[:4]]
+    assert one_at_a_time == want[:4]
+    assert speculating.stats()["num_compiles_after_warmup"] == 0
+    return speculating
+
+
 @pytest.mark.parametrize(
     "options",
     [{"dtype": "bfloat16"}, {"dtype": "float32", "quantization": "int8"}],
     ids=["bfloat16", "int8-weights-and-activations"],
 )
 def test_greedy_outputs_are_identical_with_speculation_where_activations_round(options):
-    engine = {**ENGINE, **options}
-    plain = LLM(fixture_dir("llama_gqa"), **engine)
-    ngram = LLM(fixture_dir("llama_gqa"), **engine, speculative=NGRAM)
-    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-    batch = prompts(1, 24)
-    want = [r.outputs[0].token_ids for r in plain.generate(batch, params)]
-    got = [r.outputs[0].token_ids for r in ngram.generate(batch, params)]
-    diverged = [i for i, (a, b) in enumerate(zip(want, got)) if a != b]
-    assert not diverged, f"{len(diverged)} of {len(batch)} outputs changed with speculation"
-    one_at_a_time = [ngram.generate([p], params)[0].outputs[0].token_ids for p in batch[:6]]
-    assert one_at_a_time == want[:6]
-    stats = ngram.stats()
-    assert stats["speculative_num_accepted_tokens"] > 20 and stats["num_compiles_after_warmup"] == 0
+    ngram = assert_speculation_keeps_outputs(fixture_dir("llama_gqa"), {**ENGINE, **options}, NGRAM, 96, 24)
+    assert ngram.stats()["speculative_num_accepted_tokens"] > 20
 
 
 def test_a_gguf_file_drafting_for_itself_keeps_every_output(tmp_path):
@@ -62,19 +67,11 @@ def test_a_gguf_file_drafting_for_itself_keeps_every_output(tmp_path):
     path = str(tmp_path / "mixed.gguf")
     types = {"output.weight": T.Q6_K, "ffn_down": T.Q4_1, "attn_v": T.Q8_0, "": T.Q4_0}  # first match wins
     write_gguf(path, CONFIG, random_llama_weights(CONFIG), types, tokenizer=("llama", TOKENIZER_MODEL))
-    engine = {**ENGINE, "quantization": "auto"}
     itself = {"method": "draft", "draft_model": path, "draft_quantization": "auto", "num_speculative_tokens": 4}
-    plain = LLM(path, **engine)
-    drafted = LLM(path, **engine, speculative={**itself, "speculative_adaptive": False})
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    batch = prompts(1, 16)
-    want = [r.outputs[0].token_ids for r in plain.generate(batch, params)]
-    got = [r.outputs[0].token_ids for r in drafted.generate(batch, params)]
-    diverged = [i for i, (a, b) in enumerate(zip(want, got)) if a != b]
-    assert not diverged, f"{len(diverged)} of {len(batch)} outputs changed with speculation"
+    engine = {**ENGINE, "quantization": "auto"}
+    drafted = assert_speculation_keeps_outputs(path, engine, {**itself, "speculative_adaptive": False}, 48, 16)
     stats = drafted.stats()
     assert stats["speculative_acceptance_rate"] == 1.0 and stats["speculative_num_verify_rows"] >= 16 * 9
-    assert stats["num_compiles_after_warmup"] == 0
 
 
 def test_a_bfloat16_model_drafting_for_itself_has_every_proposal_accepted():
@@ -83,14 +80,7 @@ def test_a_bfloat16_model_drafting_for_itself_has_every_proposal_accepted():
     part from the target's samples. On an AMX CPU the catch-up step's 2 x S rows went to XLA's AMX dots above 8
     rows (the kernel serves decode rows there) and 1.5% of llama_gqa's proposals were rejected."""
     path = fixture_dir("llama_gqa")
-    engine = {**ENGINE, "dtype": "bfloat16"}
     itself = {"method": "draft", "draft_model": path, "num_speculative_tokens": 4, "speculative_adaptive": False}
-    plain = LLM(path, **engine)
-    drafted = LLM(path, **engine, speculative=itself)
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    batch = prompts(1, 16)
-    want = [r.outputs[0].token_ids for r in plain.generate(batch, params)]
-    got = [r.outputs[0].token_ids for r in drafted.generate(batch, params)]
-    assert got == want
+    drafted = assert_speculation_keeps_outputs(path, {**ENGINE, "dtype": "bfloat16"}, itself, 48, 16)
     stats = drafted.stats()
     assert stats["speculative_acceptance_rate"] == 1.0 and stats["speculative_num_verify_rows"] >= 16 * 9

@@ -40,9 +40,10 @@ variant's workloads in turn, and each keeps its fastest run (on a shared machine
 variants run one after another; the idle runs' ngram-forced code ratio read 1.65-1.83x over three runs of
 one variant each). jaxserve's ngram engine runs its default adaptive policy and, as a second line, with
 speculation forced on (speculative_adaptive false). Batched: --batch chat requests at once (EOS ignored,
---batch-tokens each), jaxserve only, one of each round's workloads under --repeats (best of the rounds). Greedy outputs with speculation on and off are compared (they must be
-identical). Prints JSON lines, then a table of ratios (speculation / plain in each engine, and jaxserve /
-llama.cpp for the same kind of row: plain, ngram vs lookup, draft vs draft).
+--batch-tokens each), jaxserve only, one of each round's workloads under --repeats (best of the rounds).
+Greedy outputs with speculation on and off are compared (they must be identical). Prints JSON lines, then
+a table of ratios (speculation / plain in each engine, and jaxserve / llama.cpp for the same kind of row:
+plain, ngram vs lookup, draft vs draft).
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ class ModelRunner:
         # rows went to XLA's dots above 8, and the draft's proposals then differed from what the target, and
         # the draft's own one-token steps, compute (a self-draft accepted 95-99%, not all)
         catch_up = bool(self.buckets.catch_up_width) and shape.query_block == self.buckets.catch_up_width
-        with verify_rows() if catch_up and not shape.verifies else contextlib.nullcontext():
+        with verify_rows() if catch_up else contextlib.nullcontext():
             lowered = (self._jitted_verify if shape.verifies else self._jitted).lower(
                 _abstract(self.param_leaves),
                 _abstract(self.kv_pages),

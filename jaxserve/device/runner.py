@@ -4,6 +4,9 @@ pages donated.
 Every shape in the bucket set is compiled at warm-up; a step whose shape was not compiled (which
 the scheduler never produces) is compiled on the spot and counted, so a compile after warm-up is
 visible in stats instead of silently stalling the loop.
+
+A draft model's runner (engine/draft_model.py) also compiles, for every decode shape, a chain of
+chain_length decode steps in one executable (device/step.py chained_steps): its proposals past the first.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.sampler import SamplerOutput
 from jaxserve.device.sampling_inputs import SamplingWidths
 from jaxserve.device.sequence_buffers import SequenceBuffers, reset_entry
-from jaxserve.device.step import step
+from jaxserve.device.step import chained_steps, step
 from jaxserve.device.step_inputs import StepInputs, StepShape, all_step_shapes, build_ranked_inputs
 from jaxserve.device.verify_inputs import build_ranked_verify_inputs, verify_shapes
 from jaxserve.device.verify_step import VerifyInputs, verify_step
@@ -142,14 +145,20 @@ class ModelRunner:
         num_experts: int = 0,
         layout: RankLayout,
         mesh: Mesh | None = None,
+        chain_length: int = 0,
     ):
-        """With a mesh, params and KV pages arrive already placed on it, the pages as `layout` says."""
+        """With a mesh, params and KV pages arrive already placed on it, the pages as `layout` says.
+        chain_length: decode steps per chained executable (execute_chain; 0: none, a target's runner)."""
         self.graphdef, params = nnx.split(model)
         self.param_leaves, self.params_treedef = jax.tree.flatten(params)
         self.kv_pages = kv_pages
         # Every step input's leading axis is the ranks' rows laid end to end: the "batch" logical axis,
         # split over the data-parallel ranks by the rules table (replicated when there is one rank).
         self.input_sharding = NamedSharding(mesh, partition_spec(("batch",), mesh)) if mesh is not None else None
+        # A chain's inputs are its steps' inputs stacked: the rows are their second axis.
+        self.chain_input_sharding = (
+            NamedSharding(mesh, partition_spec((None, "batch"), mesh)) if mesh is not None else None
+        )
         self.num_ranks = mesh.shape["data"] if mesh is not None else 1
         if layout.num_ranks != self.num_ranks or layout.total_pages != kv_pages.keys[0].shape[0]:
             raise ValueError(
@@ -189,7 +198,17 @@ class ModelRunner:
             donate_argnums=(1, 2),
             out_shardings=None if out_shardings is None else (*out_shardings, self.input_sharding),
         )
+        self._jitted_chain = jax.jit(
+            functools.partial(
+                chained_steps, self.graphdef, self.params_treedef, max_logprobs=max_logprobs, num_experts=num_experts
+            ),
+            donate_argnums=(1, 2),
+            out_shardings=None if out_shardings is None else (self.chain_input_sharding, *out_shardings[3:]),
+        )
+        self.chain_length = chain_length
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
+        # decode shape -> its chain of chain_length steps (a draft's runner only)
+        self.chain_executables: dict[StepShape, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.num_compiles_after_warmup = 0
         self.warmup_seconds = 0.0
@@ -207,7 +226,7 @@ class ModelRunner:
         return {
             "weights_device_bytes": _device_bytes(self.param_leaves),
             "kv_cache_device_bytes": _device_bytes(self.kv_pages),
-            "num_executables": len(self.executables),
+            "num_executables": len(self.executables) + len(self.chain_executables),
             "num_compiles_after_warmup": self.num_compiles_after_warmup,
             "warmup_seconds": round(self.warmup_seconds, 3),
         }
@@ -242,6 +261,16 @@ class ModelRunner:
             )
         return lowered.compile()
 
+    def _compile_chain(self, shape: StepShape) -> jax.stages.Compiled:
+        example_inputs = self.build_inputs([[]] * self.num_ranks, shape)
+        stacked = jax.tree.map(lambda x: np.stack([x] * self.chain_length), example_inputs)
+        return self._jitted_chain.lower(
+            _abstract(self.param_leaves),
+            _abstract(self.kv_pages),
+            _abstract(self.buffers),
+            _abstract(stacked, self.chain_input_sharding),
+        ).compile()
+
     def build_inputs(self, per_rank_chunks, shape: StepShape) -> StepInputs | VerifyInputs:
         if shape.verifies:
             return build_ranked_verify_inputs(per_rank_chunks, shape, self.page_size, self.layout, self.sampling_widths)
@@ -256,6 +285,12 @@ class ModelRunner:
         ):
             if shape not in self.executables:
                 self.executables[shape] = self._compile(shape)
+        for shape in tqdm(
+            [shape for shape in self.executables if shape.kind == "decode"] if self.chain_length else [],
+            desc=f"compiling chains of {self.chain_length} decode steps",
+            disable=not show_progress,
+        ):
+            self.chain_executables[shape] = self._compile_chain(shape)
         # The penalties' entry reset compiles now too (on the scratch entry, which nobody reads).
         vocab_size, mask_words = self.buffers.output_counts.shape[1], self.buffers.prompt_tokens.shape[1]
         self.reset_sequence_buffers(
@@ -278,6 +313,23 @@ class ModelRunner:
         sampled, prompt_logprobs, expert_counts, self.kv_pages, self.buffers = outputs[:5]
         accepted = outputs[5] if shape.verifies else None
         return PendingStep(sampled, expert_counts, prompt_logprobs, accepted, on_host=self._results_on_host)
+
+    def execute_chain(self, shape: StepShape, stacked_inputs: StepInputs) -> jax.Array:
+        """Dispatch chain_length decode steps of one decode shape in one executable, without waiting: each
+        step's padded host inputs stacked on a new leading axis ([chain_length, ...]). Their sampled token
+        ids [chain_length, rows] (on the device)."""
+        executable = self.chain_executables.get(shape)
+        if executable is None:
+            logger.warning("compiling a chain of %d steps of shape %s while serving", self.chain_length, shape)
+            executable = self.chain_executables[shape] = self._compile_chain(shape)
+            if self.warmed_up:
+                self.num_compiles_after_warmup += 1
+        if self.chain_input_sharding is not None:
+            stacked_inputs = jax.device_put(stacked_inputs, self.chain_input_sharding)
+        token_ids, self.kv_pages, self.buffers = executable(
+            self.param_leaves, self.kv_pages, self.buffers, stacked_inputs
+        )
+        return token_ids
 
     def read_pages(self, pages: list[int]) -> list[page_copies.HostPage]:
         return page_copies.read_pages(self.kv_pages, pages, self.host_device)

@@ -1,5 +1,6 @@
 """The pure step function the runner compiles: (params, KV pages, sequence buffers, inputs) -> (sampled
-tokens, prompt logprobs, routing counts, updated pages, updated sequence buffers)."""
+tokens, prompt logprobs, routing counts, updated pages, updated sequence buffers); and a chain of such steps
+in one executable (a draft model's proposals: chained_steps)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,42 @@ def step(
     sampled = sample(processed, inputs.sampling, max_logprobs, model_logits=logits)
     prompt_logprobs = score_prompt_tokens(model.compute_logits, hidden, inputs.prompt_logprob_targets, max_logprobs)
     return sampled, prompt_logprobs, counts, kv_pages, buffers.record(inputs.sampled_entries, sampled.token_ids)
+
+
+def chained_steps(
+    graphdef,
+    params_treedef,
+    param_leaves,
+    kv_pages: KVPages,
+    buffers: SequenceBuffers,
+    stacked_inputs: StepInputs,
+    *,
+    max_logprobs: int,
+    num_experts: int,
+):
+    """`step` once per leading entry of stacked_inputs ([L, ...] each), in order, in one executable: each step
+    reads the tokens the one before it sampled through the sequence buffers, as separate steps would. A draft
+    model's proposals (engine/draft_proposer.py): one dispatch instead of L, whose host time (~2 ms each on a
+    CPU) is a fifth of a small draft's step. The pages stay in place in the loop's carry (no copy per step).
+
+    Returns the stacked sampled token ids [L, S], the pages and the buffers."""
+
+    def one_step(carry, inputs):
+        pages, buffers = carry
+        sampled, _, _, pages, buffers = step(
+            graphdef,
+            params_treedef,
+            param_leaves,
+            pages,
+            buffers,
+            inputs,
+            max_logprobs=max_logprobs,
+            num_experts=num_experts,
+        )
+        return (pages, buffers), sampled.token_ids
+
+    (kv_pages, buffers), token_ids = jax.lax.scan(one_step, (kv_pages, buffers), stacked_inputs)
+    return token_ids, kv_pages, buffers
 
 
 def expert_token_counts(routed: list, inputs: StepInputs, num_experts: int):

@@ -115,6 +115,8 @@ def build_draft(
         num_experts=model_config.num_experts,
         layout=layout,
         mesh=mesh,
+        # the proposals after a round's first step, chained in one executable (engine/draft_proposer.py)
+        chain_length=(speculative.num_speculative_tokens or 1) - 1,  # k: set by the config for a method
     )
     runner.warm_up(show_progress=config.show_progress)
     return DraftProposer(

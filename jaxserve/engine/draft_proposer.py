@@ -9,7 +9,9 @@ One `propose` call per step, for every row that may speculate:
                  steps), or, further behind (the first call, a row that backed off), a prefill of all but
                  the newest token, chunked by the token budget
     propose      k greedy decode steps batched over the rows, chained on the device through the token
-                 buffer (each step reads the token the previous one sampled), fetched once at the end
+                 buffer (each step reads the token the previous one sampled), fetched once at the end;
+                 where every row wants k proposals, steps 2..k run as one executable (device/step.py
+                 chained_steps: one dispatch, whose host time is a fifth of a small draft's step on a CPU)
 
 Why greedy: a deterministic proposer is a point mass q = one-hot(d), for which Leviathan et al.'s
 acceptance min(1, p(d) / q(d)) = p(d) and the residual max(0, p - q) renormalized is p without d; the
@@ -35,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 
 from jaxserve.arrays import HostOrDeviceArray
 from jaxserve.device.page_copies import CountingCompiles
@@ -119,6 +122,10 @@ class DraftProposer:
         self._uses = itertools.count(1)
         self.num_prefill_steps = 0
         self.num_decode_steps = 0
+        self.num_chained_steps = 0  # of num_decode_steps, those run in chains
+        # Chain a round's steps after the first where the runner compiled chains of that length (tests turn it
+        # off to compare)
+        self.chain_steps = True
         self.num_rows_without_pages = 0
         self.seconds = 0.0
         # What the last propose call spent on catch-up prefills (a new row, a row that backed off, speculation
@@ -235,8 +242,17 @@ class DraftProposer:
         per plan). Two known tokens (all proposals accepted: the last one, never fed, and the target's next
         token) go in one catch-up step of two-token rows: a whole draft step less per such round."""
         runner = self.runner
-        sampled = []  # (step's sampled token ids on the device, [(plan, row of the step)])
-        for step in range(max(plan.limit for plans in per_rank_plans for plan in plans)):
+        num_steps = max(plan.limit for plans in per_rank_plans for plan in plans)
+        # every row wants num_steps proposals, and the runner chains num_steps - 1 steps: steps 1.. in one
+        # dispatch (rows with fewer, near max_tokens or max_model_len, take the steps one at a time)
+        chained = (
+            self.chain_steps
+            and num_steps - 1 == runner.chain_length > 0
+            and all(plan.limit == num_steps for plans in per_rank_plans for plan in plans)
+        )
+        # (sampled token ids on the device: [rows] a step's, [steps, rows] a chain's; [(plan, row of the step)])
+        sampled = []
+        for step in range(1 if chained else num_steps):
             per_rank_chunks, proposing = [], []
             for rank, plans in enumerate(per_rank_plans):
                 chunks = []
@@ -253,12 +269,37 @@ class DraftProposer:
             rows = [(plan, runner.layout.rows(rank, shape.num_seqs).start + row) for plan, rank, row in proposing]
             sampled.append((token_ids, rows))
             self.num_decode_steps += 1
+        if chained:
+            sampled.append(self._run_chain(per_rank_plans, num_steps))
         fetched = jax.device_get([token_ids for token_ids, _ in sampled])
         proposals: dict[int, list[int]] = {id(plan): [] for plans in per_rank_plans for plan in plans}
         for token_ids, (_, proposing) in zip(fetched, sampled):
-            for plan, row in proposing:
-                proposals[id(plan)].append(int(token_ids[row]))
+            for step_token_ids in np.reshape(token_ids, (-1, np.shape(token_ids)[-1])):
+                for plan, row in proposing:
+                    proposals[id(plan)].append(int(step_token_ids[row]))
         return [[proposals[id(plan)] for plan in plans] for plans in per_rank_plans]
+
+    def _run_chain(self, per_rank_plans: list[list[RowPlan]], num_steps: int) -> tuple[jax.Array, list]:
+        """Steps 1 .. num_steps - 1 of rows that all propose num_steps tokens, in one dispatch: each step's
+        inputs built as for a step of its own, all in the last step's shape (whose pages bucket holds every
+        step's), stacked. (Their sampled token ids [steps, rows] on the device, [(plan, row)].)"""
+        runner = self.runner
+
+        def chunks(step: int) -> list[list[ScheduledChunk]]:
+            # proposal_chunk sets the view to the step's: each step's inputs are built right after its chunks
+            return [[plan.proposal_chunk(step) for plan in plans] for plans in per_rank_plans]
+
+        shape = step_shape(chunks(num_steps - 1), True, runner.buckets, runner.page_size, self.block)
+        steps = [runner.build_inputs(chunks(step), shape) for step in range(1, num_steps)]
+        token_ids = runner.execute_chain(shape, jax.tree.map(lambda *arrays: np.stack(arrays), *steps))
+        rows = [
+            (plan, runner.layout.rows(rank, shape.num_seqs).start + row)
+            for rank, plans in enumerate(per_rank_plans)
+            for row, plan in enumerate(plans)
+        ]
+        self.num_decode_steps += num_steps - 1
+        self.num_chained_steps += num_steps - 1
+        return token_ids, rows
 
     def _run(self, per_rank_chunks: list[list[ScheduledChunk]], shape: StepShape) -> HostOrDeviceArray:
         """Dispatch one draft step: its sampled token ids (on the device, not fetched); rank r's rows start at
@@ -273,6 +314,7 @@ class DraftProposer:
             "speculative_draft_kv_pages_free": sum(a.num_free_pages for a in self.allocators),
             "speculative_draft_prefill_steps": self.num_prefill_steps,
             "speculative_draft_decode_steps": self.num_decode_steps,
+            "speculative_draft_chained_steps": self.num_chained_steps,
             "speculative_draft_rows_without_pages": self.num_rows_without_pages,
             "speculative_draft_seconds": round(self.seconds, 3),
             "speculative_draft_num_compiles_after_warmup": self.runner.num_compiles_after_warmup,

@@ -108,6 +108,74 @@ def test_the_draft_catches_up_in_one_step(engines):
     assert any(shape.query_block == 2 for shape in llm.engine.speculation.proposer.runner.executables)
 
 
+def test_a_rounds_later_proposals_are_one_dispatch(engines):
+    """A round whose rows all want k proposals runs the draft's steps 2..k as one chained executable
+    (device/step.py chained_steps): two dispatches per round at k = 4 (the catch-up step and the chain), not
+    four; the chained steps compute what one step at a time does (the same proposals, so the same acceptance
+    and outputs), and nothing compiles after warm-up."""
+    llm = engines["self_int8"]
+    proposer = llm.engine.speculation.proposer
+    runner = proposer.runner
+    assert runner.chain_length == 3 and runner.chain_executables
+    prompt = list(range(7, 40))
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    reference = engines["plain"].generate([prompt], params)[0].outputs[0].token_ids
+    dispatches: list[tuple[str, int]] = []  # (kind, query_block)
+    execute, execute_chain = runner.execute, runner.execute_chain
+
+    def counted_execute(shape, inputs):
+        dispatches.append(("step", shape.query_block))
+        return execute(shape, inputs)
+
+    def counted_chain(shape, stacked_inputs):
+        dispatches.append(("chain", shape.query_block))
+        return execute_chain(shape, stacked_inputs)
+
+    rounds: list[tuple[list[int], list[tuple[str, int]]]] = []  # (limits, the round's decode dispatches)
+    propose = proposer.propose
+
+    def recorded_propose(seqs, limits):
+        dispatches.clear()
+        proposals = propose(seqs, limits)
+        rounds.append((list(limits), [d for d in dispatches if d[1] <= runner.buckets.catch_up_width]))
+        return proposals
+
+    runs = {}
+    try:
+        runner.execute, runner.execute_chain, proposer.propose = counted_execute, counted_chain, recorded_propose
+        for chain in (False, True):
+            proposer.chain_steps = chain
+            before, rounds_before = llm.stats(), len(rounds)
+            output = llm.generate([prompt], params)[0].outputs[0]
+            after = llm.stats()
+            runs[chain] = (
+                output.token_ids,
+                *(
+                    after[key] - before[key]
+                    for key in ("speculative_num_draft_tokens", "speculative_num_accepted_tokens")
+                ),
+                after["speculative_draft_chained_steps"] - before["speculative_draft_chained_steps"],
+                rounds[rounds_before:],
+            )
+    finally:
+        runner.execute, runner.execute_chain, proposer.propose = execute, execute_chain, propose
+        proposer.chain_steps = True
+    for chain, (tokens, *_, chained, chain_rounds) in runs.items():
+        assert tokens == reference, chain
+        full = [dispatched for limits, dispatched in chain_rounds if limits == [4]]
+        assert len(full) > 5, chain_rounds
+        if chain:
+            assert all(len(d) == 2 and d[0][0] == "step" and d[1] == ("chain", 1) for d in full), full
+            assert chained == 3 * len(full)
+        else:
+            assert all(len(d) == 4 and all(kind == "step" for kind, _ in d) for d in full), full
+            assert chained == 0
+    # the same proposals both ways: the same acceptance
+    assert runs[True][1:3] == runs[False][1:3]
+    assert llm.stats()["speculative_draft_num_compiles_after_warmup"] == 0
+    assert_draft_holds_nothing(llm)
+
+
 def test_metrics_report_the_draft_methods_acceptance(engines):
     from prometheus_client import generate_latest
 

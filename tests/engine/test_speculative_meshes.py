@@ -2,7 +2,7 @@
 data x tensor parallelism on a dense model (n-gram proposals, and a draft model: the target's int8 copy,
 whose rows follow each data-parallel rank's sequences), data x expert parallelism on a mixture of experts
 (n-gram and the int8 draft). Outputs equal speculation off, no compile after warm-up, no page held in
-either cache."""
+either cache; the draft's chained steps (device/step.py chained_steps) ran on the meshes too."""
 
 from tests.support.fake_devices import run_on_fake_devices
 
@@ -18,3 +18,5 @@ def test_outputs_equal_on_data_tensor_and_expert_parallel_meshes():
         assert outcome["compiles_after_warmup"] == [0, 0], case
         assert outcome["pages_held"] == [0, 0], case
         assert outcome["draft_pages_held"] == 0, case
+        if case.endswith("_draft"):
+            assert outcome["chained_steps"] > 0, case

@@ -44,5 +44,7 @@ for case in sys.argv[1:]:
         pages_held=[s["kv_pages_total"] - s["kv_pages_free"] for s in stats.values()],
         draft_pages_held=speculative_stats.get("speculative_draft_kv_pages_total", 0)
         - speculative_stats.get("speculative_draft_kv_pages_free", 0),
+        # a draft's proposals after each round's first, in chained executables (device/step.py chained_steps)
+        chained_steps=speculative_stats.get("speculative_draft_chained_steps", 0),
     )
 print(json.dumps(results))

@@ -285,8 +285,10 @@ class ModelRunner:
         ):
             if shape not in self.executables:
                 self.executables[shape] = self._compile(shape)
+        # the decode buckets' shapes (a prefill bucket of query_block 1 is "decode" too, and never chained)
+        decode_shapes = {StepShape(s, s, p) for s in self.buckets.decode_seqs for p in self.buckets.pages_per_seq}
         for shape in tqdm(
-            [shape for shape in self.executables if shape.kind == "decode"] if self.chain_length else [],
+            [shape for shape in self.executables if shape in decode_shapes] if self.chain_length else [],
             desc=f"compiling chains of {self.chain_length} decode steps",
             disable=not show_progress,
         ):

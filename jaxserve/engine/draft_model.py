@@ -115,8 +115,9 @@ def build_draft(
         num_experts=model_config.num_experts,
         layout=layout,
         mesh=mesh,
-        # the proposals after a round's first step, chained in one executable (engine/draft_proposer.py)
-        chain_length=(speculative.num_speculative_tokens or 1) - 1,  # k: set by the config for a method
+        # a round's k - 1 proposals after its first, chained in one executable (engine/draft_proposer.py); from
+        # k = 3 on: a chain of one step would save no dispatch
+        chain_length=k - 1 if (k := speculative.num_speculative_tokens or 1) >= 3 else 0,
     )
     runner.warm_up(show_progress=config.show_progress)
     return DraftProposer(

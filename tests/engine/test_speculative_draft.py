@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.device.step_inputs import StepShape
 from jaxserve.engine.draft_model import check_draft_matches
 from jaxserve.loading.model_source import open_model
 from tests.engine.test_speculative import ENGINE, assert_logprobs_close, assert_nothing_held, summary, workload
@@ -116,7 +117,12 @@ def test_a_rounds_later_proposals_are_one_dispatch(engines):
     llm = engines["self_int8"]
     proposer = llm.engine.speculation.proposer
     runner = proposer.runner
-    assert runner.chain_length == 3 and runner.chain_executables
+    assert runner.chain_length == 3
+    # one chain per decode bucket, none for other shapes
+    buckets = runner.buckets
+    assert set(runner.chain_executables) == {
+        StepShape(s, s, p) for s in buckets.decode_seqs for p in buckets.pages_per_seq
+    }
     prompt = list(range(7, 40))
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     reference = engines["plain"].generate([prompt], params)[0].outputs[0].token_ids

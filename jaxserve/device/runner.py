@@ -290,7 +290,7 @@ class ModelRunner:
         for shape in tqdm(
             [shape for shape in self.executables if shape in decode_shapes] if self.chain_length else [],
             desc=f"compiling chains of {self.chain_length} decode steps",
-            disable=not show_progress,
+            disable=not (show_progress and self.chain_length),  # no bar for a target's runner (no chains)
         ):
             self.chain_executables[shape] = self._compile_chain(shape)
         # The penalties' entry reset compiles now too (on the scratch entry, which nobody reads).

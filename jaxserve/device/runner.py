@@ -33,7 +33,13 @@ from jaxserve.device.sampler import SamplerOutput
 from jaxserve.device.sampling_inputs import SamplingWidths
 from jaxserve.device.sequence_buffers import SequenceBuffers, reset_entry
 from jaxserve.device.step import chained_steps, step
-from jaxserve.device.step_inputs import StepInputs, StepShape, all_step_shapes, build_ranked_inputs
+from jaxserve.device.step_inputs import (
+    StepInputs,
+    StepShape,
+    all_step_shapes,
+    build_ranked_inputs,
+    decode_step_shapes,
+)
 from jaxserve.device.verify_inputs import build_ranked_verify_inputs, verify_shapes
 from jaxserve.device.verify_step import VerifyInputs, verify_step
 from jaxserve.models.kv_pages import KVPages
@@ -285,10 +291,9 @@ class ModelRunner:
         ):
             if shape not in self.executables:
                 self.executables[shape] = self._compile(shape)
-        # the decode buckets' shapes (a prefill bucket of query_block 1 is "decode" too, and never chained)
-        decode_shapes = {StepShape(s, s, p) for s in self.buckets.decode_seqs for p in self.buckets.pages_per_seq}
+        # the decode buckets only (a prefill bucket of query_block 1 has a decode step's kind, and is never chained)
         for shape in tqdm(
-            [shape for shape in self.executables if shape in decode_shapes] if self.chain_length else [],
+            decode_step_shapes(self.buckets) if self.chain_length else [],
             desc=f"compiling chains of {self.chain_length} decode steps",
             disable=not (show_progress and self.chain_length),  # no bar for a target's runner (no chains)
         ):

@@ -169,10 +169,15 @@ def catch_up_step_shape(per_rank_chunks: list[list[ScheduledChunk]], buckets: Bu
     return StepShape(num_seqs * width, num_seqs, pages_per_seq, width)
 
 
+def decode_step_shapes(buckets: Buckets) -> list[StepShape]:
+    """The decode buckets' shapes (one token per row)."""
+    return [StepShape(s, s, p, 1) for s in buckets.decode_seqs for p in buckets.pages_per_seq]
+
+
 def all_step_shapes(buckets: Buckets, prefill_query_block: int) -> list[StepShape]:
     """Every shape the runner compiles at warm-up: decode buckets, catch-up decode buckets (a draft
     model's), then prefill buckets."""
-    shapes = [StepShape(s, s, p, 1) for s in buckets.decode_seqs for p in buckets.pages_per_seq]
+    shapes = decode_step_shapes(buckets)
     width = buckets.catch_up_width
     if width:
         shapes += [StepShape(s * width, s, p, width) for s in buckets.decode_seqs for p in buckets.pages_per_seq]

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.device.step_inputs import StepShape
+from jaxserve.device.step_inputs import decode_step_shapes
 from jaxserve.engine.draft_model import check_draft_matches
 from jaxserve.loading.model_source import open_model
 from tests.engine.test_speculative import ENGINE, assert_logprobs_close, assert_nothing_held, summary, workload
@@ -119,10 +119,7 @@ def test_a_rounds_later_proposals_are_one_dispatch(engines):
     runner = proposer.runner
     assert runner.chain_length == 3
     # one chain per decode bucket, none for other shapes
-    buckets = runner.buckets
-    assert set(runner.chain_executables) == {
-        StepShape(s, s, p) for s in buckets.decode_seqs for p in buckets.pages_per_seq
-    }
+    assert set(runner.chain_executables) == set(decode_step_shapes(runner.buckets))
     prompt = list(range(7, 40))
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     reference = engines["plain"].generate([prompt], params)[0].outputs[0].token_ids

@@ -10,6 +10,13 @@ it tries the other way for `trial_steps` steps, so a change in acceptance (anoth
 noticed. Above `max_batch_size` rows it never speculates (no
 verify step is compiled that large).
 
+A batch size's first verdict comes from MIN_SAMPLES steps of each mode at its start, often an engine's
+first steps: cold caches, a reply's first tokens, which a draft model accepts less of. A wrong verdict for
+speculation corrects itself (its estimate stays live), but a wrong one for plain decoding stood until the
+next trial, 20 trials' time away (12 s for a draft on the default model: a whole short run at plain speed
+while forced speculation ran 1.65x). So a first verdict for plain decoding is confirmed once,
+`explore_every // 4` steps later, by a trial of speculation whose estimate starts afresh.
+
 A batch size not measured yet borrows the verdict of the nearest measured one where that verdict carries
 over (speculation pays less the larger the batch: plain winning at a smaller batch means plain here,
 speculation winning at a larger one means speculation here), so that a growing batch does not pay for
@@ -35,13 +42,20 @@ class ThroughputEstimate:
     seconds: float = 0.0
     num_samples: int = 0
     weight: float = 0.1  # of the newest sample
+    samples_since_restart: int = 0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         # a plain mean of the first 1 / weight samples (no weight on the first sample alone), then moving
-        weight = max(self.weight, 1 / (self.num_samples + 1))
+        weight = max(self.weight, 1 / (self.samples_since_restart + 1))
         self.tokens += weight * (num_tokens - self.tokens)
         self.seconds += weight * (seconds - self.seconds)
         self.num_samples += 1
+        self.samples_since_restart += 1
+
+    def restart(self) -> None:
+        """The next sample starts a fresh mean: the old ones are forgotten once it comes (until then they
+        stand, and with them the verdict)."""
+        self.samples_since_restart = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -54,6 +68,8 @@ class BatchSizeState:
         default_factory=lambda: {True: ThroughputEstimate(), False: ThroughputEstimate()}
     )
     trial_left: int = 0  # steps left of trying the mode that is not the best
+    trial_mode: bool = False  # the mode tried (fixed for the trial: its samples may change the verdict)
+    first_verdict_confirmed: bool = False
     steps_since_trial: int = 0  # decided since the last trial ended
     seconds_since_trial: float = 0.0  # measured since the last trial ended
     last_observed: bool | None = None  # the mode of the last step measured
@@ -89,19 +105,33 @@ class SpeculationPolicy:
             return next(mode for mode in (True, False) if state.estimates[mode].num_samples < self.MIN_SAMPLES)
         if state.trial_left == 0:
             state.steps_since_trial += 1
-            other = state.estimates[not best]
-            # an unmeasured mode's step (a verdict carried over) is taken to be as long as a measured one's
-            trial_seconds = self.trial_steps * (other.seconds or state.estimates[best].seconds)
-            patience = _speculation_margin(state) if best else 1.0
-            if (
-                state.steps_since_trial >= self.explore_every * patience
-                and state.seconds_since_trial >= self.EXPLORE_TIME_RATIO * trial_seconds * patience
-            ):
-                state.trial_left, state.steps_since_trial, state.seconds_since_trial = self.trial_steps, 0, 0.0
+            if best and _measured(state):
+                state.first_verdict_confirmed = True  # only a first verdict for plain decoding needs it
+            confirming = _measured(state) and not state.first_verdict_confirmed
+            if self._trial_due(state, best, confirming):
+                # a confirming trial is as long as a first measurement (its first step is left out, a switch's)
+                state.trial_left = self.MIN_SAMPLES + 1 if confirming else self.trial_steps
+                state.trial_mode = not best
+                if confirming:
+                    state.estimates[True].restart()  # the conditions of its first samples have passed
+                state.first_verdict_confirmed = True  # or a trial came first (a verdict carried over)
+                state.steps_since_trial, state.seconds_since_trial = 0, 0.0
         if state.trial_left:
             state.trial_left -= 1
-            return not best
+            return state.trial_mode
         return best
+
+    def _trial_due(self, state: BatchSizeState, best: bool, confirming: bool) -> bool:
+        if confirming:
+            return state.steps_since_trial >= self.explore_every // 4
+        other = state.estimates[not best]
+        # an unmeasured mode's step (a verdict carried over) is taken to be as long as a measured one's
+        trial_seconds = self.trial_steps * (other.seconds or state.estimates[best].seconds)
+        patience = _speculation_margin(state) if best else 1.0
+        return (
+            state.steps_since_trial >= self.explore_every * patience
+            and state.seconds_since_trial >= self.EXPLORE_TIME_RATIO * trial_seconds * patience
+        )
 
     def try_speculation_now(self, batch_size: int) -> None:
         """Evidence that speculation would pay at this batch size while plain decoding wins (the text changed:

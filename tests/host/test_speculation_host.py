@@ -184,17 +184,21 @@ def test_policy_leaves_out_the_first_step_after_a_switch():
     assert policy.stats()["1"]["on"] < 100.0
 
 
-def simulated_run(policy, batch_size, tokens_per_second, num_steps, seed=0):
+def simulated_run(policy, batch_size, tokens_per_second, num_steps, seed=0, cold_speculating_steps=0):
     """Steps decided by the policy, whose measurements come from a world where each mode yields its
     tokens/s ({True: speculating, False: plain}) with noise (+-40%, as a loaded machine gives), and the
     first step after each switch costs 4x (a draft catching up, a plain step that was not overlapped).
-    Returns (the fraction of steps that speculated, the tokens/s the run achieved)."""
+    The first `cold_speculating_steps` speculating steps emit half the tokens in 1.5x the time (a cold
+    engine, a reply's first tokens). Returns (the fraction of steps that speculated, the tokens/s the run
+    achieved)."""
     rng = np.random.default_rng(seed)
     previous, num_on, total_tokens, total_seconds = None, 0, 0, 0.0
     for _ in range(num_steps):
         on = policy.speculate(batch_size)
         tokens = batch_size * (4 if on else 1)  # a verify row emits 4 tokens
         seconds = tokens / tokens_per_second[on] * rng.uniform(0.6, 1.4) * (4 if previous not in (None, on) else 1)
+        if on and num_on < cold_speculating_steps:
+            tokens, seconds = tokens // 2, seconds * 1.5
         policy.observe(batch_size, on, seconds, tokens)
         previous, num_on = on, num_on + on
         total_tokens, total_seconds = total_tokens + tokens, total_seconds + seconds
@@ -212,6 +216,21 @@ def test_policy_keeps_a_paying_draft_on_and_a_losing_one_off():
     assert fraction_on < 0.15 and achieved > 72.0, (fraction_on, achieved)
     stats = policy.stats()
     assert stats["1"]["on"] > stats["1"]["off"] and stats["8"]["on"] < stats["8"]["off"]
+
+
+def test_a_first_verdict_for_plain_decoding_taken_cold_is_confirmed_once():
+    """A draft paying 1.5x whose first speculating steps accept half as much: the verdict taken on them
+    (plain) is tried again 16 steps later, from a fresh estimate, instead of after 20 trials' time (~240
+    steps here, as long as a short run); a losing draft pays for that one trial only."""
+    for seed in range(3):
+        policy = SpeculationPolicy(8)
+        fraction_on, achieved = simulated_run(policy, 1, {True: 15.0, False: 10.0}, 160, seed, cold_speculating_steps=4)
+        assert fraction_on > 0.75 and achieved > 13.0, (seed, fraction_on, achieved)
+        state = policy.by_batch_size[1]
+        assert state.first_verdict_confirmed and state.estimates[True].tokens_per_second > 13.0
+    losing = SpeculationPolicy(8)
+    fraction_on, _ = simulated_run(losing, 1, {True: 8.0, False: 10.0}, 200, cold_speculating_steps=4)
+    assert round(200 * fraction_on) <= 3 + 4 + 1, fraction_on  # the first measurement, the confirmation (+1 left out)
 
 
 def test_plain_trials_wait_longer_the_more_speculation_wins():
@@ -312,6 +331,7 @@ def test_plain_decoding_looks_ahead_and_tries_speculation_when_the_text_turns_to
     speculation = Speculation(SpeculativeConfig(method="ngram"), max_model_len=256)
     for on in (True,) * 4 + (False,) * 4:  # speculation measured at 100 tokens/s, plain at 200
         speculation.policy.observe(1, on, 0.01, 1 if on else 2)
+    speculation.policy.by_batch_size[1].first_verdict_confirmed = True  # a settled verdict, not a first one
 
     def step(*tokens: int) -> bool:
         seq.output_token_ids += tokens

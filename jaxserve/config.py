@@ -19,6 +19,7 @@ DTYPE_NAMES = {
 
 
 QUANTIZATION_FORMATS = ("none", "int8", "int4", "auto")  # as jaxserve/loading/quantize.py's FORMATS
+INT4_GROUP_SIZES = (32, 64, 128)  # quantization_group_size: rows of K per int4 scale
 # What the CPU quantized matmul does with x (pallas_kernels/matmul/quantized_cpu.py's KERNELS): int8 rounds each
 # row per 32 values as llama.cpp does (integer dots), float keeps it (the dequantized product, slower)
 QUANTIZED_ACTIVATIONS = ("int8", "float")
@@ -354,8 +355,10 @@ class EngineConfig:
             raise ValueError(
                 f"unknown quantization {self.quantization!r} (option quantization); known: {list(QUANTIZATION_FORMATS)}"
             )
-        if self.quantization_group_size not in (32, 64, 128):
-            raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size}")
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"quantization_group_size must be one of {list(INT4_GROUP_SIZES)}, got {self.quantization_group_size}"
+            )
         if self.quantization_embedding not in ("same", "int8"):
             raise ValueError(f"quantization_embedding must be same or int8, got {self.quantization_embedding!r}")
         if self.quantized_activations not in QUANTIZED_ACTIVATIONS:

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxserve.config import INT4_GROUP_SIZES
 from pallas_kernels.matmul.kquant import KQuantWeight
 from pallas_kernels.matmul.quantized import QuantizedWeight, place_shardings
 
@@ -31,7 +32,6 @@ logger = logging.getLogger(__name__)
 FORMATS = ("none", "int8", "int4", "auto")
 EMBEDDING_FORMATS = ("same", "int8")  # quantization_embedding: the vocabulary tensors under int4
 SPEC_BITS = {"int8": 8, "int4": 4}  # a stored layout of these bits serves the format as it is
-INT4_GROUP_SIZES = (32, 64, 128)
 # Kernels that stay float: MoE routers (a handful of columns whose exact scores pick the experts, as
 # llama.cpp keeps ffn_gate_inp), the shared expert's one-column gate, and MLA's kv_b_proj, which attention
 # reads in place as [rank, heads, dims] to absorb it into the query and output (models/mla.py), not as a
@@ -124,9 +124,11 @@ def check_groups(path: tuple[str, ...], shape: tuple[int, ...], spec: Quantizati
     """shape: the stored [..., K, N]."""
     depth = shape[-2]
     if spec.format == "int4" and depth % spec.group_size:
+        dividing = [size for size in INT4_GROUP_SIZES if depth % size == 0]
+        remedy = f"quantization_group_size {dividing[0]} divides it" if dividing else "int4 cannot take it: use int8"
         raise ValueError(
             f"cannot quantize {'.'.join(path)} {list(shape)} to int4: K = {depth} is not a "
-            f"multiple of quantization_group_size {spec.group_size} (choose one that divides it, or int8)"
+            f"multiple of quantization_group_size {spec.group_size} ({remedy})"
         )
 
 

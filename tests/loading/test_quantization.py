@@ -178,9 +178,15 @@ def test_bad_quantization_options_are_refused_at_start():
         _engine(FIXTURE, quantization="int3")
     with pytest.raises(ValueError, match="quantization_group_size must be"):
         _engine(FIXTURE, quantization="int4", quantization_group_size=48)
-    # down_proj's K is 96: groups of 64 do not divide it
-    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj\.kernel.*quantization_group_size 64"):
+    # down_proj's K is 96: groups of 64 do not divide it, 32 do
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.0\.mlp\.down_proj\.kernel.*quantization_group_size 64 \(quantization_group_size 32 divides",
+    ):
         _engine(FIXTURE, quantization="int4", quantization_group_size=64)
+    # hidden 40: no int4 group divides it, and the message says so instead of suggesting another group size
+    with pytest.raises(ValueError, match=r"K = 40 .*\(int4 cannot take it: use int8\)"):
+        _engine(fixture_dir("llama_mqa_odd"), quantization="int4")
 
 
 def test_orbax_checkpoints_save_and_restore_quantized(tmp_path):

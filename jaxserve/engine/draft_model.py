@@ -15,6 +15,7 @@ pages on its own devices, one allocator per rank, and each sequence's draft rows
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 from jax.sharding import Mesh
@@ -34,6 +35,8 @@ from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.lora.registry import LoraRegistry
 from jaxserve.models import KVPages
 from sharding.attention import kv_pages_shardings
+
+logger = logging.getLogger(__name__)
 
 # Text whose encoding two tokenizers must agree on (words, code, digits, whitespace runs, non-ASCII).
 TOKENIZER_PROBE = "Hello, world! def f(x):\n    return x * 12345  # ünïcödé 日本語 \t\n\n<|end|></s>"
@@ -83,6 +86,8 @@ def build_draft(
     num_pages = speculative.draft_num_pages or max(
         2, min(rows * num_pages_for(max_model_len, page_size) + 1, budget_pages)
     )
+    if (warning := short_pool_warning(num_pages, page_size, max_model_len)) is not None:
+        logger.warning(warning)
     layout = RankLayout(num_ranks, num_pages, entries_per_rank=rows)
     kv_pages = KVPages.zeros(
         model_config.num_layers,
@@ -129,6 +134,19 @@ def build_draft(
         compile_counter=compile_counter,
         description=f"{source.name} ({speculative.draft_quantization})",
         lora=LoraRegistry(config.lora, runner, lora_slots) if lora_slots else None,
+    )
+
+
+def short_pool_warning(num_pages: int, page_size: int, max_model_len: int) -> str | None:
+    """What a user who sized the draft's pool below one whole sequence should know (None: it holds one): a
+    row whose KV the pool cannot hold proposes nothing, so long requests silently decode without speculation."""
+    tokens = (num_pages - 1) * page_size  # one page of each rank's pool is its scratch page
+    if tokens >= max_model_len:
+        return None
+    return (
+        f"the draft's KV pool ({num_pages} pages of {page_size} tokens a rank, one a scratch page) holds {tokens} "
+        f"tokens, less than one sequence of max_model_len {max_model_len}: a row longer than that decodes without "
+        "proposals (raise draft_num_pages, or leave it unset to size the pool for every speculating row)"
     )
 
 

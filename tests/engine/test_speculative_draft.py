@@ -6,6 +6,7 @@ warm-up, and both caches' pages come back. A draft that speaks other tokens is r
 tensor- and data-parallel meshes (and data x expert): tests/engine/test_speculative_meshes.py."""
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -34,13 +35,23 @@ OTHER_SMALL_POOL = {
 }
 
 
+DRAFT_WARNINGS: list[str] = []  # what building the module's engines logged from engine/draft_model.py
+
+
 @pytest.fixture(scope="module")
 def engines():
-    return {
-        "plain": LLM(fixture_dir("llama_gqa"), **ENGINE),
-        "self_int8": LLM(fixture_dir("llama_gqa"), **ENGINE, speculative=SELF_INT8),
-        "other": LLM(fixture_dir("llama_gqa"), **ENGINE, speculative=OTHER_SMALL_POOL),
-    }
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: DRAFT_WARNINGS.append(record.getMessage())
+    draft_logger = logging.getLogger("jaxserve.engine.draft_model")
+    draft_logger.addHandler(handler)
+    try:
+        return {
+            "plain": LLM(fixture_dir("llama_gqa"), **ENGINE),
+            "self_int8": LLM(fixture_dir("llama_gqa"), **ENGINE, speculative=SELF_INT8),
+            "other": LLM(fixture_dir("llama_gqa"), **ENGINE, speculative=OTHER_SMALL_POOL),
+        }
+    finally:
+        draft_logger.removeHandler(handler)
 
 
 def assert_draft_holds_nothing(llm):
@@ -232,6 +243,21 @@ def test_bad_draft_options_are_refused(speculative, problem):
 
     with pytest.raises(ValueError, match=problem):
         EngineConfig.from_options(speculative=speculative)
+
+
+def test_a_draft_pool_below_one_sequence_is_named_at_start(engines):
+    """A pool that cannot hold one sequence of max_model_len leaves long rows without proposals: said once, at
+    start. The module's small-pool draft (7 pages of 4 tokens) logged it; the self-draft (pool sized) did not."""
+    from jaxserve.engine.draft_model import short_pool_warning
+
+    assert [w for w in DRAFT_WARNINGS if "draft's KV pool" in w] == [
+        short_pool_warning(7, 4, engines["other"].engine.max_model_len)
+    ]
+
+    assert short_pool_warning(9, 4, 32) is None  # 8 usable pages of 4 tokens: one whole sequence
+    warning = short_pool_warning(7, 4, 64)
+    assert warning is not None and "holds 24 tokens" in warning and "max_model_len 64" in warning
+    assert "draft_num_pages" in warning
 
 
 def test_a_draft_on_a_prefill_replica_is_refused():

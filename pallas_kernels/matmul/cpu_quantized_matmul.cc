@@ -68,6 +68,18 @@ inline VecF Fma(VecF a, VecF b, VecF acc) {
 #endif
 }
 
+// One lane of Fma, rounded as the vectors' (cpu_matmul_vectors.h's FmaOne): the tails past whole vectors and whole
+// steps. Left to the compiler, `sum += x * w` was contracted in some row counts' instantiations and not in others
+// (GCC on an AMD EPYC with AVX-512, -march=native): a Q8_0 weight's 83rd column differed between a 1-row and a
+// 2-row call (tests/kernels/test_quantized_matmul.py, row invariance).
+inline float FmaOne(float a, float b, float acc) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, acc);
+#else
+  return acc + a * b;
+#endif
+}
+
 inline VecF Broadcast(float x) {
 #if defined(__AVX512F__)
   return _mm512_set1_ps(x);
@@ -197,13 +209,15 @@ void GroupRows(const Problem& p, const Rows& x, int64_t r0, int64_t g, int64_t c
   // (N not a multiple of the vector), one at a time
   for (int64_t c = vectors; c < width; ++c) {
     for (int64_t kk = k0; kk < k; ++kk) {
-      for (int r = 0; r < R; ++r) sums[r * width + c] += xr[r * x.depth + kk] * Weight<Bits>(p, kk, c0 + c);
+      for (int r = 0; r < R; ++r) {
+        sums[r * width + c] = FmaOne(xr[r * x.depth + kk], Weight<Bits>(p, kk, c0 + c), sums[r * width + c]);
+      }
     }
   }
   for (; k < k1; ++k) {
     for (int64_t c = 0; c < width; ++c) {
       const float w = Weight<Bits>(p, k, c0 + c);
-      for (int r = 0; r < R; ++r) sums[r * width + c] += xr[r * x.depth + k] * w;
+      for (int r = 0; r < R; ++r) sums[r * width + c] = FmaOne(xr[r * x.depth + k], w, sums[r * width + c]);
     }
   }
   const bool has_mins = p.mins.data != nullptr;

@@ -53,16 +53,18 @@ def _bfloat16_max_rows() -> int:
     return 8 if path == "avx512" and "amx_bf16" in cpu_library.cpu_flags() else cpu.MATMUL_MAX_ROWS
 
 
-# Rows up to which the CPU kernel serves a dot. Every decode and verify step's rows (64: the kernel's limit and the
-# default largest decode bucket) in float32 and float16, so that a row's projections are the same bits in a
-# 1-row decode step, a batched one and a speculative verify step (issue 26: greedy outputs identical with
-# speculation on and off; the kernel's rows do not depend on the call's row count, cpu_matmul.cc "Row
-# invariance", where XLA's dots sum in their own order). Until session 16 float32 stopped at eight rows (XLA's
-# GEMMs were faster above; docs/notes/cpu-kernels.md has the cost now). bfloat16: see _bfloat16_max_rows.
+# Rows up to which the CPU kernel serves a dot in one call. Every decode and verify step's rows (up to 64, the default
+# largest decode bucket) and prefill chunks 256 rows a call (cpu.MATMUL_MAX_ROWS) in float32 and float16, so that a
+# row's projections are the same bits in a 1-row decode step, a batched one, a speculative verify step and a prefill
+# chunk (issue 26: greedy outputs identical with speculation on and off; the kernel's rows do not depend on the
+# call's row count, cpu_matmul.cc "Row invariance", where XLA's dots sum in their own order). Until session 16
+# float32 stopped at eight rows (XLA's GEMMs were faster above; docs/notes/cpu-kernels.md has the cost now); until
+# session 20 prefill chunks went 64 rows a call (each 64 rows read every weight again: a 192-token prefill's
+# projections took 1.1-1.35x as long). bfloat16: see _bfloat16_max_rows.
 SMALL_MATMUL_MAX_ROWS = {
     jnp.dtype(jnp.bfloat16): _bfloat16_max_rows(),
-    jnp.dtype(jnp.float16): 64,
-    jnp.dtype(jnp.float32): 64,
+    jnp.dtype(jnp.float16): cpu.MATMUL_MAX_ROWS,
+    jnp.dtype(jnp.float32): cpu.MATMUL_MAX_ROWS,
 }
 
 
@@ -96,7 +98,8 @@ class ReferenceMatmul:
 @dataclass(frozen=True)
 class SmallMatmul:
     """The C++ kernel, for up to `max_rows` rows of weights in one of the dtypes it serves; a dtype it serves
-    for every decode-sized call (ROW_INVARIANT_ROWS) it serves for any rows, 64 at a time (row_blocks.py)."""
+    for every decode-sized call (ROW_INVARIANT_ROWS) it serves for any rows, as many a call as it takes
+    (row_blocks.py)."""
 
     max_rows: tuple[tuple[str, int], ...]  # (weight dtype, rows up to which the kernel serves it)
     joins_weights: ClassVar[bool] = True
@@ -110,12 +113,12 @@ class SmallMatmul:
 
     def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
         compute = lambda block: cpu.small_matmuls(block, weights, transposed=transposed)  # noqa: E731
-        return in_row_blocks(compute, rows, block=min(self._limit(weights), ROW_INVARIANT_ROWS))
+        return in_row_blocks(compute, rows, block=min(self._limit(weights), cpu.MATMUL_MAX_ROWS))
 
     def normed(self, rows, scale, eps: float, weights: tuple) -> tuple:
         """RMSNorm(rows; scale, eps) by each weight [K, N_i], the norm inside the kernel's call."""
         compute = lambda block: cpu.small_matmuls_normed(block, scale, eps, weights)  # noqa: E731
-        return in_row_blocks(compute, rows, block=min(self._limit(weights), ROW_INVARIANT_ROWS))
+        return in_row_blocks(compute, rows, block=min(self._limit(weights), cpu.MATMUL_MAX_ROWS))
 
     def _limit(self, weights: tuple) -> int:
         return dict(self.max_rows).get(str(jnp.dtype(weights[0].dtype)), 0)

@@ -18,7 +18,7 @@ from pallas_kernels import cpu_library
 
 MATMUL_TARGET = "jaxserve_cpu_small_matmul"
 NORMED_TARGET = "jaxserve_cpu_small_matmul_normed"  # x through an RMS norm first (small_matmuls_normed)
-MATMUL_MAX_ROWS = 64  # cpu_matmul.cc's kMaxRows
+MATMUL_MAX_ROWS = 256  # cpu_matmul.cc's kMaxRows
 DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))  # of the weights it serves
 
 

@@ -7,10 +7,11 @@
 // once and widened in registers: the step costs the weights' bytes, which is the memory roofline.
 // Two regimes ([K, N] weights): up to kWalkRows rows (bound by reading the weights) register tiles over
 // blocks of the item's rows, read straight from memory (RowWalk -> TiledWalk, cpu_matmul_few_rows.h); with more
-// rows (up to 64, the default largest decode bucket; bound by the multiplies) each pass of rows is packed,
-// widened to float32 once, and register-tiled like a GEMM's micro-kernel (KnTile), so that bfloat16 batches run
-// at least as fast per row as float32 ones (issue #29); on AVX-512 BF16 CPUs without AMX bfloat16 runs in
-// vdpbf16ps pairs at every row count instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own bfloat16 dots there).
+// rows (batched decode and verify steps up to 64 rows, prefill chunks up to kMaxRows; bound by the multiplies) each
+// pass of rows is packed, widened to float32 once, and register-tiled like a GEMM's micro-kernel (KnTile), so that
+// bfloat16 batches run at least as fast per row as float32 ones (issue #29); on AVX-512 BF16 CPUs without AMX
+// bfloat16 runs in vdpbf16ps pairs at every row count instead (cpu_matmul_bf16_pairs.h: as fast as XLA's own
+// bfloat16 dots there).
 // [N, K] (a tied embedding as the head): 1-8 rows, several weight rows at once from as many long runs
 // (NkStreams, cpu_matmul_few_rows.h); more, register tiles of dot products over the item's rows, packed first
 // since several groups of rows reuse them.
@@ -35,6 +36,7 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_matmul_bf16_pairs.h"
@@ -47,7 +49,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxRows = 64;           // the wrapper sends no more
+constexpr int64_t kMaxRows = 256;          // the wrapper sends no more (a prefill chunk's rows, up to 256 a call)
 constexpr int64_t kBlockColumns = 384;     // [K, N], many rows: output columns per item; tile widths divide it
 constexpr int64_t kWideColumns = 4096;     // [K, N], few rows: output columns per item, at most
 constexpr int64_t kAccumulatorBytes = 16 * 1024;  // [K, N], few rows: an item's accumulators stay in L1
@@ -88,13 +90,16 @@ void Pack(const typename T::Stored* w, int64_t stride, int64_t count, int64_t wi
 
 // R rows of x by V vectors of columns, over `count` packed weight rows: the R * V accumulators stay in
 // registers; each weight vector serves all R rows.
+// from_zero: the first pass of an item, whose sums start at zero (out holds nothing yet: not read, so the caller
+// need not clear it); later passes continue the sums through out.
 template <int R, int V>
-inline void KnTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t count, float* out, int64_t ldo) {
+inline void KnTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t count, float* out, int64_t ldo,
+                   bool from_zero) {
   VecF acc[R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) acc[r][v] = LoadF(out + r * ldo + v * kLanes);
+    for (int v = 0; v < V; ++v) acc[r][v] = from_zero ? VecF{} : LoadF(out + r * ldo + v * kLanes);
   for (int64_t k = 0; k < count; ++k) {
     const float* row = w + k * ldw;
     VecF wv[V];
@@ -116,14 +121,17 @@ inline void KnTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int
 // R rows of x (from x, its rows ldx apart) by all `width` packed columns: whole tiles of kKnVectors[R]
 // vectors, then single vectors, then single columns (N not a multiple of kLanes).
 template <int R>
-void KnRows(const float* x, int64_t ldx, const float* packed, int64_t count, int64_t width, float* out, int64_t ldo) {
+void KnRows(const float* x, int64_t ldx, const float* packed, int64_t count, int64_t width, float* out, int64_t ldo,
+            bool from_zero) {
   constexpr int V = kKnVectors[R];
   int64_t c = 0;
-  for (; c + V * kLanes <= width; c += V * kLanes) KnTile<R, V>(x, ldx, packed + c, width, count, out + c, ldo);
-  for (; c + kLanes <= width; c += kLanes) KnTile<R, 1>(x, ldx, packed + c, width, count, out + c, ldo);
+  for (; c + V * kLanes <= width; c += V * kLanes) {
+    KnTile<R, V>(x, ldx, packed + c, width, count, out + c, ldo, from_zero);
+  }
+  for (; c + kLanes <= width; c += kLanes) KnTile<R, 1>(x, ldx, packed + c, width, count, out + c, ldo, from_zero);
   for (; c < width; ++c) {
     for (int r = 0; r < R; ++r) {
-      float sum = out[r * ldo + c];
+      float sum = from_zero ? 0.0f : out[r * ldo + c];
       for (int64_t k = 0; k < count; ++k) sum = FmaOne(x[r * ldx + k], packed[k * width + c], sum);
       out[r * ldo + c] = sum;
     }
@@ -132,10 +140,10 @@ void KnRows(const float* x, int64_t ldx, const float* packed, int64_t count, int
 
 template <int R>
 void KnRemainder(int rows, const float* x, int64_t ldx, const float* packed, int64_t count, int64_t width, float* out,
-                 int64_t ldo) {
+                 int64_t ldo, bool from_zero) {
   if constexpr (R > 0) {
-    if (rows == R) return KnRows<R>(x, ldx, packed, count, width, out, ldo);
-    KnRemainder<R - 1>(rows, x, ldx, packed, count, width, out, ldo);
+    if (rows == R) return KnRows<R>(x, ldx, packed, count, width, out, ldo, from_zero);
+    KnRemainder<R - 1>(rows, x, ldx, packed, count, width, out, ldo, from_zero);
   }
 }
 
@@ -160,24 +168,38 @@ void RowWalkRows(int rows, const Problem& p, int64_t k0, int64_t k1, int64_t c0,
   }
 }
 
-// One item: weight rows [k0, k1) by columns [c0, c0 + width), added into partial [M, N], in passes of
-// `chunk` rows: each pass packs its rows, then every group of rows of x runs over them from cache.
+// Whether an item adds into a partial cleared beforehand (the walks of a few rows, the bfloat16 pairs), rather
+// than writing it from zero in its first pass (the packed many-row passes: at 192 rows clearing the outputs and the
+// partials, one thread while the other waited, was 7% of a prefill's projection samples).
+template <typename T>
+bool AddsIntoCleared(int64_t rows) {
+  return rows <= kWalkRows || (std::is_same_v<T, BF16> && kBf16Pairs);
+}
+
+// One item: weight rows [k0, k1) by columns [c0, c0 + width), into partial [M, N], in passes of `chunk` rows: each
+// pass packs its rows, then every group of rows of x runs over them from cache.
 template <typename T>
 void KnItem(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, int64_t chunk, float* partial) {
   if (p.rows <= kWalkRows) return RowWalkRows<T, kWalkRows>(int(p.rows), p, k0, k1, c0, width, partial);
   if constexpr (std::is_same_v<T, BF16> && kBf16Pairs) return PairItem(p, k0, k1, c0, width, chunk, partial);
+  if (k0 >= k1) {  // K = 0: no pass writes the zeros
+    for (int64_t r = 0; r < p.rows; ++r) std::fill_n(partial + r * p.columns + c0, width, 0.0f);
+    return;
+  }
   float* packed = PackBuffer(chunk * width);
   const auto* w = static_cast<const typename T::Stored*>(p.w);
   for (int64_t k = k0; k < k1; k += chunk) {
     const int64_t count = std::min(chunk, k1 - k);
+    const bool from_zero = k == k0;
     Pack<T>(w + k * p.columns + c0, p.columns, count, width, packed);
     int64_t r0 = 0;
     for (; r0 + kKnRows <= p.rows; r0 += kKnRows) {
-      KnRows<kKnRows>(p.x + r0 * p.depth + k, p.depth, packed, count, width, partial + r0 * p.columns + c0, p.columns);
+      KnRows<kKnRows>(p.x + r0 * p.depth + k, p.depth, packed, count, width, partial + r0 * p.columns + c0, p.columns,
+                      from_zero);
     }
     if (r0 < p.rows) {
       KnRemainder<kKnRows - 1>(int(p.rows - r0), p.x + r0 * p.depth + k, p.depth, packed, count, width,
-                               partial + r0 * p.columns + c0, p.columns);
+                               partial + r0 * p.columns + c0, p.columns, from_zero);
     }
   }
 }
@@ -283,13 +305,14 @@ void NkItem(const Problem& p, int64_t n0, int64_t count) {
 // so that the threads split the columns rather than K. Transposed [N, K]: runs of weight rows (outputs),
 // each written once.
 //
-// Row invariance (issue 26, session 16): a speculative verify step computes k + 1 rows of a sequence (up to 64
-// over a batch) where a decode step computed one, and greedy outputs must not change with speculation on, so
-// each row of a call of up to 64 rows is the same bits as the 1-row call of that row. The cuts of K (`parts`,
-// on whole `cut`s) are those of the 1-row call, whatever the rows (they depend on K, N and the workers); the
-// columns may be cut by rows (block_columns, and chunk: the rows a many-row pass packs), since every output's
-// terms are added in K's order within a part, whoever walks them; and every walk adds them so (RowWalk, KnTile,
-// NkItem; the bfloat16 pairs on AVX-512 BF16 at every row count, PairTiledWalk and PairItem).
+// Row invariance (issue 26, session 16): a speculative verify step computes k + 1 rows of a sequence (up to 64 over
+// a batch) where a decode step computed one, and greedy outputs must not change with speculation on, so each row of
+// a call of up to kMaxRows rows is the same bits as the 1-row call of that row (a prefill chunk's rows too, 256 a
+// call since session 20). The cuts of K (`parts`, on whole `cut`s) are those of the 1-row call, whatever the rows
+// (they depend on K, N and the workers); the columns may be cut by rows (block_columns, and chunk: the rows a many-
+// row pass packs), since every output's terms are added in K's order within a part, whoever walks them; and every
+// walk adds them so (RowWalk, KnTile, NkItem; the bfloat16 pairs on AVX-512 BF16 at every row count, PairTiledWalk
+// and PairItem). The parts are added to the output in part order, whoever adds them.
 struct Plan {
   Problem problem;
   int64_t first_item = 0, num_items = 0;
@@ -349,12 +372,24 @@ inline void PartRows(const Plan& plan, int64_t part, int64_t& k0, int64_t& k1) {
   k1 = std::min(depth, cuts * (part + 1) / plan.parts * plan.cut);
 }
 
+// A call's scratch for the partials of [K, N] parts after the first, kept by the calling thread (a fresh vector
+// each call cleared megabytes and faulted its pages in: 192-row prefill calls).
+inline float* PartialsBuffer(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (int64_t(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+// Outputs per item of the partials' sum (RunItems): long enough to amortise taking an item.
+constexpr int64_t kSumItemFloats = 16 * 1024;
+
 // Several weights times the same x (a layer's q, k and v, or gate and up) in one call: the items of
 // all of them in one schedule, so the threads stay busy across the weights' boundaries.
 template <typename T>
 void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
   std::vector<Plan> plans;
   int64_t num_items = 0, partial_size = 0;
+  const bool cleared = AddsIntoCleared<T>(problems[0].rows);
   for (const Problem& p : problems) {
     plans.push_back(MakePlan<T>(p, transposed, num_workers));
     plans.back().first_item = num_items;
@@ -362,11 +397,11 @@ void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
     num_items += plans.back().num_items;
     if (!transposed) {
       partial_size += (plans.back().parts - 1) * p.rows * p.columns;
-      std::memset(p.out, 0, sizeof(float) * p.rows * p.columns);  // part 0 accumulates in the output
+      if (cleared) std::memset(p.out, 0, sizeof(float) * p.rows * p.columns);  // part 0 accumulates in the output
     }
   }
-  std::vector<float> scratch(partial_size, 0.0f);  // [K, N]: the partials of parts 1, 2, ...
-  float* scratch_data = scratch.data();
+  float* scratch_data = PartialsBuffer(partial_size);  // [K, N]: the partials of parts 1, 2, ...
+  if (cleared) std::memset(scratch_data, 0, sizeof(float) * partial_size);
   const Plan* plan_data = plans.data();
   const int64_t num_plans = int64_t(plans.size());
   jaxserve_cpu::RunItems(num_workers, num_items, [=](int64_t /*worker*/, int64_t item) {
@@ -386,16 +421,27 @@ void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
     float* partial = part == 0 ? p.out : scratch_data + plan->partial_offset + (part - 1) * p.rows * p.columns;
     KnItem<T>(p, k0, k1, c0, std::min(plan->block_columns, p.columns - c0), plan->chunk, partial);
   });
-  if (transposed) return;
+  if (transposed || partial_size == 0) return;
+  // The partials added to the output in part order (each output's sum the same whoever adds it), the outputs
+  // shared among the threads.
+  std::vector<std::pair<const Plan*, int64_t>> sums;  // (plan, first output of the item)
   for (const Plan& plan : plans) {
-    const Problem& p = plan.problem;
-    const int64_t size = p.rows * p.columns;
+    const int64_t size = plan.problem.rows * plan.problem.columns;
+    for (int64_t start = 0; plan.parts > 1 && start < size; start += kSumItemFloats) sums.emplace_back(&plan, start);
+  }
+  const auto* sum_data = sums.data();
+  jaxserve_cpu::RunItems(num_workers, int64_t(sums.size()), [=](int64_t /*worker*/, int64_t item) {
+    const Plan& plan = *sum_data[item].first;
+    const int64_t size = plan.problem.rows * plan.problem.columns, start = sum_data[item].second;
+    const int64_t end = std::min(size, start + kSumItemFloats);
+    float* out = plan.problem.out;
     const float* partials = scratch_data + plan.partial_offset;
     for (int64_t part = 1; part < plan.parts; ++part) {
+      const float* from = partials + (part - 1) * size;
 #pragma omp simd
-      for (int64_t i = 0; i < size; ++i) p.out[i] += partials[(part - 1) * size + i];
+      for (int64_t i = start; i < end; ++i) out[i] += from[i];
     }
-  }
+  });
 }
 
 template <typename T>

@@ -1,15 +1,18 @@
-"""Rows past 64 go to the CPU kernels 64 at a time, so that a prefill chunk's row is the bits a decode row's is.
+"""Rows past what a CPU kernel takes in one call go to it in blocks of that many (64 for the quantized kernels, 256
+for the float one), so that a prefill chunk's row is the bits a decode row's is.
 
-Every CPU projection kernel computes a row of a call of up to ROW_INVARIANT_ROWS rows exactly as a one-row call
-does (the K cut and the order of K's sums are the one-row call's: tests/kernels/test_*rows*.py). Above that the
-kernels had their own plans (the int8 dot's per-weight plan, XLA's GEMMs), so a prompt position computed in a
-prefill chunk of 128 rows rounded differently from the same position in a chunk of 40, or in a decode step.
-Speculation changes how a step's token budget is shared (a verify row takes k + 1 tokens where a decode row took
-one), hence where prompts are cut into chunks; with bfloat16 or int8 activations a 1e-7 difference in a prompt's
-KV then flips a greedy near-tie later (issue 26: greedy outputs identical with speculation on and off).
+Every CPU projection kernel computes a row of a call of up to ROW_INVARIANT_ROWS rows (the float kernel: up to its
+MATMUL_MAX_ROWS) exactly as a one-row call does (the K cut and the order of K's sums are the one-row call's:
+tests/kernels/test_*rows*.py). Above that the kernels had their own plans (the int8 dot's per-weight plan, XLA's
+GEMMs), so a prompt position computed in a prefill chunk of 128 rows rounded differently from the same position in
+a chunk of 40, or in a decode step. Speculation changes how a step's token budget is shared (a verify row takes
+k + 1 tokens where a decode row took one), hence where prompts are cut into chunks; with bfloat16 or int8
+activations a 1e-7 difference in a prompt's KV then flips a greedy near-tie later (issue 26: greedy outputs
+identical with speculation on and off).
 
-The cost: the weights are read once per 64 rows of a prefill chunk instead of once per chunk (measured in
-docs/notes/speculative.md, session 16); decode and verify steps (at most 64 rows) are unchanged.
+The cost: the weights are read once per block of a prefill chunk instead of once per chunk (measured in
+docs/notes/speculative.md, session 16; the float kernel's 256-row blocks since session 20,
+docs/notes/cpu-kernels.md); decode and verify steps (at most 64 rows) are unchanged.
 """
 
 from __future__ import annotations

@@ -66,11 +66,12 @@ def test_the_kernel_serves_up_to_its_rows_and_joins_weights_only_there(dtype):
     plan = choose_matmul("cpu", 1)
     max_rows = SMALL_MATMUL_MAX_ROWS[jnp.dtype(dtype)]
     weights = [jnp.ones((16, 8), dtype), jnp.ones((16, 4), dtype)]
-    for num_rows in (1, max_rows, max_rows + 1, 150):
+    for num_rows in (1, max_rows, max_rows + 1, 150, 2 * cpu.MATMUL_MAX_ROWS + 1):
         rows = jnp.ones((num_rows, 16), dtype)
         hlo = jax.jit(lambda rows, *ws: plan.together(rows, ws) or ()).lower(rows, *weights).as_text()
-        # a dtype served for every decode-sized call is served for any rows, 64 a call (row_blocks.py)
-        calls = 1 if num_rows <= max_rows else (-(-num_rows // ROW_INVARIANT_ROWS) if max_rows >= 64 else 0)
+        # a dtype served for every decode-sized call is served for any rows, as many a call as the kernel takes
+        # (row_blocks.py): a prefill chunk of up to MATMUL_MAX_ROWS rows in one call
+        calls = 1 if num_rows <= max_rows else (-(-num_rows // max_rows) if max_rows >= ROW_INVARIANT_ROWS else 0)
         assert hlo.count(f"@{cpu.MATMUL_TARGET}(") == calls
         assert REFERENCE_PLAN.together(rows, weights) is None  # XLA's dots: one weight at a time
     # weights of different dtypes never share a kernel call

@@ -12,13 +12,13 @@ import pytest
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import cpu
 
-ROW_COUNTS = (2, 3, 5, 8, 9, 16, 40, 64)
+ROW_COUNTS = (2, 3, 5, 8, 9, 16, 40, 64, 100, 256)
 DEPTH = 301  # not a multiple of any vector width, odd (a bfloat16 pair with a zero)
 WIDTHS = (200, 64, 9000)  # several weights in one call (q, k, v); 9000: several column blocks
 
 
 def _rows_checked(num_rows: int) -> tuple[int, ...]:
-    return (0, num_rows // 2)  # row 0 and a middle row
+    return (0, num_rows // 2, num_rows - 1)  # row 0, a middle row and the last (a remainder group's)
 
 
 @pytest.mark.parametrize("path", cpu_library.runnable_paths())
@@ -27,7 +27,7 @@ def _rows_checked(num_rows: int) -> tuple[int, ...]:
 def test_a_row_is_the_same_bits_in_calls_of_any_decode_or_verify_size(path, dtype, variant):
     rng = np.random.default_rng(26)
     transposed = variant == "transposed"
-    x = jnp.asarray(rng.standard_normal((64, DEPTH)) * 2.0, dtype)
+    x = jnp.asarray(rng.standard_normal((max(ROW_COUNTS), DEPTH)) * 2.0, dtype)
     shapes = [(n, DEPTH) if transposed else (DEPTH, n) for n in WIDTHS]
     weights = [jnp.asarray(rng.standard_normal(shape) * 0.05, dtype) for shape in shapes]
     scale = jnp.asarray(1.0 + 0.1 * rng.standard_normal(DEPTH), dtype)
@@ -54,7 +54,7 @@ def test_a_row_is_the_same_bits_in_calls_of_any_decode_or_verify_size(path, dtyp
 def test_the_bfloat16_pairs_build_too(tmp_path):
     """The vdpbf16ps tiles (cpu_matmul_bf16_pairs.h) are the avx512 path's bfloat16 code on AVX-512 BF16 CPUs
     without AMX only; built here with JAXSERVE_BF16_PAIRS_WITH_AMX wherever the CPU has the instruction, through
-    native/small_matmul_rows.cc (the same check: rows 0 and M / 2 of 2-64 rows against 1-row calls)."""
+    native/small_matmul_rows.cc (the same check: rows 0, M / 2 and M - 1 of 2-256 rows against 1-row calls)."""
     import os
     import shutil
     import subprocess

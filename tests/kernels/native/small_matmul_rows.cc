@@ -1,7 +1,7 @@
 // Row invariance of the CPU small matmul (cpu_matmul.cc) for a build the engine's library may not be on this
 // CPU: test_small_matmul_rows.py compiles it with -DJAXSERVE_BF16_PAIRS_WITH_AMX, the AVX-512 BF16 vdpbf16ps tiles
 // (the avx512 path on an AVX-512 BF16 CPU without AMX, e.g. AMD Zen 4), on any CPU that has the instruction. For
-// bfloat16 [K, N] and [N, K] weights of several widths, rows 0 and M / 2 of calls of M rows against the 1-row
+// bfloat16 [K, N] and [N, K] weights of several widths, rows 0, M / 2 and M - 1 of calls of M rows against the 1-row
 // call of the same row, bit for bit, through Run on two workers. Prints the mismatches; exit status 1 if any.
 #include "../../../pallas_kernels/matmul/cpu_matmul.cc"
 
@@ -9,10 +9,10 @@
 #include <random>
 
 int main() {
-  const int64_t depth = 301, widths[3] = {200, 64, 9000}, row_counts[8] = {2, 3, 5, 8, 9, 16, 40, 64};
+  const int64_t depth = 301, widths[3] = {200, 64, 9000}, row_counts[10] = {2, 3, 5, 8, 9, 16, 40, 64, 100, 256};
   std::mt19937 rng(26);
   std::normal_distribution<float> normal;
-  std::vector<uint16_t> x(64 * depth);
+  std::vector<uint16_t> x(256 * depth);
   for (auto& v : x) v = BF16::Round(2.0f * normal(rng));
   int mismatches = 0;
   std::printf("pairs: %d\n", int(kBf16Pairs));
@@ -34,7 +34,7 @@ int main() {
     };
     for (int64_t rows : row_counts) {
       const auto together = call(0, rows);
-      for (int64_t row : {int64_t(0), rows / 2}) {
+      for (int64_t row : {int64_t(0), rows / 2, rows - 1}) {
         const auto alone = call(row, 1);
         for (size_t i = 0; i < weights.size(); ++i) {
           int64_t differ = 0;

@@ -11,6 +11,8 @@
 #include <immintrin.h>
 #endif
 
+#include "matmul/cpu_weight_basics.h"
+
 namespace {
 
 #if defined(__AVX512F__)
@@ -55,16 +57,7 @@ inline VecF Fma(VecF a, VecF b, VecF acc) {
 #endif
 }
 
-// One lane of Fma: the same rounding as the vectors' (a fused multiply-add where the path has FMA, else a product
-// then a sum), so that the columns and K terms past whole vectors add up as explicitly as the vectors do (the
-// rows of a call must not depend on what the compiler contracts where; cpu_matmul.cc, "Row invariance").
-inline float FmaOne(float a, float b, float acc) {
-#if defined(__FMA__)
-  return __builtin_fmaf(a, b, acc);
-#else
-  return acc + a * b;
-#endif
-}
+using jaxserve_cpu::FmaOne;  // cpu_weight_basics.h: one lane of Fma, rounded as the vectors'
 
 // Intrinsics where the vector types' generic code is slower: a broadcast (VecF{} + x adds a zero first,
 // the sign of zero forbidding its removal) and the 16-bit widenings (GCC splits a generic one in halves).

@@ -56,6 +56,7 @@ constexpr int kRowGroup = 8;             // rows of x per walk over a group's we
 constexpr int64_t kPrefetchBytes = 4096; // software prefetch this far ahead along the walk (as cpu_matmul.cc)
 
 using jaxserve_cpu::BFloat16ToFloat;  // cpu_weight_basics.h
+using jaxserve_cpu::FmaOne;
 using jaxserve_cpu::HalfToFloat;
 
 inline VecF Fma(VecF a, VecF b, VecF acc) {
@@ -63,18 +64,6 @@ inline VecF Fma(VecF a, VecF b, VecF acc) {
   return _mm512_fmadd_ps(a, b, acc);
 #elif defined(__AVX2__) && defined(__FMA__)
   return _mm256_fmadd_ps(a, b, acc);
-#else
-  return acc + a * b;
-#endif
-}
-
-// One lane of Fma, rounded as the vectors' (cpu_matmul_vectors.h's FmaOne): the tails past whole vectors and whole
-// steps. Left to the compiler, `sum += x * w` was contracted in some row counts' instantiations and not in others
-// (GCC on an AMD EPYC with AVX-512, -march=native): a Q8_0 weight's 83rd column differed between a 1-row and a
-// 2-row call (tests/kernels/test_quantized_matmul.py, row invariance).
-inline float FmaOne(float a, float b, float acc) {
-#if defined(__FMA__)
-  return __builtin_fmaf(a, b, acc);
 #else
   return acc + a * b;
 #endif

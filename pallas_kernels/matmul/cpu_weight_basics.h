@@ -1,5 +1,6 @@
 // What the quantized CPU kernels (cpu_quantized_matmul.cc, cpu_quantized_int8_dot.cc, cpu_kquant_matmul.cc)
-// share: 16-bit floats read one at a time, float arrays of three widths widened to float32 (FloatArray),
+// and the float kernel (cpu_matmul.cc) share: a scalar multiply-add rounded as the vectors' (FmaOne), 16-bit floats
+// read one at a time, float arrays of three widths widened to float32 (FloatArray),
 // and the address-order prefetch of the next part of a weight (AheadLines). One copy here, so a fix to any
 // reaches every kernel.
 
@@ -15,6 +16,19 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxserve_cpu {
+
+// One lane of a vector fused multiply-add, rounded as the vectors' (a fused multiply-add where the path has FMA,
+// else a product then a sum), so that the columns and K terms past whole vectors add up as explicitly as the
+// vectors do. Left to the compiler, `sum += x * w` is contracted in some instantiations and not in others (GCC on
+// an AMD EPYC with AVX-512: a quantized weight's 83rd column differed between 1-row and 2-row calls), and a row of
+// a call must not depend on the call's rows (cpu_matmul.cc, "Row invariance").
+inline float FmaOne(float a, float b, float acc) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, acc);
+#else
+  return acc + a * b;
+#endif
+}
 
 inline float HalfToFloat(uint16_t bits) {
   _Float16 h;

@@ -170,7 +170,8 @@ void RowWalkRows(int rows, const Problem& p, int64_t k0, int64_t k1, int64_t c0,
 
 // Whether an item adds into a partial cleared beforehand (the walks of a few rows, the bfloat16 pairs), rather
 // than writing it from zero in its first pass (the packed many-row passes: at 192 rows clearing the outputs and the
-// partials, one thread while the other waited, was 7% of a prefill's projection samples).
+// partials and then summing the partials, one thread while the other waited, were 7% of a prefill's projection
+// samples).
 template <typename T>
 bool AddsIntoCleared(int64_t rows) {
   return rows <= kWalkRows || (std::is_same_v<T, BF16> && kBf16Pairs);
@@ -430,7 +431,7 @@ void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
     for (int64_t start = 0; plan.parts > 1 && start < size; start += kSumItemFloats) sums.emplace_back(&plan, start);
   }
   const auto* sum_data = sums.data();
-  jaxserve_cpu::RunItems(num_workers, int64_t(sums.size()), [=](int64_t /*worker*/, int64_t item) {
+  auto add = [=](int64_t /*worker*/, int64_t item) {
     const Plan& plan = *sum_data[item].first;
     const int64_t size = plan.problem.rows * plan.problem.columns, start = sum_data[item].second;
     const int64_t end = std::min(size, start + kSumItemFloats);
@@ -441,7 +442,13 @@ void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
 #pragma omp simd
       for (int64_t i = start; i < end; ++i) out[i] += from[i];
     }
-  });
+  };
+  // a decode step's few rows: a few thousand floats, summed here sooner than the helpers would be woken for them
+  if (partial_size <= kSumItemFloats) {
+    for (int64_t item = 0; item < int64_t(sums.size()); ++item) add(0, item);
+  } else {
+    jaxserve_cpu::RunItems(num_workers, int64_t(sums.size()), add);
+  }
 }
 
 template <typename T>

@@ -7,7 +7,8 @@
 //       -I pallas_kernels -I $(.venv/bin/python -c "import jax; print(jax.ffi.include_dir())") \
 //       bench/cpu_matmul_stream.cc -o /tmp/cpu_matmul_stream && /tmp/cpu_matmul_stream
 //
-// Add -mno-avx512f for the avx2 path's code (what JAXSERVE_CPU_KERNEL_PATH=avx2 builds), or
+// Add -DJAXSERVE_ONE_ROW_SWEEP=1 for what AMD CPUs build (the float32 one-row sweep, cpu_matmul_few_rows.h),
+// -mno-avx512f for the avx2 path's code (what JAXSERVE_CPU_KERNEL_PATH=avx2 builds), or
 // -DJAXSERVE_NO_BF16_PAIRS for bfloat16 at 3+ rows widened rather than in vdpbf16ps pairs (on AMX CPUs, widened
 // is the default and -DJAXSERVE_BF16_PAIRS_WITH_AMX builds the pairs). Prints one JSON
 // line per dtype, rows and round: "layers" and "head" as fractions of the read stream. An argument picks

@@ -75,6 +75,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...); empty where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def native_path() -> str:
     """The fastest instruction path this CPU runs."""
     flags = cpu_flags()
@@ -107,11 +119,14 @@ def chosen_path(requested: str | None = None) -> str:
 
 def compile_flags(path: str) -> list[str]:
     """The compiler flags that select `path`: the host's own ISA, less AVX-512 for avx2 (what an AVX2-only
-    CPU of the same family has), or the architecture's baseline for portable."""
+    CPU of the same family has), or the architecture's baseline for portable. On AMD CPUs the small matmul's
+    one-row float32 walk is a sweep of whole weight rows (JAXSERVE_ONE_ROW_SWEEP, cpu_matmul_few_rows.h: its
+    column-strip tiles read memory at ~0.6 of a stream there)."""
+    vendor = ["-DJAXSERVE_ONE_ROW_SWEEP=1"] if cpu_vendor() == "AuthenticAMD" else []
     if path == "avx512":
-        return ["-march=native", "-mprefer-vector-width=512"]
+        return ["-march=native", "-mprefer-vector-width=512", *vendor]
     if path == "avx2":
-        return ["-march=native", "-mno-avx512f", "-mprefer-vector-width=256"]
+        return ["-march=native", "-mno-avx512f", "-mprefer-vector-width=256", *vendor]
     return ["-march=x86-64", "-mtune=generic"] if _is_x86() else []
 
 

@@ -6,7 +6,8 @@
 // so a bfloat16 decode step moved five times its weights' bytes. Here each weight element is read
 // once and widened in registers: the step costs the weights' bytes, which is the memory roofline.
 // Two regimes ([K, N] weights): up to kWalkRows rows (bound by reading the weights) register tiles over
-// blocks of the item's rows, read straight from memory (RowWalk -> TiledWalk, cpu_matmul_few_rows.h); with more
+// blocks of the item's rows, read straight from memory (RowWalk -> TiledWalk, cpu_matmul_few_rows.h; one float32 row
+// on AMD CPUs: whole weight rows in address order, RowSweep); with more
 // rows (batched decode and verify steps up to 64 rows, prefill chunks up to kMaxRows; bound by the multiplies) each
 // pass of rows is packed, widened to float32 once, and register-tiled like a GEMM's micro-kernel (KnTile), so that
 // bfloat16 batches run at least as fast per row as float32 ones (issue #29); on AVX-512 BF16 CPUs without AMX

@@ -242,12 +242,37 @@ void PairTiledWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t
 }
 #endif
 
+// One row of x by float32 weights on AMD CPUs (cpu_library.py defines JAXSERVE_ONE_ROW_SWEEP there): the item's
+// weight rows read whole, in address order, each adding into the item's accumulators in L1 (partial; at most 16 KiB,
+// BlockColumns). On an AMD EPYC (Zen 4, session 21) the tiles' column strips read at 0.55-0.62 of a one-thread
+// stream, where the Intel Xeons of sessions 12-16 read them at 0.96-1.1; this sweep ran SmolLM2's 30 layers 11-17%
+// faster there (avx512; 23% on the avx2 path), two workers, in process. Each output's FMAs are the tiles' in the same
+// order (K's, continued through partial): the same bits. Not for bfloat16: a sweep of a pair of rows (vdpbf16ps)
+// or of two rows at once read 26-39% slower than the tiles (two streams a row apart), so it keeps them.
+#ifndef JAXSERVE_ONE_ROW_SWEEP
+#define JAXSERVE_ONE_ROW_SWEEP 0
+#endif
+inline void RowSweep(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
+  const float* w = static_cast<const float*>(p.w);
+  float* out = partial + c0;
+  const int64_t vectors = width / kLanes * kLanes;
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* row = w + k * p.columns + c0;
+    const VecF xb = Broadcast(p.x[k]);
+    for (int64_t c = 0; c < vectors; c += kLanes) StoreF(out + c, Fma(xb, LoadF(row + c), LoadF(out + c)));
+    for (int64_t c = vectors; c < width; ++c) out[c] = FmaOne(p.x[k], row[c], out[c]);
+  }
+}
+
 // Rows [k0, k1) of the weights by columns [c0, c0 + width), R rows of x, added into partial [R, N].
 template <typename T, int R>
 void TiledWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t width, float* partial) {
 #if defined(JAXSERVE_BF16_PAIRS)
   if constexpr (std::is_same_v<T, BF16>) return PairTiledWalk<R>(p, k0, k1, c0, width, partial);
 #endif
+  if constexpr (R == 1 && JAXSERVE_ONE_ROW_SWEEP && std::is_same_v<T, F32>) {
+    return RowSweep(p, k0, k1, c0, width, partial);
+  }
   // More rows than a register tile holds: two groups (R1 + R2) over each strip, the first prefetching.
   constexpr int R1 = R > kWalkGroupRows ? (R + 1) / 2 : R, R2 = R - R1;
   constexpr int V = kWalkVectors[R1];

@@ -50,11 +50,8 @@ def test_a_row_is_the_same_bits_in_calls_of_any_decode_or_verify_size(path, dtyp
                 )
 
 
-@pytest.mark.skipif("avx512_bf16" not in cpu_library.cpu_flags(), reason="no AVX-512 BF16 on this CPU")
-def test_the_bfloat16_pairs_build_too(tmp_path):
-    """The vdpbf16ps tiles (cpu_matmul_bf16_pairs.h) are the avx512 path's bfloat16 code on AVX-512 BF16 CPUs
-    without AMX only; built here with JAXSERVE_BF16_PAIRS_WITH_AMX wherever the CPU has the instruction, through
-    native/small_matmul_rows.cc (the same check: rows 0, M / 2 and M - 1 of 2-256 rows against 1-row calls)."""
+def _run_native_rows_check(tmp_path, flags: list[str]) -> str:
+    """native/small_matmul_rows.cc built with `flags` and run: its output (the mismatches, if any)."""
     import os
     import shutil
     import subprocess
@@ -62,15 +59,33 @@ def test_the_bfloat16_pairs_build_too(tmp_path):
     import jax
 
     compiler = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if compiler is None:
-        pytest.skip("no C++ compiler")
+    assert compiler is not None, "no C++ compiler: the kernels themselves need one"
     here = os.path.dirname(__file__)
     binary = str(tmp_path / "small_matmul_rows")
-    flags = [*cpu_library.compile_flags("avx512"), "-DJAXSERVE_BF16_PAIRS_WITH_AMX", "-fopenmp-simd", "-std=c++17"]
     source = os.path.join(here, "native", "small_matmul_rows.cc")
     includes = ["-I", cpu_library.HERE, "-I", jax.ffi.include_dir()]
-    command = [compiler, "-O3", *flags, "-fno-math-errno", "-fno-trapping-math", *includes, source]
-    subprocess.run([*command, "-o", binary], check=True, capture_output=True)
+    command = [compiler, "-O3", *flags, "-fopenmp-simd", "-std=c++17", "-fno-math-errno", "-fno-trapping-math"]
+    subprocess.run([*command, *includes, source, "-o", binary], check=True, capture_output=True)
     result = subprocess.run([binary], capture_output=True, text=True)
-    assert result.stdout.startswith("pairs: 1"), result.stdout
     assert result.returncode == 0, result.stdout
+    return result.stdout
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_library.cpu_flags(), reason="no AVX-512 BF16 on this CPU")
+def test_the_bfloat16_pairs_build_too(tmp_path):
+    """The vdpbf16ps tiles (cpu_matmul_bf16_pairs.h) are the avx512 path's bfloat16 code on AVX-512 BF16 CPUs
+    without AMX only; built here with JAXSERVE_BF16_PAIRS_WITH_AMX wherever the CPU has the instruction, through
+    native/small_matmul_rows.cc (the same check: rows 0, M / 2 and M - 1 of 2-256 rows against 1-row calls)."""
+    output = _run_native_rows_check(tmp_path, [*cpu_library.compile_flags("avx512"), "-DJAXSERVE_BF16_PAIRS_WITH_AMX"])
+    assert output.startswith("pairs: 1"), output
+
+
+@pytest.mark.parametrize("sweep", [0, 1])
+def test_the_one_row_sweep_build_and_the_tiles_alike(tmp_path, sweep):
+    """The float32 one-row walk is a sweep of whole weight rows on AMD CPUs and register tiles elsewhere
+    (JAXSERVE_ONE_ROW_SWEEP, cpu_matmul_few_rows.h): both builds, on any CPU, give every row of 2-256-row calls the
+    bits of its 1-row call."""
+    flags = [f for f in cpu_library.compile_flags(cpu_library.native_path()) if "ONE_ROW_SWEEP" not in f]
+    output = _run_native_rows_check(tmp_path, [*flags, "-DROWS_FLOAT32", f"-DJAXSERVE_ONE_ROW_SWEEP={sweep}"])
+    assert f"one-row sweep: {sweep}" in output.splitlines()[0], output
+    assert "0 mismatching results" in output, output

@@ -3,24 +3,32 @@
 // (the avx512 path on an AVX-512 BF16 CPU without AMX, e.g. AMD Zen 4), on any CPU that has the instruction. For
 // bfloat16 [K, N] and [N, K] weights of several widths, rows 0, M / 2 and M - 1 of calls of M rows against the 1-row
 // call of the same row, bit for bit, through Run on two workers. Prints the mismatches; exit status 1 if any.
+// With -DROWS_FLOAT32 the same check for float32 weights: compiled with -DJAXSERVE_ONE_ROW_SWEEP=1 (the one-row walk of
+// AMD CPUs, cpu_matmul_few_rows.h) on any CPU.
 #include "../../../pallas_kernels/matmul/cpu_matmul.cc"
 
 #include <cstdio>
 #include <random>
 
+#if defined(ROWS_FLOAT32)
+using Type = F32;
+#else
+using Type = BF16;
+#endif
+
 int main() {
   const int64_t depth = 301, widths[3] = {200, 64, 9000}, row_counts[10] = {2, 3, 5, 8, 9, 16, 40, 64, 100, 256};
   std::mt19937 rng(26);
   std::normal_distribution<float> normal;
-  std::vector<uint16_t> x(256 * depth);
-  for (auto& v : x) v = BF16::Round(2.0f * normal(rng));
+  std::vector<Type::Stored> x(256 * depth);
+  for (auto& v : x) v = Type::Round(2.0f * normal(rng));
   int mismatches = 0;
-  std::printf("pairs: %d\n", int(kBf16Pairs));
+  std::printf("pairs: %d, one-row sweep: %d\n", int(kBf16Pairs), int(JAXSERVE_ONE_ROW_SWEEP));
   for (bool transposed : {false, true}) {
-    std::vector<std::vector<uint16_t>> weights;
+    std::vector<std::vector<Type::Stored>> weights;
     for (int64_t n : widths) {
       weights.emplace_back(n * depth);
-      for (auto& v : weights.back()) v = BF16::Round(0.05f * normal(rng));
+      for (auto& v : weights.back()) v = Type::Round(0.05f * normal(rng));
     }
     auto call = [&](int64_t first, int64_t rows) {
       std::vector<std::vector<float>> outs;
@@ -29,7 +37,7 @@ int main() {
       for (size_t i = 0; i < weights.size(); ++i) {
         problems.push_back(Problem{weights[i].data(), nullptr, outs[i].data(), rows, depth, widths[i]});
       }
-      WidenAndRun<BF16>(2, x.data() + first * depth, std::move(problems), transposed);
+      WidenAndRun<Type>(2, x.data() + first * depth, std::move(problems), transposed);
       return outs;
     };
     for (int64_t rows : row_counts) {

@@ -63,28 +63,26 @@ def _is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
 
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as /proc/cpuinfo lists them (empty where there is no /proc/cpuinfo)."""
+def _cpuinfo_field(*names: str) -> str:
+    """The first /proc/cpuinfo line's value whose key starts with one of `names` ('' where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...); empty where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(names):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where there is no /proc/cpuinfo)."""
+    return frozenset(_cpuinfo_field("flags", "Features").split())
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...); empty where there is none."""
+    return _cpuinfo_field("vendor_id")
 
 
 def native_path() -> str:

@@ -179,22 +179,55 @@ def rope_attention_factor(scaling: RopeScaling) -> float:
     return scaling.attention_factor if scaling.rope_type in ("longrope", "yarn") else 1.0
 
 
-def apply_rope(x, positions, inverse_frequencies, attention_factor: float = 1.0):
-    """x [T, heads, D], rotate-half convention as HF Llama; angles in float32, applied in x's dtype. Only
-    the first 2 * len(inverse_frequencies) lanes rotate (partial rotary), the rest pass through; cos and
-    sin are scaled by attention_factor (LongRoPE)."""
-    rotary = 2 * inverse_frequencies.shape[0]
-    x, passed = x[..., :rotary], x[..., rotary:]
+def rope_cos_sin(positions, inverse_frequencies, attention_factor: float = 1.0):
+    """cos and sin [T, 1, R] in float32 of positions [T] times the inverse frequencies [R/2] (R: the rotated
+    lanes, the angles repeated for the rotate-half convention), scaled by attention_factor (LongRoPE)."""
     angles = positions.astype(jnp.float32)[:, None] * inverse_frequencies[None, :]  # [T, R/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]  # [T, 1, R]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
+
+
+def step_rope_cos_sin(metadata: AttentionMetadata, inverse_frequencies: tuple, attention_factor: float = 1.0):
+    """rope_cos_sin of the step's positions, computed once per traced step for all the layers with the same
+    frequencies and factor. XLA:CPU computes each sin and cos with a scalar libm call, and fused a copy of them
+    into every layer's q and k rotation, per head: 8% of a float32 prefill of the default model, 60 copies. The
+    tables live on the metadata object that one trace of a step passes to every layer (outside a trace, where
+    the host may refill the positions in place, they are computed anew)."""
+    inverse = jnp.asarray(inverse_frequencies, jnp.float32)
+    if not isinstance(metadata.positions, jax.core.Tracer):
+        return rope_cos_sin(metadata.positions, inverse, attention_factor)
+    tables = metadata.__dict__.setdefault("_rope_cos_sin", {})
+    key = (inverse_frequencies, attention_factor)
+    if key not in tables:
+        cos, sin = rope_cos_sin(metadata.positions, inverse, attention_factor)
+        # One array through a no-op rounding (float32 to float32): XLA then computes the tables once and does
+        # not duplicate them into the layers' fusions, which it does with cos and sin apart, or with
+        # optimization_barrier (removed before fusion on the CPU). tests/models/test_rope_tables.py counts them.
+        both = jax.lax.reduce_precision(jnp.stack([cos, sin]), exponent_bits=8, mantissa_bits=23)
+        tables[key] = both[0], both[1]
+    return tables[key]
+
+
+def rotate(x, cos, sin):
+    """x [T, heads, D] rotated by cos and sin [T, 1, R] (rope_cos_sin) in x's dtype, rotate-half convention as
+    HF Llama; only the first R lanes rotate (partial rotary), the rest pass through."""
+    rotary = cos.shape[-1]
+    x, passed = x[..., :rotary], x[..., rotary:]
     cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     half = rotary // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     x = x * cos + rotated * sin
     return jnp.concatenate([x, passed], axis=-1) if passed.shape[-1] else x
+
+
+def apply_rope(x, positions, inverse_frequencies, attention_factor: float = 1.0):
+    """x [T, heads, D], rotate-half convention as HF Llama; angles in float32, applied in x's dtype. Only
+    the first 2 * len(inverse_frequencies) lanes rotate (partial rotary), the rest pass through; cos and
+    sin are scaled by attention_factor (LongRoPE)."""
+    return rotate(x, *rope_cos_sin(positions, inverse_frequencies, attention_factor))
 
 
 def project(x, weight, bias=None, *, matmul: Matmul, transposed: bool = False):
@@ -352,9 +385,8 @@ class Attention(nnx.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inverse_frequencies = jnp.asarray(self.inverse_frequencies, jnp.float32)
-        q = apply_rope(q, metadata.positions, inverse_frequencies, self.rope_attention_factor)
-        k = apply_rope(k, metadata.positions, inverse_frequencies, self.rope_attention_factor)
+        cos, sin = step_rope_cos_sin(metadata, self.inverse_frequencies, self.rope_attention_factor)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if self.query_scale != 1.0:
             q = (q.astype(jnp.float32) * self.query_scale).astype(q.dtype)
         out, key_pages, value_pages = self.write_and_attend(

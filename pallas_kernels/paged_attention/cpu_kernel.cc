@@ -150,6 +150,32 @@ inline float SumLanes(Lanes v) {
   return (sum4[0] + sum4[2]) + (sum4[1] + sum4[3]);
 }
 
+typedef int32_t LaneInts __attribute__((vector_size(4 * kLanes)));
+
+inline Lanes LanesMax(Lanes a, Lanes b) { return a > b ? a : b; }
+
+// ExpNonpositive's arithmetic on a vector (a tile's weights): floor by truncation and a correction, for every
+// path's vector type (SSE2 has no vector floor). Within a few ulp of expf as the scalar form; the weights of a
+// tile all come from this one function, whatever the row's block.
+inline Lanes ExpNonpositiveLanes(Lanes x) {
+  const Lanes clamped = LanesMax(x, Lanes{} - 87.0f);
+  const Lanes y = clamped * 1.44269504088896341f + 0.5f;
+  const LaneInts truncated = __builtin_convertvector(y, LaneInts);
+  const Lanes n = __builtin_convertvector(truncated, Lanes) - (__builtin_convertvector(truncated, Lanes) > y ? 1.0f : 0.0f);
+  const Lanes f = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  Lanes p = Lanes{} + 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  const Lanes r = p * f * f + f + 1.0f;
+  const LaneInts exponent_bits = (__builtin_convertvector(n, LaneInts) + 127) << 23;
+  Lanes scale;
+  std::memcpy(&scale, &exponent_bits, sizeof(scale));
+  return x < -87.0f ? Lanes{} : r * scale;
+}
+
 // A query row's dot product with a key row (decode: a few query rows per kv head), in lanes of partial sums
 // added in a tree at the end. The omp simd reduction it replaces (jaxserve_cpu_attention::Dot) ended every
 // score with kLanes dependent scalar adds: most of a decode step's attention (issue 29).
@@ -316,6 +342,138 @@ inline void LaneTreeDotsTransposed(const float* query, const float* keys_transpo
   }
 }
 
+// Rows of a kv head attended together in a prefill or verify block (LaneTreeDotsTransposedRows,
+// AddWeightedRowsRows).
+constexpr int kRowGroup = 4;
+
+// f(std::integral_constant<int, rows>) for rows in 1..kRowGroup (nothing for 0).
+template <typename F>
+inline void WithRows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: return;
+  }
+}
+
+// LaneTreeDotsTransposed for R query rows at once (prefill and verify blocks: the rows of a kv head share the
+// tile's keys), each row's scores the same bits: every lane sums the same products in the same order and the
+// lanes meet in the same tree, here in registers, a chunk of kLanes keys at a time (the lanes and the tree went
+// through memory: 4 KiB-apart stores and loads), each key vector loaded once for the rows of a pair.
+template <int R>
+inline void LaneTreeDotsTransposedRowPair(const float* const* queries, const float* keys_transposed, int64_t n,
+                                          float* const* scores) {
+  constexpr int64_t T = kKeysPerTile;
+  constexpr int64_t kKept = kLanes >= 8 ? kLanes / 2 : kLanes;  // lanes left after the tree's first level
+  const int64_t pairs_end = n / (2 * kLanes) * (2 * kLanes), lanes_end = n / kLanes * kLanes;
+  // lane l's sums (sum0 + sum1 of LaneTreeDotsTransposed) for keys [c, c + kLanes), per row
+  auto lane_sums = [&](int64_t l, int64_t c, Lanes* out) {
+    Lanes sum0[R] = {}, sum1[R] = {};
+    for (int64_t i = 0; i < pairs_end; i += 2 * kLanes) {
+      const Lanes k0 = LoadLanes(keys_transposed + (i + l) * T + c);
+      const Lanes k1 = LoadLanes(keys_transposed + (i + kLanes + l) * T + c);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        sum0[r] += queries[r][i + l] * k0;
+        sum1[r] += queries[r][i + kLanes + l] * k1;
+      }
+    }
+    if (lanes_end > pairs_end) {
+      const Lanes k0 = LoadLanes(keys_transposed + (pairs_end + l) * T + c);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) sum0[r] += queries[r][pairs_end + l] * k0;
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) out[r] = sum0[r] + sum1[r];
+  };
+  for (int64_t c = 0; c < T; c += kLanes) {
+    Lanes kept[R][kKept];
+#pragma GCC unroll 8
+    for (int64_t l = 0; l < kKept; ++l) {
+      Lanes low[R];
+      lane_sums(l, c, low);
+      if constexpr (kLanes >= 8) {
+        Lanes high[R];
+        lane_sums(l + kKept, c, high);
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) kept[r][l] = low[r] + high[r];
+      } else {
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) kept[r][l] = low[r];
+      }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int64_t half = kKept / 2; half >= 4; half /= 2) {
+#pragma GCC unroll 8
+        for (int64_t l = 0; l < half; ++l) kept[r][l] = kept[r][l] + kept[r][l + half];
+      }
+      const Lanes chunk = (kept[r][0] + kept[r][2]) + (kept[r][1] + kept[r][3]);
+      std::memcpy(scores[r] + c, &chunk, sizeof(chunk));
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // LaneTreeDotsTransposed's scalar tail
+    for (int64_t d = lanes_end; d < n; ++d) {
+      const float q_d = queries[r][d];
+      const float* k_d = keys_transposed + d * T;
+#pragma omp simd
+      for (int64_t t = 0; t < T; ++t) scores[r][t] = std::fma(q_d, k_d[t], scores[r][t]);
+    }
+  }
+}
+
+template <int R>
+void LaneTreeDotsTransposedRows(const float* const* queries, const float* keys_transposed, int64_t n,
+                                float* const* scores) {
+  int r = 0;
+  for (; r + 2 <= R; r += 2) LaneTreeDotsTransposedRowPair<2>(queries + r, keys_transposed, n, scores + r);
+  if (r < R) LaneTreeDotsTransposedRowPair<1>(queries + r, keys_transposed, n, scores + r);
+}
+
+// AddWeightedRows for R rows at once over the same value rows: each value vector loaded once for all R rows,
+// each row's sums the same operations in the same key order as AddWeightedRows (a key of weight 0 skipped per
+// row), in blocks of kRowsValueVectors vectors of columns, then AddWeightedRows' own loops per row for the rest.
+#if defined(__AVX512F__)
+constexpr int kRowsValueVectors = 4;  // R (4) x 4 accumulators + 4 values within 32 registers
+#else
+constexpr int kRowsValueVectors = 2;  // within 16 registers
+#endif
+template <int R>
+void AddWeightedRowsRows(float* const* accumulators, const float* const* rows, int64_t offset,
+                         const float* const* weights, int64_t count, int64_t n) {
+  constexpr int64_t kBlock = kRowsValueVectors * kLanes;
+  int64_t d = 0;
+  for (; d + kBlock <= n; d += kBlock) {
+    Lanes sums[R][kRowsValueVectors];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < kRowsValueVectors; ++v) sums[r][v] = LoadLanes(accumulators[r] + d + v * kLanes);
+    for (int64_t t = 0; t < count; ++t) {
+      const float* value = rows[t] + offset + d;
+      Lanes values[kRowsValueVectors];
+#pragma GCC unroll 4
+      for (int v = 0; v < kRowsValueVectors; ++v) values[v] = LoadLanes(value + v * kLanes);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const float weight = weights[r][t];
+        if (weight == 0.0f) continue;
+#pragma GCC unroll 4
+        for (int v = 0; v < kRowsValueVectors; ++v) sums[r][v] += weight * values[v];
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < kRowsValueVectors; ++v) std::memcpy(accumulators[r] + d + v * kLanes, &sums[r][v], sizeof(Lanes));
+  }
+  if (d == n) return;
+  for (int r = 0; r < R; ++r) AddWeightedRows(accumulators[r] + d, rows, offset + d, weights[r], count, n - d);
+}
+
 // Rows' outputs from their folded softmax states (a row that saw no key stays zero: a sink adds no value).
 template <typename T, typename PageT>
 void WriteOutputRows(const Problem<T, PageT>& p, T* out, int64_t rows, const float* max, const float* denominator,
@@ -406,53 +564,107 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
       key_rows[t] = RowAsFloat(p.k_pages + kv_index * row_width, k_scales, K, D, s.key_tile.data() + t * row_width);
       value_rows[t] = RowAsFloat(p.v_pages + kv_index * row_width, v_scales, K, D, s.value_tile.data() + t * row_width);
     }
+    // A row's softmax over the tile from its scores (row_scores, overwritten with the keys' weights): false when
+    // no key of the tile is visible to it (nothing to add).
+    auto weigh_tile = [&](int64_t row, int64_t position, int64_t lowest_visible, float* row_scores) {
+      // the whole tile: keys past the block's last, or the row's, are masked
+      const int64_t visible_begin = std::max<int64_t>(0, lowest_visible - tile_start);
+      const int64_t visible_end = std::min<int64_t>(num_keys, position - tile_start + 1);
+      float tile_max = kNegativeInfinity;
+      if (p.soft_cap > 0.0f) {
+        for (int64_t t = 0; t < kKeysPerTile; ++t) {
+          const bool visible = t >= visible_begin && t < visible_end;
+          const float score = visible ? p.soft_cap * std::tanh(row_scores[t] * p.scale / p.soft_cap) : 0.0f;
+          row_scores[t] = visible ? score : kNegativeInfinity;
+          tile_max = std::max(tile_max, row_scores[t]);
+        }
+      } else {  // in vectors: a scalar loop here, and in the weights below, was half of a prefill's attention
+        LaneInts key_index;
+        for (int64_t l = 0; l < kLanes; ++l) key_index[l] = int32_t(l);
+        Lanes maxima = Lanes{} + kNegativeInfinity;
+        for (int64_t t = 0; t < kKeysPerTile; t += kLanes, key_index += int32_t(kLanes)) {
+          const Lanes scaled = LoadLanes(row_scores + t) * p.scale;
+          const Lanes masked = key_index >= int32_t(visible_begin) && key_index < int32_t(visible_end)
+                                   ? scaled
+                                   : Lanes{} + kNegativeInfinity;
+          std::memcpy(row_scores + t, &masked, sizeof(masked));
+          maxima = LanesMax(maxima, masked);
+        }
+        for (int64_t l = 0; l < kLanes; ++l) tile_max = std::max(tile_max, maxima[l]);
+      }
+      if (tile_max == kNegativeInfinity) return false;
+      const float new_max = std::max(s.running_max[row], tile_max);
+      const float rescale = ExpNonpositive(s.running_max[row] - new_max);  // 0 on the first tile
+      float* accumulator = s.accumulator.data() + row * D;
+      if (rescale != 1.0f) {
+        s.denominator[row] *= rescale;
+        for (int64_t d = 0; d < D; ++d) accumulator[d] *= rescale;
+      }
+      // The keys' weights (masked keys: 0) and their sum, in lanes added in a tree (SumLanes).
+      Lanes sums = {};
+      for (int64_t t = 0; t < kKeysPerTile; t += kLanes) {
+        const Lanes weights = ExpNonpositiveLanes(LoadLanes(row_scores + t) - new_max);
+        std::memcpy(row_scores + t, &weights, sizeof(weights));
+        sums += weights;
+      }
+      const float tile_sum = SumLanes(sums);
+      s.denominator[row] += tile_sum;
+      s.running_max[row] = new_max;
+      return true;
+    };
     for (int64_t kv_head = 0; kv_head < K; ++kv_head) {
       const int64_t kv_offset = kv_head * D;
-      if (transpose_keys) {
-        for (int64_t t = 0; t < num_keys; ++t)
-          for (int64_t d = 0; d < D; ++d) s.keys_transposed[d * kKeysPerTile + t] = key_rows[t][kv_offset + d];
+      if (!transpose_keys) {
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t position = positions[b];
+          if (position < tile_start) continue;  // padding, or every key of the tile is in its future
+          const int64_t lowest_visible = p.sliding_window > 0 ? position - p.sliding_window + 1 : 0;
+          for (int64_t h = kv_head * groups; h < (kv_head + 1) * groups; ++h) {
+            const int64_t row = b * H + h;
+            const float* query = block_queries + row * D;
+            float* row_scores = s.scores.data() + row * kKeysPerTile;
+            for (int64_t t = 0; t < num_keys; ++t) row_scores[t] = LaneTreeDot(query, key_rows[t] + kv_offset, D);
+            if (!weigh_tile(row, position, lowest_visible, row_scores)) continue;
+            AddWeightedRows(s.accumulator.data() + row * D, value_rows, kv_offset, row_scores, num_keys, D);
+          }
+        }
+        continue;
       }
+      for (int64_t t = 0; t < num_keys; ++t)
+        for (int64_t d = 0; d < D; ++d) s.keys_transposed[d * kKeysPerTile + t] = key_rows[t][kv_offset + d];
+      // The kv head's rows that see a key of the tile, kRowGroup at a time through the many-row scores and sums.
+      int64_t group_rows[kRowGroup], group_positions[kRowGroup], filled = 0;
+      auto run_group = [&]() {
+        const float* queries[kRowGroup];
+        float* scores[kRowGroup];
+        for (int64_t r = 0; r < filled; ++r) {
+          queries[r] = block_queries + group_rows[r] * D;
+          scores[r] = s.scores.data() + group_rows[r] * kKeysPerTile;
+        }
+        WithRows(filled, [&](auto rows) { LaneTreeDotsTransposedRows<decltype(rows)::value>(queries, s.keys_transposed.data(), D, scores); });
+        float* accumulators[kRowGroup];
+        const float* weights[kRowGroup];
+        int64_t kept = 0;
+        for (int64_t r = 0; r < filled; ++r) {
+          const int64_t position = group_positions[r];
+          const int64_t lowest_visible = p.sliding_window > 0 ? position - p.sliding_window + 1 : 0;
+          if (!weigh_tile(group_rows[r], position, lowest_visible, scores[r])) continue;
+          accumulators[kept] = s.accumulator.data() + group_rows[r] * D;
+          weights[kept++] = scores[r];
+        }
+        WithRows(kept, [&](auto rows) { AddWeightedRowsRows<decltype(rows)::value>(accumulators, value_rows, kv_offset, weights, num_keys, D); });
+        filled = 0;
+      };
       for (int64_t b = 0; b < B; ++b) {
         const int64_t position = positions[b];
         if (position < tile_start) continue;  // padding, or every key of the tile is in its future
-        const int64_t lowest_visible = p.sliding_window > 0 ? position - p.sliding_window + 1 : 0;
         for (int64_t h = kv_head * groups; h < (kv_head + 1) * groups; ++h) {
-          const int64_t row = b * H + h;
-          const float* query = block_queries + row * D;
-          float* row_scores = s.scores.data() + row * kKeysPerTile;
-          if (transpose_keys) {
-            LaneTreeDotsTransposed(query, s.keys_transposed.data(), D, row_scores);
-          } else {
-            for (int64_t t = 0; t < num_keys; ++t) row_scores[t] = LaneTreeDot(query, key_rows[t] + kv_offset, D);
-          }
-          float tile_max = kNegativeInfinity;
-          for (int64_t t = 0; t < kKeysPerTile; ++t) {  // the whole tile: keys past the block's last are masked
-            const int64_t key = tile_start + t;
-            const bool visible = t < num_keys && key <= position && key >= lowest_visible;
-            float score = visible ? row_scores[t] * p.scale : 0.0f;
-            if (p.soft_cap > 0.0f) score = p.soft_cap * std::tanh(score / p.soft_cap);
-            row_scores[t] = visible ? score : kNegativeInfinity;
-            tile_max = std::max(tile_max, row_scores[t]);
-          }
-          if (tile_max == kNegativeInfinity) continue;
-          const float new_max = std::max(s.running_max[row], tile_max);
-          const float rescale = ExpNonpositive(s.running_max[row] - new_max);  // 0 on the first tile
-          float* accumulator = s.accumulator.data() + row * D;
-          if (rescale != 1.0f) {
-            s.denominator[row] *= rescale;
-            for (int64_t d = 0; d < D; ++d) accumulator[d] *= rescale;
-          }
-          float tile_sum = 0.0f;
-#pragma omp simd reduction(+ : tile_sum)
-          for (int64_t t = 0; t < kKeysPerTile; ++t) {
-            row_scores[t] = ExpNonpositive(row_scores[t] - new_max);  // masked keys: 0
-            tile_sum += row_scores[t];
-          }
-          s.denominator[row] += tile_sum;
-          AddWeightedRows(accumulator, value_rows, kv_offset, row_scores, num_keys, D);
-          s.running_max[row] = new_max;
+          group_rows[filled] = b * H + h;
+          group_positions[filled++] = position;
+          if (filled == kRowGroup) run_group();
         }
       }
+      if (filled > 0) run_group();
     }
   }
   fold_range();

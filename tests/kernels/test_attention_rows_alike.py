@@ -172,3 +172,32 @@ def test_a_latent_query_row_computes_alike_in_any_block_and_batch(num_heads, hal
     assert np.all(np.isfinite(want)) and np.any(want != 0)
     for layout in [(1, 0, 7), (2, 1, 0), (5, 0, 0), (5, 3, 7), (8, 7, 0), (8, 4, 2), (16, 9, 0), (16, 15, 7)]:
         np.testing.assert_array_equal(attend(*layout), want, err_msg=f"(block, offset, neighbours) {layout}")
+
+
+@pytest.mark.parametrize("head_dim,groups,sliding_window", [(64, 3, None), (80, 4, None), (40, 2, 50)])
+def test_every_path_matches_the_reference_in_prefill_verify_and_decode_blocks(head_dim, groups, sliding_window):
+    """Row invariance says nothing about the values: each instruction path's rows, taken in blocks of 16 (prefill),
+    8 (a verify step) and 1 (decode), against the reference, over several tiles of keys and a lane tail."""
+    from pallas_kernels.paged_attention import reference
+
+    rng = np.random.default_rng(head_dim)
+    num_kv_heads, length = 2, 200
+    case = make_case(rng, jnp.float32, None, num_kv_heads, groups, head_dim, length, sliding_window, None, False)
+    _, (k_pages, v_pages), page_table_row, *_ = case
+    for block in (16, 8, 1):
+        count = cdiv(length, block) * block
+        positions = np.arange(count, dtype=np.int32)
+        positions[positions >= length] = -1  # the last block's padding
+        q = jnp.asarray(rng.standard_normal((count, num_kv_heads * groups, head_dim)), jnp.float32)
+        args = (q, k_pages, v_pages, jnp.asarray(page_table_row[None]), jnp.zeros((count,), jnp.int32))
+        expected = reference.ragged_paged_attention(
+            *args, jnp.asarray(positions), query_block=block, sliding_window=sliding_window
+        )
+        valid = positions >= 0
+        for path in cpu_library.runnable_paths():
+            got = cpu.ragged_paged_attention(
+                *args, jnp.asarray(positions), query_block=block, sliding_window=sliding_window, path=path
+            )
+            np.testing.assert_allclose(
+                np.asarray(got)[valid], np.asarray(expected)[valid], atol=2e-5, rtol=2e-5, err_msg=f"{path}, block {block}"
+            )

@@ -199,5 +199,9 @@ def test_every_path_matches_the_reference_in_prefill_verify_and_decode_blocks(he
                 *args, jnp.asarray(positions), query_block=block, sliding_window=sliding_window, path=path
             )
             np.testing.assert_allclose(
-                np.asarray(got)[valid], np.asarray(expected)[valid], atol=2e-5, rtol=2e-5, err_msg=f"{path}, block {block}"
+                np.asarray(got)[valid],
+                np.asarray(expected)[valid],
+                atol=2e-5,
+                rtol=2e-5,
+                err_msg=f"{path}, block {block}",
             )

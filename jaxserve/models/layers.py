@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.core import Tracer
 
 from jaxserve.models.config import ModelConfig, RopeScaling
 from jaxserve.models.kv_pages import AttentionMetadata
@@ -197,7 +198,7 @@ def step_rope_cos_sin(metadata: AttentionMetadata, inverse_frequencies: tuple, a
     tables live on the metadata object that one trace of a step passes to every layer (outside a trace, where
     the host may refill the positions in place, they are computed anew)."""
     inverse = jnp.asarray(inverse_frequencies, jnp.float32)
-    if not isinstance(metadata.positions, jax.core.Tracer):
+    if not isinstance(metadata.positions, Tracer):
         return rope_cos_sin(metadata.positions, inverse, attention_factor)
     tables = metadata.__dict__.setdefault("_rope_cos_sin", {})
     key = (inverse_frequencies, attention_factor)

@@ -108,17 +108,29 @@ def traced_step_ms(llm, batch: int, context: int) -> dict:
     return step_breakdown(run_step, runner.executables[shape].as_text())
 
 
-def device_step_ms(llm, batch: int, context: int, repeats: int) -> float:
-    """Median ms of the compiled decode step alone (dispatch to sampled tokens ready), inputs built once."""
+def step_timings(llm, batch: int, context: int, repeats: int) -> dict[str, float]:
+    """The compiled decode step alone, inputs built once, three ways (median ms): from dispatch to sampled tokens
+    ready (`step_ms`); the same with the inputs already on the device (`step_ms_inputs_on_device`: what moving a
+    step's host arrays costs); and the host's time in the dispatch call itself (`dispatch_ms`: until the
+    executable returns, the device's work still queued). On a GPU the first exceeded the weights' read time
+    several times over (bench/results/gpu-h200/README.md); these split where it goes."""
     runner = llm.engine.runner
     shape = next(s for s in runner.executables if s.query_block == 1 and s.num_seqs == batch)
     inputs = decode_inputs(runner, batch, context, shape, llm.engine.model_config.vocab_size)
-    times = []
+    placed = jax.block_until_ready(jax.device_put(inputs))
+    step, on_device, dispatch = [], [], []
     for _ in range(repeats + 2):
         start = time.perf_counter()
-        jax.block_until_ready(runner.execute(shape, inputs).sampled.token_ids)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[2:])
+        pending = runner.execute(shape, inputs)
+        dispatched = time.perf_counter()
+        jax.block_until_ready(pending.sampled.token_ids)
+        step.append(time.perf_counter() - start)
+        dispatch.append(dispatched - start)
+        start = time.perf_counter()
+        jax.block_until_ready(runner.execute(shape, placed).sampled.token_ids)
+        on_device.append(time.perf_counter() - start)
+    median = lambda times: round(1e3 * statistics.median(times[2:]), 3)  # noqa: E731
+    return dict(step_ms=median(step), step_ms_inputs_on_device=median(on_device), dispatch_ms=median(dispatch))
 
 
 class HostClock:
@@ -188,7 +200,8 @@ def cpu_description() -> dict:
     return dict(
         cpu_model=model,
         cpu_vector_flags=vector,
-        kernel_path=cpu.kernel_path() if cpu.available() else None,
+        # an accelerator's run builds no CPU kernel (the build takes a minute of a lent machine's time)
+        kernel_path=cpu.kernel_path() if jax.default_backend() == "cpu" and cpu.available() else None,
         small_matmul_max_rows={str(dtype): rows for dtype, rows in SMALL_MATMUL_MAX_ROWS.items()},
         xla_flags=os.environ.get("XLA_FLAGS", ""),
     )
@@ -355,7 +368,8 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
     roofline_tok_s = bandwidth / roof_bytes
     clock = HostClock(llm.engine)
     for round_ in range(args.rounds):
-        step_ms = {b: device_step_ms(llm, b, context, args.repeats) for b in args.batches}
+        timings = {b: step_timings(llm, b, context, args.repeats) for b in args.batches}
+        step_ms = {b: timings[b]["step_ms"] for b in args.batches}
         tok_s, host, tokens = single_stream(llm, clock, prompt, args.new_tokens, step_ms[1])
         if args.profile:
             for b in args.batches:
@@ -382,6 +396,8 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
             round=round_,
             **{f"step_ms_batch{b}": round(step_ms[b], 3) for b in args.batches},
             **{f"step_ms_per_row_batch{b}": round(step_ms[b] / b, 3) for b in args.batches},
+            step_ms_inputs_on_device_batch1=timings[1]["step_ms_inputs_on_device"],
+            dispatch_ms_batch1=timings[1]["dispatch_ms"],
             device_roofline_fraction=round(1e3 / step_ms[1] / roofline_tok_s, 3),
             single_stream_tok_s=round(tok_s, 2),
             roofline_tok_s=round(roofline_tok_s, 2),

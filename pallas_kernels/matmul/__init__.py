@@ -31,7 +31,7 @@ from typing import ClassVar, Protocol
 
 import jax.numpy as jnp
 
-from pallas_kernels.matmul import cpu, kquant, kquant_cpu, quantized, quantized_cpu, reference
+from pallas_kernels.matmul import cpu, kquant, kquant_cpu, quantized, quantized_cpu, quantized_gpu, reference
 from pallas_kernels.matmul.row_blocks import ROW_INVARIANT_ROWS, in_row_blocks, tracing_verify_rows
 
 
@@ -150,6 +150,26 @@ class QuantizedReferenceMatmul:
 
 
 @dataclass(frozen=True)
+class QuantizedPallasMatmul:
+    """Quantized weights by the Pallas (Triton) kernel on one GPU (quantized_gpu.py), for decode-sized rows: each
+    weight read once at its stored width. Calls where XLA's dots measured faster (one row of int8) or the kernel
+    cannot take the weight (K-quants, odd sizes), and float weights beside them, go to XLA's dots."""
+
+    joins_weights: ClassVar[bool] = False
+
+    def serves(self, num_rows: int, weights: tuple) -> bool:
+        return num_rows <= quantized_gpu.MAX_ROWS and any(quantized.is_quantized(weight) for weight in weights)
+
+    def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
+        return tuple(self._one(rows, weight, transposed) for weight in weights)
+
+    def _one(self, rows, weight, transposed: bool):
+        if not transposed and quantized_gpu.preferred(weight, rows.shape[0]):
+            return quantized_gpu.quantized_matmul(rows, weight)
+        return QuantizedReferenceMatmul()._one(rows, weight, transposed)
+
+
+@dataclass(frozen=True)
 class MatmulPlan:
     """The projections' kernels for this engine, as the model calls them (models/layers.py's `Matmul`)."""
 
@@ -196,8 +216,8 @@ def choose_matmul(platform: str, num_devices: int, quantized_activations: str = 
 
 def quantized_entries(platform: str, num_devices: int, activations: str = "int8") -> tuple[MatmulEntry, ...]:
     """The entries for quantized weights, ahead of the float ones: the CPU kernel where it serves (quantized_cpu.py,
-    x kept as `activations` says: decode-sized rows; with int8 prefill chunks too, PLAN_MAX_ROWS), XLA's dots for
-    the rest."""
+    x kept as `activations` says: decode-sized rows; with int8 prefill chunks too, PLAN_MAX_ROWS), on one GPU the
+    Pallas kernel for decode rows (quantized_gpu.py), XLA's dots for the rest."""
     quantized_cpu.check_activations(activations)  # refused on every platform, not only where the kernel runs
     kernels: tuple[MatmulEntry, ...] = ()
     # x as the kernels treat it, in the reference too (rows past their limit), where the kernels run
@@ -208,6 +228,8 @@ def quantized_entries(platform: str, num_devices: int, activations: str = "int8"
     if platform == "cpu" and num_devices == 1 and quantized_cpu.available(activations):
         kernels += (quantized_cpu.QuantizedSmallMatmul(quantized_cpu.PLAN_MAX_ROWS[activations], activations),)
         reference_activations = activations
+    if platform == "gpu" and num_devices == 1:
+        kernels += (QuantizedPallasMatmul(),)
     return (*kernels, QuantizedReferenceMatmul(reference_activations, kquant_reference_activations))
 
 
@@ -219,6 +241,7 @@ __all__ = [
     "SMALL_MATMUL_MAX_ROWS",
     "MatmulEntry",
     "MatmulPlan",
+    "QuantizedPallasMatmul",
     "QuantizedReferenceMatmul",
     "ReferenceMatmul",
     "SmallMatmul",

@@ -18,6 +18,7 @@ from pallas_kernels.matmul import (
     REFERENCE_PLAN,
     SMALL_MATMUL_MAX_ROWS,
     MatmulPlan,
+    QuantizedPallasMatmul,
     QuantizedReferenceMatmul,
     ReferenceMatmul,
     SmallMatmul,
@@ -39,8 +40,10 @@ def test_the_plan_takes_the_kernel_only_on_a_one_device_cpu_process():
     assert [type(entry) for entry in cpu_plan.entries] == [*quantized_entries, SmallMatmul, ReferenceMatmul]
     assert dict(cpu_plan.entries[3].max_rows) == {str(dtype): rows for dtype, rows in SMALL_MATMUL_MAX_ROWS.items()}
     # several devices (a mesh, or fake CPU devices): weights may be sharded, which the custom call cannot split
-    for platform, num_devices in [("cpu", 8), ("gpu", 1), ("tpu", 4)]:
+    for platform, num_devices in [("cpu", 8), ("gpu", 2), ("tpu", 4)]:
         assert choose_matmul(platform, num_devices) == REFERENCE_PLAN
+    # one GPU: the Pallas quantized kernel ahead of XLA's dots (test_quantized_gpu_matmul.py)
+    assert choose_matmul("gpu", 1) == MatmulPlan((QuantizedPallasMatmul(), *REFERENCE_PLAN.entries))
 
 
 def test_the_plan_falls_back_to_the_reference_without_a_compiler(monkeypatch, tmp_path):

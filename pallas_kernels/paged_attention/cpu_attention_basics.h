@@ -77,21 +77,36 @@ inline void Widen(const T* source, int64_t n, float* target) {
 // exp(x) for the x <= 0 of an online softmax, in a form the compiler vectorizes (std::exp is a scalar
 // libm call): Cody-Waite range reduction and Cephes' expf polynomial, within a few ulp of expf.
 // Anything below expf's underflow, -inf included, is exactly 0, so masked keys get no weight.
-inline float ExpNonpositive(float x) {
-  const float clamped = std::max(x, -87.0f);
-  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
-  const float f = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// exp(f) for |f| <= ln(2) / 2 (Cephes' expf polynomial), for a float or any GCC vector of floats: the scalar
+// ExpNonpositive and the kernels' vector forms share it, so every path's weights come from one arithmetic.
+template <typename T>
+inline T ExpOfReduced(T f) {
+  T p = T{} + 1.9875691500e-4f;
   p = p * f + 1.3981999507e-3f;
   p = p * f + 8.3334519073e-3f;
   p = p * f + 4.1665795894e-2f;
   p = p * f + 1.6666665459e-1f;
   p = p * f + 5.0000001201e-1f;
-  const float r = p * f * f + f + 1.0f;
+  return p * f * f + f + 1.0f;
+}
+
+// x - n ln(2) in two parts (ln(2)'s high bits exact in a float), the argument ExpOfReduced takes.
+template <typename T>
+inline T ReduceByLn2(T x, T n) {
+  return x - n * 0.693359375f + n * 2.12194440e-4f;
+}
+
+inline constexpr float kLog2E = 1.44269504088896341f;
+inline constexpr float kExpLowest = -87.0f;  // below: 0 (2^n would leave float's exponent range)
+
+inline float ExpNonpositive(float x) {
+  const float clamped = std::max(x, kExpLowest);
+  const float n = std::floor(clamped * kLog2E + 0.5f);
+  const float r = ExpOfReduced(ReduceByLn2(clamped, n));
   int32_t exponent_bits = (int32_t(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &exponent_bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : r * scale;
+  return x < kExpLowest ? 0.0f : r * scale;
 }
 
 inline float Dot(const float* a, const float* b, int64_t n) {

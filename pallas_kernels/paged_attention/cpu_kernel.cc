@@ -50,6 +50,10 @@ constexpr int64_t kKeysPerRange = 512;
 // shared with the latent kernel (cpu_attention_basics.h); this kernel adds the quantized page types.
 using jaxserve_cpu_attention::BFloat16;
 using jaxserve_cpu_attention::ExpNonpositive;
+using jaxserve_cpu_attention::ExpOfReduced;
+using jaxserve_cpu_attention::kExpLowest;
+using jaxserve_cpu_attention::kLog2E;
+using jaxserve_cpu_attention::ReduceByLn2;
 using jaxserve_cpu_attention::Float16;
 using jaxserve_cpu_attention::FromFloat;
 using jaxserve_cpu_attention::kNegativeInfinity;
@@ -158,22 +162,15 @@ inline Lanes LanesMax(Lanes a, Lanes b) { return a > b ? a : b; }
 // path's vector type (SSE2 has no vector floor). Within a few ulp of expf as the scalar form; the weights of a
 // tile all come from this one function, whatever the row's block.
 inline Lanes ExpNonpositiveLanes(Lanes x) {
-  const Lanes clamped = LanesMax(x, Lanes{} - 87.0f);
-  const Lanes y = clamped * 1.44269504088896341f + 0.5f;
+  const Lanes clamped = LanesMax(x, Lanes{} + kExpLowest);
+  const Lanes y = clamped * kLog2E + 0.5f;
   const LaneInts truncated = __builtin_convertvector(y, LaneInts);
   const Lanes n = __builtin_convertvector(truncated, Lanes) - (__builtin_convertvector(truncated, Lanes) > y ? 1.0f : 0.0f);
-  const Lanes f = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  Lanes p = Lanes{} + 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  const Lanes r = p * f * f + f + 1.0f;
+  const Lanes r = ExpOfReduced(ReduceByLn2(clamped, n));
   const LaneInts exponent_bits = (__builtin_convertvector(n, LaneInts) + 127) << 23;
   Lanes scale;
   std::memcpy(&scale, &exponent_bits, sizeof(scale));
-  return x < -87.0f ? Lanes{} : r * scale;
+  return x < kExpLowest ? Lanes{} : r * scale;
 }
 
 // A query row's dot product with a key row (decode: a few query rows per kv head), in lanes of partial sums

@@ -42,8 +42,10 @@ $PYTHON -c "import jax, flax, numpy; print(jax.devices(), 'jax', jax.__version__
   >> "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
 # the Pallas kernels' tests and the start-up probe; the C++ CPU kernels' and the reference's alone run on CPUs
-timeout 110 $PYTHON -m pytest -p no:cacheprovider -x tests/kernels/test_quantized_gpu_matmul.py \
-  tests/kernels/test_kernels_vs_reference.py tests/kernels/test_pages_in_place.py tests/kernels/test_kv_quantization.py \
+# (in the order of what has not run on a GPU yet: session 23's two calls ran 59 cases, all of the quantized
+# matmul's and some of test_kernels_vs_reference's, before their timeouts; ~2 s a case, each compiles its kernels)
+timeout 110 $PYTHON -m pytest -p no:cacheprovider -x tests/kernels/test_kv_quantization.py \
+  tests/kernels/test_kernels_vs_reference.py tests/kernels/test_pages_in_place.py tests/kernels/test_quantized_gpu_matmul.py \
   -k "(quantized_gpu or pallas_gpu or pallas or splits or padded or write or pages_in_place) and not cpu and not tpu \
       and not lowers and not lower and not (dense and not pallas) and not bfloat16_attention and not pool_check" 2>&1 \
   | tee "$OUT/gpu_kernel_tests.txt"

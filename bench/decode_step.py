@@ -406,7 +406,19 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
             weight_mb=round(weight_bytes(llm) / 1e6, 1),
             first_tokens=tokens[:8],
         )
+    if args.save_trace:
+        save_step_trace(llm, context, args.save_trace)
     assert llm.stats()["num_compiles_after_warmup"] == 0
+
+
+def save_step_trace(llm, context: int, path: str) -> None:
+    """Five batch-1 decode steps (host inputs, as the engine dispatches them) under the profiler, to `path`."""
+    from step_trace import save_trace
+
+    runner = llm.engine.runner
+    shape = next(s for s in runner.executables if s.query_block == 1 and s.num_seqs == 1)
+    inputs = decode_inputs(runner, 1, context, shape, llm.engine.model_config.vocab_size)
+    save_trace(lambda: jax.block_until_ready(runner.execute(shape, inputs).sampled.token_ids), path)
 
 
 def main() -> None:
@@ -427,6 +439,9 @@ def main() -> None:
         default="int8",
         choices=("int8", "float"),
         help="the engine option quantized_activations: the CPU quantized kernel's x as int8 per 32 or float",
+    )
+    parser.add_argument(
+        "--save-trace", default=None, help="write a perfetto trace (.json.gz) of five batch-1 decode steps here"
     )
     parser.add_argument("--paths", action="store_true", help="with --profile: projections through every kernel path")
     parser.add_argument(

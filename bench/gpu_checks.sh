@@ -13,7 +13,9 @@
 #      generate_batch and model.generate, with the warm-up compile time (issue #16).
 # Session 23 ran steps 1-4 on an H200 (bench/results/gpu-h200/): 367 s, the first pytest cut by its timeout
 # after 32 passing tests (each case compiles its own Triton kernels: ~2 s a test there).
-# Writes everything under $OUT (default bench/results); summary.txt holds the lines that matter. JAX with
+# Writes everything under $OUT (default bench/results; at most 8 files, what the device tool brings back), with a
+# perfetto trace of five bfloat16 decode steps (the host's calls and the GPU's kernels on one timeline: open it in
+# ui.perfetto.dev, or read it with bench/step_trace.py's helpers); summary.txt holds the lines that matter. JAX with
 # CUDA, torch and transformers are in the device image; gguf and llguidance are not, and its flax may lack
 # what this project uses (nnx.capture), so carry them as wheels. Here, before the device call:
 #   bash bench/gpu_wheels.sh "flax==$(.venv/bin/python -c 'import flax; print(flax.__version__)')" \
@@ -84,7 +86,8 @@ print("model written", sum(w.size for w in weights.values()) / 1e9, "B parameter
 PY
 for QUANT in none int8 int4; do
   timeout 70 $PYTHON bench/decode_step.py --model "$MODEL_DIR" --dtypes bfloat16 --quantization $QUANT --rounds 1 \
-    --batches 1,8,32 --repeats $([ "$QUICK" = 1 ] && echo 3 || echo 30) --new-tokens 32 --prompt-tokens 32 2>&1 \
+    --batches 1,8,32 --repeats $([ "$QUICK" = 1 ] && echo 3 || echo 30) --new-tokens 32 --prompt-tokens 32 \
+    $([ $QUANT = none ] && echo --save-trace "$OUT/decode_trace_bf16.json.gz") 2>&1 \
     | grep -v "^WARNING\|^I0000\|^W0000" | sed "s/^{/{\"quantization\": \"$QUANT\", /" | tee -a "$OUT/decode_quantized_gpu.jsonl"
 done
 rm -rf "$MODEL_DIR"
@@ -92,7 +95,7 @@ rm -rf "$MODEL_DIR"
 timeout 40 $PYTHON bench/kernels.py --impls reference,pallas 2>&1 | tee "$OUT/kernels_gpu.jsonl"
 # 5 (FULL=1): attention implementations end to end
 if [ "${FULL:-0}" = 1 ]; then
-timeout 60 $PYTHON - <<'PY' 2>&1 | tee "$OUT/decode_e2e_gpu.jsonl"
+timeout 60 $PYTHON - <<'PY' 2>&1 | tee -a "$OUT/full.jsonl"
 import json, os, tempfile, time
 from safetensors.numpy import save_file
 from jaxserve import LLM, SamplingParams
@@ -127,9 +130,9 @@ DEVICE=$($PYTHON -c "import torch; print('cuda' if torch.cuda.is_available() els
 if [ "$QUICK" = 1 ]; then MODEL=llama-8m REQUESTS=4 OUTPUT=8 TOKENS=16; else MODEL=qwen2.5-0.5b REQUESTS=256 OUTPUT=128 TOKENS=128; fi
 CKPT=$(mktemp -d)
 timeout 170 $PYTHON bench/throughput.py --model $MODEL --dtype bfloat16 --device "$DEVICE" --checkpoint-dir "$CKPT" \
-  --num-requests $REQUESTS --output-len $OUTPUT --max-num-seqs 64 --cold-compile 2>&1 | tee "$OUT/e2e_throughput.jsonl"
+  --num-requests $REQUESTS --output-len $OUTPUT --max-num-seqs 64 --cold-compile 2>&1 | tee -a "$OUT/full.jsonl"
 timeout 100 $PYTHON bench/throughput.py --single --model $MODEL --dtype bfloat16 --device "$DEVICE" \
-  --checkpoint-dir "$CKPT" --single-tokens $TOKENS --repeats 2 2>&1 | tee "$OUT/e2e_single.jsonl"
+  --checkpoint-dir "$CKPT" --single-tokens $TOKENS --repeats 2 2>&1 | tee -a "$OUT/full.jsonl"
 rm -rf "$CKPT"
 fi
 { cat "$OUT/device.txt"; grep -h -E "passed|failed|error" "$OUT/gpu_kernel_tests.txt"
@@ -137,6 +140,6 @@ fi
   grep -h -E '"rows": (1|32), "variant": "(bf16_xla|int8_xla|int8_pallas|q4_0_xla|q4_0_pallas)"' "$OUT"/quantized_matmul_gpu.jsonl \
     | sed -E 's/"weight_mb"[^,]*, //; s/, "copies"[^}]*//'
   grep -h -E '"device_roofline_fraction"|Error' "$OUT"/decode_quantized_gpu.jsonl | cut -c1-400
-  grep -h -E '"(result|impl|engine)"' "$OUT"/kernels_gpu.jsonl "$OUT"/decode_e2e_gpu.jsonl "$OUT"/e2e_*.jsonl 2>/dev/null; } \
+  grep -h -E '"(result|impl|engine)"' "$OUT"/kernels_gpu.jsonl "$OUT"/full.jsonl 2>/dev/null; } \
   > "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"

@@ -54,6 +54,20 @@ def step_breakdown(run_step, hlo_text: str, steps: int = 10) -> dict:
     return {k: round(statistics.median(t.get(k, 0.0) for t in per_step), 3) for k in kinds}
 
 
+def save_trace(run_step, path: str, steps: int = 5) -> None:
+    """`steps` runs of `run_step()` under the profiler, the perfetto trace written to `path` (.json.gz): on a lent
+    GPU, the step's kernels and the host's calls on one timeline, to read after the machine is gone."""
+    import shutil
+
+    run_step()
+    with tempfile.TemporaryDirectory() as out:
+        with jax.profiler.trace(out, create_perfetto_trace=True):
+            for _ in range(steps):
+                run_step()
+        (found,) = glob.glob(os.path.join(out, "plugins", "profile", "*", "perfetto_trace.json.gz"))
+        shutil.copy(found, path)
+
+
 def inside(event: dict, outer: dict) -> bool:
     return (
         event["tid"] == outer["tid"]

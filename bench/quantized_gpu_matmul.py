@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes (a CPU, interpret mode)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--min-bytes", type=int, default=512 << 20, help="bytes of weight copies a timed call reads")
-    parser.add_argument("--sweep", action="store_true", help="the Pallas kernel's block, split and unroll choices")
+    parser.add_argument("--sweep", action="store_true", help="the Pallas kernel's column blocks and programs a core")
     args = parser.parse_args()
     shapes = QUICK_SHAPES if args.quick else {**SHAPES, **HEAD}
     min_bytes = (4 << 20) if args.quick else args.min_bytes

@@ -14,8 +14,8 @@ the low and high nibbles, two products that add up to the dot over the group.
 Grid: (column block, K split). A decode step has few rows, so the columns alone give too few programs to
 keep a GPU's cores reading (a 4096-wide weight in 128-column blocks is 32 programs for 132 cores): K is
 cut into `num_splits` parts whose float32 partial sums [S, rows, N] are added outside, as flash-decoding
-splits a context. Within a program, a loop over the split's groups (per-channel int8: blocks of up to
-256 rows, the scale applied once at the end): a group's integers widened to the rows' dtype, one matmul
+splits a context. Within a program, a loop over the split's groups (one group without mins, as per-channel
+int8: blocks of up to 256 rows, the scale applied once at the end): a group's integers widened to the rows' dtype, one matmul
 into float32, times the group's scale, plus the group's row sums times its mins where the source has
 them. Rows are padded to 16 for the matmul units, one row too: a vector product for one row (no padding)
 measured 1.5-1.7x slower.
@@ -27,8 +27,11 @@ which fuses the widening into its own dot there (`preferred`). Neither path read
 bandwidth yet: the kernel's best is about a quarter of a copy's bytes per second (a bfloat16 dot by XLA
 reads at 0.6-0.9 of it), so a quantized model on a GPU saves memory, not decode time.
 
+Not row-invariant: a row's sums depend on the call's rows (splits and column blocks change above 16 rows, and
+one row of int8 goes to XLA), as XLA's GPU dots' do.
+
 Lowered with Triton on a GPU (power-of-two tiles: column blocks of 128 / 64 / 32 / 16, groups of
-at least 32 along K); on the CPU it runs with interpret=True (the tests). `supported` says why a weight
+32 to 256 along K); on the CPU it runs with interpret=True (the tests). `supported` says why a weight
 cannot take it (the reference serves those calls).
 """
 
@@ -44,6 +47,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.matmul.quantized import QuantizedWeight
 
 MAX_ROWS = 64  # a decode or verify step's rows (the default largest decode bucket)
+MAX_GROUP = 256  # K rows of a group a loop step holds in registers
 MIN_DOT_ROWS = 16  # matmul tiles on GPUs want at least 16 rows
 PER_CHANNEL_BLOCK = 256  # K rows a loop step reads of a per-channel int8 weight
 # K splits aim for this many programs per GPU core (SM), and column blocks are the widest of COLUMN_BLOCKS that
@@ -71,8 +75,8 @@ def supported(weight, num_rows: int) -> str | None:
     if not any(columns % block == 0 for block in COLUMN_BLOCKS):
         return f"N = {columns} is not a multiple of {COLUMN_BLOCKS[-1]}"
     group = depth // weight.num_groups
-    if weight.num_groups > 1 and not (_is_power_of_two(group) and group >= 32):
-        return f"groups of {group} along K: the kernel takes power-of-two groups of at least 32"
+    if _grouped(weight) and not (_is_power_of_two(group) and 32 <= group <= MAX_GROUP):
+        return f"groups of {group} along K: the kernel takes power-of-two groups of 32 to {MAX_GROUP}"
     if weight.num_groups == 1 and _per_channel_block(depth) is None:
         return f"K = {depth} is not a multiple of 32"
     return None
@@ -82,6 +86,12 @@ def preferred(weight, num_rows: int) -> bool:
     """Whether the kernel computes this call faster than XLA's dots (measured; the module's docstring): every
     supported 4-bit call, and int8 from two rows."""
     return supported(weight, num_rows) is None and (weight.bits == 4 or num_rows > 1)
+
+
+def _grouped(weight: QuantizedWeight) -> bool:
+    """Scales (and mins) applied group by group in the loop; one group without mins: once, at the end, as a
+    per-channel int8 weight's (its K then walked in blocks of up to 256)."""
+    return weight.num_groups > 1 or weight.mins is not None
 
 
 def _per_channel_block(depth: int) -> int | None:
@@ -155,9 +165,11 @@ def quantized_matmul(
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     num_rows, depth = rows.shape
+    if depth != weight.shape[0]:
+        raise ValueError(f"rows {rows.shape} do not contract with a quantized weight {weight.shape}")
     columns = weight.shape[1]
     groups = weight.num_groups
-    grouped = groups > 1
+    grouped = _grouped(weight)
     block = depth // groups if grouped else _per_channel_block(depth)
     assert block is not None
     total_steps = depth // block
@@ -166,6 +178,8 @@ def quantized_matmul(
         b for b in (COLUMN_BLOCKS[1:] if few_rows else COLUMN_BLOCKS) if columns % b == 0
     )
     programs_per_core = programs_per_core or (FEW_ROWS_PROGRAMS_PER_CORE if few_rows else PROGRAMS_PER_CORE)
+    if columns % block_columns:
+        raise ValueError(f"block_columns {block_columns} does not divide N = {columns}")
     column_blocks = columns // block_columns
     num_splits = num_splits or default_num_splits(column_blocks, total_steps, programs_per_core=programs_per_core)
     if total_steps % num_splits:

@@ -40,6 +40,32 @@ def test_kernel_matches_the_layouts_definition(layout, num_rows, num_splits):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize(
+    "bits, depth, group, mins, num_splits",
+    [
+        (8, 96, 96, False, None),  # per channel, K = 3 blocks of 32
+        (4, 448, 32, False, 2),  # Q4_0, 7 groups a split (steps not a power of two)
+        (4, 448, 32, True, 7),  # Q4_1, one group a split
+        (4, 32, 32, True, None),  # Q4_1 with K = 32: one group, with mins (applied per group, not at the end)
+        (8, 64, 64, True, None),  # int8 with mins, one group
+    ],
+)
+def test_odd_depths_and_one_group_with_mins(bits, depth, group, mins, num_splits):
+    weight = random_weight(np.random.default_rng(7), depth, 48, bits, group, jnp.float16, mins)
+    rows = jnp.asarray(np.random.default_rng(8).standard_normal((3, depth)), jnp.float32)
+    got = np.asarray(quantized_gpu.quantized_matmul(rows, weight, num_splits=num_splits))
+    want = np.asarray(rows, np.float64) @ numpy_dequantize(weight)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_float16_rows():
+    weight = weight_of("q4_1", 256, 64, seed=9)
+    rows = jnp.asarray(np.random.default_rng(10).standard_normal((2, 256)), jnp.float16)
+    got = np.asarray(quantized_gpu.quantized_matmul(rows, weight))
+    want = np.asarray(rows, np.float64) @ numpy_dequantize(weight)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 def test_bfloat16_rows_as_the_reference_computes_them():
     """A bfloat16 model's rows: the same products as the XLA reference's group sums, to float32 rounding."""
     weight = weight_of("q4_0", 256, 64, seed=2)
@@ -65,6 +91,12 @@ def test_sizes_the_kernel_cannot_take_are_refused_and_left_to_the_reference():
     assert "N = 24" in quantized_gpu.supported(odd_columns, 2)
     assert "groups of 48" in quantized_gpu.supported(odd_groups, 2)
     assert "65 rows" in quantized_gpu.supported(weight_of("q4_0", 64, 32), 65)
+    one_wide_group_with_mins = random_weight(np.random.default_rng(0), 512, 32, 4, 512, jnp.float16, True)
+    assert "groups of 512" in quantized_gpu.supported(one_wide_group_with_mins, 2)
+    with pytest.raises(ValueError, match="do not contract"):
+        quantized_gpu.quantized_matmul(jnp.ones((2, 128), jnp.float32), weight_of("q4_0", 64, 32))
+    with pytest.raises(ValueError, match="block_columns 64 does not divide N = 96"):
+        quantized_gpu.quantized_matmul(rows, weight_of("q4_0", 96, 96), block_columns=64)
     with pytest.raises(ValueError, match="N = 24"):
         quantized_gpu.quantized_matmul(rows, odd_columns)
     for weight in (odd_columns, odd_groups):  # the plan's entry serves them through XLA's dots

@@ -19,8 +19,10 @@ calls, XLA's fusions, the executor's gaps). The CPU (model, vector flags) and th
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -340,6 +342,28 @@ def weight_bytes(llm) -> int:
     return sum(x.nbytes for x in llm.engine.runner.param_leaves)
 
 
+def ops_making_pool_arrays(llm, batch: int) -> dict[str, int]:
+    """In the compiled decode step, the instructions whose result has a KV layer pool's shape, by opcode (custom
+    calls by target): in-place kernels only, or a copy / fusion over the whole pool each step (whose cost follows
+    the pool's size, not the context: what a GPU step's extra milliseconds could be)."""
+    runner = llm.engine.runner
+    shape = next(s for s in runner.executables if s.query_block == 1 and s.num_seqs == batch)
+    pool = runner.kv_pages.keys[0]
+    pool = getattr(pool, "data", pool)  # a quantized pool's values
+    dims = ",".join(str(d) for d in pool.shape)
+    found: dict[str, int] = collections.Counter()
+    # an instruction's result type (an array, or a tuple of them: a kernel's outputs) and opcode
+    pattern = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?) ([a-z][\w\-]*)\(")
+    for line in runner.executables[shape].as_text().splitlines():
+        match = pattern.search(line)
+        if match and f"[{dims}]" in match[1]:
+            if match[2] in ("parameter", "get-tuple-element", "tuple", "bitcast"):
+                continue
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            found[f"{match[2]}:{target[1]}" if target else match[2]] += 1
+    return dict(found)
+
+
 def kv_bytes_per_token(llm, context: int) -> int:
     config = llm.engine.model_config
     itemsize = jnp.dtype(llm.engine.runner.kv_pages.keys[0].dtype).itemsize
@@ -404,6 +428,7 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
             e2e_roofline_fraction=round(tok_s / roofline_tok_s, 3),
             host_ms_per_step=host,
             weight_mb=round(weight_bytes(llm) / 1e6, 1),
+            pool_shaped_ops_batch1=ops_making_pool_arrays(llm, 1),
             first_tokens=tokens[:8],
         )
     if args.save_trace:

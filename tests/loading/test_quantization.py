@@ -235,3 +235,37 @@ def test_a_format_asked_for_keeps_blocks_of_its_bits_and_requantizes_the_rest(gg
         )
         for leaf, leaf_whole in zip(jax.tree.leaves(load(module, shape, format)), jax.tree.leaves(whole)):
             assert np.array_equal(np.asarray(leaf), leaf_whole), (format, module)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_a_gpus_plan_serves_the_quantized_engine_as_the_reference_does(monkeypatch, quantization):
+    """The one-GPU plan (the Pallas quantized kernel first, quantized_gpu.py; interpret mode here) inside the
+    engine's compiled steps, prefill and decode rows: the same greedy tokens and near the same log-probabilities
+    as XLA's dots, nothing compiled after warm-up."""
+    from jaxserve.engine import builder
+    from pallas_kernels.matmul import REFERENCE_PLAN, choose_matmul, quantized_gpu
+
+    kernel, traced = quantized_gpu.quantized_matmul, []
+    monkeypatch.setattr(
+        quantized_gpu, "quantized_matmul", lambda rows, weight: traced.append(rows.shape) or kernel(rows, weight)
+    )
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
+    outputs = {}
+    for name, plan in (("gpu", choose_matmul("gpu", 1)), ("reference", REFERENCE_PLAN)):
+        monkeypatch.setattr(builder, "choose_matmul", lambda *args, plan=plan: plan)
+        llm = LLM(FIXTURE, **{**SMALL_ENGINE, "decode_seq_buckets": (1, 8)}, quantization=quantization)
+        together = llm.generate(PROMPTS, params)  # decode rows of 8
+        alone = llm.generate(PROMPTS[:1], params)  # of 1
+        outputs[name] = [o.outputs[0] for o in together + alone]
+        assert llm.stats()["num_compiles_after_warmup"] == 0
+        if name == "gpu":  # the kernel took decode rows (and int4's single rows), the reference none
+            assert any(rows[0] > 1 for rows in traced) and (quantization == "int8") != any(
+                rows[0] == 1 for rows in traced
+            )
+            traced.clear()
+    assert not traced
+    for gpu, reference in zip(outputs["gpu"], outputs["reference"]):
+        assert gpu.token_ids == reference.token_ids
+        for got, want in zip(gpu.logprobs, reference.logprobs):
+            token = max(want, key=want.get)
+            assert abs(got[token] - want[token]) < 1e-3

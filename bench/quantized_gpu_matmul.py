@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_time
 
 from pallas_kernels.matmul import quantized, quantized_gpu
 from pallas_kernels.matmul.quantized import QuantizedWeight
@@ -34,14 +33,23 @@ def emit(**record) -> None:
     print(json.dumps(record), flush=True)
 
 
-def median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def seconds_per_copy(fn, x, weights, repeats: int, **where):
+    """Median seconds of `fn(x, weight)` a copy, all copies in one compiled call (None, and a line saying why,
+    where it does not compile: a kernel configuration the GPU refuses is a result, not a crash)."""
+    timed = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
+    try:
+        return median_time(timed, x, weights, repeats=repeats) / len(weights)
+    except Exception as error:  # noqa: BLE001
+        emit(**where, error=str(error)[:300])
+        return None
+
+
+def weight_copies(key, depth: int, columns: int, min_bytes: int) -> list:
+    """Copies of random_weights (the first from `key`) whose int8 bytes reach min_bytes (at most 16): a timed call
+    reads past the GPU's L2."""
+    one = random_weights(key, depth, columns)
+    copies = max(1, min(16, -(-min_bytes // one[1].nbytes)))
+    return [one] + [random_weights(jax.random.fold_in(key, c), depth, columns) for c in range(1, copies)]
 
 
 def read_bandwidth(num_bytes: int) -> dict[str, float]:
@@ -49,8 +57,8 @@ def read_bandwidth(num_bytes: int) -> dict[str, float]:
     moves, near the datasheet's figure on a GPU, where one sum reads at about half of it)."""
     x = jnp.ones(num_bytes // 4, jnp.float32)
     return dict(
-        sum=num_bytes / median_seconds(jax.jit(jnp.sum), x, repeats=20),
-        copy=2 * num_bytes / median_seconds(jax.jit(lambda v: v + 1), x, repeats=20),
+        sum=num_bytes / median_time(jax.jit(jnp.sum), x, repeats=20),
+        copy=2 * num_bytes / median_time(jax.jit(lambda v: v + 1), x, repeats=20),
     )
 
 
@@ -108,23 +116,19 @@ def main() -> None:
     }
     key = jax.random.PRNGKey(0)
     for name, (depth, columns) in shapes.items():
-        one = random_weights(key, depth, columns)
+        weights = weight_copies(key, depth, columns, min_bytes)
+        one, copies = weights[0], len(weights)
         bytes_of = {
             v: (one[0].nbytes if v.startswith("bf16") else one[1 if "int8" in v else 2].nbytes) for v in variants
         }
-        copies = max(1, min(16, -(-min_bytes // bytes_of["int8_xla"])))
-        weights = [one] + [random_weights(jax.random.fold_in(key, c), depth, columns) for c in range(1, copies)]
         for num_rows in (int(r) for r in args.rows.split(",")):
             x = (jax.random.normal(jax.random.fold_in(key, num_rows), (num_rows, depth)) * 1.0).astype(jnp.bfloat16)
             results = {}
             for variant, fn in variants.items():
-                timed = jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws])
-                try:
-                    seconds = median_seconds(timed, x, weights, repeats=args.repeats) / copies
-                    results[variant] = fn(x, weights[0])
-                except Exception as error:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
-                    emit(shape=name, rows=num_rows, variant=variant, error=str(error)[:300])
+                seconds = seconds_per_copy(fn, x, weights, args.repeats, shape=name, rows=num_rows, variant=variant)
+                if seconds is None:
                     continue
+                results[variant] = fn(x, one)
                 emit(
                     shape=name,
                     rows=num_rows,
@@ -157,28 +161,18 @@ def sweep(args, bandwidth: float, min_bytes: int) -> None:
         dict(block_columns=columns, programs_per_core=programs) for columns in (32, 64, 128) for programs in (2, 4, 16)
     ]
     for name, (depth, columns) in shapes.items():
-        one = random_weights(key, depth, columns)
-        copies = max(1, min(16, -(-min_bytes // one[1].nbytes)))
-        weights = [one] + [random_weights(jax.random.fold_in(key, c), depth, columns) for c in range(1, copies)]
+        weights = weight_copies(key, depth, columns, min_bytes)
         for num_rows in (1, 32) if name != "q_o" else (1,):
             x = jax.random.normal(jax.random.fold_in(key, num_rows), (num_rows, depth)).astype(jnp.bfloat16)
             for fmt, index in (("int8", 1), ("q4_0", 2)):
                 for config in grid:
-                    fn = functools.partial(quantized_gpu.quantized_matmul, **config)
-                    timed = jax.jit(lambda x, ws, fn=fn, index=index: [fn(x, w[index]) for w in ws])
-                    try:
-                        seconds = median_seconds(timed, x, weights, repeats=10) / copies
-                    except Exception as error:  # noqa: BLE001 - a configuration that fails to compile is reported
-                        emit(shape=name, rows=num_rows, format=fmt, **config, error=str(error)[:200])
-                        continue
-                    emit(
-                        shape=name,
-                        rows=num_rows,
-                        format=fmt,
-                        **config,
-                        us=round(seconds * 1e6, 2),
-                        fraction_of_bandwidth=round(one[index].nbytes / seconds / bandwidth, 3),
-                    )
+                    kernel = functools.partial(quantized_gpu.quantized_matmul, **config)
+                    fn = lambda x, w, kernel=kernel, index=index: kernel(x, w[index])  # noqa: E731
+                    where = dict(shape=name, rows=num_rows, format=fmt, **config)
+                    seconds = seconds_per_copy(fn, x, weights, 10, **where)
+                    if seconds is not None:
+                        fraction = weights[0][index].nbytes / seconds / bandwidth
+                        emit(**where, us=round(seconds * 1e6, 2), fraction_of_bandwidth=round(fraction, 3))
 
 
 if __name__ == "__main__":

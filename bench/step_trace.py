@@ -8,11 +8,13 @@ attention kernel, the KV write), XLA's fusions and copies between them, and the 
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import gzip
 import json
 import os
 import re
+import shutil
 import statistics
 import tempfile
 
@@ -38,14 +40,8 @@ def step_breakdown(run_step, hlo_text: str, steps: int = 10) -> dict:
     ms each kind of op took, the gaps between thunks, the step's wall time and its number of top-level
     thunks."""
     targets = custom_call_targets(hlo_text)
-    run_step()
-    with tempfile.TemporaryDirectory() as out:
-        with jax.profiler.trace(out, create_perfetto_trace=True):
-            for _ in range(steps):
-                run_step()
-        (path,) = glob.glob(os.path.join(out, "plugins", "profile", "*", "perfetto_trace.json.gz"))
-        with gzip.open(path) as f:
-            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    with perfetto_trace(run_step, steps) as path, gzip.open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     executes = [e for e in events if e["name"] == "ThunkExecutor::Execute"]
     # a step's own executor, not a conditional branch's inside it
     top_level = [e for e in executes if not any(inside(e, outer) for outer in executes if outer is not e)]
@@ -54,17 +50,23 @@ def step_breakdown(run_step, hlo_text: str, steps: int = 10) -> dict:
     return {k: round(statistics.median(t.get(k, 0.0) for t in per_step), 3) for k in kinds}
 
 
-def save_trace(run_step, path: str, steps: int = 5) -> None:
-    """`steps` runs of `run_step()` under the profiler, the perfetto trace written to `path` (.json.gz): on a lent
-    GPU, the step's kernels and the host's calls on one timeline, to read after the machine is gone."""
-    import shutil
-
+@contextlib.contextmanager
+def perfetto_trace(run_step, steps: int):
+    """The path of a perfetto trace (.json.gz, in a temporary directory while the context lasts) of `steps` runs
+    of `run_step()` under the profiler, after one unprofiled run."""
     run_step()
     with tempfile.TemporaryDirectory() as out:
         with jax.profiler.trace(out, create_perfetto_trace=True):
             for _ in range(steps):
                 run_step()
-        (found,) = glob.glob(os.path.join(out, "plugins", "profile", "*", "perfetto_trace.json.gz"))
+        (path,) = glob.glob(os.path.join(out, "plugins", "profile", "*", "perfetto_trace.json.gz"))
+        yield path
+
+
+def save_trace(run_step, path: str, steps: int = 5) -> None:
+    """`steps` runs of `run_step()` under the profiler, the perfetto trace written to `path` (.json.gz): on a lent
+    GPU, the step's kernels and the host's calls on one timeline, to read after the machine is gone."""
+    with perfetto_trace(run_step, steps) as found:
         shutil.copy(found, path)
 
 

@@ -41,29 +41,23 @@ def test_kernel_matches_the_layouts_definition(layout, num_rows, num_splits):
 
 
 @pytest.mark.parametrize(
-    "bits, depth, group, mins, num_splits",
+    "bits, depth, group, mins, num_splits, rows_dtype",
     [
-        (8, 96, 96, False, None),  # per channel, K = 3 blocks of 32
-        (4, 448, 32, False, 2),  # Q4_0, 7 groups a split (steps not a power of two)
-        (4, 448, 32, True, 7),  # Q4_1, one group a split
-        (4, 32, 32, True, None),  # Q4_1 with K = 32: one group, with mins (applied per group, not at the end)
-        (8, 64, 64, True, None),  # int8 with mins, one group
+        (8, 96, 96, False, None, jnp.float32),  # per channel, K = 3 blocks of 32
+        (4, 448, 32, False, 2, jnp.float32),  # Q4_0, 7 groups a split (steps not a power of two)
+        (4, 448, 32, True, 7, jnp.float32),  # Q4_1, one group a split
+        (4, 32, 32, True, None, jnp.float32),  # Q4_1 with K = 32: one group, with mins (applied per group)
+        (8, 64, 64, True, None, jnp.float32),  # int8 with mins, one group
+        (4, 256, 32, True, None, jnp.float16),  # float16 rows
     ],
 )
-def test_odd_depths_and_one_group_with_mins(bits, depth, group, mins, num_splits):
+def test_odd_depths_one_group_with_mins_and_float16_rows(bits, depth, group, mins, num_splits, rows_dtype):
     weight = random_weight(np.random.default_rng(7), depth, 48, bits, group, jnp.float16, mins)
-    rows = jnp.asarray(np.random.default_rng(8).standard_normal((3, depth)), jnp.float32)
+    rows = jnp.asarray(np.random.default_rng(8).standard_normal((3, depth)), rows_dtype)
     got = np.asarray(quantized_gpu.quantized_matmul(rows, weight, num_splits=num_splits))
     want = np.asarray(rows, np.float64) @ numpy_dequantize(weight)
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-
-
-def test_float16_rows():
-    weight = weight_of("q4_1", 256, 64, seed=9)
-    rows = jnp.asarray(np.random.default_rng(10).standard_normal((2, 256)), jnp.float16)
-    got = np.asarray(quantized_gpu.quantized_matmul(rows, weight))
-    want = np.asarray(rows, np.float64) @ numpy_dequantize(weight)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    tolerance = 2e-5 if rows_dtype == jnp.float32 else 1e-4
+    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
 
 
 def test_bfloat16_rows_as_the_reference_computes_them():

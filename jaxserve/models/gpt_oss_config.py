@@ -24,12 +24,13 @@ DEFAULT_ROPE_THETA = 150000.0
 
 
 def with_default_rope(hf: dict) -> dict:
-    """The config.json with GptOssConfig's rope defaults filled in where it names no rope scaling."""
-    rope = dict(hf.get("rope_parameters") or {})
-    if rope.get("rope_type", rope.get("type")) not in (None, "default") or hf.get("rope_scaling"):
+    """The config.json with GptOssConfig's rope defaults (YaRN x32) where it has no rope block at all, as
+    transformers fills them (rope_parameters None and no rope_scaling). A block that is there is taken as it
+    is: an explicit `"rope_type": "default"` is plain rope, not the default YaRN."""
+    if hf.get("rope_parameters") is not None or hf.get("rope_scaling"):
         return hf
-    theta = rope.get("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA))
-    return {**hf, "rope_parameters": {**DEFAULT_ROPE, **rope, "rope_type": "yarn", "rope_theta": theta}}
+    theta = hf.get("rope_theta", DEFAULT_ROPE_THETA)
+    return {**hf, "rope_parameters": {**DEFAULT_ROPE, "rope_theta": theta}}
 
 
 def gpt_oss_fields(hf: dict, num_layers: int) -> dict:

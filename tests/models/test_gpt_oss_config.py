@@ -90,3 +90,16 @@ def test_gpt_oss_defaults_as_transformers():
     assert (config.rope_scaling.factor, config.rope_scaling.original_max_position_embeddings) == (32.0, 4096)
     with pytest.raises(ValueError, match="swiglu_limit"):
         ModelConfig.from_hf_dict({**GPT_OSS_20B, "swiglu_limit": 0})
+
+
+def test_gpt_oss_explicit_plain_rope_is_not_the_default_yarn():
+    """A rope block that names plain rope (transformers 5's save_pretrained writes `rope_parameters` so) is plain
+    rope, as transformers serves it; the YaRN default fills only a config with no rope block at all."""
+    bare = {k: v for k, v in GPT_OSS_20B.items() if k not in ("rope_scaling", "rope_theta")}
+    plain = ModelConfig.from_hf_dict({**bare, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    assert plain.rope_theta == 10000.0 and plain.rope_scaling.rope_type == "default"
+    assert plain.rope_scaling.attention_factor == 1.0
+    legacy = ModelConfig.from_hf_dict({**bare, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert legacy.rope_scaling.rope_type == "linear" and legacy.rope_theta == 5e5
+    defaulted = ModelConfig.from_hf_dict({**bare, "rope_theta": 5e5, "rope_parameters": None})
+    assert defaulted.rope_scaling.rope_type == "yarn" and defaulted.rope_theta == 5e5

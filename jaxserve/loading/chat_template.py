@@ -142,8 +142,15 @@ def text_content(messages: list) -> list:
     return flattened
 
 
-def plain_data(value) -> Any:
+# Nesting plain_data follows (a request's messages and tools are JSON): deeper data is refused with a ValueError
+# rather than running into Python's recursion limit (an HTTP 500 before).
+MAX_NESTING = 128
+
+
+def plain_data(value, depth: int = 0) -> Any:
     """JSON-like data only: the sandbox cannot know which methods of a caller's objects are dangerous."""
+    if depth > MAX_NESTING:
+        raise ValueError(f"chat data (messages, tools, template variables) nested deeper than {MAX_NESTING} levels")
     if value is None or type(value) in (str, int, float, bool):
         return value
     # subclasses (enums, numpy floats) carry extra methods: back to the base type
@@ -153,22 +160,26 @@ def plain_data(value) -> Any:
         if isinstance(value, base):
             return base(value)
     if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():  # numpy scalars, np.bool_ too
-        return plain_data(value.item())
+        return plain_data(value.item(), depth)
     if isinstance(value, dict):
-        return {plain_data(k): plain_data(v) for k, v in value.items()}
+        return {plain_data(k, depth + 1): plain_data(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(plain_data(v) for v in value)
+        return type(value)(plain_data(v, depth + 1) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: plain_data(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}
     model_dump = getattr(value, "model_dump", None)
     if callable(model_dump):  # pydantic models, as the OpenAI SDK returns them
-        return plain_data(model_dump())
+        return plain_data(model_dump(), depth)
     return f"<{type(value).__name__}>"
 
 
 def _drop_none(message):
-    # APIs send content=None or tool_calls=None; templates handle a missing key, not a None.
-    return {k: v for k, v in message.items() if v is not None} if isinstance(message, dict) else message
+    """APIs send content=None or tool_calls=None; templates handle a missing key, not a None. A None content
+    (an assistant turn of tool calls, as the OpenAI SDK sends it back) becomes "", as vLLM renders it: templates
+    that read message['content'] unconditionally (SmolLM2's) raised on the missing key."""
+    if not isinstance(message, dict):
+        return message
+    return {k: ("" if v is None else v) for k, v in message.items() if v is not None or k == "content"}
 
 
 def _alias_reasoning_fields(messages: list) -> list:

@@ -84,6 +84,7 @@ def plan_tools(tools, tool_choice, parallel_tool_calls: bool | None, parser: Too
             raise ValueError(f"tool_choice {tool_choice!r} needs tools, and the request has none")
         return NO_TOOLS
     parallel = parallel_tool_calls is not False
+    parser = parser.for_tools(tools)
     if tool_choice == "none":
         return ToolPlan(tools, None, None, parallel)
     if named is not None:

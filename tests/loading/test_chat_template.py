@@ -84,3 +84,30 @@ def test_transformers_extras():
 def test_text_parts_are_joined_for_text_templates():
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert text_content(messages) == [{"role": "user", "content": "a\nb"}]
+
+
+def test_deeply_nested_chat_data_is_a_value_error():
+    """A message nested 500 deep reached Python's recursion limit (an HTTP 500): now refused as bad input."""
+    deep: list = []
+    for _ in range(500):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nested deeper than"):
+        render_chat(load("qwen_byte_level"), [{"role": "user", "content": "hi", "x": deep}])
+    shallow: list = []
+    for _ in range(40):
+        shallow = [shallow]
+    assert render_chat(load("qwen_byte_level"), [{"role": "user", "content": "hi", "x": shallow}])
+
+
+def test_a_none_content_renders_as_empty_text():
+    """The OpenAI SDK sends an assistant turn of tool calls back with content None: a template that reads every
+    message's content (SmolLM2's) gets "", as vLLM gives it, where the dropped key made it fail."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "4", "tool_call_id": "c1", "name": None},
+    ]
+    template = "{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{{ m.name is defined }};{% endfor %}"
+    rendered = render_chat(load("qwen_byte_level"), messages, chat_template=template, add_generation_prompt=False)
+    assert rendered == "user=hi;False;assistant=;False;tool=4;False;"

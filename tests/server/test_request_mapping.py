@@ -105,7 +105,8 @@ def test_malformed_fields_are_refused_by_name(body, reason):
 def test_tool_choice_plans():
     hermes = tool_parser("hermes")
     auto = plan_tools([TOOL], None, None, hermes)
-    assert auto.tools == [TOOL] and auto.parser is hermes and auto.guided_decoding is None and auto.parallel
+    assert auto.tools == [TOOL] and auto.guided_decoding is None and auto.parallel
+    assert isinstance(auto.parser, type(hermes)) and auto.parser.names == {"lookup"}  # bound to the request's tools
     none = plan_tools([TOOL], "none", None, hermes)
     assert none.tools == [TOOL] and none.parser is None  # the template still sees the tools
     required = plan_tools([TOOL], "required", False, hermes)

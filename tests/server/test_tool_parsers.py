@@ -185,3 +185,78 @@ def test_each_grammar_accepts_its_format_and_nothing_invalid(byte_tokenizer, nam
         assert not accepts(byte_tokenizer, parser.grammar([WEATHER, TIME], parallel=False), both)
     only_time = parser.grammar([TIME], parallel=False)  # a named function
     assert accepts(byte_tokenizer, only_time, time_call) and not accepts(byte_tokenizer, only_time, weather)
+
+
+def test_hermes_reads_a_closing_tag_inside_a_string_as_text_of_the_string():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}\n</tool_call>'
+    reply = tool_parser("hermes").parse(text)
+    assert reply.content is None and [json.loads(c.arguments) for c in reply.tool_calls] == [{"city": "a</tool_call>b"}]
+
+
+@pytest.mark.parametrize(
+    "name,text",
+    [
+        ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "a", "argu'),
+        ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool'),  # cut in the next tag
+        ("llama3_json", '{"name": "a", "parameters": {}}; {"name": "a", "parameters": {"k": "v'),
+    ],
+)
+def test_complete_calls_before_a_cut_one_are_the_reply(name, text):
+    """max_tokens cutting the second of parallel calls left no calls at all before (the markup as content)."""
+    reply = tool_parser(name).parse(text)
+    assert [c.name for c in reply.tool_calls] == ["a"] and reply.content is None
+    if name == "hermes":  # a broken call that is not the last, or a closed one, is no cut: the reply is text
+        broken = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>{oops}</tool_call>'
+        assert tool_parser(name).parse(broken).tool_calls == ()
+        assert tool_parser(name).parse(broken + text).tool_calls == ()
+
+
+def test_a_call_must_name_one_of_the_requests_functions():
+    """With the request's tools known (plan_tools binds them), JSON that has a "name" is a call only of a declared
+    function: a reply in a response_format with a name field is not a call of "Mike"."""
+    for name, text in (
+        ("llama3_json", '{"name": "Mike", "age": 3}'),
+        ("hermes", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'),
+        ("mistral", '[TOOL_CALLS][{"name": "rm_rf", "arguments": {}}]'),
+    ):
+        bound = tool_parser(name).for_tools([WEATHER, TIME])
+        assert bound.parse(text).tool_calls == () and bound.parse(text).content == text
+        assert tool_parser(name).names is None  # the server's parser itself is left unbound
+    bound = tool_parser("llama3_json").for_tools([WEATHER])
+    assert [c.name for c in bound.parse('{"name": "get_weather", "parameters": {"city": "x"}}').tool_calls] == [
+        "get_weather"
+    ]
+
+
+def test_tool_parameters_with_local_references_constrain_the_arguments(byte_tokenizer):
+    """$defs (pydantic's pydantic_function_tool writes them) and "#" (a recursive tree) point into the parameters
+    wherever the call's schema embeds them: refused before ($defs), or the wrapper's own schema ("#")."""
+    tree = {
+        "type": "function",
+        "function": {
+            "name": "make_tree",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "unit": {"$ref": "#/$defs/Unit"},
+                    "kids": {"type": "array", "items": {"$ref": "#"}},
+                    "tag": {"const": {"$ref": "#/not/a/reference"}},
+                },
+                "required": ["unit"],
+                "additionalProperties": False,
+                "$defs": {"Unit": {"enum": ["c", "f"]}},
+            },
+        },
+    }
+    for name, key in (("hermes", "arguments"), ("llama3_json", "parameters")):
+        grammar = tool_parser(name).grammar([TIME, tree], parallel=False)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(LLMatcher.grammar_from_lark(grammar), byte_tokenizer)
+        assert not is_error, messages
+        wrap = (lambda call: f"<tool_call>\n{call}\n</tool_call>") if name == "hermes" else (lambda call: call)
+        good = '{"name": "make_tree", "%s": {"unit": "c", "kids": [{"unit": "f", "kids": []}]}}' % key
+        assert accepts(byte_tokenizer, grammar, wrap(good))
+        assert not accepts(byte_tokenizer, grammar, wrap(good.replace('"f"', '"k"')))  # outside $defs' enum
+        nested_call = '{"name": "make_tree", "%s": {"unit": "c", "kids": [{"name": "make_tree"}]}}' % key
+        assert not accepts(byte_tokenizer, grammar, wrap(nested_call))  # "#" is the parameters, not the call
+        tagged = '{"name": "make_tree", "%s": {"unit": "c", "tag": {"$ref": "#/not/a/reference"}}}' % key
+        assert accepts(byte_tokenizer, grammar, wrap(tagged))  # data is left as it is

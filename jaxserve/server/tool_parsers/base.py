@@ -4,8 +4,10 @@ of a grammar (a tool's call as one JSON schema, Lark literals)."""
 from __future__ import annotations
 
 import abc
+import copy
 import json
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 # The separators json.dumps writes and models are trained on; fixed, so that a constrained reply cannot
@@ -33,9 +35,12 @@ class ParsedReply:
     tool_calls: tuple[ToolCall, ...] = ()
 
 
-def call_from_json(value, arguments_key: str = "arguments") -> ToolCall | None:
-    """{"name": ..., arguments_key: {...}} (either key accepted) as a ToolCall; None for anything else."""
+def call_from_json(value, arguments_key: str = "arguments", names: Collection[str] | None = None) -> ToolCall | None:
+    """{"name": ..., arguments_key: {...}} (either key accepted) as a ToolCall; None for anything else, and for a
+    name outside `names` (the request's functions, when given): JSON that merely has a "name" is no call."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    if names is not None and value["name"] not in names:
         return None
     arguments = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
     if isinstance(arguments, str):  # some models write the arguments as JSON text already
@@ -48,20 +53,41 @@ def call_from_json(value, arguments_key: str = "arguments") -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def decode_json_sequence(text: str, separators: str) -> list | None:
-    """The JSON values text holds one after another (separated by whitespace and `separators`); None
-    unless all of it is such values."""
-    decoder, values, at = json.JSONDecoder(), [], 0
+def decode_json_values(text: str, separators: str, at: int = 0) -> tuple[list, int]:
+    """The JSON values text holds one after another from `at` (separated by whitespace and `separators`), and
+    where decoding stopped: len(text) when all of it is such values."""
+    decoder, values = json.JSONDecoder(), []
     while True:
         while at < len(text) and (text[at].isspace() or text[at] in separators):
             at += 1
         if at == len(text):
-            return values or None
+            return values, at
         try:
-            value, at = decoder.raw_decode(text, at)
+            value, end = decoder.raw_decode(text, at)
         except json.JSONDecodeError:
-            return None
+            return values, at
         values.append(value)
+        at = end
+
+
+def unterminated_json(text: str) -> bool:
+    """Whether text opens a JSON object or array that it never closes: a call cut by max_tokens (or an EOS)
+    while it was written."""
+    depth, in_string, escaped = 0, False, False
+    if not text.startswith(("{", "[")):
+        return False
+    for char in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return False
+    return True
 
 
 def lark_literal(text: str) -> str:
@@ -70,22 +96,43 @@ def lark_literal(text: str) -> str:
 
 def call_schema(tools: list[dict], arguments_key: str) -> dict:
     """One call of any of `tools` (OpenAI tool objects, checked): {"name": its name, arguments_key: an
-    object of its parameters' schema}."""
+    object of its parameters' schema}. The parameters' local references ("#/$defs/...", "#" itself for a
+    recursive schema, as pydantic writes them) are rewritten to where the parameters now sit in this schema."""
     options = []
-    for tool in tools:
+    for index, tool in enumerate(tools):
         function = tool["function"]
+        parameters = _rebased_refs(function.get("parameters") or {"type": "object"}, f"#/anyOf/{index}/properties/{arguments_key}")
         options.append(
             {
                 "type": "object",
-                "properties": {
-                    "name": {"const": function["name"]},
-                    arguments_key: function.get("parameters") or {"type": "object"},
-                },
+                "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
                 "required": ["name", arguments_key],
                 "additionalProperties": False,
             }
         )
     return {"anyOf": options, "x-guidance": JSON_LAYOUT}
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is a value, left as it is.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased_refs(schema, base: str):
+    """A copy of `schema` with every local "$ref" ("#...") prefixed by `base` (a JSON pointer to where the
+    schema is embedded)."""
+    if isinstance(schema, list):
+        return [_rebased_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rebased[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            rebased[key] = copy.deepcopy(value)
+        else:
+            rebased[key] = _rebased_refs(value, base)
+    return rebased
 
 
 class ToolParser(abc.ABC):
@@ -95,6 +142,16 @@ class ToolParser(abc.ABC):
     name = ""
     markers: tuple[str, ...] = ()  # where a tool call begins, anywhere in the reply
     leading_markers: tuple[str, ...] = ()  # where one begins, only at the reply's start (after whitespace)
+    names: frozenset[str] | None = None  # the request's functions (for_tools): a call of another name is text
+
+    def for_tools(self, tools: list[dict]) -> ToolParser:
+        """This parser for one request's tools: a call must name one of them."""
+        bound = copy.copy(self)
+        bound.names = frozenset(tool["function"]["name"] for tool in tools)
+        return bound
+
+    def call(self, value, arguments_key: str = "arguments") -> ToolCall | None:
+        return call_from_json(value, arguments_key, self.names)
 
     @abc.abstractmethod
     def parse(self, text: str) -> ParsedReply: ...

@@ -9,7 +9,6 @@ import json
 from jaxserve.server.tool_parsers.base import (
     ParsedReply,
     ToolParser,
-    call_from_json,
     call_schema,
     content_or_none,
     lark_literal,
@@ -31,7 +30,7 @@ class MistralParser(ToolParser):
             value, end = json.JSONDecoder().raw_decode(after.strip())
         except json.JSONDecodeError:
             return ParsedReply(content_or_none(text))
-        calls = [call_from_json(v) for v in value] if isinstance(value, list) and value else [None]
+        calls = [self.call(v) for v in value] if isinstance(value, list) and value else [None]
         if any(call is None for call in calls) or after.strip()[end:].strip():
             return ParsedReply(content_or_none(text))
         return ParsedReply(content_or_none(before), tuple(call for call in calls if call is not None))

@@ -188,3 +188,26 @@ def test_proto_sampling_is_checked_against_the_limits():
         sampling_params_from_proto(pb.SamplingParams(guided_decoding=pb.GuidedDecoding(json_schema="{")))
     with pytest.raises(ValueError, match="finite"):
         sampling_params_from_proto(pb.SamplingParams(logit_bias={1: float("nan")}))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("prompt_logprobs", 1),
+        ("include_stop_str_in_output", True),
+        ("use_beam_search", True),
+        ("truncate_prompt_tokens", 8),
+        ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
+        ("echo", True),  # on chat only: completions honour it
+    ],
+)
+def test_vllm_fields_the_server_does_not_honour_are_refused_not_ignored(field, value):
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True, **{field: value})
+    with pytest.raises(ValueError, match=field.split("_options")[0]):
+        chat.check(LIMITS, "r1")
+    neutral = {"prompt_logprobs": None, "include_stop_str_in_output": False, "use_beam_search": False}
+    if field in neutral:  # their neutral values, as clients that fill every field send them, pass
+        ChatCompletionRequest(messages=[], **{field: neutral[field]}).check(LIMITS, "r1")
+    if field != "echo":
+        with pytest.raises(ValueError, match=field.split("_options")[0]):
+            CompletionRequest(prompt="x", stream=True, **{field: value}).check(LIMITS, "r1")

@@ -3,7 +3,8 @@ top_k, min_p, ignore_eos, stop_token_ids, session_id, request_id, return_token_i
 min_tokens, bad_words, allowed_token_ids and the guided_* fields).
 
 Fields the engine cannot honour are refused with the reason rather than silently ignored when a
-client sets them to anything but their neutral value (best_of, suffix, the legacy functions); fields
+client sets them to anything but their neutral value (best_of, suffix, the legacy functions, UNHONOURED_FIELDS,
+continuous usage stats, chat echo); fields
 that change nothing here (user) are accepted and unknown ones ignored, as vLLM and OpenAI do.
 Constrained output (response_format, guided_*, structured_outputs) is read by structured.py.
 """
@@ -20,6 +21,14 @@ from jaxserve.server.limits import RequestLimits
 from jaxserve.server.openai.structured import guide_text, guided_decoding
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's and OpenAI's default for /v1/completions
+# vLLM's extras that would change the output and that this server does not honour, with their neutral values:
+# declared (extra="ignore" would drop them unseen) so that any other value is refused, not ignored.
+UNHONOURED_FIELDS: dict[str, Any] = {
+    "prompt_logprobs": None,  # prompts are scored by echo with logprobs on /v1/completions
+    "include_stop_str_in_output": False,
+    "use_beam_search": False,
+    "truncate_prompt_tokens": None,
+}
 
 
 class StreamOptions(BaseModel):
@@ -67,6 +76,10 @@ class SamplingRequest(BaseModel):
     guided_whitespace_pattern: str | None = None
     structured_outputs: dict[str, Any] | None = None
     best_of: int | None = None  # refused unless it equals n
+    prompt_logprobs: Any = None  # UNHONOURED_FIELDS: refused unless neutral
+    include_stop_str_in_output: Any = False
+    use_beam_search: Any = False
+    truncate_prompt_tokens: Any = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -84,6 +97,13 @@ class SamplingRequest(BaseModel):
             raise ValueError("best_of is not supported by this server (only best_of = n)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream = true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise ValueError("stream_options.continuous_usage_stats is not supported by this server (include_usage is)")
+        for name, neutral in UNHONOURED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                where = " (use echo with logprobs on /v1/completions)" if name == "prompt_logprobs" else ""
+                raise ValueError(f"{name} is not supported by this server{where}, got {value!r}")
 
     def sampling_params(
         self,
@@ -170,6 +190,12 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: Any = False  # vLLM's chat echo (the last message's text first): refused, not ignored
+
+    def check(self, limits: RequestLimits, request_id: str) -> None:
+        super().check(limits, request_id)
+        if self.echo not in (None, False):
+            raise ValueError(f"echo is not supported on chat completions by this server, got {self.echo!r}")
 
     def engine_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

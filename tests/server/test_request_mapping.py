@@ -211,3 +211,11 @@ def test_vllm_fields_the_server_does_not_honour_are_refused_not_ignored(field, v
     if field != "echo":
         with pytest.raises(ValueError, match=field.split("_options")[0]):
             CompletionRequest(prompt="x", stream=True, **{field: value}).check(LIMITS, "r1")
+
+
+def test_token_ids_are_json_integers_not_booleans():
+    with pytest.raises(ValueError):
+        CompletionRequest(prompt=[True])
+    with pytest.raises(ValueError):
+        ChatCompletionRequest(messages=[], stop_token_ids=[False])
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]] and CompletionRequest(prompt=[[3]]).prompts() == [[3]]

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from jaxserve.host.request import GuidedDecodingParams, SamplingParams
 from jaxserve.server import limits as request_limits
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.openai.structured import guide_text, guided_decoding
 
+# A token id as JSON gives it: pydantic's lax int would read `true` as token 1.
+TokenId = StrictInt
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's and OpenAI's default for /v1/completions
 # vLLM's extras that would change the output and that this server does not honour, with their neutral values:
 # declared (extra="ignore" would drop them unseen) so that any other value is refused, not ignored.
@@ -55,7 +57,7 @@ class SamplingRequest(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     session_id: str | None = None  # marks a conversation that will continue: its prefix stays cached
     request_id: str | None = None  # a label for logs and metrics; the X-Request-Id header works too
     return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
@@ -65,7 +67,7 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None  # {token id (as a string): bias in [-100, 100]}
     min_tokens: int | None = None
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     # constrained output (structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -157,7 +159,7 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     # the prompt leads each choice's text; with logprobs, its tokens lead the logprobs too (the first
     # token's logprob is null), and max_tokens 0 scores the prompt without generating
     echo: bool = False
@@ -216,4 +218,4 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[int] = Field(default_factory=list)
+    tokens: list[TokenId] = Field(default_factory=list)

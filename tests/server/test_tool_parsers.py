@@ -250,13 +250,15 @@ def test_tool_parameters_with_local_references_constrain_the_arguments(byte_toke
     }
     for name, key in (("hermes", "arguments"), ("llama3_json", "parameters")):
         grammar = tool_parser(name).grammar([TIME, tree], parallel=False)
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(LLMatcher.grammar_from_lark(grammar), byte_tokenizer)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(
+            LLMatcher.grammar_from_lark(grammar), byte_tokenizer
+        )
         assert not is_error, messages
         wrap = (lambda call: f"<tool_call>\n{call}\n</tool_call>") if name == "hermes" else (lambda call: call)
-        good = '{"name": "make_tree", "%s": {"unit": "c", "kids": [{"unit": "f", "kids": []}]}}' % key
+        good = json.dumps({"name": "make_tree", key: {"unit": "c", "kids": [{"unit": "f", "kids": []}]}})
         assert accepts(byte_tokenizer, grammar, wrap(good))
         assert not accepts(byte_tokenizer, grammar, wrap(good.replace('"f"', '"k"')))  # outside $defs' enum
-        nested_call = '{"name": "make_tree", "%s": {"unit": "c", "kids": [{"name": "make_tree"}]}}' % key
+        nested_call = json.dumps({"name": "make_tree", key: {"unit": "c", "kids": [{"name": "make_tree"}]}})
         assert not accepts(byte_tokenizer, grammar, wrap(nested_call))  # "#" is the parameters, not the call
-        tagged = '{"name": "make_tree", "%s": {"unit": "c", "tag": {"$ref": "#/not/a/reference"}}}' % key
+        tagged = json.dumps({"name": "make_tree", key: {"unit": "c", "tag": {"$ref": "#/not/a/reference"}}})
         assert accepts(byte_tokenizer, grammar, wrap(tagged))  # data is left as it is

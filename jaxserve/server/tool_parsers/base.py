@@ -101,7 +101,9 @@ def call_schema(tools: list[dict], arguments_key: str) -> dict:
     options = []
     for index, tool in enumerate(tools):
         function = tool["function"]
-        parameters = _rebased_refs(function.get("parameters") or {"type": "object"}, f"#/anyOf/{index}/properties/{arguments_key}")
+        parameters = _rebased_refs(
+            function.get("parameters") or {"type": "object"}, f"#/anyOf/{index}/properties/{arguments_key}"
+        )
         options.append(
             {
                 "type": "object",

@@ -7,7 +7,6 @@ import json
 from jaxserve.server.tool_parsers.base import (
     ParsedReply,
     ToolParser,
-    call_from_json,
     call_schema,
     content_or_none,
     lark_literal,

@@ -75,6 +75,8 @@ class DecodeService:
             reservation = None
         if reservation is not None:
             self._hand_over(handover, reservation)
+        if handover.ended:  # the client left while the prefill side worked: nothing to stream, nobody to read it
+            return
         for delta in stream:
             yield response_from_delta(delta, stream.request_id)
 

@@ -230,9 +230,12 @@ class EngineLoop:
             self._finish(stream, FinishReason.ERROR, str(error))
 
     def _abort(self, stream: RequestStream, reason: FinishReason) -> None:
+        """Abort the stream's request where the engine runs it, and end the stream either way: a request not in
+        the engine (a decode replica's handover still reserving pages, admit) has a handler thread that would
+        otherwise wait on its stream forever (and hold the process's exit)."""
         if self.engine.has_request(stream.handle):
             self.engine.abort_request(stream.handle)
-            self._finish(stream, reason)
+        self._finish(stream, reason)
 
     def _expire_stuck_streams(self) -> bool:
         now = time.monotonic()

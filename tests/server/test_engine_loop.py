@@ -1,0 +1,31 @@
+"""The server's engine loop on a real engine (the llama_gqa fixture): a stream whose RPC ends always ends, also
+when its request never reached the engine (a decode replica's handover reserving pages: its handler thread waited
+on the stream forever and held the process's exit at SIGTERM)."""
+
+import threading
+
+from jaxserve.host.request import FinishReason, SamplingParams
+from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.metrics import ServerMetrics
+
+
+def test_a_released_stream_ends_even_when_its_request_never_reached_the_engine(llama_llm):
+    loop = EngineLoop(llama_llm.engine, ServerMetrics(), max_queued_requests=4)
+    try:
+        admitted = threading.Event()
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        # admit holds the request outside the engine, as a handover's page reservation does
+        stream = loop.submit([1, 5, 6, 7], params, "held", admit=lambda engine, stream, prompt: admitted.set())
+        assert admitted.wait(30)
+        messages: list = []
+        reader = threading.Thread(target=lambda: messages.extend(stream), daemon=True)
+        reader.start()
+        loop.release(stream)  # the RPC is over
+        reader.join(timeout=30)
+        assert not reader.is_alive(), "the handler thread still waits on the stream"
+        assert [m.finish_reason for m in messages] == [FinishReason.ABORT] and loop.num_in_flight == 0
+        # and a request the engine runs still completes, and one released mid-way ends as an abort
+        whole = list(loop.submit([1, 5, 6, 7], params, "whole"))
+        assert whole[-1].finish_reason == FinishReason.LENGTH and sum(len(m.token_ids) for m in whole) == 4
+    finally:
+        loop.stop()

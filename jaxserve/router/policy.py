@@ -82,6 +82,15 @@ def replica_keys(replica: RoutableReplica, request: RouteRequest) -> list[int]:
     return [] if root_key is None else request.keys(replica.page_size, root_key)
 
 
+def with_adapter(request: RouteRequest, replicas: list[ReplicaT]) -> list[ReplicaT]:
+    """The replicas that can serve the request's LoRA adapter: those reporting it (ReplicaLoad.lora_root_keys; an
+    adapter loaded at run time on some replicas only, or lost by a restart); all of them for a base-model request
+    or an adapter none reports (a replica then refuses the unknown name with its reason)."""
+    if not request.lora:
+        return replicas
+    return [r for r in replicas if request.lora in r.load.lora_root_keys] or replicas
+
+
 @dataclass(frozen=True)
 class Prediction(Generic[ReplicaT]):
     replica: ReplicaT

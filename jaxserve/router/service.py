@@ -17,7 +17,7 @@ import grpc
 import jaxserve
 from jaxserve.host.request import SamplingParams
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.router.policy import Prediction, RouteRequest, replica_keys
+from jaxserve.router.policy import Prediction, RouteRequest, replica_keys, with_adapter
 from jaxserve.server import limits as request_limits
 from jaxserve.server.grpc_chat import checked_chat
 from jaxserve.server.service import DEFAULT_MAX_TOKENS, checked_request
@@ -64,7 +64,7 @@ class RouterService:
         self.num_in_flight = 0
 
     def choose(self, route: RouteRequest, exclude: set[str]) -> Prediction | None:
-        candidates = [r for r in self.replicas if r.is_up and r.address not in exclude]
+        candidates = with_adapter(route, [r for r in self.replicas if r.is_up and r.address not in exclude])
         return self.policy.choose(route, candidates) if candidates else None
 
     def _refuse(self, context, code: grpc.StatusCode, message: str):

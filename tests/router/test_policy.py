@@ -7,7 +7,15 @@ import pytest
 from jaxserve.host.kv_events import DEVICE, HOST, STORED, KVEvent
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.cache_view import CacheView
-from jaxserve.router.policy import LeastLoadPolicy, PrefixPolicy, RoundRobinPolicy, RouteRequest, SessionPolicy, predict
+from jaxserve.router.policy import (
+    LeastLoadPolicy,
+    PrefixPolicy,
+    RoundRobinPolicy,
+    RouteRequest,
+    SessionPolicy,
+    predict,
+    with_adapter,
+)
 from tests.router.workload_sim import Workload
 
 PAGE_SIZE = 16
@@ -197,3 +205,19 @@ def test_a_multi_turn_workload_keeps_every_replica_busy_and_each_conversation_ho
     sticky = Workload(SessionPolicy(), seed=seed)  # sessions spread evenly and never move: a fair yardstick
     sticky.run(arrival_spread=5.0, answer_tokens=128)
     assert workload.mean_ttft() < 1.25 * sticky.mean_ttft()
+
+
+def test_a_lora_request_goes_to_a_replica_that_reports_its_adapter():
+    """An adapter loaded at run time on one replica (or lost by another's restart): the others would refuse it as an
+    unknown adapter, so the policy chooses among those reporting it, whatever their caches hold."""
+    with_it, without = FakeReplica("with"), FakeReplica("without")
+    with_it.load.lora_root_keys["late"] = 77
+    prompt = list(range(64))
+    without.cache(prompt)  # the base model's pages of the prompt: a base request would go here
+    replicas = [without, with_it]
+    request = RouteRequest(prompt, lora="late")
+    assert with_adapter(request, replicas) == [with_it]
+    assert PrefixPolicy().choose(request, with_adapter(request, replicas)).replica is with_it
+    assert PrefixPolicy().choose(RouteRequest(prompt), with_adapter(RouteRequest(prompt), replicas)).replica is without
+    nowhere = RouteRequest(prompt, lora="unknown")  # reported nowhere: every replica, which refuses it with a reason
+    assert with_adapter(nowhere, replicas) == replicas

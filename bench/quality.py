@@ -87,11 +87,24 @@ def perplexity_as_llamacpp(llm, token_ids: list[int], n_ctx: int, bos: int | Non
     return math.exp(total / count)
 
 
+def llamacpp_build(gguf: str) -> str:
+    """The llama.cpp build for this file: on an AMX CPU the native build dies on quantized files (llamacpp_peer's
+    BUILDS), so those run on the build without AMX, as bench/vs_llamacpp.py's --llamacpp-build auto does."""
+    import gguf as gguf_package
+    import llamacpp_peer as peer
+
+    floats = {gguf_package.GGMLQuantizationType.F32, gguf_package.GGMLQuantizationType.F16}
+    floats.add(gguf_package.GGMLQuantizationType.BF16)
+    quantized = any(tensor.tensor_type not in floats for tensor in gguf_package.GGUFReader(gguf).tensors)
+    return peer.build_for("auto", quantized)
+
+
 def llamacpp_perplexity(gguf: str, n_ctx: int, chunks: int, threads: int) -> float:
     import llamacpp_peer as peer
 
-    peer.ensure_built(CACHE_DIR, extra_targets=("llama-perplexity",))
-    command = [peer.binary(CACHE_DIR, "llama-perplexity"), "-m", gguf, "-f", TEXT, "-c", str(n_ctx)]
+    build = llamacpp_build(gguf)
+    peer.ensure_built(CACHE_DIR, build, extra_targets=("llama-perplexity",))
+    command = [peer.binary(CACHE_DIR, "llama-perplexity", build), "-m", gguf, "-f", TEXT, "-c", str(n_ctx)]
     command += ["-b", str(n_ctx), "--chunks", str(chunks), "-t", str(threads)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", result.stdout + result.stderr)
@@ -105,8 +118,9 @@ def llamacpp_greedy(
 ) -> list[list[int]]:
     import llamacpp_peer as peer
 
-    peer.ensure_built(CACHE_DIR)
-    server = peer.LlamaServer(CACHE_DIR, gguf, threads, 1, max(map(len, prompts)) + num_tokens + 16)
+    build = llamacpp_build(gguf)
+    peer.ensure_built(CACHE_DIR, build)
+    server = peer.LlamaServer(CACHE_DIR, gguf, threads, 1, max(map(len, prompts)) + num_tokens + 16, build=build)
     server.command += list(extra_args)
     with server:
         return [server.complete(prompt, num_tokens)["tokens"] for prompt in prompts]

@@ -43,14 +43,29 @@ def model_reasoning_parser(source) -> HarmonyReasoning | None:
 
 
 def continuation(request: pb.GenerateRequest, streamed: list[int]) -> pb.GenerateRequest:
-    """The request that generates what the client has not received yet."""
+    """The request that generates what the client has not received yet: the streamed tokens join the prompt,
+    max_tokens and min_tokens count them, and the prompt's logprobs (sent with the first message) are not asked
+    again."""
     if not streamed:
         return request
     following = pb.GenerateRequest()
     following.CopyFrom(request)
     following.token_ids.extend(streamed)
     following.sampling.max_tokens = (request.sampling.max_tokens or DEFAULT_MAX_TOKENS) - len(streamed)
+    following.sampling.min_tokens = max(0, request.sampling.min_tokens - len(streamed))
+    following.sampling.ClearField("prompt_logprobs")
     return following
+
+
+def inexact_continuation(sampling: pb.SamplingParams) -> str:
+    """Why a continuation (streamed tokens as prompt) would not generate what the request would have, or "": a
+    grammar restarts from its beginning, and presence / frequency penalties count only the continuation's own
+    outputs."""
+    if sampling.HasField("guided_decoding"):
+        return "its guided decoding cannot resume mid-output on another replica"
+    if sampling.presence_penalty or sampling.frequency_penalty:
+        return "its presence / frequency penalties cannot resume mid-output on another replica"
+    return ""
 
 
 class DisaggregatedRouterService(RouterService):
@@ -134,6 +149,13 @@ class DisaggregatedRouterService(RouterService):
         streamed: list[int] = []  # the tokens the client has received
         tried, last_error = {}, ""  # decode replicas that failed: their snapshot count then
         for _ in range(self.max_resends + 1):
+            inexact = inexact_continuation(original.sampling) if streamed else ""
+            if inexact:  # failed with the reason rather than continued into a different output
+                self._refuse(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the decode replica failed after {len(streamed)} tokens ({last_error}); {inexact}",
+                )
             forwarded = continuation(original, streamed)
             now = RouteRequest(
                 list(forwarded.token_ids), request.session_id, route.max_new_tokens - len(streamed), lora=route.lora

@@ -27,7 +27,7 @@ import grpc
 from jaxserve.proto import disagg_pb2 as dpb
 from jaxserve.proto import disagg_pb2_grpc
 from jaxserve.proto import jaxserve_pb2 as pb
-from jaxserve.router.policy import Prediction, RouteRequest, replica_keys, with_adapter
+from jaxserve.router.policy import Prediction, RouteRequest, replica_keys
 from jaxserve.router.service import BUSY, REPLICA_FAILURES, RouterService, route_request
 from jaxserve.server.grpc_chat import with_tool_calls
 from jaxserve.server.reasoning_parsers import HarmonyReasoning, engine_reasoning_parser
@@ -115,10 +115,6 @@ class DisaggregatedRouterService(RouterService):
             yield from with_tool_calls(responses, plan, self.reasoning)
         finally:
             responses.close()
-
-    def _choose_in(self, pool: list, route: RouteRequest, exclude: set[str]) -> Prediction | None:
-        candidates = with_adapter(route, [r for r in pool if r.is_up and r.address not in exclude])
-        return self.policy.choose(route, candidates) if candidates else None
 
     def _choose_decode(self, route: RouteRequest, tried: dict[str, int], wait: bool, context) -> Prediction | None:
         """A decode replica not tried yet, or tried but back from a restart (up on a newer subscription);

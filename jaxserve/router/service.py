@@ -64,7 +64,11 @@ class RouterService:
         self.num_in_flight = 0
 
     def choose(self, route: RouteRequest, exclude: set[str]) -> Prediction | None:
-        candidates = with_adapter(route, [r for r in self.replicas if r.is_up and r.address not in exclude])
+        return self._choose_in(self.replicas, route, exclude)
+
+    def _choose_in(self, pool: list, route: RouteRequest, exclude: set[str]) -> Prediction | None:
+        """The policy's choice among the pool's replicas that are up, not excluded and hold the request's adapter."""
+        candidates = with_adapter(route, [r for r in pool if r.is_up and r.address not in exclude])
         return self.policy.choose(route, candidates) if candidates else None
 
     def _refuse(self, context, code: grpc.StatusCode, message: str):

@@ -4,8 +4,8 @@ min_tokens, bad_words, allowed_token_ids and the guided_* fields).
 
 Fields the engine cannot honour are refused with the reason rather than silently ignored when a
 client sets them to anything but their neutral value (best_of, suffix, the legacy functions, UNHONOURED_FIELDS,
-continuous usage stats, chat echo); fields
-that change nothing here (user) are accepted and unknown ones ignored, as vLLM and OpenAI do.
+continuous usage stats, chat echo); fields that change nothing here (user) are accepted and unknown ones
+ignored, as vLLM and OpenAI do.
 Constrained output (response_format, guided_*, structured_outputs) is read by structured.py.
 """
 

@@ -53,10 +53,10 @@ def call_from_json(value, arguments_key: str = "arguments", names: Collection[st
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def decode_json_values(text: str, separators: str, at: int = 0) -> tuple[list, int]:
-    """The JSON values text holds one after another from `at` (separated by whitespace and `separators`), and
-    where decoding stopped: len(text) when all of it is such values."""
-    decoder, values = json.JSONDecoder(), []
+def decode_json_values(text: str, separators: str) -> tuple[list, int]:
+    """The JSON values text holds one after another (separated by whitespace and `separators`), and where
+    decoding stopped: len(text) when all of it is such values."""
+    decoder, values, at = json.JSONDecoder(), [], 0
     while True:
         while at < len(text) and (text[at].isspace() or text[at] in separators):
             at += 1

@@ -78,6 +78,14 @@ class RowConstraints:
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammars
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """A token's own bytes (logprobs' `bytes` of a token holding part of a character), from the grammar
+        engine's byte table; None where there is none (no tokenizer, one the grammar engine cannot read)."""
+        try:
+            return self.grammars().token_bytes(token_id)
+        except ValueError:
+            return None
+
     # -- each step ----------------------------------------------------------------------------------
 
     @staticmethod

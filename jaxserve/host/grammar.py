@@ -152,6 +152,13 @@ class GrammarCompiler:
         for matcher, row in rows:
             matcher.note_filled(bitmask[row : row + 1])
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The token's own bytes (a byte-level or byte-fallback token may hold part of a UTF-8 character, which
+        its decoded text shows as U+FFFD); None for a special token or an id outside the vocabulary."""
+        if not 0 <= token_id < self.layout.num_grammar_tokens or self._tokenizer.is_special_token(token_id):
+            return None
+        return self._tokenizer.decode_bytes([token_id])
+
     def close(self) -> None:
         """Compiles not yet started are cancelled; running ones finish in the background."""
         self._compile_pool.shutdown(wait=False, cancel_futures=True)

@@ -107,7 +107,9 @@ class ChatCall:
         self.group = group
         self.plan = plan
         self.reasoning = reasoning
-        self.token_text = TokenText(group.engine_loop.engine.tokenizer)
+        self.token_text = TokenText(
+            group.engine_loop.engine.tokenizer, group.engine_loop.engine.constraints.token_bytes
+        )
         self.header = {
             "id": response_id("chatcmpl"),
             "created": now(),

@@ -14,6 +14,7 @@ import json
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starlette.responses import StreamingResponse
@@ -122,10 +123,13 @@ async def gather_choices(group: StreamGroup, choice_index) -> tuple[dict[int, Ch
 
 
 class TokenText:
-    """Each token's own text (as vLLM shows tokens in logprobs), decoded once per token id."""
+    """Each token's own text (as vLLM shows tokens in logprobs), decoded once per token id; and its bytes, which
+    for a token holding part of a UTF-8 character are its raw bytes (joined over the character's tokens they
+    make the character, what OpenAI's `bytes` is for) where vLLM gives those of the U+FFFD its text shows."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, raw_bytes: Callable[[int], bytes | None] | None = None):
         self.tokenizer = tokenizer
+        self.raw_bytes = raw_bytes
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
@@ -134,6 +138,14 @@ class TokenText:
             text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
             self._cache[token_id] = text
         return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        text = self(token_id)
+        if "\ufffd" in text and self.raw_bytes is not None:
+            raw = self.raw_bytes(token_id)
+            if raw:
+                return list(raw)
+        return list(text.encode("utf-8"))
 
 
 def completion_logprobs(
@@ -166,8 +178,7 @@ def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[di
     """/v1/chat/completions' shape: one entry per token with its num_top most likely alternatives."""
 
     def entry(token_id: int, logprob: float) -> dict:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": token_text(token_id), "logprob": logprob, "bytes": token_text.bytes(token_id)}
 
     return {
         "content": [

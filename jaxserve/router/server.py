@@ -35,7 +35,7 @@ from jaxserve.router.policy import POLICIES
 from jaxserve.router.replica import Replica, check_info
 from jaxserve.router.service import RouterService
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
-from jaxserve.server.limits import RequestLimits
+from jaxserve.server.limits import MIN_MESSAGE_BYTES, RequestLimits
 from jaxserve.server.metrics_http import start_metrics_server
 from jaxserve.server.openai import HTTPServer, build_app
 from jaxserve.server.rpc import GENERATION_SERVICE, ThreadPools, health_handler, parse
@@ -75,23 +75,41 @@ def first_info(address: str, fingerprint: str, timeout: float, connection: Conne
 
 
 def _handlers(service: RouterService, pools: ThreadPools) -> grpc.GenericRpcHandler:
-    def method(function, request_type, response_type, pool, streaming: bool):
+    """As a replica's (server/rpc.py): a request larger than any within the limits is refused unparsed."""
+    limits = service.limits
+
+    def method(function, request_type, response_type, pool, streaming: bool, max_bytes: int | None = None):
         def handle(request_bytes, context):
-            return function(parse(request_type, request_bytes, context), context)
+            return function(parse(request_type, request_bytes, context, max_bytes), context)
 
         handle.experimental_thread_pool = pool
         make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
         return make(handle, response_serializer=response_type.SerializeToString)
 
+    generate_bytes = limits.max_generate_request_bytes
     return grpc.method_handlers_generic_handler(
         GENERATION_SERVICE,
         {
-            "Generate": method(service.Generate, pb.GenerateRequest, pb.GenerateResponse, pools.streams, True),
-            "Chat": method(service.Chat, pb.ChatRequest, pb.GenerateResponse, pools.streams, True),
+            "Generate": method(
+                service.Generate, pb.GenerateRequest, pb.GenerateResponse, pools.streams, True, generate_bytes
+            ),
+            "Chat": method(service.Chat, pb.ChatRequest, pb.GenerateResponse, pools.streams, True, generate_bytes),
             "GetServerInfo": method(service.GetServerInfo, pb.ServerInfoRequest, pb.ServerInfo, pools.quick, False),
-            "Tokenize": method(service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse, pools.tokenizer, False),
+            "Tokenize": method(
+                service.Tokenize,
+                pb.TokenizeRequest,
+                pb.TokenizeResponse,
+                pools.tokenizer,
+                False,
+                limits.max_tokenize_request_bytes,
+            ),
             "Detokenize": method(
-                service.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse, pools.tokenizer, False
+                service.Detokenize,
+                pb.DetokenizeRequest,
+                pb.DetokenizeResponse,
+                pools.tokenizer,
+                False,
+                limits.max_detokenize_request_bytes,
             ),
         },
     )
@@ -229,7 +247,15 @@ class RouterServer:
             self.pools.default,
             handlers=[_handlers(service, self.pools), health_handler(self.health, self.pools)],
             interceptors=[ApiKeyInterceptor(self.api_keys, self.pools.quick)] if self.api_keys else [],
-            options=[("grpc.so_reuseport", 0)],
+            # a replica's default receive limit (server.max_message_bytes): gRPC refuses a larger message
+            # (RESOURCE_EXHAUSTED) unread, as a replica would
+            options=[
+                ("grpc.so_reuseport", 0),
+                (
+                    "grpc.max_receive_message_length",
+                    max(MIN_MESSAGE_BYTES, 2 * service.limits.max_generate_request_bytes),
+                ),
+            ],
         )  # a taken port fails, never shared
         address = f"{section.host}:{section.port}"
         try:

@@ -98,6 +98,18 @@ def test_the_requests_own_errors_pass_through(router):
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     info = client.server_info()
     assert info.num_pages == 2 * 47 and info.model_fingerprint
+    # oversized requests are refused as a replica refuses them: past its receive limit by gRPC, unread
+    # (RESOURCE_EXHAUSTED); past the request's own cap unparsed (INVALID_ARGUMENT)
+    replica = Client(router.replicas[0].address)
+    for text in ("a" * 200_000, "a" * 5_000):
+        codes = []
+        for target in (client, replica):
+            with pytest.raises(grpc.RpcError) as error:
+                target.tokenize(text)
+            codes.append(error.value.code())
+        assert codes[0] == codes[1], (len(text), codes)
+    assert codes[0] == grpc.StatusCode.INVALID_ARGUMENT
+    replica.close()
     client.close()
 
 

@@ -40,6 +40,7 @@ SOURCES += (os.path.join(HERE, "matmul", "cpu_quantized_int8_dot.cc"),)  # int8-
 SOURCES += (os.path.join(HERE, "paged_attention", "cpu_latent_kernel.cc"),)  # DeepSeek's MLA (issue 27)
 SOURCES += (os.path.join(HERE, "matmul", "cpu_lora_matmul.cc"),)  # segmented multi-LoRA (issue 28)
 HEADERS = (os.path.join(HERE, "cpu_workers.h"),)  # included from HERE (-I); part of the build's cache key
+HEADERS += (os.path.join(HERE, "matmul", "cpu_float_vectors.h"),)  # every matmul kernel's float32 vectors
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_vectors.h"),)  # cpu_matmul.cc's vector basics
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_bf16_pairs.h"),)  # cpu_matmul.cc's AVX-512 BF16 tiles
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_few_rows.h"),)  # cpu_matmul.cc's 2-8 row walks

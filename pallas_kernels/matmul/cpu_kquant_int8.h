@@ -87,7 +87,7 @@ inline void Int8SubBlock(const Weight& w, const QuantizedRows& x, int64_t r0, in
   }
   for (int r = 0; r < R; ++r) {
     const float dx = x.d[(r0 + r) * (depth / 32) + k0 / 32];
-    const VecF dx_vector = Splat(dx), min_factor = Splat(-dx * float(sums[r]));
+    const VecF dx_vector = Broadcast(dx), min_factor = Broadcast(-dx * float(sums[r]));
     for (int t = 0; t < T; ++t) {
       result(r, t, [&](VecF o) {
         o = Fma(ToFloat(VecI(acc[r][t])), dx_vector * scale[t], o);

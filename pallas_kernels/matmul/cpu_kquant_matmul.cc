@@ -233,7 +233,7 @@ inline void Tile(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t 
       }
       const int64_t kk = k + 2 * p;
       for (int r = 0; r < R; ++r) {
-        const VecF xe = Splat(xr[r * depth + kk]), xo = Splat(xr[r * depth + kk + 1]);
+        const VecF xe = Broadcast(xr[r * depth + kk]), xo = Broadcast(xr[r * depth + kk + 1]);
         for (int t = 0; t < T; ++t) acc[r][t] = Fma(odd[t], xo, Fma(even[t], xe, acc[r][t]));
       }
     }
@@ -247,7 +247,7 @@ inline void Tile(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t 
   for (int r = 0; r < R; ++r) {
     float* out = target.At(r0 + r, c);
     if constexpr (HasMins(Kind)) {
-      const VecF x_sum = Splat(-w.x_sums[(r0 + r) * num_x_groups + g]);
+      const VecF x_sum = Broadcast(-w.x_sums[(r0 + r) * num_x_groups + g]);
       for (int t = 0; t < T; ++t) {
         StoreF(out + t * kLanes, Fma(x_sum, minimum[t], Fma(acc[r][t], scale[t], LoadF(out + t * kLanes))));
       }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "matmul/cpu_float_vectors.h"
 #include "matmul/cpu_weight_basics.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -18,53 +19,22 @@
 namespace kquant_vectors {
 
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 // Vectors of columns per register tile, by rows of x in the tile: R * T accumulators, 2 * T widened weights
 // (a pair of k) and T high-plane vectors within 32 registers.
 constexpr int kTileVectors[] = {0, 4, 4, 3, 3, 2, 2, 2, 2};
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
 constexpr int kTileVectors[] = {0, 3, 2, 2, 2, 1, 1, 1, 1};  // within 16 registers
 #else
-constexpr int kLanes = 4;
 constexpr int kTileVectors[] = {0, 2, 2, 2, 2, 1, 1, 1, 1};
 #endif
 constexpr int kTileRows = int(sizeof(kTileVectors) / sizeof(int)) - 1;  // rows of x per register tile
 
-typedef float VecF __attribute__((vector_size(4 * kLanes)));
 typedef int32_t VecI __attribute__((vector_size(4 * kLanes)));
 typedef uint8_t VecB __attribute__((vector_size(kLanes)));
 typedef int8_t VecSB __attribute__((vector_size(kLanes)));
 
-inline VecF Fma(VecF a, VecF b, VecF acc) {
-#if defined(__AVX512F__)
-  return _mm512_fmadd_ps(a, b, acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  return _mm256_fmadd_ps(a, b, acc);
-#else
-  return acc + a * b;
-#endif
-}
 
-// (VecF{} + x adds a zero first: the sign of zero forbids removing it)
-inline VecF Splat(float x) {
-#if defined(__AVX512F__)
-  return _mm512_set1_ps(x);
-#elif defined(__AVX2__) && defined(__FMA__)
-  return _mm256_set1_ps(x);
-#else
-  VecF v;
-  for (int i = 0; i < kLanes; ++i) v[i] = x;
-  return v;
-#endif
-}
 
-inline VecF LoadF(const float* p) {
-  VecF v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void StoreF(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
 inline VecF ToFloat(VecI v) { return __builtin_convertvector(v, VecF); }
 
 // kLanes bytes, zero-extended to 32-bit lanes (one vpmovzxbd from memory on the x86 paths).

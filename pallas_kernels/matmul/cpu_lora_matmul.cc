@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cpu_workers.h"
+#include "matmul/cpu_float_vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -39,13 +40,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
 // A register tile: kTileRows rows by up to kTileVectors vectors; 4 x 4 accumulators plus 4 loaded
 // vectors and a broadcast fit AVX-512's 32 registers; AVX2's 16 take 2 x 4 (plus 4 + 1 at most 13).
 #if defined(__AVX512F__)
@@ -58,39 +52,9 @@ constexpr int64_t kShrinkRows = 16;      // rows per shrink item (each item pack
 constexpr int64_t kExpandRows = 32;      // rows per expand item
 constexpr int64_t kExpandColumns = 256;  // output columns per expand item (16 KiB of a rank-16 B in float32)
 
-typedef float VecF __attribute__((vector_size(4 * kLanes)));
-typedef uint32_t VecU __attribute__((vector_size(4 * kLanes)));
-typedef uint16_t VecH __attribute__((vector_size(2 * kLanes)));
-typedef _Float16 VecHalf __attribute__((vector_size(2 * kLanes)));
 
-inline VecF Fma(VecF a, VecF b, VecF acc) {
-#if defined(__AVX512F__)
-  return _mm512_fmadd_ps(a, b, acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  return _mm256_fmadd_ps(a, b, acc);
-#else
-  return acc + a * b;
-#endif
-}
 
-inline VecF Broadcast(float x) {
-#if defined(__AVX512F__)
-  return _mm512_set1_ps(x);
-#elif defined(__AVX2__) && defined(__FMA__)
-  return _mm256_set1_ps(x);
-#else
-  VecF v;
-  for (int i = 0; i < kLanes; ++i) v[i] = x;
-  return v;
-#endif
-}
 
-inline VecF LoadF(const float* p) {
-  VecF v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void StoreF(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
 
 // The stored element types: one element and kLanes elements widened to float32, and a float32 rounded to
 // the stored precision (bfloat16: to nearest even, as XLA's convert does).

@@ -11,12 +11,12 @@
 #include <immintrin.h>
 #endif
 
+#include "matmul/cpu_float_vectors.h"
 #include "matmul/cpu_weight_basics.h"
 
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 constexpr const char* kPath = "avx512";
 // Vectors of output columns per register tile, by rows in the tile ([K, N] weights): R * V accumulators
 // plus V widened weights plus a broadcast x within 32 registers; widths that divide kBlockColumns.
@@ -25,12 +25,10 @@ constexpr int kKnVectors[] = {0, 8, 8, 6, 4, 4, 4, 3, 3};
 // vectors plus a weight vector within 32 registers.
 constexpr int kNkOutputs[] = {0, 8, 8, 6, 6};
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
 constexpr const char* kPath = "avx2";
 constexpr int kKnVectors[] = {0, 6, 4, 3, 2, 2, 2};  // within 16 registers
 constexpr int kNkOutputs[] = {0, 6, 4, 3};
 #else
-constexpr int kLanes = 4;
 constexpr const char* kPath = "portable";
 constexpr int kKnVectors[] = {0, 6, 4, 3, 2, 2, 2};
 constexpr int kNkOutputs[] = {0, 6, 4, 3};
@@ -42,36 +40,10 @@ constexpr int kKnRows = int(sizeof(kKnVectors) / sizeof(int)) - 1;  // rows of x
 constexpr int kWalkRows = 8;
 constexpr int kNkRows = int(sizeof(kNkOutputs) / sizeof(int)) - 1;  // rows of x per [N, K] tile
 
-typedef float VecF __attribute__((vector_size(4 * kLanes)));
-typedef uint32_t VecU __attribute__((vector_size(4 * kLanes)));
-typedef uint16_t VecH __attribute__((vector_size(2 * kLanes)));
-typedef _Float16 VecHalf __attribute__((vector_size(2 * kLanes)));
 
-inline VecF Fma(VecF a, VecF b, VecF acc) {
-#if defined(__AVX512F__)
-  return _mm512_fmadd_ps(a, b, acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  return _mm256_fmadd_ps(a, b, acc);
-#else
-  return acc + a * b;
-#endif
-}
 
 using jaxserve_cpu::FmaOne;  // cpu_weight_basics.h: one lane of Fma, rounded as the vectors'
 
-// Intrinsics where the vector types' generic code is slower: a broadcast (VecF{} + x adds a zero first,
-// the sign of zero forbidding its removal) and the 16-bit widenings (GCC splits a generic one in halves).
-inline VecF Broadcast(float x) {
-#if defined(__AVX512F__)
-  return _mm512_set1_ps(x);
-#elif defined(__AVX2__) && defined(__FMA__)
-  return _mm256_set1_ps(x);
-#else
-  VecF v;
-  for (int i = 0; i < kLanes; ++i) v[i] = x;
-  return v;
-#endif
-}
 
 // A tree of shuffles and adds (a lane-by-lane loop is kLanes dependent scalar adds: with a dot product
 // per weight row of the head at one row of x, that loop cost as much as the multiplies).
@@ -154,8 +126,6 @@ struct F16 {
   }
 };
 
-inline VecF LoadF(const float* p) { return F32::Vector(p); }
-inline void StoreF(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
 
 struct Problem {
   const void* w;

@@ -28,6 +28,7 @@
 #endif
 
 #include "cpu_workers.h"
+#include "matmul/cpu_float_vectors.h"
 #include "matmul/cpu_weight_basics.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -35,15 +36,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
 
-typedef float VecF __attribute__((vector_size(4 * kLanes)));
 typedef int32_t VecI __attribute__((vector_size(4 * kLanes)));
 typedef int8_t VecB __attribute__((vector_size(kLanes)));
 typedef uint8_t VecUB __attribute__((vector_size(kLanes)));
@@ -59,34 +52,8 @@ using jaxserve_cpu::BFloat16ToFloat;  // cpu_weight_basics.h
 using jaxserve_cpu::FmaOne;
 using jaxserve_cpu::HalfToFloat;
 
-inline VecF Fma(VecF a, VecF b, VecF acc) {
-#if defined(__AVX512F__)
-  return _mm512_fmadd_ps(a, b, acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  return _mm256_fmadd_ps(a, b, acc);
-#else
-  return acc + a * b;
-#endif
-}
 
-inline VecF Broadcast(float x) {
-#if defined(__AVX512F__)
-  return _mm512_set1_ps(x);
-#elif defined(__AVX2__) && defined(__FMA__)
-  return _mm256_set1_ps(x);
-#else
-  VecF v;
-  for (int i = 0; i < kLanes; ++i) v[i] = x;
-  return v;
-#endif
-}
 
-inline VecF LoadF(const float* p) {
-  VecF v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void StoreF(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
 
 // kLanes int8 weights widened to float32 (vpmovsxbd + vcvtdq2ps on the x86 paths).
 inline VecF WidenInt8(const int8_t* p) {

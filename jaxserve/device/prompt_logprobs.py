@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.arrays import HostOrDeviceArray
+from jaxserve.models.layers import row_log_softmax
 
 # Legend: T = token slots of the step, V = vocab, K = max_logprobs (at least 1).
 
@@ -32,7 +33,7 @@ def score_prompt_tokens(compute_logits, hidden, targets, max_logprobs: int) -> P
     num_tokens, num_top = targets.shape[0], max(max_logprobs, 1)
 
     def score(hidden):
-        logprobs = jax.nn.log_softmax(compute_logits(hidden).astype(jnp.float32), axis=-1)
+        logprobs = row_log_softmax(compute_logits(hidden).astype(jnp.float32))  # alike in any chunking
         top_logprobs, top_token_ids = jax.lax.top_k(logprobs, num_top)
         chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
         return PromptLogprobs(jnp.where(targets >= 0, chosen, 0.0), top_logprobs, top_token_ids.astype(jnp.int32))

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.arrays import HostOrDeviceArray
+from jaxserve.models.layers import row_log_softmax
 
 # Legend: S = sequences sampled in the step, V = vocab, K = max_logprobs.
 
@@ -101,7 +102,7 @@ def sample(logits, inputs: SamplingInputs, max_logprobs: int, model_logits=None)
     num_rows, num_top = logits.shape[0], max(max_logprobs, 1)
 
     def logprobs_of(logits):  # the model's
-        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        logprobs = row_log_softmax(logits)  # every row alike in a call of any size (a decode or verify step)
         top_logprobs, top_token_ids = jax.lax.top_k(logprobs, num_top)
         sampled = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
         return sampled, top_logprobs, top_token_ids.astype(jnp.int32)

@@ -96,6 +96,36 @@ def tree_sum(x):
     return x
 
 
+ROW_SUM_CHUNK = 4096  # long_row_sum: lanes a long row is first folded into
+
+
+def long_row_sum(x):
+    """x [..., n] -> [..., 1], as row-invariant as tree_sum for rows of any length: a row longer than ROW_SUM_CHUNK
+    is first folded into ROW_SUM_CHUNK lanes by adding its chunks in order (the last zero-padded), then the lanes by
+    tree_sum. Every add is elementwise. Why not tree_sum alone: over a vocabulary padded to a power of two it cost
+    2-10x XLA's own reduction (151936 entries, 8 rows: 14 ms), folded first 1.1-1.3x."""
+    width = x.shape[-1]
+    if width <= ROW_SUM_CHUNK:
+        return tree_sum(x)
+    whole = width // ROW_SUM_CHUNK
+    lanes = x[..., :ROW_SUM_CHUNK]
+    for i in range(1, whole):
+        lanes = lanes + x[..., i * ROW_SUM_CHUNK : (i + 1) * ROW_SUM_CHUNK]
+    if whole * ROW_SUM_CHUNK < width:
+        tail = x[..., whole * ROW_SUM_CHUNK :]
+        lanes = lanes + jnp.pad(tail, [(0, 0)] * (x.ndim - 1) + [(0, ROW_SUM_CHUNK - tail.shape[-1])])
+    return tree_sum(lanes)
+
+
+def row_log_softmax(x):
+    """log_softmax over the last axis with the sum taken by long_row_sum. XLA's own sums a row of a few thousand
+    logits in another order in a call of 2+ rows than of one (a 2048-entry row: 1061 of 2048 log-probabilities off
+    by an ulp), so a verify step's logprobs differed from a decode step's, and a prompt's from one chunking to
+    another; vocabularies of 16k and more happened to agree."""
+    shifted = x - jnp.max(x, axis=-1, keepdims=True)
+    return shifted - jnp.log(long_row_sum(jnp.exp(shifted)))
+
+
 def row_softmax(x):
     """softmax over the last axis with the sum taken by tree_sum: XLA's own softmax sums a row of 60-128 experts
     in another order in a call of 40+ rows than of fewer (a router's weights then depended on the step's rows)."""

@@ -15,7 +15,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.device.step_inputs import decode_step_shapes
 from jaxserve.engine.draft_model import check_draft_matches
 from jaxserve.loading.model_source import open_model
-from tests.engine.test_speculative import ENGINE, assert_logprobs_close, assert_nothing_held, summary, workload
+from tests.engine.test_speculative import ENGINE, assert_logprobs_equal, assert_nothing_held, summary, workload
 from tests.support.fixtures import fixture_dir
 
 SELF_INT8 = {
@@ -67,7 +67,7 @@ def test_outputs_equal_with_a_draft_model_and_without(engines):
     results = {name: llm.generate(prompts, params) for name, llm in engines.items()}
     for name in ("self_int8", "other"):
         assert summary(results[name]) == summary(results["plain"]), name
-        assert_logprobs_close(results[name], results["plain"])
+        assert_logprobs_equal(results[name], results["plain"])
         stats = engines[name].stats()
         assert stats["speculative_method"] == "draft"
         assert stats["speculative_num_draft_tokens"] > 20, name

@@ -76,6 +76,11 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     model_config = source.config
     dtype = source.checkpoint_dtype if config.dtype == "auto" else config.dtype
     max_model_len = _max_model_len(model_config, config)
+    if config.scheduler.max_logprobs > model_config.vocab_size:  # top-k over the vocabulary, at warm-up
+        raise ValueError(
+            f"max_logprobs ({config.scheduler.max_logprobs}) exceeds the model's vocabulary ({model_config.vocab_size} "
+            "tokens): a request can see at most every token's logprob"
+        )
     # LongRoPE's factors follow max_model_len, chosen once (as vLLM): cached keys never change their rope
     model_config = model_config.with_context_length(max_model_len)
     source = dataclasses.replace(source, config=model_config)

@@ -31,7 +31,8 @@ from jaxserve.lora.expert_adapter import FUSED_EXPERTS, fused_expert_projections
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(layers\.\d+\..+)\.lora_([AB])\.weight$")
+# PEFT's tensor name: base_model.model. + the module's name in the model (model.layers...) + .lora_A/B.weight
+_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?((?:model\.)?)(layers\.\d+\..+)\.lora_([AB])\.weight$")
 
 
 @dataclass(frozen=True)
@@ -64,20 +65,24 @@ def read_adapter(path: str) -> LoraAdapter:
         config_bytes = f.read()
     try:
         config = json.loads(config_bytes)
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{config_path}: not JSON ({error})") from None
     _check_config(config, path)
-    tensors = load_file(weights_path)
+    try:
+        tensors = load_file(weights_path)
+    except Exception as error:  # safetensors raises its own SafetensorError (and OSError) for a bad or cut file
+        raise ValueError(f"adapter {path!r}: cannot read {WEIGHTS_FILE} ({error})") from None
     halves: dict[str, dict[str, np.ndarray]] = {}
+    prefix = ""  # the model's own prefix of the layers' names ("model."), which PEFT's patterns are matched with
     for name, tensor in tensors.items():
         match = _TENSOR_NAME.match(name)
         if match is None:
             raise ValueError(
                 f"adapter {path!r}: unsupported tensor {name!r} (only LoRA A/B of decoder-layer projections)"
             )
-        module, half = match.groups()
+        prefix, module, half = match.groups()
         halves.setdefault(module, {})[half] = np.asarray(tensor, np.float32)
-    projections, fused_experts, scale = {}, {}, scaling_for(config)
+    projections, fused_experts, scale = {}, {}, scaling_for(config, prefix, path)
     for module, pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
             raise ValueError(f"adapter {path!r}: {module} has lora_{''.join(pair)} but not both A and B")
@@ -90,7 +95,7 @@ def read_adapter(path: str) -> LoraAdapter:
         scaling = np.float32(scale(module, a.shape[0]))
         projection = Projection(a=np.ascontiguousarray(a.T), b=np.ascontiguousarray(b.T) * scaling)
         projections[per_expert_path(module) or module] = projection
-    for module, (a, b) in fused_expert_projections(fused_experts, config, path, scale).items():
+    for module, (a, b) in fused_expert_projections(fused_experts, config, path, scale, prefix).items():
         projections[module] = Projection(a=a, b=b)
     if not projections:
         raise ValueError(f"adapter {path!r} holds no LoRA weights")
@@ -127,7 +132,21 @@ def split_fused(adapter: LoraAdapter, out_features: dict[str, int]) -> LoraAdapt
     return LoraAdapter(path=adapter.path, projections=projections, identity=adapter.identity)
 
 
-def _check_config(config: dict, path: str) -> None:
+def _check_config(config, path: str) -> None:
+    if not isinstance(config, dict):
+        raise ValueError(f"adapter {path!r}: {CONFIG_FILE} holds a JSON {type(config).__name__}, not an object")
+    rank = config.get("r", 8)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"adapter {path!r}: r must be a positive integer, got {rank!r}")
+    if not _is_number(config.get("lora_alpha", 8)):
+        raise ValueError(f"adapter {path!r}: lora_alpha must be a number, got {config.get('lora_alpha')!r}")
+    for name, valid in (("rank_pattern", lambda v: _is_number(v) and v >= 1), ("alpha_pattern", _is_number)):
+        pattern = config.get(name) or {}
+        if not isinstance(pattern, dict) or not all(isinstance(k, str) and valid(v) for k, v in pattern.items()):
+            raise ValueError(f"adapter {path!r}: {name} must map module names to numbers, got {pattern!r}")
+    targets = config.get("target_parameters") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"adapter {path!r}: target_parameters must be a list of names, got {targets!r}")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"adapter {path!r} is a {config.get('peft_type')} adapter; only LoRA is served")
     refused = {
@@ -143,3 +162,7 @@ def _check_config(config: dict, path: str) -> None:
             raise ValueError(f"adapter {path!r} uses {what}, which the engine does not serve")
     if config.get("bias", "none") != "none":
         raise ValueError(f"adapter {path!r} trains biases (bias={config.get('bias')!r}); only bias='none' is served")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -54,9 +54,12 @@ def split_expert_path(path: str) -> tuple[str, int, str] | None:
     return f"{prefix}.{projection}", int(expert), projection
 
 
-def fused_expert_projections(wrappers: dict[str, tuple[np.ndarray, np.ndarray]], config: dict, path: str, scale):
+def fused_expert_projections(
+    wrappers: dict[str, tuple[np.ndarray, np.ndarray]], config: dict, path: str, scale, prefix: str = ""
+):
     """ParamWrapper tensors {module: (lora_A [X * r, in], lora_B [out, r * X])} -> {our per-expert path:
-    (A [in, r], B [r, out] scaled)}; scale(module path, rank) gives the scaling PEFT applies there."""
+    (A [in, r], B [r, out] scaled)}; scale(module path, rank) gives the scaling PEFT applies there. PEFT matches its
+    patterns with a parameter's name in the model: prefix ("model.") + "layers.3.mlp.experts.gate_up_proj"."""
     targets = config.get("target_parameters") or []
     kinds = {name.rsplit(".", 1)[-1] for name in targets}
     unknown = sorted(kinds - set(FUSED_PARAMS))
@@ -73,7 +76,8 @@ def fused_expert_projections(wrappers: dict[str, tuple[np.ndarray, np.ndarray]],
     projections = {}
     for layer, pairs in by_layer.items():
         for kind, (a, b) in _identify(pairs, kinds, layer, path).items():
-            rank = _pattern_value(config.get("rank_pattern") or {}, f"{layer}.mlp.experts.{kind}", config.get("r", 8))
+            name = f"{layer}.mlp.experts.{kind}"
+            rank = _pattern_value(config.get("rank_pattern") or {}, prefix + name, config.get("r", 8), path)
             if a.shape[0] % rank or b.shape[1] != a.shape[0]:
                 raise ValueError(
                     f"adapter {path!r}: {layer}'s experts.{kind} lora_A {a.shape} and lora_B {b.shape} are not "
@@ -82,7 +86,7 @@ def fused_expert_projections(wrappers: dict[str, tuple[np.ndarray, np.ndarray]],
             num_experts = a.shape[0] // rank
             per_expert_a = a.reshape(num_experts, rank, a.shape[1])  # [X, r, in]
             per_expert_b = b.reshape(b.shape[0], rank, num_experts)  # [out, r, X]
-            scaling = np.float32(scale(f"{layer}.mlp.experts.{kind}", rank))
+            scaling = np.float32(scale(name, rank))
             for expert in range(num_experts):
                 a_e = np.ascontiguousarray(per_expert_a[expert].T)  # [in, r]
                 b_e = np.ascontiguousarray(per_expert_b[:, :, expert].T) * scaling  # [r, out]
@@ -114,19 +118,25 @@ def _identify(pairs, kinds: set[str], layer: str, path: str) -> dict[str, tuple[
     )
 
 
-def _pattern_value(pattern: dict, module: str, default):
-    """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module's name."""
+def _pattern_value(pattern: dict, module: str, default, path: str):
+    """PEFT's rank_pattern / alpha_pattern lookup (peft.utils.other.get_pattern_key): the first key that matches the
+    end of the module's name in the model ("model.layers.1.mlp.down_proj"), the key a group of its own (so that
+    "q_proj|v_proj" matches either whole)."""
     for key, value in pattern.items():
-        if re.match(rf"(.*\.)?{key}$", module):
-            return value
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error as error:
+            raise ValueError(f"adapter {path!r}: pattern key {key!r} is not a regular expression ({error})") from None
     return default
 
 
-def scaling_for(config: dict):
-    """scale(module path, rank) -> PEFT's scaling there: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+def scaling_for(config: dict, prefix: str = "", path: str = ""):
+    """scale(module name, rank) -> PEFT's scaling there: alpha / r, or alpha / sqrt(r) with rsLoRA. The name is
+    ours ("layers.1.mlp.down_proj") under the model's own prefix ("model.")."""
 
     def scale(module: str, rank: int) -> float:
-        alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
+        alpha = _pattern_value(config.get("alpha_pattern") or {}, prefix + module, config.get("lora_alpha", 8), path)
         return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
     return scale

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.lora.adapter import read_adapter
 from tests.lora.support import ADAPTER_NAMES, BASE_MODEL, LORA_ENGINE, adapter_dir, expected, lora_pair, write_adapter
 
 PROMPTS = expected()["prompts"]
@@ -133,8 +135,14 @@ def _check_still_serves(llm):
         ),
         (lora_pair("layers.0.self_attn.q_proj", 64, 64, 4), {"use_dora": True}, "DoRA"),
         (lora_pair("layers.0.self_attn.q_proj", 64, 64, 4), {"modules_to_save": ["lm_head"]}, "fully trained modules"),
+        (lora_pair("layers.0.self_attn.q_proj", 64, 64, 4), {"lora_alpha": None}, "lora_alpha must be a number"),
+        (lora_pair("layers.0.self_attn.q_proj", 64, 64, 4), {"lora_alpha": "16"}, "lora_alpha must be a number"),
+        (lora_pair("layers.0.self_attn.q_proj", 64, 64, 4), {"r": 0}, "r must be a positive integer"),
+        (lora_pair("layers.0.self_attn.q_proj", 64, 64, 4), {"alpha_pattern": ["q_proj"]}, "alpha_pattern must map"),
+        (lora_pair("layers.0.self_attn.q_proj", 64, 64, 4), {"alpha_pattern": {"q_proj(": 4}}, "not a regular expr"),
     ],
-    ids=["shapes", "layers", "rank", "target", "experts", "lm_head", "dora", "modules_to_save"],
+    ids=["shapes", "layers", "rank", "target", "experts", "lm_head", "dora", "modules_to_save"]
+    + ["alpha_null", "alpha_string", "r_zero", "pattern_list", "pattern_regex"],
 )
 def test_bad_adapters_are_refused(llm, tmp_path, tensors, config, message):
     path = write_adapter(str(tmp_path / "adapter"), tensors, **config)
@@ -143,6 +151,37 @@ def test_bad_adapters_are_refused(llm, tmp_path, tensors, config, message):
         llm.engine.load_lora("bad", path)
     assert llm.engine.parts.lora.adapters == before
     _check_still_serves(llm)
+
+
+@pytest.mark.parametrize("broken", ["config_list", "weights_cut", "weights_garbage"])
+def test_malformed_adapter_files_are_refused_by_name(llm, tmp_path, broken):
+    path = write_adapter(str(tmp_path / "adapter"), lora_pair("layers.0.self_attn.q_proj", 64, 64, 4))
+    target = os.path.join(path, "adapter_config.json" if broken == "config_list" else "adapter_model.safetensors")
+    with open(target, "rb") as f:
+        content = f.read()
+    replaced = {"config_list": b"[1, 2]", "weights_cut": content[: len(content) // 2], "weights_garbage": b"\xff" * 64}
+    with open(target, "wb") as f:
+        f.write(replaced[broken])
+    with pytest.raises(ValueError, match="not an object" if broken == "config_list" else "cannot read"):
+        llm.engine.load_lora("bad", path)
+    _check_still_serves(llm)
+
+
+def test_rank_and_alpha_patterns_match_as_peft_matches_them(tmp_path):
+    """peft.utils.other.get_pattern_key: a key matches the end of the module's name in the model
+    ("model.layers.0..."), as a group of its own (an alternation matches either whole)."""
+    tensors = {**lora_pair("layers.0.self_attn.q_proj", 8, 8, 4), **lora_pair("layers.1.self_attn.v_proj", 8, 8, 4)}
+    for pattern, scaled in (
+        ({"model.layers.1.self_attn.v_proj": 32}, {"layers.1.self_attn.v_proj"}),
+        ({"q_proj|v_proj": 32}, {"layers.0.self_attn.q_proj", "layers.1.self_attn.v_proj"}),
+        ({"layers.0.self_attn.q_proj": 32}, {"layers.0.self_attn.q_proj"}),
+        ({"proj": 32}, set()),  # matches no name's end on a "." boundary
+    ):
+        path = write_adapter(str(tmp_path / str(len(os.listdir(tmp_path)))), tensors, alpha_pattern=pattern)
+        adapter = read_adapter(path)
+        for module, projection in adapter.projections.items():
+            b = tensors[f"base_model.model.model.{module}.lora_B.weight"].T
+            np.testing.assert_allclose(projection.b, b * (32 if module in scaled else 8) / 4, rtol=1e-6)
 
 
 def test_bad_names_and_full_slots_are_refused(llm, tmp_path):

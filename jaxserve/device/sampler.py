@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.arrays import HostOrDeviceArray
-from jaxserve.models.layers import row_log_softmax
+from jaxserve.models.layers import row_log_softmax, row_softmax
 
 # Legend: S = sequences sampled in the step, V = vocab, K = max_logprobs.
 
@@ -68,7 +68,7 @@ def _filter_top_k_top_p_min_p(scaled_logits, inputs: SamplingInputs):
     sorted_logits = jnp.take_along_axis(scaled_logits, order, axis=-1)
     rank = jnp.arange(vocab_size)[None, :]
     keep = (inputs.top_k[:, None] <= 0) | (rank < inputs.top_k[:, None])
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    probs = row_softmax(jnp.where(keep, sorted_logits, -jnp.inf))  # a row's mass alike in any step
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep &= mass_before < inputs.top_p[:, None]
     keep &= probs >= inputs.min_p[:, None] * probs[:, :1]

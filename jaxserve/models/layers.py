@@ -127,10 +127,11 @@ def row_log_softmax(x):
 
 
 def row_softmax(x):
-    """softmax over the last axis with the sum taken by tree_sum: XLA's own softmax sums a row of 60-128 experts
-    in another order in a call of 40+ rows than of fewer (a router's weights then depended on the step's rows)."""
+    """softmax over the last axis with the sum taken by long_row_sum (tree_sum up to ROW_SUM_CHUNK entries): XLA's
+    own softmax sums a row of 60-128 experts in another order in a call of 40+ rows than of fewer (a router's
+    weights then depended on the step's rows), and a vocabulary's row in another in a call of 8+ rows (top-p)."""
     exps = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
-    return exps / tree_sum(exps)
+    return exps / long_row_sum(exps)
 
 
 class RMSNorm(nnx.Module):

@@ -113,23 +113,39 @@ def restore_params(abstract_state: nnx.State, directory: str, dtype, placement) 
     come in groups of about RESTORE_GROUP_BYTES (orbax's partial restore), so that loading holds the
     weights once plus one group, not a second copy of the whole checkpoint in read buffers."""
     import jax
+    import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
-    from jaxserve.loading.quantize import EMBEDDING
+    from jaxserve.loading.quantize import EMBEDDING, place, quantize, stored_shape
     from jaxserve.loading.quantize_orbax import assemble, restore_targets
 
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     flat = list(nnx.to_flat_state(abstract_state))
+    compute_dtype = jnp.dtype(dtype).name  # the restoring engine's, which may not be the saving one's
     with open(os.path.join(directory, MARKER)) as f:
-        quantized = json.load(f).get("quantized", {})  # saved quantized: restored so, whatever the options say
-    target = {}
+        saved = json.load(f).get("quantized", {})  # saved quantized: restored so, whatever the options say
+    quantized = {name: {**description, "compute_dtype": compute_dtype} for name, description in saved.items()}
+    target, to_quantize = {}, {}  # to_quantize: float params the engine's quantization option marked
     for path, variable in flat:
         name = ".".join(map(str, path))
         if name in quantized:
             transposed = tuple(map(str, path[-2:])) == EMBEDDING
             target.update(restore_targets(name, quantized[name], placement(path), transposed))
-        else:
-            target[name] = jax.ShapeDtypeStruct(variable.get_value().shape, dtype, sharding=placement(path) or default)
+            continue
+        spec = variable.get_metadata("quantization", None)  # quantize.mark_quantized: quantized as restored
+        if spec is not None and spec.format != "auto":
+            to_quantize[name] = (path, spec)
+        sharding = default if name in to_quantize else placement(path) or default
+        target[name] = jax.ShapeDtypeStruct(variable.get_value().shape, dtype, sharding=sharding)
+
+    def quantized_now(name: str, value):  # a float param of a group, quantized as a fresh load would be
+        path, spec = to_quantize[name]
+        names = tuple(map(str, path))
+        transposed = stored_shape(names, tuple(value.shape)) != tuple(value.shape)
+        matrix = np.asarray(jax.device_get(value), np.float32)
+        return place(quantize(matrix.T if transposed else matrix, spec, compute_dtype), placement(path), transposed)
+
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
@@ -138,11 +154,12 @@ def restore_params(abstract_state: nnx.State, directory: str, dtype, placement) 
     try:
         for group in _groups_of_bytes(target, RESTORE_GROUP_BYTES):
             restore_args = ocp.checkpoint_utils.construct_restore_args(group)
-            restored.update(
-                checkpointer.restore(
-                    params_dir, args=ocp.args.PyTreeRestore(item=group, restore_args=restore_args, partial_restore=True)
-                )
+            group_restored = checkpointer.restore(
+                params_dir, args=ocp.args.PyTreeRestore(item=group, restore_args=restore_args, partial_restore=True)
             )
+            for name in group_restored.keys() & to_quantize.keys():  # within the group: one float copy at a time
+                group_restored[name] = quantized_now(name, group_restored[name])
+            restored.update(group_restored)
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise ValueError(f"cannot restore the orbax checkpoint in {directory}: {error}") from None
     missing = sorted(set(target) - set(restored))

@@ -60,7 +60,7 @@ GGUF_TYPES = {
 
 
 def _engine(model: str, **options) -> LLM:
-    return LLM(model, **{**SMALL_ENGINE, "max_num_batched_tokens": 128}, **options)
+    return LLM(model, **{**SMALL_ENGINE, "max_num_batched_tokens": 128, **options})
 
 
 def _scores(llm: LLM) -> list[list[dict[int, float]]]:
@@ -206,6 +206,28 @@ def test_orbax_checkpoints_save_and_restore_quantized(tmp_path):
     params = SamplingParams(max_tokens=6, temperature=0.0)
     expected = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, params)]
     assert [output.outputs[0].token_ids for output in restored.generate(PROMPTS, params)] == expected
+
+
+def test_orbax_checkpoints_restore_in_another_dtype_and_quantize_when_asked(tmp_path):
+    """A quantized checkpoint restored by an engine of another dtype computes in that engine's dtype (its saved
+    compute dtype made the projections fall back to flax's Linear, which raised); a float checkpoint restored
+    with a quantization option is quantized as it is restored, as a fresh load of the same weights is."""
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    _engine(FIXTURE, quantization="int8", dtype="float32").save_checkpoint(str(tmp_path / "int8"))
+    as_bfloat16 = _engine(str(tmp_path / "int8"), dtype="bfloat16")
+    expected = _engine(FIXTURE, quantization="int8", dtype="bfloat16")
+    want = [output.outputs[0].token_ids for output in expected.generate(PROMPTS, params)]
+    assert [output.outputs[0].token_ids for output in as_bfloat16.generate(PROMPTS, params)] == want
+    _engine(FIXTURE).save_checkpoint(str(tmp_path / "float"))
+    for quantization in ("int8", "int4"):
+        restored = _engine(str(tmp_path / "float"), quantization=quantization)
+        fresh = _engine(FIXTURE, quantization=quantization)
+        kernels, fresh_kernels = _kernels(restored), _kernels(fresh)
+        assert any(isinstance(weight, QuantizedWeight) for weight in kernels.values())
+        for name, weight in fresh_kernels.items():
+            for leaf, again in zip(jax.tree.leaves(weight), jax.tree.leaves(kernels[name])):
+                assert leaf.dtype == again.dtype and np.array_equal(np.asarray(leaf), np.asarray(again)), name
+        assert restored.stats()["weights_device_bytes"] == fresh.stats()["weights_device_bytes"]
 
 
 def test_a_format_asked_for_keeps_blocks_of_its_bits_and_requantizes_the_rest(gguf_path, monkeypatch):

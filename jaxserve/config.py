@@ -357,7 +357,7 @@ class EngineConfig:
             )
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ValueError(
-                f"quantization_group_size must be one of {list(INT4_GROUP_SIZES)}, got {self.quantization_group_size}"
+                f"quantization_group_size must be one of {list(INT4_GROUP_SIZES)}, got {self.quantization_group_size!r}"
             )
         if self.quantization_embedding not in ("same", "int8"):
             raise ValueError(f"quantization_embedding must be same or int8, got {self.quantization_embedding!r}")

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.matmul import int8_activations
+from pallas_kernels.matmul.reference import dot_operand_dtype
 
 SUPER_BLOCK = 256  # values per super-block (ggml's QK_K)
 KINDS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")
@@ -165,13 +166,15 @@ def matmul(rows, weight: KQuantWeight, *, transposed: bool = False, activations:
         rows, _ = int8_activations.fake_quantize(rows, int8_activations.CHUNK, half_d=False)
     elif activations != "float":
         raise ValueError(f"unknown activations {activations!r}; expected int8 or float")
+    operand_dtype = dot_operand_dtype(rows.dtype)  # float32 on the CPU (quantized.py)
     if num_rows >= DEQUANTIZE_FROM_ROWS:
         return jax.lax.dot_general(
-            rows, dequantize(weight, rows.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            rows.astype(operand_dtype),
+            dequantize(weight, operand_dtype),
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
         )
     groups = weight.num_groups
-    # XLA:CPU has no batched 16-bit dot into float32 (see quantized.py): float32 operands there
-    operand_dtype = jnp.float32 if jax.default_backend() == "cpu" else rows.dtype
     q = integers(weight).reshape(groups, depth // groups, -1).astype(operand_dtype)  # exact in 16 bits
     grouped_rows = rows.reshape(num_rows, groups, depth // groups).astype(operand_dtype)
     sums = jnp.einsum("mgk,gkn->mgn", grouped_rows, q, preferred_element_type=jnp.float32)  # [M, G, N]

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pallas_kernels.matmul import int8_activations, kquant
 from pallas_kernels.matmul.kquant import KQuantWeight
+from pallas_kernels.matmul.reference import dot_operand_dtype
 
 # Rows from which the reference dequantizes the weight and runs one dot (compute-bound prefill: the copy
 # is paid once for many rows); below, it dots the integers group by group and scales the group sums, so
@@ -127,18 +128,19 @@ def matmul(rows, weight: QuantizedWeight, *, transposed: bool = False, activatio
         rows, group_sums = int8_activations.fake_quantize(rows, group)
     elif activations != "float":
         raise ValueError(f"unknown activations {activations!r}; expected int8 or float")
+    operand_dtype = dot_operand_dtype(rows.dtype)
     if num_rows >= DEQUANTIZE_FROM_ROWS:
         y = jax.lax.dot_general(
-            rows, dequantize(weight, rows.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            rows.astype(operand_dtype),
+            dequantize(weight, operand_dtype),
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
         )
         if group_sums is not None and weight.mins is not None:  # as the int8 kernel: mins times q8_1's s
             mins = weight.mins.astype(jnp.float32)
             sums = jnp.sum(rows.reshape(num_rows, groups, group), axis=-1)
             y = y + (group_sums - sums) @ mins  # the float16-rounded s in place of the sums of q * d
         return y
-    # XLA:CPU has no batched 16-bit dot into float32: there (where the C++ kernel serves decode rows on one
-    # device) the group sums take float32 operands
-    operand_dtype = jnp.float32 if jax.default_backend() == "cpu" else rows.dtype
     q = integers(weight).reshape(groups, group, -1).astype(operand_dtype)  # small integers: exact in 16 bits
     grouped_rows = rows.reshape(num_rows, groups, group).astype(operand_dtype)
     # [M, G, N]: each group's integer sum, then its scale; G is 1 for per-channel int8

@@ -28,3 +28,11 @@ def matmul(rows, weight, *, transposed: bool = False):
     if y.shape[0] != num_rows:
         y = y[:num_rows]
     return y
+
+
+def dot_operand_dtype(dtype):
+    """The operands' dtype of a quantized weight's reference dot into float32 (quantized.py, kquant.py): XLA:CPU
+    has no 16-bit dot into float32 for those (DotThunk: "BF16 x BF16 = F32" unimplemented: a tensor-parallel
+    bfloat16 engine's int8 prefill raised), so on the CPU, where the C++ kernels serve one device and this is a
+    mesh's path, float32; elsewhere the rows' own."""
+    return jnp.float32 if jax.default_backend() == "cpu" else dtype

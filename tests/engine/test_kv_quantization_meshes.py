@@ -22,3 +22,9 @@ def test_data_parallel_ranks_hold_their_own_scales(results):
     assert results["dp2"]["scales_spec"][0] == "data"
     assert results["dp2"]["tokens"] == results["one"]["tokens"]
     assert results["dp2"]["compiles_after_warmup"] == 0
+
+
+def test_bfloat16_int8_weights_serve_on_a_tensor_parallel_mesh(results):
+    outputs = results["tp2_bf16_int8_weights"]
+    assert [len(tokens) for tokens in outputs["tokens"]] == [12] * len(results["one"]["tokens"])
+    assert outputs["compiles_after_warmup"] == 0

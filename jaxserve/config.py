@@ -203,6 +203,9 @@ MAX_SPECULATIVE_TOKENS = 15  # a verify row is k + 1 tokens: one query block of 
 DEFAULT_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 4}
 
 
+DRAFT_DEFAULTS = {"draft_model": "self", "draft_quantization": "none"}  # SpeculativeConfig's, of options draft reads
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (engine/speculation.py): a decode row with proposed tokens becomes a
@@ -231,6 +234,15 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         if self.method is None:
+            set_fields = [
+                name for name in ("num_speculative_tokens", "draft_num_pages") if getattr(self, name) is not None
+            ]
+            set_fields += [name for name, default in DRAFT_DEFAULTS.items() if getattr(self, name) != default]
+            if set_fields:
+                raise ValueError(
+                    f"speculative {', '.join(set_fields)} given without a method: speculation stays off unless "
+                    f"method is one of {SPECULATIVE_METHODS}"
+                )
             return
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; expected one of {SPECULATIVE_METHODS}")
@@ -239,6 +251,14 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max", "speculative_max_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not isinstance(self.speculative_adaptive, bool):
+            raise ValueError(f"speculative_adaptive must be true or false, got {self.speculative_adaptive!r}")
+        if self.method != "draft" and (self.draft_model != "self" or self.draft_quantization != "none"):
+            raise ValueError(f"draft_model and draft_quantization apply to method draft, not {self.method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max ({self.prompt_lookup_max}) "
@@ -260,7 +280,8 @@ class SpeculativeConfig:
                 "a draft that is the target itself (draft_model: self) needs draft_quantization int8 or int4: "
                 "the same weights would cost as much as the target and propose nothing it would not decode"
             )
-        if self.draft_num_pages is not None and (isinstance(self.draft_num_pages, bool) or self.draft_num_pages < 2):
+        pages = self.draft_num_pages
+        if pages is not None and (isinstance(pages, bool) or not isinstance(pages, int) or pages < 2):
             raise ValueError(f"draft_num_pages must be at least 2, got {self.draft_num_pages!r}")
 
     @property

@@ -152,6 +152,12 @@ def test_metrics_report_acceptance(engines):
         ),
         ({"method": "ngram", "role": "prefill"}, "prefill replica"),
         ({"method": "ngram", "typo": 1}, "unknown speculative option 'typo'"),
+        ({"method": "ngram", "prompt_lookup_max": 4.0}, "prompt_lookup_max must be an integer"),
+        ({"method": "ngram", "speculative_max_batch_size": "8"}, "speculative_max_batch_size must be an integer"),
+        ({"method": "ngram", "speculative_adaptive": "no"}, "speculative_adaptive must be true or false"),
+        ({"method": "draft", "draft_quantization": "int8", "draft_num_pages": 3.5}, "draft_num_pages must be"),
+        ({"num_speculative_tokens": 4}, "num_speculative_tokens given without a method"),
+        ({"method": "ngram", "draft_model": "/some/model"}, "apply to method draft, not 'ngram'"),
     ],
 )
 def test_bad_speculative_options_are_refused_at_start(speculative, problem):

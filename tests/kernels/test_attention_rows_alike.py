@@ -96,6 +96,8 @@ def make_case(rng, dtype, kv_dtype, num_kv_heads, groups, head_dim, max_length, 
         (jnp.float32, None, 1, 5, 12, None, 30.0, True),  # MQA, tiny heads, soft cap, sinks
         (jnp.float16, None, 2, 2, 128, None, None, False),
         (jnp.float32, "int8", 2, 3, 64, None, None, False),  # quantized pages
+        (jnp.float32, None, 1, 5, 8, None, None, False),  # a head narrower than a vector, 5 query heads a kv head
+        (jnp.float32, None, 1, 4, 10, 20, None, False),
     ],
 )
 def test_a_query_row_computes_alike_in_any_block_and_batch(

@@ -46,17 +46,13 @@ class NgramIndex:
         self.num_indexed = max(self.num_indexed, end)
 
     def continuation(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        """The tokens that followed the latest earlier occurrence of the longest matching suffix. Where fewer
-        than max_tokens follow it (the match ends p < max_tokens tokens before the sequence does), the text
-        repeats with period p from there on, so the proposal goes on repeating those p tokens: a loop of a few
-        tokens (a model repeating a phrase, a list's separators) is proposed k tokens ahead, not p."""
+        """The tokens that followed the latest earlier occurrence of the longest matching suffix."""
         length = len(token_ids)
         self.extend(token_ids, length - 1)
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             last = self.last_end.get(tuple(token_ids[length - n :]))
             if last is not None:
-                period = token_ids[last + 1 : last + 1 + max_tokens]
-                return [period[i % len(period)] for i in range(max_tokens)]
+                return token_ids[last + 1 : last + 1 + max_tokens]
         return []
 
 

@@ -39,6 +39,8 @@ class Completion:
     # prompt_logprobs asked: {token_id: logprob} for each prompt token after the first (its own and the top)
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
 
+    index: int = 0  # which of a request's n completions
+
     def add(self, response: pb.GenerateResponse) -> None:
         self.token_ids += response.token_ids
         self.text += response.text
@@ -57,6 +59,20 @@ class Completion:
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in response.tool_calls
             ]
+
+
+def gathered(responses) -> list[Completion]:
+    """A stream's messages gathered per completion (each message names its completion in `index`), in index order."""
+    completions: dict[int, Completion] = {}
+    for response in responses:
+        completions.setdefault(response.index, Completion(index=response.index)).add(response)
+    return [completions[index] for index in sorted(completions)]
+
+
+def single(completions: list[Completion], n: int, method: str) -> Completion:
+    if n > 1:
+        raise ValueError(f"n = {n} asks for {n} completions: {method}_n returns them, one Completion each")
+    return completions[0] if completions else Completion()
 
 
 @dataclass(frozen=True)
@@ -96,20 +112,23 @@ class Client:
         return self.stub.Generate(build_request(prompt, **sampling), metadata=self.metadata)
 
     def generate(self, prompt: str | list[int], **sampling) -> Completion:
-        completion = Completion()
-        for response in self.stream(prompt, **sampling):
-            completion.add(response)
-        return completion
+        """The one completion of a request with n = 1 (generate_n: several)."""
+        return single(self.generate_n(prompt, **sampling), sampling.get("n", 1), "generate")
+
+    def generate_n(self, prompt: str | list[int], **sampling) -> list[Completion]:
+        """The request's n completions (sampling n, default 1), in index order."""
+        return gathered(self.stream(prompt, **sampling))
 
     def chat_stream(self, messages: list[dict], **options) -> Iterator[pb.GenerateResponse]:
         """options: build_chat_request's keyword arguments (tools, tool_choice, sampling...)."""
         return self.stub.Chat(build_chat_request(messages, **options), metadata=self.metadata)
 
     def chat(self, messages: list[dict], **options) -> Completion:
-        completion = Completion()
-        for response in self.chat_stream(messages, **options):
-            completion.add(response)
-        return completion
+        """The one reply of a request with n = 1 (chat_n: several)."""
+        return single(self.chat_n(messages, **options), options.get("n", 1), "chat")
+
+    def chat_n(self, messages: list[dict], **options) -> list[Completion]:
+        return gathered(self.chat_stream(messages, **options))
 
     def server_info(self) -> pb.ServerInfo:
         return self.stub.GetServerInfo(pb.ServerInfoRequest(), metadata=self.metadata)
@@ -141,19 +160,19 @@ class AsyncClient:
         return self.stub.Chat(build_chat_request(messages, **options), metadata=self.metadata)
 
     async def chat(self, messages: list[dict], **options) -> Completion:
-        completion = Completion()
-        async for response in self.chat_stream(messages, **options):
-            completion.add(response)
-        return completion
+        return single(await self.chat_n(messages, **options), options.get("n", 1), "chat")
+
+    async def chat_n(self, messages: list[dict], **options) -> list[Completion]:
+        return gathered([response async for response in self.chat_stream(messages, **options)])
 
     async def server_info(self) -> pb.ServerInfo:
         return await self.stub.GetServerInfo(pb.ServerInfoRequest(), metadata=self.metadata)
 
     async def generate(self, prompt: str | list[int], **sampling) -> Completion:
-        completion = Completion()
-        async for response in self.stream(prompt, **sampling):
-            completion.add(response)
-        return completion
+        return single(await self.generate_n(prompt, **sampling), sampling.get("n", 1), "generate")
+
+    async def generate_n(self, prompt: str | list[int], **sampling) -> list[Completion]:
+        return gathered([response async for response in self.stream(prompt, **sampling)])
 
     async def close(self) -> None:
         await self.channel.close()

@@ -210,6 +210,15 @@ def test_n_over_grpc_equals_n_over_http_and_offline(server, client, llama_llm):
     for message in Client(server.target).stub.Generate(request):
         over_grpc[message.index] += message.token_ids
     assert [c.token_ids for c in over_http.choices] == over_grpc == offline and len(set(map(tuple, offline))) > 1
+    client_side = Client(server.target)
+    completions = client_side.generate_n([1, 5, 9], n=3, max_tokens=6, temperature=1.0, seed=21, prompt_logprobs=1)
+    assert [c.token_ids for c in completions] == offline and [c.index for c in completions] == [0, 1, 2]
+    # each completion the prompt's two scores (Completion.add concatenated all n completions' into one)
+    assert [c.prompt_logprobs for c in completions] == [completions[0].prompt_logprobs] * 3
+    assert len(completions[0].prompt_logprobs) == 2
+    with pytest.raises(ValueError, match="generate_n returns them"):
+        client_side.generate([1, 5, 9], n=3, max_tokens=6)
+    client_side.close()
 
 
 def test_system_fingerprint_follows_the_serving_configuration(llama_llm):

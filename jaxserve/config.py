@@ -355,7 +355,7 @@ class EngineConfig:
 
     dtype: str = "auto"
     # Projections' weights (issue 25, jaxserve/loading/quantize.py): none | int8 | int4 | auto (the checkpoint's)
-    quantization: str = "none"
+    quantization: str = "none"  # None (vLLM's spelling of the default) is read as "none"
     quantization_group_size: int = 32  # int4: rows of K per scale (32, 64 or 128)
     quantization_embedding: str = "same"  # int4: "int8" keeps the embedding and head at int8 (llama.cpp's Q4_0)
     quantized_activations: str = "int8"  # CPU kernel for quantized weights: x as int8 per 32 (llama.cpp) or float
@@ -372,6 +372,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype != "auto":
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.quantization is None:  # vLLM's default spelling: the engine's default
+            object.__setattr__(self, "quantization", "none")
         if self.quantization not in QUANTIZATION_FORMATS:
             raise ValueError(
                 f"unknown quantization {self.quantization!r} (option quantization); known: {list(QUANTIZATION_FORMATS)}"

@@ -98,3 +98,9 @@ def test_default_prefill_buckets_are_at_most_a_third_padding():
     for tokens in range(129, 513):  # a 160-190-token prompt fits 192, not 256
         bucket = Buckets.fit(tokens, buckets)
         assert bucket - tokens <= bucket / 3
+
+
+def test_quantization_none_is_the_default_as_vllm_spells_it():
+    from jaxserve.config import EngineConfig
+
+    assert EngineConfig.from_options(quantization=None).quantization == "none"

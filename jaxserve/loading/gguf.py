@@ -184,12 +184,26 @@ class GGUFFile:
             rope_theta=float(self._get("rope.freq_base") or 10000.0),
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
+            mlp_bias="blk.0.ffn_up.bias" in self.tensors,  # Llama's; the converter writes them when trained
             bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.metadata.get("tokenizer.ggml.eos_token_id"),
             torch_dtype=self.checkpoint_dtype(),
         )
         if self._get("rope.scaling.type") == "linear":
             config["rope_scaling"] = dict(rope_type="linear", factor=float(self._get("rope.scaling.factor")))
+        if self._get("rope.scaling.type") == "yarn":  # as llama.cpp's converter writes HF's rope_scaling yarn
+            yarn: dict[str, Any] = dict(
+                rope_type="yarn",
+                factor=float(self._get("rope.scaling.factor")),
+                original_max_position_embeddings=int(
+                    self._get("rope.scaling.original_context_length") or config["max_position_embeddings"]
+                ),
+                beta_fast=float(self._get("rope.scaling.yarn_beta_fast") or 32.0),
+                beta_slow=float(self._get("rope.scaling.yarn_beta_slow") or 1.0),
+            )
+            if self._get("rope.scaling.yarn_attn_factor") is not None:
+                yarn["attention_factor"] = float(self._get("rope.scaling.yarn_attn_factor"))
+            config["rope_scaling"] = yarn
         if "rope_freqs.weight" in self.tensors:  # Llama 3.1's scaling, stored as per-frequency divisors
             tensor = self.tensors["rope_freqs.weight"]
             try:

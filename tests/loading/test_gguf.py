@@ -5,6 +5,7 @@ weights, and bad files refused before anything loads."""
 import dataclasses
 import json
 import os
+import shutil
 import struct
 
 import numpy as np
@@ -70,6 +71,38 @@ def test_float32_gguf_matches_transformers(name, tmp_path):
     for prompt in expected(name)["prompts"]:
         if prompt["text"] is not None:  # the embedded vocabulary tokenizes as tokenizer.model does
             assert llm.get_tokenizer().encode(prompt["text"]) == prompt["token_ids"]
+
+
+def test_yarn_scaling_and_mlp_biases_are_read_from_the_metadata(tmp_path):
+    """A llama with YaRN rope scaling and MLP biases, as llama.cpp's converter writes it (rope.scaling.type yarn,
+    its factor, original context and betas; blk.N.ffn_*.bias): served as the Hugging Face directory of the same
+    weights is (both were dropped: logprob errors 0.5-1 against transformers)."""
+    with open(os.path.join(fixture_dir("llama_gqa"), "config.json")) as f:
+        config = json.load(f)
+    scaling = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=16.0, beta_slow=2.0)
+    config.update(rope_scaling=scaling, mlp_bias=True, max_position_embeddings=128)
+    rng = np.random.default_rng(0)
+    weights = dict(load_file(os.path.join(fixture_dir("llama_gqa"), "model.safetensors")))
+    for layer in range(config["num_hidden_layers"]):
+        for kind, size in (("gate", config["intermediate_size"]), ("up", config["intermediate_size"])):
+            weights[f"model.layers.{layer}.mlp.{kind}_proj.bias"] = rng.normal(size=size).astype(np.float32)
+        weights[f"model.layers.{layer}.mlp.down_proj.bias"] = rng.normal(size=config["hidden_size"]).astype(np.float32)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    with open(hf_dir / "config.json", "w") as f:
+        json.dump(config, f)
+    save_file(weights, str(hf_dir / "model.safetensors"))
+    shutil.copy(TOKENIZER_MODEL, hf_dir / "tokenizer.model")
+    gguf_path = str(tmp_path / "yarn.gguf")
+    write_gguf(gguf_path, config, weights, {}, tokenizer=("llama", TOKENIZER_MODEL))
+    params = SamplingParams(max_tokens=0, prompt_logprobs=5)
+    prompts = [[1] + np.random.default_rng(seed).integers(3, 384, size=60).tolist() for seed in range(2)]
+    want = [o.prompt_logprobs for o in LLM(str(hf_dir), **SMALL_ENGINE).generate(prompts, params)]
+    got = [o.prompt_logprobs for o in LLM(gguf_path, **SMALL_ENGINE).generate(prompts, params)]
+    for got_prompt, want_prompt in zip(got, want):
+        for got_position, want_position in zip(got_prompt[1:], want_prompt[1:]):
+            assert got_position.keys() == want_position.keys()
+            np.testing.assert_allclose(list(got_position.values()), list(want_position.values()), atol=1e-5)
 
 
 QUANTIZED_CONFIG = dict(

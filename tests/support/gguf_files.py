@@ -156,6 +156,12 @@ def write_gguf(
             **weights,
             "rope_freqs.weight": llama3_rope_factors(scaling, rope.get("rope_theta", 10000.0), head_dim),
         }
+    if scaling and scaling.get("rope_type") == "yarn":  # as the converter writes HF's yarn rope_scaling
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        writer.add_rope_scaling_yarn_beta_fast(float(scaling.get("beta_fast", 32.0)))
+        writer.add_rope_scaling_yarn_beta_slow(float(scaling.get("beta_slow", 1.0)))
     if architecture in ("gemma2", "gemma3"):
         weights = add_gemma_metadata(writer, hf_config, weights, architecture, rope, local_rope)
     if architecture == "phi3":

@@ -63,6 +63,9 @@ class CompiledGrammar:
         return GrammarMatcher(self.template.deep_copy(), self.layout)
 
 
+MAX_ITEMS_IN_ROW = 20_000  # llguidance's Earley items in one parser row (its default 2000)
+
+
 class GrammarCompiler:
     """One per engine. vocab_size is the model's (padded embedding rows are never allowed);
     eos_token_ids are the ids the engine stops on, allowed exactly when the text is complete."""
@@ -88,7 +91,10 @@ class GrammarCompiler:
         self.layout = MaskLayout(vocab_size, max(vocab_size, tokenizer.vocab_size), eos)
         self._tokenizer = _llguidance_tokenizer(tokenizer, self.layout)
         # Terse errors: verbose ones dump parser state and the whole grammar into the client's error message.
-        self._limits = llguidance.LLParserLimits(verbose_errors=False)
+        # max_items_in_row past llguidance's 2000: a choice of 2000+ strings (or a schema with as many optional
+        # properties) validated, then died at its first tokens ("Current row has 2002 items"); a request's
+        # max_structured_bytes keeps rows well under this, and step_max_items still bounds a mask's work
+        self._limits = llguidance.LLParserLimits(verbose_errors=False, max_items_in_row=MAX_ITEMS_IN_ROW)
         self._compile_pool = ThreadPoolExecutor(num_compile_threads, thread_name_prefix="grammar-compile")
         self._mask_executor = llguidance.LLExecutor(num_mask_threads)
         self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()

@@ -70,6 +70,10 @@ def append_token(
         reason = FinishReason.LENGTH
     if seq.grammar is not None and reason is None:
         reason = _advance_grammar(seq, token_id)
+    elif seq.grammar is not None and reason is FinishReason.STOP and seq.grammar.is_dead_end:
+        # llguidance in its error state (a resource limit hit computing the mask) allows EOS alone: the text is
+        # not one the grammar accepts
+        reason = FinishReason.GRAMMAR_DEAD_END
     if tokenizer is not None:
         state = seq.detokenizer_state
         if not isinstance(state, DetokenizerState):  # None until the first token

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.host.request import GuidedDecodingParams
+from jaxserve.host.request import FinishReason, GuidedDecodingParams
 from tests.support.sampling_engines import assert_idle, greedy, tiny_random_llm, token_ids
 
 PROMPT = "def forward(self, x):"
@@ -168,6 +168,30 @@ def run_to_completion(llm, request_id, prompt, params, max_steps=50):
                     llm.engine.step()
                 return output
     raise AssertionError(f"{request_id} did not finish in {max_steps} steps")
+
+
+def test_a_choice_of_thousands_of_strings_completes(llm):
+    """Past llguidance's default 2000 items in a parser row such a choice validated, then died at its first tokens."""
+    choices = [f"c{i}" for i in range(3000)]
+    params = [guided(12, seed=seed, choice=choices) for seed in (1, 2)]
+    for result in llm.generate([PROMPT] * len(params), params):
+        out = result.outputs[0]
+        assert out.finish_reason == "stop" and out.text in choices, (out.finish_reason, out.text)
+
+
+def test_eos_allowed_by_a_grammar_in_its_error_state_is_a_dead_end():
+    """llguidance in its error state (a resource limit hit computing a mask) allows EOS alone; sampling it must not
+    end the request as a complete text ("stop")."""
+    from types import SimpleNamespace
+
+    from jaxserve.host.output_processor import append_token
+    from jaxserve.host.request import SequenceState
+
+    seq = SequenceState(0, "r", [1, 2, 3], SamplingParams(max_tokens=8), 0, 0)
+    seq.grammar = SimpleNamespace(is_dead_end=True)  # pyright: ignore[reportAttributeAccessIssue]
+    assert append_token(seq, 2, None, None, frozenset({2}), 64) == FinishReason.GRAMMAR_DEAD_END
+    seq.grammar = None
+    assert append_token(seq, 2, None, None, frozenset({2}), 64) == FinishReason.STOP
 
 
 DIGITS = [51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 319, 328, 342, 345, 348, 372, 349, 379, 378, 376]

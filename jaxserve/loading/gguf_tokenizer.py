@@ -7,20 +7,21 @@ builds them:
   prefix on the first word;
 - "gpt2" (byte-level BPE), split by the regex llama.cpp's `tokenizer.ggml.pre` names (where transformers
   knows no split for a name, e.g. "smollm", llama.cpp's is used: its digits split one by one).
-Tokens typed CONTROL become special added tokens, USER_DEFINED ones plain added tokens.
+Tokens typed CONTROL (and UNKNOWN: "<unk>" in text is that token, as in transformers and llama.cpp) become
+special added tokens, USER_DEFINED ones plain added tokens.
 """
 
 from __future__ import annotations
 
 from typing import cast
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from jaxserve.loading.fast_tokenizer import FastTokenizer
 from jaxserve.loading.gguf import GGUFFile
 from jaxserve.loading.tokenizer_config import TokenizerSettings
 
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # llama.cpp's token types
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -103,7 +104,7 @@ def gguf_tokenizer(gguf: GGUFFile) -> FastTokenizer | None:
         [
             AddedToken(t, special=True, normalized=False)
             for t, kind_ in zip(tokens, types)
-            if kind_ == CONTROL and (alphabet is None or set(t) <= alphabet)
+            if kind_ in (CONTROL, UNKNOWN) and (alphabet is None or set(t) <= alphabet)
         ]
     )
     vocab = backend.get_vocab()
@@ -139,10 +140,12 @@ def _settings(gguf: GGUFFile, tokens: list[str], kind: str) -> TokenizerSettings
         for key in ("eos_token_id", "eot_token_id", "eom_token_id")
         if metadata.get(f"tokenizer.ggml.{key}") is not None
     )
+    # tokenizer.chat_template (the default) and tokenizer.chat_template.NAME; the converter's list of the names,
+    # tokenizer.chat_templates, is not a template
     templates = {
         key.removeprefix("tokenizer.chat_template").lstrip(".") or "default": value
         for key, value in metadata.items()
-        if key.startswith("tokenizer.chat_template")
+        if key == "tokenizer.chat_template" or key.startswith("tokenizer.chat_template.")
     }
     chat_template = templates.get("default") if list(templates) in ([], ["default"]) else templates
     return TokenizerSettings(
@@ -207,9 +210,11 @@ def _sentencepiece(tokens: list[str], scores: list[float], add_prefix_space: boo
             dropout=None,
         )
     )
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", split=False, prepend_scheme="first" if add_prefix_space else "never"
-    )
+    # As sentencepiece's add_dummy_prefix (and llama.cpp, and transformers' legacy Llama conversion): every piece of
+    # text between special tokens gets a "▁" first, even one that starts with a space. Metaspace's prepend_scheme
+    # "first" skipped it there (" " became "▁", not "▁▁") and after special tokens ("<s>hello").
+    spaces = normalizers.Replace(" ", "\u2581")
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), spaces]) if add_prefix_space else spaces
     chain = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(chain + [decoders.Strip(" ", 1, 0)] if add_prefix_space else chain)
     return backend

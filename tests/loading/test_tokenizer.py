@@ -165,3 +165,19 @@ def test_malformed_files_raise_value_errors_naming_them(tmp_path):
         Tokenizer.from_model_dir(str(tmp_path))
     (tmp_path / "tokenizer.model").unlink()
     assert Tokenizer.from_model_dir(str(tmp_path)) is None  # no tokenizer: token-id prompts only
+
+
+def test_gguf_named_chat_templates_exclude_the_converters_list_of_names(tmp_path):
+    """llama.cpp's converter writes tokenizer.chat_template, tokenizer.chat_template.NAME and tokenizer.chat_templates
+    (the names): the list was read as a template named "s"."""
+    config = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=96, num_attention_heads=4)
+    templates = [
+        {"name": "default", "template": "A{{ messages[0]['content'] }}"},
+        {"name": "tool_use", "template": "B"},
+    ]
+    path = str(tmp_path / "named.gguf")
+    write_gguf(path, config, {}, {}, tokenizer=("llama", os.path.join(SENTENCEPIECE_DIR, "tokenizer.model")),
+               chat_template=templates)  # fmt: skip
+    assert "tokenizer.chat_templates" in GGUFFile(path).metadata
+    tokenizer = gguf_tokenizer(GGUFFile(path))
+    assert tokenizer.settings.chat_template == {"default": templates[0]["template"], "tool_use": "B"}

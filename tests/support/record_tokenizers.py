@@ -253,7 +253,11 @@ def build() -> None:
     llama_metaspace()
 
 
-GGUF_TOKENIZERS = ("gguf_llama", "gguf_qwen2")  # the embedded vocabularies transformers' GGUF loader rebuilds
+# The embedded vocabularies transformers' GGUF loader rebuilds. gguf_llama's encodings of text that starts with
+# spaces or follows a special token were then set to sentencepiece's (and llama.cpp's: a dummy-prefix "\u2581" before
+# every piece of text), which transformers' GGUF converter drops there (Metaspace prepend_scheme "first"); the file's
+# "note" says so. Re-recording restores transformers' ids for those cases.
+GGUF_TOKENIZERS = ("gguf_llama", "gguf_qwen2")
 
 
 def write_tokenizer_gguf(name: str, directory: str) -> str:

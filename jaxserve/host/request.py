@@ -31,7 +31,10 @@ class GuidedDecodingParams:
                 raise ValueError(f"guided choice must be a non-empty list of strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json))  # key order kept: replies follow it
+            try:  # key order kept: replies follow it
+                object.__setattr__(self, "json", json.dumps(self.json))
+            except (TypeError, ValueError, RecursionError) as error:  # a set, a circular or too deep a schema
+                raise ValueError(f"invalid guided JSON schema: not JSON data ({error})") from None
         given = [kind for kind in GUIDED_KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"guided decoding takes exactly one of {', '.join(GUIDED_KINDS)}; got {given or 'none'}")

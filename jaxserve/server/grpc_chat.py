@@ -43,8 +43,8 @@ def tools_from_proto(tools) -> list[dict] | None:
     for position, text in enumerate(tools):
         try:
             parsed.append(json.loads(text))
-        except json.JSONDecodeError as error:
-            raise ValueError(f"tools[{position}] is not JSON: {error}") from None
+        except (json.JSONDecodeError, RecursionError) as error:  # RecursionError: nested past Python's stack
+            raise ValueError(f"tools[{position}] is not JSON (or is nested too deeply): {error}") from None
     return parsed or None
 
 

@@ -22,8 +22,10 @@ def guided_decoding_from_proto(guided: pb.GuidedDecoding) -> GuidedDecodingParam
     if kind == "json_schema":
         try:
             schema = json.loads(guided.json_schema)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"guided_decoding.json_schema is not valid JSON: {error}") from None
+        except (json.JSONDecodeError, RecursionError) as error:  # RecursionError: nested past Python's stack
+            raise ValueError(
+                f"guided_decoding.json_schema is not valid JSON (or is nested too deeply): {error}"
+            ) from None
         if not isinstance(schema, dict):
             raise ValueError("guided_decoding.json_schema must be a JSON object")
         return GuidedDecodingParams(json=guided.json_schema)

@@ -128,6 +128,8 @@ def _call_for_template(call):
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
-        raise ValueError(f"a tool call's function.arguments is not JSON: {function['arguments'][:80]!r}") from None
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's stack
+        raise ValueError(
+            f"a tool call's function.arguments is not JSON (or is nested too deeply): {function['arguments'][:80]!r}"
+        ) from None
     return {**call, "function": {**function, "arguments": arguments}}

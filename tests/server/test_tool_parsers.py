@@ -199,6 +199,10 @@ def test_hermes_reads_a_closing_tag_inside_a_string_as_text_of_the_string():
         ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "a", "argu'),
         ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool'),  # cut in the next tag
         ("llama3_json", '{"name": "a", "parameters": {}}; {"name": "a", "parameters": {"k": "v'),
+        ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n'),  # cut after the tag
+        ("hermes", '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>'),
+        ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "a", "argu'),
+        ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {}}, '),
     ],
 )
 def test_complete_calls_before_a_cut_one_are_the_reply(name, text):
@@ -262,3 +266,30 @@ def test_tool_parameters_with_local_references_constrain_the_arguments(byte_toke
         assert not accepts(byte_tokenizer, grammar, wrap(nested_call))  # "#" is the parameters, not the call
         tagged = json.dumps({"name": "make_tree", key: {"unit": "c", "tag": {"$ref": "#/not/a/reference"}}})
         assert accepts(byte_tokenizer, grammar, wrap(tagged))  # data is left as it is
+
+
+def test_arguments_that_strict_json_cannot_write_are_no_call():
+    """1e999 reads as inf, which json.dumps wrote as Infinity (clients' JSON.parse refuses it)."""
+    for text in ('{"name": "a", "parameters": {"x": 1e999}}', '{"name": "a", "parameters": {"x": NaN}}'):
+        assert tool_parser("llama3_json").parse(text).tool_calls == ()
+
+
+def test_json_nested_past_pythons_stack_is_a_value_error():
+    """5000 nested brackets made json.loads raise RecursionError: gRPC answered UNKNOWN with a traceback."""
+    from jaxserve.host.request import GuidedDecodingParams
+    from jaxserve.proto import jaxserve_pb2 as pb
+    from jaxserve.server.grpc_chat import tools_from_proto
+    from jaxserve.server.sampling_proto import guided_decoding_from_proto
+    from jaxserve.server.tool_choice import template_messages
+
+    deep = "[" * 5000 + "]" * 5000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        guided_decoding_from_proto(pb.GuidedDecoding(json_schema=deep))
+    with pytest.raises(ValueError, match="nested too deeply"):
+        tools_from_proto([deep])
+    call = {"id": "c", "type": "function", "function": {"name": "a", "arguments": deep}}
+    with pytest.raises(ValueError, match="nested too deeply"):
+        template_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
+    with pytest.raises(ValueError, match="not JSON data"):
+        GuidedDecodingParams(json={"enum": {1, 2}})
+    assert tool_parser("hermes").parse("<tool_call>\n" + deep).tool_calls == ()

@@ -46,11 +46,14 @@ def call_from_json(value, arguments_key: str = "arguments", names: Collection[st
     if isinstance(arguments, str):  # some models write the arguments as JSON text already
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    try:  # strict JSON: a number past float range (1e999) reads as inf, which json.dumps would write as Infinity
+        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+    except (ValueError, RecursionError):
+        return None
 
 
 def decode_json_values(text: str, separators: str) -> tuple[list, int]:
@@ -64,7 +67,7 @@ def decode_json_values(text: str, separators: str) -> tuple[list, int]:
             return values, at
         try:
             value, end = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return values, at
         values.append(value)
         at = end

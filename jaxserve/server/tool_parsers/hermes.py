@@ -39,7 +39,7 @@ class HermesParser(ToolParser):
             body = _skip_space(text, start + len(OPEN))
             try:
                 value, end = decoder.raw_decode(text, body)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 value, end = None, body
             call = self.call(value)
             after = _skip_space(text, end)
@@ -47,7 +47,8 @@ class HermesParser(ToolParser):
                 calls.append(call)
                 at = min(len(text), after + len(CLOSE))
                 continue
-            if calls and OPEN not in text[start + 1 :] and unterminated_json(text[body:]):
+            cut = body == len(text) or unterminated_json(text[body:])  # nothing, or part of a call, after the tag
+            if calls and OPEN not in text[start + 1 :] and cut:
                 at = len(text)  # the cut last call
                 break
             return ParsedReply(content_or_none(text))

@@ -245,6 +245,7 @@ def test_tool_parameters_with_local_references_constrain_the_arguments(byte_toke
                     "unit": {"$ref": "#/$defs/Unit"},
                     "kids": {"type": "array", "items": {"$ref": "#"}},
                     "tag": {"const": {"$ref": "#/not/a/reference"}},
+                    "default": {"$ref": "#/$defs/Unit"},  # a property named as a data keyword holds a schema
                 },
                 "required": ["unit"],
                 "additionalProperties": False,

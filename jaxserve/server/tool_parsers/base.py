@@ -120,6 +120,8 @@ def call_schema(tools: list[dict], arguments_key: str) -> dict:
 
 # Keywords whose values are data, not schemas: a "$ref" key inside them is a value, left as it is.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# keywords whose value maps names to schemas: a property may be named "default" or "enum" and hold a $ref
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def _rebased_refs(schema, base: str):
@@ -135,6 +137,8 @@ def _rebased_refs(schema, base: str):
             rebased[key] = base + value[1:]
         elif key in _DATA_KEYWORDS:
             rebased[key] = copy.deepcopy(value)
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            rebased[key] = {name: _rebased_refs(schema, base) for name, schema in value.items()}
         else:
             rebased[key] = _rebased_refs(value, base)
     return rebased

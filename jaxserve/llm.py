@@ -12,7 +12,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine import Engine
 from jaxserve.host.request import RequestOutput, SamplingParams
-from jaxserve.loading.chat_template import render_chat, template_variables, text_content
+from jaxserve.loading.chat_template import render_chat, template_messages, template_variables, text_content
 
 
 class LLM:
@@ -111,7 +111,7 @@ class LLM:
         prompts = [
             render_chat(
                 tokenizer,
-                text_content(list(conversation)),
+                template_messages(text_content(list(conversation))),  # tool calls' arguments as objects, as servers
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

@@ -270,3 +270,28 @@ def _compile(template: str) -> jinja2.Template:
         raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(), namespace=_TemplateNamespace
     )
     return environment.from_string(template)
+
+
+def template_messages(messages: list) -> list:
+    """Messages as chat templates expect them: an assistant's tool_calls with their arguments as objects
+    (OpenAI sends JSON text; templates write them with tojson), as vLLM and transformers pass them."""
+    converted = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list):
+            message = {**message, "tool_calls": [_call_for_template(call) for call in calls]}
+        converted.append(message)
+    return converted
+
+
+def _call_for_template(call):
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's stack
+        raise ValueError(
+            f"a tool call's function.arguments is not JSON (or is nested too deeply): {function['arguments'][:80]!r}"
+        ) from None
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -10,11 +10,10 @@ follows (what the template gets, whether the reply is parsed for calls, and the 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from jaxserve.host.request import GuidedDecodingParams
-from jaxserve.loading.chat_template import select_chat_template
+from jaxserve.loading.chat_template import select_chat_template, template_messages
 from jaxserve.server.tool_parsers import ToolParser, tool_parser
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -110,26 +109,4 @@ def parser_for_template(name: str, tokenizer, chat_template: str | None, tools) 
     return tool_parser(name, template_text)
 
 
-def template_messages(messages: list) -> list:
-    """Messages as chat templates expect them: an assistant's tool_calls with their arguments as objects
-    (OpenAI sends JSON text; templates write them with tojson), as vLLM and transformers pass them."""
-    converted = []
-    for message in messages:
-        calls = message.get("tool_calls") if isinstance(message, dict) else None
-        if isinstance(calls, list):
-            message = {**message, "tool_calls": [_call_for_template(call) for call in calls]}
-        converted.append(message)
-    return converted
-
-
-def _call_for_template(call):
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's stack
-        raise ValueError(
-            f"a tool call's function.arguments is not JSON (or is nested too deeply): {function['arguments'][:80]!r}"
-        ) from None
-    return {**call, "function": {**function, "arguments": arguments}}
+__all__ = ["ToolPlan", "parser_for_template", "plan_tools", "template_messages"]

@@ -63,3 +63,13 @@ def test_a_lone_surrogate_is_a_value_error_naming_it(llama_llm):
     with pytest.raises(ValueError, match="lone UTF-16 surrogate"):
         llama_llm.chat([{"role": "user", "content": "\udc00"}], chat_template=TEMPLATE)
     assert not llama_llm.engine.has_unfinished_requests()
+
+
+def test_past_tool_calls_reach_the_template_with_their_arguments_as_objects(llama_llm):
+    """As the servers pass them (tool_choice.template_messages, vLLM and transformers alike): a template writing
+    `arguments | tojson` got a JSON string of the JSON text from LLM.chat."""
+    template = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}"
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    output = llama_llm.chat(conversation, SamplingParams(max_tokens=1), chat_template=template)[0]
+    assert output.prompt == '{"city": "Paris"}'

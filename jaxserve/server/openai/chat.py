@@ -107,9 +107,7 @@ class ChatCall:
         self.group = group
         self.plan = plan
         self.reasoning = reasoning
-        self.token_text = TokenText(
-            group.engine_loop.engine.tokenizer, group.engine_loop.engine.constraints.token_bytes
-        )
+        self.token_text = TokenText.for_engine(group.engine_loop.engine)
         self.header = {
             "id": response_id("chatcmpl"),
             "created": now(),

@@ -102,9 +102,7 @@ class CompletionCall:
         self.group = group
         self.echo = echo
         self.echo_texts = echo.texts
-        self.token_text = TokenText(
-            group.engine_loop.engine.tokenizer, group.engine_loop.engine.constraints.token_bytes
-        )
+        self.token_text = TokenText.for_engine(group.engine_loop.engine)
         self.header = {
             "id": response_id("cmpl"),
             "object": "text_completion",

@@ -132,6 +132,11 @@ class TokenText:
         self.raw_bytes = raw_bytes
         self._cache: dict[int, str] = {}
 
+    @classmethod
+    def for_engine(cls, engine) -> TokenText:
+        constraints = getattr(engine, "constraints", None)  # the grammar engine's byte table, where there is one
+        return cls(engine.tokenizer, constraints.token_bytes if constraints is not None else None)
+
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:

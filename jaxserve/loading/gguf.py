@@ -327,6 +327,10 @@ def can_dequantize(qtype: GGMLQuantizationType) -> bool:
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo convert_hf_to_gguf.py's permute(): per head, rows (pair, half) -> (half, pair)."""
     rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(
+            f"{rows} rows do not split into {num_heads} heads of rotary pairs (a tensor of the wrong shape)"
+        )
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
@@ -413,7 +417,10 @@ class GGUFTensorReader:
             values = values[expert]
         projection = hf_name.split(".")[-2]
         if projection in self.rotary_heads:
-            values = unpermute_rotary_rows(values, self.rotary_heads[projection])
+            try:
+                values = unpermute_rotary_rows(values, self.rotary_heads[projection])
+            except ValueError as error:
+                raise ValueError(f"GGUF file {self.gguf.path}: tensor {name}: {error}") from None
         if self.gguf.architecture in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
             values = values - 1.0  # the converter's unit offset, which jaxserve's Gemma norms add themselves
         return values
@@ -443,7 +450,12 @@ class GGUFTensorReader:
             with open(self.gguf.path, "rb") as f:
                 f.seek(offset)
                 rows = np.fromfile(f, dtype=np.uint8, count=num_rows * row_bytes).reshape(num_rows, row_bytes)
-            return rows if rotary_heads is None else unpermute_rotary_rows(rows, rotary_heads)
+            if rotary_heads is None:
+                return rows
+            try:
+                return unpermute_rotary_rows(rows, rotary_heads)
+            except ValueError as error:
+                raise ValueError(f"GGUF file {self.gguf.path}: tensor {name}: {error}") from None
 
         depth = row_bytes // block_bytes * block_values
         return Blocks(raw, lambda: self.read(hf_name), tensor.tensor_type, num_rows, depth)

@@ -86,7 +86,13 @@ def open_gguf(path: str) -> ModelSource:
         from jaxserve.loading.weights import read_params as read_named_params
         from jaxserve.models import CHECKPOINT_NAMES
 
-        return read_named_params(abstract, gguf.tensor_reader(), CHECKPOINT_NAMES[config.model_type], dtype, placement)
+        try:
+            return read_named_params(
+                abstract, gguf.tensor_reader(), CHECKPOINT_NAMES[config.model_type], dtype, placement
+            )
+        except ValueError as error:  # a tensor of the wrong shape: its message names the tensor, this the file
+            message = str(error)
+            raise ValueError(message if path in message else f"GGUF file {path}: {message}") from None
 
     return ModelSource(
         path, config, tokenizer, gguf.checkpoint_dtype(), read_params, _gguf_description_dir(hf_config, tokenizer)

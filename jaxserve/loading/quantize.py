@@ -235,13 +235,13 @@ def load_quantized(reader, read_param, path: tuple[str, ...], shape: tuple[int, 
         tensor = read_param(reader, path, shape)
         if tuple(tensor.shape) != shape:
             raise ValueError(
-                f"checkpoint tensor for {'.'.join(path)} has shape {tuple(tensor.shape)}, config.json implies {shape}"
+                f"checkpoint tensor for {'.'.join(path)} has shape {tuple(tensor.shape)}, the model's config implies {shape}"
             )
         stored = quantize(np.asarray(tensor).T if transposed else np.asarray(tensor), spec, compute_dtype)
         del tensor
     if tuple(stored.shape) != as_stored:
         raise ValueError(
-            f"checkpoint tensor for {'.'.join(path)} has shape {stored.shape}, config.json implies {shape}"
+            f"checkpoint tensor for {'.'.join(path)} has shape {stored.shape}, the model's config implies {shape}"
         )
     return place(stored, sharding, stored_transposed=transposed)
 

@@ -100,7 +100,7 @@ def read_params(
         if tuple(tensor.shape) != expected:
             raise ValueError(
                 f"checkpoint tensor for {'.'.join(map(str, path))} has shape {tuple(tensor.shape)}, "
-                f"config.json implies {expected}"
+                f"the model's config implies {expected}"
             )
         value = jnp.asarray(tensor, dtype=dtype)
         del tensor  # the host copy goes before the next tensor is read: one tensor in flight at a time

@@ -266,6 +266,16 @@ def test_bad_gguf_files_raise_value_errors_naming_them(tmp_path):
     unsupported = fixture_gguf("llama_gqa", str(tmp_path / "iq.gguf"))
     _patch_tensor_type(unsupported, "output_norm.weight", int(T.I32))  # same size as F32; not a weight type
     refused(unsupported, r"output_norm\.weight has type I32")
+    # a tensor of the wrong shape, found when the weights are read: the file and the tensor named
+    with open(os.path.join(fixture_dir("llama_gqa"), "config.json")) as f:
+        config = json.load(f)
+    weights = dict(load_file(os.path.join(fixture_dir("llama_gqa"), "model.safetensors")))
+    for hf_name in ("model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        short = str(tmp_path / f"short_{hf_name.split('.')[-2]}.gguf")
+        write_gguf(short, config, {**weights, hf_name: weights[hf_name][:-3]}, {}, tokenizer=("llama", TOKENIZER_MODEL))
+        with pytest.raises(ValueError, match=r"(v_proj|down_proj)") as error:
+            LLM(short, **SMALL_ENGINE)
+        assert os.path.basename(short) in str(error.value)
     two = tmp_path / "two"
     two.mkdir()
     for name in ("a.gguf", "b.gguf"):

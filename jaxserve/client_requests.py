@@ -37,7 +37,8 @@ def build_sampling(
     prompt_only: bool = False,
     lora: str = "",
 ) -> pb.SamplingParams:
-    """The proto's SamplingParams; at most one guided_* constrains the output (the server refuses two)."""
+    """The proto's SamplingParams; at most one guided_* constrains the output (ValueError for two: the proto's
+    oneof would keep only the last)."""
     sampling = pb.SamplingParams(
         max_tokens=max_tokens,
         top_k=top_k,
@@ -64,6 +65,17 @@ def build_sampling(
     if seed is not None:
         sampling.seed = seed
     guided = sampling.guided_decoding
+    given = {
+        "guided_json": guided_json is not None,
+        "guided_json_object": guided_json_object,
+        "guided_regex": guided_regex is not None,
+        "guided_choice": guided_choice is not None,
+        "guided_grammar": guided_grammar is not None,
+    }
+    if sum(given.values()) > 1:
+        raise ValueError(
+            f"at most one of {', '.join(given)} constrains the output; got {[k for k, v in given.items() if v]}"
+        )
     if guided_json is not None:
         guided.json_schema = guided_json if isinstance(guided_json, str) else json.dumps(guided_json)
     if guided_json_object:

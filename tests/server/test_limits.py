@@ -180,3 +180,11 @@ def test_a_stream_stuck_handing_over_a_message_expires():
     assert not stream.is_stuck(now, 30.0) and stream.is_stuck(now + 31, 30.0)
     stream.expire()
     assert cancelled and stream.expired and stream.finished
+
+
+def test_the_client_refuses_two_guides_rather_than_keeping_the_last():
+    from jaxserve.client_requests import build_sampling
+
+    with pytest.raises(ValueError, match=r"at most one of .* got \['guided_regex', 'guided_choice'\]"):
+        build_sampling(guided_regex="[a-z]+", guided_choice=["a", "b"])
+    assert build_sampling(guided_choice=["a", "b"]).guided_decoding.WhichOneof("kind") == "choice"

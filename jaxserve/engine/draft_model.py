@@ -63,9 +63,15 @@ def build_draft(
     attention = choose_attention(model_config, config, dtype, mesh)
     expert_parallel = config.parallel.enable_expert_parallel and model_config.is_moe and mesh is not None
     quantization = QuantizationSpec(speculative.draft_quantization, config.quantization_group_size)
-    model = load_model(
-        dataclasses.replace(source, config=model_config), dtype, attention, mesh, expert_parallel, quantization
-    )
+    try:
+        model = load_model(
+            dataclasses.replace(source, config=model_config), dtype, attention, mesh, expert_parallel, quantization
+        )
+    except ValueError as error:  # e.g. a K int4's groups cannot take: say it is the draft's option
+        raise ValueError(
+            f"the speculative draft ({speculative.draft_model}, draft_quantization "
+            f"{speculative.draft_quantization}): {error}"
+        ) from None
     lora_slots = {}
     if config.lora.enabled and speculative.draft_model == "self":
         lora_slots = attach_lora(model, config, model_config, mesh, expert_parallel)

@@ -266,3 +266,9 @@ def test_a_draft_on_a_prefill_replica_is_refused():
     EngineConfig.from_options(speculative=SELF_INT8, data_parallel_size=2)  # served: per-rank draft pools
     with pytest.raises(ValueError, match="prefill replica"):
         EngineConfig.from_options(speculative=SELF_INT8, role="prefill")
+
+
+def test_a_draft_quantization_the_shapes_cannot_take_is_named_as_the_drafts():
+    """llama_mqa_odd's hidden 40 takes no int4 group: the refusal says the draft's option asked for it."""
+    with pytest.raises(ValueError, match=r"the speculative draft \(self, draft_quantization int4\): cannot quantize"):
+        LLM(fixture_dir("llama_mqa_odd"), **ENGINE, speculative={"method": "draft", "draft_quantization": "int4"})

@@ -257,7 +257,7 @@ class SpeculativeConfig:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if not isinstance(self.speculative_adaptive, bool):
             raise ValueError(f"speculative_adaptive must be true or false, got {self.speculative_adaptive!r}")
-        if self.method != "draft" and (self.draft_model != "self" or self.draft_quantization != "none"):
+        if self.method != "draft" and any(getattr(self, name) != default for name, default in DRAFT_DEFAULTS.items()):
             raise ValueError(f"draft_model and draft_quantization apply to method draft, not {self.method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(

@@ -192,18 +192,9 @@ class GGUFFile:
         if self._get("rope.scaling.type") == "linear":
             config["rope_scaling"] = dict(rope_type="linear", factor=float(self._get("rope.scaling.factor")))
         if self._get("rope.scaling.type") == "yarn":  # as llama.cpp's converter writes HF's rope_scaling yarn
-            yarn: dict[str, Any] = dict(
-                rope_type="yarn",
-                factor=float(self._get("rope.scaling.factor")),
-                original_max_position_embeddings=int(
-                    self._get("rope.scaling.original_context_length") or config["max_position_embeddings"]
-                ),
-                beta_fast=float(self._get("rope.scaling.yarn_beta_fast") or 32.0),
-                beta_slow=float(self._get("rope.scaling.yarn_beta_slow") or 1.0),
-            )
+            config["rope_scaling"] = gguf_families.yarn_scaling(self._family_metadata())
             if self._get("rope.scaling.yarn_attn_factor") is not None:
-                yarn["attention_factor"] = float(self._get("rope.scaling.yarn_attn_factor"))
-            config["rope_scaling"] = yarn
+                config["rope_scaling"]["attention_factor"] = float(self._get("rope.scaling.yarn_attn_factor"))
         if "rope_freqs.weight" in self.tensors:  # Llama 3.1's scaling, stored as per-frequency divisors
             tensor = self.tensors["rope_freqs.weight"]
             try:

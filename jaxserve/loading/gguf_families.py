@@ -120,6 +120,18 @@ class GGUFMetadata:
         return f"blk.{layer}.{name}.weight" in self.tensors
 
 
+def yarn_scaling(meta: GGUFMetadata) -> dict[str, Any]:
+    """HF's YaRN rope parameters from what llama.cpp's converter writes (rope.scaling.type yarn): the factor, the
+    original context and the ramp's betas; each family adds what else it reads."""
+    return dict(
+        rope_type="yarn",
+        factor=float(meta.required("rope.scaling.factor")),
+        original_max_position_embeddings=int(meta.required("rope.scaling.original_context_length")),
+        beta_fast=float(meta.get("rope.scaling.yarn_beta_fast") or 32.0),
+        beta_slow=float(meta.get("rope.scaling.yarn_beta_slow") or 1.0),
+    )
+
+
 def family_config(architecture: str, meta: GGUFMetadata, config: dict) -> None:
     """Turn the generic config (gguf.py's) into the family's config.json, in place."""
     family = {
@@ -180,15 +192,7 @@ def _deepseek2_config(meta: GGUFMetadata, config: dict) -> None:
         # float32 on disk: 0.1 * 0.707 reads back as 0.7070000171...
         log_multiplier = float(meta.get("rope.scaling.yarn_log_multiplier") or 0.0)
         mscale_all_dim = round(log_multiplier / YARN_LOG_MULTIPLIER_SCALE, 6)
-        rope = dict(
-            rope_type="yarn",
-            factor=float(meta.required("rope.scaling.factor")),
-            original_max_position_embeddings=int(meta.required("rope.scaling.original_context_length")),
-            beta_fast=float(meta.get("rope.scaling.yarn_beta_fast") or 32.0),
-            beta_slow=float(meta.get("rope.scaling.yarn_beta_slow") or 1.0),
-            mscale=mscale_all_dim,
-            mscale_all_dim=mscale_all_dim,
-        )
+        rope = dict(yarn_scaling(meta), mscale=mscale_all_dim, mscale_all_dim=mscale_all_dim)
     config["rope_parameters"] = {"rope_type": "default", **rope, "rope_theta": config["rope_theta"]}
 
 
@@ -243,14 +247,7 @@ def _gpt_oss_config(meta: GGUFMetadata, config: dict) -> None:
         )
     rope: dict[str, Any] = dict(rope_type="default", rope_theta=config["rope_theta"])
     if meta.get("rope.scaling.type") == "yarn":
-        rope.update(
-            rope_type="yarn",
-            factor=float(meta.required("rope.scaling.factor")),
-            original_max_position_embeddings=int(meta.required("rope.scaling.original_context_length")),
-            beta_fast=float(meta.get("rope.scaling.yarn_beta_fast") or 32.0),
-            beta_slow=float(meta.get("rope.scaling.yarn_beta_slow") or 1.0),
-            truncate=False,
-        )
+        rope.update(yarn_scaling(meta), truncate=False)
     config.pop("rope_scaling", None)
     config.update(
         model_type="gpt_oss",

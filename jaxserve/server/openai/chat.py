@@ -85,7 +85,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         request_id,
         body.session_id,
     )
-    call = ChatCall(context, body, group, plan, context.reasoning())
+    token_text = await TokenText.for_engine(group.engine_loop.engine) if body.logprobs else None
+    call = ChatCall(context, body, group, plan, context.reasoning(), token_text)
     if body.stream:
         return EventStreamResponse(call.events(), group)
     result = await until_disconnected(request.receive, call.collect())
@@ -100,14 +101,16 @@ class ChatCall:
         group: StreamGroup,
         plan: ToolPlan,
         reasoning: HarmonyReasoning | None = None,
+        token_text: TokenText | None = None,
     ):
         """reasoning: the parser that keeps a reply's reasoning out of its content (server.reasoning_parser),
-        returned as reasoning_content; None: a reply is all content."""
+        returned as reasoning_content; None: a reply is all content. token_text: the tokens' text and bytes for
+        logprobs (TokenText.for_engine; None: text only)."""
         self.body = body
         self.group = group
         self.plan = plan
         self.reasoning = reasoning
-        self.token_text = TokenText.for_engine(group.engine_loop.engine)
+        self.token_text = token_text or TokenText(group.engine_loop.engine.tokenizer)
         self.header = {
             "id": response_id("chatcmpl"),
             "created": now(),

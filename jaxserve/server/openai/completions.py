@@ -102,7 +102,7 @@ class CompletionCall:
         self.group = group
         self.echo = echo
         self.echo_texts = echo.texts
-        self.token_text = TokenText.for_engine(group.engine_loop.engine)
+        self.token_text = TokenText(group.engine_loop.engine.tokenizer)  # no `bytes` in completions' logprobs
         self.header = {
             "id": response_id("cmpl"),
             "object": "text_completion",

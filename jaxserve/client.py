@@ -38,6 +38,8 @@ class Completion:
     reasoning_content: str = ""
     # prompt_logprobs asked: {token_id: logprob} for each prompt token after the first (its own and the top)
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # the stop string or stop_token_ids entry that ended it (vLLM's stop_reason; None for EOS, length, ...)
+    stop_reason: int | str | None = None
 
     index: int = 0  # which of a request's n completions
 
@@ -49,6 +51,8 @@ class Completion:
         self.num_prompt_tokens = response.num_prompt_tokens
         self.num_cached_tokens = response.num_cached_tokens
         self.request_id = response.request_id or self.request_id
+        if (which := response.WhichOneof("stop_reason")) is not None:
+            self.stop_reason = getattr(response, which)
         self.prompt_logprobs += [
             {**{top.token_id: top.logprob for top in entry.top}, entry.token_id: entry.logprob}
             for entry in response.prompt_logprobs

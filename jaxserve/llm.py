@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine import Engine
+from jaxserve.engine.admission import prompt_input
 from jaxserve.host.request import RequestOutput, SamplingParams
 from jaxserve.loading.chat_template import render_chat, template_messages, template_variables, text_content
 
@@ -39,7 +40,8 @@ class LLM:
         session_ids: SequenceOf[str | None] | None = None,
         lora: str | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids.
+        """One RequestOutput per prompt, in order. A prompt is a string, a list of token ids, or vLLM's
+        {"prompt": text} / {"prompt_token_ids": ids}.
 
         session_ids (one per prompt) mark conversations likely to continue, whose cached pages are
         kept in preference to others for a while (the engine's session_ttl).
@@ -49,9 +51,10 @@ class LLM:
         Every prompt is validated before any is queued, so a bad one raises ValueError and leaves the
         engine as it was.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        one_id_list = isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        if isinstance(prompts, (str, dict)) or one_id_list:
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [prompt_input(prompt) for prompt in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

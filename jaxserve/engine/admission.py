@@ -4,6 +4,8 @@ these on its handler threads (a grammar compiles there, not on the engine loop).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxserve.config import EngineRole
@@ -13,6 +15,22 @@ from jaxserve.host.page_allocator import num_pages_for
 from jaxserve.host.request import SamplingParams
 
 
+def prompt_input(prompt):
+    """A prompt as a string or token ids, from vLLM's dict forms too ({"prompt": text} / {"prompt_token_ids":
+    ids}); a dict with anything else (multi_modal_data, ...) is refused rather than partly honoured."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and not isinstance(prompt["prompt_token_ids"], str):
+        return prompt["prompt_token_ids"]  # tokenize checks they are token ids
+    raise ValueError(
+        'a prompt dict takes exactly one of "prompt" (text) or "prompt_token_ids" (token ids), got '
+        f"{ {str(key): type(value).__name__ for key, value in prompt.items()} }"
+    )
+
+
 class RequestChecks:
     def __init__(self, parts: EngineParts, constraints: RowConstraints):
         self.parts = parts
@@ -20,7 +38,8 @@ class RequestChecks:
         self.vocab_size = parts.source.config.vocab_size
         self.constraints = constraints
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
+        prompt = prompt_input(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -36,10 +55,31 @@ class RequestChecks:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return [int(t) for t in prompt]
 
+    def room(self, prompt_token_ids: list[int]) -> int:
+        """Tokens a sequence may generate after this prompt: what max_model_len and the KV cache leave."""
+        page_size = self.parts.config.cache.page_size
+        most = min(self.parts.max_model_len, self.parts.schedulers[0].allocator.num_usable_pages * page_size)
+        return max(most - len(prompt_token_ids), 0)
+
+    def with_max_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """params with max_tokens None (vLLM's "until the context ends") made the room the prompt leaves."""
+        if params.max_tokens is not None:
+            return params
+        room = self.room(prompt_token_ids)
+        if room < 1:
+            raise ValueError(
+                f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within max_model_len "
+                f"({self.parts.max_model_len}) and the KV cache"
+            )
+        if params.min_tokens > room:
+            raise ValueError(f"min_tokens ({params.min_tokens}) is more than the {room} tokens the prompt leaves")
+        return dataclasses.replace(params, max_tokens=room)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         config, max_model_len = self.parts.config, self.parts.max_model_len
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        params = self.with_max_tokens(prompt_token_ids, params)
         total = len(prompt_token_ids) + params.max_tokens
         if total > max_model_len:
             raise ValueError(

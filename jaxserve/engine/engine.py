@@ -23,7 +23,7 @@ from jaxserve.device.step_inputs import StepShape, chunk_token_slots, step_shape
 from jaxserve.device.verify_inputs import verify_step_shape
 from jaxserve.disagg.roles import handovers_for
 from jaxserve.distributed.runtime import ProcessGroup
-from jaxserve.engine.admission import RequestChecks
+from jaxserve.engine.admission import RequestChecks, prompt_input
 from jaxserve.engine.builder import EngineParts, build_engine
 from jaxserve.engine.constraints import RowConstraints
 from jaxserve.engine.device_clock import DeviceClock
@@ -112,7 +112,7 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
         return self.admission.tokenize(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -120,7 +120,7 @@ class Engine:
         self.lora_adapter(params)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, session_id: str | None = None
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, session_id: str | None = None
     ) -> None:
         """Queue a request on the least loaded rank. A session_id hints that the conversation will
         continue: its pages are kept in preference to others for session_ttl seconds after it finishes."""
@@ -128,7 +128,9 @@ class Engine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = prompt_input(prompt)
         prompt_token_ids = self.tokenize(prompt)
+        params = self.admission.with_max_tokens(prompt_token_ids, params)
         self.validate(prompt_token_ids, params)
         adapter = self.lora_adapter(params)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))

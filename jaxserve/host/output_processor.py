@@ -62,10 +62,10 @@ def append_token(
         seq.output_logprobs.append(logprobs)
     reason = None
     may_stop = len(seq.output_token_ids) >= seq.params.min_tokens
-    if may_stop and (
-        token_id in seq.params.stop_token_id_set or (not seq.params.ignore_eos and token_id in eos_token_ids)
-    ):
+    is_eos = not seq.params.ignore_eos and token_id in eos_token_ids
+    if may_stop and (is_eos or token_id in seq.params.stop_token_id_set):
         reason = FinishReason.STOP
+        seq.stop_reason = None if is_eos else token_id  # vLLM's: EOS is no stop reason, a stop token is
     elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
         reason = FinishReason.LENGTH
     if seq.grammar is not None and reason is None:
@@ -85,6 +85,10 @@ def append_token(
         if seq.params.stop and new_text and may_stop:
             index = find_stop_string(seq, new_text)
             if index != -1:
+                # the shortest stop beginning there is the one this text completed (it ends first)
+                seq.stop_reason = min(
+                    (stop for stop in seq.params.stop if seq.text.startswith(stop, index)), key=len, default=None
+                )
                 seq.text = seq.text[:index]  # the stop string never reaches the caller
                 return FinishReason.STOP
     return reason

@@ -53,7 +53,7 @@ class SamplingParams:
     """Per-request sampling, named as in vLLM. temperature 0 means greedy."""
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as max_model_len and the KV cache leave after the prompt (vLLM's)
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k cut
     top_p: float = 1.0
@@ -92,8 +92,10 @@ class SamplingParams:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
         # 0: nothing generated, the request ends after its prefill (scoring a prompt with prompt_logprobs)
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0
+        ):
+            raise ValueError(f"max_tokens must be None or an integer >= 0, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -124,7 +126,9 @@ class SamplingParams:
         if not isinstance(self.repetition_penalty, (int, float)) or not 0 < self.repetition_penalty <= 10:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        most = self.max_tokens if self.max_tokens is not None else self.min_tokens  # None: checked at admission
+        bad = isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
+        if bad or not 0 <= self.min_tokens <= most:
             raise ValueError(
                 f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
             )
@@ -231,6 +235,8 @@ class SequenceState:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    # vLLM's: the stop string or stop_token_ids entry that ended the sequence (None for EOS, length, ...)
+    stop_reason: int | str | None = None
     flushing: bool = False  # finished for its caller; runs one more step to cache its last page
     text: str = ""
     detokenizer_state: object = None
@@ -259,6 +265,12 @@ class SequenceState:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if self.params.logprobs is None:
+            return None
+        return sum(logprobs[token] for token, logprobs in zip(self.output_token_ids, self.output_logprobs))
 
     @property
     def token_ids(self) -> list[int]:
@@ -304,6 +316,10 @@ class CompletionOutput:
     # Speculative decoding: tokens proposed for this sequence and how many were accepted
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # vLLM's: the sum of the generated tokens' logprobs (None unless logprobs were asked for)
+    cumulative_logprob: float | None = None
+    # vLLM's: the stop string or stop_token_ids entry that ended the sequence (None for EOS, length, ...)
+    stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:
@@ -354,6 +370,8 @@ class Request:
                 logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
                 num_draft_tokens=seq.num_draft_tokens,
                 num_accepted_draft_tokens=seq.num_accepted_draft_tokens,
+                cumulative_logprob=seq.cumulative_logprob,
+                stop_reason=seq.stop_reason,
             )
             for i, seq in enumerate(self.seqs)
         ]

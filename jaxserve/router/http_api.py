@@ -125,6 +125,8 @@ def delta_from_response(response: pb.GenerateResponse) -> Delta:
         response.num_cached_tokens,
         response.index,
     )
+    which = response.WhichOneof("stop_reason")
+    delta.stop_reason = getattr(response, which) if which is not None else None
     if response.prompt_logprobs:  # prompt tokens 2..N (the first has none); the HTTP handlers know the ids
         delta.prompt_logprobs = [None] + [
             {**{top.token_id: top.logprob for top in entry.top}, entry.token_id: entry.logprob}

@@ -36,6 +36,7 @@ class Delta:
     # scored): the prompt's token ids and RequestOutput.prompt_logprobs (None first)
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    stop_reason: int | str | None = None  # on the last delta: the stop string or stop token that ended it
 
     def merged(self, later: Delta) -> Delta:
         logprobs = (
@@ -51,6 +52,7 @@ class Delta:
             self.index,
             self.prompt_token_ids or later.prompt_token_ids,
             self.prompt_logprobs or later.prompt_logprobs,
+            later.stop_reason,
         )
 
 
@@ -98,6 +100,7 @@ class RequestStream:
             num_prompt_tokens=len(output.prompt_token_ids),
             num_cached_tokens=output.num_cached_tokens,
             index=index,
+            stop_reason=completion.stop_reason,
         )
         scored = output.prompt_logprobs
         if scored is not None and len(scored) == len(output.prompt_token_ids) and index not in self._prompt_scored:

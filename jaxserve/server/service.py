@@ -46,6 +46,13 @@ def token_logprobs_message(token_id: int, top: dict[int, float]) -> pb.TokenLogp
     )
 
 
+def stop_reason_fields(stop_reason: int | str | None) -> dict:
+    """GenerateResponse's stop_reason oneof for a delta's stop_reason."""
+    if stop_reason is None:
+        return {}
+    return {"stop_string": stop_reason} if isinstance(stop_reason, str) else {"stop_token_id": stop_reason}
+
+
 def response_from_delta(delta: Delta, request_id: str) -> pb.GenerateResponse:
     logprobs = [token_logprobs_message(t, top) for t, top in zip(delta.token_ids, delta.logprobs or [])]
     prompt_logprobs = [
@@ -63,6 +70,7 @@ def response_from_delta(delta: Delta, request_id: str) -> pb.GenerateResponse:
         request_id=request_id,
         index=delta.index,
         prompt_logprobs=prompt_logprobs,
+        **stop_reason_fields(delta.stop_reason),
     )
 
 

@@ -109,6 +109,42 @@ def test_stop_strings_and_stop_tokens(llama_llm):
     )[0].outputs[0]
     assert by_token.finish_reason == "stop"
     assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
+    # vLLM's stop_reason says which stop ended it; the shortest of two stops that begin at one place ends first
+    assert stopped.stop_reason == stop and by_token.stop_reason == stop_token and full.stop_reason is None
+    longer = full.text[2:6]
+    both = llama_llm.generate(
+        [prompt["token_ids"]], SamplingParams(max_tokens=12, temperature=0.0, stop=[longer, stop, "\x00never"])
+    )[0].outputs[0]
+    assert both.stop_reason == stop and both.text == stopped.text
+
+
+def test_vllm_prompt_dicts_max_tokens_none_and_cumulative_logprob(llama_llm):
+    prompt = expected("llama_gqa")["prompts"][0]
+    ids = prompt["token_ids"]
+    plain = llama_llm.generate([ids], GREEDY)[0]
+    # a single dict is one prompt (not its keys), a list may mix the forms
+    one = llama_llm.generate({"prompt_token_ids": ids}, GREEDY)
+    assert len(one) == 1 and one[0].outputs[0].token_ids == plain.outputs[0].token_ids
+    mixed = llama_llm.generate([{"prompt_token_ids": ids}, ids, {"prompt": "hello"}], GREEDY)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == [plain.outputs[0].token_ids] * 2
+    assert mixed[2].prompt == "hello" and mixed[2].prompt_token_ids == llama_llm.get_tokenizer().encode("hello")
+    for bad in ({"prompt": "a", "multi_modal_data": {}}, {}, {"prompt_token_ids": "abc"}):
+        with pytest.raises(ValueError, match="prompt"):
+            llama_llm.generate([ids, bad], GREEDY)
+    assert not llama_llm.engine.has_unfinished_requests()
+    # max_tokens None: up to max_model_len (vLLM's "until the context ends")
+    unbounded = llama_llm.generate([ids], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))[0]
+    room = llama_llm.engine.parts.max_model_len - len(ids)
+    assert len(unbounded.outputs[0].token_ids) == room and unbounded.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="min_tokens"):
+        llama_llm.generate([ids], SamplingParams(max_tokens=None, min_tokens=room + 1))
+    with pytest.raises(ValueError, match="no room"):
+        llama_llm.generate([[1] * llama_llm.engine.parts.max_model_len], SamplingParams(max_tokens=None))
+    # cumulative_logprob: the sampled tokens' logprobs summed, only with logprobs asked for
+    scored = llama_llm.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, logprobs=0))[0].outputs[0]
+    total = sum(lp[t] for t, lp in zip(scored.token_ids, scored.logprobs))
+    assert scored.cumulative_logprob == pytest.approx(total) and scored.cumulative_logprob < 0
+    assert plain.outputs[0].cumulative_logprob is None
 
 
 def test_eos_stops_unless_ignored(llama_llm):
@@ -149,6 +185,8 @@ def test_bad_requests_raise_and_engine_keeps_serving(llama_llm, prompt, params, 
     "kwargs,message",
     [
         (dict(max_tokens=-1), "max_tokens"),
+        (dict(max_tokens=2.5), "max_tokens"),
+        (dict(max_tokens=4, min_tokens=5), "min_tokens"),
         (dict(temperature=-0.5), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),

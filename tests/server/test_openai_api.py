@@ -110,6 +110,19 @@ def test_stop_strings_and_completion_logprobs(client):
     stop = text[3:5]
     stopped = client.completions.create(model="llama_gqa", prompt=PROMPT, max_tokens=12, temperature=0.0, stop=stop)
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.index(stop)]
+    assert stopped.choices[0].stop_reason == stop
+    assert full.choices[0].stop_reason is None  # vLLM's: set only by a stop string or stop token
+    token = client.completions.create(
+        model="llama_gqa", prompt=[1, 5, 9], max_tokens=4, temperature=0.0, extra_body={"return_token_ids": True}
+    ).choices[0]
+    by_token = client.completions.create(
+        model="llama_gqa",
+        prompt=[1, 5, 9],
+        max_tokens=4,
+        temperature=0.0,
+        extra_body={"stop_token_ids": [token.token_ids[1]]},
+    ).choices[0]
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == token.token_ids[1]
     scored = client.completions.create(model="llama_gqa", prompt=[1, 5, 9], max_tokens=3, temperature=0.0, logprobs=2)
     logprobs = scored.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 3

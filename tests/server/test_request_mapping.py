@@ -219,3 +219,15 @@ def test_token_ids_are_json_integers_not_booleans():
     with pytest.raises(ValueError):
         ChatCompletionRequest(messages=[], stop_token_ids=[False])
     assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]] and CompletionRequest(prompt=[[3]]).prompts() == [[3]]
+
+
+@pytest.mark.parametrize("stop_reason", [None, "###", 0, 917])
+def test_a_stop_reason_survives_the_wire_to_the_router(stop_reason):
+    from jaxserve.router.http_api import delta_from_response
+    from jaxserve.server.request_stream import Delta
+    from jaxserve.server.service import response_from_delta
+
+    delta = Delta([5], "x", None, "stop", 3, 0, stop_reason=stop_reason)
+    response = response_from_delta(delta, "r")
+    assert pb.GenerateResponse.FromString(response.SerializeToString()) == response
+    assert delta_from_response(response).stop_reason == stop_reason

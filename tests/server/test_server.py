@@ -67,6 +67,11 @@ def test_text_prompts_logprobs_and_stop_strings(server):
     stop = full.text[3:5]
     stopped = client.generate("def forward(self, x):", max_tokens=12, temperature=0.0, stop=[stop])
     assert stopped.finish_reason == "stop" and stopped.text == full.text[: full.text.index(stop)]
+    assert stopped.stop_reason == stop and full.stop_reason is None
+    stop_token = full.token_ids[2]
+    by_token = client.generate("def forward(self, x):", max_tokens=12, temperature=0.0, stop_token_ids=[stop_token])
+    assert by_token.stop_reason == stop_token
+    assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
     streamed = list(client.stream([1, 5, 9], max_tokens=3, temperature=0.0, logprobs=2))
     logprobs = [lp for message in streamed for lp in message.logprobs]
     assert len(logprobs) == 3 and all(lp.logprob <= 0 and len(lp.top) >= 2 for lp in logprobs)

@@ -213,7 +213,7 @@ class ChatCall:
                 "message": message,
                 "logprobs": self.logprobs(gathered.token_ids, gathered.logprobs),
                 "finish_reason": self.finish_reason(gathered.finish_reason, calls),
-                "stop_reason": None,
+                "stop_reason": gathered.stop_reason,
             }
             if self.body.return_token_ids:
                 choice["token_ids"] = gathered.token_ids

@@ -120,6 +120,7 @@ class CompletionCall:
         finish_reason: str | None,
         text_offset: int,
         prompt_logprobs: list | None = None,
+        stop_reason: int | str | None = None,
     ) -> dict:
         """prompt_logprobs: the engine's for the choice's prompt (None first), given to the part that echoes
         the prompt when the prompt is scored; its tokens then lead the logprobs."""
@@ -131,7 +132,7 @@ class CompletionCall:
             "index": index,
             "text": text,
             "finish_reason": finish_reason,
-            "stop_reason": None,
+            "stop_reason": stop_reason,
             "logprobs": completion_logprobs(self.token_text, scored_token_ids, logprobs, text_offset)
             if self.body.logprobs is not None
             else None,
@@ -166,7 +167,14 @@ class CompletionCall:
                 text = self.echo_texts[position] + text
                 prompt_logprobs = self.scored_prompt(index, delta.prompt_logprobs)
             choice = self.choice(
-                index, text, delta.token_ids, delta.logprobs or [], delta.finish_reason, offsets[index], prompt_logprobs
+                index,
+                text,
+                delta.token_ids,
+                delta.logprobs or [],
+                delta.finish_reason,
+                offsets[index],
+                prompt_logprobs,
+                delta.stop_reason,
             )
             chunk = {**self.header, "choices": [choice]}
             offsets[index] += len(text)
@@ -195,6 +203,7 @@ class CompletionCall:
                     gathered.finish_reason,
                     0,
                     self.scored_prompt(index, gathered.prompt_logprobs),
+                    gathered.stop_reason,
                 )
             )
         return {**self.header, "choices": listed, "usage": usage.usage()}

@@ -70,6 +70,7 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # SamplingParams.prompt_logprobs
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
@@ -77,6 +78,7 @@ class Choice:
         self.logprobs += delta.logprobs or []
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
+        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
 
 
 @dataclass

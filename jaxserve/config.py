@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field, fields, replace
 
+from jaxserve.vllm_names import from_vllm_names
+
 DTYPE_NAMES = {
     "float32": "float32",
     "fp32": "float32",
@@ -422,8 +424,10 @@ class EngineConfig:
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:
-        """A config from flat option names (a group may also be given whole, by its name)."""
+        """A config from flat option names (a group may also be given whole, by its name), or vLLM's names
+        for the same things (jaxserve/vllm_names.py)."""
         names = cls.option_names()
+        options = from_vllm_names(options, set(names) | set(ENGINE_GROUPS))
         unknown = sorted(set(options) - set(names) - set(ENGINE_GROUPS))
         if unknown:
             raise ValueError(f"unknown engine options {unknown}; known: {sorted(names)}")

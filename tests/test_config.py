@@ -104,3 +104,41 @@ def test_quantization_none_is_the_default_as_vllm_spells_it():
     from jaxserve.config import EngineConfig
 
     assert EngineConfig.from_options(quantization=None).quantization == "none"
+
+
+def test_vllm_engine_argument_names_map_onto_jaxserve_options():
+    config = EngineConfig.from_options(
+        block_size=32,
+        kv_cache_dtype="fp8",
+        enable_lora=True,
+        max_lora_rank=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5},
+        trust_remote_code=True,
+        enforce_eager=True,
+    )
+    assert (config.cache.page_size, config.cache.kv_dtype) == (32, "float8_e4m3")
+    assert (config.lora.max_adapters, config.lora.max_rank) == (1, 8)
+    assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("ngram", 3)
+    assert config.speculative.prompt_lookup_max == 5
+    draft = EngineConfig.from_options(speculative_config={"model": "self", "quantization": "int4"}, max_loras=3)
+    assert (draft.speculative.method, draft.speculative.draft_quantization) == ("draft", "int4")
+    assert draft.lora.max_adapters == 3
+    assert EngineConfig.from_options(speculative_config=None).speculative.method is None
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(gpu_memory_utilization=0.9), "kv_cache_memory_gib"),
+        (dict(tokenizer="x"), "tokenizer"),
+        (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype 'fp8_e5m2'"),
+        (dict(block_size=16, page_size=16), "page_size given twice"),
+        (dict(speculative_config={"method": "eagle"}), "unknown speculative method 'eagle'"),
+        (dict(speculative_config={"draft_tensor_parallel_size": 2}), "draft_tensor_parallel_size"),
+        (dict(speculative_config="ngram"), "must be a dict"),
+        (dict(max_num_seq=4), "unknown engine options"),
+    ],
+)
+def test_vllm_names_jaxserve_cannot_honour_are_refused_with_a_pointer(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_options(**options)

@@ -36,6 +36,7 @@ def build_sampling(
     prompt_logprobs: int | None = None,
     prompt_only: bool = False,
     lora: str = "",
+    include_stop_str_in_output: bool = False,
 ) -> pb.SamplingParams:
     """The proto's SamplingParams; at most one guided_* constrains the output (ValueError for two: the proto's
     oneof would keep only the last)."""
@@ -56,6 +57,7 @@ def build_sampling(
         allowed_token_ids=allowed_token_ids or [],
         prompt_only=prompt_only,
         lora=lora,
+        include_stop_str_in_output=include_stop_str_in_output,
     )
     if prompt_logprobs is not None:
         sampling.prompt_logprobs = prompt_logprobs

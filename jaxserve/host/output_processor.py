@@ -89,7 +89,9 @@ def append_token(
                 seq.stop_reason = min(
                     (stop for stop in seq.params.stop if seq.text.startswith(stop, index)), key=len, default=None
                 )
-                seq.text = seq.text[:index]  # the stop string never reaches the caller
+                # the stop string reaches the caller only when asked for; what follows it never does
+                keep = len(seq.stop_reason) if seq.params.include_stop_str_in_output and seq.stop_reason else 0
+                seq.text = seq.text[: index + keep]
                 return FinishReason.STOP
     return reason
 

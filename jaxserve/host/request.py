@@ -81,6 +81,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | list[int] | None = None  # only these may be generated
     guided_decoding: GuidedDecodingParams | None = None
     lora: str | None = None  # the name of a loaded LoRA adapter to generate with (None: the base model)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends the text stays in it
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -115,6 +116,8 @@ class SamplingParams:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         self._check_controls()
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise ValueError(f"lora must be the name of a loaded LoRA adapter, got {self.lora!r}")
 

@@ -86,6 +86,7 @@ def sampling_params_from_proto(
         guided_decoding=guided or tool_guide,
         prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
         lora=sampling.lora or None,
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
     )
 
 
@@ -122,6 +123,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         guided_decoding=guided_decoding_to_proto(params.guided_decoding),
         prompt_only=params.max_tokens == 0,
         lora=params.lora or "",
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
     if params.seed is not None:
         sampling.seed = params.seed

@@ -116,6 +116,11 @@ def test_stop_strings_and_stop_tokens(llama_llm):
         [prompt["token_ids"]], SamplingParams(max_tokens=12, temperature=0.0, stop=[longer, stop, "\x00never"])
     )[0].outputs[0]
     assert both.stop_reason == stop and both.text == stopped.text
+    kept = llama_llm.generate(
+        [prompt["token_ids"]],
+        SamplingParams(max_tokens=12, temperature=0.0, stop=[stop], include_stop_str_in_output=True),
+    )[0].outputs[0]
+    assert kept.text == stopped.text + stop and kept.token_ids == stopped.token_ids
 
 
 def test_vllm_prompt_dicts_max_tokens_none_and_cumulative_logprob(llama_llm):

@@ -111,6 +111,15 @@ def test_stop_strings_and_completion_logprobs(client):
     stopped = client.completions.create(model="llama_gqa", prompt=PROMPT, max_tokens=12, temperature=0.0, stop=stop)
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.index(stop)]
     assert stopped.choices[0].stop_reason == stop
+    kept = client.completions.create(
+        model="llama_gqa",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0.0,
+        stop=stop,
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].text == stopped.choices[0].text + stop
     assert full.choices[0].stop_reason is None  # vLLM's: set only by a stop string or stop token
     token = client.completions.create(
         model="llama_gqa", prompt=[1, 5, 9], max_tokens=4, temperature=0.0, extra_body={"return_token_ids": True}

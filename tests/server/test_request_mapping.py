@@ -165,7 +165,9 @@ def test_sampling_params_survive_the_proto_both_ways():
         min_tokens=2,
         bad_words=["x"],
         allowed_token_ids=[4, 5],
+        include_stop_str_in_output=True,
     )
+    assert params.include_stop_str_in_output
     for guided in (
         None,
         GuidedDecodingParams(json=SCHEMA),
@@ -194,7 +196,6 @@ def test_proto_sampling_is_checked_against_the_limits():
     "field,value",
     [
         ("prompt_logprobs", 1),
-        ("include_stop_str_in_output", True),
         ("use_beam_search", True),
         ("truncate_prompt_tokens", 8),
         ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
@@ -205,7 +206,7 @@ def test_vllm_fields_the_server_does_not_honour_are_refused_not_ignored(field, v
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True, **{field: value})
     with pytest.raises(ValueError, match=field.split("_options")[0]):
         chat.check(LIMITS, "r1")
-    neutral = {"prompt_logprobs": None, "include_stop_str_in_output": False, "use_beam_search": False}
+    neutral = {"prompt_logprobs": None, "use_beam_search": False}
     if field in neutral:  # their neutral values, as clients that fill every field send them, pass
         ChatCompletionRequest(messages=[], **{field: neutral[field]}).check(LIMITS, "r1")
     if field != "echo":

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible API, as vLLM's server accepts them (its extras included:
 top_k, min_p, ignore_eos, stop_token_ids, session_id, request_id, return_token_ids, repetition_penalty,
-min_tokens, bad_words, allowed_token_ids and the guided_* fields).
+min_tokens, bad_words, allowed_token_ids, include_stop_str_in_output and the guided_* fields).
 
 Fields the engine cannot honour are refused with the reason rather than silently ignored when a
 client sets them to anything but their neutral value (best_of, suffix, the legacy functions, UNHONOURED_FIELDS,
@@ -27,7 +27,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's and OpenAI's default for /v1/comple
 # declared (extra="ignore" would drop them unseen) so that any other value is refused, not ignored.
 UNHONOURED_FIELDS: dict[str, Any] = {
     "prompt_logprobs": None,  # prompts are scored by echo with logprobs on /v1/completions
-    "include_stop_str_in_output": False,
     "use_beam_search": False,
     "truncate_prompt_tokens": None,
 }
@@ -68,6 +67,7 @@ class SamplingRequest(BaseModel):
     min_tokens: int | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
     # constrained output (structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -151,6 +151,7 @@ class SamplingRequest(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             guided_decoding=guided,
             prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
         # normalized to (token id, bias) pairs by SamplingParams
         request_limits.check_vocabulary(limits, [t for t, _ in params.logit_bias or ()], "logit_bias keys")

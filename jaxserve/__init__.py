@@ -22,16 +22,33 @@ _LAZY = {
     "LLM": "jaxserve.llm",
     "CompletionOutput": "jaxserve.host.request",
     "EngineConfig": "jaxserve.config",
+    "GuidedDecodingParams": "jaxserve.host.request",
+    "StructuredOutputsParams": "jaxserve.host.request",
     "ModelConfig": "jaxserve.models.config",
     "RequestOutput": "jaxserve.host.request",
     "SamplingParams": "jaxserve.host.request",
 }
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "ModelConfig", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "GuidedDecodingParams",
+    "ModelConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports them
     from jaxserve.config import EngineConfig
-    from jaxserve.host.request import CompletionOutput, RequestOutput, SamplingParams
+    from jaxserve.host.request import (
+        CompletionOutput,
+        GuidedDecodingParams,
+        RequestOutput,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
     from jaxserve.llm import LLM
     from jaxserve.models.config import ModelConfig
 

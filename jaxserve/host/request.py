@@ -48,6 +48,9 @@ class GuidedDecodingParams:
         return next(kind for kind in GUIDED_KINDS if getattr(self, kind) not in (None, False))
 
 
+StructuredOutputsParams = GuidedDecodingParams  # vLLM's newer name for the same parameters
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling, named as in vLLM. temperature 0 means greedy."""
@@ -80,10 +83,16 @@ class SamplingParams:
     )
     allowed_token_ids: tuple[int, ...] | list[int] | None = None  # only these may be generated
     guided_decoding: GuidedDecodingParams | None = None
+    structured_outputs: GuidedDecodingParams | None = None  # vLLM's newer name for guided_decoding (moved there)
     lora: str | None = None  # the name of a loaded LoRA adapter to generate with (None: the base model)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends the text stays in it
 
     def __post_init__(self):
+        if self.structured_outputs is not None:
+            if self.guided_decoding is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+            object.__setattr__(self, "guided_decoding", self.structured_outputs)
+            object.__setattr__(self, "structured_outputs", None)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         stop_token_ids = tuple(int(t) for t in (self.stop_token_ids or ()))

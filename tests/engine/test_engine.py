@@ -236,3 +236,12 @@ def test_stats_report_device_bytes_of_weights_and_kv_pages():
     assert stats["weights_device_bytes"] == weights > 0
     page_bytes = KVPages.bytes_per_page(config.num_layers, 16, config.num_kv_heads, config.head_dim, "float32")
     assert stats["kv_cache_device_bytes"] == 32 * page_bytes
+
+
+def test_structured_outputs_is_vllms_newer_name_for_guided_decoding():
+    from jaxserve import GuidedDecodingParams, StructuredOutputsParams
+
+    guide = StructuredOutputsParams(choice=["yes", "no"])
+    assert SamplingParams(structured_outputs=guide).guided_decoding == GuidedDecodingParams(choice=("yes", "no"))
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(structured_outputs=guide, guided_decoding=guide)

@@ -23,6 +23,7 @@ _LAZY = {
     "CompletionOutput": "jaxserve.host.request",
     "EngineConfig": "jaxserve.config",
     "GuidedDecodingParams": "jaxserve.host.request",
+    "LoRARequest": "jaxserve.lora.request",
     "StructuredOutputsParams": "jaxserve.host.request",
     "ModelConfig": "jaxserve.models.config",
     "RequestOutput": "jaxserve.host.request",
@@ -34,6 +35,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "GuidedDecodingParams",
+    "LoRARequest",
     "ModelConfig",
     "RequestOutput",
     "SamplingParams",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ impo
         StructuredOutputsParams,
     )
     from jaxserve.llm import LLM
+    from jaxserve.lora.request import LoRARequest
     from jaxserve.models.config import ModelConfig
 
 

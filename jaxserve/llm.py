@@ -14,6 +14,7 @@ from jaxserve.engine import Engine
 from jaxserve.engine.admission import prompt_input
 from jaxserve.host.request import RequestOutput, SamplingParams
 from jaxserve.loading.chat_template import render_chat, template_messages, template_variables, text_content
+from jaxserve.lora.request import LoRARequests
 
 
 class LLM:
@@ -31,6 +32,7 @@ class LLM:
             engine_options["adapters"] = lora_adapters
         self.engine = Engine.from_model(model, EngineConfig.from_options(**engine_options), process_group)
         self._request_ids = itertools.count()
+        self._lora_requests = LoRARequests(self.engine)
 
     def generate(
         self,
@@ -39,6 +41,7 @@ class LLM:
         use_tqdm: bool | None = None,
         session_ids: SequenceOf[str | None] | None = None,
         lora: str | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string, a list of token ids, or vLLM's
         {"prompt": text} / {"prompt_token_ids": ids}.
@@ -47,6 +50,8 @@ class LLM:
         kept in preference to others for a while (the engine's session_ttl).
 
         lora: the name of a loaded LoRA adapter for every prompt whose SamplingParams name none.
+        lora_request: vLLM's LoRARequest (jaxserve.LoRARequest, or vllm's own), one for every prompt or a list
+        with one per prompt: the adapter is loaded on first use (jaxserve/lora/request.py).
 
         Every prompt is validated before any is queued, so a bad one raises ValueError and leaves the
         engine as it was.
@@ -61,13 +66,15 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-        if lora is not None:
-            sampling_params = [
-                dataclasses.replace(params, lora=lora)
-                if isinstance(params, SamplingParams) and params.lora is None
-                else params
-                for params in sampling_params
-            ]
+        if lora is not None and lora_request is not None:
+            raise ValueError("give lora (an adapter's name) or lora_request, not both")
+        names = [lora] * len(prompts) if lora_request is None else self._lora_requests.names(lora_request, len(prompts))
+        sampling_params = [
+            dataclasses.replace(params, lora=name)
+            if name is not None and isinstance(params, SamplingParams) and params.lora is None
+            else params
+            for params, name in zip(sampling_params, names)
+        ]
         for prompt, params in zip(prompts, sampling_params):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -100,6 +107,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list | None = None,
         chat_template_kwargs: dict | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role": ..., "content": ...} messages) or a list of
         them, each rendered with the model's chat template (or chat_template: a template, or the name of
@@ -125,7 +133,7 @@ class LLM:
         ]
         # The template writes its own BOS where the model wants one.
         token_ids = [tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
-        outputs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for output, prompt in zip(outputs, prompts):
             output.prompt = prompt
         return outputs

@@ -234,3 +234,33 @@ def test_handed_over_sequences_carry_their_adapter(llm):
     assert engine.new_sequence("plain", PROMPTS[0], greedy(None), sampling_seed=0).lora_slot == 0
     with pytest.raises(ValueError, match="unknown LoRA adapter 'elsewhere'"):
         engine.new_sequence("missing", PROMPTS[0], greedy("elsewhere"), sampling_seed=0)
+
+
+def test_vllm_lora_requests_load_on_first_use_and_take_the_least_recently_used_slot():
+    """vLLM's offline LoRA code as it is written: enable_lora / max_loras / max_lora_rank and a LoRARequest per
+    call. Two slots for three adapters: the third's first use unloads the least recently used."""
+    from jaxserve import LoRARequest
+
+    engine = {name: value for name, value in LORA_ENGINE.items() if name != "lora"}
+    vllm_llm = LLM(BASE_MODEL, enable_lora=True, max_loras=2, max_lora_rank=8, **engine)
+    requests = {name: LoRARequest(name, number + 1, adapter_dir(name)) for number, name in enumerate(ADAPTER_NAMES)}
+    first, second, third = ADAPTER_NAMES
+
+    def run(names, index=1):
+        lora = [requests[name] if name else None for name in names]
+        outputs = vllm_llm.generate([PROMPTS[index]] * len(names), greedy(None), lora_request=lora)
+        assert [o.outputs[0].token_ids for o in outputs] == [want(name, index) for name in names]
+
+    run([first, None, second])
+    assert sorted(vllm_llm.engine.parts.lora.adapters) == sorted([first, second])
+    run([first])  # second is now the least recently used
+    vllm_llm.generate(PROMPTS[2], greedy(None), lora_request=requests[third])
+    assert sorted(vllm_llm.engine.parts.lora.adapters) == sorted([first, third])
+    run([second, third], index=0)  # first goes
+    with pytest.raises(ValueError, match="3 LoRA adapters at once, more than the engine's 2 slots"):
+        run([first, second, third])
+    with pytest.raises(ValueError, match="already loaded from"):
+        vllm_llm.generate(PROMPTS[0], greedy(None), lora_request=LoRARequest(second, 9, adapter_dir(first)))
+    with pytest.raises(ValueError, match="not both"):
+        vllm_llm.generate(PROMPTS[0], greedy(None), lora="x", lora_request=requests[first])
+    assert vllm_llm.stats()["num_compiles_after_warmup"] == 0

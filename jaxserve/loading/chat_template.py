@@ -78,6 +78,8 @@ def render_chat(
             "message, the other starts a new assistant message"
         )
     template, source = select_chat_template(tokenizer, chat_template, tools)
+    # text parts stay a list for a template that loops over them (vLLM's "openai" content format), else joined
+    messages = text_content(messages, join_parts=not loops_over_content(template))
     messages = _alias_reasoning_fields([_drop_none(m) for m in plain_data(messages)])
     if any(not isinstance(m, dict) for m in messages):
         raise ValueError("chat messages must be dicts like {'role': 'user', 'content': '...'}")
@@ -123,10 +125,11 @@ def template_variables(chat_template_kwargs) -> dict:
     return dict(chat_template_kwargs)
 
 
-def text_content(messages: list) -> list:
+def text_content(messages: list, join_parts: bool = True) -> list:
     """Messages whose content is OpenAI-style text parts ([{"type": "text", "text": ...}]) with the parts
-    joined into one string, as vLLM gives text-only templates. ValueError for any other part (an image, audio):
-    every model served is a text model (a multimodal checkpoint's vision tower is not loaded)."""
+    joined into one string, as vLLM gives templates that take content as a string (join_parts False: left as
+    parts). ValueError for any other part (an image, audio): every model served is a text model (a multimodal
+    checkpoint's vision tower is not loaded)."""
     flattened = []
     for position, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
@@ -136,7 +139,11 @@ def text_content(messages: list) -> list:
                     f"messages[{position}].content[{index}] is a {part.get('type')!r} part: only text is "
                     f"accepted (this server serves text models; a multimodal checkpoint's vision tower is not loaded)"
                 )
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        if (
+            join_parts
+            and isinstance(content, list)
+            and all(isinstance(p, dict) and p.get("type") == "text" for p in content)
+        ):
             message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
         flattened.append(message)
     return flattened
@@ -261,7 +268,39 @@ class _Generation(jinja2.ext.Extension):
 
 
 @functools.lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
+def loops_over_content(template: str) -> bool:
+    """Whether the template iterates over a message's content (`{% for part in message['content'] %}`, also
+    through a variable set from it or a filter on it): such templates (Gemma 3, Llama 4, Mistral 3, Qwen-VL) take
+    OpenAI's list of parts, which vLLM (its "openai" content format) and transformers pass them unchanged."""
+    try:
+        tree = _environment().parse(template)
+    except jinja2.TemplateError:
+        return False  # rendering reports it
+
+    def reads_content(node) -> bool:
+        while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)):
+            node = node.node
+        if isinstance(node, jinja2.nodes.Getattr):
+            return node.attr == "content"
+        return (
+            isinstance(node, jinja2.nodes.Getitem)
+            and isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == "content"
+        )
+
+    content_names = {
+        target.name
+        for assign in tree.find_all(jinja2.nodes.Assign)
+        if reads_content(assign.node)
+        for target in ([assign.target] if isinstance(assign.target, jinja2.nodes.Name) else [])
+    }
+    return any(
+        reads_content(loop.iter) or (isinstance(loop.iter, jinja2.nodes.Name) and loop.iter.name in content_names)
+        for loop in tree.find_all(jinja2.nodes.For)
+    )
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
     environment = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
     )
@@ -269,7 +308,12 @@ def _compile(template: str) -> jinja2.Template:
     environment.globals.update(
         raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(), namespace=_TemplateNamespace
     )
-    return environment.from_string(template)
+    return environment
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    return _environment().from_string(template)
 
 
 def template_messages(messages: list) -> list:

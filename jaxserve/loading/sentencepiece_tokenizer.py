@@ -42,17 +42,28 @@ class SentencePieceTokenizer(Tokenizer):
         }
         settings = _with_default_special_tokens(settings, defaults)
         self._piece_ids = {self.processor.IdToPiece(i): i for i in range(self.processor.GetPieceSize())}
+        # tokenizer_config.json's added tokens past the model's pieces (an old ChatML fine-tune's <|im_start|> /
+        # <|im_end|> at 32000+), as transformers appends them: ids, text, and special ones skipped when asked
+        self._added = {
+            token_id: token
+            for token, token_id in zip(settings.added_tokens, settings.added_token_ids)
+            if token_id >= self.processor.GetPieceSize() and token.content not in self._piece_ids
+        }
+        self._added_ids = {token.content: token_id for token_id, token in self._added.items()}
         super().__init__(settings)
         named = set(settings.special_tokens.values()) | set(settings.extra_special_tokens)
         named |= {token.content for token in settings.added_tokens}
         # Special tokens written in the text (a chat template's "<s>") encode as themselves, as in transformers.
-        matched = sorted((t for t in named if t in self._piece_ids), key=len, reverse=True)
+        matched = sorted(
+            (t for t in named | set(self._added_ids) if self.token_to_id(t) is not None), key=len, reverse=True
+        )
         self._special_pattern = re.compile("|".join(map(re.escape, matched))) if matched else None
+        pieces = self.processor.GetPieceSize()
         self.special_ids = frozenset(
             i
-            for i in range(self.vocab_size)
+            for i in range(pieces)
             if self.processor.IsControl(i) or self.processor.IsUnknown(i) or self.processor.IdToPiece(i) in named
-        )
+        ) | {i for i, token in self._added.items() if token.special or token.content in named}
         chain = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         if proto.normalizer_spec.add_dummy_prefix:
             chain.append(decoders.Strip(" ", 1, 0))  # the space sentencepiece put before the first word
@@ -60,36 +71,53 @@ class SentencePieceTokenizer(Tokenizer):
         self.cleans_up_spaces = (
             settings.clean_up_tokenization_spaces and proto.trainer_spec.model_type != SENTENCEPIECE_BPE
         )
+        # transformers 5 reads a LlamaTokenizer directory through a Metaspace pre-tokenizer: the "▁" sentencepiece
+        # puts before text goes only where text starts (legacy false, the default) or after every special token
+        # (legacy true), and never before text that starts with a space. Without that class: sentencepiece's rule.
+        self.metaspace = settings.llama_tokenizer_class and bool(proto.normalizer_spec.add_dummy_prefix)
+        self.prefix_after_special = bool(settings.legacy)
+        unk = self.processor.IdToPiece(self.processor.unk_id()) if self.processor.unk_id() >= 0 else "<unk>"
+        self._unk_text, self._unk_length = unk, len(self.processor.EncodeAsIds(unk))
 
     @property
     def vocab_size(self) -> int:
-        return self.processor.GetPieceSize()
+        return max(self.processor.GetPieceSize(), max(self._added, default=-1) + 1)
 
     def token_to_id(self, token: str | None) -> int | None:
-        return self._piece_ids.get(token) if token is not None else None
+        if token is None:
+            return None
+        return self._piece_ids.get(token, self._added_ids.get(token))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         check_unicode(text)
         token_ids, start = [], 0
         for match in self._special_pattern.finditer(text) if self._special_pattern is not None else ():
             if match.start() > start:
-                token_ids += self.processor.EncodeAsIds(text[start : match.start()])
-            token_ids.append(self._piece_ids[match.group()])
+                token_ids += self._encode_text(text[start : match.start()], starts_the_text=start == 0)
+            token_ids.append(self.token_to_id(match.group()))
             start = match.end()
         if start < len(text):
-            token_ids += self.processor.EncodeAsIds(text[start:])
+            token_ids += self._encode_text(text[start:], starts_the_text=start == 0)
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             token_ids = [self.bos_token_id] + token_ids
         if add_special_tokens and self.add_eos_token and self.eos_token_id is not None:
             token_ids = token_ids + [self.eos_token_id]
         return token_ids
 
+    def _encode_text(self, text: str, starts_the_text: bool) -> list[int]:
+        if not self.metaspace or (
+            (starts_the_text or self.prefix_after_special) and not text.startswith((" ", "\u2581"))
+        ):
+            return self.processor.EncodeAsIds(text)
+        # no "▁" before it: transformers' own way, the unknown token's text in front then its pieces dropped
+        return self.processor.EncodeAsIds(self._unk_text + text)[self._unk_length :]
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        size = self.vocab_size
-        pieces = [
-            self.processor.IdToPiece(int(t))
+        size = self.processor.GetPieceSize()
+        pieces = [  # added tokens as their text, through the same decoder chain as the pieces (as tokenizers does)
+            self.processor.IdToPiece(int(t)) if t < size else self._added[int(t)].content
             for t in token_ids
-            if 0 <= t < size and not (skip_special_tokens and t in self.special_ids)
+            if (0 <= t < size or int(t) in self._added) and not (skip_special_tokens and t in self.special_ids)
         ]
         text = self.decoder.decode(pieces)
         return clean_up_tokenization(text) if self.cleans_up_spaces else text

@@ -27,10 +27,14 @@ class TokenizerSettings:
     eos_tokens: tuple[str, ...] = ()  # every eos_token text (a config may list several)
     extra_special_tokens: tuple[str, ...] = ()
     added_tokens: tuple[AddedToken, ...] = ()  # added_tokens_decoder, in id order
+    added_token_ids: tuple[int, ...] = ()  # their ids (added_tokens_decoder's keys)
     config_eos_token_ids: tuple[int, ...] = ()  # config.json and generation_config.json together
     chat_template: str | dict[str, str] | None = None
     chat_template_source: str | None = None  # the file the template came from, for errors
     clean_up_tokenization_spaces: bool = False
+    # transformers' LlamaTokenizer over a sentencepiece model (tokenizer_class), and its `legacy` flag (None: unset)
+    llama_tokenizer_class: bool = False
+    legacy: bool | None = None
 
 
 def _read_json(path: str):
@@ -110,7 +114,9 @@ def read_tokenizer_settings(model_dir: str) -> TokenizerSettings:
     extra = list(extra.values()) if isinstance(extra, dict) else list(extra)
     decoder = config.get("added_tokens_decoder") or {}
     try:
-        added = tuple(_added_token(decoder[key], config_path) for key in sorted(decoder, key=int))
+        keys = sorted(decoder, key=int)
+        added_ids = tuple(int(key) for key in keys)
+        added = tuple(_added_token(decoder[key], config_path) for key in keys)
     except (ValueError, TypeError) as error:
         raise ValueError(f"malformed {config_path}: added_tokens_decoder: {error}") from None
     model_config = _read_json(os.path.join(model_dir, "config.json")) or {}
@@ -125,9 +131,12 @@ def read_tokenizer_settings(model_dir: str) -> TokenizerSettings:
         extra_special_tokens=tuple(t for t in (token_text(v, config_path) for v in extra) if t is not None)
         + eos_tokens[1:],
         added_tokens=added,
+        added_token_ids=added_ids,
         config_eos_token_ids=_eos_ids(model_config.get("eos_token_id"))
         + _eos_ids(generation_config.get("eos_token_id")),
         chat_template=chat_template,
         chat_template_source=template_source,
         clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+        llama_tokenizer_class=config.get("tokenizer_class") in ("LlamaTokenizer", "LlamaTokenizerFast"),
+        legacy=config.get("legacy") if isinstance(config.get("legacy"), bool) else None,
     )

@@ -58,7 +58,7 @@ def chat_prompt_token_ids(
     request_limits.check_text(limits, message_text(messages), "the messages")
     text = render_chat(
         tokenizer,
-        text_content(messages),
+        messages,
         chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,

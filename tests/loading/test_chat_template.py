@@ -1,11 +1,12 @@
 """Chat templates render as transformers' apply_chat_template(..., tokenize=False) does (recorded by
 tests/support/record_tokenizers.py), sandboxed, with clear errors."""
 
+import os
 from datetime import datetime
 
 import pytest
 
-from jaxserve.loading.chat_template import render_chat, text_content
+from jaxserve.loading.chat_template import loops_over_content, render_chat, text_content
 from tests.loading.test_tokenizer import FAST_TOKENIZERS, load, recorded
 
 
@@ -84,6 +85,29 @@ def test_transformers_extras():
 def test_text_parts_are_joined_for_text_templates():
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert text_content(messages) == [{"role": "user", "content": "a\nb"}]
+
+
+def test_templates_that_loop_over_content_get_the_parts():
+    """Gemma 3's template (as its tokenizer_config.json ships it) loops over a message's parts: it gets them as a
+    list, as transformers passes them and vLLM's "openai" content format does (joined, the parts rendered
+    "Hello \n world" and a system message's parts both, where the template takes the first part only); a template
+    that reads content as text gets the parts joined. Expected: transformers 5.25's apply_chat_template."""
+    tokenizer = load("llama_metaspace")
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "gemma3_chat_template.jinja")) as f:
+        gemma3 = f.read()
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": " world"}]
+    system = [{"type": "text", "text": "Sys A"}, {"type": "text", "text": "Sys B"}]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": parts}]
+    rendered = render_chat(tokenizer, messages, chat_template=gemma3, bos_token="<s>")
+    assert rendered == "<s><start_of_turn>user\nSys A\n\nHelloworld<end_of_turn>\n<start_of_turn>model\n"
+    assert loops_over_content(gemma3)
+    text_only = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert not loops_over_content(text_only)
+    assert render_chat(tokenizer, messages, chat_template=text_only) == "[Sys A\nSys B][Hello \n world]"
+    through_a_variable = (
+        "{% for m in messages %}{% set c = m.content %}{% for p in c %}{{ p.text }}|{% endfor %}{% endfor %}"
+    )
+    assert render_chat(tokenizer, messages[1:], chat_template=through_a_variable) == "Hello | world|"
 
 
 def test_deeply_nested_chat_data_is_a_value_error():

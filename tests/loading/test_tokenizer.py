@@ -181,3 +181,65 @@ def test_gguf_named_chat_templates_exclude_the_converters_list_of_names(tmp_path
     assert "tokenizer.chat_templates" in GGUFFile(path).metadata
     tokenizer = gguf_tokenizer(GGUFFile(path))
     assert tokenizer.settings.chat_template == {"default": templates[0]["template"], "tool_use": "B"}
+
+
+def write_llama_tokenizer_dir(directory, config: dict) -> str:
+    shutil.copy(os.path.join(SENTENCEPIECE_DIR, "tokenizer.model"), os.path.join(directory, "tokenizer.model"))
+    base = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({**base, **config}, f)
+    return str(directory)
+
+
+def test_a_sentencepiece_model_with_added_chat_tokens_reads_as_transformers_does(tmp_path):
+    """An old ChatML fine-tune without tokenizer.json: <|im_start|> / <|im_end|> past the model's 384 pieces, listed
+    in tokenizer_config.json only. Expected: transformers 5.25's LlamaTokenizer on the same directory."""
+    special = {"special": True, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+    added = {"384": {"content": "<|im_start|>", **special}, "385": {"content": "<|im_end|>", **special}}
+    tokenizer = Tokenizer.from_model_dir(
+        write_llama_tokenizer_dir(tmp_path, {"eos_token": "<|im_end|>", "added_tokens_decoder": added})
+    )
+    assert (tokenizer.vocab_size, tokenizer.eos_token_id, tokenizer.token_to_id("<|im_start|>")) == (386, 385, 384)
+    chat = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.encode(chat) == [
+        1,
+        384,
+        302,
+        297,
+        263,
+        13,
+        303,
+        295,
+        385,
+        13,
+        384,
+        296,
+        297,
+        297,
+        295,
+        297,
+        292,
+        296,
+        294,
+        292,
+        13,
+    ]
+    assert tokenizer.encode("a<|im_end|>b") == [1, 262, 385, 304]
+    assert tokenizer.decode([384, 290, 385, 303]) == "<|im_start|> <|im_end|>h"
+    assert tokenizer.decode([384, 290, 385, 303], skip_special_tokens=True) == "h"
+
+
+@pytest.mark.parametrize(
+    "legacy, expected",
+    [
+        (None, [[1, 262, 1, 304], [1, 1, 264, 299, 299, 298], [1, 290]]),  # transformers 5's default: legacy false
+        (False, [[1, 262, 1, 304], [1, 1, 264, 299, 299, 298], [1, 290]]),
+        (True, [[1, 262, 1, 265], [1, 1, 290, 264, 299, 299, 298], [1, 290]]),
+    ],
+)
+def test_llama_tokenizer_class_places_the_word_prefix_as_transformers_does(tmp_path, legacy, expected):
+    """A LlamaTokenizer directory: no "▁" after a special token unless legacy, none doubled before a leading space
+    (sentencepiece alone gives " " -> "▁▁"). Expected: transformers 5.25's encodings."""
+    config = {} if legacy is None else {"legacy": legacy}
+    tokenizer = Tokenizer.from_model_dir(write_llama_tokenizer_dir(tmp_path, config))
+    assert [tokenizer.encode(text) for text in ("a<s>b", "<s>hello", " ")] == expected

@@ -37,6 +37,7 @@ def build_sampling(
     prompt_only: bool = False,
     lora: str = "",
     include_stop_str_in_output: bool = False,
+    skip_special_tokens: bool = True,
 ) -> pb.SamplingParams:
     """The proto's SamplingParams; at most one guided_* constrains the output (ValueError for two: the proto's
     oneof would keep only the last)."""
@@ -58,6 +59,7 @@ def build_sampling(
         prompt_only=prompt_only,
         lora=lora,
         include_stop_str_in_output=include_stop_str_in_output,
+        keep_special_tokens=not skip_special_tokens,
     )
     if prompt_logprobs is not None:
         sampling.prompt_logprobs = prompt_logprobs

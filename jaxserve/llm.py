@@ -13,7 +13,7 @@ from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine import Engine
 from jaxserve.engine.admission import prompt_input
 from jaxserve.host.request import RequestOutput, SamplingParams
-from jaxserve.loading.chat_template import render_chat, template_messages, template_variables, text_content
+from jaxserve.loading.chat_template import render_chat, template_messages, template_variables
 from jaxserve.lora.request import LoRARequests
 
 
@@ -95,7 +95,23 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         progress.update(1)
-        return [finished[request_id] for request_id in request_ids]
+        outputs = [finished[request_id] for request_id in request_ids]
+        self._decode_logprob_tokens(outputs)
+        return outputs
+
+    def _decode_logprob_tokens(self, outputs: list[RequestOutput]) -> None:
+        """Each Logprob's decoded_token (vLLM's): the token's own text, decoded once per token id."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            return
+        texts: dict[int, str] = {}
+        for output in outputs:
+            entries = [logprobs for completion in output.outputs for logprobs in completion.logprobs or ()]
+            for logprobs in [*entries, *(output.prompt_logprobs or ())]:
+                for token_id, logprob in (logprobs or {}).items():
+                    if token_id not in texts:
+                        texts[token_id] = tokenizer.decode([token_id])
+                    logprob.decoded_token = texts[token_id]
 
     def chat(
         self,
@@ -122,7 +138,7 @@ class LLM:
         prompts = [
             render_chat(
                 tokenizer,
-                template_messages(text_content(list(conversation))),  # tool calls' arguments as objects, as servers
+                template_messages(list(conversation)),  # tool calls' arguments as objects, as servers
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

@@ -44,6 +44,8 @@ class SamplerOutput:
     logprobs: HostOrDeviceArray  # [S] float32, log-probability of the sampled token under the model
     top_logprobs: HostOrDeviceArray  # [S, K] float32
     top_token_ids: HostOrDeviceArray  # [S, K] int32
+    # [S] int32: the sampled token's rank under the model (1: the most likely; vLLM's Logprob.rank), 0 unasked
+    ranks: HostOrDeviceArray
     # [S] bool: the processors left no token (every logit -inf: a grammar at a dead end, bans that cover
     # allowed_token_ids); token_ids holds noise there
     no_token_allowed: HostOrDeviceArray
@@ -105,17 +107,24 @@ def sample(logits, inputs: SamplingInputs, max_logprobs: int, model_logits=None)
         logprobs = row_log_softmax(logits)  # every row alike in a call of any size (a decode or verify step)
         top_logprobs, top_token_ids = jax.lax.top_k(logprobs, num_top)
         sampled = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-        return sampled, top_logprobs, top_token_ids.astype(jnp.int32)
+        return sampled, top_logprobs, top_token_ids.astype(jnp.int32), token_ranks(logprobs, sampled)
 
     def no_logprobs(_):
         return (
             jnp.zeros((num_rows,), jnp.float32),
             jnp.zeros((num_rows, num_top), jnp.float32),
             jnp.zeros((num_rows, num_top), jnp.int32),
+            jnp.zeros((num_rows,), jnp.int32),
         )
 
-    sampled_logprobs, top_logprobs, top_token_ids = jax.lax.cond(
+    sampled_logprobs, top_logprobs, top_token_ids, ranks = jax.lax.cond(
         jnp.any(inputs.wants_logprobs), logprobs_of, no_logprobs, logits if model_logits is None else model_logits
     )
     no_token_allowed = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] == -jnp.inf
-    return SamplerOutput(token_ids, sampled_logprobs, top_logprobs, top_token_ids, no_token_allowed)
+    return SamplerOutput(token_ids, sampled_logprobs, top_logprobs, top_token_ids, ranks, no_token_allowed)
+
+
+def token_ranks(logprobs, chosen):
+    """logprobs [N, V], chosen [N] (a token's logprob in each row) -> [N] int32: 1 + the tokens more likely than
+    it (vLLM's rank: ties share the better rank)."""
+    return 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)

@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxserve.arrays import HostOrDeviceArray
 from jaxserve.device.logits_processors import process_logits
-from jaxserve.device.prompt_logprobs import PromptLogprobs
+from jaxserve.device.prompt_logprobs import no_prompt_logprobs
 from jaxserve.device.sampler import SamplingInputs, sample
 from jaxserve.device.sequence_buffers import SequenceBuffers, gather_entries
 from jaxserve.device.step import expert_token_counts
@@ -134,14 +134,6 @@ def verify_step(
         max_logprobs,
     )
     buffers = record_accepted(buffers, step_inputs.sampled_entries, sampled.token_ids, num_accepted)
-    return sampled, no_prompt_logprobs(step_inputs, max_logprobs), counts, kv_pages, buffers, num_accepted
-
-
-def no_prompt_logprobs(inputs: StepInputs, max_logprobs: int) -> PromptLogprobs:
-    """Verify rows decode: they score no prompt token (the outputs keep step()'s structure)."""
-    num_tokens, num_top = inputs.token_ids.shape[0], max(max_logprobs, 1)
-    return PromptLogprobs(
-        jnp.zeros((num_tokens,), jnp.float32),
-        jnp.zeros((num_tokens, num_top), jnp.float32),
-        jnp.zeros((num_tokens, num_top), jnp.int32),
-    )
+    # verify rows decode: they score no prompt token (the outputs keep step()'s structure)
+    scored = no_prompt_logprobs(step_inputs.token_ids.shape[0], max(max_logprobs, 1))
+    return sampled, scored, counts, kv_pages, buffers, num_accepted

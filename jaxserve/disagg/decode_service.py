@@ -29,11 +29,12 @@ import jax
 
 from jaxserve.disagg.handover import HandoverStats
 from jaxserve.disagg.metadata import PrefilledRequest
-from jaxserve.host.request import SamplingParams
+from jaxserve.host.request import Logprob, SamplingParams
 from jaxserve.proto import disagg_pb2 as dpb
 from jaxserve.proto import disagg_pb2_grpc
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server.request_stream import Delta, RequestStream
+from jaxserve.server.sampling_proto import logprobs_from_message
 from jaxserve.server.service import checked_request, refusals_as_status, response_from_delta
 
 logger = logging.getLogger(__name__)
@@ -271,5 +272,5 @@ class DecodeService:
             channel.close()
 
 
-def first_logprobs(response: dpb.PrefillResponse) -> dict[int, float]:
-    return {entry.token_id: entry.logprob for entry in response.first_logprobs.top}
+def first_logprobs(response: dpb.PrefillResponse) -> dict[int, Logprob]:
+    return logprobs_from_message(response.first_logprobs)

@@ -19,6 +19,7 @@ from jaxserve.proto import disagg_pb2 as dpb
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server.request_stream import RequestStream
 from jaxserve.server.rpc import abort
+from jaxserve.server.sampling_proto import token_logprobs_message
 from jaxserve.server.service import refusals_as_status, sampling_params_from_proto
 
 
@@ -29,11 +30,7 @@ class Offered:
 
 
 def token_logprobs(token_id: int, top: dict[int, float] | None) -> pb.TokenLogprobs | None:
-    if top is None:
-        return None
-    return pb.TokenLogprobs(
-        token_id=token_id, logprob=top[token_id], top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in top.items()]
-    )
+    return None if top is None else token_logprobs_message(token_id, top)
 
 
 class PrefillService:

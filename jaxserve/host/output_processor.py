@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxserve.host.request import FinishReason, RequestStatus, SequenceState
+from jaxserve.host.request import FinishReason, Logprob, RequestStatus, SequenceState
 from jaxserve.host.stop_strings import find_stop_string
 from jaxserve.loading.detokenizer import (
     DetokenizerState,
@@ -13,13 +13,23 @@ from jaxserve.loading.detokenizer import (
 from jaxserve.loading.tokenizer import Tokenizer
 
 
-def token_logprobs(row: int, sampled, num_top: int) -> dict[int, float]:
-    """{token_id: logprob} for the row's top `num_top` tokens plus the sampled one."""
-    logprobs = {
-        int(t): float(v) for t, v in zip(sampled.top_token_ids[row, :num_top], sampled.top_logprobs[row, :num_top])
-    }
-    logprobs[int(sampled.token_ids[row])] = float(sampled.logprobs[row])
+def ranked_logprobs(top_token_ids, top_logprobs, token_id: int, logprob, rank) -> dict[int, Logprob]:
+    """{token_id: Logprob} for the top tokens (ranked 1, 2, ... in order) plus the chosen one (its own rank)."""
+    logprobs = {int(t): Logprob(float(v), i + 1) for i, (t, v) in enumerate(zip(top_token_ids, top_logprobs))}
+    if token_id not in logprobs:
+        logprobs[token_id] = Logprob(float(logprob), int(rank))
     return logprobs
+
+
+def token_logprobs(row: int, sampled, num_top: int) -> dict[int, Logprob]:
+    """{token_id: logprob} for the row's top `num_top` tokens plus the sampled one."""
+    return ranked_logprobs(
+        sampled.top_token_ids[row, :num_top],
+        sampled.top_logprobs[row, :num_top],
+        int(sampled.token_ids[row]),
+        sampled.logprobs[row],
+        sampled.ranks[row],
+    )
 
 
 def record_prompt_logprobs(seq: SequenceState, chunk, first_slot: int, scored) -> None:
@@ -34,11 +44,15 @@ def record_prompt_logprobs(seq: SequenceState, chunk, first_slot: int, scored) -
         if position != len(gathered):
             continue
         slot = first_slot + position - chunk.start
-        logprobs = {
-            int(t): float(v) for t, v in zip(scored.top_token_ids[slot, :num_top], scored.top_logprobs[slot, :num_top])
-        }
-        logprobs[seq.prompt_token_ids[position + 1]] = float(scored.token_logprobs[slot])
-        gathered.append(logprobs)
+        gathered.append(
+            ranked_logprobs(
+                scored.top_token_ids[slot, :num_top],
+                scored.top_logprobs[slot, :num_top],
+                seq.prompt_token_ids[position + 1],
+                scored.token_logprobs[slot],
+                scored.token_ranks[slot],
+            )
+        )
 
 
 def append_token(
@@ -55,7 +69,8 @@ def append_token(
     left no token (the sampler's pick is noise): it is dropped and the sequence ends at a dead end."""
     if no_token_allowed:
         if tokenizer is not None and isinstance(seq.detokenizer_state, DetokenizerState):
-            seq.text += flush_detokenizer(tokenizer, seq.token_ids, seq.detokenizer_state)
+            skip = seq.params.skip_special_tokens
+            seq.text += flush_detokenizer(tokenizer, seq.token_ids, seq.detokenizer_state, skip)
         return FinishReason.GRAMMAR_DEAD_END if seq.grammar is not None else FinishReason.NO_TOKEN_ALLOWED
     seq.output_token_ids.append(token_id)
     if logprobs is not None:
@@ -78,9 +93,10 @@ def append_token(
         state = seq.detokenizer_state
         if not isinstance(state, DetokenizerState):  # None until the first token
             state = seq.detokenizer_state = start_detokenizer(seq.num_prompt_tokens)
-        new_text = detokenize_incrementally(tokenizer, seq.token_ids, state)
+        skip = seq.params.skip_special_tokens
+        new_text = detokenize_incrementally(tokenizer, seq.token_ids, state, skip)
         if reason is not None:  # the last token: nothing held back waiting for the rest of a character
-            new_text += flush_detokenizer(tokenizer, seq.token_ids, state)
+            new_text += flush_detokenizer(tokenizer, seq.token_ids, state, skip)
         seq.text += new_text
         if seq.params.stop and new_text and may_stop:
             index = find_stop_string(seq, new_text)

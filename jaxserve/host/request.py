@@ -13,6 +13,29 @@ MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
+class Logprob(float):
+    """A token's log-probability, as vLLM's Logprob: a float (so `logprobs[token]` is its value) that also has
+    `.logprob`, `.rank` (1: the most likely token; ties share the better rank) and `.decoded_token` (the token's
+    own text, filled in the offline API's outputs)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        value = super().__new__(cls, logprob)
+        value.rank, value.decoded_token = rank, decoded_token
+        return value
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
 @dataclass(frozen=True)
 class GuidedDecodingParams:
     """Constrain the output to a grammar (one of these, as vLLM's GuidedDecodingParams): a JSON schema
@@ -86,6 +109,7 @@ class SamplingParams:
     structured_outputs: GuidedDecodingParams | None = None  # vLLM's newer name for guided_decoding (moved there)
     lora: str | None = None  # the name of a loaded LoRA adapter to generate with (None: the base model)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends the text stays in it
+    skip_special_tokens: bool = True  # vLLM's: special tokens (EOS, chat markup) are left out of the text
 
     def __post_init__(self):
         if self.structured_outputs is not None:
@@ -125,8 +149,9 @@ class SamplingParams:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         self._check_controls()
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise ValueError(f"lora must be the name of a loaded LoRA adapter, got {self.lora!r}")
 

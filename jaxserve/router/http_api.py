@@ -29,7 +29,7 @@ from jaxserve.router.metrics import RouterMetrics
 from jaxserve.server.engine_loop import Overloaded
 from jaxserve.server.openai.context import ServingContext
 from jaxserve.server.request_stream import Delta, RequestStream
-from jaxserve.server.sampling_proto import sampling_params_to_proto
+from jaxserve.server.sampling_proto import logprobs_from_message, sampling_params_to_proto
 
 # What a gRPC refusal (a replica's, passed through, or the router's own) answers over HTTP.
 HTTP_STATUS = {
@@ -108,14 +108,7 @@ class RelayContext:
 
 
 def delta_from_response(response: pb.GenerateResponse) -> Delta:
-    logprobs = (
-        [
-            {**{top.token_id: top.logprob for top in entry.top}, entry.token_id: entry.logprob}
-            for entry in response.logprobs
-        ]
-        if response.logprobs
-        else None
-    )
+    logprobs = [logprobs_from_message(entry) for entry in response.logprobs] if response.logprobs else None
     delta = Delta(
         list(response.token_ids),
         response.text,
@@ -128,10 +121,7 @@ def delta_from_response(response: pb.GenerateResponse) -> Delta:
     which = response.WhichOneof("stop_reason")
     delta.stop_reason = getattr(response, which) if which is not None else None
     if response.prompt_logprobs:  # prompt tokens 2..N (the first has none); the HTTP handlers know the ids
-        delta.prompt_logprobs = [None] + [
-            {**{top.token_id: top.logprob for top in entry.top}, entry.token_id: entry.logprob}
-            for entry in response.prompt_logprobs
-        ]
+        delta.prompt_logprobs = [None] + [logprobs_from_message(entry) for entry in response.prompt_logprobs]
     return delta
 
 

@@ -7,7 +7,7 @@ import json
 import math
 from collections.abc import Sequence
 
-from jaxserve.host.request import GuidedDecodingParams, SamplingParams
+from jaxserve.host.request import GuidedDecodingParams, Logprob, SamplingParams
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server import limits as request_limits
 from jaxserve.server.limits import RequestLimits
@@ -87,6 +87,7 @@ def sampling_params_from_proto(
         prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
         lora=sampling.lora or None,
         include_stop_str_in_output=sampling.include_stop_str_in_output,
+        skip_special_tokens=not sampling.keep_special_tokens,
     )
 
 
@@ -124,9 +125,39 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         prompt_only=params.max_tokens == 0,
         lora=params.lora or "",
         include_stop_str_in_output=params.include_stop_str_in_output,
+        keep_special_tokens=not params.skip_special_tokens,
     )
     if params.seed is not None:
         sampling.seed = params.seed
     if params.prompt_logprobs is not None:
         sampling.prompt_logprobs = params.prompt_logprobs
     return sampling
+
+
+def token_logprobs_message(token_id: int, top: dict[int, float]) -> pb.TokenLogprobs:
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])
+    return pb.TokenLogprobs(
+        token_id=token_id,
+        logprob=top[token_id],
+        top=[pb.TokenLogprob(token_id=t, logprob=v, rank=rank_of(v)) for t, v in ranked],
+        rank=rank_of(top[token_id]),
+    )
+
+
+def rank_of(logprob: float) -> int:
+    """A Logprob's rank for the wire (0: a plain float, rank unknown)."""
+    return getattr(logprob, "rank", None) or 0
+
+
+def logprobs_from_message(entry: pb.TokenLogprobs) -> dict[int, Logprob]:
+    """token_logprobs_message's inverse: {token_id: Logprob} for the top entries and the token itself."""
+    logprobs = {top.token_id: Logprob(top.logprob, top.rank or None) for top in entry.top}
+    logprobs[entry.token_id] = Logprob(entry.logprob, entry.rank or None)
+    return logprobs
+
+
+def stop_reason_fields(stop_reason: int | str | None) -> dict:
+    """GenerateResponse's stop_reason oneof for a delta's stop_reason."""
+    if stop_reason is None:
+        return {}
+    return {"stop_string": stop_reason} if isinstance(stop_reason, str) else {"stop_token_id": stop_reason}

@@ -24,6 +24,8 @@ from jaxserve.server.sampling_proto import (  # re-exported: the router reads th
     DEFAULT_MAX_TOKENS,
     check_sampling,
     sampling_params_from_proto,
+    stop_reason_fields,
+    token_logprobs_message,
 )
 from jaxserve.server.tool_choice import NO_TOOLS, ToolPlan
 
@@ -37,20 +39,6 @@ def checked_request(limits: RequestLimits, request: pb.GenerateRequest) -> tuple
     prompt = request_limits.check_prompt(limits, request.text, request.token_ids)
     check_sampling(limits, request.sampling)
     return prompt, sampling_params_from_proto(request.sampling)
-
-
-def token_logprobs_message(token_id: int, top: dict[int, float]) -> pb.TokenLogprobs:
-    ranked = sorted(top.items(), key=lambda kv: -kv[1])
-    return pb.TokenLogprobs(
-        token_id=token_id, logprob=top[token_id], top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in ranked]
-    )
-
-
-def stop_reason_fields(stop_reason: int | str | None) -> dict:
-    """GenerateResponse's stop_reason oneof for a delta's stop_reason."""
-    if stop_reason is None:
-        return {}
-    return {"stop_string": stop_reason} if isinstance(stop_reason, str) else {"stop_token_id": stop_reason}
 
 
 def response_from_delta(delta: Delta, request_id: str) -> pb.GenerateResponse:

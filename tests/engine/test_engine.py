@@ -245,3 +245,48 @@ def test_structured_outputs_is_vllms_newer_name_for_guided_decoding():
     assert SamplingParams(structured_outputs=guide).guided_decoding == GuidedDecodingParams(choice=("yes", "no"))
     with pytest.raises(ValueError, match="not both"):
         SamplingParams(structured_outputs=guide, guided_decoding=guide)
+
+
+def test_logprobs_are_vllm_logprobs_with_ranks_and_decoded_tokens(llama_llm):
+    """Each entry is a float that also has vLLM's .logprob / .rank / .decoded_token: the top entries ranked 1..k in
+    order, the sampled (or prompt) token ranked among the whole vocabulary, greedy tokens first."""
+    from jaxserve.host.request import Logprob
+
+    prompt = expected("llama_gqa")["prompts"][5]["token_ids"]
+    tokenizer = llama_llm.get_tokenizer()
+    params = SamplingParams(max_tokens=12, temperature=3.0, seed=11, logprobs=3, prompt_logprobs=2)
+    output = llama_llm.generate([prompt], params)[0]
+    greedy = llama_llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=0))[0].outputs[0]
+    assert all(lp[t].rank == 1 for t, lp in zip(greedy.token_ids, greedy.logprobs))
+    completion = output.outputs[0]
+    chosen = [
+        *zip(prompt[1:], output.prompt_logprobs[1:], [2] * len(prompt)),
+        *zip(completion.token_ids, completion.logprobs, [3] * 12),
+    ]
+    outside = 0
+    for token, logprobs, num_top in chosen:
+        assert all(isinstance(v, Logprob) and v.logprob == float(v) for v in logprobs.values())
+        top = sorted((v for t, v in logprobs.items() if t != token or v.rank <= num_top), key=lambda v: v.rank)
+        assert [v.rank for v in top] == list(range(1, num_top + 1))
+        assert [v.logprob for v in top] == sorted((v.logprob for v in top), reverse=True)
+        rank = logprobs[token].rank
+        if rank > num_top:  # below the top: none of them is less likely than it
+            outside += 1
+            assert logprobs[token].logprob <= top[-1].logprob
+        else:
+            assert top[rank - 1] is logprobs[token]
+        assert all(v.decoded_token == tokenizer.decode([t]) for t, v in logprobs.items())
+    assert outside > 0, "temperature 3 samples some tokens outside the top 3"
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(llama_llm):
+    tokenizer = llama_llm.get_tokenizer()
+    eos = tokenizer.token_to_id("</s>")
+    forced = dict(max_tokens=3, temperature=0.0, logit_bias={eos: 100}, ignore_eos=True)
+    kept = llama_llm.generate([[1, 5, 9]], SamplingParams(**forced, skip_special_tokens=False))[0].outputs[0]
+    skipped = llama_llm.generate([[1, 5, 9]], SamplingParams(**forced))[0].outputs[0]
+    assert kept.token_ids == skipped.token_ids == [eos] * 3
+    assert kept.text == tokenizer.decode([eos] * 3, skip_special_tokens=False) and "</s>" in kept.text
+    assert skipped.text == ""
+    with pytest.raises(ValueError, match="skip_special_tokens must be a bool"):
+        SamplingParams(skip_special_tokens="no")

@@ -184,3 +184,44 @@ def test_router_rebuilds_prompt_logprobs_from_replica_messages():
     )
     rebuilt = delta_from_response(response_from_delta(delta, "r"))
     assert rebuilt.prompt_logprobs == delta.prompt_logprobs
+
+
+def test_vllm_prompt_logprobs_field_on_completions_and_chat(server):
+    """vLLM's `prompt_logprobs` extra: per prompt token (None first) {id: {logprob, rank, decoded_token}} for the token
+    and its k most likely alternatives; ranks and values as the gRPC stream gives them; refused when streamed."""
+    prompt = fixture_prompts()[3]
+    token_ids = prompt["token_ids"]
+    client = Client(server.target)
+    try:
+        grpc_scored = client.stream(token_ids, prompt_logprobs=2, prompt_only=True)
+        by_position = [entry for message in grpc_scored for entry in message.prompt_logprobs]
+    finally:
+        client.close()
+    reply = complete(server, prompt=token_ids, max_tokens=1, prompt_logprobs=2, echo=True, logprobs=4)
+    choice = reply["choices"][0]
+    entries = choice["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(token_ids) == len(by_position) + 1
+    for position, (entry, wire) in enumerate(zip(entries[1:], by_position), start=1):
+        token = token_ids[position]
+        ranks = {int(t): v["rank"] for t, v in entry.items()}
+        assert {r for t, r in ranks.items() if r <= 2} == {1, 2} and ranks[token] == wire.rank >= 1
+        assert len(entry) == 2 + (ranks[token] > 2)
+        assert entry[str(token)]["logprob"] == pytest.approx(wire.logprob, abs=1e-6)
+        assert entry[str(token)]["decoded_token"] == choice["logprobs"]["tokens"][position]
+    # echo's own logprobs keep their 4 alternatives though the engine scored once for both
+    assert all(len(top) >= 4 for top in choice["logprobs"]["top_logprobs"][1:])
+    chat = http(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {"model": "llama_gqa", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0},
+    )
+    assert chat[0] == 200, chat[2]
+    chat_entries = json.loads(chat[2])["prompt_logprobs"]
+    assert chat_entries[0] is None and all(
+        len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in chat_entries[1:]
+    )
+    status, _, raw = http(
+        server, "POST", "/v1/completions", {"model": "llama_gqa", "prompt": "x", "prompt_logprobs": 1, "stream": True}
+    )
+    assert status == 400 and b"stream" in raw

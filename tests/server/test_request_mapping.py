@@ -166,8 +166,9 @@ def test_sampling_params_survive_the_proto_both_ways():
         bad_words=["x"],
         allowed_token_ids=[4, 5],
         include_stop_str_in_output=True,
+        skip_special_tokens=False,
     )
-    assert params.include_stop_str_in_output
+    assert params.include_stop_str_in_output and not params.skip_special_tokens
     for guided in (
         None,
         GuidedDecodingParams(json=SCHEMA),
@@ -195,8 +196,8 @@ def test_proto_sampling_is_checked_against_the_limits():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("prompt_logprobs", 1),
         ("use_beam_search", True),
+        ("spaces_between_special_tokens", False),
         ("truncate_prompt_tokens", 8),
         ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
         ("echo", True),  # on chat only: completions honour it
@@ -206,7 +207,7 @@ def test_vllm_fields_the_server_does_not_honour_are_refused_not_ignored(field, v
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True, **{field: value})
     with pytest.raises(ValueError, match=field.split("_options")[0]):
         chat.check(LIMITS, "r1")
-    neutral = {"prompt_logprobs": None, "use_beam_search": False}
+    neutral = {"use_beam_search": False, "spaces_between_special_tokens": True}
     if field in neutral:  # their neutral values, as clients that fill every field send them, pass
         ChatCompletionRequest(messages=[], **{field: neutral[field]}).check(LIMITS, "r1")
     if field != "echo":
@@ -232,3 +233,30 @@ def test_a_stop_reason_survives_the_wire_to_the_router(stop_reason):
     response = response_from_delta(delta, "r")
     assert pb.GenerateResponse.FromString(response.SerializeToString()) == response
     assert delta_from_response(response).stop_reason == stop_reason
+
+
+def test_tokenize_renders_messages_as_chat_completions_does():
+    """/tokenize with messages passes tools, chat_template_kwargs and tool calls' arguments (as objects) to the
+    template as /v1/chat/completions does (it dropped the first two and double-encoded the arguments)."""
+    from types import SimpleNamespace
+
+    from jaxserve.server.openai.app import tokenized
+    from jaxserve.server.openai.protocol import TokenizeRequest
+    from tests.loading.test_tokenizer import load
+
+    template = (
+        "{% for t in tools or [] %}<tool {{ t.function.name }}>{% endfor %}{{ style }}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content or '' }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.function.arguments.city }}]{% endfor %}{% endfor %}"
+    )
+    tokenizer = load("llama_metaspace")
+    context = SimpleNamespace(tokenizer=tokenizer, limits=LIMITS, chat_template=template)
+    call = {"id": "c", "type": "function", "function": {"name": "lookup", "arguments": '{"city": "Paris"}'}}
+    body = TokenizeRequest(
+        messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}],
+        tools=[TOOL],
+        chat_template_kwargs={"style": "terse"},
+        add_generation_prompt=False,
+    )
+    expected_text = "<tool lookup>terseuser:hiassistant:[Paris]"
+    assert tokenized(context, body) == tokenizer.encode(expected_text, add_special_tokens=False)

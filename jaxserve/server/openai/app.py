@@ -19,6 +19,7 @@ from jaxserve.server.openai.context import ServingContext
 from jaxserve.server.openai.errors import APIError, error_response, install_error_handlers
 from jaxserve.server.openai.guard import Guard
 from jaxserve.server.openai.protocol import DetokenizeRequest, TokenizeRequest
+from jaxserve.server.tool_choice import template_messages
 
 
 def build_app(
@@ -104,7 +105,8 @@ def build_app(
         return {
             "tokenizer_class": type(tokenizer).__name__,
             **special,
-            "chat_template": tokenizer.chat_template,
+            # the template chats are rendered with: the server's chat_template when it sets one
+            "chat_template": context.chat_template if context.chat_template is not None else tokenizer.chat_template,
             "model_max_length": loop.description.max_model_len,
         }
 
@@ -121,13 +123,15 @@ def tokenized(context: ServingContext, body: TokenizeRequest) -> list[int]:
         request_limits.check_text(context.limits, body.prompt, "prompt")
         return context.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     if body.messages is not None and body.prompt is None:
-        return chat_prompt_token_ids(
+        return chat_prompt_token_ids(  # as /v1/chat/completions renders them (chat.py:checked_chat)
             context.tokenizer,
             context.limits,
-            body.messages,
+            template_messages(body.messages),
             context.chat_template,
             body.add_generation_prompt,
             body.continue_final_message,
+            body.tools,
+            body.chat_template_kwargs,
         )
     raise APIError(400, "give exactly one of prompt and messages")
 

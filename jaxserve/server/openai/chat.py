@@ -32,6 +32,7 @@ from jaxserve.server.openai.responses import (
     now,
     response_id,
     sse,
+    vllm_prompt_logprobs,
 )
 from jaxserve.server.openai.streams import StreamGroup, until_disconnected
 from jaxserve.server.reasoning_parsers import HarmonyReasoning
@@ -70,7 +71,10 @@ def checked_chat(
     if max_tokens < 1:  # only completions score a prompt without generating (echo with max_tokens 0)
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     tools_text = json.dumps(plan.tools) if plan.tools else ""
-    return [token_ids], body.sampling_params(limits, max_tokens, logprobs, plan.guided_decoding, tools_text), plan
+    params = body.sampling_params(
+        limits, max_tokens, logprobs, plan.guided_decoding, tools_text, prompt_logprobs=body.prompt_logprobs
+    )
+    return [token_ids], params, plan
 
 
 @router.post("/v1/chat/completions")
@@ -218,4 +222,8 @@ class ChatCall:
             if self.body.return_token_ids:
                 choice["token_ids"] = gathered.token_ids
             listed.append(choice)
-        return {**self.header, "object": "chat.completion", "choices": listed, "usage": usage.usage()}
+        response = {**self.header, "object": "chat.completion", "choices": listed, "usage": usage.usage()}
+        if self.body.prompt_logprobs is not None:  # vLLM's: the prompt's, once for every choice
+            scored = next((c.prompt_logprobs for c in choices.values() if c.prompt_logprobs is not None), [None])
+            response["prompt_logprobs"] = vllm_prompt_logprobs(self.token_text, scored, self.body.prompt_logprobs)
+        return response

@@ -29,6 +29,8 @@ from jaxserve.server.openai.responses import (
     now,
     response_id,
     sse,
+    vllm_prompt_logprobs,
+    within_top,
 )
 from jaxserve.server.openai.streams import StreamGroup, until_disconnected
 
@@ -41,6 +43,8 @@ class Echo:
 
     texts: list[str]
     token_ids: list[list[int]]
+    # vLLM's prompt_logprobs asked: each prompt's token ids (the entries' own tokens)
+    scored_token_ids: list[list[int]] | None = None
 
 
 def checked_completion(
@@ -66,14 +70,16 @@ def checked_completion(
             request_limits.check_prompt(limits, "", prompt)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     scores_prompt = body.echo and body.logprobs is not None
-    params = body.sampling_params(
-        limits, max_tokens, body.logprobs, prompt_logprobs=body.logprobs if scores_prompt else None
-    )
+    # the engine scores the prompt once for echo's logprobs and vLLM's prompt_logprobs: the more alternatives
+    asked = [n for n in (body.logprobs if scores_prompt else None, body.prompt_logprobs) if n is not None]
+    params = body.sampling_params(limits, max_tokens, body.logprobs, prompt_logprobs=max(asked, default=None))
     echo = Echo([], [])
     if body.echo:
         echo.texts = [p if isinstance(p, str) else context.tokenizer.decode(p) for p in prompts]
-    if scores_prompt:  # the engine's tokenizing, for the prompt's tokens in the logprobs
-        echo.token_ids = [context.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    if scores_prompt or body.prompt_logprobs is not None:  # the engine's tokenizing: the scored tokens
+        scored = [context.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        echo.token_ids = scored if scores_prompt else []
+        echo.scored_token_ids = scored if body.prompt_logprobs is not None else None
     return prompts, params, echo
 
 
@@ -141,6 +147,15 @@ class CompletionCall:
             choice["token_ids"] = token_ids
         return choice
 
+    def vllm_prompt_logprobs(self, index: int, prompt_logprobs: list | None) -> list | None:
+        """The choice's `prompt_logprobs` (vLLM's field), when asked: one entry per prompt token, None first."""
+        token_ids = self.echo.scored_token_ids[index // self.body.n]
+        if prompt_logprobs is None and len(token_ids) == 1:  # a one-token prompt: a router's replica sends nothing
+            prompt_logprobs = [None]
+        if prompt_logprobs is None or len(prompt_logprobs) != len(token_ids):
+            raise APIError(500, "the engine returned no logprobs for the prompt's tokens")
+        return vllm_prompt_logprobs(self.token_text, prompt_logprobs, self.body.prompt_logprobs, token_ids)
+
     def scored_prompt(self, index: int, prompt_logprobs: list | None) -> list | None:
         """What the choice's echo leads its logprobs with (None: the prompt is not scored). A one-token
         prompt's only entry is None, which a router's replica sends as nothing."""
@@ -151,6 +166,12 @@ class CompletionCall:
             return [None]
         if prompt_logprobs is None or len(prompt_logprobs) != num_prompt_tokens:
             raise APIError(500, "the engine returned no logprobs for the prompt's tokens")
+        if (self.body.prompt_logprobs or 0) > (self.body.logprobs or 0):  # scored with more alternatives than echo's
+            token_ids = self.echo.token_ids[index // self.body.n]
+            prompt_logprobs = [
+                None if entry is None else within_top(entry, self.body.logprobs or 0, token_ids[position])
+                for position, entry in enumerate(prompt_logprobs)
+            ]
         return prompt_logprobs
 
     async def events(self):
@@ -194,16 +215,17 @@ class CompletionCall:
         for index in sorted(choices):
             echo = self.echo_texts[index // self.body.n] if self.echo_texts else ""
             gathered = choices[index]
-            listed.append(
-                self.choice(
-                    index,
-                    echo + gathered.text,
-                    gathered.token_ids,
-                    gathered.logprobs,
-                    gathered.finish_reason,
-                    0,
-                    self.scored_prompt(index, gathered.prompt_logprobs),
-                    gathered.stop_reason,
-                )
+            choice = self.choice(
+                index,
+                echo + gathered.text,
+                gathered.token_ids,
+                gathered.logprobs,
+                gathered.finish_reason,
+                0,
+                self.scored_prompt(index, gathered.prompt_logprobs),
+                gathered.stop_reason,
             )
+            if self.body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.vllm_prompt_logprobs(index, gathered.prompt_logprobs)
+            listed.append(choice)
         return {**self.header, "choices": listed, "usage": usage.usage()}

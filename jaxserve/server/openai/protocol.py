@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible API, as vLLM's server accepts them (its extras included:
 top_k, min_p, ignore_eos, stop_token_ids, session_id, request_id, return_token_ids, repetition_penalty,
-min_tokens, bad_words, allowed_token_ids, include_stop_str_in_output and the guided_* fields).
+min_tokens, bad_words, allowed_token_ids, include_stop_str_in_output, skip_special_tokens and the guided_* fields).
 
 Fields the engine cannot honour are refused with the reason rather than silently ignored when a
 client sets them to anything but their neutral value (best_of, suffix, the legacy functions, UNHONOURED_FIELDS,
@@ -26,8 +26,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's and OpenAI's default for /v1/comple
 # vLLM's extras that would change the output and that this server does not honour, with their neutral values:
 # declared (extra="ignore" would drop them unseen) so that any other value is refused, not ignored.
 UNHONOURED_FIELDS: dict[str, Any] = {
-    "prompt_logprobs": None,  # prompts are scored by echo with logprobs on /v1/completions
     "use_beam_search": False,
+    "spaces_between_special_tokens": True,
     "truncate_prompt_tokens": None,
 }
 
@@ -68,6 +68,8 @@ class SamplingRequest(BaseModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # UNHONOURED_FIELDS: the tokenizer's decode places them
     # constrained output (structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -78,7 +80,8 @@ class SamplingRequest(BaseModel):
     guided_whitespace_pattern: str | None = None
     structured_outputs: dict[str, Any] | None = None
     best_of: int | None = None  # refused unless it equals n
-    prompt_logprobs: Any = None  # UNHONOURED_FIELDS: refused unless neutral
+    # vLLM's: every prompt token's logprob (and this many top alternatives) in the response, vLLM's shape
+    prompt_logprobs: StrictInt | None = None
     include_stop_str_in_output: Any = False
     use_beam_search: Any = False
     truncate_prompt_tokens: Any = None
@@ -104,8 +107,9 @@ class SamplingRequest(BaseModel):
         for name, neutral in UNHONOURED_FIELDS.items():
             value = getattr(self, name)
             if value is not None and value != neutral:
-                where = " (use echo with logprobs on /v1/completions)" if name == "prompt_logprobs" else ""
-                raise ValueError(f"{name} is not supported by this server{where}, got {value!r}")
+                raise ValueError(f"{name} is not supported by this server, got {value!r}")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as vLLM)")
 
     def sampling_params(
         self,
@@ -152,6 +156,7 @@ class SamplingRequest(BaseModel):
             guided_decoding=guided,
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
         # normalized to (token id, bias) pairs by SamplingParams
         request_limits.check_vocabulary(limits, [t for t, _ in params.logit_bias or ()], "logit_bias keys")
@@ -215,6 +220,9 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # messages rendered exactly as /v1/chat/completions renders them
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -200,5 +200,38 @@ def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[di
     }
 
 
+def within_top(entry: dict, num_top: int, token_id: int) -> dict:
+    """An entry scored with more alternatives cut to its num_top most likely, and its own token."""
+    ranked = _ranked(entry)
+    return {t: v for i, (t, v) in enumerate(ranked) if i < num_top or t == token_id}
+
+
+def vllm_prompt_logprobs(
+    token_text: TokenText, prompt_logprobs: list, num_top: int, token_ids: list[int] | None = None
+) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` field: per prompt token (None first) {token id: {logprob, rank, decoded_token}} for
+    the token and its num_top most likely alternatives. token_ids: the prompt's, where the engine scored more
+    alternatives than num_top (echo's logprobs asked more)."""
+
+    def keep(position: int, token_id: int, logprob) -> bool:
+        rank = getattr(logprob, "rank", None)
+        return token_ids is None or rank is None or rank <= num_top or token_id == token_ids[position]
+
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): {
+                "logprob": max(float(logprob), -9999.0),  # -inf as vLLM writes it: JSON has no infinity
+                "rank": getattr(logprob, "rank", None),
+                "decoded_token": token_text(token_id),
+            }
+            for token_id, logprob in _ranked(entry)
+            if keep(position, token_id, logprob)
+        }
+        for position, entry in enumerate(prompt_logprobs)
+    ]
+
+
 def _ranked(top: dict[int, float]) -> list[tuple[int, float]]:
     return sorted(top.items(), key=lambda item: -item[1])

@@ -171,4 +171,5 @@ class ToolParser(abc.ABC):
 
 
 def content_or_none(text: str) -> str | None:
-    return text.strip() or None
+    """The reply's text outside its calls, unstripped as the stream sent it (vLLM's); None if only whitespace."""
+    return text if text.strip() else None

@@ -1,6 +1,7 @@
 """YAML config files as sections of frozen dataclasses, one loader for the server and the router.
 
-A file is a mapping of sections; `--set section.key=value` overrides one key (its value read as YAML);
+A file is a mapping of sections; `--set section.key=value` overrides one key (its value read as YAML, or
+kept as the string given when it is not YAML, such as a jinja template);
 every section and key is checked, and a bad one is a ValueError naming it. Imports no JAX: the router
 process loads its config with this too.
 """
@@ -27,7 +28,10 @@ def parse_override(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep:
         raise ValueError(f"--set expects KEY=VALUE, got {text!r}")
-    return key.strip(), yaml.safe_load(value)
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError:  # not YAML ('{% for m in messages %}...', '@keys'): the string itself
+        return key.strip(), value
 
 
 def read_sections(

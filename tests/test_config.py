@@ -142,3 +142,12 @@ def test_vllm_engine_argument_names_map_onto_jaxserve_options():
 def test_vllm_names_jaxserve_cannot_honour_are_refused_with_a_pointer(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_options(**options)
+
+
+def test_a_set_value_that_is_not_yaml_is_kept_as_the_string_given():
+    """A jinja template (or '@keys', backticks) is not valid YAML: --set crashed with a ScannerError."""
+    for template in ("{% for m in messages %}{{ m.content }}{% endfor %}", "{{ messages }}"):
+        assert load_config(None, [f"server.chat_template={template}"]).server.chat_template == template
+    assert load_config(None, ["server.api_keys=@keys"]).server.api_keys == "@keys"
+    assert load_config(None, ["model.path=`x`"]).model.path == "`x`"
+    assert load_config(None, ["server.port=6000"]).server.port == 6000  # YAML still where it is YAML

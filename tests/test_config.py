@@ -63,8 +63,17 @@ def test_config_file_sections_mirror_the_groups(tmp_path):
     assert config.dtype == "bfloat16"
     with pytest.raises(ValueError, match="unknown config key cache.max_num_seqs"):
         load_config(str(path), ["cache.max_num_seqs=2"])
+    # --set replaces the file's value wherever the file put it; the file itself may set an option once
+    assert load_config(str(path), ["engine.max_num_seqs=2"]).engine.scheduler.max_num_seqs == 2
+    assert load_config(str(path), ["scheduler.max_model_len=128"]).engine.scheduler.max_model_len == 128
+    assert (
+        load_config(str(path), ["engine.max_model_len=64", "scheduler.max_model_len=96"]).engine.scheduler.max_model_len
+        == 96
+    )
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("engine: {max_num_seqs: 4}\nscheduler: {max_num_seqs: 8}\n")
     with pytest.raises(ValueError, match="scheduler.max_num_seqs and engine.max_num_seqs are the same option"):
-        load_config(str(path), ["engine.max_num_seqs=2"])
+        load_config(str(twice))
     with pytest.raises(ValueError, match="the dtype is model.dtype"):
         load_config(None, ["engine.dtype=float32"])
     with pytest.raises(ValueError, match="config section 'cache' must be a mapping"):
@@ -143,6 +152,13 @@ def test_vllm_engine_argument_names_map_onto_jaxserve_options():
 def test_vllm_names_jaxserve_cannot_honour_are_refused_with_a_pointer(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_options(**options)
+
+
+def test_a_preset_with_an_engine_section_takes_overrides_of_its_options_by_group_name():
+    """configs/default.yaml sets max_model_len under engine:; --set scheduler.max_model_len was refused as a
+    second setting of the same option."""
+    config = load_config("configs/default.yaml", ["scheduler.max_model_len=1024"]).engine
+    assert config.scheduler.max_model_len == 1024
 
 
 def test_a_set_value_that_is_not_yaml_is_kept_as_the_string_given():

@@ -189,7 +189,7 @@ SECTIONS = ("model", "engine", *ENGINE_SECTIONS, "server", "distributed")
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ServeConfig:
-    tree = read_sections(path, overrides, SECTIONS)
+    tree = read_sections(path, overrides, SECTIONS, _engine_option_places)
     return ServeConfig(
         model=build_section(ModelSection, "model", tree.get("model")),
         engine=_engine_config(tree),
@@ -199,6 +199,15 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         if "distributed" in tree
         else None,
     )
+
+
+def _engine_option_places(section: str, name: str) -> tuple[str, ...]:
+    """Where else an engine option may be set: `engine:` or its own group's section (so that --set
+    scheduler.max_model_len replaces a preset's engine.max_model_len, and the other way round)."""
+    group = EngineConfig.option_names().get(name)
+    if section == "engine":
+        return (group,) if group else ()
+    return ("engine",) if section in ENGINE_SECTIONS and group == section else ()
 
 
 def _engine_config(tree: dict) -> EngineConfig:

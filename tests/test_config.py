@@ -3,6 +3,8 @@ sections (jaxserve/config.py, jaxserve/config_sections.py, jaxserve/server/confi
 
 import dataclasses
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -241,3 +243,15 @@ def test_the_router_checks_its_sections_types_alike(tmp_path):
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             load_router_config(str(path), [override])
+
+
+def test_the_serve_command_exits_2_naming_a_bad_option():
+    for override, message in (
+        ("server.chat_template=/no/such/chat.jinja", "server.chat_template '/no/such/chat.jinja' is not a template"),
+        ("cache.page_size=16.5", "cache.page_size must be an integer, got 16.5"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "jaxserve.serve", "--set", override], capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 2 and f"jaxserve.serve: {message}" in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr

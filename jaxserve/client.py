@@ -183,26 +183,47 @@ class AsyncClient:
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--api-key-file", help="a file whose first line is the API key")
+    parser.add_argument(
+        "--api-key-file",
+        help="a file whose first key line is the API key (blank and # lines skipped, as server.api_keys)",
+    )
     parser.add_argument("--tls-ca", help="PEM: the CA that signed the server's certificate (turns TLS on)")
     parser.add_argument("--tls-cert", help="PEM: this client's certificate, for mutual TLS")
     parser.add_argument("--tls-key", help="PEM: this client's private key, for mutual TLS")
 
 
-def connection_from_arguments(args: argparse.Namespace) -> Connection:
-    def read(path):
-        if path is None:
-            return None
-        with open(path, "rb") as f:
-            return f.read()
+def first_api_key(text: str, source: str) -> str:
+    """The key a client sends from a key file read as the server reads server.api_keys (one key a line,
+    blank lines and # comments skipped): its first; ValueError naming `source` when it holds none."""
+    keys = [line.strip() for line in text.splitlines()]
+    keys = [key for key in keys if key and not key.startswith("#")]
+    if not keys:
+        raise ValueError(f"{source} holds no key (blank lines and lines starting with # are skipped)")
+    return keys[0]
 
-    key_file = read(args.api_key_file) if args.api_key_file else None
-    api_key = key_file.decode().splitlines()[0].strip() if key_file is not None else None
+
+def connection_from_arguments(args: argparse.Namespace) -> Connection:
+    """ValueError naming the option when a file cannot be read or the key file holds no key."""
+
+    def read(path: str, option: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as error:
+            raise ValueError(f"cannot read {option} {path}: {error}") from None
+
+    def read_if_given(path: str | None, option: str) -> bytes | None:
+        return read(path, option) if path is not None else None
+
+    api_key = None
+    if args.api_key_file:
+        text = read(args.api_key_file, "--api-key-file").decode(errors="replace")
+        api_key = first_api_key(text, f"--api-key-file {args.api_key_file}")
     return Connection(
         api_key=api_key,
-        root_certificates=read(args.tls_ca),
-        private_key=read(args.tls_key),
-        certificate_chain=read(args.tls_cert),
+        root_certificates=read_if_given(args.tls_ca, "--tls-ca"),
+        private_key=read_if_given(args.tls_key, "--tls-key"),
+        certificate_chain=read_if_given(args.tls_cert, "--tls-cert"),
     )
 
 
@@ -216,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream", action="store_true", help="print text as it arrives")
     add_connection_arguments(parser)
     args = parser.parse_args(argv)
-    client = Client(args.target, connection_from_arguments(args))
+    try:
+        connection = connection_from_arguments(args)
+    except ValueError as error:
+        print(f"jaxserve.client: {error}", file=sys.stderr)
+        return 2
+    client = Client(args.target, connection)
     try:
         completion = Completion()
         for response in client.stream(

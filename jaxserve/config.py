@@ -6,6 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field, fields, replace
 
+from jaxserve.config_types import check_field_types
 from jaxserve.vllm_names import from_vllm_names
 
 DTYPE_NAMES = {
@@ -81,13 +82,14 @@ class CacheConfig:
     kv_dtype: str = "auto"
 
     def __post_init__(self):
+        check_field_types(self, "cache")
         _require_positive(self, ("page_size",))
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown cache.kv_dtype {self.kv_dtype!r}; expected one of {KV_DTYPES}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (one page is reserved), got {self.num_pages}")
-        if self.swap_space < 0 or self.session_ttl < 0:
-            raise ValueError("swap_space and session_ttl must be >= 0")
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"cache.kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
 
 
 @dataclass(frozen=True)
@@ -108,11 +110,10 @@ class SchedulerConfig:
     max_bias_entries: int = 256
 
     def __post_init__(self):
+        check_field_types(self, "scheduler")
         _require_positive(self, ("max_num_seqs", "max_num_batched_tokens", "prefill_query_block", "max_bias_entries"))
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_num_batched_tokens % self.prefill_query_block:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be a multiple of "
@@ -137,11 +138,10 @@ class ParallelConfig:
     device_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        check_field_types(self, "parallel")
         _require_positive(self, ("tensor_parallel_size", "data_parallel_size"))
         if self.device_ids is not None:
             object.__setattr__(self, "device_ids", tuple(int(i) for i in self.device_ids))
-        if self.expert_rebalance_interval < 0:
-            raise ValueError(f"expert_rebalance_interval must be >= 0, got {self.expert_rebalance_interval}")
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,7 @@ class CompileConfig:
     compilation_cache_dir: str | None = "default"
 
     def __post_init__(self):
+        check_field_types(self, "compile")
         for name in ("decode_seq_buckets", "prefill_token_buckets", "page_buckets"):
             buckets = getattr(self, name)
             if buckets is not None:
@@ -188,6 +189,7 @@ class DisaggConfig:
     when_decode_full: str = "queue"
 
     def __post_init__(self):
+        check_field_types(self, "disagg")
         if self.role not in tuple(EngineRole):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         object.__setattr__(self, "role", EngineRole(self.role))
@@ -235,6 +237,7 @@ class SpeculativeConfig:
     draft_num_pages: int | None = None
 
     def __post_init__(self):
+        check_field_types(self, "speculative")
         if self.method is None:
             set_fields = [
                 name for name in ("num_speculative_tokens", "draft_num_pages") if getattr(self, name) is not None
@@ -253,12 +256,6 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        for name in ("prompt_lookup_min", "prompt_lookup_max", "speculative_max_batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-        if not isinstance(self.speculative_adaptive, bool):
-            raise ValueError(f"speculative_adaptive must be true or false, got {self.speculative_adaptive!r}")
         if self.method != "draft" and any(getattr(self, name) != default for name, default in DRAFT_DEFAULTS.items()):
             raise ValueError(f"draft_model and draft_quantization apply to method draft, not {self.method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -314,6 +311,7 @@ class LoraConfig:
     routed_experts: bool = True
 
     def __post_init__(self):
+        check_field_types(self, "lora")
         adapters = dict(self.adapters or {})
         if any(not isinstance(name, str) or not name or not isinstance(path, str) for name, path in adapters.items()):
             raise ValueError(f"lora adapters must map names to adapter directories, got {self.adapters!r}")
@@ -357,7 +355,7 @@ class EngineConfig:
 
     dtype: str = "auto"
     # Projections' weights (issue 25, jaxserve/loading/quantize.py): none | int8 | int4 | auto (the checkpoint's)
-    quantization: str = "none"  # None (vLLM's spelling of the default) is read as "none"
+    quantization: str | None = "none"  # None (vLLM's spelling of the default) is read as "none"
     quantization_group_size: int = 32  # int4: rows of K per scale (32, 64 or 128)
     quantization_embedding: str = "same"  # int4: "int8" keeps the embedding and head at int8 (llama.cpp's Q4_0)
     quantized_activations: str = "int8"  # CPU kernel for quantized weights: x as int8 per 32 (llama.cpp) or float
@@ -372,6 +370,7 @@ class EngineConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
+        check_field_types(self, "engine", signed=("seed",))
         if self.dtype != "auto":
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if self.quantization is None:  # vLLM's default spelling: the engine's default

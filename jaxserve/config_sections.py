@@ -1,6 +1,7 @@
 """YAML config files as sections of frozen dataclasses, one loader for the server and the router.
 
-A file is a mapping of sections; `--set section.key=value` overrides one key (its value read as YAML);
+A file is a mapping of sections; `--set section.key=value` overrides one key (its value read as YAML, or
+kept as the string given when it is not YAML, such as a jinja template);
 every section and key is checked, and a bad one is a ValueError naming it. Imports no JAX: the router
 process loads its config with this too.
 """
@@ -8,6 +9,7 @@ process loads its config with this too.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 
 import yaml
 
@@ -27,13 +29,21 @@ def parse_override(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep:
         raise ValueError(f"--set expects KEY=VALUE, got {text!r}")
-    return key.strip(), yaml.safe_load(value)
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError:  # not YAML ('{% for m in messages %}...', '@keys'): the string itself
+        return key.strip(), value
 
 
 def read_sections(
-    path: str | None, overrides: list[str] | tuple[str, ...], section_names: tuple[str, ...]
+    path: str | None,
+    overrides: list[str] | tuple[str, ...],
+    section_names: tuple[str, ...],
+    also_in: Callable[[str, str], Iterable[str]] = lambda section, name: (),
 ) -> dict[str, object]:
-    """The file's sections with the overrides applied; a section absent from both is absent here."""
+    """The file's sections with the overrides applied; a section absent from both is absent here.
+    also_in(section, name): the other sections that may hold the same option (the server's `engine:` and
+    the group sections); an override replaces the option there too, wherever the file put it."""
     tree = read_yaml(path) if path is not None else {}
     if not isinstance(tree, dict):
         raise ValueError(f"config file {path} must hold a mapping of sections")
@@ -54,6 +64,9 @@ def read_sections(
             values = tree[section] = {}
         if not isinstance(values, dict):
             raise ValueError(f"--set {key}: config section {section!r} is not a mapping")
+        for other in also_in(section, name):
+            if isinstance(tree.get(other), dict):
+                tree[other].pop(name, None)  # type: ignore[union-attr]
         values[name] = value
     return tree
 

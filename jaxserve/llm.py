@@ -13,7 +13,12 @@ from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine import Engine
 from jaxserve.engine.admission import prompt_input
 from jaxserve.host.request import RequestOutput, SamplingParams
-from jaxserve.loading.chat_template import render_chat, template_messages, template_variables
+from jaxserve.loading.chat_template import (
+    chat_template_argument,
+    render_chat,
+    template_messages,
+    template_variables,
+)
 from jaxserve.lora.request import LoRARequests
 
 
@@ -126,15 +131,16 @@ class LLM:
         lora_request=None,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role": ..., "content": ...} messages) or a list of
-        them, each rendered with the model's chat template (or chat_template: a template, or the name of
-        one of the model's), then generated as generate() does; one RequestOutput per conversation, its
-        .prompt the rendered text. Generation stops on the tokenizer's EOS ids, the template's end-of-turn
+        them, each rendered with the model's chat template (or chat_template: a template, a file holding
+        one, or the name of one of the model's), then generated as generate() does; one RequestOutput per
+        conversation, its .prompt the rendered text. Generation stops on the tokenizer's EOS ids, the template's end-of-turn
         token among them. Every conversation renders before any is queued: a template error (ValueError)
         leaves the engine as it was."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot render chats; pass token ids to generate()")
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
+        chat_template = chat_template_argument(tokenizer, chat_template)
         prompts = [
             render_chat(
                 tokenizer,

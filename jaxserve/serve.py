@@ -57,6 +57,7 @@ class Server:
         self.process_group = process_group
         self.config = config
         server = config.server
+        self.chat_template = load_chat_template(server.chat_template)  # a missing file: refused before any port opens
         self.metrics = ServerMetrics()
         self.health = health.HealthServicer()
         self.service = GenerationService()
@@ -107,7 +108,6 @@ class Server:
             )
         self.loop: EngineLoop | None = None
         self.metrics_server = None
-        self.chat_template = load_chat_template(server.chat_template)
         # The OpenAI HTTP API: its own event-loop thread (the gRPC server is thread-pool based), one engine loop.
         self.http_context = ServingContext(self.metrics, server.served_model_names)
         self.http_server = (

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxserve.config_types import check_field_types
+
 
 @dataclass(frozen=True)
 class DistributedConfig:
@@ -24,6 +26,7 @@ class DistributedConfig:
     initialization_timeout: int = 300  # seconds every process waits for the others to join
 
     def __post_init__(self):
+        check_field_types(self, "distributed")
         given = [self.coordinator_address is not None, self.num_processes is not None, self.process_id is not None]
         if any(given) and not all(given):
             raise ValueError(
@@ -40,8 +43,6 @@ class DistributedConfig:
             raise ValueError(f"distributed.process_id must be in [0, {self.num_processes}), got {self.process_id}")
         if not self.peer_timeout > 0:
             raise ValueError(f"distributed.peer_timeout must be > 0 seconds, got {self.peer_timeout}")
-        if self.hash_check_interval < 0:
-            raise ValueError(f"distributed.hash_check_interval must be >= 0, got {self.hash_check_interval}")
         if self.num_cpu_devices is not None and self.num_cpu_devices < 1:
             raise ValueError(f"distributed.num_cpu_devices must be >= 1, got {self.num_cpu_devices}")
         if self.local_device_ids is not None:

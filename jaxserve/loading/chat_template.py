@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from datetime import datetime
 from typing import Any
 
@@ -27,6 +28,39 @@ CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # What render_chat's callers pass it themselves: a template variable of the same name would be passed twice.
 OWN_ARGUMENTS = ("tokenizer", "messages", "chat_template", "add_generation_prompt", "continue_final_message", "tools")
+# A template has one of these; a value with none of them is a file name (vLLM's rule for --chat-template).
+JINJA_CHARACTERS = "{}\n"
+
+
+def read_chat_template(value: str | os.PathLike, option: str, names: list[str] | tuple[str, ...] = ()) -> str:
+    """A chat template given as a file holding one or as the template itself (vLLM's --chat-template): the
+    file's text when `value` opens as a file, else `value` itself when it reads as a template. A value
+    that is neither (a file name that does not open: a typo, a missing mount) is a ValueError naming
+    `option` and the path, never a "template" that renders the path; `names`: the model's own named
+    templates, for the message."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{option} must be a jinja template or a file holding one, got {value!r}")
+    try:
+        with open(value) as f:
+            return f.read()
+    except (OSError, ValueError) as error:  # ValueError: a template with a NUL character is no file name
+        if isinstance(value, str) and any(character in value for character in JINJA_CHARACTERS):
+            return value
+        named = f", nor one of the model's templates {sorted(names)}" if names else ""
+        raise ValueError(
+            f"{option} {os.fspath(value)!r} is not a template (it has no '{{', '}}' or newline){named}, and "
+            f"cannot be opened as a file: {error}"
+        ) from None
+
+
+def chat_template_argument(tokenizer, value: str | os.PathLike | None, option: str = "chat_template") -> str | None:
+    """LLM.chat's chat_template=: None (the model's own), the name of one of the model's templates (kept:
+    select_chat_template picks it), a template, or a file holding one (read here)."""
+    own = getattr(tokenizer, "chat_template", None)
+    names = tuple(own) if isinstance(own, dict) else ()
+    if value is None or value in names:
+        return value  # type: ignore[return-value]
+    return read_chat_template(value, option, names)
 
 
 def select_chat_template(tokenizer, chat_template: str | None, tools) -> tuple[str, str | None]:

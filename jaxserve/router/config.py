@@ -17,18 +17,16 @@ launch:   {num_replicas, num_prefill_replicas, num_decode_replicas, config, set:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from jaxserve.config_sections import build_section, read_sections
+from jaxserve.config_types import check_field_types
 from jaxserve.router.connection import ReplicaTLS
 from jaxserve.router.policy import POLICIES
 from jaxserve.server.config_file import TLSConfig
 from jaxserve.server.tool_parsers import PARSER_NAMES
 
-KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 MODES = ("colocated", "disaggregated")
-CONNECTION_OPTIONS = ("tls", "api_keys", "replica_tls", "replica_api_key")  # checked on their own
 ROUTER_SECTIONS = ("model", "router", "replicas", "prefill_replicas", "decode_replicas", "launch")
 
 
@@ -59,13 +57,7 @@ class RouterSection:
 
     def __post_init__(self):
         self._check_connection_options()
-        for option in dataclasses.fields(self):
-            if option.name in CONNECTION_OPTIONS:
-                continue
-            value, default = getattr(self, option.name), option.default
-            kind = int if isinstance(default, int) else float if isinstance(default, float) else str
-            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
-                raise ValueError(f"router.{option.name} must be {KIND_NAMES[kind]}, got {value!r}")
+        check_field_types(self, "router")
         if self.mode not in MODES:
             raise ValueError(f"router.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.tool_call_parser not in PARSER_NAMES:
@@ -80,8 +72,8 @@ class RouterSection:
         for name in ("heartbeat", "health_interval", "startup_timeout", "resend_wait"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"router.{name} must be > 0 seconds, got {getattr(self, name)!r}")
-        if self.blind_window < 0 or self.max_in_flight < 1 or self.max_resends < 0:
-            raise ValueError("router.blind_window and router.max_resends must be >= 0, router.max_in_flight >= 1")
+        if self.max_in_flight < 1:
+            raise ValueError(f"router.max_in_flight must be >= 1, got {self.max_in_flight}")
 
     def _check_connection_options(self) -> None:
         try:
@@ -116,6 +108,7 @@ class LaunchSection:
         object.__setattr__(self, "set", tuple(self.set))
         if not isinstance(self.restart, bool):
             raise ValueError(f"launch.restart must be true or false, got {self.restart!r}")
+        check_field_types(self, "launch")
 
 
 def parse_address(address) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from jaxserve.client import Connection
+from jaxserve.client import Connection, first_api_key
 from jaxserve.server.auth import read_credential
 
 PLAIN = Connection()  # replicas that require neither TLS nor a key
@@ -41,11 +41,8 @@ def replica_connection(tls: ReplicaTLS | None, api_key_file: str | None) -> Conn
     """The files read once, at start-up; ValueError naming the option when one cannot be read."""
     api_key = None
     if api_key_file is not None:
-        lines = [line.strip() for line in read_credential(api_key_file, "router.replica_api_key").decode().splitlines()]
-        keys = [line for line in lines if line and not line.startswith("#")]
-        if not keys:
-            raise ValueError(f"router.replica_api_key {api_key_file} holds no key")
-        api_key = keys[0]
+        text = read_credential(api_key_file, "router.replica_api_key").decode()
+        api_key = first_api_key(text, f"router.replica_api_key {api_key_file}")
     if tls is None:
         return Connection(api_key=api_key)
     return Connection(

@@ -8,9 +8,7 @@ program, runs over it.
 
 from __future__ import annotations
 
-import os
-
-from jaxserve.loading.chat_template import render_chat, template_variables, text_content
+from jaxserve.loading.chat_template import read_chat_template, render_chat, template_variables, text_content
 from jaxserve.loading.tokenizer import check_unicode
 from jaxserve.server import limits as request_limits
 from jaxserve.server.limits import RequestLimits
@@ -18,14 +16,9 @@ from jaxserve.server.limits import RequestLimits
 
 def load_chat_template(value: str | None) -> str | None:
     """server.chat_template: a file holding a jinja template, or the template itself (as vLLM's
-    --chat-template); None: the model's own."""
-    if value is None or not os.path.isfile(value):
-        return value
-    try:
-        with open(value) as f:
-            return f.read()
-    except OSError as error:
-        raise ValueError(f"cannot read server.chat_template {value}: {error}") from None
+    --chat-template); None: the model's own. A value with no '{', '}' or newline that does not open as a
+    file is a ValueError naming the option and the path (not a template that renders the path)."""
+    return None if value is None else read_chat_template(value, "server.chat_template")
 
 
 def message_text(messages: list) -> str:

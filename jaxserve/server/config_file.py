@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from jaxserve.config import ENGINE_GROUPS, EngineConfig
 from jaxserve.config_sections import build_section, read_sections, section_values
+from jaxserve.config_types import check_field_types
 from jaxserve.distributed.config import DistributedConfig
 from jaxserve.server.reasoning_parsers import PARSER_NAMES as REASONING_PARSER_NAMES
 from jaxserve.server.tool_parsers import PARSER_NAMES
@@ -42,10 +43,13 @@ QUANTIZATION_OPTIONS = ("quantization", "quantization_group_size", "quantization
 class ModelSection:
     path: str = "default"
     dtype: str = "auto"
-    quantization: str = "none"  # none | int8 | int4 | auto (issue 25)
+    quantization: str | None = "none"  # none | int8 | int4 | auto (issue 25); null: none, as vLLM spells it
     quantization_group_size: int = 32
     quantization_embedding: str = "same"  # int4: int8 keeps the embedding and head at int8
     quantized_activations: str = "int8"  # the CPU quantized kernel's x: int8 per 32 (llama.cpp's) or float
+
+    def __post_init__(self):
+        check_field_types(self, "model")
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class ServerConfig:
     cors_allowed_origins: tuple[str, ...] = ()  # web origins allowed to call the HTTP API, or ["*"]; none: no CORS
 
     def __post_init__(self):
+        check_field_types(self, "server")
         object.__setattr__(self, "tls", TLSConfig.parse(self.tls))
         object.__setattr__(self, "served_model_name", _served_model_names(self.served_model_name) or None)
         object.__setattr__(self, "cors_allowed_origins", _origins(self.cors_allowed_origins))
@@ -106,14 +111,12 @@ class ServerConfig:
         for name in ("port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"server.{name} must be a port number, got {getattr(self, name)}")
-        if self.max_queued_requests < 1 or self.drain_timeout < 0:
-            raise ValueError("server.max_queued_requests must be >= 1 and server.drain_timeout >= 0")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"server.max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if not self.stream_idle_timeout > 0:
             raise ValueError(f"server.stream_idle_timeout must be > 0 seconds, got {self.stream_idle_timeout}")
         if self.max_message_bytes is not None and self.max_message_bytes < 1024:
             raise ValueError(f"server.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
-        caps = ("max_stop_strings", "max_stop_string_bytes", "max_stop_token_ids", "max_id_length")
-        caps += ("max_structured_bytes", "max_sampling_token_ids")
         if self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(
                 f"server.tool_call_parser must be one of {', '.join(PARSER_NAMES)}, got {self.tool_call_parser!r}"
@@ -123,9 +126,6 @@ class ServerConfig:
                 f"server.reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, "
                 f"got {self.reasoning_parser!r}"
             )
-        for name in caps + (("max_prompt_bytes",) if self.max_prompt_bytes is not None else ()):
-            if getattr(self, name) < 0:
-                raise ValueError(f"server.{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -189,7 +189,7 @@ SECTIONS = ("model", "engine", *ENGINE_SECTIONS, "server", "distributed")
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ServeConfig:
-    tree = read_sections(path, overrides, SECTIONS)
+    tree = read_sections(path, overrides, SECTIONS, _engine_option_places)
     return ServeConfig(
         model=build_section(ModelSection, "model", tree.get("model")),
         engine=_engine_config(tree),
@@ -199,6 +199,15 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         if "distributed" in tree
         else None,
     )
+
+
+def _engine_option_places(section: str, name: str) -> tuple[str, ...]:
+    """Where else an engine option may be set: `engine:` or its own group's section (so that --set
+    scheduler.max_model_len replaces a preset's engine.max_model_len, and the other way round)."""
+    group = EngineConfig.option_names().get(name)
+    if section == "engine":
+        return (group,) if group else ()
+    return ("engine",) if section in ENGINE_SECTIONS and group == section else ()
 
 
 def _engine_config(tree: dict) -> EngineConfig:

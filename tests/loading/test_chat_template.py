@@ -1,12 +1,19 @@
 """Chat templates render as transformers' apply_chat_template(..., tokenize=False) does (recorded by
 tests/support/record_tokenizers.py), sandboxed, with clear errors."""
 
+import copy
 import os
 from datetime import datetime
 
 import pytest
 
-from jaxserve.loading.chat_template import loops_over_content, render_chat, text_content
+from jaxserve.loading.chat_template import (
+    chat_template_argument,
+    loops_over_content,
+    read_chat_template,
+    render_chat,
+    text_content,
+)
 from tests.loading.test_tokenizer import FAST_TOKENIZERS, load, recorded
 
 
@@ -30,6 +37,40 @@ def test_the_template_comes_from_the_model_or_the_caller():
     with pytest.raises(ValueError, match="no chat template"):
         render_chat(load("sentencepiece"), messages)
     assert render_chat(load("sentencepiece"), messages, chat_template="{{ eos_token }}") == "</s>"
+
+
+def test_a_template_option_is_a_template_a_file_or_a_clear_error(tmp_path):
+    """server.chat_template / LLM.chat(chat_template=...): a path that does not open was used as the template
+    itself, so every chat prompt became the path's text; as vLLM's --chat-template, a value with no '{', '}' or
+    newline is a file name, and one that does not open is refused naming the option and the path."""
+    from jaxserve.server.chat_prompt import load_chat_template
+
+    template = "{{ bos_token }}|{{ messages[0].content }}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    assert load_chat_template(str(path)) == template and load_chat_template(template) == template
+    assert load_chat_template("{% for m in messages %}x{% endfor %}") and load_chat_template(None) is None
+    for missing in ("/etc/jaxserve/chat_tmpl.jinja", "chat.jinja", str(tmp_path)):
+        with pytest.raises(ValueError, match=f"server.chat_template '{missing}' is not a template.*cannot be opened"):
+            load_chat_template(missing)
+    assert read_chat_template(path, "chat_template") == template  # a pathlib.Path too
+    tokenizer = load("llama_metaspace")
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(tokenizer, messages, chat_template=chat_template_argument(tokenizer, str(path))) == "<s>|hi"
+    with pytest.raises(ValueError, match="chat_template 'no/such.jinja' is not a template"):
+        chat_template_argument(tokenizer, "no/such.jinja")
+
+
+def test_a_template_option_may_name_one_of_the_models_templates():
+    tokenizer = copy.copy(load("llama_metaspace"))  # load() is cached: the copy's template is this test's
+    tokenizer.chat_template = {"default": "D{{ messages[0].content }}", "tool_use": "T{{ messages[0].content }}"}
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_template_argument(tokenizer, "tool_use") == "tool_use"
+    assert render_chat(tokenizer, messages, chat_template=chat_template_argument(tokenizer, "tool_use")) == "Thi"
+    with pytest.raises(
+        ValueError, match=r"'tool_usee' is not a template .*nor one of the model's templates \['default'"
+    ):
+        chat_template_argument(tokenizer, "tool_usee")
 
 
 def test_template_failures_name_the_template_and_the_problem():

@@ -129,7 +129,7 @@ def test_served_model_names_and_cors_origins():
     for override, message in (
         ("server.served_model_name=[]", "a name or a list of names"),
         ("server.served_model_name=[a, a]", "names one model twice"),
-        ("server.served_model_name={a: 1}", "a name or a list of names"),
+        ("server.served_model_name={a: 1}", "served_model_name must be a string or a list of strings or null"),
         ("server.cors_allowed_origins=['https://ui.example/']", "is not an origin"),  # browsers send no slash
         ("server.cors_allowed_origins=['ui.example:3000']", "is not an origin"),
     ):

@@ -122,3 +122,27 @@ def test_metrics_need_the_client_certificate_and_a_key(server, certificates):
         server.connection = client_connection(certificates)
     with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
         server.metrics(tls=ssl.create_default_context(cafile=str(certificates / "ca.pem")))
+
+
+def test_the_client_reads_a_key_file_as_the_server_reads_server_api_keys(tmp_path, capsys):
+    """--api-key-file's first line was taken as the key: a server key file opening with a # comment sent the
+    comment, and an empty file raised IndexError."""
+    import argparse
+
+    from jaxserve.client import add_connection_arguments, connection_from_arguments, main
+    from jaxserve.server.auth import ApiKeys
+
+    parser = argparse.ArgumentParser()
+    add_connection_arguments(parser)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# the replicas' keys\n\n  secret1  \nsecret2\n")
+    connection = connection_from_arguments(parser.parse_args(["--api-key-file", str(keys)]))
+    assert connection.api_key == "secret1" and ApiKeys.from_file(str(keys)).allows("Bearer secret1")
+    for text in ("", "# only a comment\n\n"):
+        keys.write_text(text)
+        with pytest.raises(ValueError, match=f"--api-key-file {keys} holds no key"):
+            connection_from_arguments(parser.parse_args(["--api-key-file", str(keys)]))
+    assert main(["hello", "--api-key-file", str(keys)]) == 2
+    assert f"jaxserve.client: --api-key-file {keys} holds no key" in capsys.readouterr().err
+    assert main(["hello", "--api-key-file", str(tmp_path / "missing")]) == 2
+    assert "jaxserve.client: cannot read --api-key-file" in capsys.readouterr().err

@@ -271,11 +271,14 @@ class EngineLoop:
     def _deliver_delta(self, stream: RequestStream, delta: Delta) -> None:
         now = time.perf_counter()
         if delta.token_ids:
-            if stream.last_message_at is None:
+            if stream.first_token_at is None:
+                stream.first_token_at = now
                 self.metrics.ttft.observe(now - stream.submitted_at)
-            else:
-                self.metrics.itl.observe(now - stream.last_message_at)
-            stream.last_message_at = now
+            # per completion: with n > 1 a step delivers one delta per completion, microseconds apart
+            previous = stream.last_token_at[delta.index]
+            if previous is not None:
+                self.metrics.itl.observe(now - previous)
+            stream.last_token_at[delta.index] = now
             self.metrics.generation_tokens.inc(len(delta.token_ids))
         stream.put(delta)
         if delta.finish_reason is not None:

@@ -63,7 +63,8 @@ class RequestStream:
         self.params = params
         self.num_prompt_tokens = num_prompt_tokens
         self.submitted_at = time.perf_counter()
-        self.last_message_at: float | None = None
+        self.first_token_at: float | None = None  # when the request's first token was delivered (TTFT)
+        self.last_token_at: list[float | None] = [None] * params.n  # per completion: its previous delta's (ITL)
         self.num_sent_tokens = [0] * params.n  # per completion
         self.num_sent_chars = [0] * params.n
         self._made_final: set[int] = set()  # completions whose last delta delta_from has made

@@ -29,3 +29,21 @@ def test_a_released_stream_ends_even_when_its_request_never_reached_the_engine(l
         assert whole[-1].finish_reason == FinishReason.LENGTH and sum(len(m.token_ids) for m in whole) == 4
     finally:
         loop.stop()
+
+
+def test_inter_token_latency_is_timed_per_completion(llama_llm):
+    """With n > 1 each step delivers one delta per completion: each completion's are timed against its own
+    previous delta, not against another completion's of the same step (which made ITL ~n times too low)."""
+    metrics = ServerMetrics()
+    loop = EngineLoop(llama_llm.engine, metrics, max_queued_requests=4)
+    try:
+        n, max_tokens = 3, 6
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=0, ignore_eos=True)
+        messages = list(loop.submit([1, 5, 6, 7], params, "several"))
+        assert sum(len(m.token_ids) for m in messages) == n * max_tokens
+    finally:
+        loop.stop()
+    sample = metrics.registry.get_sample_value
+    assert sample("jaxserve_time_to_first_token_seconds_count") == 1
+    # one interval per token after each completion's first; same-step deltas of other completions are not one
+    assert sample("jaxserve_inter_token_latency_seconds_count") == n * (max_tokens - 1)

@@ -36,7 +36,7 @@ from jaxserve.router.replica import Replica, check_info
 from jaxserve.router.service import RouterService
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
 from jaxserve.server.limits import MIN_MESSAGE_BYTES, RequestLimits
-from jaxserve.server.metrics_http import start_metrics_server
+from jaxserve.server.metrics_http import start_metrics_server, stop_metrics_server
 from jaxserve.server.openai import HTTPServer, build_app
 from jaxserve.server.rpc import GENERATION_SERVICE, ThreadPools, health_handler, parse
 
@@ -321,5 +321,5 @@ class RouterServer:
             replica.stop()
         stop_replicas(self.launched, replica_timeout)
         if self.metrics_server is not None:
-            self.metrics_server.shutdown()
+            stop_metrics_server(self.metrics_server)
         self.pools.shutdown()

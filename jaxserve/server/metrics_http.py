@@ -60,3 +60,9 @@ def start_metrics_server(
         server.socket = tls.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
     threading.Thread(target=server.serve_forever, name="jaxserve-metrics", daemon=True).start()
     return server
+
+
+def stop_metrics_server(server: WSGIServer) -> None:
+    """Stop serving and close the listening socket (shutdown alone leaves the port bound)."""
+    server.shutdown()
+    server.server_close()

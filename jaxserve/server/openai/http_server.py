@@ -90,7 +90,8 @@ class HTTPServer:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=GRACEFUL_SHUTDOWN + 5)
+        if self.thread.ident is not None:  # started
+            self.thread.join(timeout=GRACEFUL_SHUTDOWN + 5)
         if self.thread.is_alive():
             logger.warning("the HTTP server did not stop in time")
         self.socket.close()

@@ -11,7 +11,6 @@ follow its step plans (jaxserve/distributed) and open no ports.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import sys
@@ -24,6 +23,7 @@ from grpc_health.v1 import health, health_pb2
 from jaxserve.disagg.service import DisaggService
 from jaxserve.distributed.runtime import ProcessGroup, RefusedOnEveryProcess, initialize
 from jaxserve.engine import Engine
+from jaxserve.server.address import host_port, is_loopback
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
 from jaxserve.server.chat_prompt import load_chat_template
 from jaxserve.server.config_file import ServeConfig, load_config
@@ -40,15 +40,6 @@ from jaxserve.server.service import GenerationService
 
 logger = logging.getLogger("jaxserve.serve")
 KEEPALIVE_MS = 60_000  # ping idle connections so that vanished clients' streams are cancelled and freed
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Server:
@@ -85,7 +76,7 @@ class Server:
             interceptors=interceptors,
             options=options,
         )
-        address = f"{server.host}:{server.port}"
+        address = host_port(server.host, server.port)
         try:
             if server.tls is not None:
                 self.port = self.grpc_server.add_secure_port(address, grpc_server_credentials(server.tls))
@@ -151,11 +142,10 @@ class Server:
             self._start_metrics()
         if self.http_server is not None:
             self.http_server.start()
-            logger.info("OpenAI HTTP API on %s:%d", self.config.server.host, self.http_server.port)
+            logger.info("OpenAI HTTP API on %s", host_port(self.config.server.host, self.http_server.port))
         logger.info(
-            "listening on %s:%d%s; warming up",
-            self.config.server.host,
-            self.port,
+            "listening on %s%s; warming up",
+            host_port(self.config.server.host, self.port),
             " (TLS)" if self.config.server.tls else "",
         )
         if self.process_group is not None:

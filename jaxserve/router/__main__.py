@@ -14,6 +14,7 @@ import sys
 
 from jaxserve.router.config import load_router_config
 from jaxserve.router.server import RouterServer
+from jaxserve.server.address import host_port
 from jaxserve.server.process import StopRequested, run_until_signalled, signals_interrupt
 
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         except StopRequested:
             logging.getLogger("jaxserve.router").info("stopped while starting")
             return server  # the stop is recorded: run_until_signalled stops it (again: harmless) and exits 0
-        print(f"jaxserve.router: serving on {server.config.router.host}:{server.port}", flush=True)
+        print(f"jaxserve.router: serving on {host_port(server.config.router.host, server.port)}", flush=True)
         return server
 
     def stop(server: object) -> None:

@@ -8,11 +8,12 @@ import pytest
 
 from jaxserve.router.launcher import free_port
 from jaxserve.serve import Server
+from jaxserve.server.address import bare_host, host_port, is_loopback
 from jaxserve.server.config_file import load_config
 from tests.support.fixtures import fixture_dir
 
 
-def config(model_path: str):
+def config(model_path: str, *extra: str):
     ports = free_port(), free_port(), free_port()
     overrides = [
         f"model.path={model_path}",
@@ -24,6 +25,7 @@ def config(model_path: str):
         f"server.port={ports[0]}",
         f"server.http_port={ports[1]}",
         f"server.metrics_port={ports[2]}",
+        *extra,
     ]
     return load_config(None, overrides), ports
 
@@ -56,3 +58,16 @@ def test_a_stopped_server_releases_its_ports():
     server.start()
     server.drain_and_stop()
     assert_free(ports)  # the metrics port stayed bound (shutdown without server_close)
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_ipv6_hosts_with_or_without_brackets(host, caplog):
+    assert is_loopback(host) and host_port(host, 1) == "[::1]:1" and bare_host(host) == "::1"
+    serve_config, ports = config("/nonexistent/model", f'server.host="{host}"')
+    server = Server(serve_config)  # gRPC and HTTP bind here, the metrics port in start: before the model fails
+    with pytest.raises(ValueError, match="does not exist"):
+        server.start()
+    assert "anyone who can reach" not in caplog.text  # ::1 is loopback
+    for port in ports:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", port))

@@ -39,6 +39,7 @@ from jaxserve.server.rpc import GENERATION_SERVICE, ThreadPools, generation_hand
 from jaxserve.server.service import GenerationService
 
 logger = logging.getLogger("jaxserve.serve")
+CUT_OFF_TIMEOUT = 5.0  # seconds past the drain timeout for the cut-off requests' calls to end
 KEEPALIVE_MS = 60_000  # ping idle connections so that vanished clients' streams are cancelled and freed
 
 
@@ -176,8 +177,12 @@ class Server:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.loop is not None and not self._closed:
             self.loop.begin_drain()
-            if not self.loop.wait_until_idle(self.config.server.drain_timeout):
-                logger.warning("drain timeout: %d requests still in flight", self.loop.num_in_flight)
+            drain_timeout = self.config.server.drain_timeout
+            if not self.loop.wait_until_idle(drain_timeout):
+                logger.warning("drain timeout: %d requests still in flight; ending them", self.loop.num_in_flight)
+                # each ends with a reason (gRPC UNAVAILABLE, HTTP 503 or an SSE error event), not a cut connection
+                message = f"the server is shutting down: server.drain_timeout ({drain_timeout:g}s) ran out"
+                self.loop.cut_off_all(message, CUT_OFF_TIMEOUT)
         self._close(grace=2)
         if self.process_group is not None:
             self.process_group.shutdown()  # several processes: the followers stop too

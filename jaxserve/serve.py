@@ -11,7 +11,6 @@ follow its step plans (jaxserve/distributed) and open no ports.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import sys
@@ -24,6 +23,7 @@ from grpc_health.v1 import health, health_pb2
 from jaxserve.disagg.service import DisaggService
 from jaxserve.distributed.runtime import ProcessGroup, RefusedOnEveryProcess, initialize
 from jaxserve.engine import Engine
+from jaxserve.server.address import host_port, is_loopback
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
 from jaxserve.server.chat_prompt import load_chat_template
 from jaxserve.server.config_file import ServeConfig, load_config
@@ -32,23 +32,15 @@ from jaxserve.server.fingerprint import system_fingerprint
 from jaxserve.server.kv_events_service import kv_events_handler
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.metrics_http import start_metrics_server
+from jaxserve.server.metrics_http import start_metrics_server, stop_metrics_server
 from jaxserve.server.openai import HTTPServer, ServingContext, build_app
-from jaxserve.server.process import run_until_signalled
+from jaxserve.server.process import StopRequested, run_until_signalled, signals_interrupt
 from jaxserve.server.rpc import GENERATION_SERVICE, ThreadPools, generation_handler, health_handler
 from jaxserve.server.service import GenerationService
 
 logger = logging.getLogger("jaxserve.serve")
+CUT_OFF_TIMEOUT = 5.0  # seconds past the drain timeout for the cut-off requests' calls to end
 KEEPALIVE_MS = 60_000  # ping idle connections so that vanished clients' streams are cancelled and freed
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Server:
@@ -86,7 +78,7 @@ class Server:
             interceptors=interceptors,
             options=options,
         )
-        address = f"{server.host}:{server.port}"
+        address = host_port(server.host, server.port)
         try:
             if server.tls is not None:
                 self.port = self.grpc_server.add_secure_port(address, grpc_server_credentials(server.tls))
@@ -108,19 +100,18 @@ class Server:
             )
         self.loop: EngineLoop | None = None
         self.metrics_server = None
+        self.stopped = threading.Event()
+        self._closed = False
         # The OpenAI HTTP API: its own event-loop thread (the gRPC server is thread-pool based), one engine loop.
         self.http_context = ServingContext(self.metrics, server.served_model_names)
-        self.http_server = (
-            HTTPServer(
-                build_app(self.http_context, self.api_keys, server.max_message_bytes, server.cors_allowed_origins),
-                server.host,
-                server.http_port,
-                server.tls,
-            )
-            if server.http_port
-            else None
-        )
-        self.stopped = threading.Event()
+        self.http_server = None
+        try:
+            if server.http_port:
+                app = build_app(self.http_context, self.api_keys, server.max_message_bytes, server.cors_allowed_origins)
+                self.http_server = HTTPServer(app, server.host, server.http_port, server.tls)
+        except BaseException:
+            self.grpc_server.stop(grace=None)  # its port is bound already: an embedder's retry needs it back
+            raise
 
     def _set_health(self, status) -> None:
         for name in ("", GENERATION_SERVICE):
@@ -134,26 +125,28 @@ class Server:
                 server.host, server.metrics_port, self.metrics.registry, tls, self.api_keys
             )
         except OSError as error:
-            self.grpc_server.stop(grace=None)
             raise ValueError(f"cannot serve metrics on port {server.metrics_port}: {error}") from None
 
     def start(self) -> None:
-        """Open the ports, then warm the engine up (health NOT_SERVING meanwhile), then serve."""
+        """Open the ports, then warm the engine up (health NOT_SERVING meanwhile), then serve. Whatever stops it
+        (a bad model, a signal during warm-up: process.signals_interrupt) closes what it had opened first."""
+        try:
+            self._start()
+        except BaseException:
+            self._close(grace=None)
+            raise
+
+    def _start(self) -> None:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc_server.start()
         if self.config.server.metrics_port:
             self._start_metrics()
         if self.http_server is not None:
-            try:
-                self.http_server.start()
-            except ValueError:
-                self.grpc_server.stop(grace=None)
-                raise
-            logger.info("OpenAI HTTP API on %s:%d", self.config.server.host, self.http_server.port)
+            self.http_server.start()
+            logger.info("OpenAI HTTP API on %s", host_port(self.config.server.host, self.http_server.port))
         logger.info(
-            "listening on %s:%d%s; warming up",
-            self.config.server.host,
-            self.port,
+            "listening on %s%s; warming up",
+            host_port(self.config.server.host, self.port),
             " (TLS)" if self.config.server.tls else "",
         )
         if self.process_group is not None:
@@ -179,12 +172,29 @@ class Server:
         )
 
     def drain_and_stop(self) -> None:
+        """Refuse new requests, let those in flight finish (up to server.drain_timeout), then stop. Safe to
+        call again, and after a failed start."""
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self.loop is not None:
+        if self.loop is not None and not self._closed:
             self.loop.begin_drain()
-            if not self.loop.wait_until_idle(self.config.server.drain_timeout):
-                logger.warning("drain timeout: %d requests still in flight", self.loop.num_in_flight)
-        self.grpc_server.stop(grace=2).wait()
+            drain_timeout = self.config.server.drain_timeout
+            if not self.loop.wait_until_idle(drain_timeout):
+                logger.warning("drain timeout: %d requests still in flight; ending them", self.loop.num_in_flight)
+                # each ends with a reason (gRPC UNAVAILABLE, HTTP 503 or an SSE error event), not a cut connection
+                message = f"the server is shutting down: server.drain_timeout ({drain_timeout:g}s) ran out"
+                self.loop.cut_off_all(message, CUT_OFF_TIMEOUT)
+        self._close(grace=2)
+        if self.process_group is not None:
+            self.process_group.shutdown()  # several processes: the followers stop too
+        self.stopped.set()
+
+    def _close(self, grace: float | None) -> None:
+        """Stop the ports, the engine loop and the threads, releasing every port; once."""
+        if self._closed:
+            return
+        self._closed = True
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.grpc_server.stop(grace=grace).wait()
         if self.http_server is not None:
             self.http_server.stop()
         self.http_context.shutdown()
@@ -192,12 +202,9 @@ class Server:
         if self.loop is not None:
             self.loop.stop()
         if self.metrics_server is not None:
-            self.metrics_server.shutdown()
+            stop_metrics_server(self.metrics_server)
         self.pools.shutdown()
         self.kv_events_pool.shutdown(wait=False, cancel_futures=True)
-        if self.process_group is not None:
-            self.process_group.shutdown()  # several processes: the followers stop too
-        self.stopped.set()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,7 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         if group is not None:
             groups.append(group)
         server = Server(config, group)
-        server.start()
+        try:
+            with signals_interrupt():  # a signal during load and warm-up stops them (start closes what it opened)
+                server.start()
+        except StopRequested:
+            logger.info("stopped while starting")  # the stop is recorded: stop() below finds nothing left to drain
         return server
 
     def stop(server: Server) -> None:

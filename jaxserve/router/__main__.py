@@ -9,46 +9,13 @@ it, and the replicas it launched, with exit code 0: also while it still waits fo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import signal
 import sys
 
 from jaxserve.router.config import load_router_config
 from jaxserve.router.server import RouterServer
-from jaxserve.server.process import run_until_signalled
-
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class StopRequested(BaseException):
-    """SIGTERM or Ctrl-C during start-up, raised where the router waits (for replicas: up to
-    router.startup_timeout). A BaseException, as KeyboardInterrupt is: no `except Exception` swallows it."""
-
-
-@contextlib.contextmanager
-def signals_interrupt():
-    """While inside, SIGTERM and SIGINT raise StopRequested (once), after running the handlers installed
-    before (run_until_signalled's, which records the stop so that the process then exits 0)."""
-    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
-    raised = False
-
-    def interrupt(signum, frame):
-        nonlocal raised
-        handler = previous[signum]
-        if callable(handler):
-            handler(signum, frame)
-        if not raised:
-            raised = True
-            raise StopRequested
-
-    for signum in SIGNALS:
-        signal.signal(signum, interrupt)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+from jaxserve.server.address import host_port
+from jaxserve.server.process import StopRequested, run_until_signalled, signals_interrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         except StopRequested:
             logging.getLogger("jaxserve.router").info("stopped while starting")
             return server  # the stop is recorded: run_until_signalled stops it (again: harmless) and exits 0
-        print(f"jaxserve.router: serving on {server.config.router.host}:{server.port}", flush=True)
+        print(f"jaxserve.router: serving on {host_port(server.config.router.host, server.port)}", flush=True)
         return server
 
     def stop(server: object) -> None:

@@ -11,7 +11,6 @@ serve.py); it reaches replicas that require them through router.replica_tls and 
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import time
@@ -34,21 +33,15 @@ from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.policy import POLICIES
 from jaxserve.router.replica import Replica, check_info
 from jaxserve.router.service import RouterService
+from jaxserve.server.address import host_port, is_loopback
 from jaxserve.server.auth import ApiKeyInterceptor, ApiKeys, grpc_server_credentials, server_ssl_context
 from jaxserve.server.limits import MIN_MESSAGE_BYTES, RequestLimits
-from jaxserve.server.metrics_http import start_metrics_server
+from jaxserve.server.metrics_http import start_metrics_server, stop_metrics_server
 from jaxserve.server.openai import HTTPServer, build_app
 from jaxserve.server.rpc import GENERATION_SERVICE, ThreadPools, health_handler, parse
 
 logger = logging.getLogger("jaxserve.router")
 MIN_HTTP_BODY_BYTES = 64 * 1024
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def first_info(address: str, fingerprint: str, timeout: float, connection: Connection) -> pb.ServerInfo:
@@ -208,13 +201,12 @@ class RouterServer:
             self._serve_http(service, infos[0].model, limits, source.tokenizer, source.config)
         self._wait_for_replicas(min(section.startup_timeout, 60.0))
         logger.info(
-            "routing %s over %d replicas (%s, %s) on %s:%d",
+            "routing %s over %d replicas (%s, %s) on %s",
             source.name,
             len(self.replicas),
             section.mode,
             section.policy,
-            section.host,
-            self.port,
+            host_port(section.host, self.port),
         )
 
     def _launch(self, launch: LaunchSection) -> list[str | None]:
@@ -257,7 +249,7 @@ class RouterServer:
                 ),
             ],
         )  # a taken port fails, never shared
-        address = f"{section.host}:{section.port}"
+        address = host_port(section.host, section.port)
         try:
             if section.tls is not None:
                 self.port = self.grpc_server.add_secure_port(address, grpc_server_credentials(section.tls))
@@ -296,7 +288,7 @@ class RouterServer:
         loop = RoutedLoop(service, description, tokenizer, model_config)  # a GenerationLoop (server/openai/loop.py)
         # no chat template of its own: the tokenizer's renders, and tells "auto" the tool-call format
         self.http_context.attach(loop, limits, None, "", section.tool_call_parser)
-        logger.info("OpenAI HTTP API on %s:%d", section.host, self.http_server.port)
+        logger.info("OpenAI HTTP API on %s", host_port(section.host, self.http_server.port))
 
     def _wait_for_replicas(self, timeout: float) -> None:
         """Each replica's first snapshot; a slow one is routed to once it arrives."""
@@ -321,5 +313,5 @@ class RouterServer:
             replica.stop()
         stop_replicas(self.launched, replica_timeout)
         if self.metrics_server is not None:
-            self.metrics_server.shutdown()
+            stop_metrics_server(self.metrics_server)
         self.pools.shutdown()

@@ -170,6 +170,17 @@ class EngineLoop:
             time.sleep(0.05)
         return self.num_in_flight == 0
 
+    def cut_off_all(self, message: str, timeout: float) -> None:
+        """End every request still in flight as an abort with `message` (shutting down past the drain timeout),
+        then wait up to `timeout` seconds for their calls to send that and end. Any thread."""
+        future = self.call(lambda engine: self._cut_off_all(message))
+        try:
+            future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            logger.warning("the engine loop did not end the remaining requests within %.0fs", timeout)
+            return
+        self.wait_until_idle(timeout)
+
     def stop(self) -> None:
         self._stopped = True
         self._wakeup.set()
@@ -229,13 +240,21 @@ class EngineLoop:
             logger.error("add_request refused a validated request: %s", error)
             self._finish(stream, FinishReason.ERROR, str(error))
 
-    def _abort(self, stream: RequestStream, reason: FinishReason) -> None:
+    def _cut_off_all(self, message: str) -> None:
+        with self._lock:
+            streams = [stream for stream in self.streams.values() if not stream.finished]
+        for stream in streams:
+            stream.cut_off, stream.error_status = message, 503
+            self._abort(stream, FinishReason.ABORT, message)
+        self._observe()
+
+    def _abort(self, stream: RequestStream, reason: FinishReason, message: str = "") -> None:
         """Abort the stream's request where the engine runs it, and end the stream either way: a request not in
         the engine (a decode replica's handover still reserving pages, admit) has a handler thread that would
         otherwise wait on its stream forever (and hold the process's exit)."""
         if self.engine.has_request(stream.handle):
             self.engine.abort_request(stream.handle)
-        self._finish(stream, reason)
+        self._finish(stream, reason, message)
 
     def _expire_stuck_streams(self) -> bool:
         now = time.monotonic()
@@ -271,11 +290,14 @@ class EngineLoop:
     def _deliver_delta(self, stream: RequestStream, delta: Delta) -> None:
         now = time.perf_counter()
         if delta.token_ids:
-            if stream.last_message_at is None:
+            if stream.first_token_at is None:
+                stream.first_token_at = now
                 self.metrics.ttft.observe(now - stream.submitted_at)
-            else:
-                self.metrics.itl.observe(now - stream.last_message_at)
-            stream.last_message_at = now
+            # per completion: with n > 1 a step delivers one delta per completion, microseconds apart
+            previous = stream.last_token_at[delta.index]
+            if previous is not None:
+                self.metrics.itl.observe(now - previous)
+            stream.last_token_at[delta.index] = now
             self.metrics.generation_tokens.inc(len(delta.token_ids))
         stream.put(delta)
         if delta.finish_reason is not None:

@@ -14,6 +14,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from jaxserve.server.address import bare_host
 from jaxserve.server.auth import ApiKeys
 
 CONNECTION_TIMEOUT = 10.0
@@ -52,6 +53,7 @@ def start_metrics_server(
     app = make_wsgi_app(registry)
     if api_keys is not None:
         app = require_api_key(app, api_keys)
+    host = bare_host(host)
     server_class = type(
         "MetricsServer", (_ThreadingServer,), {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET}
     )
@@ -60,3 +62,9 @@ def start_metrics_server(
         server.socket = tls.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
     threading.Thread(target=server.serve_forever, name="jaxserve-metrics", daemon=True).start()
     return server
+
+
+def stop_metrics_server(server: WSGIServer) -> None:
+    """Stop serving and close the listening socket (shutdown alone leaves the port bound)."""
+    server.shutdown()
+    server.server_close()

@@ -63,7 +63,8 @@ class RequestStream:
         self.params = params
         self.num_prompt_tokens = num_prompt_tokens
         self.submitted_at = time.perf_counter()
-        self.last_message_at: float | None = None
+        self.first_token_at: float | None = None  # when the request's first token was delivered (TTFT)
+        self.last_token_at: list[float | None] = [None] * params.n  # per completion: its previous delta's (ITL)
         self.num_sent_tokens = [0] * params.n  # per completion
         self.num_sent_chars = [0] * params.n
         self._made_final: set[int] = set()  # completions whose last delta delta_from has made
@@ -76,6 +77,10 @@ class RequestStream:
         # the replica's refusal stands for (router/http_api.py)
         self.error_status = 500
         self.expired = False
+        # why the server ended it unfinished as it shut down (EngineLoop.cut_off_all), or "": its abort is then an
+        # error to the client, gRPC's UNAVAILABLE and HTTP's error_status (503), with this message (the abort's
+        # delta carries it too, after any text the client had not taken yet)
+        self.cut_off = ""
         self.on_expire: Callable[[], None] | None = None  # cancels the RPC (set by the service)
         self.sending_since: float | None = None  # monotonic time the consumer began handing over a message
         self.on_put: Callable[[], None] | None = None  # wakes an asyncio consumer (engine thread; must not block)

@@ -143,7 +143,14 @@ class GenerationService:
             loop.release(stream)  # the RPC ended already
             return
         stream.on_expire = context.cancel
-        yield from with_tool_calls((response_from_delta(delta, stream.request_id) for delta in stream), plan, harmony)
+
+        def responses():
+            for delta in stream:
+                if stream.cut_off and delta.finish_reason == "abort":  # shutting down past server.drain_timeout
+                    abort(context, grpc.StatusCode.UNAVAILABLE, stream.cut_off)
+                yield response_from_delta(delta, stream.request_id)
+
+        yield from with_tool_calls(responses(), plan, harmony)
 
     def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
         loop, _ = self._ready(context)

@@ -152,7 +152,7 @@ class ChatCall:
         usage = UsageCounter()
         holdbacks, splits = {}, {}
         async for position, delta in self.group.deltas():
-            if (message := failure(delta)) is not None:
+            if (message := failure(delta, self.group.streams[position])) is not None:
                 yield sse(error_body(self.group.streams[position].error_status, message))
                 break
             usage.add(position, delta)

@@ -177,7 +177,7 @@ class CompletionCall:
     async def events(self):
         usage, echoed, offsets = UsageCounter(), set(), defaultdict(int)
         async for position, delta in self.group.deltas():
-            if (message := failure(delta)) is not None:
+            if (message := failure(delta, self.group.streams[position])) is not None:
                 yield sse(error_body(self.group.streams[position].error_status, message))
                 break
             usage.add(position, delta)

@@ -16,6 +16,7 @@ import time
 
 import uvicorn
 
+from jaxserve.server.address import bare_host, host_port
 from jaxserve.server.config_file import TLSConfig
 from jaxserve.server.openai.streams import StreamExpired
 
@@ -36,11 +37,12 @@ EXPIRED_STREAMS = _ExpiredStreams()  # one instance: adding it again (a second s
 
 
 def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    address = bare_host(host)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
     try:
-        return socket.create_server((host, port), family=family, backlog=2048)
+        return socket.create_server((address, port), family=family, backlog=2048)
     except OSError as error:
-        raise ValueError(f"cannot serve HTTP on {host}:{port}: {error}") from None
+        raise ValueError(f"cannot serve HTTP on {host_port(host, port)}: {error}") from None
 
 
 class HTTPServer:
@@ -90,7 +92,8 @@ class HTTPServer:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=GRACEFUL_SHUTDOWN + 5)
+        if self.thread.ident is not None:  # started
+            self.thread.join(timeout=GRACEFUL_SHUTDOWN + 5)
         if self.thread.is_alive():
             logger.warning("the HTTP server did not stop in time")
         self.socket.close()

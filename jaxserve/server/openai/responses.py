@@ -21,7 +21,7 @@ from starlette.responses import StreamingResponse
 
 from jaxserve.server.openai.errors import APIError
 from jaxserve.server.openai.streams import StreamExpired, StreamGroup
-from jaxserve.server.request_stream import Delta
+from jaxserve.server.request_stream import Delta, RequestStream
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer the stream
@@ -104,9 +104,14 @@ class UsageCounter:
         }
 
 
-def failure(delta: Delta) -> str | None:
-    """The engine's message when it failed the request (finish reason "error")."""
-    return (delta.text or "the engine failed while running this request") if delta.finish_reason == "error" else None
+def failure(delta: Delta, stream: RequestStream) -> str | None:
+    """The message when the engine failed the request (finish reason "error"), or when the server cut it off as
+    it shut down (an "abort" of a stream marked cut_off); either answers the stream's error_status."""
+    if delta.finish_reason == "error":
+        return delta.text or "the engine failed while running this request"
+    if delta.finish_reason == "abort" and stream.cut_off:
+        return stream.cut_off
+    return None
 
 
 async def gather_choices(group: StreamGroup, choice_index) -> tuple[dict[int, Choice], UsageCounter]:
@@ -115,7 +120,7 @@ async def gather_choices(group: StreamGroup, choice_index) -> tuple[dict[int, Ch
     choices, usage = defaultdict(Choice), UsageCounter()
     try:
         async for position, delta in group.deltas():
-            if (message := failure(delta)) is not None:
+            if (message := failure(delta, group.streams[position])) is not None:
                 raise APIError(group.streams[position].error_status, message)
             usage.add(position, delta)
             choices[choice_index(position, delta)].add(delta)

@@ -71,6 +71,7 @@ class ScriptedLoop:
 class ScriptedStream:
     def __init__(self, deltas, request_id: str):
         self.deltas, self.request_id, self.on_expire = deltas, request_id, None
+        self.cut_off = ""  # RequestStream's: set only when the server cut it off shutting down
 
     def __iter__(self):
         return self.deltas

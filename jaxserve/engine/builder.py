@@ -119,7 +119,7 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     )
     runner = wrap_runner(runner, mesh, schedulers, process_group)  # several processes: process 0 sends plans
     experts = None
-    if model_config.is_moe:
+    if model_config.is_moe and model_config.num_moe_layers:  # a MoE family whose layers are all dense routes nothing
         experts = expert_balancer_type(ExpertBalancer, process_group)(
             model_config,
             runner,

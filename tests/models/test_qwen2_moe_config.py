@@ -66,3 +66,43 @@ def test_sliding_window_on_even_layers_below_max_window_layers_and_qkv_bias_off(
     assert config.sliding_window == 64
     assert config.layer_types == ("sliding_attention", "full_attention") * 2 + ("full_attention",) * 2
     assert not config.attention_bias
+
+
+def test_a_moe_family_whose_layers_are_all_dense_serves_as_the_dense_model(tmp_path):
+    """mlp_only_layers covering every layer (transformers accepts it): nothing routes, so the expert balancer is not
+    built (its first step raised a broadcast error). Its outputs are a Qwen2 model's with the same weights."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve import LLM, SamplingParams
+    from tests.support.fixtures import fixture_dir
+
+    source = fixture_dir("qwen2_moe")
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    weights = load_file(os.path.join(source, "model.safetensors"))
+    dense_mlp = {k.split("mlp.")[1]: v for k, v in weights.items() if k.startswith("model.layers.1.mlp.")}
+    for layer in (0, 2):  # layer 1 is dense in the fixture: its MLP stands in for the others'
+        weights = {k: v for k, v in weights.items() if not k.startswith(f"model.layers.{layer}.mlp.")}
+        weights |= {f"model.layers.{layer}.mlp.{name}": value for name, value in dense_mlp.items()}
+    variants = {
+        "all_dense_moe": {**config, "mlp_only_layers": [0, 1, 2]},
+        "qwen2": {**config, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+    }
+    outputs = {}
+    for name, variant in variants.items():
+        directory = tmp_path / name
+        directory.mkdir()
+        with open(directory / "config.json", "w") as f:
+            json.dump(variant, f)
+        shutil.copy(os.path.join(source, "tokenizer.model"), directory / "tokenizer.model")
+        save_file(weights, str(directory / "model.safetensors"))
+        llm = LLM(str(directory), dtype="float32", max_model_len=64, max_num_seqs=2, show_progress=False)
+        outputs[name] = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, logprobs=1))[0]
+        assert llm.stats()["num_compiles_after_warmup"] == 0
+    moe, dense = (outputs[name].outputs[0] for name in variants)
+    assert moe.token_ids == dense.token_ids and len(moe.token_ids) == 6
+    assert moe.logprobs == dense.logprobs

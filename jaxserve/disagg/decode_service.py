@@ -29,7 +29,7 @@ import jax
 
 from jaxserve.disagg.handover import HandoverStats
 from jaxserve.disagg.metadata import PrefilledRequest
-from jaxserve.host.request import Logprob, SamplingParams
+from jaxserve.host.request import SamplingParams
 from jaxserve.proto import disagg_pb2 as dpb
 from jaxserve.proto import disagg_pb2_grpc
 from jaxserve.proto import jaxserve_pb2 as pb
@@ -272,5 +272,5 @@ class DecodeService:
             channel.close()
 
 
-def first_logprobs(response: dpb.PrefillResponse) -> dict[int, Logprob]:
+def first_logprobs(response: dpb.PrefillResponse) -> dict[int, float]:
     return logprobs_from_message(response.first_logprobs)

@@ -117,7 +117,7 @@ class DecodeHandovers:
         adapter = engine.lora_adapter(params)  # its pages chain from the adapter's identity, not the base's root
         root_key = ROOT_KEY if adapter is None else adapter.identity
         rank = min(range(len(engine.schedulers)), key=lambda r: engine.schedulers[r].num_sequences)
-        reservation = engine.schedulers[rank].reserve(request_id, prompt_token_ids, params.max_tokens, root_key)
+        reservation = engine.schedulers[rank].reserve(request_id, prompt_token_ids, params.max_new_tokens, root_key)
         if reservation is None:
             return None
         # Cached pages evicted for these go to the host tier now, before the handover overwrites them.

@@ -80,7 +80,7 @@ class RequestChecks:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         params = self.with_max_tokens(prompt_token_ids, params)
-        total = len(prompt_token_ids) + params.max_tokens
+        total = len(prompt_token_ids) + params.max_new_tokens
         if total > max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) is "

@@ -95,7 +95,9 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     check_every_process_holds_devices(mesh, config.parallel, process_group)  # refused alike on every process
     expert_parallel = _expert_parallel(model_config, config, mesh)
     attention = choose_attention(model_config, config, dtype, mesh)
-    quantization = QuantizationSpec(config.quantization, config.quantization_group_size, config.quantization_embedding)
+    quantization = QuantizationSpec(
+        config.quantization or "none", config.quantization_group_size, config.quantization_embedding
+    )
     model = _load_model(source, dtype, attention, mesh, expert_parallel, quantization, config.quantized_activations)
     lora_slots = _attach_lora(model, config, model_config, mesh, expert_parallel)
     if lora_slots and process_group is not None:  # the slot writes would have to reach every process

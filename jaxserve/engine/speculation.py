@@ -152,7 +152,7 @@ class Speculation:
                 continue
             # a verify row may emit all its proposals and one more: never past max_tokens or max_model_len
             limit = min(
-                k, seq.params.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1
+                k, seq.params.max_new_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1
             )
             if limit > 0:
                 seqs.append(seq)

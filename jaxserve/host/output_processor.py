@@ -13,15 +13,18 @@ from jaxserve.loading.detokenizer import (
 from jaxserve.loading.tokenizer import Tokenizer
 
 
-def ranked_logprobs(top_token_ids, top_logprobs, token_id: int, logprob, rank) -> dict[int, Logprob]:
-    """{token_id: Logprob} for the top tokens (ranked 1, 2, ... in order) plus the chosen one (its own rank)."""
-    logprobs = {int(t): Logprob(float(v), i + 1) for i, (t, v) in enumerate(zip(top_token_ids, top_logprobs))}
+def ranked_logprobs(top_token_ids, top_logprobs, token_id: int, logprob, rank) -> dict[int, float]:
+    """{token_id: Logprob} for the top tokens (ranked 1, 2, ... in order) plus the chosen one (its own rank); typed
+    as the floats they are."""
+    logprobs: dict[int, float] = {
+        int(t): Logprob(float(v), i + 1) for i, (t, v) in enumerate(zip(top_token_ids, top_logprobs))
+    }
     if token_id not in logprobs:
         logprobs[token_id] = Logprob(float(logprob), int(rank))
     return logprobs
 
 
-def token_logprobs(row: int, sampled, num_top: int) -> dict[int, Logprob]:
+def token_logprobs(row: int, sampled, num_top: int) -> dict[int, float]:
     """{token_id: logprob} for the row's top `num_top` tokens plus the sampled one."""
     return ranked_logprobs(
         sampled.top_token_ids[row, :num_top],
@@ -81,7 +84,7 @@ def append_token(
     if may_stop and (is_eos or token_id in seq.params.stop_token_id_set):
         reason = FinishReason.STOP
         seq.stop_reason = None if is_eos else token_id  # vLLM's: EOS is no stop reason, a stop token is
-    elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
+    elif len(seq.output_token_ids) >= seq.params.max_new_tokens or seq.num_tokens >= max_model_len:
         reason = FinishReason.LENGTH
     if seq.grammar is not None and reason is None:
         reason = _advance_grammar(seq, token_id)

@@ -155,6 +155,12 @@ class SamplingParams:
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise ValueError(f"lora must be the name of a loaded LoRA adapter, got {self.lora!r}")
 
+    @property
+    def max_new_tokens(self) -> int:
+        """max_tokens as the engine reads it: admission (Engine.add_request) made None the room the prompt leaves."""
+        assert self.max_tokens is not None, "max_tokens None is resolved when the request is admitted"
+        return self.max_tokens
+
     def _check_controls(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -39,7 +39,7 @@ class ScheduledChunk:
 
     def __post_init__(self):
         reaches_newest = self.end - len(self.draft_token_ids) == self.seq.num_planned_tokens
-        self.samples_next_token = reaches_newest and self.seq.params.max_tokens > 0
+        self.samples_next_token = reaches_newest and self.seq.params.max_new_tokens > 0
 
     @property
     def scored_positions(self) -> range:

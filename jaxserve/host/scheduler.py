@@ -281,7 +281,7 @@ class Scheduler:
         in flight, nor when the token in flight is its last by max_tokens."""
         if seq.flushing:
             return seq.next_kv_position < seq.num_tokens
-        if seq.num_pending_tokens and len(seq.output_token_ids) + seq.num_pending_tokens >= seq.params.max_tokens:
+        if seq.num_pending_tokens and len(seq.output_token_ids) + seq.num_pending_tokens >= seq.params.max_new_tokens:
             return False
         return seq.next_kv_position < seq.num_planned_tokens
 
@@ -311,7 +311,7 @@ class Scheduler:
         if seq.num_unscored_prompt_tokens:  # cached positions would go unscored: only the scored ones may be
             num_cacheable = min(num_cacheable, len(seq.prompt_logprobs or ()))
         found = self._admissible(
-            seq.token_ids, num_cacheable, seq.num_prompt_tokens + seq.params.max_tokens, seq.cache_root_key
+            seq.token_ids, num_cacheable, seq.num_prompt_tokens + seq.params.max_new_tokens, seq.cache_root_key
         )
         if found is None:
             return None

@@ -148,7 +148,7 @@ class RoutedLoop:
         token_ids = self.service.tokenize_prompt(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if len(token_ids) + params.max_tokens > self.description.max_model_len:
+        if len(token_ids) + params.max_new_tokens > self.description.max_model_len:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is more than "
                 f"max_model_len ({self.description.max_model_len})"

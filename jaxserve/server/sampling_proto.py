@@ -149,9 +149,9 @@ def rank_of(logprob: float) -> int:
     return getattr(logprob, "rank", None) or 0
 
 
-def logprobs_from_message(entry: pb.TokenLogprobs) -> dict[int, Logprob]:
+def logprobs_from_message(entry: pb.TokenLogprobs) -> dict[int, float]:
     """token_logprobs_message's inverse: {token_id: Logprob} for the top entries and the token itself."""
-    logprobs = {top.token_id: Logprob(top.logprob, top.rank or None) for top in entry.top}
+    logprobs: dict[int, float] = {top.token_id: Logprob(top.logprob, top.rank or None) for top in entry.top}
     logprobs[entry.token_id] = Logprob(entry.logprob, entry.rank or None)
     return logprobs
 

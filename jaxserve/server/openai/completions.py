@@ -149,12 +149,14 @@ class CompletionCall:
 
     def vllm_prompt_logprobs(self, index: int, prompt_logprobs: list | None) -> list | None:
         """The choice's `prompt_logprobs` (vLLM's field), when asked: one entry per prompt token, None first."""
-        token_ids = self.echo.scored_token_ids[index // self.body.n]
+        scored, num_top = self.echo.scored_token_ids, self.body.prompt_logprobs
+        assert scored is not None and num_top is not None  # checked_completion tokenized them for it
+        token_ids = scored[index // self.body.n]
         if prompt_logprobs is None and len(token_ids) == 1:  # a one-token prompt: a router's replica sends nothing
             prompt_logprobs = [None]
         if prompt_logprobs is None or len(prompt_logprobs) != len(token_ids):
             raise APIError(500, "the engine returned no logprobs for the prompt's tokens")
-        return vllm_prompt_logprobs(self.token_text, prompt_logprobs, self.body.prompt_logprobs, token_ids)
+        return vllm_prompt_logprobs(self.token_text, prompt_logprobs, num_top, token_ids)
 
     def scored_prompt(self, index: int, prompt_logprobs: list | None) -> list | None:
         """What the choice's echo leads its logprobs with (None: the prompt is not scored). A one-token

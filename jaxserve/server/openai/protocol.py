@@ -82,7 +82,6 @@ class SamplingRequest(BaseModel):
     best_of: int | None = None  # refused unless it equals n
     # vLLM's: every prompt token's logprob (and this many top alternatives) in the response, vLLM's shape
     prompt_logprobs: StrictInt | None = None
-    include_stop_str_in_output: Any = False
     use_beam_search: Any = False
     truncate_prompt_tokens: Any = None
 

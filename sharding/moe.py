@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,15 +50,25 @@ class ExpertPlacement(nnx.Variable):
 
 
 def grouped_expert_mlp(
-    rows, group_sizes, gate_proj, up_proj, down_proj, activation, biases=(), glu=None, lora: ExpertLora | None = None
+    rows,
+    group_sizes,
+    gate_proj,
+    up_proj,
+    down_proj,
+    activation,
+    biases=(),
+    glu=None,
+    lora: ExpertLora | None = None,
+    matmul=None,
 ):
     """rows [R, E] sorted by expert, group_sizes [X] (rows past their sum are left out) -> [R, E]:
     each expert's gated MLP over its own rows; gate/up [X, E, F], down [X, F, E]. biases (GPT-OSS): the
     experts' gate, up and down biases ([X, F], [X, F], [X, E]), or () for none; glu(gate, up) -> hidden
     replaces activation(gate) * up where the model gates otherwise (GPT-OSS's clamped SwiGLU). lora: each
-    row's adapter on the expert projections (jaxserve/lora; row_slots [R]), or None."""
-    gate = expert_matmul(rows, gate_proj, group_sizes)  # a float or quantized (int8 / int4) [X, E, F] weight
-    up = expert_matmul(rows, up_proj, group_sizes)
+    row's adapter on the expert projections (jaxserve/lora; row_slots [R]), or None. matmul: the projections' plan
+    where float experts go through its CPU kernel (expert_matmul), else None."""
+    gate = expert_matmul(rows, gate_proj, group_sizes, matmul)  # a float or quantized (int8 / int4) [X, E, F] weight
+    up = expert_matmul(rows, up_proj, group_sizes, matmul)
     if biases:
         gate_bias, up_bias, down_bias = (_bias_by_row(bias, group_sizes, rows.shape[0]) for bias in biases)
         gate, up = gate + gate_bias.astype(gate.dtype), up + up_bias.astype(up.dtype)
@@ -65,7 +76,7 @@ def grouped_expert_mlp(
         gate = add_expert_lora(gate, rows, group_sizes, lora.gate, lora.row_slots)
         up = add_expert_lora(up, rows, group_sizes, lora.up, lora.row_slots)
     hidden = glu(gate, up) if glu is not None else activation(gate) * up
-    out = expert_matmul(hidden, down_proj, group_sizes)
+    out = expert_matmul(hidden, down_proj, group_sizes, matmul)
     if lora is not None:
         out = add_expert_lora(out, hidden, group_sizes, lora.down, lora.row_slots)
     return out + down_bias.astype(out.dtype) if biases else out
@@ -80,7 +91,10 @@ def _bias_by_row(bias, group_sizes, num_rows: int):
 
 @dataclass(frozen=True)
 class LocalExperts:
-    """Every expert on every device: one grouped matmul per projection over all routed copies."""
+    """Every expert on every device: one grouped matmul per projection over all routed copies. matmul: the
+    projections' plan when it has the CPU kernel (float experts through it: rows alike in any step), else None."""
+
+    matmul: Any = None
 
     def num_expert_rows(self, num_experts: int) -> int:
         return num_experts
@@ -113,7 +127,7 @@ class LocalExperts:
         if lora is not None:  # each routed copy runs its token's adapter
             lora = dataclasses.replace(lora, row_slots=lora.row_slots[token_of_copy])
         out = grouped_expert_mlp(
-            x[token_of_copy], group_sizes, gate_proj, up_proj, down_proj, activation, biases, glu, lora
+            x[token_of_copy], group_sizes, gate_proj, up_proj, down_proj, activation, biases, glu, lora, self.matmul
         )
         out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
         combined = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token_of_copy].add(out)
@@ -168,9 +182,12 @@ class ExpertParallel:
         )
 
 
-def expert_dispatch(mesh: Mesh | None = None) -> LocalExperts | ExpertParallel:
-    """The experts function a mixture-of-experts model is built with: spread over `mesh`, or local."""
-    return LocalExperts() if mesh is None else ExpertParallel(mesh)
+def expert_dispatch(mesh: Mesh | None = None, matmul=None) -> LocalExperts | ExpertParallel:
+    """The experts function a mixture-of-experts model is built with: spread over `mesh`, or local (float experts
+    through `matmul`, the projections' plan, where it has the CPU kernel)."""
+    if mesh is not None:
+        return ExpertParallel(mesh)
+    return LocalExperts(matmul if matmul is not None and getattr(matmul, "has_cpu_kernel", False) else None)
 
 
 def _local_moe(

@@ -222,7 +222,7 @@ def _load_model(
             dtype,
             write_and_attend=attention_dispatch(attention.impl, attention.mesh),
             matmul=matmul,
-            experts=expert_dispatch(mesh if expert_parallel else None),
+            experts=expert_dispatch(mesh if expert_parallel else None, matmul),
             rngs=nnx.Rngs(0),
         )
     )

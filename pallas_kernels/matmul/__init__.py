@@ -198,6 +198,12 @@ class MatmulPlan:
     def _entry(self, num_rows: int, weights: tuple) -> MatmulEntry:
         return next(entry for entry in self.entries if entry.serves(num_rows, weights))
 
+    @property
+    def has_cpu_kernel(self) -> bool:
+        """Float weights go to the CPU kernel, whose rows come out alike in a call of any size (XLA's dots and
+        ragged_dot add a row's terms in another order as the row count changes)."""
+        return any(isinstance(entry, SmallMatmul) for entry in self.entries)
+
 
 def choose_matmul(platform: str, num_devices: int, quantized_activations: str = "int8") -> MatmulPlan:
     """The plan for an engine on `platform` in a process with `num_devices` devices: the CPU kernel for

@@ -36,33 +36,47 @@ def grouped_matmul(rows, weight: QuantizedWeight, group_sizes):
     num_experts, weight_depth, columns = weight.shape
     if depth != weight_depth:
         raise ValueError(f"rows {rows.shape} do not contract with quantized experts {weight.shape}")
+    return _grouped_by_expert(
+        rows,
+        group_sizes,
+        num_experts,
+        columns,
+        lambda expert: jax.lax.dot_general(
+            rows,
+            dequantize(expert_slice(weight, expert), rows.dtype),
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        ),
+    )
+
+
+def expert_matmul(rows, weight, group_sizes, matmul=None):
+    """The grouped expert matmul for either kind of weight: grouped_matmul for a QuantizedWeight; for a float
+    [X, K, N] array, ragged_dot, or with `matmul` (a plan with the CPU kernel: MatmulPlan.has_cpu_kernel) each routed
+    expert's rows through it, so that a row's result does not depend on how many rows the step has."""
+    if isinstance(weight, QuantizedWeight):
+        return grouped_matmul(rows, weight, group_sizes)
+    if matmul is None:
+        return jax.lax.ragged_dot(rows, weight, group_sizes)
+    return _grouped_by_expert(rows, group_sizes, weight.shape[0], weight.shape[2], lambda e: matmul(rows, weight[e]))
+
+
+def _grouped_by_expert(rows, group_sizes, num_experts: int, columns: int, product_of):
+    """[R, N]: each row's product with its expert's weight (product_of(expert): rows [R, K] by that expert's
+    weight, float32 [R, N]); experts no row was routed to are skipped, rows past the groups come out zero."""
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
-    row = jnp.arange(num_rows)
+    row = jnp.arange(rows.shape[0])
 
     def one_expert(expert, out):
         def run(out):
-            product = jax.lax.dot_general(
-                rows,
-                dequantize(expert_slice(weight, expert), rows.dtype),
-                (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32,
-            )
             in_group = (row >= starts[expert]) & (row < ends[expert])
-            return jnp.where(in_group[:, None], product, out)
+            return jnp.where(in_group[:, None], product_of(expert), out)
 
         return jax.lax.cond(group_sizes[expert] > 0, run, lambda out: out, out)
 
-    out = jax.lax.fori_loop(0, num_experts, one_expert, jnp.zeros((num_rows, columns), jnp.float32))
+    out = jax.lax.fori_loop(0, num_experts, one_expert, jnp.zeros((rows.shape[0], columns), jnp.float32))
     return out.astype(rows.dtype)
-
-
-def expert_matmul(rows, weight, group_sizes):
-    """The grouped expert matmul for either kind of weight: ragged_dot for a float [X, K, N] array,
-    grouped_matmul for a QuantizedWeight."""
-    if isinstance(weight, QuantizedWeight):
-        return grouped_matmul(rows, weight, group_sizes)
-    return jax.lax.ragged_dot(rows, weight, group_sizes)
 
 
 __all__ = ["expert_matmul", "expert_slice", "grouped_matmul"]

@@ -125,6 +125,6 @@ def sample(logits, inputs: SamplingInputs, max_logprobs: int, model_logits=None)
 
 
 def token_ranks(logprobs, chosen):
-    """logprobs [N, V], chosen [N] (a token's logprob in each row) -> [N] int32: 1 + the tokens more likely than
-    it (vLLM's rank: ties share the better rank)."""
-    return 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
+    """logprobs [N, V], chosen [N] (a token's logprob in each row) -> [N] int32: the tokens at least as likely as it,
+    itself included (vLLM's rank: 1 for the most likely; tied tokens share the worse rank)."""
+    return jnp.sum(logprobs >= chosen[:, None], axis=-1, dtype=jnp.int32)

@@ -81,7 +81,8 @@ def append_token(
     reason = None
     may_stop = len(seq.output_token_ids) >= seq.params.min_tokens
     is_eos = not seq.params.ignore_eos and token_id in eos_token_ids
-    if may_stop and (is_eos or token_id in seq.params.stop_token_id_set):
+    stopped_by_token = may_stop and (is_eos or token_id in seq.params.stop_token_id_set)
+    if stopped_by_token:
         reason = FinishReason.STOP
         seq.stop_reason = None if is_eos else token_id  # vLLM's: EOS is no stop reason, a stop token is
     elif len(seq.output_token_ids) >= seq.params.max_new_tokens or seq.num_tokens >= max_model_len:
@@ -97,9 +98,14 @@ def append_token(
         if not isinstance(state, DetokenizerState):  # None until the first token
             state = seq.detokenizer_state = start_detokenizer(seq.num_prompt_tokens)
         skip = seq.params.skip_special_tokens
-        new_text = detokenize_incrementally(tokenizer, seq.token_ids, state, skip)
+        # as vLLM's detokenizer: the EOS or stop token that ends the sequence adds no text (its id stays in the
+        # output) unless include_stop_str_in_output
+        token_ids = (
+            seq.token_ids[:-1] if stopped_by_token and not seq.params.include_stop_str_in_output else seq.token_ids
+        )
+        new_text = detokenize_incrementally(tokenizer, token_ids, state, skip)
         if reason is not None:  # the last token: nothing held back waiting for the rest of a character
-            new_text += flush_detokenizer(tokenizer, seq.token_ids, state, skip)
+            new_text += flush_detokenizer(tokenizer, token_ids, state, skip)
         seq.text += new_text
         if seq.params.stop and new_text and may_stop:
             index = find_stop_string(seq, new_text)

@@ -15,8 +15,8 @@ GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 class Logprob(float):
     """A token's log-probability, as vLLM's Logprob: a float (so `logprobs[token]` is its value) that also has
-    `.logprob`, `.rank` (1: the most likely token; ties share the better rank) and `.decoded_token` (the token's
-    own text, filled in the offline API's outputs)."""
+    `.logprob`, `.rank` (1: the most likely token; as vLLM counts it, tied tokens share the worse rank) and
+    `.decoded_token` (the token's own text, filled in the offline API's outputs)."""
 
     __slots__ = ("rank", "decoded_token")
 

@@ -119,10 +119,20 @@ def render_chat(
         raise ValueError("chat messages must be dicts like {'role': 'user', 'content': '...'}")
     final_message = None
     if continue_final_message:
-        final_message = messages[-1].get("content")
+        content = messages[-1].get("content")
+        # a list of parts (a template that loops over them) continues its last text part, as transformers does
+        parts = (
+            [p for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            if isinstance(content, list)
+            else []
+        )
+        final_message = parts[-1]["text"] if parts else content
         if not isinstance(final_message, str):
             raise ValueError("continue_final_message needs a final message with text content")
-        messages[-1]["content"] = final_message + CONTINUE_TAG
+        if parts:
+            parts[-1]["text"] = final_message + CONTINUE_TAG
+        else:
+            messages[-1]["content"] = final_message + CONTINUE_TAG
     variables = (
         {**tokenizer.special_tokens, **plain_data(template_kwargs)}
         if tokenizer is not None

@@ -58,6 +58,8 @@ class LoRARequests:
             if name in self.loaded:
                 self.loaded.move_to_end(name)
             return
+        for gone in [old for old in self.loaded if registry is None or old not in registry.adapters]:
+            del self.loaded[gone]  # unloaded by hand (LLM.unload_lora) since
         if registry is not None and len(registry.adapters) >= registry.num_slots - 1:
             spare = next((old for old in self.loaded if old not in keep), None)
             if spare is not None:

@@ -109,6 +109,17 @@ def test_stop_strings_and_stop_tokens(llama_llm):
     )[0].outputs[0]
     assert by_token.finish_reason == "stop"
     assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
+    # as vLLM's detokenizer: the stop token's id is in the output, its text only with include_stop_str_in_output
+    tokenizer = llama_llm.get_tokenizer()
+    prompt_text = tokenizer.decode(prompt["token_ids"], skip_special_tokens=True)
+    with_stop = tokenizer.decode(prompt["token_ids"] + by_token.token_ids, skip_special_tokens=True)[len(prompt_text) :]
+    without = tokenizer.decode(prompt["token_ids"] + by_token.token_ids[:-1], skip_special_tokens=True)
+    assert by_token.text == without[len(prompt_text) :] and by_token.text != with_stop
+    included = llama_llm.generate(
+        [prompt["token_ids"]],
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_token], include_stop_str_in_output=True),
+    )[0].outputs[0]
+    assert included.text == with_stop and included.token_ids == by_token.token_ids
     # vLLM's stop_reason says which stop ended it; the shortest of two stops that begin at one place ends first
     assert stopped.stop_reason == stop and by_token.stop_reason == stop_token and full.stop_reason is None
     longer = full.text[2:6]
@@ -287,6 +298,10 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(llama_llm):
     skipped = llama_llm.generate([[1, 5, 9]], SamplingParams(**forced))[0].outputs[0]
     assert kept.token_ids == skipped.token_ids == [eos] * 3
     assert kept.text == tokenizer.decode([eos] * 3, skip_special_tokens=False) and "</s>" in kept.text
+    ended = llama_llm.generate(
+        [[1, 5, 9]], SamplingParams(**{**forced, "ignore_eos": False}, skip_special_tokens=False)
+    )
+    assert ended[0].outputs[0].token_ids == [eos] and ended[0].outputs[0].text == ""  # the ending EOS adds no text
     assert skipped.text == ""
     with pytest.raises(ValueError, match="skip_special_tokens must be a bool"):
         SamplingParams(skip_special_tokens="no")

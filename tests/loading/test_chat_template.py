@@ -145,6 +145,15 @@ def test_templates_that_loop_over_content_get_the_parts():
     text_only = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     assert not loops_over_content(text_only)
     assert render_chat(tokenizer, messages, chat_template=text_only) == "[Sys A\nSys B][Hello \n world]"
+    # continuing a final message given as parts continues its last text part (transformers')
+    started = [
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": [{"type": "text", "text": "Sure, "}]},
+    ]
+    continued = render_chat(
+        tokenizer, started, chat_template=gemma3, add_generation_prompt=False, continue_final_message=True
+    )
+    assert continued.endswith("<start_of_turn>model\nSure,")
     through_a_variable = (
         "{% for m in messages %}{% set c = m.content %}{% for p in c %}{{ p.text }}|{% endfor %}{% endfor %}"
     )

@@ -263,4 +263,8 @@ def test_vllm_lora_requests_load_on_first_use_and_take_the_least_recently_used_s
         vllm_llm.generate(PROMPTS[0], greedy(None), lora_request=LoRARequest(second, 9, adapter_dir(first)))
     with pytest.raises(ValueError, match="not both"):
         vllm_llm.generate(PROMPTS[0], greedy(None), lora="x", lora_request=requests[first])
+    vllm_llm.unload_lora(second)  # by hand: no longer the requests' to evict
+    run([first], index=2)  # into the freed slot
+    run([third, None], index=2)  # both slots full: third is loaded, first goes
+    assert sorted(vllm_llm.engine.parts.lora.adapters) == sorted([first, third])
     assert vllm_llm.stats()["num_compiles_after_warmup"] == 0

@@ -13,7 +13,7 @@ from jaxserve.client import Client, build_request
 from jaxserve.server.fingerprint import system_fingerprint
 from jaxserve.server.openai.context import INLINE_ADMISSION_BYTES
 from tests.support.fixtures import expected
-from tests.support.openai_harness import CHAT_TEMPLATE, http, openai_client
+from tests.support.openai_harness import CHAT_TEMPLATE, http, openai_client, sse_events
 from tests.support.server_harness import ServerProcess
 
 PROMPT = "def forward(self, x):"
@@ -264,3 +264,16 @@ def test_a_large_request_is_admitted_off_the_event_loop_alike(server):
     status, _, answer = http(server, "POST", "/v1/completions", raw=padded)
     assert status == 200, answer
     assert json.loads(answer)["choices"][0]["token_ids"] == small["choices"][0]["token_ids"]
+
+
+def test_a_streamed_chat_ends_with_its_stop_reason(server):
+    body = {"model": "llama_gqa", "messages": CONVERSATION, "max_tokens": 8, "temperature": 0.0}
+    status, _, raw = http(server, "POST", "/v1/chat/completions", {**body, "return_token_ids": True})
+    assert status == 200, raw
+    stop_token = json.loads(raw)["choices"][0]["token_ids"][2]
+    status, _, raw = http(
+        server, "POST", "/v1/chat/completions", {**body, "stream": True, "stop_token_ids": [stop_token]}
+    )
+    assert status == 200, raw
+    finished = [c for e in sse_events(raw) if e != "[DONE]" for c in e["choices"] if c["finish_reason"] is not None]
+    assert [(c["finish_reason"], c["stop_reason"]) for c in finished] == [("stop", stop_token)]

@@ -127,8 +127,12 @@ class ChatCall:
             return None
         return chat_logprobs(self.token_text, token_ids, logprobs, self.body.top_logprobs or 0)
 
-    def chunk(self, index: int, delta: dict, logprobs=None, finish_reason=None, token_ids=None) -> str:
+    def chunk(
+        self, index: int, delta: dict, logprobs=None, finish_reason=None, token_ids=None, stop_reason=None
+    ) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:  # vLLM's, on the last chunk: the stop string or stop token that ended it
+            choice["stop_reason"] = stop_reason
         if token_ids is not None and self.body.return_token_ids:
             choice["token_ids"] = token_ids
         chunk = {**self.header, "object": "chat.completion.chunk", "choices": [choice]}
@@ -183,11 +187,13 @@ class ChatCall:
                 self.logprobs(delta.token_ids, delta.logprobs or []),
                 finish_reason,
                 delta.token_ids,
+                delta.stop_reason,
             )
             for number, call in enumerate(calls):
                 yield self.chunk(delta.index, {"tool_calls": [{"index": number, **call.openai()}]})
             if calls:
-                yield self.chunk(delta.index, {}, finish_reason=self.finish_reason(delta.finish_reason, calls))
+                finish = self.finish_reason(delta.finish_reason, calls)
+                yield self.chunk(delta.index, {}, finish_reason=finish, stop_reason=delta.stop_reason)
             self.group.mark_sending(False)
         else:
             if self.body.include_usage:

@@ -40,9 +40,18 @@ def check_field_types(config: object, section: str, signed: tuple[str, ...] = ()
     for option in dataclasses.fields(config):  # type: ignore[arg-type]
         value, hint = getattr(config, option.name), hints[option.name]
         if not _matches(value, hint):
-            raise ValueError(f"{section}.{option.name} must be {describe(hint)}, got {value!r}")
+            raise ValueError(
+                f"{section}.{option.name} must be {describe(hint)}, got {value!r}{_quoting_hint(value, hint)}"
+            )
         if option.name not in signed and _is_number(value) and value < 0:
             raise ValueError(f"{section}.{option.name} must be >= 0, got {value!r}")
+
+
+def _quoting_hint(value: object, hint: object) -> str:
+    """Text YAML read as a list or mapping ("[::1]", "{a}") where a string is wanted: say to quote it."""
+    if isinstance(value, (list, dict)) and _matches("text", hint):
+        return " (YAML reads [...] and {...} as a list or mapping: quote the value, e.g. --set 'key=\"[::1]\"')"
+    return ""
 
 
 def _is_number(value: object) -> bool:

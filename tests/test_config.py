@@ -196,6 +196,10 @@ def test_a_set_value_that_is_not_yaml_is_kept_as_the_string_given():
         ("server.drain_timeout=.nan", "server.drain_timeout must be a finite number, got nan"),
         ("server.drain_timeout=.inf", "server.drain_timeout must be a finite number, got inf"),
         ("server.port=true", "server.port must be an integer, got True"),
+        (
+            "server.host=[localhost]",
+            "server.host must be a string, got ['localhost'] (YAML reads [...] and {...} as a list or mapping: quote",
+        ),
         ("server.max_queued_requests=2.5", "server.max_queued_requests must be an integer, got 2.5"),
         ("server.max_stop_strings=1.5", "server.max_stop_strings must be an integer, got 1.5"),
         ("server.max_prompt_bytes=-1", "server.max_prompt_bytes must be >= 0, got -1"),

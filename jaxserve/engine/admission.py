@@ -41,8 +41,8 @@ class RequestChecks:
     def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
         prompt = prompt_input(prompt)
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
+            # "" is tokenized, as vLLM does: [BOS] where the tokenizer adds one; no tokens at all is refused
+            # by validate
             if self.tokenizer is None:
                 raise ValueError(f"model {self.parts.source.name!r} has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt)
@@ -78,7 +78,7 @@ class RequestChecks:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         config, max_model_len = self.parts.config, self.parts.max_model_len
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
+            raise ValueError("the prompt is empty (it has no tokens)")
         params = self.with_max_tokens(prompt_token_ids, params)
         total = len(prompt_token_ids) + params.max_new_tokens
         if total > max_model_len:

@@ -2,8 +2,9 @@
 
 Serves the jaxserve gRPC API in front of the replicas the config lists or launches, sending each
 request where its prefix is cached (router.policy); with router.mode disaggregated, to a prefill replica
-and a decode replica, which hands the prompt's KV pages from one to the other. SIGTERM (or Ctrl-C) stops
-it, and the replicas it launched, with exit code 0: also while it still waits for them at start-up.
+and a decode replica, which hands the prompt's KV pages from one to the other. SIGTERM (or Ctrl-C) drains:
+new requests get UNAVAILABLE (HTTP 503), those in flight finish (up to router.drain_timeout); then it stops,
+and the replicas it launched, with exit code 0: also while it still waits for them at start-up.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def stop(server: object) -> None:
         assert isinstance(server, RouterServer)
-        server.stop()
+        server.drain_and_stop()
 
     return run_until_signalled("jaxserve.router", start, stop)
 

@@ -3,7 +3,7 @@
 model:    {path: PATH | default | tiny-random}   the replicas' model: the router tokenizes with its
                                                   tokenizer and refuses a replica serving another
 router:   {host, port, http_port, metrics_port, mode, policy, blind_window, heartbeat, health_interval,
-           startup_timeout, max_in_flight, max_resends, resend_wait, tool_call_parser,
+           startup_timeout, max_in_flight, max_resends, resend_wait, tool_call_parser, drain_timeout,
            tls: {cert, key, client_ca}, api_keys: FILE        the router's own ports, as server.tls / server.api_keys
            replica_tls: {ca, cert, key}, replica_api_key: FILE}  how it reaches replicas that require them
 replicas: [HOST:PORT, ...]                        replicas already running (mode colocated); or
@@ -46,6 +46,7 @@ class RouterSection:
     max_resends: int = 3  # times a request that has not streamed a token is sent to another replica
     # mode disaggregated: seconds a request whose decode replica failed waits for one to be up again
     resend_wait: float = 60.0
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for the streams in flight (new ones: UNAVAILABLE / 503)
     # How the HTTP API (and a disaggregated Chat) reads tool calls out of replies, as server.tool_call_parser:
     # hermes | llama3_json | mistral | auto (told from the router tokenizer's chat template).
     tool_call_parser: str = "auto"

@@ -131,11 +131,14 @@ class RoutedLoop:
         self.description = description  # model_name, max_model_len, max_num_seqs
         # model_config's model_type: the reasoning parser server.reasoning_parser auto picks (GPT-OSS's harmony)
         self.engine = SimpleNamespace(tokenizer=tokenizer, model_config=model_config)
-        self.draining = False
         self.max_in_flight = service.max_in_flight
         self._handles = itertools.count()
         self._relays: dict[str, RelayContext] = {}
         self._lock = threading.Lock()
+
+    @property
+    def draining(self) -> bool:
+        return self.service.draining
 
     def submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str = "", session_id: str | None = None

@@ -121,6 +121,7 @@ class RouterServer:
         self.http_context = None
         self.pools = ThreadPools.for_limits(config.router.max_in_flight)
         self.port = 0
+        self.service: RouterService | None = None
         self.api_keys: ApiKeys | None = None
         self.connection = Connection()  # to the replicas
 
@@ -197,6 +198,7 @@ class RouterServer:
                 section.tool_call_parser,
             )
         self._serve(service)
+        self.service = service  # (after _serve: its health servicer is what a drain sets NOT_SERVING)
         if section.http_port:
             self._serve_http(service, infos[0].model, limits, source.tokenizer, source.config)
         self._wait_for_replicas(min(section.startup_timeout, 60.0))
@@ -298,6 +300,22 @@ class RouterServer:
         for replica in self.replicas:
             if not replica.is_up:
                 logger.warning("replica %s is not up yet: %s", replica.address, replica.down_reason)
+
+    def drain_and_stop(self) -> None:
+        """Refuse new requests (gRPC UNAVAILABLE, HTTP 503, health NOT_SERVING), let the streams in flight
+        finish (up to router.drain_timeout), then stop. Safe to call again, and after a failed start."""
+        if self.service is not None and not self.service.draining:
+            self.service.draining = True
+            for name in ("", GENERATION_SERVICE):
+                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            timeout = self.config.router.drain_timeout
+            if not self.service.wait_until_idle(timeout):
+                logger.warning(
+                    "router.drain_timeout (%gs) ran out with %d streams in flight; cutting them",
+                    timeout,
+                    self.service.num_in_flight,
+                )
+        self.stop()
 
     def stop(self, replica_timeout: float = 30.0) -> None:
         """Safe to call again. replica_timeout: how long launched replicas get to drain before SIGKILL."""

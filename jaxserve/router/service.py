@@ -62,6 +62,7 @@ class RouterService:
         self.tool_call_parser = tool_call_parser  # router.tool_call_parser
         self._lock = threading.Lock()
         self.num_in_flight = 0
+        self.draining = False  # shutting down: new requests are refused UNAVAILABLE, those in flight go on
 
     def choose(self, route: RouteRequest, exclude: set[str]) -> Prediction | None:
         return self._choose_in(self.replicas, route, exclude)
@@ -114,6 +115,8 @@ class RouterService:
 
     def _serve(self, method: str, request, route: RouteRequest, context):
         with self._lock:
+            if self.draining:
+                self._refuse(context, grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
             if self.num_in_flight >= self.max_in_flight:
                 self._refuse(
                     context,
@@ -128,6 +131,13 @@ class RouterService:
             with self._lock:
                 self.num_in_flight -= 1
                 self.metrics.in_flight.set(self.num_in_flight)
+
+    def wait_until_idle(self, timeout: float) -> bool:
+        """True once no request is in flight, False if timeout seconds pass first."""
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self.num_in_flight
 
     def _route(self, method: str, request, route: RouteRequest, context):
         tried, last_error = set(), ""

@@ -183,7 +183,6 @@ def test_eos_stops_unless_ignored(llama_llm):
         ([1, 384], GREEDY, "outside the vocabulary"),
         ([1, -3], GREEDY, "outside the vocabulary"),
         ([], GREEDY, "empty"),
-        ("", GREEDY, "empty"),
         ([1] * 120, SamplingParams(max_tokens=20), "max_model_len"),
         ([1, 2], SamplingParams(max_tokens=2, logprobs=50), "max_logprobs"),
         ([1, "a"], GREEDY, "token ids"),
@@ -195,6 +194,15 @@ def test_bad_requests_raise_and_engine_keeps_serving(llama_llm, prompt, params, 
     good = expected("llama_gqa")["prompts"][4]
     assert llama_llm.generate([good["token_ids"]], GREEDY)[0].outputs[0].token_ids == good["greedy_token_ids"][:12]
     assert not llama_llm.engine.has_unfinished_requests()
+
+
+def test_an_empty_text_prompt_is_the_tokens_the_tokenizer_adds(llama_llm):
+    # vLLM encodes "" too: [BOS] where the tokenizer adds one (a tokenizer that adds nothing gives [], refused above)
+    bos = llama_llm.get_tokenizer().encode("")
+    assert bos == [1]
+    output = llama_llm.generate("", GREEDY)[0]
+    assert output.prompt_token_ids == bos
+    assert output.outputs[0].token_ids == llama_llm.generate([bos], GREEDY)[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize(

@@ -248,3 +248,33 @@ def test_a_killed_replica_loses_no_unstarted_request_and_comes_back(router):
     assert results == ["length"] * 4
     assert counter(router, "requests", victim.address) > before
     client.close()
+
+
+def test_sigterm_drains_the_router_then_stops_it(router):
+    """The module's last test: it stops the router. What SIGTERM runs (router/__main__.py): new requests are
+    refused UNAVAILABLE (HTTP 503) at once, while every stream in flight, queued on a replica or running,
+    finishes whole; then the router and its launched replicas stop."""
+    import requests
+
+    num_requests = 8  # 2 running + 2 waiting on each replica
+    started, outcomes = [None] * num_requests, [None] * num_requests
+    threads = run_long_requests(f"127.0.0.1:{router.port}", num_requests, started, outcomes)
+    wait_for(lambda: any(s is not None for s in started), "a stream under way")
+    drainer = threading.Thread(target=router.drain_and_stop)
+    drainer.start()
+    wait_for(lambda: router.service.draining, "the drain")
+    late = Client(f"127.0.0.1:{router.port}")
+    with pytest.raises(grpc.RpcError) as error:
+        late.generate([1, 5, 6, 7], max_tokens=4)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    late.close()
+    http = f"http://127.0.0.1:{router.config.router.http_port}/v1/completions"
+    refused = requests.post(http, json={"model": "llama_gqa", "prompt": [1, 5], "max_tokens": 2}, timeout=30)
+    assert refused.status_code == 503
+    assert router.service.num_in_flight > 0  # (the refusals came while streams were still in flight)
+    for thread in threads:
+        thread.join(timeout=180)
+        assert not thread.is_alive()
+    assert outcomes == [("ok", 96)] * num_requests
+    drainer.join(timeout=120)
+    assert not drainer.is_alive() and all(launched.has_exited() for launched in router.launched)

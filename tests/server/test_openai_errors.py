@@ -92,7 +92,7 @@ def test_503_until_warm_up_ends(warming):
         ("/v1/completions", {**SMALL, "max_tokens": -1}, "max_tokens"),
         ("/v1/completions", {**SMALL, "logprobs": 50}, "max_logprobs"),
         ("/v1/completions", {"model": "llama_gqa", "max_tokens": 2}, "prompt"),
-        ("/v1/completions", {**SMALL, "prompt": ["fine", ""]}, "a prompt is empty"),
+        ("/v1/completions", {**SMALL, "prompt": [[1, 2], []]}, "a prompt is empty"),
         ("/v1/completions", {**SMALL, "prompt": "x" * 5000}, "server.max_prompt_bytes"),
         ("/v1/chat/completions", {"model": "llama_gqa", "messages": []}, "empty conversation"),
         (

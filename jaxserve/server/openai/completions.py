@@ -62,8 +62,8 @@ def checked_completion(
     if len(prompts) > context.ready_loop().max_in_flight:
         raise ValueError(f"{len(prompts)} prompts in one request, more than the server runs at once")
     for position, prompt in enumerate(prompts):
-        if not prompt:
-            raise ValueError("a prompt is empty")
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("a prompt is empty")  # "" is tokenized by the engine: [BOS] where one is added
         if isinstance(prompt, str):
             request_limits.check_prompt(limits, prompt, [], f"prompt[{position}]" if len(prompts) > 1 else "prompt")
         else:

@@ -144,6 +144,11 @@ class ParallelConfig:
             object.__setattr__(self, "device_ids", tuple(int(i) for i in self.device_ids))
 
 
+# pallas_kernels.paged_attention.ATTENTION_IMPLS, named here too so that a config is checked without JAX (a test
+# keeps the two alike)
+ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     """What is compiled: the attention kernel and the shapes entering jit (derived from the scheduler's
@@ -157,6 +162,10 @@ class CompileConfig:
 
     def __post_init__(self):
         check_field_types(self, "compile")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"compile.attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention_impl!r}"
+            )
         for name in ("decode_seq_buckets", "prefill_token_buckets", "page_buckets"):
             buckets = getattr(self, name)
             if buckets is not None:

@@ -196,6 +196,7 @@ def test_a_set_value_that_is_not_yaml_is_kept_as_the_string_given():
         ("server.drain_timeout=.nan", "server.drain_timeout must be a finite number, got nan"),
         ("server.drain_timeout=.inf", "server.drain_timeout must be a finite number, got inf"),
         ("server.port=true", "server.port must be an integer, got True"),
+        ("compile.attention_impl=flash", "compile.attention_impl must be one of auto, reference, cpu, pallas"),
         (
             "server.host=[localhost]",
             "server.host must be a string, got ['localhost'] (YAML reads [...] and {...} as a list or mapping: quote",
@@ -259,3 +260,10 @@ def test_the_serve_command_exits_2_naming_a_bad_option():
         )
         assert result.returncode == 2 and f"jaxserve.serve: {message}" in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr
+
+
+def test_the_attention_impls_a_config_takes_are_the_kernels():
+    from jaxserve.config import ATTENTION_IMPLS
+    from pallas_kernels.paged_attention import ATTENTION_IMPLS as KERNEL_IMPLS
+
+    assert ATTENTION_IMPLS == KERNEL_IMPLS

@@ -3,7 +3,8 @@
 model:    {path: PATH | default | tiny-random}   the replicas' model: the router tokenizes with its
                                                   tokenizer and refuses a replica serving another
 router:   {host, port, http_port, metrics_port, mode, policy, blind_window, heartbeat, health_interval,
-           startup_timeout, max_in_flight, max_resends, resend_wait, tool_call_parser, drain_timeout,
+           startup_timeout, max_in_flight, max_resends, resend_wait, tool_call_parser, reasoning_parser,
+           drain_timeout,
            tls: {cert, key, client_ca}, api_keys: FILE        the router's own ports, as server.tls / server.api_keys
            replica_tls: {ca, cert, key}, replica_api_key: FILE}  how it reaches replicas that require them
 replicas: [HOST:PORT, ...]                        replicas already running (mode colocated); or
@@ -24,6 +25,7 @@ from jaxserve.config_types import check_field_types
 from jaxserve.router.connection import ReplicaTLS
 from jaxserve.router.policy import POLICIES
 from jaxserve.server.config_file import TLSConfig
+from jaxserve.server.reasoning_parsers import PARSER_NAMES as REASONING_PARSER_NAMES
 from jaxserve.server.tool_parsers import PARSER_NAMES
 
 MODES = ("colocated", "disaggregated")
@@ -50,6 +52,9 @@ class RouterSection:
     # How the HTTP API (and a disaggregated Chat) reads tool calls out of replies, as server.tool_call_parser:
     # hermes | llama3_json | mistral | auto (told from the router tokenizer's chat template).
     tool_call_parser: str = "auto"
+    # How the HTTP API (and a disaggregated Chat) splits a reply's reasoning from its content, as
+    # server.reasoning_parser: gpt_oss | deepseek_r1 | qwen3 | none | auto (gpt_oss for GPT-OSS checkpoints).
+    reasoning_parser: str = "auto"
     # The router's gRPC, HTTP and metrics ports: the same keys and checks as server.tls and server.api_keys.
     tls: TLSConfig | None = None
     api_keys: str | None = None  # a file of keys, one a line; clients must send 'authorization: Bearer KEY'
@@ -64,6 +69,10 @@ class RouterSection:
         if self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(
                 f"router.tool_call_parser must be one of {', '.join(PARSER_NAMES)}, got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser not in REASONING_PARSER_NAMES:
+            raise ValueError(
+                f"router.reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, got {self.reasoning_parser!r}"
             )
         if self.policy not in POLICIES:
             raise ValueError(f"router.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")

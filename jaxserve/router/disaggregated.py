@@ -30,16 +30,16 @@ from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.policy import Prediction, RouteRequest, replica_keys
 from jaxserve.router.service import BUSY, REPLICA_FAILURES, RouterService, route_request
 from jaxserve.server.grpc_chat import with_tool_calls
-from jaxserve.server.reasoning_parsers import HarmonyReasoning, engine_reasoning_parser
+from jaxserve.server.reasoning_parsers import ReasoningParser, engine_reasoning_parser
 from jaxserve.server.sampling_proto import guided_decoding_to_proto
 from jaxserve.server.service import DEFAULT_MAX_TOKENS
 
 POLL_INTERVAL = 0.1  # seconds between looks for a decode replica back up
 
 
-def model_reasoning_parser(source) -> HarmonyReasoning | None:
-    """The reasoning parser a replica of this model (a ModelSource) picks with server.reasoning_parser auto."""
-    return engine_reasoning_parser("auto", SimpleNamespace(model_config=source.config, tokenizer=source.tokenizer))
+def model_reasoning_parser(source, name: str = "auto") -> ReasoningParser | None:
+    """The reasoning parser a replica of this model (a ModelSource) picks with server.reasoning_parser `name`."""
+    return engine_reasoning_parser(name, SimpleNamespace(model_config=source.config, tokenizer=source.tokenizer))
 
 
 def continuation(request: pb.GenerateRequest, streamed: list[int]) -> pb.GenerateRequest:
@@ -96,7 +96,7 @@ class DisaggregatedRouterService(RouterService):
         self.decode_replicas = decode_replicas
         self.resend_wait = resend_wait
         # the decode replica answers a Generate: the reply's reasoning is split here (model_reasoning_parser)
-        self.reasoning: HarmonyReasoning | None = None
+        self.reasoning: ReasoningParser | None = None
 
     def Chat(self, request: pb.ChatRequest, context):
         """The decode replica gets token ids (a Generate): tool_choice's grammar travels in the sampling, and
@@ -112,7 +112,7 @@ class DisaggregatedRouterService(RouterService):
             forwarded.sampling.guided_decoding.CopyFrom(guide)
         responses = self._serve("Chat", forwarded, route_request(token_ids, forwarded), context)
         try:
-            yield from with_tool_calls(responses, plan, self.reasoning)
+            yield from with_tool_calls(responses, plan, self.reasoning, token_ids)
         finally:
             responses.close()
 

@@ -185,7 +185,7 @@ class RouterServer:
                 section.resend_wait,
                 section.tool_call_parser,
             )
-            service.reasoning = model_reasoning_parser(source)
+            service.reasoning = model_reasoning_parser(source, section.reasoning_parser)
         else:
             service = RouterService(
                 self.replicas,
@@ -290,6 +290,7 @@ class RouterServer:
         loop = RoutedLoop(service, description, tokenizer, model_config)  # a GenerationLoop (server/openai/loop.py)
         # no chat template of its own: the tokenizer's renders, and tells "auto" the tool-call format
         self.http_context.attach(loop, limits, None, "", section.tool_call_parser)
+        self.http_context.reasoning_parser = section.reasoning_parser
         logger.info("OpenAI HTTP API on %s", host_port(section.host, self.http_server.port))
 
     def _wait_for_replicas(self, timeout: float) -> None:

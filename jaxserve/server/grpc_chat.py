@@ -14,7 +14,7 @@ from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server import limits as request_limits
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
 from jaxserve.server.limits import RequestLimits
-from jaxserve.server.reasoning_parsers import HarmonyReasoning, ReasoningSplit
+from jaxserve.server.reasoning_parsers import ReasoningParser, ReasoningSplit, ThinkSplit
 from jaxserve.server.sampling_proto import check_sampling, sampling_params_from_proto
 from jaxserve.server.tool_choice import ToolPlan, parser_for_template, plan_tools, template_messages
 from jaxserve.server.tool_parsers.base import ToolCall
@@ -83,18 +83,21 @@ def checked_chat(
 
 
 def with_tool_calls(
-    responses: Iterator[pb.GenerateResponse], plan: ToolPlan, harmony: HarmonyReasoning | None = None
+    responses: Iterator[pb.GenerateResponse],
+    plan: ToolPlan,
+    harmony: ReasoningParser | None = None,
+    prompt_token_ids: list[int] | tuple[int, ...] = (),
 ) -> Iterator[pb.GenerateResponse]:
     """The responses, with harmony each one's text split into reasoning_content and text (the final and commentary
     channels) from its token ids, and each completion's last one carrying the calls parsed from its whole content
     (with harmony, also the messages its token ids address to functions)."""
     texts: dict[int, str] = defaultdict(str)  # each completion's content so far (tools only)
-    splits: dict[int, ReasoningSplit] = {}
+    splits: dict[int, ReasoningSplit | ThinkSplit] = {}
     for response in responses:
         found: list[ToolCall] = []  # harmony's calls, known when the completion ends
         if harmony is not None:
             # a call's body is held back by the split (never text) only when the request has tools to parse
-            split = splits.setdefault(response.index, harmony.start(parse_tool_calls=plan.parser is not None))
+            split = splits.setdefault(response.index, harmony.start(plan.parser is not None, prompt_token_ids))
             reasoning, text = split.feed(list(response.token_ids))
             if response.finish_reason:
                 more_reasoning, more_text = split.finish()

@@ -150,7 +150,7 @@ class GenerationService:
                     abort(context, grpc.StatusCode.UNAVAILABLE, stream.cut_off)
                 yield response_from_delta(delta, stream.request_id)
 
-        yield from with_tool_calls(responses(), plan, harmony)
+        yield from with_tool_calls(responses(), plan, harmony, prompt if harmony is not None else ())
 
     def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
         loop, _ = self._ready(context)

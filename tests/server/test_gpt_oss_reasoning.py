@@ -123,7 +123,7 @@ def test_which_parser_each_setting_picks(tokenizer):
     with pytest.raises(ValueError, match="harmony special tokens"):
         reasoning_parser("gpt_oss", "gpt_oss", byte_level_tokenizer(("<|start|>",)))
     with pytest.raises(ValueError, match="server.reasoning_parser"):
-        reasoning_parser("deepseek_r1", "gpt_oss", tokenizer)
+        reasoning_parser("granite", "gpt_oss", tokenizer)
     with pytest.raises(ValueError, match="server.reasoning_parser"):
         ServerConfig(reasoning_parser="harmony")
     assert ServerConfig(reasoning_parser="gpt_oss").reasoning_parser == "gpt_oss"

@@ -190,7 +190,9 @@ def test_the_router_http_chat_knows_the_model_type(tokenizer):
     limits = RequestLimits.for_engine(max_model_len=512, vocab_size=tokenizer.vocab_size)
     for model_type, splits in (("gpt_oss", True), ("llama", False)):
         context = RoutedContext(None, [])  # type: ignore[arg-type]
-        loop = RoutedLoop(SimpleNamespace(max_in_flight=1), None, tokenizer, SimpleNamespace(model_type=model_type))
+        loop = RoutedLoop(
+            SimpleNamespace(max_in_flight=1, draining=False), None, tokenizer, SimpleNamespace(model_type=model_type)
+        )
         context.attach(loop, limits, None, "", "auto")  # type: ignore[arg-type]
         assert (context.reasoning() is not None) == splits
 

@@ -35,7 +35,7 @@ from jaxserve.server.openai.responses import (
     vllm_prompt_logprobs,
 )
 from jaxserve.server.openai.streams import StreamGroup, until_disconnected
-from jaxserve.server.reasoning_parsers import HarmonyReasoning
+from jaxserve.server.reasoning_parsers import ReasoningParser
 from jaxserve.server.tool_choice import ToolPlan, plan_tools, template_messages
 from jaxserve.server.tool_parsers import ParsedReply
 from jaxserve.server.tool_parsers.stream import ToolCallHoldback
@@ -83,14 +83,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     context.ready_loop()
     adapter = context.check_model(body.model)
     request_id = body.request_id or request.headers.get("x-request-id", "")
-    group, plan = await context.admit(
-        request_size(request),
-        lambda: with_adapter(checked_chat(context, body, request_id), adapter),
-        request_id,
-        body.session_id,
-    )
+    prompts: list[list[int]] = []  # the rendered prompt, for the reasoning parser
+
+    def checked() -> tuple[list[list[int]], SamplingParams, ToolPlan]:
+        checked_prompts, params, plan = with_adapter(checked_chat(context, body, request_id), adapter)
+        prompts.extend(checked_prompts)
+        return checked_prompts, params, plan
+
+    group, plan = await context.admit(request_size(request), checked, request_id, body.session_id)
     token_text = await TokenText.for_engine(group.engine_loop.engine) if body.logprobs else None
-    call = ChatCall(context, body, group, plan, context.reasoning(), token_text)
+    call = ChatCall(context, body, group, plan, context.reasoning(), token_text, prompts[0])
     if body.stream:
         return EventStreamResponse(call.events(), group)
     result = await until_disconnected(request.receive, call.collect())
@@ -104,16 +106,19 @@ class ChatCall:
         body: ChatCompletionRequest,
         group: StreamGroup,
         plan: ToolPlan,
-        reasoning: HarmonyReasoning | None = None,
+        reasoning: ReasoningParser | None = None,
         token_text: TokenText | None = None,
+        prompt_token_ids: list[int] | tuple[int, ...] = (),
     ):
         """reasoning: the parser that keeps a reply's reasoning out of its content (server.reasoning_parser),
         returned as reasoning_content; None: a reply is all content. token_text: the tokens' text and bytes for
-        logprobs (TokenText.for_engine; None: text only)."""
+        logprobs (TokenText.for_engine; None: text only). prompt_token_ids: the rendered prompt (a think block may
+        open there)."""
         self.body = body
         self.group = group
         self.plan = plan
         self.reasoning = reasoning
+        self.prompt_token_ids = prompt_token_ids
         self.token_text = token_text or TokenText(group.engine_loop.engine.tokenizer)
         self.header = {
             "id": response_id("chatcmpl"),
@@ -163,7 +168,9 @@ class ChatCall:
             text, reply, reasoning = delta.text, None, ""
             found = []  # harmony's tool calls, known when the reply ends
             if self.reasoning is not None:  # the reply's tokens say which text is reasoning
-                split = splits.setdefault(delta.index, self.reasoning.start(self.plan.parser is not None))
+                split = splits.setdefault(
+                    delta.index, self.reasoning.start(self.plan.parser is not None, self.prompt_token_ids)
+                )
                 reasoning, text = split.feed(delta.token_ids)
                 if delta.finish_reason is not None:
                     more_reasoning, more_text = split.finish()
@@ -207,7 +214,9 @@ class ChatCall:
             gathered = choices[index]
             content, found, reasoning = gathered.text, [], None
             if self.reasoning is not None:
-                reasoning, content, found = self.reasoning.parse(gathered.token_ids, self.plan.parser is not None)
+                reasoning, content, found = self.reasoning.parse(
+                    gathered.token_ids, self.plan.parser is not None, self.prompt_token_ids
+                )
             if self.plan.parser is not None:
                 reply = self.plan.parser.parse(content)
                 if reply.tool_calls:

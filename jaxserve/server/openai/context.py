@@ -17,7 +17,7 @@ from jaxserve.server.limits import RequestLimits
 from jaxserve.server.openai.errors import APIError, api_error
 from jaxserve.server.openai.loop import GenerationLoop, RefusalMetrics
 from jaxserve.server.openai.streams import StreamGroup, submit_all
-from jaxserve.server.reasoning_parsers import HarmonyReasoning, reasoning_parser
+from jaxserve.server.reasoning_parsers import ReasoningParser, reasoning_parser
 from jaxserve.server.tool_choice import parser_for_template
 from jaxserve.server.tool_parsers import ToolParser
 
@@ -100,7 +100,7 @@ class ServingContext:
             raise APIError(400, "the model has no tokenizer: send token ids")
         return tokenizer
 
-    def reasoning(self) -> HarmonyReasoning | None:
+    def reasoning(self) -> ReasoningParser | None:
         """server.reasoning_parser's parser for the served model; None: replies are all content (also for
         "auto" where the tokenizer cannot write the model's reasoning format)."""
         engine = self.ready_loop().engine

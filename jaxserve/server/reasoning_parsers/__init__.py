@@ -3,19 +3,25 @@ message's `reasoning_content` (vLLM's field; streamed as delta.reasoning_content
 
 A parser reads the reply's token ids (reasoning formats mark their channels with special tokens, which
 the reply's text leaves out): `start()` gives the state of one reply, fed its tokens as they come and
-answering (reasoning text, content text) for each piece. server.reasoning_parser picks one: gpt_oss |
-none | auto (gpt_oss for GPT-OSS checkpoints, none otherwise).
+answering (reasoning text, content text) for each piece; it is told the prompt's token ids (a think block may
+open there). server.reasoning_parser picks one, with vLLM's names: gpt_oss (harmony.py) | deepseek_r1 | qwen3
+(think.py) | none | auto (gpt_oss for GPT-OSS checkpoints, none otherwise: as in vLLM, a thinking model's
+<think> block stays in the content unless a parser is named).
 """
 
 from __future__ import annotations
 
 from jaxserve.server.reasoning_parsers.harmony import HarmonyReasoning, ReasoningSplit
+from jaxserve.server.reasoning_parsers.think import ThinkReasoning, ThinkSplit
 
-PARSER_NAMES = ("gpt_oss", "none", "auto")
+PARSER_NAMES = ("gpt_oss", "deepseek_r1", "qwen3", "none", "auto")
 AUTO = {"gpt_oss": "gpt_oss"}  # model_type -> the parser its checkpoints' outputs need
+THINK_OPENS_BY_DEFAULT = {"deepseek_r1": True, "qwen3": False}  # a reply to a prompt with no think marker
+
+ReasoningParser = HarmonyReasoning | ThinkReasoning
 
 
-def reasoning_parser(name: str, model_type: str, tokenizer) -> HarmonyReasoning | None:
+def reasoning_parser(name: str, model_type: str, tokenizer) -> ReasoningParser | None:
     """server.reasoning_parser's parser for this model (None: replies are all content). ValueError for an
     unknown name, or a format the tokenizer cannot write."""
     if name not in PARSER_NAMES:
@@ -24,10 +30,12 @@ def reasoning_parser(name: str, model_type: str, tokenizer) -> HarmonyReasoning 
         name = AUTO.get(model_type, "none")
     if name == "none" or tokenizer is None:
         return None
+    if name in THINK_OPENS_BY_DEFAULT:
+        return ThinkReasoning.for_tokenizer(name, tokenizer, THINK_OPENS_BY_DEFAULT[name])
     return HarmonyReasoning.for_tokenizer(tokenizer)
 
 
-def engine_reasoning_parser(name: str, engine) -> HarmonyReasoning | None:
+def engine_reasoning_parser(name: str, engine) -> ReasoningParser | None:
     """reasoning_parser for a serving engine; "auto" gives None where the tokenizer cannot write the model's format
     (a router's loop stands in for an engine: its tokenizer and model config, which may be None)."""
     model_config = getattr(engine, "model_config", None)
@@ -39,4 +47,13 @@ def engine_reasoning_parser(name: str, engine) -> HarmonyReasoning | None:
         raise
 
 
-__all__ = ["PARSER_NAMES", "HarmonyReasoning", "ReasoningSplit", "engine_reasoning_parser", "reasoning_parser"]
+__all__ = [
+    "PARSER_NAMES",
+    "HarmonyReasoning",
+    "ReasoningParser",
+    "ReasoningSplit",
+    "ThinkReasoning",
+    "ThinkSplit",
+    "engine_reasoning_parser",
+    "reasoning_parser",
+]

@@ -1,0 +1,100 @@
+"""Reasoning in a `<think>` ... `</think>` block (Qwen3, QwQ, DeepSeek-R1 and its distills): vLLM's `qwen3` and
+`deepseek_r1` reasoning parsers, read from the reply's token ids.
+
+A reply is reasoning while a think block is open and content after it closes. The block may open in the
+prompt: thinking models' templates end the generation prompt with "<think>\\n" (DeepSeek-R1, Qwen3's
+Thinking-2507 releases), and Qwen3's `enable_thinking: false` closes it there ("<think>\\n\\n</think>\\n\\n"), so
+the prompt's last marker says where a reply starts. With no marker in the prompt, `deepseek_r1` starts in
+reasoning (R1 thinks first; vLLM reads the text before a lone </think> as reasoning) and `qwen3` in content
+(Qwen3's own templates leave <think> to the model). Markers are single tokens in these vocabularies (added
+tokens, not special: a reply's text would show them); they are never passed on. Tool calls are not this
+parser's: the tool-call parser reads them from the content, as vLLM's serving layer does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.loading.detokenizer import DetokenizerState, detokenize_incrementally, flush_detokenizer
+from jaxserve.server.tool_parsers.base import ToolCall
+
+START, END = "<think>", "</think>"
+
+
+@dataclass
+class ThinkSplit:
+    """One reply's state: its tokens so far without the markers, and which side their text goes to."""
+
+    parser: ThinkReasoning
+    in_reasoning: bool
+    token_ids: list[int] = field(default_factory=list)
+    state: DetokenizerState = field(default_factory=lambda: DetokenizerState(0, 0))
+    tool_calls: list[ToolCall] = field(default_factory=list)  # always empty: calls are read from the content
+
+    def feed(self, token_ids: list[int]) -> tuple[str, str]:
+        """(reasoning, content) text these tokens add (an unfinished character waits for its next token)."""
+        reasoning, content = [], []
+        for token_id in token_ids:
+            if token_id in (self.parser.start_id, self.parser.end_id):
+                self._emit(flush_detokenizer(self.parser.tokenizer, self.token_ids, self.state), reasoning, content)
+                self.in_reasoning = token_id == self.parser.start_id
+            else:
+                self.token_ids.append(token_id)
+        self._emit(detokenize_incrementally(self.parser.tokenizer, self.token_ids, self.state), reasoning, content)
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """(reasoning, content) text still held when the reply ends."""
+        reasoning, content = [], []
+        self._emit(flush_detokenizer(self.parser.tokenizer, self.token_ids, self.state), reasoning, content)
+        return "".join(reasoning), "".join(content)
+
+    def _emit(self, text: str, reasoning: list[str], content: list[str]) -> None:
+        (reasoning if self.in_reasoning else content).append(text)
+
+
+@dataclass(frozen=True)
+class ThinkReasoning:
+    """The think markers as one tokenizer writes them. opens_by_default: where a reply starts when the prompt
+    holds no marker (deepseek_r1: in reasoning; qwen3: in content)."""
+
+    name: str
+    tokenizer: object
+    start_id: int
+    end_id: int
+    opens_by_default: bool
+
+    @classmethod
+    def for_tokenizer(cls, name: str, tokenizer, opens_by_default: bool) -> ThinkReasoning:
+        ids = {marker: tokenizer.token_to_id(marker) for marker in (START, END)}
+        missing = [marker for marker, token_id in ids.items() if token_id is None]
+        if missing:
+            raise ValueError(
+                f"reasoning_parser {name} needs {START} and {END} as tokens; the tokenizer lacks {missing}"
+            )
+        return cls(name, tokenizer, ids[START], ids[END], opens_by_default)
+
+    def starts_in_reasoning(self, prompt_token_ids) -> bool:
+        """Whether a reply to this prompt starts inside a think block: the prompt's last marker decides."""
+        for token_id in reversed(prompt_token_ids):
+            if token_id in (self.start_id, self.end_id):
+                return token_id == self.start_id
+        return self.opens_by_default
+
+    def start(self, parse_tool_calls: bool = False, prompt_token_ids=()) -> ThinkSplit:
+        """One reply's state (parse_tool_calls: taken as the other parsers take it; calls come from the content)."""
+        return ThinkSplit(self, self.starts_in_reasoning(prompt_token_ids))
+
+    def split(self, token_ids: list[int], prompt_token_ids=()) -> tuple[str | None, str]:
+        """A whole reply's (reasoning or None when it has none, content)."""
+        reasoning, content, _ = self.parse(token_ids, prompt_token_ids=prompt_token_ids)
+        return reasoning, content
+
+    def parse(
+        self, token_ids: list[int], parse_tool_calls: bool = False, prompt_token_ids=()
+    ) -> tuple[str | None, str, list[ToolCall]]:
+        """A whole reply's (reasoning or None, content, tool calls: none)."""
+        state = self.start(parse_tool_calls, prompt_token_ids)
+        reasoning, content = state.feed(token_ids)
+        more_reasoning, more_content = state.finish()
+        return (reasoning + more_reasoning) or None, content + more_content, []

@@ -112,7 +112,8 @@ class DisaggregatedRouterService(RouterService):
             forwarded.sampling.guided_decoding.CopyFrom(guide)
         responses = self._serve("Chat", forwarded, route_request(token_ids, forwarded), context)
         try:
-            yield from with_tool_calls(responses, plan, self.reasoning, token_ids)
+            guided = plan.guided_decoding is not None or forwarded.sampling.HasField("guided_decoding")
+            yield from with_tool_calls(responses, plan, self.reasoning, token_ids, guided)
         finally:
             responses.close()
 

@@ -150,7 +150,8 @@ class GenerationService:
                     abort(context, grpc.StatusCode.UNAVAILABLE, stream.cut_off)
                 yield response_from_delta(delta, stream.request_id)
 
-        yield from with_tool_calls(responses(), plan, harmony, prompt if harmony is not None else ())
+        guided = params.guided_decoding is not None  # (a think block cannot open under a grammar)
+        yield from with_tool_calls(responses(), plan, harmony, prompt if harmony is not None else (), guided)
 
     def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
         loop, _ = self._ready(context)

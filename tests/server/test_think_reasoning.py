@@ -132,3 +132,16 @@ def test_which_think_parser_each_setting_picks(tokenizer):
     assert parse_config({**router, "router": {"reasoning_parser": "qwen3"}}).router.reasoning_parser == "qwen3"
     with pytest.raises(ValueError, match="router.reasoning_parser must be one of"):
         parse_config({**router, "router": {"reasoning_parser": "think"}})
+
+
+def test_a_reply_under_a_grammar_is_content_even_where_the_prompt_opened_a_block(tokenizer):
+    """The grammar (response_format, tool_choice required) governs the reply from its first token: its JSON is the
+    content, not reasoning, though R1's template opened the block."""
+    reply = tokenizer.encode('{"answer": 4}')
+    prompt_ids = prompt(tokenizer, "<think>")
+    parser = reasoning_parser("deepseek_r1", "deepseek_v3", tokenizer)
+    assert parser is not None and parser.split(reply, prompt_ids) == ('{"answer": 4}', "")
+    assert parser.split(reply, prompt_ids, guided=True) == (None, '{"answer": 4}')
+    call = chat_call(tokenizer, [reply], prompt_ids, "deepseek_r1")
+    call.guided = True
+    assert whole(call).content == '{"answer": 4}'

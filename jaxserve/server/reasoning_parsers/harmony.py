@@ -121,18 +121,18 @@ class HarmonyReasoning:
             )
         return cls(tokenizer, ids)
 
-    def start(self, parse_tool_calls: bool = False, prompt_token_ids=()) -> ReasoningSplit:
+    def start(self, parse_tool_calls: bool = False, prompt_token_ids=(), guided: bool = False) -> ReasoningSplit:
         """One reply's state; parse_tool_calls: messages to functions become its tool_calls (a reply's first
         header is its own: the prompt does not matter here)."""
         return ReasoningSplit(self, parse_tool_calls=parse_tool_calls)
 
-    def split(self, token_ids: list[int], prompt_token_ids=()) -> tuple[str | None, str]:
+    def split(self, token_ids: list[int], prompt_token_ids=(), guided: bool = False) -> tuple[str | None, str]:
         """A whole reply's (reasoning or None when it has none, content)."""
         reasoning, content, _ = self.parse(token_ids)
         return reasoning, content
 
     def parse(
-        self, token_ids: list[int], parse_tool_calls: bool = False, prompt_token_ids=()
+        self, token_ids: list[int], parse_tool_calls: bool = False, prompt_token_ids=(), guided: bool = False
     ) -> tuple[str | None, str, list[ToolCall]]:
         """A whole reply's (reasoning or None, content, tool calls)."""
         state = self.start(parse_tool_calls)

@@ -8,7 +8,9 @@ the prompt's last marker says where a reply starts. With no marker in the prompt
 reasoning (R1 thinks first; vLLM reads the text before a lone </think> as reasoning) and `qwen3` in content
 (Qwen3's own templates leave <think> to the model). Markers are single tokens in these vocabularies (added
 tokens, not special: a reply's text would show them); they are never passed on. Tool calls are not this
-parser's: the tool-call parser reads them from the content, as vLLM's serving layer does.
+parser's: the tool-call parser reads them from the content, as vLLM's serving layer does. A reply under a
+grammar (guided decoding, tool_choice required) starts in content: the grammar governs it from its first token,
+so no block opens before it (vLLM can hold the grammar back until the reasoning ends; jaxserve does not yet).
 """
 
 from __future__ import annotations
@@ -81,20 +83,21 @@ class ThinkReasoning:
                 return token_id == self.start_id
         return self.opens_by_default
 
-    def start(self, parse_tool_calls: bool = False, prompt_token_ids=()) -> ThinkSplit:
-        """One reply's state (parse_tool_calls: taken as the other parsers take it; calls come from the content)."""
-        return ThinkSplit(self, self.starts_in_reasoning(prompt_token_ids))
+    def start(self, parse_tool_calls: bool = False, prompt_token_ids=(), guided: bool = False) -> ThinkSplit:
+        """One reply's state (parse_tool_calls: taken as the other parsers take it; calls come from the content);
+        guided: the reply is under a grammar from its first token, so it starts in content."""
+        return ThinkSplit(self, not guided and self.starts_in_reasoning(prompt_token_ids))
 
-    def split(self, token_ids: list[int], prompt_token_ids=()) -> tuple[str | None, str]:
+    def split(self, token_ids: list[int], prompt_token_ids=(), guided: bool = False) -> tuple[str | None, str]:
         """A whole reply's (reasoning or None when it has none, content)."""
-        reasoning, content, _ = self.parse(token_ids, prompt_token_ids=prompt_token_ids)
+        reasoning, content, _ = self.parse(token_ids, False, prompt_token_ids, guided)
         return reasoning, content
 
     def parse(
-        self, token_ids: list[int], parse_tool_calls: bool = False, prompt_token_ids=()
+        self, token_ids: list[int], parse_tool_calls: bool = False, prompt_token_ids=(), guided: bool = False
     ) -> tuple[str | None, str, list[ToolCall]]:
         """A whole reply's (reasoning or None, content, tool calls: none)."""
-        state = self.start(parse_tool_calls, prompt_token_ids)
+        state = self.start(parse_tool_calls, prompt_token_ids, guided)
         reasoning, content = state.feed(token_ids)
         more_reasoning, more_content = state.finish()
         return (reasoning + more_reasoning) or None, content + more_content, []

@@ -40,11 +40,13 @@ def agree_on_engine(config, model_config, group: ProcessGroup | None):
         raise ValueError("swap_space (the host KV tier) is not available on several processes yet")
     if config.disagg.role != EngineRole.BOTH:
         raise ValueError("prefill/decode disaggregation (role) is not available on several processes yet")
+    # Agree first, on the config as given: an exchange that only some processes make (the KV budget's, where
+    # one process sets num_pages) would leave every process waiting for keys the others never write.
+    described = dataclasses.replace(config, show_progress=False)
+    group.agree_across_processes("engine config and model", f"{described!r} {model_config!r} {jax.device_count()}")
     if config.cache.num_pages is None and config.cache.kv_cache_memory_gib is None:
         budgets = group.exchange("kv_budget", str(_local_kv_budget()))
         config = config.with_options(kv_cache_memory_gib=min(int(b) for b in budgets) / 2**30)
-    described = dataclasses.replace(config, show_progress=False)
-    group.agree_across_processes("engine config and model", f"{described!r} {model_config!r} {jax.device_count()}")
     return config
 
 

@@ -8,6 +8,8 @@ host); the placement, every process's same host values, is put on the mesh as it
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.distributed.plan import REBALANCE
 from jaxserve.engine.expert_balancer import ExpertBalancer
 from sharding.expert_placement import (
-    EXPERT_WEIGHTS,
+    _expert_arrays,
+    _lora_arrays,
     _moe_layers,
     _rebalance_gather,
     _stored_rows,
@@ -42,6 +45,12 @@ def _gather(array, rows, sharding):
     return jax.jit(_gather_jit, out_shardings=sharding)(array, rows)
 
 
+def _take_rows_of_each(value, rows: np.ndarray, sharding_of):
+    """_take_rows on every array of a param: a float weight, or a quantized one's values, scales and mins
+    (which move their rows alike), each laid out as sharding_of(array)."""
+    return jax.tree.map(lambda array: _take_rows(array, rows, sharding_of(array)), value)
+
+
 def rebalance_everywhere(state: nnx.State, load: np.ndarray) -> nnx.State:
     """sharding.expert_placement.rebalance for a mesh over several processes (every process calls it)."""
     flat = dict(nnx.to_flat_state(state))
@@ -56,14 +65,24 @@ def rebalance_everywhere(state: nnx.State, load: np.ndarray) -> nnx.State:
         ):
             continue
         gather = _rebalance_gather(_stored_rows(flat, prefix), storage_order)
-        for name in EXPERT_WEIGHTS:
-            variable = flat[prefix + (name,)]
-            value = variable.get_value()
-            flat[prefix + (name,)] = variable.replace(_take_rows(value, gather, value.sharding))
+        # as sharding.expert_placement.rebalance: the weights (quantized ones' every array), biases (GPT-OSS)
+        # and LoRA slots on the experts all move their rows alike
+        for path in [prefix + (name,) for name in _expert_arrays(flat, prefix)] + _lora_arrays(flat, prefix):
+            variable = flat[path]
+            flat[path] = variable.replace(
+                _take_rows_of_each(variable.get_value(), gather, lambda array: array.sharding)
+            )
         for name, value in (("expert_device", device_of), ("expert_slot", slot_of)):
             variable = flat[prefix + (name,)]
             flat[prefix + (name,)] = variable.replace(jax.device_put(value, variable.get_value().sharding))
     return nnx.from_flat_state(list(flat.items()))
+
+
+def _canonical_rows_sharding(stored: jax.Array, num_rows: int):
+    """Where num_rows canonical rows of a stored [S, ...] array go: its own sharding if they fill it."""
+    if num_rows == stored.shape[0]:
+        return stored.sharding
+    return canonical_sharding((num_rows,) + stored.shape[1:], stored.sharding.mesh)
 
 
 def canonical_everywhere(state: nnx.State) -> nnx.State:
@@ -71,15 +90,10 @@ def canonical_everywhere(state: nnx.State) -> nnx.State:
     flat = dict(nnx.to_flat_state(state))
     for prefix in _moe_layers(flat):
         rows = _stored_rows(flat, prefix)
-        for name in EXPERT_WEIGHTS:
+        sharding_of = functools.partial(_canonical_rows_sharding, num_rows=len(rows))
+        for name in _expert_arrays(flat, prefix):  # as canonical_params: weights (every array) and biases
             variable = flat[prefix + (name,)]
-            stored = variable.get_value()
-            sharding = (
-                stored.sharding
-                if len(rows) == stored.shape[0]
-                else canonical_sharding((len(rows),) + stored.shape[1:], stored.sharding.mesh)
-            )
-            flat[prefix + (name,)] = variable.replace(_take_rows(stored, rows, sharding))
+            flat[prefix + (name,)] = variable.replace(_take_rows_of_each(variable.get_value(), rows, sharding_of))
     return nnx.from_flat_state(
         [(path, variable) for path, variable in flat.items() if not isinstance(variable, ExpertPlacement)]
     )

@@ -130,6 +130,7 @@ class LeaderRunner:
 
     def warm_up(self, show_progress: bool = True) -> None:
         self.inner.warm_up(show_progress)
+        wait_for_every_warm_up(self.group)  # the first step's collectives need every process's executables
         self._start_serving()
 
     def execute(self, shape, inputs):
@@ -266,6 +267,28 @@ class _WatchedFetch:
     def fetch_prompt_logprobs(self):
         with _Guard(self.leader, f"fetching step {self.step}'s prompt logprobs", lock=False):
             return self.pending.fetch_prompt_logprobs()
+
+
+def warm_up(runner, group: ProcessGroup | None, show_progress: bool) -> None:
+    """Compile every bucket; on several processes, return once every process has (process 0 waits in
+    LeaderRunner.warm_up, before it serves and starts watching the followers' beats)."""
+    runner.warm_up(show_progress)
+    if group is not None and group.is_multiprocess and not group.is_leader:
+        wait_for_every_warm_up(group)
+
+
+def wait_for_every_warm_up(group: ProcessGroup) -> None:
+    """Warm-ups take unequal times: a process whose persistent compilation cache holds the executables (JAX
+    writes entries from process 0 only, and a host's cache is its own) loads them in seconds while another
+    compiles them. Process 0 serving before the others had finished would watch their beats (which start
+    once they follow its plans) and stop the program after peer_timeout."""
+    try:
+        group.exchange("warm-up done", "")
+    except Exception as error:  # the coordination service's timeout, in its own words
+        raise RuntimeError(
+            f"not every process finished its warm-up within distributed.initialization_timeout "
+            f"({group.config.initialization_timeout} s): {error}"
+        ) from error
 
 
 def wrap_runner(runner, mesh, schedulers, group: ProcessGroup | None) -> StepRunner:

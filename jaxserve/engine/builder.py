@@ -22,7 +22,7 @@ from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import ModelRunner, StepRunner, enable_compilation_cache, kv_cache_bytes_available
 from jaxserve.device.sampling_inputs import SamplingWidths
 from jaxserve.distributed.agreement import agree_on_engine, check_every_process_holds_devices, expert_balancer_type
-from jaxserve.distributed.leader_runner import wrap_runner
+from jaxserve.distributed.leader_runner import warm_up, wrap_runner
 from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
 from jaxserve.engine.draft_lora import AdaptersWithDraft
@@ -134,7 +134,7 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
                     config.parallel.expert_load_profile, model_config.num_moe_layers, model_config.num_experts
                 )
             )
-    runner.warm_up(show_progress=config.show_progress)
+    warm_up(runner, process_group, config.show_progress)  # several processes: returns once all have
     draft = None
     if config.speculative.method == "draft":
         # the draft's quantized projections keep x as the target's do

@@ -108,7 +108,15 @@ class RequestStream:
             stop_reason=completion.stop_reason,
         )
         scored = output.prompt_logprobs
-        if scored is not None and len(scored) == len(output.prompt_token_ids) and index not in self._prompt_scored:
+        # only on a delta that is delivered: one with nothing new for its client is dropped (EngineLoop._deliver),
+        # and a completion still prefilling when the scores complete would never get them
+        carries = bool(delta.token_ids or delta.text or finished)
+        if (
+            carries
+            and scored is not None
+            and len(scored) == len(output.prompt_token_ids)
+            and index not in self._prompt_scored
+        ):
             self._prompt_scored.add(index)
             delta.prompt_token_ids, delta.prompt_logprobs = list(output.prompt_token_ids), scored
         self.num_sent_tokens[index] = len(completion.token_ids)

@@ -28,6 +28,7 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     name = "".join(word.capitalize() for word in HTTPStatus(status).phrase.replace("-", " ").split())
+    name = name.removesuffix("Error")  # 500's phrase ends in it already: InternalServerError, not ...ErrorError
     return {"error": {"message": message, "type": f"{name}Error", "param": param, "code": status}}
 
 

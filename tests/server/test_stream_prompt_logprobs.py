@@ -37,7 +37,9 @@ def test_a_completion_behind_the_scoring_one_still_gets_the_prompt_logprobs():
         loop.streams[stream.handle] = stream
         # the scoring sequence finishes the prompt and samples; the other is still prefilling
         loop._deliver(output("r#0", CompletionOutput(0, "a", [9], "length"), CompletionOutput(1, "", [], None), SCORED))
-        loop._deliver(output("r#0", CompletionOutput(0, "a", [9], "length"), CompletionOutput(1, "b", [8], "length"), SCORED))
+        loop._deliver(
+            output("r#0", CompletionOutput(0, "a", [9], "length"), CompletionOutput(1, "b", [8], "length"), SCORED)
+        )
         messages = [stream.take(timeout=1), stream.take(timeout=1)]
         by_index = {m.index: m for m in messages}
         assert set(by_index) == {0, 1}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections import defaultdict
@@ -19,12 +20,13 @@ from dataclasses import dataclass, field
 
 from starlette.responses import StreamingResponse
 
-from jaxserve.server.openai.errors import APIError
+from jaxserve.server.openai.errors import APIError, error_body
 from jaxserve.server.openai.streams import StreamExpired, StreamGroup
 from jaxserve.server.request_stream import Delta, RequestStream
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer the stream
+logger = logging.getLogger("jaxserve.openai")
 
 
 def sse(payload: dict) -> str:
@@ -33,7 +35,7 @@ def sse(payload: dict) -> str:
 
 class EventStreamResponse(StreamingResponse):
     def __init__(self, events, group: StreamGroup):
-        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        super().__init__(ended_by_an_error_event(events), media_type="text/event-stream", headers=SSE_HEADERS)
         self.group = group
 
     async def __call__(self, scope, receive, send) -> None:
@@ -51,6 +53,19 @@ class EventStreamResponse(StreamingResponse):
             raise StreamExpired("the client stopped reading (server.stream_idle_timeout)") from None
         finally:
             self.group.release()
+
+
+async def ended_by_an_error_event(events):
+    """The events; a failure while making them (a server bug) ends the stream as a refusal does, with an error
+    event and [DONE], rather than cutting the connection mid-body (clients then see a protocol error)."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as error:  # (a cancellation is no Exception: it goes on up)
+        logger.exception("a streamed response failed")
+        status, message = (error.status, error.message) if isinstance(error, APIError) else (500, repr(error))
+        yield sse(error_body(status, message))
+        yield DONE
 
 
 def response_id(prefix: str) -> str:

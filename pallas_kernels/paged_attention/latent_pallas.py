@@ -76,7 +76,8 @@ def _kernel(
     )
     queries = [q_ref[:, pl.ds(start, size)].astype(dtype) for q_ref in q_refs for start, size in chunks]
     positions = positions_ref[...]  # [R]; -1 for padding rows
-    num_spans = jnp.clip((jnp.max(positions) + span) // span, 0, pages_ref.shape[0] // pages_per_span)
+    newest = jnp.max(positions)  # the block's newest key
+    num_spans = jnp.clip((newest + span) // span, 0, pages_ref.shape[0] // pages_per_span)
 
     def attend_span(index, carry):
         running_max, denominator, sums = carry
@@ -86,6 +87,9 @@ def _kernel(
             for pool_ref in pool_refs
             for start, size in chunks
         ]  # [L, size] each: the entry's lanes, piece by piece
+        # rows past the block's newest key hold whatever the page's last owner left (NaN, even): zeroed
+        written = (index * span + jnp.arange(span) <= newest)[:, None]  # [L, 1]
+        tiles = [jnp.where(written, tile, jnp.zeros_like(tile)) for tile in tiles]
         scores = sum(
             jnp.dot(query, tile.T, preferred_element_type=jnp.float32, precision=precision)
             for query, tile in zip(queries, tiles)

@@ -69,6 +69,11 @@ def _kernel(
     @pl.when(page * page_size <= block_max_position_ref[block])
     def _attend():
         first, second = first_page_ref[...], second_page_ref[...]  # [page_size, C] each
+        # rows past the block's newest key hold whatever the page's last owner left (NaN, even): zeroed
+        rows = page * page_size + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
+        written = rows <= block_max_position_ref[block]
+        first = jnp.where(written, first, jnp.zeros_like(first))
+        second = jnp.where(written, second, jnp.zeros_like(second))
         dtype = first.dtype
         scores = _scores(first_q_ref[...].astype(dtype), first) + _scores(second_q_ref[...].astype(dtype), second)
         scores = scores * scale  # [R, page_size]

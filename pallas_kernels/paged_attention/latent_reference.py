@@ -45,6 +45,7 @@ def ragged_paged_latent_attention(
     block_pages = jnp.pad(block_pages, ((0, 0), (0, -block_pages.shape[1] % pages_per_span)))
     queries = q.reshape(num_blocks, query_block, num_heads, width).astype(jnp.float32) * scale
     query_positions = positions.reshape(num_blocks, query_block)[:, None, :, None]  # [N, 1, B, 1]
+    newest_positions = positions.reshape(num_blocks, query_block).max(axis=1, keepdims=True)  # [N, 1]
 
     def attend_span(index, carry):
         running_max, denominator, accumulator = carry  # [N, H, B], [N, H, B], [N, H, B, 2C]
@@ -53,6 +54,9 @@ def ragged_paged_latent_attention(
             [first_pages[pages].reshape(num_blocks, span, half), second_pages[pages].reshape(num_blocks, span, half)],
             axis=-1,
         )  # [N, L, 2C]
+        # rows past the block's newest key hold whatever the page's last owner left (NaN, even): zeroed
+        written = index * span + jnp.arange(span)[None, :] <= newest_positions  # [N, L]
+        entries = jnp.where(written[:, :, None], entries, 0)
         scores = jnp.einsum("nbhc,nlc->nhbl", queries, entries, preferred_element_type=jnp.float32)
         key_positions = index * span + jnp.arange(span)[None, None, None, :]  # [1, 1, 1, L]
         scores = jnp.where(key_positions <= query_positions, scores, -jnp.inf)

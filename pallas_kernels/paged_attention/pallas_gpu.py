@@ -106,7 +106,8 @@ def _kernel(
     precision = jax.lax.Precision.HIGHEST if keys_dtype == jnp.float32 else None  # no TF32 for float32
     queries = q_ref[...].astype(keys_dtype)
     positions = positions_ref[...]  # [R]; -1 for padding rows
-    num_spans = jnp.clip((jnp.max(positions) + span) // span - first_span, 0, spans_per_split)
+    newest = jnp.max(positions)  # the block's newest key
+    num_spans = jnp.clip((newest + span) // span - first_span, 0, spans_per_split)
 
     def attend_span(index, carry):
         running_max, denominator, accumulator = carry
@@ -129,9 +130,14 @@ def _kernel(
         rescale = jnp.exp(running_max - new_max)
         weights = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
         denominator = denominator * rescale + weights.sum(axis=-1)
-        scaled_weights = weights * v_scales_ref[pages].reshape(1, span) if v_scales_ref is not None else weights
+        # a page's rows past the block's newest key hold whatever its last owner left (NaN or inf, even), and a
+        # weight of 0 times them is not 0: zeroed (their scales too), so only written keys reach the sums
+        written = (first_span + index) * span + jnp.arange(span) <= newest  # [L]
+        values = jnp.where(written[:, None], values, jnp.zeros_like(values))
+        if v_scales_ref is not None:
+            weights = weights * jnp.where(written[None, :], v_scales_ref[pages].reshape(1, span), 0.0)
         accumulator = accumulator * rescale[:, None] + jnp.dot(
-            scaled_weights.astype(keys_dtype), values, preferred_element_type=jnp.float32, precision=precision
+            weights.astype(keys_dtype), values, preferred_element_type=jnp.float32, precision=precision
         )
         return new_max, denominator, accumulator
 

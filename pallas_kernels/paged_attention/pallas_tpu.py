@@ -125,8 +125,13 @@ def _kernel(
         rescale = jnp.exp(running_max - new_max)
         weights = jnp.exp(scores - new_max)
         denominator = denominator * rescale + weights.sum(axis=-1, keepdims=True)
+        # a page's rows past the block's newest key hold whatever its last owner left (NaN or inf, even), and a
+        # weight of 0 times them is not 0: zeroed (their scales too), so only written keys reach the sums
+        newest = block_max_position_ref[block]
+        written_rows = index * span + jax.lax.broadcasted_iota(jnp.int32, (span, 1), 0) <= newest
+        values = jnp.where(written_rows, values, jnp.zeros_like(values))
         if v_scale_buffers is not None:
-            weights = weights * v_scale_buffers[buffer].reshape(1, span)
+            weights = weights * jnp.where(key_positions <= newest, v_scale_buffers[buffer].reshape(1, span), 0.0)
         accumulator = accumulator * rescale + jnp.dot(
             weights.astype(dtype), values, precision=precision, preferred_element_type=jnp.float32
         )

@@ -64,12 +64,17 @@ def ragged_paged_attention(
     queries = q.reshape(num_blocks, query_block, num_kv_heads, num_groups, head_dim)
     queries = queries.astype(jnp.float32) * (head_dim**-0.5)
     query_positions = positions.reshape(num_blocks, query_block)[:, :, None]  # [N, B, 1]
+    newest_positions = query_positions.max(axis=1)  # [N, 1]: keys past a block's newest were never written
 
     def attend_span(index, carry):
         running_max, denominator, accumulator = carry  # [N, K, G, B], [N, K, G, B], [N, K, G, B, D]
         pages = jax.lax.dynamic_slice_in_dim(block_pages, index * pages_per_span, pages_per_span, axis=1)
         keys = gather_dequantized(k_pages, pages).reshape(num_blocks, span, num_kv_heads, head_dim)
         values = gather_dequantized(v_pages, pages).reshape(num_blocks, span, num_kv_heads, head_dim)
+        # a page's rows past the block's newest key hold whatever its last owner left (NaN or inf, even), and a
+        # weight of 0 times them is not 0: zeroed, so only written keys reach the sums
+        written = index * span + jnp.arange(span)[None, :] <= newest_positions  # [N, L]
+        values = jnp.where(written[:, :, None, None], values, 0)
         scores = jnp.einsum("nbkgd,nlkd->nkgbl", queries, keys, preferred_element_type=jnp.float32)
         if logits_soft_cap:
             scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import Buckets
 from jaxserve.device import page_copies
+from jaxserve.device.placement import zeros_on
 from jaxserve.device.prompt_logprobs import PromptLogprobs
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.sampler import SamplerOutput
@@ -176,7 +177,9 @@ class ModelRunner:
         self.prefill_query_block = prefill_query_block
         self.sampling_widths = sampling_widths
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        self.buffers = jax.device_put(SequenceBuffers.zeros(layout.token_buffer_size, vocab_size), replicated)
+        buffers = SequenceBuffers.zeros(layout.token_buffer_size, vocab_size)
+        # (on a mesh made on each device: device_put would compare the host value across processes, whole)
+        self.buffers = buffers if replicated is None else zeros_on(buffers, replicated)
         self._reset_entry = jax.jit(reset_entry, donate_argnums=(0,), out_shardings=replicated)
         # On a mesh the pages must come back laid out as they went in, so that donation reuses them.
         out_shardings = (

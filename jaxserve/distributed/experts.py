@@ -82,7 +82,9 @@ def _canonical_rows_sharding(stored: jax.Array, num_rows: int):
     """Where num_rows canonical rows of a stored [S, ...] array go: its own sharding if they fill it."""
     if num_rows == stored.shape[0]:
         return stored.sharding
-    return canonical_sharding((num_rows,) + stored.shape[1:], stored.sharding.mesh)
+    sharding = stored.sharding
+    assert isinstance(sharding, NamedSharding)  # (every param on a mesh is laid out by name)
+    return canonical_sharding((num_rows,) + stored.shape[1:], sharding.mesh)
 
 
 def canonical_everywhere(state: nnx.State) -> nnx.State:

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import Buckets, EngineConfig, EngineRole
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
+from jaxserve.device.placement import zeros_on
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import ModelRunner, StepRunner, enable_compilation_cache, kv_cache_bytes_available
 from jaxserve.device.sampling_inputs import SamplingWidths
@@ -313,16 +314,21 @@ def _kv_cache(
         )
         for _ in range(num_ranks)
     ]
-    kv_pages = KVPages.zeros(
-        model.num_layers,
-        layout.total_pages,
-        config.cache.page_size,
-        attention.num_cache_kv_heads,
-        attention.cache_head_dim,
-        dtype,
-        kv_dtype,
-    )
-    if mesh is not None:
-        # Each data-parallel rank holds its own pages; each tensor shard its KV heads' slice of them.
-        kv_pages = jax.device_put(kv_pages, kv_pages_shardings(kv_pages, mesh, attention.num_cache_kv_heads))
-    return schedulers, kv_pages, layout
+
+    def zeros():
+        return KVPages.zeros(
+            model.num_layers,
+            layout.total_pages,
+            config.cache.page_size,
+            attention.num_cache_kv_heads,
+            attention.cache_head_dim,
+            dtype,
+            kv_dtype,
+        )
+
+    if mesh is None:
+        return schedulers, zeros(), layout
+    # Each data-parallel rank holds its own pages; each tensor shard its KV heads' slice of them; each device
+    # writes only its own (the whole cache on the first device would not fit there)
+    shapes = jax.eval_shape(zeros)
+    return schedulers, zeros_on(shapes, kv_pages_shardings(shapes, mesh, attention.num_cache_kv_heads)), layout

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import INT4_GROUP_SIZES
+from jaxserve.device.placement import put_on
 from pallas_kernels.matmul.kquant import KQuantWeight
 from pallas_kernels.matmul.quantized import QuantizedWeight, place_shardings
 
@@ -251,7 +252,7 @@ def place(weight: QuantizedWeight | KQuantWeight, sharding, stored_transposed: b
     default device uncommitted, as the float params are."""
     if sharding is None:
         return jax.tree.map(jax.numpy.asarray, weight)
-    return jax.tree.map(jax.device_put, weight, place_shardings(weight, sharding, stored_transposed))
+    return jax.tree.map(put_on, weight, place_shardings(weight, sharding, stored_transposed))
 
 
 __all__ = [

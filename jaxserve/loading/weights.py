@@ -15,12 +15,12 @@ import json
 import os
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
+from jaxserve.device.placement import put_on
 from jaxserve.loading.multimodal import language_model_aliases
 from jaxserve.loading.quantize import load_quantized
 from jaxserve.models import CHECKPOINT_NAMES, ModelConfig
@@ -105,7 +105,8 @@ def read_params(
         value = jnp.asarray(tensor, dtype=dtype)
         del tensor  # the host copy goes before the next tensor is read: one tensor in flight at a time
         sharding = placement(path)
-        loaded.append((path, variable.replace(value if sharding is None else jax.device_put(value, sharding))))
+        name = ".".join(map(str, path))
+        loaded.append((path, variable.replace(value if sharding is None else put_on(value, sharding, name))))
         del value
         release_freed_host_memory()
     return nnx.from_flat_state(loaded)

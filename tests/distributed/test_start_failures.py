@@ -69,3 +69,29 @@ def test_a_follower_that_cannot_start_stops_process_0(tmp_path):
         assert "process 1 could not start" in log and "no-such-model" in log, log[-2000:]
     finally:
         pair.kill()
+
+
+def test_processes_reading_different_weights_are_refused_naming_the_weight(tmp_path):
+    """Weights are placed shard by shard from each process's own copy (jax.device_put would gather each whole
+    weight from every process to compare them); a checksum is compared instead, so a process whose checkpoint
+    differs (here one value of one tensor) is still refused on every process, naming the tensor."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    changed = tmp_path / "llama_gqa_changed"
+    shutil.copytree(fixture_dir("llama_gqa"), changed)
+    tensors = load_file(str(changed / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].copy()
+    tensors[name][0, 0] += np.float32(1.0)
+    save_file(tensors, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    pair = start_pair(tmp_path, {"tensor_parallel_size": 8}, (fixture_dir("llama_gqa"), str(changed)))
+    try:
+        codes = pair.wait(EXIT_WITHIN)
+        logs = [pair.log(0), pair.log(1)]
+        assert None not in codes and 0 not in codes, f"exit codes {codes}\n{logs[0][-2000:]}\n{logs[1][-2000:]}"
+        assert any("differs between the processes" in log and "down_proj" in log for log in logs), logs[0][-3000:]
+    finally:
+        pair.kill()

@@ -64,8 +64,8 @@ def checked_completion(
     for position, prompt in enumerate(prompts):
         if isinstance(prompt, list) and not prompt:
             raise ValueError("a prompt is empty")  # "" is tokenized by the engine: [BOS] where one is added
-        if isinstance(prompt, str):
-            request_limits.check_prompt(limits, prompt, [], f"prompt[{position}]" if len(prompts) > 1 else "prompt")
+        if isinstance(prompt, str):  # (not check_prompt: its "" means no text, and this "" is a prompt)
+            request_limits.check_text(limits, prompt, f"prompt[{position}]" if len(prompts) > 1 else "prompt")
         else:
             request_limits.check_prompt(limits, "", prompt)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens

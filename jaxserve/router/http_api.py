@@ -140,6 +140,12 @@ class RoutedLoop:
     def draining(self) -> bool:
         return self.service.draining
 
+    @property
+    def num_open(self) -> int:
+        """HTTP calls admitted whose response has not ended (released)."""
+        with self._lock:
+            return len(self._relays)
+
     def submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str = "", session_id: str | None = None
     ) -> RequestStream:

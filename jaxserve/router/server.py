@@ -122,6 +122,7 @@ class RouterServer:
         self.pools = ThreadPools.for_limits(config.router.max_in_flight)
         self.port = 0
         self.service: RouterService | None = None
+        self.http_loop: RoutedLoop | None = None
         self.api_keys: ApiKeys | None = None
         self.connection = Connection()  # to the replicas
 
@@ -291,6 +292,8 @@ class RouterServer:
         # no chat template of its own: the tokenizer's renders, and tells "auto" the tool-call format
         self.http_context.attach(loop, limits, None, "", section.tool_call_parser)
         self.http_context.reasoning_parser = section.reasoning_parser
+        self.http_context.reasoning()  # a reasoning format the tokenizer cannot write fails start-up, not each chat
+        self.http_loop = loop
         logger.info("OpenAI HTTP API on %s", host_port(section.host, self.http_server.port))
 
     def _wait_for_replicas(self, timeout: float) -> None:
@@ -310,13 +313,24 @@ class RouterServer:
             for name in ("", GENERATION_SERVICE):
                 self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             timeout = self.config.router.drain_timeout
-            if not self.service.wait_until_idle(timeout):
+            if not self._wait_until_idle(timeout):
                 logger.warning(
                     "router.drain_timeout (%gs) ran out with %d streams in flight; cutting them",
                     timeout,
                     self.service.num_in_flight,
                 )
         self.stop()
+
+    def _wait_until_idle(self, timeout: float) -> bool:
+        """True once no stream is in flight (HTTP calls included from their admission: a relay thread may not
+        have reached the service yet), False if timeout seconds pass first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.service is None or not self.service.num_in_flight:
+                if self.http_loop is None or not self.http_loop.num_open:
+                    return True
+            time.sleep(0.05)
+        return False
 
     def stop(self, replica_timeout: float = 30.0) -> None:
         """Safe to call again. replica_timeout: how long launched replicas get to drain before SIGKILL."""

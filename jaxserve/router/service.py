@@ -132,13 +132,6 @@ class RouterService:
                 self.num_in_flight -= 1
                 self.metrics.in_flight.set(self.num_in_flight)
 
-    def wait_until_idle(self, timeout: float) -> bool:
-        """True once no request is in flight, False if timeout seconds pass first."""
-        deadline = time.monotonic() + timeout
-        while self.num_in_flight and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return not self.num_in_flight
-
     def _route(self, method: str, request, route: RouteRequest, context):
         tried, last_error = set(), ""
         for _ in range(self.max_resends + 1):

@@ -99,7 +99,7 @@ def with_tool_calls(
         if harmony is not None:
             # a call's body is held back by the split (never text) only when the request has tools to parse
             split = splits.setdefault(response.index, harmony.start(plan.parser is not None, prompt_token_ids, guided))
-            reasoning, text = split.feed(list(response.token_ids))
+            reasoning, text = split.feed(list(response.token_ids), response.text)
             if response.finish_reason:
                 more_reasoning, more_text = split.finish()
                 reasoning, text = reasoning + more_reasoning, text + more_text

@@ -12,6 +12,7 @@ import tokenizers
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from jaxserve.loading.detokenizer import DetokenizerState, detokenize_incrementally, flush_detokenizer
 from jaxserve.loading.fast_tokenizer import FastTokenizer
 from jaxserve.loading.tokenizer_config import TokenizerSettings
 from jaxserve.server.config_file import ServerConfig
@@ -50,13 +51,18 @@ class ScriptedGroup:
 
     def __init__(self, pieces: list[list[int]], tokenizer):
         self.pieces, self.tokenizer = pieces, tokenizer
+        self.pieces_text: list[str] | None = None  # the deltas' text when not the pieces' decode (a stop's cut)
         self.engine_loop = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer))
         self.streams = [SimpleNamespace(error_status=500)]
 
     async def deltas(self):
+        sent, state = [], DetokenizerState(0, 0)
         for number, token_ids in enumerate(self.pieces):
             finish = "stop" if number == len(self.pieces) - 1 else None
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)  # as the engine's detokenizer
+            sent += token_ids  # the text as the engine's detokenizer makes it (a character cut between tokens waits)
+            text = (flush_detokenizer if finish else detokenize_incrementally)(self.tokenizer, sent, state)
+            if self.pieces_text is not None:
+                text = self.pieces_text[number]
             yield 0, Delta(token_ids, text, None, finish, 3, 0)
 
     def mark_sending(self, sending: bool) -> None:

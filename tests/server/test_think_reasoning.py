@@ -111,9 +111,11 @@ def test_tool_calls_after_the_reasoning_are_parsed_from_the_content(tokenizer):
 
 def test_grpc_chat_splits_from_the_prompts_marker(tokenizer):
     token_ids = tokenizer.encode(f"{THINKING}</think>{ANSWER}")
+    first = tokenizer.decode(token_ids[:5])  # (plain text: no character cut there)
+    rest = f"{THINKING}</think>{ANSWER}"[len(first) :]
     responses = [
-        pb.GenerateResponse(index=0, token_ids=token_ids[:5]),
-        pb.GenerateResponse(index=0, token_ids=token_ids[5:], finish_reason="stop"),
+        pb.GenerateResponse(index=0, token_ids=token_ids[:5], text=first),
+        pb.GenerateResponse(index=0, token_ids=token_ids[5:], text=rest, finish_reason="stop"),
     ]
     parser = reasoning_parser("qwen3", "qwen3", tokenizer)
     split = list(with_tool_calls(iter(responses), NO_TOOLS, parser, prompt(tokenizer, "<think>")))
@@ -145,3 +147,22 @@ def test_a_reply_under_a_grammar_is_content_even_where_the_prompt_opened_a_block
     call = chat_call(tokenizer, [reply], prompt_ids, "deepseek_r1")
     call.guided = True
     assert whole(call).content == '{"answer": 4}'
+
+
+def test_the_split_reads_the_engines_text_stop_strings_cut_and_markers_in_pieces(tokenizer):
+    """The engine's text is the reply's (a stop string cut off, text held back while it may start one and sent
+    later in other pieces): the split takes it as sent, markers arriving in pieces included."""
+    parser = reasoning_parser("qwen3", "qwen3", tokenizer)
+    assert parser is not None and parser.markers_in_text
+    token_ids = tokenizer.encode(f"<think>{THINKING}</think>{ANSWER}")
+    # the stop string "Ça" ended the reply: the engine's text stops before it
+    cut = f"<think>{THINKING}</think>{ANSWER}".split("Ça")[0]
+    assert parser.split(token_ids, text=cut) == (THINKING, ANSWER.split("Ça")[0])
+    state = parser.start()
+    pieces = ["<thi", "nk>", THINKING[:5], THINKING[5:] + "</", "think", ">", ANSWER[:3], ANSWER[3:]]
+    sides = [state.feed([], piece) for piece in pieces] + [state.finish()]
+    assert "".join(r for r, _ in sides) == THINKING and "".join(c for _, c in sides) == ANSWER
+    call = chat_call(tokenizer, [token_ids], prompt(tokenizer))
+    call.group.pieces_text = [cut]  # what ScriptedGroup sends as the deltas' text (the engine's)
+    message = whole(call)
+    assert message.model_extra["reasoning_content"] == THINKING and message.content == ANSWER.split("Ça")[0]

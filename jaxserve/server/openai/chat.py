@@ -174,7 +174,7 @@ class ChatCall:
                 split = splits.setdefault(
                     delta.index, self.reasoning.start(self.plan.parser is not None, self.prompt_token_ids, self.guided)
                 )
-                reasoning, text = split.feed(delta.token_ids)
+                reasoning, text = split.feed(delta.token_ids, delta.text)
                 if delta.finish_reason is not None:
                     more_reasoning, more_text = split.finish()
                     reasoning, text = reasoning + more_reasoning, text + more_text
@@ -218,7 +218,7 @@ class ChatCall:
             content, found, reasoning = gathered.text, [], None
             if self.reasoning is not None:
                 reasoning, content, found = self.reasoning.parse(
-                    gathered.token_ids, self.plan.parser is not None, self.prompt_token_ids, self.guided
+                    gathered.token_ids, self.plan.parser is not None, self.prompt_token_ids, self.guided, gathered.text
                 )
             if self.plan.parser is not None:
                 reply = self.plan.parser.parse(content)

@@ -41,8 +41,9 @@ class ReasoningSplit:
     function: str | None = None  # the function the current message calls
     tool_calls: list[ToolCall] = field(default_factory=list)
 
-    def feed(self, token_ids: list[int]) -> tuple[str, str]:
-        """(reasoning, content) text these tokens add."""
+    def feed(self, token_ids: list[int], text: str | None = None) -> tuple[str, str]:
+        """(reasoning, content) text these tokens add (read from the ids: harmony's markers are special tokens,
+        which the engine's text leaves out; `text` is not used)."""
         reasoning, content = [], []
         for token_id in token_ids:
             self._step(token_id, reasoning, content)
@@ -126,13 +127,20 @@ class HarmonyReasoning:
         header is its own: the prompt does not matter here)."""
         return ReasoningSplit(self, parse_tool_calls=parse_tool_calls)
 
-    def split(self, token_ids: list[int], prompt_token_ids=(), guided: bool = False) -> tuple[str | None, str]:
+    def split(
+        self, token_ids: list[int], prompt_token_ids=(), guided: bool = False, text: str | None = None
+    ) -> tuple[str | None, str]:
         """A whole reply's (reasoning or None when it has none, content)."""
         reasoning, content, _ = self.parse(token_ids)
         return reasoning, content
 
     def parse(
-        self, token_ids: list[int], parse_tool_calls: bool = False, prompt_token_ids=(), guided: bool = False
+        self,
+        token_ids: list[int],
+        parse_tool_calls: bool = False,
+        prompt_token_ids=(),
+        guided: bool = False,
+        text: str | None = None,
     ) -> tuple[str | None, str, list[ToolCall]]:
         """A whole reply's (reasoning or None, content, tool calls)."""
         state = self.start(parse_tool_calls)

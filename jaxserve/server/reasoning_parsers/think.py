@@ -7,8 +7,13 @@ Thinking-2507 releases), and Qwen3's `enable_thinking: false` closes it there ("
 the prompt's last marker says where a reply starts. With no marker in the prompt, `deepseek_r1` starts in
 reasoning (R1 thinks first; vLLM reads the text before a lone </think> as reasoning) and `qwen3` in content
 (Qwen3's own templates leave <think> to the model). Markers are single tokens in these vocabularies (added
-tokens, not special: a reply's text would show them); they are never passed on. Tool calls are not this
-parser's: the tool-call parser reads them from the content, as vLLM's serving layer does. A reply under a
+tokens, not special: a reply's text shows them), so the split reads the reply's text as the engine made it
+(stop strings cut, include_stop_str_in_output, text held back while it may start a stop string; a marker's
+text may then arrive in pieces) and passes no marker on; a tokenizer that makes them special (its text
+leaves them out) is split by token ids instead. Every block is reasoning (vLLM splits at the first only and
+leaves later markers in the content). Tool calls are not this parser's: the tool-call parser reads them from
+the content, as vLLM's serving layer does (a call written inside an unclosed block stays reasoning; vLLM's
+newest qwen3 parser ends the reasoning at a `<tool_call><function=` there, Qwen3.5's format). A reply under a
 grammar (guided decoding, tool_choice required) starts in content: the grammar governs it from its first token,
 so no block opens before it (vLLM can hold the grammar back until the reasoning ends; jaxserve does not yet).
 """
@@ -25,16 +30,21 @@ START, END = "<think>", "</think>"
 
 @dataclass
 class ThinkSplit:
-    """One reply's state: its tokens so far without the markers, and which side their text goes to."""
+    """One reply's state: which side its text goes to, the text that may be the start of a marker (text
+    mode), or its tokens so far without the markers (token mode)."""
 
     parser: ThinkReasoning
     in_reasoning: bool
+    pending: str = ""
     token_ids: list[int] = field(default_factory=list)
     state: DetokenizerState = field(default_factory=lambda: DetokenizerState(0, 0))
     tool_calls: list[ToolCall] = field(default_factory=list)  # always empty: calls are read from the content
 
-    def feed(self, token_ids: list[int]) -> tuple[str, str]:
-        """(reasoning, content) text these tokens add (an unfinished character waits for its next token)."""
+    def feed(self, token_ids: list[int], text: str | None = None) -> tuple[str, str]:
+        """(reasoning, content) text these tokens add; text: theirs as the engine made it (None: decoded here,
+        an unfinished character waiting for its next token)."""
+        if text is not None and self.parser.markers_in_text:
+            return self._feed_text(text)
         reasoning, content = [], []
         for token_id in token_ids:
             if token_id in (self.parser.start_id, self.parser.end_id):
@@ -45,14 +55,42 @@ class ThinkSplit:
         self._emit(detokenize_incrementally(self.parser.tokenizer, self.token_ids, self.state), reasoning, content)
         return "".join(reasoning), "".join(content)
 
+    def _feed_text(self, text: str) -> tuple[str, str]:
+        reasoning, content = [], []
+        self.pending += text
+        while (found := _first_marker(self.pending)) is not None:
+            at, marker = found
+            self._emit(self.pending[:at], reasoning, content)
+            self.in_reasoning = marker == START
+            self.pending = self.pending[at + len(marker) :]
+        held = _marker_start_at_end(self.pending)  # "</th" may be the start of a marker whose rest comes next
+        self._emit(self.pending[: len(self.pending) - held], reasoning, content)
+        self.pending = self.pending[len(self.pending) - held :]
+        return "".join(reasoning), "".join(content)
+
     def finish(self) -> tuple[str, str]:
         """(reasoning, content) text still held when the reply ends."""
         reasoning, content = [], []
+        self._emit(self.pending, reasoning, content)
+        self.pending = ""
         self._emit(flush_detokenizer(self.parser.tokenizer, self.token_ids, self.state), reasoning, content)
         return "".join(reasoning), "".join(content)
 
     def _emit(self, text: str, reasoning: list[str], content: list[str]) -> None:
         (reasoning if self.in_reasoning else content).append(text)
+
+
+def _first_marker(text: str) -> tuple[int, str] | None:
+    found = [(text.find(marker), marker) for marker in (START, END) if marker in text]
+    return min(found) if found else None
+
+
+def _marker_start_at_end(text: str) -> int:
+    """Characters at text's end that begin a marker (0: none)."""
+    for length in range(min(len(END) - 1, len(text)), 0, -1):
+        if START.startswith(text[-length:]) or END.startswith(text[-length:]):
+            return length
+    return 0
 
 
 @dataclass(frozen=True)
@@ -65,6 +103,7 @@ class ThinkReasoning:
     start_id: int
     end_id: int
     opens_by_default: bool
+    markers_in_text: bool  # the tokenizer's decode writes them (added tokens, not special): split the text
 
     @classmethod
     def for_tokenizer(cls, name: str, tokenizer, opens_by_default: bool) -> ThinkReasoning:
@@ -74,7 +113,8 @@ class ThinkReasoning:
             raise ValueError(
                 f"reasoning_parser {name} needs {START} and {END} as tokens; the tokenizer lacks {missing}"
             )
-        return cls(name, tokenizer, ids[START], ids[END], opens_by_default)
+        in_text = all(tokenizer.decode([ids[marker]], skip_special_tokens=True) == marker for marker in (START, END))
+        return cls(name, tokenizer, ids[START], ids[END], opens_by_default, in_text)
 
     def starts_in_reasoning(self, prompt_token_ids) -> bool:
         """Whether a reply to this prompt starts inside a think block: the prompt's last marker decides."""
@@ -88,16 +128,23 @@ class ThinkReasoning:
         guided: the reply is under a grammar from its first token, so it starts in content."""
         return ThinkSplit(self, not guided and self.starts_in_reasoning(prompt_token_ids))
 
-    def split(self, token_ids: list[int], prompt_token_ids=(), guided: bool = False) -> tuple[str | None, str]:
+    def split(
+        self, token_ids: list[int], prompt_token_ids=(), guided: bool = False, text: str | None = None
+    ) -> tuple[str | None, str]:
         """A whole reply's (reasoning or None when it has none, content)."""
-        reasoning, content, _ = self.parse(token_ids, False, prompt_token_ids, guided)
+        reasoning, content, _ = self.parse(token_ids, False, prompt_token_ids, guided, text)
         return reasoning, content
 
     def parse(
-        self, token_ids: list[int], parse_tool_calls: bool = False, prompt_token_ids=(), guided: bool = False
+        self,
+        token_ids: list[int],
+        parse_tool_calls: bool = False,
+        prompt_token_ids=(),
+        guided: bool = False,
+        text: str | None = None,
     ) -> tuple[str | None, str, list[ToolCall]]:
-        """A whole reply's (reasoning or None, content, tool calls: none)."""
+        """A whole reply's (reasoning or None, content, tool calls: none); text: the reply's as the engine made it."""
         state = self.start(parse_tool_calls, prompt_token_ids, guided)
-        reasoning, content = state.feed(token_ids)
+        reasoning, content = state.feed(token_ids, text)
         more_reasoning, more_content = state.finish()
         return (reasoning + more_reasoning) or None, content + more_content, []

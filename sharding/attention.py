@@ -128,6 +128,15 @@ def kv_pages_spec(mesh, num_cache_heads: int) -> PartitionSpec:
     return partition_spec(("pages", "page_offset", "kv_heads", "head_dim"), mesh, {"kv_heads": num_cache_heads})
 
 
+def devices_per_page(mesh, num_cache_heads: int) -> int:
+    """How many devices share each page of a rank's pool (its KV heads split over them): a device holds
+    1/this of a page's bytes, which is what a budget of one device's memory buys pages at."""
+    if mesh is None:
+        return 1
+    heads_axis = kv_pages_spec(mesh, num_cache_heads)[2]
+    return mesh.shape[heads_axis] if heads_axis is not None else 1
+
+
 def pool_spec(pool, spec: PartitionSpec):
     """The spec of one layer's pool: a quantized pool's scales [pages, page_size, kv heads] split as its
     values are (kv_quantization.py)."""

@@ -40,7 +40,7 @@ from jaxserve.models import KVPages, build_model
 from jaxserve.models.config import ModelConfig
 from pallas_kernels.matmul import choose_matmul
 from sharding import build_mesh, param_shardings
-from sharding.attention import attention_dispatch, kv_pages_shardings
+from sharding.attention import attention_dispatch, devices_per_page, kv_pages_shardings
 from sharding.expert_placement import expert_parallel_reader, initial_placement, read_load_profile
 from sharding.moe import expert_dispatch
 from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES
@@ -291,8 +291,10 @@ def _kv_cache(
         * (4 if config.cache.enable_prefix_caching else 1)
         + 1
     )
+    # The budget is one device's memory, and a device holds only its KV heads' share of each page.
+    device_page_bytes = -(-page_bytes // devices_per_page(mesh, attention.num_cache_kv_heads))
     num_pages = config.cache.num_pages or max(
-        2, min(kv_cache_bytes_available(config.cache.kv_cache_memory_gib) // page_bytes, useful_pages)
+        2, min(kv_cache_bytes_available(config.cache.kv_cache_memory_gib) // device_page_bytes, useful_pages)
     )
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded_model)))
     swapping_pays = swap_in_is_cheaper(page_bytes, config.cache.page_size, num_params, jax.default_backend())

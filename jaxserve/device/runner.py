@@ -391,12 +391,19 @@ def enable_compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def kv_cache_bytes_available(memory_gib: float | None) -> int:
-    """The KV cache budget: as configured, else 90% of what the device has left after the params."""
+def kv_cache_bytes_available(memory_gib: float | None, mesh=None) -> int:
+    """The KV cache budget of one device: as configured, else 90% of what the engine's devices (this
+    process's of the mesh; without one, this process's first) have left after the params, the least of them
+    (another engine in the process, parallel.device_ids, may use other devices)."""
     if memory_gib is not None:
         return int(memory_gib * 2**30)
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    devices = list(mesh.local_devices) if mesh is not None else jax.local_devices()[:1]
+    free = [
+        stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        for stats in (device.memory_stats() or {} for device in devices)
+        if "bytes_limit" in stats
+    ]
+    if free:
+        return int(0.9 * min(free))
     # CPU reports no limit: a modest default that the user raises with kv_cache_memory_gib.
     return 2**30

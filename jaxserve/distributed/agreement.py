@@ -9,6 +9,7 @@ import dataclasses
 import jax
 
 from jaxserve.config import EngineRole
+from jaxserve.device.runner import kv_cache_bytes_available
 from jaxserve.distributed.runtime import ProcessGroup, RefusedOnEveryProcess, spans_processes
 
 
@@ -45,17 +46,9 @@ def agree_on_engine(config, model_config, group: ProcessGroup | None):
     described = dataclasses.replace(config, show_progress=False)
     group.agree_across_processes("engine config and model", f"{described!r} {model_config!r} {jax.device_count()}")
     if config.cache.num_pages is None and config.cache.kv_cache_memory_gib is None:
-        budgets = group.exchange("kv_budget", str(_local_kv_budget()))
+        budgets = group.exchange("kv_budget", str(kv_cache_bytes_available(None)))  # (this process's device)
         config = config.with_options(kv_cache_memory_gib=min(int(b) for b in budgets) / 2**30)
     return config
-
-
-def _local_kv_budget() -> int:
-    """runner.kv_cache_bytes_available, from a device of this process (process 0's are not addressable here)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
-    return 2**30
 
 
 def expert_balancer_type(default: type, group: ProcessGroup | None) -> type:

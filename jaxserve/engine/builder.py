@@ -294,7 +294,7 @@ def _kv_cache(
     # The budget is one device's memory, and a device holds only its KV heads' share of each page.
     device_page_bytes = -(-page_bytes // devices_per_page(mesh, attention.num_cache_kv_heads))
     num_pages = config.cache.num_pages or max(
-        2, min(kv_cache_bytes_available(config.cache.kv_cache_memory_gib) // device_page_bytes, useful_pages)
+        2, min(kv_cache_bytes_available(config.cache.kv_cache_memory_gib, mesh) // device_page_bytes, useful_pages)
     )
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded_model)))
     swapping_pays = swap_in_is_cheaper(page_bytes, config.cache.page_size, num_params, jax.default_backend())

@@ -89,7 +89,7 @@ def build_draft(
     page_bytes = KVPages.bytes_per_page(
         model_config.num_layers, page_size, attention.num_cache_kv_heads, attention.cache_head_dim, dtype
     )
-    budget_pages = kv_cache_bytes_available(config.cache.kv_cache_memory_gib) // 4 // page_bytes
+    budget_pages = kv_cache_bytes_available(config.cache.kv_cache_memory_gib, mesh) // 4 // page_bytes
     num_pages = speculative.draft_num_pages or max(
         2, min(rows * num_pages_for(max_model_len, page_size) + 1, budget_pages)
     )

@@ -92,6 +92,9 @@ class RequestChecks:
                 f"a sequence of {total} tokens needs more KV pages than the cache has "
                 f"({max_pages}); raise num_pages or kv_cache_memory_gib"
             )
+        after = params.guided_decoding_after_token
+        if after is not None and after >= self.vocab_size:
+            raise ValueError(f"guided_decoding_after_token {after} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
             raise ValueError(
                 f"stop_token_ids {max(params.stop_token_ids)} is outside the vocabulary [0, {self.vocab_size})"

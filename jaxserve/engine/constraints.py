@@ -69,6 +69,8 @@ class RowConstraints:
     def attach(seq: SequenceState, controls: SamplingControls | None, compiled: CompiledGrammar | None) -> None:
         seq.controls = controls
         seq.grammar = compiled.new_matcher() if compiled is not None else None
+        if seq.grammar is not None and seq.params.guided_decoding_after_token is not None:
+            seq.grammar, seq.waiting_grammar = None, seq.grammar  # output_processor.append_token starts it
 
     def grammars(self) -> GrammarCompiler:
         with self._grammars_lock:
@@ -91,8 +93,10 @@ class RowConstraints:
     @staticmethod
     def waits_for_tokens(seq: SequenceState) -> bool:
         """Its next row depends on a token the host has not seen yet."""
-        needs_tokens = seq.grammar is not None or (
-            seq.controls is not None and bool(seq.controls.multi_token_bad_words)
+        needs_tokens = (
+            seq.grammar is not None
+            or seq.waiting_grammar is not None  # the next token may start it: its mask then applies at once
+            or (seq.controls is not None and bool(seq.controls.multi_token_bad_words))
         )
         return needs_tokens and seq.num_pending_tokens > 0
 

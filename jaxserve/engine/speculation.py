@@ -49,7 +49,12 @@ LOOK_AHEAD_HIT_TOKENS = 4  # a look-ahead proposal followed this far (or all of 
 
 def may_speculate(seq: SequenceState) -> bool:
     """Whether the sequence's next tokens can be verified exactly (see the module docstring)."""
-    if seq.grammar is not None or seq.flushing or seq.status is not RequestStatus.RUNNING:
+    if (
+        seq.grammar is not None
+        or seq.waiting_grammar is not None
+        or seq.flushing
+        or seq.status is not RequestStatus.RUNNING
+    ):
         return False
     return seq.controls is None or not seq.controls.multi_token_bad_words
 

@@ -87,7 +87,9 @@ def append_token(
         seq.stop_reason = None if is_eos else token_id  # vLLM's: EOS is no stop reason, a stop token is
     elif len(seq.output_token_ids) >= seq.params.max_new_tokens or seq.num_tokens >= max_model_len:
         reason = FinishReason.LENGTH
-    if seq.grammar is not None and reason is None:
+    if seq.waiting_grammar is not None and token_id == seq.params.guided_decoding_after_token:
+        seq.grammar, seq.waiting_grammar = seq.waiting_grammar, None  # from the next token (this one is not its)
+    elif seq.grammar is not None and reason is None:
         reason = _advance_grammar(seq, token_id)
     elif seq.grammar is not None and reason is FinishReason.STOP and seq.grammar.is_dead_end:
         # llguidance in its error state (a resource limit hit computing the mask) allows EOS alone: the text is

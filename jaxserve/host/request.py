@@ -107,6 +107,10 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | list[int] | None = None  # only these may be generated
     guided_decoding: GuidedDecodingParams | None = None
     structured_outputs: GuidedDecodingParams | None = None  # vLLM's newer name for guided_decoding (moved there)
+    # The token after which guided_decoding starts (a reasoning model's end of thinking, "</think>": its
+    # reasoning runs free and the grammar governs the answer, as vLLM's structured outputs with a reasoning
+    # parser); None: from the first token. The server sets it (server.reasoning_parser).
+    guided_decoding_after_token: int | None = None
     lora: str | None = None  # the name of a loaded LoRA adapter to generate with (None: the base model)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends the text stays in it
     skip_special_tokens: bool = True  # vLLM's: special tokens (EOS, chat markup) are left out of the text
@@ -192,6 +196,11 @@ class SamplingParams:
             raise ValueError(
                 f"guided_decoding must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}"
             )
+        after = self.guided_decoding_after_token
+        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
+            raise ValueError(f"guided_decoding_after_token must be a token id, got {after!r}")
+        if after is not None and self.guided_decoding is None:
+            raise ValueError("guided_decoding_after_token needs guided_decoding")
 
     @property
     def has_penalties(self) -> bool:
@@ -290,6 +299,8 @@ class SequenceState:
     # samples this sequence's next token (the grammar's mask, bad words' last tokens).
     controls: Any = None
     grammar: Any = None
+    # a grammar that starts after params.guided_decoding_after_token: its matcher, until that token is sampled
+    waiting_grammar: Any = None
     next_token_mask: Any = None
     next_token_bans: tuple[int, ...] = ()
     # LoRA (jaxserve/lora): the adapter's device slot (0: the base model), and the root its prefix-cache

@@ -30,7 +30,12 @@ from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.policy import Prediction, RouteRequest, replica_keys
 from jaxserve.router.service import BUSY, REPLICA_FAILURES, RouterService, route_request
 from jaxserve.server.grpc_chat import with_tool_calls
-from jaxserve.server.reasoning_parsers import ReasoningParser, engine_reasoning_parser
+from jaxserve.server.reasoning_parsers import (
+    ReasoningParser,
+    engine_reasoning_parser,
+    guided_from_the_start,
+    with_grammar_after_reasoning,
+)
 from jaxserve.server.sampling_proto import guided_decoding_to_proto
 from jaxserve.server.service import DEFAULT_MAX_TOKENS
 
@@ -102,17 +107,20 @@ class DisaggregatedRouterService(RouterService):
         """The decode replica gets token ids (a Generate): tool_choice's grammar travels in the sampling, and
         the calls are parsed here onto each completion's last message."""
         try:
-            token_ids, _, plan = self.checked_chat(request)
+            token_ids, params, plan = self.checked_chat(request)
         except ValueError as error:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        params = with_grammar_after_reasoning(params, self.reasoning, token_ids)
         forwarded = pb.ChatRequest()
         forwarded.CopyFrom(request)
         guide = guided_decoding_to_proto(plan.guided_decoding)
         if guide is not None:
             forwarded.sampling.guided_decoding.CopyFrom(guide)
+        if params.guided_decoding_after_token is not None:  # the grammar waits for the reasoning to end
+            forwarded.sampling.guided_decoding_after_token = params.guided_decoding_after_token
         responses = self._serve("Chat", forwarded, route_request(token_ids, forwarded), context)
         try:
-            guided = plan.guided_decoding is not None or forwarded.sampling.HasField("guided_decoding")
+            guided = guided_from_the_start(params)
             yield from with_tool_calls(responses, plan, self.reasoning, token_ids, guided)
         finally:
             responses.close()

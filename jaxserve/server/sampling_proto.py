@@ -88,6 +88,9 @@ def sampling_params_from_proto(
         lora=sampling.lora or None,
         include_stop_str_in_output=sampling.include_stop_str_in_output,
         skip_special_tokens=not sampling.keep_special_tokens,
+        guided_decoding_after_token=(
+            sampling.guided_decoding_after_token if sampling.HasField("guided_decoding_after_token") else None
+        ),
     )
 
 
@@ -131,6 +134,8 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         sampling.seed = params.seed
     if params.prompt_logprobs is not None:
         sampling.prompt_logprobs = params.prompt_logprobs
+    if params.guided_decoding_after_token is not None:
+        sampling.guided_decoding_after_token = params.guided_decoding_after_token
     return sampling
 
 

@@ -17,7 +17,11 @@ from jaxserve.server.engine_loop import Draining, EngineLoop, Overloaded
 from jaxserve.server.grpc_chat import checked_chat, with_tool_calls
 from jaxserve.server.kv_events_service import router_info
 from jaxserve.server.limits import RequestLimits
-from jaxserve.server.reasoning_parsers import engine_reasoning_parser
+from jaxserve.server.reasoning_parsers import (
+    engine_reasoning_parser,
+    guided_from_the_start,
+    with_grammar_after_reasoning,
+)
 from jaxserve.server.request_stream import Delta
 from jaxserve.server.rpc import abort
 from jaxserve.server.sampling_proto import (  # re-exported: the router reads them from here
@@ -119,10 +123,14 @@ class GenerationService:
     def Chat(self, request: pb.ChatRequest, context):
         loop, limits = self._ready(context)
 
-        def checked() -> tuple[list[int], SamplingParams, ToolPlan]:
-            return checked_chat(request, loop.engine.tokenizer, limits, self.chat_template, self.tool_call_parser)
-
         harmony = engine_reasoning_parser(self.reasoning_parser, loop.engine)
+
+        def checked() -> tuple[list[int], SamplingParams, ToolPlan]:
+            prompt, params, plan = checked_chat(
+                request, loop.engine.tokenizer, limits, self.chat_template, self.tool_call_parser
+            )
+            return prompt, with_grammar_after_reasoning(params, harmony, prompt), plan
+
         yield from self._stream(loop, context, request.request_id, request.session_id, checked, harmony)
 
     def _stream(self, loop: EngineLoop, context, request_id: str, session_id: str, checked, harmony=None):
@@ -150,7 +158,7 @@ class GenerationService:
                     abort(context, grpc.StatusCode.UNAVAILABLE, stream.cut_off)
                 yield response_from_delta(delta, stream.request_id)
 
-        guided = params.guided_decoding is not None  # (a think block cannot open under a grammar)
+        guided = guided_from_the_start(params)  # (then a think block cannot open before it)
         yield from with_tool_calls(responses(), plan, harmony, prompt if harmony is not None else (), guided)
 
     def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:

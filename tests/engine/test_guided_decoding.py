@@ -241,3 +241,32 @@ def test_invalid_grammar_is_refused_before_anything_is_queued(llm, kind, message
     assert not llm.engine.requests
     assert_idle(llm)
     assert llm.generate([PROMPT], valid)[0].outputs[0].text in CHOICES
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_grammar_after_a_token_lets_the_text_before_it_run_free(overlap):
+    """guided_decoding_after_token (a reasoning model's </think>: the server sets it): the tokens up to and
+    including the first one of that id are the unconstrained model's; from the next on, the grammar's, whole.
+    Overlapped steps must not sample the token after it before its mask is known."""
+    engine = tiny_random_llm(overlap)
+    free = engine.generate([PROMPT], greedy(12))[0].outputs[0].token_ids
+    at = next(i for i in range(2, len(free)) if free[i] not in free[:i])  # its first occurrence, not the first token
+    params = SamplingParams(
+        max_tokens=40,
+        temperature=0.0,
+        guided_decoding=GuidedDecodingParams(regex=REGEXES[0]),
+        guided_decoding_after_token=free[at],
+    )
+    output = engine.generate([PROMPT], params)[0].outputs[0]
+    assert output.token_ids[: at + 1] == free[: at + 1]
+    answer = engine.get_tokenizer().decode(output.token_ids[at + 1 :], skip_special_tokens=True)
+    assert re.fullmatch(REGEXES[0], answer) and output.finish_reason == "stop", answer
+    # from the first token, the grammar changes the first token already
+    assert engine.generate([PROMPT], guided(40, regex=REGEXES[0]))[0].outputs[0].token_ids[: at + 1] != free[: at + 1]
+    with pytest.raises(ValueError, match="needs guided_decoding"):
+        SamplingParams(guided_decoding_after_token=3)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate(
+            [PROMPT], SamplingParams(guided_decoding=GuidedDecodingParams(regex="a"), guided_decoding_after_token=10**6)
+        )
+    assert_idle(engine)

@@ -166,3 +166,23 @@ def test_the_split_reads_the_engines_text_stop_strings_cut_and_markers_in_pieces
     call.group.pieces_text = [cut]  # what ScriptedGroup sends as the deltas' text (the engine's)
     message = whole(call)
     assert message.model_extra["reasoning_content"] == THINKING and message.content == ANSWER.split("Ça")[0]
+
+
+def test_a_chats_grammar_waits_for_the_reasoning_to_end(tokenizer):
+    """As vLLM's structured outputs with a reasoning parser: the grammar starts after </think> unless the prompt
+    closed the block; the reply then splits as any other (its reasoning is not under the grammar), and the field
+    travels over gRPC (the router's Generate, a disaggregated decode replica)."""
+    from jaxserve.host.request import GuidedDecodingParams, SamplingParams
+    from jaxserve.server.reasoning_parsers import guided_from_the_start, with_grammar_after_reasoning
+    from jaxserve.server.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
+
+    parser = reasoning_parser("qwen3", "qwen3", tokenizer)
+    end_id = tokenizer.token_to_id("</think>")
+    guided = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    for tail, after in (("", end_id), ("<think>", end_id), ("<think>\n\n</think>\n\n", None)):
+        params = with_grammar_after_reasoning(guided, parser, prompt(tokenizer, tail))
+        assert params.guided_decoding_after_token == after and guided_from_the_start(params) == (after is None)
+        assert sampling_params_from_proto(sampling_params_to_proto(params)).guided_decoding_after_token == after
+    free = SamplingParams(max_tokens=8)
+    assert with_grammar_after_reasoning(free, parser, prompt(tokenizer, "<think>")) is free
+    assert with_grammar_after_reasoning(guided, None, prompt(tokenizer, "<think>")) is guided

@@ -35,7 +35,7 @@ from jaxserve.server.openai.responses import (
     vllm_prompt_logprobs,
 )
 from jaxserve.server.openai.streams import StreamGroup, until_disconnected
-from jaxserve.server.reasoning_parsers import ReasoningParser
+from jaxserve.server.reasoning_parsers import ReasoningParser, guided_from_the_start, with_grammar_after_reasoning
 from jaxserve.server.tool_choice import ToolPlan, plan_tools, template_messages
 from jaxserve.server.tool_parsers import ParsedReply
 from jaxserve.server.tool_parsers.stream import ToolCallHoldback
@@ -74,7 +74,7 @@ def checked_chat(
     params = body.sampling_params(
         limits, max_tokens, logprobs, plan.guided_decoding, tools_text, prompt_logprobs=body.prompt_logprobs
     )
-    return [token_ids], params, plan
+    return [token_ids], with_grammar_after_reasoning(params, context.reasoning(), token_ids), plan
 
 
 @router.post("/v1/chat/completions")
@@ -88,7 +88,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     def checked() -> tuple[list[list[int]], SamplingParams, ToolPlan]:
         checked_prompts, params, plan = with_adapter(checked_chat(context, body, request_id), adapter)
         prompts.extend(checked_prompts)
-        guided.append(params.guided_decoding is not None)
+        guided.append(guided_from_the_start(params))
         return checked_prompts, params, plan
 
     group, plan = await context.admit(request_size(request), checked, request_id, body.session_id)

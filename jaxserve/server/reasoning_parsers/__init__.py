@@ -11,6 +11,9 @@ open there). server.reasoning_parser picks one, with vLLM's names: gpt_oss (harm
 
 from __future__ import annotations
 
+import dataclasses
+
+from jaxserve.host.request import SamplingParams
 from jaxserve.server.reasoning_parsers.harmony import HarmonyReasoning, ReasoningSplit
 from jaxserve.server.reasoning_parsers.think import ThinkReasoning, ThinkSplit
 
@@ -35,6 +38,24 @@ def reasoning_parser(name: str, model_type: str, tokenizer) -> ReasoningParser |
     return HarmonyReasoning.for_tokenizer(tokenizer)
 
 
+def with_grammar_after_reasoning(
+    params: SamplingParams, parser: ReasoningParser | None, prompt_token_ids
+) -> SamplingParams:
+    """A chat's params with its grammar (response_format, guided_*, tool_choice required) held back until the
+    reply's reasoning ends, where the parser says where that is (a think block the prompt leaves open); the
+    reasoning runs free and the grammar governs the answer, as vLLM's structured outputs with a reasoning
+    parser. GPT-OSS's harmony keeps its grammar from the first token."""
+    if params.guided_decoding is None or not isinstance(parser, ThinkReasoning):
+        return params
+    after = parser.grammar_start_token(prompt_token_ids)
+    return params if after is None else dataclasses.replace(params, guided_decoding_after_token=after)
+
+
+def guided_from_the_start(params: SamplingParams) -> bool:
+    """Whether a grammar governs the reply from its first token (then no think block opens before it)."""
+    return params.guided_decoding is not None and params.guided_decoding_after_token is None
+
+
 def engine_reasoning_parser(name: str, engine) -> ReasoningParser | None:
     """reasoning_parser for a serving engine; "auto" gives None where the tokenizer cannot write the model's format
     (a router's loop stands in for an engine: its tokenizer and model config, which may be None)."""
@@ -55,5 +76,7 @@ __all__ = [
     "ThinkReasoning",
     "ThinkSplit",
     "engine_reasoning_parser",
+    "guided_from_the_start",
     "reasoning_parser",
+    "with_grammar_after_reasoning",
 ]

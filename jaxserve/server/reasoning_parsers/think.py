@@ -15,7 +15,8 @@ leaves later markers in the content). Tool calls are not this parser's: the tool
 the content, as vLLM's serving layer does (a call written inside an unclosed block stays reasoning; vLLM's
 newest qwen3 parser ends the reasoning at a `<tool_call><function=` there, Qwen3.5's format). A reply under a
 grammar (guided decoding, tool_choice required) starts in content: the grammar governs it from its first token,
-so no block opens before it (vLLM can hold the grammar back until the reasoning ends; jaxserve does not yet).
+so no block opens before it; unless the grammar waits for the reasoning to end (`grammar_start_token`: the
+server holds a chat's grammar back until </think>, as vLLM's structured outputs do with a reasoning parser).
 """
 
 from __future__ import annotations
@@ -122,6 +123,14 @@ class ThinkReasoning:
             if token_id in (self.start_id, self.end_id):
                 return token_id == self.start_id
         return self.opens_by_default
+
+    def grammar_start_token(self, prompt_token_ids) -> int | None:
+        """The token after which a chat's grammar applies: </think>, unless the prompt closed the block already
+        (Qwen3's enable_thinking false), as vLLM's is_reasoning_end reads the prompt; None: from the first."""
+        for token_id in reversed(prompt_token_ids):
+            if token_id in (self.start_id, self.end_id):
+                return None if token_id == self.end_id else self.end_id
+        return self.end_id
 
     def start(self, parse_tool_calls: bool = False, prompt_token_ids=(), guided: bool = False) -> ThinkSplit:
         """One reply's state (parse_tool_calls: taken as the other parsers take it; calls come from the content);

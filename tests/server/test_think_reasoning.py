@@ -186,3 +186,16 @@ def test_a_chats_grammar_waits_for_the_reasoning_to_end(tokenizer):
     free = SamplingParams(max_tokens=8)
     assert with_grammar_after_reasoning(free, parser, prompt(tokenizer, "<think>")) is free
     assert with_grammar_after_reasoning(guided, None, prompt(tokenizer, "<think>")) is guided
+
+
+def test_a_grammar_start_the_request_holds_is_kept(tokenizer):
+    """A gRPC Chat's own guided_decoding_after_token is not replaced by the parser's </think> (the engine then refuses
+    one outside the vocabulary, as Generate does, instead of the server serving the request as if it were unset)."""
+    from jaxserve.host.request import GuidedDecodingParams, SamplingParams
+    from jaxserve.server.reasoning_parsers import with_grammar_after_reasoning
+
+    parser = reasoning_parser("qwen3", "qwen3", tokenizer)
+    choice = GuidedDecodingParams(choice=["yes", "no"])
+    for after in (10**6, 7):
+        params = SamplingParams(max_tokens=8, guided_decoding=choice, guided_decoding_after_token=after)
+        assert with_grammar_after_reasoning(params, parser, prompt(tokenizer, "<think>")) is params

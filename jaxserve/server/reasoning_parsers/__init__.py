@@ -44,8 +44,12 @@ def with_grammar_after_reasoning(
     """A chat's params with its grammar (response_format, guided_*, tool_choice required) held back until the
     reply's reasoning ends, where the parser says where that is (a think block the prompt leaves open); the
     reasoning runs free and the grammar governs the answer, as vLLM's structured outputs with a reasoning
-    parser. GPT-OSS's harmony keeps its grammar from the first token."""
-    if params.guided_decoding is None or not isinstance(parser, ThinkReasoning):
+    parser. GPT-OSS's harmony keeps its grammar from the first token. A value the request already holds (a gRPC
+    client's, or a router's forwarding it) is kept, so that the engine checks it (a token outside the vocabulary
+    is refused, not replaced)."""
+    if params.guided_decoding is None or params.guided_decoding_after_token is not None:
+        return params
+    if not isinstance(parser, ThinkReasoning):
         return params
     after = parser.grammar_start_token(prompt_token_ids)
     return params if after is None else dataclasses.replace(params, guided_decoding_after_token=after)

@@ -33,7 +33,7 @@ from jaxserve.server.grpc_chat import with_tool_calls
 from jaxserve.server.reasoning_parsers import (
     ReasoningParser,
     engine_reasoning_parser,
-    guided_from_the_start,
+    reply_reasoning_start,
     with_grammar_after_reasoning,
 )
 from jaxserve.server.sampling_proto import guided_decoding_to_proto
@@ -120,8 +120,7 @@ class DisaggregatedRouterService(RouterService):
             forwarded.sampling.guided_decoding_after_token = params.guided_decoding_after_token
         responses = self._serve("Chat", forwarded, route_request(token_ids, forwarded), context)
         try:
-            guided = guided_from_the_start(params)
-            yield from with_tool_calls(responses, plan, self.reasoning, token_ids, guided)
+            yield from with_tool_calls(responses, plan, self.reasoning, token_ids, reply_reasoning_start(params))
         finally:
             responses.close()
 

@@ -87,7 +87,7 @@ def with_tool_calls(
     plan: ToolPlan,
     harmony: ReasoningParser | None = None,
     prompt_token_ids: list[int] | tuple[int, ...] = (),
-    guided: bool = False,
+    reasoning_start: bool | None = None,
 ) -> Iterator[pb.GenerateResponse]:
     """The responses, with harmony each one's text split into reasoning_content and text (the final and commentary
     channels) from its token ids, and each completion's last one carrying the calls parsed from its whole content
@@ -98,7 +98,9 @@ def with_tool_calls(
         found: list[ToolCall] = []  # harmony's calls, known when the completion ends
         if harmony is not None:
             # a call's body is held back by the split (never text) only when the request has tools to parse
-            split = splits.setdefault(response.index, harmony.start(plan.parser is not None, prompt_token_ids, guided))
+            split = splits.setdefault(
+                response.index, harmony.start(plan.parser is not None, prompt_token_ids, reasoning_start)
+            )
             reasoning, text = split.feed(list(response.token_ids), response.text)
             if response.finish_reason:
                 more_reasoning, more_text = split.finish()

@@ -19,7 +19,7 @@ from jaxserve.server.kv_events_service import router_info
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.reasoning_parsers import (
     engine_reasoning_parser,
-    guided_from_the_start,
+    reply_reasoning_start,
     with_grammar_after_reasoning,
 )
 from jaxserve.server.request_stream import Delta
@@ -158,8 +158,8 @@ class GenerationService:
                     abort(context, grpc.StatusCode.UNAVAILABLE, stream.cut_off)
                 yield response_from_delta(delta, stream.request_id)
 
-        guided = guided_from_the_start(params)  # (then a think block cannot open before it)
-        yield from with_tool_calls(responses(), plan, harmony, prompt if harmony is not None else (), guided)
+        reasoning_start = reply_reasoning_start(params)
+        yield from with_tool_calls(responses(), plan, harmony, prompt if harmony is not None else (), reasoning_start)
 
     def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
         loop, _ = self._ready(context)

@@ -143,9 +143,9 @@ def test_a_reply_under_a_grammar_is_content_even_where_the_prompt_opened_a_block
     prompt_ids = prompt(tokenizer, "<think>")
     parser = reasoning_parser("deepseek_r1", "deepseek_v3", tokenizer)
     assert parser is not None and parser.split(reply, prompt_ids) == ('{"answer": 4}', "")
-    assert parser.split(reply, prompt_ids, guided=True) == (None, '{"answer": 4}')
+    assert parser.split(reply, prompt_ids, reasoning_start=False) == (None, '{"answer": 4}')
     call = chat_call(tokenizer, [reply], prompt_ids, "deepseek_r1")
-    call.guided = True
+    call.reasoning_start = False
     assert whole(call).content == '{"answer": 4}'
 
 
@@ -173,7 +173,7 @@ def test_a_chats_grammar_waits_for_the_reasoning_to_end(tokenizer):
     closed the block; the reply then splits as any other (its reasoning is not under the grammar), and the field
     travels over gRPC (the router's Generate, a disaggregated decode replica)."""
     from jaxserve.host.request import GuidedDecodingParams, SamplingParams
-    from jaxserve.server.reasoning_parsers import guided_from_the_start, with_grammar_after_reasoning
+    from jaxserve.server.reasoning_parsers import reply_reasoning_start, with_grammar_after_reasoning
     from jaxserve.server.sampling_proto import sampling_params_from_proto, sampling_params_to_proto
 
     parser = reasoning_parser("qwen3", "qwen3", tokenizer)
@@ -181,7 +181,7 @@ def test_a_chats_grammar_waits_for_the_reasoning_to_end(tokenizer):
     guided = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
     for tail, after in (("", end_id), ("<think>", end_id), ("<think>\n\n</think>\n\n", None)):
         params = with_grammar_after_reasoning(guided, parser, prompt(tokenizer, tail))
-        assert params.guided_decoding_after_token == after and guided_from_the_start(params) == (after is None)
+        assert params.guided_decoding_after_token == after and reply_reasoning_start(params) == (after is not None)
         assert sampling_params_from_proto(sampling_params_to_proto(params)).guided_decoding_after_token == after
     free = SamplingParams(max_tokens=8)
     assert with_grammar_after_reasoning(free, parser, prompt(tokenizer, "<think>")) is free
@@ -199,3 +199,12 @@ def test_a_grammar_start_the_request_holds_is_kept(tokenizer):
     for after in (10**6, 7):
         params = SamplingParams(max_tokens=8, guided_decoding=choice, guided_decoding_after_token=after)
         assert with_grammar_after_reasoning(params, parser, prompt(tokenizer, "<think>")) is params
+
+
+def test_a_reply_whose_grammar_waits_starts_in_reasoning(tokenizer):
+    """Qwen3 with no marker in the prompt: its grammar waits for </think> (as vLLM's), so the free text before a
+    lone </think> is reasoning, not content that the grammar never saw."""
+    reply = tokenizer.encode("free text</think>no")
+    parser = reasoning_parser("qwen3", "qwen3", tokenizer)
+    assert parser is not None and parser.split(reply, prompt(tokenizer)) == (None, "free textno")
+    assert parser.split(reply, prompt(tokenizer), reasoning_start=True) == ("free text", "no")

@@ -35,7 +35,7 @@ from jaxserve.server.openai.responses import (
     vllm_prompt_logprobs,
 )
 from jaxserve.server.openai.streams import StreamGroup, until_disconnected
-from jaxserve.server.reasoning_parsers import ReasoningParser, guided_from_the_start, with_grammar_after_reasoning
+from jaxserve.server.reasoning_parsers import ReasoningParser, reply_reasoning_start, with_grammar_after_reasoning
 from jaxserve.server.tool_choice import ToolPlan, plan_tools, template_messages
 from jaxserve.server.tool_parsers import ParsedReply
 from jaxserve.server.tool_parsers.stream import ToolCallHoldback
@@ -83,17 +83,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     context.ready_loop()
     adapter = context.check_model(body.model)
     request_id = body.request_id or request.headers.get("x-request-id", "")
-    prompts, guided = [], []  # the rendered prompt and whether a grammar governs the reply: for the reasoning parser
+    prompts, starts = (
+        [],
+        [],
+    )  # the rendered prompt and where its grammar puts the reply's start: for the reasoning parser
 
     def checked() -> tuple[list[list[int]], SamplingParams, ToolPlan]:
         checked_prompts, params, plan = with_adapter(checked_chat(context, body, request_id), adapter)
         prompts.extend(checked_prompts)
-        guided.append(guided_from_the_start(params))
+        starts.append(reply_reasoning_start(params))
         return checked_prompts, params, plan
 
     group, plan = await context.admit(request_size(request), checked, request_id, body.session_id)
     token_text = await TokenText.for_engine(group.engine_loop.engine) if body.logprobs else None
-    call = ChatCall(context, body, group, plan, context.reasoning(), token_text, prompts[0], guided[0])
+    call = ChatCall(context, body, group, plan, context.reasoning(), token_text, prompts[0], starts[0])
     if body.stream:
         return EventStreamResponse(call.events(), group)
     result = await until_disconnected(request.receive, call.collect())
@@ -110,18 +113,18 @@ class ChatCall:
         reasoning: ReasoningParser | None = None,
         token_text: TokenText | None = None,
         prompt_token_ids: list[int] | tuple[int, ...] = (),
-        guided: bool = False,
+        reasoning_start: bool | None = None,
     ):
         """reasoning: the parser that keeps a reply's reasoning out of its content (server.reasoning_parser),
         returned as reasoning_content; None: a reply is all content. token_text: the tokens' text and bytes for
         logprobs (TokenText.for_engine; None: text only). prompt_token_ids: the rendered prompt (a think block may
-        open there); guided: the reply is under a grammar from its first token (no think block opens before it)."""
+        open there); reasoning_start: where its grammar puts the reply's start (reply_reasoning_start)."""
         self.body = body
         self.group = group
         self.plan = plan
         self.reasoning = reasoning
         self.prompt_token_ids = prompt_token_ids
-        self.guided = guided
+        self.reasoning_start = reasoning_start
         self.token_text = token_text or TokenText(group.engine_loop.engine.tokenizer)
         self.header = {
             "id": response_id("chatcmpl"),
@@ -172,7 +175,8 @@ class ChatCall:
             found = []  # harmony's tool calls, known when the reply ends
             if self.reasoning is not None:  # the reply's tokens say which text is reasoning
                 split = splits.setdefault(
-                    delta.index, self.reasoning.start(self.plan.parser is not None, self.prompt_token_ids, self.guided)
+                    delta.index,
+                    self.reasoning.start(self.plan.parser is not None, self.prompt_token_ids, self.reasoning_start),
                 )
                 reasoning, text = split.feed(delta.token_ids, delta.text)
                 if delta.finish_reason is not None:
@@ -218,7 +222,11 @@ class ChatCall:
             content, found, reasoning = gathered.text, [], None
             if self.reasoning is not None:
                 reasoning, content, found = self.reasoning.parse(
-                    gathered.token_ids, self.plan.parser is not None, self.prompt_token_ids, self.guided, gathered.text
+                    gathered.token_ids,
+                    self.plan.parser is not None,
+                    self.prompt_token_ids,
+                    self.reasoning_start,
+                    gathered.text,
                 )
             if self.plan.parser is not None:
                 reply = self.plan.parser.parse(content)

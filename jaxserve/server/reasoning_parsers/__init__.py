@@ -55,9 +55,13 @@ def with_grammar_after_reasoning(
     return params if after is None else dataclasses.replace(params, guided_decoding_after_token=after)
 
 
-def guided_from_the_start(params: SamplingParams) -> bool:
-    """Whether a grammar governs the reply from its first token (then no think block opens before it)."""
-    return params.guided_decoding is not None and params.guided_decoding_after_token is None
+def reply_reasoning_start(params: SamplingParams) -> bool | None:
+    """Where a reply's grammar puts its start: True, in reasoning (the grammar waits for the reasoning's end);
+    False, in content (the grammar governs it from its first token: no think block opens before it); None, no
+    grammar (the prompt decides)."""
+    if params.guided_decoding is None:
+        return None
+    return params.guided_decoding_after_token is not None
 
 
 def engine_reasoning_parser(name: str, engine) -> ReasoningParser | None:
@@ -80,7 +84,7 @@ __all__ = [
     "ThinkReasoning",
     "ThinkSplit",
     "engine_reasoning_parser",
-    "guided_from_the_start",
+    "reply_reasoning_start",
     "reasoning_parser",
     "with_grammar_after_reasoning",
 ]

@@ -122,13 +122,15 @@ class HarmonyReasoning:
             )
         return cls(tokenizer, ids)
 
-    def start(self, parse_tool_calls: bool = False, prompt_token_ids=(), guided: bool = False) -> ReasoningSplit:
+    def start(
+        self, parse_tool_calls: bool = False, prompt_token_ids=(), reasoning_start: bool | None = None
+    ) -> ReasoningSplit:
         """One reply's state; parse_tool_calls: messages to functions become its tool_calls (a reply's first
         header is its own: the prompt does not matter here)."""
         return ReasoningSplit(self, parse_tool_calls=parse_tool_calls)
 
     def split(
-        self, token_ids: list[int], prompt_token_ids=(), guided: bool = False, text: str | None = None
+        self, token_ids: list[int], prompt_token_ids=(), reasoning_start: bool | None = None, text: str | None = None
     ) -> tuple[str | None, str]:
         """A whole reply's (reasoning or None when it has none, content)."""
         reasoning, content, _ = self.parse(token_ids)
@@ -139,7 +141,7 @@ class HarmonyReasoning:
         token_ids: list[int],
         parse_tool_calls: bool = False,
         prompt_token_ids=(),
-        guided: bool = False,
+        reasoning_start: bool | None = None,
         text: str | None = None,
     ) -> tuple[str | None, str, list[ToolCall]]:
         """A whole reply's (reasoning or None, content, tool calls)."""

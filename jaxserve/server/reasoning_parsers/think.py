@@ -132,16 +132,22 @@ class ThinkReasoning:
                 return None if token_id == self.end_id else self.end_id
         return self.end_id
 
-    def start(self, parse_tool_calls: bool = False, prompt_token_ids=(), guided: bool = False) -> ThinkSplit:
-        """One reply's state (parse_tool_calls: taken as the other parsers take it; calls come from the content);
-        guided: the reply is under a grammar from its first token, so it starts in content."""
-        return ThinkSplit(self, not guided and self.starts_in_reasoning(prompt_token_ids))
+    def start(
+        self, parse_tool_calls: bool = False, prompt_token_ids=(), reasoning_start: bool | None = None
+    ) -> ThinkSplit:
+        """One reply's state (parse_tool_calls: taken as the other parsers take it; calls come from the content).
+        reasoning_start (reply_reasoning_start of its params): True, the reply starts in reasoning (its grammar
+        waits for </think>: what comes before is reasoning, as vLLM reads it); False, in content (a grammar
+        governs it from its first token); None: as the prompt leaves it."""
+        if reasoning_start is None:
+            reasoning_start = self.starts_in_reasoning(prompt_token_ids)
+        return ThinkSplit(self, reasoning_start)
 
     def split(
-        self, token_ids: list[int], prompt_token_ids=(), guided: bool = False, text: str | None = None
+        self, token_ids: list[int], prompt_token_ids=(), reasoning_start: bool | None = None, text: str | None = None
     ) -> tuple[str | None, str]:
         """A whole reply's (reasoning or None when it has none, content)."""
-        reasoning, content, _ = self.parse(token_ids, False, prompt_token_ids, guided, text)
+        reasoning, content, _ = self.parse(token_ids, False, prompt_token_ids, reasoning_start, text)
         return reasoning, content
 
     def parse(
@@ -149,11 +155,11 @@ class ThinkReasoning:
         token_ids: list[int],
         parse_tool_calls: bool = False,
         prompt_token_ids=(),
-        guided: bool = False,
+        reasoning_start: bool | None = None,
         text: str | None = None,
     ) -> tuple[str | None, str, list[ToolCall]]:
         """A whole reply's (reasoning or None, content, tool calls: none); text: the reply's as the engine made it."""
-        state = self.start(parse_tool_calls, prompt_token_ids, guided)
+        state = self.start(parse_tool_calls, prompt_token_ids, reasoning_start)
         reasoning, content = state.feed(token_ids, text)
         more_reasoning, more_content = state.finish()
         return (reasoning + more_reasoning) or None, content + more_content, []

@@ -59,11 +59,16 @@ class SentencePieceTokenizer(Tokenizer):
         )
         self._special_pattern = re.compile("|".join(map(re.escape, matched))) if matched else None
         pieces = self.processor.GetPieceSize()
+        # what skip_special_tokens leaves out: control and unknown pieces, the named special tokens and added
+        # tokens marked special; an added token marked not special (a reasoning model's <think>) stays in the
+        # text, as transformers decodes it
+        special = set(settings.special_tokens.values()) | set(settings.extra_special_tokens)
+        special |= {token.content for token in settings.added_tokens if token.special}
         self.special_ids = frozenset(
             i
             for i in range(pieces)
-            if self.processor.IsControl(i) or self.processor.IsUnknown(i) or self.processor.IdToPiece(i) in named
-        ) | {i for i, token in self._added.items() if token.special or token.content in named}
+            if self.processor.IsControl(i) or self.processor.IsUnknown(i) or self.processor.IdToPiece(i) in special
+        ) | {i for i, token in self._added.items() if token.special or token.content in special}
         chain = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         if proto.normalizer_spec.add_dummy_prefix:
             chain.append(decoders.Strip(" ", 1, 0))  # the space sentencepiece put before the first word

@@ -243,3 +243,19 @@ def test_llama_tokenizer_class_places_the_word_prefix_as_transformers_does(tmp_p
     config = {} if legacy is None else {"legacy": legacy}
     tokenizer = Tokenizer.from_model_dir(write_llama_tokenizer_dir(tmp_path, config))
     assert [tokenizer.encode(text) for text in ("a<s>b", "<s>hello", " ")] == expected
+
+
+def test_added_tokens_marked_not_special_stay_in_the_decoded_text(tmp_path):
+    """A reasoning fine-tune's <think> / </think> (added, special: false): transformers 5.25 decodes them with
+    skip_special_tokens too ('a<think>b</think>c'); they were dropped as special, so the think reasoning parsers
+    could not find them in the engine's text."""
+    flags = {"lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+    added = {
+        "384": {"content": "<think>", "special": False, **flags},
+        "385": {"content": "</think>", "special": False, **flags},
+    }
+    tokenizer = Tokenizer.from_model_dir(write_llama_tokenizer_dir(tmp_path, {"added_tokens_decoder": added}))
+    ids = tokenizer.encode("a<think>b</think>c", add_special_tokens=False)
+    assert ids == [262, 384, 304, 385, 301]  # transformers 5.25's
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "a<think>b</think>c"
+    assert tokenizer.decode([1, *ids], skip_special_tokens=True) == "a<think>b</think>c"  # BOS still skipped

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from jaxserve.server.reasoning_parsers.whole_reply import WholeReplies
 from jaxserve.server.tool_parsers.base import ToolCall
 
 SPECIAL = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>")
@@ -106,7 +107,7 @@ class ReasoningSplit:
 
 
 @dataclass(frozen=True)
-class HarmonyReasoning:
+class HarmonyReasoning(WholeReplies):
     """The harmony format as one tokenizer writes it: its special tokens' ids."""
 
     tokenizer: object
@@ -128,27 +129,6 @@ class HarmonyReasoning:
         """One reply's state; parse_tool_calls: messages to functions become its tool_calls (a reply's first
         header is its own: the prompt does not matter here)."""
         return ReasoningSplit(self, parse_tool_calls=parse_tool_calls)
-
-    def split(
-        self, token_ids: list[int], prompt_token_ids=(), reasoning_start: bool | None = None, text: str | None = None
-    ) -> tuple[str | None, str]:
-        """A whole reply's (reasoning or None when it has none, content)."""
-        reasoning, content, _ = self.parse(token_ids)
-        return reasoning, content
-
-    def parse(
-        self,
-        token_ids: list[int],
-        parse_tool_calls: bool = False,
-        prompt_token_ids=(),
-        reasoning_start: bool | None = None,
-        text: str | None = None,
-    ) -> tuple[str | None, str, list[ToolCall]]:
-        """A whole reply's (reasoning or None, content, tool calls)."""
-        state = self.start(parse_tool_calls)
-        reasoning, content = state.feed(token_ids)
-        more_reasoning, more_content = state.finish()
-        return (reasoning + more_reasoning) or None, content + more_content, state.tool_calls
 
     def text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]

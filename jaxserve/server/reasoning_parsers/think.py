@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxserve.loading.detokenizer import DetokenizerState, detokenize_incrementally, flush_detokenizer
+from jaxserve.server.reasoning_parsers.whole_reply import WholeReplies
 from jaxserve.server.tool_parsers.base import ToolCall
 
 START, END = "<think>", "</think>"
@@ -95,7 +96,7 @@ def _marker_start_at_end(text: str) -> int:
 
 
 @dataclass(frozen=True)
-class ThinkReasoning:
+class ThinkReasoning(WholeReplies):
     """The think markers as one tokenizer writes them. opens_by_default: where a reply starts when the prompt
     holds no marker (deepseek_r1: in reasoning; qwen3: in content)."""
 
@@ -142,24 +143,3 @@ class ThinkReasoning:
         if reasoning_start is None:
             reasoning_start = self.starts_in_reasoning(prompt_token_ids)
         return ThinkSplit(self, reasoning_start)
-
-    def split(
-        self, token_ids: list[int], prompt_token_ids=(), reasoning_start: bool | None = None, text: str | None = None
-    ) -> tuple[str | None, str]:
-        """A whole reply's (reasoning or None when it has none, content)."""
-        reasoning, content, _ = self.parse(token_ids, False, prompt_token_ids, reasoning_start, text)
-        return reasoning, content
-
-    def parse(
-        self,
-        token_ids: list[int],
-        parse_tool_calls: bool = False,
-        prompt_token_ids=(),
-        reasoning_start: bool | None = None,
-        text: str | None = None,
-    ) -> tuple[str | None, str, list[ToolCall]]:
-        """A whole reply's (reasoning or None, content, tool calls: none); text: the reply's as the engine made it."""
-        state = self.start(parse_tool_calls, prompt_token_ids, reasoning_start)
-        reasoning, content = state.feed(token_ids, text)
-        more_reasoning, more_content = state.finish()
-        return (reasoning + more_reasoning) or None, content + more_content, []

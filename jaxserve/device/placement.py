@@ -9,6 +9,7 @@ each process. So:
 - `zeros_on(shapes, shardings)`: zeros of the shapes (a pytree of anything with .shape and .dtype: what
   jax.eval_shape gives) made inside jit, each device writing only its own shard: the KV cache of 8
   accelerators never sits whole on the first one.
+- `kv_pages_on(mesh, make_pages, heads)`: zeros_on for a KV cache, laid out by the sharding rules.
 - `put_on(value, sharding, what)`: a host value (the same on every process: read from the same checkpoint)
   placed shard by shard from the host (jax.make_array_from_callback); across processes, a checksum of the
   value is compared instead of the value, so that a process reading other weights is still refused, naming
@@ -23,11 +24,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding.attention import kv_pages_shardings
+
 
 def zeros_on(shapes, shardings):
     """Zeros of shapes' shapes and dtypes laid out as shardings (one, or a pytree as shapes), each device
     computing its own shard."""
     return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=shardings)()
+
+
+def kv_pages_on(mesh, make_pages, num_cache_kv_heads: int):
+    """make_pages() (a KVPages of zeros) laid out on the mesh, each data-parallel rank its own pages and each tensor
+    shard its KV heads' slice of them, every device making only its own shard; without a mesh, make_pages()."""
+    if mesh is None:
+        return make_pages()
+    shapes = jax.eval_shape(make_pages)
+    return zeros_on(shapes, kv_pages_shardings(shapes, mesh, num_cache_kv_heads))
 
 
 def put_on(value, sharding, what: str = "a value"):

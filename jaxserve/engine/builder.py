@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import Buckets, EngineConfig, EngineRole
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
-from jaxserve.device.placement import zeros_on
+from jaxserve.device.placement import kv_pages_on
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import ModelRunner, StepRunner, enable_compilation_cache, kv_cache_bytes_available
 from jaxserve.device.sampling_inputs import SamplingWidths
@@ -40,7 +40,7 @@ from jaxserve.models import KVPages, build_model
 from jaxserve.models.config import ModelConfig
 from pallas_kernels.matmul import choose_matmul
 from sharding import build_mesh, param_shardings
-from sharding.attention import attention_dispatch, devices_per_page, kv_pages_shardings
+from sharding.attention import attention_dispatch, devices_per_page
 from sharding.expert_placement import expert_parallel_reader, initial_placement, read_load_profile
 from sharding.moe import expert_dispatch
 from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES
@@ -316,21 +316,15 @@ def _kv_cache(
         )
         for _ in range(num_ranks)
     ]
-
-    def zeros():
-        return KVPages.zeros(
-            model.num_layers,
-            layout.total_pages,
-            config.cache.page_size,
-            attention.num_cache_kv_heads,
-            attention.cache_head_dim,
-            dtype,
-            kv_dtype,
-        )
-
-    if mesh is None:
-        return schedulers, zeros(), layout
-    # Each data-parallel rank holds its own pages; each tensor shard its KV heads' slice of them; each device
-    # writes only its own (the whole cache on the first device would not fit there)
-    shapes = jax.eval_shape(zeros)
-    return schedulers, zeros_on(shapes, kv_pages_shardings(shapes, mesh, attention.num_cache_kv_heads)), layout
+    zeros = functools.partial(
+        KVPages.zeros,
+        model.num_layers,
+        layout.total_pages,
+        config.cache.page_size,
+        attention.num_cache_kv_heads,
+        attention.cache_head_dim,
+        dtype,
+        kv_dtype,
+    )
+    # each device makes only its own shard: the whole cache on the first device would not fit there
+    return schedulers, kv_pages_on(mesh, zeros, attention.num_cache_kv_heads), layout

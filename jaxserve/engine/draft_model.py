@@ -15,14 +15,14 @@ pages on its own devices, one allocator per rank, and each sequence's draft rows
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
-import jax
 from jax.sharding import Mesh
 
 from jaxserve.config import Buckets, EngineConfig
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
-from jaxserve.device.placement import zeros_on
+from jaxserve.device.placement import kv_pages_on
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import ModelRunner, kv_cache_bytes_available
 from jaxserve.device.sampling_inputs import SamplingWidths
@@ -35,7 +35,6 @@ from jaxserve.loading.quantize import QuantizationSpec
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.lora.registry import LoraRegistry
 from jaxserve.models import KVPages
-from sharding.attention import kv_pages_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -96,22 +95,16 @@ def build_draft(
     if (warning := short_pool_warning(num_pages, page_size, max_model_len)) is not None:
         logger.warning(warning)
     layout = RankLayout(num_ranks, num_pages, entries_per_rank=rows)
-
-    def zeros():
-        return KVPages.zeros(
-            model_config.num_layers,
-            layout.total_pages,
-            page_size,
-            attention.num_cache_kv_heads,
-            attention.cache_head_dim,
-            dtype,
-        )
-
-    if mesh is None:
-        kv_pages = zeros()
-    else:  # each device writes only its own shard (as the target's pages: engine/builder.py)
-        shapes = jax.eval_shape(zeros)
-        kv_pages = zeros_on(shapes, kv_pages_shardings(shapes, mesh, attention.num_cache_kv_heads))
+    zeros = functools.partial(
+        KVPages.zeros,
+        model_config.num_layers,
+        layout.total_pages,
+        page_size,
+        attention.num_cache_kv_heads,
+        attention.cache_head_dim,
+        dtype,
+    )
+    kv_pages = kv_pages_on(mesh, zeros, attention.num_cache_kv_heads)
     buckets = Buckets(
         decode_seqs=tuple(b for b in target_buckets.decode_seqs if b < rows) + (rows,),
         # a prefill of one query block too: a row a few tokens behind (it backed off) catches up cheaply

@@ -282,7 +282,7 @@ class EngineLoop:
         for completion in output.outputs:
             delta = stream.delta_from(output, completion.index)
             # with n > 1 an output carries every completion, most with nothing new for their clients
-            if delta is not None and (delta.token_ids or delta.text or delta.finish_reason is not None):
+            if delta is not None and delta.carries_news:
                 self._deliver_delta(stream, delta)
                 if delta.finish_reason is not None and completion.num_draft_tokens:
                     self.metrics.request_acceptance.observe(completion.acceptance_rate)

@@ -38,6 +38,11 @@ class Delta:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     stop_reason: int | str | None = None  # on the last delta: the stop string or stop token that ended it
 
+    @property
+    def carries_news(self) -> bool:
+        """Something new for its client (tokens, text or the end); the engine loop delivers only such deltas."""
+        return bool(self.token_ids or self.text or self.finish_reason is not None)
+
     def merged(self, later: Delta) -> Delta:
         logprobs = (
             None if self.logprobs is None and later.logprobs is None else (self.logprobs or []) + (later.logprobs or [])
@@ -108,11 +113,10 @@ class RequestStream:
             stop_reason=completion.stop_reason,
         )
         scored = output.prompt_logprobs
-        # only on a delta that is delivered: one with nothing new for its client is dropped (EngineLoop._deliver),
-        # and a completion still prefilling when the scores complete would never get them
-        carries = bool(delta.token_ids or delta.text or finished)
+        # only on a delta that is delivered (one with nothing new for its client is dropped): a completion still
+        # prefilling when the scores complete would never get them
         if (
-            carries
+            delta.carries_news
             and scored is not None
             and len(scored) == len(output.prompt_token_ids)
             and index not in self._prompt_scored

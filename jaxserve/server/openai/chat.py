@@ -44,10 +44,10 @@ router = APIRouter()
 
 
 def checked_chat(
-    context: ServingContext, body: ChatCompletionRequest, request_id: str
+    context: ServingContext, body: ChatCompletionRequest, request_id: str, reasoning: ReasoningParser | None
 ) -> tuple[list[list[int]], SamplingParams, ToolPlan]:
     """The rendered prompt's token ids, the sampling params and what to do with tools, within the
-    server's limits; ValueError."""
+    server's limits (a grammar held back until the reasoning ends where `reasoning` says so); ValueError."""
     limits = context.limits
     body.check(limits, request_id)
     if body.functions is not None or body.function_call is not None:
@@ -74,7 +74,7 @@ def checked_chat(
     params = body.sampling_params(
         limits, max_tokens, logprobs, plan.guided_decoding, tools_text, prompt_logprobs=body.prompt_logprobs
     )
-    return [token_ids], with_grammar_after_reasoning(params, context.reasoning(), token_ids), plan
+    return [token_ids], with_grammar_after_reasoning(params, reasoning, token_ids), plan
 
 
 @router.post("/v1/chat/completions")
@@ -83,20 +83,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     context.ready_loop()
     adapter = context.check_model(body.model)
     request_id = body.request_id or request.headers.get("x-request-id", "")
-    prompts, starts = (
-        [],
-        [],
-    )  # the rendered prompt and where its grammar puts the reply's start: for the reasoning parser
+    reasoning = context.reasoning()
+    checked: list[tuple[list[int], SamplingParams]] = []  # the rendered prompt and its params, for the reasoning
 
-    def checked() -> tuple[list[list[int]], SamplingParams, ToolPlan]:
-        checked_prompts, params, plan = with_adapter(checked_chat(context, body, request_id), adapter)
-        prompts.extend(checked_prompts)
-        starts.append(reply_reasoning_start(params))
-        return checked_prompts, params, plan
+    def check() -> tuple[list[list[int]], SamplingParams, ToolPlan]:
+        prompts, params, plan = with_adapter(checked_chat(context, body, request_id, reasoning), adapter)
+        checked.append((prompts[0], params))
+        return prompts, params, plan
 
-    group, plan = await context.admit(request_size(request), checked, request_id, body.session_id)
+    group, plan = await context.admit(request_size(request), check, request_id, body.session_id)
     token_text = await TokenText.for_engine(group.engine_loop.engine) if body.logprobs else None
-    call = ChatCall(context, body, group, plan, context.reasoning(), token_text, prompts[0], starts[0])
+    prompt_token_ids, params = checked[0]
+    call = ChatCall(context, body, group, plan, reasoning, token_text, prompt_token_ids, reply_reasoning_start(params))
     if body.stream:
         return EventStreamResponse(call.events(), group)
     result = await until_disconnected(request.receive, call.collect())

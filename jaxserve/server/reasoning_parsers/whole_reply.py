@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any, Protocol, cast
+
 from jaxserve.server.tool_parsers.base import ToolCall
 
 
-class WholeReplies:
-    """split() and parse() for a parser whose start(parse_tool_calls, prompt_token_ids, reasoning_start) gives a
-    state with feed(token_ids, text), finish() and tool_calls (harmony.py, think.py)."""
+class StartsReplies(Protocol):
+    """A parser's own part: one reply's state, with feed(token_ids, text), finish() and tool_calls."""
 
-    def start(self, parse_tool_calls: bool = False, prompt_token_ids=(), reasoning_start: bool | None = None):
-        raise NotImplementedError
+    def start(
+        self, parse_tool_calls: bool = False, prompt_token_ids=(), reasoning_start: bool | None = None
+    ) -> Any: ...
+
+
+class WholeReplies:
+    """split() and parse() for a parser that has start() (StartsReplies: harmony.py, think.py)."""
 
     def split(
-        self, token_ids: list[int], prompt_token_ids=(), reasoning_start: bool | None = None, text: str | None = None
+        self,
+        token_ids: list[int],
+        prompt_token_ids=(),
+        reasoning_start: bool | None = None,
+        text: str | None = None,
     ) -> tuple[str | None, str]:
         """A whole reply's (reasoning or None when it has none, content)."""
         reasoning, content, _ = self.parse(token_ids, False, prompt_token_ids, reasoning_start, text)
@@ -29,7 +39,7 @@ class WholeReplies:
     ) -> tuple[str | None, str, list[ToolCall]]:
         """A whole reply's (reasoning or None, content, tool calls); text: the reply's as the engine made it (None:
         the parser decodes the token ids)."""
-        state = self.start(parse_tool_calls, prompt_token_ids, reasoning_start)
+        state = cast(StartsReplies, self).start(parse_tool_calls, prompt_token_ids, reasoning_start)
         reasoning, content = state.feed(token_ids, text)
         more_reasoning, more_content = state.finish()
         return (reasoning + more_reasoning) or None, content + more_content, state.tool_calls

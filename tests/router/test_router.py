@@ -257,8 +257,15 @@ def test_sigterm_drains_the_router_then_stops_it(router):
     import requests
 
     num_requests = 8  # 2 running + 2 waiting on each replica
+
+    def routed() -> float:
+        return sum(counter(router, "requests", r.address) for r in router.replicas)
+
+    routed_before = routed()
     started, outcomes = [None] * num_requests, [None] * num_requests
     threads = run_long_requests(f"127.0.0.1:{router.port}", num_requests, started, outcomes)
+    # every request routed (the drain refuses what comes later) and one streaming
+    wait_for(lambda: routed() - routed_before >= num_requests, "every request at the router")
     wait_for(lambda: any(s is not None for s in started), "a stream under way")
     drainer = threading.Thread(target=router.drain_and_stop)
     drainer.start()

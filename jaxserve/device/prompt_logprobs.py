@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxserve.arrays import HostOrDeviceArray
 from jaxserve.device.sampler import token_ranks
 from jaxserve.models.layers import row_log_softmax
+from pallas_kernels.matmul.row_blocks import ROW_INVARIANT_ROWS
 
 # Legend: T = token slots of the step, V = vocab, K = max_logprobs (at least 1).
 
@@ -40,12 +41,27 @@ def no_prompt_logprobs(num_tokens: int, num_top: int) -> PromptLogprobs:
     )
 
 
+# A block's float32 logits (and their log-softmax) stay within about this many bytes: a prefill of 8192 token
+# slots over a 128k vocabulary would otherwise hold 4 GB of them at once, in every prefill executable, beside a KV
+# cache that was sized before anything compiled.
+BLOCK_LOGITS_BYTES = 32 * 2**20
+# ... and take at least this many rows: the CPU kernels compute a row of a call of up to 64 rows as a one-row call
+# does (pallas_kernels/matmul/row_blocks.py), and the head of fewer rows can take another kernel path than a
+# prefill chunk's (1-2 ulps in the scores at 4 rows)
+MIN_BLOCK_ROWS = ROW_INVARIANT_ROWS
+
+
 def score_prompt_tokens(compute_logits, hidden, targets, max_logprobs: int) -> PromptLogprobs:
-    """hidden [T, D]; targets [T] int32 (-1: not scored). compute_logits: the model's head, [N, D] -> [N, V]."""
+    """hidden [T, D]; targets [T] int32 (-1: not scored). compute_logits: the model's head, [N, D] -> [N, V].
+
+    The slots are scored a block at a time (lax.map), and a block with no target is skipped. A block takes
+    every num_blocks-th slot (slot t in block t % num_blocks): a data-parallel mesh splits T into contiguous
+    runs a rank, and a strided block keeps each rank's rows on its own devices. Every computation here is row
+    by row, so a position scores alike in any block (and any chunking of its prompt)."""
     num_tokens, num_top = targets.shape[0], max(max_logprobs, 1)
 
-    def score(hidden):
-        logprobs = row_log_softmax(compute_logits(hidden).astype(jnp.float32))  # alike in any chunking
+    def score(hidden, targets):
+        logprobs = row_log_softmax(compute_logits(hidden).astype(jnp.float32))
         top_logprobs, top_token_ids = jax.lax.top_k(logprobs, num_top)
         chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
         scored = targets >= 0
@@ -56,7 +72,28 @@ def score_prompt_tokens(compute_logits, hidden, targets, max_logprobs: int) -> P
             jnp.where(scored, token_ranks(logprobs, chosen), 0),
         )
 
-    def skip(_):
-        return no_prompt_logprobs(num_tokens, num_top)
+    def score_if_asked(blocks):
+        hidden, targets = blocks
+        skip = lambda *_: no_prompt_logprobs(targets.shape[0], num_top)  # noqa: E731
+        return jax.lax.cond(jnp.any(targets >= 0), score, skip, hidden, targets)
 
-    return jax.lax.cond(jnp.any(targets >= 0), score, skip, hidden)
+    vocab_size = jax.eval_shape(compute_logits, jax.ShapeDtypeStruct((1, hidden.shape[1]), hidden.dtype)).shape[1]
+    num_blocks = blocks_for(num_tokens, max(MIN_BLOCK_ROWS, BLOCK_LOGITS_BYTES // (4 * vocab_size)))
+    if num_blocks == 1:
+        return score_if_asked((hidden, targets))
+    rows = num_tokens // num_blocks
+
+    def strided(x):  # [T, ...] -> [num_blocks, rows, ...]: block j holds slots j, j + num_blocks, ...
+        return jnp.swapaxes(x.reshape(rows, num_blocks, *x.shape[1:]), 0, 1)
+
+    def unstrided(x):  # the inverse
+        return jnp.swapaxes(x, 0, 1).reshape(num_tokens, *x.shape[2:])
+
+    scored = jax.lax.map(score_if_asked, (strided(hidden), strided(targets)))
+    return jax.tree.map(unstrided, scored)
+
+
+def blocks_for(num_tokens: int, max_rows: int) -> int:
+    """The fewest blocks of at most max_rows rows that split num_tokens evenly (bucket sizes are multiples of
+    64 or small, so a divisor is near)."""
+    return next(n for n in range(-(-num_tokens // max_rows), num_tokens + 1) if num_tokens % n == 0)

@@ -2,11 +2,14 @@
 prompt (chunked, batched, after a preemption-free cache hit), to the decode step's logprobs of the same
 tokens, and to transformers' where the fixtures record them; max_tokens 0 ends a request after its prefill."""
 
+import json
 import math
+import os
 
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.device import prompt_logprobs
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 TOLERANCE = 0.0  # float32, the same math in a different chunking
@@ -166,3 +169,30 @@ def test_more_than_max_logprobs_is_refused(chunked_llm):
 def test_max_logprobs_past_the_vocabulary_is_refused_at_start():
     with pytest.raises(ValueError, match=r"max_logprobs \(100000\) exceeds the model's vocabulary"):
         LLM(fixture_dir("llama_gqa"), **SMALL_ENGINE, max_logprobs=100000)
+
+
+def largest_prefill_temp_bytes(llm) -> tuple[int, int]:
+    """(token slots, XLA's temporary bytes) of the engine's largest prefill executable."""
+    runner = llm.engine.runner
+    shape = max((s for s in runner.executables if s.kind == "prefill"), key=lambda s: s.num_tokens)
+    return shape.num_tokens, runner.executables[shape].memory_analysis().temp_size_in_bytes
+
+
+def test_scored_a_block_at_a_time_alike_and_within_the_blocks_memory(monkeypatch, whole_prompt_llm, reference):
+    # 8-row blocks: a 128-slot prefill scores its prompt in 16 strided blocks (device/prompt_logprobs.py)
+    with open(os.path.join(fixture_dir("llama_gqa"), "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    monkeypatch.setattr(prompt_logprobs, "BLOCK_LOGITS_BYTES", 8 * vocab_size * 4)
+    monkeypatch.setattr(prompt_logprobs, "MIN_BLOCK_ROWS", 8)
+    blocked = LLM(
+        fixture_dir("llama_gqa"),
+        **{**SMALL_ENGINE, "max_num_batched_tokens": 128, "enable_prefix_caching": False, "max_num_seqs": 4},
+    )
+    for output, scored in zip(blocked.generate(prompts(), scoring()), reference):
+        assert_close(output.prompt_logprobs, scored)
+    assert blocked.stats()["num_compiles_after_warmup"] == 0
+    num_tokens, temp_bytes = largest_prefill_temp_bytes(blocked)
+    whole_tokens, whole_temp_bytes = largest_prefill_temp_bytes(whole_prompt_llm)
+    assert num_tokens == whole_tokens == 128
+    # the step's whole logits [T, V] float32 are never held: at least that much less scratch than in one block
+    assert temp_bytes + num_tokens * vocab_size * 4 <= whole_temp_bytes

@@ -392,18 +392,23 @@ def enable_compilation_cache(directory: str | None) -> None:
 
 
 def kv_cache_bytes_available(memory_gib: float | None, mesh=None) -> int:
-    """The KV cache budget of one device: as configured, else 90% of what the engine's devices (this
-    process's of the mesh; without one, this process's first) have left after the params, the least of them
-    (another engine in the process, parallel.device_ids, may use other devices)."""
+    """The KV cache budget of one device: as configured, else 90% of what the engine's devices have left after
+    the params (measured_free_bytes), else (a CPU reports no limit) a modest 1 GiB that the user raises with
+    kv_cache_memory_gib."""
     if memory_gib is not None:
         return int(memory_gib * 2**30)
+    free = measured_free_bytes(mesh)
+    return 2**30 if free is None else int(0.9 * free)
+
+
+def measured_free_bytes(mesh=None) -> int | None:
+    """The least free memory of the engine's devices (this process's of the mesh; without one, this process's
+    first: another engine in the process, parallel.device_ids, may use other devices); None where the devices
+    report no limit (CPU)."""
     devices = list(mesh.local_devices) if mesh is not None else jax.local_devices()[:1]
     free = [
         stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         for stats in (device.memory_stats() or {} for device in devices)
         if "bytes_limit" in stats
     ]
-    if free:
-        return int(0.9 * min(free))
-    # CPU reports no limit: a modest default that the user raises with kv_cache_memory_gib.
-    return 2**30
+    return min(free) if free else None

@@ -20,14 +20,26 @@ from jaxserve.config import Buckets, EngineConfig, EngineRole
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
 from jaxserve.device.placement import kv_pages_on
 from jaxserve.device.rank_layout import RankLayout
-from jaxserve.device.runner import ModelRunner, StepRunner, enable_compilation_cache, kv_cache_bytes_available
+from jaxserve.device.runner import (
+    ModelRunner,
+    StepRunner,
+    enable_compilation_cache,
+    kv_cache_bytes_available,
+    measured_free_bytes,
+)
 from jaxserve.device.sampling_inputs import SamplingWidths
 from jaxserve.distributed.agreement import agree_on_engine, check_every_process_holds_devices, expert_balancer_type
 from jaxserve.distributed.leader_runner import warm_up, wrap_runner
 from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
 from jaxserve.engine.draft_lora import AdaptersWithDraft
-from jaxserve.engine.draft_model import build_draft
+from jaxserve.engine.draft_model import (
+    DraftWeights,
+    build_draft,
+    draft_device_page_bytes,
+    draft_pool_pages,
+    load_draft,
+)
 from jaxserve.engine.draft_proposer import DraftProposer
 from jaxserve.engine.expert_balancer import ExpertBalancer
 from jaxserve.host.page_allocator import PageAllocator, num_pages_for, swap_in_is_cheaper
@@ -105,8 +117,16 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
         raise ValueError("LoRA adapters over several processes (jax.distributed) are not available yet")
     if mesh is None:
         move_weights_to_huge_pages(model)  # a CPU decode step streams them twice as fast
+    draft_weights = None
+    if config.speculative.method == "draft":  # loaded before any KV pool is sized: see _kv_budgets
+        # the draft's quantized projections keep x as the target's do
+        load_draft_model = functools.partial(_load_model, quantized_activations=config.quantized_activations)
+        draft_weights = load_draft(source, config, mesh, max_model_len, load_draft_model, _attach_lora)
     config = agree_on_engine(config, model_config, process_group)  # several processes: the same engine everywhere
-    schedulers, kv_pages, layout = _kv_cache(model_config, config, dtype, attention, mesh, max_model_len, model)
+    kv_budget, draft_pages = _kv_budgets(config, mesh, max_model_len, draft_weights)
+    schedulers, kv_pages, layout = _kv_cache(
+        model_config, config, dtype, attention, mesh, max_model_len, model, kv_budget
+    )
     runner = ModelRunner(
         model,
         kv_pages=kv_pages,
@@ -137,10 +157,8 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
             )
     warm_up(runner, process_group, config.show_progress)  # several processes: returns once all have
     draft = None
-    if config.speculative.method == "draft":
-        # the draft's quantized projections keep x as the target's do
-        load_draft = functools.partial(_load_model, quantized_activations=config.quantized_activations)
-        draft = build_draft(source, config, mesh, max_model_len, runner.buckets, load_draft, _attach_lora, runner)
+    if draft_weights is not None and draft_pages is not None:
+        draft = build_draft(draft_weights, draft_pages, config, mesh, runner.buckets, runner)
     lora = None
     if lora_slots:  # a self-draft's adapter slots load with the target's (engine/draft_lora.py)
         draft_lora = draft.lora if draft is not None else None
@@ -259,6 +277,27 @@ def _attach_lora(model, config: EngineConfig, model_config: ModelConfig, mesh: M
     )
 
 
+def _kv_budgets(
+    config: EngineConfig, mesh: Mesh | None, max_model_len: int, draft: DraftWeights | None
+) -> tuple[int, int | None]:
+    """(the target's KV budget of one device, the draft's pool in pages a rank; None without a draft).
+
+    Measured from free device memory, one budget serves both pools, taken after both models' weights are in
+    memory: the draft's pool what its rows need up to a fifth of it (a quarter of the target's), the target's
+    the rest. (Sized one after the other, the target's pool took 90% of what was free before the draft's weights
+    loaded: a draft larger than the 10% left failed to load, and its pool got a quarter of a remainder.) A
+    configured budget (kv_cache_memory_gib, or the CPU's default) is the target's, the draft's pool a quarter of
+    it beside."""
+    budget = kv_cache_bytes_available(config.cache.kv_cache_memory_gib, mesh)
+    if draft is None:
+        return budget, None
+    shared = config.cache.kv_cache_memory_gib is None and measured_free_bytes(mesh) is not None
+    draft_pages = draft_pool_pages(draft, config, mesh, max_model_len, budget // 5 if shared else budget // 4)
+    if shared:
+        budget -= draft_pages * draft_device_page_bytes(draft, config, mesh)
+    return budget, draft_pages
+
+
 def _kv_cache(
     model: ModelConfig,
     config: EngineConfig,
@@ -267,9 +306,10 @@ def _kv_cache(
     mesh: Mesh | None,
     max_model_len: int,
     loaded_model,
+    budget_bytes: int,
 ) -> tuple[list[Scheduler], KVPages, RankLayout]:
     """The page pool, one scheduler per rank over its own pages (addressed locally), and the layout
-    that places each rank's pages in the pool."""
+    that places each rank's pages in the pool; budget_bytes: one device's (_kv_budgets)."""
     kv_dtype = config.cache.kv_dtype
     if kv_dtype != "auto" and model.is_latent_attention:
         raise ValueError(
@@ -293,9 +333,7 @@ def _kv_cache(
     )
     # The budget is one device's memory, and a device holds only its KV heads' share of each page.
     device_page_bytes = -(-page_bytes // devices_per_page(mesh, attention.num_cache_kv_heads))
-    num_pages = config.cache.num_pages or max(
-        2, min(kv_cache_bytes_available(config.cache.kv_cache_memory_gib, mesh) // device_page_bytes, useful_pages)
-    )
+    num_pages = config.cache.num_pages or max(2, min(budget_bytes // device_page_bytes, useful_pages))
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded_model)))
     swapping_pays = swap_in_is_cheaper(page_bytes, config.cache.page_size, num_params, jax.default_backend())
     host_tier_pages = int(config.cache.swap_space * 2**30) // page_bytes if swapping_pays else 0

@@ -1,6 +1,8 @@
 """Start-up of a draft model for speculative decoding (`speculative.method: draft`): the draft's params,
 its own paged KV cache and its own runner, built by the same machinery as the target's (engine/builder.py)
-and warmed up the same way, so that proposing never compiles.
+and warmed up the same way, so that proposing never compiles. In three parts: load_draft (before any KV pool
+is sized: the target's and the draft's share one budget, engine/builder.py _kv_budgets), draft_pool_pages,
+build_draft (its pool and runner).
 
     speculative.draft_model: "self" (the target's own source) or any model source the engine loads
     speculative.draft_quantization: none | int8 | int4 | auto (self-speculation: the target's int4 copy)
@@ -18,15 +20,16 @@ import dataclasses
 import functools
 import logging
 
+from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.config import Buckets, EngineConfig
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
 from jaxserve.device.placement import kv_pages_on
 from jaxserve.device.rank_layout import RankLayout
-from jaxserve.device.runner import ModelRunner, kv_cache_bytes_available
+from jaxserve.device.runner import ModelRunner
 from jaxserve.device.sampling_inputs import SamplingWidths
-from jaxserve.engine.attention_plan import choose_attention
+from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
 from jaxserve.engine.draft_lora import log_adapters_not_followed
 from jaxserve.engine.draft_proposer import DECODE_CATCH_UP, DraftProposer
 from jaxserve.host.page_allocator import PageAllocator, num_pages_for
@@ -35,6 +38,8 @@ from jaxserve.loading.quantize import QuantizationSpec
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.lora.registry import LoraRegistry
 from jaxserve.models import KVPages
+from jaxserve.models.config import ModelConfig
+from sharding.attention import devices_per_page
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +47,24 @@ logger = logging.getLogger(__name__)
 TOKENIZER_PROBE = "Hello, world! def f(x):\n    return x * 12345  # ünïcödé 日本語 \t\n\n<|end|></s>"
 
 
-def build_draft(
-    target: ModelSource,
-    config: EngineConfig,
-    mesh: Mesh | None,
-    max_model_len: int,
-    target_buckets: Buckets,
-    load_model,
-    attach_lora,
-    compile_counter,
-) -> DraftProposer:
+@dataclasses.dataclass(frozen=True)
+class DraftWeights:
+    """A draft model loaded, before its KV pool is sized (engine/builder.py sizes the target's and the draft's
+    pools from one budget measured after both models' weights are in memory)."""
+
+    source: ModelSource
+    config: ModelConfig
+    dtype: str
+    attention: AttentionPlan
+    model: nnx.Module
+    lora_slots: dict
+
+
+def load_draft(
+    target: ModelSource, config: EngineConfig, mesh: Mesh | None, max_model_len: int, load_model, attach_lora
+) -> DraftWeights:
     """load_model: builder._load_model (params placed by the rules table as they are read); attach_lora:
-    builder._attach_lora (a self-draft gets the target's adapter slots: engine/draft_lora.py);
-    compile_counter: the target's runner, whose count of compiles after warm-up the draft's add to."""
+    builder._attach_lora (a self-draft gets the target's adapter slots: engine/draft_lora.py)."""
     speculative = config.speculative
     source = target if speculative.draft_model == "self" else open_model(speculative.draft_model)
     check_draft_matches(source, target, max_model_len)
@@ -79,21 +89,57 @@ def build_draft(
         log_adapters_not_followed(speculative.draft_model)
     if mesh is None:
         move_weights_to_huge_pages(model)  # as the target's: a CPU draft step streams them twice as fast
+    return DraftWeights(source, model_config, dtype, attention, model, lora_slots)
+
+
+def draft_device_page_bytes(draft: DraftWeights, config: EngineConfig, mesh: Mesh | None) -> int:
+    """What one page of the draft's pool takes on a device (its KV heads' share of the page on a mesh)."""
+    attention = draft.attention
+    page_bytes = KVPages.bytes_per_page(
+        draft.config.num_layers,
+        config.cache.page_size,
+        attention.num_cache_kv_heads,
+        attention.cache_head_dim,
+        draft.dtype,
+    )
+    return -(-page_bytes // devices_per_page(mesh, attention.num_cache_kv_heads))
+
+
+def draft_pool_pages(
+    draft: DraftWeights, config: EngineConfig, mesh: Mesh | None, max_model_len: int, budget_bytes: int
+) -> int:
+    """The draft's pages a rank: draft_num_pages, else enough for every proposing row at max_model_len within
+    budget_bytes of a device (a row that finds no pages proposes nothing, and the least recently proposing rows
+    of its rank give theirs up first)."""
+    speculative = config.speculative
+    rows = min(speculative.speculative_max_batch_size, config.scheduler.max_num_seqs)  # per rank
+    num_pages = speculative.draft_num_pages or max(
+        2,
+        min(
+            rows * num_pages_for(max_model_len, config.cache.page_size) + 1,
+            budget_bytes // draft_device_page_bytes(draft, config, mesh),
+        ),
+    )
+    if (warning := short_pool_warning(num_pages, config.cache.page_size, max_model_len)) is not None:
+        logger.warning(warning)
+    return num_pages
+
+
+def build_draft(
+    draft: DraftWeights,
+    num_pages: int,
+    config: EngineConfig,
+    mesh: Mesh | None,
+    target_buckets: Buckets,
+    compile_counter,
+) -> DraftProposer:
+    """The draft's KV pool of num_pages a rank (draft_pool_pages) and its runner, warmed up.
+    compile_counter: the target's runner, whose count of compiles after warm-up the draft's add to."""
+    speculative = config.speculative
+    model_config, attention = draft.config, draft.attention
     rows = min(speculative.speculative_max_batch_size, config.scheduler.max_num_seqs)  # per rank
     num_ranks = config.parallel.data_parallel_size
     page_size = config.cache.page_size
-    # Per rank: enough for every proposing row at max_model_len, within a quarter of the target's KV budget
-    # (a device's): a row that finds no pages proposes nothing, and the least recently proposing rows of its
-    # rank give theirs up first.
-    page_bytes = KVPages.bytes_per_page(
-        model_config.num_layers, page_size, attention.num_cache_kv_heads, attention.cache_head_dim, dtype
-    )
-    budget_pages = kv_cache_bytes_available(config.cache.kv_cache_memory_gib, mesh) // 4 // page_bytes
-    num_pages = speculative.draft_num_pages or max(
-        2, min(rows * num_pages_for(max_model_len, page_size) + 1, budget_pages)
-    )
-    if (warning := short_pool_warning(num_pages, page_size, max_model_len)) is not None:
-        logger.warning(warning)
     layout = RankLayout(num_ranks, num_pages, entries_per_rank=rows)
     zeros = functools.partial(
         KVPages.zeros,
@@ -102,7 +148,7 @@ def build_draft(
         page_size,
         attention.num_cache_kv_heads,
         attention.cache_head_dim,
-        dtype,
+        draft.dtype,
     )
     kv_pages = kv_pages_on(mesh, zeros, attention.num_cache_kv_heads)
     buckets = Buckets(
@@ -115,7 +161,7 @@ def build_draft(
         catch_up_width=DECODE_CATCH_UP,
     )
     runner = ModelRunner(
-        model,
+        draft.model,
         kv_pages=kv_pages,
         buckets=buckets,
         page_size=page_size,
@@ -138,8 +184,8 @@ def build_draft(
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         prefill_query_block=config.scheduler.prefill_query_block,
         compile_counter=compile_counter,
-        description=f"{source.name} ({speculative.draft_quantization})",
-        lora=LoraRegistry(config.lora, runner, lora_slots) if lora_slots else None,
+        description=f"{draft.source.name} ({speculative.draft_quantization})",
+        lora=LoraRegistry(config.lora, runner, draft.lora_slots) if draft.lora_slots else None,
     )
 
 

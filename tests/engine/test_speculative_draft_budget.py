@@ -1,0 +1,52 @@
+"""Where devices report their free memory (GPU, TPU), the target's and the draft's KV pools come out of one
+budget measured once both models' weights are in memory (engine/builder.py `_kv_budgets`): the draft's pool at
+most a quarter of the target's, both within 90% of what the weights left. Sized one after the other, the
+target's pool took 90% of the memory before the draft's weights loaded, so a draft larger than the rest failed
+to load. A CPU reports no free memory: here a fake device of LIMIT bytes, whose use is what jax holds live."""
+
+import jax
+import pytest
+
+import jaxserve.device.runner as runner_module
+import jaxserve.engine.builder as builder_module
+from jaxserve import LLM, SamplingParams
+from tests.engine.test_speculative import ENGINE
+from tests.support.fixtures import fixture_dir
+
+LIMIT = 3 * 2**19  # 1.5 MiB: the weights take ~0.56 MB, the pools what the budget gives (not their rows' caps)
+
+
+def live_bytes() -> int:
+    return sum(array.nbytes for array in jax.live_arrays())
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with pytest.MonkeyPatch.context() as patch:
+        baseline = live_bytes()  # what other modules' engines hold: not on the fake device
+        fake_free = lambda mesh=None: LIMIT - (live_bytes() - baseline)  # noqa: E731
+        patch.setattr(runner_module, "measured_free_bytes", fake_free)
+        patch.setattr(builder_module, "measured_free_bytes", fake_free)
+        return LLM(
+            fixture_dir("llama_gqa"),
+            **{**ENGINE, "num_pages": None},
+            speculative={"method": "draft", "draft_quantization": "int8", "num_speculative_tokens": 4},
+        )
+
+
+def test_both_pools_share_one_budget_taken_after_both_models_loaded(llm):
+    target = llm.engine.runner.stats()
+    draft = llm.engine.speculation.proposer.runner.stats()
+    free_after_weights = LIMIT - target["weights_device_bytes"] - draft["weights_device_bytes"]
+    pools = target["kv_cache_device_bytes"] + draft["kv_cache_device_bytes"]
+    assert 0.8 * free_after_weights <= pools <= 0.9 * free_after_weights
+    draft_page_bytes = draft["kv_cache_device_bytes"] / llm.stats()["speculative_draft_kv_pages_total"]
+    assert draft["kv_cache_device_bytes"] <= target["kv_cache_device_bytes"] / 4 + 2 * draft_page_bytes
+
+
+def test_the_engine_serves_and_speculates_within_it(llm):
+    outputs = llm.generate(["one two three one two three"] * 3, SamplingParams(max_tokens=12, temperature=0.0))
+    assert all(len(output.outputs[0].token_ids) == 12 for output in outputs)
+    stats = llm.stats()
+    assert stats["speculative_num_draft_tokens"] > 0 and stats["num_compiles_after_warmup"] == 0
+    assert stats["speculative_draft_kv_pages_free"] == stats["speculative_draft_kv_pages_total"]

@@ -134,6 +134,7 @@ class StepRunner(Protocol):
     def params(self) -> nnx.State: ...
     def replace_params(self, params: nnx.State) -> None: ...
     def compiled_buckets(self) -> tuple[tuple[str, int, int, int], ...]: ...
+    def largest_scratch_bytes(self) -> int: ...
     def stats(self) -> dict: ...
 
 
@@ -229,6 +230,12 @@ class ModelRunner:
         return tuple(
             sorted((shape.kind, shape.num_tokens, shape.num_seqs, shape.pages_per_seq) for shape in self.executables)
         )
+
+    def largest_scratch_bytes(self) -> int:
+        """The most temporary memory one of the compiled steps takes on a device while it runs (XLA's buffer
+        assignment; 0 where the backend does not say)."""
+        analyses = (e.memory_analysis() for e in [*self.executables.values(), *self.chain_executables.values()])
+        return max((analysis.temp_size_in_bytes for analysis in analyses if analysis is not None), default=0)
 
     def stats(self) -> dict:
         """What the runner holds and has compiled; bytes summed over every device's shards."""

@@ -120,6 +120,9 @@ class LeaderRunner:
     def compiled_buckets(self):
         return self.inner.compiled_buckets()
 
+    def largest_scratch_bytes(self) -> int:
+        return self.inner.largest_scratch_bytes()
+
     def stats(self):
         return self.inner.stats()
 

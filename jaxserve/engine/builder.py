@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from dataclasses import dataclass
 
 import jax
@@ -56,6 +57,8 @@ from sharding.attention import attention_dispatch, devices_per_page
 from sharding.expert_placement import expert_parallel_reader, initial_placement, read_load_profile
 from sharding.moe import expert_dispatch
 from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES
+
+logger = logging.getLogger(__name__)
 
 NO_QUANTIZATION = QuantizationSpec()
 
@@ -170,6 +173,7 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     if lora is not None:
         for name, path in (config.lora.adapters or {}).items():
             lora.load(name, path)
+    _warn_if_scratch_does_not_fit([runner] if draft is None else [runner, draft.runner], mesh)
     if schedulers[0].allocator.host_tier is not None:
         runner.warm_up_page_copies()
     if config.disagg.role != EngineRole.BOTH:  # a KV handover never compiles while serving
@@ -296,6 +300,24 @@ def _kv_budgets(
     if shared:
         budget -= draft_pages * draft_device_page_bytes(draft, config, mesh)
     return budget, draft_pages
+
+
+def _warn_if_scratch_does_not_fit(runners: list, mesh: Mesh | None) -> None:
+    """The KV pools are sized before anything compiles, within 90% of the free memory: where the largest
+    step's scratch (a long prefill's activations) needs more than what is left, it would fail when such a
+    step first runs, while serving. Say so at start, with what to change."""
+    free = measured_free_bytes(mesh)
+    if free is None:
+        return
+    needed = max(runner.largest_scratch_bytes() for runner in runners)
+    if needed > free:
+        logger.warning(
+            "the largest compiled step needs %.2f GiB of scratch memory a device while it runs, and %.2f GiB are "
+            "free beside the KV cache: a step that large (a long prefill) may fail for want of memory. Lower "
+            "cache.kv_cache_memory_gib (or num_pages), or scheduler.max_num_batched_tokens",
+            needed / 2**30,
+            free / 2**30,
+        )
 
 
 def _kv_cache(

@@ -4,6 +4,8 @@ most a quarter of the target's, both within 90% of what the weights left. Sized 
 target's pool took 90% of the memory before the draft's weights loaded, so a draft larger than the rest failed
 to load. A CPU reports no free memory: here a fake device of LIMIT bytes, whose use is what jax holds live."""
 
+import logging
+
 import jax
 import pytest
 
@@ -50,3 +52,15 @@ def test_the_engine_serves_and_speculates_within_it(llm):
     stats = llm.stats()
     assert stats["speculative_num_draft_tokens"] > 0 and stats["num_compiles_after_warmup"] == 0
     assert stats["speculative_draft_kv_pages_free"] == stats["speculative_draft_kv_pages_total"]
+
+
+def test_a_step_whose_scratch_exceeds_what_the_pools_left_is_named_at_start(llm, monkeypatch, caplog):
+    runners = [llm.engine.runner, llm.engine.speculation.proposer.runner]
+    scratch = max(runner.largest_scratch_bytes() for runner in runners)
+    assert scratch > 0
+    for free, warned in ((scratch - 1, True), (scratch, False)):
+        monkeypatch.setattr(builder_module, "measured_free_bytes", lambda mesh=None, free=free: free)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="jaxserve.engine.builder"):
+            builder_module._warn_if_scratch_does_not_fit(runners, None)
+        assert ("max_num_batched_tokens" in caplog.text) == warned

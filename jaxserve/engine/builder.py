@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -127,38 +128,31 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
         draft_weights = load_draft(source, config, mesh, max_model_len, load_draft_model, _attach_lora)
     config = agree_on_engine(config, model_config, process_group)  # several processes: the same engine everywhere
     kv_budget, draft_pages = _kv_budgets(config, mesh, max_model_len, draft_weights)
-    schedulers, kv_pages, layout = _kv_cache(
-        model_config, config, dtype, attention, mesh, max_model_len, model, kv_budget
-    )
-    runner = ModelRunner(
+    target = functools.partial(
+        _warmed_up_target,
         model,
-        kv_pages=kv_pages,
-        buckets=Buckets.derive(config, max_model_len),
-        page_size=config.cache.page_size,
-        prefill_query_block=config.scheduler.prefill_query_block,
-        max_logprobs=config.scheduler.max_logprobs,
-        vocab_size=model_config.vocab_size,
-        sampling_widths=SamplingWidths.for_vocab(model_config.vocab_size, config.scheduler.max_bias_entries),
-        num_experts=model_config.num_experts,
-        layout=layout,
-        mesh=mesh,
+        model_config,
+        config,
+        dtype,
+        attention,
+        mesh,
+        expert_parallel,
+        max_model_len,
+        process_group,
     )
-    runner = wrap_runner(runner, mesh, schedulers, process_group)  # several processes: process 0 sends plans
-    experts = None
-    if model_config.is_moe and model_config.num_moe_layers:  # a MoE family whose layers are all dense routes nothing
-        experts = expert_balancer_type(ExpertBalancer, process_group)(
-            model_config,
-            runner,
-            mesh.devices.size if expert_parallel and mesh is not None else None,
-            config.parallel.expert_rebalance_interval,
+    schedulers, layout, runner, experts = target(kv_budget)
+    draft_pool_bytes = _draft_pool_bytes(draft_weights, draft_pages, config, mesh)  # made after the target's warm-up
+    shortfall = _scratch_shortfall(runner, config, mesh, process_group, draft_pool_bytes)
+    if shortfall:  # the largest step would not find its scratch memory beside the pools: smaller pools
+        logger.info(
+            "the largest compiled step needs %.1f MiB more scratch memory than the KV cache left free: the cache is "
+            "sized again that much smaller and compiled again (cache.kv_cache_memory_gib sets it at once)",
+            shortfall / 2**20,
         )
-        if config.parallel.expert_load_profile is not None:
-            experts.rebalance(
-                read_load_profile(
-                    config.parallel.expert_load_profile, model_config.num_moe_layers, model_config.num_experts
-                )
-            )
-    warm_up(runner, process_group, config.show_progress)  # several processes: returns once all have
+        del schedulers, layout, runner, experts  # the old pool goes before the new one is made
+        gc.collect()
+        kv_budget, draft_pages = _kv_budgets(config, mesh, max_model_len, draft_weights, less=shortfall)
+        schedulers, layout, runner, experts = target(kv_budget)
     draft = None
     if draft_weights is not None and draft_pages is not None:
         draft = build_draft(draft_weights, draft_pages, config, mesh, runner.buckets, runner)
@@ -282,7 +276,7 @@ def _attach_lora(model, config: EngineConfig, model_config: ModelConfig, mesh: M
 
 
 def _kv_budgets(
-    config: EngineConfig, mesh: Mesh | None, max_model_len: int, draft: DraftWeights | None
+    config: EngineConfig, mesh: Mesh | None, max_model_len: int, draft: DraftWeights | None, less: int = 0
 ) -> tuple[int, int | None]:
     """(the target's KV budget of one device, the draft's pool in pages a rank; None without a draft).
 
@@ -291,8 +285,8 @@ def _kv_budgets(
     the rest. (Sized one after the other, the target's pool took 90% of what was free before the draft's weights
     loaded: a draft larger than the 10% left failed to load, and its pool got a quarter of a remainder.) A
     configured budget (kv_cache_memory_gib, or the CPU's default) is the target's, the draft's pool a quarter of
-    it beside."""
-    budget = kv_cache_bytes_available(config.cache.kv_cache_memory_gib, mesh)
+    it beside. less: bytes to leave out of a measured budget (_scratch_shortfall)."""
+    budget = kv_cache_bytes_available(config.cache.kv_cache_memory_gib, mesh) - less
     if draft is None:
         return budget, None
     shared = config.cache.kv_cache_memory_gib is None and measured_free_bytes(mesh) is not None
@@ -300,6 +294,85 @@ def _kv_budgets(
     if shared:
         budget -= draft_pages * draft_device_page_bytes(draft, config, mesh)
     return budget, draft_pages
+
+
+def _warmed_up_target(
+    model,
+    model_config: ModelConfig,
+    config: EngineConfig,
+    dtype: str,
+    attention: AttentionPlan,
+    mesh: Mesh | None,
+    expert_parallel: bool,
+    max_model_len: int,
+    process_group: ProcessGroup | None,
+    kv_budget: int,
+) -> tuple[list[Scheduler], RankLayout, StepRunner, ExpertBalancer | None]:
+    """The target's KV pool within kv_budget (one device's bytes), its schedulers, its runner warmed up and
+    (mixture-of-experts) the expert balancer over it."""
+    schedulers, kv_pages, layout = _kv_cache(
+        model_config, config, dtype, attention, mesh, max_model_len, model, kv_budget
+    )
+    runner = ModelRunner(
+        model,
+        kv_pages=kv_pages,
+        buckets=Buckets.derive(config, max_model_len),
+        page_size=config.cache.page_size,
+        prefill_query_block=config.scheduler.prefill_query_block,
+        max_logprobs=config.scheduler.max_logprobs,
+        vocab_size=model_config.vocab_size,
+        sampling_widths=SamplingWidths.for_vocab(model_config.vocab_size, config.scheduler.max_bias_entries),
+        num_experts=model_config.num_experts,
+        layout=layout,
+        mesh=mesh,
+    )
+    runner = wrap_runner(runner, mesh, schedulers, process_group)  # several processes: process 0 sends plans
+    experts = None
+    if model_config.is_moe and model_config.num_moe_layers:  # a MoE family whose layers are all dense routes nothing
+        experts = expert_balancer_type(ExpertBalancer, process_group)(
+            model_config,
+            runner,
+            mesh.devices.size if expert_parallel and mesh is not None else None,
+            config.parallel.expert_rebalance_interval,
+        )
+        if config.parallel.expert_load_profile is not None:
+            experts.rebalance(
+                read_load_profile(
+                    config.parallel.expert_load_profile, model_config.num_moe_layers, model_config.num_experts
+                )
+            )
+    warm_up(runner, process_group, config.show_progress)  # several processes: returns once all have
+    return schedulers, layout, runner, experts
+
+
+def _draft_pool_bytes(
+    draft: DraftWeights | None, draft_pages: int | None, config: EngineConfig, mesh: Mesh | None
+) -> int:
+    """What the draft's pool will take on a device (0: no draft)."""
+    if draft is None or draft_pages is None:
+        return 0
+    return draft_pages * draft_device_page_bytes(draft, config, mesh)
+
+
+def _scratch_shortfall(
+    runner: StepRunner,
+    config: EngineConfig,
+    mesh: Mesh | None,
+    process_group: ProcessGroup | None,
+    draft_pool_bytes: int,
+) -> int:
+    """How much memory a device lacks for the largest compiled step's scratch beside the KV pools (the target's
+    made, the draft's still to come: draft_pool_bytes), plus a margin of 5% of it; 0 where it fits or where the pool's size is not the engine's to change: a budget set by the
+    user (kv_cache_memory_gib, num_pages), devices that report no free memory (CPU), several processes (each
+    would decide alone on its own measure)."""
+    cache = config.cache
+    if cache.kv_cache_memory_gib is not None or cache.num_pages is not None or process_group is not None:
+        return 0
+    free = measured_free_bytes(mesh)
+    if free is None:
+        return 0
+    needed, free = runner.largest_scratch_bytes(), free - draft_pool_bytes
+    return 0 if needed <= free else needed - free + needed // 20
 
 
 def _warn_if_scratch_does_not_fit(runners: list, mesh: Mesh | None) -> None:

@@ -1,0 +1,48 @@
+"""The KV pool is sized before anything compiles (the executables take its shape), within 90% of the free
+device memory; where the largest compiled step's scratch (a long prefill's activations) needs more than the
+pool left, that step would fail for want of memory when it first ran, while serving. Where the engine sized
+the pool from measured free memory, it sizes it again smaller by the shortfall and compiles again
+(engine/builder.py `_scratch_shortfall`); a pool the user sized is kept, with a warning at start. On the CPU,
+a fake device of LIMIT bytes (tests/support/fake_device_memory.py)."""
+
+import logging
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.support.fake_device_memory import device_of
+from tests.support.fixtures import SMALL_ENGINE, fixture_dir
+
+LIMIT = 3 * 2**19  # 1.5 MiB: weights ~0.44 MB; 90% of the rest for the pool leaves less than a 256-slot prefill's
+# ~0.9 MB of scratch
+ENGINE = {**SMALL_ENGINE, "max_num_batched_tokens": 256, "max_model_len": 256, "page_size": 4}
+
+
+def build(caplog, **overrides):
+    with device_of(LIMIT) as free, caplog.at_level(logging.INFO, logger="jaxserve.engine.builder"):
+        llm = LLM(fixture_dir("llama_gqa"), **{**ENGINE, **overrides})
+        return llm, free()
+
+
+def test_a_pool_that_leaves_too_little_scratch_is_sized_again(caplog):
+    llm, free = build(caplog)
+    runner = llm.engine.runner
+    assert "sized again" in caplog.text and "max_num_batched_tokens" not in caplog.text  # no warning left
+    assert runner.largest_scratch_bytes() <= free  # the largest step finds its scratch
+    pool_bytes = runner.stats()["kv_cache_device_bytes"]
+    assert pool_bytes < 0.9 * (LIMIT - runner.stats()["weights_device_bytes"]) - runner.largest_scratch_bytes() / 2
+    outputs = llm.generate([list(range(1, 200))], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(outputs[0].outputs[0].token_ids) == 4 and llm.stats()["num_compiles_after_warmup"] == 0
+
+
+def test_a_pool_the_user_sized_is_kept_and_named(caplog):
+    llm, _ = build(caplog, kv_cache_memory_gib=0.9 * (LIMIT - 443648) / 2**30)
+    assert "sized again" not in caplog.text and "max_num_batched_tokens" in caplog.text
+    assert llm.engine.runner.stats()["kv_cache_device_bytes"] > 0.8 * (LIMIT - 443648)
+
+
+@pytest.mark.parametrize("limit_factor", [100])
+def test_a_pool_with_room_to_spare_is_not_touched(caplog, limit_factor):
+    with device_of(LIMIT * limit_factor), caplog.at_level(logging.INFO, logger="jaxserve.engine.builder"):
+        LLM(fixture_dir("llama_gqa"), **{**ENGINE, "max_num_seqs": 1})
+    assert "sized again" not in caplog.text and "max_num_batched_tokens" not in caplog.text

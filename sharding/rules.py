@@ -12,6 +12,7 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": "data",
     "sequence": None,
     "pages": "data",  # each data-parallel rank owns its own range of KV pages
+    "data_ranks": "data",  # an array with a part per data-parallel rank (the token buffer's entries)
     "page_offset": None,
     "heads": "tensor",
     "kv_heads": "tensor",

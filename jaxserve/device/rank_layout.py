@@ -7,7 +7,8 @@ the ranks hands each rank its own part. This is the one place that says where th
     KV pool rows      rank r's local page p is row r * pages_per_rank + p
     step rows         rank r's chunks are rows [r * S, (r + 1) * S) of a step of S rows per rank
     step tokens       rank r's tokens are [r * T, (r + 1) * T) of a step of T tokens per rank
-    token buffer      rank r's entry i is entry r * entries_per_rank + i of the whole; the last is scratch
+    token buffer      rank r's own part: its entries_per_rank entries, then its scratch entry; a step names
+                      rank-local entries, a reset the whole buffer's entry r * buffer_entries_per_rank + i
 
 Plain arithmetic, no JAX: the engine, the runner, the step inputs and the KV handovers all read it.
 """
@@ -28,16 +29,18 @@ class RankLayout:
         return self.num_ranks * self.pages_per_rank
 
     @property
-    def token_buffer_size(self) -> int:
-        return self.num_ranks * self.entries_per_rank + 1
+    def buffer_entries_per_rank(self) -> int:
+        """Each rank's part of the token buffer: its scheduler's entries and its scratch entry."""
+        return self.entries_per_rank + 1
 
     @property
     def scratch_entry(self) -> int:
-        """Where rows that sample nothing anyone reads write their token."""
-        return self.token_buffer_size - 1
+        """Where a rank's rows that sample nothing anyone reads write their token (rank-local)."""
+        return self.entries_per_rank
 
     def buffer_entry(self, rank: int, index: int) -> int:
-        return rank * self.entries_per_rank + index
+        """Rank r's local entry as an entry of the whole token buffer (ranks' parts end to end)."""
+        return rank * self.buffer_entries_per_rank + index
 
     def pool_pages(self, rank: int, pages: list[int]) -> list[int]:
         """Rank-local page ids as rows of the whole KV pool."""

@@ -32,7 +32,7 @@ from jaxserve.device.prompt_logprobs import PromptLogprobs
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.sampler import SamplerOutput
 from jaxserve.device.sampling_inputs import SamplingWidths
-from jaxserve.device.sequence_buffers import SequenceBuffers, reset_entry
+from jaxserve.device.sequence_buffers import SequenceBuffers, reset_entry, sequence_buffers_shardings
 from jaxserve.device.step import chained_steps, step
 from jaxserve.device.step_inputs import (
     StepInputs,
@@ -178,10 +178,12 @@ class ModelRunner:
         self.prefill_query_block = prefill_query_block
         self.sampling_widths = sampling_widths
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        buffers = SequenceBuffers.zeros(layout.token_buffer_size, vocab_size)
-        # (on a mesh made on each device: device_put would compare the host value across processes, whole)
-        self.buffers = buffers if replicated is None else zeros_on(buffers, replicated)
-        self._reset_entry = jax.jit(reset_entry, donate_argnums=(0,), out_shardings=replicated)
+        buffers = SequenceBuffers.zeros(layout.num_ranks, layout.buffer_entries_per_rank, vocab_size)
+        # Each rank's part on its own devices, made there (device_put would compare the host value across
+        # processes, whole); the step and the resets keep them so.
+        buffers_shardings = None if mesh is None else sequence_buffers_shardings(buffers, mesh)
+        self.buffers = buffers if buffers_shardings is None else zeros_on(buffers, buffers_shardings)
+        self._reset_entry = jax.jit(reset_entry, donate_argnums=(0,), out_shardings=buffers_shardings)
         # On a mesh the pages must come back laid out as they went in, so that donation reuses them.
         out_shardings = (
             None
@@ -191,7 +193,7 @@ class ModelRunner:
                 self.input_sharding,
                 replicated,
                 jax.tree.map(lambda x: x.sharding, kv_pages),
-                replicated,
+                buffers_shardings,
             )
         )
         self._jitted = jax.jit(
@@ -309,9 +311,11 @@ class ModelRunner:
         ):
             self.chain_executables[shape] = self._compile_chain(shape)
         # The penalties' entry reset compiles now too (on the scratch entry, which nobody reads).
-        vocab_size, mask_words = self.buffers.output_counts.shape[1], self.buffers.prompt_tokens.shape[1]
+        vocab_size, mask_words = self.buffers.output_counts.shape[-1], self.buffers.prompt_tokens.shape[-1]
         self.reset_sequence_buffers(
-            self.layout.scratch_entry, np.zeros(vocab_size, np.int32), np.zeros(mask_words, np.int32)
+            self.layout.buffer_entry(0, self.layout.scratch_entry),
+            np.zeros(vocab_size, np.int32),
+            np.zeros(mask_words, np.int32),
         )
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - start
@@ -378,8 +382,9 @@ class ModelRunner:
         self.kv_pages = page_copies.warm_up_handover_copies(self.kv_pages, max_pages, self.page_array_sharding())
 
     def reset_sequence_buffers(self, entry: int, output_counts: np.ndarray, prompt_tokens: np.ndarray) -> None:
-        """A sequence with penalties starts running at `entry`: its output counts [V] and prompt bitmask
-        [W] (dispatched before the step that samples for it, so that step reads them)."""
+        """A sequence with penalties starts running at `entry` (the whole buffer's: RankLayout.buffer_entry):
+        its output counts [V] and prompt bitmask [W] (dispatched before the step that samples for it, so that
+        step reads them)."""
         self.buffers = self._reset_entry(self.buffers, np.int32(entry), output_counts, prompt_tokens)
 
     def warm_up_page_copies(self) -> None:

@@ -35,7 +35,7 @@ def step(
     finished reads the tokens the host has not seen from there (device/sequence_buffers.py)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(params_treedef, param_leaves))
     token_ids = jnp.where(
-        inputs.token_sources >= 0, buffers.newest_token_ids[jnp.maximum(inputs.token_sources, 0)], inputs.token_ids
+        inputs.token_sources >= 0, buffers.newest_tokens(jnp.maximum(inputs.token_sources, 0)), inputs.token_ids
     )
     bind_row_slots(model, inputs.lora_slots)  # each token's LoRA adapter (jaxserve/lora)
     (hidden, kv_pages), intermediates = nnx.capture(model, nnx.Intermediate)(token_ids, kv_pages, inputs.attention)

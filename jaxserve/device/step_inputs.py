@@ -33,8 +33,8 @@ class StepInputs:
     attention: AttentionMetadata
     logits_indices: HostOrDeviceArray  # [S] int32, the last token of each chunk
     sampling: SamplingInputs
-    token_sources: HostOrDeviceArray  # [T] int32: token buffer entry to read the token from, or -1 (token_ids has it)
-    sampled_entries: HostOrDeviceArray  # [S] int32: token buffer entry each row's sampled token goes to
+    token_sources: HostOrDeviceArray  # [T] int32: rank-local token buffer entry to read the token from, or -1
+    sampled_entries: HostOrDeviceArray  # [S] int32: rank-local token buffer entry each row's sampled token goes to
     # [T] int32: the prompt token that follows this position, whose logprob the step returns
     # (device/prompt_logprobs.py), or -1
     prompt_logprob_targets: HostOrDeviceArray
@@ -65,11 +65,10 @@ def build_step_inputs(
     shape: StepShape,
     page_size: int,
     widths: SamplingWidths,
-    first_entry: int = 0,
     scratch_entry: int = 0,
 ) -> StepInputs:
-    """Host numpy arrays for one step; the runner moves them to the device. first_entry: this rank's
-    first token buffer entry."""
+    """Host numpy arrays for one step; the runner moves them to the device. Token buffer entries are the
+    rank's own (its scheduler's, and scratch_entry for rows that sample for nobody)."""
     num_tokens, num_seqs, block = shape.num_tokens, shape.num_seqs, shape.query_block
     token_ids = np.zeros(num_tokens, np.int32)
     token_sources = np.full(num_tokens, -1, np.int32)
@@ -90,9 +89,9 @@ def build_step_inputs(
         known_end = min(chunk.end, seq.num_tokens)  # beyond it: the token the running step samples
         token_ids[cursor : cursor + known_end - chunk.start] = seq.token_slice(chunk.start, known_end)
         if known_end < chunk.end:
-            token_sources[cursor + known_end - chunk.start : cursor + n] = first_entry + seq.token_buffer_entry
+            token_sources[cursor + known_end - chunk.start : cursor + n] = seq.token_buffer_entry
         if chunk.samples_next_token:
-            sampled_entries[row] = first_entry + seq.token_buffer_entry
+            sampled_entries[row] = seq.token_buffer_entry
         positions[cursor : cursor + n] = chunk_positions
         kv_indices[cursor : cursor + n] = pages[chunk_positions // page_size] * page_size + chunk_positions % page_size
         padded = padded_to_blocks(n, block)
@@ -145,13 +144,10 @@ def build_ranked_inputs(
     widths: SamplingWidths,
 ) -> StepInputs:
     """One step for every data-parallel rank: each rank's inputs (with its own local page ids) laid end
-    to end, as `layout` says. Only logits_indices and the token buffer entries point into the whole."""
+    to end, as `layout` says (its own token buffer entries too). Only logits_indices point into the whole."""
     if len(per_rank_chunks) != layout.num_ranks:
         raise AssertionError(f"{len(per_rank_chunks)} ranks' chunks for a layout of {layout.num_ranks} ranks")
-    per_rank = [
-        build_step_inputs(chunks, shape, page_size, widths, layout.buffer_entry(rank, 0), layout.scratch_entry)
-        for rank, chunks in enumerate(per_rank_chunks)
-    ]
+    per_rank = [build_step_inputs(chunks, shape, page_size, widths, layout.scratch_entry) for chunks in per_rank_chunks]
     if len(per_rank) == 1:
         return per_rank[0]
     for rank, inputs in enumerate(per_rank):

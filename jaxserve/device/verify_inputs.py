@@ -26,11 +26,10 @@ def build_verify_inputs(
     shape: StepShape,
     page_size: int,
     widths: SamplingWidths,
-    first_entry: int = 0,
     scratch_entry: int = 0,
 ) -> VerifyInputs:
     width, num_rows = shape.query_block, shape.num_seqs
-    step = build_step_inputs(chunks, shape, page_size, widths, first_entry, scratch_entry)
+    step = build_step_inputs(chunks, shape, page_size, widths, scratch_entry)
     drafts = np.full((num_rows, width - 1), -1, np.int32)
     for row, chunk in enumerate(chunks):
         num_drafts = len(chunk.draft_token_ids)
@@ -54,8 +53,7 @@ def build_ranked_verify_inputs(
 ) -> VerifyInputs:
     """Every data-parallel rank's verify rows laid end to end (as build_ranked_inputs does for steps)."""
     per_rank = [
-        build_verify_inputs(chunks, shape, page_size, widths, layout.buffer_entry(rank, 0), layout.scratch_entry)
-        for rank, chunks in enumerate(per_rank_chunks)
+        build_verify_inputs(chunks, shape, page_size, widths, layout.scratch_entry) for chunks in per_rank_chunks
     ]
     if len(per_rank) == 1:
         return per_rank[0]

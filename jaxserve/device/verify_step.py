@@ -29,7 +29,7 @@ from jaxserve.arrays import HostOrDeviceArray
 from jaxserve.device.logits_processors import process_logits
 from jaxserve.device.prompt_logprobs import no_prompt_logprobs
 from jaxserve.device.sampler import SamplingInputs, sample
-from jaxserve.device.sequence_buffers import SequenceBuffers, gather_entries
+from jaxserve.device.sequence_buffers import SequenceBuffers, gather_entries, rows_by_rank
 from jaxserve.device.step import expert_token_counts
 from jaxserve.device.step_inputs import StepInputs
 from jaxserve.lora.slots import bind_row_slots
@@ -87,19 +87,25 @@ def verify(logits, sampling: SamplingInputs, draft_token_ids, penalty_state_of_r
 
 def record_accepted(buffers: SequenceBuffers, entries, sampled_token_ids, num_accepted) -> SequenceBuffers:
     """Each row's accepted proposals and the sample after them become its output on the device: the last
-    is its entry's newest token, all are counted (penalties)."""
+    is its entry's newest token, all are counted (penalties). entries: rank-local, as the step's."""
     num_rows = entries.shape[0]
     samples = sampled_token_ids.reshape(num_rows, -1)  # [S, W]
     vocab_size = jnp.asarray(buffers.output_counts).shape[-1]
     kept = jnp.arange(samples.shape[1])[None, :] <= num_accepted[:, None]
     columns = jnp.where(kept, samples, vocab_size)
-    rows = jnp.broadcast_to(entries[:, None], samples.shape)
+    newest = samples[jnp.arange(num_rows), num_accepted]
+
+    def one_rank(newest_part, counts_part, rank_entries, rank_newest, rank_columns):
+        rows = jnp.broadcast_to(rank_entries[:, None], rank_columns.shape)
+        return newest_part.at[rank_entries].set(rank_newest), counts_part.at[rows, rank_columns].add(1, mode="drop")
+
+    newest_token_ids, output_counts = jax.vmap(one_rank)(
+        jnp.asarray(buffers.newest_token_ids),
+        jnp.asarray(buffers.output_counts),
+        *rows_by_rank(buffers, entries, newest, columns),
+    )
     return SequenceBuffers(
-        newest_token_ids=jnp.asarray(buffers.newest_token_ids)
-        .at[entries]
-        .set(samples[jnp.arange(num_rows), num_accepted]),
-        output_counts=jnp.asarray(buffers.output_counts).at[rows, columns].add(1, mode="drop"),
-        prompt_tokens=buffers.prompt_tokens,
+        newest_token_ids=newest_token_ids, output_counts=output_counts, prompt_tokens=buffers.prompt_tokens
     )
 
 

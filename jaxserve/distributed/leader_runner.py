@@ -42,14 +42,28 @@ def reset_buffers_everywhere(runner, entry: int, token_ids, counts, vocab_size: 
 
 
 def execute_everywhere(runner, mesh, shape, inputs):
-    """What every process runs for one step plan: the step over global inputs, its results replicated."""
-    return replicated_results(runner.execute(shape, global_inputs(inputs, runner.input_sharding)), mesh)
+    """What every process runs for one step plan: the step over global inputs, its results replicated (the
+    prompt logprobs only where some row scores prompt tokens: the host inputs, the same on every process,
+    say so alike everywhere)."""
+    pending = runner.execute(shape, global_inputs(inputs, runner.input_sharding))
+    return replicated_results(pending, mesh, prompt_logprobs=scores_prompt_tokens(inputs))
 
 
-def replicated_results(pending, mesh):
-    """The pending step with every result array replicated: addressable on every process."""
+def scores_prompt_tokens(inputs) -> bool:
+    """Whether a step's host inputs (StepInputs, or VerifyInputs around them) score some prompt token."""
+    step_inputs = getattr(inputs, "step", inputs)
+    return bool((np.asarray(step_inputs.prompt_logprob_targets) >= 0).any())
+
+
+def replicated_results(pending, mesh, prompt_logprobs: bool = True):
+    """The pending step with every result array replicated: addressable on every process. Without
+    prompt_logprobs, those stay where the step left them: the engine fetches them only for a step whose rows
+    asked (engine.py's scores_prompt), and replicating them is an all-gather of [T, K] scores over the host
+    network on every step."""
     replicate = _replicator(mesh)
     arrays = {f.name: getattr(pending, f.name) for f in dataclasses.fields(pending)}
+    if not prompt_logprobs:
+        del arrays["prompt_logprobs"]
     return dataclasses.replace(
         pending,
         **{

@@ -16,9 +16,10 @@ import numpy as np
 
 from jaxserve.config import LoraConfig
 from jaxserve.device.page_copies import CountingCompiles
+from jaxserve.device.placement import put_on
 from jaxserve.lora.adapter import LoraAdapter, read_adapter, split_fused
 from jaxserve.lora.expert_adapter import split_expert_path
-from jaxserve.lora.slots import ExpertSlots, LoraSlots, write_slot
+from jaxserve.lora.slots import ExpertSlots, LoraSlots, slot_value_sharding, write_slot
 
 BASE_SLOT = 0  # zeros in every projection: rows without an adapter
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -57,9 +58,16 @@ class LoraRegistry:
             (2 if half == "a" else 1) if path in self.expert_shapes else (1 if half == "a" else 0)
             for path, half in self._leaf_names
         )  # A [S, K, L, r] and B [S, L, r, N] for experts; A [K, L, r] and B [L, r, N] otherwise
+        # Each new slot value arrives split as its slot array is and in its dtype (put_on): a host float32
+        # value handed to the jit as it is would reach every device whole, in float32.
+        self._value_shardings = [
+            slot_value_sharding(leaf.sharding, leaf.ndim, axis) for leaf, axis in zip(leaves, slot_axes)
+        ]
+        self._value_dtypes = [leaf.dtype for leaf in leaves]
         self._write = jax.jit(
             functools.partial(write_slot, slot_axes=slot_axes),
             donate_argnums=(0,),
+            in_shardings=([leaf.sharding for leaf in leaves], None, self._value_shardings),
             out_shardings=[leaf.sharding for leaf in leaves],
         )
         # Compiled now: zeros into the base slot (twice: fresh arrays are not yet committed to a device,
@@ -194,8 +202,14 @@ class LoraRegistry:
                 else:
                     value[: projection.rank] = projection.b
             values.append(value)
+        placed = [
+            put_on(np.asarray(value, dtype), sharding, f"LoRA slot value of {path}.{half}")
+            for value, dtype, sharding, (path, half) in zip(
+                values, self._value_dtypes, self._value_shardings, self._leaf_names
+            )
+        ]
         leaves = list(self.runner.param_leaves)
-        written = self._write([leaves[i] for i in self._leaf_indices], np.int32(slot), values)
+        written = self._write([leaves[i] for i in self._leaf_indices], np.int32(slot), placed)
         for index, array in zip(self._leaf_indices, written):
             leaves[index] = array
         self.runner.replace_params(jax.tree.unflatten(self.runner.params_treedef, leaves))

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve.device.placement import zeros_on
 from jaxserve.models.layers import Linear
 from jaxserve.models.moe import SparseMoE
 from pallas_kernels.matmul.lora import ExpertLora, LoraWeight, RowAdapters, route_rows, with_lora
@@ -106,7 +106,7 @@ def attach_lora(
         in_axis, out_axis = linear.kernel.get_metadata().get("logical_axes", (None, None))
         (in_features, out_features), dtype = kernel.shape, kernel.dtype
         a = _placed(
-            np.zeros((in_features, num_slots, max_rank)),
+            (in_features, num_slots, max_rank),
             dtype,
             (in_axis, "lora_slots", "lora_rank"),
             mesh,
@@ -114,7 +114,7 @@ def attach_lora(
             rules,
         )
         b = _placed(
-            np.zeros((num_slots, max_rank, out_features)),
+            (num_slots, max_rank, out_features),
             dtype,
             ("lora_slots", "lora_rank", out_axis),
             mesh,
@@ -132,8 +132,8 @@ def attach_lora(
             _, in_axis, out_axis = param.get_metadata().get("logical_axes", (None, None, None))
             rows, size_in, size_out = param[...].shape
             dtype = param[...].dtype
-            a = np.zeros((rows, size_in, num_slots, max_rank))
-            b = np.zeros((rows, num_slots, max_rank, size_out))
+            a = (rows, size_in, num_slots, max_rank)
+            b = (rows, num_slots, max_rank, size_out)
             slots[name] = ExpertSlots(
                 _placed(a, dtype, ("expert", in_axis, "lora_slots", "lora_rank"), mesh, sizes, rules),
                 _placed(b, dtype, ("expert", "lora_slots", "lora_rank", out_axis), mesh, sizes, rules),
@@ -158,13 +158,15 @@ def adaptable_experts(model) -> dict[str, SparseMoE]:
     }
 
 
-def _placed(values: np.ndarray, dtype, axes, mesh: Mesh | None, sizes, rules):
+def _placed(shape: tuple[int, ...], dtype, axes, mesh: Mesh | None, sizes, rules):
+    """Zero slots of `shape`, each device making only its shard (not the whole made on one device and then
+    split: the slots of every projection together are an adapter's size times the slots)."""
     if mesh is None:
-        return jnp.asarray(values, dtype)
+        return jnp.zeros(shape, dtype)
     if "expert" in axes:  # as the expert weights (sharding/placement.py): its units are the stored rows
-        sizes = {**(sizes or {}), "expert": values.shape[axes.index("expert")]}
+        sizes = {**(sizes or {}), "expert": shape[axes.index("expert")]}
     spec = partition_spec(axes, mesh, sizes, rules or LOGICAL_AXIS_RULES)
-    return jax.device_put(jnp.asarray(values, dtype), NamedSharding(mesh, spec))
+    return zeros_on(jax.ShapeDtypeStruct(shape, dtype), NamedSharding(mesh, spec))
 
 
 def bind_row_slots(model, token_slots) -> None:
@@ -178,6 +180,16 @@ def bind_row_slots(model, token_slots) -> None:
             module.row_adapters = routing
         else:
             module.row_slots = token_slots  # the routed copies' slots are gathered from these per layer
+
+
+def slot_value_sharding(sharding, ndim: int, slot_axis: int):
+    """Where one slot's new value ([K, r] of an A [K, L, r], and so on) goes for an array of `ndim` axes on
+    `sharding`: split as the array is, less its slot axis, so that each device receives only the shard it
+    writes (one device: that device)."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = (*sharding.spec, *(None,) * (ndim - len(sharding.spec)))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[:slot_axis], *spec[slot_axis + 1 :]))
 
 
 def write_slot(slot_arrays: list, slot, new_values: list, *, slot_axes: tuple[int, ...]) -> list:

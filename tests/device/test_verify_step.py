@@ -122,7 +122,17 @@ def test_counts_and_buffers_follow_the_accepted_tokens():
     drafts = jnp.asarray([[4, 5]])
     counts = np.asarray(counts_with_drafts(jnp.zeros((1, VOCAB), jnp.int32), drafts))
     assert counts.tolist() == [[0] * 6, [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 1, 1]]
-    buffers = SequenceBuffers.zeros(3, VOCAB)
+    buffers = SequenceBuffers.zeros(1, 3, VOCAB)
     updated = record_accepted(buffers, jnp.asarray([1, 2]), jnp.asarray([4, 5, 0, 3, 3, 3]), jnp.asarray([2, 0]))
-    assert np.asarray(updated.newest_token_ids).tolist() == [0, 0, 3]
-    assert np.asarray(updated.output_counts).tolist() == [[0] * 6, [1, 0, 0, 0, 1, 1], [0, 0, 0, 1, 0, 0]]
+    assert np.asarray(updated.newest_token_ids).tolist() == [[0, 0, 3]]
+    assert np.asarray(updated.output_counts).tolist() == [[[0] * 6, [1, 0, 0, 0, 1, 1], [0, 0, 0, 1, 0, 0]]]
+
+
+def test_two_ranks_record_into_their_own_entries():
+    """Rows laid end to end by rank name their rank's own entries: rank 1's row at entry 1 is rank 1's."""
+    buffers = SequenceBuffers.zeros(2, 3, VOCAB)
+    updated = record_accepted(buffers, jnp.asarray([1, 1]), jnp.asarray([4, 5, 0, 3, 3, 3]), jnp.asarray([2, 0]))
+    assert np.asarray(updated.newest_token_ids).tolist() == [[0, 0, 0], [0, 3, 0]]
+    counts = np.asarray(updated.output_counts)
+    assert counts[0].tolist() == [[0] * 6, [1, 0, 0, 0, 1, 1], [0] * 6]
+    assert counts[1].tolist() == [[0] * 6, [0, 0, 0, 1, 0, 0], [0] * 6]

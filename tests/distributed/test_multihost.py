@@ -55,6 +55,23 @@ def test_tensor_and_data_parallel_across_processes_equal_transformers(main_run):
         assert main_run[key]["devices_holding_kv"] == [0, 1]
 
 
+def test_prompt_logprobs_across_processes_equal_one_process(main_run):
+    """Prompt logprobs reach process 0 from a data-parallel rank on process 1 too (the leader replicates them
+    only for steps whose rows asked: leader_runner.execute_everywhere)."""
+    from tests.distributed.worker_prompts import scored_prompts
+
+    two = main_run["dp2tp4"]["prompt_logprobs"]
+    one = scored_prompts(LLM(fixture_dir("llama_gqa"), **SMALL_ENGINE), "llama_gqa")
+    assert [s is None for s in two] == [s is None for s in one] == [True, False, True, False]
+    for scored_two, scored_one in zip(two, one):
+        for position_two, position_one in zip(scored_two or [], scored_one or []):
+            if position_one is None:
+                assert position_two is None
+                continue
+            assert [t for t, _ in position_two] == [t for t, _ in position_one]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(position_two, position_one)) < 1e-4
+
+
 def test_expert_parallel_across_processes_equals_transformers_and_moves(main_run):
     outcome = main_run["ep8"]
     assert_equals_transformers(outcome)

@@ -32,6 +32,7 @@ assert group is not None
 import jax  # noqa: E402  (after initialize: the devices are the program's)
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
+from tests.distributed.worker_prompts import scored_prompts  # noqa: E402
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir  # noqa: E402
 
 # A fresh persistent cache per run, not the default one: on CPU the two processes key the same jit apart (a
@@ -73,6 +74,8 @@ def lead(key, llm, name):
     result["devices_holding_kv"] = sorted({device.process_index for device in kv_devices})
     if key == "tp8":
         llm.save_checkpoint(os.path.join(out_dir, "checkpoint"))
+    if key == "dp2tp4":  # prompt logprobs of rows on both processes' ranks, beside rows that ask none
+        result["prompt_logprobs"] = scored_prompts(llm, name)
     if key == "ep8":
         before = llm.stats()
         llm.rebalance_experts()

@@ -7,11 +7,12 @@ import pytest
 from tests.support.fake_devices import run_on_fake_devices
 
 MESHES = ("2:2",)  # data:tensor: tensor-parallel adapters, and ranks' tokens laid end to end
+BFLOAT16 = "1:4:bfloat16"  # data:tensor:dtype: only what an adapter's load hands the devices
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_on_fake_devices("tests.lora.tp_run", *MESHES, devices=4)
+    return run_on_fake_devices("tests.lora.tp_run", *MESHES, BFLOAT16, devices=4)
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -30,3 +31,13 @@ def test_slots_are_split_as_their_base_kernels(results, mesh):
     assert specs["layers.0.self_attn.o_proj.a"] == ["tensor", None, None]  # [heads, slots, rank]
     assert specs["layers.0.self_attn.o_proj.b"] == [None, None, None]
     assert specs["layers.1.mlp.down_proj.a"] == ["tensor", None, None]
+
+
+@pytest.mark.parametrize("mesh", (*MESHES, BFLOAT16))
+def test_an_adapter_load_sends_each_device_only_its_shard_in_the_slots_dtype(results, mesh):
+    """Not the whole adapter to every device in float32: each new slot value arrives split as its slot
+    array, in its dtype (bfloat16 slots: half the bytes of float32)."""
+    values = results[mesh]["load"]["values"]
+    assert values and "error" not in results[mesh], results[mesh]
+    assert all(value["dtype"] == value["slot_dtype"] for value in values), values
+    assert all(value["most"] == value["share"] for value in values), values

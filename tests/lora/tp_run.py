@@ -28,7 +28,43 @@ def lora_specs(llm) -> dict:
     return specs
 
 
+def received_by_loads(llm, name: str, path: str) -> dict:
+    """What the compiled slot write receives when `name` loads: for each new slot value, its dtype, the bytes
+    the device with the most of it holds, and one slot's share of its slot array on a device. A host array
+    is sent whole to every device."""
+    registry = llm.engine.parts.lora
+    write, seen = registry._write, []
+
+    def recording(slot_arrays, slot, values):
+        for array, value in zip(slot_arrays, values):
+            if isinstance(value, jax.Array):
+                most = max(shard.data.nbytes for shard in value.addressable_shards)
+            else:
+                most = value.nbytes
+            # every device holds every slot (the slot axis is replicated): one slot is 1 / num_slots of its bytes
+            share = max(shard.data.nbytes for shard in array.addressable_shards) // registry.num_slots
+            seen.append(dict(dtype=str(value.dtype), slot_dtype=str(array.dtype), most=int(most), share=int(share)))
+        return write(slot_arrays, slot, values)
+
+    registry._write = recording
+    try:
+        llm.load_lora(name, path)
+    finally:
+        registry._write = write
+    return dict(values=seen)
+
+
+def placement_only(mesh: str) -> dict:
+    """A bfloat16 engine (the fixture's weights cast): only what an adapter load hands the devices."""
+    data, tensor, dtype = mesh.split(":")
+    engine = {**LORA_ENGINE, "dtype": dtype, "lora": {**LORA_ENGINE["lora"], "adapters": {}}}
+    llm = LLM(BASE_MODEL, **engine, data_parallel_size=int(data), tensor_parallel_size=int(tensor))
+    return dict(load=received_by_loads(llm, "mixed", adapter_dir(ADAPTER_NAMES[-1])))
+
+
 def run(mesh: str) -> dict:
+    if mesh.count(":") == 2:
+        return placement_only(mesh)
     data, tensor = (int(size) for size in mesh.split(":"))
     llm = LLM(BASE_MODEL, **LORA_ENGINE, data_parallel_size=data, tensor_parallel_size=tensor)
     prompts, record = expected()["prompts"], expected()
@@ -44,13 +80,14 @@ def run(mesh: str) -> dict:
     ]
     equal = [output.outputs[0].token_ids == tokens for output, tokens in zip(outputs, want)]
     llm.unload_lora("mixed_r3")
-    llm.load_lora("mixed_again", adapter_dir("mixed_r3"))
+    load = received_by_loads(llm, "mixed_again", adapter_dir("mixed_r3"))
     again = llm.generate(prompts[2], SamplingParams(max_tokens=max_tokens, temperature=0.0, lora="mixed_again"))
     return dict(
         num_devices=len(jax.devices()),
         greedy_equal=equal,
         reloaded_equal=again[0].outputs[0].token_ids == record["greedy_token_ids"]["mixed_r3"][2],
         specs=lora_specs(llm),
+        load=load,
         compiles_after_warmup=llm.stats()["num_compiles_after_warmup"],
     )
 

@@ -166,8 +166,8 @@ class LeaderRunner:
             return local()
 
     def reset_sequence_buffers(self, entry: int, output_counts: np.ndarray, prompt_tokens: np.ndarray) -> None:
-        """Every process's replica of the SequenceBuffers must change alike: a data-parallel rank on another
-        process samples its rows from its own. The counts [V] go as their nonzero entries (a new sequence
+        """The reset is one jit over the global mesh, so every process runs it, though only the process holding
+        the entry's data-parallel rank keeps its part of the SequenceBuffers (split by rank). The counts [V] go as their nonzero entries (a new sequence
         has none; a resumed one few), the plan staying small for a large vocabulary."""
         token_ids = np.flatnonzero(output_counts).astype(np.int32)
         args = (entry, token_ids, output_counts[token_ids], len(output_counts), prompt_tokens)

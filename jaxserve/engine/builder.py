@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from dataclasses import dataclass
 
 import jax
@@ -44,6 +45,8 @@ from sharding.attention import attention_dispatch, devices_per_page
 from sharding.expert_placement import expert_parallel_reader, initial_placement, read_load_profile
 from sharding.moe import expert_dispatch
 from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES
+
+logger = logging.getLogger(__name__)
 
 NO_QUANTIZATION = QuantizationSpec()
 
@@ -299,6 +302,14 @@ def _kv_cache(
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded_model)))
     swapping_pays = swap_in_is_cheaper(page_bytes, config.cache.page_size, num_params, jax.default_backend())
     host_tier_pages = int(config.cache.swap_space * 2**30) // page_bytes if swapping_pays else 0
+    if config.cache.swap_space and not swapping_pays:
+        logger.warning(
+            "cache.swap_space %s GiB left unused: on %s recomputing a page's prefill is cheaper than bringing its KV "
+            "back from host memory (pages of %d bytes), so evicted pages are dropped (no host tier)",
+            config.cache.swap_space,
+            jax.default_backend(),
+            page_bytes,
+        )
     num_ranks = config.parallel.data_parallel_size
     layout = RankLayout(num_ranks, num_pages, entries_per_rank=config.scheduler.max_num_seqs)
     schedulers = [

@@ -218,9 +218,9 @@ def _load_model(
     """The model with its params read from the checkpoint, each placed on the mesh as it is read; expert
     placements (expert parallelism only) are not params: they start contiguous. `quantized_activations`:
     the engine option, for the CPU quantized kernel (pallas_kernels/matmul/quantized_cpu.py)."""
-    # the projections' kernels: an engine without a mesh runs on one device even where the process holds several
-    # (a single-device engine on a multi-GPU host, fake CPU devices), so it keeps the one-device kernels
-    num_devices = 1 if mesh is None else jax.device_count()
+    # the projections' kernels, by the engine's own devices: one device (no mesh, or parallel.device_ids naming one)
+    # keeps the one-device kernels even where the process holds several (a multi-GPU host, fake CPU devices)
+    num_devices = 1 if mesh is None else mesh.size
     matmul = choose_matmul(jax.default_backend(), num_devices, quantized_activations)
     abstract_model = nnx.eval_shape(
         lambda: build_model(

@@ -90,6 +90,12 @@ class CacheConfig:
             raise ValueError(f"num_pages must be >= 2 (one page is reserved), got {self.num_pages}")
         if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
             raise ValueError(f"cache.kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
+        if self.swap_space and not self.enable_prefix_caching:
+            # the host tier only ever receives evicted prefix-cache pages: without the cache it would stay empty
+            raise ValueError(
+                "cache.swap_space (a host tier for evicted prefix-cache pages) needs enable_prefix_caching: "
+                "set swap_space to 0 or turn prefix caching on"
+            )
 
 
 @dataclass(frozen=True)

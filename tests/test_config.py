@@ -44,6 +44,9 @@ def test_validation_spans_groups():
         EngineConfig.from_options(prefill_token_buckets=(24,), prefill_query_block=16)
     with pytest.raises(ValueError, match="swap_space"):
         EngineConfig.from_options(swap_space=1.0, data_parallel_size=2)
+    # the host tier only receives evicted prefix-cache pages: without the cache it was silently left empty
+    with pytest.raises(ValueError, match="swap_space .* needs enable_prefix_caching"):
+        EngineConfig.from_options(swap_space=1.0, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="role must be both, prefill or decode"):
         EngineConfig.from_options(role="neither")
     with pytest.raises(ValueError, match="unknown cache option 'max_num_seqs'"):

@@ -231,8 +231,10 @@ def _load_model(
     """The model with its params read from the checkpoint, each placed on the mesh as it is read; expert
     placements (expert parallelism only) are not params: they start contiguous. `quantized_activations`:
     the engine option, for the CPU quantized kernel (pallas_kernels/matmul/quantized_cpu.py)."""
-    # the projections' kernels
-    matmul = choose_matmul(jax.default_backend(), jax.device_count(), quantized_activations)
+    # the projections' kernels, by the engine's own devices: one device (no mesh, or parallel.device_ids naming one)
+    # keeps the one-device kernels even where the process holds several (a multi-GPU host, fake CPU devices)
+    num_devices = 1 if mesh is None else mesh.size
+    matmul = choose_matmul(jax.default_backend(), num_devices, quantized_activations)
     abstract_model = nnx.eval_shape(
         lambda: build_model(
             source.config,
@@ -432,6 +434,14 @@ def _kv_cache(
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded_model)))
     swapping_pays = swap_in_is_cheaper(page_bytes, config.cache.page_size, num_params, jax.default_backend())
     host_tier_pages = int(config.cache.swap_space * 2**30) // page_bytes if swapping_pays else 0
+    if config.cache.swap_space and not swapping_pays:
+        logger.warning(
+            "cache.swap_space %s GiB left unused: on %s recomputing a page's prefill is cheaper than bringing its KV "
+            "back from host memory (pages of %d bytes), so evicted pages are dropped (no host tier)",
+            config.cache.swap_space,
+            jax.default_backend(),
+            page_bytes,
+        )
     num_ranks = config.parallel.data_parallel_size
     layout = RankLayout(num_ranks, num_pages, entries_per_rank=config.scheduler.max_num_seqs)
     schedulers = [

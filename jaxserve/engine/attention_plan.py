@@ -41,7 +41,9 @@ def choose_attention(model: ModelConfig, config: EngineConfig, dtype: str, mesh:
         config.compile.attention_impl,
         platform,
         dtype,
-        partitioned=mesh is not None and attention_mesh is None,
+        # a mesh of one device (parallel.device_ids naming one) partitions nothing: its kernels are a one-device
+        # engine's
+        partitioned=mesh is not None and mesh.size > 1 and attention_mesh is None,
         head_dim=model.head_dim,
         page_size=config.cache.page_size,
     )

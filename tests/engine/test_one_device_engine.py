@@ -3,8 +3,8 @@ devices) runs the one-device kernels, as in a process with one device: the matmu
 device count, so such an engine lost the CPU kernels (on a GPU host, the Pallas quantized kernel): with int8 weights
 its greedy tokens differed from the same engine's in a one-device process, and its logprobs moved by ulps with the
 step's rows (XLA's dots; LoRA with speculation on). The engines (the default device: no mesh; parallel.device_ids
-(1,): a mesh of one) run in a subprocess with 2 fake CPU devices; their outputs equal this process's to the bit
-(a mesh of one against device_ids (0,) here: its attention is the partitioned reference, not the C++ kernel)."""
+(1,): a mesh of one) run in a subprocess with 2 fake CPU devices; their outputs equal this process's one-device
+engine's to the bit (a mesh of one partitions nothing: its attention is the C++ kernel too, not the reference)."""
 
 import pytest
 
@@ -17,7 +17,7 @@ PROMPTS = [[5, 6, 7, 8] * 4, list(range(20, 45)), [9, 10, 11] * 3]
 
 # the subprocess's engines, each against this process's engine of the same options
 ENGINES = {"default_device": {}, "device_1": {"device_ids": (1,)}}
-HERE = {"default_device": {}, "device_1": {"device_ids": (0,)}}
+HERE = {"default_device": {}, "device_1": {}}
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, prompt_logprobs=1)
 
 
@@ -44,6 +44,7 @@ def results():
 def test_an_engine_on_one_of_several_devices_keeps_the_one_device_kernels(results):
     for name, got in results.items():
         assert "SmallMatmul" in got["plan"] and "QuantizedSmallMatmul" in got["plan"], (name, got["plan"])
+        assert got["attention"] == "cpu", (name, got["attention"])  # the C++ kernel, not the partitioned reference
         assert got["compiles_after_warmup"] == 0
 
 

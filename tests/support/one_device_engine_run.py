@@ -1,6 +1,6 @@
 """Run by tests/engine/test_one_device_engine.py with 2 fake CPU devices: llama_gqa with int8 weights on one device
 of the two (the default device: no mesh; parallel.device_ids (1,): a mesh of one); prints one JSON line: per engine,
-the matmul plan's entries (builder.choose_matmul spied on), the greedy tokens and logprobs of a few prompts, and
+the matmul plan's entries (builder.choose_matmul spied on), the attention implementation, the greedy tokens and logprobs of a few prompts, and
 compiles after warm-up."""
 
 import json
@@ -24,6 +24,7 @@ def main() -> None:
         llm = LLM(**ENGINE, **options)
         results[name] = dict(
             plan=[type(entry).__name__ for entry in plans[-1].entries],
+            attention=llm.engine.parts.attention.impl,
             outputs=outputs_of(llm.generate(PROMPTS, PARAMS)),
             compiles_after_warmup=llm.stats()["num_compiles_after_warmup"],
         )

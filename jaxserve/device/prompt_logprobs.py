@@ -54,10 +54,11 @@ MIN_BLOCK_ROWS = ROW_INVARIANT_ROWS
 def score_prompt_tokens(compute_logits, hidden, targets, max_logprobs: int) -> PromptLogprobs:
     """hidden [T, D]; targets [T] int32 (-1: not scored). compute_logits: the model's head, [N, D] -> [N, V].
 
-    The slots are scored a block at a time (lax.map), and a block with no target is skipped. A block takes
-    every num_blocks-th slot (slot t in block t % num_blocks): a data-parallel mesh splits T into contiguous
-    runs a rank, and a strided block keeps each rank's rows on its own devices. Every computation here is row
-    by row, so a position scores alike in any block (and any chunking of its prompt)."""
+    The slots are scored a block at a time (lax.map), and a block with no target is skipped (a step with none
+    runs no loop at all). A block takes every num_blocks-th slot (slot t in block t % num_blocks): a
+    data-parallel mesh splits T into contiguous runs a rank, and a strided block keeps each rank's rows on its
+    own devices (where block_layout pads T, the padding's rank's rows move). Every computation here is row by
+    row, so a position scores alike in any block (and any chunking of its prompt)."""
     num_tokens, num_top = targets.shape[0], max(max_logprobs, 1)
 
     def score(hidden, targets):
@@ -72,28 +73,44 @@ def score_prompt_tokens(compute_logits, hidden, targets, max_logprobs: int) -> P
             jnp.where(scored, token_ranks(logprobs, chosen), 0),
         )
 
-    def score_if_asked(blocks):
-        hidden, targets = blocks
+    def score_if_asked(hidden, targets):
         skip = lambda *_: no_prompt_logprobs(targets.shape[0], num_top)  # noqa: E731
         return jax.lax.cond(jnp.any(targets >= 0), score, skip, hidden, targets)
 
     vocab_size = jax.eval_shape(compute_logits, jax.ShapeDtypeStruct((1, hidden.shape[1]), hidden.dtype)).shape[1]
-    num_blocks = blocks_for(num_tokens, max(MIN_BLOCK_ROWS, BLOCK_LOGITS_BYTES // (4 * vocab_size)))
+    max_rows = max(MIN_BLOCK_ROWS, BLOCK_LOGITS_BYTES // (4 * vocab_size))
+    num_blocks, rows = block_layout(num_tokens, max_rows, MIN_BLOCK_ROWS)
     if num_blocks == 1:
-        return score_if_asked((hidden, targets))
-    rows = num_tokens // num_blocks
+        return score_if_asked(hidden, targets)
+    padding = num_blocks * rows - num_tokens  # slots that score nothing, where no divisor of T fits
 
     def strided(x):  # [T, ...] -> [num_blocks, rows, ...]: block j holds slots j, j + num_blocks, ...
         return jnp.swapaxes(x.reshape(rows, num_blocks, *x.shape[1:]), 0, 1)
 
     def unstrided(x):  # the inverse
-        return jnp.swapaxes(x, 0, 1).reshape(num_tokens, *x.shape[2:])
+        return jnp.swapaxes(x, 0, 1).reshape(num_blocks * rows, *x.shape[2:])[:num_tokens]
 
-    scored = jax.lax.map(score_if_asked, (strided(hidden), strided(targets)))
-    return jax.tree.map(unstrided, scored)
+    def blocked(hidden, targets):
+        hidden = jnp.pad(hidden, ((0, padding), (0, 0)))
+        targets = jnp.pad(targets, (0, padding), constant_values=-1)
+        scored = jax.lax.map(lambda block: score_if_asked(*block), (strided(hidden), strided(targets)))
+        return jax.tree.map(unstrided, scored)
+
+    # a step that scores no prompt token (every decode step) runs no loop: on a GPU each of the map's
+    # iterations, skipped or not, costs the host a round trip for its loop and cond predicates
+    skip_all = lambda *_: no_prompt_logprobs(num_tokens, num_top)  # noqa: E731
+    return jax.lax.cond(jnp.any(targets >= 0), blocked, skip_all, hidden, targets)
 
 
-def blocks_for(num_tokens: int, max_rows: int) -> int:
-    """The fewest blocks of at most max_rows rows that split num_tokens evenly (bucket sizes are multiples of
-    64 or small, so a divisor is near)."""
-    return next(n for n in range(-(-num_tokens // max_rows), num_tokens + 1) if num_tokens % n == 0)
+def block_layout(num_tokens: int, max_rows: int, min_rows: int) -> tuple[int, int]:
+    """(blocks, rows a block) for num_tokens slots: one block if they fit; else the fewest blocks of at most
+    max_rows and at least min_rows rows that split them evenly (bucket sizes are multiples of 64 or small, so a
+    divisor is near); else (a token budget like 16 x 131, whose divisors would give 131 blocks of 16 rows)
+    blocks of max_rows rows, the last slots padding."""
+    if num_tokens <= max_rows:
+        return 1, num_tokens
+    fewest = -(-num_tokens // max_rows)
+    for num_blocks in range(fewest, num_tokens // min_rows + 1):
+        if num_tokens % num_blocks == 0:
+            return num_blocks, num_tokens // num_blocks
+    return fewest, max_rows

@@ -125,6 +125,10 @@ class LeaderRunner:
     def layout(self):
         return self.inner.layout
 
+    @property
+    def kv_pages(self):
+        return self.inner.kv_pages
+
     def build_inputs(self, per_rank_chunks, shape):
         return self.inner.build_inputs(per_rank_chunks, shape)
 

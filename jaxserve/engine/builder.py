@@ -149,9 +149,14 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
             "sized again that much smaller and compiled again (cache.kv_cache_memory_gib sets it at once)",
             shortfall / 2**20,
         )
+        # smaller than the pools made, which can be under the measured budget (capped by what max_num_seqs
+        # sequences can use): the measured budget less the shortfall would make the same pools again
+        pools_bytes = _one_device_bytes(runner.kv_pages) + draft_pool_bytes
         del schedulers, layout, runner, experts  # the old pool goes before the new one is made
         gc.collect()
-        kv_budget, draft_pages = _kv_budgets(config, mesh, max_model_len, draft_weights, less=shortfall)
+        kv_budget, draft_pages = _kv_budgets(
+            config, mesh, max_model_len, draft_weights, at_most=pools_bytes - shortfall
+        )
         schedulers, layout, runner, experts = target(kv_budget)
     draft = None
     if draft_weights is not None and draft_pages is not None:
@@ -278,7 +283,11 @@ def _attach_lora(model, config: EngineConfig, model_config: ModelConfig, mesh: M
 
 
 def _kv_budgets(
-    config: EngineConfig, mesh: Mesh | None, max_model_len: int, draft: DraftWeights | None, less: int = 0
+    config: EngineConfig,
+    mesh: Mesh | None,
+    max_model_len: int,
+    draft: DraftWeights | None,
+    at_most: int | None = None,
 ) -> tuple[int, int | None]:
     """(the target's KV budget of one device, the draft's pool in pages a rank; None without a draft).
 
@@ -287,8 +296,10 @@ def _kv_budgets(
     the rest. (Sized one after the other, the target's pool took 90% of what was free before the draft's weights
     loaded: a draft larger than the 10% left failed to load, and its pool got a quarter of a remainder.) A
     configured budget (kv_cache_memory_gib, or the CPU's default) is the target's, the draft's pool a quarter of
-    it beside. less: bytes to leave out of a measured budget (_scratch_shortfall)."""
-    budget = kv_cache_bytes_available(config.cache.kv_cache_memory_gib, mesh) - less
+    it beside. at_most: what both pools may take of a device at most (pools sized again: _scratch_shortfall)."""
+    budget = kv_cache_bytes_available(config.cache.kv_cache_memory_gib, mesh)
+    if at_most is not None:
+        budget = min(budget, at_most)
     if draft is None:
         return budget, None
     shared = config.cache.kv_cache_memory_gib is None and measured_free_bytes(mesh) is not None
@@ -354,6 +365,11 @@ def _draft_pool_bytes(
     if draft is None or draft_pages is None:
         return 0
     return draft_pages * draft_device_page_bytes(draft, config, mesh)
+
+
+def _one_device_bytes(arrays) -> int:
+    """What arrays take on one device (each array's largest shard): a pool's share of a device's memory."""
+    return sum(max(shard.data.nbytes for shard in leaf.addressable_shards) for leaf in jax.tree.leaves(arrays))
 
 
 def _scratch_shortfall(

@@ -46,3 +46,14 @@ def test_a_pool_with_room_to_spare_is_not_touched(caplog, limit_factor):
     with device_of(LIMIT * limit_factor), caplog.at_level(logging.INFO, logger="jaxserve.engine.builder"):
         LLM(fixture_dir("llama_gqa"), **{**ENGINE, "max_num_seqs": 1})
     assert "sized again" not in caplog.text and "max_num_batched_tokens" not in caplog.text
+
+
+def test_a_pool_capped_by_what_its_rows_can_use_is_sized_below_that(caplog):
+    # 2 sequences of 64 pages, no prefix cache: the pool is capped at 129 pages (~0.26 MB), far under the
+    # measured budget, and still leaves too little for the scratch; smaller means smaller than what was made,
+    # not the measured budget less the shortfall (which would make the same capped pool again)
+    capped_pages = 2 * 64 + 1
+    llm, free = build(caplog, max_num_seqs=2, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    assert "sized again" in caplog.text and "max_num_batched_tokens" not in caplog.text
+    assert runner.layout.total_pages < capped_pages and runner.largest_scratch_bytes() <= free

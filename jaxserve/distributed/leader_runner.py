@@ -170,9 +170,10 @@ class LeaderRunner:
             return local()
 
     def reset_sequence_buffers(self, entry: int, output_counts: np.ndarray, prompt_tokens: np.ndarray) -> None:
-        """The reset is one jit over the global mesh, so every process runs it, though only the process holding
-        the entry's data-parallel rank keeps its part of the SequenceBuffers (split by rank). The counts [V] go as their nonzero entries (a new sequence
-        has none; a resumed one few), the plan staying small for a large vocabulary."""
+        """The reset is one jit over the global mesh, so every process runs it, though the SequenceBuffers are
+        split by rank: only the devices of the entry's data-parallel rank change. The counts [V] go as their
+        nonzero entries (a new sequence has none; a resumed one few), the plan staying small for a large
+        vocabulary."""
         token_ids = np.flatnonzero(output_counts).astype(np.int32)
         args = (entry, token_ids, output_counts[token_ids], len(output_counts), prompt_tokens)
         self.run_everywhere(

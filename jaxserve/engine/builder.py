@@ -380,9 +380,9 @@ def _scratch_shortfall(
     draft_pool_bytes: int,
 ) -> int:
     """How much memory a device lacks for the largest compiled step's scratch beside the KV pools (the target's
-    made, the draft's still to come: draft_pool_bytes), plus a margin of 5% of it; 0 where it fits or where the pool's size is not the engine's to change: a budget set by the
-    user (kv_cache_memory_gib, num_pages), devices that report no free memory (CPU), several processes (each
-    would decide alone on its own measure)."""
+    made, the draft's still to come: draft_pool_bytes), plus a margin of 5% of it; 0 where it fits or where the
+    pool's size is not the engine's to change: a budget set by the user (kv_cache_memory_gib, num_pages),
+    devices that report no free memory (CPU), several processes (each would decide alone on its own measure)."""
     cache = config.cache
     if cache.kv_cache_memory_gib is not None or cache.num_pages is not None or process_group is not None:
         return 0

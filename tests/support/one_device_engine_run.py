@@ -1,7 +1,7 @@
 """Run by tests/engine/test_one_device_engine.py with 2 fake CPU devices: llama_gqa with int8 weights on one device
 of the two (the default device: no mesh; parallel.device_ids (1,): a mesh of one); prints one JSON line: per engine,
-the matmul plan's entries (builder.choose_matmul spied on), the attention implementation, the greedy tokens and logprobs of a few prompts, and
-compiles after warm-up."""
+the matmul plan's entries (builder.choose_matmul spied on), the attention implementation, the greedy tokens and
+logprobs of a few prompts, and compiles after warm-up."""
 
 import json
 

@@ -32,7 +32,7 @@ from jaxserve.device.runner import (
 from jaxserve.device.sampling_inputs import SamplingWidths
 from jaxserve.distributed.agreement import agree_on_engine, check_every_process_holds_devices, expert_balancer_type
 from jaxserve.distributed.leader_runner import warm_up, wrap_runner
-from jaxserve.distributed.runtime import ProcessGroup
+from jaxserve.distributed.runtime import ProcessGroup, spans_processes
 from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
 from jaxserve.engine.draft_lora import AdaptersWithDraft
 from jaxserve.engine.draft_model import (
@@ -384,7 +384,7 @@ def _scratch_shortfall(
     pool's size is not the engine's to change: a budget set by the user (kv_cache_memory_gib, num_pages),
     devices that report no free memory (CPU), several processes (each would decide alone on its own measure)."""
     cache = config.cache
-    if cache.kv_cache_memory_gib is not None or cache.num_pages is not None or process_group is not None:
+    if cache.kv_cache_memory_gib is not None or cache.num_pages is not None or spans_processes(process_group):
         return 0
     free = measured_free_bytes(mesh)
     if free is None:

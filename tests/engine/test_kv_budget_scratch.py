@@ -6,10 +6,14 @@ the pool from measured free memory, it sizes it again smaller by the shortfall a
 a fake device of LIMIT bytes (tests/support/fake_device_memory.py)."""
 
 import logging
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
+import jaxserve.engine.builder as builder_module
 from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
 from tests.support.fake_device_memory import device_of
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 
@@ -57,3 +61,17 @@ def test_a_pool_capped_by_what_its_rows_can_use_is_sized_below_that(caplog):
     runner = llm.engine.runner
     assert "sized again" in caplog.text and "max_num_batched_tokens" not in caplog.text
     assert runner.layout.total_pages < capped_pages and runner.largest_scratch_bytes() <= free
+
+
+def test_a_process_group_of_one_process_sizes_the_pool_again_too(monkeypatch):
+    # jax.distributed with num_processes 1 is one process: its own measure is the only one (several processes
+    # are left alone: each would decide on its own measure)
+    monkeypatch.setattr(builder_module, "measured_free_bytes", lambda mesh=None: 1000)
+    runner: Any = SimpleNamespace(largest_scratch_bytes=lambda: 2000)
+    config = EngineConfig.from_options()
+    for group, shortfall in ((None, 1100), (SimpleNamespace(is_multiprocess=False), 1100)):
+        assert builder_module._scratch_shortfall(runner, config, None, cast(Any, group), 0) == shortfall
+    assert (
+        builder_module._scratch_shortfall(runner, config, None, cast(Any, SimpleNamespace(is_multiprocess=True)), 0)
+        == 0
+    )

@@ -3,6 +3,7 @@ holds live (each buffer once) since the fake was made is in use. Patches runner.
 engine reads it (the KV budget, the draft's share, the scratch check)."""
 
 import contextlib
+import weakref
 
 import jax
 import pytest
@@ -11,16 +12,30 @@ import jaxserve.device.runner as runner_module
 import jaxserve.engine.builder as builder_module
 
 
-def live_bytes() -> int:
-    # an array's shards (addressable_shards, read by stats) are arrays over the same buffer: count buffers
-    return sum({array.unsafe_buffer_pointer(): array.nbytes for array in jax.live_arrays()}.values())
+def live_bytes(before: dict | None = None) -> int:
+    """The bytes of jax's live buffers (each once: an array's addressable_shards, read by stats, are arrays over
+    the same buffer), leaving out the arrays alive in `before` (before_now): what other modules' engines hold
+    is not on the fake device, and the garbage of earlier tests, freed while an engine is built, would otherwise
+    count as memory the build freed."""
+    before = before or {}
+    return sum(
+        {
+            array.unsafe_buffer_pointer(): array.nbytes
+            for array in jax.live_arrays()
+            if not (id(array) in before and before[id(array)]() is array)
+        }.values()
+    )
+
+
+def before_now() -> dict:
+    return {id(array): weakref.ref(array) for array in jax.live_arrays()}
 
 
 @contextlib.contextmanager
 def device_of(limit: int):
     with pytest.MonkeyPatch.context() as patch:
-        baseline = live_bytes()  # what other modules' engines hold: not on the fake device
-        free = lambda mesh=None: limit - (live_bytes() - baseline)  # noqa: E731
+        before = before_now()
+        free = lambda mesh=None: limit - live_bytes(before)  # noqa: E731
         patch.setattr(runner_module, "measured_free_bytes", free)
         patch.setattr(builder_module, "measured_free_bytes", free)
         yield free

@@ -20,41 +20,43 @@ from jax.sharding import Mesh
 
 from jaxserve.config import Buckets, EngineConfig, EngineRole
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
-from jaxserve.device.placement import kv_pages_on
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import (
     ModelRunner,
     StepRunner,
     enable_compilation_cache,
-    kv_cache_bytes_available,
-    measured_free_bytes,
 )
 from jaxserve.device.sampling_inputs import SamplingWidths
 from jaxserve.distributed.agreement import agree_on_engine, check_every_process_holds_devices, expert_balancer_type
 from jaxserve.distributed.leader_runner import warm_up, wrap_runner
-from jaxserve.distributed.runtime import ProcessGroup, spans_processes
+from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
 from jaxserve.engine.draft_lora import AdaptersWithDraft
 from jaxserve.engine.draft_model import (
-    DraftWeights,
     build_draft,
-    draft_device_page_bytes,
-    draft_pool_pages,
     load_draft,
 )
 from jaxserve.engine.draft_proposer import DraftProposer
 from jaxserve.engine.expert_balancer import ExpertBalancer
-from jaxserve.host.page_allocator import PageAllocator, num_pages_for, swap_in_is_cheaper
+from jaxserve.engine.kv_budget import (
+    draft_pool_bytes,
+    kv_budgets,
+    kv_cache,
+    one_device_bytes,
+    scratch_shortfall,
+    warn_if_scratch_does_not_fit,
+)
+from jaxserve.host.page_allocator import num_pages_for
 from jaxserve.host.scheduler import Scheduler
 from jaxserve.loading.model_source import ModelSource, open_model
 from jaxserve.loading.quantize import QuantizationSpec, mark_quantized
 from jaxserve.lora.registry import LoraRegistry
 from jaxserve.lora.slots import attach_lora
-from jaxserve.models import KVPages, build_model
+from jaxserve.models import build_model
 from jaxserve.models.config import ModelConfig
 from pallas_kernels.matmul import choose_matmul
 from sharding import build_mesh, param_shardings
-from sharding.attention import attention_dispatch, devices_per_page
+from sharding.attention import attention_dispatch
 from sharding.expert_placement import expert_parallel_reader, initial_placement, read_load_profile
 from sharding.moe import expert_dispatch
 from sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES
@@ -122,12 +124,12 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     if mesh is None:
         move_weights_to_huge_pages(model)  # a CPU decode step streams them twice as fast
     draft_weights = None
-    if config.speculative.method == "draft":  # loaded before any KV pool is sized: see _kv_budgets
+    if config.speculative.method == "draft":  # loaded before any KV pool is sized (engine/kv_budget.py)
         # the draft's quantized projections keep x as the target's do
         load_draft_model = functools.partial(_load_model, quantized_activations=config.quantized_activations)
         draft_weights = load_draft(source, config, mesh, max_model_len, load_draft_model, _attach_lora)
     config = agree_on_engine(config, model_config, process_group)  # several processes: the same engine everywhere
-    kv_budget, draft_pages = _kv_budgets(config, mesh, max_model_len, draft_weights)
+    kv_budget, draft_pages = kv_budgets(config, mesh, max_model_len, draft_weights)
     target = functools.partial(
         _warmed_up_target,
         model,
@@ -141,8 +143,8 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
         process_group,
     )
     schedulers, layout, runner, experts = target(kv_budget)
-    draft_pool_bytes = _draft_pool_bytes(draft_weights, draft_pages, config, mesh)  # made after the target's warm-up
-    shortfall = _scratch_shortfall(runner, config, mesh, process_group, draft_pool_bytes)
+    draft_pool = draft_pool_bytes(draft_weights, draft_pages, config, mesh)  # made after the target's warm-up
+    shortfall = scratch_shortfall(runner, config, mesh, process_group, draft_pool)
     if shortfall:  # the largest step would not find its scratch memory beside the pools: smaller pools
         logger.info(
             "the largest compiled step needs %.1f MiB more scratch memory than the KV cache left free: the cache is "
@@ -151,12 +153,10 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
         )
         # smaller than the pools made, which can be under the measured budget (capped by what max_num_seqs
         # sequences can use): the measured budget less the shortfall would make the same pools again
-        pools_bytes = _one_device_bytes(runner.kv_pages) + draft_pool_bytes
+        pools_bytes = one_device_bytes(runner.kv_pages) + draft_pool
         del schedulers, layout, runner, experts  # the old pool goes before the new one is made
         gc.collect()
-        kv_budget, draft_pages = _kv_budgets(
-            config, mesh, max_model_len, draft_weights, at_most=pools_bytes - shortfall
-        )
+        kv_budget, draft_pages = kv_budgets(config, mesh, max_model_len, draft_weights, at_most=pools_bytes - shortfall)
         schedulers, layout, runner, experts = target(kv_budget)
     draft = None
     if draft_weights is not None and draft_pages is not None:
@@ -172,7 +172,7 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     if lora is not None:
         for name, path in (config.lora.adapters or {}).items():
             lora.load(name, path)
-    _warn_if_scratch_does_not_fit([runner] if draft is None else [runner, draft.runner], mesh)
+    warn_if_scratch_does_not_fit([runner] if draft is None else [runner, draft.runner], mesh)
     if schedulers[0].allocator.host_tier is not None:
         runner.warm_up_page_copies()
     if config.disagg.role != EngineRole.BOTH:  # a KV handover never compiles while serving
@@ -282,33 +282,6 @@ def _attach_lora(model, config: EngineConfig, model_config: ModelConfig, mesh: M
     )
 
 
-def _kv_budgets(
-    config: EngineConfig,
-    mesh: Mesh | None,
-    max_model_len: int,
-    draft: DraftWeights | None,
-    at_most: int | None = None,
-) -> tuple[int, int | None]:
-    """(the target's KV budget of one device, the draft's pool in pages a rank; None without a draft).
-
-    Measured from free device memory, one budget serves both pools, taken after both models' weights are in
-    memory: the draft's pool what its rows need up to a fifth of it (a quarter of the target's), the target's
-    the rest. (Sized one after the other, the target's pool took 90% of what was free before the draft's weights
-    loaded: a draft larger than the 10% left failed to load, and its pool got a quarter of a remainder.) A
-    configured budget (kv_cache_memory_gib, or the CPU's default) is the target's, the draft's pool a quarter of
-    it beside. at_most: what both pools may take of a device at most (pools sized again: _scratch_shortfall)."""
-    budget = kv_cache_bytes_available(config.cache.kv_cache_memory_gib, mesh)
-    if at_most is not None:
-        budget = min(budget, at_most)
-    if draft is None:
-        return budget, None
-    shared = config.cache.kv_cache_memory_gib is None and measured_free_bytes(mesh) is not None
-    draft_pages = draft_pool_pages(draft, config, mesh, max_model_len, budget // 5 if shared else budget // 4)
-    if shared:
-        budget -= draft_pages * draft_device_page_bytes(draft, config, mesh)
-    return budget, draft_pages
-
-
 def _warmed_up_target(
     model,
     model_config: ModelConfig,
@@ -323,7 +296,7 @@ def _warmed_up_target(
 ) -> tuple[list[Scheduler], RankLayout, StepRunner, ExpertBalancer | None]:
     """The target's KV pool within kv_budget (one device's bytes), its schedulers, its runner warmed up and
     (mixture-of-experts) the expert balancer over it."""
-    schedulers, kv_pages, layout = _kv_cache(
+    schedulers, kv_pages, layout = kv_cache(
         model_config, config, dtype, attention, mesh, max_model_len, model, kv_budget
     )
     runner = ModelRunner(
@@ -356,134 +329,3 @@ def _warmed_up_target(
             )
     warm_up(runner, process_group, config.show_progress)  # several processes: returns once all have
     return schedulers, layout, runner, experts
-
-
-def _draft_pool_bytes(
-    draft: DraftWeights | None, draft_pages: int | None, config: EngineConfig, mesh: Mesh | None
-) -> int:
-    """What the draft's pool will take on a device (0: no draft)."""
-    if draft is None or draft_pages is None:
-        return 0
-    return draft_pages * draft_device_page_bytes(draft, config, mesh)
-
-
-def _one_device_bytes(arrays) -> int:
-    """What arrays take on one device (each array's largest shard): a pool's share of a device's memory."""
-    return sum(max(shard.data.nbytes for shard in leaf.addressable_shards) for leaf in jax.tree.leaves(arrays))
-
-
-def _scratch_shortfall(
-    runner: StepRunner,
-    config: EngineConfig,
-    mesh: Mesh | None,
-    process_group: ProcessGroup | None,
-    draft_pool_bytes: int,
-) -> int:
-    """How much memory a device lacks for the largest compiled step's scratch beside the KV pools (the target's
-    made, the draft's still to come: draft_pool_bytes), plus a margin of 5% of it; 0 where it fits or where the
-    pool's size is not the engine's to change: a budget set by the user (kv_cache_memory_gib, num_pages),
-    devices that report no free memory (CPU), several processes (each would decide alone on its own measure)."""
-    cache = config.cache
-    if cache.kv_cache_memory_gib is not None or cache.num_pages is not None or spans_processes(process_group):
-        return 0
-    free = measured_free_bytes(mesh)
-    if free is None:
-        return 0
-    needed, free = runner.largest_scratch_bytes(), free - draft_pool_bytes
-    return 0 if needed <= free else needed - free + needed // 20
-
-
-def _warn_if_scratch_does_not_fit(runners: list, mesh: Mesh | None) -> None:
-    """The KV pools are sized before anything compiles, within 90% of the free memory: where the largest
-    step's scratch (a long prefill's activations) needs more than what is left, it would fail when such a
-    step first runs, while serving. Say so at start, with what to change."""
-    free = measured_free_bytes(mesh)
-    if free is None:
-        return
-    needed = max(runner.largest_scratch_bytes() for runner in runners)
-    if needed > free:
-        logger.warning(
-            "the largest compiled step needs %.2f GiB of scratch memory a device while it runs, and %.2f GiB are "
-            "free beside the KV cache: a step that large (a long prefill) may fail for want of memory. Lower "
-            "cache.kv_cache_memory_gib (or num_pages), or scheduler.max_num_batched_tokens",
-            needed / 2**30,
-            free / 2**30,
-        )
-
-
-def _kv_cache(
-    model: ModelConfig,
-    config: EngineConfig,
-    dtype: str,
-    attention: AttentionPlan,
-    mesh: Mesh | None,
-    max_model_len: int,
-    loaded_model,
-    budget_bytes: int,
-) -> tuple[list[Scheduler], KVPages, RankLayout]:
-    """The page pool, one scheduler per rank over its own pages (addressed locally), and the layout
-    that places each rank's pages in the pool; budget_bytes: one device's (_kv_budgets)."""
-    kv_dtype = config.cache.kv_dtype
-    if kv_dtype != "auto" and model.is_latent_attention:
-        raise ValueError(
-            f"cache.kv_dtype={kv_dtype!r} is not served for multi-head latent attention (DeepSeek MLA) models: "
-            "their latent cache stays in the model dtype; use cache.kv_dtype='auto'"
-        )
-    page_bytes = KVPages.bytes_per_page(
-        model.num_layers,
-        config.cache.page_size,
-        attention.num_cache_kv_heads,
-        attention.cache_head_dim,
-        dtype,
-        kv_dtype,
-    )
-    # Beyond what max_num_seqs full-length sequences can hold, pages only serve as prefix cache.
-    useful_pages = (
-        config.scheduler.max_num_seqs
-        * num_pages_for(max_model_len, config.cache.page_size)
-        * (4 if config.cache.enable_prefix_caching else 1)
-        + 1
-    )
-    # The budget is one device's memory, and a device holds only its KV heads' share of each page.
-    device_page_bytes = -(-page_bytes // devices_per_page(mesh, attention.num_cache_kv_heads))
-    num_pages = config.cache.num_pages or max(2, min(budget_bytes // device_page_bytes, useful_pages))
-    num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded_model)))
-    swapping_pays = swap_in_is_cheaper(page_bytes, config.cache.page_size, num_params, jax.default_backend())
-    host_tier_pages = int(config.cache.swap_space * 2**30) // page_bytes if swapping_pays else 0
-    if config.cache.swap_space and not swapping_pays:
-        logger.warning(
-            "cache.swap_space %s GiB left unused: on %s recomputing a page's prefill is cheaper than bringing its KV "
-            "back from host memory (pages of %d bytes), so evicted pages are dropped (no host tier)",
-            config.cache.swap_space,
-            jax.default_backend(),
-            page_bytes,
-        )
-    num_ranks = config.parallel.data_parallel_size
-    layout = RankLayout(num_ranks, num_pages, entries_per_rank=config.scheduler.max_num_seqs)
-    schedulers = [
-        Scheduler(
-            PageAllocator(
-                num_pages,
-                config.cache.page_size,
-                config.cache.enable_prefix_caching,
-                host_tier_pages=host_tier_pages,
-                session_ttl=config.cache.session_ttl,
-            ),
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            prefill_query_block=config.scheduler.prefill_query_block,
-        )
-        for _ in range(num_ranks)
-    ]
-    zeros = functools.partial(
-        KVPages.zeros,
-        model.num_layers,
-        layout.total_pages,
-        config.cache.page_size,
-        attention.num_cache_kv_heads,
-        attention.cache_head_dim,
-        dtype,
-        kv_dtype,
-    )
-    # each device makes only its own shard: the whole cache on the first device would not fit there
-    return schedulers, kv_pages_on(mesh, zeros, attention.num_cache_kv_heads), layout

@@ -1,7 +1,7 @@
 """Start-up of a draft model for speculative decoding (`speculative.method: draft`): the draft's params,
 its own paged KV cache and its own runner, built by the same machinery as the target's (engine/builder.py)
 and warmed up the same way, so that proposing never compiles. In three parts: load_draft (before any KV pool
-is sized: the target's and the draft's share one budget, engine/builder.py _kv_budgets), draft_pool_pages,
+is sized: the target's and the draft's share one budget, engine/kv_budget.py kv_budgets), draft_pool_pages,
 build_draft (its pool and runner).
 
     speculative.draft_model: "self" (the target's own source) or any model source the engine loads
@@ -49,7 +49,7 @@ TOKENIZER_PROBE = "Hello, world! def f(x):\n    return x * 12345  # ünïcödé 
 
 @dataclasses.dataclass(frozen=True)
 class DraftWeights:
-    """A draft model loaded, before its KV pool is sized (engine/builder.py sizes the target's and the draft's
+    """A draft model loaded, before its KV pool is sized (engine/kv_budget.py sizes the target's and the draft's
     pools from one budget measured after both models' weights are in memory)."""
 
     source: ModelSource

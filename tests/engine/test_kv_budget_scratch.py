@@ -2,8 +2,8 @@
 device memory; where the largest compiled step's scratch (a long prefill's activations) needs more than the
 pool left, that step would fail for want of memory when it first ran, while serving. Where the engine sized
 the pool from measured free memory, it sizes it again smaller by the shortfall and compiles again
-(engine/builder.py `_scratch_shortfall`); a pool the user sized is kept, with a warning at start. On the CPU,
-a fake device of LIMIT bytes (tests/support/fake_device_memory.py)."""
+(engine/builder.py, engine/kv_budget.py `scratch_shortfall`); a pool the user sized is kept, with a warning at
+start. On the CPU, a fake device of LIMIT bytes (tests/support/fake_device_memory.py)."""
 
 import logging
 from types import SimpleNamespace
@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import pytest
 
-import jaxserve.engine.builder as builder_module
+import jaxserve.engine.kv_budget as kv_budget
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from tests.support.fake_device_memory import device_of
@@ -23,7 +23,7 @@ ENGINE = {**SMALL_ENGINE, "max_num_batched_tokens": 256, "max_model_len": 256, "
 
 
 def build(caplog, **overrides):
-    with device_of(LIMIT) as free, caplog.at_level(logging.INFO, logger="jaxserve.engine.builder"):
+    with device_of(LIMIT) as free, caplog.at_level(logging.INFO, logger="jaxserve.engine"):
         llm = LLM(fixture_dir("llama_gqa"), **{**ENGINE, **overrides})
         return llm, free()
 
@@ -47,7 +47,7 @@ def test_a_pool_the_user_sized_is_kept_and_named(caplog):
 
 @pytest.mark.parametrize("limit_factor", [100])
 def test_a_pool_with_room_to_spare_is_not_touched(caplog, limit_factor):
-    with device_of(LIMIT * limit_factor), caplog.at_level(logging.INFO, logger="jaxserve.engine.builder"):
+    with device_of(LIMIT * limit_factor), caplog.at_level(logging.INFO, logger="jaxserve.engine"):
         LLM(fixture_dir("llama_gqa"), **{**ENGINE, "max_num_seqs": 1})
     assert "sized again" not in caplog.text and "max_num_batched_tokens" not in caplog.text
 
@@ -66,12 +66,9 @@ def test_a_pool_capped_by_what_its_rows_can_use_is_sized_below_that(caplog):
 def test_a_process_group_of_one_process_sizes_the_pool_again_too(monkeypatch):
     # jax.distributed with num_processes 1 is one process: its own measure is the only one (several processes
     # are left alone: each would decide on its own measure)
-    monkeypatch.setattr(builder_module, "measured_free_bytes", lambda mesh=None: 1000)
+    monkeypatch.setattr(kv_budget, "measured_free_bytes", lambda mesh=None: 1000)
     runner: Any = SimpleNamespace(largest_scratch_bytes=lambda: 2000)
     config = EngineConfig.from_options()
     for group, shortfall in ((None, 1100), (SimpleNamespace(is_multiprocess=False), 1100)):
-        assert builder_module._scratch_shortfall(runner, config, None, cast(Any, group), 0) == shortfall
-    assert (
-        builder_module._scratch_shortfall(runner, config, None, cast(Any, SimpleNamespace(is_multiprocess=True)), 0)
-        == 0
-    )
+        assert kv_budget.scratch_shortfall(runner, config, None, cast(Any, group), 0) == shortfall
+    assert kv_budget.scratch_shortfall(runner, config, None, cast(Any, SimpleNamespace(is_multiprocess=True)), 0) == 0

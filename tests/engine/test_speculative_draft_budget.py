@@ -1,5 +1,5 @@
 """Where devices report their free memory (GPU, TPU), the target's and the draft's KV pools come out of one
-budget measured once both models' weights are in memory (engine/builder.py `_kv_budgets`): the draft's pool at
+budget measured once both models' weights are in memory (engine/kv_budget.py `kv_budgets`): the draft's pool at
 most a quarter of the target's, both within 90% of what the weights left. Sized one after the other, the
 target's pool took 90% of the memory before the draft's weights loaded, so a draft larger than the rest failed
 to load. A CPU reports no free memory: here a fake device of LIMIT bytes (tests/support/fake_device_memory.py)."""
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-import jaxserve.engine.builder as builder_module
+import jaxserve.engine.kv_budget as kv_budget
 from jaxserve import LLM, SamplingParams
 from tests.engine.test_speculative import ENGINE
 from tests.support.fake_device_memory import device_of
@@ -55,8 +55,8 @@ def test_a_step_whose_scratch_exceeds_what_the_pools_left_is_named_at_start(llm,
     scratch = max(runner.largest_scratch_bytes() for runner in runners(llm))
     assert scratch > 0
     for free, warned in ((scratch - 1, True), (scratch, False)):
-        monkeypatch.setattr(builder_module, "measured_free_bytes", lambda mesh=None, free=free: free)
+        monkeypatch.setattr(kv_budget, "measured_free_bytes", lambda mesh=None, free=free: free)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="jaxserve.engine.builder"):
-            builder_module._warn_if_scratch_does_not_fit(runners(llm), None)
+        with caplog.at_level(logging.WARNING, logger="jaxserve.engine"):
+            kv_budget.warn_if_scratch_does_not_fit(runners(llm), None)
         assert ("max_num_batched_tokens" in caplog.text) == warned

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import jaxserve.device.runner as runner_module
-import jaxserve.engine.builder as builder_module
+import jaxserve.engine.kv_budget as kv_budget
 
 
 def live_bytes(before: dict | None = None) -> int:
@@ -37,5 +37,5 @@ def device_of(limit: int):
         before = before_now()
         free = lambda mesh=None: limit - live_bytes(before)  # noqa: E731
         patch.setattr(runner_module, "measured_free_bytes", free)
-        patch.setattr(builder_module, "measured_free_bytes", free)
+        patch.setattr(kv_budget, "measured_free_bytes", free)
         yield free

@@ -144,6 +144,16 @@ def kv_cache(
     # The budget is one device's memory, and a device holds only its KV heads' share of each page.
     device_page_bytes = -(-page_bytes // devices_per_page(mesh, attention.num_cache_kv_heads))
     num_pages = config.cache.num_pages or max(2, min(budget_bytes // device_page_bytes, useful_pages))
+    if (num_pages - 1) * config.cache.page_size < max_model_len:  # one page a rank is reserved
+        logger.warning(
+            "the KV cache holds %d tokens a rank (%d pages of %d, one reserved), fewer than one sequence of "
+            "max_model_len %d: a request that needs more is refused. Raise cache.kv_cache_memory_gib (or num_pages), "
+            "or lower max_model_len",
+            (num_pages - 1) * config.cache.page_size,
+            num_pages,
+            config.cache.page_size,
+            max_model_len,
+        )
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded_model)))
     swapping_pays = swap_in_is_cheaper(page_bytes, config.cache.page_size, num_params, jax.default_backend())
     host_tier_pages = int(config.cache.swap_space * 2**30) // page_bytes if swapping_pays else 0

@@ -72,3 +72,9 @@ def test_a_process_group_of_one_process_sizes_the_pool_again_too(monkeypatch):
     for group, shortfall in ((None, 1100), (SimpleNamespace(is_multiprocess=False), 1100)):
         assert kv_budget.scratch_shortfall(runner, config, None, cast(Any, group), 0) == shortfall
     assert kv_budget.scratch_shortfall(runner, config, None, cast(Any, SimpleNamespace(is_multiprocess=True)), 0) == 0
+
+
+def test_a_pool_below_one_sequence_is_named_at_start(caplog):
+    llm, _ = build(caplog, num_pages=8)  # 28 tokens a rank against max_model_len 256
+    assert "fewer than one sequence of max_model_len 256" in caplog.text
+    assert llm.stats()["kv_pages_total"] == 7

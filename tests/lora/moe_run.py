@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxserve import LLM, SamplingParams
 from tests.lora.test_lora_moe import ENGINE, greedy_cases, moe_expected
+from tests.support.fake_devices import results_per_case
 
 
 def expert_slot_specs(llm) -> dict:
@@ -70,10 +71,4 @@ def run(case: str) -> dict:
     )
 
 
-results = {}
-for case in sys.argv[1:]:
-    try:
-        results[case] = run(case)
-    except Exception as error:  # reported per case, so one failure does not hide the others
-        results[case] = {"error": f"{type(error).__name__}: {error}"}
-print(json.dumps(results))
+print(json.dumps(results_per_case(run, sys.argv[1:])))

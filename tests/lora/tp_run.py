@@ -12,6 +12,7 @@ import jax
 
 from jaxserve import LLM, SamplingParams
 from tests.lora.support import ADAPTER_NAMES, BASE_MODEL, LORA_ENGINE, adapter_dir, expected
+from tests.support.fake_devices import results_per_case
 
 SPEC_LEAVES = ("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "layers.1.mlp.down_proj")
 
@@ -92,10 +93,4 @@ def run(mesh: str) -> dict:
     )
 
 
-results = {}
-for mesh in sys.argv[1:]:
-    try:
-        results[mesh] = run(mesh)
-    except Exception as error:  # reported per mesh, so one failure does not hide the others
-        results[mesh] = {"error": f"{type(error).__name__}: {error}"}
-print(json.dumps(results))
+print(json.dumps(results_per_case(run, sys.argv[1:])))

@@ -24,3 +24,15 @@ def run_on_fake_devices(module: str, *args: str, devices: int = 8, timeout: floa
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines, f"{module} exited with {done.returncode}:\n{done.stderr[-4000:]}"
     return json.loads(lines[-1])
+
+
+def results_per_case(run, cases) -> dict[str, Any]:
+    """For a helper: {case: run(case)} over its command-line cases, a case that raises reported as
+    {"error": ...} so that one failure does not hide the others (its test asserts there is none)."""
+    results: dict[str, Any] = {}
+    for case in cases:
+        try:
+            results[case] = run(case)
+        except Exception as error:
+            results[case] = {"error": f"{type(error).__name__}: {error}"}
+    return results

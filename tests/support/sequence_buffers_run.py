@@ -11,6 +11,7 @@ import jax
 
 from jaxserve import LLM
 from tests.distributed.penalised_requests import ENGINE, generate_rounds
+from tests.support.fake_devices import results_per_case
 from tests.support.fixtures import fixture_dir
 
 
@@ -37,9 +38,5 @@ def run(mesh: str) -> dict:
 
 
 results = dict(num_devices=len(jax.devices()), one_device=generate_rounds(LLM(fixture_dir("llama_gqa"), **ENGINE)))
-for mesh in sys.argv[1:]:
-    try:
-        results[mesh] = run(mesh)
-    except Exception as error:  # reported per mesh, so one failure does not hide the others
-        results[mesh] = {"error": f"{type(error).__name__}: {error}"}
+results.update(results_per_case(run, sys.argv[1:]))
 print(json.dumps(results))

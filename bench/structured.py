@@ -2,6 +2,7 @@
 32, in jaxserve and in llama.cpp's server (its `json_schema` field), same model file, same run.
 
     .venv/bin/python bench/structured.py [--precision f32] [--items 4] [--batch 32] [--single-requests 3]
+        [--engines jaxserve,jaxserve-ngram,llamacpp]
 
 The default model (SmolLM2-135M-Instruct) as vs_llamacpp.py serves it: its GGUF dequantized to F32 (or
 BF16) by llama-quantize, the same file loaded by both engines, 2 threads each (llama.cpp: -t 2; jaxserve
@@ -22,6 +23,10 @@ validated against the schema (jsonschema); the fraction is reported per engine. 
 step over each measured run comes from its device clock (stats()' host_seconds_per_step,
 device_idle_seconds_per_step, taken as differences over the run). The grammar is compiled in a warm-up
 request first (jaxserve caches compiled grammars per schema; llama.cpp converts the schema per request).
+
+`--engines jaxserve-ngram` adds jaxserve with prompt-lookup speculation (speculative: {method: ngram}, its
+adaptive policy): a schema's keys and punctuation are forced tokens, proposed and verified in one step
+(engine/speculation.py), so the constrained rows take fewer steps than tokens.
 
 Prints JSON lines (one per engine x mode x batch), then the ratios: jaxserve constrained/unconstrained per
 batch (goal > 0.9 at batch 32) and jaxserve constrained / llama.cpp constrained (goal > 1).
@@ -103,7 +108,9 @@ def validity(texts: list[str], schema: dict) -> dict:
 
 
 class Jaxserve:
-    def __init__(self, path: str, dtype: str, batch: int, max_tokens: int, prompt_tokens: int):
+    def __init__(
+        self, path: str, dtype: str, batch: int, max_tokens: int, prompt_tokens: int, speculative: dict | None = None
+    ):
         from jaxserve import LLM, SamplingParams
         from jaxserve.host.request import GuidedDecodingParams
 
@@ -116,6 +123,7 @@ class Jaxserve:
             max_num_batched_tokens=512,
             enable_prefix_caching=False,  # as llama.cpp's cache_prompt=False: every run prefills its prompts
             show_progress=False,
+            **({"speculative": speculative} if speculative else {}),
         )
 
     def params(self, schema: dict | None, max_tokens: int):
@@ -252,20 +260,25 @@ def main() -> None:
     workloads = {1: prompts[: args.single_requests], args.batch: prompts[: args.batch]}
     warmup = [tokenizer.encode("Name one book about rivers.")]
     results = {}
-    if "jaxserve" in engines:
-        ours = Jaxserve(jax_path, DTYPES[args.precision][0], args.batch, args.max_tokens, max(map(len, prompts)))
+    for engine_name, speculative in (("jaxserve", None), ("jaxserve-ngram", {"method": "ngram"})):
+        if engine_name not in engines:
+            continue
+        ours = Jaxserve(
+            jax_path, DTYPES[args.precision][0], args.batch, args.max_tokens, max(map(len, prompts)), speculative
+        )
         ours.run(warmup, schema, [args.max_tokens], False)  # compiles the schema once (cached per schema)
         ours.run(warmup, None, [8], False)
-        results["jaxserve"] = {
-            b: measure("jaxserve", ours, p, schema, args.max_tokens, b) for b, p in workloads.items()
+        results[engine_name] = {
+            b: measure(engine_name, ours, p, schema, args.max_tokens, b) for b, p in workloads.items()
         }
         stats = ours.llm.stats()
         emit(
-            engine="jaxserve",
+            engine=engine_name,
             compiles_after_warmup=stats.get("num_compiles_after_warmup"),
             num_grammars_compiled=stats.get("num_grammars_compiled"),
             host_seconds_per_step_all=stats.get("host_seconds_per_step"),
             device_idle_seconds_per_step_all=stats.get("device_idle_seconds_per_step"),
+            **{k: v for k, v in stats.items() if k.startswith("speculative_") and not isinstance(v, dict)},
         )
         del ours
         gc.collect()
@@ -293,6 +306,10 @@ def report(results: dict, batch: int) -> None:
         ours, theirs = rate("jaxserve", b, "constrained"), rate("llamacpp", b, "constrained")
         if ours and theirs:
             ratios[f"jaxserve_over_llamacpp_constrained_batch{b}"] = round(ours / theirs, 3)
+        speculating = rate("jaxserve-ngram", b, "constrained")
+        for name, other in (("jaxserve", ours), ("llamacpp", theirs)):
+            if speculating and other:
+                ratios[f"jaxserve-ngram_over_{name}_constrained_batch{b}"] = round(speculating / other, 3)
     validity_by = {
         f"{engine}_batch{b}": records["constrained"]["validates"]
         for engine, by_batch in results.items()

@@ -40,6 +40,10 @@ def build_verify_inputs(
     step.logits_indices = np.arange(num_rows * width, dtype=np.int32)
     sampling = jax.tree.map(lambda x: np.repeat(x, width, axis=0), step.sampling)
     sampling.token_indices = sampling.token_indices + np.tile(np.arange(width, dtype=np.int32), num_rows)
+    for row, chunk in enumerate(chunks):
+        masks = chunk.seq.draft_token_masks  # a grammar row's: each position's after the proposals before it
+        if chunk.draft_token_ids and masks is not None:
+            sampling.allowed_tokens[row * width + 1 : row * width + 1 + len(masks)] = masks
     step.sampling = sampling
     return VerifyInputs(step=step, draft_token_ids=drafts)
 

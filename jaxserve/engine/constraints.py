@@ -101,7 +101,7 @@ class RowConstraints:
         return needs_tokens and seq.num_pending_tokens > 0
 
     def before_dispatch(self, per_rank_chunks: list[list[ScheduledChunk]]) -> None:
-        grammar_rows: list[SequenceState] = []
+        grammar_rows: list[ScheduledChunk] = []
         for rank, chunks in enumerate(per_rank_chunks):
             for chunk in chunks:
                 seq = chunk.seq
@@ -112,7 +112,7 @@ class RowConstraints:
                 if not chunk.samples_next_token:
                     continue
                 if seq.grammar is not None:
-                    grammar_rows.append(seq)
+                    grammar_rows.append(chunk)
                 if seq.controls is not None and seq.controls.multi_token_bad_words:
                     seq.next_token_bans = tuple(dynamic_bans(seq.controls, seq.output_token_ids))
         if grammar_rows:
@@ -124,15 +124,23 @@ class RowConstraints:
         self.runner.reset_sequence_buffers(entry, counts[: self.vocab_size].astype(np.int32), prompt)
         self.num_penalty_resets += 1
 
-    def _fill_grammar_masks(self, seqs: list[SequenceState]) -> None:
+    def _fill_grammar_masks(self, chunks: list[ScheduledChunk]) -> None:
+        """Each row's mask for its next token, and a verify row's for every position after its proposals
+        (draft_token_masks: the grammar advanced through the proposals before it, engine/speculation.py)."""
         grammars = self.grammars()
-        bitmask = grammars.allocate_bitmask(len(seqs))
-        grammars.fill_bitmasks([(seq.grammar, row) for row, seq in enumerate(seqs)], bitmask)
-        for row, seq in enumerate(seqs):
-            mask = bitmask[row, : self.mask_words].copy()
+        first_rows = np.cumsum([0] + [1 + len(chunk.draft_token_ids) for chunk in chunks])
+        bitmask = grammars.allocate_bitmask(int(first_rows[-1]))
+        grammars.fill_verify_bitmasks(
+            [(chunk.seq.grammar, int(first), chunk.draft_token_ids) for chunk, first in zip(chunks, first_rows)],
+            bitmask,
+        )
+        for chunk, first, end in zip(chunks, first_rows, first_rows[1:]):
+            seq = chunk.seq
+            masks = bitmask[first:end, : self.mask_words].copy()
             if seq.controls is not None and seq.controls.allowed_mask is not None:
-                mask &= seq.controls.allowed_mask
-            seq.next_token_mask = mask
+                masks &= seq.controls.allowed_mask
+            seq.next_token_mask = masks[0]
+            seq.draft_token_masks = masks[1:] if chunk.draft_token_ids else None
 
     def stats(self) -> dict:
         grammars = self._grammars

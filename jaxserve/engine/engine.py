@@ -103,7 +103,9 @@ class Engine:
             self.runner,
         )
         self.admission = RequestChecks(parts, self.constraints)
-        self.speculation = Speculation(self.config.speculative, parts.max_model_len, parts.draft)
+        self.speculation = Speculation(
+            self.config.speculative, parts.max_model_len, parts.draft, eos_token_ids=parts.eos_token_ids
+        )
 
     @classmethod
     def from_model(cls, model_path: str, config: EngineConfig, process_group: ProcessGroup | None = None) -> Engine:

@@ -25,9 +25,18 @@ measure speculation again now. The policy's estimates are per batch size, not pe
 adaptive engine measured speculation losing on its 8-token chat warm-up and then ran the code prompts plain
 until its next trial, 64+ steps later (10 verify rows in all; 57 with the look-ahead).
 
-Rows that never speculate (they decode as usual): a grammar's (its mask for each proposed position
-would need the grammar advanced through the proposals), multi-token bad words' (their bans depend on
-the tokens before), a flushing sequence's, and one whose newest token is still on the device.
+Grammar rows speculate (as vLLM's structured outputs do): a proposal is cut at the first token the grammar
+refuses (or an EOS: the target samples it itself), and each verify position gets the mask of the grammar
+advanced through the proposals before it (engine/constraints.py), so every sample is the target's under the
+grammar, as without speculation. Where the grammar forces the next tokens (a JSON schema's keys and
+punctuation) those are the proposal, unless the proposer's follows them further: SGLang's jump-forward,
+verified rather than assumed, since the model may spell the forced text with other tokens. A grammar row
+backing off from its proposer still verifies the tokens its grammar forces. A row whose grammar starts after a token (a reasoning
+model's </think>) verifies proposals up to before that token: the position after it needs the grammar's
+first mask, known only once the token is accepted.
+
+Rows that never speculate (they decode as usual): multi-token bad words' (their bans depend on the tokens
+before), a flushing sequence's, and one whose newest token is still on the device.
 """
 
 from __future__ import annotations
@@ -49,14 +58,26 @@ LOOK_AHEAD_HIT_TOKENS = 4  # a look-ahead proposal followed this far (or all of 
 
 def may_speculate(seq: SequenceState) -> bool:
     """Whether the sequence's next tokens can be verified exactly (see the module docstring)."""
-    if (
-        seq.grammar is not None
-        or seq.waiting_grammar is not None
-        or seq.flushing
-        or seq.status is not RequestStatus.RUNNING
-    ):
+    if seq.flushing or seq.status is not RequestStatus.RUNNING:
         return False
     return seq.controls is None or not seq.controls.multi_token_bad_words
+
+
+def verifiable_part(seq: SequenceState, proposal: list[int], limit: int, eos_token_ids: frozenset[int]) -> list[int]:
+    """What the row verifies of a proposal (see the module docstring): all of it, but for a grammar row up
+    to the first token the grammar refuses or the first EOS, or the tokens the grammar forces next where the
+    proposal departs from them or stops short of them; for a row whose grammar waits for a token, up to
+    before that token."""
+    if seq.waiting_grammar is not None:
+        trigger = seq.params.guided_decoding_after_token
+        return proposal[: proposal.index(trigger)] if trigger in proposal else proposal
+    if seq.grammar is None:
+        return proposal
+    before_eos = next((i for i, token in enumerate(proposal) if token in eos_token_ids), len(proposal))
+    proposal = proposal[: seq.grammar.num_acceptable_tokens(proposal[:before_eos])]
+    forced = seq.grammar.forced_tokens()[:limit]
+    follows_forced = proposal[: len(forced)] == forced[: len(proposal)]
+    return proposal if follows_forced and len(proposal) > len(forced) else forced
 
 
 def is_decoding(seq: SequenceState) -> bool:
@@ -83,8 +104,15 @@ def speculation_batch_size(scheduler: Scheduler) -> int:
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        proposer: Proposer | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
         self.config = config
+        self.eos_token_ids = eos_token_ids
         self.enabled = config.enabled
         self.max_model_len = max_model_len
         self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -151,19 +179,25 @@ class Speculation:
             self._look_ahead(schedulers)
             return [{} for _ in schedulers]
         seqs, limits = [], []
+        proposals: list[dict[int, list[int]]] = [{} for _ in schedulers]
         k = self.config.verify_width - 1
         for seq in (seq for scheduler in schedulers for seq in scheduler.running):
-            if not (is_decoding(seq) and not seq.num_pending_tokens and self._may_propose(seq)):
+            if not (is_decoding(seq) and not seq.num_pending_tokens and may_speculate(seq)):
                 continue
             # a verify row may emit all its proposals and one more: never past max_tokens or max_model_len
             limit = min(
                 k, seq.params.max_new_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1
             )
-            if limit > 0:
+            if limit <= 0:
+                continue
+            if self._may_propose(seq):
                 seqs.append(seq)
                 limits.append(limit)
                 self._proposed_for[seq.seq_id] = seq
-        proposals: list[dict[int, list[int]]] = [{} for _ in schedulers]
+            elif seq.grammar is not None and (forced := seq.grammar.forced_tokens()[:limit]):
+                # backing off from the proposer, not from what the grammar forces (a JSON reply's free text
+                # backs a row off just before the keys and punctuation that follow it)
+                proposals[seq.rank][seq.seq_id] = forced
         start = time.perf_counter()
         proposed = self.proposer.propose(seqs, limits) if seqs else []
         seconds = time.perf_counter() - start
@@ -171,7 +205,8 @@ class Speculation:
         # a draft's catch-up prefills are a one-off per row: charged to no step (host/speculation_policy.py)
         catch_up = getattr(self.proposer, "catch_up_seconds", 0.0) if seqs else 0.0
         self.proposal_seconds += max(seconds - catch_up, 0.0)
-        for seq, proposal in zip(seqs, proposed):
+        for seq, proposal, limit in zip(seqs, proposed, limits):
+            proposal = verifiable_part(seq, proposal, limit, self.eos_token_ids)
             if proposal:
                 proposals[seq.rank][seq.seq_id] = proposal
             else:

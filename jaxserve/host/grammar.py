@@ -133,9 +133,12 @@ class GrammarCompiler:
         """[num_rows, ceil(V / 32)] int32, all allowed (V: max of the model's and the tokenizer's sizes)."""
         return self.layout.allocate_bitmask(num_rows)
 
-    def fill_bitmasks(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+    def fill_bitmasks(
+        self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray, marks_dead_ends: bool = True
+    ) -> None:
         """bitmask[row] = the tokens matcher allows next, for every (matcher, row), on llguidance's threads.
-        Rows not named are left as they are (all ones for unconstrained sequences)."""
+        Rows not named are left as they are (all ones for unconstrained sequences). marks_dead_ends: see
+        GrammarMatcher.note_filled."""
         self.layout.check_bitmask(bitmask)
         row_ids = [row for _, row in rows]
         if len(set(row_ids)) != len(row_ids):
@@ -156,7 +159,27 @@ class GrammarCompiler:
                 to_compute, bitmask.ctypes.data, bitmask.shape[1] * bitmask.itemsize, bitmask.shape[0]
             )
         for matcher, row in rows:
-            matcher.note_filled(bitmask[row : row + 1])
+            matcher.note_filled(bitmask[row : row + 1], marks_dead_ends)
+
+    def fill_verify_bitmasks(
+        self, rows: Sequence[tuple[GrammarMatcher, int, Sequence[int]]], bitmask: np.ndarray
+    ) -> None:
+        """For each (matcher, first_row, proposals): bitmask[first_row + i] = the tokens allowed after the first i
+        proposals, i = 0 .. len(proposals) (a verify row's positions: engine/speculation.py), position by
+        position on llguidance's threads. Each matcher takes the proposals its grammar accepts to compute the
+        rows after them and gives them back (it ends where it began). The rows after a proposal the grammar
+        refuses are left as they are: the sample at that proposal's position never equals it (the row before
+        forbids it), so no later position is ever accepted."""
+        taken = [matcher.num_acceptable_tokens(proposals) for matcher, _, proposals in rows]
+        for position in range(max(taken, default=-1) + 1):
+            current = [(matcher, first + position) for (matcher, first, _), n in zip(rows, taken) if n >= position]
+            self.fill_bitmasks(current, bitmask, marks_dead_ends=position == 0)
+            for (matcher, _, proposals), n in zip(rows, taken):
+                if n > position and not matcher.accept_token(int(proposals[position])):
+                    raise AssertionError(f"the grammar refused token {proposals[position]} it had validated")
+        for (matcher, _, _), n in zip(rows, taken):
+            if n:  # a matcher at a dead end (position 0's empty row) took none and cannot roll back
+                matcher.rollback(n)
 
     def token_bytes(self, token_id: int) -> bytes | None:
         """The token's own bytes (a byte-level or byte-fallback token may hold part of a UTF-8 character, which

@@ -118,9 +118,13 @@ class GrammarMatcher:
         self._matcher.unsafe_compute_mask_ptr(target.ctypes.data, target.nbytes)
         self.note_filled(bitmask[row : row + 1])
 
-    def note_filled(self, rows: np.ndarray) -> None:
-        """After llguidance wrote this matcher's row (alone or in a batch): trim it, see whether it is empty."""
+    def note_filled(self, rows: np.ndarray, marks_dead_end: bool = True) -> None:
+        """After llguidance wrote this matcher's row (alone or in a batch): trim it, see whether it is empty.
+        marks_dead_end False: a row ahead of the sequence (a verify row's position after proposals it may
+        reject), whose emptiness is the sequence's dead end only if the target accepts those proposals."""
         self.layout.clear_beyond_vocab(rows)
+        if not marks_dead_end:
+            return
         if self._dead_end_reason is None and not self._matcher.is_error() and not rows.any():
             self._dead_end_reason = "the grammar reached a dead end: no token of the vocabulary can continue it"
 
@@ -149,6 +153,14 @@ class GrammarMatcher:
         if self.is_dead_end or self._ended_by_eos:
             return 0
         return self._matcher.validate_tokens([int(t) for t in token_ids])
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward: the bytes that only one continuation
+        allows, tokenized canonically; [] where the next token is a choice). Speculation proposes them: the
+        model may still spell those bytes with other tokens, which verification then rejects."""
+        if self.is_dead_end or self._ended_by_eos:
+            return []
+        return [int(t) for t in self._matcher.compute_ff_tokens()]
 
     def rollback(self, num_tokens: int) -> None:
         """Forgets the last num_tokens accepted tokens (rejected speculative ones). A dead end stays one."""

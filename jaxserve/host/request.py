@@ -302,6 +302,8 @@ class SequenceState:
     # a grammar that starts after params.guided_decoding_after_token: its matcher, until that token is sampled
     waiting_grammar: Any = None
     next_token_mask: Any = None
+    # a verify row's masks for its positions after its proposals ([len(proposals), W]: after the first, ...)
+    draft_token_masks: Any = None
     next_token_bans: tuple[int, ...] = ()
     # LoRA (jaxserve/lora): the adapter's device slot (0: the base model), and the root its prefix-cache
     # page keys chain from (the adapter's identity), so that a page never serves another adapter

@@ -465,3 +465,57 @@ def test_wrong_bitmasks_and_eos_sets_are_refused():
 def test_the_module_imports_no_jax():
     code = "import sys, jaxserve.host.grammar; assert 'jax' not in sys.modules, 'jax imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_verify_rows_hold_each_positions_mask_and_the_matchers_end_where_they_began():
+    """fill_verify_bitmasks (a verify row's masks, engine/speculation.py): row first + i is the mask after the
+    first i proposals, as a matcher stepped through them writes it; the rows after a refused proposal are left
+    alone; rows of plain matchers sit beside them; every matcher's next mask is the one it had before."""
+    name = "qwen_byte_level"
+    tokenizer, compiler = load_tokenizer(name), compiler_for(name)
+    compiled = compiler.compile_async(GuidedDecodingParams(json=json.dumps(SCHEMAS[1]))).result()
+    document = '{"person": {"name": "Ada", "address": {"city": "Paris", "zip": "75001"}}}'
+    token_ids = tokenizer.encode(document, add_special_tokens=False)
+    refused = tokenizer.encode("x", add_special_tokens=False)[0]  # never valid right after '{'
+    cases = [  # (tokens accepted before, proposals, proposals the grammar takes)
+        (0, token_ids[:5], 5),
+        (3, token_ids[3:4], 1),
+        (2, [], 0),
+        (1, [refused, *token_ids[1:3]], 0),  # refused first: position 0's mask only
+        (4, [*token_ids[4:6], refused, token_ids[7]], 2),
+        # EOS is no proposal the grammar takes (speculation cuts a proposal before an EOS), even where allowed
+        (len(token_ids), [min(tokenizer.eos_token_ids)], 0),
+    ]
+    matchers, rows, first = [], [], 0
+    for before, proposals, _ in cases:
+        matcher = compiled.new_matcher()
+        assert all(matcher.accept_token(t) for t in token_ids[:before])
+        matchers.append(matcher)
+        rows.append((matcher, first, proposals))
+        first += 1 + len(proposals)
+    bitmask = compiler.allocate_bitmask(first)
+    before_masks = []
+    for matcher in matchers:
+        single = compiler.allocate_bitmask(1)
+        matcher.fill_bitmask(single, 0)
+        before_masks.append(single[0].copy())
+    compiler.fill_verify_bitmasks(rows, bitmask)
+    for (before, proposals, taken), (matcher, first_row, _), mask_before in zip(cases, rows, before_masks):
+        assert matcher.num_accepted_tokens == before and not matcher.is_dead_end
+        single = compiler.allocate_bitmask(1)
+        matcher.fill_bitmask(single, 0)
+        np.testing.assert_array_equal(single[0], mask_before)  # it ends where it began
+        stepped = compiled.new_matcher()
+        assert all(stepped.accept_token(t) for t in token_ids[:before])
+        for position in range(len(proposals) + 1):
+            row = bitmask[first_row + position]
+            if position > taken:
+                assert (row == -1).all()  # left alone: never reached (the row before forbids the proposal)
+                continue
+            stepped.fill_bitmask(single, 0)
+            np.testing.assert_array_equal(row, single[0])
+            if position < taken:
+                assert stepped.accept_token(proposals[position])
+            elif position < len(proposals) and proposals[position] not in tokenizer.eos_token_ids:
+                assert proposals[position] not in allowed_ids(row)
+    assert set(allowed_ids(bitmask[rows[-1][1]])) == set(tokenizer.eos_token_ids)  # complete: EOS only

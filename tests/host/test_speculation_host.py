@@ -319,6 +319,20 @@ def test_a_row_backs_off_after_its_second_miss_in_a_row():
     speculation._observe_outcome(seq, 3)  # an accepted proposal
     assert proposed_after(1) and proposed_after(1)  # its first miss after it is free again
     assert not proposed_after(1)
+    calls_before_forced = proposer.calls
+
+    class Forcing:  # a grammar that forces its next tokens: backing off from the proposer is not from them
+        def __init__(self, forced):
+            self.forced = forced
+
+        def forced_tokens(self):
+            return self.forced
+
+    seq.grammar = Forcing([7, 8, 9])
+    speculation.begin_step([scheduler])
+    assert speculation.proposals([scheduler]) == [{seq.seq_id: [7, 8, 9]}] and proposer.calls == calls_before_forced
+    seq.grammar = Forcing([])
+    assert not proposed_after(0)
 
 
 def test_plain_decoding_looks_ahead_and_tries_speculation_when_the_text_turns_to_quoting():
@@ -345,3 +359,38 @@ def test_plain_decoding_looks_ahead_and_tries_speculation_when_the_text_turns_to
     assert not step(11) and not step(12) and not step(13) and not step(14)  # followed for 4 tokens now
     assert step(15)  # speculation measured again
     assert speculation.policy.stats()["1"]["on"] == 0.0  # from scratch (its old estimate was of other text)
+
+
+def test_a_guided_rows_proposal_is_cut_to_what_its_grammar_can_verify():
+    """engine/speculation.py verifiable_part: up to the first token the grammar refuses or the first EOS; the
+    tokens the grammar forces where the proposal departs from them or stops short; for a grammar that waits
+    for a token, up to before that token."""
+    from jaxserve.engine.speculation import verifiable_part
+    from jaxserve.host.request import GuidedDecodingParams
+    from tests.host.test_grammar import compiler_for, load_tokenizer
+
+    tokenizer, compiler = load_tokenizer("qwen_byte_level"), compiler_for("qwen_byte_level")
+    one, two, three, four, five, six = (tokenizer.encode(d, add_special_tokens=False)[0] for d in "123456")
+    a, b, c, z = (tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "abcz")
+    eos = min(tokenizer.eos_token_ids)
+    eos_ids = frozenset(tokenizer.eos_token_ids)
+    compiled = compiler.compile_async(GuidedDecodingParams(regex="[0-9]{4,6}(abc)?[0-9]*")).result()
+    seq = sequence([one, two])
+    seq.grammar = compiled.new_matcher()
+    assert verifiable_part(seq, [one, two, z, three], 8, eos_ids) == [one, two]  # z refused
+    assert verifiable_part(seq, [one, two, three, four, eos, five], 8, eos_ids) == [one, two, three, four]
+    assert verifiable_part(seq, [], 8, eos_ids) == []  # nothing forced: the first token is a choice
+    assert seq.grammar.num_accepted_tokens == 0  # cutting changed nothing
+    forced = compiler.compile_async(GuidedDecodingParams(regex="[0-9]{2}abc[0-9]+")).result()
+    seq.grammar = forced.new_matcher()
+    assert all(seq.grammar.accept_token(t) for t in (one, two))
+    assert verifiable_part(seq, [], 8, eos_ids) == [a, b, c]  # forced (one token each in this vocabulary)
+    assert verifiable_part(seq, [], 2, eos_ids) == [a, b]  # within the row's limit
+    assert verifiable_part(seq, [a, b], 8, eos_ids) == [a, b, c]  # stops short: the forced tokens
+    assert verifiable_part(seq, [a, b, c, six, five], 8, eos_ids) == [a, b, c, six, five]  # follows them further
+    assert verifiable_part(seq, [a, z], 8, eos_ids) == [a, b, c]  # departs (z refused after a)
+    waiting = sequence([one, two], guided_decoding=GuidedDecodingParams(regex="[0-9]+"), guided_decoding_after_token=z)
+    waiting.waiting_grammar = compiled.new_matcher()
+    assert verifiable_part(waiting, [a, b, z, one, two], 8, eos_ids) == [a, b]  # the token after z needs the grammar
+    assert verifiable_part(waiting, [a, b, c], 8, eos_ids) == [a, b, c]
+    assert verifiable_part(sequence([1, 2]), [7, eos, 9], 8, eos_ids) == [7, eos, 9]  # no grammar: all of it

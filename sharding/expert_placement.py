@@ -61,25 +61,36 @@ def read_load_profile(source, num_layers: int, num_experts: int) -> np.ndarray:
     return load
 
 
-def initial_placement(abstract_placement: nnx.State, num_experts: int, mesh) -> nnx.State:
-    """Concrete contiguous placements (replicated on the mesh) for an abstract model's ExpertPlacements."""
-    device_of, slot_of, _ = place_experts(None, num_experts, mesh.devices.size)
+def initial_placement(
+    abstract_placement: nnx.State, num_experts: int, mesh, load: np.ndarray | None = None
+) -> nnx.State:
+    """Concrete placements (replicated on the mesh) for an abstract model's ExpertPlacements: contiguous, or
+    where a load profile ([MoE layers, X]) puts each layer's experts, as expert_parallel_reader lays them out."""
+    flat = dict(nnx.to_flat_state(abstract_placement))
+    layers = _in_layer_order({path[:-1] for path in flat})
+    _check_profile_layers(load, len(layers))
     replicated = NamedSharding(mesh, PartitionSpec())
-    values = {"expert_device": device_of, "expert_slot": slot_of}
-    return nnx.from_flat_state(
-        [
-            (path, variable.replace(jax.device_put(values[str(path[-1])], replicated)))
-            for path, variable in nnx.to_flat_state(abstract_placement)
-        ]
-    )
+    placed = []
+    for layer, prefix in enumerate(layers):
+        device_of, slot_of, _ = place_experts(None if load is None else load[layer], num_experts, mesh.devices.size)
+        for name, value in (("expert_device", device_of), ("expert_slot", slot_of)):
+            variable = flat[prefix + (name,)]
+            placed.append((prefix + (name,), variable.replace(jax.device_put(np.asarray(value), replicated))))
+    return nnx.from_flat_state(placed)
+
+
+def _in_layer_order(prefixes) -> list[tuple]:
+    return sorted(prefixes, key=lambda prefix: [p for p in prefix if isinstance(p, int)])
+
+
+def _check_profile_layers(load: np.ndarray | None, num_layers: int) -> None:
+    if load is not None and load.shape[0] != num_layers:
+        raise ValueError(f"the expert load profile has {load.shape[0]} layers; this model has {num_layers} MoE layers")
 
 
 def _moe_layers(flat: dict) -> list[tuple]:
     """Path prefixes of the MoE layers (those with a placement), in layer order."""
-    return sorted(
-        (path[:-1] for path in flat if path[-1] == "expert_device"),
-        key=lambda prefix: [p for p in prefix if isinstance(p, int)],
-    )
+    return _in_layer_order(path[:-1] for path in flat if path[-1] == "expert_device")
 
 
 def _stored_rows(flat: dict, prefix: tuple) -> np.ndarray:
@@ -214,19 +225,27 @@ def _gather_rows(array, order, sharding):
     return jax.lax.with_sharding_constraint(store_experts(array, order), sharding)
 
 
-def expert_parallel_reader(read_params, num_experts: int, mesh):
+def expert_parallel_reader(read_params, num_experts: int, mesh, load: np.ndarray | None = None):
     """A ModelSource's read_params (abstract params, dtype, placement) for a model whose experts are spread
     over `mesh`: each expert weight is read as the checkpoint holds it, X experts in canonical order (split
-    by canonical_sharding where X does not divide the devices), then laid out in its stored rows as the
-    initial placement puts them, padding rows zero."""
-    _, _, storage_order = place_experts(None, num_experts, mesh.devices.size)
+    by canonical_sharding where X does not divide the devices or a profile reorders them), then laid out in
+    its stored rows as initial_placement puts them, padding rows zero. With a load profile ([MoE layers, X])
+    each layer's experts are laid out where the profile places them: placing by a profile at start-up costs
+    no copy of the experts once the KV pool took the memory left."""
+    default_order = place_experts(None, num_experts, mesh.devices.size)[2]
 
     def read(abstract: nnx.State, dtype, placement) -> nnx.State:
         flat = list(nnx.to_flat_state(abstract))
+        layers = _in_layer_order({path[:-1] for path, variable in flat if _is_expert_weight(variable)})
+        _check_profile_layers(load, len(layers))
+        storage_orders = {
+            prefix: default_order if load is None else place_experts(load[layer], num_experts, mesh.devices.size)[2]
+            for layer, prefix in enumerate(layers)
+        }
         as_checkpointed = {
             path: jax.ShapeDtypeStruct((num_experts,) + variable.get_value().shape[1:], variable.get_value().dtype)
             for path, variable in flat
-            if _is_expert_weight(variable) and variable.get_value().shape[0] != num_experts
+            if _is_expert_weight(variable) and (load is not None or variable.get_value().shape[0] != num_experts)
         }
         if not as_checkpointed:  # X divides the devices: the initial placement keeps the canonical order
             return read_params(abstract, dtype, placement)
@@ -247,7 +266,8 @@ def expert_parallel_reader(read_params, num_experts: int, mesh):
         )
         for path in canonical:  # one at a time: each read copy is freed as its rows are stored
             variable = loaded[path]
-            loaded[path] = variable.replace(_store_rows(variable.get_value(), storage_order, placement(path)))
+            stored = _store_rows(variable.get_value(), storage_orders[path[:-1]], placement(path))
+            loaded[path] = variable.replace(stored)
         return nnx.from_flat_state(list(loaded.items()))
 
     return read

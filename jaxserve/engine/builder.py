@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -117,7 +118,15 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     quantization = QuantizationSpec(
         config.quantization or "none", config.quantization_group_size, config.quantization_embedding
     )
-    model = _load_model(source, dtype, attention, mesh, expert_parallel, quantization, config.quantized_activations)
+    # a load profile lays the experts out as they are read (no copy of them once the KV pool took the memory left)
+    load_profile = (
+        read_load_profile(config.parallel.expert_load_profile, model_config.num_moe_layers, model_config.num_experts)
+        if config.parallel.expert_load_profile is not None
+        else None
+    )
+    model = _load_model(
+        source, dtype, attention, mesh, expert_parallel, quantization, config.quantized_activations, load_profile
+    )
     lora_slots = _attach_lora(model, config, model_config, mesh, expert_parallel)
     if lora_slots and process_group is not None:  # the slot writes would have to reach every process
         raise ValueError("LoRA adapters over several processes (jax.distributed) are not available yet")
@@ -232,10 +241,12 @@ def _load_model(
     expert_parallel: bool,
     quantization: QuantizationSpec = NO_QUANTIZATION,
     quantized_activations: str = "int8",
+    expert_load_profile: np.ndarray | None = None,
 ):
     """The model with its params read from the checkpoint, each placed on the mesh as it is read; expert
-    placements (expert parallelism only) are not params: they start contiguous. `quantized_activations`:
-    the engine option, for the CPU quantized kernel (pallas_kernels/matmul/quantized_cpu.py)."""
+    placements (expert parallelism only) are not params: they start contiguous, or where
+    expert_load_profile ([MoE layers, experts]) puts them. `quantized_activations`: the engine option, for
+    the CPU quantized kernel (pallas_kernels/matmul/quantized_cpu.py)."""
     # the projections' kernels, by the engine's own devices: one device (no mesh, or parallel.device_ids naming one)
     # keeps the one-device kernels even where the process holds several (a multi-GPU host, fake CPU devices)
     num_devices = 1 if mesh is None else mesh.size
@@ -256,13 +267,14 @@ def _load_model(
     shardings = param_shardings(abstract_params, mesh, source.config.logical_axis_sizes(), rules)
     # Under expert parallelism, experts are read in checkpoint order and then laid out device by device.
     read_params = (
-        expert_parallel_reader(source.read_params, source.config.num_experts, mesh)
+        expert_parallel_reader(source.read_params, source.config.num_experts, mesh, expert_load_profile)
         if expert_parallel
         else source.read_params
     )
     params = read_params(abstract_params, dtype, shardings.get)  # None: the default device
     if expert_parallel:
-        return nnx.merge(graphdef, params, initial_placement(abstract_placement, source.config.num_experts, mesh))
+        placement = initial_placement(abstract_placement, source.config.num_experts, mesh, expert_load_profile)
+        return nnx.merge(graphdef, params, placement)
     return nnx.merge(graphdef, params)
 
 
@@ -321,11 +333,5 @@ def _warmed_up_target(
             mesh.devices.size if expert_parallel and mesh is not None else None,
             config.parallel.expert_rebalance_interval,
         )
-        if config.parallel.expert_load_profile is not None:
-            experts.rebalance(
-                read_load_profile(
-                    config.parallel.expert_load_profile, model_config.num_moe_layers, model_config.num_experts
-                )
-            )
     warm_up(runner, process_group, config.show_progress)  # several processes: returns once all have
     return schedulers, layout, runner, experts

@@ -1,7 +1,7 @@
 """Speculation on meshes (8 fake CPU devices, in a subprocess: the device count is fixed when JAX starts):
 data x tensor parallelism on a dense model (n-gram proposals, and a draft model: the target's int8 copy,
 whose rows follow each data-parallel rank's sequences), data x expert parallelism on a mixture of experts
-(n-gram and the int8 draft). Outputs equal speculation off, no compile after warm-up, no page held in
+(n-gram and the int8 draft), guided rows among the others. Outputs equal speculation off, no compile after warm-up, no page held in
 either cache; the draft's chained steps (device/step.py chained_steps) ran on the meshes too."""
 
 from tests.support.fake_devices import run_on_fake_devices
@@ -15,6 +15,7 @@ def test_outputs_equal_on_data_tensor_and_expert_parallel_meshes():
     for case, outcome in results.items():
         assert outcome["equal"], case
         assert outcome["accepted"] > 5, case  # proposals were verified and accepted on the mesh
+        assert outcome["guided_drafted"] > 0, case  # guided rows verified proposals on the mesh too
         assert outcome["compiles_after_warmup"] == [0, 0], case
         assert outcome["pages_held"] == [0, 0], case
         assert outcome["draft_pages_held"] == 0, case

@@ -72,6 +72,9 @@ for directory in rebalance_dirs:
     )
     device_of = np.asarray(moved["expert_devices"][0])
     at_start = LLM(fixture_dir("mixtral_8x"), **{**ep4, "expert_load_profile": profile})
+    at_start_rows = np.asarray(
+        next(s.data for s in expert_weight(at_start).addressable_shards if s.device == jax.devices()[0])
+    )
     periodic = LLM(fixture_dir("mixtral_8x"), **{**ep4, "expert_rebalance_interval": 3})
     periodic_equal = greedy_equal(periodic, "mixtral_8x")
     results["rebalance"] = {
@@ -88,6 +91,9 @@ for directory in rebalance_dirs:
         "start_up_devices_equal": at_start.stats()["expert_devices"] == moved["expert_devices"],
         "start_up_equal": greedy_equal(at_start, "mixtral_8x"),
         "start_up_rebalances": at_start.stats()["expert_rebalances"],
+        "start_up_device0_holds_its_experts": bool(
+            np.array_equal(at_start_rows, canonical[np.flatnonzero(device_of == 0)])
+        ),
         "periodic_equal": periodic_equal,
         "periodic_rebalances": periodic.stats()["expert_rebalances"],
         "periodic_steps": periodic.stats()["num_steps"],
@@ -116,6 +122,9 @@ for directory in uneven_dirs:
         **{**SMALL_ENGINE, "data_parallel_size": 8, "enable_expert_parallel": True},
     )
     at_start = LLM(fixture_dir("mixtral_6x"), **{**mesh, "expert_load_profile": profile})
+    at_start_rows = np.asarray(
+        next(s.data for s in expert_weight(at_start).addressable_shards if s.device == jax.devices()[0])
+    )
     results["uneven"] = {
         "before_equal": before_equal,
         "after_equal": after_equal,
@@ -136,6 +145,10 @@ for directory in uneven_dirs:
         "restored_ep8_per_device": experts_per_device(restored_ep8),
         "start_up_devices_equal": at_start.stats()["expert_devices"] == moved["expert_devices"],
         "start_up_equal": greedy_equal(at_start, "mixtral_6x"),
+        "start_up_rebalances": at_start.stats()["expert_rebalances"],
+        "start_up_device0_holds_its_experts_then_zeros": bool(
+            np.array_equal(at_start_rows[: len(on_device0)], on_device0) and not at_start_rows[len(on_device0) :].any()
+        ),
     }
 for directory in orbax_dirs:
     # saved from a 2-way tensor-parallel engine, restored onto 4 devices and onto 1

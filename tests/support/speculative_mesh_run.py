@@ -5,7 +5,8 @@ compiled afterwards. Prints one JSON object."""
 import json
 import sys
 
-from jaxserve import LLM
+from jaxserve import LLM, SamplingParams
+from jaxserve.host.request import GuidedDecodingParams
 from tests.engine.test_speculative import ENGINE, NGRAM, summary, workload
 from tests.support.fixtures import fixture_dir
 
@@ -22,6 +23,20 @@ CASES = {  # fixture, mesh, speculation
 
 results, plain_runs = {}, {}  # cases on the same fixture and mesh share the plain engine's run
 prompts, params = workload(3, 16)
+# guided rows: each data-parallel rank's verify rows carry their own masks per position (engine/speculation.py)
+GUIDED = [
+    SamplingParams(
+        temperature=0.0, max_tokens=20, guided_decoding=GuidedDecodingParams(regex="[a-z]{2,5}( [a-z]{2,5})*")
+    ),
+    SamplingParams(
+        temperature=0.9,
+        seed=3,
+        max_tokens=20,
+        guided_decoding=GuidedDecodingParams(choice=["alpha beta", "gamma delta"]),
+    ),
+]
+prompts += [[40, 41, 42, 43] * 4, [50, 51, 52] * 5]
+params += GUIDED
 for case in sys.argv[1:]:
     fixture, parallel, speculation = CASES[case]
     outputs, stats = {}, {}
@@ -32,13 +47,16 @@ for case in sys.argv[1:]:
             continue
         options = {**ENGINE, **parallel, **({"speculative": speculative} if speculative else {})}
         llm = LLM(fixture_dir(fixture), **options)
-        outputs[name] = summary(llm.generate(prompts, params))
+        generated = llm.generate(prompts, params)
+        outputs[name] = summary(generated)
         stats[name] = llm.stats()
+        guided_drafted = sum(o.num_draft_tokens for r in generated[-len(GUIDED) :] for o in r.outputs)
         if speculative is None:
             plain_runs[key] = outputs[name], stats[name]
     speculative_stats = stats["speculative"]
     results[case] = dict(
         equal=outputs["speculative"] == outputs["plain"],
+        guided_drafted=guided_drafted,
         accepted=speculative_stats["speculative_num_accepted_tokens"],
         compiles_after_warmup=[s["num_compiles_after_warmup"] for s in stats.values()],
         pages_held=[s["kv_pages_total"] - s["kv_pages_free"] for s in stats.values()],

@@ -31,9 +31,9 @@ advanced through the proposals before it (engine/constraints.py), so every sampl
 grammar, as without speculation. Where the grammar forces the next tokens (a JSON schema's keys and
 punctuation) those are the proposal, unless the proposer's follows them further: SGLang's jump-forward,
 verified rather than assumed, since the model may spell the forced text with other tokens. A grammar row
-backing off from its proposer still verifies the tokens its grammar forces. A row whose grammar starts after a token (a reasoning
-model's </think>) verifies proposals up to before that token: the position after it needs the grammar's
-first mask, known only once the token is accepted.
+backing off from its proposer still verifies the tokens its grammar forces. A row whose grammar starts after
+a token (a reasoning model's </think>) verifies proposals up to before that token: the position after it
+needs the grammar's first mask, known only once the token is accepted.
 
 Rows that never speculate (they decode as usual): multi-token bad words' (their bans depend on the tokens
 before), a flushing sequence's, and one whose newest token is still on the device.

@@ -38,6 +38,7 @@ def build_sampling(
     lora: str = "",
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool = True,
+    truncate_prompt_tokens: int | None = None,
 ) -> pb.SamplingParams:
     """The proto's SamplingParams; at most one guided_* constrains the output (ValueError for two: the proto's
     oneof would keep only the last)."""
@@ -63,6 +64,8 @@ def build_sampling(
     )
     if prompt_logprobs is not None:
         sampling.prompt_logprobs = prompt_logprobs
+    if truncate_prompt_tokens is not None:
+        sampling.truncate_prompt_tokens = truncate_prompt_tokens
     for name, value in (("temperature", temperature), ("top_p", top_p), ("repetition_penalty", repetition_penalty)):
         if value is not None:
             setattr(sampling, name, value)

@@ -83,7 +83,7 @@ class LLM:
         for prompt, params in zip(prompts, sampling_params):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-            self.engine.validate(self.engine.tokenize(prompt), params)
+            self.engine.validate(self.engine.tokenize(prompt, params), params)
 
         session_ids = list(session_ids) if session_ids is not None else [None] * len(prompts)
         if len(session_ids) != len(prompts):

@@ -12,7 +12,7 @@ from jaxserve.config import EngineRole
 from jaxserve.engine.builder import EngineParts
 from jaxserve.engine.constraints import RowConstraints
 from jaxserve.host.page_allocator import num_pages_for
-from jaxserve.host.request import SamplingParams
+from jaxserve.host.request import SamplingParams, truncate_prompt
 
 
 def prompt_input(prompt):
@@ -54,6 +54,10 @@ class RequestChecks:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return [int(t) for t in prompt]
+
+    def truncated(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as the request uses it: its last truncate_prompt_tokens tokens (vLLM's left truncation)."""
+        return truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.parts.max_model_len)
 
     def room(self, prompt_token_ids: list[int]) -> int:
         """Tokens a sequence may generate after this prompt: what max_model_len and the KV cache leave."""

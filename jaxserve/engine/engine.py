@@ -114,8 +114,10 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int] | dict) -> list[int]:
-        return self.admission.tokenize(prompt)
+    def tokenize(self, prompt: str | list[int] | dict, params: SamplingParams | None = None) -> list[int]:
+        """The prompt's token ids; with params, as the request uses them (truncate_prompt_tokens applied)."""
+        prompt_token_ids = self.admission.tokenize(prompt)
+        return prompt_token_ids if params is None else self.admission.truncated(prompt_token_ids, params)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.admission.validate(prompt_token_ids, params)
@@ -131,7 +133,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = prompt_input(prompt)
-        prompt_token_ids = self.tokenize(prompt)
+        prompt_token_ids = self.tokenize(prompt, params)
         params = self.admission.with_max_tokens(prompt_token_ids, params)
         self.validate(prompt_token_ids, params)
         adapter = self.lora_adapter(params)

@@ -121,7 +121,7 @@ class EngineLoop:
                     f"n ({params.n}) is more than the engine runs at once "
                     f"(engine.max_num_seqs = {self.description.max_num_seqs})"
                 )
-            prompt_token_ids = self.engine.tokenize(prompt)  # read-only: safe off the loop thread
+            prompt_token_ids = self.engine.tokenize(prompt, params)  # read-only: safe off the loop thread
             self.engine.validate(prompt_token_ids, params)
             request_id = request_id or f"req-{uuid.uuid4().hex}"
             stream = RequestStream(f"{request_id}#{next(self._handles)}", request_id, params, len(prompt_token_ids))

@@ -91,6 +91,9 @@ def sampling_params_from_proto(
         guided_decoding_after_token=(
             sampling.guided_decoding_after_token if sampling.HasField("guided_decoding_after_token") else None
         ),
+        truncate_prompt_tokens=(
+            sampling.truncate_prompt_tokens if sampling.HasField("truncate_prompt_tokens") else None
+        ),
     )
 
 
@@ -136,6 +139,8 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         sampling.prompt_logprobs = params.prompt_logprobs
     if params.guided_decoding_after_token is not None:
         sampling.guided_decoding_after_token = params.guided_decoding_after_token
+    if params.truncate_prompt_tokens is not None:
+        sampling.truncate_prompt_tokens = params.truncate_prompt_tokens
     return sampling
 
 

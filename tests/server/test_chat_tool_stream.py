@@ -24,7 +24,7 @@ class ScriptedGroup:
     def __init__(self, pieces: list[str], finish_reason: str = "stop"):
         self.pieces, self.finish_reason = pieces, finish_reason
         self.engine_loop = SimpleNamespace(engine=SimpleNamespace(tokenizer=None))
-        self.streams = [SimpleNamespace(error_status=500)]
+        self.streams = [SimpleNamespace(error_status=500, num_prompt_tokens=3)]
 
     async def deltas(self):
         for number, text in enumerate(self.pieces):

@@ -53,7 +53,7 @@ class ScriptedGroup:
         self.pieces, self.tokenizer = pieces, tokenizer
         self.pieces_text: list[str] | None = None  # the deltas' text when not the pieces' decode (a stop's cut)
         self.engine_loop = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer))
-        self.streams = [SimpleNamespace(error_status=500)]
+        self.streams = [SimpleNamespace(error_status=500, num_prompt_tokens=3)]
 
     async def deltas(self):
         sent, state = [], DetokenizerState(0, 0)

@@ -277,3 +277,55 @@ def test_a_streamed_chat_ends_with_its_stop_reason(server):
     assert status == 200, raw
     finished = [c for e in sse_events(raw) if e != "[DONE]" for c in e["choices"] if c["finish_reason"] is not None]
     assert [(c["finish_reason"], c["stop_reason"]) for c in finished] == [("stop", stop_token)]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, client):
+    """vLLM's truncate_prompt_tokens: completions (text and token ids, echo with logprobs), chat (the rendered
+    conversation's last tokens) and gRPC use only the prompt's last k tokens; 0, -2 and more than max_model_len
+    are refused."""
+    ids = [1, 275, 240, 302, 123, 94, 304, 336, 40, 41, 42, 43]
+    options = dict(model="llama_gqa", max_tokens=8, temperature=0.0)
+    short = client.completions.create(prompt=ids[-5:], **options)
+    for prompt in (ids, ids[-5:]):
+        cut = client.completions.create(prompt=prompt, extra_body={"truncate_prompt_tokens": 5}, **options)
+        assert cut.choices[0].text == short.choices[0].text and cut.usage.prompt_tokens == 5
+    text = client.completions.create(prompt=PROMPT * 3, **options, extra_body={"truncate_prompt_tokens": 4})
+    assert text.usage.prompt_tokens == 4
+    echoed = client.completions.create(
+        prompt=ids, echo=True, logprobs=1, **{**options, "max_tokens": 2}, extra_body={"truncate_prompt_tokens": 5}
+    )
+    assert echoed.usage.prompt_tokens == 5
+    assert len(echoed.choices[0].logprobs.token_logprobs) == 5 + 2  # the scored prompt is the truncated one
+    whole_chat = client.chat.completions.create(messages=CONVERSATION, **options)
+    chat = client.chat.completions.create(messages=CONVERSATION, **options, extra_body={"truncate_prompt_tokens": 6})
+    assert chat.usage.prompt_tokens == 6 < whole_chat.usage.prompt_tokens
+    over_grpc = Client(server.target).generate(ids, max_tokens=8, temperature=0.0, truncate_prompt_tokens=5)
+    assert over_grpc.text == short.choices[0].text and over_grpc.num_prompt_tokens == 5
+    for value in (0, -2, 10**6):
+        status, _, body = http(
+            server, "POST", "/v1/completions", {"model": "llama_gqa", "prompt": ids, "truncate_prompt_tokens": value}
+        )
+        assert status == 400 and b"truncate_prompt_tokens" in body, body
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    for create, extra in (
+        (client.completions.create, {"prompt": PROMPT}),
+        (client.chat.completions.create, {"messages": CONVERSATION}),
+    ):
+        chunks = list(
+            create(
+                model="llama_gqa",
+                max_tokens=6,
+                temperature=0.0,
+                stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True},
+                **extra,
+            )
+        )
+        usages = [chunk.usage for chunk in chunks]
+        assert all(usage is not None for usage in usages)
+        assert len({usage.prompt_tokens for usage in usages}) == 1 and usages[0].prompt_tokens > 0
+        completion = [usage.completion_tokens for usage in usages]
+        assert completion == sorted(completion) and completion[-1] == 6
+        assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)

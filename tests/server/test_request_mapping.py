@@ -167,8 +167,9 @@ def test_sampling_params_survive_the_proto_both_ways():
         allowed_token_ids=[4, 5],
         include_stop_str_in_output=True,
         skip_special_tokens=False,
+        truncate_prompt_tokens=7,
     )
-    assert params.include_stop_str_in_output and not params.skip_special_tokens
+    assert params.include_stop_str_in_output and not params.skip_special_tokens and params.truncate_prompt_tokens == 7
     for guided in (
         None,
         GuidedDecodingParams(json=SCHEMA),
@@ -198,8 +199,6 @@ def test_proto_sampling_is_checked_against_the_limits():
     [
         ("use_beam_search", True),
         ("spaces_between_special_tokens", False),
-        ("truncate_prompt_tokens", 8),
-        ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
         ("echo", True),  # on chat only: completions honour it
     ],
 )

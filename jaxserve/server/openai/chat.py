@@ -15,7 +15,7 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from jaxserve.host.request import SamplingParams
+from jaxserve.host.request import SamplingParams, truncate_prompt
 from jaxserve.server import limits as request_limits
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
 from jaxserve.server.openai.context import ServingContext, request_size, with_adapter
@@ -64,6 +64,8 @@ def checked_chat(
         plan.tools,
         body.chat_template_kwargs,
     )
+    # vLLM's truncate_prompt_tokens: the rendered conversation's last tokens (limits.max_prompt_tokens: max_model_len)
+    token_ids = truncate_prompt(token_ids, body.truncate_prompt_tokens, limits.max_prompt_tokens)
     request_limits.check_token_ids(limits, token_ids)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # as vLLM: whatever room the context leaves
@@ -124,6 +126,7 @@ class ChatCall:
         self.prompt_token_ids = prompt_token_ids
         self.reasoning_start = reasoning_start
         self.token_text = token_text or TokenText(group.engine_loop.engine.tokenizer)
+        self.usage = UsageCounter.of_streams(group.streams)  # events': the usage so far
         self.header = {
             "id": response_id("chatcmpl"),
             "created": now(),
@@ -145,8 +148,8 @@ class ChatCall:
         if token_ids is not None and self.body.return_token_ids:
             choice["token_ids"] = token_ids
         chunk = {**self.header, "object": "chat.completion.chunk", "choices": [choice]}
-        if self.body.include_usage:
-            chunk["usage"] = None
+        if self.body.include_usage:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+            chunk["usage"] = self.usage.usage() if self.body.continuous_usage else None
         return sse(chunk)
 
     def calls(self, reply: ParsedReply | None) -> list:
@@ -160,9 +163,9 @@ class ChatCall:
         return "tool_calls" if calls and reason == "stop" else reason
 
     async def events(self):
+        usage = self.usage = UsageCounter.of_streams(self.group.streams)
         for index in range(self.body.n):
             yield self.chunk(index, {"role": "assistant", "content": ""})
-        usage = UsageCounter()
         holdbacks, splits = {}, {}
         async for position, delta in self.group.deltas():
             if (message := failure(delta, self.group.streams[position])) is not None:

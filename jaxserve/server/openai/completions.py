@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from jaxserve.host.request import SamplingParams
+from jaxserve.host.request import SamplingParams, truncate_prompt
 from jaxserve.server import limits as request_limits
 from jaxserve.server.openai.context import ServingContext, request_size, with_adapter
 from jaxserve.server.openai.errors import APIError, error_body
@@ -58,7 +58,11 @@ def checked_completion(
         raise ValueError("suffix is not supported by this server")
     if body.max_tokens is not None and body.max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {body.max_tokens}")
-    prompts = body.prompts()
+    # vLLM's truncate_prompt_tokens on token-id prompts (text prompts: the engine truncates what it tokenizes)
+    prompts = [
+        p if isinstance(p, str) else truncate_prompt(p, body.truncate_prompt_tokens, limits.max_prompt_tokens)
+        for p in body.prompts()
+    ]
     if len(prompts) > context.ready_loop().max_in_flight:
         raise ValueError(f"{len(prompts)} prompts in one request, more than the server runs at once")
     for position, prompt in enumerate(prompts):
@@ -77,7 +81,12 @@ def checked_completion(
     if body.echo:
         echo.texts = [p if isinstance(p, str) else context.tokenizer.decode(p) for p in prompts]
     if scores_prompt or body.prompt_logprobs is not None:  # the engine's tokenizing: the scored tokens
-        scored = [context.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        scored = [
+            truncate_prompt(context.tokenizer.encode(p), body.truncate_prompt_tokens, limits.max_prompt_tokens)
+            if isinstance(p, str)
+            else list(p)
+            for p in prompts
+        ]
         echo.token_ids = scored if scores_prompt else []
         echo.scored_token_ids = scored if body.prompt_logprobs is not None else None
     return prompts, params, echo
@@ -177,7 +186,7 @@ class CompletionCall:
         return prompt_logprobs
 
     async def events(self):
-        usage, echoed, offsets = UsageCounter(), set(), defaultdict(int)
+        usage, echoed, offsets = UsageCounter.of_streams(self.group.streams), set(), defaultdict(int)
         async for position, delta in self.group.deltas():
             if (message := failure(delta, self.group.streams[position])) is not None:
                 yield sse(error_body(self.group.streams[position].error_status, message))
@@ -201,8 +210,8 @@ class CompletionCall:
             )
             chunk = {**self.header, "choices": [choice]}
             offsets[index] += len(text)
-            if self.body.include_usage:
-                chunk["usage"] = None
+            if self.body.include_usage:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+                chunk["usage"] = usage.usage() if self.body.continuous_usage else None
             self.group.mark_sending(True)
             yield sse(chunk)
             self.group.mark_sending(False)

@@ -4,7 +4,7 @@ min_tokens, bad_words, allowed_token_ids, include_stop_str_in_output, skip_speci
 
 Fields the engine cannot honour are refused with the reason rather than silently ignored when a
 client sets them to anything but their neutral value (best_of, suffix, the legacy functions, UNHONOURED_FIELDS,
-continuous usage stats, chat echo); fields that change nothing here (user) are accepted and unknown ones
+chat echo); fields that change nothing here (user) are accepted and unknown ones
 ignored, as vLLM and OpenAI do.
 Constrained output (response_format, guided_*, structured_outputs) is read by structured.py.
 """
@@ -28,7 +28,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's and OpenAI's default for /v1/comple
 UNHONOURED_FIELDS: dict[str, Any] = {
     "use_beam_search": False,
     "spaces_between_special_tokens": True,
-    "truncate_prompt_tokens": None,
 }
 
 
@@ -83,6 +82,7 @@ class SamplingRequest(BaseModel):
     # vLLM's: every prompt token's logprob (and this many top alternatives) in the response, vLLM's shape
     prompt_logprobs: StrictInt | None = None
     use_beam_search: Any = False
+    # vLLM's: only the prompt's last k tokens (the rendered chat's for chat), -1: the last max_model_len
     truncate_prompt_tokens: Any = None
 
     @property
@@ -93,6 +93,11 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats (with include_usage): every chunk carries the usage so far."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
     def check(self, limits: RequestLimits, request_id: str) -> None:
         """The server's caps (limits.py) and the features the engine lacks; ValueError naming the field."""
         request_limits.check_ids(limits, request_id=request_id, session_id=self.session_id or "", user=self.user or "")
@@ -101,8 +106,6 @@ class SamplingRequest(BaseModel):
             raise ValueError("best_of is not supported by this server (only best_of = n)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream = true")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise ValueError("stream_options.continuous_usage_stats is not supported by this server (include_usage is)")
         for name, neutral in UNHONOURED_FIELDS.items():
             value = getattr(self, name)
             if value is not None and value != neutral:
@@ -156,6 +159,7 @@ class SamplingRequest(BaseModel):
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
         # normalized to (token id, bias) pairs by SamplingParams
         request_limits.check_vocabulary(limits, [t for t, _ in params.logit_bias or ()], "logit_bias keys")

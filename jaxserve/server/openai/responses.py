@@ -104,6 +104,11 @@ class UsageCounter:
     cached_tokens: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
 
+    @classmethod
+    def of_streams(cls, streams) -> UsageCounter:
+        """Starting from the streams' prompts (continuous usage stats count them from the first chunk)."""
+        return cls(prompt_tokens={position: stream.num_prompt_tokens for position, stream in enumerate(streams)})
+
     def add(self, position: int, delta: Delta) -> None:
         self.prompt_tokens[position] = delta.num_prompt_tokens
         self.cached_tokens[position] = max(self.cached_tokens.get(position, 0), delta.num_cached_tokens)

@@ -154,7 +154,9 @@ class Scheduler:
         A sequence with a step in flight is computing that KV already: it finishes once that step is
         processed, and the token the step samples is dropped."""
         if seq.num_inflight_tokens or (
-            self.allocator.enable_prefix_caching and seq.num_tokens % self.allocator.page_size == 0
+            self.allocator.enable_prefix_caching
+            and seq.num_tokens % self.allocator.page_size == 0
+            and seq.num_computed_tokens < seq.num_tokens  # a dropped token (no token allowed) left it computed
         ):
             seq.finish_reason, seq.flushing = reason, True
         else:

@@ -78,3 +78,45 @@ def test_a_stop_that_fills_a_page_gets_its_kv_computed_once_either_way():
     plain_after_stop, plain_seq, _ = run(overlap=False, stop_at=1, page_size=4)
     assert len(after_stop) == 2 and len(plain_after_stop) == 2
     assert seq.output_token_ids == plain_seq.output_token_ids == [STOP]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_that_allowed_no_token_ends_a_page_aligned_sequence(overlap):
+    """A grammar at a dead end (or allowed_token_ids it shares none with) drops the step's token: the newest
+    token's KV is computed already, so a sequence whose length fills a page finishes at once rather than
+    waiting, flushing, for a step that never comes (LLM.generate used to loop for ever)."""
+    scheduler = Scheduler(
+        PageAllocator(32, 4, enable_prefix_caching=True),
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        prefill_query_block=4,
+    )
+    outputs = OutputProcessor(None, frozenset(), max_model_len=64)
+    seq = SequenceState(
+        seq_id=0,
+        request_id="r",
+        prompt_token_ids=[10, 11, 12],
+        params=SamplingParams(max_tokens=20),
+        sampling_seed=0,
+        arrival_order=0,
+    )
+    scheduler.add(seq)
+    in_flight, samples = [], 0
+    for _ in range(20):
+        schedule = scheduler.schedule()
+        chunks = schedule.decodes + schedule.prefills
+        allowed = []
+        for chunk in chunks:
+            samples += chunk.samples_next_token
+            allowed.append(samples < 2)  # prompt 3 + 1 token fills a page; the next step allows none
+        scheduler.mark_dispatched(chunks)
+        dispatched = [(chunks, np.array(allowed))] if chunks else []
+        to_process, in_flight = (in_flight, dispatched) if overlap else (dispatched, [])
+        for done, ok in to_process:
+            sampled = SimpleNamespace(token_ids=np.full(len(ok), OTHER), no_token_allowed=~ok)
+            outputs.process(done, scheduler, sampled, 0)
+        if not scheduler.has_unfinished and not in_flight:
+            break
+    assert seq.is_finished and seq.finish_reason == "no_token_allowed", (seq.finish_reason, seq.flushing)
+    assert seq.output_token_ids == [OTHER] and not scheduler.running
+    assert scheduler.allocator.ref_counts[1:] == [0] * 31

@@ -166,20 +166,27 @@ class GrammarCompiler:
     ) -> None:
         """For each (matcher, first_row, proposals): bitmask[first_row + i] = the tokens allowed after the first i
         proposals, i = 0 .. len(proposals) (a verify row's positions: engine/speculation.py), position by
-        position on llguidance's threads. Each matcher takes the proposals its grammar accepts to compute the
-        rows after them and gives them back (it ends where it began). The rows after a proposal the grammar
-        refuses are left as they are: the sample at that proposal's position never equals it (the row before
-        forbids it), so no later position is ever accepted."""
+        position on llguidance's threads. Position 0 is the matcher's own row; the later ones come from a copy
+        that takes the proposals the grammar accepts, so whatever happens ahead (an llguidance error, an empty
+        row) touches only the copy: the sequence meets it only if the target accepts those proposals, and
+        then a plain step would have met it too (a copy that cannot take a proposal it validated leaves the
+        rows from there empty: no token allowed, as a dead end). The rows after a proposal the grammar refuses
+        are left as they are: the sample at that proposal's position never equals it (the row before forbids
+        it), so no later position is ever accepted."""
         taken = [matcher.num_acceptable_tokens(proposals) for matcher, _, proposals in rows]
-        for position in range(max(taken, default=-1) + 1):
-            current = [(matcher, first + position) for (matcher, first, _), n in zip(rows, taken) if n >= position]
-            self.fill_bitmasks(current, bitmask, marks_dead_ends=position == 0)
-            for (matcher, _, proposals), n in zip(rows, taken):
-                if n > position and not matcher.accept_token(int(proposals[position])):
-                    raise AssertionError(f"the grammar refused token {proposals[position]} it had validated")
-        for (matcher, _, _), n in zip(rows, taken):
-            if n:  # a matcher at a dead end (position 0's empty row) took none and cannot roll back
-                matcher.rollback(n)
+        self.fill_bitmasks([(matcher, first) for matcher, first, _ in rows], bitmask)
+        ahead = [(matcher.copy(), first, proposals[:n]) for (matcher, first, proposals), n in zip(rows, taken) if n]
+        for position in range(1, max(taken, default=0) + 1):
+            current = []
+            for index, (twin, first, proposals) in enumerate(ahead):
+                if len(proposals) < position:
+                    continue
+                if twin.accept_token(int(proposals[position - 1])):
+                    current.append((twin, first + position))
+                else:
+                    bitmask[first + position : first + len(proposals) + 1] = 0
+                    ahead[index] = (twin, first, proposals[: position - 1])  # nothing further from this copy
+            self.fill_bitmasks(current, bitmask, marks_dead_ends=False)
 
     def token_bytes(self, token_id: int) -> bytes | None:
         """The token's own bytes (a byte-level or byte-fallback token may hold part of a UTF-8 character, which

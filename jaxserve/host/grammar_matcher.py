@@ -154,6 +154,13 @@ class GrammarMatcher:
             return 0
         return self._matcher.validate_tokens([int(t) for t in token_ids])
 
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher at the same place (llguidance's deep copy: a few microseconds)."""
+        twin = GrammarMatcher(self._matcher.deep_copy(), self.layout)
+        twin._num_accepted_tokens, twin._ended_by_eos = self._num_accepted_tokens, self._ended_by_eos
+        twin._dead_end_reason = self._dead_end_reason
+        return twin
+
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar forces next (llguidance's fast-forward: the bytes that only one continuation
         allows, tokenized canonically; [] where the next token is a choice). Speculation proposes them: the

@@ -519,3 +519,29 @@ def test_verify_rows_hold_each_positions_mask_and_the_matchers_end_where_they_be
             elif position < len(proposals) and proposals[position] not in tokenizer.eos_token_ids:
                 assert proposals[position] not in allowed_ids(row)
     assert set(allowed_ids(bitmask[rows[-1][1]])) == set(tokenizer.eos_token_ids)  # complete: EOS only
+
+
+def test_trouble_ahead_of_a_verify_row_leaves_the_sequences_matcher_alone(monkeypatch):
+    """The positions after the proposals come from a copy of the matcher: a copy that breaks there (an
+    llguidance error, simulated by a refused token) neither raises nor marks the sequence's own matcher."""
+    name = "qwen_byte_level"
+    tokenizer, compiler = load_tokenizer(name), compiler_for(name)
+    compiled = compiler.compile_async(GuidedDecodingParams(json=json.dumps(SCHEMAS[1]))).result()
+    token_ids = tokenizer.encode('{"person": {"name": "Ada"}}', add_special_tokens=False)
+    refused = tokenizer.encode("x", add_special_tokens=False)[0]
+    matcher = compiled.new_matcher()
+    copy = GrammarMatcher.copy
+
+    def broken_copy(self):
+        twin = copy(self)
+        assert not twin.accept_token(refused)  # the copy is in llguidance's error state from here
+        return twin
+
+    monkeypatch.setattr(GrammarMatcher, "copy", broken_copy)
+    bitmask = compiler.allocate_bitmask(4)
+    compiler.fill_verify_bitmasks([(matcher, 0, token_ids[:3])], bitmask)
+    assert not matcher.is_dead_end and matcher.num_accepted_tokens == 0
+    single = compiler.allocate_bitmask(1)
+    matcher.fill_bitmask(single, 0)
+    np.testing.assert_array_equal(bitmask[0], single[0])
+    assert not bitmask[1:].any()  # what the copy could not vouch for allows no token (a dead end if reached)

@@ -2,7 +2,7 @@
 32, in jaxserve and in llama.cpp's server (its `json_schema` field), same model file, same run.
 
     .venv/bin/python bench/structured.py [--precision f32] [--items 4] [--batch 32] [--single-requests 3]
-        [--engines jaxserve,jaxserve-ngram,llamacpp]
+        [--engines jaxserve,jaxserve-ngram,jaxserve-draft,llamacpp]
 
 The default model (SmolLM2-135M-Instruct) as vs_llamacpp.py serves it: its GGUF dequantized to F32 (or
 BF16) by llama-quantize, the same file loaded by both engines, 2 threads each (llama.cpp: -t 2; jaxserve
@@ -25,8 +25,9 @@ device_idle_seconds_per_step, taken as differences over the run). The grammar is
 request first (jaxserve caches compiled grammars per schema; llama.cpp converts the schema per request).
 
 `--engines jaxserve-ngram` adds jaxserve with prompt-lookup speculation (speculative: {method: ngram}, its
-adaptive policy): a schema's keys and punctuation are forced tokens, proposed and verified in one step
-(engine/speculation.py), so the constrained rows take fewer steps than tokens.
+adaptive policy), `jaxserve-draft` with the model's own int8 copy as a draft: a schema's keys and punctuation
+are forced tokens, proposed and verified in one step (engine/speculation.py), so the constrained rows take
+fewer steps than tokens.
 
 Prints JSON lines (one per engine x mode x batch), then the ratios: jaxserve constrained/unconstrained per
 batch (goal > 0.9 at batch 32) and jaxserve constrained / llama.cpp constrained (goal > 1).
@@ -260,7 +261,12 @@ def main() -> None:
     workloads = {1: prompts[: args.single_requests], args.batch: prompts[: args.batch]}
     warmup = [tokenizer.encode("Name one book about rivers.")]
     results = {}
-    for engine_name, speculative in (("jaxserve", None), ("jaxserve-ngram", {"method": "ngram"})):
+    variants = (
+        ("jaxserve", None),
+        ("jaxserve-ngram", {"method": "ngram"}),
+        ("jaxserve-draft", {"method": "draft", "draft_model": "self", "draft_quantization": "int8"}),
+    )
+    for engine_name, speculative in variants:
         if engine_name not in engines:
             continue
         ours = Jaxserve(
@@ -306,10 +312,11 @@ def report(results: dict, batch: int) -> None:
         ours, theirs = rate("jaxserve", b, "constrained"), rate("llamacpp", b, "constrained")
         if ours and theirs:
             ratios[f"jaxserve_over_llamacpp_constrained_batch{b}"] = round(ours / theirs, 3)
-        speculating = rate("jaxserve-ngram", b, "constrained")
-        for name, other in (("jaxserve", ours), ("llamacpp", theirs)):
-            if speculating and other:
-                ratios[f"jaxserve-ngram_over_{name}_constrained_batch{b}"] = round(speculating / other, 3)
+        for variant in ("jaxserve-ngram", "jaxserve-draft"):
+            speculating = rate(variant, b, "constrained")
+            for name, other in (("jaxserve", ours), ("llamacpp", theirs)):
+                if speculating and other:
+                    ratios[f"{variant}_over_{name}_constrained_batch{b}"] = round(speculating / other, 3)
     validity_by = {
         f"{engine}_batch{b}": records["constrained"]["validates"]
         for engine, by_batch in results.items()

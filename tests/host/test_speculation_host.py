@@ -394,3 +394,53 @@ def test_a_guided_rows_proposal_is_cut_to_what_its_grammar_can_verify():
     assert verifiable_part(waiting, [a, b, z, one, two], 8, eos_ids) == [a, b]  # the token after z needs the grammar
     assert verifiable_part(waiting, [a, b, c], 8, eos_ids) == [a, b, c]
     assert verifiable_part(sequence([1, 2]), [7, eos, 9], 8, eos_ids) == [7, eos, 9]  # no grammar: all of it
+
+
+def test_a_draft_model_is_not_run_for_a_row_whose_grammar_forces_its_next_tokens():
+    """A draft's proposals would be replaced by the forced tokens: the row verifies those, no draft call."""
+    from jaxserve.config import SpeculativeConfig
+    from jaxserve.engine.speculation import Speculation
+
+    class CountingDraft:  # not prompt lookup: a proposer whose calls cost steps
+        def __init__(self):
+            self.rows = []
+
+        def propose(self, seqs, max_tokens):
+            self.rows += [seq.seq_id for seq in seqs]
+            return [[3] for _ in seqs]
+
+        def forget(self, seq):
+            pass
+
+    class Forcing:
+        def __init__(self, forced):
+            self.forced = forced
+
+        def forced_tokens(self):
+            return self.forced
+
+        def num_acceptable_tokens(self, token_ids):
+            return len(token_ids)
+
+    scheduler, seq = running_scheduler(num_pages=64, max_tokens=64)
+    draft = CountingDraft()
+    speculation = Speculation(SpeculativeConfig(method="ngram", speculative_adaptive=False), 256, proposer=draft)
+    seq.grammar = Forcing([7, 8, 9])
+    speculation.begin_step([scheduler])
+    assert speculation.proposals([scheduler]) == [{seq.seq_id: [7, 8, 9]}] and draft.rows == []
+    seq.grammar = Forcing([])  # a choice next: the draft proposes
+    speculation.begin_step([scheduler])
+    assert speculation.proposals([scheduler]) == [{seq.seq_id: [3]}] and draft.rows == [seq.seq_id]
+    # beside a row that needs it, the draft runs for every row (its KV stays in step); forced tokens still win
+    other = sequence([20, 21, 22, 23, 24, 25], max_tokens=64, seq_id=1)
+    scheduler.add(other)
+    (chunk,) = scheduler.schedule().prefills  # the second row prefills and samples its first token
+    scheduler.mark_dispatched([chunk])
+    scheduler.mark_processed(chunk)
+    other.num_computed_tokens = chunk.end
+    other.output_token_ids.append(3)
+    seq.grammar = Forcing([7, 8, 9])
+    draft.rows.clear()
+    speculation.begin_step([scheduler])
+    proposed = speculation.proposals([scheduler])[0]
+    assert sorted(draft.rows) == [0, 1] and proposed[seq.seq_id] == [7, 8, 9] and proposed[other.seq_id] == [3]

@@ -74,12 +74,19 @@ class GuidedDecodingParams:
 StructuredOutputsParams = GuidedDecodingParams  # vLLM's newer name for the same parameters
 
 
+def check_truncate_prompt_tokens(k) -> None:
+    """ValueError unless k is None, -1 or an integer >= 1."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
+        raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")
+
+
 def truncate_prompt(prompt_token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
     """The last truncate_prompt_tokens tokens (-1: the last max_model_len; None: all), or a ValueError where
     that is more than max_model_len (as vLLM)."""
     k = truncate_prompt_tokens
     if k is None:
         return prompt_token_ids
+    check_truncate_prompt_tokens(k)  # a server truncates before SamplingParams checks the request's value
     if k > max_model_len:
         raise ValueError(f"truncate_prompt_tokens ({k}) is more than max_model_len ({max_model_len})")
     return prompt_token_ids[-(max_model_len if k == -1 else k) :]
@@ -169,9 +176,7 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        k = self.truncate_prompt_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
-            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise ValueError(f"lora must be the name of a loaded LoRA adapter, got {self.lora!r}")
 

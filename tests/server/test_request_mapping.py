@@ -259,3 +259,28 @@ def test_tokenize_renders_messages_as_chat_completions_does():
     )
     expected_text = "<tool lookup>terseuser:hiassistant:[Paris]"
     assert tokenized(context, body) == tokenizer.encode(expected_text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("value", ["4", 2.0, 1.5, [3], {"k": 1}])
+def test_a_truncate_prompt_tokens_that_is_no_integer_is_refused_by_name_on_token_ids_and_chat(value):
+    """The HTTP handlers truncate token-id prompts and the rendered chat before SamplingParams checks the value:
+    a string or a float there raised a TypeError (500), not a ValueError naming the field (400)."""
+    from types import SimpleNamespace
+
+    from jaxserve.server.openai.chat import checked_chat
+    from jaxserve.server.openai.completions import checked_completion
+    from tests.loading.test_tokenizer import load
+
+    tokenizer = load("llama_metaspace")
+    context = SimpleNamespace(
+        tokenizer=tokenizer,
+        limits=LIMITS,
+        chat_template="{% for m in messages %}{{ m.role }}:{{ m.content }}{% endfor %}",
+        ready_loop=lambda: SimpleNamespace(max_in_flight=8),
+        tool_parser=lambda tools: tool_parser("hermes"),
+    )
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        checked_completion(context, CompletionRequest(prompt=[5, 6, 7], truncate_prompt_tokens=value), "r1")  # type: ignore[arg-type]
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], truncate_prompt_tokens=value)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        checked_chat(context, chat, "r1", None)  # type: ignore[arg-type]

@@ -59,6 +59,9 @@ def continuation(request: pb.GenerateRequest, streamed: list[int]) -> pb.Generat
     following.sampling.max_tokens = (request.sampling.max_tokens or DEFAULT_MAX_TOKENS) - len(streamed)
     following.sampling.min_tokens = max(0, request.sampling.min_tokens - len(streamed))
     following.sampling.ClearField("prompt_logprobs")
+    # the router sent the prompt truncated already (truncate_prompt_tokens): cut again, prompt + streamed would
+    # lose the prompt's start, and the client's count (num_prompt_tokens less the streamed) would be wrong
+    following.sampling.ClearField("truncate_prompt_tokens")
     return following
 
 

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import grpc
 
-from jaxserve.host.request import FinishReason, SamplingParams
+from jaxserve.host.request import FinishReason, SamplingParams, truncate_prompt
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.server.engine_loop import Overloaded
@@ -154,7 +154,10 @@ class RoutedLoop:
             raise Overloaded(
                 f"{self.service.num_in_flight} requests in flight, the router's limit is {self.max_in_flight}"
             )
-        token_ids = self.service.tokenize_prompt(prompt)
+        # as the replica uses it (truncate_prompt_tokens): a text prompt is tokenized here
+        token_ids = truncate_prompt(
+            self.service.tokenize_prompt(prompt), params.truncate_prompt_tokens, self.description.max_model_len
+        )
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) + params.max_new_tokens > self.description.max_model_len:

@@ -15,7 +15,7 @@ import time
 import grpc
 
 import jaxserve
-from jaxserve.host.request import SamplingParams
+from jaxserve.host.request import SamplingParams, truncate_prompt
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.policy import Prediction, RouteRequest, replica_keys, with_adapter
 from jaxserve.server import limits as request_limits
@@ -80,8 +80,11 @@ class RouterService:
 
     def Generate(self, request: pb.GenerateRequest, context):
         try:
-            prompt, _ = checked_request(self.limits, request)
-            token_ids = self.tokenize_prompt(prompt)
+            prompt, params = checked_request(self.limits, request)
+            # the prompt the replica uses (truncate_prompt_tokens): what is checked, routed and sent
+            token_ids = truncate_prompt(
+                self.tokenize_prompt(prompt), params.truncate_prompt_tokens, self.limits.max_prompt_tokens
+            )
             request_limits.check_token_ids(self.limits, token_ids, "the prompt")
         except ValueError as error:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))

@@ -9,7 +9,7 @@ import json
 from collections import defaultdict
 from collections.abc import Iterator
 
-from jaxserve.host.request import SamplingParams
+from jaxserve.host.request import SamplingParams, truncate_prompt
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server import limits as request_limits
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
@@ -79,6 +79,8 @@ def checked_chat(
         request.continue_final_message,
         plan.tools,
     )
+    # truncate_prompt_tokens: the rendered conversation's last tokens, as the engine (and HTTP chat) uses them
+    token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, limits.max_prompt_tokens)
     return token_ids, params, plan
 
 

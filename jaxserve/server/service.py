@@ -9,7 +9,7 @@ import grpc
 
 import jaxserve
 from jaxserve.config import EngineRole
-from jaxserve.host.request import SamplingParams
+from jaxserve.host.request import SamplingParams, truncate_prompt
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.server import limits as request_limits
@@ -40,7 +40,10 @@ def checked_request(limits: RequestLimits, request: pb.GenerateRequest) -> tuple
     """The prompt and sampling params of a request within the server's limits; cheap checks first,
     all before tokenizing. Raises ValueError naming the limit."""
     request_limits.check_ids(limits, request_id=request.request_id, session_id=request.session_id)
-    prompt = request_limits.check_prompt(limits, request.text, request.token_ids)
+    token_ids = request.token_ids
+    if token_ids and request.sampling.HasField("truncate_prompt_tokens"):  # only the last ones count (as over HTTP)
+        token_ids = truncate_prompt(list(token_ids), request.sampling.truncate_prompt_tokens, limits.max_prompt_tokens)
+    prompt = request_limits.check_prompt(limits, request.text, token_ids)
     check_sampling(limits, request.sampling)
     return prompt, sampling_params_from_proto(request.sampling)
 

@@ -22,3 +22,12 @@ def test_grammars_and_output_penalties_are_named_as_not_resumable():
     assert "guided decoding" in inexact_continuation(guided)
     assert "penalties" in inexact_continuation(pb.SamplingParams(frequency_penalty=0.5))
     assert "penalties" in inexact_continuation(pb.SamplingParams(presence_penalty=-0.5))
+
+
+def test_a_continuation_of_a_truncated_prompt_is_not_truncated_again():
+    """The router sends the prompt truncated (truncate_prompt_tokens): the continuation's prompt (that prompt and
+    the streamed tokens) is cut no further, or it would lose the prompt's start and the client's count."""
+    sampling = pb.SamplingParams(max_tokens=10, temperature=0.0, truncate_prompt_tokens=3)
+    original = pb.GenerateRequest(request_id="r", token_ids=[4, 5, 6], sampling=sampling)
+    following = continuation(original, [7, 8])
+    assert list(following.token_ids) == [4, 5, 6, 7, 8] and not following.sampling.HasField("truncate_prompt_tokens")

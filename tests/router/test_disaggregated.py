@@ -141,6 +141,20 @@ def test_the_openai_http_api_is_disaggregated_too(router):
     assert sum(status(replica.address).num_handovers for replica in decodes_of(router)) == before + 2
 
 
+def test_a_truncated_prompt_longer_than_max_model_len_is_disaggregated(router):
+    """truncate_prompt_tokens: a token-id prompt longer than max_model_len (256) is accepted by the router and the
+    decode replica, handed over and generated as its last k tokens alone (both refused it as too long)."""
+    client = Client(f"127.0.0.1:{router.port}")
+    prompt = [1] + [150 + number % 40 for number in range(299)]
+    try:
+        alone = client.generate(prompt[-8:], max_tokens=12, temperature=0.0, ignore_eos=True)
+        cut = client.generate(prompt, max_tokens=12, temperature=0.0, ignore_eos=True, truncate_prompt_tokens=8)
+    finally:
+        client.close()
+    assert cut.token_ids == alone.token_ids and cut.num_prompt_tokens == 8
+    assert_nothing_leaked(router)
+
+
 def test_two_decode_replicas_share_one_prefill_replica(router):
     prefill = prefill_of(router).address
     jobs = expected("llama_gqa")["prompts"][:4]

@@ -64,6 +64,28 @@ def test_a_completion_carries_the_replicas_system_fingerprint(routed):
     assert body["choices"][0]["text"] == "ab"
 
 
+def test_a_long_prompt_with_truncate_prompt_tokens_reaches_the_replica_truncated(routed):
+    """truncate_prompt_tokens over the router (max_model_len 128): a text prompt longer than that, over HTTP, and
+    token ids, over gRPC, are accepted and forwarded as their last k tokens (the router checked, counted and
+    routed the untruncated prompt: the text was refused as more than max_model_len)."""
+    from jaxserve.client import Client
+
+    replica, router = routed
+    replica.refusal = None
+    text = " ".join(f"word{number}" for number in range(200))
+    status, answer = post(router, {"prompt": text, "max_tokens": 2, "truncate_prompt_tokens": 7})
+    assert status == 200, answer
+    tokenizer = router.http_loop.engine.tokenizer
+    assert list(replica.received[-1].token_ids) == tokenizer.encode(text)[-7:]
+    long = [5 + number % 300 for number in range(300)]
+    client = Client(f"127.0.0.1:{router.port}")
+    try:
+        client.generate(long, max_tokens=2, truncate_prompt_tokens=9)
+    finally:
+        client.close()
+    assert list(replica.received[-1].token_ids) == long[-9:]
+
+
 @pytest.mark.parametrize(
     "code, status, error_type",
     [

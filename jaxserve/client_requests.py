@@ -33,6 +33,7 @@ def build_sampling(
     guided_regex: str | None = None,
     guided_choice: list[str] | None = None,
     guided_grammar: str | None = None,
+    guided_whitespace_pattern: str | None = None,
     prompt_logprobs: int | None = None,
     prompt_only: bool = False,
     lora: str = "",
@@ -93,6 +94,8 @@ def build_sampling(
         guided.choice.choices.extend(guided_choice)
     if guided_grammar is not None:
         guided.grammar = guided_grammar
+    if guided_whitespace_pattern is not None:
+        guided.whitespace_pattern = guided_whitespace_pattern
     return sampling
 
 

@@ -97,7 +97,7 @@ class GrammarCompiler:
         self._limits = llguidance.LLParserLimits(verbose_errors=False, max_items_in_row=MAX_ITEMS_IN_ROW)
         self._compile_pool = ThreadPoolExecutor(num_compile_threads, thread_name_prefix="grammar-compile")
         self._mask_executor = llguidance.LLExecutor(num_mask_threads)
-        self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str | None], Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
         self.max_cached_grammars = max_cached_grammars
         self.num_compiles = 0  # grammars compiled (cache misses), for stats and tests
@@ -199,10 +199,10 @@ class GrammarCompiler:
         """Compiles not yet started are cancelled; running ones finish in the background."""
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, kind: str, text: str) -> CompiledGrammar:
+    def _compile(self, kind: str, text: str, whitespace_pattern: str | None = None) -> CompiledGrammar:
         name = KIND_NAMES[kind]
         try:
-            grammar = _llguidance_grammar(kind, text)
+            grammar = _llguidance_grammar(kind, text, whitespace_pattern)
         except Exception as error:  # llguidance's converters raise assorted types for malformed input
             raise ValueError(f"invalid guided {name}: {error}") from None
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
@@ -219,20 +219,26 @@ class GrammarCompiler:
         return CompiledGrammar(kind, template, self.layout)
 
 
-def grammar_key(guided: GuidedDecodingParams) -> tuple[str, str]:
-    """(kind, text): what the cache tells grammars apart by."""
+def grammar_key(guided: GuidedDecodingParams) -> tuple[str, str, str | None]:
+    """(kind, text, JSON whitespace pattern): what the cache tells grammars apart by."""
     kind = guided.kind
     if kind == "json_object":
-        return kind, ANY_JSON_OBJECT
+        return kind, ANY_JSON_OBJECT, guided.whitespace_pattern
     if kind == "choice":
-        return kind, json.dumps(list(guided.choice or ()))
+        return kind, json.dumps(list(guided.choice or ())), None
     value = getattr(guided, kind)
-    return kind, value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return kind, value if isinstance(value, str) else json.dumps(value, sort_keys=True), guided.whitespace_pattern
 
 
-def _llguidance_grammar(kind: str, text: str) -> str:
+def _llguidance_grammar(kind: str, text: str, whitespace_pattern: str | None = None) -> str:
     if kind in ("json", "json_object"):
-        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        # a whitespace pattern takes the compact separators' place: whitespace matching it may go between tokens
+        options: JsonCompileOptions = (
+            JSON_OPTIONS
+            if whitespace_pattern is None
+            else {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
+        )
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)
     if kind == "choice":
         return llguidance.grammar_from("choice", text)
     # "grammar": Lark as written, or GBNF (llama.cpp's) converted to Lark

@@ -47,6 +47,9 @@ class GuidedDecodingParams:
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    # vLLM's: a regex for the whitespace a JSON reply may hold between its tokens (json / json_object only);
+    # None: compact JSON (", " and ": ")
+    whitespace_pattern: str | None = None
 
     def __post_init__(self):
         if self.choice is not None:
@@ -65,6 +68,11 @@ class GuidedDecodingParams:
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"guided {kind} must be a non-empty string, got {value!r}")
+        if self.whitespace_pattern is not None:
+            if not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern:
+                raise ValueError(f"whitespace_pattern must be a non-empty regex, got {self.whitespace_pattern!r}")
+            if given[0] not in ("json", "json_object"):
+                raise ValueError(f"whitespace_pattern applies to JSON (json, json_object), not to guided {given[0]}")
 
     @property
     def kind(self) -> str:

@@ -3,6 +3,7 @@ the router's HTTP API sends what its OpenAI handlers built on to the replicas.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -16,6 +17,15 @@ DEFAULT_MAX_TOKENS = 16
 
 
 def guided_decoding_from_proto(guided: pb.GuidedDecoding) -> GuidedDecodingParams | None:
+    params = _guided_kind_from_proto(guided)
+    if guided.whitespace_pattern:
+        if params is None:
+            raise ValueError("guided_decoding.whitespace_pattern needs json_schema or json_object")
+        return dataclasses.replace(params, whitespace_pattern=guided.whitespace_pattern)
+    return params
+
+
+def _guided_kind_from_proto(guided: pb.GuidedDecoding) -> GuidedDecodingParams | None:
     kind = guided.WhichOneof("kind")
     if kind is None:
         return None
@@ -41,10 +51,11 @@ def guided_decoding_from_proto(guided: pb.GuidedDecoding) -> GuidedDecodingParam
 def guided_decoding_to_proto(params: GuidedDecodingParams | None) -> pb.GuidedDecoding | None:
     if params is None:
         return None
-    if params.json is not None:
-        return pb.GuidedDecoding(json_schema=str(params.json))  # normalized to JSON text by GuidedDecodingParams
+    whitespace = params.whitespace_pattern or ""
+    if params.json is not None:  # normalized to JSON text by GuidedDecodingParams
+        return pb.GuidedDecoding(json_schema=str(params.json), whitespace_pattern=whitespace)
     if params.json_object:
-        return pb.GuidedDecoding(json_object=True)
+        return pb.GuidedDecoding(json_object=True, whitespace_pattern=whitespace)
     if params.choice is not None:
         return pb.GuidedDecoding(choice=pb.GuidedChoice(choices=list(params.choice)))
     if params.regex is not None:
@@ -101,7 +112,8 @@ def check_sampling(limits: RequestLimits, sampling: pb.SamplingParams, tools: Se
     """The server's caps on a request's sampling fields (and a chat's tools' JSON); ValueError."""
     request_limits.check_stops(limits, sampling.stop, sampling.stop_token_ids)
     guided = sampling.guided_decoding
-    texts = [guided.json_schema, guided.regex, guided.grammar, *guided.choice.choices, *sampling.bad_words, *tools]
+    texts = [guided.json_schema, guided.regex, guided.grammar, *guided.choice.choices, guided.whitespace_pattern]
+    texts += [*sampling.bad_words, *tools]
     request_limits.check_structured(limits, texts, len(sampling.logit_bias) + len(sampling.allowed_token_ids))
     request_limits.check_vocabulary(limits, sampling.logit_bias.keys(), "logit_bias keys")
     request_limits.check_vocabulary(limits, sampling.allowed_token_ids, "allowed_token_ids")

@@ -343,10 +343,10 @@ def test_compiling_runs_off_the_callers_thread(monkeypatch):
     release, threads = threading.Event(), []
     compile_now = compiler._compile
 
-    def slow_compile(kind, text):
+    def slow_compile(kind, text, whitespace_pattern=None):
         threads.append(threading.current_thread())
         assert release.wait(timeout=30)
-        return compile_now(kind, text)
+        return compile_now(kind, text, whitespace_pattern)
 
     monkeypatch.setattr(compiler, "_compile", slow_compile)
     future = compiler.compile_async(GuidedDecodingParams(json={"type": "string"}))
@@ -545,3 +545,29 @@ def test_trouble_ahead_of_a_verify_row_leaves_the_sequences_matcher_alone(monkey
     matcher.fill_bitmask(single, 0)
     np.testing.assert_array_equal(bitmask[0], single[0])
     assert not bitmask[1:].any()  # what the copy could not vouch for allows no token (a dead end if reached)
+
+
+def test_a_whitespace_pattern_lets_json_hold_the_whitespace_it_matches():
+    """vLLM's guided_whitespace_pattern: whitespace matching it may go between a JSON reply's tokens, instead of
+    the compact separators; each pattern is a grammar of its own in the cache; other kinds refuse it."""
+    name = "qwen_byte_level"
+    tokenizer, compiler = load_tokenizer(name), compiler_for(name)
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+
+    def takes(guided: GuidedDecodingParams, text: str) -> bool:
+        matcher = compiler.compile_async(guided).result().new_matcher()
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.num_acceptable_tokens(token_ids) == len(token_ids)
+
+    compact = GuidedDecodingParams(json=schema)
+    newlines = GuidedDecodingParams(json=schema, whitespace_pattern=r"[\n ]{0,2}")
+    assert takes(compact, '{"a": 1}') and not takes(compact, '{\n "a":1}') and not takes(compact, '{"a":1}')
+    assert takes(newlines, '{\n "a":1}') and takes(newlines, '{"a": 1}') and takes(newlines, '{"a":1}')
+    assert not takes(newlines, '{   "a": 1}')  # three spaces: more than the pattern allows
+    assert takes(GuidedDecodingParams(json_object=True, whitespace_pattern="\n?"), '{\n"k":\n"v"}')
+    with pytest.raises(ValueError, match="not to guided regex"):
+        GuidedDecodingParams(regex="a+", whitespace_pattern=" ")
+    with pytest.raises(ValueError, match="whitespace_pattern"):
+        GuidedDecodingParams(json=schema, whitespace_pattern="")
+    with pytest.raises(ValueError, match="invalid guided JSON schema"):
+        compiler.check(GuidedDecodingParams(json=schema, whitespace_pattern="[unclosed"))

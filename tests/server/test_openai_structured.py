@@ -73,6 +73,25 @@ def test_guided_extras_on_completions(client):
     check_schema(structured.choices[0].text)
 
 
+@pytest.mark.parametrize("seed", [6, 7, 8])
+def test_a_whitespace_pattern_lets_a_json_reply_hold_that_whitespace(server, client, seed):
+    """vLLM's guided_whitespace_pattern (HTTP and gRPC): the reply fits the schema, and between its tokens holds
+    only whitespace the pattern allows (no space, not three newlines; the compact default would put ", ")."""
+    schema = {k: v for k, v in SCHEMA.items() if k != "x-guidance"}  # the pattern sets the whitespace
+    options = dict(model="llama_gqa", prompt=PROMPT, max_tokens=60, seed=seed)
+    reply = client.completions.create(
+        **options, extra_body={"guided_json": schema, "guided_whitespace_pattern": "\n{0,2}"}
+    ).choices[0]
+    check_schema(reply.text)
+    over_grpc = Client(server.target).generate(
+        PROMPT, max_tokens=60, seed=seed, temperature=1.0, guided_json=schema, guided_whitespace_pattern="\n{0,2}"
+    )
+    check_schema(over_grpc.text)
+    for text in (reply.text, over_grpc.text):
+        between_tokens = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)  # the strings' own text left out
+        assert " " not in between_tokens and "\n\n\n" not in between_tokens, text
+
+
 def generated_ids(client, **extra) -> list[int]:
     reply = client.completions.create(
         model="llama_gqa",

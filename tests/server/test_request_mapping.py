@@ -66,6 +66,18 @@ def test_sampling_controls_reach_sampling_params():
         ({"structured_outputs": {"regex": "\\d+"}}, GuidedDecodingParams(regex="\\d+")),
         ({"structured_outputs": {"json_object": True}}, GuidedDecodingParams(json_object=True)),
         ({"guided_decoding_backend": "llguidance", "guided_regex": "a"}, GuidedDecodingParams(regex="a")),
+        (
+            {"guided_json": SCHEMA, "guided_whitespace_pattern": "[ ]?"},
+            GuidedDecodingParams(json=SCHEMA, whitespace_pattern="[ ]?"),
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "guided_whitespace_pattern": "\\n?"},
+            GuidedDecodingParams(json_object=True, whitespace_pattern="\\n?"),
+        ),
+        (
+            {"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " ?"}},
+            GuidedDecodingParams(json=SCHEMA, whitespace_pattern=" ?"),
+        ),
     ],
 )
 def test_every_way_of_asking_for_structure_becomes_one_guide(body, expected):
@@ -83,7 +95,8 @@ def test_every_way_of_asking_for_structure_becomes_one_guide(body, expected):
         ({"guided_regex": "a", "guided_choice": ["a"]}, "give only one"),
         ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "give only one"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structural_tag"),
-        ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
+        ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern needs a JSON constraint"),
+        ({"guided_regex": "a+", "guided_whitespace_pattern": " *"}, "not to guided regex"),
         ({"guided_decoding_backend": "outlines"}, "outlines"),
         ({"logit_bias": {"1000": 1}}, "outside the vocabulary"),
         ({"logit_bias": {"5": 101}}, "[-100, 100]"),
@@ -174,6 +187,8 @@ def test_sampling_params_survive_the_proto_both_ways():
         None,
         GuidedDecodingParams(json=SCHEMA),
         GuidedDecodingParams(json_object=True),
+        GuidedDecodingParams(json=SCHEMA, whitespace_pattern="[ \n]{0,2}"),
+        GuidedDecodingParams(json_object=True, whitespace_pattern=" ?"),
         GuidedDecodingParams(regex="a+"),
         GuidedDecodingParams(choice=("a", "b")),
         GuidedDecodingParams(grammar='start: "a"'),

@@ -10,6 +10,7 @@ validity is the grammar engine's to judge (Engine.validate refuses what it canno
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -22,6 +23,7 @@ GUIDED_FIELDS = {  # vLLM's request field -> GuidedDecodingParams' field
     "guided_choice": "choice",
 }
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "json_object")
+STRUCTURED_OUTPUT_OPTIONS = ("whitespace_pattern",)  # vLLM's StructuredOutputsParams fields beside the kind
 # vLLM lets a request pick its grammar backend; this server has one, so naming it (or none) is fine
 GUIDED_BACKENDS = (None, "", "auto", "guidance", "llguidance")
 
@@ -56,7 +58,8 @@ def structured_outputs_guide(structured_outputs: Any) -> GuidedDecodingParams | 
         return None
     if not isinstance(structured_outputs, dict):
         raise ValueError("structured_outputs must be an object like {'json': {...}} or {'regex': '...'}")
-    unknown = sorted(k for k, v in structured_outputs.items() if k not in STRUCTURED_OUTPUT_KINDS and v is not None)
+    allowed = STRUCTURED_OUTPUT_KINDS + STRUCTURED_OUTPUT_OPTIONS
+    unknown = sorted(k for k, v in structured_outputs.items() if k not in allowed and v is not None)
     if unknown:
         raise ValueError(
             f"structured_outputs: {', '.join(unknown)} not supported (only {', '.join(STRUCTURED_OUTPUT_KINDS)})"
@@ -94,14 +97,16 @@ def guided_decoding(request) -> GuidedDecodingParams | None:
             found.append((field, guide(**{kind: value})))
     if (params := structured_outputs_guide(request.structured_outputs)) is not None:
         found.append(("structured_outputs", params))
-    if request.guided_whitespace_pattern is not None:
-        raise ValueError("guided_whitespace_pattern is not supported by this server")
     if request.guided_decoding_backend not in GUIDED_BACKENDS:
         raise ValueError(
             f"guided_decoding_backend {request.guided_decoding_backend!r} is not available: this server uses llguidance"
         )
     if len(found) > 1:
         raise ValueError(f"{' and '.join(name for name, _ in found)} each constrain the output: give only one")
+    if request.guided_whitespace_pattern is not None:  # vLLM's: the whitespace a JSON reply may hold
+        if not found:
+            raise ValueError("guided_whitespace_pattern needs a JSON constraint (guided_json, response_format...)")
+        return dataclasses.replace(found[0][1], whitespace_pattern=request.guided_whitespace_pattern)
     return found[0][1] if found else None
 
 
@@ -109,4 +114,5 @@ def guide_text(params: GuidedDecodingParams | None) -> list[str]:
     """The spec's text, for the size cap."""
     if params is None:
         return []
-    return [str(params.json or ""), params.regex or "", params.grammar or "", *(params.choice or ())]
+    texts = [str(params.json or ""), params.regex or "", params.grammar or "", *(params.choice or ())]
+    return [*texts, params.whitespace_pattern or ""]

@@ -64,11 +64,18 @@ def may_speculate(seq: SequenceState) -> bool:
     return seq.controls is None or not seq.controls.multi_token_bad_words
 
 
-def verifiable_part(seq: SequenceState, proposal: list[int], limit: int, eos_token_ids: frozenset[int]) -> list[int]:
+def forced_tokens(seq: SequenceState, limit: int) -> list[int]:
+    """The first `limit` tokens a grammar row's grammar forces next ([] for other rows)."""
+    return seq.grammar.forced_tokens()[:limit] if seq.grammar is not None else []
+
+
+def verifiable_part(
+    seq: SequenceState, proposal: list[int], forced: list[int], eos_token_ids: frozenset[int]
+) -> list[int]:
     """What the row verifies of a proposal (see the module docstring): all of it, but for a grammar row up
-    to the first token the grammar refuses or the first EOS, or the tokens the grammar forces next where the
-    proposal departs from them or stops short of them; for a row whose grammar waits for a token, up to
-    before that token."""
+    to the first token the grammar refuses or the first EOS, or the tokens the grammar forces next (`forced`:
+    forced_tokens) where the proposal departs from them or stops short of them; for a row whose grammar waits
+    for a token, up to before that token."""
     if seq.waiting_grammar is not None:
         trigger = seq.params.guided_decoding_after_token
         return proposal[: proposal.index(trigger)] if trigger in proposal else proposal
@@ -76,7 +83,6 @@ def verifiable_part(seq: SequenceState, proposal: list[int], limit: int, eos_tok
         return proposal
     before_eos = next((i for i, token in enumerate(proposal) if token in eos_token_ids), len(proposal))
     proposal = proposal[: seq.grammar.num_acceptable_tokens(proposal[:before_eos])]
-    forced = seq.grammar.forced_tokens()[:limit]
     follows_forced = proposal[: len(forced)] == forced[: len(proposal)]
     return proposal if follows_forced and len(proposal) > len(forced) else forced
 
@@ -179,7 +185,7 @@ class Speculation:
         if not self.speculating:
             self._look_ahead(schedulers)
             return [{} for _ in schedulers]
-        seqs, limits = [], []
+        seqs, limits, forced = [], [], []  # forced: each row's forced_tokens
         proposals: list[dict[int, list[int]]] = [{} for _ in schedulers]
         k = self.config.verify_width - 1
         for seq in (seq for scheduler in schedulers for seq in scheduler.running):
@@ -194,12 +200,13 @@ class Speculation:
             if self._may_propose(seq):
                 seqs.append(seq)
                 limits.append(limit)
+                forced.append(forced_tokens(seq, limit))
                 self._proposed_for[seq.seq_id] = seq
-            elif seq.grammar is not None and (forced := seq.grammar.forced_tokens()[:limit]):
+            elif row_forced := forced_tokens(seq, limit):
                 # backing off from the proposer, not from what the grammar forces (a JSON reply's free text
                 # backs a row off just before the keys and punctuation that follow it)
-                proposals[seq.rank][seq.seq_id] = forced
-        if seqs and self._only_forced(seqs, limits, proposals):
+                proposals[seq.rank][seq.seq_id] = row_forced
+        if seqs and self._only_forced(seqs, forced, proposals):
             return proposals
         start = time.perf_counter()
         proposed = self.proposer.propose(seqs, limits) if seqs else []
@@ -208,24 +215,21 @@ class Speculation:
         # a draft's catch-up prefills are a one-off per row: charged to no step (host/speculation_policy.py)
         catch_up = getattr(self.proposer, "catch_up_seconds", 0.0) if seqs else 0.0
         self.proposal_seconds += max(seconds - catch_up, 0.0)
-        for seq, proposal, limit in zip(seqs, proposed, limits):
-            proposal = verifiable_part(seq, proposal, limit, self.eos_token_ids)
+        for seq, proposal, row_forced in zip(seqs, proposed, forced):
+            proposal = verifiable_part(seq, proposal, row_forced, self.eos_token_ids)
             if proposal:
                 proposals[seq.rank][seq.seq_id] = proposal
             else:
                 self._observe_outcome(seq, 0)
         return proposals
 
-    def _only_forced(self, seqs: list[SequenceState], limits: list[int], proposals) -> bool:
+    def _only_forced(self, seqs: list[SequenceState], forced: list[list[int]], proposals) -> bool:
         """Where a draft model would propose only for grammar rows whose grammars force their next tokens, its
         proposals would be replaced by those (verifiable_part): they are the proposals, and the draft is not run
         this step (its rows catch up later, one prefill of the tokens). Beside a row that needs the draft it
         runs for all: batched, the forced rows cost it little, and their draft KV stays in step (skipping them
         at batch 4 meant a catch-up prefill on most rounds: 0.85x the constrained tokens/s)."""
-        if isinstance(self.proposer, NgramProposer) or any(seq.grammar is None for seq in seqs):
-            return False
-        forced = [seq.grammar.forced_tokens()[:limit] for seq, limit in zip(seqs, limits)]
-        if not all(forced):
+        if isinstance(self.proposer, NgramProposer) or not all(forced):  # a row without forced tokens needs it
             return False
         for seq, tokens in zip(seqs, forced):
             proposals[seq.rank][seq.seq_id] = tokens

@@ -365,7 +365,7 @@ def test_a_guided_rows_proposal_is_cut_to_what_its_grammar_can_verify():
     """engine/speculation.py verifiable_part: up to the first token the grammar refuses or the first EOS; the
     tokens the grammar forces where the proposal departs from them or stops short; for a grammar that waits
     for a token, up to before that token."""
-    from jaxserve.engine.speculation import verifiable_part
+    from jaxserve.engine.speculation import forced_tokens, verifiable_part
     from jaxserve.host.request import GuidedDecodingParams
     from tests.host.test_grammar import compiler_for, load_tokenizer
 
@@ -377,23 +377,41 @@ def test_a_guided_rows_proposal_is_cut_to_what_its_grammar_can_verify():
     compiled = compiler.compile_async(GuidedDecodingParams(regex="[0-9]{4,6}(abc)?[0-9]*")).result()
     seq = sequence([one, two])
     seq.grammar = compiled.new_matcher()
-    assert verifiable_part(seq, [one, two, z, three], 8, eos_ids) == [one, two]  # z refused
-    assert verifiable_part(seq, [one, two, three, four, eos, five], 8, eos_ids) == [one, two, three, four]
-    assert verifiable_part(seq, [], 8, eos_ids) == []  # nothing forced: the first token is a choice
+    assert verifiable_part(seq, [one, two, z, three], forced_tokens(seq, 8), eos_ids) == [one, two]  # z refused
+    assert verifiable_part(seq, [one, two, three, four, eos, five], forced_tokens(seq, 8), eos_ids) == [
+        one,
+        two,
+        three,
+        four,
+    ]
+    assert verifiable_part(seq, [], forced_tokens(seq, 8), eos_ids) == []  # nothing forced: the first token is a choice
     assert seq.grammar.num_accepted_tokens == 0  # cutting changed nothing
     forced = compiler.compile_async(GuidedDecodingParams(regex="[0-9]{2}abc[0-9]+")).result()
     seq.grammar = forced.new_matcher()
     assert all(seq.grammar.accept_token(t) for t in (one, two))
-    assert verifiable_part(seq, [], 8, eos_ids) == [a, b, c]  # forced (one token each in this vocabulary)
-    assert verifiable_part(seq, [], 2, eos_ids) == [a, b]  # within the row's limit
-    assert verifiable_part(seq, [a, b], 8, eos_ids) == [a, b, c]  # stops short: the forced tokens
-    assert verifiable_part(seq, [a, b, c, six, five], 8, eos_ids) == [a, b, c, six, five]  # follows them further
-    assert verifiable_part(seq, [a, z], 8, eos_ids) == [a, b, c]  # departs (z refused after a)
+    assert verifiable_part(seq, [], forced_tokens(seq, 8), eos_ids) == [
+        a,
+        b,
+        c,
+    ]  # forced (one token each in this vocabulary)
+    assert verifiable_part(seq, [], forced_tokens(seq, 2), eos_ids) == [a, b]  # within the row's limit
+    assert verifiable_part(seq, [a, b], forced_tokens(seq, 8), eos_ids) == [a, b, c]  # stops short: the forced tokens
+    assert verifiable_part(seq, [a, b, c, six, five], forced_tokens(seq, 8), eos_ids) == [
+        a,
+        b,
+        c,
+        six,
+        five,
+    ]  # follows them further
+    assert verifiable_part(seq, [a, z], forced_tokens(seq, 8), eos_ids) == [a, b, c]  # departs (z refused after a)
     waiting = sequence([one, two], guided_decoding=GuidedDecodingParams(regex="[0-9]+"), guided_decoding_after_token=z)
     waiting.waiting_grammar = compiled.new_matcher()
-    assert verifiable_part(waiting, [a, b, z, one, two], 8, eos_ids) == [a, b]  # the token after z needs the grammar
-    assert verifiable_part(waiting, [a, b, c], 8, eos_ids) == [a, b, c]
-    assert verifiable_part(sequence([1, 2]), [7, eos, 9], 8, eos_ids) == [7, eos, 9]  # no grammar: all of it
+    assert verifiable_part(waiting, [a, b, z, one, two], forced_tokens(waiting, 8), eos_ids) == [
+        a,
+        b,
+    ]  # the token after z needs the grammar
+    assert verifiable_part(waiting, [a, b, c], forced_tokens(waiting, 8), eos_ids) == [a, b, c]
+    assert verifiable_part(sequence([1, 2]), [7, eos, 9], [], eos_ids) == [7, eos, 9]  # no grammar: all of it
 
 
 def test_a_draft_model_is_not_run_for_a_row_whose_grammar_forces_its_next_tokens():

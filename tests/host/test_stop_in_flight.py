@@ -16,26 +16,31 @@ from jaxserve.host.scheduler import Scheduler
 STOP, OTHER = 5, 9
 
 
-def run(overlap: bool, stop_at: int, page_size: int = 4, prompt_len: int = 3):
-    """One sequence whose device samples STOP as its stop_at-th token (1-based), OTHER before; returns
-    (the chunks planned for it, per step, from the one that samples the stop on), the sequence and
-    the step at which the host saw the request finished."""
+def one_sequence(page_size: int, prompt_len: int, params: SamplingParams):
+    """A scheduler (prefix caching on) holding one sequence of prompt 10, 11, ..., and its output processor."""
     scheduler = Scheduler(
         PageAllocator(32, page_size, enable_prefix_caching=True),
         max_num_seqs=2,
         max_num_batched_tokens=16,
         prefill_query_block=4,
     )
-    outputs = OutputProcessor(None, frozenset(), max_model_len=64)
     seq = SequenceState(
         seq_id=0,
         request_id="r",
         prompt_token_ids=list(range(10, 10 + prompt_len)),
-        params=SamplingParams(max_tokens=20, stop_token_ids=[STOP]),
+        params=params,
         sampling_seed=0,
         arrival_order=0,
     )
     scheduler.add(seq)
+    return scheduler, OutputProcessor(None, frozenset(), max_model_len=64), seq
+
+
+def run(overlap: bool, stop_at: int, page_size: int = 4, prompt_len: int = 3):
+    """One sequence whose device samples STOP as its stop_at-th token (1-based), OTHER before; returns
+    (the chunks planned for it, per step, from the one that samples the stop on), the sequence and
+    the step at which the host saw the request finished."""
+    scheduler, outputs, seq = one_sequence(page_size, prompt_len, SamplingParams(max_tokens=20, stop_token_ids=[STOP]))
     planned, in_flight, finished_at, samples = [], [], None, 0
     for step in range(40):
         schedule = scheduler.schedule()
@@ -85,22 +90,7 @@ def test_a_step_that_allowed_no_token_ends_a_page_aligned_sequence(overlap):
     """A grammar at a dead end (or allowed_token_ids it shares none with) drops the step's token: the newest
     token's KV is computed already, so a sequence whose length fills a page finishes at once rather than
     waiting, flushing, for a step that never comes (LLM.generate used to loop for ever)."""
-    scheduler = Scheduler(
-        PageAllocator(32, 4, enable_prefix_caching=True),
-        max_num_seqs=2,
-        max_num_batched_tokens=16,
-        prefill_query_block=4,
-    )
-    outputs = OutputProcessor(None, frozenset(), max_model_len=64)
-    seq = SequenceState(
-        seq_id=0,
-        request_id="r",
-        prompt_token_ids=[10, 11, 12],
-        params=SamplingParams(max_tokens=20),
-        sampling_seed=0,
-        arrival_order=0,
-    )
-    scheduler.add(seq)
+    scheduler, outputs, seq = one_sequence(4, 3, SamplingParams(max_tokens=20))
     in_flight, samples = [], 0
     for _ in range(20):
         schedule = scheduler.schedule()

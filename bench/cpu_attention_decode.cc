@@ -72,7 +72,8 @@ void Bench(const char* dtype, int64_t context) {
                       page_table.data(), &seq_id, &position, nullptr, out.data(), kHeads, kKvHeads, kHeadDim,
                       kPageSize, pages, 1, 0, 0.125f, 0.0f};
       for (int64_t r = 0; r < ranges; ++r) {
-        AttendRange(p, 0, r * keys_per_range, (r + 1) * keys_per_range, scratch, ranges == 1 ? nullptr : &partials[r]);
+        AttendRange(p, 0, 0, kKvHeads, r * keys_per_range, (r + 1) * keys_per_range, scratch,
+                    ranges == 1 ? nullptr : &partials[r]);
       }
       if (ranges > 1) MergeRanges(p, 0, partials.data(), ranges);
     }

@@ -96,13 +96,15 @@ inline const float* AsFloat(const T* source, int64_t n, float* scratch) {
   }
 }
 
-// n = K * D values of one token's page row as float32, each kv head's D scaled by its scale when the
-// pages are quantized (scales non-null: [K]); the source itself when it is float32 and unscaled.
+// Kv heads [kv_begin, kv_end) of one token's page row ([K, D]) as float32, at their offsets in the row (k * D),
+// each kv head's D scaled by its scale when the pages are quantized (scales non-null: [K]); the source itself
+// when it is float32 and unscaled. An item attending some kv heads widens only theirs.
 template <typename PageT>
-inline const float* RowAsFloat(const PageT* source, const float* scales, int64_t num_kv_heads, int64_t head_dim,
-                               float* scratch) {
-  if (scales == nullptr) return AsFloat(source, num_kv_heads * head_dim, scratch);
-  for (int64_t k = 0; k < num_kv_heads; ++k) {
+inline const float* RowAsFloat(const PageT* source, const float* scales, int64_t kv_begin, int64_t kv_end,
+                               int64_t head_dim, float* scratch) {
+  const int64_t begin = kv_begin * head_dim;
+  if (scales == nullptr) return AsFloat(source + begin, (kv_end - kv_begin) * head_dim, scratch + begin) - begin;
+  for (int64_t k = kv_begin; k < kv_end; ++k) {
     const float scale = scales[k];
     for (int64_t d = 0; d < head_dim; ++d) scratch[k * head_dim + d] = ToFloat(source[k * head_dim + d]) * scale;
   }
@@ -471,23 +473,33 @@ void AddWeightedRowsRows(float* const* accumulators, const float* const* rows, i
   for (int r = 0; r < R; ++r) AddWeightedRows(accumulators[r] + d, rows, offset + d, weights[r], count, n - d);
 }
 
-// Rows' outputs from their folded softmax states (a row that saw no key stays zero: a sink adds no value).
+// f(row) for a block's rows of query heads [head_begin, head_end) (row = b * H + h): the rows of the kv heads an
+// item attends.
+template <typename F>
+inline void ForHeadRows(int64_t query_block, int64_t num_heads, int64_t head_begin, int64_t head_end, F&& f) {
+  for (int64_t b = 0; b < query_block; ++b)
+    for (int64_t h = head_begin; h < head_end; ++h) f(b * num_heads + h);
+}
+
+// The outputs of a block's rows of query heads [head_begin, head_end) from their folded softmax states (a row
+// that saw no key stays zero: a sink adds no value).
 template <typename T, typename PageT>
-void WriteOutputRows(const Problem<T, PageT>& p, T* out, int64_t rows, const float* max, const float* denominator,
-               const float* accumulator) {
+void WriteOutputRows(const Problem<T, PageT>& p, T* out, int64_t head_begin, int64_t head_end, const float* max,
+                     const float* denominator, const float* accumulator) {
   const int64_t D = p.head_dim;
-  for (int64_t row = 0; row < rows; ++row) {
-    if (denominator[row] <= 0.0f) continue;
+  ForHeadRows(p.query_block, p.num_heads, head_begin, head_end, [&](int64_t row) {
+    if (denominator[row] <= 0.0f) return;
     float rescale;
     const float* sink = p.sinks == nullptr ? nullptr : p.sinks + row % p.num_heads;
     const float inverse = OutputScale(max[row], denominator[row], sink, rescale);
     for (int64_t d = 0; d < D; ++d) out[row * D + d] = FromFloat<T>(accumulator[row * D + d] * inverse);
-  }
+  });
 }
 
 // Rows of a block are (token b, query head h): row = b * H + h, its kv head is h / (H / K).
-// Keys [key_begin, key_end) of the block (whole ranges of kKeysPerRange keys): the block's output when
-// `partial` is null, else its softmax state there (key_end - key_begin is then one range).
+// Keys [key_begin, key_end) of the block (whole ranges of kKeysPerRange keys) for the rows of kv heads
+// [kv_begin, kv_end): their outputs when `partial` is null, else their softmax state there (key_end - key_begin
+// is then one range). Other rows' outputs and states are not touched: items of other kv heads write them.
 //
 // Each row's arithmetic depends on its own query, position and keys only, never on the other rows of its
 // block or on how the block's work was split: tiles are kKeysPerTile keys from key 0, every tile loop runs over
@@ -495,10 +507,15 @@ void WriteOutputRows(const Problem<T, PageT>& p, T* out, int64_t rows, const flo
 // online softmax, folded in key order (FoldState), and both ways of scoring give the same bits. A verify row
 // (speculation: k + 1 query tokens of a sequence in one block) then computes what a decode row (one) does.
 template <typename T, typename PageT>
-void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, int64_t key_end, Scratch& s,
-                 const PartialState* partial) {
+void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t kv_begin, int64_t kv_end, int64_t key_begin,
+                 int64_t key_end, Scratch& s, const PartialState* partial) {
   const int64_t B = p.query_block, H = p.num_heads, D = p.head_dim, K = p.num_kv_heads;
   const int64_t groups = H / K, rows = B * H, first_token = block * B, row_width = K * D;
+  const int64_t head_begin = kv_begin * groups, head_end = kv_end * groups;
+  // `width` values per row from `data` set to `value` for this item's rows (one run of heads per token)
+  auto fill_rows = [&](auto* data, int64_t width, auto value) {
+    for (int64_t b = 0; b < B; ++b) std::fill_n(data + (b * H + head_begin) * width, (head_end - head_begin) * width, value);
+  };
   const int32_t* positions = p.positions + first_token;
   const int32_t* pages = p.page_table + int64_t(p.token_seq_ids[first_token]) * p.pages_per_seq;
   int32_t max_position = -1, min_position = std::numeric_limits<int32_t>::max();
@@ -508,39 +525,47 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
     min_position = std::min(min_position, positions[b]);
   }
   T* out = p.out + first_token * H * D;
-  if (partial == nullptr) std::fill(out, out + rows * D, FromFloat<T>(0.0f));
+  if (partial == nullptr) fill_rows(out, D, FromFloat<T>(0.0f));
   if (partial != nullptr) {
-    std::fill(partial->max, partial->max + rows, kNegativeInfinity);
-    std::fill(partial->denominator, partial->denominator + rows, 0.0f);
-    std::fill(partial->accumulator, partial->accumulator + rows * D, 0.0f);
+    fill_rows(partial->max, 1, kNegativeInfinity);
+    fill_rows(partial->denominator, 1, 0.0f);
+    fill_rows(partial->accumulator, D, 0.0f);
   }
   if (max_position < 0) return;  // a block of padding
 
-  s.queries.resize(rows * D);
-  s.accumulator.assign(rows * D, 0.0f);
+  // Sized for all of the block's rows, set (and read) for this item's only.
+  for (auto* buffer : {&s.queries, &s.accumulator, &s.folded_accumulator}) buffer->resize(rows * D);
+  for (auto* buffer : {&s.running_max, &s.denominator, &s.folded_max, &s.folded_denominator}) buffer->resize(rows);
   s.scores.resize(rows * kKeysPerTile);
-  s.running_max.assign(rows, kNegativeInfinity);
-  s.denominator.assign(rows, 0.0f);
-  s.folded_max.assign(rows, kNegativeInfinity);
-  s.folded_denominator.assign(rows, 0.0f);
-  s.folded_accumulator.assign(rows * D, 0.0f);
+  fill_rows(s.accumulator.data(), D, 0.0f);
+  fill_rows(s.running_max.data(), 1, kNegativeInfinity);
+  fill_rows(s.denominator.data(), 1, 0.0f);
+  fill_rows(s.folded_max.data(), 1, kNegativeInfinity);
+  fill_rows(s.folded_denominator.data(), 1, 0.0f);
+  fill_rows(s.folded_accumulator.data(), D, 0.0f);
   // Many query rows per kv head (prefill, verify): transpose the tile's keys once so each row's scores are
   // axpys across keys instead of one horizontal sum per key. The same bits either way (LaneTreeDotsTransposed).
   const bool transpose_keys = B * groups >= 4;
   if (transpose_keys) s.keys_transposed.assign(D * kKeysPerTile, 0.0f);
   s.key_tile.resize(kKeysPerTile * row_width);
   s.value_tile.resize(kKeysPerTile * row_width);
-  const float* block_queries = AsFloat(p.q + first_token * H * D, rows * D, s.queries.data());
+  // the item's query rows as float32 (at their rows' offsets)
+  const T* block_q = p.q + first_token * H * D;
+  const float* block_queries = nullptr;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t begin = (b * H + head_begin) * D;
+    block_queries = AsFloat(block_q + begin, (head_end - head_begin) * D, s.queries.data() + begin) - begin;
+  }
 
   // The range state so far joins the ranges before it, and the next range starts afresh.
   auto fold_range = [&]() {
-    for (int64_t row = 0; row < rows; ++row) {
+    ForHeadRows(B, H, head_begin, head_end, [&](int64_t row) {
       FoldState(s.folded_max[row], s.folded_denominator[row], s.folded_accumulator.data() + row * D,
                 s.running_max[row], s.denominator[row], s.accumulator.data() + row * D, D);
-    }
-    std::fill(s.running_max.begin(), s.running_max.end(), kNegativeInfinity);
-    std::fill(s.denominator.begin(), s.denominator.end(), 0.0f);
-    std::fill(s.accumulator.begin(), s.accumulator.end(), 0.0f);
+    });
+    fill_rows(s.running_max.data(), 1, kNegativeInfinity);
+    fill_rows(s.denominator.data(), 1, 0.0f);
+    fill_rows(s.accumulator.data(), D, 0.0f);
   };
 
   int64_t first_key = 0;
@@ -558,8 +583,10 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
       const int64_t kv_index = int64_t(pages[key / p.page_size]) * p.page_size + key % p.page_size;
       const float* k_scales = p.k_scales == nullptr ? nullptr : p.k_scales + kv_index * K;
       const float* v_scales = p.v_scales == nullptr ? nullptr : p.v_scales + kv_index * K;
-      key_rows[t] = RowAsFloat(p.k_pages + kv_index * row_width, k_scales, K, D, s.key_tile.data() + t * row_width);
-      value_rows[t] = RowAsFloat(p.v_pages + kv_index * row_width, v_scales, K, D, s.value_tile.data() + t * row_width);
+      key_rows[t] = RowAsFloat(p.k_pages + kv_index * row_width, k_scales, kv_begin, kv_end, D,
+                               s.key_tile.data() + t * row_width);
+      value_rows[t] = RowAsFloat(p.v_pages + kv_index * row_width, v_scales, kv_begin, kv_end, D,
+                                 s.value_tile.data() + t * row_width);
     }
     // A row's softmax over the tile from its scores (row_scores, overwritten with the keys' weights): false when
     // no key of the tile is visible to it (nothing to add).
@@ -609,7 +636,7 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
       s.running_max[row] = new_max;
       return true;
     };
-    for (int64_t kv_head = 0; kv_head < K; ++kv_head) {
+    for (int64_t kv_head = kv_begin; kv_head < kv_end; ++kv_head) {
       const int64_t kv_offset = kv_head * D;
       if (!transpose_keys) {
         for (int64_t b = 0; b < B; ++b) {
@@ -666,12 +693,15 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t key_begin, i
   }
   fold_range();
   if (partial != nullptr) {
-    std::copy(s.folded_max.begin(), s.folded_max.begin() + rows, partial->max);
-    std::copy(s.folded_denominator.begin(), s.folded_denominator.begin() + rows, partial->denominator);
-    std::copy(s.folded_accumulator.begin(), s.folded_accumulator.begin() + rows * D, partial->accumulator);
+    ForHeadRows(B, H, head_begin, head_end, [&](int64_t row) {
+      partial->max[row] = s.folded_max[row];
+      partial->denominator[row] = s.folded_denominator[row];
+      std::copy_n(s.folded_accumulator.data() + row * D, D, partial->accumulator + row * D);
+    });
     return;
   }
-  WriteOutputRows(p, out, rows, s.folded_max.data(), s.folded_denominator.data(), s.folded_accumulator.data());
+  WriteOutputRows(p, out, head_begin, head_end, s.folded_max.data(), s.folded_denominator.data(),
+                  s.folded_accumulator.data());
 }
 
 // A block's output from the softmax states of its key ranges, folded in key order as one thread folds them.
@@ -687,46 +717,62 @@ void MergeRanges(const Problem<T, PageT>& p, int64_t block, const PartialState* 
   }
   T* out = p.out + block * rows * D;
   std::fill(out, out + rows * D, FromFloat<T>(0.0f));
-  WriteOutputRows(p, out, rows, max.data(), denominator.data(), accumulator.data());
+  WriteOutputRows(p, out, 0, p.num_heads, max.data(), denominator.data(), accumulator.data());
 }
 
-// Work items are (block, key range). A block is cut into its ranges (kKeysPerRange keys each, fixed by the key
-// positions) only when there are too few blocks to keep the threads busy (one long sequence decoding): each
-// range then leaves its softmax state, folded into the block's output once all items are done (as
-// flash-decoding does on a GPU), the same arithmetic as one thread attending the whole block.
+// Work items are (block, key range, group of kv heads). When there are too few blocks to keep the threads busy
+// (one sequence decoding, or one long prompt's chunk), a block is cut into its ranges (kKeysPerRange keys each,
+// fixed by the key positions) and its kv heads into groups: a range leaves its rows' softmax states, folded into
+// the block's output once all items are done (as flash-decoding does on a GPU), and a group of kv heads attends
+// only its own rows (a row's arithmetic never depends on other rows), so every split computes the same bits as
+// one thread attending the whole block. Before the kv heads were split (session 30) a single stream's decode
+// step attended each layer on one thread while the other waited, up to 512 keys.
 template <typename T, typename PageT>
 void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T, PageT>& p, int64_t num_blocks, bool own_helpers) {
   const int64_t num_workers = std::max<int64_t>(1, thread_pool.num_threads());
-  const int64_t rows = p.query_block * p.num_heads, D = p.head_dim;
+  const int64_t rows = p.query_block * p.num_heads, D = p.head_dim, K = p.num_kv_heads;
   const bool split = num_blocks < 2 * num_workers;
-  // Per block: its ranges' first item.
-  std::vector<int64_t> first_item(num_blocks + 1, 0);
+  // Per block: its first range (ranges after it, when it has more than one, hold softmax states).
+  std::vector<int64_t> first_range(num_blocks + 1, 0);
   for (int64_t block = 0; block < num_blocks; ++block) {
     int32_t max_position = -1;
     for (int64_t b = 0; b < p.query_block; ++b) max_position = std::max(max_position, p.positions[block * p.query_block + b]);
     const int64_t ranges = split ? std::max<int64_t>(1, (int64_t(max_position) + kKeysPerRange) / kKeysPerRange) : 1;
-    first_item[block + 1] = first_item[block] + ranges;
+    first_range[block + 1] = first_range[block] + ranges;
   }
-  const int64_t num_items = first_item[num_blocks];
-  std::vector<float> states(split ? num_items * rows * (D + 2) : 0);
-  std::vector<PartialState> partials(split ? num_items : 0);
+  const int64_t num_ranges = first_range[num_blocks];
+  // Fewer ranges than threads (one sequence under kKeysPerRange keys): each kv head is its own item. Only then: an
+  // item reading one head's part of every key row reads memory less well (each core's prefetchers bring the
+  // other heads' parts of the rows too), so at 1000-2000 keys ranges split into kv heads took 1.2-1.5x the time
+  // of the whole ranges (bench/cpu_attention_decode.cc, session 30), while a lone range of 256-444 keys ran in
+  // 0.8x on two threads.
+  const int64_t kv_groups = split && num_ranges < num_workers ? K : 1;
+  const int64_t num_items = num_ranges * kv_groups;
+  std::vector<float> states(split ? num_ranges * rows * (D + 2) : 0);
+  std::vector<PartialState> partials(split ? num_ranges : 0);
   for (int64_t i = 0; i < int64_t(partials.size()); ++i) {
     float* base = states.data() + i * rows * (D + 2);
     partials[i] = PartialState{base, base + rows, base + 2 * rows};
   }
-  const int64_t* first_item_data = first_item.data();
+  const int64_t* first_range_data = first_range.data();
   const PartialState* partial_data = partials.data();
-  auto item = [&p, num_blocks, split, first_item_data, partial_data](int64_t /*worker*/, int64_t i) {
+  auto item = [&p, num_blocks, split, kv_groups, K, first_range_data, partial_data](int64_t /*worker*/, int64_t i) {
     // Each thread's buffers outlive the call: allocated (and zeroed) per call, they cost a decode step's
     // 30 calls more than their keys (issue 29).
     thread_local Scratch scratch;
-    const int64_t block = std::upper_bound(first_item_data, first_item_data + num_blocks + 1, i) - first_item_data - 1;
+    const int64_t range = i / kv_groups, group = i % kv_groups;
+    const int64_t kv_begin = K * group / kv_groups, kv_end = K * (group + 1) / kv_groups;
     if (!split) {
-      AttendRange(p, block, 0, std::numeric_limits<int64_t>::max(), scratch, nullptr);
+      AttendRange(p, range, 0, K, 0, std::numeric_limits<int64_t>::max(), scratch, nullptr);
       return;
     }
-    const int64_t begin = (i - first_item_data[block]) * kKeysPerRange;
-    AttendRange(p, block, begin, begin + kKeysPerRange, scratch, partial_data + i);
+    const int64_t block =
+        std::upper_bound(first_range_data, first_range_data + num_blocks + 1, range) - first_range_data - 1;
+    const int64_t index = range - first_range_data[block], begin = index * kKeysPerRange;
+    const bool one_range = first_range_data[block + 1] - first_range_data[block] == 1;
+    // a block of one range writes its rows' outputs itself (the same bits as folding its one state)
+    AttendRange(p, block, kv_begin, kv_end, begin, begin + kKeysPerRange, scratch,
+                one_range ? nullptr : partial_data + range);
   };
   // Several device programs share XLA's pool on a CPU mesh: there the helpers come from it.
   std::function<void(std::function<void()>)> schedule = nullptr;
@@ -734,7 +780,8 @@ void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T, PageT>& p, i
   jaxserve_cpu::RunItems(num_workers, num_items, item, schedule);
   if (!split) return;
   for (int64_t block = 0; block < num_blocks; ++block) {
-    MergeRanges(p, block, partial_data + first_item[block], first_item[block + 1] - first_item[block]);
+    const int64_t ranges = first_range[block + 1] - first_range[block];
+    if (ranges > 1) MergeRanges(p, block, partial_data + first_range[block], ranges);
   }
 }
 

@@ -175,20 +175,36 @@ inline Lanes ExpNonpositiveLanes(Lanes x) {
   return x < kExpLowest ? Lanes{} : r * scale;
 }
 
-// A query row's dot product with a key row (decode: a few query rows per kv head), in lanes of partial sums
-// added in a tree at the end. The omp simd reduction it replaces (jaxserve_cpu_attention::Dot) ended every
-// score with kLanes dependent scalar adds: most of a decode step's attention (issue 29).
-inline float LaneTreeDot(const float* a, const float* b, int64_t n) {
-  Lanes sum0 = {}, sum1 = {};
+// LaneTreeDot: a query row's dot product with a key row (decode: a few query rows per kv head), in lanes of
+// partial sums (two vectors of them, sum0 and sum1, over alternate vectors of the row) added in a tree at the end
+// (SumLanes), then the row's tail fused one term at a time. The omp simd reduction it replaced
+// (jaxserve_cpu_attention::Dot) ended every score with kLanes dependent scalar adds: most of a decode step's
+// attention (issue 29). Here for R query rows with one key row: each row the same bits as alone, the key's vectors
+// loaded once for the R rows (a decode token's query heads that share a kv head; session 30: 0.8x the time).
+template <int R>
+inline void LaneTreeDotRows(const float* const* queries, const float* key, int64_t n, float* const* scores,
+                            int64_t t) {
+  Lanes sum0[R] = {}, sum1[R] = {};
   int64_t i = 0;
   for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-    sum0 += LoadLanes(a + i) * LoadLanes(b + i);
-    sum1 += LoadLanes(a + i + kLanes) * LoadLanes(b + i + kLanes);
+    const Lanes k0 = LoadLanes(key + i), k1 = LoadLanes(key + i + kLanes);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      sum0[r] += LoadLanes(queries[r] + i) * k0;
+      sum1[r] += LoadLanes(queries[r] + i + kLanes) * k1;
+    }
   }
-  for (; i + kLanes <= n; i += kLanes) sum0 += LoadLanes(a + i) * LoadLanes(b + i);
-  float sum = SumLanes(sum0 + sum1);
-  for (; i < n; ++i) sum = std::fma(a[i], b[i], sum);  // fused, as LaneTreeDotsTransposed's tail
-  return sum;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Lanes k0 = LoadLanes(key + i);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) sum0[r] += LoadLanes(queries[r] + i) * k0;
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    float sum = SumLanes(sum0[r] + sum1[r]);
+    for (int64_t j = i; j < n; ++j) sum = std::fma(queries[r][j], key[j], sum);  // as LaneTreeDotsTransposed's tail
+    scores[r][t] = sum;
+  }
 }
 
 // accumulator[d] += sum over keys t (in order) of weights[t] * rows[t][offset + d], d < n, keys of weight 0
@@ -545,7 +561,10 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t kv_begin, in
   fill_rows(s.folded_accumulator.data(), D, 0.0f);
   // Many query rows per kv head (prefill, verify): transpose the tile's keys once so each row's scores are
   // axpys across keys instead of one horizontal sum per key. The same bits either way (LaneTreeDotsTransposed).
-  const bool transpose_keys = B * groups >= 4;
+  // Below 12 rows a kv head the rows' dot products with the keys in place are faster (one thread, 30 layers, 444
+  // and 1000 keys, session 30): 1 token of 3 / 4 / 7 query heads a kv head 0.70-0.85x the time, 2 tokens of 3-4
+  // 0.8-0.85x; 4 tokens of 3 1.03x, of 4 0.95-1.07x, of 7 1.12-1.16x; 8 tokens of 3 1.16-1.2x.
+  const bool transpose_keys = B * groups >= 12;
   if (transpose_keys) s.keys_transposed.assign(D * kKeysPerTile, 0.0f);
   s.key_tile.resize(kKeysPerTile * row_width);
   s.value_tile.resize(kKeysPerTile * row_width);
@@ -643,13 +662,33 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t kv_begin, in
           const int64_t position = positions[b];
           if (position < tile_start) continue;  // padding, or every key of the tile is in its future
           const int64_t lowest_visible = p.sliding_window > 0 ? position - p.sliding_window + 1 : 0;
-          for (int64_t h = kv_head * groups; h < (kv_head + 1) * groups; ++h) {
-            const int64_t row = b * H + h;
-            const float* query = block_queries + row * D;
-            float* row_scores = s.scores.data() + row * kKeysPerTile;
-            for (int64_t t = 0; t < num_keys; ++t) row_scores[t] = LaneTreeDot(query, key_rows[t] + kv_offset, D);
-            if (!weigh_tile(row, position, lowest_visible, row_scores)) continue;
-            AddWeightedRows(s.accumulator.data() + row * D, value_rows, kv_offset, row_scores, num_keys, D);
+          // the token's query heads of this kv head, kRowGroup at a time: each key and value vector loaded once
+          // for them (LaneTreeDotRows, AddWeightedRowsRows: each row the same bits as alone)
+          for (int64_t h0 = kv_head * groups; h0 < (kv_head + 1) * groups; h0 += kRowGroup) {
+            const int64_t count = std::min<int64_t>(kRowGroup, (kv_head + 1) * groups - h0);
+            const float* queries[kRowGroup];
+            float* scores[kRowGroup];
+            for (int64_t r = 0; r < count; ++r) {
+              queries[r] = block_queries + (b * H + h0 + r) * D;
+              scores[r] = s.scores.data() + (b * H + h0 + r) * kKeysPerTile;
+            }
+            WithRows(count, [&](auto rows) {
+              for (int64_t t = 0; t < num_keys; ++t) {
+                LaneTreeDotRows<decltype(rows)::value>(queries, key_rows[t] + kv_offset, D, scores, t);
+              }
+            });
+            float* accumulators[kRowGroup];
+            const float* weights[kRowGroup];
+            int64_t kept = 0;
+            for (int64_t r = 0; r < count; ++r) {
+              const int64_t row = b * H + h0 + r;
+              if (!weigh_tile(row, position, lowest_visible, scores[r])) continue;
+              accumulators[kept] = s.accumulator.data() + row * D;
+              weights[kept++] = scores[r];
+            }
+            WithRows(kept, [&](auto rows) {
+              AddWeightedRowsRows<decltype(rows)::value>(accumulators, value_rows, kv_offset, weights, num_keys, D);
+            });
           }
         }
         continue;

@@ -784,8 +784,9 @@ void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T, PageT>& p, i
   // item reading one head's part of every key row reads memory less well (each core's prefetchers bring the
   // other heads' parts of the rows too), so at 1000-2000 keys ranges split into kv heads took 1.2-1.5x the time
   // of the whole ranges (bench/cpu_attention_decode.cc, session 30), while a lone range of 256-444 keys ran in
-  // 0.8x on two threads.
-  const int64_t kv_groups = split && num_ranges < num_workers ? K : 1;
+  // 0.8x on two threads. Not on a CPU mesh (helpers from XLA's pool, own_helpers false): there every device's
+  // program attends its own heads at once, and items handed to the busy pool only wait for it.
+  const int64_t kv_groups = split && own_helpers && num_ranges < num_workers ? K : 1;
   const int64_t num_items = num_ranges * kv_groups;
   std::vector<float> states(split ? num_ranges * rows * (D + 2) : 0);
   std::vector<PartialState> partials(split ? num_ranges : 0);

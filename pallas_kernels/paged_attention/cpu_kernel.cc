@@ -608,9 +608,9 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t kv_begin, in
                                  s.value_tile.data() + t * row_width);
     }
     // float32 pages: the next tile's rows (this item's heads of them) asked into L2 while this tile is attended.
-    // Session 30, 30 layers chained in one jit, two threads: 8 sequences at 444 / 1000 keys 0.80-0.83x the time,
-    // 32 at 444 0.84x, one at 2000 0.9-1.0x. Not for 16-bit or quantized pages (widened into the tile's scratch
-    // first): bfloat16 took 1.05-1.3x the time with it.
+    // Session 30, 30 layers chained in one jit, two threads: 8 sequences at 444 / 1000 keys 0.80-0.82x the time,
+    // 32 at 444 0.82x, one at 2000 0.75x, one at 1000 (a range a thread) 1.1x. Not for 16-bit or quantized pages
+    // (widened into the tile's scratch first): bfloat16 took 1.05-1.3x the time with it.
     if constexpr (std::is_same_v<PageT, float>) {
       if (tile_start + kKeysPerTile <= last_key) {
         const int64_t next_keys = std::min<int64_t>(kKeysPerTile, last_key + 1 - tile_start - kKeysPerTile);

@@ -36,31 +36,47 @@ def one_sequence(page_size: int, prompt_len: int, params: SamplingParams):
     return scheduler, OutputProcessor(None, frozenset(), max_model_len=64), seq
 
 
+def drive(scheduler, outputs, overlap: bool, sample, on_step=lambda step: None, steps: int = 40):
+    """Steps `scheduler` as the engine does, overlapped (a step processed after the next is dispatched) or in turn:
+    `sample(step, chunks)` is what the device samples for a step's chunks (token_ids, no_token_allowed), `on_step(step)`
+    runs after each step's processing."""
+    in_flight = []
+    for step in range(steps):
+        schedule = scheduler.schedule()
+        chunks = schedule.decodes + schedule.prefills
+        sampled = sample(step, chunks)
+        scheduler.mark_dispatched(chunks)
+        dispatched = [(chunks, sampled)] if chunks else []
+        to_process, in_flight = (in_flight, dispatched) if overlap else (dispatched, [])
+        for done, result in to_process:
+            outputs.process(done, scheduler, result, 0)
+        on_step(step)
+        if not scheduler.has_unfinished and not in_flight:
+            break
+
+
 def run(overlap: bool, stop_at: int, page_size: int = 4, prompt_len: int = 3):
     """One sequence whose device samples STOP as its stop_at-th token (1-based), OTHER before; returns
     (the chunks planned for it, per step, from the one that samples the stop on), the sequence and
     the step at which the host saw the request finished."""
     scheduler, outputs, seq = one_sequence(page_size, prompt_len, SamplingParams(max_tokens=20, stop_token_ids=[STOP]))
-    planned, in_flight, finished_at, samples = [], [], None, 0
-    for step in range(40):
-        schedule = scheduler.schedule()
-        chunks = schedule.decodes + schedule.prefills
+    planned, finished_at, samples = [], None, 0
+
+    def sample(step, chunks):
+        nonlocal samples
         tokens = []
         for chunk in chunks:
             samples += chunk.samples_next_token
             tokens.append(STOP if chunk.samples_next_token and samples == stop_at else OTHER)
             planned.append((step, samples >= stop_at))
-        scheduler.mark_dispatched(chunks)
-        dispatched = [(chunks, np.array(tokens))] if chunks else []
-        to_process, in_flight = (in_flight, dispatched) if overlap else (dispatched, [])
-        for done, sampled in to_process:
-            outputs.process(
-                done, scheduler, SimpleNamespace(token_ids=sampled, no_token_allowed=np.zeros(len(sampled), bool)), 0
-            )
+        return SimpleNamespace(token_ids=np.array(tokens), no_token_allowed=np.zeros(len(tokens), bool))
+
+    def on_step(step):
+        nonlocal finished_at
         if finished_at is None and seq.finish_reason is not None:
             finished_at = step
-        if not scheduler.has_unfinished and not in_flight:
-            break
+
+    drive(scheduler, outputs, overlap, sample, on_step)
     return [step for step, after_stop in planned if after_stop], seq, finished_at
 
 
@@ -91,22 +107,17 @@ def test_a_step_that_allowed_no_token_ends_a_page_aligned_sequence(overlap):
     token's KV is computed already, so a sequence whose length fills a page finishes at once rather than
     waiting, flushing, for a step that never comes (LLM.generate used to loop for ever)."""
     scheduler, outputs, seq = one_sequence(4, 3, SamplingParams(max_tokens=20))
-    in_flight, samples = [], 0
-    for _ in range(20):
-        schedule = scheduler.schedule()
-        chunks = schedule.decodes + schedule.prefills
+    samples = 0
+
+    def sample(step, chunks):
+        nonlocal samples
         allowed = []
         for chunk in chunks:
             samples += chunk.samples_next_token
             allowed.append(samples < 2)  # prompt 3 + 1 token fills a page; the next step allows none
-        scheduler.mark_dispatched(chunks)
-        dispatched = [(chunks, np.array(allowed))] if chunks else []
-        to_process, in_flight = (in_flight, dispatched) if overlap else (dispatched, [])
-        for done, ok in to_process:
-            sampled = SimpleNamespace(token_ids=np.full(len(ok), OTHER), no_token_allowed=~ok)
-            outputs.process(done, scheduler, sampled, 0)
-        if not scheduler.has_unfinished and not in_flight:
-            break
+        return SimpleNamespace(token_ids=np.full(len(allowed), OTHER), no_token_allowed=~np.array(allowed, bool))
+
+    drive(scheduler, outputs, overlap, sample, steps=20)
     assert seq.is_finished and seq.finish_reason == "no_token_allowed", (seq.finish_reason, seq.flushing)
     assert seq.output_token_ids == [OTHER] and not scheduler.running
     assert scheduler.allocator.ref_counts[1:] == [0] * 31

@@ -39,6 +39,7 @@ def build_sampling(
     lora: str = "",
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
     truncate_prompt_tokens: int | None = None,
 ) -> pb.SamplingParams:
     """The proto's SamplingParams; at most one guided_* constrains the output (ValueError for two: the proto's
@@ -62,6 +63,7 @@ def build_sampling(
         lora=lora,
         include_stop_str_in_output=include_stop_str_in_output,
         keep_special_tokens=not skip_special_tokens,
+        no_spaces_between_special_tokens=not spaces_between_special_tokens,
     )
     if prompt_logprobs is not None:
         sampling.prompt_logprobs = prompt_logprobs

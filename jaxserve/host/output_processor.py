@@ -58,6 +58,16 @@ def record_prompt_logprobs(seq: SequenceState, chunk, first_slot: int, scored) -
         )
 
 
+def _joins_added_tokens(seq: SequenceState, tokenizer: Tokenizer) -> bool:
+    """spaces_between_special_tokens False and special tokens kept: the newest output token is an added
+    token and so is the output token before it (vLLM's rule; the prompt's last token does not count)."""
+    params = seq.params
+    if params.skip_special_tokens or params.spaces_between_special_tokens or len(seq.output_token_ids) < 2:
+        return False
+    added = tokenizer.added_token_texts
+    return seq.output_token_ids[-1] in added and seq.output_token_ids[-2] in added
+
+
 def append_token(
     seq: SequenceState,
     token_id: int,
@@ -102,10 +112,12 @@ def append_token(
         skip = seq.params.skip_special_tokens
         # as vLLM's detokenizer: the EOS or stop token that ends the sequence adds no text (its id stays in the
         # output) unless include_stop_str_in_output
-        token_ids = (
-            seq.token_ids[:-1] if stopped_by_token and not seq.params.include_stop_str_in_output else seq.token_ids
-        )
+        adds_text = not stopped_by_token or seq.params.include_stop_str_in_output
+        token_ids = seq.token_ids if adds_text else seq.token_ids[:-1]
         new_text = detokenize_incrementally(tokenizer, token_ids, state, skip)
+        if new_text and adds_text and _joins_added_tokens(seq, tokenizer):
+            # as vLLM's fast detokenizer: the bare text, without a space the decoder put before it
+            new_text = tokenizer.added_token_texts[token_id]
         if reason is not None:  # the last token: nothing held back waiting for the rest of a character
             new_text += flush_detokenizer(tokenizer, token_ids, state, skip)
         seq.text += new_text

@@ -140,6 +140,10 @@ class SamplingParams:
     lora: str | None = None  # the name of a loaded LoRA adapter to generate with (None: the base model)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends the text stays in it
     skip_special_tokens: bool = True  # vLLM's: special tokens (EOS, chat markup) are left out of the text
+    # vLLM's: False (with skip_special_tokens False) writes an added token that follows another as its bare
+    # text, without the space a tokenizer's decoder may put between them (WordPiece's does; byte-level and
+    # sentencepiece decoders put none, so there it changes nothing)
+    spaces_between_special_tokens: bool = True
     # vLLM's: only the prompt's last k tokens are used (left truncation); -1: the last max_model_len
     truncate_prompt_tokens: int | None = None
 
@@ -181,7 +185,12 @@ class SamplingParams:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         self._check_controls()
-        for name in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos"):
+        for name in (
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "ignore_eos",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)

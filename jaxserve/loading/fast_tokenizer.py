@@ -12,6 +12,7 @@ tokenizer_config.json; the same adjustments are made here so encode and decode a
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import tokenizers
 from tokenizers import AddedToken, processors
@@ -52,6 +53,10 @@ class FastTokenizer(Tokenizer):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self.backend.decode([int(t) for t in token_ids if t >= 0], skip_special_tokens=skip_special_tokens)
         return clean_up_tokenization(text) if self.cleans_up_spaces else text
+
+    @functools.cached_property
+    def added_token_texts(self) -> dict[int, str]:
+        return {token_id: token.content for token_id, token in self.backend.get_added_tokens_decoder().items()}
 
 
 def _add_configured_tokens(backend: tokenizers.Tokenizer, settings: TokenizerSettings) -> None:

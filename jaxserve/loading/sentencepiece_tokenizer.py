@@ -6,6 +6,7 @@ transformers gives the converted model, so decode() and skip_special_tokens read
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import sentencepiece
@@ -126,6 +127,14 @@ class SentencePieceTokenizer(Tokenizer):
         ]
         text = self.decoder.decode(pieces)
         return clean_up_tokenization(text) if self.cleans_up_spaces else text
+
+    @functools.cached_property
+    def added_token_texts(self) -> dict[int, str]:
+        # as transformers' converted tokenizer lists them: the control and unknown pieces (<s>, </s>, <unk>)
+        # and the named special ones, then the added tokens past the model's pieces
+        size = self.processor.GetPieceSize()
+        texts = {int(i): self.processor.IdToPiece(int(i)) for i in self.special_ids if i < size}
+        return texts | {token_id: token.content for token_id, token in self._added.items()}
 
 
 def _with_default_special_tokens(settings: TokenizerSettings, defaults: dict[str, str]) -> TokenizerSettings:

@@ -67,6 +67,12 @@ class Tokenizer(abc.ABC):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         """Ids outside the vocabulary are left out."""
 
+    @property
+    @abc.abstractmethod
+    def added_token_texts(self) -> dict[int, str]:
+        """Every added token's id -> its text (transformers' added_tokens_decoder: special tokens and plain
+        added ones): what vLLM's spaces_between_special_tokens=False writes for one that follows another."""
+
 
 def check_unicode(text: str, what: str = "the text") -> None:
     """ValueError naming the first lone UTF-16 surrogate in text. JSON can carry one ("\\ud800" is valid

@@ -99,6 +99,7 @@ def sampling_params_from_proto(
         lora=sampling.lora or None,
         include_stop_str_in_output=sampling.include_stop_str_in_output,
         skip_special_tokens=not sampling.keep_special_tokens,
+        spaces_between_special_tokens=not sampling.no_spaces_between_special_tokens,
         guided_decoding_after_token=(
             sampling.guided_decoding_after_token if sampling.HasField("guided_decoding_after_token") else None
         ),
@@ -144,6 +145,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         lora=params.lora or "",
         include_stop_str_in_output=params.include_stop_str_in_output,
         keep_special_tokens=not params.skip_special_tokens,
+        no_spaces_between_special_tokens=not params.spaces_between_special_tokens,
     )
     if params.seed is not None:
         sampling.seed = params.seed

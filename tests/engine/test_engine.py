@@ -306,6 +306,11 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(llama_llm):
     skipped = llama_llm.generate([[1, 5, 9]], SamplingParams(**forced))[0].outputs[0]
     assert kept.token_ids == skipped.token_ids == [eos] * 3
     assert kept.text == tokenizer.decode([eos] * 3, skip_special_tokens=False) and "</s>" in kept.text
+    # this vocabulary's decoder puts no space between special tokens: spaces_between_special_tokens changes nothing
+    joined = llama_llm.generate(
+        [[1, 5, 9]], SamplingParams(**forced, skip_special_tokens=False, spaces_between_special_tokens=False)
+    )[0].outputs[0]
+    assert eos in tokenizer.added_token_texts and joined.text == kept.text == "</s>" * 3
     ended = llama_llm.generate(
         [[1, 5, 9]], SamplingParams(**{**forced, "ignore_eos": False}, skip_special_tokens=False)
     )

@@ -180,9 +180,11 @@ def test_sampling_params_survive_the_proto_both_ways():
         allowed_token_ids=[4, 5],
         include_stop_str_in_output=True,
         skip_special_tokens=False,
+        spaces_between_special_tokens=False,
         truncate_prompt_tokens=7,
     )
     assert params.include_stop_str_in_output and not params.skip_special_tokens and params.truncate_prompt_tokens == 7
+    assert not params.spaces_between_special_tokens
     for guided in (
         None,
         GuidedDecodingParams(json=SCHEMA),
@@ -213,7 +215,6 @@ def test_proto_sampling_is_checked_against_the_limits():
     "field,value",
     [
         ("use_beam_search", True),
-        ("spaces_between_special_tokens", False),
         ("echo", True),  # on chat only: completions honour it
     ],
 )
@@ -221,7 +222,7 @@ def test_vllm_fields_the_server_does_not_honour_are_refused_not_ignored(field, v
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True, **{field: value})
     with pytest.raises(ValueError, match=field.split("_options")[0]):
         chat.check(LIMITS, "r1")
-    neutral = {"use_beam_search": False, "spaces_between_special_tokens": True}
+    neutral = {"use_beam_search": False}
     if field in neutral:  # their neutral values, as clients that fill every field send them, pass
         ChatCompletionRequest(messages=[], **{field: neutral[field]}).check(LIMITS, "r1")
     if field != "echo":

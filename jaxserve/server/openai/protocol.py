@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible API, as vLLM's server accepts them (its extras included:
 top_k, min_p, ignore_eos, stop_token_ids, session_id, request_id, return_token_ids, repetition_penalty,
-min_tokens, bad_words, allowed_token_ids, include_stop_str_in_output, skip_special_tokens and the guided_* fields).
+min_tokens, bad_words, allowed_token_ids, include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens and the guided_* fields).
 
 Fields the engine cannot honour are refused with the reason rather than silently ignored when a
 client sets them to anything but their neutral value (best_of, suffix, the legacy functions, UNHONOURED_FIELDS,
@@ -27,7 +27,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's and OpenAI's default for /v1/comple
 # declared (extra="ignore" would drop them unseen) so that any other value is refused, not ignored.
 UNHONOURED_FIELDS: dict[str, Any] = {
     "use_beam_search": False,
-    "spaces_between_special_tokens": True,
 }
 
 
@@ -68,7 +67,7 @@ class SamplingRequest(BaseModel):
     allowed_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True  # UNHONOURED_FIELDS: the tokenizer's decode places them
+    spaces_between_special_tokens: bool = True
     # constrained output (structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -159,6 +158,7 @@ class SamplingRequest(BaseModel):
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
         # normalized to (token id, bias) pairs by SamplingParams

@@ -34,6 +34,7 @@ def build_sampling(
     guided_choice: list[str] | None = None,
     guided_grammar: str | None = None,
     guided_whitespace_pattern: str | None = None,
+    guided_structural_tag: dict | str | None = None,
     prompt_logprobs: int | None = None,
     prompt_only: bool = False,
     lora: str = "",
@@ -81,6 +82,7 @@ def build_sampling(
         "guided_regex": guided_regex is not None,
         "guided_choice": guided_choice is not None,
         "guided_grammar": guided_grammar is not None,
+        "guided_structural_tag": guided_structural_tag is not None,
     }
     if sum(given.values()) > 1:
         raise ValueError(
@@ -96,6 +98,10 @@ def build_sampling(
         guided.choice.choices.extend(guided_choice)
     if guided_grammar is not None:
         guided.grammar = guided_grammar
+    if guided_structural_tag is not None:
+        guided.structural_tag = (
+            guided_structural_tag if isinstance(guided_structural_tag, str) else json.dumps(guided_structural_tag)
+        )
     if guided_whitespace_pattern is not None:
         guided.whitespace_pattern = guided_whitespace_pattern
     return sampling

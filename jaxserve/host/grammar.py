@@ -43,6 +43,7 @@ KIND_NAMES = {
     "regex": "regex",
     "choice": "choice",
     "grammar": "grammar",
+    "structural_tag": "structural tag",
 }
 # Compact JSON, as OpenAI's structured outputs write it: a sampled model given free whitespace can spend its
 # whole token budget on newlines, and a reply cut off there is invalid JSON. A schema can still ask for
@@ -241,8 +242,41 @@ def _llguidance_grammar(kind: str, text: str, whitespace_pattern: str | None = N
         return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)
     if kind == "choice":
         return llguidance.grammar_from("choice", text)
+    if kind == "structural_tag":
+        return structural_tag_grammar(text)
     # "grammar": Lark as written, or GBNF (llama.cpp's) converted to Lark
     return llguidance.grammar_from("regex" if kind == "regex" else "grammar", text)
+
+
+def structural_tag_grammar(text: str) -> str:
+    """vLLM's structural tag as a Lark grammar (llguidance's StructTag, as vLLM's guidance backend builds it):
+    free text, in which each trigger must go on into one of the structures that begin with it, its body JSON
+    following the structure's schema (compact, as the JSON kinds), then its end; then free text again."""
+    try:
+        spec = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as error:
+        raise ValueError(f"not valid JSON ({error})") from None
+    if not isinstance(spec, dict):
+        raise ValueError('expected an object {"structures": [...], "triggers": [...]}')
+    if "format" in spec:  # xgrammar's newer form; vLLM's guidance backend reads only the one below
+        raise ValueError("the 'format' form (xgrammar's) is not supported: give 'structures' and 'triggers'")
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"'triggers' must be a non-empty list of non-empty strings, got {triggers!r}"[:200])
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("'structures' must be a non-empty list of {'begin', 'schema', 'end'} objects")
+    tags = []
+    for index, structure in enumerate(structures):
+        begin, end = (structure.get(k) if isinstance(structure, dict) else None for k in ("begin", "end"))
+        schema = structure.get("schema") if isinstance(structure, dict) else None
+        if not isinstance(begin, str) or not isinstance(end, str) or not isinstance(schema, dict):
+            raise ValueError(f"structures[{index}] needs 'begin' and 'end' strings and a 'schema' object")
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structures[{index}]'s begin {begin!r} starts with none of the triggers {triggers}"[:300])
+        schema = schema if "x-guidance" in schema else {**schema, "x-guidance": dict(JSON_OPTIONS)}
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
+    return llguidance.StructTag.to_grammar(tags)
 
 
 def _llguidance_tokenizer(tokenizer: Tokenizer, layout: MaskLayout) -> llguidance.LLTokenizer:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
-GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class Logprob(float):
@@ -40,13 +40,16 @@ class Logprob(float):
 class GuidedDecodingParams:
     """Constrain the output to a grammar (one of these, as vLLM's GuidedDecodingParams): a JSON schema
     (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular expression, one of
-    `choice`'s strings, or a Lark / GBNF grammar (`grammar`). host/grammar.py compiles it."""
+    `choice`'s strings, a Lark / GBNF grammar (`grammar`), or vLLM's `structural_tag` (free text in which each
+    trigger starts a tag whose body follows its JSON schema: {"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}, a dict or its JSON text). host/grammar.py compiles it."""
 
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict | str | None = None
     # vLLM's: a regex for the whitespace a JSON reply may hold between its tokens (json / json_object only);
     # None: compact JSON (", " and ": ")
     whitespace_pattern: str | None = None
@@ -56,15 +59,17 @@ class GuidedDecodingParams:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
                 raise ValueError(f"guided choice must be a non-empty list of strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
-        if isinstance(self.json, dict):
-            try:  # key order kept: replies follow it
-                object.__setattr__(self, "json", json.dumps(self.json))
-            except (TypeError, ValueError, RecursionError) as error:  # a set, a circular or too deep a schema
-                raise ValueError(f"invalid guided JSON schema: not JSON data ({error})") from None
+        for kind, name in (("json", "JSON schema"), ("structural_tag", "structural tag")):
+            value = getattr(self, kind)
+            if isinstance(value, dict):
+                try:  # key order kept: replies follow it
+                    object.__setattr__(self, kind, json.dumps(value))
+                except (TypeError, ValueError, RecursionError) as error:  # a set, a circular or too deep a schema
+                    raise ValueError(f"invalid guided {name}: not JSON data ({error})") from None
         given = [kind for kind in GUIDED_KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"guided decoding takes exactly one of {', '.join(GUIDED_KINDS)}; got {given or 'none'}")
-        for kind in ("json", "regex", "grammar"):
+        for kind in ("json", "regex", "grammar", "structural_tag"):
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"guided {kind} must be a non-empty string, got {value!r}")

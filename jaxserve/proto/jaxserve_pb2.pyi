@@ -73,20 +73,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., guided_decoding: _Optional[_Union[GuidedDecoding, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., prompt_only: _Optional[bool] = ..., lora: _Optional[str] = ..., include_stop_str_in_output: _Optional[bool] = ..., keep_special_tokens: _Optional[bool] = ..., guided_decoding_after_token: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., no_spaces_between_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GuidedDecoding(_message.Message):
-    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "whitespace_pattern")
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag", "whitespace_pattern")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     WHITESPACE_PATTERN_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     json_object: bool
     regex: str
     choice: GuidedChoice
     grammar: str
+    structural_tag: str
     whitespace_pattern: str
-    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[GuidedChoice, _Mapping]] = ..., grammar: _Optional[str] = ..., whitespace_pattern: _Optional[str] = ...) -> None: ...
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[GuidedChoice, _Mapping]] = ..., grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ..., whitespace_pattern: _Optional[str] = ...) -> None: ...
 
 class GuidedChoice(_message.Message):
     __slots__ = ("choices",)

@@ -60,6 +60,8 @@ def guided_decoding_to_proto(params: GuidedDecodingParams | None) -> pb.GuidedDe
         return pb.GuidedDecoding(choice=pb.GuidedChoice(choices=list(params.choice)))
     if params.regex is not None:
         return pb.GuidedDecoding(regex=params.regex)
+    if params.structural_tag is not None:  # normalized to JSON text by GuidedDecodingParams
+        return pb.GuidedDecoding(structural_tag=str(params.structural_tag))
     return pb.GuidedDecoding(grammar=params.grammar)
 
 
@@ -114,6 +116,7 @@ def check_sampling(limits: RequestLimits, sampling: pb.SamplingParams, tools: Se
     request_limits.check_stops(limits, sampling.stop, sampling.stop_token_ids)
     guided = sampling.guided_decoding
     texts = [guided.json_schema, guided.regex, guided.grammar, *guided.choice.choices, guided.whitespace_pattern]
+    texts.append(guided.structural_tag)
     texts += [*sampling.bad_words, *tools]
     request_limits.check_structured(limits, texts, len(sampling.logit_bias) + len(sampling.allowed_token_ids))
     request_limits.check_vocabulary(limits, sampling.logit_bias.keys(), "logit_bias keys")

@@ -270,3 +270,38 @@ def test_a_grammar_after_a_token_lets_the_text_before_it_run_free(overlap):
             [PROMPT], SamplingParams(guided_decoding=GuidedDecodingParams(regex="a"), guided_decoding_after_token=10**6)
         )
     assert_idle(engine)
+
+
+def test_a_structural_tag_constrains_only_what_follows_its_trigger(llm):
+    """vLLM's structural_tag: the text runs free; each trigger the model writes goes on into a structure whose
+    body fits its schema. A bias on the trigger's tokens makes the random model write it often."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    tag = {"structures": [{"begin": "<f=add>", "schema": schema, "end": "</f>"}], "triggers": ["<f="]}
+    tokenizer = llm.get_tokenizer()
+    trigger_ids = [t for t in tokenizer.encode("<f=", add_special_tokens=False) if tokenizer.decode([t])]
+    assert "".join(tokenizer.decode([t]) for t in trigger_ids) == "<f="
+    params = [
+        SamplingParams(
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+            logit_bias={t: 100 for t in trigger_ids},
+            guided_decoding=GuidedDecodingParams(structural_tag=tag),
+        )
+        for seed in (1, 2, 3)
+    ]
+    structure = re.compile(r"<f=add>(.*?)</f>")
+    outputs = [result.outputs[0] for result in llm.generate([PROMPT] * len(params), params)]
+    assert any(structure.search(out.text) for out in outputs), [out.text for out in outputs]
+    for out in outputs:
+        for body in structure.findall(out.text):
+            jsonschema.validate(json.loads(body), schema)
+        # every trigger begins a whole structure, but one that max_tokens cut off at the end
+        for trigger in re.finditer("<f=", out.text):
+            tail = out.text[trigger.start() :]
+            assert structure.match(tail) or (out.finish_reason == "length" and "</f>" not in tail), out.text

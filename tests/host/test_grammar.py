@@ -293,6 +293,21 @@ INVALID = [
     (dict(regex="a{2,1}"), "regex"),
     (dict(grammar="start: undefined_rule"), "grammar.*undefined_rule"),
     (dict(grammar='root ::= "a" (  '), "grammar"),
+    (dict(structural_tag="[1]"), "structural tag.*structures"),
+    (dict(structural_tag={"type": "structural_tag", "format": {"type": "any_text"}}), "structural tag.*'format'"),
+    (dict(structural_tag={"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}]}), "structural tag.*triggers"),
+    (dict(structural_tag={"structures": [], "triggers": ["<a"]}), "structural tag.*structures"),
+    (dict(structural_tag={"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a"]}), "schema"),
+    (dict(structural_tag={"structures": [{"begin": "<b>", "schema": {}, "end": ""}], "triggers": ["<a"]}), "<b>"),
+    (
+        dict(
+            structural_tag={
+                "structures": [{"begin": "<a>", "schema": {"type": "strin"}, "end": ""}],
+                "triggers": ["<a"],
+            }
+        ),
+        "structural tag.*strin",
+    ),
 ]
 
 
@@ -571,3 +586,31 @@ def test_a_whitespace_pattern_lets_json_hold_the_whitespace_it_matches():
         GuidedDecodingParams(json=schema, whitespace_pattern="")
     with pytest.raises(ValueError, match="invalid guided JSON schema"):
         compiler.check(GuidedDecodingParams(json=schema, whitespace_pattern="[unclosed"))
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_a_structural_tag_lets_text_run_free_until_a_trigger_starts_one_of_its_structures(name):
+    """vLLM's structural_tag (tool calls in running text): any text; a trigger must go on into a structure that
+    begins with it, whose body follows its schema (compact JSON), then its end; then free text again."""
+    add = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    spec = {
+        "structures": [
+            {"begin": "<function=add>", "schema": add, "end": "</function>"},
+            {"begin": "<function=weather>", "schema": weather, "end": "</function>"},
+        ],
+        "triggers": ["<function="],
+    }
+    tokenizer, compiler = load_tokenizer(name), compiler_for(name)
+    matcher = compiler.compile_async(GuidedDecodingParams(structural_tag=spec)).result().new_matcher()
+
+    def takes(text: str) -> bool:
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.num_acceptable_tokens(token_ids) == len(token_ids)
+
+    assert takes("Just text, no call at all.")
+    assert takes('Adding: <function=add>{"a": 12}</function> and <function=weather>{"city": "Oslo"}</function>.')
+    assert not takes('<function=add>{"b": 1}</function>'), name  # the body follows the schema
+    assert not takes('<function=add>{"a":1}</function>'), name  # compact JSON, as the JSON kinds
+    assert not takes("<function=subtract>"), name  # the trigger must begin one of the structures
+    assert not takes('<function=add>{"a": 1} done'), name  # the end is forced

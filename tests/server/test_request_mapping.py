@@ -16,6 +16,7 @@ from jaxserve.server.tool_parsers import tool_parser
 LIMITS = RequestLimits.for_engine(max_model_len=128, vocab_size=1000)
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": SCHEMA}}
+TAG = {"structures": [{"begin": "<f=lookup>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f="]}
 
 
 def params_of(**body) -> SamplingParams:
@@ -78,6 +79,9 @@ def test_sampling_controls_reach_sampling_params():
             {"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " ?"}},
             GuidedDecodingParams(json=SCHEMA, whitespace_pattern=" ?"),
         ),
+        # vLLM's structural tag: in structured_outputs as JSON text, in response_format beside its type
+        ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, GuidedDecodingParams(structural_tag=TAG)),
+        ({"response_format": {"type": "structural_tag", **TAG}}, GuidedDecodingParams(structural_tag=TAG)),
     ],
 )
 def test_every_way_of_asking_for_structure_becomes_one_guide(body, expected):
@@ -94,7 +98,8 @@ def test_every_way_of_asking_for_structure_becomes_one_guide(body, expected):
         ({"guided_choice": []}, "choice"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "give only one"),
         ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "give only one"),
-        ({"structured_outputs": {"structural_tag": "x"}}, "structural_tag"),
+        ({"structured_outputs": {"structural_tag": 5}}, "structural_tag"),
+        ({"structured_outputs": {"structural_tag": TAG, "regex": "a"}}, "exactly one"),
         ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern needs a JSON constraint"),
         ({"guided_regex": "a+", "guided_whitespace_pattern": " *"}, "not to guided regex"),
         ({"guided_decoding_backend": "outlines"}, "outlines"),
@@ -187,6 +192,7 @@ def test_sampling_params_survive_the_proto_both_ways():
     assert not params.spaces_between_special_tokens
     for guided in (
         None,
+        GuidedDecodingParams(structural_tag=TAG),
         GuidedDecodingParams(json=SCHEMA),
         GuidedDecodingParams(json_object=True),
         GuidedDecodingParams(json=SCHEMA, whitespace_pattern="[ \n]{0,2}"),

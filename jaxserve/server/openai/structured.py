@@ -1,9 +1,11 @@
 """The ways an OpenAI-style request asks for constrained output, as one GuidedDecodingParams:
 
     response_format   {"type": "text"} | {"type": "json_object"} |
-                      {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+                      {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} |
+                      vLLM's {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers"}
     vLLM's extras     guided_json, guided_regex, guided_grammar (Lark or GBNF), guided_choice,
-                      and structured_outputs {"json" | "regex" | "grammar" | "choice" | "json_object"}
+                      and structured_outputs {"json" | "regex" | "grammar" | "choice" | "json_object" |
+                      "structural_tag" (the JSON text of {"structures", "triggers"})}
 
 At most one of them may constrain a request (response_format "text" constrains nothing). A schema's
 validity is the grammar engine's to judge (Engine.validate refuses what it cannot compile)."""
@@ -22,7 +24,7 @@ GUIDED_FIELDS = {  # vLLM's request field -> GuidedDecodingParams' field
     "guided_grammar": "grammar",
     "guided_choice": "choice",
 }
-STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "json_object")
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "json_object", "structural_tag")
 STRUCTURED_OUTPUT_OPTIONS = ("whitespace_pattern",)  # vLLM's StructuredOutputsParams fields beside the kind
 # vLLM lets a request pick its grammar backend; this server has one, so naming it (or none) is fine
 GUIDED_BACKENDS = (None, "", "auto", "guidance", "llguidance")
@@ -46,8 +48,10 @@ def response_format_guide(response_format: Any) -> GuidedDecodingParams | None:
         if not isinstance(schema, dict):
             raise ValueError(f"response_format.json_schema.schema must be a JSON schema object, got {schema!r}"[:200])
         return GuidedDecodingParams(json=schema)
+    if kind == "structural_tag":  # vLLM's: its structures and triggers beside the type
+        return GuidedDecodingParams(structural_tag={k: v for k, v in response_format.items() if k != "type"})
     raise ValueError(
-        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+        f"response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag', got {kind!r}"
         if kind is not None
         else "response_format must be an object like {'type': 'json_object'}"
     )
@@ -72,6 +76,8 @@ def guide(**spec) -> GuidedDecodingParams:
     """GuidedDecodingParams from one kind's value; ValueError naming a malformed one."""
     if "json" in spec and not isinstance(spec["json"], (dict, str)):
         raise ValueError("a guided JSON schema must be an object or its JSON text")
+    if "structural_tag" in spec and not isinstance(spec["structural_tag"], (dict, str)):
+        raise ValueError("structured_outputs.structural_tag must be an object or its JSON text")
     schema_text = spec.get("json")
     if isinstance(schema_text, str):
         try:
@@ -115,4 +121,5 @@ def guide_text(params: GuidedDecodingParams | None) -> list[str]:
     if params is None:
         return []
     texts = [str(params.json or ""), params.regex or "", params.grammar or "", *(params.choice or ())]
+    texts.append(str(params.structural_tag or ""))
     return [*texts, params.whitespace_pattern or ""]

@@ -18,7 +18,7 @@ import copy
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -91,6 +91,12 @@ class GrammarCompiler:
             raise ValueError(f"max_cached_grammars must be >= 1, got {max_cached_grammars}")
         self.layout = MaskLayout(vocab_size, max(vocab_size, tokenizer.vocab_size), eos)
         self._tokenizer = _llguidance_tokenizer(tokenizer, self.layout)
+        # what a structural tag's trigger names as a token, not text (llguidance's "<|python_tag|>" syntax)
+        self._special_tokens = frozenset(
+            text
+            for token_id, text in tokenizer.added_token_texts.items()
+            if token_id < self.layout.num_grammar_tokens and self._tokenizer.is_special_token(token_id)
+        )
         # Terse errors: verbose ones dump parser state and the whole grammar into the client's error message.
         # max_items_in_row past llguidance's 2000: a choice of 2000+ strings (or a schema with as many optional
         # properties) validated, then died at its first tokens ("Current row has 2002 items"); a request's
@@ -203,7 +209,7 @@ class GrammarCompiler:
     def _compile(self, kind: str, text: str, whitespace_pattern: str | None = None) -> CompiledGrammar:
         name = KIND_NAMES[kind]
         try:
-            grammar = _llguidance_grammar(kind, text, whitespace_pattern)
+            grammar = _llguidance_grammar(kind, text, whitespace_pattern, self._special_tokens)
         except Exception as error:  # llguidance's converters raise assorted types for malformed input
             raise ValueError(f"invalid guided {name}: {error}") from None
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
@@ -231,7 +237,9 @@ def grammar_key(guided: GuidedDecodingParams) -> tuple[str, str, str | None]:
     return kind, value if isinstance(value, str) else json.dumps(value, sort_keys=True), guided.whitespace_pattern
 
 
-def _llguidance_grammar(kind: str, text: str, whitespace_pattern: str | None = None) -> str:
+def _llguidance_grammar(
+    kind: str, text: str, whitespace_pattern: str | None = None, special_tokens: Collection[str] = ()
+) -> str:
     if kind in ("json", "json_object"):
         # a whitespace pattern takes the compact separators' place: whitespace matching it may go between tokens
         options: JsonCompileOptions = (
@@ -243,15 +251,17 @@ def _llguidance_grammar(kind: str, text: str, whitespace_pattern: str | None = N
     if kind == "choice":
         return llguidance.grammar_from("choice", text)
     if kind == "structural_tag":
-        return structural_tag_grammar(text)
+        return structural_tag_grammar(text, special_tokens)
     # "grammar": Lark as written, or GBNF (llama.cpp's) converted to Lark
     return llguidance.grammar_from("regex" if kind == "regex" else "grammar", text)
 
 
-def structural_tag_grammar(text: str) -> str:
-    """vLLM's structural tag as a Lark grammar (llguidance's StructTag, as vLLM's guidance backend builds it):
-    free text, in which each trigger must go on into one of the structures that begin with it, its body JSON
-    following the structure's schema (compact, as the JSON kinds), then its end; then free text again."""
+def structural_tag_grammar(text: str, special_tokens: Collection[str] = ()) -> str:
+    """vLLM's structural tag as a Lark grammar (llguidance's tool-calling syntax, as vLLM's guidance backend
+    builds it): free text, in which each trigger must go on into one of the structures that begin with it, its
+    body JSON following the structure's schema (compact, as the JSON kinds), then its end; then free text
+    again. A trigger that is one of special_tokens (Llama's <|python_tag|>) is that token; any other (a
+    "<function=" prefix, or a <tool_call> the vocabulary spells in text) is text, matched lazily."""
     try:
         spec = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as error:
@@ -265,7 +275,7 @@ def structural_tag_grammar(text: str) -> str:
         raise ValueError(f"'triggers' must be a non-empty list of non-empty strings, got {triggers!r}"[:200])
     if not isinstance(structures, list) or not structures:
         raise ValueError("'structures' must be a non-empty list of {'begin', 'schema', 'end'} objects")
-    tags = []
+    rules = []
     for index, structure in enumerate(structures):
         begin, end = (structure.get(k) if isinstance(structure, dict) else None for k in ("begin", "end"))
         schema = structure.get("schema") if isinstance(structure, dict) else None
@@ -275,8 +285,24 @@ def structural_tag_grammar(text: str) -> str:
         if trigger is None:
             raise ValueError(f"structures[{index}]'s begin {begin!r} starts with none of the triggers {triggers}"[:300])
         schema = schema if "x-guidance" in schema else {**schema, "x-guidance": dict(JSON_OPTIONS)}
-        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
-    return llguidance.StructTag.to_grammar(tags)
+        body = " ".join(
+            part for part in (_lark_text(begin[len(trigger) :]), "%json " + json.dumps(schema), _lark_text(end)) if part
+        )
+        if trigger in special_tokens:
+            rules.append(f"tag_{index}: TAG_TEXT {trigger} {body}")
+        else:  # lazy: the free text ends at the trigger's first occurrence
+            rules += [
+                f"tag_{index}_trigger[lazy]: TAG_TEXT {_lark_text(trigger)}",
+                f"tag_{index}: tag_{index}_trigger {body}",
+            ]
+    alternatives = " | ".join(f"tag_{i}" for i in range(len(structures)))
+    head = ["%llguidance {}", f"start: ({alternatives})* tag_end", "tag_end: TAG_TEXT", r"TAG_TEXT: /(.|\n)*/"]
+    return "\n".join(head + rules) + "\n"
+
+
+def _lark_text(text: str) -> str:
+    """A Lark string literal (JSON's escapes are Lark's); nothing for the empty string."""
+    return json.dumps(text) if text else ""
 
 
 def _llguidance_tokenizer(tokenizer: Tokenizer, layout: MaskLayout) -> llguidance.LLTokenizer:

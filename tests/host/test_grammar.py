@@ -614,3 +614,19 @@ def test_a_structural_tag_lets_text_run_free_until_a_trigger_starts_one_of_its_s
     assert not takes('<function=add>{"a":1}</function>'), name  # compact JSON, as the JSON kinds
     assert not takes("<function=subtract>"), name  # the trigger must begin one of the structures
     assert not takes('<function=add>{"a": 1} done'), name  # the end is forced
+
+
+def test_a_structural_tag_trigger_is_a_special_token_where_the_vocabulary_has_one_and_text_elsewhere():
+    """Llama 3.1's <|python_tag|> is one special token, Qwen's <tool_call> text in some vocabularies: a trigger
+    names the special token only where the vocabulary has it as one (llguidance would otherwise refuse it)."""
+    name = "qwen_byte_level"
+    tokenizer, compiler = load_tokenizer(name), compiler_for(name)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for trigger in ("<|im_start|>", "<tool_call>"):
+        tag = {"structures": [{"begin": trigger + "call", "schema": schema, "end": "!"}], "triggers": [trigger]}
+        matcher = compiler.compile_async(GuidedDecodingParams(structural_tag=tag)).result().new_matcher()
+        good = tokenizer.encode(f'hi {trigger}call{{"a": 1}}! ok', add_special_tokens=False)
+        bad = tokenizer.encode(f'hi {trigger}call{{"a": "x"}}! ok', add_special_tokens=False)
+        assert (tokenizer.token_to_id(trigger) is not None) == (trigger == "<|im_start|>")  # special, text
+        assert matcher.num_acceptable_tokens(good) == len(good), trigger
+        assert matcher.num_acceptable_tokens(bad) < len(bad), trigger

@@ -157,6 +157,34 @@ def test_chat_streamed_equals_unstreamed_and_offline(client, llama_llm):
     assert whole.usage.prompt_tokens == len(offline.prompt_token_ids)
 
 
+def test_chat_echo_leads_the_continued_assistant_message(client):
+    """vLLM's chat echo: continuing an assistant turn, each reply starts with that turn's text (its own chunk when
+    streamed); the generated part is what it is without echo."""
+    started = {"role": "assistant", "content": "Sure, here"}
+    options = dict(
+        model="llama_gqa",
+        messages=[*CONVERSATION, started],
+        max_tokens=6,
+        temperature=0.0,
+        n=2,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    plain = client.chat.completions.create(**options)
+    echoed = client.chat.completions.create(**{**options, "extra_body": echoed_body(options)})
+    for without, with_echo in zip(plain.choices, echoed.choices):
+        assert with_echo.message.content == "Sure, here" + without.message.content
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens  # echo adds text, not tokens
+    chunks = list(client.chat.completions.create(stream=True, **{**options, "extra_body": echoed_body(options)}))
+    for index, choice in enumerate(echoed.choices):
+        deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == index]
+        assert deltas[0].role == "assistant" and deltas[1].content == "Sure, here"
+        assert "".join(d.content or "" for d in deltas) == choice.message.content
+
+
+def echoed_body(options: dict) -> dict:
+    return {**options["extra_body"], "echo": True}
+
+
 def test_chat_n_with_logprobs_and_seed(client):
     options = dict(
         model="llama_gqa",

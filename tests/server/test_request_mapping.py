@@ -217,23 +217,31 @@ def test_proto_sampling_is_checked_against_the_limits():
         sampling_params_from_proto(pb.SamplingParams(logit_bias={1: float("nan")}))
 
 
-@pytest.mark.parametrize(
-    "field,value",
-    [
-        ("use_beam_search", True),
-        ("echo", True),  # on chat only: completions honour it
-    ],
-)
-def test_vllm_fields_the_server_does_not_honour_are_refused_not_ignored(field, value):
-    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True, **{field: value})
-    with pytest.raises(ValueError, match=field.split("_options")[0]):
+def test_vllm_fields_the_server_does_not_honour_are_refused_not_ignored():
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True, use_beam_search=True)
+    with pytest.raises(ValueError, match="use_beam_search"):
         chat.check(LIMITS, "r1")
-    neutral = {"use_beam_search": False}
-    if field in neutral:  # their neutral values, as clients that fill every field send them, pass
-        ChatCompletionRequest(messages=[], **{field: neutral[field]}).check(LIMITS, "r1")
-    if field != "echo":
-        with pytest.raises(ValueError, match=field.split("_options")[0]):
-            CompletionRequest(prompt="x", stream=True, **{field: value}).check(LIMITS, "r1")
+    # the neutral value, as clients that fill every field send it, passes
+    ChatCompletionRequest(messages=[], use_beam_search=False).check(LIMITS, "r1")
+    with pytest.raises(ValueError, match="use_beam_search"):
+        CompletionRequest(prompt="x", stream=True, use_beam_search=True).check(LIMITS, "r1")
+
+
+def test_chat_echo_repeats_the_last_message_only_when_it_has_the_replys_role():
+    def chat(messages, **body) -> ChatCompletionRequest:
+        return ChatCompletionRequest(messages=messages, echo=True, **body)
+
+    user, assistant = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}
+    assert chat([user]).echo_text() == ""  # the reply is the assistant's, the last message the user's
+    assert chat([user, assistant]).echo_text() == "Hello, I am"
+    continued = chat([user, assistant], add_generation_prompt=False, continue_final_message=True)
+    assert continued.response_role == "assistant" and continued.echo_text() == "Hello, I am"
+    # vLLM's: without a generation prompt the reply takes the last message's role, so its text is echoed
+    assert chat([user], add_generation_prompt=False).response_role == "user"
+    assert chat([user], add_generation_prompt=False).echo_text() == "Hi"
+    parts = {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    assert chat([user, parts]).echo_text() == "a\nb"
+    assert ChatCompletionRequest(messages=[user, assistant]).echo_text() == ""  # echo off
 
 
 def test_token_ids_are_json_integers_not_booleans():

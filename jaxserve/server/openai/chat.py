@@ -126,6 +126,8 @@ class ChatCall:
         self.prompt_token_ids = prompt_token_ids
         self.reasoning_start = reasoning_start
         self.token_text = token_text or TokenText(group.engine_loop.engine.tokenizer)
+        self.role = body.response_role
+        self.echo = body.echo_text()  # leads each choice's content (vLLM's chat echo)
         self.usage = UsageCounter.of_streams(group.streams)  # events': the usage so far
         self.header = {
             "id": response_id("chatcmpl"),
@@ -165,7 +167,9 @@ class ChatCall:
     async def events(self):
         usage = self.usage = UsageCounter.of_streams(self.group.streams)
         for index in range(self.body.n):
-            yield self.chunk(index, {"role": "assistant", "content": ""})
+            yield self.chunk(index, {"role": self.role, "content": ""})
+            if self.echo:  # as vLLM: its own chunk, before anything generated
+                yield self.chunk(index, {"content": self.echo})
         holdbacks, splits = {}, {}
         async for position, delta in self.group.deltas():
             if (message := failure(delta, self.group.streams[position])) is not None:
@@ -234,9 +238,11 @@ class ChatCall:
                 if reply.tool_calls:
                     found, content = [*found, *reply.tool_calls], reply.content
             calls = self.calls(ParsedReply(content, tuple(found)))
-            if calls and not content:
+            if self.echo:
+                content = self.echo + (content or "")
+            elif calls and not content:
                 content = None
-            message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
+            message = {"role": self.role, "content": content, "tool_calls": [c.openai() for c in calls]}
             if self.reasoning is not None:
                 message["reasoning_content"] = reasoning
             choice = {

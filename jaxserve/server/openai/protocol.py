@@ -1,10 +1,11 @@
 """Request bodies of the OpenAI-compatible API, as vLLM's server accepts them (its extras included:
 top_k, min_p, ignore_eos, stop_token_ids, session_id, request_id, return_token_ids, repetition_penalty,
-min_tokens, bad_words, allowed_token_ids, include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens and the guided_* fields).
+min_tokens, bad_words, allowed_token_ids, include_stop_str_in_output, skip_special_tokens,
+spaces_between_special_tokens, chat echo and the guided_* fields).
 
 Fields the engine cannot honour are refused with the reason rather than silently ignored when a
-client sets them to anything but their neutral value (best_of, suffix, the legacy functions, UNHONOURED_FIELDS,
-chat echo); fields that change nothing here (user) are accepted and unknown ones
+client sets them to anything but their neutral value (best_of, suffix, the legacy functions,
+UNHONOURED_FIELDS); fields that change nothing here (user) are accepted and unknown ones
 ignored, as vLLM and OpenAI do.
 Constrained output (response_format, guided_*, structured_outputs) is read by structured.py.
 """
@@ -201,12 +202,26 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    echo: Any = False  # vLLM's chat echo (the last message's text first): refused, not ignored
+    # vLLM's: the reply starts with the last message's text when that message has the reply's role (an assistant
+    # turn being continued)
+    echo: bool = False
 
-    def check(self, limits: RequestLimits, request_id: str) -> None:
-        super().check(limits, request_id)
-        if self.echo not in (None, False):
-            raise ValueError(f"echo is not supported on chat completions by this server, got {self.echo!r}")
+    @property
+    def response_role(self) -> str:
+        """vLLM's: the assistant's, or with add_generation_prompt false the last message's role."""
+        if self.add_generation_prompt or not self.messages:
+            return "assistant"
+        role = self.messages[-1].get("role")
+        return role if isinstance(role, str) else "assistant"
+
+    def echo_text(self) -> str:
+        """What echo puts before each reply: the last message's text if it has the reply's role, else ""."""
+        if not self.echo or not self.messages or self.messages[-1].get("role") != self.response_role:
+            return ""
+        content = self.messages[-1].get("content")
+        if isinstance(content, list):  # content parts: their texts, a line each (as vLLM joins them)
+            return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+        return content if isinstance(content, str) else ""
 
     def engine_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamacpp_peer as peer  # noqa: E402
-from vs_llamacpp import CACHE_DIR, DTYPES, emit, model_files, pin_threads  # noqa: E402
+from vs_llamacpp import CACHE_DIR, DTYPES, emit, model_files, pin_threads, quantized_gguf  # noqa: E402
 
 
 def prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> dict[int, list[int]]:
@@ -82,7 +82,7 @@ def main() -> None:
     emit(bench="prefill", model=name, lengths=lengths, threads=args.threads, repeats=args.repeats)
     for precision in args.precisions.split(","):
         dtype, gguf_type = DTYPES[precision]
-        gguf = ggufs[gguf_type]
+        gguf = quantized_gguf(ggufs, gguf_type)  # Q4_0, Q4_K_M, ... written from the F32 file where missing
         quantized = precision not in ("f32", "bf16")
         build = peer.build_for(args.build, quantized)
         peer.ensure_built(CACHE_DIR, build)

@@ -1,25 +1,50 @@
-// The K-quant kernel's int8-activation tiles (AVX-512 VNNI + VBMI), llama.cpp's arithmetic: x quantized per
-// 32 k as ggml's quantize_row_q8_0 (QuantizedRows, in cpu_kquant_matmul.cc), exact int32 sums of q_x * q_w
-// per sub-block with vpdpbusd (u8 weights x s8 activations, four k of one column per 32-bit lane), then one
-// float multiply per (sub-block, column): out += float(sum) * (d_x * d * sc) - d_x * sum(q_x) * dmin * m.
-// A part of cpu_kquant_matmul.cc, included after its Weight, Target, QuantizedRows and scale helpers; other paths
-// (AVX2, portable, AVX-512 without VNNI or VBMI) have no KQUANT_INT8 and keep x in float.
+// The K-quant kernel's int8-activation tiles, llama.cpp's arithmetic: x quantized per 32 k as ggml's
+// quantize_row_q8_0 (QuantizedRows, in cpu_kquant_matmul.cc), exact int32 sums of q_x * q_w per sub-block (u8
+// weights x s8 activations, four k of one column per 32-bit lane: vpdpbusd with AVX-512 VNNI, else vpmaddubsw and
+// vpmaddwd, the same integers), then one float multiply per (sub-block, column):
+// out += float(sum) * (d_x * d * sc) - d_x * sum(q_x) * dmin * m.
+// A part of cpu_kquant_matmul.cc, included after its Weight, Target, QuantizedRows and scale helpers. The avx512
+// (AVX-512BW) and avx2 paths have it (KQUANT_INT8); the portable one keeps x in float.
 //
 // The planes are [K, N] (columns contiguous); a lane wants four k of one column. Two low-plane rows (k .. k + 3)
-// of 16 columns, each zero-extended to 32-bit lanes (vpmovzxbd from memory), give byte 0 = row k / 2, byte 2
+// of kLanes columns, each zero-extended to 32-bit lanes (vpmovzxbd from memory), give byte 0 = row k / 2, byte 2
 // = row k / 2 + 1; (u | u << 4) & 0x0F0F0F0F splits their nibbles into the four bytes in k order, in column
 // order (no interleaving shuffles, no column permutation). The high plane's bits for those four k (Q5: bit 4
-// s + t of the byte; Q6_K: bits 2t, 2t + 1) are moved to bit 4 of byte t by one vpmultishiftqb (it picks any
-// 8-bit window of each qword; the lanes are zero-extended bytes, so the windows that wrap read zeros) and
-// or'ed in under a mask. The storage offset (Q5_0 16, Q6_K 32) is the accumulators' start: -offset * sum(q_x).
+// s + t of the byte; Q6_K: bits 2t, 2t + 1) are moved to bit 4 of byte t (one vpmultishiftqb with AVX-512 VBMI:
+// it picks any 8-bit window of each qword, and the lanes are zero-extended bytes, so the windows that wrap read
+// zeros; else shifted copies of the byte under a mask, SpreadHighBits) and or'ed in. The storage offset (Q5_0 16,
+// Q6_K 32) is the accumulators' start: -offset * sum(q_x).
 // One to 8 rows widen the weights as the tiles go (Int8Tile); more rows widen each item once into a buffer
 // that every row group reads, holding their results in registers across the sub-blocks (ManyRowsItem).
 
 #pragma once
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__))
 #define KQUANT_INT8 1
 
+// A vector of kLanes 32-bit lanes, each four k of one column as bytes (the dot's u8 operand) or their int32 sum.
+#if defined(__AVX512F__)
+typedef __m512i IntVec;
+inline IntVec Int8Broadcast(int32_t four) { return _mm512_set1_epi32(four); }
+#else
+typedef __m256i IntVec;
+inline IntVec Int8Broadcast(int32_t four) { return _mm256_set1_epi32(four); }
+#endif
+
+// acc + the sums of each lane's four u8 weights times x's four s8 (exact in int32: |q_w| <= 63, |q_x| <= 127).
+// vpdpbusd where the CPU has VNNI; else vpmaddubsw (pairs into int16, at most 2 * 63 * 127, so never
+// saturating) and vpmaddwd by ones (the pairs into int32): the same integers.
+inline IntVec DotAdd(IntVec acc, IntVec weights, IntVec x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  return _mm512_dpbusd_epi32(acc, weights, x);
+#elif defined(__AVX512F__)
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(weights, x), _mm512_set1_epi16(1)));
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(weights, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+#if defined(__AVX512VBMI__) && defined(__AVX512F__)
 // vpmultishiftqb controls: byte t of each 32-bit lane takes the high plane's bit for its k to bit 4 (and the
 // next bit to bit 5). Q5 (one bit per k, 8 k per byte): step s of 4 k reads bits 4 s + t; Q6_K (two bits, 4 k
 // per byte): bits 2 t.
@@ -32,31 +57,49 @@ inline __m512i HighBitsControl(int bits, int step) {
   }
   return _mm512_load_si512(control);
 }
+#endif
 
-inline __m512i WidenBytes(const uint8_t* p) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// Each lane's high-plane byte h (zero-extended) spread so that byte t holds its k's high bit(s) at bit 4 (5):
+// Q5 step s (k % 8 / 4) wants bit 4 s + t at bit 8 t + 4, a shift of 7 t + 4 - 4 s; Q6_K bits 2 t, 2 t + 1 at
+// 8 t + 4, a shift of 6 t + 4. h has 8 bits, so under the mask each byte sees only its own copy of h.
+template <int Bits>
+inline VecI SpreadHighBits(VecI h, int step) {
+  if constexpr (Bits == 1) {
+    const VecI pairs = h | (h << 7);
+    const VecI four = pairs | (pairs << 14);  // copies shifted by 0, 7, 14, 21
+    return (step ? four : four << 4) & 0x10101010;
+  } else {
+    const VecI pairs = h | (h << 6);
+    return ((pairs | (pairs << 12)) << 4) & 0x30303030;  // 4, 10, 16, 22
+  }
 }
 
-// A kind's weights as vpdpbusd operands: 4 k (from k, a multiple of 4) of 16 columns (from c), the stored
+// A kind's weights as the dot's operands: 4 k (from k, a multiple of 4) of kLanes columns (from c), the stored
 // q (offset included) of one column per 32-bit lane in k order (see the file's comment).
 template <int Kind>
 struct Int8Widener {
   static constexpr int kBits = HighBits(Kind);
-  const __m512i nibbles = _mm512_set1_epi8(0x0F), high_mask = _mm512_set1_epi8(kBits == 1 ? 0x10 : 0x30);
+#if defined(__AVX512VBMI__) && defined(__AVX512F__)
+  const __m512i high_mask = _mm512_set1_epi8(kBits == 1 ? 0x10 : 0x30);
   const __m512i control0 = HighBitsControl(kBits, 0), control1 = HighBitsControl(kBits, 1);
+#endif
 
-  inline __m512i operator()(const Weight& w, int64_t k, int64_t c) const {
+  inline IntVec operator()(const Weight& w, int64_t k, int64_t c) const {
     const int64_t n = w.columns;
     const uint8_t* low = w.low + (k / 2) * n + c;
-    const __m512i u = _mm512_or_si512(WidenBytes(low), _mm512_slli_epi32(WidenBytes(low + n), 16));
-    __m512i v = _mm512_and_si512(_mm512_or_si512(u, _mm512_slli_epi32(u, 4)), nibbles);
+    const VecI u = Bytes(low) | (Bytes(low + n) << 16);
+    VecI v = (u | (u << 4)) & 0x0F0F0F0F;
     if constexpr (kBits > 0) {
       const int64_t per_byte = 8 / kBits;  // k per high-plane byte
-      const __m512i h = WidenBytes(w.high + (k / per_byte) * n + c);
-      const __m512i spread = _mm512_multishift_epi64_epi8(kBits == 1 && k % 8 ? control1 : control0, h);
-      v = _mm512_ternarylogic_epi32(v, spread, high_mask, 0xF8);  // v | (spread & mask)
+      const VecI h = Bytes(w.high + (k / per_byte) * n + c);
+#if defined(__AVX512VBMI__) && defined(__AVX512F__)
+      const __m512i spread = _mm512_multishift_epi64_epi8(kBits == 1 && k % 8 ? control1 : control0, __m512i(h));
+      return _mm512_ternarylogic_epi32(__m512i(v), spread, high_mask, 0xF8);  // v | (spread & mask)
+#else
+      v |= SpreadHighBits<kBits>(h, kBits == 1 && k % 8);
+#endif
     }
-    return v;
+    return IntVec(v);
   }
 };
 
@@ -68,21 +111,21 @@ template <int Kind, int R, int T, class Weights, class Result>
 inline void Int8SubBlock(const Weight& w, const QuantizedRows& x, int64_t r0, int64_t g, const Weights& weights,
                          const VecF (&scale)[T], const VecF (&minimum)[T], const Result& result) {
   const int64_t depth = x.depth, k0 = g * w.group;
-  __m512i acc[R][T];
+  IntVec acc[R][T];
   int32_t sums[R];  // the sub-block's sum of q_x per row (the offset's and the mins' term)
   for (int r = 0; r < R; ++r) {
     const int32_t* sum16 = x.sum16.data() + (r0 + r) * (depth / 16) + k0 / 16;
     sums[r] = w.group == 16 ? sum16[0] : sum16[0] + sum16[1];
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_set1_epi32(-Offset(Kind) * sums[r]);
+    for (int t = 0; t < T; ++t) acc[r][t] = Int8Broadcast(-Offset(Kind) * sums[r]);
   }
   for (int64_t k = k0; k < k0 + w.group; k += 4) {
-    __m512i v[T];
+    IntVec v[T];
     for (int t = 0; t < T; ++t) v[t] = weights(k, t);
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, x.q.data() + (r0 + r) * depth + k, sizeof(four));
-      const __m512i xq = _mm512_set1_epi32(four);
-      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], v[t], xq);
+      const IntVec xq = Int8Broadcast(four);
+      for (int t = 0; t < T; ++t) acc[r][t] = DotAdd(acc[r][t], v[t], xq);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -105,12 +148,12 @@ inline void Int8Tile(const Weight& w, const QuantizedRows& x, int64_t r0, int64_
   const Int8Widener<Kind> widen;
   VecF scale[T], minimum[T];
   for (int t = 0; t < T; ++t) {
-    scale[t] = ScaleVector<Kind>(w, g, c + 16 * t);
-    if constexpr (HasMins(Kind)) minimum[t] = MinVector<Kind>(w, g, c + 16 * t);
+    scale[t] = ScaleVector<Kind>(w, g, c + kLanes * t);
+    if constexpr (HasMins(Kind)) minimum[t] = MinVector<Kind>(w, g, c + kLanes * t);
   }
-  const auto weights = [&](int64_t k, int t) { return widen(w, k, c + 16 * t); };
+  const auto weights = [&](int64_t k, int t) { return widen(w, k, c + kLanes * t); };
   const auto result = [&](int r, int t, auto add) {
-    float* out = target.At(r0 + r, c + 16 * t);
+    float* out = target.At(r0 + r, c + kLanes * t);
     StoreF(out, add(LoadF(out)));
   };
   Int8SubBlock<Kind, R, T>(w, x, r0, g, weights, scale, minimum, result);
@@ -119,46 +162,51 @@ inline void Int8Tile(const Weight& w, const QuantizedRows& x, int64_t r0, int64_
 // Many rows: an item's weights widened once (WidenItem), with their sub-blocks' scales and mins, for every row
 // group to read (the widening costs about as many instructions as 8 rows' vpdpbusd).
 struct WidenedItem {
-  const __m512i* vectors;  // [(g1 - g0) * group / 4 steps of 4 k, stride]
+  const IntVec* vectors;   // [(g1 - g0) * group / 4 steps of 4 k, stride]
   const VecF* scales;      // [g1 - g0, stride]: ScaleVector
   const VecF* mins;        // [g1 - g0, stride]: MinVector (kinds with mins)
   int64_t g0, g1, c0, stride;  // sub-blocks, first column, full vectors of columns
 };
 
-// Sub-blocks g0 .. g1 of columns c0 .. c0 + 16 * stride into `item`'s arrays (planes walked along their rows).
+// Sub-blocks g0 .. g1 of columns c0 .. c0 + kLanes * stride into `item`'s arrays (planes walked along their rows).
 template <int Kind>
 void WidenItem(const Weight& w, const WidenedItem& item) {
   const Int8Widener<Kind> widen;
-  __m512i* vectors = const_cast<__m512i*>(item.vectors);
+  IntVec* vectors = const_cast<IntVec*>(item.vectors);
   for (int64_t k = item.g0 * w.group; k < item.g1 * w.group; k += 4, vectors += item.stride) {
-    for (int64_t v = 0; v < item.stride; ++v) vectors[v] = widen(w, k, item.c0 + 16 * v);
+    for (int64_t v = 0; v < item.stride; ++v) vectors[v] = widen(w, k, item.c0 + kLanes * v);
   }
   for (int64_t g = item.g0; g < item.g1; ++g) {
     for (int64_t v = 0; v < item.stride; ++v) {
       const int64_t i = (g - item.g0) * item.stride + v;
-      const_cast<VecF*>(item.scales)[i] = ScaleVector<Kind>(w, g, item.c0 + 16 * v);
-      if constexpr (HasMins(Kind)) const_cast<VecF*>(item.mins)[i] = MinVector<Kind>(w, g, item.c0 + 16 * v);
+      const_cast<VecF*>(item.scales)[i] = ScaleVector<Kind>(w, g, item.c0 + kLanes * v);
+      if constexpr (HasMins(Kind)) const_cast<VecF*>(item.mins)[i] = MinVector<Kind>(w, g, item.c0 + kLanes * v);
     }
   }
 }
 
 // Rows per widened tile and its vectors of columns: R * T int32 sums, R * T float results and T weights in
-// 32 registers (x's four bytes are vpdpbusd's broadcast operand); 4 vectors divide the items' 64-column widths.
+// the registers (x's four bytes are the dot's broadcast operand: 32 on AVX-512, 16 on AVX2); the vectors divide
+// the items' 64-column widths.
+#if defined(__AVX512F__)
 constexpr int kWidenedRows = 3, kWidenedVectors = 4;
+#else
+constexpr int kWidenedRows = 2, kWidenedVectors = 2;
+#endif
 
 // R rows times the widened item's sub-blocks at T vectors from vector v0: the results held in registers
 // over all the sub-blocks (added in sub-block order, as the one-pass tiles add them: the same floats).
 template <int Kind, int R, int T>
 inline void Int8WidenedTile(const Weight& w, const QuantizedRows& x, int64_t r0, const WidenedItem& item, int64_t v0,
                             const Target& target) {
-  const int64_t c = item.c0 + 16 * v0;
+  const int64_t c = item.c0 + kLanes * v0;
   VecF out[R][T];
   for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < T; ++t) out[r][t] = LoadF(target.At(r0 + r, c + 16 * t));
+    for (int t = 0; t < T; ++t) out[r][t] = LoadF(target.At(r0 + r, c + kLanes * t));
   }
   for (int64_t g = item.g0; g < item.g1; ++g) {
     const int64_t first = (g - item.g0) * item.stride + v0;
-    const __m512i* vectors = item.vectors + (g - item.g0) * (w.group / 4) * item.stride + v0;
+    const IntVec* vectors = item.vectors + (g - item.g0) * (w.group / 4) * item.stride + v0;
     const int64_t k0 = g * w.group;
     const auto weights = [&](int64_t k, int t) { return vectors[(k - k0) / 4 * item.stride + t]; };
     VecF scale[T], minimum[T];
@@ -170,7 +218,7 @@ inline void Int8WidenedTile(const Weight& w, const QuantizedRows& x, int64_t r0,
                              [&](int r, int t, auto add) { out[r][t] = add(out[r][t]); });
   }
   for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < T; ++t) StoreF(target.At(r0 + r, c + 16 * t), out[r][t]);
+    for (int t = 0; t < T; ++t) StoreF(target.At(r0 + r, c + kLanes * t), out[r][t]);
   }
 }
 
@@ -218,7 +266,7 @@ void ManyRowsItem(const Weight& w, const QuantizedRows& x, int64_t g0, int64_t g
   thread_local std::vector<Line> buffer;
   const int64_t stride = width / kLanes, steps = (g1 - g0) * w.group / 4, scales = (g1 - g0) * stride;
   buffer.resize(std::max<size_t>(buffer.size(), size_t(steps * stride + 2 * scales)));
-  const __m512i* vectors = reinterpret_cast<const __m512i*>(buffer.data());
+  const IntVec* vectors = reinterpret_cast<const IntVec*>(buffer.data());
   const VecF* scale_vectors = reinterpret_cast<const VecF*>(buffer.data() + steps * stride);
   const WidenedItem item{vectors, scale_vectors, scale_vectors + scales, g0, g1, c0, stride};
   WidenItem<Kind>(w, item);

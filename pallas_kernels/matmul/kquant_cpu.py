@@ -26,7 +26,7 @@ from pallas_kernels.matmul.row_blocks import ROW_INVARIANT_ROWS, in_row_blocks
 KQUANT_TARGET = "jaxserve_cpu_kquant_matmul"
 KERNEL_MAX_ROWS = 64  # float x: every decode bucket (its tiles widen the weights again every 8 rows)
 ROW_DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))
-INT8_CPU_FLAGS = frozenset({"avx512_vnni", "avx512vbmi", "avx512bw"})  # what the int8 tiles' instructions need
+INT8_PATHS = ("avx512", "avx2")  # the builds with the int8 tiles (cpu_kquant_int8.h's KQUANT_INT8)
 KIND_NUMBERS = {"q4_k": 4, "q5_k": 5, "q6_k": 6, "q5_0": 50, "q5_1": 51}  # cpu_kquant_matmul.cc's
 
 
@@ -54,10 +54,10 @@ def serves_weight(weight) -> bool:
 
 
 def computes_int8(path: str | None = None) -> bool:
-    """Whether `path`'s build (None: the engine's) has the int8-activation tiles (cpu_kquant_int8.h: AVX-512
-    VNNI and VBMI, which the avx512 path's -march=native turns on where the CPU has them); elsewhere an int8
-    request keeps x in float."""
-    return cpu_library.chosen_path(path) == "avx512" and INT8_CPU_FLAGS <= cpu_library.cpu_flags()
+    """Whether `path`'s build (None: the engine's) has the int8-activation tiles (cpu_kquant_int8.h: the avx512
+    path, with VNNI's vpdpbusd where the CPU has it, and the avx2 path through vpmaddubsw; the same integers);
+    the portable path keeps x in float on an int8 request."""
+    return cpu_library.chosen_path(path) in INT8_PATHS
 
 
 def kquant_matmuls(x, weights, *, path: str | None = None, activations: str = "int8") -> tuple:

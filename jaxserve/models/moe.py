@@ -18,7 +18,7 @@ from flax import nnx
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.deepseek_config import DEEPSEEK_MODEL_TYPES
 from jaxserve.models.grouped_routing import GroupedRouting
-from jaxserve.models.layers import ACTIVATIONS, MLP, Matmul, linear, row_softmax, tree_sum
+from jaxserve.models.layers import ACTIVATIONS, MLP, Matmul, gated_activation, linear, row_softmax, tree_sum
 
 # Legend: T = tokens, E = embed, X = experts, F = expert mlp, k = experts per token, S = stored expert rows
 # (X, or X padded to an even number per device under expert parallelism: rows no expert id points at).
@@ -143,7 +143,7 @@ class SparseMoE(nnx.Module):
             self.down_proj[...],
             placement,
             activation=ACTIVATIONS[self.activation],
-            **self._gpt_oss_expert_options(),
+            **self._expert_options(),
             **({} if self.lora is None else {"lora": self.lora.weights()}),
         )
         if self.shared_expert is None:
@@ -153,12 +153,15 @@ class SparseMoE(nnx.Module):
         gate = jax.nn.sigmoid(self.shared_expert_gate(x))  # [T, 1]
         return routed + gate * self.shared_expert(x)
 
-    def _gpt_oss_expert_options(self) -> dict:
-        """The experts' biases and gated unit where the model has them (GPT-OSS); nothing otherwise."""
+    def _expert_options(self) -> dict:
+        """The experts' biases where the model has them (GPT-OSS), and their gated unit (GPT-OSS's clamped SwiGLU,
+        else activation(gate) * up rounded as the dense MLP rounds it)."""
         options = {}
         if self.gate_proj_bias is not None and self.up_proj_bias is not None and self.down_proj_bias is not None:
             options["biases"] = (self.gate_proj_bias[...], self.up_proj_bias[...], self.down_proj_bias[...])
         if self.swiglu is not None:
             alpha, limit = self.swiglu
             options["glu"] = functools.partial(clamped_swiglu, alpha=alpha, limit=limit)
+        else:  # as the dense MLP: rounded as transformers rounds it in the model's dtype
+            options["glu"] = functools.partial(gated_activation, ACTIVATIONS[self.activation])
         return options

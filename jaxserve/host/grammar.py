@@ -18,7 +18,7 @@ import copy
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,7 +32,7 @@ from jaxserve.host.grammar_matcher import GrammarMatcher, MaskLayout
 from jaxserve.host.request import GuidedDecodingParams
 from jaxserve.loading.fast_tokenizer import FastTokenizer
 from jaxserve.loading.sentencepiece_tokenizer import SentencePieceTokenizer
-from jaxserve.loading.tokenizer import Tokenizer
+from jaxserve.loading.tokenizer import Tokenizer, check_unicode
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict its stubs declare, absent at run time
@@ -91,12 +91,13 @@ class GrammarCompiler:
             raise ValueError(f"max_cached_grammars must be >= 1, got {max_cached_grammars}")
         self.layout = MaskLayout(vocab_size, max(vocab_size, tokenizer.vocab_size), eos)
         self._tokenizer = _llguidance_tokenizer(tokenizer, self.layout)
-        # what a structural tag's trigger names as a token, not text (llguidance's "<|python_tag|>" syntax)
-        self._special_tokens = frozenset(
-            text
+        # what a structural tag's trigger names as a token, not text: text -> id, written by id (llguidance's
+        # "<[id]>": its "<|python_tag|>" syntax reads only names in angle brackets, and Mistral's is [TOOL_CALLS])
+        self._special_tokens = {
+            text: token_id
             for token_id, text in tokenizer.added_token_texts.items()
             if token_id < self.layout.num_grammar_tokens and self._tokenizer.is_special_token(token_id)
-        )
+        }
         # Terse errors: verbose ones dump parser state and the whole grammar into the client's error message.
         # max_items_in_row past llguidance's 2000: a choice of 2000+ strings (or a schema with as many optional
         # properties) validated, then died at its first tokens ("Current row has 2002 items"); a request's
@@ -238,7 +239,7 @@ def grammar_key(guided: GuidedDecodingParams) -> tuple[str, str, str | None]:
 
 
 def _llguidance_grammar(
-    kind: str, text: str, whitespace_pattern: str | None = None, special_tokens: Collection[str] = ()
+    kind: str, text: str, whitespace_pattern: str | None = None, special_tokens: Mapping[str, int] | None = None
 ) -> str:
     if kind in ("json", "json_object"):
         # a whitespace pattern takes the compact separators' place: whitespace matching it may go between tokens
@@ -256,18 +257,21 @@ def _llguidance_grammar(
     return llguidance.grammar_from("regex" if kind == "regex" else "grammar", text)
 
 
-def structural_tag_grammar(text: str, special_tokens: Collection[str] = ()) -> str:
+def structural_tag_grammar(text: str, special_tokens: Mapping[str, int] | None = None) -> str:
     """vLLM's structural tag as a Lark grammar (llguidance's tool-calling syntax, as vLLM's guidance backend
     builds it): free text, in which each trigger must go on into one of the structures that begin with it, its
     body JSON following the structure's schema (compact, as the JSON kinds), then its end; then free text
-    again. A trigger that is one of special_tokens (Llama's <|python_tag|>) is that token; any other (a
-    "<function=" prefix, or a <tool_call> the vocabulary spells in text) is text, matched lazily."""
+    again. A trigger that is one of special_tokens (text -> id: Llama's <|python_tag|>, Mistral's [TOOL_CALLS]) is
+    that token; any other (a "<function=" prefix, or a <tool_call> the vocabulary spells in text) is text, matched
+    lazily."""
+    special_tokens = special_tokens or {}
     try:
         spec = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as error:
         raise ValueError(f"not valid JSON ({error})") from None
     if not isinstance(spec, dict):
         raise ValueError('expected an object {"structures": [...], "triggers": [...]}')
+    check_unicode(json.dumps(spec, ensure_ascii=False), "it")  # JSON's "\ud800" escapes a lone surrogate
     if "format" in spec:  # xgrammar's newer form; vLLM's guidance backend reads only the one below
         raise ValueError("the 'format' form (xgrammar's) is not supported: give 'structures' and 'triggers'")
     structures, triggers = spec.get("structures"), spec.get("triggers")
@@ -289,7 +293,7 @@ def structural_tag_grammar(text: str, special_tokens: Collection[str] = ()) -> s
             part for part in (_lark_text(begin[len(trigger) :]), "%json " + json.dumps(schema), _lark_text(end)) if part
         )
         if trigger in special_tokens:
-            rules.append(f"tag_{index}: TAG_TEXT {trigger} {body}")
+            rules.append(f"tag_{index}: TAG_TEXT <[{special_tokens[trigger]}]> {body}")
         else:  # lazy: the free text ends at the trigger's first occurrence
             rules += [
                 f"tag_{index}_trigger[lazy]: TAG_TEXT {_lark_text(trigger)}",

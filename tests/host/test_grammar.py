@@ -294,6 +294,7 @@ INVALID = [
     (dict(grammar="start: undefined_rule"), "grammar.*undefined_rule"),
     (dict(grammar='root ::= "a" (  '), "grammar"),
     (dict(structural_tag="[1]"), "structural tag.*structures"),
+    (dict(structural_tag='{"structures": [], "triggers": ["\\ud800"]}'), "structural tag.*surrogate"),
     (dict(structural_tag={"type": "structural_tag", "format": {"type": "any_text"}}), "structural tag.*'format'"),
     (dict(structural_tag={"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}]}), "structural tag.*triggers"),
     (dict(structural_tag={"structures": [], "triggers": ["<a"]}), "structural tag.*structures"),
@@ -616,17 +617,29 @@ def test_a_structural_tag_lets_text_run_free_until_a_trigger_starts_one_of_its_s
     assert not takes('<function=add>{"a": 1} done'), name  # the end is forced
 
 
-def test_a_structural_tag_trigger_is_a_special_token_where_the_vocabulary_has_one_and_text_elsewhere():
-    """Llama 3.1's <|python_tag|> is one special token, Qwen's <tool_call> text in some vocabularies: a trigger
-    names the special token only where the vocabulary has it as one (llguidance would otherwise refuse it)."""
-    name = "qwen_byte_level"
-    tokenizer, compiler = load_tokenizer(name), compiler_for(name)
+def test_a_structural_tag_trigger_is_a_special_token_where_the_vocabulary_has_one_and_text_elsewhere(tmp_path):
+    """Llama 3.1's <|python_tag|> and Mistral's [TOOL_CALLS] are one special token each, Qwen's <tool_call> text in
+    some vocabularies: a trigger names the special token (by id) only where the vocabulary has it as one; llguidance
+    would refuse <tool_call> as an unknown token, and [TOOL_CALLS] or <x y> written as names."""
+    directory = tmp_path / "tokenizer"
+    shutil.copytree(os.path.join(ROOT, "tests", "loading", "fixtures", "qwen_byte_level"), directory)
+    with open(directory / "tokenizer.json") as f:
+        spec = json.load(f)
+    first = max(token["id"] for token in spec["added_tokens"]) + 1
+    for offset, text in enumerate(("[TOOL_CALLS]", "<x y>")):
+        spec["added_tokens"].append({"id": first + offset, "content": text, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})  # fmt: skip
+    with open(directory / "tokenizer.json", "w") as f:
+        json.dump(spec, f)
+    tokenizer = Tokenizer.from_model_dir(str(directory))
+    assert tokenizer is not None
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    for trigger in ("<|im_start|>", "<tool_call>"):
+    for trigger in ("<|im_start|>", "[TOOL_CALLS]", "<x y>", "<tool_call>"):
         tag = {"structures": [{"begin": trigger + "call", "schema": schema, "end": "!"}], "triggers": [trigger]}
         matcher = compiler.compile_async(GuidedDecodingParams(structural_tag=tag)).result().new_matcher()
         good = tokenizer.encode(f'hi {trigger}call{{"a": 1}}! ok', add_special_tokens=False)
         bad = tokenizer.encode(f'hi {trigger}call{{"a": "x"}}! ok', add_special_tokens=False)
-        assert (tokenizer.token_to_id(trigger) is not None) == (trigger == "<|im_start|>")  # special, text
+        assert (tokenizer.token_to_id(trigger) is not None) == (trigger != "<tool_call>")  # special, text
         assert matcher.num_acceptable_tokens(good) == len(good), trigger
         assert matcher.num_acceptable_tokens(bad) < len(bad), trigger

@@ -131,10 +131,13 @@ class SentencePieceTokenizer(Tokenizer):
     @functools.cached_property
     def added_token_texts(self) -> dict[int, str]:
         # as transformers' converted tokenizer lists them: the control and unknown pieces (<s>, </s>, <unk>)
-        # and the named special ones, then the added tokens past the model's pieces
+        # and the named special ones, then tokenizer_config.json's added tokens (pieces of the model's or past them)
         size = self.processor.GetPieceSize()
         texts = {int(i): self.processor.IdToPiece(int(i)) for i in self.special_ids if i < size}
-        return texts | {token_id: token.content for token_id, token in self._added.items()}
+        added = zip(self.settings.added_token_ids, self.settings.added_tokens)
+        return texts | {
+            int(token_id): token.content for token_id, token in added if self.token_to_id(token.content) == token_id
+        }
 
 
 def _with_default_special_tokens(settings: TokenizerSettings, defaults: dict[str, str]) -> TokenizerSettings:

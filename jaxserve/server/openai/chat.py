@@ -168,8 +168,8 @@ class ChatCall:
         usage = self.usage = UsageCounter.of_streams(self.group.streams)
         for index in range(self.body.n):
             yield self.chunk(index, {"role": self.role, "content": ""})
-            if self.echo:  # as vLLM: its own chunk, before anything generated
-                yield self.chunk(index, {"content": self.echo})
+        for index in range(self.body.n if self.echo else 0):  # as vLLM: after every role chunk, its own chunk
+            yield self.chunk(index, {"content": self.echo})
         holdbacks, splits = {}, {}
         async for position, delta in self.group.deltas():
             if (message := failure(delta, self.group.streams[position])) is not None:

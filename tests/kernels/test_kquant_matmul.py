@@ -122,9 +122,11 @@ def int8_activation_model(x: np.ndarray, weight: KQuantWeight):
 
 
 def test_int8_activations_compute_llama_cpps_integer_arithmetic_on_every_path():
-    """Where the path has the int8 tiles (AVX-512 VNNI + VBMI): exact integer sums per sub-block, within float32
-    rounding of the model above, and within the activations' rounding of the dequantized product; elsewhere an
-    int8 request keeps x in float (the dequantized product). Every kind, odd N (column tails), 1 / 5 / 9 rows."""
+    """Where the path has the int8 tiles (avx512: vpdpbusd with VNNI, else vpmaddubsw; avx2: vpmaddubsw): exact
+    integer sums per sub-block, within float32 rounding of the model above, and within the activations' rounding of
+    the dequantized product; the int8 paths give the same bits (the same integers, the same float operations per
+    lane); elsewhere an int8 request keeps x in float (the dequantized product). Every kind, odd N (column tails),
+    1 / 5 / 9 / 70 rows (70: the many-rows widened tiles)."""
     weights, dense = _weights(
         (T.Q4_K, 37, 512, 11),
         (T.Q5_K, 531, 512, 12),
@@ -133,12 +135,17 @@ def test_int8_activations_compute_llama_cpps_integer_arithmetic_on_every_path():
         (T.Q5_1, 19, 512, 15),
     )
     rng = np.random.default_rng(16)
+    inputs = {num_rows: rng.standard_normal((num_rows, 512)).astype(np.float32) for num_rows in (1, 5, 9, 70)}
+    for x in inputs.values():
+        x[0, 32:64] = 0.0  # a chunk of zeros: d = 0
+    by_path = {}
     for path in cpu_library.runnable_paths():
         call = jax.jit(lambda x, ws, path=path: kquant_cpu.kquant_matmuls(x, ws, path=path, activations="int8"))
-        for num_rows in (1, 5, 9):
-            x = rng.standard_normal((num_rows, 512)).astype(np.float32)
-            x[0, 32:64] = 0.0  # a chunk of zeros: d = 0
-            for got, weight, expected in zip(call(jnp.asarray(x), weights), weights, dense, strict=True):
+        for num_rows, x in inputs.items():
+            results = [np.asarray(got) for got in call(jnp.asarray(x), weights)]
+            if kquant_cpu.computes_int8(path):
+                by_path.setdefault(num_rows, {})[path] = results
+            for got, weight, expected in zip(results, weights, dense, strict=True):
                 got = np.asarray(got, np.float64)
                 if not kquant_cpu.computes_int8(path):
                     np.testing.assert_allclose(got, x @ expected, rtol=1e-5, atol=2e-3)
@@ -151,6 +158,11 @@ def test_int8_activations_compute_llama_cpps_integer_arithmetic_on_every_path():
                 amax = np.abs(x).reshape(num_rows, -1, 32).max(axis=2) / 254
                 rounding = amax @ np.abs(expected).reshape(-1, 32, expected.shape[1]).sum(axis=1)
                 assert np.all(np.abs(got - x @ expected) <= rounding * (1 + 1e-5) + 1e-4), (path, weight.kind)
+    for num_rows, results in by_path.items():  # on x86-64: avx2, and avx512 where the CPU has it
+        first, *others = results.values()
+        for other in others:
+            for a, b in zip(first, other, strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=f"{list(results)} at {num_rows} rows")
 
 
 def test_decode_calls_are_cut_per_call_and_repeat_bit_for_bit():

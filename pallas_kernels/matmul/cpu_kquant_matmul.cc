@@ -306,10 +306,24 @@ void RowGroup(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c0,
 #if defined(KQUANT_INT8)
   if (w.x_int8 != nullptr) {
     const QuantizedRows& xq = *w.x_int8;
+    const auto column = [&](int64_t c) { Int8Column<Kind, R>(w, xq, r0, g, c, target); };
+#if !defined(__AVX512F__)
+    if constexpr (R == 1) {  // AVX2: 32 columns a tile in 16-bit pair lanes (Int8PairTile), single vectors as below
+      const auto pair_tile = [&](auto vectors, int64_t c) {
+        constexpr int kVectors = decltype(vectors)::value;
+        if constexpr (kVectors % 2 == 0) {
+          Int8PairTile<Kind, kVectors>(w, xq, r0, g, c, target);
+        } else {
+          Int8Tile<Kind, 1, kVectors>(w, xq, r0, g, c, target);
+        }
+      };
+      WalkColumns<4>(c0, width, ahead, pair_tile, column);
+      return;
+    }
+#endif
     const auto tile = [&](auto vectors, int64_t c) {
       Int8Tile<Kind, R, decltype(vectors)::value>(w, xq, r0, g, c, target);
     };
-    const auto column = [&](int64_t c) { Int8Column<Kind, R>(w, xq, r0, g, c, target); };
     WalkColumns<kTileVectors[R]>(c0, width, ahead, tile, column);
     return;
   }

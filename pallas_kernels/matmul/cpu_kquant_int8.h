@@ -205,29 +205,32 @@ inline void Int8Tile(const Weight& w, const QuantizedRows& x, int64_t r0, int64_
 }
 
 #if !defined(__AVX512F__)
-// One row on AVX2, T vectors of 8 columns (T even) at sub-block g from c: the weights in 16-bit lanes, the two k
-// of one low-plane byte (k even, k + 1) as a vpmaddubsw pair, 16 columns a vector (one vpmovzxbw a low-plane row,
-// against two vpmovzxbd a 4-k lane), their pair sums added in int16 over a chunk of k (at most 32767: 8 pairs of
-// Q4_K's q <= 15, 4 of Q5's <= 31 (a high-plane byte's 8 k), 2 of Q6_K's <= 63 (its byte's 4 k); |q_x| <= 127),
-// then widened into int32 column order (low 128 bits: columns 0-7, high: 8-15). The same integers as
-// Int8SubBlock, the same float operations after: the same results (about two thirds of its instructions).
-template <int Kind, int T>
+// One or two rows on AVX2, R rows times T vectors of 8 columns (T even) at sub-block g from c: the weights in
+// 16-bit lanes, the two k of one low-plane byte (k even, k + 1) as a vpmaddubsw pair, 16 columns a vector (one
+// vpmovzxbw a low-plane row, against two vpmovzxbd a 4-k lane), their pair sums added in int16 over a chunk of k
+// (at most 32767: 8 pairs of Q4_K's q <= 15, 4 of Q5's <= 31 (a high-plane byte's 8 k), 2 of Q6_K's <= 63 (its
+// byte's 4 k); |q_x| <= 127), then widened into int32 column order (low 128 bits: columns 0-7, high: 8-15). The
+// same integers as Int8SubBlock, the same float operations after: the same results (about two thirds of its
+// instructions at one row).
+template <int Kind, int R, int T>
 inline void Int8PairTile(const Weight& w, const QuantizedRows& x, int64_t r0, int64_t g, int64_t c,
                          const Target& target) {
   static_assert(T % 2 == 0, "16 columns a pair vector");
   constexpr int kPairVectors = T / 2, kBits = HighBits(Kind);
   constexpr int64_t kChunk = kBits == 1 ? 8 : kBits == 2 ? 4 : 16;  // k summed in int16 before widening
   const int64_t n = w.columns, depth = x.depth, k0 = g * w.group;
-  const int32_t* sum16 = x.sum16.data() + r0 * (depth / 16) + k0 / 16;
-  const int32_t q_sum = w.group == 16 ? sum16[0] : sum16[0] + sum16[1];
-  const int8_t* q = x.q.data() + r0 * depth;
-  __m256i acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_set1_epi32(-Offset(Kind) * q_sum);
+  int32_t q_sums[R];
+  __m256i acc[R][T];
+  for (int r = 0; r < R; ++r) {
+    const int32_t* sum16 = x.sum16.data() + (r0 + r) * (depth / 16) + k0 / 16;
+    q_sums[r] = w.group == 16 ? sum16[0] : sum16[0] + sum16[1];
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_set1_epi32(-Offset(Kind) * q_sums[r]);
+  }
   const __m256i nibbles = _mm256_set1_epi16(0x0F0F), high_mask = _mm256_set1_epi16(kBits == 1 ? 0x1010 : 0x3030);
   for (int64_t k = k0; k < k0 + w.group; k += kChunk) {
-    __m256i high[kPairVectors], sums[kPairVectors];
+    __m256i high[kPairVectors], sums[R][kPairVectors];
     for (int v = 0; v < kPairVectors; ++v) {
-      sums[v] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) sums[r][v] = _mm256_setzero_si256();
       if constexpr (kBits > 0) {
         const uint8_t* h = w.high + (k / kChunk) * n + c + 16 * v;
         high[v] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
@@ -235,9 +238,12 @@ inline void Int8PairTile(const Weight& w, const QuantizedRows& x, int64_t r0, in
     }
 #pragma GCC unroll 8
     for (int p = 0; p < kChunk / 2; ++p) {
-      int16_t pair;
-      std::memcpy(&pair, q + k + 2 * p, sizeof(pair));
-      const __m256i xq = _mm256_set1_epi16(pair);
+      __m256i xq[R];
+      for (int r = 0; r < R; ++r) {
+        int16_t pair;
+        std::memcpy(&pair, x.q.data() + (r0 + r) * depth + k + 2 * p, sizeof(pair));
+        xq[r] = _mm256_set1_epi16(pair);
+      }
       for (int v = 0; v < kPairVectors; ++v) {
         const uint8_t* low = w.low + (k / 2 + p) * n + c + 16 * v;
         const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low)));
@@ -249,21 +255,32 @@ inline void Int8PairTile(const Weight& w, const QuantizedRows& x, int64_t r0, in
           const __m256i spread = _mm256_or_si256(ShiftLeft16(high[v], 4 - 4 * p), ShiftLeft16(high[v], 10 - 4 * p));
           lane = _mm256_or_si256(lane, _mm256_and_si256(spread, high_mask));
         }
-        sums[v] = _mm256_add_epi16(sums[v], _mm256_maddubs_epi16(lane, xq));
+        for (int r = 0; r < R; ++r) sums[r][v] = _mm256_add_epi16(sums[r][v], _mm256_maddubs_epi16(lane, xq[r]));
       }
     }
-    for (int v = 0; v < kPairVectors; ++v) {
-      acc[2 * v] = _mm256_add_epi32(acc[2 * v], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(sums[v])));
-      acc[2 * v + 1] = _mm256_add_epi32(acc[2 * v + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sums[v], 1)));
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kPairVectors; ++v) {
+        const __m256i low_half = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(sums[r][v]));
+        const __m256i high_half = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sums[r][v], 1));
+        acc[r][2 * v] = _mm256_add_epi32(acc[r][2 * v], low_half);
+        acc[r][2 * v + 1] = _mm256_add_epi32(acc[r][2 * v + 1], high_half);
+      }
     }
   }
-  const float dx = x.d[r0 * (depth / 32) + k0 / 32];
-  const VecF dx_vector = Broadcast(dx), min_factor = Broadcast(-dx * float(q_sum));
-  for (int t = 0; t < T; ++t) {  // as Int8SubBlock's
-    float* out = target.At(r0, c + kLanes * t);
-    VecF o = Fma(ToFloat(VecI(acc[t])), dx_vector * ScaleVector<Kind>(w, g, c + kLanes * t), LoadF(out));
-    if constexpr (HasMins(Kind)) o = Fma(min_factor, MinVector<Kind>(w, g, c + kLanes * t), o);
-    StoreF(out, o);
+  VecF scale[T], minimum[T];
+  for (int t = 0; t < T; ++t) {
+    scale[t] = ScaleVector<Kind>(w, g, c + kLanes * t);
+    if constexpr (HasMins(Kind)) minimum[t] = MinVector<Kind>(w, g, c + kLanes * t);
+  }
+  for (int r = 0; r < R; ++r) {  // as Int8SubBlock's
+    const float dx = x.d[(r0 + r) * (depth / 32) + k0 / 32];
+    const VecF dx_vector = Broadcast(dx), min_factor = Broadcast(-dx * float(q_sums[r]));
+    for (int t = 0; t < T; ++t) {
+      float* out = target.At(r0 + r, c + kLanes * t);
+      VecF o = Fma(ToFloat(VecI(acc[r][t])), dx_vector * scale[t], LoadF(out));
+      if constexpr (HasMins(Kind)) o = Fma(min_factor, minimum[t], o);
+      StoreF(out, o);
+    }
   }
 }
 #endif

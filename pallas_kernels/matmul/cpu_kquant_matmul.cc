@@ -308,16 +308,16 @@ void RowGroup(const Weight& w, const Rows& x, int64_t r0, int64_t g, int64_t c0,
     const QuantizedRows& xq = *w.x_int8;
     const auto column = [&](int64_t c) { Int8Column<Kind, R>(w, xq, r0, g, c, target); };
 #if !defined(__AVX512F__)
-    if constexpr (R == 1) {  // AVX2: 32 columns a tile in 16-bit pair lanes (Int8PairTile), single vectors as below
+    if constexpr (R <= 2) {  // AVX2: 32 (two rows: 16) columns a tile in 16-bit pair lanes (Int8PairTile)
       const auto pair_tile = [&](auto vectors, int64_t c) {
         constexpr int kVectors = decltype(vectors)::value;
         if constexpr (kVectors % 2 == 0) {
-          Int8PairTile<Kind, kVectors>(w, xq, r0, g, c, target);
+          Int8PairTile<Kind, R, kVectors>(w, xq, r0, g, c, target);
         } else {
-          Int8Tile<Kind, 1, kVectors>(w, xq, r0, g, c, target);
+          Int8Tile<Kind, R, kVectors>(w, xq, r0, g, c, target);
         }
       };
-      WalkColumns<4>(c0, width, ahead, pair_tile, column);
+      WalkColumns<R == 1 ? 4 : 2>(c0, width, ahead, pair_tile, column);
       return;
     }
 #endif

@@ -14,8 +14,9 @@
 // it picks any 8-bit window of each qword, and the lanes are zero-extended bytes, so the windows that wrap read
 // zeros; else shifted copies of the byte under a mask, SpreadHighBits) and or'ed in. The storage offset (Q5_0 16,
 // Q6_K 32) is the accumulators' start: -offset * sum(q_x).
-// One to 8 rows widen the weights as the tiles go (Int8Tile); more rows widen each item once into a buffer
-// that every row group reads, holding their results in registers across the sub-blocks (ManyRowsItem).
+// One to 8 rows widen the weights as the tiles go (Int8Tile; on AVX2 one or two rows in 16-bit lanes of a byte's
+// two k instead, Int8PairTile); more rows widen each item once into a buffer that every row group reads, holding
+// their results in registers across the sub-blocks (ManyRowsItem).
 
 #pragma once
 

@@ -23,11 +23,16 @@ def load_chat_template(value: str | None) -> str | None:
 
 def message_text(messages: list) -> str:
     """All the text a conversation carries (string contents and text parts), for the size check;
-    ValueError naming a message whose role or content is not valid Unicode."""
+    ValueError naming a message without a string role (as vLLM's message types: any role name, but one), or whose
+    role or content is not valid Unicode."""
     texts = []
     for position, message in enumerate(text_content(messages)):
         if not isinstance(message, dict):
             raise ValueError("chat messages must be objects like {'role': 'user', 'content': '...'}")
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            raise ValueError(
+                f"messages[{position}].role must be a role name such as 'user', got {message.get('role')!r}"
+            )
         for field in ("role", "content"):
             texts.append(str(message.get(field) or ""))
             check_unicode(texts[-1], f"messages[{position}].{field}")

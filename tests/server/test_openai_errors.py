@@ -108,6 +108,13 @@ def test_503_until_warm_up_ends(warming):
         ("/v1/completions", {**SMALL, "stop": ["\ud800"]}, "stop string 0 holds a lone"),
         ("/v1/completions", {**SMALL, "request_id": "\ud800"}, "request_id holds a lone"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": 5, "content": "hi"}]}, "messages[0].role must be"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": "a"}, {"content": "b"}]},
+            "[1].role",
+        ),
+        ("/tokenize", {"messages": [{"role": "", "content": "a"}]}, "messages[0].role must be a role name"),
         ("/tokenize", {"prompt": "\ud800"}, "prompt holds a lone UTF-16 surrogate"),
         ("/tokenize", {"messages": [{"role": "user", "content": "x\ud800"}]}, "messages[0].content holds a lone"),
         *[

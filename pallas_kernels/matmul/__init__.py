@@ -123,6 +123,13 @@ class SmallMatmul:
     def _limit(self, weights: tuple) -> int:
         return dict(self.max_rows).get(str(jnp.dtype(weights[0].dtype)), 0)
 
+    def panel_dtypes(self) -> tuple:
+        """The weight dtypes to store in column panels (panels.py): those the kernel reads so and serves at every
+        row count (a bfloat16 prefill that XLA's AMX dots serve would contract the panels at a third of the speed:
+        session 32)."""
+        served = {jnp.dtype(dtype) for dtype, rows in self.max_rows if rows >= cpu.MATMUL_MAX_ROWS}
+        return tuple(dtype for dtype in cpu.panel_dtypes() if dtype in served)
+
 
 @dataclass(frozen=True)
 class QuantizedReferenceMatmul:
@@ -197,6 +204,12 @@ class MatmulPlan:
 
     def _entry(self, num_rows: int, weights: tuple) -> MatmulEntry:
         return next(entry for entry in self.entries if entry.serves(num_rows, weights))
+
+    @property
+    def panel_dtypes(self) -> tuple:
+        """The float weight dtypes this plan's kernel wants in column panels (device/panel_weights.py); none
+        without the CPU kernel."""
+        return next((entry.panel_dtypes() for entry in self.entries if isinstance(entry, SmallMatmul)), ())
 
     @property
     def has_cpu_kernel(self) -> bool:

@@ -9,12 +9,14 @@ A custom call XLA's partitioner cannot split: it must only see whole weights on 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_library
+from pallas_kernels.matmul.panels import is_panels
 
 MATMUL_TARGET = "jaxserve_cpu_small_matmul"
 NORMED_TARGET = "jaxserve_cpu_small_matmul_normed"  # x through an RMS norm first (small_matmuls_normed)
@@ -49,9 +51,21 @@ def kernel_path(path: str | None = None) -> str | None:
     return None if library is None else library.JaxserveCpuKernelPath().decode()
 
 
+def panel_dtypes(path: str | None = None) -> tuple:
+    """The weight dtypes the kernel reads in column panels (panels.py) as fast as or faster than [K, N]: all it
+    serves, but bfloat16 where the library multiplies it in vdpbf16ps pairs (AVX-512 BF16 without AMX: the pairs'
+    tiles read [K, N]). Empty where the kernel does not build or JAXSERVE_CPU_PANELS=0 (the [K, N] walks, for
+    A/B runs)."""
+    library = cpu_library.load(path)
+    if library is None or os.environ.get("JAXSERVE_CPU_PANELS", "1") == "0":
+        return ()
+    pairs = bool(library.JaxserveCpuBf16Pairs())
+    return tuple(dtype for dtype in DTYPES if not (pairs and dtype == jnp.bfloat16))
+
+
 def small_matmul(x, w, *, transposed: bool = False, path: str | None = None):
-    """x [M, K] @ w [K, N] (w [N, K] when transposed) -> float32 [M, N], for M <= MATMUL_MAX_ROWS, x and w
-    of one dtype."""
+    """x [M, K] @ w [K, N] (w [N, K] when transposed; or ColumnPanels) -> float32 [M, N], for M <=
+    MATMUL_MAX_ROWS, x and w of one dtype."""
     return small_matmuls(x, (w,), transposed=transposed, path=path)[0]
 
 
@@ -64,7 +78,7 @@ def small_matmuls(x, weights, *, transposed: bool = False, path: str | None = No
     results = tuple(
         jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transposed else w.shape[1]), jnp.float32) for w in weights
     )
-    return tuple(jax.ffi.ffi_call(target(path), results)(x, *weights, transposed=transposed))
+    return tuple(jax.ffi.ffi_call(target(path), results)(x, *map(_operand, weights), transposed=transposed))
 
 
 def small_matmuls_normed(x, scale, eps: float, weights, *, path: str | None = None):
@@ -80,13 +94,21 @@ def small_matmuls_normed(x, scale, eps: float, weights, *, path: str | None = No
             f"small_matmuls_normed wants the norm's scale [{x.shape[1]}] {x.dtype}, got {scale.shape} {scale.dtype}"
         )
     results = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in weights)
-    return tuple(jax.ffi.ffi_call(target(path, NORMED_TARGET), results)(x, scale, *weights, eps=np.float32(eps)))
+    operands = map(_operand, weights)
+    return tuple(jax.ffi.ffi_call(target(path, NORMED_TARGET), results)(x, scale, *operands, eps=np.float32(eps)))
+
+
+def _operand(weight):
+    """What the kernel reads of a weight: the array, or a ColumnPanels' panels (3-d: the kernel knows them so)."""
+    return weight.panels if is_panels(weight) else weight
 
 
 def _check(x, weights: tuple, transposed: bool, path: str | None) -> None:
     for w in weights:
         if jnp.dtype(w.dtype) not in DTYPES:
             raise ValueError(f"the CPU small matmul serves {[str(d) for d in DTYPES]} weights, not {w.dtype}")
+        if is_panels(w) and transposed:
+            raise ValueError("a ColumnPanels weight is [K, N]: it cannot be contracted transposed")
         depth = w.shape[-1] if transposed else w.shape[0]
         if x.dtype != w.dtype or x.ndim != 2 or w.ndim != 2 or x.shape[0] > MATMUL_MAX_ROWS or depth != x.shape[1]:
             raise ValueError(

@@ -385,10 +385,24 @@ inline float* PartialsBuffer(int64_t floats) {
 // Outputs per item of the partials' sum (RunItems): long enough to amortise taking an item.
 constexpr int64_t kSumItemFloats = 16 * 1024;
 
+}  // namespace
+
+#include "cpu_matmul_panels.h"
+
+namespace {
+
 // Several weights times the same x (a layer's q, k and v, or gate and up) in one call: the items of
-// all of them in one schedule, so the threads stay busy across the weights' boundaries.
+// all of them in one schedule, so the threads stay busy across the weights' boundaries. Weights in panels
+// (cpu_matmul_panels.h) run as one call of their own, before the others.
 template <typename T>
 void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
+  if (std::any_of(problems.begin(), problems.end(), [](const Problem& p) { return p.panels; })) {
+    std::vector<Problem> panels, others;
+    for (const Problem& p : problems) (p.panels ? panels : others).push_back(p);
+    RunPanels<T>(panels, num_workers);
+    if (others.empty()) return;
+    problems = std::move(others);
+  }
   std::vector<Plan> plans;
   int64_t num_items = 0, partial_size = 0;
   const bool cleared = AddsIntoCleared<T>(problems[0].rows);
@@ -512,12 +526,23 @@ ffi::Error MakeProblems(const ffi::AnyBuffer& x, ffi::RemainingArgs& weights, ff
     auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("small_matmul: bad weight or result");
     const auto w_dims = w->dimensions();
-    if (w_dims.size() != 2) return ffi::Error::InvalidArgument("small_matmul: weights must be 2-d");
+    if (w->element_type() != type) return ffi::Error::InvalidArgument("small_matmul: x and w must share a dtype");
+    const auto out_dims = (*out)->dimensions();
+    if (w_dims.size() == 3) {  // [K, N] in panels (cpu_matmul_panels.h): N is the result's
+      const int64_t columns = out_dims.size() == 2 ? out_dims[1] : -1;
+      if (transposed || out_dims.size() != 2 || out_dims[0] != rows || w_dims[0] != Panels(columns) ||
+          w_dims[1] != depth || w_dims[2] != kPanelColumns) {
+        return ffi::Error::InvalidArgument("small_matmul: weights in panels must be [ceil(N / 16), K, 16]");
+      }
+      problems.push_back(Problem{w->untyped_data(), nullptr, (*out)->typed_data(), rows, depth, columns});
+      problems.back().panels = true;
+      continue;
+    }
+    if (w_dims.size() != 2) return ffi::Error::InvalidArgument("small_matmul: weights must be 2-d, or 3-d panels");
     const int64_t columns = transposed ? w_dims[0] : w_dims[1];
     if ((transposed ? w_dims[1] : w_dims[0]) != depth || (*out)->element_count() != size_t(rows * columns)) {
       return ffi::Error::InvalidArgument("small_matmul: inconsistent shapes");
     }
-    if (w->element_type() != type) return ffi::Error::InvalidArgument("small_matmul: x and w must share a dtype");
     problems.push_back(Problem{w->untyped_data(), nullptr, (*out)->typed_data(), rows, depth, columns});
   }
   if (type != ffi::DataType::BF16 && type != ffi::DataType::F16 && type != ffi::DataType::F32) {
@@ -571,6 +596,10 @@ ffi::Error SmallMatmulNormed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
 
 // The instruction path this library was compiled for: "avx512", "avx2" or "portable".
 extern "C" const char* JaxserveCpuKernelPath() { return kPath; }
+
+// Whether bfloat16 weights are multiplied in vdpbf16ps pairs (cpu_matmul_bf16_pairs.h): those stay [K, N], whose
+// pair tiles the panels do not have (cpu.py's panel_dtypes).
+extern "C" int JaxserveCpuBf16Pairs() { return kBf16Pairs ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmul, SmallMatmul,
                               ffi::Ffi::Bind()

@@ -134,6 +134,7 @@ struct Problem {
   int64_t rows, depth, columns;  // M, K, N
   const uint16_t* x16 = nullptr;  // bfloat16 x as given, K padded to even with a zero (cpu_matmul_bf16_pairs.h)
   int64_t x16_stride = 0;
+  bool panels = false;  // w [ceil(N / P), K, P] (cpu_matmul_panels.h)
 };
 
 }  // namespace

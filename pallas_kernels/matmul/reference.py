@@ -13,10 +13,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.matmul import panels
+
 
 def matmul(rows, weight, *, transposed: bool = False):
-    """rows [M, K] @ weight [K, N] (weight [N, K] when transposed) -> float32 [M, N]; rows in the weight's
-    dtype."""
+    """rows [M, K] @ weight [K, N] (weight [N, K] when transposed; or the [K, N] weight in ColumnPanels,
+    panels.py) -> float32 [M, N]; rows in the weight's dtype."""
+    if panels.is_panels(weight):
+        return panels.matmul(rows, weight)
     num_rows = rows.shape[0]
     if num_rows == 1 and weight.dtype != jnp.float32:
         rows = jnp.pad(rows, ((0, 1), (0, 0)))

@@ -1,0 +1,231 @@
+// [K, N] weights stored in column panels (cpu_matmul.cc, issue 29): w[k, n] at panels[n / P][k][n % P], P =
+// kPanelColumns (16) columns a panel, the last panel padded with zeros past N. The engine stores its float
+// projections so on the CPU (pallas_kernels/matmul/cpu.py, ColumnPanels).
+//
+// Why: one row of x reads every weight byte once, and reading is all it does. A [K, N] weight read by register
+// tiles goes in column strips (a tile's columns of each of a block's rows, N elements apart), and the layers'
+// calls read at 0.83-0.90 of a two-thread stream where the tied head, read [N, K] as a few long runs side by
+// side (NkStreams), reads at 1.0 (docs/notes/cpu-kernels.md, sessions 23-24). In panels a tile of G panels reads
+// G long runs in address order, one per panel: SmolLM2-135M's 30 layers at one row, two workers, Intel Xeon (AMX):
+// float32 0.89 -> 1.01 of the stream, bfloat16 0.83 -> 0.97 (a harness beside bench/cpu_matmul_stream.cc,
+// session 32: one panel of 128 columns, a single run, read no faster than the strips: the runs side by side are
+// what the prefetchers want). [N, K] itself would do as well at one row but sums each output as a dot product
+// (lane partials, then a horizontal tree): the many-row tiles would have to keep that order.
+//
+// Each output's terms are added in K's order, whatever the rows, as in the [K, N] walks (Row invariance,
+// cpu_matmul.cc): the call is cut as the quantized kernels cut theirs (cpu_call_plan.h: the call's one-row
+// blocks in order as one sequence of bytes, cut along K only where a run ends), the same cut at every row count,
+// a piece's K range walked from zero (up to kWalkRows rows: tiles straight from the panels; more: passes packed
+// and widened once, KnRows) and the pieces past a block's first K added in K's order after the runs.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_call_plan.h"
+
+namespace {
+
+constexpr int64_t kPanelColumns = 16;                           // P: pallas_kernels/matmul/cpu.py's PANEL_COLUMNS
+constexpr int kPanelVectors = int(kPanelColumns / kLanes);       // vectors across a panel: 1, 2 or 4
+constexpr int64_t kPanelBlockColumns = kWalkVectors[1] * kLanes;  // a one-row tile's panels: a block of the cut
+constexpr int64_t kPanelAheadRows = 16;   // software prefetch this many panel rows ahead (bfloat16 0.85 -> 0.99)
+constexpr int64_t kPanelBlockRows = 64;   // rows of a tile before the second group of rows of x reads them again
+
+inline int64_t Panels(int64_t columns) { return (columns + kPanelColumns - 1) / kPanelColumns; }
+
+// R rows of x by G whole panels (w: the first panel's row k0; panels `panel_stride` elements apart) over `count`
+// rows, added into out [R, G * P] (rows ldo apart). Prefetches each panel `ahead` rows on.
+// bfloat16 where kWalkEvenOdd (avx2, portable: cpu_matmul_few_rows.h's EvenOddWeights) widens a panel row's pairs
+// of elements by a shift and an and, the accumulators in [evens, odds] order while the tile runs (the same FMAs per
+// output in the same order: the same bits).
+template <typename T, int R, int G>
+inline void PanelTile(const float* x, int64_t ldx, const typename T::Stored* w, int64_t panel_stride, int64_t count,
+                      int64_t ahead, float* out, int64_t ldo) {
+  using S = typename T::Stored;
+  constexpr int VP = kPanelVectors;
+  constexpr bool kEvenOdd = kWalkEvenOdd && std::is_same_v<T, BF16> && VP % 2 == 0;
+  if constexpr (kEvenOdd) {
+    for (int r = 0; r < R; ++r) EvenOddColumns(out + r * ldo, G * kPanelColumns, false);
+  }
+  VecF acc[R][G][VP];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+      for (int v = 0; v < VP; ++v) acc[r][g][v] = LoadF(out + r * ldo + g * kPanelColumns + v * kLanes);
+  for (int64_t k = 0; k < count; ++k) {
+    VecF wv[G][VP];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const S* row = w + g * panel_stride + k * kPanelColumns;
+      if (ahead != 0) __builtin_prefetch(row + ahead * kPanelColumns, 0, JAXSERVE_WALK_LOCALITY);
+      if constexpr (kEvenOdd) {
+#pragma GCC unroll 4
+        for (int v = 0; v < VP; v += 2) EvenOddWeights(row + v * kLanes, wv[g][v], wv[g][v + 1]);
+      } else {
+#pragma GCC unroll 4
+        for (int v = 0; v < VP; ++v) wv[g][v] = T::Vector(row + v * kLanes);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const VecF xb = Broadcast(x[r * ldx + k]);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+        for (int v = 0; v < VP; ++v) acc[r][g][v] = Fma(xb, wv[g][v], acc[r][g][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+      for (int v = 0; v < VP; ++v) StoreF(out + r * ldo + g * kPanelColumns + v * kLanes, acc[r][g][v]);
+  if constexpr (kEvenOdd) {
+    for (int r = 0; r < R; ++r) EvenOddColumns(out + r * ldo, G * kPanelColumns, true);
+  }
+}
+
+// One group of R rows by the panels of `width` columns (the last panel may be partial: its tile runs on a copy of
+// its columns, zeros past them, whose padded lanes are dropped).
+template <typename T, int R, int G>
+inline void PanelGroup(const float* x, int64_t ldx, const typename T::Stored* w, int64_t panel_stride, int64_t count,
+                       int64_t ahead, int64_t width, float* out, int64_t ldo) {
+  const int64_t whole = width / kPanelColumns;
+  int64_t panel = 0;
+  for (; panel + G <= whole; panel += G) {
+    PanelTile<T, R, G>(x, ldx, w + panel * panel_stride, panel_stride, count, ahead, out + panel * kPanelColumns, ldo);
+  }
+  for (; panel < whole; ++panel) {
+    PanelTile<T, R, 1>(x, ldx, w + panel * panel_stride, panel_stride, count, ahead, out + panel * kPanelColumns, ldo);
+  }
+  const int64_t c0 = whole * kPanelColumns, rest = width - c0;
+  if (rest == 0) return;
+  float last[R][kPanelColumns] = {};
+  for (int r = 0; r < R; ++r) std::memcpy(last[r], out + r * ldo + c0, rest * sizeof(float));
+  PanelTile<T, R, 1>(x, ldx, w + whole * panel_stride, panel_stride, count, ahead, &last[0][0], kPanelColumns);
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * ldo + c0, last[r], rest * sizeof(float));
+}
+
+// R rows of x (up to kWalkRows) by panel rows [0, count) of `width` columns, added into out: R1 rows, then (more
+// rows than a register tile holds) R2 over the same panel rows, in blocks of kPanelBlockRows so that they are in L1.
+template <typename T, int R>
+void PanelWalk(const float* x, int64_t ldx, const typename T::Stored* w, int64_t panel_stride, int64_t count,
+               int64_t width, float* out, int64_t ldo) {
+  constexpr int R1 = R > kWalkGroupRows ? (R + 1) / 2 : R, R2 = R - R1;
+  constexpr int G = std::max(1, kWalkVectors[R1] / kPanelVectors);
+  for (int64_t kb = 0; kb < count; kb += kPanelBlockRows) {
+    const int64_t rows = std::min(kPanelBlockRows, count - kb);
+    const int64_t ahead = kb + rows < count ? kPanelAheadRows : 0;
+    const auto* wb = w + kb * kPanelColumns;
+    PanelGroup<T, R1, G>(x + kb, ldx, wb, panel_stride, rows, ahead, width, out, ldo);
+    if constexpr (R2 > 0) PanelGroup<T, R2, G>(x + R1 * ldx + kb, ldx, wb, panel_stride, rows, 0, width, out + R1 * ldo, ldo);
+  }
+}
+
+template <typename T, int R>
+void PanelWalkRows(int rows, const float* x, int64_t ldx, const typename T::Stored* w, int64_t panel_stride,
+                   int64_t count, int64_t width, float* out, int64_t ldo) {
+  if constexpr (R > 0) {
+    if (rows == R) return PanelWalk<T, R>(x, ldx, w, panel_stride, count, width, out, ldo);
+    PanelWalkRows<T, R - 1>(rows, x, ldx, w, panel_stride, count, width, out, ldo);
+  }
+}
+
+// Panel rows [0, count) of `width` columns (w: the first panel's first row), widened into packed [count, width].
+template <typename T>
+void PackPanels(const typename T::Stored* w, int64_t panel_stride, int64_t count, int64_t width, float* packed) {
+  for (int64_t c0 = 0; c0 < width; c0 += kPanelColumns) {
+    const auto* panel = w + c0 / kPanelColumns * panel_stride;
+    const int64_t columns = std::min(kPanelColumns, width - c0);
+    for (int64_t k = 0; k < count; ++k) {
+      const auto* row = panel + k * kPanelColumns;
+      float* to = packed + k * width + c0;
+      if (columns == kPanelColumns) {
+#pragma GCC unroll 4
+        for (int v = 0; v < kPanelVectors; ++v) StoreF(to + v * kLanes, T::Vector(row + v * kLanes));
+      } else {
+        for (int64_t c = 0; c < columns; ++c) to[c] = T::One(row[c]);
+      }
+    }
+  }
+}
+
+// One piece of the cut (a weight's columns [c0, c0 + width), panel rows [g0, g1)) for all rows of x, into out
+// (rows ldo apart): up to kWalkRows rows added into out as the caller cleared it; more, written from zero in
+// passes of `chunk` packed rows, as KnItem's.
+template <typename T>
+void PanelPiece(const Problem& p, const jaxserve_cpu::CallPiece& piece, float* out, int64_t ldo) {
+  const int64_t panel_stride = p.depth * kPanelColumns;
+  const auto* w = static_cast<const typename T::Stored*>(p.w) + piece.c0 / kPanelColumns * panel_stride;
+  if (p.rows <= kWalkRows) {
+    return PanelWalkRows<T, kWalkRows>(int(p.rows), p.x + piece.g0, p.depth, w + piece.g0 * kPanelColumns,
+                                       panel_stride, piece.g1 - piece.g0, piece.width, out, ldo);
+  }
+  const int64_t chunk = PassRows(piece.width);
+  float* packed = PackBuffer(chunk * piece.width);
+  for (int64_t k = piece.g0; k < piece.g1; k += chunk) {
+    const int64_t count = std::min(chunk, piece.g1 - k);
+    const bool from_zero = k == piece.g0;
+    PackPanels<T>(w + k * kPanelColumns, panel_stride, count, piece.width, packed);
+    int64_t r0 = 0;
+    for (; r0 + kKnRows <= p.rows; r0 += kKnRows) {
+      KnRows<kKnRows>(p.x + r0 * p.depth + k, p.depth, packed, count, piece.width, out + r0 * ldo, ldo, from_zero);
+    }
+    if (r0 < p.rows) {
+      KnRemainder<kKnRows - 1>(int(p.rows - r0), p.x + r0 * p.depth + k, p.depth, packed, count, piece.width,
+                               out + r0 * ldo, ldo, from_zero);
+    }
+  }
+}
+
+// A call of weights in panels: the one-row call's cut (blocks of a one-row tile's panels, in two runs a worker so
+// that a late helper still gets its share). Up to kWalkRows rows each run walks its pieces in order; more, every
+// piece is an item (each writes its own columns, or its own partial).
+template <typename T>
+void RunPanels(const std::vector<Problem>& problems, int64_t num_workers) {
+  const int64_t rows = problems[0].rows;
+  std::vector<jaxserve_cpu::CallBlock> blocks;
+  for (size_t i = 0; i < problems.size(); ++i) {
+    const Problem& p = problems[i];
+    for (int64_t c0 = 0; c0 < p.columns; c0 += kPanelBlockColumns) {
+      const int64_t width = std::min(kPanelBlockColumns, p.columns - c0);
+      const int64_t bytes = Panels(width) * kPanelColumns * int64_t(sizeof(typename T::Stored));
+      blocks.push_back({int64_t(i), c0, width, p.depth, bytes});
+    }
+  }
+  const jaxserve_cpu::CallCut cut = jaxserve_cpu::CutCall(blocks, rows, 2 * num_workers);
+  float* partials = PartialsBuffer(cut.partial_floats);
+  const bool walks = rows <= kWalkRows;
+  for (const Problem& p : problems) {  // (K = 0: no piece writes the zeros)
+    if (walks || p.depth == 0) std::memset(p.out, 0, sizeof(float) * rows * p.columns);
+  }
+  if (walks) std::memset(partials, 0, sizeof(float) * cut.partial_floats);
+  auto piece = [&](int64_t i) {
+    const jaxserve_cpu::CallPiece& c = cut.pieces[i];
+    const Problem& p = problems[c.weight];
+    if (c.partial >= 0) return PanelPiece<T>(p, c, partials + c.partial, c.width);
+    PanelPiece<T>(p, c, p.out + c.c0, p.columns);
+  };
+  if (walks) {
+    jaxserve_cpu::RunItems(num_workers, int64_t(cut.run_starts.size()) - 1, [&](int64_t, int64_t run) {
+      for (int64_t i = cut.run_starts[run]; i < cut.run_starts[run + 1]; ++i) piece(i);
+    });
+  } else {
+    jaxserve_cpu::RunItems(num_workers, int64_t(cut.pieces.size()), [&](int64_t, int64_t i) { piece(i); });
+  }
+  for (const jaxserve_cpu::CallPiece& c : cut.pieces) {  // in the plan's order: a block's pieces in K's order
+    if (c.partial < 0) continue;
+    const Problem& p = problems[c.weight];
+    jaxserve_cpu::AddPartial(partials + c.partial, rows, c.width, p.out + c.c0, p.columns);
+  }
+}
+
+}  // namespace

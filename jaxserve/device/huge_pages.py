@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.matmul.panels import is_panels
 from pallas_kernels.matmul.quantized import is_quantized
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def _weights(model) -> list[nnx.Variable]:
         node
         for _, node in nnx.iter_graph(model)
         if isinstance(node, nnx.Variable)
-        and (isinstance(node.get_value(), jax.Array) or is_quantized(node.get_value()))
+        and (isinstance(node.get_value(), jax.Array) or is_quantized(node.get_value()) or is_panels(node.get_value()))
     ]
 
 

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import Buckets, EngineConfig, EngineRole
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
+from jaxserve.device.panel_weights import store_projections_in_panels
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import (
     ModelRunner,
@@ -275,7 +276,10 @@ def _load_model(
     if expert_parallel:
         placement = initial_placement(abstract_placement, source.config.num_experts, mesh, expert_load_profile)
         return nnx.merge(graphdef, params, placement)
-    return nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params)
+    if matmul.panel_dtypes:  # the layout the CPU kernel reads fastest (device/panel_weights.py)
+        store_projections_in_panels(model, matmul.panel_dtypes)
+    return model
 
 
 def _attach_lora(model, config: EngineConfig, model_config: ModelConfig, mesh: Mesh | None, expert_parallel: bool):

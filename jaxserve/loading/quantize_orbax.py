@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxserve.loading.quantize import place_shardings
 from pallas_kernels.matmul.kquant import KQuantWeight
+from pallas_kernels.matmul.panels import is_panels
 from pallas_kernels.matmul.quantized import QuantizedWeight
 
 LEAVES = ("values", "scales", "mins")
@@ -24,6 +25,9 @@ def split_for_saving(flat: dict) -> tuple[dict, dict]:
     """{param name: array or QuantizedWeight} -> ({array name: array}, {param name: its description})."""
     arrays, quantized = {}, {}
     for name, value in flat.items():
+        if is_panels(value):  # the CPU kernel's layout of a float weight (device/panel_weights.py): saved [K, N]
+            arrays[name] = value.matrix()
+            continue
         if not isinstance(value, (QuantizedWeight, KQuantWeight)):
             arrays[name] = value
             continue

@@ -341,6 +341,7 @@ class Linear(nnx.Linear):
 
     matmul: Matmul
     lora: Any = None  # jaxserve/lora's LoraSlots where adapters may target this projection
+    reads_kernel_whole = False  # its module reads the kernel as a matrix: kept [K, N] (device/panel_weights.py)
 
     def projected_weight(self):
         """The kernel, or with adapter slots attached the kernel beside them (a LoraWeight that the plan's

@@ -83,6 +83,7 @@ class LatentAttention(nnx.Module):
         self.kv_a_proj_with_mqa = make(e, self.rank + self.rope, ("embed", "latent"), bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LORA_NORM_EPS, dtype, axis="latent")
         self.kv_b_proj = make(self.rank, h * (self.nope + self.value_dim), ("latent", "heads"), False)
+        self.kv_b_proj.reads_kernel_whole = True  # read as a matrix below: kept [K, N] (device/panel_weights.py)
         self.o_proj = make(h * self.value_dim, e, ("heads", "embed"), config.attention_output_bias)
         self.entry_width = 2 * config.kv_cache_head_dim
         self.scale = softmax_scale(config)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve import LLM
+from pallas_kernels.matmul.panels import is_panels, to_panels
 from pallas_kernels.matmul.quantized import QuantizedWeight, dequantize
 
 
@@ -23,7 +24,11 @@ def dequantized_twin(quantized: LLM, twin: LLM) -> LLM:
             float_value = dequantize(value, jnp.float32)
             if tuple(map(str, path[-2:])) == ("embed_tokens", "embedding"):
                 float_value = float_value.T  # stored [E, V]
-            value = jax.device_put(float_value, variable.get_value().sharding)
+            twin_value = variable.get_value()
+            if is_panels(twin_value):  # the twin's float projection in the CPU kernel's layout
+                value = to_panels(float_value)
+            else:
+                value = jax.device_put(float_value, twin_value.sharding)
         replaced.append((path, variable.replace(value)))
     twin.engine.runner.replace_params(nnx.from_flat_state(replaced))
     return twin

@@ -22,7 +22,8 @@
 //
 // A third argument `nk` (two-thread mode) stores the layers' weights [N, K] as the tied head is (the same shapes,
 // read by the transposed walks, NkStreams / NkItem): what a transposed layer layout would read (session 24:
-// docs/notes/cpu-kernels.md).
+// docs/notes/cpu-kernels.md); `panels` stores them in column panels as the engine does where the kernel serves
+// the dtype at every row count (cpu_matmul_panels.h, session 32; SmolLM2's widths are whole panels).
 //
 // A second argument `hot` runs the walks over weights that stay in L2 instead (BenchHot): the instructions'
 // cost per byte, which a machine with more bandwidth per core would expose, per path and dtype.
@@ -200,7 +201,7 @@ float TwoThreadStream(const float* p, int64_t n) {
 }
 
 template <typename T>
-void BenchTwoThreads(const char* dtype, int64_t rows, bool layers_transposed) {
+void BenchTwoThreads(const char* dtype, int64_t rows, bool layers_transposed, bool layers_in_panels) {
   using S = typename T::Stored;
   constexpr int64_t kLayers = 30, kEmbed = 576, kKv = 192, kMlp = 1536, kVocab = 49152;
   // A layer's weights in the engine's calls: {q, k, v}, {o}, {gate, up}, {down}.
@@ -224,6 +225,7 @@ void BenchTwoThreads(const char* dtype, int64_t rows, bool layers_transposed) {
         float* o = out.data();
         for (int i = call[0]; i < call[1]; ++i) {
           problems.push_back(Problem{w, x.data(), o, rows, shapes[i][0], shapes[i][1], x16.data(), kMlp});
+          problems.back().panels = layers_in_panels;
           o += rows * shapes[i][1];
           w += shapes[i][0] * shapes[i][1];
         }
@@ -253,7 +255,7 @@ void BenchTwoThreads(const char* dtype, int64_t rows, bool layers_transposed) {
         "{\"path\": \"%s\", \"dtype\": \"%s\", \"rows\": %lld, \"layers\": \"%s\", \"round\": %d, \"one_thread_stream_gb_s\": %.1f, "
         "\"two_thread_stream_gb_s\": %.1f, \"step_ms_two_workers\": %.2f, \"step_ms_one_worker\": %.2f, "
         "\"two_workers_of_two_thread_stream\": %.2f, \"one_worker_of_two_thread_stream\": %.2f}\n",
-        kPath, dtype, static_cast<long long>(rows), layers_transposed ? "[N, K]" : "[K, N]", round,
+        kPath, dtype, static_cast<long long>(rows), layers_transposed ? "[N, K]" : layers_in_panels ? "panels" : "[K, N]", round,
         stream_floats * 4.0 / one_stream_s / 1e9, two_stream_gb_s,
         1e3 * two_s, 1e3 * one_s, bytes / two_s / 1e9 / two_stream_gb_s, bytes / one_s / 1e9 / two_stream_gb_s);
     std::fflush(stdout);
@@ -266,14 +268,15 @@ int main(int argc, char** argv) {
   const bool two_threads = argc > 2 && std::atoi(argv[2]) == 2;
   const bool hot = argc > 2 && std::string(argv[2]) == "hot";
   const bool layers_transposed = argc > 3 && std::string(argv[3]) == "nk";
+  const bool layers_in_panels = argc > 3 && std::string(argv[3]) == "panels";
   for (int64_t rows : {1, 2, 4, 5, 7, 8, 16, 64}) {
     if (argc > 1 && std::atoi(argv[1]) != rows) continue;
     if (hot) {
       BenchHot<F32>("float32", rows);
       BenchHot<BF16>("bfloat16", rows);
     } else if (two_threads) {
-      BenchTwoThreads<F32>("float32", rows, layers_transposed);
-      BenchTwoThreads<BF16>("bfloat16", rows, layers_transposed);
+      BenchTwoThreads<F32>("float32", rows, layers_transposed, layers_in_panels);
+      BenchTwoThreads<BF16>("bfloat16", rows, layers_transposed, layers_in_panels);
     } else {
       Bench<F32>("float32", rows);
       Bench<BF16>("bfloat16", rows);

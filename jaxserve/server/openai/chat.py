@@ -81,7 +81,16 @@ def checked_chat(
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-    context: ServingContext = request.app.state.context
+    call = await start_chat(request.app.state.context, body, request)
+    if body.stream:
+        return EventStreamResponse(call.events(), call.group)
+    result = await until_disconnected(request.receive, call.collect())
+    return JSONResponse(result) if result is not None else Response(status_code=204)
+
+
+async def start_chat(context: ServingContext, body: ChatCompletionRequest, request: Request) -> ChatCall:
+    """The request checked, rendered and admitted (its refusals raised as APIErrors), ready to stream or collect;
+    also what /v1/responses runs its requests through (responses_api.py)."""
     context.ready_loop()
     adapter = context.check_model(body.model)
     request_id = body.request_id or request.headers.get("x-request-id", "")
@@ -96,11 +105,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     group, plan = await context.admit(request_size(request), check, request_id, body.session_id)
     token_text = await TokenText.for_engine(group.engine_loop.engine) if body.logprobs else None
     prompt_token_ids, params = checked[0]
-    call = ChatCall(context, body, group, plan, reasoning, token_text, prompt_token_ids, reply_reasoning_start(params))
-    if body.stream:
-        return EventStreamResponse(call.events(), group)
-    result = await until_disconnected(request.receive, call.collect())
-    return JSONResponse(result) if result is not None else Response(status_code=204)
+    return ChatCall(context, body, group, plan, reasoning, token_text, prompt_token_ids, reply_reasoning_start(params))
 
 
 class ChatCall:
@@ -143,7 +148,7 @@ class ChatCall:
 
     def chunk(
         self, index: int, delta: dict, logprobs=None, finish_reason=None, token_ids=None, stop_reason=None
-    ) -> str:
+    ) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:  # vLLM's, on the last chunk: the stop string or stop token that ended it
             choice["stop_reason"] = stop_reason
@@ -152,7 +157,7 @@ class ChatCall:
         chunk = {**self.header, "object": "chat.completion.chunk", "choices": [choice]}
         if self.body.include_usage:  # vLLM's continuous_usage_stats: the usage so far in every chunk
             chunk["usage"] = self.usage.usage() if self.body.continuous_usage else None
-        return sse(chunk)
+        return chunk
 
     def calls(self, reply: ParsedReply | None) -> list:
         """The reply's tool calls; without parallel_tool_calls, only its first."""
@@ -165,6 +170,13 @@ class ChatCall:
         return "tool_calls" if calls and reason == "stop" else reason
 
     async def events(self):
+        async for chunk in self.chunks():
+            yield sse(chunk)
+        yield DONE
+
+    async def chunks(self):
+        """The stream's chunks as objects: a failure's is OpenAI's error body, and ends them; the usage chunk
+        (include_usage) comes last."""
         usage = self.usage = UsageCounter.of_streams(self.group.streams)
         for index in range(self.body.n):
             yield self.chunk(index, {"role": self.role, "content": ""})
@@ -173,7 +185,7 @@ class ChatCall:
         holdbacks, splits = {}, {}
         async for position, delta in self.group.deltas():
             if (message := failure(delta, self.group.streams[position])) is not None:
-                yield sse(error_body(self.group.streams[position].error_status, message))
+                yield error_body(self.group.streams[position].error_status, message)
                 break
             usage.add(position, delta)
             text, reply, reasoning = delta.text, None, ""
@@ -216,8 +228,7 @@ class ChatCall:
             self.group.mark_sending(False)
         else:
             if self.body.include_usage:
-                yield sse({**self.header, "object": "chat.completion.chunk", "choices": [], "usage": usage.usage()})
-        yield DONE
+                yield {**self.header, "object": "chat.completion.chunk", "choices": [], "usage": usage.usage()}
 
     async def collect(self) -> dict:
         choices, usage = await gather_choices(self.group, lambda position, delta: delta.index)

@@ -1,4 +1,4 @@
-"""The ASGI app: the OpenAI routes (completions.py, chat.py) and vLLM's side routes (/v1/models,
+"""The ASGI app: the OpenAI routes (completions.py, chat.py, responses_api.py) and vLLM's side routes (/v1/models,
 /tokenize, /detokenize, /tokenizer_info, /health, /metrics), behind the guard (API keys, body size) and, when
 server.cors_allowed_origins names any, CORS."""
 
@@ -14,7 +14,7 @@ import jaxserve
 from jaxserve.server import limits as request_limits
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.chat_prompt import chat_prompt_token_ids
-from jaxserve.server.openai import chat, completions, lora_routes
+from jaxserve.server.openai import chat, completions, lora_routes, responses_api
 from jaxserve.server.openai.context import ServingContext
 from jaxserve.server.openai.errors import APIError, error_response, install_error_handlers
 from jaxserve.server.openai.guard import Guard
@@ -35,6 +35,7 @@ def build_app(
     install_error_handlers(app, context.on_refusal)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(responses_api.router)
     app.include_router(lora_routes.router)
 
     @app.get("/health")

@@ -11,12 +11,16 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from jaxserve.server.openai.chat import ChatCall
 from jaxserve.server.openai.responses_api import ResponsesAnswer
 from jaxserve.server.openai.responses_request import ResponsesRequest, chat_request
 from jaxserve.server.reasoning_parsers import reasoning_parser
-from jaxserve.server.tool_choice import NO_TOOLS
+from jaxserve.server.tool_choice import NO_TOOLS, plan_tools
+from jaxserve.server.tool_parsers import tool_parser
+from tests.server import test_chat_tool_stream
 from tests.server.test_gpt_oss_reasoning import ScriptedGroup, byte_level_tokenizer
 from tests.server.test_openai_structured import SCHEMA, check_schema
 from tests.server.test_openai_tools import CLOCK, TOOLS_TEMPLATE, WEATHER
@@ -277,32 +281,68 @@ def think_tokenizer():
     return tokenizer
 
 
+CONTEXT = SimpleNamespace(model_name="m", system_fingerprint="fp_test", response_model=lambda name: "m")
+
+
 def scripted_call(tokenizer, pieces: list[list[int]], stream: bool) -> tuple[ChatCall, ResponsesAnswer]:
     body = ResponsesRequest(input="2 + 2?", stream=stream)
-    context = SimpleNamespace(model_name="m", system_fingerprint="fp_test", response_model=lambda name: "m")
     parser = reasoning_parser("qwen3", "qwen3", tokenizer)
-    call = ChatCall(
-        context, chat_request(body), ScriptedGroup(pieces, tokenizer), NO_TOOLS, parser, None, prompt(tokenizer)
-    )  # type: ignore[arg-type]
+    group = ScriptedGroup(pieces, tokenizer)
+    call = ChatCall(CONTEXT, chat_request(body), group, NO_TOOLS, parser, None, prompt(tokenizer))  # type: ignore[arg-type]
     return call, ResponsesAnswer(body, "m")
+
+
+def scripted_events(call: ChatCall, answer: ResponsesAnswer) -> list:
+    """The events as the openai client's own types read them (every field checked)."""
+
+    async def gather():
+        return [event async for event in answer.events(call)]
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    return [adapter.validate_json(event.split("data: ", 1)[1]) for event in asyncio.run(gather())]
 
 
 def test_reasoning_is_its_own_output_item_whole_and_streamed(think_tokenizer):
     token_ids = think_tokenizer.encode(f"<think>{THINKING}</think>{ANSWER}")
     call, answer = scripted_call(think_tokenizer, [token_ids], stream=False)
-    response = openai.types.responses.Response.model_validate(answer.whole(asyncio.run(call.collect())))
+    response = Response.model_validate(answer.whole(asyncio.run(call.collect())))
     reasoning, message = response.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == THINKING and response.output_text == ANSWER
 
-    call, answer = scripted_call(think_tokenizer, [[token] for token in token_ids], stream=True)
-
-    async def gather():
-        return [event async for event in answer.events(call)]
-
-    events = [json.loads(event.split("data: ", 1)[1]) for event in asyncio.run(gather())]
-    text = lambda kind: "".join(e["delta"] for e in events if e["type"] == kind)  # noqa: E731
+    events = scripted_events(*scripted_call(think_tokenizer, [[token] for token in token_ids], stream=True))
+    text = lambda kind: "".join(e.delta for e in events if e.type == kind)  # noqa: E731
     assert text("response.reasoning_text.delta") == THINKING and text("response.output_text.delta") == ANSWER
-    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
-    assert added == ["reasoning", "message"]
-    final = openai.types.responses.Response.model_validate(events[-1]["response"])
+    assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["reasoning", "message"]
+    final = events[-1].response
     assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == ANSWER
+    assert final.output[0].content[0].text == THINKING and final.usage.output_tokens == len(token_ids)
+
+
+def tool_call(group, stream: bool) -> tuple[ChatCall, ResponsesAnswer]:
+    body = ResponsesRequest(input="?", tools=[{"type": "function", "name": "lookup"}], stream=stream)
+    chat = chat_request(body)
+    plan = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls, tool_parser("hermes"))
+    return ChatCall(CONTEXT, chat, group, plan), ResponsesAnswer(body, "m")  # type: ignore[arg-type]
+
+
+def test_text_before_a_call_is_a_message_then_the_function_call():
+    """test_chat_tool_stream.py's scripted reply: "Checking. " and a hermes call cut across deltas."""
+    call, answer = tool_call(test_chat_tool_stream.ScriptedGroup(test_chat_tool_stream.PIECES), stream=False)
+    whole = Response.model_validate(answer.whole(asyncio.run(call.collect())))
+    events = scripted_events(*tool_call(test_chat_tool_stream.ScriptedGroup(test_chat_tool_stream.PIECES), True))
+    streamed = events[-1].response
+    for response in (whole, streamed):
+        message, function_call = response.output
+        assert response.output_text == "Checking. " and response.status == "completed"
+        assert function_call.name == "lookup" and json.loads(function_call.arguments) == {"q": "x"}
+    assert [e.type for e in events if e.type.startswith("response.function_call")] == [
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+    ]
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event_then_a_failed_response():
+    group = test_chat_tool_stream.ScriptedGroup(["boom"], finish_reason="error")
+    events = scripted_events(*tool_call(group, stream=True))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert events[2].message == "boom" and events[3].response.error.message == "boom"

@@ -271,6 +271,18 @@ def test_raw_events_name_their_type_on_an_event_line(server):
     payloads = [json.loads(data.removeprefix("data: ")) for _, data in blocks]
     assert [event for event, _ in blocks] == [f"event: {payload['type']}" for payload in payloads]
     assert payloads[-1]["type"] == "response.completed" and payloads[-1]["response"]["status"] == "incomplete"
+    adapter = TypeAdapter(ResponseStreamEvent)  # strictly, as the openai client's types have every field
+    assert [adapter.validate_python(payload).type for payload in payloads] == [p["type"] for p in payloads]
+    body = {
+        "input": ASK,
+        "max_output_tokens": 3,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "none",
+        "metadata": {"a": "b"},
+    }
+    status, _, raw = http(server, "POST", "/v1/responses", body)
+    response = Response.model_validate_json(raw)
+    assert status == 200 and response.tools[0].name == "get_weather" and response.metadata == {"a": "b"}
 
 
 @pytest.fixture(scope="module")

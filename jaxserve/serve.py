@@ -34,6 +34,7 @@ from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.metrics_http import start_metrics_server, stop_metrics_server
 from jaxserve.server.openai import HTTPServer, ServingContext, build_app
+from jaxserve.server.openai.response_store import ResponseStore
 from jaxserve.server.process import StopRequested, run_until_signalled, signals_interrupt
 from jaxserve.server.rpc import GENERATION_SERVICE, ThreadPools, generation_handler, health_handler
 from jaxserve.server.service import GenerationService
@@ -103,7 +104,8 @@ class Server:
         self.stopped = threading.Event()
         self._closed = False
         # The OpenAI HTTP API: its own event-loop thread (the gRPC server is thread-pool based), one engine loop.
-        self.http_context = ServingContext(self.metrics, server.served_model_names)
+        store = ResponseStore(server.responses_store_max_responses, server.responses_store_max_bytes)
+        self.http_context = ServingContext(self.metrics, server.served_model_names, store)
         self.http_server = None
         try:
             if server.http_port:

@@ -71,6 +71,10 @@ class TLSConfig:
         return cls(str(value["cert"]), str(value["key"]), str(client_ca) if client_ca is not None else None)
 
 
+RESPONSES_STORE_MAX_RESPONSES = 1000
+RESPONSES_STORE_MAX_BYTES = 64 * 2**20
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # 0.0.0.0 opens the server to the network: set tls and api_keys first
@@ -101,6 +105,10 @@ class ServerConfig:
     # is the one responses carry; the checkpoint's name is accepted too. None: the checkpoint's name.
     served_model_name: str | tuple[str, ...] | None = None
     cors_allowed_origins: tuple[str, ...] = ()  # web origins allowed to call the HTTP API, or ["*"]; none: no CORS
+    # The Responses API's store (store: true, previous_response_id, GET / DELETE /v1/responses/{id}): an LRU of at
+    # most this many responses and bytes (their JSON with the conversations they continued), in memory. 0: none kept.
+    responses_store_max_responses: int = RESPONSES_STORE_MAX_RESPONSES
+    responses_store_max_bytes: int = RESPONSES_STORE_MAX_BYTES
 
     def __post_init__(self):
         check_field_types(self, "server")
@@ -115,6 +123,9 @@ class ServerConfig:
             raise ValueError(f"server.max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if not self.stream_idle_timeout > 0:
             raise ValueError(f"server.stream_idle_timeout must be > 0 seconds, got {self.stream_idle_timeout}")
+        for name in ("responses_store_max_responses", "responses_store_max_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"server.{name} must be >= 0 (0: nothing stored), got {getattr(self, name)}")
         if self.max_message_bytes is not None and self.max_message_bytes < 1024:
             raise ValueError(f"server.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.tool_call_parser not in PARSER_NAMES:

@@ -1,6 +1,7 @@
 """/v1/responses through the real openai client (client.responses.create, streamed and not, and the
 client.responses.stream helper) on a random tiny model: greedy text equals the chat completion's for the same
-messages, json_schema and tool_choice constrain it as they do chat's, the refusals are 400s naming the field.
+messages, json_schema and tool_choice constrain it as they do chat's, the refusals are 400s naming the field
+(the store and previous_response_id: test_openai_responses_store.py).
 The reasoning item is checked with no engine, on a scripted <think> reply (test_think_reasoning.py's)."""
 
 import asyncio
@@ -9,7 +10,6 @@ import time
 from http.client import HTTPConnection
 from types import SimpleNamespace
 
-import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -209,7 +209,6 @@ def test_a_streamed_named_function_call_comes_as_its_events(client):
 @pytest.mark.parametrize(
     "body,param,reason",
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
         ({"background": True}, "background", "background is not supported"),
         ({"conversation": "conv_1"}, "conversation", "not supported"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "'web_search' are not supported"),
@@ -235,16 +234,6 @@ def test_what_is_not_served_is_a_400_naming_the_field(server, body, param, reaso
     status, _, answer = http(server, "POST", "/v1/responses", {"model": MODEL, "input": ASK, **body})
     error = error_of(answer)
     assert status == 400 and reason in error["message"] and error["param"] == param, answer
-
-
-def test_the_client_sees_refusals_and_nothing_is_stored(server, client):
-    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
-        client.responses.create(model=MODEL, input=ASK, previous_response_id="resp_1")
-    response = client.responses.create(model=MODEL, input=ASK, store=True, max_output_tokens=2)
-    assert response.model_extra["store"] is False  # as vLLM without its response store
-    with pytest.raises(openai.NotFoundError, match="stores no responses"):
-        client.responses.retrieve(response.id)
-    assert http(server, "GET", "/health")[0] == 200
 
 
 def test_a_client_that_leaves_a_stream_aborts_its_request(server):

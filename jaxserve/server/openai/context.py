@@ -16,6 +16,7 @@ from jaxserve.host.request import SamplingParams
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.openai.errors import APIError, api_error
 from jaxserve.server.openai.loop import GenerationLoop, RefusalMetrics
+from jaxserve.server.openai.response_store import ResponseStore
 from jaxserve.server.openai.streams import StreamGroup, submit_all
 from jaxserve.server.reasoning_parsers import ReasoningParser, reasoning_parser
 from jaxserve.server.tool_choice import parser_for_template
@@ -39,11 +40,18 @@ REFUSAL_LABELS = {
 
 
 class ServingContext:
-    def __init__(self, metrics: RefusalMetrics, served_model_names: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        metrics: RefusalMetrics,
+        served_model_names: tuple[str, ...] = (),
+        response_store: ResponseStore | None = None,
+    ):
         """served_model_names: server.served_model_name, the names clients know the model by (the first
-        is the one responses carry); none: the checkpoint's own name."""
+        is the one responses carry); none: the checkpoint's own name. response_store: where /v1/responses
+        keeps what it stores (server.responses_store_*); none: one with the default bounds."""
         self.metrics = metrics
         self.served_model_names = served_model_names
+        self.response_store = response_store if response_store is not None else ResponseStore()
         self.loop: GenerationLoop | None = None  # set once the engine has warmed up
         self._limits: RequestLimits | None = None
         self.chat_template: str | None = None

@@ -8,7 +8,11 @@ response.in_progress, then per output item output_item.added, content_part.added
 as reasoning_text deltas, a call's arguments as one function_call_arguments delta), their done events,
 output_item.done, and response.completed with the whole response (its status "incomplete" when cut, as vLLM).
 
-Nothing is stored: GET /v1/responses/{id} answers 404 saying so.
+With `store` true (the API's default) and the server's store on (server.responses_store_max_responses > 0), a
+completed or incomplete response is kept with the conversation it continued (response_store.py, a bounded LRU;
+streamed, as response.completed is sent; a failed or abandoned one is not): GET /v1/responses/{id} returns it,
+DELETE /v1/responses/{id} removes it, and a later request's previous_response_id continues it. An id not stored
+(never, deleted or evicted) is a 404 naming it.
 """
 
 from __future__ import annotations
@@ -22,8 +26,15 @@ from fastapi.responses import JSONResponse, Response
 
 from jaxserve.server.openai.chat import ChatCall, start_chat
 from jaxserve.server.openai.errors import APIError
+from jaxserve.server.openai.response_store import ResponseStore
 from jaxserve.server.openai.responses import EventStreamResponse, now
-from jaxserve.server.openai.responses_request import ResponsesRequest, chat_request
+from jaxserve.server.openai.responses_request import (
+    ResponsesRequest,
+    chat_request,
+    check_features,
+    input_messages,
+    output_messages,
+)
 from jaxserve.server.openai.streams import until_disconnected
 
 router = APIRouter()
@@ -32,21 +43,46 @@ router = APIRouter()
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
     context = request.app.state.context
-    call = await start_chat(context, chat_request(body), request)
-    answer = ResponsesAnswer(body, context.response_model(body.model))
+    store: ResponseStore = context.response_store
+    check_features(body)  # a request that cannot be served is a 400 before its previous_response_id is looked up
+    conversation = input_messages(body, earlier_turns(store, body.previous_response_id))
+    call = await start_chat(context, chat_request(body, conversation), request)
+    keep = store if body.store is not False and store.enabled else None  # store's default is true, as OpenAI's
+    answer = ResponsesAnswer(body, context.response_model(body.model), conversation, keep)
     if body.stream:
         return EventStreamResponse(answer.events(call), call.group)
     result = await until_disconnected(request.receive, call.collect())
     return JSONResponse(answer.whole(result)) if result is not None else Response(status_code=204)
 
 
+def earlier_turns(store: ResponseStore, previous_response_id: str | None) -> list[dict]:
+    """The conversation a previous response continued, then its output as the assistant's turn."""
+    if previous_response_id is None:
+        return []
+    stored = store.get(previous_response_id)
+    if stored is None:
+        raise not_stored(previous_response_id, "previous_response_id")
+    return output_messages(stored.response["output"], stored.conversation)
+
+
+def not_stored(response_id: str, param: str) -> APIError:
+    """OpenAI's 404 for an id it does not hold (here: never stored, stored with store false, deleted or evicted)."""
+    return APIError(404, f"Response with id {response_id[:100]!r} not found.", param)
+
+
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str):
-    raise APIError(
-        404,
-        f"no response {response_id[:100]!r}: this server stores no responses (store is read as false)",
-        "response_id",
-    )
+async def retrieve_response(response_id: str, request: Request):
+    stored = request.app.state.context.response_store.get(response_id)
+    if stored is None:
+        raise not_stored(response_id, "response_id")
+    return JSONResponse(stored.response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    if not request.app.state.context.response_store.delete(response_id):
+        raise not_stored(response_id, "response_id")
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 def item_id(prefix: str) -> str:
@@ -92,11 +128,28 @@ def function_call_item(id_: str, call: dict, status: str) -> dict:
 
 
 class ResponsesAnswer:
-    def __init__(self, body: ResponsesRequest, model: str):
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        model: str,
+        conversation: list[dict] | None = None,
+        store: ResponseStore | None = None,
+    ):
+        """conversation: the chat messages the request continued (its instructions left out); store: where the
+        finished response is kept with it, None: nowhere (store false, or the server's store off)."""
         self.body = body
         self.model = model
+        self.conversation = conversation or []
+        self.store = store
         self.id = item_id("resp")
         self.created_at = now()
+
+    def kept(self, response: dict) -> dict:
+        """The finished response, stored where it is to be; its `store` says whether it was (an entry over the
+        store's byte bound is not)."""
+        if self.store is not None:
+            response["store"] = self.store.put(response, self.conversation)
+        return response
 
     def response(self, status: str, output: list, usage: dict | None = None, error: dict | None = None) -> dict:
         """The response object, with the request's settings echoed as OpenAI's (and the client's model) has them."""
@@ -116,10 +169,10 @@ class ResponsesAnswer:
             "max_output_tokens": body.max_output_tokens,
             "max_tool_calls": body.max_tool_calls,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": body.previous_response_id,
             "reasoning": body.reasoning,
             "service_tier": body.service_tier or "auto",
-            "store": False,
+            "store": self.store is not None,
             "background": False,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "top_p": 1.0 if body.top_p is None else body.top_p,
@@ -142,7 +195,7 @@ class ResponsesAnswer:
         if message.get("content") or not calls:
             output.append(message_item(item_id("msg"), message.get("content") or "", status))
         output += [function_call_item(item_id("fc"), call, "completed") for call in calls]
-        return self.response(status, output, usage_of(completion["usage"]))
+        return self.kept(self.response(status, output, usage_of(completion["usage"])))
 
     async def events(self, call: ChatCall):
         """The chat call's chunks as Responses events."""
@@ -174,7 +227,8 @@ class ResponsesAnswer:
                 yield event
         for event in stream.close(status):
             yield event
-        yield stream.event("response.completed", response=self.response(status, stream.output, usage_of(usage)))
+        completed = self.kept(self.response(status, stream.output, usage_of(usage)))
+        yield stream.event("response.completed", response=completed)  # stored first: a retrieve after it finds it
 
 
 @dataclass

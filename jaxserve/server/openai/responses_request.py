@@ -11,9 +11,12 @@ request it stands for, so that it renders, samples, constrains and parses tool c
     text.format           response_format (json_schema / json_object)
     tools, tool_choice    Responses' flat function tools, as chat's {"type": "function", "function": {...}}
 
-What the server cannot do is refused (400 naming the field) rather than ignored: previous_response_id and
-conversation (nothing is stored: as vLLM without its response store, store is read as false), background,
-prompt templates, built-in tools, non-text input parts, logprobs and truncation "auto".
+    previous_response_id  the stored response's conversation (response_store.py) first, then its output items as
+                          the assistant's turn (tool calls included, reasoning dropped), then the input; its
+                          instructions are not carried over (they apply to one response only, as OpenAI's)
+
+What the server cannot do is refused (400 naming the field) rather than ignored: conversation (no conversations
+are stored), background, prompt templates, built-in tools, non-text input parts, logprobs and truncation "auto".
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     service_tier: str | None = None
-    # refused unless neutral (checked_features)
     previous_response_id: str | None = None
+    # refused unless neutral (checked_features)
     conversation: Any = None
     background: bool | None = None
     prompt: Any = None
@@ -100,12 +103,6 @@ def refuse(message: str, param: str) -> APIError:
 
 def check_features(body: ResponsesRequest) -> None:
     """APIError for what this server does not serve."""
-    if body.previous_response_id is not None:
-        raise refuse(
-            "previous_response_id is not supported: this server stores no responses; send the whole conversation "
-            "as input (the earlier output items included)",
-            "previous_response_id",
-        )
     if body.conversation is not None:
         raise refuse("conversation is not supported: this server stores no conversations", "conversation")
     if body.background:
@@ -156,23 +153,35 @@ def text_of(value: Any, where: str) -> str:
     raise refuse(f"{where} must be a string or a list of text parts", where)
 
 
-def input_messages(body: ResponsesRequest) -> list[dict]:
-    """The chat messages the instructions and input stand for (as vLLM's construct_input_messages)."""
-    messages: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
-    for number, item in enumerate(body.input):
-        where = f"input[{number}]"
+def input_messages(body: ResponsesRequest, history: list[dict] | None = None) -> list[dict]:
+    """The conversation the request continues: the earlier turns (a stored response's, by previous_response_id)
+    then the chat messages its input stands for (as vLLM's construct_input_messages); not its instructions."""
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    messages = item_messages(items, list(history or ()), "input")
+    if not messages:
+        raise refuse("input is empty", "input")
+    return messages
+
+
+def output_messages(output: list[dict], messages: list[dict]) -> list[dict]:
+    """A stored response's output items, as the assistant's turn after `messages` (the conversation it continued)."""
+    return item_messages(output, messages, "previous response's output")
+
+
+def item_messages(items: list, messages: list[dict], name: str) -> list[dict]:
+    """`messages` with the chat messages `items` stand for appended; name: where the items are, for refusals."""
+    for number, item in enumerate(items):
+        where = f"{name}[{number}]"
         if not isinstance(item, dict):
             raise refuse(f"{where} must be an object (a message or a function_call / function_call_output item)", where)
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(message(item, where))
         elif kind == "function_call":
-            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
-            if not all(isinstance(value, str) for value in (call_id, name, arguments)):
+            call_id, name_, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+            if not all(isinstance(value, str) for value in (call_id, name_, arguments)):
                 raise refuse(f"{where}: a function_call needs call_id, name and arguments as strings", where)
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            call = {"id": call_id, "type": "function", "function": {"name": name_, "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn, as chat sends them
@@ -190,8 +199,6 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
                 "function_call_output and reasoning)",
                 f"{where}.type",
             )
-    if not messages:
-        raise refuse("input is empty", "input")
     return messages
 
 
@@ -238,14 +245,17 @@ def response_format(text: dict | None) -> dict | None:
     raise refuse(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", "text.format")
 
 
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request `body` stands for; APIError (400) for what cannot be served."""
+def chat_request(body: ResponsesRequest, conversation: list[dict] | None = None) -> ChatCompletionRequest:
+    """The chat completion request `body` stands for; APIError (400) for what cannot be served.
+    conversation: input_messages' (the earlier turns first); None: the input's alone."""
     check_features(body)
+    conversation = input_messages(body) if conversation is None else conversation
+    instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
     extras = {name: value for name in SAMPLING_EXTRAS if (value := getattr(body, name)) is not None}
     try:
         return ChatCompletionRequest(
             model=body.model,
-            messages=input_messages(body),
+            messages=[*instructions, *conversation],
             max_completion_tokens=body.max_output_tokens,
             temperature=body.temperature,
             top_p=body.top_p,

@@ -205,9 +205,9 @@ void RunPanels(const std::vector<Problem>& problems, int64_t num_workers) {
   float* partials = PartialsBuffer(cut.partial_floats);
   const bool walks = rows <= kWalkRows;
   for (const Problem& p : problems) {  // (K = 0: no piece writes the zeros)
-    if (walks || p.depth == 0) std::memset(p.out, 0, sizeof(float) * rows * p.columns);
+    if ((walks || p.depth == 0) && rows * p.columns > 0) std::memset(p.out, 0, sizeof(float) * rows * p.columns);
   }
-  if (walks) std::memset(partials, 0, sizeof(float) * cut.partial_floats);
+  if (walks && cut.partial_floats > 0) std::memset(partials, 0, sizeof(float) * cut.partial_floats);
   auto piece = [&](int64_t i) {
     const jaxserve_cpu::CallPiece& c = cut.pieces[i];
     const Problem& p = problems[c.weight];
@@ -221,10 +221,27 @@ void RunPanels(const std::vector<Problem>& problems, int64_t num_workers) {
   } else {
     jaxserve_cpu::RunItems(num_workers, int64_t(cut.pieces.size()), [&](int64_t, int64_t i) { piece(i); });
   }
-  for (const jaxserve_cpu::CallPiece& c : cut.pieces) {  // in the plan's order: a block's pieces in K's order
+  // The pieces past a block's first K added into its columns in K's order (the plan's order); a block's pieces are
+  // one item, so that a prefill chunk's sums (up to 2 x workers - 1 partials of [256, 128]) are shared by the threads.
+  std::vector<std::vector<int64_t>> sums;  // per block with partials: its pieces, in K's order
+  for (int64_t i = 0; i < int64_t(cut.pieces.size()); ++i) {
+    const jaxserve_cpu::CallPiece& c = cut.pieces[i];
     if (c.partial < 0) continue;
-    const Problem& p = problems[c.weight];
-    jaxserve_cpu::AddPartial(partials + c.partial, rows, c.width, p.out + c.c0, p.columns);
+    const jaxserve_cpu::CallPiece* last = sums.empty() ? nullptr : &cut.pieces[sums.back().back()];
+    if (last == nullptr || last->weight != c.weight || last->c0 != c.c0) sums.emplace_back();
+    sums.back().push_back(i);
+  }
+  auto add = [&](int64_t, int64_t block) {
+    for (int64_t i : sums[block]) {
+      const jaxserve_cpu::CallPiece& c = cut.pieces[i];
+      const Problem& p = problems[c.weight];
+      jaxserve_cpu::AddPartial(partials + c.partial, rows, c.width, p.out + c.c0, p.columns);
+    }
+  };
+  if (cut.partial_floats <= kSumItemFloats) {
+    for (int64_t block = 0; block < int64_t(sums.size()); ++block) add(0, block);
+  } else {
+    jaxserve_cpu::RunItems(num_workers, int64_t(sums.size()), add);
   }
 }
 

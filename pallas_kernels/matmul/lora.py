@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.matmul import MatmulPlan, SmallMatmul, cpu_lora
+from pallas_kernels.matmul.panels import is_panels
 
 # Legend: M = rows (tokens) in the step, K = in features, N = out features, L = adapter slots, r = slot rank.
 
@@ -202,7 +203,8 @@ def reference(rows, weight: LoraWeight):
     a = jnp.moveaxis(weight.a, 1, 0)[weight.rows.slots].astype(jnp.float32)
     b = weight.b[weight.rows.slots].astype(jnp.float32)
     low_rank = jnp.einsum("mr,mrn->mn", jnp.einsum("mk,mkr->mr", x, a), b)
-    return x @ weight.base.astype(jnp.float32) + low_rank
+    base = weight.base.matrix() if is_panels(weight.base) else weight.base  # (a CPU engine's layout: panels.py)
+    return x @ base.astype(jnp.float32) + low_rank
 
 
 @dataclass(frozen=True)

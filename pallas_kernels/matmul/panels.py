@@ -72,4 +72,4 @@ def matmul(rows, weight: ColumnPanels):
     """rows [M, K] @ the weight -> float32 [M, N] by XLA's dot over the panels as they lie (the reference's)."""
     num_rows = rows.shape[0]
     y = jax.lax.dot_general(rows, weight.panels, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return y.reshape(num_rows, -1)[:, : weight.columns]
+    return y.reshape(num_rows, weight.panels.shape[0] * PANEL_COLUMNS)[:, : weight.columns]

@@ -20,6 +20,8 @@ def matmul(rows, weight, *, transposed: bool = False):
     """rows [M, K] @ weight [K, N] (weight [N, K] when transposed; or the [K, N] weight in ColumnPanels,
     panels.py) -> float32 [M, N]; rows in the weight's dtype."""
     if panels.is_panels(weight):
+        if transposed:
+            raise ValueError("a ColumnPanels weight is [K, N]: it cannot be contracted transposed")
         return panels.matmul(rows, weight)
     num_rows = rows.shape[0]
     if num_rows == 1 and weight.dtype != jnp.float32:

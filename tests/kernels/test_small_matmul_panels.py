@@ -84,11 +84,18 @@ def test_the_reference_contracts_panels_as_they_lie(dtype):
     )
 
 
+def test_the_reference_takes_no_rows():
+    weight = panels.to_panels(jnp.ones((16, 20), jnp.float32))
+    assert reference.matmul(jnp.ones((0, 16), jnp.float32), weight).shape == (0, 20)
+
+
 def test_panels_are_refused_where_they_cannot_serve():
     x = jnp.ones((2, 16), jnp.float32)
     weight = panels.to_panels(jnp.ones((16, 20), jnp.float32))
     with pytest.raises(ValueError, match="cannot be contracted transposed"):
         cpu.small_matmuls(x, [weight], transposed=True)
+    with pytest.raises(ValueError, match="cannot be contracted transposed"):
+        reference.matmul(x, weight, transposed=True)
     with pytest.raises(TypeError, match="read whole"):
         weight[0]
     import jax

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.matmul import MatmulPlan, SmallMatmul, cpu_lora
-from pallas_kernels.matmul.panels import is_panels
+from pallas_kernels.matmul.panels import ColumnPanels
 
 # Legend: M = rows (tokens) in the step, K = in features, N = out features, L = adapter slots, r = slot rank.
 
@@ -42,7 +42,7 @@ from pallas_kernels.matmul.panels import is_panels
 class LoraWeight:
     """A base weight with the adapter slots of its projection and the slot of each row of this step."""
 
-    base: jax.Array  # [K, N]
+    base: jax.Array | ColumnPanels  # [K, N] (a one-device CPU engine's in panels: panels.py)
     a: jax.Array  # [K, L, r]: the slot axis inside, so that all slots side by side ([K, L * r]) is a free reshape
     b: jax.Array  # [L, r, N], scaling folded in
     rows: RowAdapters  # each row's adapter, and the step's mix of adapters
@@ -203,7 +203,9 @@ def reference(rows, weight: LoraWeight):
     a = jnp.moveaxis(weight.a, 1, 0)[weight.rows.slots].astype(jnp.float32)
     b = weight.b[weight.rows.slots].astype(jnp.float32)
     low_rank = jnp.einsum("mr,mrn->mn", jnp.einsum("mk,mkr->mr", x, a), b)
-    base = weight.base.matrix() if is_panels(weight.base) else weight.base  # (a CPU engine's layout: panels.py)
+    base = (
+        weight.base.matrix() if isinstance(weight.base, ColumnPanels) else weight.base
+    )  # (a CPU engine's layout: panels.py)
     return x @ base.astype(jnp.float32) + low_rank
 
 

@@ -9,7 +9,6 @@ A custom call XLA's partitioner cannot split: it must only see whole weights on 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +53,9 @@ def kernel_path(path: str | None = None) -> str | None:
 def panel_dtypes(path: str | None = None) -> tuple:
     """The weight dtypes the kernel reads in column panels (panels.py) as fast as or faster than [K, N]: all it
     serves, but bfloat16 where the library multiplies it in vdpbf16ps pairs (AVX-512 BF16 without AMX: the pairs'
-    tiles read [K, N]). Empty where the kernel does not build or JAXSERVE_CPU_PANELS=0 (the [K, N] walks, for
-    A/B runs)."""
+    tiles read [K, N]). Empty where the kernel does not build."""
     library = cpu_library.load(path)
-    if library is None or os.environ.get("JAXSERVE_CPU_PANELS", "1") == "0":
+    if library is None:
         return ()
     pairs = bool(library.JaxserveCpuBf16Pairs())
     return tuple(dtype for dtype in DTYPES if not (pairs and dtype == jnp.bfloat16))

@@ -190,7 +190,7 @@ def single_stream(llm, clock: HostClock, prompt: list[int], new_tokens: int, dev
 def cpu_description() -> dict:
     """The CPU model, its vector flags and the kernel's instruction path: which machine a figure came from."""
     from pallas_kernels import cpu_library
-    from pallas_kernels.matmul import SMALL_MATMUL_MAX_ROWS, cpu
+    from pallas_kernels.matmul import SMALL_MATMUL_MAX_ROWS, cpu, small_matmul_entry
 
     model = ""
     try:
@@ -199,12 +199,15 @@ def cpu_description() -> dict:
     except OSError:
         pass
     vector = sorted(f for f in cpu_library.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    # an accelerator's run builds no CPU kernel (the build takes a minute of a lent machine's time)
+    kernel = jax.default_backend() == "cpu" and cpu.available()
+    max_rows = dict(small_matmul_entry().max_rows) if kernel else {str(d): r for d, r in SMALL_MATMUL_MAX_ROWS.items()}
     return dict(
         cpu_model=model,
         cpu_vector_flags=vector,
-        # an accelerator's run builds no CPU kernel (the build takes a minute of a lent machine's time)
-        kernel_path=cpu.kernel_path() if jax.default_backend() == "cpu" and cpu.available() else None,
-        small_matmul_max_rows={str(dtype): rows for dtype, rows in SMALL_MATMUL_MAX_ROWS.items()},
+        kernel_path=cpu.kernel_path() if kernel else None,
+        small_matmul_max_rows=max_rows,
+        amx_tiles=kernel and cpu.amx_tiles(),
         xla_flags=os.environ.get("XLA_FLAGS", ""),
     )
 

@@ -45,6 +45,7 @@ HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_vectors.h"),)  # cpu_matmul
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_bf16_pairs.h"),)  # cpu_matmul.cc's AVX-512 BF16 tiles
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_few_rows.h"),)  # cpu_matmul.cc's 2-8 row walks
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_panels.h"),)  # cpu_matmul.cc's weights in column panels
+HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_amx.h"),)  # cpu_matmul.cc's bfloat16 on AMX tiles
 HEADERS += (os.path.join(HERE, "paged_attention", "cpu_attention_basics.h"),)  # cpu_latent_kernel.cc's
 HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_vectors.h"),)  # cpu_quantized_int8_dot.cc's vector basics
 HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_activations.h"),)  # its inputs, x quantized

@@ -36,9 +36,10 @@ from pallas_kernels.matmul.row_blocks import ROW_INVARIANT_ROWS, in_row_blocks, 
 
 
 def _bfloat16_max_rows() -> int:
-    """bfloat16 rows the kernel serves: all of a decode step's (64, the kernel's limit and the default
-    largest decode bucket) unless XLA's own bfloat16 dots run on AMX tiles here (YNNPACK on AMX: twice the
-    kernel's float32 FMAs from 16 rows on, measured before the kernel had vdpbf16ps; issue #29). With
+    """bfloat16 rows the kernel serves of weights stored [K, N] or [N, K]: all of a decode step's (64, the kernel's
+    limit and the default largest decode bucket) unless XLA's own bfloat16 dots run on AMX tiles here (YNNPACK on
+    AMX: twice the kernel's float32 FMAs from 16 rows on, measured before the kernel had vdpbf16ps; issue #29);
+    the kernel's own AMX tiles take more where the library has them (small_matmul_entry). With
     AVX-512 BF16 the kernel's passes run on vdpbf16ps as XLA's do (cpu_matmul_bf16_pairs.h: as fast as
     XLA's dots at 16-64 rows, its tied head faster); on AVX2-only CPUs XLA widens or runs bfloat16 slowly,
     and the kernel's widen-in-registers tiles keep bfloat16 batches at least as fast per row as float32.
@@ -99,9 +100,12 @@ class ReferenceMatmul:
 class SmallMatmul:
     """The C++ kernel, for up to `max_rows` rows of weights in one of the dtypes it serves; a dtype it serves
     for every decode-sized call (ROW_INVARIANT_ROWS) it serves for any rows, as many a call as it takes
-    (row_blocks.py)."""
+    (row_blocks.py). `invariant_rows`: dtypes whose rows above a count are not the bits of their one-row calls
+    (bfloat16 on AMX tiles above a walk's 8 rows, cpu_matmul_amx.h): a verify step's rows go in blocks of that
+    many, as a decode step of that many sequences computes them."""
 
     max_rows: tuple[tuple[str, int], ...]  # (weight dtype, rows up to which the kernel serves it)
+    invariant_rows: tuple[tuple[str, int], ...] = ()  # (weight dtype, rows up to which a row is its one-row call's)
     joins_weights: ClassVar[bool] = True
 
     def serves(self, num_rows: int, weights: tuple) -> bool:
@@ -113,20 +117,26 @@ class SmallMatmul:
 
     def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:
         compute = lambda block: cpu.small_matmuls(block, weights, transposed=transposed)  # noqa: E731
-        return in_row_blocks(compute, rows, block=min(self._limit(weights), cpu.MATMUL_MAX_ROWS))
+        return in_row_blocks(compute, rows, block=self._block(weights))
 
     def normed(self, rows, scale, eps: float, weights: tuple) -> tuple:
         """RMSNorm(rows; scale, eps) by each weight [K, N_i], the norm inside the kernel's call."""
         compute = lambda block: cpu.small_matmuls_normed(block, scale, eps, weights)  # noqa: E731
-        return in_row_blocks(compute, rows, block=min(self._limit(weights), cpu.MATMUL_MAX_ROWS))
+        return in_row_blocks(compute, rows, block=self._block(weights))
 
     def _limit(self, weights: tuple) -> int:
         return dict(self.max_rows).get(str(jnp.dtype(weights[0].dtype)), 0)
 
+    def _block(self, weights: tuple) -> int:
+        limit = self._limit(weights)
+        if tracing_verify_rows():
+            limit = dict(self.invariant_rows).get(str(jnp.dtype(weights[0].dtype)), limit)
+        return min(limit, cpu.MATMUL_MAX_ROWS)
+
     def panel_dtypes(self) -> tuple:
         """The weight dtypes to store in column panels (panels.py): those the kernel reads so and serves at every
-        row count (a bfloat16 prefill that XLA's AMX dots serve would contract the panels at a third of the speed:
-        session 32)."""
+        row count (a bfloat16 prefill that XLA's AMX dots served would contract the panels at a third of the
+        speed, session 32: bfloat16 on AMX CPUs only with the kernel's own AMX tiles, session 33)."""
         served = {jnp.dtype(dtype) for dtype, rows in self.max_rows if rows >= cpu.MATMUL_MAX_ROWS}
         return tuple(dtype for dtype in cpu.panel_dtypes() if dtype in served)
 
@@ -218,6 +228,18 @@ class MatmulPlan:
         return any(isinstance(entry, SmallMatmul) for entry in self.entries)
 
 
+def small_matmul_entry() -> SmallMatmul:
+    """The CPU kernel's entry: SMALL_MATMUL_MAX_ROWS, and bfloat16 at every row count where the library runs it on
+    AMX tiles above a walk's rows (cpu.amx_tiles; known once the library is built, which importing this module
+    does not do), those rows then not their one-row calls' bits."""
+    max_rows = {str(dtype): rows for dtype, rows in SMALL_MATMUL_MAX_ROWS.items()}
+    invariant_rows = {}
+    if cpu.amx_tiles():
+        invariant_rows["bfloat16"] = max_rows["bfloat16"]
+        max_rows["bfloat16"] = cpu.MATMUL_MAX_ROWS
+    return SmallMatmul(tuple(max_rows.items()), tuple(invariant_rows.items()))
+
+
 def choose_matmul(platform: str, num_devices: int, quantized_activations: str = "int8") -> MatmulPlan:
     """The plan for an engine on `platform` in a process with `num_devices` devices: the CPU kernel for
     decode-sized rows (SMALL_MATMUL_MAX_ROWS by dtype) where there is one CPU device and the kernel
@@ -226,8 +248,7 @@ def choose_matmul(platform: str, num_devices: int, quantized_activations: str = 
     option: int8 | float) picks the CPU quantized kernel's treatment of x (quantized_cpu.py)."""
     entries: tuple[MatmulEntry, ...] = (ReferenceMatmul(),)
     if platform == "cpu" and num_devices == 1 and cpu.available():
-        max_rows = tuple((str(dtype), rows) for dtype, rows in SMALL_MATMUL_MAX_ROWS.items())
-        entries = (SmallMatmul(max_rows), *entries)
+        entries = (small_matmul_entry(), *entries)
     # ahead: the others take float weights
     entries = (*quantized_entries(platform, num_devices, quantized_activations), *entries)
     return MatmulPlan(entries)
@@ -265,4 +286,5 @@ __all__ = [
     "ReferenceMatmul",
     "SmallMatmul",
     "choose_matmul",
+    "small_matmul_entry",
 ]

@@ -61,6 +61,13 @@ def panel_dtypes(path: str | None = None) -> tuple:
     return tuple(dtype for dtype in DTYPES if not (pairs and dtype == jnp.bfloat16))
 
 
+def amx_tiles(path: str | None = None) -> bool:
+    """Whether the library takes bfloat16 weights in panels above a walk's 8 rows on AMX tiles (cpu_matmul_amx.h:
+    built for an AMX CPU and granted the tiles by the kernel): such rows are then not the bits of a one-row call."""
+    library = cpu_library.load(path)
+    return library is not None and bool(library.JaxserveCpuAmxTiles())
+
+
 def small_matmul(x, w, *, transposed: bool = False, path: str | None = None):
     """x [M, K] @ w [K, N] (w [N, K] when transposed; or ColumnPanels) -> float32 [M, N], for M <=
     MATMUL_MAX_ROWS, x and w of one dtype."""

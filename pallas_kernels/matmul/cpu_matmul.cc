@@ -20,7 +20,8 @@
 //
 // Instruction paths (issue #29): the code is written once on GCC/Clang vector types whose width comes
 // from the compiler flags cpu_library.py picked for this CPU (or JAXSERVE_CPU_KERNEL_PATH):
-//   avx512    16 float lanes, 32 registers (AVX-512F/BW/VL; AMX is not used)
+//   avx512    16 float lanes, 32 registers (AVX-512F/BW/VL; bfloat16 panels above 8 rows on AMX tiles where the
+//             CPU has them, cpu_matmul_amx.h)
 //   avx2      8 lanes, 16 registers, FMA and F16C
 //   portable  4 lanes (SSE2 on x86-64, NEON on arm64), multiply then add, no FMA
 // Each path's tiles fill its register file; JaxserveCpuKernelPath() names the path a library was built for.
@@ -388,6 +389,7 @@ constexpr int64_t kSumItemFloats = 16 * 1024;
 }  // namespace
 
 #include "cpu_matmul_panels.h"
+#include "cpu_matmul_amx.h"
 
 namespace {
 
@@ -396,6 +398,10 @@ namespace {
 // (cpu_matmul_panels.h) run as one call of their own, before the others.
 template <typename T>
 void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
+  // bfloat16 above a walk's rows on AMX tiles (cpu_matmul_amx.h), [K, N] in panels or not and [N, K]
+  if (std::is_same_v<T, BF16> && kAmxTiles && problems[0].rows > kWalkRows && AmxTilesGranted()) {
+    return transposed ? RunAmxTransposed(problems, num_workers) : RunAmxColumns(problems, num_workers);
+  }
   if (std::any_of(problems.begin(), problems.end(), [](const Problem& p) { return p.panels; })) {
     std::vector<Problem> panels, others;
     for (const Problem& p : problems) (p.panels ? panels : others).push_back(p);
@@ -469,6 +475,10 @@ void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
 template <typename T>
 void WidenAndRun(int64_t num_workers, const typename T::Stored* in, std::vector<Problem> problems, bool transposed) {
   const int64_t rows = problems[0].rows, depth = problems[0].depth, count = rows * depth;
+  if (std::is_same_v<T, BF16> && kAmxTiles && rows > kWalkRows && AmxTilesGranted()) {  // the tiles read bfloat16
+    for (Problem& p : problems) p.x16 = reinterpret_cast<const uint16_t*>(in), p.x16_stride = depth;
+    return Run<T>(std::move(problems), transposed, num_workers);
+  }
   std::vector<float> x_wide(count);
   for (int64_t i = 0; i < count; ++i) x_wide[i] = T::One(in[i]);
   for (Problem& p : problems) p.x = x_wide.data();
@@ -490,10 +500,10 @@ void WidenAndRun(int64_t num_workers, const typename T::Stored* in, std::vector<
 // each (cache-cold after each projection's stream of weights), twice a layer.
 template <typename T>
 std::vector<typename T::Stored> NormedRows(const typename T::Stored* x, const typename T::Stored* scale, int64_t rows,
-                                           int64_t depth, float eps) {
+                                           int64_t depth, float eps, int64_t num_workers) {
   constexpr int64_t kWindow = 32;
   std::vector<typename T::Stored> normed(rows * depth);
-  for (int64_t r = 0; r < rows; ++r) {
+  auto norm_row = [&](int64_t, int64_t r) {  // rows are independent: a prefill chunk's are shared by the threads
     const auto* row = x + r * depth;
     float sum = 0.0f;
     for (int64_t k0 = 0; k0 < depth; k0 += kWindow) {
@@ -506,6 +516,11 @@ std::vector<typename T::Stored> NormedRows(const typename T::Stored* x, const ty
       const float rounded = T::One(T::Round(T::One(row[k]) * inverse));
       normed[r * depth + k] = T::Round(T::One(scale[k]) * rounded);
     }
+  };
+  if (rows <= kWalkRows) {  // a decode step's few rows: sooner here than the helpers would be woken
+    for (int64_t r = 0; r < rows; ++r) norm_row(0, r);
+  } else {
+    jaxserve_cpu::RunItems(num_workers, rows, norm_row);
   }
   return normed;
 }
@@ -571,7 +586,7 @@ void NormAndRun(int64_t num_workers, const ffi::AnyBuffer& x, const ffi::AnyBuff
                 std::vector<Problem> problems) {
   const auto normed = NormedRows<T>(static_cast<const typename T::Stored*>(x.untyped_data()),
                                     static_cast<const typename T::Stored*>(scale.untyped_data()), problems[0].rows,
-                                    problems[0].depth, eps);
+                                    problems[0].depth, eps, num_workers);
   WidenAndRun<T>(num_workers, normed.data(), std::move(problems), /*transposed=*/false);
 }
 
@@ -600,6 +615,10 @@ extern "C" const char* JaxserveCpuKernelPath() { return kPath; }
 // Whether bfloat16 weights are multiplied in vdpbf16ps pairs (cpu_matmul_bf16_pairs.h): those stay [K, N], whose
 // pair tiles the panels do not have (cpu.py's panel_dtypes).
 extern "C" int JaxserveCpuBf16Pairs() { return kBf16Pairs ? 1 : 0; }
+
+// Whether bfloat16 weights in panels take more rows than a walk's on AMX tiles here (cpu_matmul_amx.h): built for
+// them and granted by the kernel.
+extern "C" int JaxserveCpuAmxTiles() { return kAmxTiles && AmxTilesGranted() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmul, SmallMatmul,
                               ffi::Ffi::Bind()

@@ -27,6 +27,7 @@ from pallas_kernels.matmul import (
     kquant_cpu,
     quantized_cpu,
     reference,
+    small_matmul_entry,
 )
 from pallas_kernels.matmul.row_blocks import ROW_INVARIANT_ROWS
 
@@ -38,7 +39,7 @@ def test_the_plan_takes_the_kernel_only_on_a_one_device_cpu_process():
     # first: they take only quantized weights (K-quant planes, then the int8 / 4-bit groups)
     quantized_entries = [kquant_cpu.KQuantSmallMatmul, quantized_cpu.QuantizedSmallMatmul, QuantizedReferenceMatmul]
     assert [type(entry) for entry in cpu_plan.entries] == [*quantized_entries, SmallMatmul, ReferenceMatmul]
-    assert dict(cpu_plan.entries[3].max_rows) == {str(dtype): rows for dtype, rows in SMALL_MATMUL_MAX_ROWS.items()}
+    assert cpu_plan.entries[3] == small_matmul_entry()
     # several devices (a mesh, or fake CPU devices): weights may be sharded, which the custom call cannot split
     for platform, num_devices in [("cpu", 8), ("gpu", 2), ("tpu", 4)]:
         assert choose_matmul(platform, num_devices) == REFERENCE_PLAN
@@ -67,7 +68,7 @@ def test_the_plan_falls_back_to_the_reference_without_a_compiler(monkeypatch, tm
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_the_kernel_serves_up_to_its_rows_and_joins_weights_only_there(dtype):
     plan = choose_matmul("cpu", 1)
-    max_rows = SMALL_MATMUL_MAX_ROWS[jnp.dtype(dtype)]
+    max_rows = dict(small_matmul_entry().max_rows)[str(jnp.dtype(dtype))]
     weights = [jnp.ones((16, 8), dtype), jnp.ones((16, 4), dtype)]
     for num_rows in (1, max_rows, max_rows + 1, 150, 2 * cpu.MATMUL_MAX_ROWS + 1):
         rows = jnp.ones((num_rows, 16), dtype)
@@ -95,6 +96,39 @@ def test_both_plans_compute_the_product(dtype, transposed, num_rows):
         got = jax.jit(lambda r, w, plan=plan: plan(r, w, transposed=transposed))(rows, weight)
         assert got.dtype == jnp.float32 and got.shape == (num_rows, 24)
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-4 * np.sqrt(40))
+
+
+def test_rows_past_the_invariant_ones_go_in_one_call_but_verify_rows_in_blocks():
+    """SmallMatmul.invariant_rows (bfloat16 on AMX tiles, cpu_matmul_amx.h): calls of up to 256 rows, but a verify
+    step's rows in blocks of the invariant rows, which each row computes as its one-row call does."""
+    from pallas_kernels.matmul.row_blocks import verify_rows
+
+    entry = SmallMatmul(max_rows=(("bfloat16", cpu.MATMUL_MAX_ROWS),), invariant_rows=(("bfloat16", 8),))
+    weight = jnp.ones((16, 40), jnp.bfloat16)
+    assert entry.serves(200, (weight,)) and jnp.dtype(jnp.bfloat16) in entry.panel_dtypes()
+    assert jnp.dtype(jnp.bfloat16) not in SmallMatmul(max_rows=(("bfloat16", 8),)).panel_dtypes()
+
+    def calls(num_rows: int, verify: bool) -> int:
+        def step(rows, weight):
+            if not verify:
+                return entry(rows, (weight,), transposed=False)
+            with verify_rows():
+                return entry(rows, (weight,), transposed=False)
+
+        rows = jnp.ones((num_rows, 16), jnp.bfloat16)
+        return jax.jit(step).lower(rows, weight).as_text().count(f"@{cpu.MATMUL_TARGET}(")
+
+    assert [calls(n, verify=False) for n in (8, 9, 64, 256, 300)] == [1, 1, 1, 1, 2]
+    assert [calls(n, verify=True) for n in (8, 9, 40)] == [1, 2, 5]
+
+
+def test_the_cpu_entry_takes_bfloat16_on_amx_tiles_where_the_library_has_them():
+    entry = small_matmul_entry()
+    rows = dict(entry.max_rows)
+    if cpu.amx_tiles():
+        assert rows["bfloat16"] == cpu.MATMUL_MAX_ROWS and dict(entry.invariant_rows) == {"bfloat16": 8}
+    else:
+        assert rows == {str(dtype): rows for dtype, rows in SMALL_MATMUL_MAX_ROWS.items()} and not entry.invariant_rows
 
 
 def _lowered(fn, *args) -> str:

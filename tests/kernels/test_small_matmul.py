@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from jaxserve.models.layers import project
-from pallas_kernels.matmul import SMALL_MATMUL_MAX_ROWS, choose_matmul, cpu
+from pallas_kernels.matmul import choose_matmul, cpu, small_matmul_entry
 
 # What the engine's builder chooses on this one-device CPU process: the kernel for decode-sized rows.
 CPU_PLAN = choose_matmul("cpu", 1)
+# Rows the kernel serves by dtype here (bfloat16 on AMX CPUs: every row count on the library's AMX tiles, else 8)
+KERNEL_ROWS = dict(small_matmul_entry().max_rows)
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -70,7 +72,7 @@ def test_16_bit_projections_read_weights_as_stored(dtype, rows):
         hlo = fn.lower(x, w).compile().as_text()
         assert _widened_weights(hlo, weight_shape) == []
         uses_kernel = cpu.MATMUL_TARGET in hlo
-        assert uses_kernel == (rows <= SMALL_MATMUL_MAX_ROWS[jnp.dtype(dtype)])
+        assert uses_kernel == (rows <= KERNEL_ROWS[str(jnp.dtype(dtype))])
         wide_w = np.asarray(w, np.float64)
         expected = np.asarray(x, np.float64) @ (wide_w.T if transposed else wide_w)
         got = np.asarray(fn(x, w), np.float64)
@@ -137,7 +139,7 @@ def test_project_many_is_each_linear_and_one_call_where_the_kernel_serves(dtype,
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
     hlo = jax.jit(lambda x: project_many(x, linears)).lower(x).compile().as_text()
     calls = hlo.count(f'custom_call_target="{cpu.MATMUL_TARGET}"')
-    assert calls == (1 if rows <= SMALL_MATMUL_MAX_ROWS[jnp.dtype(dtype)] else 0)
+    assert calls == (1 if rows <= KERNEL_ROWS[str(jnp.dtype(dtype))] else 0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -199,6 +201,6 @@ def test_project_many_takes_the_norm_into_the_kernels_call(dtype, rows):
         tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tolerance, atol=tolerance)
     hlo = jax.jit(lambda x: project_many(x, linears, norm)).lower(x).compile().as_text() or ""
-    served = rows <= SMALL_MATMUL_MAX_ROWS[jnp.dtype(dtype)]
+    served = rows <= KERNEL_ROWS[str(jnp.dtype(dtype))]
     assert hlo.count(f'custom_call_target="{cpu.NORMED_TARGET}"') == (1 if served else 0)
     assert (cpu.MATMUL_TARGET in hlo) == served  # else the norm, then XLA's dots

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_matmul_bf16_pairs.h"
 #include "cpu_matmul_vectors.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && !defined(JAXSERVE_NO_AMX)
@@ -42,7 +43,7 @@
 namespace {
 
 #ifdef JAXSERVE_AMX_TILES
-constexpr bool kAmxTiles = true;
+constexpr bool kAmxTiles = !kBf16Pairs;  // JAXSERVE_BF16_PAIRS_WITH_AMX: the pairs serve bfloat16 (their A/B)
 
 inline bool AmxTilesGranted() {
   static const bool granted = [] {

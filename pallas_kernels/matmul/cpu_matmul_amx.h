@@ -1,5 +1,6 @@
-// bfloat16 weights in column panels (cpu_matmul_panels.h) times more rows than a walk takes (batched decode steps of
-// 9-64 sequences, prefill chunks up to 256 rows), on Intel's AMX tiles (Sapphire Rapids and later; issue 29).
+// bfloat16 weights (in column panels, cpu_matmul_panels.h, as a [K, N] matrix, or [N, K]: the tied head) times more
+// rows than a walk takes (batched decode steps of 9-64 sequences, prefill chunks up to 256 rows), on Intel's AMX
+// tiles (Sapphire Rapids and later; issue 29).
 //
 // Why: on an AMX CPU bfloat16 above a walk's rows went to XLA's dots (YNNPACK on AMX tiles ran batches twice as
 // fast as the kernel's widened FMAs; vdpbf16ps issues on one port there, cpu_matmul_bf16_pairs.h), so bfloat16
@@ -9,8 +10,9 @@
 // 24.0 / 13.3-14.1 ms, 64 rows 31.7 / 26.3 ms, 256 rows 65.1 / 55.5 ms.
 //
 // A tile product (TDPBF16PS) wants its B operand as pairs along K, (w[k, c], w[k + 1, c]) side by side: a panel's
-// rows k and k + 1 are 64 contiguous bytes (16 columns each), interleaved by one vpermw into a B tile's row. An item
-// is two panels (32 columns) of one weight over all of K, for all rows of x: its first group of 32 rows streams the
+// rows k and k + 1 are 64 contiguous bytes (16 columns each), interleaved by one vpermw into a B tile's row (a
+// matrix's two rows: two masked loads). An item is 32 columns of one weight over all of K, for all rows of x (x
+// packed once a call as whole A tiles, AmxTiles): its first group of 32 rows streams the
 // panels in blocks of 32 rows of K (interleaving each block as it goes, prefetching on), the later groups reuse the
 // interleaved item from cache; C tiles hold the sums over all of K, so every output is written once.
 //
@@ -21,8 +23,8 @@
 // decode steps of that many rows.
 //
 // Linux grants the tiles' state to a process that asks (arch_prctl, kernel 5.16 and later); where it does not, or
-// where the compiler's target lacks AMX, kAmxTiles is false or AmxTilesGranted() says no, and the walks' packed
-// passes serve these rows as on other CPUs (cpu.py's amx_tiles() tells the Python side which).
+// where the compiler's target lacks AMX, kAmxTiles is false or AmxTilesGranted() says no: cpu.py's amx_tiles() then
+// tells the Python side, whose plan keeps bfloat16 [K, N] and sends its calls above 8 rows to XLA's dots as before.
 
 #pragma once
 
@@ -56,6 +58,7 @@ inline bool AmxTilesGranted() {
 constexpr int64_t kAmxRows = 16;      // rows of an A or C tile
 constexpr int64_t kAmxDepth = 32;     // bfloat16 of K in an A tile's row (64 bytes)
 constexpr int64_t kAmxItemColumns = 2 * kPanelColumns;  // two panels: two C tiles side by side
+constexpr int64_t kAmxAheadBlocks = 2;  // the item's first group prefetches this many blocks of K on (2, 8, 16 alike)
 
 // Tiles 0-3: C (row groups 0 / 1 by panels 0 / 1); 4, 5: A (row groups); 6, 7: B (panels). Every tile 16 rows of 64
 // bytes. Loaded by each item, released after it: another library's tiles (XLA's) may run on the same thread between.
@@ -73,11 +76,38 @@ inline void LoadAmxConfig() {
 
 // x [M, K] (bfloat16, rows `stride` apart) with its rows padded to whole A tiles and K to whole A rows with zeros,
 // so that every tile load stays inside and the padding multiplies to nothing.
-inline std::vector<uint16_t> AmxRows(const uint16_t* x, int64_t stride, int64_t rows, int64_t depth,
-                                     int64_t padded_rows, int64_t padded_depth) {
-  std::vector<uint16_t> out(padded_rows * padded_depth, 0);
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(&out[r * padded_depth], x + r * stride, depth * sizeof(uint16_t));
-  return out;
+// Kept by the calling thread across calls (a fresh vector each call faulted its pages in again).
+inline const uint16_t* AmxRows(const uint16_t* x, int64_t stride, int64_t rows, int64_t depth, int64_t padded_rows,
+                               int64_t padded_depth) {
+  thread_local std::vector<uint16_t> out;
+  if (int64_t(out.size()) < padded_rows * padded_depth) out.resize(padded_rows * padded_depth);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(&out[r * padded_depth], x + r * stride, depth * sizeof(uint16_t));
+    std::fill(&out[r * padded_depth + depth], &out[r * padded_depth] + padded_depth, uint16_t(0));
+  }
+  std::fill(&out[rows * padded_depth], &out[padded_rows * padded_depth], uint16_t(0));
+  return out.data();
+}
+
+// x [M, K] as A tiles, each 1 KiB contiguous ([M / 16][K / 32][16][32], zeros past M and K): a tile loads as 16
+// consecutive lines (from rows `padded_depth` apart it loaded 16 lines a row apart from L2, and the calls above 8
+// rows ran at a fifth of the tiles' rate). Kept by the calling thread across calls.
+inline const uint16_t* AmxTiles(const uint16_t* x, int64_t stride, int64_t rows, int64_t depth, int64_t padded_rows,
+                                int64_t padded_depth) {
+  constexpr int64_t kTile = kAmxRows * kAmxDepth;
+  const int64_t blocks = padded_depth / kAmxDepth;
+  thread_local std::vector<uint16_t> out;
+  if (int64_t(out.size()) < padded_rows * padded_depth) out.resize(padded_rows * padded_depth);
+  for (int64_t r = 0; r < padded_rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint16_t* to = &out[((r / kAmxRows * blocks + b) * kAmxRows + r % kAmxRows) * kAmxDepth];
+      const int64_t count = r < rows ? std::clamp<int64_t>(depth - b * kAmxDepth, 0, kAmxDepth) : 0;
+      if (count > 0) std::memcpy(to, x + r * stride + b * kAmxDepth, count * sizeof(uint16_t));
+      std::fill(to + count, to + kAmxDepth, uint16_t(0));
+    }
+  }
+  static_assert(kTile == 512);
+  return out.data();
 }
 
 // A worker's interleaved item, [padded_depth / 2][2 panels][32], reused across items and calls.
@@ -104,10 +134,10 @@ inline void InterleaveBlock(const AmxColumns& item, int64_t k0, uint16_t* to) {
   for (int q = 0; q < 2; ++q) {
     const int64_t columns = std::clamp<int64_t>(item.columns - q * kPanelColumns, 0, kPanelColumns);
     const uint16_t* panel = item.w + q * item.panel_stride;
-    if (columns > 0 && k0 + 3 * kAmxDepth <= item.depth) {  // the next block but one, a line a pair of rows
+    if (columns > 0 && k0 + (kAmxAheadBlocks + 1) * kAmxDepth <= item.depth) {  // a line a pair of rows
       for (int64_t j = 0; j < kAmxRows; ++j) {
-        __builtin_prefetch(panel + (k0 + 2 * kAmxDepth + 2 * j) * item.row_stride);
-        if (!item.panels) __builtin_prefetch(panel + (k0 + 2 * kAmxDepth + 2 * j + 1) * item.row_stride);
+        __builtin_prefetch(panel + (k0 + kAmxAheadBlocks * kAmxDepth + 2 * j) * item.row_stride);
+        if (!item.panels) __builtin_prefetch(panel + (k0 + kAmxAheadBlocks * kAmxDepth + 2 * j + 1) * item.row_stride);
       }
     }
     const __mmask16 column_mask = __mmask16((1u << columns) - 1);
@@ -147,10 +177,11 @@ inline void StoreAmxGroup(int64_t rows, int64_t columns, float* out, int64_t ldo
   for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * ldo, sums[r], columns * sizeof(float));
 }
 
-// One group of up to 32 rows of x (padded rows, `padded_depth` apart) by the interleaved item over all of K; when
-// `from` is given, each block of K is interleaved from the weight first (the item's first group).
-inline void AmxGroup(const uint16_t* x, int64_t padded_depth, int64_t rows, const AmxColumns* from, uint16_t* item,
-                     float* out, int64_t ldo, int64_t columns) {
+// One group of up to 32 rows of x (its A tiles, AmxTiles: the second 16 rows' `group_stride` elements on) by the
+// interleaved item over all of K; when `from` is given, each block of K is interleaved from the weight first (the
+// item's first group).
+inline void AmxGroup(const uint16_t* x, int64_t group_stride, int64_t padded_depth, int64_t rows,
+                     const AmxColumns* from, uint16_t* item, float* out, int64_t ldo, int64_t columns) {
   const bool two = rows > kAmxRows;
   _tile_zero(0);
   _tile_zero(1);
@@ -159,13 +190,14 @@ inline void AmxGroup(const uint16_t* x, int64_t padded_depth, int64_t rows, cons
   for (int64_t k0 = 0; k0 < padded_depth; k0 += kAmxDepth) {
     uint16_t* block = item + k0 * kAmxItemColumns;
     if (from != nullptr) InterleaveBlock(*from, k0, block);
-    _tile_loadd(4, x + k0, padded_depth * 2);
+    const uint16_t* a = x + k0 * kAmxRows;  // block k0 / 32's tile, 512 elements a block
+    _tile_loadd(4, a, kAmxDepth * 2);
     _tile_loadd(6, block, kAmxItemColumns * 4);
     _tile_loadd(7, block + kAmxItemColumns, kAmxItemColumns * 4);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (two) {
-      _tile_loadd(5, x + kAmxRows * padded_depth + k0, padded_depth * 2);
+      _tile_loadd(5, a + group_stride, kAmxDepth * 2);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -179,7 +211,7 @@ inline void RunAmxColumns(const std::vector<Problem>& problems, int64_t num_work
   const int64_t rows = problems[0].rows, depth = problems[0].depth;
   const int64_t padded_rows = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
   const int64_t padded_depth = (depth + kAmxDepth - 1) / kAmxDepth * kAmxDepth;
-  const std::vector<uint16_t> x = AmxRows(problems[0].x16, problems[0].x16_stride, rows, depth, padded_rows, padded_depth);
+  const uint16_t* x = AmxTiles(problems[0].x16, problems[0].x16_stride, rows, depth, padded_rows, padded_depth);
   std::vector<std::pair<int64_t, int64_t>> items;  // (weight, first column)
   for (size_t i = 0; i < problems.size(); ++i) {
     for (int64_t c0 = 0; c0 < problems[i].columns; c0 += kAmxItemColumns) items.emplace_back(int64_t(i), c0);
@@ -194,7 +226,8 @@ inline void RunAmxColumns(const std::vector<Problem>& problems, int64_t num_work
     uint16_t* item = AmxItemBuffer(std::max<int64_t>(1, padded_depth * kAmxItemColumns));
     LoadAmxConfig();
     for (int64_t r0 = 0; r0 < rows; r0 += 2 * kAmxRows) {
-      AmxGroup(x.data() + r0 * padded_depth, padded_depth, std::min(2 * kAmxRows, rows - r0), r0 == 0 ? &from : nullptr,
+      AmxGroup(x + r0 * padded_depth, kAmxRows * padded_depth, padded_depth, std::min(2 * kAmxRows, rows - r0),
+               r0 == 0 ? &from : nullptr,
                item, p.out + r0 * p.columns + c0, p.columns, columns);
     }
     _tile_release();
@@ -206,9 +239,10 @@ inline void RunAmxColumns(const std::vector<Problem>& problems, int64_t num_work
 // rows and block of 32 of K, [16 pairs][16 rows] of 32-bit pairs (x[r, k], x[r, k + 1]).
 constexpr int64_t kAmxNkItemRows = 128;  // outputs (weight rows) per item: 4 blocks of two A tiles
 
-inline std::vector<uint32_t> AmxPairsByRow(const std::vector<uint16_t>& x, int64_t padded_rows, int64_t padded_depth) {
+inline const uint32_t* AmxPairsByRow(const uint16_t* x, int64_t padded_rows, int64_t padded_depth) {
   const int64_t blocks = padded_depth / kAmxDepth;
-  std::vector<uint32_t> pairs(padded_rows * padded_depth / 2);
+  thread_local std::vector<uint32_t> pairs;  // kept by the calling thread, as AmxRows's
+  if (int64_t(pairs.size()) < padded_rows * padded_depth / 2) pairs.resize(padded_rows * padded_depth / 2);
   for (int64_t g = 0; g < padded_rows / kAmxRows; ++g) {
     for (int64_t b = 0; b < blocks; ++b) {
       uint32_t* tile = pairs.data() + (g * blocks + b) * kAmxRows * kAmxRows;
@@ -219,7 +253,7 @@ inline std::vector<uint32_t> AmxPairsByRow(const std::vector<uint16_t>& x, int64
       }
     }
   }
-  return pairs;
+  return pairs.data();
 }
 
 // Where an A tile of 16 weight rows from n0 by K [k0, k0 + 32) loads from (its rows `stride` bytes apart): w itself,
@@ -255,7 +289,7 @@ inline void RunAmxTransposed(const std::vector<Problem>& problems, int64_t num_w
   const int64_t padded_rows = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
   const int64_t padded_depth = (depth + kAmxDepth - 1) / kAmxDepth * kAmxDepth;
   const int64_t groups = padded_rows / kAmxRows, blocks = padded_depth / kAmxDepth;
-  const std::vector<uint32_t> x = AmxPairsByRow(AmxRows(problems[0].x16, problems[0].x16_stride, rows, depth, padded_rows, padded_depth),
+  const uint32_t* x = AmxPairsByRow(AmxRows(problems[0].x16, problems[0].x16_stride, rows, depth, padded_rows, padded_depth),
                                                 padded_rows, padded_depth);
   std::vector<std::pair<int64_t, int64_t>> items;  // (weight, first output)
   for (size_t i = 0; i < problems.size(); ++i) {
@@ -280,10 +314,10 @@ inline void RunAmxTransposed(const std::vector<Problem>& problems, int64_t num_w
         for (int64_t b = 0; b < blocks; ++b) {
           int64_t stride;
           _tile_loadd(4, WeightRows(w, outputs, depth, n0, b * kAmxDepth, padded, stride), stride);
-          _tile_loadd(6, x.data() + (g * blocks + b) * kAmxRows * kAmxRows, kAmxRows * 4);
+          _tile_loadd(6, x + (g * blocks + b) * kAmxRows * kAmxRows, kAmxRows * 4);
           _tile_dpbf16ps(0, 4, 6);
           if (second_rows) {
-            _tile_loadd(7, x.data() + ((g + 1) * blocks + b) * kAmxRows * kAmxRows, kAmxRows * 4);
+            _tile_loadd(7, x + ((g + 1) * blocks + b) * kAmxRows * kAmxRows, kAmxRows * 4);
             _tile_dpbf16ps(1, 4, 7);
           }
           if (second_outputs) {

@@ -1,6 +1,6 @@
 """/v1/responses' store through the real openai client, on a server whose store holds 3 responses: a chain by
 previous_response_id renders exactly the whole conversation sent as input (instructions not carried over, tool
-calls included), retrieve and delete, 404s naming the id, store false, the LRU bound, streamed responses stored as
+calls included), retrieve and delete, the input items listed in pages, 404s naming the id, store false, the LRU bound, streamed responses stored as
 response.completed is sent, failed and abandoned ones not stored. The store's byte bound is checked on its own."""
 
 import json
@@ -100,6 +100,38 @@ def test_an_unknown_previous_response_id_is_a_404_naming_it(server, client):
     assert status == 400 and error_of(body)["param"] == "truncation"
 
 
+def test_input_items_list_the_requests_own_input_in_pages(server, client):
+    first = client.responses.create(model=MODEL, input=ASK, max_output_tokens=2)
+    [only] = client.responses.input_items.list(first.id).data  # a string input: one user message
+    assert only.type == "message" and only.role == "user" and only.id.startswith("msg_")
+    assert [part.model_dump(exclude_none=True) for part in only.content] == [{"type": "input_text", "text": ASK}]
+    given = [
+        {"role": "developer", "content": "Answer in one word."},
+        {"type": "message", "role": "assistant", "content": "Hello.", "id": "msg_given"},
+        {"role": "user", "content": [{"type": "input_text", "text": "Lima?"}, {"type": "input_text", "text": " Now."}]},
+    ]
+    second = client.responses.create(model=MODEL, input=given, previous_response_id=first.id, max_output_tokens=2)
+    newest_first = client.responses.input_items.list(second.id).data  # its own input only, the last item first
+    assert [(item.role, item.id == "msg_given") for item in newest_first] == [
+        ("user", False),
+        ("assistant", True),
+        ("developer", False),
+    ]
+    assert [part.text for part in newest_first[0].content] == ["Lima?", " Now."]
+    assert newest_first[1].content[0].type == "output_text" and newest_first[1].content[0].text == "Hello."
+    # pages of one, in order, as the client's auto-pagination follows has_more and last_id
+    paged = list(client.responses.input_items.list(second.id, limit=1, order="asc"))
+    assert [item.id for item in paged] == [item.id for item in reversed(newest_first)]
+    page = client.responses.input_items.list(second.id, limit=2, after=paged[0].id, order="asc")
+    assert [item.id for item in page.data] == [paged[1].id, paged[2].id] and page.has_more is False
+    # refusals name what is wrong; an id not stored is a 404
+    for query, param in [("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order"), ("after=msg_no", "after")]:
+        status, _, body = http(server, "GET", f"/v1/responses/{second.id}/input_items?{query}")
+        assert status == 400 and error_of(body)["param"] == param, (query, body)
+    with pytest.raises(openai.NotFoundError, match="resp_never"):
+        client.responses.input_items.list("resp_never")
+
+
 def test_store_false_keeps_nothing(client):
     response = client.responses.create(model=MODEL, input=ASK, store=False, **GREEDY)
     assert response.model_extra["store"] is False
@@ -160,7 +192,8 @@ def entry(number: int, text: str = "x") -> tuple[dict, list[dict]]:
 
 
 def test_the_byte_bound_evicts_the_oldest_and_refuses_an_entry_alone_over_it():
-    size = len(json.dumps({"response": entry(0)[0], "conversation": entry(0)[1]}, separators=(",", ":")))
+    stored = {"response": entry(0)[0], "conversation": entry(0)[1], "input_items": []}
+    size = len(json.dumps(stored, separators=(",", ":")))
     store = ResponseStore(max_responses=100, max_bytes=2 * size)
     assert store.put(*entry(1)) and store.put(*entry(2)) and store.total_bytes == 2 * size
     assert store.put(*entry(3)) and store.get("resp_1") is None and len(store) == 2 and store.total_bytes == 2 * size

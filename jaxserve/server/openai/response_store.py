@@ -2,7 +2,8 @@
 response so that GET /v1/responses/{id} can return it and a later request can continue it by
 previous_response_id.
 
-Each entry is the response object as answered and the conversation it continued: the chat messages its input
+Each entry is the response object as answered, its request's input items (GET .../input_items) and the
+conversation it continued: the chat messages its input
 stood for after the earlier turns it was chained to, without its instructions (they apply to one response
 only, as OpenAI documents). The store is an LRU bounded by a count and by the entries' total JSON bytes
 (server.responses_store_max_responses / _max_bytes): storing past either bound evicts the least recently used
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxserve.server.config_file import RESPONSES_STORE_MAX_BYTES, RESPONSES_STORE_MAX_RESPONSES
 
@@ -27,6 +28,7 @@ from jaxserve.server.config_file import RESPONSES_STORE_MAX_BYTES, RESPONSES_STO
 class StoredResponse:
     response: dict  # the response object as answered (its output items among it)
     conversation: list[dict]  # the chat messages it continued, its instructions left out
+    input_items: list[dict] = field(default_factory=list)  # its request's input as items (responses_input_items.py)
 
 
 class ResponseStore:
@@ -44,10 +46,11 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict, conversation: list[dict]) -> bool:
+    def put(self, response: dict, conversation: list[dict], input_items: list[dict] | None = None) -> bool:
         """Keeps the response under its id, evicting the least recently used past the bounds; False: not kept
         (the store is off, or this entry alone is over the byte bound)."""
-        entry = json.dumps({"response": response, "conversation": conversation}, separators=(",", ":")).encode()
+        stored = {"response": response, "conversation": conversation, "input_items": input_items or []}
+        entry = json.dumps(stored, separators=(",", ":")).encode()
         if not self.enabled or len(entry) > self.max_bytes:
             return False
         self.delete(response["id"])
@@ -65,7 +68,7 @@ class ResponseStore:
             return None
         self._entries.move_to_end(response_id)
         stored = json.loads(entry)
-        return StoredResponse(stored["response"], stored["conversation"])
+        return StoredResponse(stored["response"], stored["conversation"], stored["input_items"])
 
     def delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)

@@ -11,7 +11,8 @@ output_item.done, and response.completed with the whole response (its status "in
 With `store` true (the API's default) and the server's store on (server.responses_store_max_responses > 0), a
 completed or incomplete response is kept with the conversation it continued (response_store.py, a bounded LRU;
 streamed, as response.completed is sent; a failed or abandoned one is not): GET /v1/responses/{id} returns it,
-DELETE /v1/responses/{id} removes it, and a later request's previous_response_id continues it. An id not stored
+DELETE /v1/responses/{id} removes it, GET /v1/responses/{id}/input_items lists the input it was created from
+(responses_input_items.py), and a later request's previous_response_id continues it. An id not stored
 (never, deleted or evicted) is a 404 naming it.
 """
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from jaxserve.server.openai import responses_input_items
 from jaxserve.server.openai.chat import ChatCall, start_chat
 from jaxserve.server.openai.errors import APIError
 from jaxserve.server.openai.response_store import ResponseStore
@@ -49,6 +51,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     call = await start_chat(context, chat_request(body, conversation), request)
     keep = store if body.store is not False and store.enabled else None  # store's default is true, as OpenAI's
     answer = ResponsesAnswer(body, context.response_model(body.model), conversation, keep)
+    if keep is not None:
+        answer.input_items = responses_input_items.input_items(body.input)
     if body.stream:
         return EventStreamResponse(answer.events(call), call.group)
     result = await until_disconnected(request.receive, call.collect())
@@ -76,6 +80,16 @@ async def retrieve_response(response_id: str, request: Request):
     if stored is None:
         raise not_stored(response_id, "response_id")
     return JSONResponse(stored.response)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request):
+    stored = request.app.state.context.response_store.get(response_id)
+    if stored is None:
+        raise not_stored(response_id, "response_id")
+    query = request.query_params
+    includes = query.getlist("include[]") + query.getlist("include")
+    return JSONResponse(responses_input_items.page(stored.input_items, dict(query), includes))
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -141,6 +155,7 @@ class ResponsesAnswer:
         self.model = model
         self.conversation = conversation or []
         self.store = store
+        self.input_items: list[dict] = []  # the request's input as items, stored with the response
         self.id = item_id("resp")
         self.created_at = now()
 
@@ -148,7 +163,7 @@ class ResponsesAnswer:
         """The finished response, stored where it is to be; its `store` says whether it was (an entry over the
         store's byte bound is not)."""
         if self.store is not None:
-            response["store"] = self.store.put(response, self.conversation)
+            response["store"] = self.store.put(response, self.conversation, self.input_items)
         return response
 
     def response(self, status: str, output: list, usage: dict | None = None, error: dict | None = None) -> dict:

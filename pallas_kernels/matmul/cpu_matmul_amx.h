@@ -28,8 +28,10 @@
 
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_matmul_bf16_pairs.h"
@@ -279,6 +281,14 @@ inline const uint16_t* WeightRows(const uint16_t* w, int64_t outputs, int64_t de
 inline void StoreTransposed(const float (&sums)[kAmxRows][kAmxRows], float* out, int64_t ldo, int64_t r0, int64_t rows,
                             int64_t n0, int64_t outputs) {
   const int64_t nr = std::min(kAmxRows, rows - r0), nn = std::min(kAmxRows, outputs - n0);
+  if (nn == kAmxRows) {  // a row of out is a column of the tile: one gather from L1 (scalar moves: 256 a tile)
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(int(kAmxRows)));
+    for (int64_t r = 0; r < nr; ++r) {
+      _mm512_storeu_ps(out + (r0 + r) * ldo + n0, _mm512_i32gather_ps(column, &sums[0][r], sizeof(float)));
+    }
+    return;
+  }
   for (int64_t r = 0; r < nr; ++r) {
     for (int64_t n = 0; n < nn; ++n) out[(r0 + r) * ldo + n0 + n] = sums[n][r];
   }

@@ -62,8 +62,8 @@ def panel_dtypes(path: str | None = None) -> tuple:
 
 
 def amx_tiles(path: str | None = None) -> bool:
-    """Whether the library takes bfloat16 weights in panels above a walk's 8 rows on AMX tiles (cpu_matmul_amx.h:
-    built for an AMX CPU and granted the tiles by the kernel): such rows are then not the bits of a one-row call."""
+    """Whether the library runs bfloat16 calls above a walk's 8 rows on AMX tiles (cpu_matmul_amx.h: built for an
+    AMX CPU and granted the tiles by the kernel): such rows are then not the bits of a one-row call."""
     library = cpu_library.load(path)
     return library is not None and bool(library.JaxserveCpuAmxTiles())
 

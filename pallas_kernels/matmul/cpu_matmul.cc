@@ -20,8 +20,8 @@
 //
 // Instruction paths (issue #29): the code is written once on GCC/Clang vector types whose width comes
 // from the compiler flags cpu_library.py picked for this CPU (or JAXSERVE_CPU_KERNEL_PATH):
-//   avx512    16 float lanes, 32 registers (AVX-512F/BW/VL; bfloat16 panels above 8 rows on AMX tiles where the
-//             CPU has them, cpu_matmul_amx.h)
+//   avx512    16 float lanes, 32 registers (AVX-512F/BW/VL; bfloat16 above 8 rows on AMX tiles where the CPU
+//             has them, cpu_matmul_amx.h)
 //   avx2      8 lanes, 16 registers, FMA and F16C
 //   portable  4 lanes (SSE2 on x86-64, NEON on arm64), multiply then add, no FMA
 // Each path's tiles fill its register file; JaxserveCpuKernelPath() names the path a library was built for.
@@ -399,7 +399,7 @@ namespace {
 template <typename T>
 void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
   // bfloat16 above a walk's rows on AMX tiles (cpu_matmul_amx.h), [K, N] in panels or not and [N, K]
-  if (std::is_same_v<T, BF16> && kAmxTiles && problems[0].rows > kWalkRows && AmxTilesGranted()) {
+  if (OnAmxTiles<T>(problems[0].rows)) {
     return transposed ? RunAmxTransposed(problems, num_workers) : RunAmxColumns(problems, num_workers);
   }
   if (std::any_of(problems.begin(), problems.end(), [](const Problem& p) { return p.panels; })) {
@@ -475,7 +475,7 @@ void Run(std::vector<Problem> problems, bool transposed, int64_t num_workers) {
 template <typename T>
 void WidenAndRun(int64_t num_workers, const typename T::Stored* in, std::vector<Problem> problems, bool transposed) {
   const int64_t rows = problems[0].rows, depth = problems[0].depth, count = rows * depth;
-  if (std::is_same_v<T, BF16> && kAmxTiles && rows > kWalkRows && AmxTilesGranted()) {  // the tiles read bfloat16
+  if (OnAmxTiles<T>(rows)) {  // the tiles read x's bfloat16 as it came
     for (Problem& p : problems) p.x16 = reinterpret_cast<const uint16_t*>(in), p.x16_stride = depth;
     return Run<T>(std::move(problems), transposed, num_workers);
   }
@@ -616,8 +616,8 @@ extern "C" const char* JaxserveCpuKernelPath() { return kPath; }
 // pair tiles the panels do not have (cpu.py's panel_dtypes).
 extern "C" int JaxserveCpuBf16Pairs() { return kBf16Pairs ? 1 : 0; }
 
-// Whether bfloat16 weights in panels take more rows than a walk's on AMX tiles here (cpu_matmul_amx.h): built for
-// them and granted by the kernel.
+// Whether bfloat16 calls above a walk's rows run on AMX tiles here (cpu_matmul_amx.h): built for them and granted
+// by the kernel.
 extern "C" int JaxserveCpuAmxTiles() { return kAmxTiles && AmxTilesGranted() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmul, SmallMatmul,

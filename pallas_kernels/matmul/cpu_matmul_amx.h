@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -362,5 +363,11 @@ inline bool AmxTilesGranted() { return false; }
 inline void RunAmxColumns(const std::vector<Problem>&, int64_t) {}
 inline void RunAmxTransposed(const std::vector<Problem>&, int64_t) {}
 #endif
+
+// Whether a call of `rows` rows of T goes to the tiles (cpu_matmul.cc's WidenAndRun and Run).
+template <typename T>
+inline bool OnAmxTiles(int64_t rows) {
+  return std::is_same_v<T, BF16> && kAmxTiles && rows > kWalkRows && AmxTilesGranted();
+}
 
 }  // namespace

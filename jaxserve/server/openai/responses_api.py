@@ -51,8 +51,6 @@ async def create_response(body: ResponsesRequest, request: Request):
     call = await start_chat(context, chat_request(body, conversation), request)
     keep = store if body.store is not False and store.enabled else None  # store's default is true, as OpenAI's
     answer = ResponsesAnswer(body, context.response_model(body.model), conversation, keep)
-    if keep is not None:
-        answer.input_items = responses_input_items.input_items(body.input)
     if body.stream:
         return EventStreamResponse(answer.events(call), call.group)
     result = await until_disconnected(request.receive, call.collect())
@@ -155,7 +153,8 @@ class ResponsesAnswer:
         self.model = model
         self.conversation = conversation or []
         self.store = store
-        self.input_items: list[dict] = []  # the request's input as items, stored with the response
+        # the request's input as items (GET .../input_items), stored with the response
+        self.input_items = responses_input_items.input_items(body.input) if store is not None else []
         self.id = item_id("resp")
         self.created_at = now()
 

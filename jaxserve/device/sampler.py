@@ -1,7 +1,8 @@
 """On-device sampling with per-row parameters, inside the step's executable (no host sync inside).
 
 Each row draws its randomness from (its seed, the index of the token being sampled) alone, so a seeded
-request samples the same tokens whatever else shares the batch, and after a preemption.
+request samples the same tokens whatever else shares the batch, and after a preemption: one uniform a
+row, turned into a token by the inverse of the (filtered) distribution's CDF (sampling_draws.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.arrays import HostOrDeviceArray
-from jaxserve.models.layers import row_log_softmax, row_softmax
+from jaxserve.device.sampling_draws import (
+    CANDIDATES,
+    draw_within,
+    inverse_cdf,
+    nucleus_by_thresholds,
+    nucleus_from_candidates,
+    top_candidates,
+)
+from jaxserve.models.layers import row_log_softmax
 
 # Legend: S = sequences sampled in the step, V = vocab, K = max_logprobs.
 
@@ -63,43 +72,66 @@ def first_argmax(values, block: int = 128):
     return (best_block * block + jnp.argmax(within, axis=-1)).astype(jnp.int32)
 
 
-def _filter_top_k_top_p_min_p(scaled_logits, inputs: SamplingInputs):
-    """Mask (to -inf) every token that top-k, top-p or min-p rules out; the most likely always stays."""
-    vocab_size = scaled_logits.shape[-1]
-    order = jnp.argsort(-scaled_logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled_logits, order, axis=-1)
-    rank = jnp.arange(vocab_size)[None, :]
-    keep = (inputs.top_k[:, None] <= 0) | (rank < inputs.top_k[:, None])
-    probs = row_softmax(jnp.where(keep, sorted_logits, -jnp.inf))  # a row's mass alike in any step
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < inputs.top_p[:, None]
-    keep &= probs >= inputs.min_p[:, None] * probs[:, :1]
-    keep |= rank == 0
-    filtered_sorted = jnp.where(keep, sorted_logits, -jnp.inf)
-    rows = jnp.arange(scaled_logits.shape[0])[:, None]
-    return jnp.full_like(scaled_logits, -jnp.inf).at[rows, order].set(filtered_sorted)
-
-
-def _sample_random(logits, greedy_token_ids, inputs: SamplingInputs):
-    is_random = inputs.temperature > 0
-    scaled = logits / jnp.where(is_random, inputs.temperature, 1.0)[:, None]
-    needs_filter = jnp.any(is_random & ((inputs.top_k > 0) | (inputs.top_p < 1) | (inputs.min_p > 0)))
-    scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p_min_p, lambda x, _: x, scaled, inputs)
+def row_uniforms(inputs: SamplingInputs):
+    """[S] float32 in [0, 1): each row's draw for its token, from its seed folded with the token's index."""
     keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.wrap_key_data(seed), index))(
         inputs.seeds, inputs.token_indices
     )
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
-    sampled = first_argmax(scaled + gumbel)
-    return jnp.where(is_random, sampled, greedy_token_ids)
+    return jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
 
 
-def sample(logits, inputs: SamplingInputs, max_logprobs: int, model_logits=None) -> SamplerOutput:
+def _nucleus_candidates(scaled, uniforms, inputs: SamplingInputs, candidates: int):
+    """Rows with top-k / top-p / min-p, drawn from their nucleus within the `candidates` most likely tokens ->
+    (tokens [S], resolved [S]: the nucleus ends within them; the rest are drawn from their whole row)."""
+    values, ids = top_candidates(scaled, candidates)
+    keep, resolved = nucleus_from_candidates(values, scaled, inputs.top_k, inputs.top_p, inputs.min_p)
+    kept = jnp.where(keep, jnp.exp(values - values[:, :1]), 0.0)
+    drawn = jnp.take_along_axis(ids, draw_within(kept, uniforms)[:, None], axis=1)[:, 0]
+    return drawn, resolved
+
+
+def _sample_random(logits, greedy_token_ids, inputs: SamplingInputs, candidates: int):
+    """Rows with a temperature: a draw from the row scaled by it, one uniform a row: rows with top-k / top-p /
+    min-p from their nucleus (within their most likely candidates, else over the whole row by thresholds), the
+    rest from the whole row; greedy rows keep their argmax."""
+    is_random = inputs.temperature > 0
+    scaled = logits / jnp.where(is_random, inputs.temperature, 1.0)[:, None]
+    uniforms = row_uniforms(inputs)
+    filtered = is_random & ((inputs.top_k > 0) | (inputs.top_p < 1) | (inputs.min_p > 0))
+    from_nucleus, resolved = jax.lax.cond(
+        jnp.any(filtered),
+        lambda: _nucleus_candidates(scaled, uniforms, inputs, candidates),
+        lambda: (jnp.zeros_like(greedy_token_ids), jnp.ones_like(filtered)),
+    )
+    unresolved = filtered & ~resolved
+    whole_row = is_random & (~filtered | unresolved)
+
+    def from_whole_rows():  # one draw over [S, V] for both kinds: a row without filter keeps every token
+        if candidates >= scaled.shape[-1]:  # the candidates are the vocabulary: every nucleus resolved
+            return inverse_cdf(scaled, uniforms)
+        keep = jax.lax.cond(
+            jnp.any(unresolved),
+            lambda: nucleus_by_thresholds(scaled, inputs.top_k, inputs.top_p, inputs.min_p) | ~unresolved[:, None],
+            lambda: jnp.ones(scaled.shape, jnp.bool_),
+        )
+        return inverse_cdf(jnp.where(keep, scaled, -jnp.inf), uniforms)
+
+    from_row = jax.lax.cond(jnp.any(whole_row), from_whole_rows, lambda: jnp.zeros_like(greedy_token_ids))
+    return jnp.where(is_random, jnp.where(whole_row, from_row, from_nucleus), greedy_token_ids)
+
+
+def sample(
+    logits, inputs: SamplingInputs, max_logprobs: int, model_logits=None, candidates: int = CANDIDATES
+) -> SamplerOutput:
     """logits [S, V] float32 (after the logits processors) -> sampled tokens and their log-probabilities
     under the model's own distribution (`model_logits`, before the processors; default: `logits`), as
-    vLLM reports them."""
+    vLLM reports them. candidates: how many of a row's most likely tokens its top-k / top-p / min-p set is
+    looked for in before whole-row thresholds decide it (sampling_draws.py)."""
     greedy_token_ids = first_argmax(logits)
     token_ids = jax.lax.cond(
-        jnp.any(inputs.temperature > 0), _sample_random, lambda _, g, __: g, logits, greedy_token_ids, inputs
+        jnp.any(inputs.temperature > 0),
+        lambda: _sample_random(logits, greedy_token_ids, inputs, candidates),
+        lambda: greedy_token_ids,
     )
     num_rows, num_top = logits.shape[0], max(max_logprobs, 1)
 

@@ -5,12 +5,12 @@ Acceptance, on the device. Position i of a row is sampled exactly as a plain dec
 output token `token_index + i` after the proposals before it: the same logits processors (penalties
 counting the proposals before i as output, logit bias, min_tokens' bans by token index, the allowed-token
 mask), the same top-k / top-p / min-p filter, and the same random draw (the row's seed folded with the
-token's index, Gumbel-max). The row accepts the longest prefix of proposals equal to those samples, then
+token's index, inverse CDF). The row accepts the longest prefix of proposals equal to those samples, then
 the sample after it (the correction, or the bonus token when every proposal was accepted).
 
 Why that is exact (Leviathan et al. with a point-mass draft): for a deterministic proposer the draft
 distribution puts all its mass on the proposal d, so rejection sampling accepts d with probability
-p(d) and otherwise samples from p with d removed, renormalized. Gumbel-max gives exactly that: the
+p(d) and otherwise samples from p with d removed, renormalized. Any exact draw from p gives exactly that: the
 sample equals d with probability p(d), and given that it does not, it is distributed as p restricted
 to the other tokens. So every output token is a sample from the target's own distribution given the
 tokens before it; greedy rows (a point mass at the argmax) accept the longest prefix equal to the

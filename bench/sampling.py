@@ -1,0 +1,107 @@
+"""The on-device sampler alone (device/sampler.py's `sample`, compiled): ms per call over [S, V] logits for
+greedy, temperature-only and top-p / top-k / min-p rows, on peaked rows (a trained model's usual: the nucleus is a
+few tokens) and flat rows (the nucleus passes the 256 candidates: whole-row thresholds), against the sampler it
+replaced (Gumbel noise over the whole row, a sort of the row for any filter) in the same run.
+
+    .venv/bin/python bench/sampling.py [--vocab 49152] [--rows 1,8,64]
+
+Prints JSON lines: ms for each (rows, case), the previous sampler's, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from timing import median_time
+
+from jaxserve.device.sampler import SamplingInputs, first_argmax, sample
+from jaxserve.models.layers import row_softmax
+from jaxserve.step_allocator import restart_with_step_allocator
+
+CASES = {  # name: (temperature, top_k, top_p, min_p)
+    "greedy": (0.0, 0, 1.0, 0.0),
+    "temperature": (0.8, 0, 1.0, 0.0),
+    "top_p_0.9": (0.8, 0, 0.9, 0.0),
+    "top_k_40": (0.8, 40, 1.0, 0.0),
+    "min_p_0.05": (0.8, 0, 1.0, 0.05),
+}
+
+
+def previous_sampler(logits, inputs: SamplingInputs):
+    """The sampler before session 34: a full sort for any filter, Gumbel noise over the row (token ids only)."""
+    greedy = first_argmax(logits)
+    is_random = inputs.temperature > 0
+    scaled = logits / jnp.where(is_random, inputs.temperature, 1.0)[:, None]
+
+    def filtered(x):
+        order = jnp.argsort(-x, axis=-1)
+        sorted_logits = jnp.take_along_axis(x, order, axis=-1)
+        rank = jnp.arange(x.shape[-1])[None, :]
+        keep = (inputs.top_k[:, None] <= 0) | (rank < inputs.top_k[:, None])
+        probs = row_softmax(jnp.where(keep, sorted_logits, -jnp.inf))
+        keep &= (jnp.cumsum(probs, axis=-1) - probs) < inputs.top_p[:, None]
+        keep &= probs >= inputs.min_p[:, None] * probs[:, :1]
+        keep |= rank == 0
+        rows = jnp.arange(x.shape[0])[:, None]
+        return jnp.full_like(x, -jnp.inf).at[rows, order].set(jnp.where(keep, sorted_logits, -jnp.inf))
+
+    needs_filter = jnp.any(is_random & ((inputs.top_k > 0) | (inputs.top_p < 1) | (inputs.min_p > 0)))
+    scaled = jax.lax.cond(needs_filter, filtered, lambda x: x, scaled)
+    keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.wrap_key_data(seed), index))(
+        inputs.seeds, inputs.token_indices
+    )
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
+    return jnp.where(is_random, first_argmax(scaled + gumbel), greedy)
+
+
+def inputs_for(rows: int, case: tuple) -> SamplingInputs:
+    temperature, top_k, top_p, min_p = case
+    return SamplingInputs(
+        temperature=np.full(rows, temperature, np.float32),
+        top_k=np.full(rows, top_k, np.int32),
+        top_p=np.full(rows, top_p, np.float32),
+        min_p=np.full(rows, min_p, np.float32),
+        seeds=np.stack([np.zeros(rows, np.uint32), np.arange(rows, dtype=np.uint32)], axis=1),
+        token_indices=np.zeros(rows, np.int32),
+        wants_logprobs=np.zeros(rows, bool),
+        bias_token_ids=np.full((rows, 1), -1, np.int32),
+        bias_values=np.zeros((rows, 1), np.float32),
+        bias_until=np.zeros((rows, 1), np.int32),
+        allowed_tokens=np.full((rows, 1), -1, np.int32),
+        presence_penalty=np.zeros(rows, np.float32),
+        frequency_penalty=np.zeros(rows, np.float32),
+        repetition_penalty=np.ones(rows, np.float32),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--rows", default="1,8,64")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    current = jax.jit(lambda logits, inputs: sample(logits, inputs, 0).token_ids)
+    previous = jax.jit(previous_sampler)
+    for rows in (int(r) for r in args.rows.split(",")):
+        noise = rng.standard_normal((rows, args.vocab)).astype(np.float32)
+        shapes = {"peaked": noise * 3.0, "flat": noise * 0.3}  # nucleus at 0.9: ~10 tokens / ~30 K tokens
+        for shape, logits in shapes.items():
+            logits = jnp.asarray(logits)
+            for name, case in CASES.items():
+                if shape == "flat" and name == "greedy":
+                    continue
+                inputs = jax.device_put(inputs_for(rows, case))
+                now = median_time(current, logits, inputs, repeats=args.repeats) * 1e3
+                before = median_time(previous, logits, inputs, repeats=args.repeats) * 1e3
+                record = dict(rows=rows, logits=shape, case=name, ms=round(now, 3), previous_ms=round(before, 3))
+                print(json.dumps(record | dict(speedup=round(before / now, 2))), flush=True)
+
+
+if __name__ == "__main__":
+    restart_with_step_allocator()  # as `python -m jaxserve.serve` runs (jaxserve/step_allocator.py)
+    main()

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from timing import median_time
 
+from jaxserve.step_allocator import restart_with_step_allocator
+
 
 def emit(**record) -> None:
     print(json.dumps(record), flush=True)
@@ -494,4 +496,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    restart_with_step_allocator()  # as `python -m jaxserve.serve` runs (jaxserve/step_allocator.py)
     main()

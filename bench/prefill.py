@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamacpp_peer as peer  # noqa: E402
 from vs_llamacpp import CACHE_DIR, DTYPES, emit, model_files, pin_threads, quantized_gguf  # noqa: E402
 
+from jaxserve.step_allocator import restart_with_step_allocator
+
 
 def prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> dict[int, list[int]]:
     """A prompt of random ids per length (clear of the special ids at both ends, as llama-bench's)."""
@@ -96,4 +98,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    restart_with_step_allocator()  # as `python -m jaxserve.serve` runs (jaxserve/step_allocator.py)
     main()

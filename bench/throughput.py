@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from jaxserve.step_allocator import restart_with_step_allocator
+
 MODEL_PRESETS = {
     # vocab 32000, tied embeddings: 16.4M embedding + 6 x 2.9M layers = 33.8M parameters
     "llama-32m": dict(
@@ -378,4 +380,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    restart_with_step_allocator()  # as `python -m jaxserve.serve` runs (jaxserve/step_allocator.py)
     main()

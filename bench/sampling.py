@@ -1,17 +1,20 @@
 """The on-device sampler alone (device/sampler.py's `sample`, compiled): ms per call over [S, V] logits for
 greedy, temperature-only and top-p / top-k / min-p rows, on peaked rows (a trained model's usual: the nucleus is a
-few tokens) and flat rows (the nucleus passes the 256 candidates: whole-row thresholds), against the sampler it
-replaced (Gumbel noise over the whole row, a sort of the row for any filter) in the same run.
+few tokens) and flat rows (the nucleus passes the 256 candidates: whole-row thresholds). Three samplers in the
+same run: the CPU kernel (pallas_kernels/sampling, what the CPU runs), the jax.numpy reference (what other
+backends run), and the sampler they replaced (Gumbel noise over the whole row, a sort of the row for any filter).
+First, each one's compile time for one shape (what it adds to every step executable at warm-up).
 
     .venv/bin/python bench/sampling.py [--vocab 49152] [--rows 1,8,64]
 
-Prints JSON lines: ms for each (rows, case), the previous sampler's, and their ratio.
+Prints JSON lines: ms for each (rows, case) and sampler, and the ratios to the kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +24,7 @@ from timing import median_time
 from jaxserve.device.sampler import SamplingInputs, first_argmax, sample
 from jaxserve.models.layers import row_softmax
 from jaxserve.step_allocator import restart_with_step_allocator
+from pallas_kernels.sampling import cpu as cpu_sampler
 
 CASES = {  # name: (temperature, top_k, top_p, min_p)
     "greedy": (0.0, 0, 1.0, 0.0),
@@ -90,21 +94,36 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    current = jax.jit(lambda logits, inputs: sample(logits, inputs, 0).token_ids)
-    previous = jax.jit(previous_sampler)
+    samplers = {
+        "kernel": lambda logits, inputs: sample(logits, inputs, 0, cpu_kernel=True).token_ids,
+        "reference": lambda logits, inputs: sample(logits, inputs, 0, cpu_kernel=False).token_ids,
+        "previous": previous_sampler,
+    }
+    example = (jnp.zeros((8, args.vocab)), jax.device_put(inputs_for(8, CASES["top_p_0.9"])))
+    compile_seconds = {}
+    if not cpu_sampler.available():  # built (or loaded) before any timing
+        raise SystemExit("the CPU sampler kernel does not build here")
+    for name, sampler in samplers.items():  # a fresh function each: nothing cached in this process
+        start = time.perf_counter()
+        jax.jit(lambda *a, sampler=sampler: sampler(*a)).lower(*example).compile()
+        compile_seconds[name] = round(time.perf_counter() - start, 3)
+    print(json.dumps(dict(compile_seconds_8_rows=compile_seconds, vocab=args.vocab)), flush=True)
+    compiled = {name: jax.jit(sampler) for name, sampler in samplers.items()}
     for rows in (int(r) for r in args.rows.split(",")):
         noise = rng.standard_normal((rows, args.vocab)).astype(np.float32)
         shapes = {"peaked": noise * 3.0, "flat": noise * 0.3}  # nucleus at 0.9: ~10 tokens / ~30 K tokens
         for shape, logits in shapes.items():
             logits = jnp.asarray(logits)
-            for name, case in CASES.items():
-                if shape == "flat" and name == "greedy":
+            for case_name, case in CASES.items():
+                if shape == "flat" and case_name == "greedy":
                     continue
                 inputs = jax.device_put(inputs_for(rows, case))
-                now = median_time(current, logits, inputs, repeats=args.repeats) * 1e3
-                before = median_time(previous, logits, inputs, repeats=args.repeats) * 1e3
-                record = dict(rows=rows, logits=shape, case=name, ms=round(now, 3), previous_ms=round(before, 3))
-                print(json.dumps(record | dict(speedup=round(before / now, 2))), flush=True)
+                ms = {
+                    name: median_time(run, logits, inputs, repeats=args.repeats) * 1e3 for name, run in compiled.items()
+                }
+                record = dict(rows=rows, logits=shape, case=case_name) | {f"{n}_ms": round(t, 3) for n, t in ms.items()}
+                ratios = {f"{n}_over_kernel": round(t / ms["kernel"], 2) for n, t in ms.items() if n != "kernel"}
+                print(json.dumps(record | ratios), flush=True)
 
 
 if __name__ == "__main__":

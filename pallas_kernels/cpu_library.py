@@ -39,6 +39,7 @@ SOURCES += (os.path.join(HERE, "matmul", "cpu_kquant_matmul.cc"),)  # GGUF K-qua
 SOURCES += (os.path.join(HERE, "matmul", "cpu_quantized_int8_dot.cc"),)  # int8-activation dots (issue 25)
 SOURCES += (os.path.join(HERE, "paged_attention", "cpu_latent_kernel.cc"),)  # DeepSeek's MLA (issue 27)
 SOURCES += (os.path.join(HERE, "matmul", "cpu_lora_matmul.cc"),)  # segmented multi-LoRA (issue 28)
+SOURCES += (os.path.join(HERE, "sampling", "cpu_sampler.cc"),)  # the sampler's draw
 HEADERS = (os.path.join(HERE, "cpu_workers.h"),)  # included from HERE (-I); part of the build's cache key
 HEADERS += (os.path.join(HERE, "matmul", "cpu_float_vectors.h"),)  # every matmul kernel's float32 vectors
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_vectors.h"),)  # cpu_matmul.cc's vector basics
@@ -46,7 +47,9 @@ HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_bf16_pairs.h"),)  # cpu_mat
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_few_rows.h"),)  # cpu_matmul.cc's 2-8 row walks
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_panels.h"),)  # cpu_matmul.cc's weights in column panels
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_amx.h"),)  # cpu_matmul.cc's bfloat16 on AMX tiles
-HEADERS += (os.path.join(HERE, "paged_attention", "cpu_attention_basics.h"),)  # cpu_latent_kernel.cc's
+HEADERS += (
+    os.path.join(HERE, "paged_attention", "cpu_attention_basics.h"),
+)  # cpu_latent_kernel.cc's, the sampler's exp
 HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_vectors.h"),)  # cpu_quantized_int8_dot.cc's vector basics
 HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_activations.h"),)  # its inputs, x quantized
 HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_chunks.h"),)  # its walk over one chunk

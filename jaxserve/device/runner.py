@@ -180,6 +180,8 @@ class ModelRunner:
         self.prefill_query_block = prefill_query_block
         self.sampling_widths = sampling_widths
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        # the sampler's rows as the step's inputs lie (over the data ranks), each row's vocabulary whole (step.py)
+        sampler_sharding = None if mesh is None else NamedSharding(mesh, partition_spec(("batch", None), mesh))
         buffers = SequenceBuffers.zeros(layout.num_ranks, layout.buffer_entries_per_rank, vocab_size)
         # Each rank's part on its own devices, made there (device_put would compare the host value across
         # processes, whole); the step and the resets keep them so.
@@ -200,21 +202,36 @@ class ModelRunner:
         )
         self._jitted = jax.jit(
             functools.partial(
-                step, self.graphdef, self.params_treedef, max_logprobs=max_logprobs, num_experts=num_experts
+                step,
+                self.graphdef,
+                self.params_treedef,
+                max_logprobs=max_logprobs,
+                num_experts=num_experts,
+                sampler_sharding=sampler_sharding,
             ),
             donate_argnums=(1, 2),
             out_shardings=out_shardings,
         )
         self._jitted_verify = jax.jit(
             functools.partial(
-                verify_step, self.graphdef, self.params_treedef, max_logprobs=max_logprobs, num_experts=num_experts
+                verify_step,
+                self.graphdef,
+                self.params_treedef,
+                max_logprobs=max_logprobs,
+                num_experts=num_experts,
+                sampler_sharding=sampler_sharding,
             ),
             donate_argnums=(1, 2),
             out_shardings=None if out_shardings is None else (*out_shardings, self.input_sharding),
         )
         self._jitted_chain = jax.jit(
             functools.partial(
-                chained_steps, self.graphdef, self.params_treedef, max_logprobs=max_logprobs, num_experts=num_experts
+                chained_steps,
+                self.graphdef,
+                self.params_treedef,
+                max_logprobs=max_logprobs,
+                num_experts=num_experts,
+                sampler_sharding=sampler_sharding,
             ),
             donate_argnums=(1, 2),
             out_shardings=None if out_shardings is None else (self.chain_input_sharding, *out_shardings[3:]),

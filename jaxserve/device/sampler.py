@@ -22,6 +22,7 @@ from jaxserve.device.sampling_draws import (
     top_candidates,
 )
 from jaxserve.models.layers import row_log_softmax
+from pallas_kernels.sampling import cpu as cpu_sampler
 
 # Legend: S = sequences sampled in the step, V = vocab, K = max_logprobs.
 
@@ -121,18 +122,39 @@ def _sample_random(logits, greedy_token_ids, inputs: SamplingInputs, candidates:
 
 
 def sample(
-    logits, inputs: SamplingInputs, max_logprobs: int, model_logits=None, candidates: int = CANDIDATES
+    logits,
+    inputs: SamplingInputs,
+    max_logprobs: int,
+    model_logits=None,
+    candidates: int = CANDIDATES,
+    rows_sharding=None,
+    cpu_kernel: bool | None = None,
 ) -> SamplerOutput:
     """logits [S, V] float32 (after the logits processors) -> sampled tokens and their log-probabilities
     under the model's own distribution (`model_logits`, before the processors; default: `logits`), as
     vLLM reports them. candidates: how many of a row's most likely tokens its top-k / top-p / min-p set is
-    looked for in before whole-row thresholds decide it (sampling_draws.py)."""
-    greedy_token_ids = first_argmax(logits)
-    token_ids = jax.lax.cond(
-        jnp.any(inputs.temperature > 0),
-        lambda: _sample_random(logits, greedy_token_ids, inputs, candidates),
-        lambda: greedy_token_ids,
-    )
+    looked for in before whole-row thresholds decide it (sampling_draws.py). cpu_kernel: draw with the C++
+    kernel (pallas_kernels/sampling: the same rules, one custom call instead of ~100 small XLA kernels in every
+    step executable); None: where it serves (a CPU that builds it). rows_sharding: how the rows lie on a mesh
+    (the kernel draws each device's own)."""
+    if cpu_sampler.serves() if cpu_kernel is None else cpu_kernel:
+        token_ids = cpu_sampler.sample_tokens(
+            logits,
+            inputs.temperature,
+            inputs.top_k,
+            inputs.top_p,
+            inputs.min_p,
+            inputs.seeds,
+            inputs.token_indices,
+            rows_sharding=rows_sharding,
+        )
+    else:
+        greedy_token_ids = first_argmax(logits)
+        token_ids = jax.lax.cond(
+            jnp.any(inputs.temperature > 0),
+            lambda: _sample_random(logits, greedy_token_ids, inputs, candidates),
+            lambda: greedy_token_ids,
+        )
     num_rows, num_top = logits.shape[0], max(max_logprobs, 1)
 
     def logprobs_of(logits):  # the model's

@@ -30,7 +30,7 @@ from jaxserve.device.logits_processors import process_logits
 from jaxserve.device.prompt_logprobs import no_prompt_logprobs
 from jaxserve.device.sampler import SamplingInputs, sample
 from jaxserve.device.sequence_buffers import SequenceBuffers, gather_entries, rows_by_rank
-from jaxserve.device.step import expert_token_counts
+from jaxserve.device.step import expert_token_counts, rows_whole
 from jaxserve.device.step_inputs import StepInputs
 from jaxserve.lora.slots import bind_row_slots
 from jaxserve.models.kv_pages import KVPages
@@ -71,7 +71,9 @@ def counts_with_drafts(output_counts, draft_token_ids):
     return counts.at[rows, tokens].add(1, mode="drop")  # out-of-range columns: nothing to count
 
 
-def verify(logits, sampling: SamplingInputs, draft_token_ids, penalty_state_of_rows, max_logprobs: int):
+def verify(
+    logits, sampling: SamplingInputs, draft_token_ids, penalty_state_of_rows, max_logprobs: int, rows_sharding=None
+):
     """logits [S * W, V] -> (samples and their logprobs per position, [S] proposals accepted).
     penalty_state_of_rows: () -> the rows' [S, V] output counts and [S, W'] prompt bitmasks."""
     width = draft_token_ids.shape[1] + 1
@@ -81,7 +83,7 @@ def verify(logits, sampling: SamplingInputs, draft_token_ids, penalty_state_of_r
         return counts_with_drafts(counts, draft_token_ids), jnp.repeat(prompt, width, axis=0)
 
     processed = process_logits(logits, sampling, penalty_state)
-    sampled = sample(processed, sampling, max_logprobs, model_logits=logits)
+    sampled = sample(processed, sampling, max_logprobs, model_logits=logits, rows_sharding=rows_sharding)
     return sampled, accepted_lengths(sampled.token_ids, sampled.no_token_allowed, draft_token_ids)
 
 
@@ -119,6 +121,7 @@ def verify_step(
     *,
     max_logprobs: int,
     num_experts: int,
+    sampler_sharding=None,
 ):
     """step()'s contract for verify rows: (samples [S * W], prompt logprobs (none), routing counts, pages,
     buffers, [S] proposals accepted). Every row's tokens are known to the host (a row proposes only
@@ -130,7 +133,7 @@ def verify_step(
         (hidden, kv_pages), intermediates = nnx.capture(model, nnx.Intermediate)(
             step_inputs.token_ids, kv_pages, step_inputs.attention
         )
-        logits = model.compute_logits(hidden[step_inputs.logits_indices])
+        logits = rows_whole(model.compute_logits(hidden[step_inputs.logits_indices]), sampler_sharding)
     counts = expert_token_counts(jax.tree.leaves(intermediates), step_inputs, num_experts)
     sampled, num_accepted = verify(
         logits,
@@ -138,6 +141,7 @@ def verify_step(
         inputs.draft_token_ids,
         lambda: gather_entries(buffers, step_inputs.sampled_entries),
         max_logprobs,
+        rows_sharding=sampler_sharding,
     )
     buffers = record_accepted(buffers, step_inputs.sampled_entries, sampled.token_ids, num_accepted)
     # verify rows decode: they score no prompt token (the outputs keep step()'s structure)

@@ -112,14 +112,16 @@ def sampling_inputs(rows: int, **per_row):
     return SamplingInputs(**fields)
 
 
-def test_a_row_samples_alike_whatever_path_its_neighbours_take():
+@pytest.mark.parametrize("cpu_kernel", [False, True])
+def test_a_row_samples_alike_whatever_path_its_neighbours_take(cpu_kernel):
     """Row 0 (a peaked row: its nucleus is within the candidates) samples the same token in a step alone, beside
-    a flat row (whose nucleus needs whole-row thresholds), beside a greedy row and beside a row without filter."""
+    a flat row (whose nucleus needs whole-row thresholds), beside a greedy row and beside a row without filter;
+    with the reference and with the CPU kernel."""
     rng = np.random.default_rng(2)
     vocab_size = 3000
     peaked = rng.standard_normal(vocab_size).astype(np.float32) * 6
     flat = rng.standard_normal(vocab_size).astype(np.float32) * 0.1
-    run = jax.jit(lambda logits, inputs: sample(logits, inputs, 0, candidates=32).token_ids)
+    run = jax.jit(lambda logits, inputs: sample(logits, inputs, 0, candidates=32, cpu_kernel=cpu_kernel).token_ids)
     for token_index in range(6):
         alone = run(jnp.asarray(peaked[None]), sampling_inputs(1, top_p=[0.9], token_indices=[token_index]))
         for neighbour, params in [
@@ -135,17 +137,18 @@ def test_a_row_samples_alike_whatever_path_its_neighbours_take():
             assert int(pair[0]) == int(alone[0])
 
 
+@pytest.mark.parametrize("cpu_kernel", [False, True])
 @pytest.mark.parametrize("top_k, top_p, min_p", [(0, 0.8, 0.0), (300, 0.95, 0.0), (0, 1.0, 0.02), (20, 1.0, 0.0)])
-def test_sampled_tokens_follow_the_nucleus_distribution(top_k, top_p, min_p):
+def test_sampled_tokens_follow_the_nucleus_distribution(top_k, top_p, min_p, cpu_kernel):
     """Through `sample` with few candidates, so that flat rows take the whole-row thresholds: each row's tokens
-    are distributed as its nucleus renormalized."""
+    are distributed as its nucleus renormalized; the CPU kernel's too."""
     rng = np.random.default_rng(4)
     vocab_size, num = 400, 6000
     base = np.sort(rng.standard_normal(vocab_size).astype(np.float32) * 0.8)[::-1].copy()
     rng.shuffle(base)
     inputs = sampling_inputs(num, top_k=[top_k] * num, top_p=[top_p] * num, min_p=[min_p] * num)
     inputs.seeds[:, 0] = 11
-    tokens = jax.jit(lambda logits: sample(logits, inputs, 0, candidates=16).token_ids)(
+    tokens = jax.jit(lambda logits: sample(logits, inputs, 0, candidates=16, cpu_kernel=cpu_kernel).token_ids)(
         jnp.broadcast_to(jnp.asarray(base), (num, vocab_size))
     )
     keep = nucleus_reference(base, top_k, top_p, min_p)

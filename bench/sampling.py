@@ -22,6 +22,7 @@ import numpy as np
 from timing import median_time
 
 from jaxserve.device.sampler import SamplingInputs, first_argmax, sample
+from jaxserve.device.sampling_inputs import neutral_sampling_inputs
 from jaxserve.models.layers import row_softmax
 from jaxserve.step_allocator import restart_with_step_allocator
 from pallas_kernels.sampling import cpu as cpu_sampler
@@ -69,22 +70,8 @@ def previous_sampler(logits, inputs: SamplingInputs):
 
 def inputs_for(rows: int, case: tuple) -> SamplingInputs:
     temperature, top_k, top_p, min_p = case
-    return SamplingInputs(
-        temperature=np.full(rows, temperature, np.float32),
-        top_k=np.full(rows, top_k, np.int32),
-        top_p=np.full(rows, top_p, np.float32),
-        min_p=np.full(rows, min_p, np.float32),
-        seeds=np.stack([np.zeros(rows, np.uint32), np.arange(rows, dtype=np.uint32)], axis=1),
-        token_indices=np.zeros(rows, np.int32),
-        wants_logprobs=np.zeros(rows, bool),
-        bias_token_ids=np.full((rows, 1), -1, np.int32),
-        bias_values=np.zeros((rows, 1), np.float32),
-        bias_until=np.zeros((rows, 1), np.int32),
-        allowed_tokens=np.full((rows, 1), -1, np.int32),
-        presence_penalty=np.zeros(rows, np.float32),
-        frequency_penalty=np.zeros(rows, np.float32),
-        repetition_penalty=np.ones(rows, np.float32),
-    )
+    seeds = np.stack([np.zeros(rows, np.uint32), np.arange(rows, dtype=np.uint32)], axis=1)
+    return neutral_sampling_inputs(rows, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds)
 
 
 def main() -> None:

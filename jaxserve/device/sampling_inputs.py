@@ -34,21 +34,48 @@ def seed_words(seed: int) -> tuple[int, int]:
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
 
 
+def _neutral_fields(num_rows: int, widths: SamplingWidths) -> dict[str, np.ndarray]:
+    return dict(
+        temperature=np.zeros(num_rows, np.float32),
+        top_k=np.zeros(num_rows, np.int32),
+        top_p=np.ones(num_rows, np.float32),
+        min_p=np.zeros(num_rows, np.float32),
+        seeds=np.zeros((num_rows, 2), np.uint32),
+        token_indices=np.zeros(num_rows, np.int32),
+        wants_logprobs=np.zeros(num_rows, np.bool_),
+        bias_token_ids=np.full((num_rows, widths.bias_entries), -1, np.int32),
+        bias_values=np.zeros((num_rows, widths.bias_entries), np.float32),
+        bias_until=np.zeros((num_rows, widths.bias_entries), np.int32),
+        allowed_tokens=np.full((num_rows, widths.mask_words), ANY_TOKEN, np.int32),
+        presence_penalty=np.zeros(num_rows, np.float32),
+        frequency_penalty=np.zeros(num_rows, np.float32),
+        repetition_penalty=np.ones(num_rows, np.float32),
+    )
+
+
+def neutral_sampling_inputs(num_rows: int, widths: SamplingWidths | None = None, **fields) -> SamplingInputs:
+    """num_rows rows that sample greedily and use no processor (a step's padding rows: no bias entries, every
+    token allowed, no penalties), with `fields` (SamplingInputs' names: one value for every row, or an array
+    whose first axis is the rows) set instead. widths: the processor inputs' (default: one bias entry and one
+    mask word, which no row uses)."""
+    neutral = _neutral_fields(num_rows, widths or SamplingWidths(bias_entries=1, mask_words=1))
+    for name, value in fields.items():
+        if name not in neutral:
+            raise ValueError(f"SamplingInputs has no field {name!r}")
+        array = np.asarray(value, neutral[name].dtype)
+        per_row = array.ndim == neutral[name].ndim and array.shape[0] == num_rows
+        neutral[name] = np.array(array if per_row else np.broadcast_to(array, neutral[name].shape))
+    return SamplingInputs(**neutral)
+
+
 def build_sampling_inputs(chunks: list[ScheduledChunk], num_seqs: int, widths: SamplingWidths) -> SamplingInputs:
-    temperature = np.zeros(num_seqs, np.float32)
-    top_k = np.zeros(num_seqs, np.int32)
-    top_p = np.ones(num_seqs, np.float32)
-    min_p = np.zeros(num_seqs, np.float32)
-    seeds = np.zeros((num_seqs, 2), np.uint32)
-    token_indices = np.zeros(num_seqs, np.int32)
-    wants_logprobs = np.zeros(num_seqs, np.bool_)
-    bias_token_ids = np.full((num_seqs, widths.bias_entries), -1, np.int32)
-    bias_values = np.zeros((num_seqs, widths.bias_entries), np.float32)
-    bias_until = np.zeros((num_seqs, widths.bias_entries), np.int32)
-    allowed_tokens = np.full((num_seqs, widths.mask_words), ANY_TOKEN, np.int32)
-    presence = np.zeros(num_seqs, np.float32)
-    frequency = np.zeros(num_seqs, np.float32)
-    repetition = np.ones(num_seqs, np.float32)
+    fields = _neutral_fields(num_seqs, widths)
+    temperature, top_k, top_p, min_p = fields["temperature"], fields["top_k"], fields["top_p"], fields["min_p"]
+    seeds, token_indices, wants_logprobs = fields["seeds"], fields["token_indices"], fields["wants_logprobs"]
+    bias_token_ids, bias_values, bias_until = fields["bias_token_ids"], fields["bias_values"], fields["bias_until"]
+    allowed_tokens = fields["allowed_tokens"]
+    presence, frequency = fields["presence_penalty"], fields["frequency_penalty"]
+    repetition = fields["repetition_penalty"]
     for row, chunk in enumerate(chunks):
         seq, params = chunk.seq, chunk.seq.params
         temperature[row] = params.temperature
@@ -75,19 +102,4 @@ def build_sampling_inputs(chunks: list[ScheduledChunk], num_seqs: int, widths: S
                 allowed_tokens[row] = controls.allowed_mask
         if seq.next_token_mask is not None:
             allowed_tokens[row] = seq.next_token_mask
-    return SamplingInputs(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        seeds=seeds,
-        token_indices=token_indices,
-        wants_logprobs=wants_logprobs,
-        bias_token_ids=bias_token_ids,
-        bias_values=bias_values,
-        bias_until=bias_until,
-        allowed_tokens=allowed_tokens,
-        presence_penalty=presence,
-        frequency_penalty=frequency,
-        repetition_penalty=repetition,
-    )
+    return SamplingInputs(**fields)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxserve.device import sampling_draws
-from jaxserve.device.sampler import SamplingInputs, sample
+from jaxserve.device.sampler import sample
+from jaxserve.device.sampling_inputs import neutral_sampling_inputs
 from tests.device.test_verify_step import chi_square_ok
 
 
@@ -92,24 +93,9 @@ def test_a_draw_follows_the_distribution_and_skips_impossible_tokens():
 
 
 def sampling_inputs(rows: int, **per_row):
-    fields = dict(
-        temperature=np.ones(rows, np.float32),
-        top_k=np.zeros(rows, np.int32),
-        top_p=np.ones(rows, np.float32),
-        min_p=np.zeros(rows, np.float32),
-        seeds=np.stack([np.zeros(rows, np.uint32), np.arange(rows, dtype=np.uint32)], axis=1),
-        token_indices=np.zeros(rows, np.int32),
-        wants_logprobs=np.zeros(rows, bool),
-        bias_token_ids=np.full((rows, 1), -1, np.int32),
-        bias_values=np.zeros((rows, 1), np.float32),
-        bias_until=np.zeros((rows, 1), np.int32),
-        allowed_tokens=np.full((rows, 1), -1, np.int32),
-        presence_penalty=np.zeros(rows, np.float32),
-        frequency_penalty=np.zeros(rows, np.float32),
-        repetition_penalty=np.ones(rows, np.float32),
-    )
-    fields.update({name: np.asarray(value, fields[name].dtype) for name, value in per_row.items()})
-    return SamplingInputs(**fields)
+    """Rows at temperature 1, each its own seed, no filter or processor, with `per_row` set instead."""
+    seeds = np.stack([np.zeros(rows, np.uint32), np.arange(rows, dtype=np.uint32)], axis=1)
+    return neutral_sampling_inputs(rows, **{"temperature": 1.0, "seeds": seeds, **per_row})
 
 
 @pytest.mark.parametrize("cpu_kernel", [False, True])

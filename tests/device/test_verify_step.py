@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.device.sampler import SamplingInputs
+from jaxserve.device.sampling_inputs import neutral_sampling_inputs
 from jaxserve.device.sequence_buffers import SequenceBuffers
 from jaxserve.device.verify_step import accepted_lengths, counts_with_drafts, record_accepted, verify
 
@@ -18,21 +18,14 @@ def sampling_rows(num_rows: int, temperature: float, top_k: int = 0, top_p: floa
     """S * W sampling rows: row s's position i samples output token i with row s's seed."""
     n = num_rows * WIDTH
     seeds = np.stack([np.zeros(num_rows, np.uint32), np.arange(num_rows, dtype=np.uint32) + 7], axis=1)
-    return SamplingInputs(
-        temperature=np.full(n, temperature, np.float32),
-        top_k=np.full(n, top_k, np.int32),
-        top_p=np.full(n, top_p, np.float32),
-        min_p=np.zeros(n, np.float32),
+    return neutral_sampling_inputs(
+        n,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
         seeds=np.repeat(seeds, WIDTH, axis=0),
         token_indices=np.tile(np.arange(WIDTH, dtype=np.int32), num_rows),
-        wants_logprobs=np.zeros(n, bool),
-        bias_token_ids=np.full((n, 1), -1, np.int32),
-        bias_values=np.zeros((n, 1), np.float32),
-        bias_until=np.zeros((n, 1), np.int32),
-        allowed_tokens=np.full((n, 1), -1, np.int32),
-        presence_penalty=np.full(n, presence, np.float32),
-        frequency_penalty=np.zeros(n, np.float32),
-        repetition_penalty=np.ones(n, np.float32),
+        presence_penalty=presence,
     )
 
 
@@ -76,7 +69,8 @@ def test_emitted_tokens_follow_the_target(temperature, top_k, top_p, presence):
     sampling = sampling_rows(num_rows, temperature, top_k, top_p, presence)
     counts = jnp.zeros((num_rows, VOCAB), jnp.int32)
     prompt = jnp.zeros((num_rows, 1), jnp.int32)
-    sampled, accepted = jax.jit(lambda *a: verify(*a, lambda: (counts, prompt), 0))(logits, sampling, drafts)
+    run = jax.jit(lambda logits, sampling, drafts: verify(logits, sampling, drafts, lambda: (counts, prompt), 0))
+    sampled, accepted = run(logits, sampling, drafts)
     samples = np.asarray(sampled.token_ids).reshape(num_rows, WIDTH)
     accepted = np.asarray(accepted)
 

@@ -3,6 +3,10 @@
 Each row draws its randomness from (its seed, the index of the token being sampled) alone, so a seeded
 request samples the same tokens whatever else shares the batch, and after a preemption: one uniform a
 row, turned into a token by the inverse of the (filtered) distribution's CDF (sampling_draws.py).
+
+This jax.numpy sampler is the reference, and what GPUs and TPUs run; on a CPU the draw is one C++ custom call
+with the same rules and the same uniforms (pallas_kernels/sampling), where XLA:CPU took ~0.8 s to compile the
+reference's ~100 small kernels into every step executable.
 """
 
 from __future__ import annotations

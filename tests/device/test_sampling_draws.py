@@ -22,7 +22,9 @@ def nucleus_reference(row, top_k: int, top_p: float, min_p: float):
     exps = np.exp(x - x.max())
     by_k = np.ones(len(x), bool) if top_k <= 0 else x >= np.sort(x)[::-1][min(top_k, len(x)) - 1]
     mass = np.where(by_k, exps, 0.0)
-    more_likely = np.array([mass[x > value].sum() for value in x]) / mass.sum()
+    descending = np.sort(x)[::-1]
+    running = np.concatenate([[0.0], np.cumsum(np.sort(mass)[::-1])])  # mass of the i most likely
+    more_likely = running[np.searchsorted(-descending, -x, side="left")] / mass.sum()  # of the strictly more likely
     by_p = np.ones(len(x), bool) if top_p >= 1 else more_likely < top_p
     return by_k & by_p & (exps >= min_p) | (x == x.max())
 

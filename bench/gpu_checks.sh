@@ -43,15 +43,16 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/device.txt" 2>&1
 $PYTHON -c "import jax, flax, numpy; print(jax.devices(), 'jax', jax.__version__, 'flax', flax.__version__, 'numpy', numpy.__version__)" \
   >> "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
-# the Pallas kernels' tests and the start-up probe; the C++ CPU kernels' and the reference's alone run on CPUs
+# the Pallas kernels' tests and the start-up probe, in one process (addopts' pytest-xdist workers need a wheel the
+# GPU image does not have); the C++ CPU kernels' and the reference's alone run on CPUs
 # (in the order of what has not run on a GPU yet: session 23's two calls ran 59 cases, all of the quantized
 # matmul's and some of test_kernels_vs_reference's, before their timeouts; ~2 s a case, each compiles its kernels)
-timeout 110 $PYTHON -m pytest -p no:cacheprovider -x tests/kernels/test_kv_quantization.py \
+timeout 110 $PYTHON -m pytest -p no:cacheprovider -o addopts=-q -x tests/kernels/test_kv_quantization.py \
   tests/kernels/test_kernels_vs_reference.py tests/kernels/test_pages_in_place.py tests/kernels/test_quantized_gpu_matmul.py \
   -k "(quantized_gpu or pallas_gpu or pallas or splits or padded or write or pages_in_place) and not cpu and not tpu \
       and not lowers and not lower and not (dense and not pallas) and not bfloat16_attention and not pool_check" 2>&1 \
   | tee "$OUT/gpu_kernel_tests.txt"
-timeout 40 $PYTHON -m pytest -p no:cacheprovider tests/kernels/test_attention_choice.py \
+timeout 40 $PYTHON -m pytest -p no:cacheprovider -o addopts=-q tests/kernels/test_attention_choice.py \
   tests/engine/test_attention_plan.py -k "pallas or probe or heuristic or gpu" 2>&1 | tee -a "$OUT/gpu_kernel_tests.txt"
 # 2: quantized projections alone
 timeout 70 $PYTHON bench/quantized_gpu_matmul.py --rows 1,32 $([ "$QUICK" = 1 ] && echo --quick) 2>&1 \

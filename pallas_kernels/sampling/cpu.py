@@ -11,6 +11,7 @@ own, under shard_map: the partitioner cannot split a custom call.
 from __future__ import annotations
 
 import functools
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +41,11 @@ def available() -> bool:
 
 
 def serves() -> bool:
-    """Whether a step traced now samples with the kernel: on the CPU, where it builds."""
-    return jax.default_backend() == "cpu" and available()
+    """Whether a step traced now samples with the kernel: on the CPU, where it builds, and where the reference's
+    uniforms are the ones the kernel draws (JAX's default threefry keys, partitionable bits)."""
+    config = cast(Any, jax.config)  # its options are attributes set at run time, which the type stubs do not declare
+    same_uniforms = config.jax_threefry_partitionable and config.jax_default_prng_impl == "threefry2x32"
+    return jax.default_backend() == "cpu" and bool(same_uniforms) and available()
 
 
 def sample_tokens(
@@ -69,7 +73,7 @@ def sample_tokens(
         )
     if not _register(path):
         raise RuntimeError("the CPU sampler could not be built; use the jax.numpy sampler")
-    own_helpers = rows_sharding is None and jax.device_count() == 1
+    own_helpers = jax.device_count() == 1  # else XLA's pool's threads (cpu_kernel.cc: several device programs)
 
     def draw(logits, temperature, top_k, top_p, min_p, seeds, token_indices):
         call = jax.ffi.ffi_call(target(path), jax.ShapeDtypeStruct((logits.shape[0],), jnp.int32))

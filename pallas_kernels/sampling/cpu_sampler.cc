@@ -112,27 +112,40 @@ inline uint32_t Digit(uint32_t key, int level) {
   return (key >> kShift[level]) & ((1u << kDigitBits[level]) - 1);
 }
 
-// The largest of kDrawBlock entries, in vectors (GCC leaves a float max loop scalar: std::max's order of operands
-// matters for NaN). Four accumulators: a chain of one would wait on each max's latency.
+// max(a, b), NaN where either is (jnp.max's rule).
+inline float MaxOrNan(float a, float b) { return a != a ? a : (b != b ? b : std::max(a, b)); }
+
+// The largest of kDrawBlock entries, NaN where one is NaN (as jnp.max), in vectors (GCC leaves a float max loop
+// scalar: std::max's order of operands matters for NaN). Four accumulators: a chain of one would wait on each max's
+// latency. NaN is found by a probe that sums x * 0 (NaN for a NaN or an infinity, one FMA a vector; a check in the
+// max itself cost greedy rows 0.5 -> 0.75 ms at 64 x 49152): only then is the block read again, one by one.
 inline float BlockMax(const float* x) {
   static_assert(kDrawBlock % (4 * kLanes) == 0);
-  VecF m[4];
+  VecF m[4], probe = Broadcast(0.0f);
+  const VecF zero = Broadcast(0.0f);
   for (int a = 0; a < 4; ++a) m[a] = Broadcast(-kInfinity);
   for (int64_t i = 0; i < kDrawBlock; i += 4 * kLanes) {
     for (int a = 0; a < 4; ++a) {
       const VecF v = LoadF(x + i + a * kLanes);
       m[a] = v > m[a] ? v : m[a];
+      probe = Fma(v, zero, probe);
     }
   }
-  float best = -kInfinity;
+  float best = -kInfinity, probed = 0.0f;
+  for (int lane = 0; lane < kLanes; ++lane) probed += probe[lane];
+  if (probed != probed) {  // a NaN or an infinity: which, and where, one by one
+    for (int64_t i = 0; i < kDrawBlock; ++i) best = MaxOrNan(best, x[i]);
+    return best;
+  }
   for (int a = 0; a < 4; ++a) {
     for (int lane = 0; lane < kLanes; ++lane) best = std::max(best, m[a][lane]);
   }
   return best;
 }
 
-// The first index of the row's largest entry (0 where every entry is -inf): the reference's first_argmax. The
-// maxima of blocks first (vectorized), then the first block holding the largest searched for its first.
+// The first index of the row's largest entry (0 where every entry is -inf; the first NaN where there is one, as
+// jnp.argmax): the reference's first_argmax. The maxima of blocks first (vectorized), then the first block holding
+// the largest searched for its first.
 int32_t FirstArgmax(const float* x, int64_t n) {
   float best = -kInfinity;
   int64_t best_block = 0;
@@ -141,7 +154,12 @@ int32_t FirstArgmax(const float* x, int64_t n) {
     if (begin + kDrawBlock <= n) {
       block_max = BlockMax(x + begin);
     } else {
-      for (int64_t i = begin; i < n; ++i) block_max = std::max(block_max, x[i]);
+      for (int64_t i = begin; i < n; ++i) block_max = MaxOrNan(block_max, x[i]);
+    }
+    if (block_max != block_max) {
+      for (int64_t i = begin;; ++i) {
+        if (x[i] != x[i]) return int32_t(i);
+      }
     }
     if (block_max > best) {
       best = block_max;
@@ -219,6 +237,7 @@ uint32_t MassThresholdKey(int64_t n, double goal, Scratch& s) {
     if (digit < 0) {
       if (level == 0) return 0;  // the whole row is under goal
       digit = lowest;  // the sums of a finer split rounded under: the selection's lowest tokens
+      above -= s.masses[lowest];
     }
     prefix |= uint32_t(digit) << kShift[level];
     if (level + 1 < kLevels) count = KeepDigit(level, uint32_t(digit), n, count, s);
@@ -270,22 +289,31 @@ int32_t SampleRow(const float* logits, int64_t n, const RowParams& p, Scratch& s
   float* scaled = s.scaled.data();
   float* weights = s.weights.data();
   // the row divided by its temperature (as the reference: a division, not a product with its inverse), in vectors
-  const VecF temperature = Broadcast(p.temperature);
-  VecF top_lanes = Broadcast(-kInfinity);
+  const VecF temperature = Broadcast(p.temperature), zero = Broadcast(0.0f);
+  VecF top_lanes = Broadcast(-kInfinity), probe = zero;
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const VecF v = LoadF(logits + i) / temperature;
     StoreF(scaled + i, v);
     top_lanes = v > top_lanes ? v : top_lanes;
+    probe = Fma(v, zero, probe);  // NaN after a NaN or an infinity (BlockMax)
   }
-  float top = -kInfinity;
-  for (int lane = 0; lane < kLanes; ++lane) top = std::max(top, top_lanes[lane]);
+  float top = -kInfinity, probed = 0.0f;
+  for (int lane = 0; lane < kLanes; ++lane) {
+    top = std::max(top, top_lanes[lane]);
+    probed += probe[lane];
+  }
   for (; i < n; ++i) {
     scaled[i] = logits[i] / p.temperature;
-    top = std::max(top, scaled[i]);
+    top = MaxOrNan(top, scaled[i]);
   }
-  // no finite logit (every token banned: the caller reports the row), or +inf: no distribution to draw from
-  if (!(top > -kInfinity) || !(top < kInfinity)) return FirstArgmax(scaled, n);
+  if (probed != probed) {
+    for (int64_t j = 0; j < n; ++j) top = MaxOrNan(top, scaled[j]);
+  }
+  // No distribution to draw from: no finite logit (every token banned: the caller reports the row), a NaN (a
+  // broken model: its first, as argmax), or a maximum the division overflowed (a temperature near 0: the row's own
+  // argmax, which +inf ties would hide).
+  if (!(top > -kInfinity) || !(top < kInfinity)) return FirstArgmax(logits, n);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) weights[i] = jaxserve_cpu_attention::ExpNonpositive(scaled[i] - top);
   const bool by_k = p.top_k > 0 && p.top_k < n, by_p = p.top_p < 1.0f, by_min = p.min_p > 0.0f;

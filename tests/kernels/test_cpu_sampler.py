@@ -70,20 +70,23 @@ def test_each_path_draws_the_token_of_the_rules_and_the_uniform(path):
 
 @pytest.mark.parametrize("path", cpu_library.runnable_paths())
 def test_greedy_rows_and_rows_with_one_or_no_possible_token(path):
-    rows, vocab_size = 6, 1000
+    rows, vocab_size = 9, 1000
     logits = np.full((rows, vocab_size), -np.inf, np.float32)
     logits[0, [3, 700, 999]] = 2.0  # tied maxima: the first
     logits[1, 999] = 1.0  # the maximum in the last (partial) block
     logits[2, 123] = 0.0  # one possible token, drawn at any temperature
     logits[4, :10] = 1.0  # ten alike: the uniform's tenth
     logits[5, 17] = np.inf  # +inf: its first, as argmax
-    temperature = np.array([0.0, 0.0, 1.5, 1.0, 1.0, 0.8], np.float32)  # row 3: no possible token -> 0
+    logits[6:8, [300, 301, 990]] = [1.0, np.nan, 5.0]  # a NaN (a broken model): its first, as jnp.argmax, greedy or not
+    logits[8, [5, 9]] = [20.0, 30.0]  # a temperature so small that both overflow: still the argmax
+    temperature = np.array([0.0, 0.0, 1.5, 1.0, 1.0, 0.8, 0.0, 1.0, 2e-38], np.float32)  # row 3: none possible -> 0
     ones, zeros = np.ones(rows, np.float32), np.zeros(rows, np.float32)
     seeds, token_indices, uniforms = random_seeds(np.random.default_rng(1), rows)
     tokens = cpu.sample_tokens(
         logits, temperature, np.zeros(rows, np.int32), ones, zeros, seeds, token_indices, path=path
     )
-    assert np.asarray(tokens).tolist() == [3, 999, 123, 0, int(uniforms[4] * 10), 17]
+    assert np.asarray(tokens).tolist() == [3, 999, 123, 0, int(uniforms[4] * 10), 17, 301, 301, 9]
+    assert int(np.asarray(jnp.argmax(jnp.asarray(logits[6])))) == 301  # the reference's rule for a NaN
 
 
 def test_a_row_is_drawn_alike_alone_and_among_any_rows():

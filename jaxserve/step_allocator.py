@@ -10,16 +10,21 @@ bench/load_memory.py: loads' peak memory unchanged.
 
 The settings are read once, when the process starts (GLIBC_TUNABLES), hence the re-execution. Not on an
 accelerator (its host memory would then stay at its peak for good), not where GLIBC_TUNABLES already sets
-glibc.malloc (the user's own), not on another C library.
+glibc.malloc (the user's own), not on another C library, and not where the server's config says
+`server.allocator: system` (read from the command line's --config and --set before anything heavier than yaml
+is imported: the restart would otherwise pay for those imports twice).
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 import sys
 
 TUNABLES = ("glibc.malloc.arena_max=1", "glibc.malloc.mmap_max=0", f"glibc.malloc.trim_threshold={4 << 30}")
+# server.allocator: glibc-step restarts a CPU process once with TUNABLES; system keeps the allocator as started
+ALLOCATORS = ("glibc-step", "system")
 
 
 def serving_on_the_cpu(environ) -> bool:
@@ -41,10 +46,29 @@ def wants_restart(environ) -> bool:
     )
 
 
-def restart_with_step_allocator() -> None:
+def configured_allocator(argv: list[str]) -> str:
+    """server.allocator as `python -m jaxserve.serve argv` would configure it. A config that does not read
+    gives the default: the server's own load after the restart names its error."""
+    from jaxserve.config_sections import read_sections
+    from jaxserve.server.config_file import SECTIONS  # no JAX: yaml and the config's dataclasses
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    try:
+        args, _ = parser.parse_known_args(argv)
+        server = read_sections(args.config, args.overrides, SECTIONS).get("server")
+    except (Exception, SystemExit):  # whatever it is, the load after the restart reports it
+        return ALLOCATORS[0]
+    allocator = server.get("allocator") if isinstance(server, dict) else None
+    return allocator if allocator in ALLOCATORS else ALLOCATORS[0]
+
+
+def restart_with_step_allocator(allocator: str = ALLOCATORS[0]) -> None:
     """Re-executes this very command (interpreter options included) with TUNABLES in GLIBC_TUNABLES, where
-    wants_restart; returns where it does not. Call it first thing in an entry point's __main__ block."""
-    if not wants_restart(os.environ):
+    wants_restart and the allocator is glibc-step; returns where not. Call it first thing in an entry point's
+    __main__ block."""
+    if allocator == "system" or not wants_restart(os.environ):
         return
     tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES", ""), *TUNABLES]))
     sys.stdout.flush()

@@ -1,5 +1,6 @@
 """The entry points' allocator settings (jaxserve/step_allocator.py): a CPU process re-executes itself once, the
-same pid and command, with glibc's tunables; an accelerator's, or one with its own glibc.malloc tunables, does not."""
+same pid and command, with glibc's tunables; an accelerator's, one with its own glibc.malloc tunables, or a server
+configured with `server.allocator: system`, does not."""
 
 import json
 import os
@@ -8,30 +9,37 @@ import sys
 
 import pytest
 
-from jaxserve.step_allocator import TUNABLES, wants_restart
+from jaxserve.server.config_file import load_config
+from jaxserve.step_allocator import TUNABLES, configured_allocator, wants_restart
 
 PROBE = (
     "import json, os, sys\n"
-    "from jaxserve.step_allocator import restart_with_step_allocator\n"
+    "from jaxserve.step_allocator import configured_allocator, restart_with_step_allocator\n"
     "print(json.dumps([os.getpid(), os.environ.get('GLIBC_TUNABLES'), sys.argv[1:]]), flush=True)\n"
-    "restart_with_step_allocator()\n"
+    "restart_with_step_allocator(configured_allocator(sys.argv[1:]))\n"
 )
 
+CPU_GLIBC = wants_restart({"JAX_PLATFORMS": "cpu"})
 
-def run_probe(tmp_path, **environ):
+
+def run_probe(tmp_path, *args, **environ):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     env = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"} | environ
     result = subprocess.run(
-        [sys.executable, "-u", str(script), "a", "--b"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-u", str(script), *(args or ("a", "--b"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
 def test_a_cpu_process_restarts_once_with_the_tunables(tmp_path):
-    if not wants_restart({"JAX_PLATFORMS": "cpu"}):
-        assert os.confstr("CS_GNU_LIBC_VERSION") is None or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    if not CPU_GLIBC:
+        assert not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
         return
     first, second = run_probe(tmp_path, JAX_PLATFORMS="cpu")
     assert first[0] == second[0] and first[2] == second[2] == ["a", "--b"]
@@ -58,3 +66,64 @@ def test_no_restart_on_an_accelerator_or_with_malloc_tunables_set(environ):
 def test_other_tunables_are_kept_beside_ours(tmp_path):
     runs = run_probe(tmp_path, JAX_PLATFORMS="cpu", GLIBC_TUNABLES="glibc.cpu.x86_rep_movsb_threshold=4096")
     assert len(runs) == 2 and runs[1][1] == ":".join(["glibc.cpu.x86_rep_movsb_threshold=4096", *TUNABLES])
+
+
+def write_config(tmp_path, text):
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_the_server_config_chooses_the_allocator(tmp_path):
+    system = write_config(tmp_path, "model: {path: tiny-random}\nserver: {allocator: system, port: 50052}\n")
+    assert configured_allocator(["--config", system]) == "system"
+    assert configured_allocator(["--set", "server.allocator=system"]) == "system"
+    assert configured_allocator(["--config", system, "--set", "server.allocator=glibc-step"]) == "glibc-step"
+    assert configured_allocator([]) == "glibc-step"
+    assert load_config(system).server.allocator == "system"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--config", "/nonexistent/serve.yaml"],
+        ["--set", "server.allocator=jemalloc"],
+        ["--set", "nosuchsection.key=1"],
+        ["--config"],
+    ],
+)
+def test_a_config_that_does_not_read_leaves_the_default_and_the_server_names_the_error(argv):
+    assert configured_allocator(argv) == "glibc-step"
+
+
+def test_an_unknown_allocator_is_refused_by_name():
+    with pytest.raises(ValueError, match="server.allocator must be one of glibc-step, system, got 'jemalloc'"):
+        load_config(None, ["server.allocator=jemalloc"])
+
+
+def test_allocator_system_keeps_the_process_from_restarting(tmp_path):
+    system = write_config(tmp_path, "server: {allocator: system}\n")
+    (only,) = run_probe(tmp_path, "--config", system, JAX_PLATFORMS="cpu")
+    assert only[1] is None and only[2] == ["--config", system]
+    runs = run_probe(tmp_path, "--config", system, "--set", "server.allocator=glibc-step", JAX_PLATFORMS="cpu")
+    assert len(runs) == (2 if CPU_GLIBC else 1)
+
+
+def test_the_server_entry_point_reads_the_allocator_before_restarting(tmp_path):
+    """`python -m jaxserve.serve` itself: a sitecustomize records each interpreter start's GLIBC_TUNABLES; a
+    bad port stops the server right after its config loads, before any engine."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\n"
+        f"with open({str(tmp_path / 'starts')!r}, 'a') as starts:\n"
+        "    starts.write(repr(os.environ.get('GLIBC_TUNABLES')) + '\\n')\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
+    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))}
+    for allocator, starts in (("system", ["None"]), ("glibc-step", ["None", repr(":".join(TUNABLES))])):
+        (tmp_path / "starts").unlink(missing_ok=True)
+        command = [sys.executable, "-m", "jaxserve.serve", "--set", f"server.allocator={allocator}"]
+        result = subprocess.run(
+            [*command, "--set", "server.port=-1"], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode != 0 and "server.port must be" in result.stderr, result.stderr[-2000:]
+        assert (tmp_path / "starts").read_text().splitlines() == (starts if CPU_GLIBC else ["None"])

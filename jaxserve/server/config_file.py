@@ -14,7 +14,7 @@
              stream_idle_timeout, max_message_bytes, tls: {cert, key, client_ca}, api_keys: FILE, served_model_name,
              cors_allowed_origins, and the caps max_prompt_bytes, max_stop_strings, max_stop_string_bytes,
              max_stop_token_ids, max_id_length, max_structured_bytes, max_sampling_token_ids,
-             tool_call_parser: hermes | llama3_json | mistral | auto}
+             tool_call_parser: hermes | llama3_json | mistral | auto, allocator: glibc-step | system}
     distributed: {coordinator_address, num_processes, process_id, local_device_ids, num_cpu_devices, peer_timeout,
                   hash_check_interval, initialization_timeout}   (several processes: jaxserve/distributed)
 
@@ -34,6 +34,7 @@ from jaxserve.config_types import check_field_types
 from jaxserve.distributed.config import DistributedConfig
 from jaxserve.server.reasoning_parsers import PARSER_NAMES as REASONING_PARSER_NAMES
 from jaxserve.server.tool_parsers import PARSER_NAMES
+from jaxserve.step_allocator import ALLOCATORS
 
 # model: -> engine
 QUANTIZATION_OPTIONS = ("quantization", "quantization_group_size", "quantization_embedding", "quantized_activations")
@@ -109,6 +110,9 @@ class ServerConfig:
     # most this many responses and bytes (their JSON with the conversations they continued), in memory. 0: none kept.
     responses_store_max_responses: int = RESPONSES_STORE_MAX_RESPONSES
     responses_store_max_bytes: int = RESPONSES_STORE_MAX_BYTES
+    # glibc-step: on a CPU the process restarts once at start with glibc's allocator kept from unmapping each
+    # step's temporaries (jaxserve/step_allocator.py); system: the allocator as the process was started
+    allocator: str = ALLOCATORS[0]
 
     def __post_init__(self):
         check_field_types(self, "server")
@@ -132,6 +136,8 @@ class ServerConfig:
             raise ValueError(
                 f"server.tool_call_parser must be one of {', '.join(PARSER_NAMES)}, got {self.tool_call_parser!r}"
             )
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"server.allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
         if self.reasoning_parser not in REASONING_PARSER_NAMES:
             raise ValueError(
                 f"server.reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, "

@@ -199,3 +199,20 @@ def load(path: str | None = None) -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as error:
         logger.warning("CPU kernels unavailable, using the jax.numpy references: %s", error)
         return None
+
+
+def target_name(name: str, path: str | None = None) -> str:
+    """A custom call's name for `path`'s library: `name` itself for the engine's own (path None), so that
+    another path's build (tests, benchmarks) runs beside it under a name of its own."""
+    return name if path is None else f"{name}_{path}"
+
+
+@functools.cache
+def register(name: str, symbol: str, path: str | None = None) -> bool:
+    """Registers the library's FFI handler `symbol` as the CPU custom call target_name(name, path), once; False
+    where the library did not build or lacks the symbol (an older build: the kernel's jnp reference serves)."""
+    library = load(path)
+    if library is None or not hasattr(library, symbol):
+        return False
+    jax.ffi.register_ffi_target(target_name(name, path), jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return True

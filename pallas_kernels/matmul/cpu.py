@@ -8,8 +8,6 @@ A custom call XLA's partitioner cannot split: it must only see whole weights on 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,19 +22,13 @@ DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))  
 
 
 def target(path: str | None = None, name: str = MATMUL_TARGET) -> str:
-    """The custom call's name for `path`'s library: `name` itself for the engine's own (path None)."""
-    return name if path is None else f"{name}_{path}"
+    return cpu_library.target_name(name, path)
 
 
-@functools.cache
 def _register(path: str | None = None) -> bool:
-    library = cpu_library.load(path)
-    if library is None:
-        return False
-    jax.ffi.register_ffi_target(target(path), jax.ffi.pycapsule(library.JaxserveSmallMatmul), platform="cpu")
-    normed = jax.ffi.pycapsule(library.JaxserveSmallMatmulNormed)
-    jax.ffi.register_ffi_target(target(path, NORMED_TARGET), normed, platform="cpu")
-    return True
+    return cpu_library.register(MATMUL_TARGET, "JaxserveSmallMatmul", path) and cpu_library.register(
+        NORMED_TARGET, "JaxserveSmallMatmulNormed", path
+    )
 
 
 def available() -> bool:

@@ -10,8 +10,6 @@ whole slot arrays on one device).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -22,17 +20,11 @@ DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))
 
 
 def target(path: str | None = None) -> str:
-    """The custom call's name for `path`'s library: LORA_TARGET for the engine's own (path None)."""
-    return LORA_TARGET if path is None else f"{LORA_TARGET}_{path}"
+    return cpu_library.target_name(LORA_TARGET, path)
 
 
-@functools.cache
 def _register(path: str | None = None) -> bool:
-    library = cpu_library.load(path)
-    if library is None or not hasattr(library, "JaxserveLoraMatmul"):
-        return False
-    jax.ffi.register_ffi_target(target(path), jax.ffi.pycapsule(library.JaxserveLoraMatmul), platform="cpu")
-    return True
+    return cpu_library.register(LORA_TARGET, "JaxserveLoraMatmul", path)
 
 
 def available() -> bool:

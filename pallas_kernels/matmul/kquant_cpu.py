@@ -11,7 +11,6 @@ A custom call XLA's partitioner cannot split: it must only see whole weights on 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,17 +30,11 @@ KIND_NUMBERS = {"q4_k": 4, "q5_k": 5, "q6_k": 6, "q5_0": 50, "q5_1": 51}  # cpu_
 
 
 def target(path: str | None = None) -> str:
-    """The custom call's name for `path`'s library: KQUANT_TARGET for the engine's own (path None)."""
-    return KQUANT_TARGET if path is None else f"{KQUANT_TARGET}_{path}"
+    return cpu_library.target_name(KQUANT_TARGET, path)
 
 
-@functools.cache
 def _register(path: str | None = None) -> bool:
-    library = cpu_library.load(path)
-    if library is None or not hasattr(library, "JaxserveKQuantMatmul"):
-        return False
-    jax.ffi.register_ffi_target(target(path), jax.ffi.pycapsule(library.JaxserveKQuantMatmul), platform="cpu")
-    return True
+    return cpu_library.register(KQUANT_TARGET, "JaxserveKQuantMatmul", path)
 
 
 def available() -> bool:

@@ -22,7 +22,6 @@ A custom call XLA's partitioner cannot split: it must only see whole weights on 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -59,19 +58,11 @@ def check_activations(activations: str) -> str:
 
 def target(path: str | None = None, activations: str = "int8") -> str:
     """The custom call's name for `path`'s library (None: the engine's own) and kernel."""
-    name = QUANTIZED_TARGET + KERNELS[activations][1]
-    return name if path is None else f"{name}_{path}"
+    return cpu_library.target_name(QUANTIZED_TARGET + KERNELS[activations][1], path)
 
 
-@functools.cache
 def _register(path: str | None = None, activations: str = "int8") -> bool:
-    library = cpu_library.load(path)
-    symbol = KERNELS[activations][0]
-    if library is None or not hasattr(library, symbol):
-        return False
-    handler = jax.ffi.pycapsule(getattr(library, symbol))
-    jax.ffi.register_ffi_target(target(path, activations), handler, platform="cpu")
-    return True
+    return cpu_library.register(QUANTIZED_TARGET + KERNELS[activations][1], KERNELS[activations][0], path)
 
 
 def available(activations: str = "int8") -> bool:

@@ -11,8 +11,6 @@ gathers and scatters in float32, converting the whole page pool (and back) every
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,20 +24,13 @@ DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))  
 
 
 def target(path: str | None = None, name: str = ATTENTION_TARGET) -> str:
-    """The custom call's name for `path`'s library: `name` itself for the engine's own (path None)."""
-    return name if path is None else f"{name}_{path}"
+    return cpu_library.target_name(name, path)
 
 
-@functools.cache
 def _register(path: str | None = None) -> bool:
-    library = cpu_library.load(path)
-    if library is None:
-        return False
-    attention = jax.ffi.pycapsule(library.JaxservePagedAttention)
-    jax.ffi.register_ffi_target(target(path), attention, platform="cpu")
-    write = jax.ffi.pycapsule(library.JaxserveWriteKvPages)
-    jax.ffi.register_ffi_target(target(path, WRITE_TARGET), write, platform="cpu")
-    return True
+    return cpu_library.register(ATTENTION_TARGET, "JaxservePagedAttention", path) and cpu_library.register(
+        WRITE_TARGET, "JaxserveWriteKvPages", path
+    )
 
 
 def available() -> bool:

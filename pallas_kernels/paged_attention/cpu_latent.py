@@ -8,8 +8,6 @@ head, in place through the page table; the pools are written by cpu.write_kv_pag
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,13 +18,8 @@ from pallas_kernels.paged_attention.cpu import DTYPES
 LATENT_TARGET = "jaxserve_cpu_paged_latent_attention"
 
 
-@functools.cache
 def _register() -> bool:
-    library = cpu_library.load()
-    if library is None:
-        return False
-    jax.ffi.register_ffi_target(LATENT_TARGET, jax.ffi.pycapsule(library.JaxservePagedLatentAttention), platform="cpu")
-    return True
+    return cpu_library.register(LATENT_TARGET, "JaxservePagedLatentAttention")
 
 
 def available() -> bool:

@@ -10,7 +10,6 @@ own, under shard_map: the partitioner cannot split a custom call.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, cast
 
 import jax
@@ -23,17 +22,11 @@ SAMPLE_TARGET = "jaxserve_cpu_sample"
 
 
 def target(path: str | None = None) -> str:
-    """The custom call's name for `path`'s library: SAMPLE_TARGET for the engine's own (path None)."""
-    return SAMPLE_TARGET if path is None else f"{SAMPLE_TARGET}_{path}"
+    return cpu_library.target_name(SAMPLE_TARGET, path)
 
 
-@functools.cache
 def _register(path: str | None = None) -> bool:
-    library = cpu_library.load(path)
-    if library is None or not hasattr(library, "JaxserveSample"):
-        return False
-    jax.ffi.register_ffi_target(target(path), jax.ffi.pycapsule(library.JaxserveSample), platform="cpu")
-    return True
+    return cpu_library.register(SAMPLE_TARGET, "JaxserveSample", path)
 
 
 def available() -> bool:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import cpu_library, ragged_paged_attention
-from pallas_kernels.paged_attention import cpu, pallas_gpu, resolve_attention_impl
+from pallas_kernels.paged_attention import pallas_gpu, resolve_attention_impl
 from pallas_kernels.paged_attention.pallas_layout import block_sizes
 from pallas_kernels.paged_attention.probe import pallas_problem
 
@@ -28,7 +28,7 @@ def test_unknown_attention_impl_is_rejected():
 
 def test_auto_falls_back_to_reference_without_a_compiler(monkeypatch, tmp_path):
     cpu_library.load.cache_clear()
-    cpu._register.cache_clear()
+    cpu_library.register.cache_clear()
     try:
         with monkeypatch.context() as patch:
             patch.setattr(cpu_library, "CACHE_DIR", str(tmp_path))
@@ -37,7 +37,7 @@ def test_auto_falls_back_to_reference_without_a_compiler(monkeypatch, tmp_path):
             assert resolve_attention_impl("auto", "cpu", jnp.bfloat16) == "reference"
     finally:
         cpu_library.load.cache_clear()
-        cpu._register.cache_clear()
+        cpu_library.register.cache_clear()
     # the C++ kernels serve float32 and 16-bit pages (issue #16: bfloat16 is what most checkpoints are)
     assert resolve_attention_impl("auto", "cpu", jnp.float32) == "cpu"
     assert resolve_attention_impl("auto", "cpu", jnp.bfloat16) == "cpu"

@@ -49,9 +49,7 @@ def test_the_plan_takes_the_kernel_only_on_a_one_device_cpu_process():
 
 def test_the_plan_falls_back_to_the_reference_without_a_compiler(monkeypatch, tmp_path):
     cpu_library.load.cache_clear()
-    cpu._register.cache_clear()
-    quantized_cpu._register.cache_clear()
-    kquant_cpu._register.cache_clear()
+    cpu_library.register.cache_clear()
     try:
         with monkeypatch.context() as patch:
             patch.setattr(cpu_library, "CACHE_DIR", str(tmp_path))
@@ -59,9 +57,7 @@ def test_the_plan_falls_back_to_the_reference_without_a_compiler(monkeypatch, tm
             assert choose_matmul("cpu", 1) == REFERENCE_PLAN
     finally:
         cpu_library.load.cache_clear()
-        cpu._register.cache_clear()
-        quantized_cpu._register.cache_clear()
-        kquant_cpu._register.cache_clear()
+        cpu_library.register.cache_clear()
     assert choose_matmul("cpu", 1) != REFERENCE_PLAN  # built again once a compiler is back
 
 

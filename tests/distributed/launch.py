@@ -8,6 +8,7 @@ import sys
 import time
 
 from jaxserve.router.launcher import free_port  # never the same port twice in one process
+from tests.support.fake_devices import SIMULATION_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -17,8 +18,8 @@ class ProcessPair:
 
     def __init__(self, directory, command):
         self.logs = [os.path.join(str(directory), f"process{i}.log") for i in range(2)]
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-        env.pop("XLA_FLAGS", None)
+        # the processes' fake devices come from their config (num_cpu_devices), the code generation of a simulation
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "XLA_FLAGS": SIMULATION_XLA_FLAGS}
         self.processes = []
         for process_id, log in enumerate(self.logs):
             with open(log, "w") as out:

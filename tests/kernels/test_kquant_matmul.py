@@ -23,6 +23,7 @@ from pallas_kernels.matmul import choose_matmul, kquant, kquant_cpu
 from pallas_kernels.matmul.kquant import KQuantWeight, numpy_dequantize
 from tests.kernels.row_invariance import assert_rows_as_alone
 from tests.kernels.test_quantized_int8_dot import FLOAT32_EPS, quantize_rows
+from tests.support.fake_devices import fake_device_xla_flags
 from tests.support.gguf_files import random_blocks
 
 KQUANTS = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1)
@@ -313,7 +314,7 @@ print("RESULT" + json.dumps(result))
 
 def test_tensor_parallel_placements_split_the_planes_with_their_scales():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=root)
+    env = dict(os.environ, XLA_FLAGS=fake_device_xla_flags(4), PYTHONPATH=root)
     run = subprocess.run(
         [sys.executable, "-c", SHARDED], env=env, cwd=root, capture_output=True, text=True, timeout=300
     )

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+from tests.support.fake_devices import fake_device_xla_flags
 from tests.support.fixtures import fixture_dir
 
 SCRIPT = r"""
@@ -44,7 +45,7 @@ print("RESULT" + json.dumps(result))
 
 def test_int4_weights_shard_with_their_scales_and_compute_the_same():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=root)
+    env = dict(os.environ, XLA_FLAGS=fake_device_xla_flags(4), PYTHONPATH=root)
     run = subprocess.run(
         [sys.executable, "-c", SCRIPT, fixture_dir("llama_gqa")],
         env=env,

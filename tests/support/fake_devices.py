@@ -12,12 +12,23 @@ import sys
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # helpers run as tests.*
+# XLA:CPU's fast-compiling code generation for the mesh simulations: LLVM unoptimized, the loop emitters instead
+# of the fusion emitters (a test file's engines compile about 2.3x faster). Fake CPU devices stand in for GPUs and
+# TPUs, which run other code anyway, and these tests compare with transformers within tolerances or one mesh's
+# logic with another's; the one-device tests in the pytest process keep the serving CPU's code generation, whose
+# bits the row-invariance tests pin (docs/notes/test-suite.md, Session 36).
+SIMULATION_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def fake_device_xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a process of `devices` fake CPU devices."""
+    return f"--xla_force_host_platform_device_count={devices} {SIMULATION_XLA_FLAGS}"
 
 
 def run_on_fake_devices(module: str, *args: str, devices: int = 8, timeout: float = 900) -> dict[str, Any]:
     """`python -m module *args` with `devices` fake CPU devices; the JSON object its last stdout line holds.
     A helper that fails (or prints nothing) fails the test with the end of its stderr."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": fake_device_xla_flags(devices), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
         [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -66,15 +66,19 @@ class SamplerOutput:
 
 
 def first_argmax(values, block: int = 128):
-    """argmax over the last axis (first index on ties), as a max over blocks then within one block.
+    """argmax over the last axis (first index on ties, the first NaN where a row has one, as jnp.argmax), as a
+    max over blocks then within one block.
 
-    XLA's CPU argmax over a [S, V] vocabulary row is several times slower than this two-level form.
+    XLA's CPU argmax over a [S, V] vocabulary row is several times slower than this two-level form. Its max
+    over a block may skip a NaN, so a row with a NaN (a broken model) takes its first NaN on its own.
     """
     num_rows, size = values.shape
     blocks = jnp.pad(values, ((0, 0), (0, -size % block)), constant_values=-jnp.inf).reshape(num_rows, -1, block)
     best_block = jnp.argmax(blocks.max(axis=-1), axis=-1)  # [S]
     within = jnp.take_along_axis(blocks, best_block[:, None, None], axis=1)[:, 0]  # [S, block]
-    return (best_block * block + jnp.argmax(within, axis=-1)).astype(jnp.int32)
+    best = best_block * block + jnp.argmax(within, axis=-1)
+    nan = jnp.isnan(values)
+    return jnp.where(nan.any(axis=-1), jnp.argmax(nan, axis=-1), best).astype(jnp.int32)
 
 
 def row_uniforms(inputs: SamplingInputs):
@@ -99,8 +103,12 @@ def _sample_random(logits, greedy_token_ids, inputs: SamplingInputs, candidates:
     """Rows with a temperature: a draw from the row scaled by it, one uniform a row: rows with top-k / top-p /
     min-p from their nucleus (within their most likely candidates, else over the whole row by thresholds), the
     rest from the whole row; greedy rows keep their argmax."""
-    is_random = inputs.temperature > 0
-    scaled = logits / jnp.where(is_random, inputs.temperature, 1.0)[:, None]
+    scaled = logits / jnp.where(inputs.temperature > 0, inputs.temperature, 1.0)[:, None]
+    # No distribution to draw from where the scaled row's maximum is not finite: a temperature near 0 whose
+    # division overflowed (+inf ties would hide the row's own argmax), +inf or NaN logits (a broken model), or no
+    # finite logit at all: the row's argmax, as the CPU kernel takes it (pallas_kernels/sampling/cpu_sampler.cc).
+    top = jnp.max(jnp.where(jnp.isnan(scaled), jnp.inf, scaled), axis=-1)  # XLA's max may skip a NaN
+    is_random = (inputs.temperature > 0) & jnp.isfinite(top)
     uniforms = row_uniforms(inputs)
     filtered = is_random & ((inputs.top_k > 0) | (inputs.top_p < 1) | (inputs.min_p > 0))
     from_nucleus, resolved = jax.lax.cond(

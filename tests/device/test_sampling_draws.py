@@ -144,3 +144,21 @@ def test_sampled_tokens_follow_the_nucleus_distribution(top_k, top_p, min_p, cpu
     assert keep.sum() > 16  # past the candidates: the whole-row path
     ok, statistic = chi_square_ok(np.bincount(np.asarray(tokens), minlength=vocab_size), probs / probs.sum(), num)
     assert ok and not np.isin(np.asarray(tokens), np.flatnonzero(~keep)).any(), statistic
+
+
+@pytest.mark.parametrize("cpu_kernel", [False, True])
+def test_rows_without_a_distribution_take_their_argmax_on_both_samplers(cpu_kernel):
+    """A temperature so small that the division overflows (+inf ties would hide the argmax), +inf or NaN logits
+    (a broken model: the first NaN, as jnp.argmax) and a row of no finite logit: the row's argmax, sampled or
+    greedy, with or without a filter, alike in the reference and the CPU kernel."""
+    logits = np.zeros((9, 1000), np.float32)
+    logits[0, 3] = 5.0
+    logits[[1, 2], 5], logits[[1, 2], 9] = 20.0, 30.0
+    logits[[3, 4], 17] = logits[[3, 4], 40] = np.inf
+    logits[[5, 6], 300], logits[[5, 6], 301], logits[[5, 6], 990] = 1.0, np.nan, 5.0
+    logits[7, :] = -np.inf
+    logits[8, 700] = 1.0  # a plain row beside them: greedy
+    temperature = [2e-38, 2e-38, 2e-38, 0.8, 0.0, 1.0, 0.0, 1.0, 0.0]
+    inputs = sampling_inputs(9, temperature=temperature, top_p=[1, 1, 0.9, 1, 1, 0.5, 1, 1, 1])
+    tokens = sample(jnp.asarray(logits), inputs, 0, cpu_kernel=cpu_kernel).token_ids
+    assert np.asarray(tokens).tolist() == [3, 9, 9, 17, 17, 301, 301, 0, 700]

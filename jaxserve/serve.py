@@ -13,10 +13,12 @@ from __future__ import annotations
 # ruff: noqa: E402 (the imports below come after the restart, which would otherwise pay for them twice)
 import sys
 
-from jaxserve.step_allocator import configured_allocator, restart_with_step_allocator
+from jaxserve.step_allocator import restart_with_step_allocator
 
-if __name__ == "__main__":  # on a CPU, once, with glibc's allocator settings: jaxserve/step_allocator.py
-    restart_with_step_allocator(configured_allocator(sys.argv[1:]))
+if (
+    __name__ == "__main__"
+):  # on a CPU, once, with glibc's allocator settings (server.allocator): jaxserve/step_allocator.py
+    restart_with_step_allocator(server_argv=sys.argv[1:])
 
 import argparse
 import logging

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import stat
 import sys
 
 TUNABLES = ("glibc.malloc.arena_max=1", "glibc.malloc.mmap_max=0", f"glibc.malloc.trim_threshold={4 << 30}")
@@ -46,29 +47,38 @@ def wants_restart(environ) -> bool:
     )
 
 
+class _QuietParser(argparse.ArgumentParser):
+    def error(self, message):  # the server's own parser reports a bad command line, once, after the restart
+        raise ValueError(message)
+
+
 def configured_allocator(argv: list[str]) -> str:
     """server.allocator as `python -m jaxserve.serve argv` would configure it. A config that does not read
-    gives the default: the server's own load after the restart names its error."""
+    gives the default: the server's own load after the restart names its error. A config that is not a regular
+    file (a pipe, /dev/stdin) is not read here: it could not be read a second time by the server."""
     from jaxserve.config_sections import read_sections
-    from jaxserve.server.config_file import SECTIONS  # no JAX: yaml and the config's dataclasses
+    from jaxserve.server.config_file import SECTIONS  # no JAX, numpy or grpc: yaml and the config's dataclasses
 
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = _QuietParser(add_help=False)
     parser.add_argument("--config")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     try:
         args, _ = parser.parse_known_args(argv)
-        server = read_sections(args.config, args.overrides, SECTIONS).get("server")
-    except (Exception, SystemExit):  # whatever it is, the load after the restart reports it
+        config = args.config if args.config is not None and stat.S_ISREG(os.stat(args.config).st_mode) else None
+        server = read_sections(config, args.overrides, SECTIONS).get("server")
+    except Exception:  # whatever it is, the load after the restart reports it
         return ALLOCATORS[0]
     allocator = server.get("allocator") if isinstance(server, dict) else None
     return allocator if allocator in ALLOCATORS else ALLOCATORS[0]
 
 
-def restart_with_step_allocator(allocator: str = ALLOCATORS[0]) -> None:
+def restart_with_step_allocator(server_argv: list[str] | None = None) -> None:
     """Re-executes this very command (interpreter options included) with TUNABLES in GLIBC_TUNABLES, where
-    wants_restart and the allocator is glibc-step; returns where not. Call it first thing in an entry point's
-    __main__ block."""
-    if allocator == "system" or not wants_restart(os.environ):
+    wants_restart, unless `server_argv` (a server's command line) configures server.allocator: system; returns
+    where it does not restart. Call it first thing in an entry point's __main__ block."""
+    if not wants_restart(os.environ):
+        return
+    if server_argv is not None and configured_allocator(server_argv) == "system":
         return
     tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES", ""), *TUNABLES]))
     sys.stdout.flush()

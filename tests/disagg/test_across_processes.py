@@ -12,7 +12,6 @@ from jaxserve.proto import disagg_pb2 as dpb
 from jaxserve.proto import disagg_pb2_grpc, jaxserve_pb2_grpc
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.router.launcher import LaunchedReplica, is_serving
-from tests.support.fake_devices import fake_device_xla_flags
 from tests.support.fixtures import expected, fixture_dir
 
 ENGINE = (
@@ -32,7 +31,7 @@ STARTUP_TIMEOUT = 300.0
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory, monkeypatch_module):
-    monkeypatch_module.setenv("XLA_FLAGS", fake_device_xla_flags(2))  # for the replicas
+    monkeypatch_module.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # for the replicas
     log_dir = str(tmp_path_factory.mktemp("replicas"))
     launched = [
         LaunchedReplica(

@@ -38,7 +38,8 @@ def outputs_of(results) -> list:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_on_fake_devices("tests.support.one_device_engine_run", devices=2)
+    # its outputs are compared bit for bit with this process's engine: the serving CPU's code generation
+    return run_on_fake_devices("tests.support.one_device_engine_run", devices=2, serving_codegen=True)
 
 
 def test_an_engine_on_one_of_several_devices_keeps_the_one_device_kernels(results):

@@ -20,15 +20,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SIMULATION_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
-def fake_device_xla_flags(devices: int) -> str:
-    """XLA_FLAGS for a process of `devices` fake CPU devices."""
-    return f"--xla_force_host_platform_device_count={devices} {SIMULATION_XLA_FLAGS}"
+def fake_device_xla_flags(devices: int, serving_codegen: bool = False) -> str:
+    """XLA_FLAGS for a process of `devices` fake CPU devices; serving_codegen: XLA's own defaults (for a
+    helper whose results are compared bit for bit with the pytest process's)."""
+    return f"--xla_force_host_platform_device_count={devices}" + ("" if serving_codegen else f" {SIMULATION_XLA_FLAGS}")
 
 
-def run_on_fake_devices(module: str, *args: str, devices: int = 8, timeout: float = 900) -> dict[str, Any]:
+def run_on_fake_devices(
+    module: str, *args: str, devices: int = 8, timeout: float = 900, serving_codegen: bool = False
+) -> dict[str, Any]:
     """`python -m module *args` with `devices` fake CPU devices; the JSON object its last stdout line holds.
     A helper that fails (or prints nothing) fails the test with the end of its stderr."""
-    env = {**os.environ, "XLA_FLAGS": fake_device_xla_flags(devices), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": fake_device_xla_flags(devices, serving_codegen), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
         [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -68,8 +68,20 @@ def test_prompt_logprobs_across_processes_equal_one_process(main_run):
             if position_one is None:
                 assert position_two is None
                 continue
-            assert [t for t, _ in position_two] == [t for t, _ in position_one]
-            assert max(abs(a - b) for (_, a), (_, b) in zip(position_two, position_one)) < 1e-4
+            assert_top_logprobs_alike(position_two, position_one, 1e-4)
+
+
+def assert_top_logprobs_alike(got, want, tolerance):
+    """Two top-k lists of (token, logprob), best first, from other meshes (and XLA code generation): alike
+    logprobs position by position, and the same token at each position but among near-ties: a token in another
+    place must hold, in `want`, a logprob within tolerance of that place's (or, absent, sit at `want`'s cut)."""
+    assert len(got) == len(want)
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < tolerance, (got, want)
+    wanted = dict(want)
+    for (token, logprob), (token_wanted, logprob_wanted) in zip(got, want):
+        if token != token_wanted:
+            elsewhere = wanted.get(token, want[-1][1] if abs(logprob - want[-1][1]) < tolerance else None)
+            assert elsewhere is not None and abs(elsewhere - logprob_wanted) < 2 * tolerance, (got, want)
 
 
 def test_expert_parallel_across_processes_equals_transformers_and_moves(main_run):

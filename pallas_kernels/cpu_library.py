@@ -19,6 +19,7 @@ different machine or another path rebuilds. `load()` is None when no compiler wo
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -216,3 +217,19 @@ def register(name: str, symbol: str, path: str | None = None) -> bool:
         return False
     jax.ffi.register_ffi_target(target_name(name, path), jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomCall:
+    """A kernel's one custom call: the library's FFI handler `symbol` under `name` (`target(path)` for another
+    instruction path's build beside the engine's own)."""
+
+    name: str
+    symbol: str
+
+    def target(self, path: str | None = None) -> str:
+        return target_name(self.name, path)
+
+    def available(self, path: str | None = None) -> bool:
+        """Registered (built and loaded) for `path`'s library; False where it cannot be."""
+        return register(self.name, self.symbol, path)

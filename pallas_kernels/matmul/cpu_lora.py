@@ -15,20 +15,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import cpu_library
 
-LORA_TARGET = "jaxserve_cpu_lora_matmul"
+LORA = cpu_library.CustomCall("jaxserve_cpu_lora_matmul", "JaxserveLoraMatmul")
+target, available = LORA.target, LORA.available
 DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))
-
-
-def target(path: str | None = None) -> str:
-    return cpu_library.target_name(LORA_TARGET, path)
-
-
-def _register(path: str | None = None) -> bool:
-    return cpu_library.register(LORA_TARGET, "JaxserveLoraMatmul", path)
-
-
-def available() -> bool:
-    return _register()
 
 
 def add_lora(rows, product, a, b, row_slots, *, path: str | None = None):
@@ -48,7 +37,7 @@ def add_lora(rows, product, a, b, row_slots, *, path: str | None = None):
         )
     if row_slots.shape != (num_rows,):
         raise ValueError(f"one slot per row: rows {rows.shape}, row_slots {row_slots.shape}")
-    if not _register(path):
+    if not available(path):
         raise RuntimeError("the CPU LoRA kernel could not be built; use lora.py's masked product")
     result = jax.ShapeDtypeStruct((num_rows, size_out), jnp.float32)
     call = jax.ffi.ffi_call(target(path), result, input_output_aliases={4: 0})  # added into the product in place

@@ -29,16 +29,8 @@ INT8_PATHS = ("avx512", "avx2")  # the builds with the int8 tiles (cpu_kquant_in
 KIND_NUMBERS = {"q4_k": 4, "q5_k": 5, "q6_k": 6, "q5_0": 50, "q5_1": 51}  # cpu_kquant_matmul.cc's
 
 
-def target(path: str | None = None) -> str:
-    return cpu_library.target_name(KQUANT_TARGET, path)
-
-
-def _register(path: str | None = None) -> bool:
-    return cpu_library.register(KQUANT_TARGET, "JaxserveKQuantMatmul", path)
-
-
-def available() -> bool:
-    return _register()
+KQUANT = cpu_library.CustomCall(KQUANT_TARGET, "JaxserveKQuantMatmul")
+target, available = KQUANT.target, KQUANT.available
 
 
 def serves_weight(weight) -> bool:
@@ -68,7 +60,7 @@ def kquant_matmuls(x, weights, *, path: str | None = None, activations: str = "i
             raise ValueError(f"kquant_matmul wants x [M, {weight.shape[0]}], got {x.shape}")
     if jnp.dtype(x.dtype) not in ROW_DTYPES:
         raise ValueError(f"kquant_matmul takes float32, bfloat16 or float16 rows, got {x.dtype}")
-    if not _register(path):
+    if not available(path):
         raise RuntimeError("the CPU K-quant matmul could not be built; project with the reference")
     absent = jnp.zeros((1, 1), jnp.uint8)  # a kind's missing planes (Q4_K's high, Q6_K's mins and dmin)
     arrays = []

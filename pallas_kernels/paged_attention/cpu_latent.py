@@ -15,15 +15,8 @@ import numpy as np
 from pallas_kernels import cpu_library
 from pallas_kernels.paged_attention.cpu import DTYPES
 
-LATENT_TARGET = "jaxserve_cpu_paged_latent_attention"
-
-
-def _register() -> bool:
-    return cpu_library.register(LATENT_TARGET, "JaxservePagedLatentAttention")
-
-
-def available() -> bool:
-    return _register()
+LATENT = cpu_library.CustomCall("jaxserve_cpu_paged_latent_attention", "JaxservePagedLatentAttention")
+available = LATENT.available
 
 
 def ragged_paged_latent_attention(
@@ -45,9 +38,9 @@ def ragged_paged_latent_attention(
             f"the CPU latent kernel wants q and pools of one of {[str(d) for d in DTYPES]}, got "
             f"{q.dtype}, {first_pages.dtype}, {second_pages.dtype}"
         )
-    if not _register():
+    if not available():
         raise RuntimeError("the CPU attention kernels could not be built; use attention_impl='reference'")
-    call = jax.ffi.ffi_call(LATENT_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call(LATENT.name, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q,
         first_pages,

@@ -18,19 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pallas_kernels import cpu_library
 
-SAMPLE_TARGET = "jaxserve_cpu_sample"
-
-
-def target(path: str | None = None) -> str:
-    return cpu_library.target_name(SAMPLE_TARGET, path)
-
-
-def _register(path: str | None = None) -> bool:
-    return cpu_library.register(SAMPLE_TARGET, "JaxserveSample", path)
-
-
-def available() -> bool:
-    return _register()
+SAMPLE = cpu_library.CustomCall("jaxserve_cpu_sample", "JaxserveSample")
+target, available = SAMPLE.target, SAMPLE.available
 
 
 def serves() -> bool:
@@ -64,7 +53,7 @@ def sample_tokens(
             f"the CPU sampler wants logits [S, V], seeds [S, 2] and one parameter a row, got logits {logits.shape}, "
             f"seeds {seeds.shape}, {[x.shape for x in per_row]}"
         )
-    if not _register(path):
+    if not available(path):
         raise RuntimeError("the CPU sampler could not be built; use the jax.numpy sampler")
     own_helpers = jax.device_count() == 1  # else XLA's pool's threads (cpu_kernel.cc: several device programs)
 

@@ -42,10 +42,24 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kKeysPerTile = 64;
-// A block's keys are attended in ranges of kKeysPerRange (whole tiles), each with its own online softmax, folded
-// in key order: fixed by the key positions alone, so that one thread or several may attend a block's ranges
-// with the same result (AttendRange).
-constexpr int64_t kKeysPerRange = 512;
+// A block's keys are attended in ranges of whole tiles, each with its own online softmax, folded in key order:
+// fixed by the key positions alone, so that one thread or several may attend a block's ranges with the same
+// result (AttendRange). The ranges start at keys 0, 64, 128, 256 and 512, then every 512 keys (RangeStart): fine
+// at the start, where a single stream's keys then split over the threads in whole key rows from 65 keys on, and
+// 512 keys from 512 on, where every range's fold (FoldState: two exps and a D-wide update a row, on the thread
+// that merges them) would cost more than a finer split gains (session 37: ranges of 64 keys throughout took
+// 1.08-1.1x the time at 1000-2000 keys). Before, every range was 512 keys, and one sequence under 512 keys split
+// its kv heads instead: two heads on one thread and one on the other (3 kv heads), each reading a third of every
+// key row.
+constexpr int64_t kKeysPerLongRange = 512;
+// The first key of range `index`, and the range of `key`.
+inline int64_t RangeStart(int64_t index) {
+  return index <= 3 ? (index == 0 ? 0 : kKeysPerTile << (index - 1)) : kKeysPerLongRange * (index - 3);
+}
+inline int64_t RangeOf(int64_t key) {
+  if (key >= kKeysPerLongRange) return 3 + key / kKeysPerLongRange;
+  return key < kKeysPerTile ? 0 : key < 2 * kKeysPerTile ? 1 : key < 4 * kKeysPerTile ? 2 : 3;
+}
 // The 16-bit float types, their widening and rounding, the online softmax's exp and the dot product are
 // shared with the latent kernel (cpu_attention_basics.h); this kernel adds the quantized page types.
 using jaxserve_cpu_attention::BFloat16;
@@ -513,13 +527,13 @@ void WriteOutputRows(const Problem<T, PageT>& p, T* out, int64_t head_begin, int
 }
 
 // Rows of a block are (token b, query head h): row = b * H + h, its kv head is h / (H / K).
-// Keys [key_begin, key_end) of the block (whole ranges of kKeysPerRange keys) for the rows of kv heads
+// Keys [key_begin, key_end) of the block (whole ranges: RangeStart) for the rows of kv heads
 // [kv_begin, kv_end): their outputs when `partial` is null, else their softmax state there (key_end - key_begin
 // is then one range). Other rows' outputs and states are not touched: items of other kv heads write them.
 //
 // Each row's arithmetic depends on its own query, position and keys only, never on the other rows of its
 // block or on how the block's work was split: tiles are kKeysPerTile keys from key 0, every tile loop runs over
-// the whole tile (keys past the row's last are -inf, weight 0), each range of kKeysPerRange keys has its own
+// the whole tile (keys past the row's last are -inf, weight 0), each range (RangeStart) has its own
 // online softmax, folded in key order (FoldState), and both ways of scoring give the same bits. A verify row
 // (speculation: k + 1 query tokens of a sequence in one block) then computes what a decode row (one) does.
 template <typename T, typename PageT>
@@ -595,7 +609,7 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t kv_begin, in
   const float* key_rows[kKeysPerTile];
   const float* value_rows[kKeysPerTile];
   for (int64_t tile_start = first_key; tile_start <= last_key; tile_start += kKeysPerTile) {
-    if (tile_start % kKeysPerRange == 0 && tile_start > first_key) fold_range();
+    if (tile_start > first_key && RangeStart(RangeOf(tile_start)) == tile_start) fold_range();
     const int64_t num_keys = std::min<int64_t>(kKeysPerTile, last_key + 1 - tile_start);
     for (int64_t t = 0; t < num_keys; ++t) {
       const int64_t key = tile_start + t;
@@ -763,25 +777,50 @@ void AttendRange(const Problem<T, PageT>& p, int64_t block, int64_t kv_begin, in
                   s.folded_accumulator.data());
 }
 
-// A block's output from the softmax states of its key ranges, folded in key order as one thread folds them.
+// A block's outputs of query heads [head_begin, head_end) from the softmax states of its key ranges, folded in key
+// order as one thread folds them.
 template <typename T, typename PageT>
-void MergeRanges(const Problem<T, PageT>& p, int64_t block, const PartialState* ranges, int64_t num_ranges) {
+void MergeRanges(const Problem<T, PageT>& p, int64_t block, const PartialState* ranges, int64_t num_ranges,
+                 int64_t head_begin, int64_t head_end) {
   const int64_t rows = p.query_block * p.num_heads, D = p.head_dim;
-  std::vector<float> max(rows, kNegativeInfinity), denominator(rows, 0.0f), accumulator(rows * D, 0.0f);
-  for (int64_t r = 0; r < num_ranges; ++r) {
-    for (int64_t row = 0; row < rows; ++row) {
+  thread_local std::vector<float> max, denominator, accumulator;  // a thread's own, kept from call to call
+  max.assign(rows, kNegativeInfinity), denominator.assign(rows, 0.0f), accumulator.resize(rows * D);
+  ForHeadRows(p.query_block, p.num_heads, head_begin, head_end, [&](int64_t row) {
+    std::fill_n(accumulator.data() + row * D, D, 0.0f);
+    for (int64_t r = 0; r < num_ranges; ++r) {
       FoldState(max[row], denominator[row], accumulator.data() + row * D, ranges[r].max[row],
                 ranges[r].denominator[row], ranges[r].accumulator + row * D, D);
     }
-  }
+  });
   T* out = p.out + block * rows * D;
-  std::fill(out, out + rows * D, FromFloat<T>(0.0f));
-  WriteOutputRows(p, out, 0, p.num_heads, max.data(), denominator.data(), accumulator.data());
+  ForHeadRows(p.query_block, p.num_heads, head_begin, head_end,
+              [&](int64_t row) { std::fill_n(out + row * D, D, FromFloat<T>(0.0f)); });
+  WriteOutputRows(p, out, head_begin, head_end, max.data(), denominator.data(), accumulator.data());
+}
+
+// Ranges 0, 1, ... in order, and ordered by their keys, longest first (ties in key order): the order a split call's
+// items are taken in, so that the short ones even out the threads' ends (at 480 keys: 224 keys on one thread,
+// 128 + 64 + 64 on the other).
+inline std::vector<int64_t> RangesInOrder(int64_t num_ranges) {
+  std::vector<int64_t> order(num_ranges);
+  for (int64_t r = 0; r < num_ranges; ++r) order[r] = r;
+  return order;
+}
+inline std::vector<int64_t> LongestFirst(const std::vector<int64_t>& range_keys) {
+  std::vector<int64_t> order = RangesInOrder(int64_t(range_keys.size()));
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return range_keys[a] > range_keys[b]; });
+  return order;
+}
+
+// How many groups a split call cuts its kv heads into: each its own item, reading only its heads' part of every key
+// row.
+inline int64_t KvGroups(int64_t num_ranges, int64_t num_workers, int64_t num_kv_heads) {
+  return num_ranges < num_workers ? num_kv_heads : 1;
 }
 
 // Work items are (block, key range, group of kv heads). When there are too few blocks to keep the threads busy
-// (one sequence decoding, or one long prompt's chunk), a block is cut into its ranges (kKeysPerRange keys each,
-// fixed by the key positions) and its kv heads into groups: a range leaves its rows' softmax states, folded into
+// (one sequence decoding, or one long prompt's chunk), a block is cut into its ranges (RangeStart: fixed by the
+// key positions) and its kv heads into groups: a range leaves its rows' softmax states, folded into
 // the block's output once all items are done (as flash-decoding does on a GPU), and a group of kv heads attends
 // only its own rows (a row's arithmetic never depends on other rows), so every split computes the same bits as
 // one thread attending the whole block. Before the kv heads were split (session 30) a single stream's decode
@@ -791,22 +830,27 @@ void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T, PageT>& p, i
   const int64_t num_workers = std::max<int64_t>(1, thread_pool.num_threads());
   const int64_t rows = p.query_block * p.num_heads, D = p.head_dim, K = p.num_kv_heads;
   const bool split = num_blocks < 2 * num_workers;
-  // Per block: its first range (ranges after it, when it has more than one, hold softmax states).
-  std::vector<int64_t> first_range(num_blocks + 1, 0);
+  // Per block: its first range (ranges after it, when it has more than one, hold softmax states), and each
+  // range's keys (to the block's last position).
+  std::vector<int64_t> first_range(num_blocks + 1, 0), range_keys;
   for (int64_t block = 0; block < num_blocks; ++block) {
     int32_t max_position = -1;
     for (int64_t b = 0; b < p.query_block; ++b) max_position = std::max(max_position, p.positions[block * p.query_block + b]);
-    const int64_t ranges = split ? std::max<int64_t>(1, (int64_t(max_position) + kKeysPerRange) / kKeysPerRange) : 1;
+    const int64_t ranges = split ? RangeOf(std::max<int64_t>(0, max_position)) + 1 : 1;
     first_range[block + 1] = first_range[block] + ranges;
+    for (int64_t r = 0; split && r < ranges; ++r) {
+      range_keys.push_back(std::min<int64_t>(RangeStart(r + 1), int64_t(max_position) + 1) - RangeStart(r));
+    }
   }
   const int64_t num_ranges = first_range[num_blocks];
-  // Fewer ranges than threads (one sequence under kKeysPerRange keys): each kv head is its own item. Only then: an
+  const std::vector<int64_t> order = split ? LongestFirst(range_keys) : RangesInOrder(num_ranges);
+  // Fewer ranges than threads (one sequence under 65 keys): each kv head is its own item. Only then: an
   // item reading one head's part of every key row reads memory less well (each core's prefetchers bring the
   // other heads' parts of the rows too), so at 1000-2000 keys ranges split into kv heads took 1.2-1.5x the time
   // of the whole ranges (bench/cpu_attention_decode.cc, session 30), while a lone range of 256-444 keys ran in
   // 0.8x on two threads. Not on a CPU mesh (helpers from XLA's pool, own_helpers false): there every device's
   // program attends its own heads at once, and items handed to the busy pool only wait for it.
-  const int64_t kv_groups = split && own_helpers && num_ranges < num_workers ? K : 1;
+  const int64_t kv_groups = split && own_helpers ? KvGroups(num_ranges, num_workers, K) : 1;
   const int64_t num_items = num_ranges * kv_groups;
   std::vector<float> states(split ? num_ranges * rows * (D + 2) : 0);
   std::vector<PartialState> partials(split ? num_ranges : 0);
@@ -816,11 +860,13 @@ void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T, PageT>& p, i
   }
   const int64_t* first_range_data = first_range.data();
   const PartialState* partial_data = partials.data();
-  auto item = [&p, num_blocks, split, kv_groups, K, first_range_data, partial_data](int64_t /*worker*/, int64_t i) {
+  const int64_t* order_data = order.data();
+  auto item = [&p, num_blocks, split, kv_groups, K, first_range_data, partial_data, order_data](int64_t /*worker*/,
+                                                                                                int64_t i) {
     // Each thread's buffers outlive the call: allocated (and zeroed) per call, they cost a decode step's
     // 30 calls more than their keys (issue 29).
     thread_local Scratch scratch;
-    const int64_t range = i / kv_groups, group = i % kv_groups;
+    const int64_t range = order_data[i / kv_groups], group = i % kv_groups;
     const int64_t kv_begin = K * group / kv_groups, kv_end = K * (group + 1) / kv_groups;
     if (!split) {
       AttendRange(p, range, 0, K, 0, std::numeric_limits<int64_t>::max(), scratch, nullptr);
@@ -828,10 +874,10 @@ void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T, PageT>& p, i
     }
     const int64_t block =
         std::upper_bound(first_range_data, first_range_data + num_blocks + 1, range) - first_range_data - 1;
-    const int64_t index = range - first_range_data[block], begin = index * kKeysPerRange;
+    const int64_t index = range - first_range_data[block];
     const bool one_range = first_range_data[block + 1] - first_range_data[block] == 1;
     // a block of one range writes its rows' outputs itself (the same bits as folding its one state)
-    AttendRange(p, block, kv_begin, kv_end, begin, begin + kKeysPerRange, scratch,
+    AttendRange(p, block, kv_begin, kv_end, RangeStart(index), RangeStart(index + 1), scratch,
                 one_range ? nullptr : partial_data + range);
   };
   // Several device programs share XLA's pool on a CPU mesh: there the helpers come from it.
@@ -839,9 +885,19 @@ void AttendAllBlocks(ffi::ThreadPool& thread_pool, const Problem<T, PageT>& p, i
   if (!own_helpers) schedule = [&thread_pool](std::function<void()> work) { thread_pool.Schedule([work] { work(); }); };
   jaxserve_cpu::RunItems(num_workers, num_items, item, schedule);
   if (!split) return;
-  for (int64_t block = 0; block < num_blocks; ++block) {
-    const int64_t ranges = first_range[block + 1] - first_range[block];
-    if (ranges > 1) MergeRanges(p, block, partial_data + first_range[block], ranges);
+  // The blocks' states folded, a kv head's query heads an item: over the threads once there are many (a long
+  // context's ranges: a verify block of 8 tokens at 4000 keys folds 11 states of 72 rows), else here.
+  const int64_t groups = p.num_heads / K;
+  auto merge = [&p, groups, K, first_range_data, partial_data](int64_t /*worker*/, int64_t i) {
+    const int64_t block = i / K, kv_head = i % K;
+    const int64_t ranges = first_range_data[block + 1] - first_range_data[block];
+    if (ranges > 1) MergeRanges(p, block, partial_data + first_range_data[block], ranges, kv_head * groups, (kv_head + 1) * groups);
+  };
+  constexpr int64_t kFoldsOnCaller = 256;  // rows x ranges
+  if (num_ranges * rows <= kFoldsOnCaller) {
+    for (int64_t i = 0; i < num_blocks * K; ++i) merge(0, i);
+  } else {
+    jaxserve_cpu::RunItems(num_workers, num_blocks * K, merge, schedule);
   }
 }
 

@@ -105,9 +105,10 @@ def test_a_query_row_computes_alike_in_any_block_and_batch(
 ):
     """Decode (one token), verify (a block of k + 1 with the token anywhere in it), prefill (blocks of 16),
     alone (keys split over the threads in ranges) or beside 7 other sequences (a block per thread), at lengths
-    inside one tile, one range, and several ranges: the same bits."""
+    inside one tile, one key past it (a range of one key), and across the ranges that start at keys 64, 128, 256,
+    512 and 1024 (cpu_kernel.cc's RangeStart): the same bits."""
     rng = np.random.default_rng(head_dim + groups)
-    lengths = (37, 333, 1100)
+    lengths = (37, 65, 333, 1100)
     case = make_case(
         rng, dtype, kv_dtype, num_kv_heads, groups, head_dim, max(lengths), sliding_window, soft_cap, sinks
     )

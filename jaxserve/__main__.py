@@ -6,10 +6,12 @@ each is run. One JSON line per answer, then the engine's stats.
 """
 
 # ruff: noqa: E402 (the imports below come after the restart, which would otherwise pay for them twice)
-from jaxserve.step_allocator import restart_with_step_allocator
+import sys
+
+from jaxserve.step_allocator import ALLOCATORS, cli_allocator, restart_with_step_allocator
 
 if __name__ == "__main__":  # on a CPU, once, with glibc's allocator settings: jaxserve/step_allocator.py
-    restart_with_step_allocator()
+    restart_with_step_allocator(allocator=cli_allocator(sys.argv[1:]))
 
 import argparse
 import json
@@ -39,6 +41,13 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument(
+        "--allocator",
+        choices=ALLOCATORS,
+        default=ALLOCATORS[0],
+        help="on a CPU, glibc-step restarts the process once with glibc's allocator kept from unmapping each "
+        "step's buffers (jaxserve/step_allocator.py); system keeps the allocator as started",
+    )
     args = parser.parse_args()
     llm = LLM(
         resolve_model_path(args.model),

@@ -12,7 +12,7 @@ The settings are read once, when the process starts (GLIBC_TUNABLES), hence the 
 accelerator (its host memory would then stay at its peak for good), not where GLIBC_TUNABLES already sets
 glibc.malloc (the user's own), not on another C library, and not where the server's config says
 `server.allocator: system` (read from the command line's --config and --set before anything heavier than yaml
-is imported: the restart would otherwise pay for those imports twice).
+is imported: the restart would otherwise pay for those imports twice) or the offline CLI's `--allocator system`.
 """
 
 from __future__ import annotations
@@ -72,11 +72,24 @@ def configured_allocator(argv: list[str]) -> str:
     return allocator if allocator in ALLOCATORS else ALLOCATORS[0]
 
 
-def restart_with_step_allocator(server_argv: list[str] | None = None) -> None:
+def cli_allocator(argv: list[str]) -> str:
+    """The offline CLI's --allocator (`python -m jaxserve`), read before its heavy imports; a value that is not
+    an allocator gives the default here, and the CLI's own parser refuses it by name after the restart."""
+    parser = _QuietParser(add_help=False)
+    parser.add_argument("--allocator", default=ALLOCATORS[0])
+    try:
+        allocator = parser.parse_known_args(argv)[0].allocator
+    except ValueError:
+        return ALLOCATORS[0]
+    return allocator if allocator in ALLOCATORS else ALLOCATORS[0]
+
+
+def restart_with_step_allocator(server_argv: list[str] | None = None, allocator: str = ALLOCATORS[0]) -> None:
     """Re-executes this very command (interpreter options included) with TUNABLES in GLIBC_TUNABLES, where
-    wants_restart, unless `server_argv` (a server's command line) configures server.allocator: system; returns
-    where it does not restart. Call it first thing in an entry point's __main__ block."""
-    if not wants_restart(os.environ):
+    wants_restart, unless `allocator` is system or `server_argv` (a server's command line) configures
+    server.allocator: system; returns where it does not restart. Call it first thing in an entry point's __main__
+    block."""
+    if allocator == "system" or not wants_restart(os.environ):
         return
     if server_argv is not None and configured_allocator(server_argv) == "system":
         return

@@ -1,6 +1,6 @@
 """The entry points' allocator settings (jaxserve/step_allocator.py): a CPU process re-executes itself once, the
-same pid and command, with glibc's tunables; an accelerator's, one with its own glibc.malloc tunables, or a server
-configured with `server.allocator: system`, does not."""
+same pid and command, with glibc's tunables; an accelerator's, one with its own glibc.malloc tunables, a server
+configured with `server.allocator: system`, or the offline CLI run with `--allocator system`, does not."""
 
 import contextlib
 import json
@@ -131,6 +131,29 @@ def test_the_server_entry_point_reads_the_allocator_before_restarting(tmp_path):
             [*command, "--set", "server.port=-1"], env=env, capture_output=True, text=True, timeout=120
         )
         assert result.returncode != 0 and "server.port must be" in result.stderr, result.stderr[-2000:]
+        assert (tmp_path / "starts").read_text().splitlines() == starts[:RESTARTED]
+
+
+def test_the_offline_cli_reads_its_allocator_option_before_restarting(tmp_path):
+    """`python -m jaxserve --allocator system` starts once; a bad --max-tokens stops the CLI right after its parser,
+    before any engine. An unknown allocator restarts as the default and is then refused by name."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\n"
+        f"with open({str(tmp_path / 'starts')!r}, 'a') as starts:\n"
+        "    starts.write(repr(os.environ.get('GLIBC_TUNABLES')) + '\\n')\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
+    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))}
+    cases = (
+        ("system", ["None"], "--max-tokens: invalid int value"),
+        ("glibc-step", ["None", repr(":".join(TUNABLES))], "--max-tokens: invalid int value"),
+        ("jemalloc", ["None", repr(":".join(TUNABLES))], "--allocator: invalid choice: 'jemalloc'"),
+    )
+    for allocator, starts, error in cases:
+        (tmp_path / "starts").unlink(missing_ok=True)
+        command = [sys.executable, "-m", "jaxserve", "tiny-random", "--allocator", allocator, "--max-tokens", "x"]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and error in result.stderr, result.stderr[-2000:]
         assert (tmp_path / "starts").read_text().splitlines() == starts[:RESTARTED]
 
 

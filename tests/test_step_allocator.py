@@ -114,16 +114,25 @@ def test_allocator_system_keeps_the_process_from_restarting(tmp_path):
     assert len(runs) == RESTARTED
 
 
-def test_the_server_entry_point_reads_the_allocator_before_restarting(tmp_path):
-    """`python -m jaxserve.serve` itself: a sitecustomize records each interpreter start's GLIBC_TUNABLES; a
-    bad port stops the server right after its config loads, before any engine."""
+def counting_starts(tmp_path) -> dict[str, str]:
+    """An environment (JAX_PLATFORMS=cpu, no GLIBC_TUNABLES) whose sitecustomize appends each interpreter start's
+    GLIBC_TUNABLES to tmp_path / "starts"."""
     (tmp_path / "sitecustomize.py").write_text(
         "import os\n"
         f"with open({str(tmp_path / 'starts')!r}, 'a') as starts:\n"
         "    starts.write(repr(os.environ.get('GLIBC_TUNABLES')) + '\\n')\n"
     )
     env = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
-    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))}
+    return env | {
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")])),
+    }
+
+
+def test_the_server_entry_point_reads_the_allocator_before_restarting(tmp_path):
+    """`python -m jaxserve.serve` itself: a sitecustomize records each interpreter start's GLIBC_TUNABLES; a
+    bad port stops the server right after its config loads, before any engine."""
+    env = counting_starts(tmp_path)
     for allocator, starts in (("system", ["None"]), ("glibc-step", ["None", repr(":".join(TUNABLES))])):
         (tmp_path / "starts").unlink(missing_ok=True)
         command = [sys.executable, "-m", "jaxserve.serve", "--set", f"server.allocator={allocator}"]
@@ -137,13 +146,7 @@ def test_the_server_entry_point_reads_the_allocator_before_restarting(tmp_path):
 def test_the_offline_cli_reads_its_allocator_option_before_restarting(tmp_path):
     """`python -m jaxserve --allocator system` starts once; a bad --max-tokens stops the CLI right after its parser,
     before any engine. An unknown allocator restarts as the default and is then refused by name."""
-    (tmp_path / "sitecustomize.py").write_text(
-        "import os\n"
-        f"with open({str(tmp_path / 'starts')!r}, 'a') as starts:\n"
-        "    starts.write(repr(os.environ.get('GLIBC_TUNABLES')) + '\\n')\n"
-    )
-    env = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
-    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))}
+    env = counting_starts(tmp_path)
     cases = (
         ("system", ["None"], "--max-tokens: invalid int value"),
         ("glibc-step", ["None", repr(":".join(TUNABLES))], "--max-tokens: invalid int value"),

@@ -15,9 +15,8 @@ import sys
 
 from jaxserve.step_allocator import restart_with_step_allocator
 
-if (
-    __name__ == "__main__"
-):  # on a CPU, once, with glibc's allocator settings (server.allocator): jaxserve/step_allocator.py
+# on a CPU, once, with glibc's allocator settings (server.allocator): jaxserve/step_allocator.py
+if __name__ == "__main__":
     restart_with_step_allocator(server_argv=sys.argv[1:])
 
 import argparse

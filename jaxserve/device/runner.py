@@ -43,7 +43,7 @@ from jaxserve.device.step_inputs import (
 )
 from jaxserve.device.verify_inputs import build_ranked_verify_inputs, verify_shapes
 from jaxserve.device.verify_step import VerifyInputs, verify_step
-from jaxserve.models.kv_pages import KVPages
+from jaxserve.models.kv_pages import KVPages, kv_cache_bytes_per_token
 from pallas_kernels.matmul.row_blocks import verify_rows
 from sharding import partition_spec
 
@@ -168,6 +168,7 @@ class ModelRunner:
         self._held_bytes = {
             "weights_device_bytes": _device_bytes(self.param_leaves),
             "kv_cache_device_bytes": _device_bytes(kv_pages),
+            "kv_cache_bytes_per_token": kv_cache_bytes_per_token(kv_pages),
         }
         # Every step input's leading axis is the ranks' rows laid end to end: the "batch" logical axis,
         # split over the data-parallel ranks by the rules table (replicated when there is one rank).

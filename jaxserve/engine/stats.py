@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 
@@ -145,9 +144,9 @@ def engine_stats(engine) -> dict:
     return {
         "kv_pages_total": sum(s.allocator.num_usable_pages for s in engine.schedulers),
         "kv_pages_free": load.num_free_pages,
-        # weights and KV bytes on the devices (replicas counted on each device), executables, compiles
+        # weights and KV bytes on the devices (replicas counted on each device), KV bytes a token, executables,
+        # compiles
         **engine.runner.stats(),
-        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(engine.runner.kv_pages),
         "kv_cache_dtype": engine.config.cache.kv_dtype,  # auto: the model's dtype; int8 / float8_e4m3 + scales
         "page_size": engine.config.cache.page_size,
         "num_running": load.num_running,
@@ -171,13 +170,6 @@ def engine_stats(engine) -> dict:
         # LoRA: each adapter's root page key, sent to routers (server/kv_events_service.py)
         **({"lora_root_keys": engine.parts.lora.root_keys()} if engine.parts.lora is not None else {}),
     }
-
-
-def kv_cache_bytes_per_token(kv_pages) -> int:
-    """What one token's KV takes in the cache, every layer's key and value pools together (copies of a KV head
-    kept for tensor parallelism included): for DeepSeek's MLA, its latent and rope key, not full K/V."""
-    # every leaf: a quantized pool's scales count too (cache.kv_dtype)
-    return sum(math.prod(leaf.shape[2:]) * leaf.dtype.itemsize for leaf in jax.tree.leaves(kv_pages))
 
 
 def prefix_cache_stats(allocators) -> dict:

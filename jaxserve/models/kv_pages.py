@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import jax
@@ -57,3 +58,10 @@ class AttentionMetadata:
     token_seq_ids: HostOrDeviceArray  # [T] int32, row of page_table each token belongs to
     page_table: HostOrDeviceArray  # [S, P] int32
     query_block: int = field(default=1, metadata=dict(static=True))  # tokens per query block
+
+
+def kv_cache_bytes_per_token(kv_pages) -> int:
+    """What one token's KV takes in the cache, every layer's key and value pools together (copies of a KV head
+    kept for tensor parallelism included): for DeepSeek's MLA, its latent and rope key, not full K/V."""
+    # every leaf: a quantized pool's scales count too (cache.kv_dtype)
+    return sum(math.prod(leaf.shape[2:]) * leaf.dtype.itemsize for leaf in jax.tree.leaves(kv_pages))

@@ -17,6 +17,9 @@ Per precision, with 2 threads each (llama.cpp: -t 2; jaxserve: XLA on this machi
            once: LLM.generate vs llama-server -np 8 -cb, output tokens/s
   greedy   token-for-token agreement of the two engines' greedy outputs (a few text prompts and the
            batched requests)
+`--jaxserve-api http` runs jaxserve as its server (`python -m jaxserve.serve`, a config written for the run)
+and sends it the same requests over its OpenAI HTTP API (/v1/completions, token ids in and out) as llama-server
+gets over its own: both engines then pay for HTTP and their server's threads, as a user of either does.
 Prints JSON lines, then a table with the ratios (jaxserve / llama.cpp; > 1: jaxserve faster). The first line
 names the machine: CPU model, vector flags, jaxserve's kernel instruction path, llama.cpp's build.
 `--kernel-path avx2` builds jaxserve's CPU kernels without AVX-512 (JAXSERVE_CPU_KERNEL_PATH) to measure what
@@ -36,8 +39,11 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -120,6 +126,97 @@ class Jaxserve:
         return [list(o.outputs[0].token_ids) for o in outputs], time.perf_counter() - start
 
 
+class JaxserveServer:
+    """jaxserve's own server (`python -m jaxserve.serve`) on loopback, for as long as the with-block lasts, its
+    requests sent over the OpenAI HTTP API as llama-server's go over its own: what a user of either server
+    sees, HTTP, streaming threads and the server's per-step work included (--jaxserve-api http)."""
+
+    def __init__(
+        self, path: str, dtype: str, max_num_seqs: int, quantization: str = "none", quantized_activations: str = "int8"
+    ):
+        import yaml
+
+        self.port = peer.free_port()
+        config = dict(
+            model=dict(path=path, dtype=dtype),
+            engine=dict(
+                max_model_len=512,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=512,
+                quantization=quantization,
+                quantized_activations=quantized_activations,
+            ),
+            server=dict(port=peer.free_port(), http_port=self.port, metrics_port=peer.free_port()),
+        )
+        self.config = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+        yaml.safe_dump(config, self.config)
+        self.config.close()
+        self.log = tempfile.TemporaryFile()
+        self.metrics_port = config["server"]["metrics_port"]
+
+    def __enter__(self) -> JaxserveServer:
+        start = time.perf_counter()
+        command = [sys.executable, "-m", "jaxserve.serve", "--config", self.config.name]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.log.seek(0)
+                tail = self.log.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"jaxserve.serve exited with status {self.process.returncode}: {tail}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2) as response:
+                    self.model = json.loads(response.read())["data"][0]["id"]
+                    self.startup_s = time.perf_counter() - start
+                    return self
+            except OSError:  # not listening yet, or 503 until its warm-up ends
+                time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError("jaxserve.serve did not start serving within 900 s")
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+        os.unlink(self.config.name)
+
+    def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Greedy completion of token ids, EOS ignored: the generated token ids."""
+        body = dict(
+            model=self.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            return_token_ids=True,
+        )
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=1800) as response:
+            return json.loads(response.read())["choices"][0]["token_ids"]
+
+    def generate(self, prompts, lengths):
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=min(len(prompts), 64)) as pool:
+            outputs = list(pool.map(self.complete, prompts, lengths))
+        return outputs, time.perf_counter() - start
+
+    def compiles_after_warmup(self) -> float | None:
+        """The server's jaxserve_compiles_after_warmup gauge (its Prometheus endpoint)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("jaxserve_compiles_after_warmup "):
+                    return float(line.split()[1])
+        return None
+
+
 def llamacpp_generate(server: peer.LlamaServer, prompts, lengths):
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=min(len(prompts), 64)) as pool:
@@ -153,17 +250,32 @@ def run_precision(args, precision: str, jax_path: str | None, gguf: str, single,
     if jax_path is not None:
         dtype = DTYPES[precision][0]
         quantization = "auto" if precision in QUANTIZED_PRECISIONS else "none"
-        ours = Jaxserve(jax_path, dtype, args.max_num_seqs, quantization, args.quantized_activations)
-        results["jaxserve"] = measure(f"jaxserve-{precision}", ours.generate, single, batch, text_prompts, args.repeats)
-        stats = ours.llm.stats()
-        emit(
-            engine=f"jaxserve-{precision}",
-            startup_s=round(ours.startup_s, 1),
-            compiles_after_warmup=stats.get("num_compiles_after_warmup"),
-            attention_impl=stats.get("attention_impl"),
-        )
-        del ours
-        gc.collect()
+        if args.jaxserve_api == "http":
+            with JaxserveServer(jax_path, dtype, args.max_num_seqs, quantization, args.quantized_activations) as server:
+                results["jaxserve"] = measure(
+                    f"jaxserve-{precision}", server.generate, single, batch, text_prompts, args.repeats
+                )
+                emit(
+                    engine=f"jaxserve-{precision}",
+                    api="http",
+                    startup_s=round(server.startup_s, 1),
+                    compiles_after_warmup=server.compiles_after_warmup(),
+                )
+        else:
+            ours = Jaxserve(jax_path, dtype, args.max_num_seqs, quantization, args.quantized_activations)
+            results["jaxserve"] = measure(
+                f"jaxserve-{precision}", ours.generate, single, batch, text_prompts, args.repeats
+            )
+            stats = ours.llm.stats()
+            emit(
+                engine=f"jaxserve-{precision}",
+                api="offline",
+                startup_s=round(ours.startup_s, 1),
+                compiles_after_warmup=stats.get("num_compiles_after_warmup"),
+                attention_impl=stats.get("attention_impl"),
+            )
+            del ours
+            gc.collect()
     build = llamacpp_build(args, precision)
     with peer.LlamaServer(CACHE_DIR, gguf, args.threads, args.slots, context_per_slot=512, build=build) as server:
         results["llamacpp_build"] = build
@@ -265,6 +377,12 @@ def main() -> None:
         help="llama.cpp's build; auto: native, but native-no-amx for quantized files on an AMX CPU",
     )
     parser.add_argument(
+        "--jaxserve-api",
+        default="offline",
+        choices=("offline", "http"),
+        help="jaxserve in this process (LLM.generate) or its server over the OpenAI HTTP API, as llama-server is driven",
+    )
+    parser.add_argument(
         "--avx2", action="store_true", help="both engines on AVX2 kernels: --kernel-path avx2 --llamacpp-build avx2"
     )
     args = parser.parse_args()
@@ -285,6 +403,7 @@ def main() -> None:
         model=name,
         **cpu_description(),
         llamacpp_build=args.llamacpp_build,
+        jaxserve_api=args.jaxserve_api,
         isa_note=isa_note(args),
         threads=args.threads,
         cpu_count=os.cpu_count(),

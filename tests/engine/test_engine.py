@@ -1,5 +1,6 @@
 """End-to-end behaviour of the engine on a tiny checkpoint: batching, compilation, sampling, bad input."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -255,6 +256,14 @@ def test_stats_report_device_bytes_of_weights_and_kv_pages():
     assert stats["weights_device_bytes"] == weights > 0
     page_bytes = KVPages.bytes_per_page(config.num_layers, 16, config.num_kv_heads, config.head_dim, "float32")
     assert stats["kv_cache_device_bytes"] == 32 * page_bytes
+    # summed once at the start (the server reads stats after every step): steps return new pools of the same
+    # sizes, and the figures still describe what the runner holds after them
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0))
+    runner = llm.engine.runner
+    after = llm.stats()
+    assert after["weights_device_bytes"] == sum(leaf.nbytes for leaf in runner.param_leaves) == weights
+    assert after["kv_cache_device_bytes"] == sum(leaf.nbytes for leaf in jax.tree.leaves(runner.kv_pages))
+    assert after["kv_cache_device_bytes"] == 32 * page_bytes
 
 
 def test_structured_outputs_is_vllms_newer_name_for_guided_decoding():

@@ -259,6 +259,14 @@ def llama_bench(
     return rates
 
 
+def post_json(url: str, body: dict, timeout: float) -> dict:
+    """POST `body` as JSON to a server on loopback; its JSON reply. Raises TimeoutError (or URLError) past
+    `timeout` seconds."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -338,10 +346,4 @@ class LlamaServer:
             return_tokens=True,
             stream=False,
         )
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/completion",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=1800) as response:
-            return json.loads(response.read())
+        return post_json(f"http://127.0.0.1:{self.port}/completion", body, timeout=1800)

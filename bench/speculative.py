@@ -50,11 +50,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
-import urllib.request
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -224,13 +222,7 @@ def llama_complete(
         return_tokens=True,
         stream=False,
     )
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{server.port}/completion",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        reply = json.loads(response.read())
+    reply = peer.post_json(f"http://127.0.0.1:{server.port}/completion", body, timeout)
     for key in ("draft_n", "draft_n_accepted"):
         if drafts is not None and key in reply.get("timings", {}):
             drafts[key] = drafts.get(key, 0) + reply["timings"][key]

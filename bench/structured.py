@@ -41,7 +41,6 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -164,13 +163,7 @@ class Llamacpp:
             body["ignore_eos"] = True
         else:
             body["json_schema"] = schema
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.server.port}/completion",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=1800) as response:
-            return json.loads(response.read())
+        return peer.post_json(f"http://127.0.0.1:{self.server.port}/completion", body, timeout=1800)
 
     def run(self, prompts, schema, lengths, at_once: bool):
         start = time.perf_counter()

@@ -194,13 +194,8 @@ class JaxserveServer:
             ignore_eos=True,
             return_token_ids=True,
         )
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=1800) as response:
-            return json.loads(response.read())["choices"][0]["token_ids"]
+        reply = peer.post_json(f"http://127.0.0.1:{self.port}/v1/completions", body, timeout=1800)
+        return reply["choices"][0]["token_ids"]
 
     def generate(self, prompts, lengths):
         start = time.perf_counter()

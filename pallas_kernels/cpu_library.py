@@ -54,6 +54,7 @@ HEADERS += (
 HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_vectors.h"),)  # cpu_quantized_int8_dot.cc's vector basics
 HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_activations.h"),)  # its inputs, x quantized
 HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_chunks.h"),)  # its walk over one chunk
+HEADERS += (os.path.join(HERE, "matmul", "cpu_int8_dot_tiles.h"),)  # its walk over weights in tiles
 HEADERS += (os.path.join(HERE, "matmul", "cpu_kquant_vectors.h"),)  # cpu_kquant_matmul.cc's vector basics
 HEADERS += (os.path.join(HERE, "matmul", "cpu_kquant_int8.h"),)  # cpu_kquant_matmul.cc's int8-activation tiles
 HEADERS += (os.path.join(HERE, "matmul", "cpu_weight_basics.h"),)  # the quantized kernels' scalar basics, prefetch

@@ -1,5 +1,6 @@
 """A one-device CPU engine's float projections stored in column panels (pallas_kernels/matmul/panels.py), the layout
-the CPU kernel reads fastest at a decode step's few rows (cpu_matmul_panels.h, issue 29).
+the CPU kernel reads fastest at a decode step's few rows (cpu_matmul_panels.h, issue 29); its quantized ones in
+the int8-dot kernel's tiles (quantized_tiles.py, cpu_int8_dot_tiles.h, issue 25).
 
 Done once at load, a weight at a time (the [K, N] array is dropped as its panels are made), for the Linears whose
 kernel goes only through the matmul plan: a Linear that reads its kernel as a matrix itself (DeepSeek's kv_b_proj,
@@ -14,7 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.layers import Linear
+from pallas_kernels.matmul import quantized_tiles
 from pallas_kernels.matmul.panels import to_panels
+from pallas_kernels.matmul.quantized import QuantizedWeight
 
 
 def store_projections_in_panels(model, dtypes) -> int:
@@ -32,4 +35,26 @@ def store_projections_in_panels(model, dtypes) -> int:
         node.kernel.set_value(to_panels(kernel))  # pyright: ignore[reportArgumentType]  # a weight type, as quantized
         del kernel
         moved += 1
+    return moved
+
+
+def store_quantized_in_tiles(model) -> int:
+    """Moves the model's [K, N] QuantizedWeights that have a tiled form (quantized_tiles.can_tile) into tiles, in
+    place, a weight at a time; returns how many. Projections whose kernel goes only through the matmul plan, and a
+    quantized tied embedding (stored [E, V] as the head it also is: its lookup reads tiles too). Call only where the
+    plan's quantized kernel is the CPU int8-dot one (MatmulPlan.tiles_quantized): XLA's dots would untile the
+    weight on every step."""
+    moved = 0
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Linear) and not node.reads_kernel_whole:
+            param = node.kernel
+        elif isinstance(node, nnx.Embed):
+            param = node.embedding
+        else:
+            continue
+        weight = param.get_value()
+        if isinstance(weight, QuantizedWeight) and quantized_tiles.can_tile(weight):
+            param.set_value(quantized_tiles.to_tiles(weight))  # pyright: ignore[reportArgumentType]
+            del weight
+            moved += 1
     return moved

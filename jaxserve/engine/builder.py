@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import Buckets, EngineConfig, EngineRole
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
-from jaxserve.device.panel_weights import store_projections_in_panels
+from jaxserve.device.panel_weights import store_projections_in_panels, store_quantized_in_tiles
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import (
     ModelRunner,
@@ -279,6 +279,8 @@ def _load_model(
     model = nnx.merge(graphdef, params)
     if matmul.panel_dtypes:  # the layout the CPU kernel reads fastest (device/panel_weights.py)
         store_projections_in_panels(model, matmul.panel_dtypes)
+    if matmul.tiles_quantized:  # the int8-dot kernel's layout (device/panel_weights.py)
+        store_quantized_in_tiles(model)
     return model
 
 

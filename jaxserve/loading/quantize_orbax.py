@@ -15,7 +15,7 @@ import numpy as np
 from jaxserve.loading.quantize import place_shardings
 from pallas_kernels.matmul.kquant import KQuantWeight
 from pallas_kernels.matmul.panels import is_panels
-from pallas_kernels.matmul.quantized import QuantizedWeight
+from pallas_kernels.matmul.quantized import QuantizedWeight, untiled
 
 LEAVES = ("values", "scales", "mins")
 KQUANT_LEAVES = ("low", "high", "sub_scales", "sub_mins", "d", "dmin")
@@ -28,6 +28,7 @@ def split_for_saving(flat: dict) -> tuple[dict, dict]:
         if is_panels(value):  # the CPU kernel's layout of a float weight (device/panel_weights.py): saved [K, N]
             arrays[name] = value.matrix()
             continue
+        value = untiled(value)  # the CPU int8 kernel's tiles (quantized_tiles.py): saved [K, N], re-tiled at load
         if not isinstance(value, (QuantizedWeight, KQuantWeight)):
             arrays[name] = value
             continue

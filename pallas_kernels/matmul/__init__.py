@@ -222,6 +222,15 @@ class MatmulPlan:
         return next((entry.panel_dtypes() for entry in self.entries if isinstance(entry, SmallMatmul)), ())
 
     @property
+    def tiles_quantized(self) -> bool:
+        """Whether this plan's quantized weights go to the CPU int8-dot kernel, which reads them fastest in tiles
+        (quantized_tiles.py; device/panel_weights.py moves them at load)."""
+        return any(
+            isinstance(entry, quantized_cpu.QuantizedSmallMatmul) and entry.activations == "int8"
+            for entry in self.entries
+        )
+
+    @property
     def has_cpu_kernel(self) -> bool:
         """Float weights go to the CPU kernel, whose rows come out alike in a call of any size (XLA's dots and
         ragged_dot add a row's terms in another order as the row count changes)."""

@@ -44,6 +44,7 @@ struct Activations {
   std::vector<int8_t> q;      // [M, K]
   std::vector<float> scale;   // [M, chunks]: d, as float16 holds it
   std::vector<float> sum;     // [M, chunks]: d * sum of q over the chunk, as float16 holds it
+  std::vector<int32_t> qsum;  // [M, chunks]: sum of q over the chunk (a tiled walk's start, cpu_int8_dot_tiles.h)
   int64_t chunks_per_group = 0, chunks = 0;
 };
 
@@ -103,6 +104,7 @@ inline void QuantizeRows(const FloatArray& x, int64_t r0, int64_t r1, int64_t de
       const int32_t sum = QuantizeChunk(row.data() + k0, k1 - k0, a.q.data() + r * depth + k0, &d);
       a.scale[r * a.chunks + c] = AsHalf(d);
       a.sum[r * a.chunks + c] = AsHalf(d * float(sum));
+      a.qsum[r * a.chunks + c] = sum;
     }
   }
 }
@@ -115,6 +117,7 @@ inline Activations Quantize(const FloatArray& x, int64_t rows, int64_t depth, in
   a.q.resize(rows * depth);
   a.scale.resize(rows * a.chunks);
   a.sum.resize(rows * a.chunks);
+  a.qsum.resize(rows * a.chunks);
   constexpr int64_t kRowsPerItem = 16;  // (a decode step's few rows: one item, no helper woken)
   const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
   jaxserve_cpu::RunItems(num_workers, items, [&](int64_t, int64_t item) {

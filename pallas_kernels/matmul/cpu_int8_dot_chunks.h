@@ -49,14 +49,15 @@ constexpr int64_t kPrefetchBytes = 8192;
 using AheadLines = jaxserve_cpu::AheadLines<JAXSERVE_QDOT_LOCALITY>;
 
 struct Problem {
-  const void* values;  // int8 [K, N] or uint8 [K / 2, N]
-  FloatArray scales;   // [G, N]
-  FloatArray mins;     // [G, N]; data null: none
+  const void* values;  // int8 [K, N] or uint8 [K / 2, N]; tiled: [N / 64, K / 32, chunk bytes] (cpu_int8_dot_tiles.h)
+  FloatArray scales;   // [G, N]; tiled: [N / 64, G, 64]
+  FloatArray mins;     // like scales; data null: none
   float* out;          // [M, N]
   const Activations* x;
   int64_t columns, depth, group, num_groups;
   int bits;
   int64_t block_columns, blocks, parts, row_blocks;  // the split into work items (Plan)
+  bool tiled = false;                                // the weight in tiles (cpu_int8_dot_tiles.h)
 };
 
 // One stored weight as the signed integer it stands for (4-bit without mins: the nibble less 8).

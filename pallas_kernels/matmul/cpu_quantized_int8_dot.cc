@@ -46,6 +46,7 @@
 #include "cpu_int8_dot_vectors.h"
 #include "cpu_int8_dot_activations.h"
 #include "cpu_int8_dot_chunks.h"
+#include "cpu_int8_dot_tiles.h"
 #include "matmul/cpu_call_plan.h"
 #include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
@@ -177,6 +178,15 @@ void Item(const Piece& piece, int64_t r_begin, int64_t r_end, bool first, const 
 }
 
 inline void RunPiece(const Piece& piece, int64_t r_begin, int64_t r_end, bool first, const Piece* after) {
+  const Problem& p = *piece.problem;
+  if (p.tiled) {  // (a tile's run is sequential: the hardware's prefetch and a few lines ahead start it)
+    if (p.bits == 8) {
+      TiledItem<8>(p, piece.c0, piece.width, piece.g0, piece.g1, piece.out, piece.out_stride, r_begin, r_end);
+    } else {
+      TiledItem<4>(p, piece.c0, piece.width, piece.g0, piece.g1, piece.out, piece.out_stride, r_begin, r_end);
+    }
+    return;
+  }
   if (piece.problem->bits == 8) {
     Item<8>(piece, r_begin, r_end, first, after);
   } else {
@@ -230,7 +240,9 @@ CallPlan PlanCall(std::vector<Problem>& problems, int64_t rows, int64_t num_work
 }
 
 // Whether a piece's walk prefetches the piece after it (ChunkInRegisters: whole chunks of whole tiles).
-inline bool PrefetchesAfter(const Piece& piece) { return piece.problem->group % kChunk == 0 && piece.width >= kTile; }
+inline bool PrefetchesAfter(const Piece& piece) {
+  return !piece.problem->tiled && piece.problem->group % kChunk == 0 && piece.width >= kTile;
+}
 
 // Run `run` of the plan: its pieces in order, each prefetching the next one's start.
 void RunCallPieces(const CallPlan& plan, int64_t run, int64_t rows) {
@@ -342,18 +354,24 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
       return ffi::Error::InvalidArgument("quantized_int8_dot: bad weight or result");
     }
     const auto v_dims = values->dimensions(), s_dims = scales->dimensions(), m_dims = mins->dimensions();
-    if (v_dims.size() != 2 || s_dims.size() != 2) {
-      return ffi::Error::InvalidArgument("quantized_int8_dot: values and scales must be 2-d");
-    }
     if (bits[i] != 8 && bits[i] != 4) return ffi::Error::InvalidArgument("quantized_int8_dot: bits must be 8 or 4");
-    const int64_t columns = v_dims[1], num_groups = s_dims[0];
     const ffi::DataType value_type = bits[i] == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
-    if (values->element_type() != value_type || v_dims[0] * (8 / bits[i]) != depth || s_dims[1] != columns ||
-        num_groups < 1 || depth % num_groups || (bits[i] == 4 && (depth / num_groups) % 2) ||
+    // [K, N] (2-d), or tiled (3-d): values [N / 64, K / 32, chunk bytes], scales [N / 64, G, 64]
+    const bool tiled = v_dims.size() == 3;
+    if (v_dims.size() != s_dims.size() || (v_dims.size() != 2 && !tiled) ||
+        (tiled && (s_dims[2] != kTiledColumns || s_dims[0] != v_dims[0]))) {
+      return ffi::Error::InvalidArgument("quantized_int8_dot: values and scales must be 2-d, or tiled 3-d");
+    }
+    const int64_t columns = tiled ? v_dims[0] * kTiledColumns : v_dims[1];
+    const int64_t num_groups = tiled ? s_dims[1] : s_dims[0];
+    const bool depth_fits = tiled ? v_dims[1] * kChunk == depth && v_dims[2] == TiledChunkBytes(int(bits[i]))
+                                  : v_dims[0] * (8 / bits[i]) == depth && s_dims[1] == columns;
+    if (values->element_type() != value_type || !depth_fits || num_groups < 1 || depth % num_groups ||
+        (bits[i] == 4 && (depth / num_groups) % 2) || (tiled && (depth / num_groups) % kChunk) ||
         (*out)->element_count() != size_t(rows * columns)) {
       return ffi::Error::InvalidArgument("quantized_int8_dot: inconsistent shapes or types");
     }
-    if (has_mins[i] && (m_dims.size() != 2 || m_dims[0] != num_groups || m_dims[1] != columns ||
+    if (has_mins[i] && (m_dims.size() != s_dims.size() || !std::equal(m_dims.begin(), m_dims.end(), s_dims.begin()) ||
                         mins->element_type() != scales->element_type())) {
       return ffi::Error::InvalidArgument("quantized_int8_dot: mins must be shaped and typed as scales");
     }
@@ -370,7 +388,8 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
                                0,
                                0,
                                0,
-                               0});
+                               0,
+                               tiled});
   }
   const int64_t num_workers = std::max<int64_t>(1, pool.num_threads());
   const FloatArray x_array{x.untyped_data(), x.element_type()};

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pallas_kernels.matmul import int8_activations, kquant
+from pallas_kernels.matmul import int8_activations, kquant, quantized_tiles
 from pallas_kernels.matmul.kquant import KQuantWeight
+from pallas_kernels.matmul.quantized_tiles import TiledQuantizedWeight
 from pallas_kernels.matmul.reference import dot_operand_dtype
 
 # Rows from which the reference dequantizes the weight and runs one dot (compute-bound prefill: the copy
@@ -82,8 +83,20 @@ class QuantizedWeight:
         return take_columns(self, token_ids)
 
 
+def untiled(weight):
+    """A TiledQuantizedWeight (quantized_tiles.py: the CPU kernel's layout) as the [K, N] QuantizedWeight it came
+    from, bit for bit; any other weight as it is."""
+    if not quantized_tiles.is_tiled(weight):
+        return weight
+    values, scales, mins = quantized_tiles.untiled_arrays(weight)
+    return QuantizedWeight(
+        values, scales, mins, bits=weight.bits, group_size=weight.group_size, compute_dtype=weight.compute_dtype
+    )
+
+
 def integers(weight: QuantizedWeight):
     """q [..., K, N] int8: the stored integers, unpacked, the 4-bit offset taken out where there are no mins."""
+    weight = untiled(weight)
     if weight.bits == 8:
         return weight.values
     low = (weight.values & 0xF).astype(jnp.int8)
@@ -98,6 +111,7 @@ def dequantize(weight: QuantizedWeight, dtype=None):
     float32."""
     if isinstance(weight, KQuantWeight):  # GGUF K-quants' two-level layout (kquant.py)
         return kquant.dequantize(weight, dtype)
+    weight = untiled(weight)
     q = integers(weight)
     *lead, depth, columns = q.shape
     groups = weight.num_groups
@@ -115,6 +129,7 @@ def matmul(rows, weight: QuantizedWeight, *, transposed: bool = False, activatio
         return kquant.matmul(rows, weight, transposed=transposed, activations=activations)
     if transposed:
         raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
+    weight = untiled(weight)  # (XLA's dots read the [K, N] layout)
     if weight.values.ndim != 2:
         raise ValueError(f"a projection takes a 2-d weight, got a quantized {weight.shape}")
     num_rows, depth = rows.shape
@@ -158,6 +173,8 @@ def take_columns(weight: QuantizedWeight, column_ids, dtype=None):
     it also is, [E, V]) looked up by token ids. Reads only those columns' bytes."""
     if isinstance(weight, KQuantWeight):
         return kquant.take_columns(weight, column_ids, dtype)
+    if quantized_tiles.is_tiled(weight):
+        return quantized_tiles.columns_dequantized(weight, column_ids, dtype)
     picked = QuantizedWeight(
         jnp.take(weight.values, column_ids, axis=-1),
         jnp.take(weight.scales, column_ids, axis=-1),
@@ -197,8 +214,9 @@ def _leaf_sharding(shape: tuple[int, ...], sharding: NamedSharding) -> NamedShar
 
 
 def is_quantized(weight) -> bool:
-    """A QuantizedWeight or a GGUF K-quant's KQuantWeight (kquant.py): what the quantized entries serve."""
-    return isinstance(weight, (QuantizedWeight, KQuantWeight))
+    """A QuantizedWeight (or its tiles, quantized_tiles.py) or a GGUF K-quant's KQuantWeight (kquant.py): what the
+    quantized entries serve."""
+    return isinstance(weight, (QuantizedWeight, TiledQuantizedWeight, KQuantWeight))
 
 
 __all__ = [
@@ -210,4 +228,5 @@ __all__ = [
     "matmul",
     "place_shardings",
     "take_columns",
+    "untiled",
 ]

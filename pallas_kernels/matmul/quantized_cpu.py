@@ -31,6 +31,7 @@ import numpy as np
 
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quantized
+from pallas_kernels.matmul.quantized_tiles import TiledQuantizedWeight
 from pallas_kernels.matmul.row_blocks import ROW_INVARIANT_ROWS, in_row_blocks
 
 QUANTIZED_TARGET = "jaxserve_cpu_quantized_matmul"  # every kernel's custom call name starts with it
@@ -69,11 +70,13 @@ def available(activations: str = "int8") -> bool:
     return _register(None, check_activations(activations))
 
 
-def serves_weight(weight) -> bool:
-    """Whether the kernel computes this weight: a 2-d QuantizedWeight with scales of a float width it reads."""
+def serves_weight(weight, activations: str = "int8") -> bool:
+    """Whether the kernel computes this weight: a 2-d QuantizedWeight with scales of a float width it reads, or its
+    tiles (quantized_tiles.py; the int8 kernel only)."""
+    tiled = isinstance(weight, TiledQuantizedWeight)
     return (
-        isinstance(weight, quantized.QuantizedWeight)  # K-quants: kquant_cpu.py
-        and weight.values.ndim == 2
+        (isinstance(weight, quantized.QuantizedWeight) or (tiled and activations == "int8"))  # K-quants: kquant_cpu.py
+        and (tiled or weight.values.ndim == 2)
         and jnp.dtype(weight.scales.dtype) in SCALE_DTYPES
         and jnp.dtype(weight.dtype) in ROW_DTYPES
         and (weight.bits == 8 or weight.group_size % 2 == 0)
@@ -96,7 +99,7 @@ def quantized_matmuls(x, weights, *, path: str | None = None, activations: str =
     if not weights:
         raise ValueError("quantized_matmuls wants at least one weight")
     for weight in weights:
-        if not serves_weight(weight):
+        if not serves_weight(weight, activations):
             raise ValueError(f"the CPU quantized matmul does not serve this weight: {jax.tree.map(jnp.shape, weight)}")
         if x.ndim != 2 or x.shape[1] != weight.shape[0]:
             raise ValueError(f"quantized_matmul wants x [M, {weight.shape[0]}], got {x.shape}")
@@ -109,7 +112,7 @@ def quantized_matmuls(x, weights, *, path: str | None = None, activations: str =
         raise RuntimeError("the CPU quantized matmul could not be built; project with the reference")
     arrays = []
     for weight in weights:
-        mins = weight.mins if weight.mins is not None else jnp.zeros((1, 1), weight.scales.dtype)
+        mins = weight.mins if weight.mins is not None else jnp.zeros((1,) * weight.scales.ndim, weight.scales.dtype)
         arrays += [weight.values, weight.scales, mins]
     results = tuple(jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), jnp.float32) for weight in weights)
     call = jax.ffi.ffi_call(target(path, activations), results)
@@ -129,7 +132,7 @@ class QuantizedSmallMatmul:
 
     def serves(self, num_rows: int, weights: tuple) -> bool:
         return (num_rows <= self.max_rows or self.max_rows >= ROW_INVARIANT_ROWS) and all(
-            serves_weight(weight) for weight in weights
+            serves_weight(weight, self.activations) for weight in weights
         )
 
     def __call__(self, rows, weights: tuple, *, transposed: bool) -> tuple:

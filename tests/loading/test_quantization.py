@@ -17,8 +17,9 @@ from jaxserve.loading.default_model import random_llama_weights
 from jaxserve.loading.gguf import GGUFFile
 from jaxserve.loading.quantize import QuantizationSpec, load_quantized, quantize
 from jaxserve.models import llama
+from pallas_kernels.matmul import MatmulPlan, quantized_tiles
 from pallas_kernels.matmul.kquant import KQuantWeight
-from pallas_kernels.matmul.quantized import QuantizedWeight, dequantize
+from pallas_kernels.matmul.quantized import QuantizedWeight, dequantize, untiled
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 from tests.support.gguf_files import write_gguf
 
@@ -68,8 +69,9 @@ def _scores(llm: LLM) -> list[list[dict[int, float]]]:
 
 
 def _kernels(llm: LLM) -> dict[str, object]:
+    """The engine's params by name, quantized weights in their [K, N] form (untiled: quantized_tiles.py)."""
     params = llm.engine.runner.params()
-    return {".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(params)}
+    return {".".join(map(str, path)): untiled(variable.get_value()) for path, variable in nnx.to_flat_state(params)}
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +293,31 @@ def test_a_gpus_plan_serves_the_quantized_engine_as_the_reference_does(monkeypat
         for got, want in zip(gpu.logprobs, reference.logprobs):
             token = max(want, key=want.get)
             assert abs(got[token] - want[token]) < 1e-3
+
+
+@pytest.mark.parametrize("name,quantization", [("llama_gqa", "int8"), ("llama_gqa", "int4"), ("gemma3", "int8")])
+def test_a_cpu_engine_reads_its_quantized_weights_in_tiles_as_the_same_bits(monkeypatch, name, quantization):
+    """A one-device CPU engine moves its quantized projections and embedding (gemma3: tied, the head too) into the
+    int8-dot kernel's tiles at load where their shapes allow (pallas_kernels/matmul/quantized_tiles.py; llama_gqa's
+    k, v (32 columns), gate and up (96) stay [K, N], joined in one call with the tiled q); the kernel computes
+    tiles as the same bits as the [K, N] form, so greedy tokens and every logprob equal an engine that keeps
+    [K, N] (test_orbax_checkpoints_save_and_restore_quantized: a tiled engine's checkpoint saves [K, N])."""
+    tiled = _engine(fixture_dir(name), quantization=quantization)
+    stored = {path: variable.get_value() for path, variable in nnx.to_flat_state(tiled.engine.runner.params())}
+    assert quantized_tiles.is_tiled(stored[("embed_tokens", "embedding")])
+    if name == "llama_gqa":
+        for module, is_tiled in (("q_proj", True), ("k_proj", False), ("o_proj", True)):
+            assert quantized_tiles.is_tiled(stored[("layers", 0, "self_attn", module, "kernel")]) == is_tiled
+        assert quantized_tiles.is_tiled(stored[("layers", 1, "mlp", "down_proj", "kernel")])
+    monkeypatch.setattr(MatmulPlan, "tiles_quantized", property(lambda plan: False))
+    kept = _engine(fixture_dir(name), quantization=quantization)
+    assert not any(
+        quantized_tiles.is_tiled(value)
+        for value in jax.tree.leaves(kept.engine.runner.params(), is_leaf=quantized_tiles.is_tiled)
+    )
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)
+    for a, b in zip(tiled.generate(PROMPTS, params), kept.generate(PROMPTS, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert tiled.stats()["num_compiles_after_warmup"] == 0
+    assert tiled.stats()["weights_device_bytes"] == kept.stats()["weights_device_bytes"]

@@ -7,11 +7,13 @@ from flax import nnx
 
 from jaxserve import LLM
 from pallas_kernels.matmul.panels import is_panels, to_panels
-from pallas_kernels.matmul.quantized import QuantizedWeight, dequantize
+from pallas_kernels.matmul.quantized import QuantizedWeight, dequantize, untiled
 
 
 def params_by_path(llm: LLM) -> dict:
-    return {path: variable.get_value() for path, variable in nnx.to_flat_state(llm.engine.runner.params())}
+    """The engine's params by path, quantized weights in their [K, N] form (a one-device CPU engine keeps them in
+    the int8-dot kernel's tiles: pallas_kernels/matmul/quantized_tiles.py)."""
+    return {path: untiled(variable.get_value()) for path, variable in nnx.to_flat_state(llm.engine.runner.params())}
 
 
 def dequantized_twin(quantized: LLM, twin: LLM) -> LLM:

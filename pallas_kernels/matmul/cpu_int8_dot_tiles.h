@@ -1,0 +1,294 @@
+// The int8-activation quantized kernel's (cpu_quantized_int8_dot.cc) walk over a weight stored in TILES
+// (pallas_kernels/matmul/quantized_tiles.py builds them at load): per 64 columns and 32 k (a chunk) one
+// contiguous block in which the four k of one column that a dot product takes in a 32-bit lane are adjacent:
+//   8-bit: [quad 8][column 64][k 4]              (2048 bytes: byte 256 q + 4 c + b is k 4q + b of column c)
+//   4-bit: [pair 4][column 64][byte 4]           (1024 bytes: byte b's low nibble is k 8p + b, its high 8p + 4 + b)
+// blocks [N / 64, K / 32] (tile-major: a tile's chunks in K's order), scales and mins [N / 64, G, 64].
+//
+// Why: on the [K, N] layout each four weight rows are interleaved in registers (two rounds of unpacks, and for
+// 4-bit a mask and shift per row) before a dot product can take them; without VNNI that made one row's walk
+// bound by its instructions, not by memory (an AVX2 AMD EPYC: cache-hot Q4_0 layers 6.0-7.3 ms against 2.8-3.3
+// from this layout, from memory Q8_0 11.3 vs 8.2-8.6, issue 25, bench/cpu_int8_dot_repacked.cc). Here a load
+// is a dot product's operand as it is (8-bit), or after one mask (low nibbles) or a shift and a mask (high),
+// the tile's columns stay in column order (no tile order to undo), and a tile's chunks are one sequential run
+// of memory. The sums are the [K, N] walk's exactly: the same int32 sums per chunk (start -offset * sum(q_x)),
+// the same float expression per chunk in K's order, so a weight gives the same bits in either layout, at any
+// rows (a row's result does not depend on the call's rows: cpu_quantized_int8_dot.cc's row invariance).
+// Included once, by that file (after cpu_int8_dot_chunks.h): its names live in the file's anonymous namespace.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kTiledColumns = 64;  // a tile's columns (quantized_tiles.py's TILE_COLUMNS)
+#ifndef JAXSERVE_TILED_AHEAD
+#define JAXSERVE_TILED_AHEAD 2048
+#endif
+#ifndef JAXSERVE_TILED_STEP
+#define JAXSERVE_TILED_STEP 64
+#endif
+constexpr int64_t kTiledAheadBytes = JAXSERVE_TILED_AHEAD;  // software prefetch this far ahead along a tile's run
+constexpr int64_t kTiledPrefetchStep = JAXSERVE_TILED_STEP;  // one line of every this many bytes
+
+constexpr int64_t TiledChunkBytes(int bits) { return bits == 8 ? kTiledColumns * kChunk : kTiledColumns * kChunk / 2; }
+
+#if defined(QDOT_X86)
+constexpr int kTiledVectors = int(kTiledColumns * 4 / sizeof(VecI));  // a quad's (or pair's) vectors: 8 avx2, 4 avx512
+constexpr int kTiledLanes = int(sizeof(VecI) / 4);                    // columns per vector
+
+// Rows of x (R, `xq` the first's chunk, rows `depth` apart) times one chunk `block` of a tile: the int32 sums of J
+// vectors of columns at a time in registers over the chunk's 32 k, then scaled into `out` (rows `out_stride`
+// apart, the tile's 64 columns in order): out += float(sum) * (d * scale) (+ d * sum(q_x) * min).
+template <int R, int J, int Bits, bool HasMins>
+inline void TiledChunkRows(const uint8_t* block, const int8_t* xq, int64_t depth, const int32_t* start, const float* d,
+                           const float* d_sum, const float* scale, const float* minimum, float* out,
+                           int64_t out_stride) {
+  for (int j0 = 0; j0 < kTiledVectors; j0 += J) {
+    VecI acc[R][J];
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < J; ++j) acc[r][j] = SplatInt(start[r]);
+    }
+    if constexpr (Bits == 8) {
+#pragma GCC unroll 8
+      for (int q = 0; q < int(kChunk / 4); ++q) {
+        for (int j = 0; j < J; ++j) {
+          const VecI w = PrepareInt8(LoadBytes(block + q * 4 * kTiledColumns + (j0 + j) * int(sizeof(VecI))));
+          for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, xq + r * depth + 4 * q, sizeof(four));
+            acc[r][j] = DotInt8(acc[r][j], w, SplatInt(four));
+          }
+        }
+      }
+    } else {
+      const VecI low = SplatByte(0x0F);
+#pragma GCC unroll 4
+      for (int pair = 0; pair < int(kChunk / 8); ++pair) {
+        for (int j = 0; j < J; ++j) {
+          const VecI packed = LoadBytes(block + pair * 4 * kTiledColumns + (j0 + j) * int(sizeof(VecI)));
+          const VecI lo = And(packed, low), hi = And(ShiftRight4(packed), low);
+          for (int r = 0; r < R; ++r) {
+            int32_t four_lo, four_hi;
+            std::memcpy(&four_lo, xq + r * depth + 8 * pair, sizeof(four_lo));
+            std::memcpy(&four_hi, xq + r * depth + 8 * pair + 4, sizeof(four_hi));
+            acc[r][j] = DotUnsigned(DotUnsigned(acc[r][j], lo, SplatInt(four_lo)), hi, SplatInt(four_hi));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float* o = out + r * out_stride;
+      for (int j = 0; j < J; ++j) {
+        const int64_t at = (j0 + j) * kTiledLanes;
+        VecF v = Fma(ToFloat(acc[r][j]), Mul(SplatF(d[r]), LoadF(scale + at)), LoadF(o + at));
+        if constexpr (HasMins) v = Fma(SplatF(d_sum[r]), LoadF(minimum + at), v);
+        StoreF(o + at, v);
+      }
+    }
+  }
+}
+
+// kTiledLanes scales (or mins) of one of the three widths from `data` + offset, as float32
+template <ffi::DataType Type>
+inline VecF LoadScales(const void* data, int64_t offset) {
+  if constexpr (Type == ffi::DataType::F32) {
+    return LoadF(static_cast<const float*>(data) + offset);
+  } else {
+    const auto* in = static_cast<const uint16_t*>(data) + offset;
+#if defined(__AVX512F__)
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in));
+    if constexpr (Type == ffi::DataType::F16) return _mm512_cvtph_ps(halves);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+#else
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in));
+    if constexpr (Type == ffi::DataType::BF16) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+    } else {
+#if defined(__F16C__)
+      return _mm256_cvtph_ps(halves);
+#else
+      alignas(32) float wide[kTiledLanes];
+      for (int i = 0; i < kTiledLanes; ++i) wide[i] = jaxserve_cpu::HalfToFloat(in[i]);
+      return LoadF(wide);
+#endif
+    }
+#endif
+  }
+}
+
+// ONE row of x times a tile's chunks of groups [g0, g1) (the decode step's single stream): the tile's 64 float
+// results stay in registers over the whole run and each chunk's scales are widened as they are used, where a
+// chunk of the rows walk (TiledChunkRows) loads and stores the results and reads widened scales (1.3x the
+// instructions, which on AVX2 without VNNI a one-row walk cannot hide behind memory).
+template <int Bits, bool HasMins, ffi::DataType ScaleType>
+void TiledRowRun(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t row, float* out) {
+  const Activations& x = *p.x;
+  const int64_t chunk_bytes = TiledChunkBytes(Bits), tile_chunks = p.depth / kChunk;
+  const auto* values = static_cast<const uint8_t*>(p.values);
+  const int32_t offset = Bits == 8 ? kInt8Offset : (HasMins ? 0 : 8);
+  const int8_t* xrow = x.q.data() + row * p.depth;
+  VecF o[kTiledVectors];
+  for (int j = 0; j < kTiledVectors; ++j) o[j] = LoadF(out + j * kTiledLanes);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t scale_at = (t * p.num_groups + g) * kTiledColumns;
+    for (int64_t i = 0; i < x.chunks_per_group; ++i) {
+      const int64_t chunk = g * x.chunks_per_group + i;
+      const uint8_t* block = values + (t * tile_chunks + chunk) * chunk_bytes;
+      for (int64_t line = 0; line < chunk_bytes; line += kTiledPrefetchStep) __builtin_prefetch(block + kTiledAheadBytes + line, 0, 2);
+      const int8_t* xq = xrow + chunk * kChunk;
+      VecI acc[kTiledVectors];
+      for (int j = 0; j < kTiledVectors; ++j) acc[j] = SplatInt(-offset * x.qsum[row * x.chunks + chunk]);
+      if constexpr (Bits == 8) {
+#pragma GCC unroll 8
+        for (int q = 0; q < int(kChunk / 4); ++q) {
+          int32_t four;
+          std::memcpy(&four, xq + 4 * q, sizeof(four));
+          const VecI xv = SplatInt(four);
+          for (int j = 0; j < kTiledVectors; ++j) {
+            acc[j] = DotInt8(acc[j], PrepareInt8(LoadBytes(block + q * 4 * kTiledColumns + j * int(sizeof(VecI)))), xv);
+          }
+        }
+      } else {
+        const VecI low = SplatByte(0x0F);
+#pragma GCC unroll 4
+        for (int pair = 0; pair < int(kChunk / 8); ++pair) {
+          int32_t four_lo, four_hi;
+          std::memcpy(&four_lo, xq + 8 * pair, sizeof(four_lo));
+          std::memcpy(&four_hi, xq + 8 * pair + 4, sizeof(four_hi));
+          const VecI x_lo = SplatInt(four_lo), x_hi = SplatInt(four_hi);
+          for (int j = 0; j < kTiledVectors; ++j) {
+            const VecI packed = LoadBytes(block + pair * 4 * kTiledColumns + j * int(sizeof(VecI)));
+            acc[j] = DotUnsigned(DotUnsigned(acc[j], And(packed, low), x_lo), And(ShiftRight4(packed), low), x_hi);
+          }
+        }
+      }
+      const VecF d = SplatF(x.scale[row * x.chunks + chunk]);
+      for (int j = 0; j < kTiledVectors; ++j) {
+        o[j] = Fma(ToFloat(acc[j]), Mul(d, LoadScales<ScaleType>(p.scales.data, scale_at + j * kTiledLanes)), o[j]);
+        if constexpr (HasMins) {
+          o[j] = Fma(SplatF(x.sum[row * x.chunks + chunk]), LoadScales<ScaleType>(p.mins.data, scale_at + j * kTiledLanes),
+                     o[j]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < kTiledVectors; ++j) StoreF(out + j * kTiledLanes, o[j]);
+}
+
+// TiledRowRun for the problem's scale width and mins.
+template <int Bits>
+void TiledRow(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t row, float* out) {
+  const bool mins = p.mins.data != nullptr;
+  switch (p.scales.type) {
+    case ffi::DataType::F16:
+      return mins ? TiledRowRun<Bits, true, ffi::DataType::F16>(p, t, g0, g1, row, out)
+                  : TiledRowRun<Bits, false, ffi::DataType::F16>(p, t, g0, g1, row, out);
+    case ffi::DataType::BF16:
+      return mins ? TiledRowRun<Bits, true, ffi::DataType::BF16>(p, t, g0, g1, row, out)
+                  : TiledRowRun<Bits, false, ffi::DataType::BF16>(p, t, g0, g1, row, out);
+    default:
+      return mins ? TiledRowRun<Bits, true, ffi::DataType::F32>(p, t, g0, g1, row, out)
+                  : TiledRowRun<Bits, false, ffi::DataType::F32>(p, t, g0, g1, row, out);
+  }
+}
+#endif
+
+// Rows [r0, r0 + R) times chunk `chunk` of a tile (`block`), into the tile's 64 columns of `out`.
+template <int R, int Bits>
+inline void TiledChunk(const Problem& p, const uint8_t* block, int64_t r0, int64_t chunk, const float* scale,
+                       const float* minimum, float* out, int64_t out_stride) {
+  const Activations& x = *p.x;
+  const bool has_mins = p.mins.data != nullptr;
+  const int8_t* xq = x.q.data() + r0 * p.depth + chunk * kChunk;
+  float d[R], d_sum[R];
+  for (int r = 0; r < R; ++r) {
+    d[r] = x.scale[(r0 + r) * x.chunks + chunk];
+    d_sum[r] = has_mins ? x.sum[(r0 + r) * x.chunks + chunk] : 0.0f;
+  }
+  out += r0 * out_stride;
+#if defined(QDOT_X86)
+  // what the dot products add per unit of sum(q_x) beyond the signed product, taken out through the start
+  const int32_t offset = Bits == 8 ? kInt8Offset : (has_mins ? 0 : 8);
+  int32_t start[R];
+  for (int r = 0; r < R; ++r) start[r] = -offset * x.qsum[(r0 + r) * x.chunks + chunk];
+  // J: the columns whose sums stay in registers (16 vector registers on avx2, 32 on avx512)
+  constexpr int J = std::min(kTiledVectors, std::max(1, (sizeof(VecI) == 64 ? 16 : 8) / R));
+  if (has_mins) {
+    TiledChunkRows<R, J, Bits, true>(block, xq, p.depth, start, d, d_sum, scale, minimum, out, out_stride);
+  } else {
+    TiledChunkRows<R, J, Bits, false>(block, xq, p.depth, start, d, d_sum, scale, minimum, out, out_stride);
+  }
+#else
+  // portable: the layout read one weight at a time, int32 sums in column order
+  for (int r = 0; r < R; ++r) {
+    int32_t sums[kTiledColumns] = {};
+    const int8_t* xr = xq + r * p.depth;
+    for (int64_t c = 0; c < kTiledColumns; ++c) {
+      for (int64_t k = 0; k < kChunk; ++k) {
+        int32_t w;
+        if constexpr (Bits == 8) {
+          w = static_cast<const int8_t*>(static_cast<const void*>(block))[(k / 4) * 4 * kTiledColumns + c * 4 + k % 4];
+        } else {
+          const uint8_t byte = block[(k / 8) * 4 * kTiledColumns + c * 4 + k % 4];
+          w = (k % 8 < 4 ? byte & 0x0F : byte >> 4) - (has_mins ? 0 : 8);
+        }
+        sums[c] += w * xr[k];
+      }
+    }
+    float* o = out + r * out_stride;
+    // (the [K, N] walk's portable expression, term for term: out += (sum * (d * scale) + d_sum * min))
+    if (has_mins) {
+      for (int64_t c = 0; c < kTiledColumns; ++c) o[c] += float(sums[c]) * (d[r] * scale[c]) + d_sum[r] * minimum[c];
+    } else {
+      for (int64_t c = 0; c < kTiledColumns; ++c) o[c] += float(sums[c]) * (d[r] * scale[c]);
+    }
+  }
+#endif
+}
+
+// Rows [r_begin, r_end) of x times a tiled weight's columns [c0, c0 + width) (whole tiles) over groups [g0, g1),
+// added into out (row r, column c0 + j at out[r * out_stride + j]). Tile by tile, each tile's chunks in K's
+// order: one sequential run of memory per tile, whose chunk (2 KiB or 1 KiB) stays in L1 while the rows pass.
+template <int Bits>
+void TiledItem(const Problem& p, int64_t c0, int64_t width, int64_t g0, int64_t g1, float* out, int64_t out_stride,
+               int64_t r_begin, int64_t r_end) {
+  const Activations& x = *p.x;
+  const int64_t chunk_bytes = TiledChunkBytes(Bits), tile_chunks = p.depth / kChunk;
+  const auto* values = static_cast<const uint8_t*>(p.values);
+  alignas(64) float scale[kTiledColumns];
+  alignas(64) float minimum[kTiledColumns] = {};
+  for (int64_t t = c0 / kTiledColumns; t < (c0 + width) / kTiledColumns; ++t) {
+    float* tile_out = out + (t * kTiledColumns - c0);
+#if defined(QDOT_X86)
+    if (r_end - r_begin == 1) {
+      TiledRow<Bits>(p, t, g0, g1, r_begin, tile_out + r_begin * out_stride);
+      continue;
+    }
+#endif
+    for (int64_t g = g0; g < g1; ++g) {
+      p.scales.Widen((t * p.num_groups + g) * kTiledColumns, kTiledColumns, scale);
+      if (p.mins.data != nullptr) p.mins.Widen((t * p.num_groups + g) * kTiledColumns, kTiledColumns, minimum);
+      for (int64_t i = 0; i < x.chunks_per_group; ++i) {
+        const int64_t chunk = g * x.chunks_per_group + i;
+        const uint8_t* block = values + (t * tile_chunks + chunk) * chunk_bytes;
+        for (int64_t line = 0; line < chunk_bytes; line += kTiledPrefetchStep) {
+          __builtin_prefetch(block + kTiledAheadBytes + line, 0, 2);
+        }
+        int64_t r0 = r_begin;
+        for (; r0 + 4 <= r_end; r0 += 4) TiledChunk<4, Bits>(p, block, r0, chunk, scale, minimum, tile_out, out_stride);
+        switch (r_end - r0) {
+          case 3: TiledChunk<3, Bits>(p, block, r0, chunk, scale, minimum, tile_out, out_stride); break;
+          case 2: TiledChunk<2, Bits>(p, block, r0, chunk, scale, minimum, tile_out, out_stride); break;
+          case 1: TiledChunk<1, Bits>(p, block, r0, chunk, scale, minimum, tile_out, out_stride); break;
+          default: break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,172 @@
+"""A QuantizedWeight (quantized.py) stored in tiles for the CPU int8-dot kernel: per 64 columns and 32 k one
+contiguous block in which the four k of a column that an integer dot product takes in a 32-bit lane lie side by
+side (cpu_int8_dot_tiles.h has the byte order and says why: on a [K, N] weight each four rows are interleaved in
+registers first, which bound a one-row decode step's walk on AVX2 CPUs without VNNI; tiled, the walk is a
+sequential read with no shuffles, issue 25).
+
+    values  [N / 64, K / 32, 2048] int8   (bits 8: byte 256 q + 4 c + b is k 32 i + 4 q + b of column 64 t + c)
+            [N / 64, K / 32, 1024] uint8  (bits 4: byte 256 p + 4 c + b holds k 32 i + 8 p + b in its low nibble,
+                                           32 i + 8 p + 4 + b in its high one; offset 8 where there are no mins)
+    scales  [N / 64, G, 64], mins the same or None
+
+A weight type of its own, as ColumnPanels is for float weights (panels.py): a one-device CPU engine's projections
+(and a quantized tied embedding, the head it also is) are moved into tiles at load (device/panel_weights.py), the
+int8-dot kernel reads them (quantized_cpu.py), XLA's reference and checkpoints take `untiled(weight)`, the
+[K, N] QuantizedWeight back, bit for bit. Tiles need N a multiple of 64 and groups of whole 32-k chunks
+(`can_tile`); other weights stay [K, N].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TILE_COLUMNS = 64  # cpu_int8_dot_tiles.h's kTiledColumns
+CHUNK = 32  # k per block (the kernel's activation chunk, ggml's QK8_0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TiledQuantizedWeight:
+    """A [K, N] QuantizedWeight's arrays in tiles (the module docstring has the layout)."""
+
+    values: jax.Array | np.ndarray  # [N / 64, K / 32, chunk bytes]
+    scales: jax.Array | np.ndarray  # [N / 64, G, 64]
+    mins: jax.Array | np.ndarray | None  # like scales, or None
+    bits: int = dataclasses.field(metadata=dict(static=True), default=8)
+    group_size: int = dataclasses.field(metadata=dict(static=True), default=0)
+    compute_dtype: str = dataclasses.field(metadata=dict(static=True), default="float32")
+
+    def __getitem__(self, index):
+        """`param[...]` (how modules read a param's value) is the weight itself."""
+        if index is not Ellipsis:
+            raise TypeError("a TiledQuantizedWeight is read whole (param[...]), not indexed")
+        return self
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical [K, N] shape, as the float weight it stands for."""
+        return (self.values.shape[1] * CHUNK, self.values.shape[0] * TILE_COLUMNS)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.compute_dtype)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(self))
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.shape[1]
+
+    def embedding_rows(self, token_ids):
+        """A quantized tied embedding (the head [E, V]) looked up: [T, E] in the compute dtype, reading only those
+        columns' bytes (quantized.QuantizedWeight.embedding_rows)."""
+        return columns_dequantized(self, token_ids)
+
+
+def chunk_bytes(bits: int) -> int:
+    return TILE_COLUMNS * CHUNK * bits // 8
+
+
+def can_tile(weight) -> bool:
+    """Whether a QuantizedWeight (quantized.py) has a tiled form: 2-d, N a multiple of 64, groups of whole chunks."""
+    if weight.values.ndim != 2 or weight.bits not in (4, 8):
+        return False
+    depth, columns = weight.shape
+    groups = weight.scales.shape[0]
+    return columns % TILE_COLUMNS == 0 and depth % groups == 0 and (depth // groups) % CHUNK == 0
+
+
+def to_tiles(weight) -> TiledQuantizedWeight:
+    """A [K, N] QuantizedWeight (can_tile) in tiles, on the same device (or numpy for numpy)."""
+    if not can_tile(weight):
+        raise ValueError(f"a quantized weight {weight.shape} in groups of {weight.group_size} has no tiled form")
+    xp = np if isinstance(weight.values, np.ndarray) else jnp
+    depth, columns = weight.shape
+    tiles, chunks = columns // TILE_COLUMNS, depth // CHUNK
+    if weight.bits == 8:
+        grid = weight.values.reshape(chunks, 8, 4, tiles, TILE_COLUMNS)  # [i, q, b, t, c]
+        values = grid.transpose(3, 0, 1, 4, 2)  # [t, i, q, c, b]
+    else:
+        nibbles = _unpack_rows(xp, weight.values)  # [K, N]
+        grid = nibbles.reshape(chunks, 4, 2, 4, tiles, TILE_COLUMNS)  # [i, p, half, b, t, c]
+        packed = grid[:, :, 0] | (grid[:, :, 1] << 4)  # [i, p, b, t, c]
+        values = packed.transpose(3, 0, 1, 4, 2)  # [t, i, p, c, b]
+    return TiledQuantizedWeight(
+        values.reshape(tiles, chunks, chunk_bytes(weight.bits)),
+        _tile_columns(weight.scales),
+        None if weight.mins is None else _tile_columns(weight.mins),
+        bits=weight.bits,
+        group_size=weight.group_size,
+        compute_dtype=weight.compute_dtype,
+    )
+
+
+def untiled_arrays(weight: TiledQuantizedWeight) -> tuple:
+    """(values, scales, mins) of the [K, N] QuantizedWeight it came from, bit for bit (traceable)."""
+    xp = np if isinstance(weight.values, np.ndarray) else jnp
+    depth, columns = weight.shape
+    tiles, chunks = columns // TILE_COLUMNS, depth // CHUNK
+    if weight.bits == 8:
+        grid = weight.values.reshape(tiles, chunks, 8, TILE_COLUMNS, 4)  # [t, i, q, c, b]
+        values = grid.transpose(1, 2, 4, 0, 3).reshape(depth, columns)
+    else:
+        nibbles = _tiled_nibbles(xp, weight.values).transpose(1, 2, 0, 3).reshape(depth, columns)  # [K, N]
+        pairs = nibbles.reshape(depth // 2, 2, columns)
+        values = pairs[:, 0] | (pairs[:, 1] << 4)
+    untile = lambda a: None if a is None else a.transpose(1, 0, 2).reshape(a.shape[1], columns)  # noqa: E731
+    return values, untile(weight.scales), untile(weight.mins)
+
+
+def columns_dequantized(weight: TiledQuantizedWeight, column_ids, dtype=None):
+    """Columns of the [K, N] weight, dequantized -> [len(column_ids), K] (the compute dtype by default)."""
+    depth = weight.shape[0]
+    tile, within = column_ids // TILE_COLUMNS, column_ids % TILE_COLUMNS
+    groups = weight.num_groups
+    if weight.bits == 8:
+        grid = weight.values.reshape(weight.values.shape[0], depth // CHUNK, 8, TILE_COLUMNS, 4)
+        q = grid[tile, :, :, within, :].reshape(-1, depth).astype(jnp.float32)  # [T, K]
+    else:
+        grid = weight.values.reshape(weight.values.shape[0], depth // CHUNK, 4, TILE_COLUMNS, 4)
+        picked = grid[tile, :, :, within, :]  # [T, i, p, b] bytes
+        q = jnp.stack([picked & 0xF, picked >> 4], axis=-2).reshape(-1, depth).astype(jnp.float32)  # [T, K]
+        if weight.mins is None:
+            q = q - 8.0
+    scales = weight.scales[tile, :, within].astype(jnp.float32)  # [T, G]
+    w = q.reshape(-1, groups, depth // groups) * scales[:, :, None]
+    if weight.mins is not None:
+        w = w + weight.mins[tile, :, within].astype(jnp.float32)[:, :, None]
+    return w.reshape(-1, depth).astype(dtype or weight.dtype)
+
+
+def is_tiled(weight) -> bool:
+    return isinstance(weight, TiledQuantizedWeight)
+
+
+def _tile_columns(array):
+    """[G, N] -> [N / 64, G, 64]."""
+    groups, columns = array.shape
+    return array.reshape(groups, columns // TILE_COLUMNS, TILE_COLUMNS).transpose(1, 0, 2)
+
+
+def _unpack_rows(xp, values):
+    """uint8 [K / 2, N] (row 2i low nibble, 2i + 1 high) -> the nibbles [K, N] uint8."""
+    half, columns = values.shape
+    return xp.stack([values & 0xF, values >> 4], axis=1).reshape(2 * half, columns)
+
+
+def _tiled_nibbles(xp, values):
+    """Tiled 4-bit values [t, i, 1024] -> nibbles [t, i, 32, 64] ([tile, chunk, k within the chunk, column])."""
+    tiles, chunks, _ = values.shape
+    grid = values.reshape(tiles, chunks, 4, TILE_COLUMNS, 4)  # [t, i, p, c, b]
+    halves = xp.stack([grid & 0xF, grid >> 4], axis=3)  # [t, i, p, half, c, b]
+    return halves.transpose(0, 1, 2, 3, 5, 4).reshape(tiles, chunks, CHUNK, TILE_COLUMNS)

@@ -1,0 +1,133 @@
+"""Quantized weights in the int8-dot kernel's tiles (pallas_kernels/matmul/quantized_tiles.py,
+cpu_int8_dot_tiles.h): the layout round-trips bit for bit, the kernel computes a tiled weight's rows as the same
+bits as its [K, N] form at every row count and on every instruction path, XLA's reference and the embedding
+lookup read tiles, and weights without a tiled form are refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_library
+from pallas_kernels.matmul import REFERENCE_PLAN, choose_matmul, quantized, quantized_cpu, quantized_tiles
+from pallas_kernels.matmul.quantized import QuantizedWeight
+from tests.kernels.test_quantized_matmul import random_weight
+
+# (depth, columns, bits, group (0: per channel), scale dtype, mins): Q8_0, Q4_0, Q4_1, int8 per channel, int4 in
+# groups of 64 and 128
+TILEABLE = [
+    (96, 128, 8, 32, jnp.float16, False),
+    (64, 192, 4, 32, jnp.float16, False),
+    (96, 64, 4, 32, jnp.float16, True),
+    (96, 64, 8, 0, jnp.float32, False),
+    (256, 128, 4, 64, jnp.bfloat16, False),
+    (256, 64, 4, 128, jnp.float32, True),
+]
+
+
+def tileable_weights(rng, depth: int) -> tuple:
+    """One weight of each TILEABLE layout, all of `depth` rows."""
+    return tuple(
+        random_weight(rng, depth, columns, bits, group or depth, dtype, mins)
+        for _, columns, bits, group, dtype, mins in TILEABLE
+    )
+
+
+def assert_same_weight(got: QuantizedWeight, want: QuantizedWeight):
+    for leaf in ("values", "scales", "mins"):
+        a, b = getattr(got, leaf), getattr(want, leaf)
+        assert (a is None) == (b is None), leaf
+        if a is not None:
+            assert a.shape == b.shape and a.dtype == b.dtype, leaf
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8), err_msg=leaf)
+    assert (got.bits, got.group_size, got.compute_dtype) == (want.bits, want.group_size, want.compute_dtype)
+
+
+@pytest.mark.parametrize("depth,columns,bits,group,scale_dtype,with_mins", TILEABLE)
+def test_tiles_give_the_weight_back_bit_for_bit(depth, columns, bits, group, scale_dtype, with_mins):
+    rng = np.random.default_rng(depth + columns + bits)
+    weight = random_weight(rng, depth, columns, bits, group or depth, scale_dtype, with_mins)
+    tiled = quantized_tiles.to_tiles(weight)
+    assert tiled.shape == weight.shape and tiled.dtype == weight.dtype and tiled.nbytes == weight.nbytes
+    assert tiled.values.shape == (columns // 64, depth // 32, 64 * 32 * bits // 8)
+    assert_same_weight(quantized.untiled(tiled), weight)
+    # the same from numpy arrays (a host-side weight) and under jit (XLA's reference untiles while traced)
+    host = jax.tree.map(np.asarray, weight)
+    host_tiled = quantized_tiles.to_tiles(host)
+    assert isinstance(host_tiled.values, np.ndarray)
+    np.testing.assert_array_equal(host_tiled.values, np.asarray(tiled.values))
+    assert_same_weight(jax.jit(quantized.untiled)(tiled), weight)
+    # byte order: k 4q + b of column c is byte 256 q + 4 c + b of its chunk (8-bit); 4-bit: k 8p + b low nibble
+    if bits == 8:
+        assert int(tiled.values[0, 0, 256 * 2 + 4 * 5 + 3]) == int(weight.values[4 * 2 + 3, 5])
+    else:
+        q = np.asarray(quantized.integers(weight)) + (0 if with_mins else 8)
+        tile = columns // 64 - 1  # (the last tile, chunk 1)
+        byte = int(tiled.values[tile, 1, 256 * 3 + 4 * 7 + 2])
+        column = 64 * tile + 7
+        assert (byte & 15, byte >> 4) == (q[32 + 8 * 3 + 2, column], q[32 + 8 * 3 + 4 + 2, column])
+
+
+def test_the_kernel_computes_tiled_weights_as_the_same_bits_at_every_row_count():
+    """One call joining tiled weights of every layout with a [K, N] one that has no tiled form (N not a multiple
+    of 64), at decode, verify and prefill row counts (1 and 2 rows: the one-row run with results in registers;
+    more: the rows walk, four rows at a time; past 64: row blocks), on each instruction path this CPU runs:
+    the same bits as the all-[K, N] call."""
+    rng = np.random.default_rng(3)
+    depth = 256
+    weights = (*tileable_weights(rng, depth), random_weight(rng, depth, 83, 8, 32, jnp.float16, False))
+    tiled = tuple(quantized_tiles.to_tiles(w) if quantized_tiles.can_tile(w) else w for w in weights)
+    assert sum(quantized_tiles.is_tiled(w) for w in tiled) == len(TILEABLE)
+    for path in cpu_library.runnable_paths():
+        call = jax.jit(lambda x, ws, path=path: quantized_cpu.quantized_matmuls(x, ws, path=path))
+        for num_rows in (1, 2, 3, 4, 5, 7, 9, 33, 64, 70):
+            x = rng.standard_normal((num_rows, depth)).astype(np.float32)
+            x[0, 32:64] = 0.0  # a chunk of zeros: d = 0
+            want = call(jnp.asarray(x), weights)
+            got = call(jnp.asarray(x), tiled)
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{path}, {num_rows} rows")
+
+
+def test_the_plan_serves_tiles_with_the_int8_kernel_and_the_reference_untiles_them():
+    rng = np.random.default_rng(5)
+    weight = random_weight(rng, 128, 128, 4, 32, jnp.float16, True)
+    tiled = quantized_tiles.to_tiles(weight)
+    x = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
+    int8_plan = choose_matmul("cpu", 1, "int8")
+    assert int8_plan.tiles_quantized and not choose_matmul("cpu", 1, "float").tiles_quantized
+    assert not choose_matmul("cpu", 2, "int8").tiles_quantized  # a sharded weight stays [K, N]
+    np.testing.assert_array_equal(np.asarray(jax.jit(int8_plan)(x, tiled)), np.asarray(jax.jit(int8_plan)(x, weight)))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(REFERENCE_PLAN)(x, tiled)), np.asarray(jax.jit(REFERENCE_PLAN)(x, weight))
+    )
+    # the float-activation kernel reads [K, N] only: a tiled weight is not its
+    assert not quantized_cpu.serves_weight(tiled, "float") and quantized_cpu.serves_weight(weight, "float")
+    with pytest.raises(ValueError, match="does not serve"):
+        quantized_cpu.quantized_matmuls(x, (tiled,), activations="float")
+
+
+@pytest.mark.parametrize("bits,with_mins", [(8, False), (4, False), (4, True)])
+def test_a_tiled_tied_embedding_looks_up_the_rows_of_its_columns(bits, with_mins):
+    rng = np.random.default_rng(bits)
+    head = random_weight(rng, 64, 320, bits, 32, jnp.float16, with_mins)  # [E, V], the tied head
+    tiled = quantized_tiles.to_tiles(head)
+    ids = jnp.asarray([0, 63, 64, 319, 200, 200], jnp.int32)
+    want = quantized.take_columns(head, ids)
+    np.testing.assert_array_equal(np.asarray(tiled.embedding_rows(ids)), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(jax.jit(tiled.embedding_rows)(ids)), np.asarray(want))
+    np.testing.assert_array_equal(
+        np.asarray(quantized.dequantize(tiled, jnp.float32)), np.asarray(quantized.dequantize(head, jnp.float32))
+    )
+
+
+def test_weights_without_a_tiled_form_are_refused_by_name():
+    rng = np.random.default_rng(9)
+    for weight in (
+        random_weight(rng, 64, 83, 8, 32, jnp.float16, False),  # N not a multiple of 64
+        random_weight(rng, 64, 64, 8, 16, jnp.float32, True),  # groups of 16: half chunks
+        random_weight(rng, 70, 64, 8, 70, jnp.float32, False),  # per channel, K not whole chunks
+    ):
+        assert not quantized_tiles.can_tile(weight)
+        with pytest.raises(ValueError, match="no tiled form"):
+            quantized_tiles.to_tiles(weight)

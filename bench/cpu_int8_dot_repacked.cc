@@ -1,3 +1,5 @@
+// Session 39: the layout below is now the kernel's own (cpu_int8_dot_tiles.h, "tiled_ms": TiledItem on the same
+// repacked weights, bit_identical checked too); the prototype's "repacked" walk is kept as the reference it was.
 // A one-row prototype for the int8-activation quantized kernel (issue 25, session 13): SmolLM2-135M's layer
 // weights (Q8_0 / Q4_0 layouts, random) at one row through the present walk (cpu_quantized_int8_dot.cc's Item,
 // whole K, one part) and through a REPACKED layout built once up front: per 64-column tile and 32-k chunk one

@@ -310,6 +310,8 @@ def paths_ms(llm, batch: int, repeats: int, activations: str) -> dict[str, float
     depth_of = tuple(w.shape[1] if t else w.shape[0] for w, t in group)
     xs = {d: jnp.ones((batch, d), weights[0].dtype) for d in set(depth_of)}
     times = {}
+    from pallas_kernels.matmul.quantized import untiled
+
     for path in (*cpu_library.runnable_paths(), "xla"):
         if path != "xla" and batch > cpu.MATMUL_MAX_ROWS:
             continue
@@ -319,7 +321,9 @@ def paths_ms(llm, batch: int, repeats: int, activations: str) -> dict[str, float
                 return [project_xla(xs[d], w, t) for w, t, d in zip(weights, flags, depth_of)]
             return [project_path(xs[d], w, t, path, activations) for w, t, d in zip(weights, flags, depth_of)]
 
-        times[path] = round(1e3 * median_time(jax.jit(run), xs, weights, repeats=repeats), 3)
+        # XLA's dots read the [K, N] form: untiled here, not inside the timed step (quantized_tiles.py)
+        path_weights = [untiled(w) for w in weights] if path == "xla" else weights
+        times[path] = round(1e3 * median_time(jax.jit(run), xs, path_weights, repeats=repeats), 3)
     return times
 
 

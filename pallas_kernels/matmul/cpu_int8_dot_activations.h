@@ -104,7 +104,10 @@ inline void QuantizeRows(const FloatArray& x, int64_t r0, int64_t r1, int64_t de
       const int32_t sum = QuantizeChunk(row.data() + k0, k1 - k0, a.q.data() + r * depth + k0, &d);
       a.scale[r * a.chunks + c] = AsHalf(d);
       a.sum[r * a.chunks + c] = AsHalf(d * float(sum));
-      a.qsum[r * a.chunks + c] = sum;
+      // the stored q's own sum (QuantizeChunk's may count a value the int8 store truncated: x not finite)
+      int32_t stored = 0;
+      for (int64_t k = k0; k < k1; ++k) stored += a.q[r * depth + k];
+      a.qsum[r * a.chunks + c] = stored;
     }
   }
 }

@@ -99,7 +99,7 @@ inline VecF LoadScales(const void* data, int64_t offset) {
     return LoadF(static_cast<const float*>(data) + offset);
   } else {
     const auto* in = static_cast<const uint16_t*>(data) + offset;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)  // (VecF's own condition: cpu_int8_dot_vectors.h)
     const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in));
     if constexpr (Type == ffi::DataType::F16) return _mm512_cvtph_ps(halves);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));

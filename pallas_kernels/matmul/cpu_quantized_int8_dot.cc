@@ -21,7 +21,9 @@
 //  - the layout is [K, N] (columns contiguous), the dot wants four k of one column in a 32-bit lane: four
 //    weight rows of a tile of columns are interleaved in registers (two rounds of unpacks, within 128-bit
 //    lanes), which leaves the tile's columns in a fixed order; scales are widened in that order and the
-//    item's results put back in column order at its end.
+//    item's results put back in column order at its end. Or the weight is TILED (3-d arrays, built at load
+//    by quantized_tiles.py): the four k already side by side, no interleave (cpu_int8_dot_tiles.h), the same
+//    bits; a call may join weights of both layouts.
 // The walk over the weights is cpu_quantized_matmul.cc's: per work item a block of columns and a range of
 // groups; within a chunk, weight rows eight at a time in address order (the int32 sums of up to 8 rows of
 // x, [8, width], in L1), software prefetch ahead along the walk; the same thread split (column blocks, then
@@ -34,8 +36,8 @@
 // weights stays in L2 while its row blocks pass), x quantized once for all of them; each row's result is
 // what a call with its block's rows alone computes, up to the order in which K's parts are added.
 // Files: cpu_int8_dot_vectors.h (the vector basics), cpu_int8_dot_activations.h (the inputs: float widths,
-// x quantized), cpu_int8_dot_chunks.h (the walk over one chunk for up to 8 rows); here the items and the
-// thread split.
+// x quantized), cpu_int8_dot_chunks.h (the walk over one chunk for up to 8 rows), cpu_int8_dot_tiles.h (the
+// walk over a tiled weight); here the items and the thread split.
 
 #include <algorithm>
 #include <cstdint>
@@ -65,7 +67,7 @@ inline int64_t BlockColumns(int64_t rows) {
 }
 
 // A work item's share of one weight: its columns [c0, c0 + width) over groups [g0, g1), added into `out` (row
-// r, column c0 + j at out[r * out_stride + j]; tile order while it runs, column order at its end): the
+// r, column c0 + j at out[r * out_stride + j]; a [K, N] piece's in tile order while it runs, column order at its end): the
 // result itself, or the partial sums of a part of K that starts past group 0.
 struct Piece {
   const Problem* problem = nullptr;
@@ -244,12 +246,14 @@ inline bool PrefetchesAfter(const Piece& piece) {
   return !piece.problem->tiled && piece.problem->group % kChunk == 0 && piece.width >= kTile;
 }
 
-// Run `run` of the plan: its pieces in order, each prefetching the next one's start.
+// Run `run` of the plan: its pieces in order, each prefetching the next one's start ([K, N] pieces only: a tiled
+// piece's run starts with its own prefetch, and a [K, N] walk's addresses are not its lines).
 void RunCallPieces(const CallPlan& plan, int64_t run, int64_t rows) {
   const int64_t begin = plan.run_starts[run], end = plan.run_starts[run + 1];
   for (int64_t i = begin; i < end; ++i) {
     const bool first = i == begin || !PrefetchesAfter(plan.pieces[i - 1]);
-    RunPiece(plan.pieces[i], 0, rows, first, i + 1 < end ? &plan.pieces[i + 1] : nullptr);
+    const Piece* after = i + 1 < end && !plan.pieces[i + 1].problem->tiled ? &plan.pieces[i + 1] : nullptr;
+    RunPiece(plan.pieces[i], 0, rows, first, after);
   }
 }
 
@@ -370,6 +374,10 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
         (bits[i] == 4 && (depth / num_groups) % 2) || (tiled && (depth / num_groups) % kChunk) ||
         (*out)->element_count() != size_t(rows * columns)) {
       return ffi::Error::InvalidArgument("quantized_int8_dot: inconsistent shapes or types");
+    }
+    const ffi::DataType scale_type = scales->element_type();
+    if (scale_type != ffi::DataType::F32 && scale_type != ffi::DataType::F16 && scale_type != ffi::DataType::BF16) {
+      return ffi::Error::InvalidArgument("quantized_int8_dot: scales must be float32, float16 or bfloat16");
     }
     if (has_mins[i] && (m_dims.size() != s_dims.size() || !std::equal(m_dims.begin(), m_dims.end(), s_dims.begin()) ||
                         mins->element_type() != scales->element_type())) {

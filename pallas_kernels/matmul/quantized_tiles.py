@@ -19,6 +19,7 @@ int8-dot kernel reads them (quantized_cpu.py), XLA's reference and checkpoints t
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -86,29 +87,43 @@ def can_tile(weight) -> bool:
     return columns % TILE_COLUMNS == 0 and depth % groups == 0 and (depth // groups) % CHUNK == 0
 
 
+# Tiles are made on the host a slab of columns at a time (the reshapes' temporaries stay this small), into one
+# array of the result's size: a large 4-bit embedding's unpacked nibbles would otherwise take 2-4x its bytes.
+SLAB_BYTES = 16 << 20
+
+
 def to_tiles(weight) -> TiledQuantizedWeight:
-    """A [K, N] QuantizedWeight (can_tile) in tiles, on the same device (or numpy for numpy)."""
+    """A [K, N] QuantizedWeight (can_tile) in tiles: numpy for numpy, else placed as the weight's arrays are."""
     if not can_tile(weight):
         raise ValueError(f"a quantized weight {weight.shape} in groups of {weight.group_size} has no tiled form")
-    xp = np if isinstance(weight.values, np.ndarray) else jnp
+    values = np.asarray(weight.values)  # (a CPU array's own memory, not a copy)
     depth, columns = weight.shape
-    tiles, chunks = columns // TILE_COLUMNS, depth // CHUNK
-    if weight.bits == 8:
-        grid = weight.values.reshape(chunks, 8, 4, tiles, TILE_COLUMNS)  # [i, q, b, t, c]
-        values = grid.transpose(3, 0, 1, 4, 2)  # [t, i, q, c, b]
-    else:
-        nibbles = _unpack_rows(xp, weight.values)  # [K, N]
-        grid = nibbles.reshape(chunks, 4, 2, 4, tiles, TILE_COLUMNS)  # [i, p, half, b, t, c]
-        packed = grid[:, :, 0] | (grid[:, :, 1] << 4)  # [i, p, b, t, c]
-        values = packed.transpose(3, 0, 1, 4, 2)  # [t, i, p, c, b]
+    tiles, chunks, block = columns // TILE_COLUMNS, depth // CHUNK, chunk_bytes(weight.bits)
+    tiled = np.empty((tiles, chunks, block), values.dtype)
+    slab = max(1, SLAB_BYTES // (chunks * block))  # tiles at a time
+    for t0 in range(0, tiles, slab):
+        t1 = min(tiles, t0 + slab)
+        tiled[t0:t1] = _tile_values(values[:, t0 * TILE_COLUMNS : t1 * TILE_COLUMNS], weight.bits, chunks)
+    scales = _tile_columns(weight.scales)
+    mins = None if weight.mins is None else _tile_columns(weight.mins)
+    if not isinstance(weight.values, np.ndarray):  # placed as the weight's arrays are
+        place = lambda array: jax.device_put(array, weight.values.sharding)  # noqa: E731
+        tiled, scales, mins = place(tiled), place(scales), None if mins is None else place(mins)
     return TiledQuantizedWeight(
-        values.reshape(tiles, chunks, chunk_bytes(weight.bits)),
-        _tile_columns(weight.scales),
-        None if weight.mins is None else _tile_columns(weight.mins),
-        bits=weight.bits,
-        group_size=weight.group_size,
-        compute_dtype=weight.compute_dtype,
+        tiled, scales, mins, bits=weight.bits, group_size=weight.group_size, compute_dtype=weight.compute_dtype
     )
+
+
+def _tile_values(values: np.ndarray, bits: int, chunks: int) -> np.ndarray:
+    """[K, 64 t] int8 (or [K / 2, 64 t] packed 4-bit) -> their t tiles' blocks [t, K / 32, chunk bytes]."""
+    tiles = values.shape[1] // TILE_COLUMNS
+    if bits == 8:
+        grid = values.reshape(chunks, 8, 4, tiles, TILE_COLUMNS)  # [i, q, b, t, c]
+        return grid.transpose(3, 0, 1, 4, 2).reshape(tiles, chunks, -1)  # [t, i, q, c, b]
+    nibbles = _unpack_rows(np, values)  # [K, 64 t]
+    grid = nibbles.reshape(chunks, 4, 2, 4, tiles, TILE_COLUMNS)  # [i, p, half, b, t, c]
+    packed = grid[:, :, 0] | (grid[:, :, 1] << 4)  # [i, p, b, t, c]
+    return packed.transpose(3, 0, 1, 4, 2).reshape(tiles, chunks, -1)  # [t, i, p, c, b]
 
 
 def untiled_arrays(weight: TiledQuantizedWeight) -> tuple:
@@ -145,17 +160,21 @@ def columns_dequantized(weight: TiledQuantizedWeight, column_ids, dtype=None):
     w = q.reshape(-1, groups, depth // groups) * scales[:, :, None]
     if weight.mins is not None:
         w = w + weight.mins[tile, :, within].astype(jnp.float32)[:, :, None]
+    # an id past the weight's columns: NaN, as jnp.take gives the [K, N] form's lookup (indexing would clamp)
+    w = jnp.where((column_ids < weight.shape[1])[:, None, None], w, jnp.nan)
     return w.reshape(-1, depth).astype(dtype or weight.dtype)
 
 
-def is_tiled(weight) -> bool:
+def is_tiled(weight) -> TypeGuard[TiledQuantizedWeight]:
     return isinstance(weight, TiledQuantizedWeight)
 
 
-def _tile_columns(array):
-    """[G, N] -> [N / 64, G, 64]."""
+def _tile_columns(array) -> np.ndarray:
+    """[G, N] -> [N / 64, G, 64], on the host."""
     groups, columns = array.shape
-    return array.reshape(groups, columns // TILE_COLUMNS, TILE_COLUMNS).transpose(1, 0, 2)
+    return np.ascontiguousarray(
+        np.asarray(array).reshape(groups, columns // TILE_COLUMNS, TILE_COLUMNS).transpose(1, 0, 2)
+    )
 
 
 def _unpack_rows(xp, values):

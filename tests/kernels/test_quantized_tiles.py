@@ -14,7 +14,7 @@ from pallas_kernels.matmul.quantized import QuantizedWeight
 from tests.kernels.test_quantized_matmul import random_weight
 
 # (depth, columns, bits, group (0: per channel), scale dtype, mins): Q8_0, Q4_0, Q4_1, int8 per channel, int4 in
-# groups of 64 and 128
+# groups of 64 and 128, 4-bit with bfloat16 scales and mins
 TILEABLE = [
     (96, 128, 8, 32, jnp.float16, False),
     (64, 192, 4, 32, jnp.float16, False),
@@ -22,6 +22,7 @@ TILEABLE = [
     (96, 64, 8, 0, jnp.float32, False),
     (256, 128, 4, 64, jnp.bfloat16, False),
     (256, 64, 4, 128, jnp.float32, True),
+    (128, 128, 4, 32, jnp.bfloat16, True),
 ]
 
 
@@ -112,7 +113,7 @@ def test_a_tiled_tied_embedding_looks_up_the_rows_of_its_columns(bits, with_mins
     rng = np.random.default_rng(bits)
     head = random_weight(rng, 64, 320, bits, 32, jnp.float16, with_mins)  # [E, V], the tied head
     tiled = quantized_tiles.to_tiles(head)
-    ids = jnp.asarray([0, 63, 64, 319, 200, 200], jnp.int32)
+    ids = jnp.asarray([0, 63, 64, 319, 200, 200, 320], jnp.int32)  # (320: past V, NaN as jnp.take gives)
     want = quantized.take_columns(head, ids)
     np.testing.assert_array_equal(np.asarray(tiled.embedding_rows(ids)), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(jax.jit(tiled.embedding_rows)(ids)), np.asarray(want))

@@ -110,6 +110,10 @@ class SchedulerConfig:
     # Plan and dispatch step N+1 while step N runs on the device (the host learns N's tokens a step later;
     # outputs are the same). Off on a prefill replica, which parks each request at its first token.
     overlap_steps: bool = True
+    # Decode steps planned at once and run as one executable while every running sequence only decodes (vLLM's
+    # multi-step scheduling; engine/decode_chain.py): the host's per-step work is paid once per chain. 1: off;
+    # None: 4 on a CPU engine that can chain (no speculation, one process, not disaggregated), 1 elsewhere.
+    num_scheduler_steps: int | None = None
     max_logprobs: int = 20
     # Biased tokens one request may name (logit_bias, bad words, and EOS and stop tokens for min_tokens):
     # the width of the step's per-row bias inputs.
@@ -118,6 +122,10 @@ class SchedulerConfig:
     def __post_init__(self):
         check_field_types(self, "scheduler")
         _require_positive(self, ("max_num_seqs", "max_num_batched_tokens", "prefill_query_block", "max_bias_entries"))
+        if self.num_scheduler_steps is not None and not 1 <= self.num_scheduler_steps <= 32:
+            raise ValueError(
+                f"scheduler.num_scheduler_steps must be in 1..32 (or unset: auto), got {self.num_scheduler_steps}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_batched_tokens % self.prefill_query_block:

@@ -5,8 +5,10 @@ Every shape in the bucket set is compiled at warm-up; a step whose shape was not
 the scheduler never produces) is compiled on the spot and counted, so a compile after warm-up is
 visible in stats instead of silently stalling the loop.
 
-A draft model's runner (engine/draft_model.py) also compiles, for every decode shape, a chain of
-chain_length decode steps in one executable (device/step.py chained_steps): its proposals past the first.
+A runner may also compile, for decode shapes, a chain of chain_length decode steps in one executable
+(device/step.py chained_steps): a target's decode steps for scheduler.num_scheduler_steps (decode shapes of
+up to chain_max_seqs rows; engine/decode_chain.py), a draft model's proposals past the first (every decode
+shape; engine/draft_model.py).
 """
 
 from __future__ import annotations
@@ -101,6 +103,51 @@ class PendingStep:
         return PromptLogprobs(*(np.asarray(x) for x in vars(fetched).values()))
 
 
+class PendingChain:
+    """A dispatched chain of decode steps (execute_chain): each field of `sampled` and `expert_counts` has the
+    steps on a leading axis. Fetched once, by whichever of its steps asks first."""
+
+    def __init__(self, sampled: SamplerOutput, expert_counts: jax.Array, on_host: bool):
+        self.sampled = sampled
+        self.expert_counts = expert_counts
+        self.on_host = on_host
+        self._fetched: StepResult | None = None
+
+    def fetch(self) -> StepResult:
+        if self._fetched is None:
+            self._fetched = PendingStep(
+                self.sampled, self.expert_counts, _NO_PROMPT_LOGPROBS, on_host=self.on_host
+            ).fetch()
+        return self._fetched
+
+    def step(self, index: int) -> ChainedStep:
+        return ChainedStep(self, index)
+
+
+@dataclass(frozen=True)
+class ChainedStep:
+    """One step of a PendingChain, as the engine asks a step's results (PendingResults)."""
+
+    chain: PendingChain
+    index: int
+
+    @property
+    def sampled(self) -> SamplerOutput:
+        return SamplerOutput(*(x[self.index] for x in vars(self.chain.sampled).values()))
+
+    def fetch(self) -> StepResult:
+        whole = self.chain.fetch()
+        return StepResult(
+            SamplerOutput(*(x[self.index] for x in vars(whole.sampled).values())), whole.expert_counts[self.index]
+        )
+
+    def fetch_prompt_logprobs(self) -> PromptLogprobs:
+        raise ValueError("a chained decode step scores no prompt tokens")
+
+
+_NO_PROMPT_LOGPROBS = cast(PromptLogprobs, None)  # a chain returns none; PendingStep.fetch never reads them
+
+
 class PendingResults(Protocol):
     """What the engine asks of a dispatched step: PendingStep, or the leader's wrapper that watches
     its fetch."""
@@ -156,9 +203,11 @@ class ModelRunner:
         layout: RankLayout,
         mesh: Mesh | None = None,
         chain_length: int = 0,
+        chain_max_seqs: int | None = None,
     ):
         """With a mesh, params and KV pages arrive already placed on it, the pages as `layout` says.
-        chain_length: decode steps per chained executable (execute_chain; 0: none, a target's runner)."""
+        chain_length: decode steps per chained executable (execute_chain; 0: none), compiled for the decode
+        shapes of up to chain_max_seqs rows (None: every decode shape)."""
         self.graphdef, params = nnx.split(model)
         self.param_leaves, self.params_treedef = jax.tree.flatten(params)
         self.kv_pages = kv_pages
@@ -242,11 +291,13 @@ class ModelRunner:
                 sampler_sharding=sampler_sharding,
             ),
             donate_argnums=(1, 2),
-            out_shardings=None if out_shardings is None else (self.chain_input_sharding, *out_shardings[3:]),
+            # each step's sampled rows as a step's inputs lie; the counts whole; pages and buffers as a step's
+            out_shardings=None if out_shardings is None else (self.chain_input_sharding, *out_shardings[2:]),
         )
         self.chain_length = chain_length
+        self.chain_max_seqs = chain_max_seqs
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
-        # decode shape -> its chain of chain_length steps (a draft's runner only)
+        # decode shape -> its chain of chain_length steps
         self.chain_executables: dict[StepShape, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.num_compiles_after_warmup = 0
@@ -329,11 +380,10 @@ class ModelRunner:
         ):
             if shape not in self.executables:
                 self.executables[shape] = self._compile(shape)
-        # the decode buckets only (a prefill bucket of query_block 1 has a decode step's kind, and is never chained)
         for shape in tqdm(
-            decode_step_shapes(self.buckets) if self.chain_length else [],
+            self.chain_shapes(),
             desc=f"compiling chains of {self.chain_length} decode steps",
-            disable=not (show_progress and self.chain_length),  # no bar for a target's runner (no chains)
+            disable=not (show_progress and self.chain_length),  # no bar for a runner without chains
         ):
             self.chain_executables[shape] = self._compile_chain(shape)
         # The penalties' entry reset compiles now too (on the scratch entry, which nobody reads).
@@ -361,10 +411,18 @@ class ModelRunner:
         accepted = outputs[5] if shape.verifies else None
         return PendingStep(sampled, expert_counts, prompt_logprobs, accepted, on_host=self._results_on_host)
 
-    def execute_chain(self, shape: StepShape, stacked_inputs: StepInputs) -> jax.Array:
+    def chain_shapes(self) -> list[StepShape]:
+        """The decode shapes compiled as chains too: the decode buckets only (a prefill bucket of query_block 1 has
+        a decode step's kind, and is never chained), of up to chain_max_seqs rows."""
+        if not self.chain_length:
+            return []
+        limit = self.chain_max_seqs
+        return [shape for shape in decode_step_shapes(self.buckets) if limit is None or shape.num_seqs <= limit]
+
+    def execute_chain(self, shape: StepShape, stacked_inputs: StepInputs) -> PendingChain:
         """Dispatch chain_length decode steps of one decode shape in one executable, without waiting: each
-        step's padded host inputs stacked on a new leading axis ([chain_length, ...]). Their sampled token
-        ids [chain_length, rows] (on the device)."""
+        step's padded host inputs stacked on a new leading axis ([chain_length, ...]). Their results, each
+        field [chain_length, ...] (on the device)."""
         executable = self.chain_executables.get(shape)
         if executable is None:
             logger.warning("compiling a chain of %d steps of shape %s while serving", self.chain_length, shape)
@@ -373,10 +431,10 @@ class ModelRunner:
                 self.num_compiles_after_warmup += 1
         if self.chain_input_sharding is not None:
             stacked_inputs = jax.device_put(stacked_inputs, self.chain_input_sharding)
-        token_ids, self.kv_pages, self.buffers = executable(
+        sampled, counts, self.kv_pages, self.buffers = executable(
             self.param_leaves, self.kv_pages, self.buffers, stacked_inputs
         )
-        return token_ids
+        return PendingChain(sampled, counts, self._results_on_host)
 
     def read_pages(self, pages: list[int]) -> list[page_copies.HostPage]:
         return page_copies.read_pages(self.kv_pages, pages, self.host_device)

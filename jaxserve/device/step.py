@@ -1,6 +1,7 @@
 """The pure step function the runner compiles: (params, KV pages, sequence buffers, inputs) -> (sampled
 tokens, prompt logprobs, routing counts, updated pages, updated sequence buffers); and a chain of such steps
-in one executable (a draft model's proposals: chained_steps)."""
+in one executable (chained_steps: a target's decode steps, scheduler.num_scheduler_steps, and a draft model's
+proposals)."""
 
 from __future__ import annotations
 
@@ -61,15 +62,18 @@ def chained_steps(
     sampler_sharding=None,
 ):
     """`step` once per leading entry of stacked_inputs ([L, ...] each), in order, in one executable: each step
-    reads the tokens the one before it sampled through the sequence buffers, as separate steps would. A draft
-    model's proposals (engine/draft_proposer.py): one dispatch instead of L, whose host time (~2 ms each on a
-    CPU) is a fifth of a small draft's step. The pages stay in place in the loop's carry (no copy per step).
+    reads the tokens the one before it sampled through the sequence buffers, as separate steps would. One
+    dispatch instead of L, whose host time (~1-2 ms each on a CPU: JAX's dispatch of ~400 arguments, the
+    inputs, the fetch) is a quarter of a quantized one-row decode step there and a fifth of a small draft's
+    (the engine's decode chains, engine/decode_chain.py; a draft's proposals, engine/draft_proposer.py). The
+    pages stay in place in the loop's carry (no copy per step).
 
-    Returns the stacked sampled token ids [L, S], the pages and the buffers."""
+    Returns each step's SamplerOutput stacked ([L, S, ...] per field), its expert token counts [L, layers,
+    experts], the pages and the buffers."""
 
     def one_step(carry, inputs):
         pages, buffers = carry
-        sampled, _, _, pages, buffers = step(
+        sampled, _, counts, pages, buffers = step(
             graphdef,
             params_treedef,
             param_leaves,
@@ -80,10 +84,10 @@ def chained_steps(
             num_experts=num_experts,
             sampler_sharding=sampler_sharding,
         )
-        return (pages, buffers), sampled.token_ids
+        return (pages, buffers), (sampled, counts)
 
-    (kv_pages, buffers), token_ids = jax.lax.scan(one_step, (kv_pages, buffers), stacked_inputs)
-    return token_ids, kv_pages, buffers
+    (kv_pages, buffers), (sampled, counts) = jax.lax.scan(one_step, (kv_pages, buffers), stacked_inputs)
+    return sampled, counts, kv_pages, buffers
 
 
 def rows_whole(logits, sampler_sharding):

@@ -86,7 +86,8 @@ def build_step_inputs(
         seq, n = chunk.seq, chunk.num_tokens
         pages = np.asarray(seq.page_ids[: num_pages_for(chunk.end, page_size)], np.int32)
         chunk_positions = np.arange(chunk.start, chunk.end, dtype=np.int32)
-        known_end = min(chunk.end, seq.num_tokens)  # beyond it: the token the running step samples
+        # beyond it: the token the step before samples (overlapped, or a decode chain's step after a step in it)
+        known_end = max(chunk.start, min(chunk.end, seq.num_tokens))
         token_ids[cursor : cursor + known_end - chunk.start] = seq.token_slice(chunk.start, known_end)
         if known_end < chunk.end:
             token_sources[cursor + known_end - chunk.start : cursor + n] = seq.token_buffer_entry

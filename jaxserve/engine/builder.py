@@ -33,6 +33,7 @@ from jaxserve.distributed.agreement import agree_on_engine, check_every_process_
 from jaxserve.distributed.leader_runner import warm_up, wrap_runner
 from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine.attention_plan import AttentionPlan, choose_attention
+from jaxserve.engine.decode_chain import CHAINED_DECODE_MAX_SEQS, decode_chain_length
 from jaxserve.engine.draft_lora import AdaptersWithDraft
 from jaxserve.engine.draft_model import (
     build_draft,
@@ -93,6 +94,7 @@ class EngineParts:
 def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGroup | None = None) -> EngineParts:
     if config.speculative.enabled and process_group is not None:
         raise ValueError("speculative decoding over several processes (jax.distributed) is not available yet")
+    decode_chain_length(config, process_group is not None)  # refused before anything loads
     source = open_model(model_path)
     model_config = source.config
     dtype = source.checkpoint_dtype if config.dtype == "auto" else config.dtype
@@ -329,6 +331,11 @@ def _warmed_up_target(
         num_experts=model_config.num_experts,
         layout=layout,
         mesh=mesh,
+        # decode chains (engine/decode_chain.py): k steps in one executable, for the smaller decode buckets
+        chain_length=chain_length
+        if (chain_length := decode_chain_length(config, process_group is not None)) > 1
+        else 0,
+        chain_max_seqs=CHAINED_DECODE_MAX_SEQS,
     )
     runner = wrap_runner(runner, mesh, schedulers, process_group)  # several processes: process 0 sends plans
     experts = None

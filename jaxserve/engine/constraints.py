@@ -93,12 +93,16 @@ class RowConstraints:
     @staticmethod
     def waits_for_tokens(seq: SequenceState) -> bool:
         """Its next row depends on a token the host has not seen yet."""
-        needs_tokens = (
+        return RowConstraints.reads_each_token(seq) and seq.num_pending_tokens > 0
+
+    @staticmethod
+    def reads_each_token(seq: SequenceState) -> bool:
+        """Each of its rows depends on the tokens before it on the host (a grammar's mask, a bad word's ban)."""
+        return (
             seq.grammar is not None
             or seq.waiting_grammar is not None  # the next token may start it: its mask then applies at once
             or (seq.controls is not None and bool(seq.controls.multi_token_bad_words))
         )
-        return needs_tokens and seq.num_pending_tokens > 0
 
     def before_dispatch(self, per_rank_chunks: list[list[ScheduledChunk]]) -> None:
         grammar_rows: list[ScheduledChunk] = []

@@ -279,7 +279,7 @@ class DraftProposer:
                     proposals[id(plan)].append(int(step_token_ids[row]))
         return [[proposals[id(plan)] for plan in plans] for plans in per_rank_plans]
 
-    def _run_chain(self, per_rank_plans: list[list[RowPlan]], num_steps: int) -> tuple[jax.Array, list]:
+    def _run_chain(self, per_rank_plans: list[list[RowPlan]], num_steps: int) -> tuple[HostOrDeviceArray, list]:
         """Steps 1 .. num_steps - 1 of rows that all propose num_steps tokens, in one dispatch: each step's
         inputs built as for a step of its own, all in the last step's shape (whose pages bucket holds every
         step's), stacked. (Their sampled token ids [steps, rows] on the device, [(plan, row)].)"""
@@ -291,7 +291,9 @@ class DraftProposer:
 
         shape = step_shape(chunks(num_steps - 1), True, runner.buckets, runner.page_size, self.block)
         steps = [runner.build_inputs(chunks(step), shape) for step in range(1, num_steps)]
-        token_ids = runner.execute_chain(shape, jax.tree.map(lambda *arrays: np.stack(arrays), *steps))
+        token_ids = runner.execute_chain(
+            shape, jax.tree.map(lambda *arrays: np.stack(arrays), *steps)
+        ).sampled.token_ids
         rows = [
             (plan, runner.layout.rows(rank, shape.num_seqs).start + row)
             for rank, plans in enumerate(per_rank_plans)

@@ -8,6 +8,9 @@ rank has its own scheduler over its own pages; a step runs all ranks' chunks at 
 With overlap_steps (the default) the host never makes the device wait for it: step() plans and
 dispatches step N+1 first, then fetches and processes step N, whose sampled tokens N+1 already reads
 on the device (the scheduler's token slots). Outputs trail by one step and are otherwise the same.
+
+While every running sequence only decodes, a step may plan k decode steps at once and run them as one
+executable (scheduler.num_scheduler_steps: engine/decode_chain.py); its outputs then carry k tokens each.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig, EngineRole
-from jaxserve.device.runner import PendingResults, StepResult
+from jaxserve.device.runner import ModelRunner, PendingResults, StepResult
 from jaxserve.device.step_inputs import StepShape, chunk_token_slots, step_shape
 from jaxserve.device.verify_inputs import verify_step_shape
 from jaxserve.disagg.roles import handovers_for
@@ -26,6 +30,7 @@ from jaxserve.distributed.runtime import ProcessGroup
 from jaxserve.engine.admission import RequestChecks, prompt_input
 from jaxserve.engine.builder import EngineParts, build_engine
 from jaxserve.engine.constraints import RowConstraints
+from jaxserve.engine.decode_chain import DecodeChains
 from jaxserve.engine.device_clock import DeviceClock
 from jaxserve.engine.host_tier_copies import move_host_tier_pages
 from jaxserve.engine.speculation import Speculation
@@ -105,6 +110,14 @@ class Engine:
         self.admission = RequestChecks(parts, self.constraints)
         self.speculation = Speculation(
             self.config.speculative, parts.max_model_len, parts.draft, eos_token_ids=parts.eos_token_ids
+        )
+        runner = self.runner
+        self.decode_chains = (
+            DecodeChains(
+                max(1, runner.chain_length), runner.chain_shapes(), runner.buckets, self.config.cache.page_size
+            )
+            if isinstance(runner, ModelRunner)
+            else DecodeChains(1, [], runner.buckets, self.config.cache.page_size)
         )
 
     @classmethod
@@ -286,6 +299,10 @@ class Engine:
         ) or self.speculation.waits_for(self._in_flight.executables, self.schedulers)
 
     def _schedule_and_dispatch(self) -> DispatchedStep | None:
+        # a runner wrapped after the engine was built (a test's) has no chains
+        chain_shape = self.decode_chains.shape(self.schedulers) if isinstance(self.runner, ModelRunner) else None
+        if chain_shape is not None:
+            return self._dispatch_chain(chain_shape)
         proposals = self.speculation.proposals(self.schedulers)  # every rank's at once (one draft call)
         schedules = [scheduler.schedule(p) for scheduler, p in zip(self.schedulers, proposals)]
         if all(schedule.is_empty for schedule in schedules):
@@ -304,6 +321,32 @@ class Engine:
             speculation.batch_size,
             speculation.proposal_seconds,
         )
+
+    def _dispatch_chain(self, shape: StepShape) -> DispatchedStep:
+        """k decode steps planned one after the other (each after the one before it is marked dispatched, as
+        overlapped steps are) and run as one executable of `shape` (engine/decode_chain.py)."""
+        assert isinstance(self.runner, ModelRunner)
+        continues_busy_period = self._in_flight is not None or self._was_busy
+        steps, inputs, first_schedules = [], [], None
+        for _ in range(self.decode_chains.length):
+            schedules = [scheduler.schedule() for scheduler in self.schedulers]
+            # DecodeChains.shape checked that nothing is waiting and that the pages fit: decodes only
+            assert not any(s.prefills or s.verifies or s.preempted for s in schedules), (
+                "a chain planned more than decodes"
+            )
+            per_rank = [s.decodes for s in schedules]
+            first_schedules = first_schedules or schedules
+            self.constraints.before_dispatch(per_rank)
+            inputs.append(self.runner.build_inputs(per_rank, shape))
+            for scheduler, chunks in zip(self.schedulers, per_rank):
+                scheduler.mark_dispatched(chunks)
+            steps.append(per_rank)
+        self.move_host_tier_pages()  # what planning evicted leaves before the chain writes over it
+        pending = self.runner.execute_chain(shape, jax.tree.map(lambda *arrays: np.stack(arrays), *inputs))
+        self.device_clock.dispatched(pending.sampled.token_ids, continues_busy_period)
+        self.decode_chains.num_chains += 1
+        executables = [DispatchedExecutable(per_rank, shape, pending.step(i)) for i, per_rank in enumerate(steps)]
+        return DispatchedStep(executables, self._prefill_room(first_schedules))
 
     def _step_to_process(self, dispatched: DispatchedStep | None) -> DispatchedStep | None:
         """The step whose results this call processes: overlapped, the one the previous call dispatched."""

@@ -154,6 +154,7 @@ def engine_stats(engine) -> dict:
         "num_tokens_waiting_prefill": load.num_tokens_waiting_prefill,
         **engine.timings.stats(),
         "overlap_steps": engine.overlap_steps,
+        **engine.decode_chains.stats(),  # num_scheduler_steps, decode_chains (engine/decode_chain.py)
         **engine.device_clock.stats(),  # host_seconds_per_step, device_idle_seconds_per_step
         **engine.constraints.stats(),  # penalty state resets, grammars compiled and cached
         "num_preemptions": sum(scheduler_load.num_preemptions for scheduler_load in loads),

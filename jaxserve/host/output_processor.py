@@ -169,7 +169,9 @@ class OutputProcessor:
             scheduler.mark_processed(chunk)
             if seq.is_finished:
                 continue  # aborted (or finished) while its step ran: its KV and token go nowhere
-            seq.num_computed_tokens = chunk.end
+            # a flushing sequence's later steps (a decode chain's, engine/decode_chain.py) computed KV past its last
+            # token, for tokens it dropped: that KV counts for nothing, and no page holding it is cached
+            seq.num_computed_tokens = min(chunk.end, seq.num_tokens)
             if prompt_logprobs is not None and chunk.scored_positions:
                 scored, first_slots = prompt_logprobs
                 record_prompt_logprobs(seq, chunk, first_slots[index], scored)

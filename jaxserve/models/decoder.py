@@ -3,6 +3,7 @@ Gemma 2/3, Phi-3). An MoE model's layers listed in dense_layers keep a dense MLP
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -13,6 +14,19 @@ from jaxserve.models.mla import LatentAttention
 from jaxserve.models.moe import Experts, SparseMoE
 
 # Legend: T = tokens in the step, E = embed, V = vocab, S = sequences sampled this step.
+
+
+def embedding_rows(embed: nnx.Embed, token_ids):
+    """embed(token_ids), bit for bit, its table and the ids first through an optimization barrier. XLA:CPU gathers
+    a bfloat16 table through a float32 copy of it, which it fuses into the gather in a step; in a decode chain's
+    loop (device/step.py chained_steps) it would hoist that conversion as loop-invariant and write the whole
+    table out once a chain (113 MB for SmolLM2's: the chain ran at half the speed of single steps). The barrier
+    ties the table to the loop's ids, so the conversion stays fused into the gather."""
+    table = embed.embedding[...]
+    if table.dtype != embed.dtype:
+        return embed(token_ids)
+    table, token_ids = jax.lax.optimization_barrier((table, token_ids))
+    return jnp.take(table, token_ids, axis=0)
 
 
 class DecoderLayer(nnx.Module):
@@ -103,7 +117,7 @@ class CausalLM(nnx.Module):
         """token_ids [T] -> final hidden states [T, E] and the updated pages."""
         # quantized, the embedding is stored as the head it also is, [E, V], and looks itself up
         quantized_lookup = getattr(self.embed_tokens.embedding[...], "embedding_rows", None)
-        x = self.embed_tokens(token_ids) if quantized_lookup is None else quantized_lookup(token_ids)
+        x = embedding_rows(self.embed_tokens, token_ids) if quantized_lookup is None else quantized_lookup(token_ids)
         if self.embedding_scale is not None:
             x = x * jnp.asarray(self.embedding_scale, x.dtype)
         keys, values = [], []

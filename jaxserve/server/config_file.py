@@ -4,7 +4,7 @@
                 quantized_activations}
     cache:     {page_size, num_pages, kv_cache_memory_gib, enable_prefix_caching, swap_space, session_ttl}
     scheduler: {max_model_len, max_num_seqs, max_num_batched_tokens, prefill_query_block, overlap_steps,
-                max_logprobs}
+                num_scheduler_steps, max_logprobs}
     parallel:  {tensor_parallel_size, data_parallel_size, enable_expert_parallel, expert_load_profile,
                 expert_rebalance_interval, device_ids}
     compile:   {attention_impl, decode_seq_buckets, prefill_token_buckets, page_buckets, compilation_cache_dir}

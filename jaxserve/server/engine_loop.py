@@ -296,7 +296,11 @@ class EngineLoop:
             # per completion: with n > 1 a step delivers one delta per completion, microseconds apart
             previous = stream.last_token_at[delta.index]
             if previous is not None:
-                self.metrics.itl.observe(now - previous)
+                # a delta may carry several tokens (a decode chain's steps, accepted proposals): each token is
+                # one interval, its share of the wait, so the histogram's mean stays the time per output token
+                share = (now - previous) / len(delta.token_ids)
+                for _ in delta.token_ids:
+                    self.metrics.itl.observe(share)
             stream.last_token_at[delta.index] = now
             self.metrics.generation_tokens.inc(len(delta.token_ids))
         stream.put(delta)

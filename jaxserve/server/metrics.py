@@ -42,7 +42,7 @@ class ServerMetrics:
         )
         self.itl = Histogram(
             "jaxserve_inter_token_latency_seconds",
-            "Time between a stream's messages",
+            "Time between a stream's tokens (a message of several tokens: its wait shared among them)",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

@@ -63,7 +63,11 @@ def test_the_whole_engine_step_lowers_for_a_gpu(monkeypatch):
         attention_plan, "kv_cache_head_dim", lambda impl, platform, head_dim: pallas_gpu.cache_head_dim(head_dim, "gpu")
     )
     # every derived bucket: a 1-row decode lowers its own kernel grid
-    llm = LLM(fixture_dir("mixtral"), **{**DERIVED_BUCKETS, "attention_impl": "pallas", "dtype": "bfloat16"})
+    # num_scheduler_steps 1: a GPU engine's default (no decode chains: engine/decode_chain.py)
+    llm = LLM(
+        fixture_dir("mixtral"),
+        **{**DERIVED_BUCKETS, "attention_impl": "pallas", "dtype": "bfloat16", "num_scheduler_steps": 1},
+    )
     texts = _lower_every_step(monkeypatch, llm, "gpu", "cuda")
     assert len(texts) == llm.stats()["num_executables"]
     assert all("triton" in text for text in texts)

@@ -30,9 +30,12 @@ def test_batch_invariance_and_no_compiles_after_warmup():
     assert [len(o.outputs[0].token_ids) for o in together[1:]] == lengths.tolist()
     stats = llm.stats()
     assert stats["num_compiles_after_warmup"] == 0
+    runner = llm.engine.runner
+    # every step shape, and the decode chains of the buckets of up to 8 rows (engine/decode_chain.py)
     assert stats["num_executables"] == len(
-        all_step_shapes(llm.engine.runner.buckets, llm.engine.config.scheduler.prefill_query_block)
-    )
+        all_step_shapes(runner.buckets, llm.engine.config.scheduler.prefill_query_block)
+    ) + len(runner.chain_shapes())
+    assert {shape.num_seqs for shape in runner.chain_shapes()} == {1, 4}
     assert stats["kv_pages_free"] == stats["kv_pages_total"], "every page is free once all requests finish"
 
 

@@ -8,8 +8,8 @@ and the server ran such a stream at ~7.7 ms a token. A chain pays the dispatch a
 each step inside reads the token the one before it sampled from the sequence buffers, on the device, exactly
 as an overlapped step does, so outputs are the same as with one step at a time (same seeds, same penalties).
 
-When a chain runs: speculation off, no request waiting or reserved (nothing would be admitted mid-chain, and a
-newcomer waits at most one chain), every running sequence decoding (no prefill chunk) with rows that do not
+When a chain runs: speculation off, no request waiting or reserved (nothing would be admitted mid-chain; a
+newcomer waits for the chain running and, overlapped, the one planned after it), every running sequence decoding (no prefill chunk) with rows that do not
 need each token on the host first (grammars, multi-token bad words), the k steps' pages free without
 preempting anyone, some sequence with k tokens left to generate, and the rows and pages in a compiled chain's
 shape (up to CHAINED_DECODE_MAX_SEQS rows: above it the host's share of a step is small, and a chain would
@@ -74,6 +74,8 @@ class DecodeChains:
         self.num_chains = 0
 
     def stats(self) -> dict:
+        # host_seconds_per_step and step_seconds count a chain as its k steps (Engine._observe_step_time);
+        # num_steps counts Engine.step calls
         return {"num_scheduler_steps": self.length, "decode_chains": self.num_chains}
 
     def shape(self, schedulers: list[Scheduler]) -> StepShape | None:
@@ -86,14 +88,14 @@ class DecodeChains:
                 return None
             pages_needed, num_rows = 0, 0
             for seq in scheduler.running:
-                left = self._tokens_left(seq)
-                if not left:
+                if not Scheduler.has_work(seq):
                     continue  # nothing more to plan (its last token in flight, flushed): no row
                 if seq.num_planned_tokens - seq.next_kv_position != 1 or RowConstraints.reads_each_token(seq):
-                    return None  # a prefill chunk, or rows the host must see each token of
+                    return None  # a prefill chunk (max_tokens 0 too), or rows the host must see each token of
                 num_rows += 1
+                left = self._tokens_left(seq)  # 0: a max_tokens 0 prompt's last token, one row that samples nothing
                 longest = max(longest, left)
-                end = seq.next_kv_position + min(left, self.length)
+                end = seq.next_kv_position + max(1, min(left, self.length))
                 pages_per_seq = max(pages_per_seq, num_pages_for(end, self.page_size))
                 pages_needed += max(0, num_pages_for(end, self.page_size) - len(seq.page_ids))
             if not scheduler.allocator.can_allocate(pages_needed):
@@ -109,7 +111,7 @@ class DecodeChains:
 
     @staticmethod
     def _tokens_left(seq: SequenceState) -> int:
-        """Decode rows the scheduler may still plan for the sequence (scheduler.Scheduler._has_work's rule)."""
+        """Decode rows the scheduler may still plan for a sequence that has work (Scheduler.has_work's rule)."""
         if seq.is_finished:
             return 0
         if seq.flushing:  # finished for its caller, its newest token's KV still to compute (to complete a page)

@@ -25,9 +25,10 @@ class DeviceClock:
         engine had nothing to do does not count the wait for work as idle time."""
         _watcher().put((self, time.perf_counter(), result, continues_busy_period))
 
-    def observe_step(self, host_seconds: float) -> None:
+    def observe_step(self, host_seconds: float, num_steps: int = 1) -> None:
+        """num_steps: a decode chain's k (engine/decode_chain.py), whose host time is shared by its steps."""
         self.host_seconds += host_seconds
-        self.num_steps += 1
+        self.num_steps += num_steps
 
     def stats(self) -> dict:
         steps = max(self.num_steps, 1)

@@ -10,7 +10,7 @@ dispatches step N+1 first, then fetches and processes step N, whose sampled toke
 on the device (the scheduler's token slots). Outputs trail by one step and are otherwise the same.
 
 While every running sequence only decodes, a step may plan k decode steps at once and run them as one
-executable (scheduler.num_scheduler_steps: engine/decode_chain.py); its outputs then carry k tokens each.
+executable (scheduler.num_scheduler_steps: engine/decode_chain.py); its outputs then carry up to k tokens each.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class DispatchedStep:
     speculated: bool = False  # planned while speculation was on (engine/speculation.py's policy)
     batch_size: int = 0  # the decoding sequences the policy saw then
     proposal_seconds: float = 0.0  # what its proposer took (a draft model's steps), for the policy
+    num_decode_steps: int = 1  # a decode chain's k (engine/decode_chain.py): timings count them as k steps
 
 
 class Engine:
@@ -346,7 +347,7 @@ class Engine:
         self.device_clock.dispatched(pending.sampled.token_ids, continues_busy_period)
         self.decode_chains.num_chains += 1
         executables = [DispatchedExecutable(per_rank, shape, pending.step(i)) for i, per_rank in enumerate(steps)]
-        return DispatchedStep(executables, self._prefill_room(first_schedules))
+        return DispatchedStep(executables, self._prefill_room(first_schedules), num_decode_steps=len(steps))
 
     def _step_to_process(self, dispatched: DispatchedStep | None) -> DispatchedStep | None:
         """The step whose results this call processes: overlapped, the one the previous call dispatched."""
@@ -364,9 +365,12 @@ class Engine:
         return progressed
 
     def _observe_step_time(self, timer: StepTimer, processed: DispatchedStep | None) -> None:
-        self.device_clock.observe_step(timer.host_seconds)
+        # a decode chain counts as its k steps: the router's predictions read these per step
+        steps = processed.num_decode_steps if processed is not None else 1
+        self.device_clock.observe_step(timer.host_seconds, steps)
         if processed is not None:  # a step's time: the wait for its results plus the host work around it
-            self.timings.observe_step(timer.elapsed, processed.prefill_room)
+            for _ in range(steps):
+                self.timings.observe_step(timer.elapsed / steps, processed.prefill_room)
 
     def _end_step(self, progressed: set[str]) -> list[RequestOutput]:
         """Count the step, let experts move, and hand back the outputs (finished requests leave)."""

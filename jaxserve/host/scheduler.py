@@ -250,7 +250,7 @@ class Scheduler:
         such a sequence runs a verify chunk when its pages fit without preempting anyone."""
         schedule, scheduled = Schedule(), set()
         budget = self.max_num_batched_tokens
-        plannable = [s for s in self.running if self._has_work(s)]
+        plannable = [s for s in self.running if self.has_work(s)]
         decoding = [s for s in plannable if s.num_planned_tokens - s.next_kv_position == 1]
         prefilling = [s for s in plannable if s.num_planned_tokens - s.next_kv_position > 1]
         for seq in decoding + prefilling:
@@ -278,7 +278,7 @@ class Scheduler:
         return schedule
 
     @staticmethod
-    def _has_work(seq: SequenceState) -> bool:
+    def has_work(seq: SequenceState) -> bool:
         """Whether a running sequence has KV left to compute: not while a flushing one's last token is
         in flight, nor when the token in flight is its last by max_tokens."""
         if seq.flushing:

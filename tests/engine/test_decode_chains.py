@@ -127,6 +127,35 @@ def test_a_stop_inside_a_chain_caches_only_the_stopped_sequence_s_own_kv():
         assert np.allclose([got[t] for t in want], list(want.values()), atol=1e-5)
 
 
+def test_a_prompt_scored_in_chunks_beside_a_decoding_stream_runs_without_chains_meanwhile():
+    """A max_tokens 0 request (prompt logprobs only) samples nothing, yet its prompt's chunks are planned: no
+    chain may start while they last (a chain plans decodes only)."""
+    engines = _engines(num_pages=256, page_size=4, max_num_batched_tokens=16, prefill_query_block=4)
+    results = {}
+    for steps, llm in engines.items():
+        engine = llm.engine
+        engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        engine.add_request("b", list(range(10, 70)), SamplingParams(max_tokens=0, prompt_logprobs=2))
+        outputs = {}
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            for output in engine.step():
+                outputs[output.request_id] = output
+        assert not engine.has_unfinished_requests()
+        scored = outputs["b"].prompt_logprobs
+        results[steps] = (outputs["a"].outputs[0].token_ids, outputs["b"].outputs[0].token_ids, scored)
+        _assert_idle(llm)
+    assert results[4][:2] == results[1][:2]
+    assert len(results[4][0]) == 30 and results[4][1] == []
+    for got, want in zip(results[4][2][1:], results[1][2][1:]):
+        assert got.keys() == want.keys()
+        assert np.allclose([got[t] for t in want], list(want.values()), atol=1e-5)
+    assert engines[4].stats()["decode_chains"] > 0
+
+
 def test_no_chain_while_a_request_waits_or_a_grammar_reads_each_token():
     llm = LLM(fixture_dir("llama_gqa"), **DERIVED_BUCKETS, num_scheduler_steps=4)
     engine = llm.engine

@@ -85,7 +85,7 @@ def test_outputs_equal_with_and_without_chains(options):
 
 
 def test_one_stream_runs_in_chains_of_k_steps():
-    llm = LLM(fixture_dir("llama_gqa"), **DERIVED_BUCKETS, num_scheduler_steps=4)
+    llm = LLM(fixture_dir("llama_gqa"), **{**DERIVED_BUCKETS, "num_scheduler_steps": 4})
     stats = llm.stats()
     assert stats["num_scheduler_steps"] == 4
     # chains for the decode buckets of up to 8 rows (1, 4, 8 here) and each pages bucket
@@ -157,7 +157,7 @@ def test_a_prompt_scored_in_chunks_beside_a_decoding_stream_runs_without_chains_
 
 
 def test_no_chain_while_a_request_waits_or_a_grammar_reads_each_token():
-    llm = LLM(fixture_dir("llama_gqa"), **DERIVED_BUCKETS, num_scheduler_steps=4)
+    llm = LLM(fixture_dir("llama_gqa"), **{**DERIVED_BUCKETS, "num_scheduler_steps": 4})
     engine = llm.engine
     engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     engine.step()  # the prompt's step
@@ -189,13 +189,13 @@ def test_no_chain_while_a_request_waits_or_a_grammar_reads_each_token():
 )
 def test_chains_that_cannot_run_are_refused_at_start(config, message):
     with pytest.raises(ValueError, match=message):
-        LLM(fixture_dir("llama_gqa"), **DERIVED_BUCKETS, **config)
+        LLM(fixture_dir("llama_gqa"), **{**DERIVED_BUCKETS, **config})
 
 
 def test_speculation_leaves_the_default_at_one_step():
     llm = LLM(
         fixture_dir("llama_gqa"),
-        **DERIVED_BUCKETS,
+        **{**DERIVED_BUCKETS, "num_scheduler_steps": None},  # auto
         speculative={"method": "ngram", "num_speculative_tokens": 3},
     )
     assert llm.stats()["num_scheduler_steps"] == 1

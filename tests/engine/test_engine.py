@@ -17,7 +17,8 @@ def random_prompts(count, rng, low=1, high=90):
 
 def test_batch_invariance_and_no_compiles_after_warmup():
     # the derived decode buckets (1, 4, 16, 32): the same tokens alone and in a crowd, whatever the bucket
-    llm = LLM(fixture_dir("llama_gqa"), **{**DERIVED_BUCKETS, "max_num_seqs": 32})
+    # with decode chains (engine/decode_chain.py): the lone stream decodes in chains, the crowd in steps
+    llm = LLM(fixture_dir("llama_gqa"), **{**DERIVED_BUCKETS, "max_num_seqs": 32, "num_scheduler_steps": 4})
     rng = np.random.default_rng(0)
     target = expected("llama_gqa")["prompts"][5]
     others = random_prompts(30, rng)

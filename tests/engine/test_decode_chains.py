@@ -8,6 +8,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.host.request import GuidedDecodingParams
+from tests.engine.test_overlapped_steps import _assert_logprobs_close, _summary
 from tests.support.fixtures import DERIVED_BUCKETS, fixture_dir
 
 
@@ -39,18 +40,6 @@ def _workload(seed: int, num_requests: int):
             )
         )
     return prompts, params
-
-
-def _summary(results):
-    return [[(o.token_ids, o.finish_reason, o.text) for o in r.outputs] for r in results]
-
-
-def _assert_logprobs_close(results, expected):
-    for result, reference in zip(results, expected):
-        for output, reference_output in zip(result.outputs, reference.outputs):
-            for got, want in zip(output.logprobs or [], reference_output.logprobs or []):
-                assert got.keys() == want.keys()
-                assert np.allclose([got[t] for t in want], list(want.values()), atol=1e-4)
 
 
 def _assert_idle(llm):

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxserve.models.layers import Linear
 from pallas_kernels.matmul import quantized_tiles
+from pallas_kernels.matmul.kquant import KQuantWeight
 from pallas_kernels.matmul.panels import to_panels
 from pallas_kernels.matmul.quantized import QuantizedWeight
 
@@ -39,9 +40,9 @@ def store_projections_in_panels(model, dtypes) -> int:
 
 
 def store_quantized_in_tiles(model) -> int:
-    """Moves the model's [K, N] QuantizedWeights that have a tiled form (quantized_tiles.can_tile) into tiles, in
-    place, a weight at a time; returns how many. Projections whose kernel goes only through the matmul plan, and a
-    quantized embedding (stored [E, V], the head it also is where tied: its lookup reads tiles too). Call only where the
+    """Moves the model's [K, N] QuantizedWeights (and GGUF Q5_0 / Q5_1 KQuantWeights) that have a tiled form
+    (quantized_tiles.can_tile) into tiles, in place, a weight at a time; returns how many. Projections whose
+    kernel goes only through the matmul plan, and a quantized embedding (stored [E, V], the head it also is where tied: its lookup reads tiles too). Call only where the
     plan's quantized kernel is the CPU int8-dot one (MatmulPlan.tiles_quantized): XLA's dots would untile the
     weight on every step."""
     moved = 0
@@ -53,7 +54,7 @@ def store_quantized_in_tiles(model) -> int:
         else:
             continue
         weight = param.get_value()
-        if isinstance(weight, QuantizedWeight) and quantized_tiles.can_tile(weight):
+        if isinstance(weight, (QuantizedWeight, KQuantWeight)) and quantized_tiles.can_tile(weight):
             param.set_value(quantized_tiles.to_tiles(weight))  # pyright: ignore[reportArgumentType]
             del weight
             moved += 1

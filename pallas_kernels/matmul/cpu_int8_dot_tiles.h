@@ -3,6 +3,8 @@
 // contiguous block in which the four k of one column that a dot product takes in a 32-bit lane are adjacent:
 //   8-bit: [quad 8][column 64][k 4]              (2048 bytes: byte 256 q + 4 c + b is k 4q + b of column c)
 //   4-bit: [pair 4][column 64][byte 4]           (1024 bytes: byte b's low nibble is k 8p + b, its high 8p + 4 + b)
+//   5-bit: the 4-bit block of the values' low 4 bits, then [column 64][byte 4] (256 bytes) of their bit 4:
+//          byte 4c + b's bit 2p + h is that of k 8p + 4h + b (GGUF Q5_0 / Q5_1: 1280 bytes, the file's bytes)
 // blocks [N / 64, K / 32] (tile-major: a tile's chunks in K's order), scales and mins [N / 64, G, 64].
 //
 // Why: on the [K, N] layout each four weight rows are interleaved in registers (two rounds of unpacks, and for
@@ -34,13 +36,24 @@ constexpr int64_t kTiledColumns = 64;  // a tile's columns (quantized_tiles.py's
 constexpr int64_t kTiledAheadBytes = JAXSERVE_TILED_AHEAD;  // software prefetch this far ahead along a tile's run
 constexpr int64_t kTiledPrefetchStep = JAXSERVE_TILED_STEP;  // one line of every this many bytes
 
-constexpr int64_t TiledChunkBytes(int bits) { return bits == 8 ? kTiledColumns * kChunk : kTiledColumns * kChunk / 2; }
+#if defined(QDOT_X86)
+constexpr int32_t TiledInt8Offset() { return kInt8Offset; }
+#else
+constexpr int32_t TiledInt8Offset() { return 0; }
+#endif
+constexpr int64_t kTiledHighAt = kTiledColumns * kChunk / 2;  // a 5-bit chunk's plane of bit 4, after the nibbles
+constexpr int64_t TiledChunkBytes(int bits) { return kTiledColumns * kChunk * bits / 8; }  // 8: 2048, 4: 1024, 5: 1280
+// What the dot products add per unit of sum(q_x) beyond the signed product: taken out through the start
+constexpr int32_t TiledOffset(int bits, bool has_mins) {
+  return bits == 8 ? TiledInt8Offset() : has_mins ? 0 : bits == 5 ? 16 : 8;
+}
 
 #if defined(QDOT_X86) && !defined(QDOT_VNNI)
 // 4-bit without VNNI: a vpmaddubsw's int16 pair sums of nibbles (0..15) and x (|q_x| <= 127) are at most 3810 in
 // magnitude, so a chunk's eight of them (4 pairs of bytes, low and high nibbles) add up in int16 (30480 < 32767)
 // and widen to int32 once (one vpmaddwd and add per chunk, where DotUnsigned pays them per product): the same
 // exact integers, ~30% fewer instructions (8-bit's sign trick reaches 32512 a pair: no room, it stays per product).
+// 5-bit values (0..31) reach 7874 a product pair: they widen every two pairs (31496).
 #define QDOT_NIBBLE_PAIRS16 1
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 inline VecI PairProducts(VecI u, VecI s) { return _mm512_maddubs_epi16(u, s); }
@@ -56,6 +69,14 @@ inline VecI ZeroInts() { return _mm256_setzero_si256(); }
 #endif
 
 #if defined(QDOT_X86)
+// Bit s (0..7) of each byte of a 5-bit chunk's high plane moved to bit 4, the others cleared: 16-bit shifts, left
+// by at most 4 or right by at most 3, never bring another byte's bit to a bit 4 (s is a constant once unrolled).
+inline VecI HighBitAtFour(VecI high, int s) {
+  return And(s <= 4 ? ShiftLeft16(high, 4 - s) : ShiftRight16(high, s - 4), SplatByte(0x10));
+}
+// Pairs whose int16 products a chunk sums before widening (QDOT_NIBBLE_PAIRS16)
+constexpr int PairsPerWidening(int bits) { return bits == 5 ? 2 : 4; }
+
 constexpr int kTiledVectors = int(kTiledColumns * 4 / sizeof(VecI));  // a quad's (or pair's) vectors: 8 avx2, 4 avx512
 constexpr int kTiledLanes = int(sizeof(VecI) / 4);                    // columns per vector
 
@@ -95,7 +116,12 @@ inline void TiledChunkRows(const uint8_t* block, const int8_t* xq, int64_t depth
       for (int pair = 0; pair < int(kChunk / 8); ++pair) {
         for (int j = 0; j < J; ++j) {
           const VecI packed = LoadBytes(block + pair * 4 * kTiledColumns + (j0 + j) * int(sizeof(VecI)));
-          const VecI lo = And(packed, low), hi = And(ShiftRight4(packed), low);
+          VecI lo = And(packed, low), hi = And(ShiftRight4(packed), low);
+          if constexpr (Bits == 5) {
+            const VecI high = LoadBytes(block + kTiledHighAt + (j0 + j) * int(sizeof(VecI)));
+            lo = Or(lo, HighBitAtFour(high, 2 * pair));
+            hi = Or(hi, HighBitAtFour(high, 2 * pair + 1));
+          }
           for (int r = 0; r < R; ++r) {
             int32_t four_lo, four_hi;
             std::memcpy(&four_lo, xq + r * depth + 8 * pair, sizeof(four_lo));
@@ -107,12 +133,17 @@ inline void TiledChunkRows(const uint8_t* block, const int8_t* xq, int64_t depth
 #endif
           }
         }
-      }
 #if defined(QDOT_NIBBLE_PAIRS16)
-      for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < J; ++j) acc[r][j] = WidenPairs(acc[r][j], pairs[r][j]);
-      }
+        if ((pair + 1) % PairsPerWidening(Bits) == 0) {
+          for (int r = 0; r < R; ++r) {
+            for (int j = 0; j < J; ++j) {
+              acc[r][j] = WidenPairs(acc[r][j], pairs[r][j]);
+              pairs[r][j] = ZeroInts();
+            }
+          }
+        }
 #endif
+      }
     }
     for (int r = 0; r < R; ++r) {
       float* o = out + r * out_stride;
@@ -163,7 +194,7 @@ void TiledRowRun(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t ro
   const Activations& x = *p.x;
   const int64_t chunk_bytes = TiledChunkBytes(Bits), tile_chunks = p.depth / kChunk;
   const auto* values = static_cast<const uint8_t*>(p.values);
-  const int32_t offset = Bits == 8 ? kInt8Offset : (HasMins ? 0 : 8);
+  const int32_t offset = TiledOffset(Bits, HasMins);
   const int8_t* xrow = x.q.data() + row * p.depth;
   VecF o[kTiledVectors];
   for (int j = 0; j < kTiledVectors; ++j) o[j] = LoadF(out + j * kTiledLanes);
@@ -200,17 +231,27 @@ void TiledRowRun(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t ro
           const VecI x_lo = SplatInt(four_lo), x_hi = SplatInt(four_hi);
           for (int j = 0; j < kTiledVectors; ++j) {
             const VecI packed = LoadBytes(block + pair * 4 * kTiledColumns + j * int(sizeof(VecI)));
+            VecI lo = And(packed, low), hi = And(ShiftRight4(packed), low);
+            if constexpr (Bits == 5) {
+              const VecI high = LoadBytes(block + kTiledHighAt + j * int(sizeof(VecI)));
+              lo = Or(lo, HighBitAtFour(high, 2 * pair));
+              hi = Or(hi, HighBitAtFour(high, 2 * pair + 1));
+            }
 #if defined(QDOT_NIBBLE_PAIRS16)
-            pairs[j] = Add16(pairs[j], Add16(PairProducts(And(packed, low), x_lo),
-                                             PairProducts(And(ShiftRight4(packed), low), x_hi)));
+            pairs[j] = Add16(pairs[j], Add16(PairProducts(lo, x_lo), PairProducts(hi, x_hi)));
 #else
-            acc[j] = DotUnsigned(DotUnsigned(acc[j], And(packed, low), x_lo), And(ShiftRight4(packed), low), x_hi);
+            acc[j] = DotUnsigned(DotUnsigned(acc[j], lo, x_lo), hi, x_hi);
 #endif
           }
-        }
 #if defined(QDOT_NIBBLE_PAIRS16)
-        for (int j = 0; j < kTiledVectors; ++j) acc[j] = WidenPairs(acc[j], pairs[j]);
+          if ((pair + 1) % PairsPerWidening(Bits) == 0) {
+            for (int j = 0; j < kTiledVectors; ++j) {
+              acc[j] = WidenPairs(acc[j], pairs[j]);
+              pairs[j] = ZeroInts();
+            }
+          }
 #endif
+        }
       }
       const VecF d = SplatF(x.scale[row * x.chunks + chunk]);
       for (int j = 0; j < kTiledVectors; ++j) {
@@ -258,7 +299,7 @@ inline void TiledChunk(const Problem& p, const uint8_t* block, int64_t r0, int64
   out += r0 * out_stride;
 #if defined(QDOT_X86)
   // what the dot products add per unit of sum(q_x) beyond the signed product, taken out through the start
-  const int32_t offset = Bits == 8 ? kInt8Offset : (has_mins ? 0 : 8);
+  const int32_t offset = TiledOffset(Bits, has_mins);
   int32_t start[R];
   for (int r = 0; r < R; ++r) start[r] = -offset * x.qsum[(r0 + r) * x.chunks + chunk];
   // J: the columns whose sums stay in registers (16 vector registers on avx2, 32 on avx512)
@@ -280,7 +321,9 @@ inline void TiledChunk(const Problem& p, const uint8_t* block, int64_t r0, int64
           w = static_cast<const int8_t*>(static_cast<const void*>(block))[(k / 4) * 4 * kTiledColumns + c * 4 + k % 4];
         } else {
           const uint8_t byte = block[(k / 8) * 4 * kTiledColumns + c * 4 + k % 4];
-          w = (k % 8 < 4 ? byte & 0x0F : byte >> 4) - (has_mins ? 0 : 8);
+          w = k % 8 < 4 ? byte & 0x0F : byte >> 4;
+          if constexpr (Bits == 5) w |= ((block[kTiledHighAt + c * 4 + k % 4] >> (k / 4)) & 1) << 4;
+          w -= TiledOffset(Bits, has_mins);
         }
         sums[c] += w * xr[k];
       }

@@ -25,7 +25,10 @@ inline VecI SplatInt(int32_t v) { return _mm512_set1_epi32(v); }
 inline VecI SplatByte(int8_t v) { return _mm512_set1_epi8(v); }
 inline VecI And(VecI a, VecI b) { return _mm512_and_si512(a, b); }
 inline VecI Xor(VecI a, VecI b) { return _mm512_xor_si512(a, b); }
+inline VecI Or(VecI a, VecI b) { return _mm512_or_si512(a, b); }
 inline VecI ShiftRight4(VecI a) { return _mm512_srli_epi16(a, 4); }
+inline VecI ShiftLeft16(VecI a, int n) { return _mm512_sll_epi16(a, _mm_cvtsi32_si128(n)); }
+inline VecI ShiftRight16(VecI a, int n) { return _mm512_srl_epi16(a, _mm_cvtsi32_si128(n)); }
 inline VecI UnpackLo8(VecI a, VecI b) { return _mm512_unpacklo_epi8(a, b); }
 inline VecI UnpackHi8(VecI a, VecI b) { return _mm512_unpackhi_epi8(a, b); }
 inline VecI UnpackLo16(VecI a, VecI b) { return _mm512_unpacklo_epi16(a, b); }
@@ -73,7 +76,10 @@ inline VecI SplatInt(int32_t v) { return _mm256_set1_epi32(v); }
 inline VecI SplatByte(int8_t v) { return _mm256_set1_epi8(v); }
 inline VecI And(VecI a, VecI b) { return _mm256_and_si256(a, b); }
 inline VecI Xor(VecI a, VecI b) { return _mm256_xor_si256(a, b); }
+inline VecI Or(VecI a, VecI b) { return _mm256_or_si256(a, b); }
 inline VecI ShiftRight4(VecI a) { return _mm256_srli_epi16(a, 4); }
+inline VecI ShiftLeft16(VecI a, int n) { return _mm256_sll_epi16(a, _mm_cvtsi32_si128(n)); }
+inline VecI ShiftRight16(VecI a, int n) { return _mm256_srl_epi16(a, _mm_cvtsi32_si128(n)); }
 inline VecI UnpackLo8(VecI a, VecI b) { return _mm256_unpacklo_epi8(a, b); }
 inline VecI UnpackHi8(VecI a, VecI b) { return _mm256_unpackhi_epi8(a, b); }
 inline VecI UnpackLo16(VecI a, VecI b) { return _mm256_unpacklo_epi16(a, b); }

@@ -184,6 +184,8 @@ inline void RunPiece(const Piece& piece, int64_t r_begin, int64_t r_end, bool fi
   if (p.tiled) {  // (a tile's run is sequential: the hardware's prefetch and a few lines ahead start it)
     if (p.bits == 8) {
       TiledItem<8>(p, piece.c0, piece.width, piece.g0, piece.g1, piece.out, piece.out_stride, r_begin, r_end);
+    } else if (p.bits == 5) {
+      TiledItem<5>(p, piece.c0, piece.width, piece.g0, piece.g1, piece.out, piece.out_stride, r_begin, r_end);
     } else {
       TiledItem<4>(p, piece.c0, piece.width, piece.g0, piece.g1, piece.out, piece.out_stride, r_begin, r_end);
     }
@@ -358,10 +360,12 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
       return ffi::Error::InvalidArgument("quantized_int8_dot: bad weight or result");
     }
     const auto v_dims = values->dimensions(), s_dims = scales->dimensions(), m_dims = mins->dimensions();
-    if (bits[i] != 8 && bits[i] != 4) return ffi::Error::InvalidArgument("quantized_int8_dot: bits must be 8 or 4");
-    const ffi::DataType value_type = bits[i] == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
     // [K, N] (2-d), or tiled (3-d): values [N / 64, K / 32, chunk bytes], scales [N / 64, G, 64]
     const bool tiled = v_dims.size() == 3;
+    if (bits[i] != 8 && bits[i] != 4 && !(bits[i] == 5 && tiled)) {
+      return ffi::Error::InvalidArgument("quantized_int8_dot: bits must be 8 or 4 (or 5, tiled)");
+    }
+    const ffi::DataType value_type = bits[i] == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
     if (v_dims.size() != s_dims.size() || (v_dims.size() != 2 && !tiled) ||
         (tiled && (s_dims[2] != kTiledColumns || s_dims[0] != v_dims[0]))) {
       return ffi::Error::InvalidArgument("quantized_int8_dot: values and scales must be 2-d, or tiled 3-d");

@@ -83,20 +83,28 @@ class QuantizedWeight:
         return take_columns(self, token_ids)
 
 
+# What the XLA functions below take: a QuantizedWeight, its tiles, or a GGUF K-quant's planes
+AnyQuantized = QuantizedWeight | TiledQuantizedWeight | KQuantWeight
+
+
 def untiled(weight):
     """A TiledQuantizedWeight (quantized_tiles.py: the CPU kernel's layout) as the [K, N] QuantizedWeight it came
-    from, bit for bit; any other weight as it is."""
+    from (a 5-bit one: the Q5_0 / Q5_1 KQuantWeight), bit for bit; any other weight as it is."""
     if not quantized_tiles.is_tiled(weight):
         return weight
+    if weight.bits == 5:
+        return quantized_tiles.untiled_five_bit(weight)
     values, scales, mins = quantized_tiles.untiled_arrays(weight)
     return QuantizedWeight(
         values, scales, mins, bits=weight.bits, group_size=weight.group_size, compute_dtype=weight.compute_dtype
     )
 
 
-def integers(weight: QuantizedWeight):
+def integers(weight: AnyQuantized):
     """q [..., K, N] int8: the stored integers, unpacked, the 4-bit offset taken out where there are no mins."""
     weight = untiled(weight)
+    if isinstance(weight, KQuantWeight):
+        return kquant.integers(weight)
     if weight.bits == 8:
         return weight.values
     low = (weight.values & 0xF).astype(jnp.int8)
@@ -106,12 +114,12 @@ def integers(weight: QuantizedWeight):
     return q if weight.mins is not None else q - jnp.int8(8)
 
 
-def dequantize(weight: QuantizedWeight, dtype=None):
+def dequantize(weight: AnyQuantized, dtype=None):
     """The float weight [..., K, N] it stands for, in `dtype` (default: its compute dtype); scales applied in
     float32."""
+    weight = untiled(weight)
     if isinstance(weight, KQuantWeight):  # GGUF K-quants' two-level layout (kquant.py)
         return kquant.dequantize(weight, dtype)
-    weight = untiled(weight)
     q = integers(weight)
     *lead, depth, columns = q.shape
     groups = weight.num_groups
@@ -122,14 +130,14 @@ def dequantize(weight: QuantizedWeight, dtype=None):
     return w.reshape(*lead, depth, columns).astype(dtype or weight.dtype)
 
 
-def matmul(rows, weight: QuantizedWeight, *, transposed: bool = False, activations: str = "float"):
+def matmul(rows, weight: AnyQuantized, *, transposed: bool = False, activations: str = "float"):
     """rows [M, K] (the compute dtype) @ weight [K, N] -> float32 [M, N], with XLA's dots. `activations` int8:
     x rounded per 32 k first as the CPU int8 kernel rounds it (int8_activations.py), the products in float32."""
+    weight = untiled(weight)  # (XLA's dots read the [K, N] layout)
     if isinstance(weight, KQuantWeight):  # GGUF K-quants' two-level layout (kquant.py)
         return kquant.matmul(rows, weight, transposed=transposed, activations=activations)
     if transposed:
         raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
-    weight = untiled(weight)  # (XLA's dots read the [K, N] layout)
     if weight.values.ndim != 2:
         raise ValueError(f"a projection takes a 2-d weight, got a quantized {weight.shape}")
     num_rows, depth = rows.shape
@@ -168,7 +176,7 @@ def matmul(rows, weight: QuantizedWeight, *, transposed: bool = False, activatio
     return y
 
 
-def take_columns(weight: QuantizedWeight, column_ids, dtype=None):
+def take_columns(weight: AnyQuantized, column_ids, dtype=None):
     """Columns of a [K, N] weight, dequantized -> [len(column_ids), K]: a quantized embedding (stored as the head
     it also is, [E, V]) looked up by token ids. Reads only those columns' bytes."""
     if isinstance(weight, KQuantWeight):

@@ -7,12 +7,19 @@ sequential read with no shuffles, issue 25).
     values  [N / 64, K / 32, 2048] int8   (bits 8: byte 256 q + 4 c + b is k 32 i + 4 q + b of column 64 t + c)
             [N / 64, K / 32, 1024] uint8  (bits 4: byte 256 p + 4 c + b holds k 32 i + 8 p + b in its low nibble,
                                            32 i + 8 p + 4 + b in its high one; offset 8 where there are no mins)
+            [N / 64, K / 32, 1280] uint8  (bits 5: the 4-bit block of q's low 4 bits, then 256 bytes of bit 4:
+                                           byte 1024 + 4 c + b's bit 2 p + h is k 32 i + 8 p + 4 h + b's;
+                                           offset 16 where there are no mins)
     scales  [N / 64, G, 64], mins the same or None
+
+5-bit tiles hold GGUF Q5_0 / Q5_1 (kquant.py's KQuantWeight of those kinds: d per 32 k, Q5_1's m added as mins), at
+the file's bytes: a small model's Q4_K_M / Q5_K_M file is mostly these where K is not a multiple of 256 (SmolLM2's
+576), and the K-quant kernel's walk over their [K, N] planes read ~0.25 of a stream at one row (issue 25).
 
 A weight type of its own, as ColumnPanels is for float weights (panels.py): a one-device CPU engine's projections
 (and a quantized tied embedding, the head it also is) are moved into tiles at load (device/panel_weights.py), the
 int8-dot kernel reads them (quantized_cpu.py), XLA's reference and checkpoints take `untiled(weight)`, the
-[K, N] QuantizedWeight back, bit for bit. Tiles need N a multiple of 64 and groups of whole 32-k chunks
+[K, N] QuantizedWeight (a 5-bit one's KQuantWeight) back, bit for bit. Tiles need N a multiple of 64 and groups of whole 32-k chunks
 (`can_tile`); other weights stay [K, N].
 """
 
@@ -25,8 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.matmul import kquant
+
 TILE_COLUMNS = 64  # cpu_int8_dot_tiles.h's kTiledColumns
 CHUNK = 32  # k per block (the kernel's activation chunk, ggml's QK8_0)
+NIBBLE_BYTES = TILE_COLUMNS * CHUNK // 2  # a 4- or 5-bit chunk's low nibbles; a 5-bit one's bit 4 after them
+FIVE_BIT_KINDS = ("q5_0", "q5_1")  # the KQuantWeight kinds with a 5-bit tiled form
 
 
 @jax.tree_util.register_dataclass
@@ -79,7 +90,10 @@ def chunk_bytes(bits: int) -> int:
 
 
 def can_tile(weight) -> bool:
-    """Whether a QuantizedWeight (quantized.py) has a tiled form: 2-d, N a multiple of 64, groups of whole chunks."""
+    """Whether a QuantizedWeight (quantized.py) has a tiled form: 2-d, N a multiple of 64, groups of whole chunks;
+    or a 2-d Q5_0 / Q5_1 KQuantWeight with N a multiple of 64."""
+    if isinstance(weight, kquant.KQuantWeight):
+        return weight.kind in FIVE_BIT_KINDS and weight.low.ndim == 2 and weight.shape[1] % TILE_COLUMNS == 0
     if weight.values.ndim != 2 or weight.bits not in (4, 8):
         return False
     depth, columns = weight.shape
@@ -93,24 +107,36 @@ SLAB_BYTES = 16 << 20
 
 
 def to_tiles(weight) -> TiledQuantizedWeight:
-    """A [K, N] QuantizedWeight (can_tile) in tiles: numpy for numpy, else placed as the weight's arrays are."""
+    """A [K, N] QuantizedWeight, or a Q5_0 / Q5_1 KQuantWeight (can_tile), in tiles: numpy for numpy, else placed
+    as the weight's arrays are."""
     if not can_tile(weight):
+        if isinstance(weight, kquant.KQuantWeight):
+            raise ValueError(f"a {weight.kind} weight {weight.shape} has no tiled form")
         raise ValueError(f"a quantized weight {weight.shape} in groups of {weight.group_size} has no tiled form")
-    values = np.asarray(weight.values)  # (a CPU array's own memory, not a copy)
+    five_bit = isinstance(weight, kquant.KQuantWeight)
+    if five_bit:  # Q5_0 / Q5_1: d per 32 k as the scales, Q5_1's m (added) as the mins
+        first, bits, group_size = weight.low, 5, CHUNK
+        planes = (np.asarray(weight.low), np.asarray(weight.high))
+        scale_array, min_array = weight.d, weight.dmin
+    else:
+        first, bits, group_size = weight.values, weight.bits, weight.group_size
+        planes = (np.asarray(weight.values),)  # (a CPU array's own memory, not a copy)
+        scale_array, min_array = weight.scales, weight.mins
     depth, columns = weight.shape
-    tiles, chunks, block = columns // TILE_COLUMNS, depth // CHUNK, chunk_bytes(weight.bits)
-    tiled = np.empty((tiles, chunks, block), values.dtype)
+    tiles, chunks, block = columns // TILE_COLUMNS, depth // CHUNK, chunk_bytes(bits)
+    tiled = np.empty((tiles, chunks, block), planes[0].dtype)
     slab = max(1, SLAB_BYTES // (chunks * block))  # tiles at a time
     for t0 in range(0, tiles, slab):
         t1 = min(tiles, t0 + slab)
-        tiled[t0:t1] = _tile_values(values[:, t0 * TILE_COLUMNS : t1 * TILE_COLUMNS], weight.bits, chunks)
-    scales = _tile_columns(weight.scales)
-    mins = None if weight.mins is None else _tile_columns(weight.mins)
-    if not isinstance(weight.values, np.ndarray):  # placed as the weight's arrays are
-        place = lambda array: jax.device_put(array, weight.values.sharding)  # noqa: E731
+        parts = [plane[:, t0 * TILE_COLUMNS : t1 * TILE_COLUMNS] for plane in planes]
+        tiled[t0:t1] = _tile_five_bit(parts[0], parts[1], chunks) if five_bit else _tile_values(parts[0], bits, chunks)
+    scales = _tile_columns(scale_array)
+    mins = None if min_array is None else _tile_columns(min_array)
+    if not isinstance(first, np.ndarray):  # placed as the weight's arrays are
+        place = lambda array: jax.device_put(array, first.sharding)  # noqa: E731
         tiled, scales, mins = place(tiled), place(scales), None if mins is None else place(mins)
     return TiledQuantizedWeight(
-        tiled, scales, mins, bits=weight.bits, group_size=weight.group_size, compute_dtype=weight.compute_dtype
+        tiled, scales, mins, bits=bits, group_size=group_size, compute_dtype=weight.compute_dtype
     )
 
 
@@ -126,8 +152,46 @@ def _tile_values(values: np.ndarray, bits: int, chunks: int) -> np.ndarray:
     return packed.transpose(3, 0, 1, 4, 2).reshape(tiles, chunks, -1)  # [t, i, p, c, b]
 
 
+def _tile_five_bit(low: np.ndarray, high: np.ndarray, chunks: int) -> np.ndarray:
+    """A Q5_0 / Q5_1 KQuantWeight's planes of 64 t columns (low [K / 2, 64 t], high [K / 8, 64 t]: kquant.py) ->
+    their t tiles' 5-bit blocks [t, K / 32, 1280]."""
+    tiles = low.shape[1] // TILE_COLUMNS
+    nibbles = _tile_values(low, 4, chunks)  # the low 4 bits, as a 4-bit tile
+    bit4 = _unpack_bits(np, high)  # [K, 64 t] 0 / 1
+    grid = bit4.reshape(chunks, 8, 4, tiles, TILE_COLUMNS)  # [i, s = 2 p + h, b, t, c]
+    packed = np.zeros((chunks, 4, tiles, TILE_COLUMNS), np.uint8)  # [i, b, t, c]
+    for s in range(8):
+        packed |= grid[:, s] << s
+    return np.concatenate([nibbles, packed.transpose(2, 0, 3, 1).reshape(tiles, chunks, -1)], axis=-1)
+
+
+def untiled_five_bit(weight: TiledQuantizedWeight) -> kquant.KQuantWeight:
+    """The Q5_0 / Q5_1 KQuantWeight a 5-bit tiled weight came from, bit for bit (traceable)."""
+    xp = np if isinstance(weight.values, np.ndarray) else jnp
+    depth, columns = weight.shape
+    nibbles = _tiled_nibbles(xp, weight.values[..., :NIBBLE_BYTES]).transpose(1, 2, 0, 3).reshape(depth, columns)
+    pairs = nibbles.reshape(depth // 2, 2, columns)
+    low = pairs[:, 0] | (pairs[:, 1] << 4)
+    bits = _tiled_bit4(xp, weight.values).transpose(1, 2, 0, 3).reshape(depth // 8, 8, columns)  # [K / 8, j, N]
+    high = bits[:, 0]
+    for j in range(1, 8):
+        high = high | (bits[:, j] << j)
+    untile = lambda a: a.transpose(1, 0, 2).reshape(a.shape[1], columns)  # noqa: E731
+    return kquant.KQuantWeight(
+        low=low,
+        high=high,
+        sub_scales=None,
+        sub_mins=None,
+        d=untile(weight.scales),
+        dmin=None if weight.mins is None else untile(weight.mins),
+        kind="q5_0" if weight.mins is None else "q5_1",
+        compute_dtype=weight.compute_dtype,
+    )
+
+
 def untiled_arrays(weight: TiledQuantizedWeight) -> tuple:
-    """(values, scales, mins) of the [K, N] QuantizedWeight it came from, bit for bit (traceable)."""
+    """(values, scales, mins) of the [K, N] QuantizedWeight a 4- or 8-bit tiled weight came from, bit for bit
+    (traceable)."""
     xp = np if isinstance(weight.values, np.ndarray) else jnp
     depth, columns = weight.shape
     tiles, chunks = columns // TILE_COLUMNS, depth // CHUNK
@@ -151,11 +215,18 @@ def columns_dequantized(weight: TiledQuantizedWeight, column_ids, dtype=None):
         grid = weight.values.reshape(weight.values.shape[0], depth // CHUNK, 8, TILE_COLUMNS, 4)
         q = grid[tile, :, :, within, :].reshape(-1, depth).astype(jnp.float32)  # [T, K]
     else:
-        grid = weight.values.reshape(weight.values.shape[0], depth // CHUNK, 4, TILE_COLUMNS, 4)
+        nibble_bytes = weight.values[..., :NIBBLE_BYTES]
+        grid = nibble_bytes.reshape(weight.values.shape[0], depth // CHUNK, 4, TILE_COLUMNS, 4)
         picked = grid[tile, :, :, within, :]  # [T, i, p, b] bytes
-        q = jnp.stack([picked & 0xF, picked >> 4], axis=-2).reshape(-1, depth).astype(jnp.float32)  # [T, K]
+        q = jnp.stack([picked & 0xF, picked >> 4], axis=-2).reshape(-1, depth)  # [T, K]: k 32 i + 8 p + 4 h + b
+        if weight.bits == 5:
+            high = weight.values[..., NIBBLE_BYTES:].reshape(weight.values.shape[0], depth // CHUNK, TILE_COLUMNS, 4)
+            picked_high = high[tile, :, within, :]  # [T, i, b]: bit 2 p + h is k 32 i + 8 p + 4 h + b's
+            bit4 = jnp.stack([(picked_high >> s) & 1 for s in range(8)], axis=-2)  # [T, i, s, b]
+            q = q | (bit4.reshape(-1, depth) << 4)
+        q = q.astype(jnp.float32)
         if weight.mins is None:
-            q = q - 8.0
+            q = q - (16.0 if weight.bits == 5 else 8.0)
     scales = weight.scales[tile, :, within].astype(jnp.float32)  # [T, G]
     w = q.reshape(-1, groups, depth // groups) * scales[:, :, None]
     if weight.mins is not None:
@@ -181,6 +252,20 @@ def _unpack_rows(xp, values):
     """uint8 [K / 2, N] (row 2i low nibble, 2i + 1 high) -> the nibbles [K, N] uint8."""
     half, columns = values.shape
     return xp.stack([values & 0xF, values >> 4], axis=1).reshape(2 * half, columns)
+
+
+def _unpack_bits(xp, high):
+    """uint8 [K / 8, N] (row 8 i + j at bit j) -> [K, N] of 0 / 1."""
+    eighth, columns = high.shape
+    return xp.stack([(high >> j) & 1 for j in range(8)], axis=1).reshape(8 * eighth, columns)
+
+
+def _tiled_bit4(xp, values):
+    """Tiled 5-bit values [t, i, 1280] -> bit 4 of each value [t, i, 32, 64] ([tile, chunk, k, column])."""
+    tiles, chunks, _ = values.shape
+    grid = values[..., NIBBLE_BYTES:].reshape(tiles, chunks, TILE_COLUMNS, 4)  # [t, i, c, b]
+    bits = xp.stack([(grid >> s) & 1 for s in range(8)], axis=2)  # [t, i, s, c, b]: k 4 s + b
+    return bits.transpose(0, 1, 2, 4, 3).reshape(tiles, chunks, CHUNK, TILE_COLUMNS)
 
 
 def _tiled_nibbles(xp, values):

@@ -1,4 +1,4 @@
-"""A GGUF file's Q8_0 / Q4_0 blocks served with the CPU kernel's default int8 activations (x quantized per 32 k,
+"""A GGUF file's Q8_0 / Q4_0 (and Q5_0 / Q5_1) blocks served with the CPU kernel's default int8 activations (x quantized per 32 k,
 as llama.cpp's q8_0 vec_dot does) against the same engine with float activations (the dequantized product to
 float rounding, tests/loading/test_quantization.py): the activations' rounding moves log-probabilities a
 little, and greedy tokens only where the float engine's top two were close."""
@@ -7,18 +7,19 @@ import os
 
 import numpy as np
 import pytest
+from flax import nnx
 from gguf import GGMLQuantizationType as T
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.loading.default_model import random_llama_weights
 from jaxserve.server.config_file import load_config
-from pallas_kernels.matmul import quantized_cpu
+from pallas_kernels.matmul import quantized_cpu, quantized_tiles
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 from tests.support.gguf_files import write_gguf
 
 TOKENIZER_MODEL = os.path.join(fixture_dir("llama_gqa"), "tokenizer.model")
-PROMPTS = [[1] + np.random.default_rng(seed).integers(3, 384, size=40).tolist() for seed in range(3)]
+PROMPTS = [[1] + np.random.default_rng(seed).integers(3, 384, size=40).tolist() for seed in range(5)]
 # odd-ish sizes for the kernel: K of 96 (three 32-chunks per row) and 160; 6 heads of 16, GQA 3:1
 CONFIG = dict(
     model_type="llama",
@@ -37,9 +38,10 @@ CONFIG = dict(
     torch_dtype="float32",
 )
 
-# every projection's blocks kept: Q8_0 and Q4_0 (the kernel's layouts this file is about)
-TYPES = {"token_embd": T.Q8_0, "attn_q": T.Q8_0, "attn_k": T.Q8_0, "attn_v": T.Q4_0, "attn_output": T.Q4_0}
-TYPES |= {"ffn_gate": T.Q8_0, "ffn_up": T.Q4_0, "ffn_down": T.Q8_0, "output": T.Q8_0}
+# every projection's blocks kept: Q8_0 and Q4_0 (the kernel's layouts this file is about); the embedding and the head
+# Q5_0 / Q5_1, which the int8 engine holds in the kernel's 5-bit tiles (N = 384: whole tiles of 64 columns)
+TYPES = {"token_embd": T.Q5_0, "attn_q": T.Q8_0, "attn_k": T.Q8_0, "attn_v": T.Q4_0, "attn_output": T.Q4_0}
+TYPES |= {"ffn_gate": T.Q8_0, "ffn_up": T.Q4_0, "ffn_down": T.Q8_0, "output": T.Q5_1}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,10 @@ def test_int8_activations_stay_close_to_float_activations(gguf_path):
     for activations in ("float", "int8"):
         options = {**SMALL_ENGINE, "max_num_batched_tokens": 128, "quantized_activations": activations}
         llm = LLM(gguf_path, **options, quantization="auto")
+        flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(llm.engine.runner.params())}
+        five_bit = [flat["embed_tokens.embedding"], flat["lm_head.kernel"]]
+        # (float activations: the K-quant kernel reads the planes; int8: the int8-dot kernel, 5-bit tiles)
+        assert [quantized_tiles.is_tiled(w) and w.bits == 5 for w in five_bit] == [activations == "int8"] * 2
         outputs[activations] = [output.outputs[0] for output in llm.generate(PROMPTS, params)]
         assert llm.stats()["num_compiles_after_warmup"] == 0
         del llm

@@ -45,6 +45,9 @@ struct Activations {
   std::vector<float> scale;   // [M, chunks]: d, as float16 holds it
   std::vector<float> sum;     // [M, chunks]: d * sum of q over the chunk, as float16 holds it
   std::vector<int32_t> qsum;  // [M, chunks]: sum of q over the chunk (a tiled walk's start, cpu_int8_dot_tiles.h)
+  // [M, chunks]: d, and d * sum of q, in float32: what ggml's q8_K holds (its d a float, its sums integers), the
+  // activations of its Q4_K / Q5_K dots (the two-level tiles', cpu_int8_dot_tiles.h)
+  std::vector<float> scale32, sum32;
   int64_t chunks_per_group = 0, chunks = 0;
 };
 
@@ -108,6 +111,8 @@ inline void QuantizeRows(const FloatArray& x, int64_t r0, int64_t r1, int64_t de
       int32_t stored = 0;
       for (int64_t k = k0; k < k1; ++k) stored += a.q[r * depth + k];
       a.qsum[r * a.chunks + c] = stored;
+      a.scale32[r * a.chunks + c] = d;
+      a.sum32[r * a.chunks + c] = d * float(stored);
     }
   }
 }
@@ -121,6 +126,8 @@ inline Activations Quantize(const FloatArray& x, int64_t rows, int64_t depth, in
   a.scale.resize(rows * a.chunks);
   a.sum.resize(rows * a.chunks);
   a.qsum.resize(rows * a.chunks);
+  a.scale32.resize(rows * a.chunks);
+  a.sum32.resize(rows * a.chunks);
   constexpr int64_t kRowsPerItem = 16;  // (a decode step's few rows: one item, no helper woken)
   const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
   jaxserve_cpu::RunItems(num_workers, items, [&](int64_t, int64_t item) {

@@ -58,6 +58,10 @@ struct Problem {
   int bits;
   int64_t block_columns, blocks, parts, row_blocks;  // the split into work items (Plan)
   bool tiled = false;                                // the weight in tiles (cpu_int8_dot_tiles.h)
+  // Two-level scales (GGUF Q4_K / Q5_K, tiled only): scales and mins are uint8 sc and m per chunk, these the
+  // float16 d and dmin per 8 chunks (a super-block) [N / 64, G / 8, 64]: scale d * sc, min -(dmin * m)
+  FloatArray super_scales = {}, super_mins = {};
+  bool two_level() const { return super_scales.data != nullptr; }
 };
 
 // One stored weight as the signed integer it stands for (4-bit without mins: the nibble less 8).

@@ -6,6 +6,9 @@
 //   5-bit: the 4-bit block of the values' low 4 bits, then [column 64][byte 4] (256 bytes) of their bit 4:
 //          byte 4c + b's bit 2p + h is that of k 8p + 4h + b (GGUF Q5_0 / Q5_1: 1280 bytes, the file's bytes)
 // blocks [N / 64, K / 32] (tile-major: a tile's chunks in K's order), scales and mins [N / 64, G, 64].
+// Two-level scales (GGUF Q4_K as 4-bit, Q5_K as 5-bit): scales and mins uint8 sc and m per chunk, d and dmin
+// float16 per super-block of 8 chunks [N / 64, G / 8, 64]; a chunk's scale is d * sc and its min -(dmin * m),
+// formed in float32 as ggml forms them (exact).
 //
 // Why: on the [K, N] layout each four weight rows are interleaved in registers (two rounds of unpacks, and for
 // 4-bit a mask and shift per row) before a dot product can take them; without VNNI that made one row's walk
@@ -41,6 +44,7 @@ constexpr int32_t TiledInt8Offset() { return kInt8Offset; }
 #else
 constexpr int32_t TiledInt8Offset() { return 0; }
 #endif
+constexpr int64_t kChunksPerSuperBlock = 8;  // a K-quant super-block's 256 k (two-level scales)
 constexpr int64_t kTiledHighAt = kTiledColumns * kChunk / 2;  // a 5-bit chunk's plane of bit 4, after the nibbles
 constexpr int64_t TiledChunkBytes(int bits) { return kTiledColumns * kChunk * bits / 8; }  // 8: 2048, 4: 1024, 5: 1280
 // What the dot products add per unit of sum(q_x) beyond the signed product: taken out through the start
@@ -157,11 +161,19 @@ inline void TiledChunkRows(const uint8_t* block, const int8_t* xq, int64_t depth
   }
 }
 
-// kTiledLanes scales (or mins) of one of the three widths from `data` + offset, as float32
+// kTiledLanes scales (or mins) of one of the three widths (or uint8 sub-block scales) from `data` + offset, as
+// float32
 template <ffi::DataType Type>
 inline VecF LoadScales(const void* data, int64_t offset) {
   if constexpr (Type == ffi::DataType::F32) {
     return LoadF(static_cast<const float*>(data) + offset);
+  } else if constexpr (Type == ffi::DataType::U8) {
+    const auto* in = static_cast<const uint8_t*>(data) + offset;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in))));
+#else
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in))));
+#endif
   } else {
     const auto* in = static_cast<const uint16_t*>(data) + offset;
 #if defined(__AVX512F__) && defined(__AVX512BW__)  // (VecF's own condition: cpu_int8_dot_vectors.h)
@@ -198,8 +210,10 @@ void TiledRowRun(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t ro
   const int8_t* xrow = x.q.data() + row * p.depth;
   VecF o[kTiledVectors];
   for (int j = 0; j < kTiledVectors; ++j) o[j] = LoadF(out + j * kTiledLanes);
+  constexpr bool kTwoLevel = ScaleType == ffi::DataType::U8;  // d * sc, -(dmin * m) (Q4_K, Q5_K)
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t scale_at = (t * p.num_groups + g) * kTiledColumns;
+    const int64_t super_at = (t * (p.num_groups / kChunksPerSuperBlock) + g / kChunksPerSuperBlock) * kTiledColumns;
     for (int64_t i = 0; i < x.chunks_per_group; ++i) {
       const int64_t chunk = g * x.chunks_per_group + i;
       const uint8_t* block = values + (t * tile_chunks + chunk) * chunk_bytes;
@@ -253,12 +267,22 @@ void TiledRowRun(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t ro
 #endif
         }
       }
-      const VecF d = SplatF(x.scale[row * x.chunks + chunk]);
+      // (two-level: q8_K's float32 d and sums, as ggml's Q4_K / Q5_K dots; else q8_0 / q8_1's float16 ones)
+      const VecF d = SplatF((kTwoLevel ? x.scale32 : x.scale)[row * x.chunks + chunk]);
       for (int j = 0; j < kTiledVectors; ++j) {
-        o[j] = Fma(ToFloat(acc[j]), Mul(d, LoadScales<ScaleType>(p.scales.data, scale_at + j * kTiledLanes)), o[j]);
+        VecF scale = LoadScales<ScaleType>(p.scales.data, scale_at + j * kTiledLanes);
+        if constexpr (kTwoLevel) {
+          scale = Mul(LoadScales<ffi::DataType::F16>(p.super_scales.data, super_at + j * kTiledLanes), scale);
+        }
+        o[j] = Fma(ToFloat(acc[j]), Mul(d, scale), o[j]);
         if constexpr (HasMins) {
-          o[j] = Fma(SplatF(x.sum[row * x.chunks + chunk]), LoadScales<ScaleType>(p.mins.data, scale_at + j * kTiledLanes),
-                     o[j]);
+          VecF minimum = LoadScales<ScaleType>(p.mins.data, scale_at + j * kTiledLanes);
+          float d_sum = (kTwoLevel ? x.sum32 : x.sum)[row * x.chunks + chunk];
+          if constexpr (kTwoLevel) {  // -(dmin * m): the sign carried by d_sum (exact)
+            minimum = Mul(LoadScales<ffi::DataType::F16>(p.super_mins.data, super_at + j * kTiledLanes), minimum);
+            d_sum = -d_sum;
+          }
+          o[j] = Fma(SplatF(d_sum), minimum, o[j]);
         }
       }
     }
@@ -271,6 +295,8 @@ template <int Bits>
 void TiledRow(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t row, float* out) {
   const bool mins = p.mins.data != nullptr;
   switch (p.scales.type) {
+    case ffi::DataType::U8:  // two-level (Q4_K, Q5_K: always with mins)
+      return TiledRowRun<Bits, true, ffi::DataType::U8>(p, t, g0, g1, row, out);
     case ffi::DataType::F16:
       return mins ? TiledRowRun<Bits, true, ffi::DataType::F16>(p, t, g0, g1, row, out)
                   : TiledRowRun<Bits, false, ffi::DataType::F16>(p, t, g0, g1, row, out);
@@ -292,9 +318,11 @@ inline void TiledChunk(const Problem& p, const uint8_t* block, int64_t r0, int64
   const bool has_mins = p.mins.data != nullptr;
   const int8_t* xq = x.q.data() + r0 * p.depth + chunk * kChunk;
   float d[R], d_sum[R];
+  const std::vector<float>& scales = p.two_level() ? x.scale32 : x.scale;  // (as TiledRowRun)
+  const std::vector<float>& sums = p.two_level() ? x.sum32 : x.sum;
   for (int r = 0; r < R; ++r) {
-    d[r] = x.scale[(r0 + r) * x.chunks + chunk];
-    d_sum[r] = has_mins ? x.sum[(r0 + r) * x.chunks + chunk] : 0.0f;
+    d[r] = scales[(r0 + r) * x.chunks + chunk];
+    d_sum[r] = has_mins ? sums[(r0 + r) * x.chunks + chunk] : 0.0f;
   }
   out += r0 * out_stride;
 #if defined(QDOT_X86)
@@ -361,6 +389,16 @@ void TiledItem(const Problem& p, int64_t c0, int64_t width, int64_t g0, int64_t 
     for (int64_t g = g0; g < g1; ++g) {
       p.scales.Widen((t * p.num_groups + g) * kTiledColumns, kTiledColumns, scale);
       if (p.mins.data != nullptr) p.mins.Widen((t * p.num_groups + g) * kTiledColumns, kTiledColumns, minimum);
+      if (p.two_level()) {  // d * sc and -(dmin * m), in float32 as ggml forms them
+        alignas(64) float super_scale[kTiledColumns], super_min[kTiledColumns];
+        const int64_t super_at = (t * (p.num_groups / kChunksPerSuperBlock) + g / kChunksPerSuperBlock) * kTiledColumns;
+        p.super_scales.Widen(super_at, kTiledColumns, super_scale);
+        p.super_mins.Widen(super_at, kTiledColumns, super_min);
+        for (int64_t c = 0; c < kTiledColumns; ++c) {
+          scale[c] = super_scale[c] * scale[c];
+          minimum[c] = -(super_min[c] * minimum[c]);
+        }
+      }
       for (int64_t i = 0; i < x.chunks_per_group; ++i) {
         const int64_t chunk = g * x.chunks_per_group + i;
         const uint8_t* block = values + (t * tile_chunks + chunk) * chunk_bytes;

@@ -347,16 +347,20 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
   if (x_dims.size() != 2) return ffi::Error::InvalidArgument("quantized_int8_dot: x must be 2-d");
   const int64_t rows = x_dims[0], depth = x_dims[1];
   const size_t count = outs.size();
-  if (count == 0 || arrays.size() != 3 * count || bits.size() != count || has_mins.size() != count) {
-    return ffi::Error::InvalidArgument("quantized_int8_dot: values, scales and mins, bits and has_mins per result");
+  if (count == 0 || arrays.size() != 5 * count || bits.size() != count || has_mins.size() != count) {
+    return ffi::Error::InvalidArgument(
+        "quantized_int8_dot: values, scales, mins, super scales and super mins, bits and has_mins per result");
   }
   std::vector<Problem> problems;
   for (size_t i = 0; i < count; ++i) {
-    auto values = arrays.get<ffi::AnyBuffer>(3 * i);
-    auto scales = arrays.get<ffi::AnyBuffer>(3 * i + 1);
-    auto mins = arrays.get<ffi::AnyBuffer>(3 * i + 2);
+    auto values = arrays.get<ffi::AnyBuffer>(5 * i);
+    auto scales = arrays.get<ffi::AnyBuffer>(5 * i + 1);
+    auto mins = arrays.get<ffi::AnyBuffer>(5 * i + 2);
+    auto super_scales = arrays.get<ffi::AnyBuffer>(5 * i + 3);
+    auto super_mins = arrays.get<ffi::AnyBuffer>(5 * i + 4);
     auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
-    if (!values.has_value() || !scales.has_value() || !mins.has_value() || !out.has_value()) {
+    if (!values.has_value() || !scales.has_value() || !mins.has_value() || !super_scales.has_value() ||
+        !super_mins.has_value() || !out.has_value()) {
       return ffi::Error::InvalidArgument("quantized_int8_dot: bad weight or result");
     }
     const auto v_dims = values->dimensions(), s_dims = scales->dimensions(), m_dims = mins->dimensions();
@@ -380,7 +384,22 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
       return ffi::Error::InvalidArgument("quantized_int8_dot: inconsistent shapes or types");
     }
     const ffi::DataType scale_type = scales->element_type();
-    if (scale_type != ffi::DataType::F32 && scale_type != ffi::DataType::F16 && scale_type != ffi::DataType::BF16) {
+    // two-level (Q4_K / Q5_K tiles): uint8 sc and m per chunk, float16 d and dmin [N / 64, G / 8, 64]
+    const bool two_level = scale_type == ffi::DataType::U8;
+    if (two_level) {
+      const auto d_dims = super_scales->dimensions(), dmin_dims = super_mins->dimensions();
+      const bool fits = tiled && has_mins[i] && (bits[i] == 4 || bits[i] == 5) && num_groups % 8 == 0 &&
+                        depth / num_groups == kChunk && d_dims.size() == 3 && d_dims[0] == s_dims[0] &&
+                        d_dims[1] * 8 == num_groups && d_dims[2] == kTiledColumns &&
+                        std::equal(d_dims.begin(), d_dims.end(), dmin_dims.begin(), dmin_dims.end()) &&
+                        super_scales->element_type() == ffi::DataType::F16 &&
+                        super_mins->element_type() == ffi::DataType::F16;
+      if (!fits) {
+        return ffi::Error::InvalidArgument(
+            "quantized_int8_dot: two-level scales are tiled 4- or 5-bit with mins, float16 d and dmin per 8 chunks");
+      }
+    } else if (scale_type != ffi::DataType::F32 && scale_type != ffi::DataType::F16 &&
+               scale_type != ffi::DataType::BF16) {
       return ffi::Error::InvalidArgument("quantized_int8_dot: scales must be float32, float16 or bfloat16");
     }
     if (has_mins[i] && (m_dims.size() != s_dims.size() || !std::equal(m_dims.begin(), m_dims.end(), s_dims.begin()) ||
@@ -402,6 +421,10 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
                                0,
                                0,
                                tiled});
+    if (two_level) {
+      problems.back().super_scales = FloatArray{super_scales->untyped_data(), ffi::DataType::F16};
+      problems.back().super_mins = FloatArray{super_mins->untyped_data(), ffi::DataType::F16};
+    }
   }
   const int64_t num_workers = std::max<int64_t>(1, pool.num_threads());
   const FloatArray x_array{x.untyped_data(), x.element_type()};

@@ -72,6 +72,11 @@ struct FloatArray {
         for (int64_t i = 0; i < count; ++i) out[i] = BFloat16ToFloat(in[i]);
         break;
       }
+      case xla::ffi::DataType::U8: {  // small integers (a K-quant's sub-block scales and mins)
+        const auto* in = static_cast<const uint8_t*>(data) + offset;
+        for (int64_t i = 0; i < count; ++i) out[i] = float(in[i]);
+        break;
+      }
       default:
         std::memcpy(out, static_cast<const float*>(data) + offset, count * sizeof(float));
     }

@@ -89,11 +89,11 @@ AnyQuantized = QuantizedWeight | TiledQuantizedWeight | KQuantWeight
 
 def untiled(weight):
     """A TiledQuantizedWeight (quantized_tiles.py: the CPU kernel's layout) as the [K, N] QuantizedWeight it came
-    from (a 5-bit one: the Q5_0 / Q5_1 KQuantWeight), bit for bit; any other weight as it is."""
+    from (a GGUF K-quant's: the KQuantWeight), bit for bit; any other weight as it is."""
     if not quantized_tiles.is_tiled(weight):
         return weight
-    if weight.bits == 5:
-        return quantized_tiles.untiled_five_bit(weight)
+    if quantized_tiles.holds_kquant(weight):
+        return quantized_tiles.untiled_kquant(weight)
     values, scales, mins = quantized_tiles.untiled_arrays(weight)
     return QuantizedWeight(
         values, scales, mins, bits=weight.bits, group_size=weight.group_size, compute_dtype=weight.compute_dtype

@@ -74,10 +74,11 @@ def serves_weight(weight, activations: str = "int8") -> bool:
     """Whether the kernel computes this weight: a 2-d QuantizedWeight with scales of a float width it reads, or its
     tiles (quantized_tiles.py; the int8 kernel only)."""
     tiled = isinstance(weight, TiledQuantizedWeight)
+    two_level = tiled and weight.super_scales is not None  # Q4_K / Q5_K tiles: uint8 sc and m
     return (
         (isinstance(weight, quantized.QuantizedWeight) or (tiled and activations == "int8"))  # K-quants: kquant_cpu.py
         and (tiled or weight.values.ndim == 2)
-        and jnp.dtype(weight.scales.dtype) in SCALE_DTYPES
+        and (two_level or jnp.dtype(weight.scales.dtype) in SCALE_DTYPES)
         and jnp.dtype(weight.dtype) in ROW_DTYPES
         and (weight.bits == 8 or weight.group_size % 2 == 0)
     )
@@ -111,9 +112,13 @@ def quantized_matmuls(x, weights, *, path: str | None = None, activations: str =
     if not _register(path, activations):
         raise RuntimeError("the CPU quantized matmul could not be built; project with the reference")
     arrays = []
+    absent = jnp.zeros((1, 1, 1), jnp.float16)  # a weight's missing super-block scales (all but Q4_K / Q5_K tiles)
     for weight in weights:
         mins = weight.mins if weight.mins is not None else jnp.zeros((1,) * weight.scales.ndim, weight.scales.dtype)
         arrays += [weight.values, weight.scales, mins]
+        if activations == "int8":  # (the float kernel takes no tiles)
+            supers = [getattr(weight, "super_scales", None), getattr(weight, "super_mins", None)]
+            arrays += [absent if a is None else a for a in supers]
     results = tuple(jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), jnp.float32) for weight in weights)
     call = jax.ffi.ffi_call(target(path, activations), results)
     bits = [int(weight.bits) for weight in weights]

@@ -15,6 +15,9 @@ sequential read with no shuffles, issue 25).
 5-bit tiles hold GGUF Q5_0 / Q5_1 (kquant.py's KQuantWeight of those kinds: d per 32 k, Q5_1's m added as mins), at
 the file's bytes: a small model's Q4_K_M / Q5_K_M file is mostly these where K is not a multiple of 256 (SmolLM2's
 576), and the K-quant kernel's walk over their [K, N] planes read ~0.25 of a stream at one row (issue 25).
+GGUF Q4_K and Q5_K take 4- and 5-bit tiles with TWO-LEVEL scales: scales and mins the uint8 sub-block sc and m
+[N / 64, G, 64], super_scales and super_mins the float16 d and dmin per super-block of 8 chunks [N / 64, G / 8, 64]
+(w = d * sc * q - dmin * m). Q6_K (16-k sub-blocks, 6 bits) keeps its planes and the K-quant kernel.
 
 A weight type of its own, as ColumnPanels is for float weights (panels.py): a one-device CPU engine's projections
 (and a quantized tied embedding, the head it also is) are moved into tiles at load (device/panel_weights.py), the
@@ -38,6 +41,9 @@ TILE_COLUMNS = 64  # cpu_int8_dot_tiles.h's kTiledColumns
 CHUNK = 32  # k per block (the kernel's activation chunk, ggml's QK8_0)
 NIBBLE_BYTES = TILE_COLUMNS * CHUNK // 2  # a 4- or 5-bit chunk's low nibbles; a 5-bit one's bit 4 after them
 FIVE_BIT_KINDS = ("q5_0", "q5_1")  # the KQuantWeight kinds with a 5-bit tiled form
+TWO_LEVEL_KINDS = ("q4_k", "q5_k")  # the KQuantWeight kinds with a tiled form of two-level scales
+KQUANT_KINDS = FIVE_BIT_KINDS + TWO_LEVEL_KINDS
+CHUNKS_PER_SUPER_BLOCK = kquant.SUPER_BLOCK // CHUNK
 
 
 @jax.tree_util.register_dataclass
@@ -48,6 +54,9 @@ class TiledQuantizedWeight:
     values: jax.Array | np.ndarray  # [N / 64, K / 32, chunk bytes]
     scales: jax.Array | np.ndarray  # [N / 64, G, 64]
     mins: jax.Array | np.ndarray | None  # like scales, or None
+    # two-level (Q4_K / Q5_K): float16 d and dmin [N / 64, G / 8, 64], scales and mins then uint8 sc and m
+    super_scales: jax.Array | np.ndarray | None = None
+    super_mins: jax.Array | np.ndarray | None = None
     bits: int = dataclasses.field(metadata=dict(static=True), default=8)
     group_size: int = dataclasses.field(metadata=dict(static=True), default=0)
     compute_dtype: str = dataclasses.field(metadata=dict(static=True), default="float32")
@@ -91,9 +100,9 @@ def chunk_bytes(bits: int) -> int:
 
 def can_tile(weight) -> bool:
     """Whether a QuantizedWeight (quantized.py) has a tiled form: 2-d, N a multiple of 64, groups of whole chunks;
-    or a 2-d Q5_0 / Q5_1 KQuantWeight with N a multiple of 64."""
+    or a 2-d Q5_0 / Q5_1 / Q4_K / Q5_K KQuantWeight with N a multiple of 64."""
     if isinstance(weight, kquant.KQuantWeight):
-        return weight.kind in FIVE_BIT_KINDS and weight.low.ndim == 2 and weight.shape[1] % TILE_COLUMNS == 0
+        return weight.kind in KQUANT_KINDS and weight.low.ndim == 2 and weight.shape[1] % TILE_COLUMNS == 0
     if weight.values.ndim != 2 or weight.bits not in (4, 8):
         return False
     depth, columns = weight.shape
@@ -107,17 +116,22 @@ SLAB_BYTES = 16 << 20
 
 
 def to_tiles(weight) -> TiledQuantizedWeight:
-    """A [K, N] QuantizedWeight, or a Q5_0 / Q5_1 KQuantWeight (can_tile), in tiles: numpy for numpy, else placed
-    as the weight's arrays are."""
+    """A [K, N] QuantizedWeight, or a Q5_0 / Q5_1 / Q4_K / Q5_K KQuantWeight (can_tile), in tiles: numpy for numpy,
+    else placed as the weight's arrays are."""
     if not can_tile(weight):
         if isinstance(weight, kquant.KQuantWeight):
             raise ValueError(f"a {weight.kind} weight {weight.shape} has no tiled form")
         raise ValueError(f"a quantized weight {weight.shape} in groups of {weight.group_size} has no tiled form")
-    five_bit = isinstance(weight, kquant.KQuantWeight)
-    if five_bit:  # Q5_0 / Q5_1: d per 32 k as the scales, Q5_1's m (added) as the mins
-        first, bits, group_size = weight.low, 5, CHUNK
-        planes = (np.asarray(weight.low), np.asarray(weight.high))
-        scale_array, min_array = weight.d, weight.dmin
+    kquants = isinstance(weight, kquant.KQuantWeight)
+    supers = (None, None)
+    if kquants:
+        first, group_size = weight.low, CHUNK
+        planes = (np.asarray(weight.low),) if weight.high is None else (np.asarray(weight.low), np.asarray(weight.high))
+        bits = 4 + len(planes) - 1
+        if weight.kind in TWO_LEVEL_KINDS:  # sc and m per chunk, d and dmin per super-block
+            scale_array, min_array, supers = weight.sub_scales, weight.sub_mins, (weight.d, weight.dmin)
+        else:  # Q5_0 / Q5_1: d per 32 k as the scales, Q5_1's m (added) as the mins
+            scale_array, min_array = weight.d, weight.dmin
     else:
         first, bits, group_size = weight.values, weight.bits, weight.group_size
         planes = (np.asarray(weight.values),)  # (a CPU array's own memory, not a copy)
@@ -129,14 +143,25 @@ def to_tiles(weight) -> TiledQuantizedWeight:
     for t0 in range(0, tiles, slab):
         t1 = min(tiles, t0 + slab)
         parts = [plane[:, t0 * TILE_COLUMNS : t1 * TILE_COLUMNS] for plane in planes]
+        five_bit = len(parts) == 2
         tiled[t0:t1] = _tile_five_bit(parts[0], parts[1], chunks) if five_bit else _tile_values(parts[0], bits, chunks)
+    small = [min_array, *supers]  # [G, N] or [G / 8, N] each, or None
+    mins, super_scales, super_mins = (None if a is None else _tile_columns(a) for a in small)
     scales = _tile_columns(scale_array)
-    mins = None if min_array is None else _tile_columns(min_array)
     if not isinstance(first, np.ndarray):  # placed as the weight's arrays are
         place = lambda array: jax.device_put(array, first.sharding)  # noqa: E731
-        tiled, scales, mins = place(tiled), place(scales), None if mins is None else place(mins)
+        maybe = lambda array: None if array is None else place(array)  # noqa: E731
+        tiled, scales = place(tiled), place(scales)
+        mins, super_scales, super_mins = maybe(mins), maybe(super_scales), maybe(super_mins)
     return TiledQuantizedWeight(
-        tiled, scales, mins, bits=bits, group_size=group_size, compute_dtype=weight.compute_dtype
+        tiled,
+        scales,
+        mins,
+        super_scales,
+        super_mins,
+        bits=bits,
+        group_size=group_size,
+        compute_dtype=weight.compute_dtype,
     )
 
 
@@ -165,25 +190,44 @@ def _tile_five_bit(low: np.ndarray, high: np.ndarray, chunks: int) -> np.ndarray
     return np.concatenate([nibbles, packed.transpose(2, 0, 3, 1).reshape(tiles, chunks, -1)], axis=-1)
 
 
-def untiled_five_bit(weight: TiledQuantizedWeight) -> kquant.KQuantWeight:
-    """The Q5_0 / Q5_1 KQuantWeight a 5-bit tiled weight came from, bit for bit (traceable)."""
+def holds_kquant(weight: TiledQuantizedWeight) -> bool:
+    """Whether tiles came from a KQuantWeight (5-bit, or two-level scales): untiled_kquant gives it back."""
+    return weight.bits == 5 or weight.super_scales is not None
+
+
+def untiled_kquant(weight: TiledQuantizedWeight) -> kquant.KQuantWeight:
+    """The Q5_0 / Q5_1 / Q4_K / Q5_K KQuantWeight tiles came from (holds_kquant), bit for bit (traceable)."""
     xp = np if isinstance(weight.values, np.ndarray) else jnp
     depth, columns = weight.shape
     nibbles = _tiled_nibbles(xp, weight.values[..., :NIBBLE_BYTES]).transpose(1, 2, 0, 3).reshape(depth, columns)
     pairs = nibbles.reshape(depth // 2, 2, columns)
     low = pairs[:, 0] | (pairs[:, 1] << 4)
-    bits = _tiled_bit4(xp, weight.values).transpose(1, 2, 0, 3).reshape(depth // 8, 8, columns)  # [K / 8, j, N]
-    high = bits[:, 0]
-    for j in range(1, 8):
-        high = high | (bits[:, j] << j)
+    high = None
+    if weight.bits == 5:
+        bits = _tiled_bit4(xp, weight.values).transpose(1, 2, 0, 3).reshape(depth // 8, 8, columns)  # [K / 8, j, N]
+        high = bits[:, 0]
+        for j in range(1, 8):
+            high = high | (bits[:, j] << j)
     untile = lambda a: a.transpose(1, 0, 2).reshape(a.shape[1], columns)  # noqa: E731
+    maybe = lambda a: None if a is None else untile(a)  # noqa: E731
+    if weight.super_scales is not None and weight.super_mins is not None:  # Q4_K / Q5_K
+        return kquant.KQuantWeight(
+            low=low,
+            high=high,
+            sub_scales=untile(weight.scales),
+            sub_mins=maybe(weight.mins),
+            d=untile(weight.super_scales),
+            dmin=untile(weight.super_mins),
+            kind="q5_k" if weight.bits == 5 else "q4_k",
+            compute_dtype=weight.compute_dtype,
+        )
     return kquant.KQuantWeight(
         low=low,
         high=high,
         sub_scales=None,
         sub_mins=None,
         d=untile(weight.scales),
-        dmin=None if weight.mins is None else untile(weight.mins),
+        dmin=maybe(weight.mins),
         kind="q5_0" if weight.mins is None else "q5_1",
         compute_dtype=weight.compute_dtype,
     )
@@ -228,9 +272,13 @@ def columns_dequantized(weight: TiledQuantizedWeight, column_ids, dtype=None):
         if weight.mins is None:
             q = q - (16.0 if weight.bits == 5 else 8.0)
     scales = weight.scales[tile, :, within].astype(jnp.float32)  # [T, G]
+    mins = None if weight.mins is None else weight.mins[tile, :, within].astype(jnp.float32)
+    if weight.super_scales is not None and weight.super_mins is not None and mins is not None:  # d * sc, -(dmin * m)
+        per_chunk = lambda a: jnp.repeat(a[tile, :, within].astype(jnp.float32), CHUNKS_PER_SUPER_BLOCK, axis=1)  # noqa: E731
+        scales, mins = per_chunk(weight.super_scales) * scales, -(per_chunk(weight.super_mins) * mins)
     w = q.reshape(-1, groups, depth // groups) * scales[:, :, None]
-    if weight.mins is not None:
-        w = w + weight.mins[tile, :, within].astype(jnp.float32)[:, :, None]
+    if mins is not None:
+        w = w + mins[:, :, None]
     # an id past the weight's columns: NaN, as jnp.take gives the [K, N] form's lookup (indexing would clamp)
     w = jnp.where((column_ids < weight.shape[1])[:, None, None], w, jnp.nan)
     return w.reshape(-1, depth).astype(dtype or weight.dtype)

@@ -1,8 +1,8 @@
 """Quantized weights in the int8-dot kernel's tiles (pallas_kernels/matmul/quantized_tiles.py,
 cpu_int8_dot_tiles.h): the layout round-trips bit for bit, the kernel computes a tiled weight's rows as the same
 bits as its [K, N] form at every row count and on every instruction path, XLA's reference and the embedding
-lookup read tiles, and weights without a tiled form are refused by name; GGUF Q5_0 / Q5_1 in 5-bit tiles, within
-float32 rounding of the integer model."""
+lookup read tiles, and weights without a tiled form are refused by name; GGUF Q5_0 / Q5_1 in 5-bit tiles and Q4_K /
+Q5_K in tiles with two-level scales, within float32 rounding of the integer model."""
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,8 @@ from pallas_kernels import cpu_library
 from pallas_kernels.matmul import REFERENCE_PLAN, choose_matmul, kquant, quantized, quantized_cpu, quantized_tiles
 from pallas_kernels.matmul.kquant import KQuantWeight
 from pallas_kernels.matmul.quantized import QuantizedWeight
-from tests.kernels.test_quantized_int8_dot import assert_matches_model
+from tests.kernels.test_kquant_matmul import int8_activation_model as kquant_int8_model
+from tests.kernels.test_quantized_int8_dot import FLOAT32_EPS, assert_matches_model
 from tests.kernels.test_quantized_matmul import random_weight
 from tests.support.gguf_files import random_blocks
 
@@ -142,26 +143,35 @@ def test_weights_without_a_tiled_form_are_refused_by_name():
             quantized_tiles.to_tiles(weight)
 
 
-def five_bit_weight(rng, depth: int, columns: int, qtype) -> KQuantWeight:
-    """A placed Q5_0 / Q5_1 KQuantWeight [depth, columns] from gguf's blocks of random values."""
-    raw = gguf_quantize(rng.standard_normal((columns, depth)).astype(np.float32), qtype)
+def kquant_weight(rng, depth: int, columns: int, qtype) -> KQuantWeight:
+    """A placed KQuantWeight [depth, columns]: gguf's Q5_0 / Q5_1 blocks of random values, or random K-quant blocks."""
+    if qtype in (T.Q5_0, T.Q5_1):
+        raw = gguf_quantize(rng.standard_normal((columns, depth)).astype(np.float32), qtype)
+    else:
+        raw = random_blocks((columns, depth), qtype, rng)
     return jax.tree.map(jnp.asarray, from_gguf_kquant_blocks(raw, qtype, "float32"))
 
 
 def as_int8(weight: KQuantWeight) -> QuantizedWeight:
-    """A Q5_0 / Q5_1 weight as the int8 QuantizedWeight of the same integers (q - 16, or q with Q5_1's m as mins)
-    and scales: what the kernel's integer model (test_quantized_int8_dot.py) takes."""
-    q = np.asarray(kquant.integers(weight)).astype(np.int8)
-    return QuantizedWeight(jnp.asarray(q), weight.d, weight.dmin, bits=8, group_size=32, compute_dtype="float32")
+    """A Q5_0 / Q5_1 weight as the int8 QuantizedWeight of the same integers, scales (d) and mins (Q5_1's m): what
+    the kernel's integer model (test_quantized_int8_dot.py) takes."""
+    q = jnp.asarray(np.asarray(kquant.integers(weight)).astype(np.int8))
+    mins = kquant.group_mins(weight)  # (subtracted)
+    return QuantizedWeight(q, kquant.group_scales(weight), None if mins is None else -mins, bits=8, group_size=32)
 
 
-@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1])
-def test_q5_weights_tile_at_their_bytes_and_come_back_bit_for_bit(qtype):
+# (kind, depth, columns, tiled bits, offset of the stored values): K-quants need K in whole 256-k super-blocks
+KQUANT_TILES = [(T.Q5_0, 96, 192, 5, 16), (T.Q5_1, 96, 192, 5, 0), (T.Q4_K, 256, 192, 4, 0), (T.Q5_K, 256, 128, 5, 0)]
+
+
+@pytest.mark.parametrize("qtype,depth,columns,bits,offset", KQUANT_TILES)
+def test_kquants_tile_at_their_bytes_and_come_back_bit_for_bit(qtype, depth, columns, bits, offset):
     rng = np.random.default_rng(int(qtype))
-    weight = five_bit_weight(rng, 96, 192, qtype)
+    weight = kquant_weight(rng, depth, columns, qtype)
     tiled = quantized_tiles.to_tiles(weight)
-    assert tiled.bits == 5 and tiled.values.shape == (3, 3, 1280) and tiled.nbytes == weight.nbytes
-    assert tiled.shape == weight.shape and (tiled.mins is None) == (qtype == T.Q5_0)
+    assert tiled.bits == bits and tiled.values.shape == (columns // 64, depth // 32, 64 * 32 * bits // 8)
+    assert tiled.shape == weight.shape and tiled.nbytes == weight.nbytes
+    assert (tiled.mins is None) == (qtype == T.Q5_0) and (tiled.super_scales is None) == (qtype in (T.Q5_0, T.Q5_1))
     for back in (quantized.untiled(tiled), jax.jit(quantized.untiled)(tiled)):
         assert isinstance(back, KQuantWeight) and back.kind == weight.kind
         for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(weight), strict=True):
@@ -169,42 +179,53 @@ def test_q5_weights_tile_at_their_bytes_and_come_back_bit_for_bit(qtype):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     host_tiled = quantized_tiles.to_tiles(jax.tree.map(np.asarray, weight))
     np.testing.assert_array_equal(host_tiled.values, np.asarray(tiled.values))
-    # byte order: the 4-bit block of the low nibbles, then bit 4 of k 8 p + 4 h + b of column c at bit 2 p + h of
-    # byte 1024 + 4 c + b
-    q = np.asarray(kquant.integers(weight)) + (16 if qtype == T.Q5_0 else 0)
-    chunk = np.asarray(tiled.values[2, 1])  # columns 128.., k 32..
+    # byte order: the 4-bit block of the low nibbles, then (5-bit) bit 4 of k 8 p + 4 h + b of column c at bit
+    # 2 p + h of byte 1024 + 4 c + b
+    q = np.asarray(kquant.integers(weight)) + offset
+    chunk = np.asarray(tiled.values[-1, 1])  # the last tile's columns, k 32..
     for p, h, b, c in ((0, 0, 0, 0), (3, 1, 3, 63), (1, 0, 2, 7), (2, 1, 1, 40)):
-        value = q[32 + 8 * p + 4 * h + b, 128 + c]
         nibble = chunk[256 * p + 4 * c + b] >> (4 * h) & 15
-        assert nibble | ((chunk[1024 + 4 * c + b] >> (2 * p + h) & 1) << 4) == value
+        if bits == 5:
+            nibble |= (chunk[1024 + 4 * c + b] >> (2 * p + h) & 1) << 4
+        assert nibble == q[32 + 8 * p + 4 * h + b, columns - 64 + c]
     # XLA's reference, the embedding lookup and dequantize read the tiles as the planes
-    x = jnp.asarray(rng.standard_normal((3, 96)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, depth)), jnp.float32)
     np.testing.assert_array_equal(
         np.asarray(jax.jit(REFERENCE_PLAN)(x, tiled)), np.asarray(jax.jit(REFERENCE_PLAN)(x, weight))
     )
-    ids = jnp.asarray([0, 63, 64, 191, 100, 192], jnp.int32)  # (192: past N, NaN as jnp.take gives)
+    ids = jnp.asarray([0, 63, 64, columns - 1, 100, columns], jnp.int32)  # (past N: NaN, as jnp.take gives)
     want = quantized.take_columns(weight, ids)
     np.testing.assert_array_equal(np.asarray(jax.jit(tiled.embedding_rows)(ids)), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(quantized.dequantize(tiled)), np.asarray(quantized.dequantize(weight)))
 
 
-def test_the_kernel_computes_q5_tiles_as_the_integer_model_on_every_path():
-    """Q5_0 and Q5_1 tiles joined with a Q8_0 one in one call (a Q4_K_M layer's q, k and v): within float32 rounding
-    of exact integer sums per chunk (the model of the int8 kernel, on the int8 weight of the same integers), at
-    decode, verify and prefill row counts, on each instruction path this CPU runs."""
+def test_the_kernel_computes_kquant_tiles_as_the_integer_model_on_every_path():
+    """Q5_0, Q5_1, Q4_K and Q5_K tiles joined with a Q8_0 one in one call (a Q4_K_M layer's q, k and v): within
+    float32 rounding of exact integer sums per chunk (the integer models of the int8 kernel, x's d and s in float16
+    as ggml's q8_0 / q8_1, and of the K-quant kernel, in float32 as q8_K), at decode, verify and prefill row
+    counts, on each instruction path this CPU runs."""
     rng = np.random.default_rng(7)
-    depth = 256
-    weights = (five_bit_weight(rng, depth, 192, T.Q5_0), five_bit_weight(rng, depth, 64, T.Q5_1))
+    depth = 512
+    weights = tuple(
+        kquant_weight(rng, depth, columns, qtype)
+        for qtype, columns in ((T.Q5_0, 192), (T.Q5_1, 64), (T.Q4_K, 128), (T.Q5_K, 64))
+    )
     q8 = random_weight(rng, depth, 128, 8, 32, jnp.float16, False)
     tiled = (*(quantized_tiles.to_tiles(w) for w in weights), quantized_tiles.to_tiles(q8))
-    models = (*(as_int8(w) for w in weights), q8)
     for path in cpu_library.runnable_paths():
         call = jax.jit(lambda x, ws, path=path: quantized_cpu.quantized_matmuls(x, ws, path=path))
         for num_rows in (1, 2, 3, 5, 9, 64, 70):
             x = rng.standard_normal((num_rows, depth)).astype(np.float32)
             x[0, 32:64] = 0.0  # a chunk of zeros: d = 0
-            for got, model in zip(call(jnp.asarray(x), tiled), models, strict=True):
-                assert_matches_model(got, x, model)
+            got = call(jnp.asarray(x), tiled)
+            for result, weight in zip(got[:-1], weights, strict=True):
+                if weight.kind in quantized_tiles.TWO_LEVEL_KINDS:  # q8_K's float32 d and integer sums, as ggml
+                    model, size, count = kquant_int8_model(x, weight)
+                    error = np.abs(np.asarray(result, np.float64) - model)
+                    assert np.all(error <= (count + 6) * FLOAT32_EPS * size + 1e-30), (path, weight.kind, num_rows)
+                else:  # q8_0 / q8_1's float16 d and s, as ggml's Q5_0 / Q5_1 dots
+                    assert_matches_model(result, x, as_int8(weight))
+            assert_matches_model(got[-1], x, q8)
 
 
 def test_q5_tiles_sum_the_largest_products_exactly():
@@ -224,10 +245,9 @@ def test_q5_tiles_sum_the_largest_products_exactly():
             np.testing.assert_array_equal(got, np.full((3, 64), (31 - offset) * 127.0 * depth), err_msg=path)
 
 
-def test_other_kquants_and_odd_widths_have_no_five_bit_tiles():
+def test_q6_k_and_odd_widths_have_no_kquant_tiles():
     rng = np.random.default_rng(13)
-    q4_k = from_gguf_kquant_blocks(random_blocks((64, 256), T.Q4_K, rng), T.Q4_K, "float32")
-    for weight in (five_bit_weight(rng, 64, 96, T.Q5_0), q4_k):
+    for weight in (kquant_weight(rng, 64, 96, T.Q5_0), kquant_weight(rng, 256, 64, T.Q6_K)):
         assert not quantized_tiles.can_tile(weight)
         with pytest.raises(ValueError, match="no tiled form"):
             quantized_tiles.to_tiles(weight)

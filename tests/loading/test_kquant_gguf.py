@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 from jaxserve import LLM, SamplingParams
 from jaxserve.loading.default_model import random_llama_weights
 from jaxserve.loading.gguf import GGUFFile
-from pallas_kernels.matmul import kquant_cpu
+from pallas_kernels.matmul import kquant_cpu, quantized_tiles
 from pallas_kernels.matmul.kquant import KQuantWeight
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 from tests.support.gguf_files import write_gguf
@@ -108,3 +108,25 @@ def test_orbax_saves_and_restores_the_planes(engines, tmp_path):
         for leaf, leaf_again in zip(jax.tree.leaves(weight), jax.tree.leaves(again[name]), strict=True):
             assert leaf.dtype == leaf_again.dtype and np.array_equal(np.asarray(leaf), np.asarray(leaf_again))
     assert [tokens for tokens, _ in _outputs(restored)] == [tokens for tokens, _ in _outputs(kept)]
+
+
+def test_int8_activations_read_the_kquants_in_tiles_and_stay_close(engines):
+    """The default int8 activations: on a one-device CPU engine Q4_K / Q5_K / Q5_0 / Q5_1 projections go into the
+    int8-dot kernel's tiles (quantized_tiles.py; N a multiple of 64 here), Q6_K keeps its planes (the K-quant
+    kernel), and the text stays that of x in float (`kept`) up to the activations' rounding."""
+    path, kept, _ = engines
+    llm = LLM(path, quantization="auto", **{**SMALL_ENGINE, "max_num_batched_tokens": 128})
+    params = _params(llm)
+    for layer in range(2):
+        for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert quantized_tiles.is_tiled(params[f"layers.{layer}.{module}.kernel"]), module
+        assert isinstance(params[f"layers.{layer}.self_attn.v_proj.kernel"], KQuantWeight)  # Q6_K
+    assert quantized_tiles.is_tiled(params["layers.1.mlp.down_proj.kernel"])  # Q5_K
+    assert params["layers.1.mlp.down_proj.kernel"].super_scales is not None
+    assert isinstance(params["layers.0.mlp.down_proj.kernel"], KQuantWeight)  # Q6_K
+    assert llm.stats()["weights_device_bytes"] == kept.stats()["weights_device_bytes"]  # the file's bytes, moved
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(_outputs(llm), _outputs(kept), strict=True):
+        assert tokens[0] == want_tokens[0]
+        # x rounded per 32 k moves logits of hundreds (random blocks) by ~0.1-1: logprobs near, not equal
+        assert logprobs[0][tokens[0]] == pytest.approx(want_logprobs[0][tokens[0]], abs=1.0)
+    assert llm.stats()["num_compiles_after_warmup"] == 0

@@ -45,7 +45,7 @@ struct Activations {
   std::vector<float> scale;   // [M, chunks]: d, as float16 holds it
   std::vector<float> sum;     // [M, chunks]: d * sum of q over the chunk, as float16 holds it
   std::vector<int32_t> qsum;  // [M, chunks]: sum of q over the chunk (a tiled walk's start, cpu_int8_dot_tiles.h)
-  // [M, chunks]: d, and d * sum of q, in float32: what ggml's q8_K holds (its d a float, its sums integers), the
+  // [M, chunks]: d, and d * sum of q, in float32: as ggml's q8_K holds them (a float d, per 256 there), the
   // activations of its Q4_K / Q5_K dots (the two-level tiles', cpu_int8_dot_tiles.h)
   std::vector<float> scale32, sum32;
   int64_t chunks_per_group = 0, chunks = 0;

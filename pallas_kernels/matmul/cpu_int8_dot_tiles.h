@@ -267,7 +267,7 @@ void TiledRowRun(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t ro
 #endif
         }
       }
-      // (two-level: q8_K's float32 d and sums, as ggml's Q4_K / Q5_K dots; else q8_0 / q8_1's float16 ones)
+      // (two-level: d and sums in float32, as ggml's q8_K for Q4_K / Q5_K dots; else q8_0 / q8_1's float16 ones)
       const VecF d = SplatF((kTwoLevel ? x.scale32 : x.scale)[row * x.chunks + chunk]);
       for (int j = 0; j < kTiledVectors; ++j) {
         VecF scale = LoadScales<ScaleType>(p.scales.data, scale_at + j * kTiledLanes);

@@ -202,7 +202,7 @@ def test_kquants_tile_at_their_bytes_and_come_back_bit_for_bit(qtype, depth, col
 def test_the_kernel_computes_kquant_tiles_as_the_integer_model_on_every_path():
     """Q5_0, Q5_1, Q4_K and Q5_K tiles joined with a Q8_0 one in one call (a Q4_K_M layer's q, k and v): within
     float32 rounding of exact integer sums per chunk (the integer models of the int8 kernel, x's d and s in float16
-    as ggml's q8_0 / q8_1, and of the K-quant kernel, in float32 as q8_K), at decode, verify and prefill row
+    as ggml's q8_0 / q8_1, and of the K-quant kernel, d in float32), at decode, verify and prefill row
     counts, on each instruction path this CPU runs."""
     rng = np.random.default_rng(7)
     depth = 512
@@ -219,7 +219,7 @@ def test_the_kernel_computes_kquant_tiles_as_the_integer_model_on_every_path():
             x[0, 32:64] = 0.0  # a chunk of zeros: d = 0
             got = call(jnp.asarray(x), tiled)
             for result, weight in zip(got[:-1], weights, strict=True):
-                if weight.kind in quantized_tiles.TWO_LEVEL_KINDS:  # q8_K's float32 d and integer sums, as ggml
+                if weight.kind in quantized_tiles.TWO_LEVEL_KINDS:  # d in float32 (the K-quant kernel's model)
                     model, size, count = kquant_int8_model(x, weight)
                     error = np.abs(np.asarray(result, np.float64) - model)
                     assert np.all(error <= (count + 6) * FLOAT32_EPS * size + 1e-30), (path, weight.kind, num_rows)

@@ -48,6 +48,7 @@ struct Activations {
   // [M, chunks]: d, and d * sum of q, in float32: as ggml's q8_K holds them (a float d, per 256 there), the
   // activations of its Q4_K / Q5_K dots (the two-level tiles', cpu_int8_dot_tiles.h)
   std::vector<float> scale32, sum32;
+  std::vector<int32_t> qsum16;  // [M, chunks]: sum of q over the chunk's first 16 k (Q6_K's sub-blocks of 16)
   int64_t chunks_per_group = 0, chunks = 0;
 };
 
@@ -111,6 +112,9 @@ inline void QuantizeRows(const FloatArray& x, int64_t r0, int64_t r1, int64_t de
       int32_t stored = 0;
       for (int64_t k = k0; k < k1; ++k) stored += a.q[r * depth + k];
       a.qsum[r * a.chunks + c] = stored;
+      int32_t first16 = 0;
+      for (int64_t k = k0; k < std::min(k1, k0 + 16); ++k) first16 += a.q[r * depth + k];
+      a.qsum16[r * a.chunks + c] = first16;
       a.scale32[r * a.chunks + c] = d;
       a.sum32[r * a.chunks + c] = d * float(stored);
     }
@@ -127,6 +131,7 @@ inline Activations Quantize(const FloatArray& x, int64_t rows, int64_t depth, in
   a.sum.resize(rows * a.chunks);
   a.qsum.resize(rows * a.chunks);
   a.scale32.resize(rows * a.chunks);
+  a.qsum16.resize(rows * a.chunks);
   a.sum32.resize(rows * a.chunks);
   constexpr int64_t kRowsPerItem = 16;  // (a decode step's few rows: one item, no helper woken)
   const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;

@@ -60,6 +60,7 @@ struct Problem {
   bool tiled = false;                                // the weight in tiles (cpu_int8_dot_tiles.h)
   // Two-level scales (GGUF Q4_K / Q5_K, tiled only): scales and mins are uint8 sc and m per chunk, these the
   // float16 d and dmin per 8 chunks (a super-block) [N / 64, G / 8, 64]: scale d * sc, min -(dmin * m)
+  // Q6_K (6-bit tiles): scales int8 sc per 16 k, two rows [N / 64, 2G, 64] per chunk, d per 8 chunks, no mins
   FloatArray super_scales = {}, super_mins = {};
   bool two_level() const { return super_scales.data != nullptr; }
 };

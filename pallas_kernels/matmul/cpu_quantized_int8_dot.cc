@@ -186,6 +186,8 @@ inline void RunPiece(const Piece& piece, int64_t r_begin, int64_t r_end, bool fi
       TiledItem<8>(p, piece.c0, piece.width, piece.g0, piece.g1, piece.out, piece.out_stride, r_begin, r_end);
     } else if (p.bits == 5) {
       TiledItem<5>(p, piece.c0, piece.width, piece.g0, piece.g1, piece.out, piece.out_stride, r_begin, r_end);
+    } else if (p.bits == 6) {
+      TiledItem<6>(p, piece.c0, piece.width, piece.g0, piece.g1, piece.out, piece.out_stride, r_begin, r_end);
     } else {
       TiledItem<4>(p, piece.c0, piece.width, piece.g0, piece.g1, piece.out, piece.out_stride, r_begin, r_end);
     }
@@ -366,16 +368,18 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
     const auto v_dims = values->dimensions(), s_dims = scales->dimensions(), m_dims = mins->dimensions();
     // [K, N] (2-d), or tiled (3-d): values [N / 64, K / 32, chunk bytes], scales [N / 64, G, 64]
     const bool tiled = v_dims.size() == 3;
-    if (bits[i] != 8 && bits[i] != 4 && !(bits[i] == 5 && tiled)) {
-      return ffi::Error::InvalidArgument("quantized_int8_dot: bits must be 8 or 4 (or 5, tiled)");
+    if (bits[i] != 8 && bits[i] != 4 && !((bits[i] == 5 || bits[i] == 6) && tiled)) {
+      return ffi::Error::InvalidArgument("quantized_int8_dot: bits must be 8 or 4 (or 5 or 6, tiled)");
     }
+    // Q6_K tiles: two int8 scale rows a chunk ([N / 64, 2 (K / 32), 64]); the problem's groups are the chunks
+    const int64_t scale_rows = bits[i] == 6 ? 2 : 1;
     const ffi::DataType value_type = bits[i] == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
     if (v_dims.size() != s_dims.size() || (v_dims.size() != 2 && !tiled) ||
         (tiled && (s_dims[2] != kTiledColumns || s_dims[0] != v_dims[0]))) {
       return ffi::Error::InvalidArgument("quantized_int8_dot: values and scales must be 2-d, or tiled 3-d");
     }
     const int64_t columns = tiled ? v_dims[0] * kTiledColumns : v_dims[1];
-    const int64_t num_groups = tiled ? s_dims[1] : s_dims[0];
+    const int64_t num_groups = (tiled ? s_dims[1] : s_dims[0]) / scale_rows;
     const bool depth_fits = tiled ? v_dims[1] * kChunk == depth && v_dims[2] == TiledChunkBytes(int(bits[i]))
                                   : v_dims[0] * (8 / bits[i]) == depth && s_dims[1] == columns;
     if (values->element_type() != value_type || !depth_fits || num_groups < 1 || depth % num_groups ||
@@ -384,20 +388,25 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
       return ffi::Error::InvalidArgument("quantized_int8_dot: inconsistent shapes or types");
     }
     const ffi::DataType scale_type = scales->element_type();
-    // two-level (Q4_K / Q5_K tiles): uint8 sc and m per chunk, float16 d and dmin [N / 64, G / 8, 64]
-    const bool two_level = scale_type == ffi::DataType::U8;
+    // two-level (Q4_K / Q5_K tiles): uint8 sc and m per chunk, float16 d and dmin [N / 64, G / 8, 64]; Q6_K
+    // tiles: int8 sc per 16 k, float16 d, no mins
+    const bool two_level = scale_type == ffi::DataType::U8 || scale_type == ffi::DataType::S8;
     if (two_level) {
       const auto d_dims = super_scales->dimensions(), dmin_dims = super_mins->dimensions();
-      const bool fits = tiled && has_mins[i] && (bits[i] == 4 || bits[i] == 5) && num_groups % 8 == 0 &&
-                        depth / num_groups == kChunk && d_dims.size() == 3 && d_dims[0] == s_dims[0] &&
-                        d_dims[1] * 8 == num_groups && d_dims[2] == kTiledColumns &&
-                        std::equal(d_dims.begin(), d_dims.end(), dmin_dims.begin(), dmin_dims.end()) &&
-                        super_scales->element_type() == ffi::DataType::F16 &&
-                        super_mins->element_type() == ffi::DataType::F16;
+      const bool q6_k = scale_type == ffi::DataType::S8;
+      const bool kind_fits = q6_k ? bits[i] == 6 && !has_mins[i] : (bits[i] == 4 || bits[i] == 5) && has_mins[i];
+      const bool mins_fit = q6_k || (std::equal(d_dims.begin(), d_dims.end(), dmin_dims.begin(), dmin_dims.end()) &&
+                                     super_mins->element_type() == ffi::DataType::F16);
+      const bool fits = tiled && kind_fits && mins_fit && num_groups % 8 == 0 && depth / num_groups == kChunk &&
+                        d_dims.size() == 3 && d_dims[0] == s_dims[0] && d_dims[1] * 8 == num_groups &&
+                        d_dims[2] == kTiledColumns && super_scales->element_type() == ffi::DataType::F16;
       if (!fits) {
         return ffi::Error::InvalidArgument(
-            "quantized_int8_dot: two-level scales are tiled 4- or 5-bit with mins, float16 d and dmin per 8 chunks");
+            "quantized_int8_dot: two-level scales are tiled 4- or 5-bit with mins (uint8) or 6-bit without (int8), "
+            "float16 d (and dmin) per 8 chunks");
       }
+    } else if (bits[i] == 6) {
+      return ffi::Error::InvalidArgument("quantized_int8_dot: 6-bit tiles take int8 sub-block scales");
     } else if (scale_type != ffi::DataType::F32 && scale_type != ffi::DataType::F16 &&
                scale_type != ffi::DataType::BF16) {
       return ffi::Error::InvalidArgument("quantized_int8_dot: scales must be float32, float16 or bfloat16");
@@ -423,7 +432,7 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
                                tiled});
     if (two_level) {
       problems.back().super_scales = FloatArray{super_scales->untyped_data(), ffi::DataType::F16};
-      problems.back().super_mins = FloatArray{super_mins->untyped_data(), ffi::DataType::F16};
+      if (has_mins[i]) problems.back().super_mins = FloatArray{super_mins->untyped_data(), ffi::DataType::F16};
     }
   }
   const int64_t num_workers = std::max<int64_t>(1, pool.num_threads());

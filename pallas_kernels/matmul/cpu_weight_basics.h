@@ -77,6 +77,11 @@ struct FloatArray {
         for (int64_t i = 0; i < count; ++i) out[i] = float(in[i]);
         break;
       }
+      case xla::ffi::DataType::S8: {  // (Q6_K's sub-block scales)
+        const auto* in = static_cast<const int8_t*>(data) + offset;
+        for (int64_t i = 0; i < count; ++i) out[i] = float(in[i]);
+        break;
+      }
       default:
         std::memcpy(out, static_cast<const float*>(data) + offset, count * sizeof(float));
     }

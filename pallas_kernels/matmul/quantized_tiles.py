@@ -10,6 +10,9 @@ sequential read with no shuffles, issue 25).
             [N / 64, K / 32, 1280] uint8  (bits 5: the 4-bit block of q's low 4 bits, then 256 bytes of bit 4:
                                            byte 1024 + 4 c + b's bit 2 p + h is k 32 i + 8 p + 4 h + b's;
                                            offset 16 where there are no mins)
+            [N / 64, K / 32, 1536] uint8  (bits 6, Q6_K: the 4-bit block, then two 256-byte blocks of bits 4-5:
+                                           byte 1024 + 256 (s / 4) + 4 c + b holds at bits 2 (s % 4) .. + 1
+                                           those of k 32 i + 8 p + 4 h + b, s = 2 p + h; offset 32)
     scales  [N / 64, G, 64], mins the same or None
 
 5-bit tiles hold GGUF Q5_0 / Q5_1 (kquant.py's KQuantWeight of those kinds: d per 32 k, Q5_1's m added as mins), at
@@ -17,7 +20,8 @@ the file's bytes: a small model's Q4_K_M / Q5_K_M file is mostly these where K i
 576), and the K-quant kernel's walk over their [K, N] planes read ~0.25 of a stream at one row (issue 25).
 GGUF Q4_K and Q5_K take 4- and 5-bit tiles with TWO-LEVEL scales: scales and mins the uint8 sub-block sc and m
 [N / 64, G, 64], super_scales and super_mins the float16 d and dmin per super-block of 8 chunks [N / 64, G / 8, 64]
-(w = d * sc * q - dmin * m). Q6_K (16-k sub-blocks, 6 bits) keeps its planes and the K-quant kernel.
+(w = d * sc * q - dmin * m). GGUF Q6_K takes 6-bit tiles with int8 sc per 16 k as scales [N / 64, K / 16, 64]
+(two rows a chunk) and its d as super_scales, no mins (w = d * sc * (q - 32)).
 
 A weight type of its own, as ColumnPanels is for float weights (panels.py): a one-device CPU engine's projections
 (and a quantized tied embedding, the head it also is) are moved into tiles at load (device/panel_weights.py), the
@@ -41,9 +45,8 @@ TILE_COLUMNS = 64  # cpu_int8_dot_tiles.h's kTiledColumns
 CHUNK = 32  # k per block (the kernel's activation chunk, ggml's QK8_0)
 NIBBLE_BYTES = TILE_COLUMNS * CHUNK // 2  # a 4- or 5-bit chunk's low nibbles; a 5-bit one's bit 4 after them
 FIVE_BIT_KINDS = ("q5_0", "q5_1")  # the KQuantWeight kinds with a 5-bit tiled form
-TWO_LEVEL_KINDS = ("q4_k", "q5_k")  # the KQuantWeight kinds with a tiled form of two-level scales
+TWO_LEVEL_KINDS = ("q4_k", "q5_k", "q6_k")  # the KQuantWeight kinds with a tiled form of two-level scales
 KQUANT_KINDS = FIVE_BIT_KINDS + TWO_LEVEL_KINDS
-CHUNKS_PER_SUPER_BLOCK = kquant.SUPER_BLOCK // CHUNK
 
 
 @jax.tree_util.register_dataclass
@@ -54,7 +57,8 @@ class TiledQuantizedWeight:
     values: jax.Array | np.ndarray  # [N / 64, K / 32, chunk bytes]
     scales: jax.Array | np.ndarray  # [N / 64, G, 64]
     mins: jax.Array | np.ndarray | None  # like scales, or None
-    # two-level (Q4_K / Q5_K): float16 d and dmin [N / 64, G / 8, 64], scales and mins then uint8 sc and m
+    # two-level (Q4_K / Q5_K): float16 d and dmin [N / 64, K / 256, 64], scales and mins then uint8 sc and m;
+    # Q6_K: d, scales int8 sc [N / 64, K / 16, 64], no mins
     super_scales: jax.Array | np.ndarray | None = None
     super_mins: jax.Array | np.ndarray | None = None
     bits: int = dataclasses.field(metadata=dict(static=True), default=8)
@@ -100,7 +104,7 @@ def chunk_bytes(bits: int) -> int:
 
 def can_tile(weight) -> bool:
     """Whether a QuantizedWeight (quantized.py) has a tiled form: 2-d, N a multiple of 64, groups of whole chunks;
-    or a 2-d Q5_0 / Q5_1 / Q4_K / Q5_K KQuantWeight with N a multiple of 64."""
+    or a 2-d Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K KQuantWeight with N a multiple of 64."""
     if isinstance(weight, kquant.KQuantWeight):
         return weight.kind in KQUANT_KINDS and weight.low.ndim == 2 and weight.shape[1] % TILE_COLUMNS == 0
     if weight.values.ndim != 2 or weight.bits not in (4, 8):
@@ -116,8 +120,8 @@ SLAB_BYTES = 16 << 20
 
 
 def to_tiles(weight) -> TiledQuantizedWeight:
-    """A [K, N] QuantizedWeight, or a Q5_0 / Q5_1 / Q4_K / Q5_K KQuantWeight (can_tile), in tiles: numpy for numpy,
-    else placed as the weight's arrays are."""
+    """A [K, N] QuantizedWeight, or a Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K KQuantWeight (can_tile), in tiles: numpy for
+    numpy, else placed as the weight's arrays are."""
     if not can_tile(weight):
         if isinstance(weight, kquant.KQuantWeight):
             raise ValueError(f"a {weight.kind} weight {weight.shape} has no tiled form")
@@ -125,9 +129,9 @@ def to_tiles(weight) -> TiledQuantizedWeight:
     kquants = isinstance(weight, kquant.KQuantWeight)
     supers = (None, None)
     if kquants:
-        first, group_size = weight.low, CHUNK
+        first, group_size = weight.low, kquant.SUB_BLOCK[weight.kind]
         planes = (np.asarray(weight.low),) if weight.high is None else (np.asarray(weight.low), np.asarray(weight.high))
-        bits = 4 + len(planes) - 1
+        bits = 4 + kquant.HIGH_BITS[weight.kind]
         if weight.kind in TWO_LEVEL_KINDS:  # sc and m per chunk, d and dmin per super-block
             scale_array, min_array, supers = weight.sub_scales, weight.sub_mins, (weight.d, weight.dmin)
         else:  # Q5_0 / Q5_1: d per 32 k as the scales, Q5_1's m (added) as the mins
@@ -143,8 +147,12 @@ def to_tiles(weight) -> TiledQuantizedWeight:
     for t0 in range(0, tiles, slab):
         t1 = min(tiles, t0 + slab)
         parts = [plane[:, t0 * TILE_COLUMNS : t1 * TILE_COLUMNS] for plane in planes]
-        five_bit = len(parts) == 2
-        tiled[t0:t1] = _tile_five_bit(parts[0], parts[1], chunks) if five_bit else _tile_values(parts[0], bits, chunks)
+        if bits == 5:
+            tiled[t0:t1] = _tile_five_bit(parts[0], parts[1], chunks)
+        elif bits == 6:
+            tiled[t0:t1] = _tile_six_bit(parts[0], parts[1], chunks)
+        else:
+            tiled[t0:t1] = _tile_values(parts[0], bits, chunks)
     small = [min_array, *supers]  # [G, N] or [G / 8, N] each, or None
     mins, super_scales, super_mins = (None if a is None else _tile_columns(a) for a in small)
     scales = _tile_columns(scale_array)
@@ -190,19 +198,37 @@ def _tile_five_bit(low: np.ndarray, high: np.ndarray, chunks: int) -> np.ndarray
     return np.concatenate([nibbles, packed.transpose(2, 0, 3, 1).reshape(tiles, chunks, -1)], axis=-1)
 
 
+def _tile_six_bit(low: np.ndarray, high: np.ndarray, chunks: int) -> np.ndarray:
+    """A Q6_K KQuantWeight's planes of 64 t columns (low [K / 2, 64 t], high [K / 4, 64 t]: kquant.py) -> their t
+    tiles' 6-bit blocks [t, K / 32, 1536]."""
+    tiles = low.shape[1] // TILE_COLUMNS
+    nibbles = _tile_values(low, 4, chunks)
+    top = _unpack_two_bits(np, high)  # [K, 64 t] 0..3
+    grid = top.reshape(chunks, 2, 4, 4, tiles, TILE_COLUMNS)  # [i, s / 4, s % 4, b, t, c]
+    packed = np.zeros((chunks, 2, 4, tiles, TILE_COLUMNS), np.uint8)  # [i, s / 4, b, t, c]
+    for s in range(4):
+        packed |= grid[:, :, s] << (2 * s)
+    return np.concatenate([nibbles, packed.transpose(3, 0, 1, 4, 2).reshape(tiles, chunks, -1)], axis=-1)
+
+
 def holds_kquant(weight: TiledQuantizedWeight) -> bool:
-    """Whether tiles came from a KQuantWeight (5-bit, or two-level scales): untiled_kquant gives it back."""
-    return weight.bits == 5 or weight.super_scales is not None
+    """Whether tiles came from a KQuantWeight (5- or 6-bit, or two-level scales): untiled_kquant gives it back."""
+    return weight.bits in (5, 6) or weight.super_scales is not None
 
 
 def untiled_kquant(weight: TiledQuantizedWeight) -> kquant.KQuantWeight:
-    """The Q5_0 / Q5_1 / Q4_K / Q5_K KQuantWeight tiles came from (holds_kquant), bit for bit (traceable)."""
+    """The Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K KQuantWeight tiles came from (holds_kquant), bit for bit (traceable)."""
     xp = np if isinstance(weight.values, np.ndarray) else jnp
     depth, columns = weight.shape
     nibbles = _tiled_nibbles(xp, weight.values[..., :NIBBLE_BYTES]).transpose(1, 2, 0, 3).reshape(depth, columns)
     pairs = nibbles.reshape(depth // 2, 2, columns)
     low = pairs[:, 0] | (pairs[:, 1] << 4)
     high = None
+    if weight.bits == 6:
+        tops = _tiled_top_bits(xp, weight.values).transpose(1, 2, 0, 3).reshape(depth // 4, 4, columns)  # [K / 4, j, N]
+        high = tops[:, 0]
+        for j in range(1, 4):
+            high = high | (tops[:, j] << (2 * j))
     if weight.bits == 5:
         bits = _tiled_bit4(xp, weight.values).transpose(1, 2, 0, 3).reshape(depth // 8, 8, columns)  # [K / 8, j, N]
         high = bits[:, 0]
@@ -210,15 +236,15 @@ def untiled_kquant(weight: TiledQuantizedWeight) -> kquant.KQuantWeight:
             high = high | (bits[:, j] << j)
     untile = lambda a: a.transpose(1, 0, 2).reshape(a.shape[1], columns)  # noqa: E731
     maybe = lambda a: None if a is None else untile(a)  # noqa: E731
-    if weight.super_scales is not None and weight.super_mins is not None:  # Q4_K / Q5_K
+    if weight.super_scales is not None:  # Q4_K / Q5_K / Q6_K
         return kquant.KQuantWeight(
             low=low,
             high=high,
             sub_scales=untile(weight.scales),
             sub_mins=maybe(weight.mins),
             d=untile(weight.super_scales),
-            dmin=untile(weight.super_mins),
-            kind="q5_k" if weight.bits == 5 else "q4_k",
+            dmin=maybe(weight.super_mins),
+            kind={4: "q4_k", 5: "q5_k", 6: "q6_k"}[weight.bits],
             compute_dtype=weight.compute_dtype,
         )
     return kquant.KQuantWeight(
@@ -268,14 +294,22 @@ def columns_dequantized(weight: TiledQuantizedWeight, column_ids, dtype=None):
             picked_high = high[tile, :, within, :]  # [T, i, b]: bit 2 p + h is k 32 i + 8 p + 4 h + b's
             bit4 = jnp.stack([(picked_high >> s) & 1 for s in range(8)], axis=-2)  # [T, i, s, b]
             q = q | (bit4.reshape(-1, depth) << 4)
+        if weight.bits == 6:
+            high = weight.values[..., NIBBLE_BYTES:].reshape(weight.values.shape[0], depth // CHUNK, 2, TILE_COLUMNS, 4)
+            picked_high = high[tile, :, :, within, :]  # [T, i, s / 4, b]: bits 2 (s % 4) of k 32 i + 4 s + b
+            top = jnp.stack([(picked_high >> (2 * s)) & 3 for s in range(4)], axis=-2)  # [T, i, s / 4, s % 4, b]
+            q = q | (top.reshape(-1, depth) << 4)
         q = q.astype(jnp.float32)
         if weight.mins is None:
-            q = q - (16.0 if weight.bits == 5 else 8.0)
+            q = q - {4: 8.0, 5: 16.0, 6: 32.0}[weight.bits]
     scales = weight.scales[tile, :, within].astype(jnp.float32)  # [T, G]
     mins = None if weight.mins is None else weight.mins[tile, :, within].astype(jnp.float32)
-    if weight.super_scales is not None and weight.super_mins is not None and mins is not None:  # d * sc, -(dmin * m)
-        per_chunk = lambda a: jnp.repeat(a[tile, :, within].astype(jnp.float32), CHUNKS_PER_SUPER_BLOCK, axis=1)  # noqa: E731
-        scales, mins = per_chunk(weight.super_scales) * scales, -(per_chunk(weight.super_mins) * mins)
+    if weight.super_scales is not None:  # d * sc, -(dmin * m)
+        per_super = groups // weight.super_scales.shape[1]
+        per_group = lambda a: jnp.repeat(a[tile, :, within].astype(jnp.float32), per_super, axis=1)  # noqa: E731
+        scales = per_group(weight.super_scales) * scales
+        if weight.super_mins is not None and mins is not None:
+            mins = -(per_group(weight.super_mins) * mins)
     w = q.reshape(-1, groups, depth // groups) * scales[:, :, None]
     if mins is not None:
         w = w + mins[:, :, None]
@@ -306,6 +340,20 @@ def _unpack_bits(xp, high):
     """uint8 [K / 8, N] (row 8 i + j at bit j) -> [K, N] of 0 / 1."""
     eighth, columns = high.shape
     return xp.stack([(high >> j) & 1 for j in range(8)], axis=1).reshape(8 * eighth, columns)
+
+
+def _unpack_two_bits(xp, high):
+    """uint8 [K / 4, N] (row 4 i + j at bits 2 j .. 2 j + 1) -> [K, N] of 0..3."""
+    quarter, columns = high.shape
+    return xp.stack([(high >> (2 * j)) & 3 for j in range(4)], axis=1).reshape(4 * quarter, columns)
+
+
+def _tiled_top_bits(xp, values):
+    """Tiled 6-bit values [t, i, 1536] -> bits 4-5 of each value [t, i, 32, 64] ([tile, chunk, k, column])."""
+    tiles, chunks, _ = values.shape
+    grid = values[..., NIBBLE_BYTES:].reshape(tiles, chunks, 2, TILE_COLUMNS, 4)  # [t, i, s / 4, c, b]
+    tops = xp.stack([(grid >> (2 * s)) & 3 for s in range(4)], axis=3)  # [t, i, s / 4, s % 4, c, b]: k 4 s + b
+    return tops.transpose(0, 1, 2, 3, 5, 4).reshape(tiles, chunks, CHUNK, TILE_COLUMNS)
 
 
 def _tiled_bit4(xp, values):

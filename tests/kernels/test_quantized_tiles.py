@@ -2,7 +2,7 @@
 cpu_int8_dot_tiles.h): the layout round-trips bit for bit, the kernel computes a tiled weight's rows as the same
 bits as its [K, N] form at every row count and on every instruction path, XLA's reference and the embedding
 lookup read tiles, and weights without a tiled form are refused by name; GGUF Q5_0 / Q5_1 in 5-bit tiles and Q4_K /
-Q5_K in tiles with two-level scales, within float32 rounding of the integer model."""
+Q5_K / Q6_K in tiles with two-level scales, within float32 rounding of the integer models."""
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +162,7 @@ def as_int8(weight: KQuantWeight) -> QuantizedWeight:
 
 # (kind, depth, columns, tiled bits, offset of the stored values): K-quants need K in whole 256-k super-blocks
 KQUANT_TILES = [(T.Q5_0, 96, 192, 5, 16), (T.Q5_1, 96, 192, 5, 0), (T.Q4_K, 256, 192, 4, 0), (T.Q5_K, 256, 128, 5, 0)]
+KQUANT_TILES += [(T.Q6_K, 256, 128, 6, 32)]
 
 
 @pytest.mark.parametrize("qtype,depth,columns,bits,offset", KQUANT_TILES)
@@ -171,7 +172,8 @@ def test_kquants_tile_at_their_bytes_and_come_back_bit_for_bit(qtype, depth, col
     tiled = quantized_tiles.to_tiles(weight)
     assert tiled.bits == bits and tiled.values.shape == (columns // 64, depth // 32, 64 * 32 * bits // 8)
     assert tiled.shape == weight.shape and tiled.nbytes == weight.nbytes
-    assert (tiled.mins is None) == (qtype == T.Q5_0) and (tiled.super_scales is None) == (qtype in (T.Q5_0, T.Q5_1))
+    assert (tiled.mins is None) == (qtype in (T.Q5_0, T.Q6_K))
+    assert (tiled.super_scales is None) == (qtype in (T.Q5_0, T.Q5_1))
     for back in (quantized.untiled(tiled), jax.jit(quantized.untiled)(tiled)):
         assert isinstance(back, KQuantWeight) and back.kind == weight.kind
         for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(weight), strict=True):
@@ -180,13 +182,17 @@ def test_kquants_tile_at_their_bytes_and_come_back_bit_for_bit(qtype, depth, col
     host_tiled = quantized_tiles.to_tiles(jax.tree.map(np.asarray, weight))
     np.testing.assert_array_equal(host_tiled.values, np.asarray(tiled.values))
     # byte order: the 4-bit block of the low nibbles, then (5-bit) bit 4 of k 8 p + 4 h + b of column c at bit
-    # 2 p + h of byte 1024 + 4 c + b
+    # 2 p + h of byte 1024 + 4 c + b; (6-bit) its bits 4-5 at bits 2 (s % 4) of byte 1024 + 256 (s / 4) + 4 c + b,
+    # s = 2 p + h
     q = np.asarray(kquant.integers(weight)) + offset
     chunk = np.asarray(tiled.values[-1, 1])  # the last tile's columns, k 32..
     for p, h, b, c in ((0, 0, 0, 0), (3, 1, 3, 63), (1, 0, 2, 7), (2, 1, 1, 40)):
         nibble = chunk[256 * p + 4 * c + b] >> (4 * h) & 15
         if bits == 5:
             nibble |= (chunk[1024 + 4 * c + b] >> (2 * p + h) & 1) << 4
+        if bits == 6:
+            s = 2 * p + h
+            nibble |= (chunk[1024 + 256 * (s // 4) + 4 * c + b] >> (2 * (s % 4)) & 3) << 4
         assert nibble == q[32 + 8 * p + 4 * h + b, columns - 64 + c]
     # XLA's reference, the embedding lookup and dequantize read the tiles as the planes
     x = jnp.asarray(rng.standard_normal((3, depth)), jnp.float32)
@@ -200,7 +206,7 @@ def test_kquants_tile_at_their_bytes_and_come_back_bit_for_bit(qtype, depth, col
 
 
 def test_the_kernel_computes_kquant_tiles_as_the_integer_model_on_every_path():
-    """Q5_0, Q5_1, Q4_K and Q5_K tiles joined with a Q8_0 one in one call (a Q4_K_M layer's q, k and v): within
+    """Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tiles joined with a Q8_0 one in one call (a Q4_K_M layer's q, k and v): within
     float32 rounding of exact integer sums per chunk (the integer models of the int8 kernel, x's d and s in float16
     as ggml's q8_0 / q8_1, and of the K-quant kernel, d in float32), at decode, verify and prefill row
     counts, on each instruction path this CPU runs."""
@@ -208,7 +214,7 @@ def test_the_kernel_computes_kquant_tiles_as_the_integer_model_on_every_path():
     depth = 512
     weights = tuple(
         kquant_weight(rng, depth, columns, qtype)
-        for qtype, columns in ((T.Q5_0, 192), (T.Q5_1, 64), (T.Q4_K, 128), (T.Q5_K, 64))
+        for qtype, columns in ((T.Q5_0, 192), (T.Q5_1, 64), (T.Q4_K, 128), (T.Q5_K, 64), (T.Q6_K, 128))
     )
     q8 = random_weight(rng, depth, 128, 8, 32, jnp.float16, False)
     tiled = (*(quantized_tiles.to_tiles(w) for w in weights), quantized_tiles.to_tiles(q8))
@@ -228,26 +234,33 @@ def test_the_kernel_computes_kquant_tiles_as_the_integer_model_on_every_path():
             assert_matches_model(got[-1], x, q8)
 
 
-def test_q5_tiles_sum_the_largest_products_exactly():
-    """Every value 31 and every x 127 (d = 1): a chunk's products reach 7874 per int16 pair, which four pairs of
-    nibbles summed in int16 would overflow (the avx2 path widens every two): the exact integer sum, each path."""
+def test_5_and_6_bit_tiles_sum_the_largest_products_exactly():
+    """Every value the largest (31; Q6_K 63) and every x 127 (d = 1): a chunk's products reach 7874 (16002) per int16
+    pair, which four pairs of nibbles summed in int16 would overflow (the avx2 path widens every two pairs; 6-bit
+    every pair): the exact integer sum, each path."""
     depth = 256
     low, high = np.full((depth // 2, 64), 0xFF, np.uint8), np.full((depth // 8, 64), 0xFF, np.uint8)
     ones = jnp.ones((depth // 32, 64), jnp.float16)
     x = jnp.full((3, depth), 127.0, jnp.float32)
-    for mins, offset in ((None, 16), (jnp.zeros_like(ones), 0)):
-        weight = KQuantWeight(
-            jnp.asarray(low), jnp.asarray(high), None, None, ones, mins, kind="q5_0" if mins is None else "q5_1"
-        )
+    weights = [KQuantWeight(jnp.asarray(low), jnp.asarray(high), None, None, ones, None, kind="q5_0")]
+    weights.append(
+        KQuantWeight(jnp.asarray(low), jnp.asarray(high), None, None, ones, jnp.zeros_like(ones), kind="q5_1")
+    )
+    top = jnp.asarray(np.full((depth // 4, 64), 0xFF, np.uint8))
+    sc = jnp.ones((depth // 16, 64), jnp.int8)
+    weights.append(KQuantWeight(jnp.asarray(low), top, sc, None, jnp.ones((1, 64), jnp.float16), None, kind="q6_k"))
+    for weight, value in zip(weights, (31 - 16, 31, 63 - 32), strict=True):
         tiled = quantized_tiles.to_tiles(weight)
         for path in cpu_library.runnable_paths():
             got = np.asarray(quantized_cpu.quantized_matmuls(x, (tiled,), path=path)[0])
-            np.testing.assert_array_equal(got, np.full((3, 64), (31 - offset) * 127.0 * depth), err_msg=path)
+            np.testing.assert_array_equal(got, np.full((3, 64), value * 127.0 * depth), err_msg=f"{weight.kind} {path}")
 
 
-def test_q6_k_and_odd_widths_have_no_kquant_tiles():
+def test_odd_widths_and_stacked_experts_have_no_kquant_tiles():
     rng = np.random.default_rng(13)
-    for weight in (kquant_weight(rng, 64, 96, T.Q5_0), kquant_weight(rng, 256, 64, T.Q6_K)):
+    q6_k = kquant_weight(rng, 256, 64, T.Q6_K)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), q6_k)  # [2, K, N]: experts keep their planes
+    for weight in (kquant_weight(rng, 64, 96, T.Q5_0), kquant_weight(rng, 256, 32, T.Q6_K), stacked):
         assert not quantized_tiles.can_tile(weight)
         with pytest.raises(ValueError, match="no tiled form"):
             quantized_tiles.to_tiles(weight)

@@ -111,19 +111,17 @@ def test_orbax_saves_and_restores_the_planes(engines, tmp_path):
 
 
 def test_int8_activations_read_the_kquants_in_tiles_and_stay_close(engines):
-    """The default int8 activations: on a one-device CPU engine Q4_K / Q5_K / Q5_0 / Q5_1 projections go into the
-    int8-dot kernel's tiles (quantized_tiles.py; N a multiple of 64 here), Q6_K keeps its planes (the K-quant
-    kernel), and the text stays that of x in float (`kept`) up to the activations' rounding."""
+    """The default int8 activations: on a one-device CPU engine every K-quant projection, the head and the embedding
+    go into the int8-dot kernel's tiles (quantized_tiles.py; N a multiple of 64 here) with their bits and
+    scales, and the text stays that of x in float (`kept`, the K-quant kernel on the planes) up to the
+    activations' rounding."""
     path, kept, _ = engines
     llm = LLM(path, quantization="auto", **{**SMALL_ENGINE, "max_num_batched_tokens": 128})
     params = _params(llm)
-    for layer in range(2):
-        for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"):
-            assert quantized_tiles.is_tiled(params[f"layers.{layer}.{module}.kernel"]), module
-        assert isinstance(params[f"layers.{layer}.self_attn.v_proj.kernel"], KQuantWeight)  # Q6_K
-    assert quantized_tiles.is_tiled(params["layers.1.mlp.down_proj.kernel"])  # Q5_K
-    assert params["layers.1.mlp.down_proj.kernel"].super_scales is not None
-    assert isinstance(params["layers.0.mlp.down_proj.kernel"], KQuantWeight)  # Q6_K
+    bits = {"q4_k": 4, "q5_k": 5, "q6_k": 6, "q5_0": 5, "q5_1": 5}
+    for name, weight in _params(kept).items():
+        if isinstance(weight, KQuantWeight):
+            assert quantized_tiles.is_tiled(params[name]) and params[name].bits == bits[weight.kind], name
     assert llm.stats()["weights_device_bytes"] == kept.stats()["weights_device_bytes"]  # the file's bytes, moved
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(_outputs(llm), _outputs(kept), strict=True):
         assert tokens[0] == want_tokens[0]

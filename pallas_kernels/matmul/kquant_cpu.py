@@ -6,7 +6,10 @@ several weights by the same rows (a layer's q, k and v; gate and up: a Q4_K_M fi
 within a layer) in one call whose threads share the work. Built into the CPU kernels' one library
 (pallas_kernels/cpu_library.py); `path=` builds and calls another instruction path's library (tests).
 
-A custom call XLA's partitioner cannot split: it must only see whole weights on one device.
+A custom call XLA's partitioner cannot split: it must only see whole weights on one device. Where the plan's
+quantized kernel is the int8-dot one (a one-device CPU engine, `quantized_activations` int8) the 2-d K-quant
+weights are moved at load into that kernel's tiles (quantized_tiles.py: read far faster, issue 25 session 41);
+this kernel serves the rest (x kept in float, the planes as loaded).
 """
 
 from __future__ import annotations

@@ -40,10 +40,10 @@ def store_projections_in_panels(model, dtypes) -> int:
 
 
 def store_quantized_in_tiles(model) -> int:
-    """Moves the model's [K, N] QuantizedWeights (and GGUF Q5_0 / Q5_1 KQuantWeights) that have a tiled form
+    """Moves the model's [K, N] QuantizedWeights and 2-d GGUF K-quants (KQuantWeight) that have a tiled form
     (quantized_tiles.can_tile) into tiles, in place, a weight at a time; returns how many. Projections whose
-    kernel goes only through the matmul plan, and a quantized embedding (stored [E, V], the head it also is where tied: its lookup reads tiles too). Call only where the
-    plan's quantized kernel is the CPU int8-dot one (MatmulPlan.tiles_quantized): XLA's dots would untile the
+    kernel goes only through the matmul plan, and a quantized embedding (stored [E, V], the head it also is where
+    tied: its lookup reads tiles too). Call only where the plan's quantized kernel is the CPU int8-dot one (MatmulPlan.tiles_quantized): XLA's dots would untile the
     weight on every step."""
     moved = 0
     for _, node in nnx.iter_graph(model):

@@ -74,7 +74,7 @@ def serves_weight(weight, activations: str = "int8") -> bool:
     """Whether the kernel computes this weight: a 2-d QuantizedWeight with scales of a float width it reads, or its
     tiles (quantized_tiles.py; the int8 kernel only)."""
     tiled = isinstance(weight, TiledQuantizedWeight)
-    two_level = tiled and weight.super_scales is not None  # Q4_K / Q5_K tiles: uint8 sc and m
+    two_level = tiled and weight.super_scales is not None  # K-quant tiles: uint8 sc and m (Q6_K: int8 sc)
     return (
         (isinstance(weight, quantized.QuantizedWeight) or (tiled and activations == "int8"))  # K-quants: kquant_cpu.py
         and (tiled or weight.values.ndim == 2)

@@ -147,10 +147,8 @@ def to_tiles(weight) -> TiledQuantizedWeight:
     for t0 in range(0, tiles, slab):
         t1 = min(tiles, t0 + slab)
         parts = [plane[:, t0 * TILE_COLUMNS : t1 * TILE_COLUMNS] for plane in planes]
-        if bits == 5:
-            tiled[t0:t1] = _tile_five_bit(parts[0], parts[1], chunks)
-        elif bits == 6:
-            tiled[t0:t1] = _tile_six_bit(parts[0], parts[1], chunks)
+        if len(parts) == 2:  # a K-quant's low and high planes
+            tiled[t0:t1] = _tile_with_high_bits(parts[0], parts[1], bits - 4, chunks)
         else:
             tiled[t0:t1] = _tile_values(parts[0], bits, chunks)
     small = [min_array, *supers]  # [G, N] or [G / 8, N] each, or None
@@ -185,30 +183,19 @@ def _tile_values(values: np.ndarray, bits: int, chunks: int) -> np.ndarray:
     return packed.transpose(3, 0, 1, 4, 2).reshape(tiles, chunks, -1)  # [t, i, p, c, b]
 
 
-def _tile_five_bit(low: np.ndarray, high: np.ndarray, chunks: int) -> np.ndarray:
-    """A Q5_0 / Q5_1 KQuantWeight's planes of 64 t columns (low [K / 2, 64 t], high [K / 8, 64 t]: kquant.py) ->
-    their t tiles' 5-bit blocks [t, K / 32, 1280]."""
+def _tile_with_high_bits(low: np.ndarray, high: np.ndarray, high_bits: int, chunks: int) -> np.ndarray:
+    """A K-quant's planes of 64 t columns (low [K / 2, 64 t], high [K * high_bits / 8, 64 t]: kquant.py) -> their t
+    tiles' 5- or 6-bit blocks [t, K / 32, 1280 or 1536]: the nibbles' 4-bit tile, then `high_bits` blocks of 256
+    bytes, byte 4 c + b of block s / n holding at bits high_bits * (s % n) those of k 4 s + b (n = 8 / high_bits)."""
     tiles = low.shape[1] // TILE_COLUMNS
-    nibbles = _tile_values(low, 4, chunks)  # the low 4 bits, as a 4-bit tile
-    bit4 = _unpack_bits(np, high)  # [K, 64 t] 0 / 1
-    grid = bit4.reshape(chunks, 8, 4, tiles, TILE_COLUMNS)  # [i, s = 2 p + h, b, t, c]
-    packed = np.zeros((chunks, 4, tiles, TILE_COLUMNS), np.uint8)  # [i, b, t, c]
-    for s in range(8):
-        packed |= grid[:, s] << s
-    return np.concatenate([nibbles, packed.transpose(2, 0, 3, 1).reshape(tiles, chunks, -1)], axis=-1)
-
-
-def _tile_six_bit(low: np.ndarray, high: np.ndarray, chunks: int) -> np.ndarray:
-    """A Q6_K KQuantWeight's planes of 64 t columns (low [K / 2, 64 t], high [K / 4, 64 t]: kquant.py) -> their t
-    tiles' 6-bit blocks [t, K / 32, 1536]."""
-    tiles = low.shape[1] // TILE_COLUMNS
-    nibbles = _tile_values(low, 4, chunks)
-    top = _unpack_two_bits(np, high)  # [K, 64 t] 0..3
-    grid = top.reshape(chunks, 2, 4, 4, tiles, TILE_COLUMNS)  # [i, s / 4, s % 4, b, t, c]
-    packed = np.zeros((chunks, 2, 4, tiles, TILE_COLUMNS), np.uint8)  # [i, s / 4, b, t, c]
-    for s in range(4):
-        packed |= grid[:, :, s] << (2 * s)
-    return np.concatenate([nibbles, packed.transpose(3, 0, 1, 4, 2).reshape(tiles, chunks, -1)], axis=-1)
+    per_byte = 8 // high_bits
+    tops = _unpack_planes(np, high, high_bits)  # [K, 64 t]
+    grid = tops.reshape(chunks, high_bits, per_byte, 4, tiles, TILE_COLUMNS)  # [i, s / n, s % n, b, t, c]
+    packed = np.zeros((chunks, high_bits, 4, tiles, TILE_COLUMNS), np.uint8)  # [i, s / n, b, t, c]
+    for j in range(per_byte):
+        packed |= grid[:, :, j] << (high_bits * j)
+    high_blocks = packed.transpose(3, 0, 1, 4, 2).reshape(tiles, chunks, -1)  # [t, i, s / n, c, b]
+    return np.concatenate([_tile_values(low, 4, chunks), high_blocks], axis=-1)
 
 
 def holds_kquant(weight: TiledQuantizedWeight) -> bool:
@@ -224,16 +211,14 @@ def untiled_kquant(weight: TiledQuantizedWeight) -> kquant.KQuantWeight:
     pairs = nibbles.reshape(depth // 2, 2, columns)
     low = pairs[:, 0] | (pairs[:, 1] << 4)
     high = None
-    if weight.bits == 6:
-        tops = _tiled_top_bits(xp, weight.values).transpose(1, 2, 0, 3).reshape(depth // 4, 4, columns)  # [K / 4, j, N]
+    if weight.bits in (5, 6):
+        high_bits = weight.bits - 4
+        per_byte = 8 // high_bits
+        tops = _tiled_high_bits(xp, weight.values, high_bits).transpose(1, 2, 0, 3)  # [i, k, t, c]
+        tops = tops.reshape(depth // per_byte, per_byte, columns)  # [K / n, j, N]
         high = tops[:, 0]
-        for j in range(1, 4):
-            high = high | (tops[:, j] << (2 * j))
-    if weight.bits == 5:
-        bits = _tiled_bit4(xp, weight.values).transpose(1, 2, 0, 3).reshape(depth // 8, 8, columns)  # [K / 8, j, N]
-        high = bits[:, 0]
-        for j in range(1, 8):
-            high = high | (bits[:, j] << j)
+        for j in range(1, per_byte):
+            high = high | (tops[:, j] << (high_bits * j))
     untile = lambda a: a.transpose(1, 0, 2).reshape(a.shape[1], columns)  # noqa: E731
     maybe = lambda a: None if a is None else untile(a)  # noqa: E731
     if weight.super_scales is not None:  # Q4_K / Q5_K / Q6_K
@@ -289,16 +274,13 @@ def columns_dequantized(weight: TiledQuantizedWeight, column_ids, dtype=None):
         grid = nibble_bytes.reshape(weight.values.shape[0], depth // CHUNK, 4, TILE_COLUMNS, 4)
         picked = grid[tile, :, :, within, :]  # [T, i, p, b] bytes
         q = jnp.stack([picked & 0xF, picked >> 4], axis=-2).reshape(-1, depth)  # [T, K]: k 32 i + 8 p + 4 h + b
-        if weight.bits == 5:
-            high = weight.values[..., NIBBLE_BYTES:].reshape(weight.values.shape[0], depth // CHUNK, TILE_COLUMNS, 4)
-            picked_high = high[tile, :, within, :]  # [T, i, b]: bit 2 p + h is k 32 i + 8 p + 4 h + b's
-            bit4 = jnp.stack([(picked_high >> s) & 1 for s in range(8)], axis=-2)  # [T, i, s, b]
-            q = q | (bit4.reshape(-1, depth) << 4)
-        if weight.bits == 6:
-            high = weight.values[..., NIBBLE_BYTES:].reshape(weight.values.shape[0], depth // CHUNK, 2, TILE_COLUMNS, 4)
-            picked_high = high[tile, :, :, within, :]  # [T, i, s / 4, b]: bits 2 (s % 4) of k 32 i + 4 s + b
-            top = jnp.stack([(picked_high >> (2 * s)) & 3 for s in range(4)], axis=-2)  # [T, i, s / 4, s % 4, b]
-            q = q | (top.reshape(-1, depth) << 4)
+        if weight.bits in (5, 6):  # (_tile_with_high_bits's blocks)
+            high_bits = weight.bits - 4
+            shape = (weight.values.shape[0], depth // CHUNK, high_bits, TILE_COLUMNS, 4)
+            picked_high = weight.values[..., NIBBLE_BYTES:].reshape(shape)[tile, :, :, within, :]  # [T, i, s / n, b]
+            mask = (1 << high_bits) - 1
+            parts = [(picked_high >> (high_bits * j)) & mask for j in range(8 // high_bits)]
+            q = q | (jnp.stack(parts, axis=-2).reshape(-1, depth) << 4)  # [T, i, s / n, s % n, b]: k 32 i + 4 s + b
         q = q.astype(jnp.float32)
         if weight.mins is None:
             q = q - {4: 8.0, 5: 16.0, 6: 32.0}[weight.bits]
@@ -336,32 +318,23 @@ def _unpack_rows(xp, values):
     return xp.stack([values & 0xF, values >> 4], axis=1).reshape(2 * half, columns)
 
 
-def _unpack_bits(xp, high):
-    """uint8 [K / 8, N] (row 8 i + j at bit j) -> [K, N] of 0 / 1."""
-    eighth, columns = high.shape
-    return xp.stack([(high >> j) & 1 for j in range(8)], axis=1).reshape(8 * eighth, columns)
+def _unpack_planes(xp, high, bits: int):
+    """uint8 [K * bits / 8, N] (row n i + j at bits j * bits, n = 8 / bits) -> [K, N] of `bits`-bit values."""
+    per_byte = 8 // bits
+    rows, columns = high.shape
+    parts = [(high >> (bits * j)) & ((1 << bits) - 1) for j in range(per_byte)]
+    return xp.stack(parts, axis=1).reshape(per_byte * rows, columns)
 
 
-def _unpack_two_bits(xp, high):
-    """uint8 [K / 4, N] (row 4 i + j at bits 2 j .. 2 j + 1) -> [K, N] of 0..3."""
-    quarter, columns = high.shape
-    return xp.stack([(high >> (2 * j)) & 3 for j in range(4)], axis=1).reshape(4 * quarter, columns)
-
-
-def _tiled_top_bits(xp, values):
-    """Tiled 6-bit values [t, i, 1536] -> bits 4-5 of each value [t, i, 32, 64] ([tile, chunk, k, column])."""
+def _tiled_high_bits(xp, values, high_bits: int):
+    """Tiled 5- or 6-bit values [t, i, chunk bytes] -> each value's bits above the nibble [t, i, 32, 64] ([tile,
+    chunk, k, column])."""
     tiles, chunks, _ = values.shape
-    grid = values[..., NIBBLE_BYTES:].reshape(tiles, chunks, 2, TILE_COLUMNS, 4)  # [t, i, s / 4, c, b]
-    tops = xp.stack([(grid >> (2 * s)) & 3 for s in range(4)], axis=3)  # [t, i, s / 4, s % 4, c, b]: k 4 s + b
+    per_byte = 8 // high_bits
+    grid = values[..., NIBBLE_BYTES:].reshape(tiles, chunks, high_bits, TILE_COLUMNS, 4)  # [t, i, s / n, c, b]
+    mask = (1 << high_bits) - 1
+    tops = xp.stack([(grid >> (high_bits * j)) & mask for j in range(per_byte)], axis=3)  # [t, i, s / n, s % n, c, b]
     return tops.transpose(0, 1, 2, 3, 5, 4).reshape(tiles, chunks, CHUNK, TILE_COLUMNS)
-
-
-def _tiled_bit4(xp, values):
-    """Tiled 5-bit values [t, i, 1280] -> bit 4 of each value [t, i, 32, 64] ([tile, chunk, k, column])."""
-    tiles, chunks, _ = values.shape
-    grid = values[..., NIBBLE_BYTES:].reshape(tiles, chunks, TILE_COLUMNS, 4)  # [t, i, c, b]
-    bits = xp.stack([(grid >> s) & 1 for s in range(8)], axis=2)  # [t, i, s, c, b]: k 4 s + b
-    return bits.transpose(0, 1, 2, 4, 3).reshape(tiles, chunks, CHUNK, TILE_COLUMNS)
 
 
 def _tiled_nibbles(xp, values):

@@ -106,92 +106,6 @@ constexpr int PairsPerWidening(int bits) { return bits == 6 ? 1 : bits == 5 ? 2 
 constexpr int kTiledVectors = int(kTiledColumns * 4 / sizeof(VecI));  // a quad's (or pair's) vectors: 8 avx2, 4 avx512
 constexpr int kTiledLanes = int(sizeof(VecI) / 4);                    // columns per vector
 
-// Rows of x (R, `xq` the first's chunk, rows `depth` apart) times one chunk `block` of a tile: the int32 sums of J
-// vectors of columns at a time in registers over the chunk's 32 k, then scaled into `out` (rows `out_stride`
-// apart, the tile's 64 columns in order): out += float(sum) * (d * scale) (+ d * sum(q_x) * min). 6-bit: the
-// chunk's first 16 k are summed and scaled (`scale`) apart from its last 16 (`start_hi`, `scale_hi`).
-template <int R, int J, int Bits, bool HasMins>
-inline void TiledChunkRows(const uint8_t* block, const int8_t* xq, int64_t depth, const int32_t* start, const float* d,
-                           const float* d_sum, const float* scale, const float* minimum, float* out,
-                           int64_t out_stride, const int32_t* start_hi = nullptr, const float* scale_hi = nullptr) {
-  for (int j0 = 0; j0 < kTiledVectors; j0 += J) {
-    VecI acc[R][J];
-    for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < J; ++j) acc[r][j] = SplatInt(start[r]);
-    }
-    // the sums so far scaled into out (6-bit: the first half's, then the rest)
-    auto flush = [&](const float* scales) {
-      for (int r = 0; r < R; ++r) {
-        float* o = out + r * out_stride;
-        for (int j = 0; j < J; ++j) {
-          const int64_t at = (j0 + j) * kTiledLanes;
-          VecF v = Fma(ToFloat(acc[r][j]), Mul(SplatF(d[r]), LoadF(scales + at)), LoadF(o + at));
-          if constexpr (HasMins) v = Fma(SplatF(d_sum[r]), LoadF(minimum + at), v);
-          StoreF(o + at, v);
-        }
-      }
-    };
-    if constexpr (Bits == 8) {
-#pragma GCC unroll 8
-      for (int q = 0; q < int(kChunk / 4); ++q) {
-        for (int j = 0; j < J; ++j) {
-          const VecI w = PrepareInt8(LoadBytes(block + q * 4 * kTiledColumns + (j0 + j) * int(sizeof(VecI))));
-          for (int r = 0; r < R; ++r) {
-            int32_t four;
-            std::memcpy(&four, xq + r * depth + 4 * q, sizeof(four));
-            acc[r][j] = DotInt8(acc[r][j], w, SplatInt(four));
-          }
-        }
-      }
-    } else {
-      const VecI low = SplatByte(0x0F);
-#if defined(QDOT_NIBBLE_PAIRS16)
-      VecI pairs[R][J];
-      for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < J; ++j) pairs[r][j] = ZeroInts();
-      }
-#endif
-#pragma GCC unroll 4
-      for (int pair = 0; pair < int(kChunk / 8); ++pair) {
-        for (int j = 0; j < J; ++j) {
-          const VecI packed = LoadBytes(block + pair * 4 * kTiledColumns + (j0 + j) * int(sizeof(VecI)));
-          VecI lo = And(packed, low), hi = And(ShiftRight4(packed), low);
-          AddHighBits<Bits>(block, (j0 + j) * int(sizeof(VecI)), pair, lo, hi);
-          for (int r = 0; r < R; ++r) {
-            int32_t four_lo, four_hi;
-            std::memcpy(&four_lo, xq + r * depth + 8 * pair, sizeof(four_lo));
-            std::memcpy(&four_hi, xq + r * depth + 8 * pair + 4, sizeof(four_hi));
-#if defined(QDOT_NIBBLE_PAIRS16)
-            pairs[r][j] = Add16(pairs[r][j], Add16(PairProducts(lo, SplatInt(four_lo)), PairProducts(hi, SplatInt(four_hi))));
-#else
-            acc[r][j] = DotUnsigned(DotUnsigned(acc[r][j], lo, SplatInt(four_lo)), hi, SplatInt(four_hi));
-#endif
-          }
-        }
-#if defined(QDOT_NIBBLE_PAIRS16)
-        if ((pair + 1) % PairsPerWidening(Bits) == 0) {
-          for (int r = 0; r < R; ++r) {
-            for (int j = 0; j < J; ++j) {
-              acc[r][j] = WidenPairs(acc[r][j], pairs[r][j]);
-              pairs[r][j] = ZeroInts();
-            }
-          }
-        }
-#endif
-        if constexpr (Bits == 6) {
-          if (pair == 1) {  // the first sub-block of 16 ends
-            flush(scale);
-            for (int r = 0; r < R; ++r) {
-              for (int j = 0; j < J; ++j) acc[r][j] = SplatInt(start_hi[r]);
-            }
-          }
-        }
-      }
-    }
-    flush(Bits == 6 ? scale_hi : scale);
-  }
-}
-
 // kTiledLanes scales (or mins) of one of the three widths (or uint8 sub-block scales) from `data` + offset, as
 // float32
 template <ffi::DataType Type>
@@ -235,133 +149,201 @@ inline VecF LoadScales(const void* data, int64_t offset) {
   }
 }
 
-// ONE row of x times a tile's chunks of groups [g0, g1) (the decode step's single stream): the tile's 64 float
-// results stay in registers over the whole run and each chunk's scales are widened as they are used, where a
-// chunk of the rows walk (TiledChunkRows) loads and stores the results and reads widened scales (1.3x the
-// instructions, which on AVX2 without VNNI a one-row walk cannot hide behind memory).
-template <int Bits, bool HasMins, ffi::DataType ScaleType>
-void TiledRowRun(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t row, float* out) {
+// The sum so far made to exist here, in a register: without it GCC computed all of a chunk's products first and
+// added them at its end, R x J x 8 intermediate vectors spilled to the stack (60 spills a chunk at 4 rows on
+// AVX2; the chunk-by-chunk walk this replaced spilled the same way, and 4 rows ran no faster per row than one)
+inline void KeepInRegister(VecI& v) { __asm__("" : "+x"(v)); }
+
+// Rows [r0, r0 + R) of x times a tile's chunks of groups [g0, g1) (rows `out_stride` apart in `out`, the tile's
+// 64 columns in order), J vectors of columns at a time: their float results stay in registers (or L1) over the
+// whole run, each chunk's int32 sums scaled into them as the chunk ends and its scales widened as they are
+// used. A tile's run (K x 64 weights: 18-96 KiB) is read once per J columns, from L1 or L2 after the first.
+// Each row's float operations are the same whatever R and J, and the same as the portable path's chunk-by-chunk
+// order (one float expression per chunk, in K's order): a row's result does not depend on the call's rows.
+template <int R, int J, int Bits, bool HasMins, ffi::DataType ScaleType>
+void TiledRowsRun(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t r0, float* out, int64_t out_stride) {
   const Activations& x = *p.x;
   const int64_t chunk_bytes = TiledChunkBytes(Bits), tile_chunks = p.depth / kChunk;
   const auto* values = static_cast<const uint8_t*>(p.values);
   const int32_t offset = TiledOffset(Bits, HasMins);
-  const int8_t* xrow = x.q.data() + row * p.depth;
-  VecF o[kTiledVectors];
-  for (int j = 0; j < kTiledVectors; ++j) o[j] = LoadF(out + j * kTiledLanes);
   // d * sc, -(dmin * m) (Q4_K, Q5_K: uint8 sc and m); Q6_K: d * sc, int8 sc per 16 k
   constexpr bool kTwoLevel = ScaleType == ffi::DataType::U8 || ScaleType == ffi::DataType::S8;
   constexpr int64_t kScaleRows = Bits == 6 ? 2 : 1;  // scale rows a chunk
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t scale_at = (t * p.num_groups + g) * kScaleRows * kTiledColumns;
-    const int64_t super_at = (t * (p.num_groups / kChunksPerSuperBlock) + g / kChunksPerSuperBlock) * kTiledColumns;
-    for (int64_t i = 0; i < x.chunks_per_group; ++i) {
-      const int64_t chunk = g * x.chunks_per_group + i;
-      const uint8_t* block = values + (t * tile_chunks + chunk) * chunk_bytes;
-      for (int64_t line = 0; line < chunk_bytes; line += kTiledPrefetchStep) __builtin_prefetch(block + kTiledAheadBytes + line, 0, 2);
-      const int8_t* xq = xrow + chunk * kChunk;
-      VecI acc[kTiledVectors];
-      const int32_t qsum = x.qsum[row * x.chunks + chunk];
-      const int32_t qsum_first = Bits == 6 ? x.qsum16[row * x.chunks + chunk] : qsum;  // (6-bit: k 0-15's)
-      for (int j = 0; j < kTiledVectors; ++j) acc[j] = SplatInt(-offset * qsum_first);
-      // (two-level: d and sums in float32, as ggml's q8_K for K-quant dots; else q8_0 / q8_1's float16 ones)
-      const VecF d = SplatF((kTwoLevel ? x.scale32 : x.scale)[row * x.chunks + chunk]);
+  // (two-level: x's d and sums in float32, as ggml's q8_K for K-quant dots; else q8_0 / q8_1's float16 ones)
+  const float* x_scale = (kTwoLevel ? x.scale32 : x.scale).data() + r0 * x.chunks;
+  const float* x_sum = (kTwoLevel ? x.sum32 : x.sum).data() + r0 * x.chunks;
+  const int32_t* x_qsum = x.qsum.data() + r0 * x.chunks;
+  const int32_t* x_qsum16 = x.qsum16.data() + r0 * x.chunks;
+  const int8_t* xq0 = x.q.data() + r0 * p.depth;
+  for (int j0 = 0; j0 < kTiledVectors; j0 += J) {
+    VecF o[R][J];
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < J; ++j) o[r][j] = LoadF(out + r * out_stride + (j0 + j) * kTiledLanes);
+    }
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t scale_at = (t * p.num_groups + g) * kScaleRows * kTiledColumns;
+      const int64_t super_at = (t * (p.num_groups / kChunksPerSuperBlock) + g / kChunksPerSuperBlock) * kTiledColumns;
       auto chunk_scale = [&](int j, int64_t row_at) {
-        VecF scale = LoadScales<ScaleType>(p.scales.data, row_at + j * kTiledLanes);
+        VecF scale = LoadScales<ScaleType>(p.scales.data, row_at + (j0 + j) * kTiledLanes);
         if constexpr (kTwoLevel) {
-          scale = Mul(LoadScales<ffi::DataType::F16>(p.super_scales.data, super_at + j * kTiledLanes), scale);
+          scale = Mul(LoadScales<ffi::DataType::F16>(p.super_scales.data, super_at + (j0 + j) * kTiledLanes), scale);
         }
         return scale;
       };
-      if constexpr (Bits == 8) {
-#pragma GCC unroll 8
-        for (int q = 0; q < int(kChunk / 4); ++q) {
-          int32_t four;
-          std::memcpy(&four, xq + 4 * q, sizeof(four));
-          const VecI xv = SplatInt(four);
-          for (int j = 0; j < kTiledVectors; ++j) {
-            acc[j] = DotInt8(acc[j], PrepareInt8(LoadBytes(block + q * 4 * kTiledColumns + j * int(sizeof(VecI)))), xv);
+      for (int64_t i = 0; i < x.chunks_per_group; ++i) {
+        const int64_t chunk = g * x.chunks_per_group + i;
+        const uint8_t* block = values + (t * tile_chunks + chunk) * chunk_bytes;
+        if (j0 == 0) {  // (the later passes find the tile's run in L1 or L2)
+          for (int64_t line = 0; line < chunk_bytes; line += kTiledPrefetchStep) {
+            __builtin_prefetch(block + kTiledAheadBytes + line, 0, 2);
           }
         }
-      } else {
-        const VecI low = SplatByte(0x0F);
-#if defined(QDOT_NIBBLE_PAIRS16)
-        VecI pairs[kTiledVectors];
-        for (int j = 0; j < kTiledVectors; ++j) pairs[j] = ZeroInts();
-#endif
-#pragma GCC unroll 4
-        for (int pair = 0; pair < int(kChunk / 8); ++pair) {
-          int32_t four_lo, four_hi;
-          std::memcpy(&four_lo, xq + 8 * pair, sizeof(four_lo));
-          std::memcpy(&four_hi, xq + 8 * pair + 4, sizeof(four_hi));
-          const VecI x_lo = SplatInt(four_lo), x_hi = SplatInt(four_hi);
-          for (int j = 0; j < kTiledVectors; ++j) {
-            const VecI packed = LoadBytes(block + pair * 4 * kTiledColumns + j * int(sizeof(VecI)));
-            VecI lo = And(packed, low), hi = And(ShiftRight4(packed), low);
-            AddHighBits<Bits>(block, j * int(sizeof(VecI)), pair, lo, hi);
-#if defined(QDOT_NIBBLE_PAIRS16)
-            pairs[j] = Add16(pairs[j], Add16(PairProducts(lo, x_lo), PairProducts(hi, x_hi)));
-#else
-            acc[j] = DotUnsigned(DotUnsigned(acc[j], lo, x_lo), hi, x_hi);
-#endif
-          }
-#if defined(QDOT_NIBBLE_PAIRS16)
-          if ((pair + 1) % PairsPerWidening(Bits) == 0) {
-            for (int j = 0; j < kTiledVectors; ++j) {
-              acc[j] = WidenPairs(acc[j], pairs[j]);
-              pairs[j] = ZeroInts();
+        const int8_t* xq = xq0 + chunk * kChunk;
+        VecI acc[R][J];
+        int32_t qsum[R], qsum_first[R];
+        for (int r = 0; r < R; ++r) {
+          qsum[r] = x_qsum[r * x.chunks + chunk];
+          qsum_first[r] = Bits == 6 ? x_qsum16[r * x.chunks + chunk] : qsum[r];  // (6-bit: k 0-15's)
+          for (int j = 0; j < J; ++j) acc[r][j] = SplatInt(-offset * qsum_first[r]);
+        }
+        // the sums so far scaled into the results (6-bit: the first half's, then the rest)
+        auto flush = [&](int64_t row_at) {
+          for (int j = 0; j < J; ++j) {
+            const VecF scale = chunk_scale(j, row_at);
+            for (int r = 0; r < R; ++r) {
+              o[r][j] = Fma(ToFloat(acc[r][j]), Mul(SplatF(x_scale[r * x.chunks + chunk]), scale), o[r][j]);
             }
           }
+        };
+        if constexpr (Bits == 8) {
+#pragma GCC unroll 8
+          for (int q = 0; q < int(kChunk / 4); ++q) {
+            VecI xv[R];
+            for (int r = 0; r < R; ++r) {
+              int32_t four;
+              std::memcpy(&four, xq + r * p.depth + 4 * q, sizeof(four));
+              xv[r] = SplatInt(four);
+            }
+            for (int j = 0; j < J; ++j) {
+              const VecI w = PrepareInt8(LoadBytes(block + q * 4 * kTiledColumns + (j0 + j) * int(sizeof(VecI))));
+              for (int r = 0; r < R; ++r) {
+                acc[r][j] = DotInt8(acc[r][j], w, xv[r]);
+                KeepInRegister(acc[r][j]);
+              }
+            }
+          }
+        } else {
+          const VecI low = SplatByte(0x0F);
+#if defined(QDOT_NIBBLE_PAIRS16)
+          VecI pairs[R][J];
+          for (int r = 0; r < R; ++r) {
+            for (int j = 0; j < J; ++j) pairs[r][j] = ZeroInts();
+          }
 #endif
-          if constexpr (Bits == 6) {
-            if (pair == 1) {  // the first sub-block of 16 ends: scaled by its own sc, the second's sums start
-              for (int j = 0; j < kTiledVectors; ++j) {
-                o[j] = Fma(ToFloat(acc[j]), Mul(d, chunk_scale(j, scale_at)), o[j]);
-                acc[j] = SplatInt(-offset * (qsum - qsum_first));
+#pragma GCC unroll 4
+          for (int pair = 0; pair < int(kChunk / 8); ++pair) {
+            VecI x_lo[R], x_hi[R];
+            for (int r = 0; r < R; ++r) {
+              int32_t four_lo, four_hi;
+              std::memcpy(&four_lo, xq + r * p.depth + 8 * pair, sizeof(four_lo));
+              std::memcpy(&four_hi, xq + r * p.depth + 8 * pair + 4, sizeof(four_hi));
+              x_lo[r] = SplatInt(four_lo);
+              x_hi[r] = SplatInt(four_hi);
+            }
+            for (int j = 0; j < J; ++j) {
+              const int64_t vector_at = (j0 + j) * int(sizeof(VecI));
+              const VecI packed = LoadBytes(block + pair * 4 * kTiledColumns + vector_at);
+              VecI lo = And(packed, low), hi = And(ShiftRight4(packed), low);
+              AddHighBits<Bits>(block, vector_at, pair, lo, hi);
+              for (int r = 0; r < R; ++r) {
+#if defined(QDOT_NIBBLE_PAIRS16)
+                pairs[r][j] = Add16(pairs[r][j], Add16(PairProducts(lo, x_lo[r]), PairProducts(hi, x_hi[r])));
+                KeepInRegister(pairs[r][j]);
+#else
+                acc[r][j] = DotUnsigned(DotUnsigned(acc[r][j], lo, x_lo[r]), hi, x_hi[r]);
+#endif
+              }
+            }
+#if defined(QDOT_NIBBLE_PAIRS16)
+            if ((pair + 1) % PairsPerWidening(Bits) == 0) {
+              for (int r = 0; r < R; ++r) {
+                for (int j = 0; j < J; ++j) {
+                  acc[r][j] = WidenPairs(acc[r][j], pairs[r][j]);
+                  pairs[r][j] = ZeroInts();
+                }
+              }
+            }
+#endif
+            if constexpr (Bits == 6) {
+              if (pair == 1) {  // the first sub-block of 16 ends: scaled by its own sc, the second's sums start
+                flush(scale_at);
+                for (int r = 0; r < R; ++r) {
+                  for (int j = 0; j < J; ++j) acc[r][j] = SplatInt(-offset * (qsum[r] - qsum_first[r]));
+                }
               }
             }
           }
         }
-      }
-      for (int j = 0; j < kTiledVectors; ++j) {
-        o[j] = Fma(ToFloat(acc[j]), Mul(d, chunk_scale(j, scale_at + (kScaleRows - 1) * kTiledColumns)), o[j]);
+        flush(scale_at + (kScaleRows - 1) * kTiledColumns);
         if constexpr (HasMins) {
-          VecF minimum = LoadScales<ScaleType>(p.mins.data, scale_at + j * kTiledLanes);
-          float d_sum = (kTwoLevel ? x.sum32 : x.sum)[row * x.chunks + chunk];
-          if constexpr (kTwoLevel) {  // -(dmin * m): the sign carried by d_sum (exact)
-            minimum = Mul(LoadScales<ffi::DataType::F16>(p.super_mins.data, super_at + j * kTiledLanes), minimum);
-            d_sum = -d_sum;
+          for (int j = 0; j < J; ++j) {
+            VecF minimum = LoadScales<ScaleType>(p.mins.data, scale_at + (j0 + j) * kTiledLanes);
+            if constexpr (kTwoLevel) {  // -(dmin * m): the sign carried by d_sum (exact)
+              minimum = Mul(LoadScales<ffi::DataType::F16>(p.super_mins.data, super_at + (j0 + j) * kTiledLanes), minimum);
+            }
+            for (int r = 0; r < R; ++r) {
+              const float d_sum = x_sum[r * x.chunks + chunk];
+              o[r][j] = Fma(SplatF(kTwoLevel ? -d_sum : d_sum), minimum, o[r][j]);
+            }
           }
-          o[j] = Fma(SplatF(d_sum), minimum, o[j]);
         }
       }
     }
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < J; ++j) StoreF(out + r * out_stride + (j0 + j) * kTiledLanes, o[r][j]);
+    }
   }
-  for (int j = 0; j < kTiledVectors; ++j) StoreF(out + j * kTiledLanes, o[j]);
 }
 
-// TiledRowRun for the problem's scale width and mins.
-template <int Bits>
-void TiledRow(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t row, float* out) {
+// Vectors of columns a TiledRowsRun of R rows takes at once: on AVX2, one row all eight (its results and pair
+// sums nearly fill the 16 registers), more rows four (their results spill to L1, a load and a store per chunk,
+// which costs little beside the products; fewer columns re-read x's rows and the scales more often). Cache-hot
+// Q4_0 layers, one thread, alternating with the chunk-by-chunk walk this replaced (bench/cpu_int8_dot_rows.cc):
+// rows 1 1.06-1.21x, 2 1.43-1.49x, 3-7 1.29-1.55x, 64 1.41-1.45x; Q8_0 0.98-1.5x. On AVX-512 (32 registers, 64
+// columns a vector; not measured: no such machine at hand) the same columns a pass: one row all four, more two.
+constexpr int TiledJ(int R) { return sizeof(VecI) == 64 ? (R == 1 ? 4 : 2) : (R == 1 ? 8 : 4); }
+
+// TiledRowsRun for the problem's scale width and mins.
+template <int R, int Bits>
+void TiledRows(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t r0, float* out, int64_t out_stride) {
+  constexpr int J = TiledJ(R);
   const bool mins = p.mins.data != nullptr;
-  switch (p.scales.type) {
-    case ffi::DataType::U8:  // two-level (Q4_K, Q5_K: always with mins)
-      return TiledRowRun<Bits, true, ffi::DataType::U8>(p, t, g0, g1, row, out);
-    case ffi::DataType::S8:  // Q6_K (no mins)
-      return TiledRowRun<Bits, false, ffi::DataType::S8>(p, t, g0, g1, row, out);
-    case ffi::DataType::F16:
-      return mins ? TiledRowRun<Bits, true, ffi::DataType::F16>(p, t, g0, g1, row, out)
-                  : TiledRowRun<Bits, false, ffi::DataType::F16>(p, t, g0, g1, row, out);
-    case ffi::DataType::BF16:
-      return mins ? TiledRowRun<Bits, true, ffi::DataType::BF16>(p, t, g0, g1, row, out)
-                  : TiledRowRun<Bits, false, ffi::DataType::BF16>(p, t, g0, g1, row, out);
-    default:
-      return mins ? TiledRowRun<Bits, true, ffi::DataType::F32>(p, t, g0, g1, row, out)
-                  : TiledRowRun<Bits, false, ffi::DataType::F32>(p, t, g0, g1, row, out);
+  if constexpr (Bits == 6) {  // Q6_K only: int8 sc per 16 k, no mins
+    return TiledRowsRun<R, J, Bits, false, ffi::DataType::S8>(p, t, g0, g1, r0, out, out_stride);
+  } else {
+    if constexpr (Bits == 4 || Bits == 5) {
+      if (p.scales.type == ffi::DataType::U8) {  // two-level (Q4_K, Q5_K: always with mins)
+        return TiledRowsRun<R, J, Bits, true, ffi::DataType::U8>(p, t, g0, g1, r0, out, out_stride);
+      }
+    }
+    switch (p.scales.type) {
+      case ffi::DataType::F16:
+        return mins ? TiledRowsRun<R, J, Bits, true, ffi::DataType::F16>(p, t, g0, g1, r0, out, out_stride)
+                    : TiledRowsRun<R, J, Bits, false, ffi::DataType::F16>(p, t, g0, g1, r0, out, out_stride);
+      case ffi::DataType::BF16:
+        return mins ? TiledRowsRun<R, J, Bits, true, ffi::DataType::BF16>(p, t, g0, g1, r0, out, out_stride)
+                    : TiledRowsRun<R, J, Bits, false, ffi::DataType::BF16>(p, t, g0, g1, r0, out, out_stride);
+      default:
+        return mins ? TiledRowsRun<R, J, Bits, true, ffi::DataType::F32>(p, t, g0, g1, r0, out, out_stride)
+                    : TiledRowsRun<R, J, Bits, false, ffi::DataType::F32>(p, t, g0, g1, r0, out, out_stride);
+    }
   }
 }
 #endif
 
-// Rows [r0, r0 + R) times chunk `chunk` of a tile (`block`), into the tile's 64 columns of `out`.
+#if !defined(QDOT_X86)
+// Rows [r0, r0 + R) times chunk `chunk` of a tile (`block`), into the tile's 64 columns of `out` (portable: the
+// layout read one weight at a time, int32 sums in column order; chunk by chunk over the rows)
 template <int R, int Bits>
 inline void TiledChunk(const Problem& p, const uint8_t* block, int64_t r0, int64_t chunk, const float* scale,
                        const float* minimum, float* out, int64_t out_stride, const float* scale_hi) {
@@ -376,26 +358,6 @@ inline void TiledChunk(const Problem& p, const uint8_t* block, int64_t r0, int64
     d_sum[r] = has_mins ? sums[(r0 + r) * x.chunks + chunk] : 0.0f;
   }
   out += r0 * out_stride;
-#if defined(QDOT_X86)
-  // what the dot products add per unit of sum(q_x) beyond the signed product, taken out through the start
-  const int32_t offset = TiledOffset(Bits, has_mins);
-  int32_t start[R], start_hi[R];  // (6-bit: the chunk's first 16 k, and its last 16)
-  for (int r = 0; r < R; ++r) {
-    const int32_t qsum = x.qsum[(r0 + r) * x.chunks + chunk];
-    const int32_t first = Bits == 6 ? x.qsum16[(r0 + r) * x.chunks + chunk] : qsum;
-    start[r] = -offset * first;
-    start_hi[r] = -offset * (qsum - first);
-  }
-  // J: the columns whose sums stay in registers (16 vector registers on avx2, 32 on avx512)
-  constexpr int J = std::min(kTiledVectors, std::max(1, (sizeof(VecI) == 64 ? 16 : 8) / R));
-  if (has_mins) {
-    TiledChunkRows<R, J, Bits, true>(block, xq, p.depth, start, d, d_sum, scale, minimum, out, out_stride);
-  } else {
-    TiledChunkRows<R, J, Bits, false>(block, xq, p.depth, start, d, d_sum, scale, minimum, out, out_stride, start_hi,
-                                      scale_hi);
-  }
-#else
-  // portable: the layout read one weight at a time, int32 sums in column order
   for (int r = 0; r < R; ++r) {
     int32_t sums[kTiledColumns] = {}, sums_hi[kTiledColumns] = {};  // (6-bit: k 0-15 in sums, 16-31 in sums_hi)
     const int8_t* xr = xq + r * p.depth;
@@ -429,15 +391,40 @@ inline void TiledChunk(const Problem& p, const uint8_t* block, int64_t r0, int64
       for (int64_t c = 0; c < kTiledColumns; ++c) o[c] += float(sums[c]) * (d[r] * scale[c]);
     }
   }
-#endif
 }
 
+#endif
+
+constexpr int kTiledRows = 4;  // rows a TiledRowsRun takes at most (5, 6 or 8 measured no faster on AVX2)
+
+#if defined(QDOT_X86)
+// `rows` (fewer than R + 1) rows from r0 as one TiledRowsRun
+template <int R, int Bits>
+void TiledRowsRest(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t r0, int64_t rows, float* out,
+                   int64_t out_stride) {
+  if constexpr (R >= 1) {
+    if (rows == R) return TiledRows<R, Bits>(p, t, g0, g1, r0, out, out_stride);
+    TiledRowsRest<R - 1, Bits>(p, t, g0, g1, r0, rows, out, out_stride);
+  }
+}
+#endif
+
 // Rows [r_begin, r_end) of x times a tiled weight's columns [c0, c0 + width) (whole tiles) over groups [g0, g1),
-// added into out (row r, column c0 + j at out[r * out_stride + j]). Tile by tile, each tile's chunks in K's
-// order: one sequential run of memory per tile, whose chunk (2 KiB or 1 KiB) stays in L1 while the rows pass.
+// added into out (row r, column c0 + j at out[r * out_stride + j]). Tile by tile: one sequential run of memory
+// per tile, which stays in L1 or L2 while blocks of the rows pass over it (TiledRowsRun), K innermost.
 template <int Bits>
 void TiledItem(const Problem& p, int64_t c0, int64_t width, int64_t g0, int64_t g1, float* out, int64_t out_stride,
                int64_t r_begin, int64_t r_end) {
+#if defined(QDOT_X86)
+  for (int64_t t = c0 / kTiledColumns; t < (c0 + width) / kTiledColumns; ++t) {
+    float* tile_out = out + (t * kTiledColumns - c0);
+    int64_t r0 = r_begin;
+    for (; r0 + kTiledRows <= r_end; r0 += kTiledRows) {
+      TiledRows<kTiledRows, Bits>(p, t, g0, g1, r0, tile_out + r0 * out_stride, out_stride);
+    }
+    TiledRowsRest<kTiledRows - 1, Bits>(p, t, g0, g1, r0, r_end - r0, tile_out + r0 * out_stride, out_stride);
+  }
+#else
   const Activations& x = *p.x;
   const int64_t chunk_bytes = TiledChunkBytes(Bits), tile_chunks = p.depth / kChunk;
   const auto* values = static_cast<const uint8_t*>(p.values);
@@ -446,12 +433,6 @@ void TiledItem(const Problem& p, int64_t c0, int64_t width, int64_t g0, int64_t 
   constexpr int64_t kScaleRows = Bits == 6 ? 2 : 1;  // scale rows a chunk
   for (int64_t t = c0 / kTiledColumns; t < (c0 + width) / kTiledColumns; ++t) {
     float* tile_out = out + (t * kTiledColumns - c0);
-#if defined(QDOT_X86)
-    if (r_end - r_begin == 1) {
-      TiledRow<Bits>(p, t, g0, g1, r_begin, tile_out + r_begin * out_stride);
-      continue;
-    }
-#endif
     for (int64_t g = g0; g < g1; ++g) {
       p.scales.Widen((t * p.num_groups + g) * kScaleRows * kTiledColumns, kTiledColumns, scale);
       if (Bits == 6) p.scales.Widen(((t * p.num_groups + g) * kScaleRows + 1) * kTiledColumns, kTiledColumns, scale_hi);
@@ -472,22 +453,13 @@ void TiledItem(const Problem& p, int64_t c0, int64_t width, int64_t g0, int64_t 
       for (int64_t i = 0; i < x.chunks_per_group; ++i) {
         const int64_t chunk = g * x.chunks_per_group + i;
         const uint8_t* block = values + (t * tile_chunks + chunk) * chunk_bytes;
-        for (int64_t line = 0; line < chunk_bytes; line += kTiledPrefetchStep) {
-          __builtin_prefetch(block + kTiledAheadBytes + line, 0, 2);
-        }
-        int64_t r0 = r_begin;
-        for (; r0 + 4 <= r_end; r0 += 4) {
-          TiledChunk<4, Bits>(p, block, r0, chunk, scale, minimum, tile_out, out_stride, scale_hi);
-        }
-        switch (r_end - r0) {
-          case 3: TiledChunk<3, Bits>(p, block, r0, chunk, scale, minimum, tile_out, out_stride, scale_hi); break;
-          case 2: TiledChunk<2, Bits>(p, block, r0, chunk, scale, minimum, tile_out, out_stride, scale_hi); break;
-          case 1: TiledChunk<1, Bits>(p, block, r0, chunk, scale, minimum, tile_out, out_stride, scale_hi); break;
-          default: break;
+        for (int64_t r = r_begin; r < r_end; ++r) {
+          TiledChunk<1, Bits>(p, block, r, chunk, scale, minimum, tile_out, out_stride, scale_hi);
         }
       }
     }
   }
+#endif
 }
 
 }  // namespace

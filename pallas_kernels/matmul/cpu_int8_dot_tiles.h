@@ -152,16 +152,22 @@ inline VecF LoadScales(const void* data, int64_t offset) {
 // The sum so far made to exist here, in a register: without it GCC computed all of a chunk's products first and
 // added them at its end, R x J x 8 intermediate vectors spilled to the stack (60 spills a chunk at 4 rows on
 // AVX2; the chunk-by-chunk walk this replaced spilled the same way, and 4 rows ran no faster per row than one)
+#if defined(__AVX512F__)
+inline void KeepInRegister(VecI& v) { __asm__("" : "+v"(v)); }  // (any of zmm0-31)
+#else
 inline void KeepInRegister(VecI& v) { __asm__("" : "+x"(v)); }
+#endif
 
 // Rows [r0, r0 + R) of x times a tile's chunks of groups [g0, g1) (rows `out_stride` apart in `out`, the tile's
 // 64 columns in order), J vectors of columns at a time: their float results stay in registers (or L1) over the
 // whole run, each chunk's int32 sums scaled into them as the chunk ends and its scales widened as they are
-// used. A tile's run (K x 64 weights: 18-96 KiB) is read once per J columns, from L1 or L2 after the first.
-// Each row's float operations are the same whatever R and J, and the same as the portable path's chunk-by-chunk
-// order (one float expression per chunk, in K's order): a row's result does not depend on the call's rows.
+// used. A tile's run (K x 64 weights: 18-96 KiB on SmolLM2-135M; at K = 14336 a Q8_0 tile is 896 KiB, past L2)
+// is read once per J columns, the later passes from cache where it fits. Each row's float operations are the
+// same whatever R and J, and the same as the [K, N] walk's on the same instruction path (one expression per
+// chunk, in K's order): a row's result does not depend on the call's rows, nor on the weight's layout.
 template <int R, int J, int Bits, bool HasMins, ffi::DataType ScaleType>
 void TiledRowsRun(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t r0, float* out, int64_t out_stride) {
+  static_assert(kTiledVectors % J == 0, "whole passes of J vectors");
   const Activations& x = *p.x;
   const int64_t chunk_bytes = TiledChunkBytes(Bits), tile_chunks = p.depth / kChunk;
   const auto* values = static_cast<const uint8_t*>(p.values);
@@ -305,8 +311,8 @@ void TiledRowsRun(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t r
   }
 }
 
-// Vectors of columns a TiledRowsRun of R rows takes at once: on AVX2, one row all eight (its results and pair
-// sums nearly fill the 16 registers), more rows four (their results spill to L1, a load and a store per chunk,
+// Vectors of columns a TiledRowsRun of R rows takes at once: on AVX2, one row all eight (its 8 results and 8 pair
+// sums alone are the 16 registers: some spill), more rows four (their results spill to L1, a load and a store per chunk,
 // which costs little beside the products; fewer columns re-read x's rows and the scales more often). Cache-hot
 // Q4_0 layers, one thread, alternating with the chunk-by-chunk walk this replaced (bench/cpu_int8_dot_rows.cc):
 // rows 1 1.06-1.21x, 2 1.43-1.49x, 3-7 1.29-1.55x, 64 1.41-1.45x; Q8_0 0.98-1.5x. On AVX-512 (32 registers, 64
@@ -317,10 +323,10 @@ constexpr int TiledJ(int R) { return sizeof(VecI) == 64 ? (R == 1 ? 4 : 2) : (R 
 template <int R, int Bits>
 void TiledRows(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t r0, float* out, int64_t out_stride) {
   constexpr int J = TiledJ(R);
-  const bool mins = p.mins.data != nullptr;
-  if constexpr (Bits == 6) {  // Q6_K only: int8 sc per 16 k, no mins
+  if constexpr (Bits == 6) {  // Q6_K only (the FFI refuses other 6-bit scales): int8 sc per 16 k, no mins
     return TiledRowsRun<R, J, Bits, false, ffi::DataType::S8>(p, t, g0, g1, r0, out, out_stride);
   } else {
+    const bool mins = p.mins.data != nullptr;
     if constexpr (Bits == 4 || Bits == 5) {
       if (p.scales.type == ffi::DataType::U8) {  // two-level (Q4_K, Q5_K: always with mins)
         return TiledRowsRun<R, J, Bits, true, ffi::DataType::U8>(p, t, g0, g1, r0, out, out_stride);
@@ -351,7 +357,7 @@ inline void TiledChunk(const Problem& p, const uint8_t* block, int64_t r0, int64
   const bool has_mins = p.mins.data != nullptr;
   const int8_t* xq = x.q.data() + r0 * p.depth + chunk * kChunk;
   float d[R], d_sum[R];
-  const std::vector<float>& scales = p.two_level() ? x.scale32 : x.scale;  // (as TiledRowRun)
+  const std::vector<float>& scales = p.two_level() ? x.scale32 : x.scale;  // (as TiledRowsRun)
   const std::vector<float>& sums = p.two_level() ? x.sum32 : x.sum;
   for (int r = 0; r < R; ++r) {
     d[r] = scales[(r0 + r) * x.chunks + chunk];
@@ -453,6 +459,9 @@ void TiledItem(const Problem& p, int64_t c0, int64_t width, int64_t g0, int64_t 
       for (int64_t i = 0; i < x.chunks_per_group; ++i) {
         const int64_t chunk = g * x.chunks_per_group + i;
         const uint8_t* block = values + (t * tile_chunks + chunk) * chunk_bytes;
+        for (int64_t line = 0; line < chunk_bytes; line += kTiledPrefetchStep) {
+          __builtin_prefetch(block + kTiledAheadBytes + line, 0, 2);
+        }
         for (int64_t r = r_begin; r < r_end; ++r) {
           TiledChunk<1, Bits>(p, block, r, chunk, scale, minimum, tile_out, out_stride, scale_hi);
         }

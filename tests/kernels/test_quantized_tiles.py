@@ -80,9 +80,9 @@ def test_tiles_give_the_weight_back_bit_for_bit(depth, columns, bits, group, sca
 
 def test_the_kernel_computes_tiled_weights_as_the_same_bits_at_every_row_count():
     """One call joining tiled weights of every layout with a [K, N] one that has no tiled form (N not a multiple
-    of 64), at decode, verify and prefill row counts (1 and 2 rows: the one-row run with results in registers;
-    more: the rows walk, four rows at a time; past 64: row blocks), on each instruction path this CPU runs:
-    the same bits as the all-[K, N] call."""
+    of 64), at decode, verify and prefill row counts (the x86 walk takes rows four at a time and the rest as one
+    block of 1-3; past 64: row blocks), on each instruction path this CPU runs: the same bits as the all-[K, N]
+    call."""
     rng = np.random.default_rng(3)
     depth = 256
     weights = (*tileable_weights(rng, depth), random_weight(rng, depth, 83, 8, 32, jnp.float16, False))
@@ -209,7 +209,8 @@ def test_the_kernel_computes_kquant_tiles_as_the_integer_model_on_every_path():
     """Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tiles joined with a Q8_0 one in one call (a Q4_K_M layer's q, k and v): within
     float32 rounding of exact integer sums per chunk (the integer models of the int8 kernel, x's d and s in float16
     as ggml's q8_0 / q8_1, and of the K-quant kernel, d in float32), at decode, verify and prefill row
-    counts, on each instruction path this CPU runs."""
+    counts, on each instruction path this CPU runs; up to 64 rows each row the same bits as that row alone (a
+    row's result does not depend on the call's rows, whatever block of rows the walk takes it in)."""
     rng = np.random.default_rng(7)
     depth = 512
     weights = tuple(
@@ -232,6 +233,11 @@ def test_the_kernel_computes_kquant_tiles_as_the_integer_model_on_every_path():
                 else:  # q8_0 / q8_1's float16 d and s, as ggml's Q5_0 / Q5_1 dots
                     assert_matches_model(result, x, as_int8(weight))
             assert_matches_model(got[-1], x, q8)
+            if num_rows <= 64:  # (prefill row blocks may add K's parts in another order)
+                for row in sorted({0, num_rows // 2, num_rows - 1}):
+                    alone = call(jnp.asarray(x[row : row + 1]), tiled)
+                    for g, a in zip(got, alone, strict=True):
+                        np.testing.assert_array_equal(np.asarray(g)[row], np.asarray(a)[0], err_msg=f"{path} {row}")
 
 
 def test_5_and_6_bit_tiles_sum_the_largest_products_exactly():

@@ -10,7 +10,7 @@
 //       -DOLD_FILE='"/tmp/wt_old/pallas_kernels/matmul/cpu_quantized_int8_dot.cc"' \
 //       -DNEW_FILE='"'$PWD'/pallas_kernels/matmul/cpu_quantized_int8_dot.cc"' bench/cpu_int8_dot_rows.cc \
 //       -o /tmp/cpu_int8_dot_rows -lpthread
-//   /tmp/cpu_int8_dot_rows BITS ROWS [ROUNDS=15] [MINS=0]     # BITS 4 or 8
+//   /tmp/cpu_int8_dot_rows BITS ROWS [ROUNDS=15] [MINS=0] [TILED=1]   # BITS 4, 5 or 8; TILED 0: [K, N]
 //
 // The shared headers (workers, call plan, weight basics) are included once, up front; each tree's kernel file
 // in a namespace of its own (its handler symbol left out).
@@ -39,6 +39,7 @@ int main(int argc, char** argv) {
   const int64_t rows = std::atoi(argv[2]);
   const int rounds = argc > 3 ? std::atoi(argv[3]) : 15;
   const bool mins = argc > 4 && std::atoi(argv[4]);
+  const bool tiled = !(argc > 5 && std::atoi(argv[5]) == 0);  // 0: the [K, N] layout
   const int64_t shapes[7][2] = {{576, 576}, {576, 192}, {576, 192}, {576, 576}, {576, 1536}, {576, 1536}, {1536, 576}};
   std::mt19937 rng(1);
   std::vector<std::vector<uint8_t>> vals; std::vector<std::vector<uint16_t>> scs, mns;
@@ -58,7 +59,7 @@ int main(int argc, char** argv) {
       std::vector<NS::Problem> ps{NS::Problem{vals[i].data(), NS::FloatArray{scs[i].data(), ffi::DataType::F16},      \
                                               NS::FloatArray{mins ? mns[i].data() : nullptr, ffi::DataType::F16},     \
                                               outs[i].data(), shapes[i][0] == 576 ? &xe : &xm, shapes[i][1],          \
-                                              shapes[i][0], 32, shapes[i][0] / 32, bits, 0, 0, 0, 0, true}};          \
+                                              shapes[i][0], 32, shapes[i][0] / 32, bits, 0, 0, 0, 0, tiled}};          \
       NS::Run(1, ps, rows);                                                                                           \
     }                                                                                                                 \
   }
@@ -71,6 +72,6 @@ int main(int argc, char** argv) {
     c = Cpu(); b(); tb = std::min(tb, Cpu() - c);
   }
   bool same = true; for (int i = 0; i < 7; ++i) same &= std::memcmp(oa[i].data(), ob[i].data(), oa[i].size() * 4) == 0;
-  std::printf("{\"bits\": %d, \"rows\": %lld, \"mins\": %d, \"old_gmac_s\": %.1f, \"new_gmac_s\": %.1f, \"new_over_old\": %.2f, \"bit_identical\": %s}\n", bits, (long long)rows, int(mins),
+  std::printf("{\"bits\": %d, \"rows\": %lld, \"mins\": %d, \"tiled\": %d, \"old_gmac_s\": %.1f, \"new_gmac_s\": %.1f, \"new_over_old\": %.2f, \"bit_identical\": %s}\n", bits, (long long)rows, int(mins), int(tiled),
               macs / ta / 1e9, macs / tb / 1e9, ta / tb, same ? "true" : "false");
 }

@@ -98,14 +98,6 @@ void ChunkInRegisters(const uint8_t* s0, int64_t row_bytes, int64_t vectors, con
   constexpr int kQuads = kChunk / 4;
   constexpr int64_t byte_rows = Bits == 8 ? kChunk : kChunk / 2;
   const int64_t ahead = byte_rows * row_bytes;
-  VecI xv[R][kQuads];
-  for (int r = 0; r < R; ++r) {
-    for (int q = 0; q < kQuads; ++q) {
-      int32_t four;
-      std::memcpy(&four, xq + r * depth + 4 * q, sizeof(four));
-      xv[r][q] = SplatInt(four);
-    }
-  }
   AheadLines lines = next;  // (a local: kept in registers)
   for (int64_t c = 0; c < vectors; c += kTile) {
 #if JAXSERVE_QDOT_AHEAD
@@ -133,10 +125,17 @@ void ChunkInRegisters(const uint8_t* s0, int64_t row_bytes, int64_t vectors, con
         }
       }
       Interleave(w[0], w[1], w[2], w[3]);
+      VecI xv[R];  // (broadcast here, not held over the chunk: 8 per row would take the registers the sums need)
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * depth + 4 * q, sizeof(four));
+        xv[r] = SplatInt(four);
+      }
       for (int j = 0; j < 4; ++j) {
         if constexpr (Bits == 8) w[j] = PrepareInt8(w[j]);
         for (int r = 0; r < R; ++r) {
-          acc[r][j] = Bits == 8 ? DotInt8(acc[r][j], w[j], xv[r][q]) : DotUnsigned(acc[r][j], w[j], xv[r][q]);
+          acc[r][j] = Bits == 8 ? DotInt8(acc[r][j], w[j], xv[r]) : DotUnsigned(acc[r][j], w[j], xv[r]);
+          KeepInRegister(acc[r][j]);
         }
       }
     }

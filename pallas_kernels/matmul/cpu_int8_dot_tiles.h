@@ -149,15 +149,6 @@ inline VecF LoadScales(const void* data, int64_t offset) {
   }
 }
 
-// The sum so far made to exist here, in a register: without it GCC computed all of a chunk's products first and
-// added them at its end, R x J x 8 intermediate vectors spilled to the stack (60 spills a chunk at 4 rows on
-// AVX2; the chunk-by-chunk walk this replaced spilled the same way, and 4 rows ran no faster per row than one)
-#if defined(__AVX512F__)
-inline void KeepInRegister(VecI& v) { __asm__("" : "+v"(v)); }  // (any of zmm0-31)
-#else
-inline void KeepInRegister(VecI& v) { __asm__("" : "+x"(v)); }
-#endif
-
 // Rows [r0, r0 + R) of x times a tile's chunks of groups [g0, g1) (rows `out_stride` apart in `out`, the tile's
 // 64 columns in order), J vectors of columns at a time: their float results stay in registers (or L1) over the
 // whole run, each chunk's int32 sums scaled into them as the chunk ends and its scales widened as they are

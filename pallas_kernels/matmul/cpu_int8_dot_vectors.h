@@ -135,6 +135,16 @@ inline VecI PrepareInt8(VecI w) { return w; }
 inline VecI DotInt8(VecI acc, VecI w, VecI x) { return DotSigned(acc, w, x); }
 #endif
 
+// The sum so far made to exist here, in a register: without it GCC computed all of a chunk's products first and
+// added them at its end, R x J x 8 intermediate vectors spilled to the stack (60 spills a chunk at 4 rows on
+// AVX2; cpu_int8_dot_tiles.h's chunk-by-chunk walk before session 42 spilled the same way, and 4 rows ran no faster per
+// row than one)
+#if defined(__AVX512F__)
+inline void KeepInRegister(VecI& v) { __asm__("" : "+v"(v)); }  // (any of zmm0-31)
+#else
+inline void KeepInRegister(VecI& v) { __asm__("" : "+x"(v)); }
+#endif
+
 // Rows k .. k + 3 of a tile (a, b, c, d: kTile bytes each) -> four vectors whose 32-bit lanes hold the four
 // k of one column. Unpacks work within 128-bit lanes: vector j, lane t holds column
 // (t / 4) * 16 + 4 * j + t % 4 (ColumnInTile).

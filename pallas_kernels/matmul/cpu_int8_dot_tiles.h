@@ -112,19 +112,15 @@ template <ffi::DataType Type>
 inline VecF LoadScales(const void* data, int64_t offset) {
   if constexpr (Type == ffi::DataType::F32) {
     return LoadF(static_cast<const float*>(data) + offset);
-  } else if constexpr (Type == ffi::DataType::S8) {
-    const auto* in = static_cast<const int8_t*>(data) + offset;
+  } else if constexpr (Type == ffi::DataType::S8 || Type == ffi::DataType::U8) {  // (sign- or zero-extended)
+    const auto* in = reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(data) + offset);
+    constexpr bool kSigned = Type == ffi::DataType::S8;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in))));
+    const __m128i bytes = _mm_loadu_si128(in);
+    return _mm512_cvtepi32_ps(kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 #else
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in))));
-#endif
-  } else if constexpr (Type == ffi::DataType::U8) {
-    const auto* in = static_cast<const uint8_t*>(data) + offset;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in))));
-#else
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in))));
+    const __m128i bytes = _mm_loadl_epi64(in);
+    return _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 #endif
   } else {
     const auto* in = static_cast<const uint16_t*>(data) + offset;
@@ -302,12 +298,13 @@ void TiledRowsRun(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t r
   }
 }
 
-// Vectors of columns a TiledRowsRun of R rows takes at once: on AVX2, one row all eight (its 8 results and 8 pair
-// sums alone are the 16 registers: some spill), more rows four (their results spill to L1, a load and a store per chunk,
-// which costs little beside the products; fewer columns re-read x's rows and the scales more often). Cache-hot
-// Q4_0 layers, one thread, alternating with the chunk-by-chunk walk this replaced (bench/cpu_int8_dot_rows.cc):
-// rows 1 1.06-1.21x, 2 1.43-1.49x, 3-7 1.29-1.55x, 64 1.41-1.45x; Q8_0 0.98-1.5x. On AVX-512 (32 registers, 64
-// columns a vector; not measured: no such machine at hand) the same columns a pass: one row all four, more two.
+// Vectors of columns a TiledRowsRun of R rows takes at once: on AVX2, one row all eight (its 8 results and 8
+// pair sums alone are the 16 registers: some spill), more rows four (their results spill to L1, a load and a
+// store per chunk, which costs little beside the products; fewer columns re-read x's rows and the scales more
+// often). Cache-hot Q4_0 layers, one thread, alternating with the chunk-by-chunk walk this replaced
+// (bench/cpu_int8_dot_rows.cc): rows 1 1.06-1.21x, 2 1.43-1.49x, 3-7 1.29-1.55x, 64 1.41-1.45x; Q8_0 0.98-1.5x.
+// On AVX-512 (32 registers, 64 columns a vector; not measured: no such machine at hand) the same columns a
+// pass: one row all four, more two.
 constexpr int TiledJ(int R) { return sizeof(VecI) == 64 ? (R == 1 ? 4 : 2) : (R == 1 ? 8 : 4); }
 
 // TiledRowsRun for the problem's scale width and mins.

@@ -106,7 +106,7 @@ inline void KnTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int
     const float* row = w + k * ldw;
     VecF wv[V];
 #pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) wv[v] = LoadF(row + v * kLanes);
+    for (int v = 0; v < V; ++v) wv[v] = LoadedOnce<R>(LoadF(row + v * kLanes));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const VecF xb = Broadcast(x[r * ldx + k]);

@@ -113,6 +113,31 @@ inline void EvenOddColumns(float* acc, int64_t n, bool back) {
   }
 }
 
+// Keeps the compiler from folding a load into each instruction that uses it: x's vector, loaded once and
+// used by S FMAs, was otherwise read S times from memory (memory operands), and the loads bound the loop.
+inline void KeepInRegister(VecF& v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+v"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#endif
+}
+
+// A weight vector that `Uses` FMAs read (one per row of x in a register tile), in a register once loaded. GCC folds
+// a float32 weight's load into each FMA that uses it (a memory operand per row), and then the loads, not the FMAs,
+// bound the tile: on an AVX2-only AMD EPYC (Zen 3) the float32 tiles of 2-4 rows ran at half the rate of 5-6 rows
+// (session 43: PanelTile cache-hot, one thread, 4 rows 48 -> 98 GFLOP/s, 3 rows 48 -> 78, 2 rows by two panels
+// 54 -> 95; the 5-6 row tiles, whose weights GCC already kept in registers, unchanged). One use: left to the
+// compiler (a one-row tile's 8 weight vectors and 8 accumulators do not fit 16 registers). bfloat16's widened
+// vectors are computed in registers anyway. Returns the value (an asm operand on an array element made GCC store
+// the array back to the stack every iteration). AVX-512 builds change little (870 of 894 folded FMAs stay; not
+// measured on such a CPU): see docs/notes/cpu-kernels.md, session 43.
+template <int Uses>
+inline VecF LoadedOnce(VecF v) {
+  if constexpr (Uses > 1) KeepInRegister(v);
+  return v;
+}
+
 // R rows of x by V vectors of columns over `count` weight rows (w: the strip's first row, rows `ldw`
 // apart), adding into out [R, ...] (rows ldo apart). Prefetches each row's strip `ahead` elements on.
 // EvenOdd (bfloat16, V even): the weights widened by EvenOddWeights, out's columns in [evens, odds] order.
@@ -136,7 +161,7 @@ inline void WalkTile(const float* x, int64_t ldx, const typename T::Stored* w, i
       for (int v = 0; v < V; v += 2) EvenOddWeights(row + v * kLanes, wv[v], wv[v + 1]);
     } else {
 #pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) wv[v] = T::Vector(row + v * kLanes);
+      for (int v = 0; v < V; ++v) wv[v] = LoadedOnce<R>(T::Vector(row + v * kLanes));
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -327,16 +352,6 @@ void TiledWalk(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t wid
   }
 }
 
-// Keeps the compiler from folding a load into each instruction that uses it: x's vector, loaded once and
-// used by S FMAs, was otherwise read S times from memory (memory operands), and the loads bound the loop.
-inline void KeepInRegister(VecF& v) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm("" : "+v"(v));
-#elif defined(__aarch64__)
-  asm("" : "+w"(v));
-#endif
-}
-
 // R rows of x by weight rows n, n + part, ..., n + (S - 1) part (for n in [n0, n1)): out[r, n] = x[r] . w[n].
 template <typename T, int R, int S>
 void NkStreamRows(const float* x, int64_t depth, const typename T::Stored* w, int64_t part, float* out, int64_t ldo,
@@ -354,7 +369,7 @@ void NkStreamRows(const float* x, int64_t depth, const typename T::Stored* w, in
     for (; k + kLanes <= depth; k += kLanes) {
       VecF wv[S];
 #pragma GCC unroll 8
-      for (int s = 0; s < S; ++s) wv[s] = T::Vector(rows[s] + k);
+      for (int s = 0; s < S; ++s) wv[s] = LoadedOnce<R>(T::Vector(rows[s] + k));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         VecF xv = LoadF(x + r * depth + k);

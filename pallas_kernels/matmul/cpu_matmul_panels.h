@@ -70,7 +70,7 @@ inline void PanelTile(const float* x, int64_t ldx, const typename T::Stored* w, 
         for (int v = 0; v < VP; v += 2) EvenOddWeights(row + v * kLanes, wv[g][v], wv[g][v + 1]);
       } else {
 #pragma GCC unroll 4
-        for (int v = 0; v < VP; ++v) wv[g][v] = T::Vector(row + v * kLanes);
+        for (int v = 0; v < VP; ++v) wv[g][v] = LoadedOnce<R>(T::Vector(row + v * kLanes));
       }
     }
 #pragma GCC unroll 8

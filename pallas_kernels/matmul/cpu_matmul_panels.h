@@ -49,6 +49,13 @@ inline void PanelTile(const float* x, int64_t ldx, const typename T::Stored* w, 
   using S = typename T::Stored;
   constexpr int VP = kPanelVectors;
   constexpr bool kEvenOdd = kWalkEvenOdd && std::is_same_v<T, BF16> && VP % 2 == 0;
+  // A tile of one panel and 3+ rows (avx2, portable) computes long enough per panel row that the hardware's
+  // prefetch, restarting at each panel's block (4 KiB of float32 a panel, the next panel K x 64 bytes on), leaves
+  // it waiting: it also fetches the next panel's row as it reads its own, a whole tile ahead. Session 43,
+  // cpu_matmul_stream two workers from memory, in-process alternation (median of 15 rounds, off / on): float32 3
+  // rows 1.06x, 4: 1.13x, 5-6: 1.03-1.04x, 7: 1.06x, 8: 1.08x; bfloat16 3 / 4 / 8 rows 1.08 / 1.14 / 1.11x; two
+  // rows (two panels a tile) 0.97-0.99x, so not there.
+  constexpr bool kPrefetchNextTile = G == 1 && R >= 3;
   if constexpr (kEvenOdd) {
     for (int r = 0; r < R; ++r) EvenOddColumns(out + r * ldo, G * kPanelColumns, false);
   }
@@ -65,6 +72,7 @@ inline void PanelTile(const float* x, int64_t ldx, const typename T::Stored* w, 
     for (int g = 0; g < G; ++g) {
       const S* row = w + g * panel_stride + k * kPanelColumns;
       if (ahead != 0) __builtin_prefetch(row + ahead * kPanelColumns, 0, JAXSERVE_WALK_LOCALITY);
+      if (kPrefetchNextTile && ahead != 0) __builtin_prefetch(row + panel_stride, 0, JAXSERVE_WALK_LOCALITY);
       if constexpr (kEvenOdd) {
 #pragma GCC unroll 4
         for (int v = 0; v < VP; v += 2) EvenOddWeights(row + v * kLanes, wv[g][v], wv[g][v + 1]);

@@ -146,6 +146,22 @@ inline Lanes LoadLanes(const float* p) {
   return v;
 }
 
+// A vector that `Uses` rows' FMAs read, loaded once into a register: GCC otherwise folds the load into each row's
+// FMA (a memory operand per row) and the loads bound the loop (as the matmul tiles' LoadedOnce,
+// cpu_matmul_few_rows.h, session 43). The same arithmetic: the same bits.
+template <int Uses>
+inline Lanes LoadedOnce(const float* p) {
+  Lanes v = LoadLanes(p);
+  if constexpr (Uses > 1) {
+#if defined(__x86_64__) || defined(__i386__)
+    asm("" : "+v"(v));
+#elif defined(__aarch64__)
+    asm("" : "+w"(v));
+#endif
+  }
+  return v;
+}
+
 // A vector's lanes added in a tree of halves (the upper half onto the lower) down to 4, then pairs.
 inline float SumLanes(Lanes v) {
   Floats4 sum4;
@@ -401,8 +417,8 @@ inline void LaneTreeDotsTransposedRowPair(const float* const* queries, const flo
   auto lane_sums = [&](int64_t l, int64_t c, Lanes* out) {
     Lanes sum0[R] = {}, sum1[R] = {};
     for (int64_t i = 0; i < pairs_end; i += 2 * kLanes) {
-      const Lanes k0 = LoadLanes(keys_transposed + (i + l) * T + c);
-      const Lanes k1 = LoadLanes(keys_transposed + (i + kLanes + l) * T + c);
+      const Lanes k0 = LoadedOnce<R>(keys_transposed + (i + l) * T + c);
+      const Lanes k1 = LoadedOnce<R>(keys_transposed + (i + kLanes + l) * T + c);
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r) {
         sum0[r] += queries[r][i + l] * k0;
@@ -410,7 +426,7 @@ inline void LaneTreeDotsTransposedRowPair(const float* const* queries, const flo
       }
     }
     if (lanes_end > pairs_end) {
-      const Lanes k0 = LoadLanes(keys_transposed + (pairs_end + l) * T + c);
+      const Lanes k0 = LoadedOnce<R>(keys_transposed + (pairs_end + l) * T + c);
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r) sum0[r] += queries[r][pairs_end + l] * k0;
     }
@@ -474,6 +490,17 @@ template <int R>
 void AddWeightedRowsRows(float* const* accumulators, const float* const* rows, int64_t offset,
                          const float* const* weights, int64_t count, int64_t n) {
   constexpr int64_t kBlock = kRowsValueVectors * kLanes;
+  // Keys whose weight is nonzero in every row (all but a causal tail's and underflows, in a verify or prefill
+  // block), found once for all blocks of columns: their rows add without a branch each (session 43: a branch per
+  // row and key was a third of this loop's time). The same adds in the same order either way.
+  bool every_row[kKeysPerTile];
+  const int64_t flagged = std::min(count, kKeysPerTile);
+  for (int64_t t = 0; t < flagged; ++t) {
+    bool all = true;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) all = all && weights[r][t] != 0.0f;
+    every_row[t] = all;
+  }
   int64_t d = 0;
   for (; d + kBlock <= n; d += kBlock) {
     Lanes sums[R][kRowsValueVectors];
@@ -486,6 +513,15 @@ void AddWeightedRowsRows(float* const* accumulators, const float* const* rows, i
       Lanes values[kRowsValueVectors];
 #pragma GCC unroll 4
       for (int v = 0; v < kRowsValueVectors; ++v) values[v] = LoadLanes(value + v * kLanes);
+      if (t < flagged && every_row[t]) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const float weight = weights[r][t];
+#pragma GCC unroll 4
+          for (int v = 0; v < kRowsValueVectors; ++v) sums[r][v] += weight * values[v];
+        }
+        continue;
+      }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const float weight = weights[r][t];

@@ -266,20 +266,27 @@ def run_llamacpp(
 
 
 VARIANT_OPTIONS = {"k": "num_speculative_tokens", "min": "prompt_lookup_min", "max": "prompt_lookup_max"}
+VARIANT_SWITCHES = {"kvcopy": "draft_kv_from_target"}  # <name>0 / <name>1: False / True
 
 
 def variant_config(variants: dict, name: str) -> dict | None:
     """A variant by name; ":"-separated suffixes override its speculative settings, for sweeps in one run:
-    "ngram-forced:k7:min3:max5" is ngram-forced with k = 7 and prompt lookup lengths 3..5."""
+    "ngram-forced:k7:min3:max5" is ngram-forced with k = 7 and prompt lookup lengths 3..5; "draft:kvcopy0" the draft
+    prefilling the rows it lacks instead of copying the target's pages."""
     base, *overrides = name.split(":")
     if base not in variants:
         raise SystemExit(f"unknown variant {base!r}; known: {sorted(variants)}")
     config = variants[base]
     for override in overrides:
         key = override.rstrip("0123456789")
-        if key not in VARIANT_OPTIONS or key == override or config is None:
-            raise SystemExit(f"bad variant suffix {override!r} in {name!r}: one of k<N>, min<N>, max<N>")
-        config = {**config, VARIANT_OPTIONS[key]: int(override[len(key) :])}
+        if key not in {**VARIANT_OPTIONS, **VARIANT_SWITCHES} or key == override or config is None:
+            raise SystemExit(f"bad variant suffix {override!r} in {name!r}: one of k<N>, min<N>, max<N>, kvcopy0/1")
+        value = int(override[len(key) :])
+        config = (
+            {**config, VARIANT_SWITCHES[key]: bool(value)}
+            if key in VARIANT_SWITCHES
+            else {**config, VARIANT_OPTIONS[key]: value}
+        )
     return config
 
 

@@ -230,7 +230,8 @@ MAX_SPECULATIVE_TOKENS = 15  # a verify row is k + 1 tokens: one query block of 
 DEFAULT_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 4}
 
 
-DRAFT_DEFAULTS = {"draft_model": "self", "draft_quantization": "none"}  # SpeculativeConfig's, of options draft reads
+# SpeculativeConfig's, of options only draft reads
+DRAFT_DEFAULTS = {"draft_model": "self", "draft_quantization": "none", "draft_kv_from_target": None}
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,11 @@ class SpeculativeConfig:
     draft_model: str = "self"
     draft_quantization: str = "none"
     draft_num_pages: int | None = None
+    # method draft: a row the draft lacks many tokens of (a new prompt, a preempted or backed-off row) takes the
+    # target's KV of those tokens, copied page by page, instead of the draft prefilling them (None: where the
+    # draft is the target at another precision: draft_model self, or a model of the target's own architecture
+    # and cache layout on one device; True: required, refused at start where the caches differ; False: never)
+    draft_kv_from_target: bool | None = None
 
     def __post_init__(self):
         check_field_types(self, "speculative")
@@ -279,8 +285,9 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        if self.method != "draft" and any(getattr(self, name) != default for name, default in DRAFT_DEFAULTS.items()):
-            raise ValueError(f"draft_model and draft_quantization apply to method draft, not {self.method!r}")
+        drafts_only = [name for name, default in DRAFT_DEFAULTS.items() if getattr(self, name) != default]
+        if self.method != "draft" and drafts_only:
+            raise ValueError(f"{', '.join(drafts_only)} apply to method draft, not {self.method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max ({self.prompt_lookup_max}) "

@@ -1,5 +1,6 @@
 """Copying KV pages out of and into the device pool: to host memory and back (the prefix cache's host
-tier), and for a KV handover between a prefill and a decode replica.
+tier), for a KV handover between a prefill and a decode replica, and from the target's pool into a draft
+model's of the same layout (engine/draft_proposer.py: a row's tokens the draft lacks).
 
 Host-tier pages move in groups of PAGE_COPY_GROUP (padded with the reserved page) so that one compiled
 copy serves every count; the transfer to the host device is asynchronous. Handover pages move in
@@ -117,6 +118,38 @@ def warm_up_handover_copies(kv_pages: KVPages, max_pages: int, chunk_sharding) -
     return kv_pages
 
 
+def pools_alike(source: KVPages, dest: KVPages) -> bool:
+    """Whether a page of `source` copies into `dest` as it is: the same layers, page size, heads, width and
+    dtypes (scales too, for quantized pools); the page counts may differ."""
+    if jax.tree.structure(source) != jax.tree.structure(dest):
+        return False
+    return all(
+        a.shape[1:] == b.shape[1:] and a.dtype == b.dtype
+        for a, b in zip(jax.tree.leaves(source), jax.tree.leaves(dest))
+    )
+
+
+class PagesBetweenPools:
+    """Copies pages of one pool into another of the same layout (pools_alike), PAGE_COPY_GROUP pages a call padded
+    with the reserved page: compiled once ahead of time for the two pools, so that neither pool's being committed to
+    its device or not (which changes as steps return them) compiles the copy again while serving."""
+
+    def __init__(self, source: KVPages, dest: KVPages):
+        group = _padded_group([RESERVED_PAGE])
+        self._copy = _copy_between.lower(source, dest, group, group).compile()
+
+    def __call__(self, source: KVPages, dest: KVPages, source_pages: list[int], dest_pages: list[int]) -> KVPages:
+        """source_pages[i] -> dest_pages[i]; dest is donated and returned."""
+        if len(source_pages) != len(dest_pages):
+            raise ValueError(f"{len(source_pages)} pages to copy into {len(dest_pages)}")
+        for start in range(0, len(source_pages), PAGE_COPY_GROUP):
+            end = start + PAGE_COPY_GROUP
+            dest = self._copy(
+                source, dest, _padded_group(source_pages[start:end]), _padded_group(dest_pages[start:end])
+            )
+        return dest
+
+
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _counting = threading.local()  # compiles seen on this thread while a CountingCompiles is open
 
@@ -160,3 +193,9 @@ def _scatter_pages(kv_pages: KVPages, pages, data):
     num_layers = len(kv_pages.keys)
     layers = [from_page_bytes(layer, pages, data[i]) for i, layer in enumerate(kv_pages.keys + kv_pages.values)]
     return KVPages(keys=layers[:num_layers], values=layers[num_layers:])
+
+
+@functools.partial(jax.jit, donate_argnums=(1,))
+def _copy_between(source: KVPages, dest: KVPages, source_pages, dest_pages):
+    # leaf by leaf: a quantized pool's values and scales alike have the page axis first
+    return jax.tree.map(lambda s, d: d.at[dest_pages].set(s[source_pages]), source, dest)

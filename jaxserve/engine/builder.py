@@ -172,7 +172,7 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
         schedulers, layout, runner, experts = target(kv_budget)
     draft = None
     if draft_weights is not None and draft_pages is not None:
-        draft = build_draft(draft_weights, draft_pages, config, mesh, runner.buckets, runner)
+        draft = build_draft(draft_weights, draft_pages, config, mesh, runner.buckets, runner, model_config)
     lora = None
     if lora_slots:  # a self-draft's adapter slots load with the target's (engine/draft_lora.py)
         draft_lora = draft.lora if draft is not None else None

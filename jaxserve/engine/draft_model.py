@@ -8,7 +8,8 @@ build_draft (its pool and runner).
     speculative.draft_quantization: none | int8 | int4 | auto (self-speculation: the target's int4 copy)
 
 Refused at start: a draft whose vocabulary or tokenizer differs from the target's (its proposals would be
-other tokens), a draft that cannot hold max_model_len.
+other tokens), a draft that cannot hold max_model_len, `draft_kv_from_target: true` where the draft's cache
+cannot take the target's pages.
 
 On a data-parallel mesh the draft's pool is split as the target's is (device/rank_layout.py): each rank's
 pages on its own devices, one allocator per rank, and each sequence's draft rows on its rank.
@@ -20,11 +21,13 @@ import dataclasses
 import functools
 import logging
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.config import Buckets, EngineConfig
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
+from jaxserve.device.page_copies import pools_alike
 from jaxserve.device.placement import kv_pages_on
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import ModelRunner
@@ -132,9 +135,12 @@ def build_draft(
     mesh: Mesh | None,
     target_buckets: Buckets,
     compile_counter,
+    target_config: ModelConfig | None = None,
 ) -> DraftProposer:
     """The draft's KV pool of num_pages a rank (draft_pool_pages) and its runner, warmed up.
-    compile_counter: the target's runner, whose count of compiles after warm-up the draft's add to."""
+    compile_counter: the target's runner, whose count of compiles after warm-up the draft's add to, and
+    whose pages a row far behind copies where the draft takes the target's KV (target_config: the target
+    model's, for `draft_kv_from_target`'s default)."""
     speculative = config.speculative
     model_config, attention = draft.config, draft.attention
     rows = min(speculative.speculative_max_batch_size, config.scheduler.max_num_seqs)  # per rank
@@ -151,6 +157,8 @@ def build_draft(
         draft.dtype,
     )
     kv_pages = kv_pages_on(mesh, zeros, attention.num_cache_kv_heads)
+    # (decided before the draft's warm-up: a draft_kv_from_target that cannot be served is refused at once)
+    takes_target_kv = _takes_target_kv(draft, config, mesh, compile_counter, kv_pages, target_config)
     buckets = Buckets(
         decode_seqs=tuple(b for b in target_buckets.decode_seqs if b < rows) + (rows,),
         # a prefill of one query block too: a row a few tokens behind (it backed off) catches up cheaply
@@ -186,7 +194,34 @@ def build_draft(
         compile_counter=compile_counter,
         description=f"{draft.source.name} ({speculative.draft_quantization})",
         lora=LoraRegistry(config.lora, runner, draft.lora_slots) if draft.lora_slots else None,
+        target_runner=compile_counter if takes_target_kv else None,
     )
+
+
+def _takes_target_kv(
+    draft: DraftWeights,
+    config: EngineConfig,
+    mesh: Mesh | None,
+    target_runner,
+    draft_pages: KVPages,
+    target_config: ModelConfig | None,
+) -> bool:
+    """`draft_kv_from_target` resolved: where it can be (one process, one device, pools alike) and is wanted
+    (True; None: the draft is the target at another precision: draft_model self, or the target's own model
+    config). True where it cannot be is refused."""
+    wanted = config.speculative.draft_kv_from_target
+    if wanted is False:
+        return False
+    reason = None
+    if mesh is not None or config.parallel.data_parallel_size != 1 or jax.process_count() != 1:
+        reason = "the engine runs on several devices or processes"
+    elif not isinstance(target_runner, ModelRunner) or not pools_alike(target_runner.kv_pages, draft_pages):
+        reason = "the draft's KV pages differ from the target's (layers, heads, head size, page size or dtype)"
+    if reason is not None and wanted:
+        raise ValueError(f"speculative draft_kv_from_target: true cannot be served: {reason}")
+    if reason is not None:
+        return False
+    return wanted or config.speculative.draft_model == "self" or draft.config == target_config
 
 
 def short_pool_warning(num_pages: int, page_size: int, max_model_len: int) -> str | None:

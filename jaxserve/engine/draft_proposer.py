@@ -7,7 +7,9 @@ One `propose` call per step, for every row that may speculate:
     catch up     the draft computes the KV of the row's tokens it lacks: the target's newest token and
                  whatever it accepted beyond the draft's own fed proposals (one or two tokens, as decode
                  steps), or, further behind (the first call, a row that backed off), a prefill of all but
-                 the newest token, chunked by the token budget
+                 the newest token, chunked by the token budget; where the draft is the target at another
+                 precision (its cache has the target's layout: `draft_kv_from_target`), those tokens' pages
+                 are copied from the target's pool instead, which holds their KV already
     propose      k greedy decode steps batched over the rows, chained on the device through the token
                  buffer (each step reads the token the previous one sampled), fetched once at the end;
                  where every row wants k proposals, steps 2..k run as one executable (device/step.py
@@ -21,7 +23,10 @@ speculation on and off). A sampled draft would need q's probabilities in the ver
 
 The draft's KV is its own (its own pages and allocators, no prefix cache): proposals the target rejected
 lie beyond what the next call keeps and are overwritten; a row the target preempted or took from its
-prefix cache costs the draft a prefill of the row's tokens, which a small draft pays quickly. A row that
+prefix cache costs the draft a prefill of the row's tokens, which a small draft pays quickly, or a copy of
+the target's pages. Why copy: a 4-bit draft's prefill is compute-bound as the target's is, so a 170-token
+code prompt cost the draft 350 ms beside the target's 430 (AVX2 EPYC, session 44), and the target's KV of
+those tokens is the exact KV the draft's own approximates; the draft attends it with its own queries. A row that
 finds no draft pages (after the least recently proposing rows gave theirs up) proposes nothing; a request
 never fails because of its draft.
 
@@ -40,7 +45,7 @@ import jax
 import numpy as np
 
 from jaxserve.arrays import HostOrDeviceArray
-from jaxserve.device.page_copies import CountingCompiles
+from jaxserve.device.page_copies import CountingCompiles, PagesBetweenPools
 from jaxserve.device.runner import ModelRunner
 from jaxserve.device.step_inputs import StepShape, catch_up_step_shape, step_shape
 from jaxserve.host.page_allocator import PageAllocator, num_pages_for
@@ -109,8 +114,12 @@ class DraftProposer:
         compile_counter,
         description: str,
         lora: LoraRegistry | None = None,
+        target_runner: ModelRunner | None = None,
     ):
         self.runner = runner
+        # the target's runner where rows far behind copy its pages (one device, pools alike), else None
+        self.target_runner = target_runner
+        self._copy_pages = PagesBetweenPools(target_runner.kv_pages, runner.kv_pages) if target_runner else None
         self.allocators = allocators  # one per data-parallel rank, over its own pages of the draft's pool
         self.max_rows = max_rows  # per rank
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -127,6 +136,7 @@ class DraftProposer:
         # off to compare)
         self.chain_steps = True
         self.num_rows_without_pages = 0
+        self.num_copied_pages = 0  # from the target's pool
         self.seconds = 0.0
         # What the last propose call spent on catch-up prefills (a new row, a row that backed off, speculation
         # back on after plain steps): a one-off per row, which the policy leaves out of the step's time
@@ -211,7 +221,10 @@ class DraftProposer:
 
     def _prefill_far_behind(self, per_rank_plans: list[list[RowPlan]]) -> None:
         """Rows more than DECODE_CATCH_UP tokens behind: prefill chunks up to (not including) the newest
-        token, under each rank's token budget; nothing is sampled, so nothing is fetched."""
+        token, under each rank's token budget; nothing is sampled, so nothing is fetched. Where the draft takes the
+        target's KV, their pages are copied instead."""
+        if self.target_runner is not None:
+            self._copy_far_behind(per_rank_plans)
         start, token_ids = time.perf_counter(), None
         while True:
             per_rank_chunks = []
@@ -235,6 +248,31 @@ class DraftProposer:
         if token_ids is not None:  # waited for, so that its time is known (rare: not the steady state)
             jax.block_until_ready(token_ids)
             self.catch_up_seconds += time.perf_counter() - start
+
+    def _copy_far_behind(self, per_rank_plans: list[list[RowPlan]]) -> None:
+        """Rows more than DECODE_CATCH_UP tokens behind: the target's pages of positions [position, newest token)
+        into the row's draft pages at the same page index (the pools' pages hold the same positions). The target
+        computed every one of them (a row proposes once its newest token alone is left), and whole pages go: a
+        first page's earlier positions are the same tokens' KV, a last page's later ones the draft overwrites
+        before it reads them."""
+        page_size = self.runner.page_size
+        source, dest = [], []
+        for plans in per_rank_plans:
+            for plan in plans:
+                end = plan.seq.num_tokens - 1
+                if end - plan.position < DECODE_CATCH_UP:
+                    continue
+                first, last = plan.position // page_size, (end - 1) // page_size + 1
+                source += plan.seq.page_ids[first:last]
+                dest += plan.row.page_ids[first:last]
+                plan.position = end
+        if not source:
+            return
+        start = time.perf_counter()
+        assert self.target_runner is not None and self._copy_pages is not None
+        self.runner.kv_pages = self._copy_pages(self.target_runner.kv_pages, self.runner.kv_pages, source, dest)
+        self.num_copied_pages += len(source)
+        self.catch_up_seconds += time.perf_counter() - start
 
     def _decode(self, per_rank_plans: list[list[RowPlan]]) -> list[list[list[int]]]:
         """Each row feeds its remaining known tokens (one or two: DECODE_CATCH_UP) in a first step and then
@@ -315,6 +353,7 @@ class DraftProposer:
             "speculative_draft_kv_pages_total": sum(a.num_usable_pages for a in self.allocators),
             "speculative_draft_kv_pages_free": sum(a.num_free_pages for a in self.allocators),
             "speculative_draft_prefill_steps": self.num_prefill_steps,
+            "speculative_draft_copied_pages": self.num_copied_pages,
             "speculative_draft_decode_steps": self.num_decode_steps,
             "speculative_draft_chained_steps": self.num_chained_steps,
             "speculative_draft_rows_without_pages": self.num_rows_without_pages,

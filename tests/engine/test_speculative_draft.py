@@ -190,6 +190,30 @@ def test_a_rounds_later_proposals_are_one_dispatch(engines):
     assert_draft_holds_nothing(llm)
 
 
+def test_a_self_draft_copies_the_targets_kv_where_another_model_prefills(engines):
+    """A self-draft's cache has the target's layout: a new row's prompt takes the target's pages (they hold
+    those tokens' exact KV) instead of a draft prefill; a draft of another model prefills it. Same outputs."""
+    # 13 tokens: at least 3 pages of 4 to take (the small-pool draft holds this row: 6 usable pages)
+    prompt = list(range(3, 16))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reference = engines["plain"].generate([prompt], params)[0].outputs[0].token_ids
+    for name, copies in (("self_int8", True), ("other", False)):
+        llm = engines[name]
+        before = llm.stats()
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == reference, name
+        after = llm.stats()
+        copied, prefills = (
+            after[key] - before[key] for key in ("speculative_draft_copied_pages", "speculative_draft_prefill_steps")
+        )
+        assert (copied >= 3 and prefills == 0) if copies else (copied == 0 and prefills > 0), (name, copied, prefills)
+        assert_draft_holds_nothing(llm)
+
+
+def test_draft_kv_from_target_is_refused_where_the_caches_differ():
+    with pytest.raises(ValueError, match="draft_kv_from_target: true cannot be served: the draft's KV pages differ"):
+        LLM(fixture_dir("llama_gqa"), **ENGINE, speculative={**OTHER_SMALL_POOL, "draft_kv_from_target": True})
+
+
 def test_metrics_report_the_draft_methods_acceptance(engines):
     from prometheus_client import generate_latest
 
@@ -236,6 +260,8 @@ def test_a_draft_of_other_tokens_is_refused_at_start(tmp_path):
         ({"method": "draft", "draft_model": ""}, "draft_model must name a model source"),
         ({"method": "draft", "draft_quantization": "int4", "draft_num_pages": 1}, "draft_num_pages"),
         ({"method": "draft", "draft_quantization": "int4", "num_speculative_tokens": 16}, "num_speculative_tokens"),
+        ({"method": "ngram", "draft_kv_from_target": True}, "draft_kv_from_target apply to method draft"),
+        ({"method": "draft", "draft_quantization": "int4", "draft_kv_from_target": 1}, "draft_kv_from_target must be"),
     ],
 )
 def test_bad_draft_options_are_refused(speculative, problem):

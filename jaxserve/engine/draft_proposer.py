@@ -263,8 +263,11 @@ class DraftProposer:
                 if end - plan.position < DECODE_CATCH_UP:
                     continue
                 first, last = plan.position // page_size, (end - 1) // page_size + 1
-                source += plan.seq.page_ids[first:last]
-                dest += plan.row.page_ids[first:last]
+                row_source, row_dest = plan.seq.page_ids[first:last], plan.row.page_ids[first:last]
+                if len(row_source) != last - first or len(row_dest) != last - first:
+                    continue  # (not expected: both hold these positions) the draft prefills the row instead
+                source += row_source
+                dest += row_dest
                 plan.position = end
         if not source:
             return

@@ -214,7 +214,7 @@ def _takes_target_kv(
         return False
     reason = None
     if mesh is not None or config.parallel.data_parallel_size != 1 or jax.process_count() != 1:
-        reason = "the engine runs on several devices or processes"
+        reason = "the engine runs on a device mesh or several processes"
     elif not isinstance(target_runner, ModelRunner) or not pools_alike(target_runner.kv_pages, draft_pages):
         reason = "the draft's KV pages differ from the target's (layers, heads, head size, page size or dtype)"
     if reason is not None and wanted:

@@ -275,6 +275,8 @@ class DraftProposer:
         assert self.target_runner is not None and self._copy_pages is not None
         self.runner.kv_pages = self._copy_pages(self.target_runner.kv_pages, self.runner.kv_pages, source, dest)
         self.num_copied_pages += len(source)
+        # waited for, as a prefill is: a one-off per row that the policy leaves out of the step's time
+        jax.block_until_ready(self.runner.kv_pages)
         self.catch_up_seconds += time.perf_counter() - start
 
     def _decode(self, per_rank_plans: list[list[RowPlan]]) -> list[list[list[int]]]:

@@ -9,6 +9,7 @@ import json
 import logging
 import shutil
 
+import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -192,21 +193,54 @@ def test_a_rounds_later_proposals_are_one_dispatch(engines):
 
 def test_a_self_draft_copies_the_targets_kv_where_another_model_prefills(engines):
     """A self-draft's cache has the target's layout: a new row's prompt takes the target's pages (they hold
-    those tokens' exact KV) instead of a draft prefill; a draft of another model prefills it. Same outputs."""
+    those tokens' exact KV) instead of a draft prefill; a draft of another model prefills it. Same outputs. Each
+    copy writes the target's pages' keys and values into pages the draft's rows hold."""
     # 13 tokens: at least 3 pages of 4 to take (the small-pool draft holds this row: 6 usable pages)
     prompt = list(range(3, 16))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     reference = engines["plain"].generate([prompt], params)[0].outputs[0].token_ids
-    for name, copies in (("self_int8", True), ("other", False)):
-        llm = engines[name]
-        before = llm.stats()
-        assert llm.generate([prompt], params)[0].outputs[0].token_ids == reference, name
-        after = llm.stats()
-        copied, prefills = (
-            after[key] - before[key] for key in ("speculative_draft_copied_pages", "speculative_draft_prefill_steps")
-        )
-        assert (copied >= 3 and prefills == 0) if copies else (copied == 0 and prefills > 0), (name, copied, prefills)
-        assert_draft_holds_nothing(llm)
+    proposer = engines["self_int8"].engine.speculation.proposer
+    copy, copied_pages = proposer._copy_pages, []
+
+    def checked_copy(source, dest, source_pages, dest_pages):
+        # a row's page i takes its sequence's page i (the same positions), and holds its keys and values after
+        running = {seq.seq_id: seq for scheduler in engines["self_int8"].engine.schedulers for seq in scheduler.running}
+        same_positions = {
+            pair for seq_id, row in proposer.rows.items() for pair in zip(running[seq_id].page_ids, row.page_ids)
+        }
+        assert set(zip(source_pages, dest_pages)) <= same_positions
+        dest = copy(source, dest, source_pages, dest_pages)
+        for target_layer, draft_layer in zip(source.keys + source.values, dest.keys + dest.values):
+            assert np.array_equal(np.asarray(draft_layer)[dest_pages], np.asarray(target_layer)[source_pages])
+        copied_pages.extend(dest_pages)
+        return dest
+
+    proposer._copy_pages = checked_copy
+    try:
+        for name, copies in (("self_int8", True), ("other", False)):
+            llm = engines[name]
+            before = llm.stats()
+            assert llm.generate([prompt], params)[0].outputs[0].token_ids == reference, name
+            after = llm.stats()
+            copied, prefills = (
+                after[key] - before[key]
+                for key in ("speculative_draft_copied_pages", "speculative_draft_prefill_steps")
+            )
+            assert (copied >= 3 and prefills == 0) if copies else (copied == 0 and prefills > 0), (name, copied)
+            assert_draft_holds_nothing(llm)
+    finally:
+        proposer._copy_pages = copy
+    assert len(copied_pages) >= 3
+
+
+def test_a_self_draft_told_not_to_copy_prefills(engines):
+    llm = LLM(fixture_dir("llama_gqa"), **ENGINE, speculative={**SELF_INT8, "draft_kv_from_target": False})
+    prompt, params = list(range(3, 16)), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = engines["plain"].generate([prompt], params)[0].outputs[0].token_ids
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == expected
+    stats = llm.stats()
+    assert stats["speculative_draft_copied_pages"] == 0 and stats["speculative_draft_prefill_steps"] > 0
+    assert_draft_holds_nothing(llm)
 
 
 def test_draft_kv_from_target_is_refused_where_the_caches_differ():

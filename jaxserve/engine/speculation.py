@@ -11,13 +11,18 @@ starts where acceptance left each row. So while speculation is on, the engine pr
 flight before planning the next (as it does for grammar rows); when the policy turns speculation off
 (a large batch, poor acceptance) the steps overlap again.
 
-Rows that keep failing back off: a row whose proposal was rejected outright, or that had none, for the
-second time in a row skips speculation for 2, 4, ... up to MAX_BACKOFF_TOKENS of its tokens (reset by an
-accepted proposal), and is not waited for meanwhile, so plain chat (little to look up) keeps most of its
-overlap while code edits (long quotes) speculate on every step. The first miss after an accepted proposal
-(or a row's first) costs no backoff: in a code edit it is where the reply departs from the quoted text (a
-renamed variable) and the quote resumes a token later; backing off there turned the 2 steps after every
-edit into plain ones (bench/speculative.py's code prompts replayed: 29 -> 15 plain steps, 54 -> 59 verify steps).
+Which prompt-lookup proposals a row verifies: those of a match length whose proposals the row's text has
+been following (host/proposal_gate.py: per row and class of match length, a decaying average of the tokens
+accepted, withheld proposals scored too once the tokens after them are known). A row whose newest token is in
+flight is waited for only where the proposal of its known tokens (one token stale) would be verified, so
+plain chat (little to look up) keeps its overlap while code edits (long quotes) speculate on every step.
+
+A draft model's rows that keep failing back off instead (its proposals cost steps, so they cannot be scored
+for free): a row whose proposal was rejected outright, or that had none, for the second time in a row skips
+speculation for 2, 4, ... up to MAX_BACKOFF_TOKENS of its tokens (reset by an accepted proposal), and is not
+waited for meanwhile. The first miss after an accepted proposal (or a row's first) costs no backoff: in a code
+edit it is where the reply departs from the quoted text (a renamed variable) and the quote resumes a token
+later.
 
 While the policy has plain decoding winning, an ngram proposer (free to run) still proposes for the rows
 (`_look_ahead`): a row whose next tokens follow such a proposal for LOOK_AHEAD_HIT_TOKENS has the policy
@@ -46,6 +51,7 @@ import time
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.host.output_processor import OutputProcessor
+from jaxserve.host.proposal_gate import ProposalGate
 from jaxserve.host.proposers import NgramProposer, Proposer
 from jaxserve.host.request import RequestStatus, SequenceState
 from jaxserve.host.schedule import ScheduledChunk
@@ -123,6 +129,8 @@ class Speculation:
         self.enabled = config.enabled
         self.max_model_len = max_model_len
         self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # prompt lookup's proposals are free to make and to score: gated per row (a draft's back off instead)
+        self.gate = ProposalGate() if isinstance(self.proposer, NgramProposer) else None
         self.policy = SpeculationPolicy(config.speculative_max_batch_size, config.speculative_adaptive)
         self.counts = AcceptanceCounts()
         self.speculating = False  # this step's decision
@@ -162,14 +170,33 @@ class Speculation:
         if any(executable.shape.verifies for executable in in_flight_executables):
             return True
         return self.speculating and any(
-            seq.num_pending_tokens and self._may_propose(seq) for scheduler in schedulers for seq in scheduler.running
+            seq.num_pending_tokens and self._expects_proposal(seq)
+            for scheduler in schedulers
+            for seq in scheduler.running
         )
 
     def _may_propose(self, seq: SequenceState) -> bool:
         return may_speculate(seq) and len(seq.output_token_ids) >= self._resume_at.get(seq.seq_id, 0)
 
+    def _expects_proposal(self, seq: SequenceState) -> bool:
+        """For a row whose newest token is in flight: whether the next step would verify for it (the engine
+        then waits for that token). A gated row: where its known tokens' proposal (one token stale: the token in
+        flight is most often that proposal's first) would be verified; a grammar row (its forced tokens) and a
+        draft's row: unless backing off."""
+        if not self._may_propose(seq):
+            return False
+        if self.gate is None or seq.grammar is not None or seq.waiting_grammar is not None:
+            return True
+        ((match_length, proposal),) = self.proposer.propose_matched([seq], [self.config.verify_width - 1])
+        self._proposed_for[seq.seq_id] = seq  # the proposer indexed it: forgotten with the others
+        return bool(proposal) and self.gate.admits(seq.seq_id, match_length)
+
     def _observe_outcome(self, seq: SequenceState, num_accepted: int) -> None:
-        """Back a row off after its second proposal in a row that gave nothing (see the module docstring)."""
+        """A proposal's outcome: scored by the gate (ngram), or a draft's row backs off after its second
+        proposal in a row that gave nothing (see the module docstring)."""
+        if self.gate is not None:
+            self.gate.verified(seq.seq_id, num_accepted)
+            return
         if num_accepted:
             self._misses.pop(seq.seq_id, None)
             self._resume_at.pop(seq.seq_id, None)
@@ -191,6 +218,8 @@ class Speculation:
         for seq in (seq for scheduler in schedulers for seq in scheduler.running):
             if not (is_decoding(seq) and not seq.num_pending_tokens and may_speculate(seq)):
                 continue
+            if self.gate is not None:
+                self.gate.settle(seq.seq_id, seq.output_token_ids)
             # a verify row may emit all its proposals and one more: never past max_tokens or max_model_len
             limit = min(
                 k, seq.params.max_new_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1
@@ -209,19 +238,34 @@ class Speculation:
         if seqs and self._only_forced(seqs, forced, proposals):
             return proposals
         start = time.perf_counter()
-        proposed = self.proposer.propose(seqs, limits) if seqs else []
+        match_lengths = [0] * len(seqs)
+        if self.gate is not None and seqs:
+            match_lengths, proposed = map(list, zip(*self.proposer.propose_matched(seqs, limits)))
+            proposed = [self._gated(seq, n, p) for seq, n, p in zip(seqs, match_lengths, proposed)]
+        else:
+            proposed = self.proposer.propose(seqs, limits) if seqs else []
         seconds = time.perf_counter() - start
         self.proposing_seconds += seconds
         # a draft's catch-up prefills are a one-off per row: charged to no step (host/speculation_policy.py)
         catch_up = getattr(self.proposer, "catch_up_seconds", 0.0) if seqs else 0.0
         self.proposal_seconds += max(seconds - catch_up, 0.0)
-        for seq, proposal, row_forced in zip(seqs, proposed, forced):
+        for seq, proposal, row_forced, match_length in zip(seqs, proposed, forced, match_lengths):
             proposal = verifiable_part(seq, proposal, row_forced, self.eos_token_ids)
             if proposal:
                 proposals[seq.rank][seq.seq_id] = proposal
+                if self.gate is not None:
+                    self.gate.verifying(seq.seq_id, match_length)
             else:
                 self._observe_outcome(seq, 0)
         return proposals
+
+    def _gated(self, seq: SequenceState, match_length: int, proposal: list[int]) -> list[int]:
+        """The proposal if the gate admits it; else [] (the row decodes a plain token), the proposal kept to be
+        scored."""
+        if not proposal or self.gate.admits(seq.seq_id, match_length):
+            return proposal
+        self.gate.withhold(seq.seq_id, len(seq.output_token_ids), match_length, proposal)
+        return []
 
     def _only_forced(self, seqs: list[SequenceState], forced: list[list[int]], proposals) -> bool:
         """Where a draft model would propose only for grammar rows whose grammars force their next tokens, its
@@ -300,6 +344,8 @@ class Speculation:
                 del self._proposed_for[seq_id]
                 self._misses.pop(seq_id, None)
                 self._resume_at.pop(seq_id, None)
+                if self.gate is not None:
+                    self.gate.forget(seq_id)
                 self._looked_ahead.pop(seq_id, None)
 
     # -- reporting ----------------------------------------------------------------------------------
@@ -320,5 +366,6 @@ class Speculation:
             "speculative_mean_accepted_length": round(counts.mean_accepted_length, 4),
             "speculative_steps_on": self.num_steps_speculating,
             "speculative_steps_off": self.num_steps_plain,
+            **({"speculative_withheld_proposals": self.gate.num_withheld} if self.gate is not None else {}),
             "speculative_tokens_per_second": self.policy.stats(),
         }

@@ -47,13 +47,18 @@ class NgramIndex:
 
     def continuation(self, token_ids: list[int], max_tokens: int) -> list[int]:
         """The tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        return self.match(token_ids, max_tokens)[1]
+
+    def match(self, token_ids: list[int], max_tokens: int) -> tuple[int, list[int]]:
+        """(the longest matching suffix's length, the tokens that followed its latest earlier occurrence);
+        (0, []) where no suffix of min_n tokens or more occurred before."""
         length = len(token_ids)
         self.extend(token_ids, length - 1)
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             last = self.last_end.get(tuple(token_ids[length - n :]))
             if last is not None:
-                return token_ids[last + 1 : last + 1 + max_tokens]
-        return []
+                return n, token_ids[last + 1 : last + 1 + max_tokens]
+        return 0, []
 
 
 class NgramProposer:
@@ -67,13 +72,17 @@ class NgramProposer:
         self._indexes: dict[int, NgramIndex] = {}  # seq_id -> its index
 
     def propose(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[list[int]]:
-        proposals = []
+        return [proposal for _, proposal in self.propose_matched(seqs, max_tokens)]
+
+    def propose_matched(self, seqs: list[SequenceState], max_tokens: list[int]) -> list[tuple[int, list[int]]]:
+        """Per sequence: (the matched suffix's length, the proposal), as NgramIndex.match."""
+        matches = []
         for seq, limit in zip(seqs, max_tokens):
             index = self._indexes.get(seq.seq_id)
             if index is None:
                 index = self._indexes[seq.seq_id] = NgramIndex(self.min_n, self.max_n)
-            proposals.append(index.continuation(seq.token_ids, limit) if limit > 0 else [])
-        return proposals
+            matches.append(index.match(seq.token_ids, limit) if limit > 0 else (0, []))
+        return matches
 
     def forget(self, seq: SequenceState) -> None:
         self._indexes.pop(seq.seq_id, None)

@@ -335,6 +335,47 @@ def test_a_row_backs_off_after_its_second_miss_in_a_row():
     assert not proposed_after(0)
 
 
+def test_prompt_lookup_withholds_a_match_length_its_row_stopped_following_and_scores_it_meanwhile():
+    """An ngram row verifies a proposal only while proposals of its match length have been paying
+    (host/proposal_gate.py): two one-token matches rejected outright withhold the next one-token match (not a
+    longer match's), the withheld proposal is scored against the tokens that follow, and once those follow it
+    the class is verified again. A row whose newest token is in flight is waited for only where its known
+    tokens' proposal would be verified."""
+    from jaxserve.config import SpeculativeConfig
+    from jaxserve.engine.speculation import Speculation
+
+    scheduler, seq = running_scheduler(num_pages=64, max_tokens=64)  # prompt 10..15, output [3]
+    speculation = Speculation(SpeculativeConfig(method="ngram", speculative_adaptive=False), max_model_len=256)
+    gate = speculation.gate
+
+    def step(*tokens: int) -> list[int]:
+        seq.output_token_ids += tokens
+        seq.num_computed_tokens += len(tokens)  # decoded: still one token ahead of its KV
+        speculation.begin_step([scheduler])
+        return speculation.proposals([scheduler])[0].get(seq.seq_id, [])
+
+    assert step(10) == [11, 12, 13, 14, 15, 3, 10]  # a one-token match
+    speculation._observe_outcome(seq, 0)  # rejected outright
+    assert step(12) == [13, 14, 15, 3, 10, 12]
+    speculation._observe_outcome(seq, 0)  # twice: one-token matches no longer pay here
+    assert step(14) == [] and gate.num_withheld == 1  # withheld, kept to be scored
+    assert gate.admits(seq.seq_id, 3) and gate.admits(seq.seq_id, 2)  # longer matches are their own classes
+    assert speculation.stats()["speculative_withheld_proposals"] == 1
+
+    seq.num_pending_tokens = 1  # a step in flight: its row's known tokens end in a withheld class's match
+    assert not speculation.waits_for([], [scheduler])
+    seq.num_pending_tokens = 0
+    assert step(15, 3, 7) == []  # the withheld proposal [15, 3, 10, ...] was followed for two tokens
+    assert gate.admits(seq.seq_id, 1)  # scored: one-token matches pay again
+    seq.num_pending_tokens = 1
+    assert speculation.waits_for([], [scheduler]) is False  # 7 has no earlier occurrence: nothing to wait for
+    seq.num_pending_tokens = 0
+    assert step(11) == [12, 13, 14, 15, 3, 10, 12]  # a one-token match verified again
+    seq.num_pending_tokens = 1  # known tokens end in 11, a verified class's match: waited for
+    assert speculation.waits_for([], [scheduler])
+    seq.num_pending_tokens = 0
+
+
 def test_plain_decoding_looks_ahead_and_tries_speculation_when_the_text_turns_to_quoting():
     """While the policy has plain decoding winning, prompt lookup still proposes (free): once a row's next tokens
     follow such a proposal for LOOK_AHEAD_HIT_TOKENS, speculation is measured again from the next step."""

@@ -1,0 +1,95 @@
+"""Which prompt-lookup proposals are worth a verify row (engine/speculation.py). Plain Python, no JAX.
+
+A verify row costs more than a decode row (on a 2-core CPU a 1-row step of 8 tokens took 1.45x a plain step of
+one), so a proposal pays only if enough of it is accepted. How much is, depends on the text and on how long the
+matched suffix was: replaying the default model's greedy replies through the proposer (bench/speculative.py's
+prompts), a code edit's one-token matches were followed for 1.4 tokens a proposal and its 3+-token matches for
+5.4, while plain chat's one-token matches gave 0.22 (87% rejected outright) and its two-token ones 0.87.
+
+So each row keeps, per class of match length (1, 2, 3 or more tokens), a decaying average of the tokens its
+proposals of that class had accepted, and verifies a proposal only while its class's average reaches
+BREAK_EVEN_TOKENS. Proposals of prompt lookup cost nothing to make, so a withheld one is still scored: once the
+tokens that followed it are known, its would-be accepted length enters the average as a verified one's does.
+A class that fell below the line comes back as soon as the text starts to follow it again, without a trial.
+
+This replaced a backoff (skip 2, 4, ... 16 tokens after a second miss in a row), which on a code edit's
+replies turned a third of the steps plain: a miss is where the reply departs from the quote, and the quote
+resumes a token or two later. A draft model's proposals cost steps to make: it keeps the backoff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BREAK_EVEN_TOKENS = 0.5  # accepted tokens a verify row must average to beat a plain step (see above)
+PRIOR_TOKENS, PRIOR_WEIGHT = 1.0, 2.0  # a row's classes start here: a new row verifies its first proposals
+DECAY = 0.8  # of the older samples, per new one: a row's text changes (a quote ends, another begins)
+MATCH_CLASSES = 3  # match lengths 1, 2 and 3+
+
+
+def match_class(match_length: int) -> int:
+    return min(max(match_length, 1), MATCH_CLASSES) - 1
+
+
+@dataclass
+class RowRecord:
+    tokens: list[float] = field(default_factory=lambda: [PRIOR_TOKENS * PRIOR_WEIGHT] * MATCH_CLASSES)
+    weights: list[float] = field(default_factory=lambda: [PRIOR_WEIGHT] * MATCH_CLASSES)
+    verifying: int | None = None  # class of the proposal in a verify step not processed yet
+    # a withheld proposal being scored: (output length when it was made, its class, its tokens)
+    withheld: tuple[int, int, list[int]] | None = None
+
+    def add(self, cls: int, accepted: int) -> None:
+        self.tokens[cls] = DECAY * self.tokens[cls] + accepted
+        self.weights[cls] = DECAY * self.weights[cls] + 1.0
+
+    def expected(self, cls: int) -> float:
+        return self.tokens[cls] / self.weights[cls]
+
+
+class ProposalGate:
+    """Per row: whether a proposal of a given match length is verified (see the module docstring)."""
+
+    def __init__(self, break_even: float = BREAK_EVEN_TOKENS):
+        self.break_even = break_even
+        self.rows: dict[int, RowRecord] = {}
+        self.num_withheld = 0
+
+    def admits(self, seq_id: int, match_length: int) -> bool:
+        record = self.rows.get(seq_id)
+        return record is None or record.expected(match_class(match_length)) >= self.break_even
+
+    def verifying(self, seq_id: int, match_length: int) -> None:
+        """The row verifies a proposal of this match length in the step being planned."""
+        self.rows.setdefault(seq_id, RowRecord()).verifying = match_class(match_length)
+
+    def verified(self, seq_id: int, num_accepted: int) -> None:
+        """The row's verify step was processed: num_accepted of its proposal's tokens were accepted."""
+        record = self.rows.get(seq_id)
+        if record is not None and record.verifying is not None:
+            record.add(record.verifying, num_accepted)
+            record.verifying = None
+
+    def withhold(self, seq_id: int, output_length: int, match_length: int, proposal: list[int]) -> None:
+        """A proposal not verified (its class below the line): scored once its tokens' successors are known.
+        One at a time per row (a later one while it is open is not scored)."""
+        record = self.rows.setdefault(seq_id, RowRecord())
+        self.num_withheld += 1
+        if record.withheld is None:
+            record.withheld = (output_length, match_class(match_length), proposal)
+
+    def settle(self, seq_id: int, output_token_ids: list[int]) -> None:
+        """Scores the row's withheld proposal against the tokens that followed it, once they tell: a mismatch,
+        or as many tokens as it proposed."""
+        record = self.rows.get(seq_id)
+        if record is None or record.withheld is None:
+            return
+        start, cls, proposal = record.withheld
+        followed = output_token_ids[start : start + len(proposal)]
+        matched = next((i for i, (a, b) in enumerate(zip(followed, proposal)) if a != b), len(followed))
+        if matched < len(followed) or len(followed) == len(proposal):
+            record.add(cls, matched)
+            record.withheld = None
+
+    def forget(self, seq_id: int) -> None:
+        self.rows.pop(seq_id, None)

@@ -93,6 +93,15 @@ def verifiable_part(
     return proposal if follows_forced and len(proposal) > len(forced) else forced
 
 
+def _gated(gate: ProposalGate, seq: SequenceState, match_length: int, proposal: list[int]) -> list[int]:
+    """The proposal if the gate admits it; else [] (the row decodes a plain token), the proposal kept to be
+    scored."""
+    if not proposal or gate.admits(seq.seq_id, match_length):
+        return proposal
+    gate.withhold(seq.seq_id, len(seq.output_token_ids), match_length, proposal)
+    return []
+
+
 def is_decoding(seq: SequenceState) -> bool:
     """Ready to decode (or verify) its next token now."""
     return seq.num_planned_tokens - seq.next_kv_position == 1
@@ -130,7 +139,8 @@ class Speculation:
         self.max_model_len = max_model_len
         self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         # prompt lookup's proposals are free to make and to score: gated per row (a draft's back off instead)
-        self.gate = ProposalGate() if isinstance(self.proposer, NgramProposer) else None
+        self.lookup = self.proposer if isinstance(self.proposer, NgramProposer) else None
+        self.gate = ProposalGate() if self.lookup is not None else None
         self.policy = SpeculationPolicy(config.speculative_max_batch_size, config.speculative_adaptive)
         self.counts = AcceptanceCounts()
         self.speculating = False  # this step's decision
@@ -180,16 +190,38 @@ class Speculation:
 
     def _expects_proposal(self, seq: SequenceState) -> bool:
         """For a row whose newest token is in flight: whether the next step would verify for it (the engine
-        then waits for that token). A gated row: where its known tokens' proposal (one token stale: the token in
-        flight is most often that proposal's first) would be verified; a grammar row (its forced tokens) and a
-        draft's row: unless backing off."""
+        then waits for that token). A grammar row (its forced tokens) and a draft's row: unless backing off. A
+        gated row: where its known tokens' proposal (one token stale: the token in flight is most often that
+        proposal's first, and then the row's own proposal is the rest, of a match one token longer) would be
+        verified; where it would not, the rest is withheld and scored (the row is not waited for, so
+        `proposals` does not see it until the gate lets it verify again)."""
         if not self._may_propose(seq):
             return False
-        if self.gate is None or seq.grammar is not None or seq.waiting_grammar is not None:
+        lookup, gate = self.lookup, self.gate
+        if lookup is None or gate is None or seq.grammar is not None or seq.waiting_grammar is not None:
             return True
-        ((match_length, proposal),) = self.proposer.propose_matched([seq], [self.config.verify_width - 1])
+        limit = self._proposal_limit(seq)
+        if limit <= 0:
+            return False
+        gate.settle(seq.seq_id, seq.output_token_ids)
+        ((match_length, stale),) = lookup.propose_matched([seq], [limit + 1])
         self._proposed_for[seq.seq_id] = seq  # the proposer indexed it: forgotten with the others
-        return bool(proposal) and self.gate.admits(seq.seq_id, match_length)
+        if len(stale) < 2:
+            return False
+        if gate.admits(seq.seq_id, match_length + 1):
+            return True
+        # scored only if the token in flight turns out to be the stale proposal's first
+        gate.withhold(seq.seq_id, len(seq.output_token_ids) + 1, match_length + 1, stale[1:], after=stale[0])
+        return False
+
+    def _proposal_limit(self, seq: SequenceState) -> int:
+        """Tokens a verify row of the sequence may propose after its newest token (pending ones counted): all its
+        proposals and one more are emitted, never past max_tokens or max_model_len."""
+        return min(
+            self.config.verify_width - 1,
+            seq.params.max_new_tokens - len(seq.output_token_ids) - seq.num_pending_tokens - 1,
+            self.max_model_len - seq.num_tokens - 1,
+        )
 
     def _observe_outcome(self, seq: SequenceState, num_accepted: int) -> None:
         """A proposal's outcome: scored by the gate (ngram), or a draft's row backs off after its second
@@ -209,21 +241,21 @@ class Speculation:
         """Per rank: seq_id -> proposed tokens for its decoding sequences (empty unless this step
         speculates). One proposer call for every rank, so that a draft model runs all ranks' rows at once."""
         self._forget_finished()
+        lookup, gate = self.lookup, self.gate
+        if gate is not None:
+            # a verify row the scheduler planned plain (no pages or budget for it) was never processed
+            gate.clear_verifying()
         if not self.speculating:
             self._look_ahead(schedulers)
             return [{} for _ in schedulers]
         seqs, limits, forced = [], [], []  # forced: each row's forced_tokens
         proposals: list[dict[int, list[int]]] = [{} for _ in schedulers]
-        k = self.config.verify_width - 1
         for seq in (seq for scheduler in schedulers for seq in scheduler.running):
             if not (is_decoding(seq) and not seq.num_pending_tokens and may_speculate(seq)):
                 continue
-            if self.gate is not None:
-                self.gate.settle(seq.seq_id, seq.output_token_ids)
-            # a verify row may emit all its proposals and one more: never past max_tokens or max_model_len
-            limit = min(
-                k, seq.params.max_new_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1
-            )
+            if gate is not None:
+                gate.settle(seq.seq_id, seq.output_token_ids)
+            limit = self._proposal_limit(seq)
             if limit <= 0:
                 continue
             if self._may_propose(seq):
@@ -239,9 +271,9 @@ class Speculation:
             return proposals
         start = time.perf_counter()
         match_lengths = [0] * len(seqs)
-        if self.gate is not None and seqs:
-            match_lengths, proposed = map(list, zip(*self.proposer.propose_matched(seqs, limits)))
-            proposed = [self._gated(seq, n, p) for seq, n, p in zip(seqs, match_lengths, proposed)]
+        if lookup is not None and gate is not None and seqs:
+            match_lengths, proposed = map(list, zip(*lookup.propose_matched(seqs, limits)))
+            proposed = [_gated(gate, seq, n, p) for seq, n, p in zip(seqs, match_lengths, proposed)]
         else:
             proposed = self.proposer.propose(seqs, limits) if seqs else []
         seconds = time.perf_counter() - start
@@ -249,23 +281,15 @@ class Speculation:
         # a draft's catch-up prefills are a one-off per row: charged to no step (host/speculation_policy.py)
         catch_up = getattr(self.proposer, "catch_up_seconds", 0.0) if seqs else 0.0
         self.proposal_seconds += max(seconds - catch_up, 0.0)
-        for seq, proposal, row_forced, match_length in zip(seqs, proposed, forced, match_lengths):
-            proposal = verifiable_part(seq, proposal, row_forced, self.eos_token_ids)
+        for seq, looked_up, row_forced, match_length in zip(seqs, proposed, forced, match_lengths):
+            proposal = verifiable_part(seq, looked_up, row_forced, self.eos_token_ids)
             if proposal:
                 proposals[seq.rank][seq.seq_id] = proposal
-                if self.gate is not None:
-                    self.gate.verifying(seq.seq_id, match_length)
+                if gate is not None and proposal == looked_up[: len(proposal)]:
+                    gate.verifying(seq.seq_id, match_length)  # not a grammar's forced tokens: the lookup's
             else:
                 self._observe_outcome(seq, 0)
         return proposals
-
-    def _gated(self, seq: SequenceState, match_length: int, proposal: list[int]) -> list[int]:
-        """The proposal if the gate admits it; else [] (the row decodes a plain token), the proposal kept to be
-        scored."""
-        if not proposal or self.gate.admits(seq.seq_id, match_length):
-            return proposal
-        self.gate.withhold(seq.seq_id, len(seq.output_token_ids), match_length, proposal)
-        return []
 
     def _only_forced(self, seqs: list[SequenceState], forced: list[list[int]], proposals) -> bool:
         """Where a draft model would propose only for grammar rows whose grammars force their next tokens, its

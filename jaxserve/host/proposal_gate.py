@@ -25,6 +25,8 @@ BREAK_EVEN_TOKENS = 0.5  # accepted tokens a verify row must average to beat a p
 PRIOR_TOKENS, PRIOR_WEIGHT = 1.0, 2.0  # a row's classes start here: a new row verifies its first proposals
 DECAY = 0.8  # of the older samples, per new one: a row's text changes (a quote ends, another begins)
 MATCH_CLASSES = 3  # match lengths 1, 2 and 3+
+# a withheld proposal followed this far is scored at once (a lower bound: enough to let its class back in)
+SETTLED_TOKENS = 4
 
 
 def match_class(match_length: int) -> int:
@@ -36,8 +38,9 @@ class RowRecord:
     tokens: list[float] = field(default_factory=lambda: [PRIOR_TOKENS * PRIOR_WEIGHT] * MATCH_CLASSES)
     weights: list[float] = field(default_factory=lambda: [PRIOR_WEIGHT] * MATCH_CLASSES)
     verifying: int | None = None  # class of the proposal in a verify step not processed yet
-    # a withheld proposal being scored: (output length when it was made, its class, its tokens)
-    withheld: tuple[int, int, list[int]] | None = None
+    # per class, a withheld proposal being scored: (the output index of its first token, its tokens, the token
+    # that must come just before it for it to count, or None)
+    withheld: dict[int, tuple[int, list[int], int | None]] = field(default_factory=dict)
 
     def add(self, cls: int, accepted: int) -> None:
         self.tokens[cls] = DECAY * self.tokens[cls] + accepted
@@ -70,26 +73,37 @@ class ProposalGate:
             record.add(record.verifying, num_accepted)
             record.verifying = None
 
-    def withhold(self, seq_id: int, output_length: int, match_length: int, proposal: list[int]) -> None:
-        """A proposal not verified (its class below the line): scored once its tokens' successors are known.
-        One at a time per row (a later one while it is open is not scored)."""
+    def withhold(
+        self, seq_id: int, start: int, match_length: int, proposal: list[int], after: int | None = None
+    ) -> None:
+        """A proposal not verified (its class below the line), for the output from index `start` on: scored once
+        the tokens there are known, if the token before them is `after` (when given: a proposal made while that
+        token was in flight). One at a time per row and class (a later one while it is open is not scored)."""
         record = self.rows.setdefault(seq_id, RowRecord())
         self.num_withheld += 1
-        if record.withheld is None:
-            record.withheld = (output_length, match_class(match_length), proposal)
+        record.withheld.setdefault(match_class(match_length), (start, proposal, after))
+
+    def clear_verifying(self) -> None:
+        """Before a step is planned: a proposal marked verifying whose verify step was never processed (the
+        scheduler planned the row plain, or not at all) is not scored."""
+        for record in self.rows.values():
+            record.verifying = None
 
     def settle(self, seq_id: int, output_token_ids: list[int]) -> None:
-        """Scores the row's withheld proposal against the tokens that followed it, once they tell: a mismatch,
-        or as many tokens as it proposed."""
+        """Scores the row's withheld proposals against the tokens that followed them, once they tell: a
+        mismatch, as many tokens as proposed, or SETTLED_TOKENS."""
         record = self.rows.get(seq_id)
-        if record is None or record.withheld is None:
+        if record is None:
             return
-        start, cls, proposal = record.withheld
-        followed = output_token_ids[start : start + len(proposal)]
-        matched = next((i for i, (a, b) in enumerate(zip(followed, proposal)) if a != b), len(followed))
-        if matched < len(followed) or len(followed) == len(proposal):
-            record.add(cls, matched)
-            record.withheld = None
+        for cls, (start, proposal, after) in list(record.withheld.items()):
+            if after is not None and len(output_token_ids) >= start and output_token_ids[start - 1] != after:
+                del record.withheld[cls]  # the token in flight was another: the row proposed from another match
+                continue
+            followed = output_token_ids[start : start + len(proposal)]
+            matched = next((i for i, (a, b) in enumerate(zip(followed, proposal)) if a != b), len(followed))
+            if matched < len(followed) or len(followed) == len(proposal) or matched >= SETTLED_TOKENS:
+                record.add(cls, matched)
+                del record.withheld[cls]
 
     def forget(self, seq_id: int) -> None:
         self.rows.pop(seq_id, None)

@@ -347,6 +347,7 @@ def test_prompt_lookup_withholds_a_match_length_its_row_stopped_following_and_sc
     scheduler, seq = running_scheduler(num_pages=64, max_tokens=64)  # prompt 10..15, output [3]
     speculation = Speculation(SpeculativeConfig(method="ngram", speculative_adaptive=False), max_model_len=256)
     gate = speculation.gate
+    assert gate is not None  # prompt lookup's rows are gated
 
     def step(*tokens: int) -> list[int]:
         seq.output_token_ids += tokens
@@ -362,17 +363,41 @@ def test_prompt_lookup_withholds_a_match_length_its_row_stopped_following_and_sc
     assert gate.admits(seq.seq_id, 3) and gate.admits(seq.seq_id, 2)  # longer matches are their own classes
     assert speculation.stats()["speculative_withheld_proposals"] == 1
 
-    seq.num_pending_tokens = 1  # a step in flight: its row's known tokens end in a withheld class's match
-    assert not speculation.waits_for([], [scheduler])
-    seq.num_pending_tokens = 0
     assert step(15, 3, 7) == []  # the withheld proposal [15, 3, 10, ...] was followed for two tokens
     assert gate.admits(seq.seq_id, 1)  # scored: one-token matches pay again
-    seq.num_pending_tokens = 1
-    assert speculation.waits_for([], [scheduler]) is False  # 7 has no earlier occurrence: nothing to wait for
-    seq.num_pending_tokens = 0
     assert step(11) == [12, 13, 14, 15, 3, 10, 12]  # a one-token match verified again
-    seq.num_pending_tokens = 1  # known tokens end in 11, a verified class's match: waited for
-    assert speculation.waits_for([], [scheduler])
+    speculation._observe_outcome(seq, 7)
+
+
+def test_an_overlapped_row_below_the_gate_scores_its_stale_proposals_and_is_waited_for_once_they_pay():
+    """A row none of whose classes pays is not waited for, so its newest token is always in flight when the next
+    step is planned: its known tokens' proposal (one token stale) is withheld and scored instead, and once the
+    text follows it the row is waited for again (and verifies)."""
+    from jaxserve.config import SpeculativeConfig
+    from jaxserve.engine.speculation import Speculation
+
+    scheduler, seq = running_scheduler(num_pages=64, prompt_len=16, max_tokens=64)  # prompt 10..25, output [3]
+    speculation = Speculation(SpeculativeConfig(method="ngram", speculative_adaptive=False), max_model_len=256)
+    gate = speculation.gate
+    assert gate is not None  # prompt lookup's rows are gated
+    gate.verifying(seq.seq_id, 1)
+    gate.verified(seq.seq_id, 0)
+    for match_class in range(3):  # nothing has paid
+        for _ in range(5):
+            gate.rows[seq.seq_id].add(match_class, 0)
+    speculation.begin_step([scheduler])
+    seq.num_pending_tokens = 1  # overlapped: a token always in flight at planning
+    waited = []
+    for token in range(10, 26):  # the reply quotes the prompt
+        seq.output_token_ids.append(token)
+        seq.num_computed_tokens += 1
+        waited.append(speculation.waits_for([], [scheduler]))
+    assert not waited[0] and any(waited)
+    first = waited.index(True)
+    assert gate.num_withheld >= 1 and first <= 10
+    seq.num_pending_tokens = 0  # waited for: the next step proposes, and verifies
+    speculation.begin_step([scheduler])
+    assert speculation.proposals([scheduler])[0].get(seq.seq_id)
     seq.num_pending_tokens = 0
 
 

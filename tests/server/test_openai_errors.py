@@ -227,12 +227,15 @@ def test_503_while_draining_and_in_flight_streams_finish(server):
     connection, response = open_stream(server, max_tokens=60)
     assert response.status == 200 and response.readline().startswith(b"data: ")
     server.process.send_signal(signal.SIGTERM)
-    refused = None
-    deadline = time.monotonic() + 30
+    refused, seen = None, []  # seen: (status, seconds after the signal) of each call, to tell a failure's story
+    signalled = time.monotonic()
+    deadline = signalled + 30
     while refused is None and time.monotonic() < deadline:
         status, _, answer = http(server, "POST", "/v1/completions", SMALL, AUTH)
+        seen.append((status, round(time.monotonic() - signalled, 2)))
         refused = (status, answer) if status == 503 else None
-    assert refused is not None and "shutting down" in error_of(refused[1])["message"]
+    assert refused is not None, f"no 503 within 30 s of SIGTERM; calls: {seen[:5]} ... {seen[-5:]} ({len(seen)})"
+    assert "shutting down" in error_of(refused[1])["message"]
     events = sse_events(b"data: {}\n\n" + response.read())  # the rest of the stream
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     connection.close()

@@ -51,7 +51,7 @@ import time
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.host.output_processor import OutputProcessor
-from jaxserve.host.proposal_gate import ProposalGate
+from jaxserve.host.proposal_gate import ProposalGate, num_followed
 from jaxserve.host.proposers import NgramProposer, Proposer
 from jaxserve.host.request import RequestStatus, SequenceState
 from jaxserve.host.schedule import ScheduledChunk
@@ -318,7 +318,7 @@ class Speculation:
             if seq.seq_id in self._looked_ahead:
                 start, proposal = self._looked_ahead[seq.seq_id]
                 followed = seq.output_token_ids[start : start + len(proposal)]
-                matched = next((i for i, (a, b) in enumerate(zip(followed, proposal)) if a != b), len(followed))
+                matched = num_followed(proposal, followed)
                 if matched >= min(LOOK_AHEAD_HIT_TOKENS, len(proposal)):
                     self.policy.try_speculation_now(self.batch_size)
                 if matched < len(followed) or len(followed) == len(proposal) or matched >= LOOK_AHEAD_HIT_TOKENS:

@@ -29,6 +29,11 @@ MATCH_CLASSES = 3  # match lengths 1, 2 and 3+
 SETTLED_TOKENS = 4
 
 
+def num_followed(proposal: list[int], followed: list[int]) -> int:
+    """How many of a proposal's tokens the tokens that came after it (`followed`, as many as are known) repeat."""
+    return next((i for i, (a, b) in enumerate(zip(followed, proposal)) if a != b), len(followed))
+
+
 def match_class(match_length: int) -> int:
     return min(max(match_length, 1), MATCH_CLASSES) - 1
 
@@ -100,7 +105,7 @@ class ProposalGate:
                 del record.withheld[cls]  # the token in flight was another: the row proposed from another match
                 continue
             followed = output_token_ids[start : start + len(proposal)]
-            matched = next((i for i, (a, b) in enumerate(zip(followed, proposal)) if a != b), len(followed))
+            matched = num_followed(proposal, followed)
             if matched < len(followed) or len(followed) == len(proposal) or matched >= SETTLED_TOKENS:
                 record.add(cls, matched)
                 del record.withheld[cls]

@@ -45,10 +45,6 @@ class NgramIndex:
                 self.last_end[tuple(token_ids[last - n + 1 : last + 1])] = last
         self.num_indexed = max(self.num_indexed, end)
 
-    def continuation(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        """The tokens that followed the latest earlier occurrence of the longest matching suffix."""
-        return self.match(token_ids, max_tokens)[1]
-
     def match(self, token_ids: list[int], max_tokens: int) -> tuple[int, list[int]]:
         """(the longest matching suffix's length, the tokens that followed its latest earlier occurrence);
         (0, []) where no suffix of min_n tokens or more occurred before."""

@@ -13,7 +13,8 @@ flight before planning the next (as it does for grammar rows); when the policy t
 
 Which prompt-lookup proposals a row verifies: those of a match length whose proposals the row's text has
 been following (host/proposal_gate.py: per row and class of match length, a decaying average of the tokens
-accepted, withheld proposals scored too once the tokens after them are known). A row whose newest token is in
+accepted, withheld proposals scored too once the tokens after them are known), against a line measured from
+the steps' own times (a verify step's extra cost over a plain one's, per batch size). A row whose newest token is in
 flight is waited for only where the proposal of its known tokens (one token stale) would be verified, so
 plain chat (little to look up) keeps its overlap while code edits (long quotes) speculate on every step.
 
@@ -93,10 +94,12 @@ def verifiable_part(
     return proposal if follows_forced and len(proposal) > len(forced) else forced
 
 
-def _gated(gate: ProposalGate, seq: SequenceState, match_length: int, proposal: list[int]) -> list[int]:
-    """The proposal if the gate admits it; else [] (the row decodes a plain token), the proposal kept to be
-    scored."""
-    if not proposal or gate.admits(seq.seq_id, match_length):
+def _gated(
+    gate: ProposalGate, seq: SequenceState, match_length: int, proposal: list[int], batch_size: int
+) -> list[int]:
+    """The proposal if the gate admits it at this batch size; else [] (the row decodes a plain token), the
+    proposal kept to be scored."""
+    if not proposal or gate.admits(seq.seq_id, match_length, batch_size):
         return proposal
     gate.withhold(seq.seq_id, len(seq.output_token_ids), match_length, proposal)
     return []
@@ -140,7 +143,7 @@ class Speculation:
         self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         # prompt lookup's proposals are free to make and to score: gated per row (a draft's back off instead)
         self.lookup = self.proposer if isinstance(self.proposer, NgramProposer) else None
-        self.gate = ProposalGate() if self.lookup is not None else None
+        self.gate = ProposalGate(config.verify_width - 1) if self.lookup is not None else None
         self.policy = SpeculationPolicy(config.speculative_max_batch_size, config.speculative_adaptive)
         self.counts = AcceptanceCounts()
         self.speculating = False  # this step's decision
@@ -208,7 +211,7 @@ class Speculation:
         self._proposed_for[seq.seq_id] = seq  # the proposer indexed it: forgotten with the others
         if len(stale) < 2:
             return False
-        if gate.admits(seq.seq_id, match_length + 1):
+        if gate.admits(seq.seq_id, match_length + 1, self.batch_size):
             return True
         # scored only if the token in flight turns out to be the stale proposal's first
         gate.withhold(seq.seq_id, len(seq.output_token_ids) + 1, match_length + 1, stale[1:], after=stale[0])
@@ -273,7 +276,7 @@ class Speculation:
         match_lengths = [0] * len(seqs)
         if lookup is not None and gate is not None and seqs:
             match_lengths, proposed = map(list, zip(*lookup.propose_matched(seqs, limits)))
-            proposed = [_gated(gate, seq, n, p) for seq, n, p in zip(seqs, match_lengths, proposed)]
+            proposed = [_gated(gate, seq, n, p, self.batch_size) for seq, n, p in zip(seqs, match_lengths, proposed)]
         else:
             proposed = self.proposer.propose(seqs, limits) if seqs else []
         seconds = time.perf_counter() - start
@@ -360,6 +363,10 @@ class Speculation:
         if self.enabled and executables and not any(e.shape.kind == "prefill" for e in executables):
             seconds = max(seconds - self.proposing_seconds + proposal_seconds, 0.0)
             self.policy.observe(batch_size, speculated, seconds, num_tokens)
+            if self.gate is not None:  # the gate's line: what a verify row costs over a plain one, measured
+                # rows verifying on the busiest rank (batch_size counts the busiest rank's rows)
+                verifying = max((len(c) for e in executables if e.shape.verifies for c in e.per_rank_chunks), default=0)
+                self.gate.costs.observe(batch_size, seconds, verifying)
 
     def _forget_finished(self) -> None:
         for seq_id, seq in list(self._proposed_for.items()):
@@ -390,6 +397,14 @@ class Speculation:
             "speculative_mean_accepted_length": round(counts.mean_accepted_length, 4),
             "speculative_steps_on": self.num_steps_speculating,
             "speculative_steps_off": self.num_steps_plain,
-            **({"speculative_withheld_proposals": self.gate.num_withheld} if self.gate is not None else {}),
+            **(
+                {
+                    "speculative_withheld_proposals": self.gate.num_withheld,
+                    # per batch size, accepted tokens a verify row must average (measured step costs)
+                    "speculative_break_even_tokens": self.gate.costs.stats(),
+                }
+                if self.gate is not None
+                else {}
+            ),
             "speculative_tokens_per_second": self.policy.stats(),
         }

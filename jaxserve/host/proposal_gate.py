@@ -12,6 +12,18 @@ BREAK_EVEN_TOKENS. Proposals of prompt lookup cost nothing to make, so a withhel
 tokens that followed it are known, its would-be accepted length enters the average as a verified one's does.
 A class that fell below the line comes back as soon as the text starts to follow it again, without a trial.
 
+The line itself is measured (StepCosts): a verify step's extra time over a plain step's, in plain steps, is the
+tokens a verifying row must add to pay for it. On the 2-core CPU above that is ~0.45 (BREAK_EVEN_TOKENS, the line
+until both kinds of step were measured at the batch size); on an accelerator, where a decode step of a few rows
+is a read of the weights and 8 tokens a row cost about what 1 does, it is near 0 and every proposal is verified.
+In a batch where only some rows verify, the verify executable runs beside the decode one, so its cost is shared by
+fewer rows: the line is the extra time over the rows that verified (batch size / verifying rows, on average).
+That measures a lone verifying row in a large batch, which pays for a whole pass over the weights; were the line
+left there, rows whose proposals are followed for most of their length (a batch of code edits, where many rows
+would verify at once and share that pass) could never verify again to show it: it stops at half a proposal's
+tokens, and the policy (host/speculation_policy.py), which measures whole steps, still turns speculation off
+where it loses.
+
 This replaced a backoff (skip 2, 4, ... 16 tokens after a second miss in a row), which on a code edit's
 replies turned a third of the steps plain: a miss is where the reply departs from the quote, and the quote
 resumes a token or two later. A draft model's proposals cost steps to make: it keeps the backoff.
@@ -21,12 +33,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-BREAK_EVEN_TOKENS = 0.5  # accepted tokens a verify row must average to beat a plain step (see above)
+BREAK_EVEN_TOKENS = 0.5  # accepted tokens a verify row must average to beat a plain step, until measured (see above)
 PRIOR_TOKENS, PRIOR_WEIGHT = 1.0, 2.0  # a row's classes start here: a new row verifies its first proposals
 DECAY = 0.8  # of the older samples, per new one: a row's text changes (a quote ends, another begins)
 MATCH_CLASSES = 3  # match lengths 1, 2 and 3+
 # a withheld proposal followed this far is scored at once (a lower bound: enough to let its class back in)
 SETTLED_TOKENS = 4
+COST_SAMPLES = 4  # steps of each kind at a batch size before its measured line replaces BREAK_EVEN_TOKENS
+COST_WEIGHT = 0.1  # of the newest step in the moving means (a plain mean of the first 1 / COST_WEIGHT)
 
 
 def num_followed(proposal: list[int], followed: list[int]) -> int:
@@ -36,6 +50,63 @@ def num_followed(proposal: list[int], followed: list[int]) -> int:
 
 def match_class(match_length: int) -> int:
     return min(max(match_length, 1), MATCH_CLASSES) - 1
+
+
+@dataclass
+class MovingMean:
+    value: float = 0.0
+    num_samples: int = 0
+
+    def add(self, sample: float) -> None:
+        self.num_samples += 1
+        self.value += max(COST_WEIGHT, 1 / self.num_samples) * (sample - self.value)
+
+
+@dataclass
+class BatchCosts:
+    verify_seconds: MovingMean = field(default_factory=MovingMean)  # steps with verify rows
+    plain_seconds: MovingMean = field(default_factory=MovingMean)  # decode steps without
+    rows_per_verifier: MovingMean = field(default_factory=MovingMean)  # batch size / verifying rows, verify steps
+
+    def break_even(self) -> float | None:
+        if min(self.verify_seconds.num_samples, self.plain_seconds.num_samples) < COST_SAMPLES:
+            return None
+        extra = self.verify_seconds.value / max(self.plain_seconds.value, 1e-9) - 1.0
+        return max(extra, 0.0) * self.rows_per_verifier.value
+
+
+class StepCosts:
+    """Per batch size, the measured line a proposal's expected accepted tokens must reach (see the module
+    docstring): (verify step seconds / plain step seconds - 1) x (batch size / rows verifying), at most
+    `max_line`."""
+
+    def __init__(self, max_line: float) -> None:
+        self.by_batch_size: dict[int, BatchCosts] = {}
+        self.max_line = max_line
+
+    def observe(self, batch_size: int, seconds: float, num_verifying_rows: int) -> None:
+        """A processed decode step (no prefill chunks) of `batch_size` rows, its wall time and its verify rows."""
+        if batch_size < 1 or seconds <= 0:
+            return
+        costs = self.by_batch_size.setdefault(batch_size, BatchCosts())
+        if num_verifying_rows:
+            costs.verify_seconds.add(seconds)
+            costs.rows_per_verifier.add(batch_size / num_verifying_rows)
+        else:
+            costs.plain_seconds.add(seconds)
+
+    def break_even(self, batch_size: int) -> float:
+        costs = self.by_batch_size.get(batch_size)
+        measured = costs.break_even() if costs is not None else None
+        return min(BREAK_EVEN_TOKENS if measured is None else measured, self.max_line)
+
+    def stats(self) -> dict[str, float]:
+        """The measured lines, per batch size."""
+        return {
+            str(size): round(self.break_even(size), 3)
+            for size, costs in sorted(self.by_batch_size.items())
+            if costs.break_even() is not None
+        }
 
 
 @dataclass
@@ -58,14 +129,17 @@ class RowRecord:
 class ProposalGate:
     """Per row: whether a proposal of a given match length is verified (see the module docstring)."""
 
-    def __init__(self, break_even: float = BREAK_EVEN_TOKENS):
-        self.break_even = break_even
+    def __init__(self, max_proposal_tokens: int) -> None:
+        self.costs = StepCosts(max_line=max_proposal_tokens / 2)
         self.rows: dict[int, RowRecord] = {}
         self.num_withheld = 0
 
-    def admits(self, seq_id: int, match_length: int) -> bool:
+    def admits(self, seq_id: int, match_length: int, batch_size: int = 1) -> bool:
+        """Whether the row verifies a proposal of this match length in a step of `batch_size` rows."""
         record = self.rows.get(seq_id)
-        return record is None or record.expected(match_class(match_length)) >= self.break_even
+        if record is None:
+            return True
+        return record.expected(match_class(match_length)) >= self.costs.break_even(batch_size)
 
     def verifying(self, seq_id: int, match_length: int) -> None:
         """The row verifies a proposal of this match length in the step being planned."""

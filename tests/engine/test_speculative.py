@@ -93,6 +93,8 @@ def test_outputs_equal_with_and_without_speculation(engines):
     assert stats["speculative_num_accepted_tokens"] > 20  # proposals were verified and accepted
     assert stats["speculative_num_draft_tokens"] > stats["speculative_num_accepted_tokens"]  # and some rejected
     assert stats["num_preemptions"] > 0
+    lines = stats["speculative_break_even_tokens"]  # the gate's line, measured from this run's steps
+    assert lines and all(line >= 0 for line in lines.values())
     drafted = sum(o.num_draft_tokens for r in results["ngram"] for o in r.outputs)
     assert drafted == stats["speculative_num_draft_tokens"]
     for llm in engines.values():

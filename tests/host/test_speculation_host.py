@@ -4,6 +4,7 @@ and budget), the per-batch-size policy, and appending a verify row's tokens (sto
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from jaxserve.host.output_processor import OutputProcessor
 from jaxserve.host.page_allocator import ROOT_KEY, PageAllocator, page_key
@@ -528,3 +529,52 @@ def test_a_draft_model_is_not_run_for_a_row_whose_grammar_forces_its_next_tokens
     speculation.begin_step([scheduler])
     proposed = speculation.proposals([scheduler])[0]
     assert sorted(draft.rows) == [0, 1] and proposed[seq.seq_id] == [7, 8, 9] and proposed[other.seq_id] == [3]
+
+
+def test_the_gate_line_is_the_measured_cost_of_a_verify_row_over_a_plain_one():
+    """The accepted tokens a proposal's class must average (host/proposal_gate.py StepCosts): the prior line until
+    both kinds of step were measured at the batch size, then (verify seconds / plain seconds - 1) x (rows / rows
+    verifying). A class accepting 0.3 tokens a proposal is withheld where a verify step costs 1.45 plain steps (a
+    2-core CPU) and verified where it costs 1.05 (an accelerator, weights read once for 8 tokens a row). At most
+    half a proposal's tokens (a lone verifier's cost in a large batch must not lock out rows of long quotes)."""
+    from jaxserve.config import SpeculativeConfig
+    from jaxserve.engine.speculation import Speculation
+    from jaxserve.host.proposal_gate import BREAK_EVEN_TOKENS, COST_SAMPLES, RowRecord
+
+    speculation = Speculation(SpeculativeConfig(method="ngram", speculative_adaptive=False), max_model_len=256)
+    gate = speculation.gate
+    assert gate is not None
+
+    def executable(kind: str, rows: int, verifies: bool = False):
+        return SimpleNamespace(shape=SimpleNamespace(kind=kind, verifies=verifies), per_rank_chunks=[[None] * rows])
+
+    def observe(batch_size: int, plain_ms: float, verify_ms: float, verifying: int, steps: int = COST_SAMPLES):
+        for _ in range(steps):
+            speculation.observe_step([executable("decode", batch_size)], plain_ms / 1e3, batch_size, True, batch_size)
+            step = [executable("decode", batch_size - verifying), executable("decode", verifying, verifies=True)]
+            speculation.observe_step(
+                step[1:] if verifying == batch_size else step, verify_ms / 1e3, 9, True, batch_size
+            )
+
+    seq_id = 5
+    for _ in range(10):
+        gate.rows.setdefault(seq_id, RowRecord()).add(0, 0.3)  # one-token matches: 0.3 tokens a proposal
+    assert gate.costs.break_even(1) == BREAK_EVEN_TOKENS and not gate.admits(seq_id, 1)
+    observe(1, 22.0, 32.0, 1, steps=COST_SAMPLES - 1)
+    assert gate.costs.break_even(1) == BREAK_EVEN_TOKENS  # not measured enough yet
+    observe(1, 22.0, 32.0, 1, steps=1)
+    assert gate.costs.break_even(1) == pytest.approx(10 / 22) and not gate.admits(seq_id, 1)
+    assert speculation.stats()["speculative_break_even_tokens"] == {"1": round(10 / 22, 3)}
+    # a prefill step's time is not a decode step's: left out
+    speculation.observe_step([executable("prefill", 1)], 1.0, 1, True, 1)
+    assert gate.costs.break_even(1) == pytest.approx(10 / 22)
+
+    observe(2, 20.0, 21.0, 2, steps=40)  # the accelerator's costs, two rows both verifying
+    assert gate.costs.break_even(2) == pytest.approx(0.05) and gate.admits(seq_id, 1, batch_size=2)
+    assert not gate.admits(seq_id, 1, batch_size=1)  # lines are per batch size
+    observe(4, 20.0, 30.0, 1, steps=40)  # one row of four verifies: its executable's cost falls on it alone
+    assert gate.costs.break_even(4) == pytest.approx(4 * 0.5)
+    observe(16, 20.0, 30.0, 1, steps=40)  # 8 x 0.5: past half a proposal, where rows of long quotes still verify
+    assert speculation.config.verify_width == 8 and gate.costs.break_even(16) == 3.5
+    observe(3, 30.0, 25.0, 3, steps=40)  # verify steps measured faster (noise): every proposal verifies
+    assert gate.costs.break_even(3) == 0.0 and gate.admits(seq_id, 1, batch_size=3)

@@ -44,13 +44,9 @@ def kernel_path(path: str | None = None) -> str | None:
 
 def panel_dtypes(path: str | None = None) -> tuple:
     """The weight dtypes the kernel reads in column panels (panels.py) as fast as or faster than [K, N]: all it
-    serves, but bfloat16 where the library multiplies it in vdpbf16ps pairs (AVX-512 BF16 without AMX: the pairs'
-    tiles read [K, N]). Empty where the kernel does not build."""
-    library = cpu_library.load(path)
-    if library is None:
-        return ()
-    pairs = bool(library.JaxserveCpuBf16Pairs())
-    return tuple(dtype for dtype in DTYPES if not (pairs and dtype == jnp.bfloat16))
+    serves (bfloat16 in vdpbf16ps pairs too, on AVX-512 BF16 without AMX: cpu_matmul_panels.h's pair tiles). Empty
+    where the kernel does not build."""
+    return DTYPES if cpu_library.load(path) is not None else ()
 
 
 def amx_tiles(path: str | None = None) -> bool:

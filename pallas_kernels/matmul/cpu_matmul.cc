@@ -612,8 +612,8 @@ ffi::Error SmallMatmulNormed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
 // The instruction path this library was compiled for: "avx512", "avx2" or "portable".
 extern "C" const char* JaxserveCpuKernelPath() { return kPath; }
 
-// Whether bfloat16 weights are multiplied in vdpbf16ps pairs (cpu_matmul_bf16_pairs.h): those stay [K, N], whose
-// pair tiles the panels do not have (cpu.py's panel_dtypes).
+// Whether bfloat16 weights are multiplied in vdpbf16ps pairs (cpu_matmul_bf16_pairs.h; in panels too:
+// cpu_matmul_panels.h's pair tiles), whose sums round otherwise than the widened FMAs'.
 extern "C" int JaxserveCpuBf16Pairs() { return kBf16Pairs ? 1 : 0; }
 
 // Whether bfloat16 calls above a walk's rows run on AMX tiles here (cpu_matmul_amx.h): built for them and granted

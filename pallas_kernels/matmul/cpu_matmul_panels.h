@@ -172,11 +172,161 @@ void PackPanels(const typename T::Stored* w, int64_t panel_stride, int64_t count
   }
 }
 
+#ifdef JAXSERVE_BF16_PAIRS
+// bfloat16 panels where the library multiplies in vdpbf16ps pairs (cpu_matmul_bf16_pairs.h: AVX-512 BF16 without
+// AMX). A panel's rows k and k + 1 are 64 contiguous bytes (16 columns each): one load, and one vpermw makes the 16
+// pairs (w[k, c], w[k + 1, c]) that vdpbf16ps multiplies by x's pair (x[k], x[k + 1]). The many-row passes pack a
+// pass's pairs from the panels (PackPanelPairs) for the pair tiles (PairRows). Each output adds its pairs in K's
+// order from its piece's first row at every row count, one vdpbf16ps a pair, as the [K, N] pair walks and
+// PairItem do: a row's sums are the same bits in a call of any rows (Row invariance).
+//
+// Why panels here too (issue 29): bfloat16 stayed [K, N] on these CPUs for the pair tiles, whose one-row walk reads
+// two rows' column strips and interleaves them; one decode step's 120 layer calls from a huge-page arena in an XLA
+// program (/tmp-style script, in-process alternation, AMD EPYC Zen 4) ran 1.33x as long as in widened panels (1 row;
+// 1.05x at 4 rows, 0.96x at 8), while widened panels ran 16 rows 1.26x and 48 rows 1.39x as long as the pairs.
+
+inline __m512i PanelPairOrder() {  // a0 b0 a1 b1 ... a15 b15 from a0..a15 b0..b15 (rows k and k + 1 of a panel)
+  alignas(64) static constexpr uint16_t kOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_load_si512(kOrder);
+}
+
+// Panel rows k and k + 1 (the second as zeros where `both` is false: an odd count's last row) as 16 pairs.
+inline __m512bh PanelPair(const uint16_t* row, bool both, __m512i order) {
+  const __m512i rows = both ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi16(0xFFFF, row);
+  return (__m512bh)_mm512_permutexvar_epi16(order, rows);
+}
+
+// R rows of x (bfloat16, ldx apart, from the piece's first K) by G whole panels over `count` panel rows, added
+// into out [R, G * P]. Prefetches each panel `ahead` rows on.
+template <int R, int G>
+inline void PanelPairTile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, int64_t count,
+                          int64_t ahead, float* out, int64_t ldo) {
+  static_assert(kPanelColumns == kLanes, "a panel's pairs are one vector of float32 sums");
+  const __m512i order = PanelPairOrder();
+  __m512 acc[R][G];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_loadu_ps(out + r * ldo + g * kPanelColumns);
+  for (int64_t k = 0; k < count; k += 2) {
+    const bool both = k + 1 < count;
+    __m512bh wv[G];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const uint16_t* row = w + g * panel_stride + k * kPanelColumns;
+      if (ahead != 0) __builtin_prefetch(row + ahead * kPanelColumns, 0, JAXSERVE_WALK_LOCALITY);
+      wv[g] = PanelPair(row, both, order);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + k, sizeof(pair));
+      __m512i xb = _mm512_set1_epi32(pair);
+      asm("" : "+v"(xb));  // one broadcast a row, not one memory operand per instruction
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)xb, wv[g]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + r * ldo + g * kPanelColumns, acc[r][g]);
+}
+
+// PanelGroup's pairs: R rows by the panels of `width` columns (a partial last panel through a copy of its columns).
+template <int R, int G>
+inline void PanelPairGroup(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, int64_t count,
+                           int64_t ahead, int64_t width, float* out, int64_t ldo) {
+  const int64_t whole = width / kPanelColumns;
+  int64_t panel = 0;
+  for (; panel + G <= whole; panel += G) {
+    PanelPairTile<R, G>(x, ldx, w + panel * panel_stride, panel_stride, count, ahead, out + panel * kPanelColumns, ldo);
+  }
+  for (; panel < whole; ++panel) {
+    PanelPairTile<R, 1>(x, ldx, w + panel * panel_stride, panel_stride, count, ahead, out + panel * kPanelColumns, ldo);
+  }
+  const int64_t c0 = whole * kPanelColumns, rest = width - c0;
+  if (rest == 0) return;
+  float last[R][kPanelColumns] = {};
+  for (int r = 0; r < R; ++r) std::memcpy(last[r], out + r * ldo + c0, rest * sizeof(float));
+  PanelPairTile<R, 1>(x, ldx, w + whole * panel_stride, panel_stride, count, ahead, &last[0][0], kPanelColumns);
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * ldo + c0, last[r], rest * sizeof(float));
+}
+
+// PanelWalk's pairs (up to kWalkRows rows, one group: AVX-512 has the registers), in blocks of kPanelBlockRows
+// (even: the pairs stay aligned to the piece's first row).
+template <int R>
+void PanelPairWalk(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, int64_t count,
+                   int64_t width, float* out, int64_t ldo) {
+  static_assert(kPanelBlockRows % 2 == 0);
+  constexpr int G = std::max(1, kWalkVectors[R]);
+  for (int64_t kb = 0; kb < count; kb += kPanelBlockRows) {
+    const int64_t rows = std::min(kPanelBlockRows, count - kb);
+    const int64_t ahead = kb + rows < count ? kPanelAheadRows : 0;
+    PanelPairGroup<R, G>(x + kb, ldx, w + kb * kPanelColumns, panel_stride, rows, ahead, width, out, ldo);
+  }
+}
+
+template <int R>
+void PanelPairWalkRows(int rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride,
+                       int64_t count, int64_t width, float* out, int64_t ldo) {
+  if constexpr (R > 0) {
+    if (rows == R) return PanelPairWalk<R>(x, ldx, w, panel_stride, count, width, out, ldo);
+    PanelPairWalkRows<R - 1>(rows, x, ldx, w, panel_stride, count, width, out, ldo);
+  }
+}
+
+// Panel rows [0, count) of `width` columns as PackPairs lays out a [K, N] pass: pair j's row holds, for each column
+// c < padded, w[2j, c] then w[2j + 1, c] (the panels' zeros past the weight's columns, zeros for an odd count's
+// missing row).
+inline void PackPanelPairs(const uint16_t* w, int64_t panel_stride, int64_t count, int64_t padded, uint16_t* packed) {
+  const __m512i order = PanelPairOrder();
+  for (int64_t j = 0; 2 * j < count; ++j) {
+    const bool both = 2 * j + 1 < count;
+    uint16_t* to = packed + j * 2 * padded;
+    for (int64_t c0 = 0; c0 < padded; c0 += kPanelColumns) {
+      const uint16_t* row = w + c0 / kPanelColumns * panel_stride + 2 * j * kPanelColumns;
+      _mm512_storeu_si512(to + 2 * c0, (__m512i)PanelPair(row, both, order));
+    }
+  }
+}
+
+// PanelPiece for bfloat16 pairs: the walks up to kWalkRows rows, else passes of packed pairs through the pair tiles;
+// both add into out, cleared by the caller.
+inline void PanelPairPiece(const Problem& p, const jaxserve_cpu::CallPiece& piece, float* out, int64_t ldo) {
+  const int64_t panel_stride = p.depth * kPanelColumns, count = piece.g1 - piece.g0;
+  const auto* w = static_cast<const uint16_t*>(p.w) + piece.c0 / kPanelColumns * panel_stride + piece.g0 * kPanelColumns;
+  const uint16_t* x = p.x16 + piece.g0;
+  if (p.rows <= kWalkRows) {
+    return PanelPairWalkRows<kWalkRows>(int(p.rows), x, p.x16_stride, w, panel_stride, count, piece.width, out, ldo);
+  }
+  const int64_t chunk = PassRows(piece.width), padded = Panels(piece.width) * kPanelColumns;  // (chunk: even)
+  uint16_t* packed = PairBuffer(chunk / 2 * 2 * padded);
+  for (int64_t k = 0; k < count; k += chunk) {
+    const int64_t rows = std::min(chunk, count - k), pairs = (rows + 1) / 2;
+    PackPanelPairs(w + k * kPanelColumns, panel_stride, rows, padded, packed);
+    int64_t r0 = 0;
+    for (; r0 + kKnRows <= p.rows; r0 += kKnRows) {
+      PairRows<kKnRows>(x + r0 * p.x16_stride + k, p.x16_stride, packed, pairs, piece.width, padded, out + r0 * ldo,
+                        ldo);
+    }
+    if (r0 < p.rows) {
+      PairRemainder<kKnRows - 1>(int(p.rows - r0), x + r0 * p.x16_stride + k, p.x16_stride, packed, pairs,
+                                 piece.width, padded, out + r0 * ldo, ldo);
+    }
+  }
+}
+#endif
+
 // One piece of the cut (a weight's columns [c0, c0 + width), panel rows [g0, g1)) for all rows of x, into out
 // (rows ldo apart): up to kWalkRows rows added into out as the caller cleared it; more, written from zero in
 // passes of `chunk` packed rows, as KnItem's.
 template <typename T>
 void PanelPiece(const Problem& p, const jaxserve_cpu::CallPiece& piece, float* out, int64_t ldo) {
+#ifdef JAXSERVE_BF16_PAIRS
+  if constexpr (std::is_same_v<T, BF16>) return PanelPairPiece(p, piece, out, ldo);
+#endif
   const int64_t panel_stride = p.depth * kPanelColumns;
   const auto* w = static_cast<const typename T::Stored*>(p.w) + piece.c0 / kPanelColumns * panel_stride;
   if (p.rows <= kWalkRows) {
@@ -218,10 +368,11 @@ void RunPanels(const std::vector<Problem>& problems, int64_t num_workers) {
   const jaxserve_cpu::CallCut cut = jaxserve_cpu::CutCall(blocks, rows, 2 * num_workers);
   float* partials = PartialsBuffer(cut.partial_floats);
   const bool walks = rows <= kWalkRows;
+  const bool adds = walks || (std::is_same_v<T, BF16> && kBf16Pairs);  // into cleared outputs: the pairs' passes too
   for (const Problem& p : problems) {  // (K = 0: no piece writes the zeros)
-    if ((walks || p.depth == 0) && rows * p.columns > 0) std::memset(p.out, 0, sizeof(float) * rows * p.columns);
+    if ((adds || p.depth == 0) && rows * p.columns > 0) std::memset(p.out, 0, sizeof(float) * rows * p.columns);
   }
-  if (walks && cut.partial_floats > 0) std::memset(partials, 0, sizeof(float) * cut.partial_floats);
+  if (adds && cut.partial_floats > 0) std::memset(partials, 0, sizeof(float) * cut.partial_floats);
   auto piece = [&](int64_t i) {
     const jaxserve_cpu::CallPiece& c = cut.pieces[i];
     const Problem& p = problems[c.weight];

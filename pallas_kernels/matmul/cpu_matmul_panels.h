@@ -16,7 +16,8 @@
 // cpu_matmul.cc): the call is cut as the quantized kernels cut theirs (cpu_call_plan.h: the call's one-row
 // blocks in order as one sequence of bytes, cut along K only where a run ends), the same cut at every row count,
 // a piece's K range walked from zero (up to kWalkRows rows: tiles straight from the panels; more: passes packed
-// and widened once, KnRows) and the pieces past a block's first K added in K's order after the runs.
+// and widened once, KnRows; bfloat16 on AVX-512 BF16 CPUs in vdpbf16ps pairs at every row count, the cut between
+// pairs of K rows: PanelPairPiece) and the pieces past a block's first K added in K's order after the runs.
 
 #pragma once
 
@@ -293,7 +294,8 @@ inline void PackPanelPairs(const uint16_t* w, int64_t panel_stride, int64_t coun
 }
 
 // PanelPiece for bfloat16 pairs: the walks up to kWalkRows rows, else passes of packed pairs through the pair tiles;
-// both add into out, cleared by the caller.
+// both add into out, cleared by the caller. The piece starts at an even K (RunPanels cuts between pairs of rows), so
+// an odd count's last pair is K's last row and x16's zero pad.
 inline void PanelPairPiece(const Problem& p, const jaxserve_cpu::CallPiece& piece, float* out, int64_t ldo) {
   const int64_t panel_stride = p.depth * kPanelColumns, count = piece.g1 - piece.g0;
   const auto* w = static_cast<const uint16_t*>(p.w) + piece.c0 / kPanelColumns * panel_stride + piece.g0 * kPanelColumns;
@@ -321,7 +323,7 @@ inline void PanelPairPiece(const Problem& p, const jaxserve_cpu::CallPiece& piec
 
 // One piece of the cut (a weight's columns [c0, c0 + width), panel rows [g0, g1)) for all rows of x, into out
 // (rows ldo apart): up to kWalkRows rows added into out as the caller cleared it; more, written from zero in
-// passes of `chunk` packed rows, as KnItem's.
+// passes of `chunk` packed rows, as KnItem's (bfloat16 pairs: added into out at every row count, PanelPairPiece).
 template <typename T>
 void PanelPiece(const Problem& p, const jaxserve_cpu::CallPiece& piece, float* out, int64_t ldo) {
 #ifdef JAXSERVE_BF16_PAIRS
@@ -356,16 +358,25 @@ void PanelPiece(const Problem& p, const jaxserve_cpu::CallPiece& piece, float* o
 template <typename T>
 void RunPanels(const std::vector<Problem>& problems, int64_t num_workers) {
   const int64_t rows = problems[0].rows;
+  // bfloat16 pairs are cut between pairs of K rows (a group is two rows): every piece starts at an even row, so its
+  // last pair never reads x past its row (x16's rows are padded to even K only)
+  constexpr int64_t kGroupRows = std::is_same_v<T, BF16> && kBf16Pairs ? 2 : 1;
   std::vector<jaxserve_cpu::CallBlock> blocks;
   for (size_t i = 0; i < problems.size(); ++i) {
     const Problem& p = problems[i];
     for (int64_t c0 = 0; c0 < p.columns; c0 += kPanelBlockColumns) {
       const int64_t width = std::min(kPanelBlockColumns, p.columns - c0);
-      const int64_t bytes = Panels(width) * kPanelColumns * int64_t(sizeof(typename T::Stored));
-      blocks.push_back({int64_t(i), c0, width, p.depth, bytes});
+      const int64_t bytes = kGroupRows * Panels(width) * kPanelColumns * int64_t(sizeof(typename T::Stored));
+      blocks.push_back({int64_t(i), c0, width, (p.depth + kGroupRows - 1) / kGroupRows, bytes});
     }
   }
-  const jaxserve_cpu::CallCut cut = jaxserve_cpu::CutCall(blocks, rows, 2 * num_workers);
+  jaxserve_cpu::CallCut cut = jaxserve_cpu::CutCall(blocks, rows, 2 * num_workers);
+  if constexpr (kGroupRows > 1) {
+    for (jaxserve_cpu::CallPiece& c : cut.pieces) {
+      c.g0 *= kGroupRows;
+      c.g1 = std::min(c.g1 * kGroupRows, problems[c.weight].depth);
+    }
+  }
   float* partials = PartialsBuffer(cut.partial_floats);
   const bool walks = rows <= kWalkRows;
   const bool adds = walks || (std::is_same_v<T, BF16> && kBf16Pairs);  // into cleared outputs: the pairs' passes too

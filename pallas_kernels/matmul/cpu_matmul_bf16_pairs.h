@@ -68,6 +68,16 @@ inline void PackPairs(const uint16_t* w, int64_t stride, int64_t count, int64_t 
   }
 }
 
+// x's pair (x[k], x[k + 1]) in every 32-bit lane (x: bfloat16 at k), kept in a register: one broadcast a row of a
+// tile, not one memory operand per instruction that uses it (the few-row walks' tiles).
+inline __m512bh PairBroadcast(const uint16_t* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, sizeof(pair));
+  __m512i xb = _mm512_set1_epi32(pair);
+  asm("" : "+v"(xb));
+  return (__m512bh)xb;
+}
+
 // R rows of x (bfloat16, rows ldx apart, from the pass's first K) by V vectors of packed columns over
 // `pairs` pairs of rows: R * V float32 accumulators in registers, one 32-bit broadcast of x a row and
 // pair; the last vector's columns masked by `last` (a block's width that is not whole vectors).

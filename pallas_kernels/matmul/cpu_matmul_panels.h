@@ -221,12 +221,9 @@ inline void PanelPairTile(const uint16_t* x, int64_t ldx, const uint16_t* w, int
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * ldx + k, sizeof(pair));
-      __m512i xb = _mm512_set1_epi32(pair);
-      asm("" : "+v"(xb));  // one broadcast a row, not one memory operand per instruction
+      const __m512bh xb = PairBroadcast(x + r * ldx + k);
 #pragma GCC unroll 8
-      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)xb, wv[g]);
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], xb, wv[g]);
     }
   }
 #pragma GCC unroll 8

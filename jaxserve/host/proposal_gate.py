@@ -13,8 +13,9 @@ tokens that followed it are known, its would-be accepted length enters the avera
 A class that fell below the line comes back as soon as the text starts to follow it again, without a trial.
 
 The line itself is measured (StepCosts): a verify step's extra time over a plain step's, in plain steps, is the
-tokens a verifying row must add to pay for it. On the 2-core CPU above that is ~0.45 (BREAK_EVEN_TOKENS, the line
-until both kinds of step were measured at the batch size); on an accelerator, where a decode step of a few rows
+tokens a verifying row must add to pay for it. On the 2-core CPU above the device's steps alone make it ~0.45
+(BREAK_EVEN_TOKENS, the line until both kinds of step were measured at the batch size); the engine loop's, whose
+verify steps also give up the host's overlap, measured 0.8 at one row in float32 and 1.0 in bfloat16; on an accelerator, where a decode step of a few rows
 is a read of the weights and 8 tokens a row cost about what 1 does, it is near 0 and every proposal is verified.
 In a batch where only some rows verify, the verify executable runs beside the decode one, so its cost is shared by
 fewer rows: the line is the extra time over the rows that verified (batch size / verifying rows, on average).

@@ -10,6 +10,9 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace jaxserve_cpu_attention {
 
@@ -64,11 +67,30 @@ inline Float16 FromFloat<Float16>(float x) {
   return out;
 }
 
+// n float16 values widened to float32. GCC leaves ToFloat's loop scalar (one vcvtph2ps of one value each): a
+// float32 model's float16 cache (cache.kv_dtype) read 1.4x slower than its bfloat16 one at 1800 keys.
+inline void WidenFloat16(const Float16* source, int64_t n, float* target) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(target + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(source + i))));
+  }
+#endif
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(target + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source + i))));
+  }
+#endif
+  for (; i < n; ++i) target[i] = ToFloat(source[i]);
+}
+
 // n values widened to float32 into `target`.
 template <typename T>
 inline void Widen(const T* source, int64_t n, float* target) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(target, source, n * sizeof(float));
+  } else if constexpr (std::is_same_v<T, Float16>) {
+    WidenFloat16(source, n, target);
   } else {
     for (int64_t i = 0; i < n; ++i) target[i] = ToFloat(source[i]);
   }

@@ -104,6 +104,9 @@ template <typename T>
 inline const float* AsFloat(const T* source, int64_t n, float* scratch) {
   if constexpr (std::is_same_v<T, float>) {
     return source;
+  } else if constexpr (std::is_same_v<T, Float16>) {
+    WidenFloat16(source, n, scratch);
+    return scratch;
   } else {
     for (int64_t i = 0; i < n; ++i) scratch[i] = ToFloat(source[i]);
     return scratch;

@@ -22,6 +22,9 @@ and sends it the same requests over its OpenAI HTTP API (/v1/completions, token 
 gets over its own: both engines then pay for HTTP and their server's threads, as a user of either does.
 Prints JSON lines, then a table with the ratios (jaxserve / llama.cpp; > 1: jaxserve faster). The first line
 names the machine: CPU model, vector flags, jaxserve's kernel instruction path, llama.cpp's build.
+`--kv-dtype float16` keeps jaxserve's cache in float16 (cache.kv_dtype), the cache type llama.cpp uses by default
+(its -ctk / -ctv f16, not changed here); the default, auto, keeps it in the model's dtype (float32 for the f32 and
+quantized rows). The first line records both.
 `--kernel-path avx2` builds jaxserve's CPU kernels without AVX-512 (JAXSERVE_CPU_KERNEL_PATH) to measure what
 an AVX2-only CPU's kernels do; `--llamacpp-build avx2` runs llama.cpp's AVX2 build (GGML_NATIVE off,
 AVX-512 off; bench/llamacpp_peer.py), and `--avx2` sets both: an emulated AVX2 machine with both engines on
@@ -101,7 +104,13 @@ def agreement(ours, theirs) -> dict:
 
 class Jaxserve:
     def __init__(
-        self, path: str, dtype: str, max_num_seqs: int, quantization: str = "none", quantized_activations: str = "int8"
+        self,
+        path: str,
+        dtype: str,
+        max_num_seqs: int,
+        quantization: str = "none",
+        quantized_activations: str = "int8",
+        kv_dtype: str = "auto",
     ):
         from jaxserve import LLM, SamplingParams
 
@@ -116,6 +125,7 @@ class Jaxserve:
             show_progress=False,
             quantization=quantization,
             quantized_activations=quantized_activations,
+            kv_dtype=kv_dtype,
         )
         self.startup_s = time.perf_counter() - start
 
@@ -132,7 +142,13 @@ class JaxserveServer:
     sees, HTTP, streaming threads and the server's per-step work included (--jaxserve-api http)."""
 
     def __init__(
-        self, path: str, dtype: str, max_num_seqs: int, quantization: str = "none", quantized_activations: str = "int8"
+        self,
+        path: str,
+        dtype: str,
+        max_num_seqs: int,
+        quantization: str = "none",
+        quantized_activations: str = "int8",
+        kv_dtype: str = "auto",
     ):
         import yaml
 
@@ -145,6 +161,7 @@ class JaxserveServer:
                 max_num_batched_tokens=512,
                 quantization=quantization,
                 quantized_activations=quantized_activations,
+                kv_dtype=kv_dtype,
             ),
             server=dict(port=peer.free_port(), http_port=self.port, metrics_port=peer.free_port()),
         )
@@ -245,8 +262,9 @@ def run_precision(args, precision: str, jax_path: str | None, gguf: str, single,
     if jax_path is not None:
         dtype = DTYPES[precision][0]
         quantization = "auto" if precision in QUANTIZED_PRECISIONS else "none"
+        options = (jax_path, dtype, args.max_num_seqs, quantization, args.quantized_activations, args.kv_dtype)
         if args.jaxserve_api == "http":
-            with JaxserveServer(jax_path, dtype, args.max_num_seqs, quantization, args.quantized_activations) as server:
+            with JaxserveServer(*options) as server:
                 results["jaxserve"] = measure(
                     f"jaxserve-{precision}", server.generate, single, batch, text_prompts, args.repeats
                 )
@@ -257,7 +275,7 @@ def run_precision(args, precision: str, jax_path: str | None, gguf: str, single,
                     compiles_after_warmup=server.compiles_after_warmup(),
                 )
         else:
-            ours = Jaxserve(jax_path, dtype, args.max_num_seqs, quantization, args.quantized_activations)
+            ours = Jaxserve(*options)
             results["jaxserve"] = measure(
                 f"jaxserve-{precision}", ours.generate, single, batch, text_prompts, args.repeats
             )
@@ -366,6 +384,11 @@ def main() -> None:
         help="jaxserve's quantized_activations: its CPU quantized kernel's x as int8 per 32 (llama.cpp's) or float",
     )
     parser.add_argument(
+        "--kv-dtype",
+        default="auto",
+        help="jaxserve's cache.kv_dtype (auto: the model's dtype; float16: the cache type llama.cpp keeps by default)",
+    )
+    parser.add_argument(
         "--llamacpp-build",
         default="auto",
         choices=("auto", *sorted(peer.BUILDS)),
@@ -399,6 +422,8 @@ def main() -> None:
         **cpu_description(),
         llamacpp_build=args.llamacpp_build,
         jaxserve_api=args.jaxserve_api,
+        jaxserve_kv_dtype=args.kv_dtype,
+        llamacpp_cache_type="f16",  # its default (-ctk / -ctv), not changed here
         isa_note=isa_note(args),
         threads=args.threads,
         cpu_count=os.cpu_count(),

@@ -26,7 +26,8 @@ INT4_GROUP_SIZES = (32, 64, 128)  # quantization_group_size: rows of K per int4 
 # What the CPU quantized matmul does with x (pallas_kernels/matmul/quantized_cpu.py's KERNELS): int8 rounds each
 # row per 32 values as llama.cpp does (integer dots), float keeps it (the dequantized product, slower)
 QUANTIZED_ACTIVATIONS = ("int8", "float")
-KV_DTYPES = ("auto", "int8", "float8_e4m3")  # as pallas_kernels/paged_attention/kv_quantization.py's
+# as pallas_kernels/paged_attention/kv_quantization.py's
+KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "float8_e4m3")
 
 
 def canonical_dtype(name: str) -> str:
@@ -77,8 +78,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB of host memory for evicted prefix pages (needs prefix caching)
     session_ttl: float = 300.0  # seconds a session's pages are kept in preference to others
-    # auto: pages in the model's dtype; int8 / float8_e4m3: one byte per value plus a float32 scale per
-    # token and KV head (pallas_kernels/paged_attention/kv_quantization.py), about twice the pages per GiB
+    # auto: pages in the model's dtype; bfloat16 / float16: a float32 model's pages in 16 bits (half the bytes,
+    # llama.cpp's default cache type); int8 / float8_e4m3: one byte per value plus a float32 scale per token and
+    # KV head (pallas_kernels/paged_attention/kv_quantization.py), about twice the pages per GiB of 16-bit ones
     kv_dtype: str = "auto"
 
     def __post_init__(self):

@@ -6,7 +6,13 @@ checkpoint's code; enforce_eager: steps are always compiled ahead of time)."""
 from __future__ import annotations
 
 RENAMED = {"block_size": "page_size", "max_loras": "max_adapters", "max_lora_rank": "max_rank"}
-KV_CACHE_DTYPES = {"auto": "auto", "fp8": "float8_e4m3", "fp8_e4m3": "float8_e4m3", "int8": "int8"}
+KV_CACHE_DTYPES = {
+    "auto": "auto",
+    "bfloat16": "bfloat16",
+    "fp8": "float8_e4m3",
+    "fp8_e4m3": "float8_e4m3",
+    "int8": "int8",
+}
 # speculative_config's keys -> the speculative group's, and its methods -> jaxserve's
 SPECULATIVE_KEYS = {
     "method": "method",

@@ -139,6 +139,7 @@ def test_vllm_engine_argument_names_map_onto_jaxserve_options():
     assert (draft.speculative.method, draft.speculative.draft_quantization) == ("draft", "int4")
     assert draft.lora.max_adapters == 3
     assert EngineConfig.from_options(speculative_config=None).speculative.method is None
+    assert EngineConfig.from_options(kv_cache_dtype="bfloat16").cache.kv_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import functools
 import logging
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -23,6 +24,7 @@ from jaxserve.host.page_allocator import PageAllocator, num_pages_for, swap_in_i
 from jaxserve.host.scheduler import Scheduler
 from jaxserve.models import KVPages
 from jaxserve.models.config import ModelConfig
+from pallas_kernels.paged_attention.kv_quantization import FLOAT_KV_DTYPES
 from sharding.attention import devices_per_page
 
 logger = logging.getLogger(__name__)
@@ -125,6 +127,12 @@ def kv_cache(
         raise ValueError(
             f"cache.kv_dtype={kv_dtype!r} is not served for multi-head latent attention (DeepSeek MLA) models: "
             "their latent cache stays in the model dtype; use cache.kv_dtype='auto'"
+        )
+    if kv_dtype in FLOAT_KV_DTYPES and jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(kv_dtype)):
+        raise ValueError(
+            f"cache.kv_dtype={kv_dtype!r} with model dtype {jnp.dtype(dtype).name}: a 16-bit float cache halves a "
+            "float32 model's; this model's cache is 16-bit already (cache.kv_dtype='auto'; int8 / float8_e4m3 "
+            "halve it again)"
         )
     page_bytes = KVPages.bytes_per_page(
         model.num_layers,

@@ -147,7 +147,8 @@ def engine_stats(engine) -> dict:
         # weights and KV bytes on the devices (replicas counted on each device), KV bytes a token, executables,
         # compiles
         **engine.runner.stats(),
-        "kv_cache_dtype": engine.config.cache.kv_dtype,  # auto: the model's dtype; int8 / float8_e4m3 + scales
+        # auto: the model's dtype; bfloat16 / float16 (a float32 model's); int8 / float8_e4m3 + scales
+        "kv_cache_dtype": engine.config.cache.kv_dtype,
         "page_size": engine.config.cache.page_size,
         "num_running": load.num_running,
         "num_waiting": load.num_waiting,

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.arrays import HostOrDeviceArray
-from pallas_kernels.paged_attention.kv_quantization import QuantizedPages, bytes_per_token_head
+from pallas_kernels.paged_attention.kv_quantization import FLOAT_KV_DTYPES, QuantizedPages, bytes_per_token_head
 
 
 @jax.tree_util.register_dataclass
@@ -17,7 +17,8 @@ from pallas_kernels.paged_attention.kv_quantization import QuantizedPages, bytes
 class KVPages:
     """One key and one value page pool per layer; page 0 is reserved for padding writes. With
     cache.kv_dtype int8 / float8_e4m3 a pool is a QuantizedPages (values plus a scale per token-head,
-    pallas_kernels/paged_attention/kv_quantization.py) that the model passes through as it would an array."""
+    pallas_kernels/paged_attention/kv_quantization.py) that the model passes through as it would an array;
+    with bfloat16 / float16 beside a float32 model, a plain 16-bit array."""
 
     keys: list[jax.Array | QuantizedPages]  # num_layers x [num_pages, page_size, num_kv_heads, head_dim]
     values: list[jax.Array | QuantizedPages]  # num_layers x [num_pages, page_size, num_kv_heads, head_dim]
@@ -36,7 +37,9 @@ class KVPages:
         shape = (num_pages, page_size, num_kv_heads, head_dim)
 
         def pool():
-            return jnp.zeros(shape, dtype) if kv_dtype == "auto" else QuantizedPages.zeros(shape, kv_dtype)
+            if kv_dtype == "auto" or kv_dtype in FLOAT_KV_DTYPES:
+                return jnp.zeros(shape, dtype if kv_dtype == "auto" else kv_dtype)
+            return QuantizedPages.zeros(shape, kv_dtype)
 
         return cls(keys=[pool() for _ in range(num_layers)], values=[pool() for _ in range(num_layers)])
 

@@ -58,15 +58,17 @@ def ragged_paged_attention(
     sinks=None,
     path: str | None = None,
 ):
-    """The reference's contract, with q in the pages' dtype, or pages quantized (sinks in float32, whatever it).
-    `path` (cpu_library.PATHS) picks another instruction path's build than the engine's."""
+    """The reference's contract, with q in the pages' dtype, 16-bit pages beside float32 q, or pages quantized
+    (sinks in float32, whatever it). `path` (cpu_library.PATHS) picks another instruction path's build than the
+    engine's."""
     _require(q.dtype, path)
+    widened = q.dtype == jnp.float32 and k_pages.dtype in DTYPES  # a float32 model's cache in 16 bits
     if is_quantized(k_pages) != is_quantized(v_pages) or (
-        not is_quantized(k_pages) and (q.dtype != k_pages.dtype or v_pages.dtype != k_pages.dtype)
+        not is_quantized(k_pages) and ((q.dtype != k_pages.dtype and not widened) or v_pages.dtype != k_pages.dtype)
     ):
         raise ValueError(
-            f"the CPU kernel wants q and pages of one dtype (or quantized pages), got {q.dtype}, {k_pages.dtype}, "
-            f"{v_pages.dtype}"
+            f"the CPU kernel wants q and pages of one dtype (16-bit pages beside float32 q, or quantized pages), got "
+            f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
         )
     (k_values, k_scales), (v_values, v_scales) = split_pages(k_pages), split_pages(v_pages)
     no_scales = np.zeros((0,), np.float32)

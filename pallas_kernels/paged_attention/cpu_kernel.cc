@@ -1,5 +1,5 @@
 // Paged attention for the CPU, as XLA FFI custom calls: the same contracts as reference.py, for
-// float32, bfloat16 and float16 pages.
+// float32, bfloat16 and float16 pages (16-bit pages also beside float32 queries: cache.kv_dtype).
 //
 // Attention is split by query block: each block (one sequence's query tokens) walks its sequence's
 // pages in tiles of kKeysPerTile keys, reading K/V in place through the page table, with an online
@@ -978,7 +978,7 @@ bool IsServedType(ffi::DataType type) {
   return type == ffi::DataType::F32 || type == ffi::DataType::BF16 || type == ffi::DataType::F16;
 }
 
-// The queries' type T and the pages' (T itself, or int8 / float8_e4m3fn with scales).
+// The queries' type T and the pages' (T itself, int8 / float8_e4m3fn with scales, or 16-bit beside float32 T).
 template <typename T>
 void AttendPages(ffi::ThreadPool& thread_pool, ffi::DataType page_type, const ffi::AnyBuffer& q,
                  const ffi::AnyBuffer& k_pages, const ffi::AnyBuffer& v_pages, const ffi::Buffer<ffi::F32>& k_scales,
@@ -992,6 +992,19 @@ void AttendPages(ffi::ThreadPool& thread_pool, ffi::DataType page_type, const ff
   } else if (page_type == ffi::DataType::F8E4M3FN) {
     Attend<T, Float8E4M3>(thread_pool, q, k_pages, v_pages, k_scales, v_scales, page_table, token_seq_ids,
                           positions, sinks, query_block, sliding_window, soft_cap, own_helpers, out);
+  } else if constexpr (std::is_same_v<T, float>) {
+    // a float32 model's cache kept in 16 bits (cache.kv_dtype bfloat16 / float16): widened as read, as a 16-bit
+    // model's pages are
+    if (page_type == ffi::DataType::BF16) {
+      Attend<float, BFloat16>(thread_pool, q, k_pages, v_pages, k_scales, v_scales, page_table, token_seq_ids,
+                              positions, sinks, query_block, sliding_window, soft_cap, own_helpers, out);
+    } else if (page_type == ffi::DataType::F16) {
+      Attend<float, Float16>(thread_pool, q, k_pages, v_pages, k_scales, v_scales, page_table, token_seq_ids,
+                             positions, sinks, query_block, sliding_window, soft_cap, own_helpers, out);
+    } else {
+      Attend<T, T>(thread_pool, q, k_pages, v_pages, k_scales, v_scales, page_table, token_seq_ids, positions, sinks,
+                   query_block, sliding_window, soft_cap, own_helpers, out);
+    }
   } else {
     Attend<T, T>(thread_pool, q, k_pages, v_pages, k_scales, v_scales, page_table, token_seq_ids, positions, sinks,
                  query_block, sliding_window, soft_cap, own_helpers, out);
@@ -1016,10 +1029,12 @@ ffi::Error PagedAttention(ffi::ThreadPool thread_pool, ffi::AnyBuffer q, ffi::An
   }
   const ffi::DataType type = q.element_type(), page_type = k_pages.element_type();
   const bool quantized = page_type == ffi::DataType::S8 || page_type == ffi::DataType::F8E4M3FN;
-  if (!IsServedType(type) || (page_type != type && !quantized) || v_pages.element_type() != page_type ||
+  const bool widened = type == ffi::DataType::F32 && IsServedType(page_type);  // 16-bit pages, float32 queries
+  if (!IsServedType(type) || (page_type != type && !quantized && !widened) || v_pages.element_type() != page_type ||
       out->element_type() != type) {
     return ffi::Error::InvalidArgument(
-        "paged attention: q and output must share a float32/bfloat16/float16 type, the pages that type or int8/float8_e4m3fn");
+        "paged attention: q and output must share a float32/bfloat16/float16 type, the pages that type, int8/float8_e4m3fn, "
+        "or 16-bit beside float32 q");
   }
   const size_t scale_count = quantized ? size_t(page_dims[0] * page_dims[1] * page_dims[2]) : 0;
   if (k_scales.element_count() != scale_count || v_scales.element_count() != scale_count) {

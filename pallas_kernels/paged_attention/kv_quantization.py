@@ -9,6 +9,10 @@ implementation widens the bytes and applies the scale as it reads a span of keys
 Scales are float32: a bfloat16 scale would add its own 0.4% relative error to every key, about the
 size of int8's rounding, for 2 of the (head_dim + 4) bytes a token-head takes.
 
+cache.kv_dtype bfloat16 | float16 are not quantized: a plain 16-bit page array (no scales) beside a float32
+model, half of its cache's bytes, as llama.cpp keeps its cache in float16 by default; every attention
+implementation widens the pages as it reads them.
+
 Page movers see the pool through `page_bytes` / `from_page_bytes`: every leaf of a layer as raw bytes
 [pages, page_size, K, D (+ 4 scale bytes)], so a page's values and scales travel together in one array
 (host tier, KV handover, multi-host copies) whatever the format.
@@ -22,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KV_DTYPES = ("auto", "int8", "float8_e4m3")
+KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "float8_e4m3")
+FLOAT_KV_DTYPES = ("bfloat16", "float16")  # 16-bit float pages, no scales (see the module docstring)
 # The stored value types, and the largest magnitude each holds.
 _STORAGE = {"int8": (jnp.int8, 127.0), "float8_e4m3": (jnp.float8_e4m3fn, 448.0)}
 STORAGE_DTYPES = tuple(jnp.dtype(dtype) for dtype, _ in _STORAGE.values())
@@ -65,9 +70,11 @@ def is_quantized(pages) -> bool:
 
 
 def bytes_per_token_head(head_dim: int, kv_dtype: str, dtype) -> int:
-    """Cache bytes one token's key (or value) takes per KV head: values plus its scale."""
+    """Cache bytes one token's key (or value) takes per KV head: values plus a quantized format's scale."""
     if kv_dtype == "auto":
         return head_dim * jnp.dtype(dtype).itemsize
+    if kv_dtype in FLOAT_KV_DTYPES:
+        return head_dim * jnp.dtype(kv_dtype).itemsize
     return head_dim * jnp.dtype(storage_dtype(kv_dtype)).itemsize + 4
 
 

@@ -89,7 +89,10 @@ def ragged_paged_attention(
         weights = jnp.exp(scores - safe_max[..., None])
         denominator = denominator * rescale + weights.sum(axis=-1)
         accumulator = accumulator * rescale[..., None] + jnp.einsum(
-            "nkgbl,nlkd->nkgbd", weights.astype(values.dtype), values, preferred_element_type=jnp.float32
+            "nkgbl,nlkd->nkgbd",
+            weights.astype(jnp.promote_types(values.dtype, q.dtype)),  # float32 weights for 16-bit pages, float32 q
+            values,
+            preferred_element_type=jnp.float32,
         )
         return new_max, denominator, accumulator
 

@@ -1,6 +1,7 @@
-"""cache.kv_dtype int8 / float8_e4m3 on the llama_gqa fixture: teacher-forced greedy agreement with the float
-cache, prefix-cache and host-tier hits that give what no cache gives (the scales travel with the pages), the
-bytes a token takes, no compiles after warm-up, bad options refused."""
+"""cache.kv_dtype int8 / float8_e4m3, and the float32 fixture's cache in bfloat16 / float16, on the llama_gqa
+fixture: teacher-forced greedy agreement with the float32 cache, prefix-cache and host-tier hits that give what no
+cache gives (the scales travel with the pages), the bytes a token takes, no compiles after warm-up, bad options
+refused."""
 
 import numpy as np
 import pytest
@@ -12,11 +13,14 @@ from jaxserve.models.kv_pages import KVPages
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 ENGINE = {**SMALL_ENGINE, "max_model_len": 256, "page_size": 8}
-KV_DTYPES = ("int8", "float8_e4m3")
+KV_DTYPES = ("int8", "float8_e4m3", "bfloat16", "float16")
+QUANTIZED = ("int8", "float8_e4m3")  # values plus a float32 scale per token-head; the others plain 16-bit pages
 # Teacher-forced top-1 agreement with the float cache over the fixture's prompts and continuations. The tiny
 # random model's logits are nearly flat (top-2 gaps of a few 1e-3), so a quantized cache may flip a few near ties.
-MIN_AGREEMENT = {"int8": 0.97, "float8_e4m3": 0.9}
-MAX_LOGPROB_DRIFT = {"int8": 0.02, "float8_e4m3": 0.1}  # largest |logprob difference| of the chosen tokens
+MIN_AGREEMENT = {"int8": 0.97, "float8_e4m3": 0.9, "bfloat16": 0.98, "float16": 0.99}
+# largest |logprob difference| of the chosen tokens
+# (measured: int8 0.017, bfloat16 0.0045, float16 0.0008; agreement 0.992 / 0.997 / 1.0 of 395 positions)
+MAX_LOGPROB_DRIFT = {"int8": 0.02, "float8_e4m3": 0.1, "bfloat16": 0.01, "float16": 0.002}
 
 
 def scored_prompts() -> list[list[int]]:
@@ -68,8 +72,11 @@ def test_prefix_and_host_tier_hits_give_the_uncached_output(quantized_llm):
 
     allocator, runner = quantized_llm.engine.schedulers[0].allocator, quantized_llm.engine.runner
     saved = host_pages_to_array(runner.read_pages(allocator.find_cached_prefix(prefix, len(prefix)).pages))
-    head_dim = runner.kv_pages.keys[0].shape[-1]
-    assert saved.dtype == np.uint8 and saved.shape[-1] == head_dim + 4, "values and their scale's bytes"
+    head_dim, kv_dtype = runner.kv_pages.keys[0].shape[-1], quantized_llm.engine.config.cache.kv_dtype
+    if kv_dtype in QUANTIZED:
+        assert saved.dtype == np.uint8 and saved.shape[-1] == head_dim + 4, "values and their scale's bytes"
+    else:
+        assert saved.dtype.name == kv_dtype and saved.shape[-1] == head_dim, "the 16-bit pages as they are"
     # unrelated prompts fill the 15 usable pages and demote every page of the prefix to the host tier
     quantized_llm.generate([[1] + rng.integers(3, 384, size=60).tolist() for _ in range(3)], params)
     assert allocator.find_cached_prefix(prefix, len(prefix)).pages == []
@@ -85,7 +92,9 @@ def test_a_token_takes_values_plus_scales(float_llm, quantized_llm):
     config = float_llm.engine.model_config
     layers, heads, head_dim = config.num_layers, config.num_kv_heads, config.head_dim
     assert float_llm.stats()["kv_cache_bytes_per_token"] == 2 * layers * heads * head_dim * 4
-    assert quantized_llm.stats()["kv_cache_bytes_per_token"] == 2 * layers * heads * (head_dim + 4)
+    quantized = quantized_llm.engine.config.cache.kv_dtype in QUANTIZED
+    bytes_per_token_head = head_dim + 4 if quantized else head_dim * 2
+    assert quantized_llm.stats()["kv_cache_bytes_per_token"] == 2 * layers * heads * bytes_per_token_head
 
 
 def test_pages_per_budget_about_double_bfloat16():
@@ -102,6 +111,14 @@ def test_bad_kv_dtype_is_refused():
         EngineConfig(cache={"kv_dtype": "fp8"})  # type: ignore[arg-type]  # a config file's cache section
     assert EngineConfig.from_options(kv_dtype="float8_e4m3").cache.kv_dtype == "float8_e4m3"
     assert EngineConfig(cache={"kv_dtype": "int8"}).cache.kv_dtype == "int8"  # type: ignore[arg-type]
+
+
+def test_a_sixteen_bit_cache_is_for_float32_models():
+    """bfloat16 / float16 pages halve a float32 model's cache; a 16-bit model's other 16-bit type is refused."""
+    with pytest.raises(ValueError, match="kv_dtype='float16' with model dtype bfloat16"):
+        LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "dtype": "bfloat16", "kv_dtype": "float16"})
+    f32, f16 = (KVPages.bytes_per_page(32, 16, 8, 128, "float32", kv_dtype) for kv_dtype in ("auto", "float16"))
+    assert f16 * 2 == f32
 
 
 def test_latent_attention_models_refuse_a_quantized_cache():

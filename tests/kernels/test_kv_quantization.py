@@ -181,3 +181,62 @@ def test_quantized_kernels_lower_for_gpu_and_tpu(kv_dtype):
     )
     with jax.sharding.use_abstract_mesh(v5e):
         assert "tpu_custom_call" in tpu.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+# cache.kv_dtype bfloat16 / float16 beside a float32 model: plain 16-bit pages, float32 queries and outputs
+SIXTEEN_BIT = [jnp.bfloat16, jnp.float16]
+
+
+def sixteen_bit_step(seed, page_dtype, query_block, head_dim=32):
+    q, k_pages, v_pages, *rest = ragged_step(np.random.default_rng(seed), 8, head_dim, 2, jnp.float32, query_block)
+    return (q, k_pages.astype(page_dtype), v_pages.astype(page_dtype), *rest)
+
+
+@pytest.mark.parametrize("page_dtype", SIXTEEN_BIT)
+@pytest.mark.parametrize("query_block", [1, 8])
+def test_reference_widens_sixteen_bit_pages_beside_float32_queries(page_dtype, query_block):
+    """The reference on 16-bit pages is float32 math on the pages' values (not rounded again to 16 bits)."""
+    args = sixteen_bit_step(7, page_dtype, query_block)
+    q, k_pages, v_pages, *rest = args
+    got = reference.ragged_paged_attention(*args, query_block=query_block)
+    exact = reference.ragged_paged_attention(
+        q, k_pages.astype(jnp.float32), v_pages.astype(jnp.float32), *rest, query_block=query_block
+    )
+    assert got.dtype == jnp.float32
+    assert_matches_on_real_tokens(got, exact, args[5], 1e-6)
+
+
+# (kernel, pages, query_block, head_dim): a head of 28 widens in vectors of 16 and 8 and a scalar tail
+SIXTEEN_BIT_CASES = [("cpu", dtype, block, 32) for dtype in SIXTEEN_BIT for block in (1, 8)]
+SIXTEEN_BIT_CASES += [("cpu", jnp.float16, 1, 28), ("cpu", jnp.bfloat16, 8, 28)]
+SIXTEEN_BIT_CASES += [("pallas_gpu", jnp.float16, 8, 32), ("pallas_gpu", jnp.bfloat16, 1, 32)]
+SIXTEEN_BIT_CASES += [("pallas_tpu", jnp.bfloat16, 1, 32)]
+
+
+@pytest.mark.parametrize("kernel,page_dtype,query_block,head_dim", SIXTEEN_BIT_CASES)
+def test_kernels_on_sixteen_bit_pages_beside_float32_queries_match_reference(kernel, page_dtype, query_block, head_dim):
+    """The CPU kernel widens the pages and keeps float32 math (float32's tolerance); the Pallas kernels' matmuls
+    run in the pages' dtype (queries and weights rounded to it: that dtype's tolerance)."""
+    if kernel == "cpu" and not cpu.available():
+        pytest.fail("the C++ CPU kernels could not be built")
+    args = sixteen_bit_step(9, page_dtype, query_block, head_dim)
+    expected = reference.ragged_paged_attention(*args, query_block=query_block)
+    got = KERNELS[kernel](*args, query_block=query_block)
+    assert got.dtype == jnp.float32 and got.shape == expected.shape
+    tolerance = TOLERANCE[jnp.dtype(jnp.float32 if kernel == "cpu" else page_dtype)]
+    assert_matches_on_real_tokens(got, expected, args[5], tolerance)
+
+
+@pytest.mark.parametrize("page_dtype", SIXTEEN_BIT)
+@pytest.mark.parametrize("impl", ["cpu", "pallas"])
+def test_writers_round_float32_rows_into_sixteen_bit_pages(impl, page_dtype):
+    args = sixteen_bit_step(3, page_dtype, 1)
+    rng = np.random.default_rng(4)
+    k, v = (jnp.asarray(rng.standard_normal((6, 2, 32)) * 3, jnp.float32) for _ in range(2))
+    kv_indices = jnp.asarray([9, 17, 130, 0, 0, 255], jnp.int32)
+    expected = reference.write_kv_pages(args[1], args[2], k, v, kv_indices)
+    got = write_kv_pages(args[1], args[2], k, v, kv_indices, impl=impl)
+    for want, have in zip(expected, got):
+        assert want.dtype == have.dtype == page_dtype
+        np.testing.assert_array_equal(np.asarray(want, np.float32), np.asarray(have, np.float32))
+    np.testing.assert_array_equal(np.asarray(got[0][130 // 8, 130 % 8]), np.asarray(k[2].astype(page_dtype)))

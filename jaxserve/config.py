@@ -30,6 +30,17 @@ QUANTIZED_ACTIVATIONS = ("int8", "float")
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "float8_e4m3")
 
 
+def sixteen_bit_cache_problem(kv_dtype: str, dtype: str) -> str | None:
+    """Why cache.kv_dtype cannot serve a model computing in `dtype` (a canonical name), or None: a 16-bit float
+    cache halves a float32 model's; beside a 16-bit model only its own type (auto) makes sense."""
+    if kv_dtype not in ("bfloat16", "float16") or dtype in ("float32", kv_dtype):
+        return None
+    return (
+        f"cache.kv_dtype={kv_dtype!r} with model dtype {dtype}: a 16-bit float cache halves a float32 model's; this "
+        "model's cache is 16-bit already (cache.kv_dtype='auto'; int8 / float8_e4m3 halve it again)"
+    )
+
+
 def canonical_dtype(name: str) -> str:
     key = str(name).removeprefix("torch.")
     if key not in DTYPE_NAMES:
@@ -431,6 +442,8 @@ class EngineConfig:
             raise ValueError("swap_space (the host tier) is not available with data_parallel_size > 1 yet")
         if self.speculative.enabled:
             self._check_speculative()
+        if self.dtype != "auto" and (problem := sixteen_bit_cache_problem(self.cache.kv_dtype, self.dtype)):
+            raise ValueError(problem)  # before anything loads (a checkpoint's own dtype is checked once known)
         block = self.scheduler.prefill_query_block
         if self.compile.prefill_token_buckets and any(b % block for b in self.compile.prefill_token_buckets):
             raise ValueError(f"prefill_token_buckets must be multiples of prefill_query_block ({block})")

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jaxserve.config import EngineConfig
 from jaxserve.models.config import ModelConfig
 from pallas_kernels import kv_cache_head_dim, resolve_attention_impl
+from pallas_kernels.paged_attention.kv_quantization import FLOAT_KV_DTYPES
 from pallas_kernels.paged_attention.probe import pallas_problem
 from sharding.attention import kv_head_replicas
 
@@ -56,6 +57,8 @@ def choose_attention(model: ModelConfig, config: EngineConfig, dtype: str, mesh:
             dtype,
             query_blocks=(1, config.scheduler.prefill_query_block),
             cache_head_dim=kv_cache_head_dim("pallas", platform, model.head_dim),
+            # a 16-bit cache beside a float32 model is checked as served (quantized pools: the float path only)
+            page_dtype=config.cache.kv_dtype if config.cache.kv_dtype in FLOAT_KV_DTYPES else dtype,
         )
         if problem is not None:
             logger.warning(

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, sixteen_bit_cache_problem
 from jaxserve.device.placement import kv_pages_on
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import StepRunner, kv_cache_bytes_available, measured_free_bytes
@@ -24,7 +24,6 @@ from jaxserve.host.page_allocator import PageAllocator, num_pages_for, swap_in_i
 from jaxserve.host.scheduler import Scheduler
 from jaxserve.models import KVPages
 from jaxserve.models.config import ModelConfig
-from pallas_kernels.paged_attention.kv_quantization import FLOAT_KV_DTYPES
 from sharding.attention import devices_per_page
 
 logger = logging.getLogger(__name__)
@@ -128,12 +127,8 @@ def kv_cache(
             f"cache.kv_dtype={kv_dtype!r} is not served for multi-head latent attention (DeepSeek MLA) models: "
             "their latent cache stays in the model dtype; use cache.kv_dtype='auto'"
         )
-    if kv_dtype in FLOAT_KV_DTYPES and jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(kv_dtype)):
-        raise ValueError(
-            f"cache.kv_dtype={kv_dtype!r} with model dtype {jnp.dtype(dtype).name}: a 16-bit float cache halves a "
-            "float32 model's; this model's cache is 16-bit already (cache.kv_dtype='auto'; int8 / float8_e4m3 "
-            "halve it again)"
-        )
+    if problem := sixteen_bit_cache_problem(kv_dtype, jnp.dtype(dtype).name):
+        raise ValueError(problem)
     page_bytes = KVPages.bytes_per_page(
         model.num_layers,
         config.cache.page_size,

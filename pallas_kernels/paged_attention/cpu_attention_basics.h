@@ -10,7 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 

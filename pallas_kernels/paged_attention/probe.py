@@ -16,7 +16,7 @@ from pallas_kernels.paged_attention import reference
 TOLERANCE = {2: 5e-2, 4: 2e-3}  # by dtype itemsize: bfloat16/float16, float32
 
 
-def _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block, cache_head_dim):
+def _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block, cache_head_dim, page_dtype):
     """Two sequences (one mid-page, one several pages long) and a padding block; new tokens' K/V."""
     lengths, num_pages = [page_size + 3, 4 * page_size + 1], 12
     page_table = np.zeros((3, 6), np.int32)
@@ -36,13 +36,13 @@ def _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block,
         0,
     ).astype(np.int32)
     tokens = len(positions)
-    cast = lambda shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    cast = lambda shape, as_dtype=dtype: jnp.asarray(rng.standard_normal(shape), as_dtype)
     return dict(
         q=cast((tokens, num_heads, head_dim)),
         k=cast((tokens, num_kv_heads, head_dim)),
         v=cast((tokens, num_kv_heads, head_dim)),
-        k_pages=cast((num_pages, page_size, num_kv_heads, cache_head_dim)),
-        v_pages=cast((num_pages, page_size, num_kv_heads, cache_head_dim)),
+        k_pages=cast((num_pages, page_size, num_kv_heads, cache_head_dim), page_dtype),
+        v_pages=cast((num_pages, page_size, num_kv_heads, cache_head_dim), page_dtype),
         page_table=jnp.asarray(page_table),
         token_seq_ids=jnp.asarray(token_seq_ids, jnp.int32),
         positions=jnp.asarray(positions),
@@ -73,17 +73,21 @@ def pallas_problem(
     dtype,
     query_blocks: tuple[int, ...],
     cache_head_dim: int | None = None,
+    page_dtype=None,
 ) -> str | None:
     """None when the Pallas kernels (as the dispatch would pick them here) match the reference on a
     step of this shape for every query block; otherwise what went wrong. cache_head_dim: the width
-    the engine gives its KV pages (kv_cache_head_dim)."""
+    the engine gives its KV pages (kv_cache_head_dim); page_dtype: its pages' dtype (default: `dtype`;
+    cache.kv_dtype bfloat16 / float16 beside a float32 model, whose matmuls then run in 16 bits)."""
     from pallas_kernels.paged_attention import kernel_modules  # the dispatch's own choice
 
     module, writer = kernel_modules("pallas")
     cache_head_dim = cache_head_dim or head_dim
+    page_dtype = dtype if page_dtype is None else page_dtype
+    itemsize = min(jnp.dtype(dtype).itemsize, jnp.dtype(page_dtype).itemsize)
     rng = np.random.default_rng(0)
     for query_block in query_blocks:
-        step = _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block, cache_head_dim)
+        step = _step(rng, num_heads, num_kv_heads, head_dim, page_size, dtype, query_block, cache_head_dim, page_dtype)
         try:
             got = np.asarray(_write_and_attend(module, writer, step, query_block), np.float32)
         except Exception as error:  # a lowering or compile failure on this backend: report, do not crash
@@ -93,6 +97,6 @@ def pallas_problem(
         want = np.asarray(_write_and_attend(reference, reference, unpadded, query_block), np.float32)
         real = np.asarray(step["positions"]) >= 0
         error = float(np.abs(got[real] - want[real]).max())
-        if not np.isfinite(error) or error > TOLERANCE.get(jnp.dtype(dtype).itemsize, 5e-2):
+        if not np.isfinite(error) or error > TOLERANCE.get(itemsize, 5e-2):
             return f"outputs differ from the reference by {error:.3g} (query_block={query_block})"
     return None

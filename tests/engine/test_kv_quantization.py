@@ -116,7 +116,10 @@ def test_bad_kv_dtype_is_refused():
 def test_a_sixteen_bit_cache_is_for_float32_models():
     """bfloat16 / float16 pages halve a float32 model's cache; a 16-bit model's other 16-bit type is refused."""
     with pytest.raises(ValueError, match="kv_dtype='float16' with model dtype bfloat16"):
-        LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "dtype": "bfloat16", "kv_dtype": "float16"})
+        EngineConfig.from_options(dtype="bfloat16", kv_dtype="float16")  # named: refused before anything loads
+    assert EngineConfig.from_options(dtype="bfloat16", kv_dtype="bfloat16").cache.kv_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="kv_dtype='bfloat16' with model dtype float16"):
+        LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "dtype": "float16", "kv_dtype": "bfloat16"})
     f32, f16 = (KVPages.bytes_per_page(32, 16, 8, 128, "float32", kv_dtype) for kv_dtype in ("auto", "float16"))
     assert f16 * 2 == f32
 

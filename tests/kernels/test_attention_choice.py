@@ -69,6 +69,8 @@ def test_start_up_probe_checks_the_kernels_against_the_reference(monkeypatch):
     assert pallas_problem(8, 2, 64, 16, jnp.float32, query_blocks=(1, 16)) is None
     # odd sizes, on pages padded as the engine would allocate them on a GPU
     assert pallas_problem(5, 1, 12, 8, jnp.bfloat16, query_blocks=(1, 4), cache_head_dim=16) is None
+    # a float32 model's 16-bit cache (cache.kv_dtype): the matmuls in 16 bits, checked at 16-bit tolerance
+    assert pallas_problem(4, 2, 16, 8, jnp.float32, query_blocks=(1,), page_dtype=jnp.float16) is None
     with monkeypatch.context() as patch:
         patch.setattr(pallas_gpu, "ragged_paged_attention", lambda q, *args, **kwargs: q * 2)
         assert "differ from the reference" in pallas_problem(4, 4, 16, 8, jnp.float32, query_blocks=(1,))

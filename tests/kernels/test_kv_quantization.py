@@ -206,9 +206,10 @@ def test_reference_widens_sixteen_bit_pages_beside_float32_queries(page_dtype, q
     assert_matches_on_real_tokens(got, exact, args[5], 1e-6)
 
 
-# (kernel, pages, query_block, head_dim): a head of 28 widens in vectors of 16 and 8 and a scalar tail
+# (kernel, pages, query_block, head_dim): float16 rows of two heads of 28 widen in vectors of 16 and 8 (56 =
+# 3 x 16 + 8), of 9 in one of 16 and two values alone
 SIXTEEN_BIT_CASES = [("cpu", dtype, block, 32) for dtype in SIXTEEN_BIT for block in (1, 8)]
-SIXTEEN_BIT_CASES += [("cpu", jnp.float16, 1, 28), ("cpu", jnp.bfloat16, 8, 28)]
+SIXTEEN_BIT_CASES += [("cpu", jnp.float16, 1, 28), ("cpu", jnp.bfloat16, 8, 28), ("cpu", jnp.float16, 8, 9)]
 SIXTEEN_BIT_CASES += [("pallas_gpu", jnp.float16, 8, 32), ("pallas_gpu", jnp.bfloat16, 1, 32)]
 SIXTEEN_BIT_CASES += [("pallas_tpu", jnp.bfloat16, 1, 32)]
 

@@ -287,6 +287,7 @@ class Engine:
                 to_process.speculated,
                 to_process.batch_size,
                 to_process.proposal_seconds,
+                to_process.num_decode_steps,
             )
         self._was_busy = dispatched is not None and self.has_unfinished_requests()
         return self._end_step(progressed)
@@ -300,11 +301,15 @@ class Engine:
         ) or self.speculation.waits_for(self._in_flight.executables, self.schedulers)
 
     def _schedule_and_dispatch(self) -> DispatchedStep | None:
+        speculation = self.speculation
+        proposals = speculation.proposals(self.schedulers) if speculation.enabled else None  # every rank's at once
         # a runner wrapped after the engine was built (a test's) has no chains
-        chain_shape = self.decode_chains.shape(self.schedulers) if isinstance(self.runner, ModelRunner) else None
-        if chain_shape is not None:
-            return self._dispatch_chain(chain_shape)
-        proposals = self.speculation.proposals(self.schedulers)  # every rank's at once (one draft call)
+        if isinstance(self.runner, ModelRunner) and speculation.chains_allowed(self.schedulers, proposals or []):
+            chain_shape = self.decode_chains.shape(self.schedulers)
+            if chain_shape is not None:
+                return self._dispatch_chain(chain_shape)
+        if proposals is None:
+            proposals = speculation.proposals(self.schedulers)  # (one draft call for every rank)
         schedules = [scheduler.schedule(p) for scheduler, p in zip(self.schedulers, proposals)]
         if all(schedule.is_empty for schedule in schedules):
             return None
@@ -314,7 +319,6 @@ class Engine:
             if any(per_rank := [getattr(s, kind) for s in schedules]):
                 continues_busy_period = bool(executables) or self._in_flight is not None or self._was_busy
                 executables.append(self._dispatch(per_rank, kind, continues_busy_period))
-        speculation = self.speculation
         return DispatchedStep(
             executables,
             self._prefill_room(schedules),
@@ -347,7 +351,14 @@ class Engine:
         self.device_clock.dispatched(pending.sampled.token_ids, continues_busy_period)
         self.decode_chains.num_chains += 1
         executables = [DispatchedExecutable(per_rank, shape, pending.step(i)) for i, per_rank in enumerate(steps)]
-        return DispatchedStep(executables, self._prefill_room(first_schedules), num_decode_steps=len(steps))
+        speculation = self.speculation
+        return DispatchedStep(
+            executables,
+            self._prefill_room(first_schedules),
+            speculation.speculating,
+            speculation.batch_size,
+            num_decode_steps=len(steps),
+        )
 
     def _step_to_process(self, dispatched: DispatchedStep | None) -> DispatchedStep | None:
         """The step whose results this call processes: overlapped, the one the previous call dispatched."""

@@ -18,6 +18,14 @@ the steps' own times (a verify step's extra cost over a plain one's, per batch s
 flight is waited for only where the proposal of its known tokens (one token stale) would be verified, so
 plain chat (little to look up) keeps its overlap while code edits (long quotes) speculate on every step.
 
+Where nothing would verify (no proposal this step, and every row quiet: its recent proposals of any class,
+verified or withheld and scored, and its lookups that found nothing, below the line), the plain steps run in
+decode chains (engine/decode_chain.py, `chains_allowed`), as with speculation off: one dispatch and one fetch
+for k tokens. Plain chat ran at 0.73-0.96x of speculation off before, every plain step dispatched alone. A
+row's stale proposal made while a chain is in flight is scored once the chain's tokens are known, so a row
+that starts to quote is seen at the chain's end; rows of a code edit (long quotes accepted) are never quiet,
+so their misses are not chained through (session 44's chains on the policy's plain verdict cost code 15-20%).
+
 A draft model's rows that keep failing back off instead (its proposals cost steps, so they cannot be scored
 for free): a row whose proposal was rejected outright, or that had none, for the second time in a row skips
 speculation for 2, 4, ... up to MAX_BACKOFF_TOKENS of its tokens (reset by an accepted proposal), and is not
@@ -207,15 +215,41 @@ class Speculation:
         if limit <= 0:
             return False
         gate.settle(seq.seq_id, seq.output_token_ids)
-        ((match_length, stale),) = lookup.propose_matched([seq], [limit + 1])
+        in_flight = seq.num_pending_tokens  # 1, or a decode chain's k
+        ((match_length, stale),) = lookup.propose_matched([seq], [limit + in_flight])
         self._proposed_for[seq.seq_id] = seq  # the proposer indexed it: forgotten with the others
-        if len(stale) < 2:
+        if len(stale) < in_flight + 1:
+            if not stale:
+                gate.nothing_followed(seq.seq_id)
             return False
-        if gate.admits(seq.seq_id, match_length + 1, self.batch_size):
+        if gate.admits(seq.seq_id, match_length + in_flight, self.batch_size):
             return True
-        # scored only if the token in flight turns out to be the stale proposal's first
-        gate.withhold(seq.seq_id, len(seq.output_token_ids) + 1, match_length + 1, stale[1:], after=stale[0])
+        # scored only if the tokens in flight turn out to be the stale proposal's first
+        start = len(seq.output_token_ids) + in_flight
+        gate.withhold(seq.seq_id, start, match_length + in_flight, stale[in_flight:], after=stale[:in_flight])
         return False
+
+    def chains_allowed(self, schedulers: list[Scheduler], proposals: list[dict[int, list[int]]]) -> bool:
+        """Whether the next plain steps may run as one decode chain (engine/decode_chain.py; it still checks its
+        own conditions): always without speculation; with prompt lookup, where this step verifies nothing and
+        every row that may speculate is quiet (host/proposal_gate.py: its recent proposals, verified or withheld
+        and scored, fell below the line), or the batch is past the sizes that speculate. Then the engine runs
+        what speculation off runs (plain chat: nothing to look up); a row whose text starts to quote is seen at
+        the chain's end, where its proposal is verified if its class admits it. A draft model's rows speculate
+        step by step (its proposals cost steps: no chains)."""
+        if not self.enabled:
+            return True
+        gate = self.gate
+        if gate is None or any(proposals):
+            return False
+        if self.batch_size > self.policy.max_batch_size:
+            return True
+        return all(
+            gate.is_quiet(seq.seq_id, self.batch_size)
+            for scheduler in schedulers
+            for seq in scheduler.running
+            if self._may_propose(seq) and self._proposal_limit(seq) > 0
+        )
 
     def _proposal_limit(self, seq: SequenceState) -> int:
         """Tokens a verify row of the sequence may propose after its newest token (pending ones counted): all its
@@ -276,6 +310,9 @@ class Speculation:
         match_lengths = [0] * len(seqs)
         if lookup is not None and gate is not None and seqs:
             match_lengths, proposed = map(list, zip(*lookup.propose_matched(seqs, limits)))
+            for seq, proposal in zip(seqs, proposed):
+                if not proposal:
+                    gate.nothing_followed(seq.seq_id)
             proposed = [_gated(gate, seq, n, p, self.batch_size) for seq, n, p in zip(seqs, match_lengths, proposed)]
         else:
             proposed = self.proposer.propose(seqs, limits) if seqs else []
@@ -326,12 +363,16 @@ class Speculation:
                     self.policy.try_speculation_now(self.batch_size)
                 if matched < len(followed) or len(followed) == len(proposal) or matched >= LOOK_AHEAD_HIT_TOKENS:
                     del self._looked_ahead[seq.seq_id]  # settled
+                    if self.gate is not None:  # whether the row is quiet (chains_allowed)
+                        self.gate.nothing_followed(seq.seq_id, matched)
             if seq.seq_id not in self._looked_ahead:
                 # what follows the known tokens (overlapped, the newest is still in flight: it is checked too)
                 (proposal,) = self.proposer.propose([seq], [k])
+                self._proposed_for[seq.seq_id] = seq  # the proposer indexed it (and the gate may hold a record)
                 if proposal:
                     self._looked_ahead[seq.seq_id] = (len(seq.output_token_ids), proposal)
-                    self._proposed_for[seq.seq_id] = seq
+                elif self.gate is not None:
+                    self.gate.nothing_followed(seq.seq_id)
 
     def process(
         self,
@@ -356,14 +397,17 @@ class Speculation:
         speculated: bool,
         batch_size: int,
         proposal_seconds: float = 0.0,
+        num_decode_steps: int = 1,
     ) -> None:
         """A processed step's wall time and tokens, for the policy (steps with prefill chunks are left out:
         their time is not decoding's). `seconds` is the engine call's, which also proposed for the step it
-        planned: that is taken out, and what proposing for this step took (proposal_seconds) put in."""
+        planned: that is taken out, and what proposing for this step took (proposal_seconds) put in. A decode
+        chain (num_decode_steps k) is one observation for the policy (its tokens/s) and none for the gate's
+        line: a verify row's alternative is a plain step alone (its row is not quiet), not a chain's share."""
         if self.enabled and executables and not any(e.shape.kind == "prefill" for e in executables):
             seconds = max(seconds - self.proposing_seconds + proposal_seconds, 0.0)
             self.policy.observe(batch_size, speculated, seconds, num_tokens)
-            if self.gate is not None:  # the gate's line: what a verify row costs over a plain one, measured
+            if self.gate is not None and num_decode_steps == 1:  # the line: a verify row's cost over a plain one
                 # rows verifying on the busiest rank (batch_size counts the busiest rank's rows)
                 verifying = max((len(c) for e in executables if e.shape.verifies for c in e.per_rank_chunks), default=0)
                 self.gate.costs.observe(batch_size, seconds, verifying)

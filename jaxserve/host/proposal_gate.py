@@ -25,6 +25,11 @@ would verify at once and share that pass) could never verify again to show it: i
 tokens, and the policy (host/speculation_policy.py), which measures whole steps, still turns speculation off
 where it loses.
 
+Each row also keeps one decaying average over every class together, with the lookups that found nothing (0) and,
+while the policy has plain decoding winning, how far its look-ahead proposals were followed: a row whose average
+is below the line is quiet (`is_quiet`), and where every row is quiet and nothing verifies, the engine runs its
+plain steps in decode chains (engine/speculation.py `chains_allowed`).
+
 This replaced a backoff (skip 2, 4, ... 16 tokens after a second miss in a row), which on a code edit's
 replies turned a third of the steps plain: a miss is where the reply departs from the quote, and the quote
 resumes a token or two later. A draft model's proposals cost steps to make: it keeps the backoff.
@@ -42,6 +47,10 @@ MATCH_CLASSES = 3  # match lengths 1, 2 and 3+
 SETTLED_TOKENS = 4
 COST_SAMPLES = 4  # steps of each kind at a batch size before its measured line replaces BREAK_EVEN_TOKENS
 COST_WEIGHT = 0.1  # of the newest step in the moving means (a plain mean of the first 1 / COST_WEIGHT)
+# A row is quiet below this share of the line (is_quiet): well below it, since chaining through the start of a
+# quote costs more than a plain step alone (the measured line moves 0.4-1.0 between runs on a 2-core CPU; at the
+# line itself code edits' rows turned quiet in their prose and ran 15-20% slower)
+QUIET_SHARE = 0.5
 
 
 def num_followed(proposal: list[int], followed: list[int]) -> int:
@@ -114,17 +123,30 @@ class StepCosts:
 class RowRecord:
     tokens: list[float] = field(default_factory=lambda: [PRIOR_TOKENS * PRIOR_WEIGHT] * MATCH_CLASSES)
     weights: list[float] = field(default_factory=lambda: [PRIOR_WEIGHT] * MATCH_CLASSES)
+    # every class together: the tokens the row's proposals were followed for lately (quiet rows: see `is_quiet`)
+    recent_tokens: float = PRIOR_TOKENS * PRIOR_WEIGHT
+    recent_weight: float = PRIOR_WEIGHT
+    num_scored: int = 0  # proposals scored (verified, or withheld and followed): a quiet row has had one
     verifying: int | None = None  # class of the proposal in a verify step not processed yet
-    # per class, a withheld proposal being scored: (the output index of its first token, its tokens, the token
+    # per class, a withheld proposal being scored: (the output index of its first token, its tokens, the tokens
     # that must come just before it for it to count, or None)
-    withheld: dict[int, tuple[int, list[int], int | None]] = field(default_factory=dict)
+    withheld: dict[int, tuple[int, list[int], list[int] | None]] = field(default_factory=dict)
 
     def add(self, cls: int, accepted: int) -> None:
         self.tokens[cls] = DECAY * self.tokens[cls] + accepted
         self.weights[cls] = DECAY * self.weights[cls] + 1.0
+        self.num_scored += 1
+        self.add_recent(accepted)
+
+    def add_recent(self, accepted: int) -> None:
+        self.recent_tokens = DECAY * self.recent_tokens + accepted
+        self.recent_weight = DECAY * self.recent_weight + 1.0
 
     def expected(self, cls: int) -> float:
         return self.tokens[cls] / self.weights[cls]
+
+    def recent(self) -> float:
+        return self.recent_tokens / self.recent_weight
 
 
 class ProposalGate:
@@ -142,6 +164,22 @@ class ProposalGate:
             return True
         return record.expected(match_class(match_length)) >= self.costs.break_even(batch_size)
 
+    def is_quiet(self, seq_id: int, batch_size: int = 1) -> bool:
+        """Whether the row's recent proposals, of every class together, fell below the line: its text has not been
+        following its lookups (plain chat). The engine then runs its plain steps in decode chains
+        (engine/speculation.py `chains_allowed`). A row none of whose proposals was scored yet is not quiet: its
+        first proposal is verified (or withheld and scored) first, whatever its lookups that found nothing."""
+        record = self.rows.get(seq_id)
+        if record is None or not record.num_scored:
+            return False
+        return record.recent() < QUIET_SHARE * self.costs.break_even(batch_size)
+
+    def nothing_followed(self, seq_id: int, accepted: int = 0) -> None:
+        """A lookup that found nothing to propose for the row (0), or a proposal made while speculation was off
+        whose tokens were followed `accepted` far (engine/speculation.py's look-ahead): the row's recent record
+        only, not a class's (is_quiet)."""
+        self.rows.setdefault(seq_id, RowRecord()).add_recent(accepted)
+
     def verifying(self, seq_id: int, match_length: int) -> None:
         """The row verifies a proposal of this match length in the step being planned."""
         self.rows.setdefault(seq_id, RowRecord()).verifying = match_class(match_length)
@@ -154,11 +192,12 @@ class ProposalGate:
             record.verifying = None
 
     def withhold(
-        self, seq_id: int, start: int, match_length: int, proposal: list[int], after: int | None = None
+        self, seq_id: int, start: int, match_length: int, proposal: list[int], after: list[int] | None = None
     ) -> None:
         """A proposal not verified (its class below the line), for the output from index `start` on: scored once
-        the tokens there are known, if the token before them is `after` (when given: a proposal made while that
-        token was in flight). One at a time per row and class (a later one while it is open is not scored)."""
+        the tokens there are known, if the tokens just before them are `after` (when given: a proposal made while
+        those tokens were in flight). One at a time per row and class (a later one while it is open is not
+        scored)."""
         record = self.rows.setdefault(seq_id, RowRecord())
         self.num_withheld += 1
         record.withheld.setdefault(match_class(match_length), (start, proposal, after))
@@ -176,8 +215,12 @@ class ProposalGate:
         if record is None:
             return
         for cls, (start, proposal, after) in list(record.withheld.items()):
-            if after is not None and len(output_token_ids) >= start and output_token_ids[start - 1] != after:
-                del record.withheld[cls]  # the token in flight was another: the row proposed from another match
+            if (
+                after is not None
+                and len(output_token_ids) >= start
+                and output_token_ids[start - len(after) : start] != after
+            ):
+                del record.withheld[cls]  # the tokens in flight were others: the row proposed from another match
                 continue
             followed = output_token_ids[start : start + len(proposal)]
             matched = num_followed(proposal, followed)

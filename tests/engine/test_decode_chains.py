@@ -171,8 +171,8 @@ def test_no_chain_while_a_request_waits_or_a_grammar_reads_each_token():
         (dict(num_scheduler_steps=0), "num_scheduler_steps must be in 1..32"),
         (dict(num_scheduler_steps=33), "num_scheduler_steps must be in 1..32"),
         (
-            dict(num_scheduler_steps=4, speculative={"method": "ngram", "num_speculative_tokens": 3}),
-            "cannot run with speculative decoding",
+            dict(num_scheduler_steps=4, speculative={"method": "draft", "draft_quantization": "int8"}),
+            "cannot run with a draft model",
         ),
     ],
 )
@@ -181,11 +181,36 @@ def test_chains_that_cannot_run_are_refused_at_start(config, message):
         LLM(fixture_dir("llama_gqa"), **{**DERIVED_BUCKETS, **config})
 
 
-def test_speculation_leaves_the_default_at_one_step():
+def test_prompt_lookup_chains_quiet_rows_with_the_outputs_of_speculation_off():
+    """With prompt lookup the default (auto) still compiles chains: rows whose lookups stopped paying (quiet,
+    engine/speculation.py chains_allowed) decode in chains, as with speculation off, and the outputs are
+    speculation off's. The random model's replies to random prompts follow some of their lookups (verified)
+    and not others (their rows turn quiet and chain)."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 300, size=int(rng.integers(8, 40))).tolist() for _ in range(6)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=int(rng.integers(20, 60)), stop_token_ids=[7]) for _ in prompts
+    ]
+    plain = LLM(fixture_dir("llama_gqa"), **{**DERIVED_BUCKETS, "num_scheduler_steps": 1})
+    lookup = LLM(
+        fixture_dir("llama_gqa"),
+        **{**DERIVED_BUCKETS, "num_scheduler_steps": None},  # auto
+        speculative={"method": "ngram", "num_speculative_tokens": 3, "speculative_adaptive": False},
+    )
+    assert lookup.stats()["num_scheduler_steps"] == 4 and lookup.engine.runner.chain_executables
+    for batch in ([0], [1, 2], [3, 4, 5]):
+        want = _summary(plain.generate([prompts[i] for i in batch], [params[i] for i in batch]))
+        assert _summary(lookup.generate([prompts[i] for i in batch], [params[i] for i in batch])) == want
+    stats = lookup.stats()
+    assert stats["decode_chains"] > 0 and stats["speculative_num_verify_rows"] > 0
+    _assert_idle(lookup)
+
+
+def test_a_draft_model_leaves_the_default_at_one_step():
     llm = LLM(
         fixture_dir("llama_gqa"),
         **{**DERIVED_BUCKETS, "num_scheduler_steps": None},  # auto
-        speculative={"method": "ngram", "num_speculative_tokens": 3},
+        speculative={"method": "draft", "draft_quantization": "int8", "num_speculative_tokens": 3},
     )
     assert llm.stats()["num_scheduler_steps"] == 1
     assert not llm.engine.runner.chain_executables

@@ -578,3 +578,45 @@ def test_the_gate_line_is_the_measured_cost_of_a_verify_row_over_a_plain_one():
     assert speculation.config.verify_width == 8 and gate.costs.break_even(16) == 3.5
     observe(3, 30.0, 25.0, 3, steps=40)  # verify steps measured faster (noise): every proposal verifies
     assert gate.costs.break_even(3) == 0.0 and gate.admits(seq_id, 1, batch_size=3)
+
+
+def test_quiet_rows_let_plain_steps_chain_until_their_text_quotes_again():
+    """Prompt lookup lets the engine run its plain steps in decode chains (engine/speculation.py chains_allowed)
+    only where nothing would verify: no proposal this step, and every row quiet (its recent proposals, verified,
+    withheld and scored, or lookups that found nothing, well below the line; a row none of whose proposals was
+    scored is not). With a chain of 4 in
+    flight, the row's stale proposal (its known tokens') is withheld and scored once the chain's tokens tell: a
+    quote found there ends the quiet."""
+    from jaxserve.config import SpeculativeConfig
+    from jaxserve.engine.speculation import Speculation
+
+    scheduler, seq = running_scheduler(num_pages=64, prompt_len=16, max_tokens=64)  # prompt 10..25, output [3]
+    speculation = Speculation(SpeculativeConfig(method="ngram", speculative_adaptive=False), max_model_len=256)
+    gate = speculation.gate
+    assert gate is not None
+    speculation.begin_step([scheduler])
+    assert not speculation.chains_allowed([scheduler], [{}])  # nothing known of the row yet
+    for _ in range(5):
+        gate.nothing_followed(seq.seq_id)  # lookups that found nothing
+    assert not gate.is_quiet(seq.seq_id)  # but no proposal of the row was scored yet
+    gate.verifying(seq.seq_id, 1)
+    gate.verified(seq.seq_id, 0)  # one rejected outright
+    assert gate.is_quiet(seq.seq_id) and speculation.chains_allowed([scheduler], [{}])
+    assert not speculation.chains_allowed([scheduler], [{seq.seq_id: [5, 6]}])  # a proposal verifies this step
+    assert Speculation(SpeculativeConfig(), max_model_len=256).chains_allowed([scheduler], [{}])  # speculation off
+
+    for match_class in range(3):  # and its classes closed: no proposal would be verified
+        for _ in range(5):
+            gate.rows[seq.seq_id].add(match_class, 0)
+    seq.output_token_ids += [10, 11]  # the known tokens end in a quote of the prompt
+    seq.num_computed_tokens += 2
+    seq.num_pending_tokens = 4  # a chain in flight
+    assert not speculation.waits_for([], [scheduler])  # its stale proposal [16, 17, ...] is withheld, not waited for
+    assert gate.num_withheld == 1 and gate.is_quiet(seq.seq_id)
+    seq.output_token_ids += [12, 13, 14, 15, 16, 17, 18, 19]  # the chain's tokens, and the next chain's
+    seq.num_computed_tokens += 8
+    seq.num_pending_tokens = 0
+    speculation.begin_step([scheduler])
+    proposals = speculation.proposals([scheduler])  # scores the withheld proposal: followed for 4 tokens
+    assert not gate.is_quiet(seq.seq_id)
+    assert proposals[0][seq.seq_id][:3] == [20, 21, 22] and not speculation.chains_allowed([scheduler], proposals)

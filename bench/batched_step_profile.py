@@ -93,7 +93,11 @@ def main() -> None:
     pin_threads(args.threads)
     jax_path, _, name = model_files(args)
     single, (prompts, lengths), text_prompts = workload(jax_path, args)
-    engine = Jaxserve(jax_path, DTYPES[args.precision][0], args.max_num_seqs)
+    engine = Jaxserve(
+        jax_path,
+        DTYPES[args.precision][0],
+        dict(max_model_len=512, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=512),  # vs_llamacpp's
+    )
     engine.generate([[101, 102, 103, 104] * 8], [4])  # warm-up, as vs_llamacpp.py's
     if args.before:  # what vs_llamacpp.py's measure() runs before the batch
         _, single_s = engine.generate([single[0]], [single[1]])

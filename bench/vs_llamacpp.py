@@ -102,31 +102,25 @@ def agreement(ours, theirs) -> dict:
     )
 
 
+def engine_options(args, precision: str) -> dict:
+    """jaxserve's engine options for a row, the same offline (LLM) and over http (the config's engine: section)."""
+    return dict(
+        max_model_len=512,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=512,
+        quantization="auto" if precision in QUANTIZED_PRECISIONS else "none",
+        quantized_activations=args.quantized_activations,
+        kv_dtype=args.kv_dtype,
+    )
+
+
 class Jaxserve:
-    def __init__(
-        self,
-        path: str,
-        dtype: str,
-        max_num_seqs: int,
-        quantization: str = "none",
-        quantized_activations: str = "int8",
-        kv_dtype: str = "auto",
-    ):
+    def __init__(self, path: str, dtype: str, options: dict):
         from jaxserve import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
         start = time.perf_counter()
-        self.llm = LLM(
-            path,
-            dtype=dtype,
-            max_model_len=512,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=512,
-            show_progress=False,
-            quantization=quantization,
-            quantized_activations=quantized_activations,
-            kv_dtype=kv_dtype,
-        )
+        self.llm = LLM(path, dtype=dtype, show_progress=False, **options)
         self.startup_s = time.perf_counter() - start
 
     def generate(self, prompts, lengths):
@@ -141,28 +135,13 @@ class JaxserveServer:
     requests sent over the OpenAI HTTP API as llama-server's go over its own: what a user of either server
     sees, HTTP, streaming threads and the server's per-step work included (--jaxserve-api http)."""
 
-    def __init__(
-        self,
-        path: str,
-        dtype: str,
-        max_num_seqs: int,
-        quantization: str = "none",
-        quantized_activations: str = "int8",
-        kv_dtype: str = "auto",
-    ):
+    def __init__(self, path: str, dtype: str, options: dict):
         import yaml
 
         self.port = peer.free_port()
         config = dict(
             model=dict(path=path, dtype=dtype),
-            engine=dict(
-                max_model_len=512,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=512,
-                quantization=quantization,
-                quantized_activations=quantized_activations,
-                kv_dtype=kv_dtype,
-            ),
+            engine=options,
             server=dict(port=peer.free_port(), http_port=self.port, metrics_port=peer.free_port()),
         )
         self.config = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
@@ -261,10 +240,9 @@ def run_precision(args, precision: str, jax_path: str | None, gguf: str, single,
     results = {}
     if jax_path is not None:
         dtype = DTYPES[precision][0]
-        quantization = "auto" if precision in QUANTIZED_PRECISIONS else "none"
-        options = (jax_path, dtype, args.max_num_seqs, quantization, args.quantized_activations, args.kv_dtype)
+        options = engine_options(args, precision)
         if args.jaxserve_api == "http":
-            with JaxserveServer(*options) as server:
+            with JaxserveServer(jax_path, dtype, options) as server:
                 results["jaxserve"] = measure(
                     f"jaxserve-{precision}", server.generate, single, batch, text_prompts, args.repeats
                 )
@@ -275,7 +253,7 @@ def run_precision(args, precision: str, jax_path: str | None, gguf: str, single,
                     compiles_after_warmup=server.compiles_after_warmup(),
                 )
         else:
-            ours = Jaxserve(*options)
+            ours = Jaxserve(jax_path, dtype, options)
             results["jaxserve"] = measure(
                 f"jaxserve-{precision}", ours.generate, single, batch, text_prompts, args.repeats
             )

@@ -19,7 +19,7 @@ flight is waited for only where the proposal of its known tokens (one token stal
 plain chat (little to look up) keeps its overlap while code edits (long quotes) speculate on every step.
 
 Where nothing would verify (no proposal this step, and every row quiet: its recent proposals of any class,
-verified or withheld and scored, and its lookups that found nothing, below the line), the plain steps run in
+verified or withheld and scored, and its lookups that found nothing, well below the line), the plain steps run in
 decode chains (engine/decode_chain.py, `chains_allowed`), as with speculation off: one dispatch and one fetch
 for k tokens. Plain chat ran at 0.73-0.96x of speculation off before, every plain step dispatched alone. A
 row's stale proposal made while a chain is in flight is scored once the chain's tokens are known, so a row
@@ -220,7 +220,7 @@ class Speculation:
         self._proposed_for[seq.seq_id] = seq  # the proposer indexed it: forgotten with the others
         if len(stale) < in_flight + 1:
             if not stale:
-                gate.nothing_followed(seq.seq_id)
+                gate.observe_lookup(seq.seq_id)
             return False
         if gate.admits(seq.seq_id, match_length + in_flight, self.batch_size):
             return True
@@ -232,8 +232,8 @@ class Speculation:
     def chains_allowed(self, schedulers: list[Scheduler], proposals: list[dict[int, list[int]]]) -> bool:
         """Whether the next plain steps may run as one decode chain (engine/decode_chain.py; it still checks its
         own conditions): always without speculation; with prompt lookup, where this step verifies nothing and
-        every row that may speculate is quiet (host/proposal_gate.py: its recent proposals, verified or withheld
-        and scored, fell below the line), or the batch is past the sizes that speculate. Then the engine runs
+        every row that may speculate is quiet (host/proposal_gate.py is_quiet: its recent proposals, verified or
+        withheld and scored, fell well below the line), or the batch is past the sizes that speculate. Then the engine runs
         what speculation off runs (plain chat: nothing to look up); a row whose text starts to quote is seen at
         the chain's end, where its proposal is verified if its class admits it. A draft model's rows speculate
         step by step (its proposals cost steps: no chains)."""
@@ -312,7 +312,7 @@ class Speculation:
             match_lengths, proposed = map(list, zip(*lookup.propose_matched(seqs, limits)))
             for seq, proposal in zip(seqs, proposed):
                 if not proposal:
-                    gate.nothing_followed(seq.seq_id)
+                    gate.observe_lookup(seq.seq_id)
             proposed = [_gated(gate, seq, n, p, self.batch_size) for seq, n, p in zip(seqs, match_lengths, proposed)]
         else:
             proposed = self.proposer.propose(seqs, limits) if seqs else []
@@ -364,7 +364,7 @@ class Speculation:
                 if matched < len(followed) or len(followed) == len(proposal) or matched >= LOOK_AHEAD_HIT_TOKENS:
                     del self._looked_ahead[seq.seq_id]  # settled
                     if self.gate is not None:  # whether the row is quiet (chains_allowed)
-                        self.gate.nothing_followed(seq.seq_id, matched)
+                        self.gate.observe_lookup(seq.seq_id, matched)
             if seq.seq_id not in self._looked_ahead:
                 # what follows the known tokens (overlapped, the newest is still in flight: it is checked too)
                 (proposal,) = self.proposer.propose([seq], [k])
@@ -372,7 +372,7 @@ class Speculation:
                 if proposal:
                     self._looked_ahead[seq.seq_id] = (len(seq.output_token_ids), proposal)
                 elif self.gate is not None:
-                    self.gate.nothing_followed(seq.seq_id)
+                    self.gate.observe_lookup(seq.seq_id)
 
     def process(
         self,

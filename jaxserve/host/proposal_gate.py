@@ -174,7 +174,7 @@ class ProposalGate:
             return False
         return record.recent() < QUIET_SHARE * self.costs.break_even(batch_size)
 
-    def nothing_followed(self, seq_id: int, accepted: int = 0) -> None:
+    def observe_lookup(self, seq_id: int, accepted: int = 0) -> None:
         """A lookup that found nothing to propose for the row (0), or a proposal made while speculation was off
         whose tokens were followed `accepted` far (engine/speculation.py's look-ahead): the row's recent record
         only, not a class's (is_quiet)."""

@@ -4,7 +4,7 @@
 // step's kernel time is without XLA and Python: the calls' fixed costs and the worker split included.
 // Default: thread CPU time of the calling thread (one worker: meaningful on a loaded machine) against a
 // one-thread read stream; WALL=1: wall time against a two-thread read stream (idle machines only).
-// TINY=1: every weight 64 columns wide (a call's fixed and latency cost). Prints step_ms and of_stream.
+// TILED=1: the weights in tiles (cpu_int8_dot_tiles.h; random bytes either way). TINY=1: every weight 64 columns wide (a call's fixed and latency cost). Prints step_ms and of_stream.
 //
 //   g++ -O3 -march=native -fopenmp-simd -fno-math-errno -fno-trapping-math -std=c++17 -pthread \
 //       -I pallas_kernels -I $(.venv/bin/python -c "import jax; print(jax.ffi.include_dir())") \
@@ -17,6 +17,7 @@
 #include <thread>
 namespace {
 bool g_cpu = getenv("WALL") == nullptr;  // thread CPU time (one worker) unless WALL
+bool g_tiled = getenv("TILED") != nullptr;  // the weights as tiles (quantized_tiles.py: what a one-device engine reads)
 double Now() {
   if (g_cpu) { timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
@@ -63,6 +64,7 @@ int main(int argc, char** argv) {
       for (auto& w : c) {
         ps.push_back(Problem{w.values, FloatArray{w.scales, ffi::DataType::F16}, FloatArray{nullptr, ffi::DataType::F16},
                              out.data() + off, nullptr, w.columns, w.depth, G, w.depth / G, bits, 0, 0, 0, 0});
+        ps.back().tiled = g_tiled;
         off += rows * w.columns;
       }
       Activations a = Quantize(FloatArray{x.data(), ffi::DataType::F32}, rows, c[0].depth, G, workers);

@@ -24,6 +24,7 @@
 #include "matmul/cpu_weight_basics.h"
 #include "cpu_workers.h"
 #include "matmul/cpu_call_plan.h"
+#include "matmul/cpu_rms_norm.h"
 #undef XLA_FFI_DEFINE_HANDLER_SYMBOL
 #define XLA_FFI_DEFINE_HANDLER_SYMBOL(...)
 namespace ffi = xla::ffi;

@@ -206,10 +206,11 @@ class MatmulPlan:
 
     def together_normed(self, rows, scale, eps: float, weights) -> tuple | None:
         """RMSNorm(rows) (in float32, rounded to rows' dtype, times `scale`: models/layers.py's RMSNorm) by several
-        weights [K, N_i] in one call where the serving entry takes the norm into it (the CPU kernel: a decode step's
-        norm is four XLA thunks between two calls) -> float32 [M, N_i] each; None where the caller normalizes."""
+        weights [K, N_i] in one call where the serving entry takes the norm into it (the CPU float and int8-dot kernels:
+        a decode step's norm is four XLA thunks between two calls) -> float32 [M, N_i] each; None where the caller normalizes."""
         weights = tuple(weights)
-        normed = getattr(self._entry(rows.shape[0], weights), "normed", None)
+        entry = self._entry(rows.shape[0], weights)
+        normed = getattr(entry, "normed", None) if getattr(entry, "takes_norm", True) else None
         return None if normed is None else normed(rows, scale, eps, weights)
 
     def _entry(self, num_rows: int, weights: tuple) -> MatmulEntry:

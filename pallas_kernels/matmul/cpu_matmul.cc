@@ -493,38 +493,6 @@ void WidenAndRun(int64_t num_workers, const typename T::Stored* in, std::vector<
   Run<T>(std::move(problems), transposed, num_workers);
 }
 
-// The rows of x [M, K] through an RMS norm as the model's RMSNorm (models/layers.py, HF's Llama) computes it: in
-// float32 x * rsqrt(mean(x^2) + eps), rounded to x's type, times `scale` [K] in x's type. The squares are summed
-// over windows of 32 and then the windows, near XLA's order (its tree-reduction rewrite of the mean) but not
-// always to its last bit. Why in the kernel (issue #29): in a decode step the norm is four XLA thunks of ~2.5 us
-// each (cache-cold after each projection's stream of weights), twice a layer.
-template <typename T>
-std::vector<typename T::Stored> NormedRows(const typename T::Stored* x, const typename T::Stored* scale, int64_t rows,
-                                           int64_t depth, float eps, int64_t num_workers) {
-  constexpr int64_t kWindow = 32;
-  std::vector<typename T::Stored> normed(rows * depth);
-  auto norm_row = [&](int64_t, int64_t r) {  // rows are independent: a prefill chunk's are shared by the threads
-    const auto* row = x + r * depth;
-    float sum = 0.0f;
-    for (int64_t k0 = 0; k0 < depth; k0 += kWindow) {
-      float window = 0.0f;
-      for (int64_t k = k0; k < std::min(depth, k0 + kWindow); ++k) window += T::One(row[k]) * T::One(row[k]);
-      sum += window;
-    }
-    const float inverse = 1.0f / std::sqrt(sum / float(depth) + eps);
-    for (int64_t k = 0; k < depth; ++k) {
-      const float rounded = T::One(T::Round(T::One(row[k]) * inverse));
-      normed[r * depth + k] = T::Round(T::One(scale[k]) * rounded);
-    }
-  };
-  if (rows <= kWalkRows) {  // a decode step's few rows: sooner here than the helpers would be woken
-    for (int64_t r = 0; r < rows; ++r) norm_row(0, r);
-  } else {
-    jaxserve_cpu::RunItems(num_workers, rows, norm_row);
-  }
-  return normed;
-}
-
 // x [M, K] times each weight, validated into `problems` (one per weight, its result's buffer).
 ffi::Error MakeProblems(const ffi::AnyBuffer& x, ffi::RemainingArgs& weights, ffi::RemainingRets& outs, bool transposed,
                         std::vector<Problem>& problems) {
@@ -584,13 +552,13 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArg
 template <typename T>
 void NormAndRun(int64_t num_workers, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale, float eps,
                 std::vector<Problem> problems) {
-  const auto normed = NormedRows<T>(static_cast<const typename T::Stored*>(x.untyped_data()),
+  const auto normed = jaxserve_cpu::NormedRows<T>(static_cast<const typename T::Stored*>(x.untyped_data()),
                                     static_cast<const typename T::Stored*>(scale.untyped_data()), problems[0].rows,
                                     problems[0].depth, eps, num_workers);
   WidenAndRun<T>(num_workers, normed.data(), std::move(problems), /*transposed=*/false);
 }
 
-// RMSNorm(x; scale, eps) [M, K] times each weight w_i [K, N_i], into out_i [M, N_i] float32 (NormedRows).
+// RMSNorm(x; scale, eps) [M, K] times each weight w_i [K, N_i], into out_i [M, N_i] float32 (cpu_rms_norm.h).
 ffi::Error SmallMatmulNormed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::RemainingArgs weights,
                              ffi::RemainingRets outs, float eps) {
   std::vector<Problem> problems;

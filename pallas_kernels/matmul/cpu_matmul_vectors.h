@@ -12,6 +12,7 @@
 #endif
 
 #include "matmul/cpu_float_vectors.h"
+#include "matmul/cpu_rms_norm.h"
 #include "matmul/cpu_weight_basics.h"
 
 namespace {
@@ -62,30 +63,14 @@ inline float HorizontalSum(VecF v) {
 }
 
 // The stored element types: how one element, and kLanes elements at once, widen to float32.
-struct F32 {
-  using Stored = float;
-  static float One(float x) { return x; }
-  static float Round(float x) { return x; }
+struct F32 : jaxserve_cpu::Float32Scalar {
   static VecF Vector(const float* p) {
     VecF v;
     std::memcpy(&v, p, sizeof(v));
     return v;
   }
 };
-struct BF16 {
-  using Stored = uint16_t;
-  static float One(uint16_t bits) {
-    const uint32_t wide = uint32_t(bits) << 16;
-    float f;
-    std::memcpy(&f, &wide, sizeof(f));
-    return f;
-  }
-  static uint16_t Round(float x) {  // to nearest, ties to even, as XLA's convert (NaN stays a quiet NaN)
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof(bits));
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
-    return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-  }
+struct BF16 : jaxserve_cpu::BFloat16Scalar {
   static VecF Vector(const uint16_t* p) {
 #if defined(__AVX512F__)
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -100,19 +85,7 @@ struct BF16 {
 #endif
   }
 };
-struct F16 {
-  using Stored = uint16_t;
-  static float One(uint16_t bits) {
-    _Float16 h;
-    std::memcpy(&h, &bits, sizeof(h));
-    return float(h);
-  }
-  static uint16_t Round(float x) {
-    const _Float16 h = _Float16(x);
-    uint16_t bits;
-    std::memcpy(&bits, &h, sizeof(bits));
-    return bits;
-  }
+struct F16 : jaxserve_cpu::Float16Scalar {
   static VecF Vector(const uint16_t* p) {
 #if defined(__AVX512F__)
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -50,6 +50,7 @@
 #include "cpu_int8_dot_chunks.h"
 #include "cpu_int8_dot_tiles.h"
 #include "matmul/cpu_call_plan.h"
+#include "matmul/cpu_rms_norm.h"
 #include "cpu_workers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -343,8 +344,10 @@ void Run(int64_t num_workers, std::vector<Problem>& problems, int64_t rows) {
   AddPartials(plan, rows);
 }
 
-ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs arrays, ffi::RemainingRets outs,
-                            ffi::Span<const int64_t> bits, ffi::Span<const int64_t> has_mins) {
+// x [M, K] times each weight of `arrays` (values, scales, mins, super scales and super mins per result), validated
+// into `problems` (one per weight, its result's buffer).
+ffi::Error MakeProblems(const ffi::AnyBuffer& x, ffi::RemainingArgs& arrays, ffi::RemainingRets& outs,
+                        ffi::Span<const int64_t> bits, ffi::Span<const int64_t> has_mins, std::vector<Problem>& problems) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return ffi::Error::InvalidArgument("quantized_int8_dot: x must be 2-d");
   const int64_t rows = x_dims[0], depth = x_dims[1];
@@ -353,7 +356,6 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
     return ffi::Error::InvalidArgument(
         "quantized_int8_dot: values, scales, mins, super scales and super mins, bits and has_mins per result");
   }
-  std::vector<Problem> problems;
   for (size_t i = 0; i < count; ++i) {
     auto values = arrays.get<ffi::AnyBuffer>(5 * i);
     auto scales = arrays.get<ffi::AnyBuffer>(5 * i + 1);
@@ -435,17 +437,58 @@ ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaini
       if (has_mins[i]) problems.back().super_mins = FloatArray{super_mins->untyped_data(), ffi::DataType::F16};
     }
   }
-  const int64_t num_workers = std::max<int64_t>(1, pool.num_threads());
-  const FloatArray x_array{x.untyped_data(), x.element_type()};
+  return ffi::Error::Success();
+}
+
+// x [rows, depth] (any of the three float widths) quantized once per group size, times every problem's weight
+void QuantizeAndRun(int64_t num_workers, const FloatArray& x, int64_t rows, int64_t depth,
+                    std::vector<Problem>& problems) {
   std::map<int64_t, Activations> by_group;  // x quantized once per chunking (weights of one group size share)
   for (Problem& p : problems) {
     auto found = by_group.find(p.group);
-    if (found == by_group.end()) {
-      found = by_group.emplace(p.group, Quantize(x_array, rows, depth, p.group, num_workers)).first;
-    }
+    if (found == by_group.end()) found = by_group.emplace(p.group, Quantize(x, rows, depth, p.group, num_workers)).first;
     p.x = &found->second;
   }
   Run(num_workers, problems, rows);
+}
+
+ffi::Error QuantizedInt8Dot(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs arrays, ffi::RemainingRets outs,
+                            ffi::Span<const int64_t> bits, ffi::Span<const int64_t> has_mins) {
+  std::vector<Problem> problems;
+  if (ffi::Error error = MakeProblems(x, arrays, outs, bits, has_mins, problems); error.failure()) return error;
+  const int64_t num_workers = std::max<int64_t>(1, pool.num_threads());
+  const auto x_dims = x.dimensions();
+  QuantizeAndRun(num_workers, FloatArray{x.untyped_data(), x.element_type()}, x_dims[0], x_dims[1], problems);
+  return ffi::Error::Success();
+}
+
+template <typename T>
+void NormQuantizeAndRun(int64_t num_workers, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale, float eps,
+                        std::vector<Problem>& problems) {
+  const int64_t rows = x.dimensions()[0], depth = x.dimensions()[1];
+  const auto normed = jaxserve_cpu::NormedRows<T>(static_cast<const typename T::Stored*>(x.untyped_data()),
+                                                  static_cast<const typename T::Stored*>(scale.untyped_data()), rows,
+                                                  depth, eps, num_workers);
+  QuantizeAndRun(num_workers, FloatArray{normed.data(), x.element_type()}, rows, depth, problems);
+}
+
+// RMSNorm(x; scale, eps) [M, K] (cpu_rms_norm.h: the float kernel's norm, the model's RMSNorm) quantized to int8
+// and times each weight, as QuantizedInt8Dot: in a decode step the norm's XLA thunks between two kernel calls go.
+ffi::Error QuantizedInt8DotNormed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::RemainingArgs arrays,
+                                  ffi::RemainingRets outs, ffi::Span<const int64_t> bits,
+                                  ffi::Span<const int64_t> has_mins, float eps) {
+  std::vector<Problem> problems;
+  if (ffi::Error error = MakeProblems(x, arrays, outs, bits, has_mins, problems); error.failure()) return error;
+  if (scale.element_type() != x.element_type() || scale.element_count() != size_t(x.dimensions()[1])) {
+    return ffi::Error::InvalidArgument("quantized_int8_dot_normed: the norm's scale must be [K] in x's dtype");
+  }
+  const int64_t num_workers = std::max<int64_t>(1, pool.num_threads());
+  switch (x.element_type()) {
+    case ffi::DataType::BF16: NormQuantizeAndRun<jaxserve_cpu::BFloat16Scalar>(num_workers, x, scale, eps, problems); break;
+    case ffi::DataType::F16: NormQuantizeAndRun<jaxserve_cpu::Float16Scalar>(num_workers, x, scale, eps, problems); break;
+    case ffi::DataType::F32: NormQuantizeAndRun<jaxserve_cpu::Float32Scalar>(num_workers, x, scale, eps, problems); break;
+    default: return ffi::Error::InvalidArgument("quantized_int8_dot_normed: x must be float32, bfloat16 or float16");
+  }
   return ffi::Error::Success();
 }
 
@@ -459,3 +502,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedInt8Dot, QuantizedInt8Dot,
                                   .RemainingRets()
                                   .Attr<ffi::Span<const int64_t>>("bits")
                                   .Attr<ffi::Span<const int64_t>>("has_mins"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedInt8DotNormed, QuantizedInt8DotNormed,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("bits")
+                                  .Attr<ffi::Span<const int64_t>>("has_mins")
+                                  .Attr<float>("eps"));

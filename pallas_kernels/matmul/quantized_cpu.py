@@ -35,6 +35,7 @@ from pallas_kernels.matmul.quantized_tiles import TiledQuantizedWeight
 from pallas_kernels.matmul.row_blocks import ROW_INVARIANT_ROWS, in_row_blocks
 
 QUANTIZED_TARGET = "jaxserve_cpu_quantized_matmul"  # every kernel's custom call name starts with it
+NORMED_TARGET, NORMED_SYMBOL = QUANTIZED_TARGET + "_normed", "JaxserveQuantizedInt8DotNormed"  # x through a norm first
 # activations -> (the library's FFI symbol, the custom call's name suffix)
 KERNELS = {"int8": ("JaxserveQuantizedInt8Dot", ""), "float": ("JaxserveQuantizedMatmul", "_float_rows")}
 # Rows one call takes: cpu_quantized_matmul.cc's kMaxRows; the int8 kernel any number (blocks of 64 rows)
@@ -95,6 +96,31 @@ def quantized_matmuls(x, weights, *, path: str | None = None, activations: str =
     differ in bits, groups and scale widths (a GGUF file mixes block types within a layer). `path`
     (cpu_library.PATHS) picks another instruction path's build than the engine's; `activations` (int8,
     float) the kernel."""
+    weights = _checked(x, weights, path, activations)
+    call = jax.ffi.ffi_call(target(path, activations), _results(x, weights))
+    return tuple(call(x, *_operands(weights, activations), **_attributes(weights)))
+
+
+def quantized_matmuls_normed(x, scale, eps: float, weights, *, path: str | None = None) -> tuple:
+    """quantized_matmuls of RMSNorm(x) (the int8 kernel), the norm inside the call: x's rows through x * rsqrt(mean(x^2)
+    + eps) in float32, rounded to x's dtype, times `scale` [K] (x's dtype), as models/layers.py's RMSNorm without
+    Gemma's unit offset (the float kernel's norm, cpu_rms_norm.h: the sum of squares in its own order, so float32
+    rows may differ from XLA's in the last bits), then rounded to int8 as any x. In a decode step this saves the
+    norm's XLA thunks between two kernel calls (issue 25: a Q4_0 step is ~5 ms, a norm's thunks ~5 us each)."""
+    weights = _checked(x, weights, path, "int8")
+    if scale.shape != (x.shape[1],) or scale.dtype != x.dtype:
+        raise ValueError(
+            f"quantized_matmuls_normed wants the norm's scale [{x.shape[1]}] {x.dtype}, got {scale.shape} {scale.dtype}"
+        )
+    if not cpu_library.register(NORMED_TARGET, NORMED_SYMBOL, path):
+        raise RuntimeError("the CPU quantized matmul could not be built; project with the reference")
+    call = jax.ffi.ffi_call(cpu_library.target_name(NORMED_TARGET, path), _results(x, weights))
+    return tuple(call(x, scale, *_operands(weights, "int8"), **_attributes(weights), eps=np.float32(eps)))
+
+
+def _checked(x, weights, path: str | None, activations: str) -> tuple:
+    """The weights as a tuple, once each has been found one the kernel computes with x's shape and dtype (a ValueError
+    naming what does not fit), and the kernel built."""
     check_activations(activations)
     weights = tuple(weights)
     if not weights:
@@ -111,6 +137,12 @@ def quantized_matmuls(x, weights, *, path: str | None = None, activations: str =
         raise ValueError(f"quantized_matmul takes float32, bfloat16 or float16 rows, got {x.dtype}")
     if not _register(path, activations):
         raise RuntimeError("the CPU quantized matmul could not be built; project with the reference")
+    return weights
+
+
+def _operands(weights: tuple, activations: str) -> list:
+    """Each weight's arrays as the kernel takes them: values, scales, mins (and for the int8 kernel the K-quant tiles'
+    super-block scales and mins), a placeholder where the weight has none."""
     arrays = []
     absent = jnp.zeros((1, 1, 1), jnp.float16)  # a weight's missing super-block scales (all but Q4_K / Q5_K tiles)
     for weight in weights:
@@ -119,11 +151,17 @@ def quantized_matmuls(x, weights, *, path: str | None = None, activations: str =
         if activations == "int8":  # (the float kernel takes no tiles)
             supers = [getattr(weight, "super_scales", None), getattr(weight, "super_mins", None)]
             arrays += [absent if a is None else a for a in supers]
-    results = tuple(jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), jnp.float32) for weight in weights)
-    call = jax.ffi.ffi_call(target(path, activations), results)
+    return arrays
+
+
+def _results(x, weights: tuple) -> tuple:
+    return tuple(jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), jnp.float32) for weight in weights)
+
+
+def _attributes(weights: tuple) -> dict:
     bits = [int(weight.bits) for weight in weights]
     has_mins = [int(weight.mins is not None) for weight in weights]
-    return tuple(call(x, *arrays, bits=np.asarray(bits, np.int64), has_mins=np.asarray(has_mins, np.int64)))
+    return {"bits": np.asarray(bits, np.int64), "has_mins": np.asarray(has_mins, np.int64)}
 
 
 @dataclass(frozen=True)
@@ -145,3 +183,13 @@ class QuantizedSmallMatmul:
             raise ValueError("quantized weights are stored [K, N]; a transposed projection takes a float weight")
         # 64 rows a call: a prefill chunk's row is the bits a decode row's is (row_blocks.py)
         return in_row_blocks(lambda block: quantized_matmuls(block, weights, activations=self.activations), rows)
+
+    @property
+    def takes_norm(self) -> bool:
+        """Whether `normed` serves: the int8 kernel takes the norm into its call (the float one does not)."""
+        return self.activations == "int8"
+
+    def normed(self, rows, scale, eps: float, weights: tuple) -> tuple:
+        """RMSNorm(rows; scale, eps) by each weight, the norm inside the int8 kernel's call (takes_norm)."""
+        compute = lambda block: quantized_matmuls_normed(block, scale, eps, weights)  # noqa: E731
+        return in_row_blocks(compute, rows)

@@ -47,7 +47,9 @@ def test_the_normed_call_is_the_call_on_the_kernels_normed_rows(dtype):
     norm = RMSNorm(depth, eps, dtype)
     norm.weight[...] = scale
     for path in cpu_library.runnable_paths():
-        normed_call = jax.jit(lambda x, s, ws, path=path: quantized_cpu.quantized_matmuls_normed(x, s, eps, ws, path=path))
+        normed_call = jax.jit(
+            lambda x, s, ws, path=path: quantized_cpu.quantized_matmuls_normed(x, s, eps, ws, path=path)
+        )
         plain_call = jax.jit(lambda x, ws, path=path: quantized_cpu.quantized_matmuls(x, ws, path=path))
         for num_rows in (1, 3, 8, 70):
             x = jnp.asarray(3 * rng.standard_normal((num_rows, depth)), dtype)

@@ -3,6 +3,9 @@ fixture: teacher-forced greedy agreement with the float32 cache, prefix-cache an
 cache gives (the scales travel with the pages), the bytes a token takes, no compiles after warm-up, bad options
 refused."""
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -122,6 +125,23 @@ def test_a_sixteen_bit_cache_is_for_float32_models():
         LLM(fixture_dir("llama_gqa"), **{**SMALL_ENGINE, "dtype": "float16", "kv_dtype": "bfloat16"})
     f32, f16 = (KVPages.bytes_per_page(32, 16, 8, 128, "float32", kv_dtype) for kv_dtype in ("auto", "float16"))
     assert f16 * 2 == f32
+
+
+def test_a_checkpoints_own_sixteen_bit_dtype_refuses_the_other_before_loading(tmp_path, monkeypatch):
+    """dtype auto on a float16 checkpoint: a bfloat16 cache is refused from its config, before any weight is read."""
+    from jaxserve.engine import builder
+
+    checkpoint = tmp_path / "llama_f16"
+    shutil.copytree(fixture_dir("llama_gqa"), checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "dtype": "float16"}))
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the cache's dtype was checked")
+
+    monkeypatch.setattr(builder, "_load_model", load_model)
+    with pytest.raises(ValueError, match="kv_dtype='bfloat16' with model dtype float16"):
+        LLM(str(checkpoint), **{**SMALL_ENGINE, "dtype": "auto", "kv_dtype": "bfloat16"})
 
 
 def test_latent_attention_models_refuse_a_quantized_cache():

@@ -41,6 +41,18 @@ def sixteen_bit_cache_problem(kv_dtype: str, dtype: str) -> str | None:
     )
 
 
+def kv_cache_problem(kv_dtype: str, dtype: str, latent_attention: bool) -> str | None:
+    """Why cache.kv_dtype cannot serve a model computing in `dtype` (a canonical name), or None: a model of
+    multi-head latent attention keeps its latent cache in its own dtype; a 16-bit float cache is for float32
+    models (sixteen_bit_cache_problem)."""
+    if kv_dtype != "auto" and latent_attention:
+        return (
+            f"cache.kv_dtype={kv_dtype!r} is not served for multi-head latent attention (DeepSeek MLA) models: "
+            "their latent cache stays in the model dtype; use cache.kv_dtype='auto'"
+        )
+    return sixteen_bit_cache_problem(kv_dtype, dtype)
+
+
 def canonical_dtype(name: str) -> str:
     key = str(name).removeprefix("torch.")
     if key not in DTYPE_NAMES:

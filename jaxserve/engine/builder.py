@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.config import Buckets, EngineConfig, EngineRole, sixteen_bit_cache_problem
+from jaxserve.config import Buckets, EngineConfig, EngineRole, kv_cache_problem
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
 from jaxserve.device.panel_weights import store_projections_in_panels, store_quantized_in_tiles
 from jaxserve.device.rank_layout import RankLayout
@@ -99,7 +99,8 @@ def build_engine(model_path: str, config: EngineConfig, process_group: ProcessGr
     source = open_model(model_path)
     model_config = source.config
     dtype = source.checkpoint_dtype if config.dtype == "auto" else config.dtype
-    if problem := sixteen_bit_cache_problem(config.cache.kv_dtype, jnp.dtype(dtype).name):  # (dtype auto: its own)
+    # (dtype auto: the checkpoint's own, known before any weight is read)
+    if problem := kv_cache_problem(config.cache.kv_dtype, jnp.dtype(dtype).name, model_config.is_latent_attention):
         raise ValueError(problem)
     max_model_len = _max_model_len(model_config, config)
     if config.scheduler.max_logprobs > model_config.vocab_size:  # top-k over the vocabulary, at warm-up

@@ -22,10 +22,11 @@ import functools
 import logging
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.config import Buckets, EngineConfig
+from jaxserve.config import Buckets, EngineConfig, kv_cache_problem
 from jaxserve.device.huge_pages import move_weights_to_huge_pages
 from jaxserve.device.page_copies import pools_alike
 from jaxserve.device.placement import kv_pages_on
@@ -73,6 +74,10 @@ def load_draft(
     check_draft_matches(source, target, max_model_len)
     model_config = source.config.with_context_length(max_model_len)
     dtype = source.checkpoint_dtype if config.dtype == "auto" else config.dtype
+    # the draft's pool takes the target's cache.kv_dtype (alike pools: a self-draft copies the target's pages)
+    kv_dtype = config.cache.kv_dtype
+    if problem := kv_cache_problem(kv_dtype, jnp.dtype(dtype).name, model_config.is_latent_attention):
+        raise ValueError(f"the speculative draft ({speculative.draft_model}): {problem}")
     attention = choose_attention(model_config, config, dtype, mesh)
     expert_parallel = config.parallel.enable_expert_parallel and model_config.is_moe and mesh is not None
     quantization = QuantizationSpec(speculative.draft_quantization, config.quantization_group_size)
@@ -104,6 +109,7 @@ def draft_device_page_bytes(draft: DraftWeights, config: EngineConfig, mesh: Mes
         attention.num_cache_kv_heads,
         attention.cache_head_dim,
         draft.dtype,
+        config.cache.kv_dtype,
     )
     return -(-page_bytes // devices_per_page(mesh, attention.num_cache_kv_heads))
 
@@ -155,6 +161,7 @@ def build_draft(
         attention.num_cache_kv_heads,
         attention.cache_head_dim,
         draft.dtype,
+        config.cache.kv_dtype,
     )
     kv_pages = kv_pages_on(mesh, zeros, attention.num_cache_kv_heads)
     # (decided before the draft's warm-up: a draft_kv_from_target that cannot be served is refused at once)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.config import EngineConfig, sixteen_bit_cache_problem
+from jaxserve.config import EngineConfig, kv_cache_problem
 from jaxserve.device.placement import kv_pages_on
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import StepRunner, kv_cache_bytes_available, measured_free_bytes
@@ -122,12 +122,7 @@ def kv_cache(
     """The page pool, one scheduler per rank over its own pages (addressed locally), and the layout
     that places each rank's pages in the pool; budget_bytes: one device's (kv_budgets)."""
     kv_dtype = config.cache.kv_dtype
-    if kv_dtype != "auto" and model.is_latent_attention:
-        raise ValueError(
-            f"cache.kv_dtype={kv_dtype!r} is not served for multi-head latent attention (DeepSeek MLA) models: "
-            "their latent cache stays in the model dtype; use cache.kv_dtype='auto'"
-        )
-    if problem := sixteen_bit_cache_problem(kv_dtype, jnp.dtype(dtype).name):
+    if problem := kv_cache_problem(kv_dtype, jnp.dtype(dtype).name, model.is_latent_attention):
         raise ValueError(problem)
     page_bytes = KVPages.bytes_per_page(
         model.num_layers,

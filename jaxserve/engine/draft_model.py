@@ -9,7 +9,7 @@ build_draft (its pool and runner).
 
 Refused at start: a draft whose vocabulary or tokenizer differs from the target's (its proposals would be
 other tokens), a draft that cannot hold max_model_len, `draft_kv_from_target: true` where the draft's cache
-cannot take the target's pages.
+cannot take the target's pages. The draft's pool takes cache.kv_dtype where its model can (else its own dtype).
 
 On a data-parallel mesh the draft's pool is split as the target's is (device/rank_layout.py): each rank's
 pages on its own devices, one allocator per rank, and each sequence's draft rows on its rank.
@@ -62,6 +62,7 @@ class DraftWeights:
     attention: AttentionPlan
     model: nnx.Module
     lora_slots: dict
+    kv_dtype: str = "auto"  # its pool's cache type (_draft_kv_dtype)
 
 
 def load_draft(
@@ -74,11 +75,8 @@ def load_draft(
     check_draft_matches(source, target, max_model_len)
     model_config = source.config.with_context_length(max_model_len)
     dtype = source.checkpoint_dtype if config.dtype == "auto" else config.dtype
-    # the draft's pool takes the target's cache.kv_dtype (alike pools: a self-draft copies the target's pages)
-    kv_dtype = config.cache.kv_dtype
-    if problem := kv_cache_problem(kv_dtype, jnp.dtype(dtype).name, model_config.is_latent_attention):
-        raise ValueError(f"the speculative draft ({speculative.draft_model}): {problem}")
-    attention = choose_attention(model_config, config, dtype, mesh)
+    kv_dtype = _draft_kv_dtype(config, model_config, dtype, speculative.draft_model)
+    attention = choose_attention(model_config, _with_kv_dtype(config, kv_dtype), dtype, mesh)
     expert_parallel = config.parallel.enable_expert_parallel and model_config.is_moe and mesh is not None
     quantization = QuantizationSpec(speculative.draft_quantization, config.quantization_group_size)
     try:
@@ -97,7 +95,26 @@ def load_draft(
         log_adapters_not_followed(speculative.draft_model)
     if mesh is None:
         move_weights_to_huge_pages(model)  # as the target's: a CPU draft step streams them twice as fast
-    return DraftWeights(source, model_config, dtype, attention, model, lora_slots)
+    return DraftWeights(source, model_config, dtype, attention, model, lora_slots, kv_dtype)
+
+
+def _draft_kv_dtype(config: EngineConfig, model_config: ModelConfig, dtype: str, name: str) -> str:
+    """The draft pool's cache type: the target's cache.kv_dtype (pools alike: a self-draft copies the target's pages
+    of a prompt instead of prefilling it), or the draft's own dtype (auto) where its model cannot take that type
+    (latent attention; a 16-bit draft beside the other 16-bit type), said in the log: the draft is the engine's
+    helper, its cache the user's choice only as far as it goes."""
+    kv_dtype = config.cache.kv_dtype
+    if problem := kv_cache_problem(kv_dtype, jnp.dtype(dtype).name, model_config.is_latent_attention):
+        logger.info("the speculative draft (%s) keeps its KV cache in its own dtype: %s", name, problem)
+        return "auto"
+    return kv_dtype
+
+
+def _with_kv_dtype(config: EngineConfig, kv_dtype: str) -> EngineConfig:
+    """config with cache.kv_dtype set (the draft's attention plan probes its kernels on the draft's own pages)."""
+    if kv_dtype == config.cache.kv_dtype:
+        return config
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_dtype=kv_dtype))
 
 
 def draft_device_page_bytes(draft: DraftWeights, config: EngineConfig, mesh: Mesh | None) -> int:
@@ -109,7 +126,7 @@ def draft_device_page_bytes(draft: DraftWeights, config: EngineConfig, mesh: Mes
         attention.num_cache_kv_heads,
         attention.cache_head_dim,
         draft.dtype,
-        config.cache.kv_dtype,
+        draft.kv_dtype,
     )
     return -(-page_bytes // devices_per_page(mesh, attention.num_cache_kv_heads))
 
@@ -161,7 +178,7 @@ def build_draft(
         attention.num_cache_kv_heads,
         attention.cache_head_dim,
         draft.dtype,
-        config.cache.kv_dtype,
+        draft.kv_dtype,
     )
     kv_pages = kv_pages_on(mesh, zeros, attention.num_cache_kv_heads)
     # (decided before the draft's warm-up: a draft_kv_from_target that cannot be served is refused at once)

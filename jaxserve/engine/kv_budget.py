@@ -9,11 +9,10 @@ import functools
 import logging
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.config import EngineConfig, kv_cache_problem
+from jaxserve.config import EngineConfig
 from jaxserve.device.placement import kv_pages_on
 from jaxserve.device.rank_layout import RankLayout
 from jaxserve.device.runner import StepRunner, kv_cache_bytes_available, measured_free_bytes
@@ -121,9 +120,7 @@ def kv_cache(
 ) -> tuple[list[Scheduler], KVPages, RankLayout]:
     """The page pool, one scheduler per rank over its own pages (addressed locally), and the layout
     that places each rank's pages in the pool; budget_bytes: one device's (kv_budgets)."""
-    kv_dtype = config.cache.kv_dtype
-    if problem := kv_cache_problem(kv_dtype, jnp.dtype(dtype).name, model.is_latent_attention):
-        raise ValueError(problem)
+    kv_dtype = config.cache.kv_dtype  # (one the model can take: build_engine checked it before loading)
     page_bytes = KVPages.bytes_per_page(
         model.num_layers,
         config.cache.page_size,

@@ -82,13 +82,16 @@ def small_matmuls_normed(x, scale, eps: float, weights, *, path: str | None = No
     kernel calls (issue #29)."""
     weights = tuple(weights)
     _check(x, weights, False, path)
-    if scale.shape != (x.shape[1],) or scale.dtype != x.dtype:
-        raise ValueError(
-            f"small_matmuls_normed wants the norm's scale [{x.shape[1]}] {x.dtype}, got {scale.shape} {scale.dtype}"
-        )
+    check_norm_scale(x, scale, "small_matmuls_normed")
     results = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in weights)
     operands = map(_operand, weights)
     return tuple(jax.ffi.ffi_call(target(path, NORMED_TARGET), results)(x, scale, *operands, eps=np.float32(eps)))
+
+
+def check_norm_scale(x, scale, caller: str) -> None:
+    """A ValueError naming `caller` unless the norm's scale is [K] in x's dtype (the normed calls' contract)."""
+    if scale.shape != (x.shape[1],) or scale.dtype != x.dtype:
+        raise ValueError(f"{caller} wants the norm's scale [{x.shape[1]}] {x.dtype}, got {scale.shape} {scale.dtype}")
 
 
 def _operand(weight):

@@ -57,8 +57,10 @@ struct Activations {
 // quantized with the float32 d, as there). Beyond float16's range the float32 value stays.
 inline float AsHalf(float v) { return std::fabs(v) <= 65504.0f ? static_cast<float>(static_cast<_Float16>(v)) : v; }
 
-// What a chunk's quantization sums: of q as rounded (before the int8 store), of q as stored, and of the stored q of
-// its first 16 k (Q6_K's sub-blocks). The first two differ only where x is not finite (the store truncates).
+// What a chunk's quantization sums: of q as rounded (the vectors' lanes before their int8 store; the values past
+// whole vectors as stored), of q as stored, and of the stored q of its first 16 k (Q6_K's sub-blocks). The first
+// two differ only where x is not finite (the store truncates; a lane then holds INT_MIN, so the sums wrap as
+// unsigned: defined, and what the code before them computed).
 struct ChunkSums {
   int32_t rounded = 0, stored = 0, first16 = 0;
 };
@@ -139,7 +141,7 @@ inline ChunkSums QuantizeChunk(const float* x, int64_t count, int8_t* q, float* 
   const int64_t vectored = k;
   for (; k < count; ++k) {
     q[k] = int8_t(std::round(x[k] * id));
-    sums.rounded += q[k];
+    sums.rounded = int32_t(uint32_t(sums.rounded) + uint32_t(int32_t(q[k])));
     sums.stored += q[k];
   }
   if (vectored < 16) {  // (the first 16 were not all vectors: summed from the stored q)

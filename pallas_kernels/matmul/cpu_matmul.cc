@@ -563,7 +563,7 @@ ffi::Error SmallMatmulNormed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
                              ffi::RemainingRets outs, float eps) {
   std::vector<Problem> problems;
   if (ffi::Error error = MakeProblems(x, weights, outs, false, problems); error.failure()) return error;
-  if (scale.element_type() != x.element_type() || scale.element_count() != size_t(problems[0].depth)) {
+  if (!jaxserve_cpu::NormScaleFits(x, scale)) {
     return ffi::Error::InvalidArgument("small_matmul_normed: the norm's scale must be [K] in x's dtype");
   }
   const int64_t num_workers = std::max<int64_t>(1, pool.num_threads());

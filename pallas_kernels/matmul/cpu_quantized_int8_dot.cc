@@ -479,7 +479,7 @@ ffi::Error QuantizedInt8DotNormed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::A
                                   ffi::Span<const int64_t> has_mins, float eps) {
   std::vector<Problem> problems;
   if (ffi::Error error = MakeProblems(x, arrays, outs, bits, has_mins, problems); error.failure()) return error;
-  if (scale.element_type() != x.element_type() || scale.element_count() != size_t(x.dimensions()[1])) {
+  if (!jaxserve_cpu::NormScaleFits(x, scale)) {
     return ffi::Error::InvalidArgument("quantized_int8_dot_normed: the norm's scale must be [K] in x's dtype");
   }
   const int64_t num_workers = std::max<int64_t>(1, pool.num_threads());

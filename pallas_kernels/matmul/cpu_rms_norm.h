@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpu_workers.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace jaxserve_cpu {
 
@@ -53,6 +54,12 @@ struct Float16Scalar {
     return bits;
   }
 };
+
+// Whether a norm's scale fits rows of x: [K] in x's dtype (the kernels' FFI handlers refuse it otherwise)
+inline bool NormScaleFits(const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& scale) {
+  const auto dims = x.dimensions();
+  return dims.size() == 2 && scale.element_type() == x.element_type() && scale.element_count() == size_t(dims[1]);
+}
 
 // Rows a norm runs on the calling thread alone: a decode step's few are done sooner than the helpers would wake
 constexpr int64_t kNormSerialRows = 8;

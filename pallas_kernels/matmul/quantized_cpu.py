@@ -31,6 +31,7 @@ import numpy as np
 
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quantized
+from pallas_kernels.matmul.cpu import check_norm_scale
 from pallas_kernels.matmul.quantized_tiles import TiledQuantizedWeight
 from pallas_kernels.matmul.row_blocks import ROW_INVARIANT_ROWS, in_row_blocks
 
@@ -65,6 +66,10 @@ def target(path: str | None = None, activations: str = "int8") -> str:
 
 def _register(path: str | None = None, activations: str = "int8") -> bool:
     return cpu_library.register(QUANTIZED_TARGET + KERNELS[activations][1], KERNELS[activations][0], path)
+
+
+def _register_normed(path: str | None = None) -> bool:
+    return cpu_library.register(NORMED_TARGET, NORMED_SYMBOL, path)
 
 
 def available(activations: str = "int8") -> bool:
@@ -108,11 +113,8 @@ def quantized_matmuls_normed(x, scale, eps: float, weights, *, path: str | None 
     rows may differ from XLA's in the last bits), then rounded to int8 as any x. In a decode step this saves the
     norm's XLA thunks between two kernel calls (issue 25: a Q4_0 step is ~5 ms, a norm's thunks ~5 us each)."""
     weights = _checked(x, weights, path, "int8")
-    if scale.shape != (x.shape[1],) or scale.dtype != x.dtype:
-        raise ValueError(
-            f"quantized_matmuls_normed wants the norm's scale [{x.shape[1]}] {x.dtype}, got {scale.shape} {scale.dtype}"
-        )
-    if not cpu_library.register(NORMED_TARGET, NORMED_SYMBOL, path):
+    check_norm_scale(x, scale, "quantized_matmuls_normed")
+    if not _register_normed(path):
         raise RuntimeError("the CPU quantized matmul could not be built; project with the reference")
     call = jax.ffi.ffi_call(cpu_library.target_name(NORMED_TARGET, path), _results(x, weights))
     return tuple(call(x, scale, *_operands(weights, "int8"), **_attributes(weights), eps=np.float32(eps)))
@@ -187,9 +189,11 @@ class QuantizedSmallMatmul:
     @property
     def takes_norm(self) -> bool:
         """Whether `normed` serves: the int8 kernel takes the norm into its call (the float one does not)."""
-        return self.activations == "int8"
+        return self.activations == "int8" and _register_normed()
 
     def normed(self, rows, scale, eps: float, weights: tuple) -> tuple:
         """RMSNorm(rows; scale, eps) by each weight, the norm inside the int8 kernel's call (takes_norm)."""
+        if not self.takes_norm:
+            raise ValueError(f"the {self.activations}-activation quantized kernel takes no norm into its call")
         compute = lambda block: quantized_matmuls_normed(block, scale, eps, weights)  # noqa: E731
         return in_row_blocks(compute, rows)

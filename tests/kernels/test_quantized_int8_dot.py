@@ -141,6 +141,22 @@ def test_every_path_computes_the_integer_sums_exactly():
         np.testing.assert_array_equal(np.asarray(got4), (x_ints[:, :64] @ signed_integers(int4)).astype(np.float32))
 
 
+def test_a_row_that_is_not_finite_leaves_the_others_alone():
+    """inf and NaN in one row's chunks (a chunk's values past whole vectors too: depth 70): no crash on any path, and
+    every other row of the call is the bits of its call alone."""
+    rng = np.random.default_rng(12)
+    depth = 70
+    weights = (random_weight(rng, depth, 67, 8, depth, jnp.float32, False),)
+    x = rng.standard_normal((4, depth)).astype(np.float32)
+    x[1, [0, 5, 40, 69]] = [np.inf, np.nan, -np.inf, np.nan]
+    for path in cpu_library.runnable_paths():
+        call = jax.jit(lambda x, ws, path=path: quantized_cpu.quantized_matmuls(x, ws, path=path))
+        (together,) = call(jnp.asarray(x), weights)
+        for row in (0, 2, 3):
+            (alone,) = call(jnp.asarray(x[row : row + 1]), weights)
+            np.testing.assert_array_equal(np.asarray(together)[row], np.asarray(alone)[0])
+
+
 def test_one_int8_call_serves_mixed_weights_on_every_instruction_path():
     """A layer's weights joined in one call (int8 and 4-bit, with and without mins, groups of 16 to K, scale
     widths mixed), at 1, 2, 5 and 20 rows, on each path this CPU runs (AVX-512 VNNI or maddubs, AVX2 maddubs,

@@ -11,6 +11,7 @@ from flax import nnx
 from jaxserve.models.layers import RMSNorm, linear, project_many
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import choose_matmul, cpu, quantized_cpu, quantized_tiles
+from tests.kernels.row_invariance import assert_rows_as_alone
 from tests.kernels.test_quantized_matmul import random_weight
 
 
@@ -62,14 +63,31 @@ def test_the_normed_call_is_the_call_on_the_kernels_normed_rows(dtype):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=0, atol=0.05 * size)
 
 
+def test_a_row_is_the_bits_of_its_one_row_call():
+    """Row invariance (speculation's greedy identity): each row of the plan entry's normed call of 2-70 rows (64 rows a
+    kernel call, as the engine's prefill chunks) is the one-row call's bits."""
+    rng = np.random.default_rng(8)
+    depth = 256
+    weights = layer_weights(rng, depth)
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, depth), jnp.float32)
+    x = jnp.asarray(3 * rng.standard_normal((70, depth)), jnp.float32)
+    entry = quantized_cpu.QuantizedSmallMatmul(quantized_cpu.PREFILL_MAX_ROWS)
+    call = jax.jit(lambda x, s, ws: entry.normed(x, s, 1e-5, ws))
+    assert_rows_as_alone(lambda rows: call(x[rows], scale, weights), "normed int8", (2, 5, 8, 9, 64, 70))
+
+
 def test_a_scale_that_does_not_fit_is_refused():
     rng = np.random.default_rng(4)
-    weights = layer_weights(rng, 64)
-    x = jnp.ones((2, 64), jnp.float32)
-    with pytest.raises(ValueError, match="scale"):
-        quantized_cpu.quantized_matmuls_normed(x, jnp.ones((63,), jnp.float32), 1e-6, weights)
-    with pytest.raises(ValueError, match="scale"):
-        quantized_cpu.quantized_matmuls_normed(x, jnp.ones((64,), jnp.bfloat16), 1e-6, weights)
+    weights = layer_weights(rng, 128)
+    x = jnp.ones((2, 128), jnp.float32)
+    with pytest.raises(ValueError, match="norm's scale"):
+        quantized_cpu.quantized_matmuls_normed(x, jnp.ones((127,), jnp.float32), 1e-6, weights)
+    with pytest.raises(ValueError, match="norm's scale"):
+        quantized_cpu.quantized_matmuls_normed(x, jnp.ones((128,), jnp.bfloat16), 1e-6, weights)
+    float_entry = quantized_cpu.QuantizedSmallMatmul(64, activations="float")
+    assert not float_entry.takes_norm
+    with pytest.raises(ValueError, match="takes no norm"):
+        float_entry.normed(x, jnp.ones((128,), jnp.float32), 1e-6, weights)
 
 
 @pytest.mark.parametrize("activations", ["int8", "float"])

@@ -22,6 +22,8 @@ and sends it the same requests over its OpenAI HTTP API (/v1/completions, token 
 gets over its own: both engines then pay for HTTP and their server's threads, as a user of either does.
 Prints JSON lines, then a table with the ratios (jaxserve / llama.cpp; > 1: jaxserve faster). The first line
 names the machine: CPU model, vector flags, jaxserve's kernel instruction path, llama.cpp's build.
+`--alternate N` then runs N more single streams with both engines up, taking turns, and reports the median of the
+rounds' ratios (this kind of shared machine's drift moves best-of runs minutes apart as much as the ratio).
 `--kv-dtype float16` keeps jaxserve's cache in float16 (cache.kv_dtype), the cache type llama.cpp uses by default
 (its -ctk / -ctv f16, not changed here); the default, auto, keeps it in the model's dtype (float32 for the f32 and
 quantized rows). The first line records both.
@@ -39,9 +41,11 @@ stops instead of timing the jax.numpy references.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -238,59 +242,88 @@ def measure(engine: str, generate, single, batch, text_prompts, repeats: int) ->
 
 def run_precision(args, precision: str, jax_path: str | None, gguf: str, single, batch, text_prompts) -> dict:
     results = {}
-    if jax_path is not None:
-        dtype = DTYPES[precision][0]
-        options = engine_options(args, precision)
-        if args.jaxserve_api == "http":
-            with JaxserveServer(jax_path, dtype, options) as server:
-                results["jaxserve"] = measure(
-                    f"jaxserve-{precision}", server.generate, single, batch, text_prompts, args.repeats
-                )
-                emit(
-                    engine=f"jaxserve-{precision}",
-                    api="http",
-                    startup_s=round(server.startup_s, 1),
-                    compiles_after_warmup=server.compiles_after_warmup(),
-                )
-        else:
-            ours = Jaxserve(jax_path, dtype, options)
-            results["jaxserve"] = measure(
-                f"jaxserve-{precision}", ours.generate, single, batch, text_prompts, args.repeats
-            )
-            stats = ours.llm.stats()
-            emit(
-                engine=f"jaxserve-{precision}",
-                api="offline",
-                startup_s=round(ours.startup_s, 1),
-                compiles_after_warmup=stats.get("num_compiles_after_warmup"),
-                attention_impl=stats.get("attention_impl"),
-            )
-            del ours
-            gc.collect()
-    build = llamacpp_build(args, precision)
-    with peer.LlamaServer(CACHE_DIR, gguf, args.threads, args.slots, context_per_slot=512, build=build) as server:
-        results["llamacpp_build"] = build
-        results["llamacpp"] = measure(
-            f"llamacpp-{precision}",
-            lambda p, n: llamacpp_generate(server, p, n),
-            single,
-            batch,
-            text_prompts,
-            args.repeats,
-        )
+    with contextlib.ExitStack() as kept:  # jaxserve's engine, kept up beside llama-server for --alternate
+        ours = None
+        if jax_path is not None:
+            ours = measure_jaxserve(args, precision, jax_path, single, batch, text_prompts, results, kept)
+        build = llamacpp_build(args, precision)
+        with peer.LlamaServer(CACHE_DIR, gguf, args.threads, args.slots, context_per_slot=512, build=build) as server:
+            results["llamacpp_build"] = build
+            theirs = lambda p, n: llamacpp_generate(server, p, n)  # noqa: E731
+            results["llamacpp"] = measure(f"llamacpp-{precision}", theirs, single, batch, text_prompts, args.repeats)
+            if ours is not None and args.alternate:
+                results["alternating"] = alternate_single(precision, ours, theirs, single, args.alternate)
     if args.llama_bench:
         rates = peer.llama_bench(CACHE_DIR, gguf, args.threads, len(single[0]), single[1], repetitions=2, build=build)
         results["llamacpp"]["llama_bench"] = rates
         emit(engine=f"llamacpp-{precision}", llama_bench=rates)
     if jax_path is not None:
-        ours, theirs = results["jaxserve"]["outputs"], results["llamacpp"]["outputs"]
+        ours_out, theirs_out = results["jaxserve"]["outputs"], results["llamacpp"]["outputs"]
         results["greedy"] = dict(
-            single=agreement(ours["single"], theirs["single"]),
-            text=agreement(ours["text"], theirs["text"]),
-            batch=agreement(ours["batch"], theirs["batch"]),
+            single=agreement(ours_out["single"], theirs_out["single"]),
+            text=agreement(ours_out["text"], theirs_out["text"]),
+            batch=agreement(ours_out["batch"], theirs_out["batch"]),
         )
         emit(precision=precision, greedy_agreement=results["greedy"])
     return results
+
+
+def measure_jaxserve(args, precision: str, jax_path: str, single, batch, text_prompts, results: dict, kept):
+    """jaxserve's row (results["jaxserve"]); its generate function where --alternate wants the engine kept up (in
+    `kept`, an ExitStack), else None (the engine gone, its memory freed for llama.cpp's)."""
+    dtype = DTYPES[precision][0]
+    options = engine_options(args, precision)
+    if args.jaxserve_api == "http":
+        server = kept.enter_context(JaxserveServer(jax_path, dtype, options))
+        results["jaxserve"] = measure(
+            f"jaxserve-{precision}", server.generate, single, batch, text_prompts, args.repeats
+        )
+        emit(
+            engine=f"jaxserve-{precision}",
+            api="http",
+            startup_s=round(server.startup_s, 1),
+            compiles_after_warmup=server.compiles_after_warmup(),
+        )
+        return server.generate if args.alternate else None
+    ours = Jaxserve(jax_path, dtype, options)
+    results["jaxserve"] = measure(f"jaxserve-{precision}", ours.generate, single, batch, text_prompts, args.repeats)
+    stats = ours.llm.stats()
+    emit(
+        engine=f"jaxserve-{precision}",
+        api="offline",
+        startup_s=round(ours.startup_s, 1),
+        compiles_after_warmup=stats.get("num_compiles_after_warmup"),
+        attention_impl=stats.get("attention_impl"),
+    )
+    if args.alternate:
+        return ours.generate
+    del ours
+    gc.collect()
+    return None
+
+
+def alternate_single(precision: str, ours, theirs, single, rounds: int) -> dict:
+    """The single stream with both engines up, taking turns (who goes first alternates by round): the median of the
+    rounds' jaxserve / llama.cpp ratios. On a shared machine whose bandwidth drifts ±20% within minutes, best-of runs
+    minutes apart move the ratio by as much; a pair a second apart shares the drift."""
+    rates: dict[str, list[float]] = {"jaxserve": [], "llamacpp": []}
+    for round_index in range(rounds):
+        order = [("jaxserve", ours), ("llamacpp", theirs)]
+        for name, generate in order[:: 1 if round_index % 2 == 0 else -1]:
+            _, seconds = generate([single[0]], [single[1]])
+            rates[name].append(single[1] / seconds)
+    ratios = [a / b for a, b in zip(rates["jaxserve"], rates["llamacpp"])]
+    record = dict(
+        precision=precision,
+        alternating_rounds=rounds,
+        single_ratio_median=round(statistics.median(ratios), 3),
+        single_ratio_min=round(min(ratios), 3),
+        single_ratio_max=round(max(ratios), 3),
+        jaxserve_median_tokens_per_s=round(statistics.median(rates["jaxserve"]), 1),
+        llamacpp_median_tokens_per_s=round(statistics.median(rates["llamacpp"]), 1),
+    )
+    emit(**record)
+    return record
 
 
 def model_files(args):
@@ -334,6 +367,13 @@ def print_table(results: dict) -> None:
         greedy = by_engine.get("greedy")
         cells.append("-" if greedy is None else f"{greedy['text']['identical']}, {greedy['batch']['identical']}")
         print("| " + " | ".join(cells) + " |")
+    for precision, by_engine in results.items():
+        if (alternating := by_engine.get("alternating")) is not None:
+            print(
+                f"{precision}: single stream taking turns, {alternating['alternating_rounds']} rounds: jaxserve / "
+                f"llama.cpp median {alternating['single_ratio_median']:.2f}x (min {alternating['single_ratio_min']:.2f}, "
+                f"max {alternating['single_ratio_max']:.2f})"
+            )
 
 
 def main() -> None:
@@ -352,6 +392,12 @@ def main() -> None:
     parser.add_argument("--single-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="single-stream runs; the fastest counts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        help="then N single-stream rounds with both engines up, taking turns: the median of the rounds' ratios",
+    )
     parser.add_argument("--no-q8", dest="q8", action="store_false", help="skip the llama.cpp Q8_0 reference line")
     parser.add_argument("--no-llama-bench", dest="llama_bench", action="store_false")
     parser.add_argument("--kernel-path", default=None, help="jaxserve's CPU kernel path: avx512, avx2 or portable")

@@ -30,6 +30,7 @@
 
 #include "cpu_workers.h"
 #include "matmul/cpu_float_vectors.h"
+#include "matmul/cpu_rms_norm.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -56,22 +57,14 @@ constexpr int64_t kExpandColumns = 256;  // output columns per expand item (16 K
 
 
 
-// The stored element types: one element and kLanes elements widened to float32, and a float32 rounded to
-// the stored precision (bfloat16: to nearest even, as XLA's convert does).
-struct F32 {
-  using Stored = float;
-  static float One(float x) { return x; }
+// The stored element types: one element (cpu_rms_norm.h's scalar types) and kLanes elements widened to float32, and
+// a float32 rounded to the stored precision and kept as a float32 (Round here hides the scalar types' own, which
+// returns the stored bits; bfloat16: to nearest even, as XLA's convert does, NaN and inf as they are).
+struct F32 : jaxserve_cpu::Float32Scalar {
   static VecF Vector(const float* p) { return LoadF(p); }
   static float Round(float x) { return x; }
 };
-struct BF16 {
-  using Stored = uint16_t;
-  static float One(uint16_t bits) {
-    const uint32_t wide = uint32_t(bits) << 16;
-    float f;
-    std::memcpy(&f, &wide, sizeof(f));
-    return f;
-  }
+struct BF16 : jaxserve_cpu::BFloat16Scalar {
   static VecF Vector(const uint16_t* p) {
 #if defined(__AVX512F__)
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -92,13 +85,7 @@ struct BF16 {
     return One(uint16_t(bits >> 16));
   }
 };
-struct F16 {
-  using Stored = uint16_t;
-  static float One(uint16_t bits) {
-    _Float16 h;
-    std::memcpy(&h, &bits, sizeof(h));
-    return float(h);
-  }
+struct F16 : jaxserve_cpu::Float16Scalar {
   static VecF Vector(const uint16_t* p) {
 #if defined(__AVX512F__)
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -4,7 +4,8 @@ For each dtype: the compiled decode step alone (device time at each of --batches
 engine's single-stream decode end to end (tokens/s, from two generate calls that differ only in output
 length), the host's share of an engine step (schedule, input building, dispatch, fetch, postprocess), and
 the roofline: bytes a decode token must read (weights + the context's KV) over a read bandwidth measured
-in the same run. `--profile` splits each step (issue #29): the model's projections alone, those the C++
+in the same run (`--alternate N`: N more single streams, each beside its own read, since this VM's bandwidth
+drifts within a run). `--profile` splits each step (issue #29): the model's projections alone, those the C++
 small matmul serves and those XLA's dots serve (each group timed on its own with the step's rows), every
 layer's attention alone (the CPU kernel at the step's context), and the rest of the step; with `--paths`, all projections through each kernel path this CPU runs and through
 XLA's dots; with `--trace`, the step itself op by op from XLA's trace (bench/step_trace.py: each kernel's
@@ -12,7 +13,7 @@ calls, XLA's fusions, the executor's gaps). The CPU (model, vector flags) and th
 (JAXSERVE_CPU_KERNEL_PATH=avx2 measures what an AVX2-only CPU's kernel does). Prints JSON lines.
 
     .venv/bin/python bench/decode_step.py [--model default] [--dtypes float32,bfloat16] [--rounds 3]
-        [--batches 1,8,32] [--profile [--paths] [--trace]] [--quantization none|int8|int4|auto]
+        [--batches 1,8,32] [--alternate N] [--profile [--paths] [--trace]] [--quantization none|int8|int4|auto]
         [--quantized-activations int8|float]
 """
 
@@ -40,32 +41,38 @@ def emit(**record) -> None:
     print(json.dumps(record), flush=True)
 
 
-def read_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 10) -> dict[str, float]:
+class BandwidthReader:
     """Bytes read per second over a large float32 array by each way of reading it: XLA's whole-array sum
     and per-row sum (XLA:CPU may run the first on one thread, the second spreads rows over its threads)
     and, on the CPU, two threads each summing one half at once (numpy, outside the GIL). What a decode
     step does to its weights; the roofline takes the best. The two-thread read matters where one thread
     cannot read at the memory's bandwidth (an Intel Xeon here: ~16 GB/s one thread, ~27 two), since a step's
     kernels read with two workers. The array lives in huge pages where the engine puts its weights there
-    (jaxserve/device/huge_pages.py): over 4 KiB pages reads run at about half the speed."""
-    from jaxserve.device.huge_pages import huge_page_arena
+    (jaxserve/device/huge_pages.py): over 4 KiB pages reads run at about half the speed. Built once, read
+    as often as a run needs (--alternate reads it between single streams)."""
 
-    shape = (num_bytes // 4 // 4096, 4096)
-    arena = huge_page_arena(num_bytes) if jax.default_backend() == "cpu" else None
-    if arena is not None:
-        host = arena.view(np.float32).reshape(shape)
-        host[:] = 1.0
-        x = jax.device_put(host)
-    else:
-        host = None
-        x = jnp.ones(shape, jnp.float32)
-    seconds = {
-        "xla_whole": median_time(jax.jit(jnp.sum), x, repeats=repeats),
-        "xla_rows": median_time(jax.jit(lambda a: a.sum(axis=1)), x, repeats=repeats),
-    }
-    if host is not None:
-        seconds["two_threads"] = two_thread_read_seconds(host, repeats)
-    return {name: x.nbytes / s for name, s in seconds.items()}
+    def __init__(self, num_bytes: int = 512 * 2**20):
+        from jaxserve.device.huge_pages import huge_page_arena
+
+        shape = (num_bytes // 4 // 4096, 4096)
+        arena = huge_page_arena(num_bytes) if jax.default_backend() == "cpu" else None
+        if arena is not None:
+            self.host = arena.view(np.float32).reshape(shape)
+            self.host[:] = 1.0
+            self.device = jax.device_put(self.host)
+        else:
+            self.host = None
+            self.device = jnp.ones(shape, jnp.float32)
+        self.whole_sum, self.row_sums = jax.jit(jnp.sum), jax.jit(lambda a: a.sum(axis=1))
+
+    def read(self, repeats: int = 10) -> dict[str, float]:
+        seconds = {
+            "xla_whole": median_time(self.whole_sum, self.device, repeats=repeats),
+            "xla_rows": median_time(self.row_sums, self.device, repeats=repeats),
+        }
+        if self.host is not None:
+            seconds["two_threads"] = two_thread_read_seconds(self.host, repeats)
+        return {name: self.device.nbytes / s for name, s in seconds.items()}
 
 
 def two_thread_read_seconds(host: np.ndarray, repeats: int) -> float:
@@ -379,7 +386,7 @@ def kv_bytes_per_token(llm, context: int) -> int:
     return 2 * config.num_layers * context * config.num_kv_heads * config.head_dim * itemsize
 
 
-def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
+def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int], reader: BandwidthReader) -> None:
     from jaxserve import LLM
     from jaxserve.loading.default_model import resolve_model_path
 
@@ -440,9 +447,34 @@ def bench_dtype(args, dtype: str, bandwidth: float, prompt: list[int]) -> None:
             pool_shaped_ops_batch1=ops_making_pool_arrays(llm, 1),
             first_tokens=tokens[:8],
         )
+    if args.alternate:
+        emit(dtype=dtype, **alternating_roofline(llm, clock, reader, prompt, args, roof_bytes))
     if args.save_trace:
         save_step_trace(llm, context, args.save_trace)
     assert llm.stats()["num_compiles_after_warmup"] == 0
+
+
+def alternating_roofline(llm, clock, reader, prompt, args, roof_bytes: int) -> dict:
+    """Single streams and reads of the memory taking turns (who goes first alternates), each stream's tokens/s
+    over the roofline of the read beside it. This VM's bandwidth drifts by a fifth within a minute, so a
+    roofline read once at the start misjudges a stream run a minute later, either way."""
+    fractions, turns = [], []
+    for turn in range(args.alternate):
+        if turn % 2:
+            tok_s = single_stream(llm, clock, prompt, args.new_tokens, 0.0)[0]
+            bandwidth = max(reader.read(5).values())
+        else:
+            bandwidth = max(reader.read(5).values())
+            tok_s = single_stream(llm, clock, prompt, args.new_tokens, 0.0)[0]
+        fractions.append(tok_s * roof_bytes / bandwidth)
+        turns.append({"single_stream_tok_s": round(tok_s, 2), "read_bandwidth_gb_s": round(bandwidth / 1e9, 2)})
+    return dict(
+        alternating_turns=len(turns),
+        e2e_roofline_fraction_alternating_median=round(statistics.median(fractions), 3),
+        e2e_roofline_fraction_alternating_min=round(min(fractions), 3),
+        e2e_roofline_fraction_alternating_max=round(max(fractions), 3),
+        turns=turns,
+    )
 
 
 def save_step_trace(llm, context: int, path: str) -> None:
@@ -464,6 +496,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (the engine's decode buckets)")
+    parser.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        help="then N single streams each beside its own read of the memory: the median end-to-end roofline fraction",
+    )
     parser.add_argument("--profile", action="store_true", help="split each step: kernel / XLA projections, rest")
     parser.add_argument(
         "--quantization", default="none", help="model.quantization: none, int8, int4, auto (a GGUF file's blocks)"
@@ -483,7 +521,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.batches = sorted({1, *(int(b) for b in args.batches.split(","))})
-    bandwidths = read_bandwidth()
+    reader = BandwidthReader()
+    bandwidths = reader.read()
     bandwidth = max(bandwidths.values())
     emit(
         bench="decode_step",
@@ -496,7 +535,7 @@ def main() -> None:
     )
     prompt = np.random.default_rng(0).integers(100, 10000, size=args.prompt_tokens).tolist()
     for dtype in args.dtypes.split(","):
-        bench_dtype(args, dtype, bandwidth, prompt)
+        bench_dtype(args, dtype, bandwidth, prompt, reader)
 
 
 if __name__ == "__main__":

@@ -243,7 +243,14 @@ class ModelRunner:
         # Each rank's part on its own devices, made there (device_put would compare the host value across
         # processes, whole); the step and the resets keep them so.
         buffers_shardings = None if mesh is None else sequence_buffers_shardings(buffers, mesh)
-        self.buffers = buffers if buffers_shardings is None else zeros_on(buffers, buffers_shardings)
+        # Without a mesh, committed beside the pages: the step's outputs are committed arrays, and a jit call's cache
+        # key counts committedness, so host buffers here would have warmed `_reset_entry` up for a signature that
+        # serving never shows (its first reset after a step compiled it again).
+        self.buffers = (
+            jax.device_put(buffers, kv_pages.keys[0].sharding)
+            if buffers_shardings is None
+            else zeros_on(buffers, buffers_shardings)
+        )
         self._reset_entry = jax.jit(reset_entry, donate_argnums=(0,), out_shardings=buffers_shardings)
         # On a mesh the pages must come back laid out as they went in, so that donation reuses them.
         out_shardings = (

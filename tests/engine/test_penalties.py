@@ -132,3 +132,27 @@ def test_penalised_tokens_ignore_entry_batch_overlap_and_preemption(llm):
     assert cramped.stats()["num_preemptions"] > 0
     for engine in (llm, cramped):
         assert_idle(engine)
+
+
+def test_a_penalised_request_after_a_step_compiles_nothing():
+    """The buffers' reset is compiled at warm-up; a jit call's cache key counts whether its arguments are committed,
+    and the buffers were host arrays then while serving hands the reset the step's (committed) outputs: the first
+    penalised request after a step compiled it again, which the engine's own count did not see (session 49)."""
+    import jax
+
+    fresh = LLM("tiny-random", **ENGINE_OPTIONS)
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for _ in range(3):  # the first round's reset follows warm-up's; the later ones follow steps
+            fresh.generate([REPETITIVE, random_prompts(1, 5)[0]], [greedy(8, presence_penalty=0.5), greedy(8)])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+    assert fresh.stats()["num_compiles_after_warmup"] == 0
+    assert_idle(fresh)

@@ -210,7 +210,10 @@ class ModelRunner:
         shapes of up to chain_max_seqs rows (None: every decode shape)."""
         self.graphdef, params = nnx.split(model)
         self.param_leaves, self.params_treedef = jax.tree.flatten(params)
-        self.kv_pages = kv_pages
+        # Committed where they lie (an alias, no copy): a step returns committed pools, and a jit call's cache key
+        # counts committedness, so copies warmed up on the uncommitted pools (the host tier's, a handover's)
+        # compiled again on their first use while serving.
+        self.kv_pages = kv_pages if mesh is not None else jax.device_put(kv_pages, kv_pages.keys[0].sharding)
         # What the runner holds, summed once: every later params or pages array keeps its leaf's shape, dtype
         # and placement (replace_params checks it; a step returns the pools it was given), and summing ~330
         # arrays' shards took ~1 ms a step where the server reads stats() after every step.
@@ -243,9 +246,8 @@ class ModelRunner:
         # Each rank's part on its own devices, made there (device_put would compare the host value across
         # processes, whole); the step and the resets keep them so.
         buffers_shardings = None if mesh is None else sequence_buffers_shardings(buffers, mesh)
-        # Without a mesh, committed beside the pages: the step's outputs are committed arrays, and a jit call's cache
-        # key counts committedness, so host buffers here would have warmed `_reset_entry` up for a signature that
-        # serving never shows (its first reset after a step compiled it again).
+        # Without a mesh, committed beside the pages (as the pages, above): host buffers here warmed `_reset_entry`
+        # up for a signature serving never shows (its first reset after a step compiled it again).
         self.buffers = (
             jax.device_put(buffers, kv_pages.keys[0].sharding)
             if buffers_shardings is None

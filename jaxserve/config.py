@@ -291,7 +291,8 @@ class SpeculativeConfig:
     draft_kv_from_target: bool | None = None
 
     def __post_init__(self):
-        check_field_types(self, "speculative")
+        # (the two counts' own checks below name their whole ranges: the generic one would say only ">= 0")
+        check_field_types(self, "speculative", signed=("num_speculative_tokens", "speculative_max_batch_size"))
         if self.method is None:
             set_fields = [
                 name for name in ("num_speculative_tokens", "draft_num_pages") if getattr(self, name) is not None

@@ -145,6 +145,8 @@ def test_metrics_report_acceptance(engines):
     [
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in"),
         ({"method": "ngram", "num_speculative_tokens": 16}, "num_speculative_tokens must be an integer in"),
+        ({"method": "ngram", "num_speculative_tokens": -1}, r"num_speculative_tokens must be an integer in \[1, 15\]"),
+        ({"method": "ngram", "speculative_max_batch_size": -3}, "speculative_max_batch_size must be >= 1"),
         ({"method": "eagle"}, "unknown speculative method"),
         ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"method": "ngram", "speculative_max_batch_size": 0}, "speculative_max_batch_size must be >= 1"),

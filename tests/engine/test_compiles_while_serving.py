@@ -2,10 +2,10 @@
 copies, warmed up on the pools as the runner got them, met the step's committed pools on first use and compiled
 again (session 49: a jit call's cache key counts whether its arguments are committed)."""
 
-import jax
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
+from tests.support.xla_compiles import xla_compiles
 
 
 def test_host_tier_copies_compile_nothing_while_serving():
@@ -19,21 +19,12 @@ def test_host_tier_copies_compile_nothing_while_serving():
         swap_space=0.01,
         show_progress=False,
     )
-    compiles = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
     rng = np.random.default_rng(0)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with xla_compiles() as compiles:
         for _ in range(2):
             prompts = [[1] + rng.integers(3, 384, size=int(rng.integers(10, 30))).tolist() for _ in range(6)]
             prompts += [prompt[:12] + [7, 8] for prompt in prompts[:3]]  # prefixes back from the host tier
             llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     stats = llm.stats()
     assert stats["host_tier_pages"] > 0 and stats["host_tier_hit_tokens"] > 0  # the copies both ways ran
     assert compiles == []

@@ -12,6 +12,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.host.request import GuidedDecodingParams
 from tests.support.sampling_engines import ENGINE_OPTIONS, assert_idle, greedy, tiny_random_llm, token_ids
+from tests.support.xla_compiles import xla_compiles
 
 REPETITIVE = [1, 302, 123, 94, 304, 336]  # its greedy output repeats a token three times, then often
 NUM_TOP = 20  # the engine's max_logprobs
@@ -138,21 +139,10 @@ def test_a_penalised_request_after_a_step_compiles_nothing():
     """The buffers' reset is compiled at warm-up; a jit call's cache key counts whether its arguments are committed,
     and the buffers were host arrays then while serving hands the reset the step's (committed) outputs: the first
     penalised request after a step compiled it again, which the engine's own count did not see (session 49)."""
-    import jax
-
     fresh = LLM("tiny-random", **ENGINE_OPTIONS)
-    compiles = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with xla_compiles() as compiles:
         for _ in range(3):  # the first round's reset follows warm-up's; the later ones follow steps
             fresh.generate([REPETITIVE, random_prompts(1, 5)[0]], [greedy(8, presence_penalty=0.5), greedy(8)])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles == []
     assert fresh.stats()["num_compiles_after_warmup"] == 0
     assert_idle(fresh)

@@ -137,7 +137,7 @@ class SchedulerConfig:
     overlap_steps: bool = True
     # Decode steps planned at once and run as one executable while every running sequence only decodes (vLLM's
     # multi-step scheduling; engine/decode_chain.py): the host's per-step work is paid once per chain. 1: off;
-    # None: 4 on a CPU engine that can chain (no draft model, one process, not disaggregated), 1 elsewhere.
+    # None: 4 on a CPU engine that can chain (one process, not disaggregated), 1 elsewhere.
     num_scheduler_steps: int | None = None
     max_logprobs: int = 20
     # Biased tokens one request may name (logit_bias, bad words, and EOS and stop tokens for min_tokens):

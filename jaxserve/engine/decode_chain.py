@@ -8,8 +8,8 @@ and the server ran such a stream at ~7.7 ms a token. A chain pays the dispatch a
 each step inside reads the token the one before it sampled from the sequence buffers, on the device, exactly
 as an overlapped step does, so outputs are the same as with one step at a time (same seeds, same penalties).
 
-When a chain runs: speculation off (or prompt lookup with every row quiet: engine/speculation.py
-chains_allowed), no request waiting or reserved (nothing would be admitted mid-chain; a
+When a chain runs: speculation off (or, with prompt lookup, every row quiet; with a draft model, the policy
+has plain decoding winning at this batch size: engine/speculation.py chains_allowed), no request waiting or reserved (nothing would be admitted mid-chain; a
 newcomer waits for the chain running and, overlapped, the one planned after it), every running sequence decoding (no prefill chunk) with rows that do not
 need each token on the host first (grammars, multi-token bad words), the k steps' pages free without
 preempting anyone, some sequence with k tokens left to generate, and the rows and pages in a compiled chain's
@@ -48,9 +48,7 @@ def decode_chain_length(config: EngineConfig, several_processes: bool) -> int:
     blockers = [
         reason
         for reason, blocks in (
-            # prompt lookup chains the plain steps of quiet rows (engine/speculation.py chains_allowed); a draft
-            # model's rows speculate step by step
-            ("a draft model (speculative.method draft)", config.speculative.method == "draft"),
+            # speculation chains its plain steps where it proposes nothing (engine/speculation.py chains_allowed)
             ("several processes (jax.distributed)", several_processes),
             (f"disaggregated serving (disagg.role {config.disagg.role.value})", config.disagg.role != EngineRole.BOTH),
         )

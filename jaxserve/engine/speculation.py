@@ -235,10 +235,15 @@ class Speculation:
         every row that may speculate is quiet (host/proposal_gate.py is_quiet: its recent proposals, verified or
         withheld and scored, fell well below the line), or the batch is past the sizes that speculate. Then the engine runs
         what speculation off runs (plain chat: nothing to look up); a row whose text starts to quote is seen at
-        the chain's end, where its proposal is verified if its class admits it. A draft model's rows speculate
-        step by step (its proposals cost steps: no chains)."""
+        the chain's end, where its proposal is verified if its class admits it. With a draft model: where the
+        policy has plain decoding winning at this batch size (or the batch is past the sizes that speculate), as
+        speculation off would run; the draft catches up on the chained tokens when speculation resumes, as after
+        plain steps one at a time. Its rows backing off while speculation wins still step one at a time (each
+        resumes at its own token)."""
         if not self.enabled:
             return True
+        if self.lookup is None:
+            return not self.speculating
         gate = self.gate
         if gate is None or any(proposals):
             return False

@@ -170,10 +170,7 @@ def test_no_chain_while_a_request_waits_or_a_grammar_reads_each_token():
     [
         (dict(num_scheduler_steps=0), "num_scheduler_steps must be in 1..32"),
         (dict(num_scheduler_steps=33), "num_scheduler_steps must be in 1..32"),
-        (
-            dict(num_scheduler_steps=4, speculative={"method": "draft", "draft_quantization": "int8"}),
-            "cannot run with a draft model",
-        ),
+        (dict(num_scheduler_steps=4, disagg={"role": "prefill"}), "cannot run with disaggregated serving"),
     ],
 )
 def test_chains_that_cannot_run_are_refused_at_start(config, message):
@@ -206,11 +203,42 @@ def test_prompt_lookup_chains_quiet_rows_with_the_outputs_of_speculation_off():
     _assert_idle(lookup)
 
 
-def test_a_draft_model_leaves_the_default_at_one_step():
-    llm = LLM(
+def test_a_draft_model_chains_plain_steps_where_the_policy_has_them_with_the_outputs_of_speculation_off():
+    """With a draft model the default (auto) compiles chains too: steps the policy plans plain (here: more rows than
+    speculative_max_batch_size) run in chains, as with speculation off; as rows finish, the rest speculate, their
+    draft catching up on the tokens chained meanwhile. Outputs are speculation off's (greedy and seeded), the
+    draft's pages all come back and nothing compiles after warm-up."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 300, size=int(rng.integers(4, 30))).tolist() for _ in range(5)]
+    params = [
+        SamplingParams(
+            temperature=0.8 if i == 2 else 0.0,
+            seed=77 + i,
+            max_tokens=int(rng.integers(12, 48)),
+            stop_token_ids=[7],
+            logprobs=2 if i == 1 else None,
+        )
+        for i in range(len(prompts))
+    ]
+    plain = LLM(fixture_dir("llama_gqa"), **{**DERIVED_BUCKETS, "num_scheduler_steps": 1})
+    draft = LLM(
         fixture_dir("llama_gqa"),
         **{**DERIVED_BUCKETS, "num_scheduler_steps": None},  # auto
-        speculative={"method": "draft", "draft_quantization": "int8", "num_speculative_tokens": 3},
+        speculative={
+            "method": "draft",
+            "draft_quantization": "int8",
+            "num_speculative_tokens": 3,
+            "speculative_max_batch_size": 2,  # 3+ rows decode plain: in chains
+            "speculative_adaptive": False,  # 1-2 rows always speculate
+        },
     )
-    assert llm.stats()["num_scheduler_steps"] == 1
-    assert not llm.engine.runner.chain_executables
+    assert draft.stats()["num_scheduler_steps"] == 4 and draft.engine.runner.chain_executables
+    want = plain.generate(prompts, params)
+    got = draft.generate(prompts, params)
+    assert _summary(got) == _summary(want)
+    _assert_logprobs_close(got, want)
+    stats = draft.stats()
+    assert stats["decode_chains"] > 0 and stats["speculative_num_verify_rows"] > 0
+    assert stats["speculative_draft_kv_pages_free"] == stats["speculative_draft_kv_pages_total"]
+    assert stats["speculative_draft_num_compiles_after_warmup"] == 0
+    _assert_idle(draft)

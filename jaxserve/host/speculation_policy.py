@@ -193,7 +193,9 @@ def _speculation_margin(state: BatchSizeState) -> float:
     measured here). While speculation wins, its own estimate is measured on every step, so a change of text
     (acceptance) shows at once: a trial of plain decoding only refreshes plain's estimate, and waits this
     many times longer. Each plain trial cost a draft model 6 plain steps and a catch-up prefill (7 tokens in
-    a query block of 16) when it came back: the adaptive draft's whole lag behind forced speculation."""
+    a query block of 16) when it came back: the adaptive draft's whole lag behind forced speculation. (Where
+    decode chains run, a trial's plain steps are chains of k: a trial then lasts k times the tokens, and the wait
+    before the next one, measured in its seconds, grows with it.)"""
     on, off = (state.estimates[mode].tokens_per_second for mode in (True, False))
     if not _measured(state) or off <= 0:
         return 1.0

@@ -242,3 +242,52 @@ def test_a_draft_model_chains_plain_steps_where_the_policy_has_them_with_the_out
     assert stats["speculative_draft_kv_pages_free"] == stats["speculative_draft_kv_pages_total"]
     assert stats["speculative_draft_num_compiles_after_warmup"] == 0
     _assert_idle(draft)
+
+
+@pytest.mark.parametrize("draft_kv_from_target", [True, False], ids=["pages-copied", "prefilled"])
+def test_a_draft_model_chains_while_the_policy_has_plain_winning_and_catches_up_when_it_speculates_again(
+    draft_kv_from_target,
+):
+    """The adaptive policy's verdicts, scripted (its own depend on timing): speculation on for one step, then plain for
+    two, over and over, so the draft engine runs chains between its verify steps, with rows in flight when the mode
+    switches. The draft catches up on the chained tokens (by copying the target's pages, or by prefill), and the
+    outputs are speculation off's."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 300, size=int(rng.integers(4, 40))).tolist() for _ in range(4)]
+    params = [
+        SamplingParams(
+            temperature=0.8 if i % 3 == 0 else 0.0,
+            seed=50 + i,
+            max_tokens=int(rng.integers(20, 60)),
+            stop_token_ids=[7, 11],
+            logprobs=2 if i == 1 else None,
+            n=2 if i == 2 else 1,
+        )
+        for i in range(len(prompts))
+    ]
+    plain = LLM(fixture_dir("llama_gqa"), **{**DERIVED_BUCKETS, "num_scheduler_steps": 1})
+    draft = LLM(
+        fixture_dir("llama_gqa"),
+        **{**DERIVED_BUCKETS, "num_scheduler_steps": None},  # auto
+        speculative={
+            "method": "draft",
+            "draft_quantization": "int8",
+            "num_speculative_tokens": 3,
+            "draft_kv_from_target": draft_kv_from_target,
+        },
+    )
+    policy = draft.engine.speculation.policy
+    verdicts = iter([True, False, False] * 1000)
+    policy.speculate = lambda batch_size: 1 <= batch_size <= policy.max_batch_size and next(verdicts)
+    for batch in ([0], [1, 2, 3]):
+        want = plain.generate([prompts[i] for i in batch], [params[i] for i in batch])
+        got = draft.generate([prompts[i] for i in batch], [params[i] for i in batch])
+        assert _summary(got) == _summary(want)
+        _assert_logprobs_close(got, want)
+    stats = draft.stats()
+    assert stats["decode_chains"] > 0 and stats["speculative_num_verify_rows"] > 0
+    caught_up = "speculative_draft_copied_pages" if draft_kv_from_target else "speculative_draft_prefill_steps"
+    assert stats[caught_up] > 0
+    assert stats["speculative_draft_kv_pages_free"] == stats["speculative_draft_kv_pages_total"]
+    assert stats["speculative_draft_num_compiles_after_warmup"] == 0
+    _assert_idle(draft)

@@ -203,6 +203,24 @@ def test_prompt_lookup_chains_quiet_rows_with_the_outputs_of_speculation_off():
     _assert_idle(lookup)
 
 
+def _draft_engine(**speculative):
+    """llama_gqa with its int8 self-draft proposing 3 tokens and decode chains left at auto."""
+    return LLM(
+        fixture_dir("llama_gqa"),
+        **{**DERIVED_BUCKETS, "num_scheduler_steps": None},  # auto
+        speculative={"method": "draft", "draft_quantization": "int8", "num_speculative_tokens": 3, **speculative},
+    )
+
+
+def _assert_draft_chained_and_idle(draft):
+    """The draft engine ran chains and verify steps, and left nothing behind: every draft page back, no compile."""
+    stats = draft.stats()
+    assert stats["decode_chains"] > 0 and stats["speculative_num_verify_rows"] > 0
+    assert stats["speculative_draft_kv_pages_free"] == stats["speculative_draft_kv_pages_total"]
+    assert stats["speculative_draft_num_compiles_after_warmup"] == 0
+    _assert_idle(draft)
+
+
 def test_a_draft_model_chains_plain_steps_where_the_policy_has_them_with_the_outputs_of_speculation_off():
     """With a draft model the default (auto) compiles chains too: steps the policy plans plain (here: more rows than
     speculative_max_batch_size) run in chains, as with speculation off; as rows finish, the rest speculate, their
@@ -221,27 +239,16 @@ def test_a_draft_model_chains_plain_steps_where_the_policy_has_them_with_the_out
         for i in range(len(prompts))
     ]
     plain = LLM(fixture_dir("llama_gqa"), **{**DERIVED_BUCKETS, "num_scheduler_steps": 1})
-    draft = LLM(
-        fixture_dir("llama_gqa"),
-        **{**DERIVED_BUCKETS, "num_scheduler_steps": None},  # auto
-        speculative={
-            "method": "draft",
-            "draft_quantization": "int8",
-            "num_speculative_tokens": 3,
-            "speculative_max_batch_size": 2,  # 3+ rows decode plain: in chains
-            "speculative_adaptive": False,  # 1-2 rows always speculate
-        },
+    draft = _draft_engine(
+        speculative_max_batch_size=2,  # 3+ rows decode plain: in chains
+        speculative_adaptive=False,  # 1-2 rows always speculate
     )
     assert draft.stats()["num_scheduler_steps"] == 4 and draft.engine.runner.chain_executables
     want = plain.generate(prompts, params)
     got = draft.generate(prompts, params)
     assert _summary(got) == _summary(want)
     _assert_logprobs_close(got, want)
-    stats = draft.stats()
-    assert stats["decode_chains"] > 0 and stats["speculative_num_verify_rows"] > 0
-    assert stats["speculative_draft_kv_pages_free"] == stats["speculative_draft_kv_pages_total"]
-    assert stats["speculative_draft_num_compiles_after_warmup"] == 0
-    _assert_idle(draft)
+    _assert_draft_chained_and_idle(draft)
 
 
 @pytest.mark.parametrize("draft_kv_from_target", [True, False], ids=["pages-copied", "prefilled"])
@@ -266,16 +273,7 @@ def test_a_draft_model_chains_while_the_policy_has_plain_winning_and_catches_up_
         for i in range(len(prompts))
     ]
     plain = LLM(fixture_dir("llama_gqa"), **{**DERIVED_BUCKETS, "num_scheduler_steps": 1})
-    draft = LLM(
-        fixture_dir("llama_gqa"),
-        **{**DERIVED_BUCKETS, "num_scheduler_steps": None},  # auto
-        speculative={
-            "method": "draft",
-            "draft_quantization": "int8",
-            "num_speculative_tokens": 3,
-            "draft_kv_from_target": draft_kv_from_target,
-        },
-    )
+    draft = _draft_engine(draft_kv_from_target=draft_kv_from_target)
     policy = draft.engine.speculation.policy
     verdicts = iter([True, False, False] * 1000)
     policy.speculate = lambda batch_size: 1 <= batch_size <= policy.max_batch_size and next(verdicts)
@@ -284,10 +282,6 @@ def test_a_draft_model_chains_while_the_policy_has_plain_winning_and_catches_up_
         got = draft.generate([prompts[i] for i in batch], [params[i] for i in batch])
         assert _summary(got) == _summary(want)
         _assert_logprobs_close(got, want)
-    stats = draft.stats()
-    assert stats["decode_chains"] > 0 and stats["speculative_num_verify_rows"] > 0
     caught_up = "speculative_draft_copied_pages" if draft_kv_from_target else "speculative_draft_prefill_steps"
-    assert stats[caught_up] > 0
-    assert stats["speculative_draft_kv_pages_free"] == stats["speculative_draft_kv_pages_total"]
-    assert stats["speculative_draft_num_compiles_after_warmup"] == 0
-    _assert_idle(draft)
+    assert draft.stats()[caught_up] > 0
+    _assert_draft_chained_and_idle(draft)

@@ -8,13 +8,14 @@ and the server ran such a stream at ~7.7 ms a token. A chain pays the dispatch a
 each step inside reads the token the one before it sampled from the sequence buffers, on the device, exactly
 as an overlapped step does, so outputs are the same as with one step at a time (same seeds, same penalties).
 
-When a chain runs: speculation off (or, with prompt lookup, every row quiet; with a draft model, the policy
-has plain decoding winning at this batch size: engine/speculation.py chains_allowed), no request waiting or reserved (nothing would be admitted mid-chain; a
-newcomer waits for the chain running and, overlapped, the one planned after it), every running sequence decoding (no prefill chunk) with rows that do not
-need each token on the host first (grammars, multi-token bad words), the k steps' pages free without
-preempting anyone, some sequence with k tokens left to generate, and the rows and pages in a compiled chain's
-shape (up to CHAINED_DECODE_MAX_SEQS rows: above it the host's share of a step is small, and a chain would
-only delay admissions). Otherwise steps run one at a time, as before.
+When a chain runs: speculation off (or, with prompt lookup, every row quiet; with a draft model, the policy has
+plain decoding winning at this batch size: engine/speculation.py chains_allowed), no request waiting or reserved
+(nothing would be admitted mid-chain; a newcomer waits for the chain running and, overlapped, the one planned after
+it), every running sequence decoding (no prefill chunk) with rows that do not need each token on the host first
+(grammars, multi-token bad words), the k steps' pages free without preempting anyone, some sequence with k tokens
+left to generate, and the rows and pages in a compiled chain's shape (up to CHAINED_DECODE_MAX_SEQS rows: above it
+the host's share of a step is small, and a chain would only delay admissions). Otherwise steps run one at a time,
+as before.
 
 A sequence that stops mid-chain (EOS, a stop string) keeps its slot until the chain is processed; the tokens
 its later steps sampled are dropped as an overlapped step's are (scheduler.py), and KV computed past its end

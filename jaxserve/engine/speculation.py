@@ -245,7 +245,8 @@ class Speculation:
         if self.lookup is None:
             return not self.speculating
         gate = self.gate
-        if gate is None or any(proposals):
+        assert gate is not None  # prompt lookup's
+        if any(proposals):
             return False
         if self.batch_size > self.policy.max_batch_size:
             return True

@@ -45,6 +45,7 @@ HEADERS = (os.path.join(HERE, "cpu_workers.h"),)  # included from HERE (-I); par
 HEADERS += (os.path.join(HERE, "matmul", "cpu_float_vectors.h"),)  # every matmul kernel's float32 vectors
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_vectors.h"),)  # cpu_matmul.cc's vector basics
 HEADERS += (os.path.join(HERE, "matmul", "cpu_rms_norm.h"),)  # the norm inside the float and int8-dot calls
+HEADERS += (os.path.join(HERE, "matmul", "cpu_gated_rows.h"),)  # the gated activation inside a down projection's call
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_bf16_pairs.h"),)  # cpu_matmul.cc's AVX-512 BF16 tiles
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_few_rows.h"),)  # cpu_matmul.cc's 2-8 row walks
 HEADERS += (os.path.join(HERE, "matmul", "cpu_matmul_panels.h"),)  # cpu_matmul.cc's weights in column panels

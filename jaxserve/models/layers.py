@@ -90,6 +90,12 @@ class Matmul(Protocol):
         float32 [M, N_i] each; None where the caller normalizes first."""
         ...
 
+    def gated(self, activation: str, gate, up, weight) -> jax.Array | None:
+        """activation(gate) * up (float32 [M, F] each, rounded to the weight's dtype as gated_activation rounds
+        them) by weight [F, N] in one call where a kernel takes the activation into it -> float32 [M, N]; None
+        where the caller computes the activation first."""
+        ...
+
 
 def tree_sum(x):
     """x [..., n] -> [..., 1]: the sum over the last axis in a fixed tree of halves (zero-padded to a power of two).
@@ -460,5 +466,46 @@ class MLP(nnx.Module):
 
     def __call__(self, x, norm: RMSNorm | None = None):
         """x [T, E] (with `norm`: before that norm, which project_many applies) -> [T, E]."""
+        fused = self._gated_in_down_call(x, norm)
+        if fused is not None:
+            return fused
         gate, up = project_many(x, (self.gate_proj, self.up_proj), norm)
         return self.down_proj(gated_activation(ACTIVATIONS[self.activation], gate, up))
+
+    def _gated_in_down_call(self, x, norm: RMSNorm | None):
+        """The MLP with the activation inside the down projection's call, where the plan's kernel takes it (the CPU
+        float kernel, silu): gate and up joined in one call (the norm in it where the plan takes that too), their
+        float32 results straight into the down call, no XLA op between (issue #29: XLA:CPU splits the activation's
+        fusion over its pool in a step of several rows, and the split waits for a pool thread to wake). Plain
+        Linears of x's dtype only (no adapters; gate and up without bias), the norm without Gemma's unit offset; else
+        None, and nothing computed."""
+        linears = (self.gate_proj, self.up_proj, self.down_proj)
+        dtype = x.dtype
+        plain = all(
+            isinstance(linear, Linear) and linear.lora is None and linear.dtype in (None, dtype) for linear in linears
+        )
+        if not plain:
+            return None
+        if self.gate_proj.bias is not None or self.up_proj.bias is not None:
+            return None
+        gate_w, up_w, down_w = (linear.kernel[...] for linear in linears)
+        if any(w.dtype != dtype for w in (gate_w, up_w, down_w)):
+            return None
+        *lead, size = x.shape
+        rows = x.reshape(-1, size)
+        if norm is not None and (norm.unit_offset or norm.weight.dtype != dtype):
+            return None
+        matmul = self.down_proj.matmul
+        if norm is not None:
+            gate_up = matmul.together_normed(rows, norm.weight[...], norm.eps, (gate_w, up_w))
+        else:
+            gate_up = matmul.together(rows, (gate_w, up_w))
+        if gate_up is None:
+            return None
+        gate_f32, up_f32 = gate_up
+        y = matmul.gated(self.activation, gate_f32, up_f32, down_w)
+        if y is None:  # the kernel joined gate and up but does not compute this activation: as project_many would
+            gate, up = (_finish(part, None, dtype, lead) for part in gate_up)
+            return self.down_proj(gated_activation(ACTIVATIONS[self.activation], gate, up))
+        bias = None if self.down_proj.bias is None else self.down_proj.bias[...]
+        return _finish(y, bias, dtype, lead)

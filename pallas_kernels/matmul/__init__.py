@@ -124,6 +124,18 @@ class SmallMatmul:
         compute = lambda block: cpu.small_matmuls_normed(block, scale, eps, weights)  # noqa: E731
         return in_row_blocks(compute, rows, block=self._block(weights))
 
+    def gated(self, activation: str, gate, up, weights: tuple) -> tuple | None:
+        """activation(gate) * up (gate and up: float32 projections) by each weight [F, N_i], the activation inside
+        the kernel's call; None for an activation it does not compute."""
+        if activation not in cpu.GATED_ACTIVATIONS:
+            return None
+        block, num_rows = self._block(weights), gate.shape[0]
+        parts = [
+            cpu.small_matmuls_gated(gate[start : start + block], up[start : start + block], weights)
+            for start in range(0, num_rows, block)
+        ]
+        return parts[0] if len(parts) == 1 else tuple(jnp.concatenate(outs, axis=0) for outs in zip(*parts))
+
     def _limit(self, weights: tuple) -> int:
         return dict(self.max_rows).get(str(jnp.dtype(weights[0].dtype)), 0)
 
@@ -212,6 +224,16 @@ class MatmulPlan:
         entry = self._entry(rows.shape[0], weights)
         normed = getattr(entry, "normed", None) if getattr(entry, "takes_norm", True) else None
         return None if normed is None else normed(rows, scale, eps, weights)
+
+    def gated(self, activation: str, gate, up, weight):
+        """activation(gate) * up (float32 [M, F] each: the gate and up projections' results, rounded to the
+        weight's dtype as models/layers.py's gated_activation rounds them) by the down weight [F, N] in one call
+        where the serving entry takes the activation into it (the CPU float kernel, silu) -> float32 [M, N]; None
+        where the caller computes the activation."""
+        entry = self._entry(gate.shape[0], (weight,))
+        gated = getattr(entry, "gated", None)
+        ys = None if gated is None else gated(activation, gate, up, (weight,))
+        return None if ys is None else ys[0]
 
     def _entry(self, num_rows: int, weights: tuple) -> MatmulEntry:
         return next(entry for entry in self.entries if entry.serves(num_rows, weights))

@@ -17,6 +17,8 @@ from pallas_kernels.matmul.panels import is_panels
 
 MATMUL_TARGET = "jaxserve_cpu_small_matmul"
 NORMED_TARGET = "jaxserve_cpu_small_matmul_normed"  # x through an RMS norm first (small_matmuls_normed)
+GATED_TARGET = "jaxserve_cpu_small_matmul_gated"  # x = silu(gate) * up first (small_matmuls_gated)
+GATED_ACTIVATIONS = ("silu",)  # the activations cpu_gated_rows.h computes
 MATMUL_MAX_ROWS = 256  # cpu_matmul.cc's kMaxRows
 DTYPES = tuple(jnp.dtype(name) for name in ("float32", "bfloat16", "float16"))  # of the weights it serves
 
@@ -26,8 +28,10 @@ def target(path: str | None = None, name: str = MATMUL_TARGET) -> str:
 
 
 def _register(path: str | None = None) -> bool:
-    return cpu_library.register(MATMUL_TARGET, "JaxserveSmallMatmul", path) and cpu_library.register(
-        NORMED_TARGET, "JaxserveSmallMatmulNormed", path
+    return (
+        cpu_library.register(MATMUL_TARGET, "JaxserveSmallMatmul", path)
+        and cpu_library.register(NORMED_TARGET, "JaxserveSmallMatmulNormed", path)
+        and cpu_library.register(GATED_TARGET, "JaxserveSmallMatmulGated", path)
     )
 
 
@@ -86,6 +90,24 @@ def small_matmuls_normed(x, scale, eps: float, weights, *, path: str | None = No
     results = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in weights)
     operands = map(_operand, weights)
     return tuple(jax.ffi.ffi_call(target(path, NORMED_TARGET), results)(x, scale, *operands, eps=np.float32(eps)))
+
+
+def small_matmuls_gated(gate, up, weights, *, path: str | None = None):
+    """small_matmuls of silu(gate) * up by [F, N_i] weights, the activation inside the call: gate and up [M, F]
+    float32 (the gate and up projections' results) rounded to the weights' dtype, silu in float32, rounded, times
+    up, rounded, as models/layers.py's gated_activation (its exp not XLA's to the last bit: cpu_gated_rows.h). In a
+    step of several rows this saves a fusion XLA:CPU splits over its pool (issue #29, session 51)."""
+    weights = tuple(weights)
+    if gate.dtype != jnp.float32 or up.dtype != jnp.float32 or gate.shape != up.shape or gate.ndim != 2:
+        raise ValueError(
+            f"small_matmuls_gated wants gate and up [M, F] float32 alike, got {gate.shape} "
+            f"{gate.dtype} and {up.shape} {up.dtype}"
+        )
+    rows = jax.ShapeDtypeStruct(gate.shape, weights[0].dtype if weights else gate.dtype)  # x as the kernel makes it
+    _check(rows, weights, False, path)
+    results = tuple(jax.ShapeDtypeStruct((gate.shape[0], w.shape[1]), jnp.float32) for w in weights)
+    operands = map(_operand, weights)
+    return tuple(jax.ffi.ffi_call(target(path, GATED_TARGET), results)(gate, up, *operands))
 
 
 def check_norm_scale(x, scale, caller: str) -> None:

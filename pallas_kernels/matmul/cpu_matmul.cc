@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "cpu_matmul_bf16_pairs.h"
+#include "cpu_gated_rows.h"
 #include "cpu_matmul_few_rows.h"
 #include "cpu_matmul_vectors.h"
 #include "cpu_workers.h"
@@ -494,16 +495,13 @@ void WidenAndRun(int64_t num_workers, const typename T::Stored* in, std::vector<
 }
 
 // x [M, K] times each weight, validated into `problems` (one per weight, its result's buffer).
-ffi::Error MakeProblems(const ffi::AnyBuffer& x, ffi::RemainingArgs& weights, ffi::RemainingRets& outs, bool transposed,
-                        std::vector<Problem>& problems) {
-  const auto x_dims = x.dimensions();
-  if (x_dims.size() != 2) return ffi::Error::InvalidArgument("small_matmul: x must be 2-d");
-  const int64_t rows = x_dims[0], depth = x_dims[1];
+// Rows x [M, K] of `type` (the weights' dtype) times each weight, validated into `problems`.
+ffi::Error MakeProblems(int64_t rows, int64_t depth, ffi::DataType type, ffi::RemainingArgs& weights,
+                        ffi::RemainingRets& outs, bool transposed, std::vector<Problem>& problems) {
   if (rows > kMaxRows) return ffi::Error::InvalidArgument("small_matmul: too many rows");
   if (weights.size() == 0 || weights.size() != outs.size()) {
     return ffi::Error::InvalidArgument("small_matmul: one result per weight, at least one weight");
   }
-  const ffi::DataType type = x.element_type();
   for (size_t i = 0; i < weights.size(); ++i) {
     auto w = weights.get<ffi::AnyBuffer>(i);
     auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
@@ -532,6 +530,13 @@ ffi::Error MakeProblems(const ffi::AnyBuffer& x, ffi::RemainingArgs& weights, ff
     return ffi::Error::InvalidArgument("small_matmul: float32, bfloat16 or float16 only");
   }
   return ffi::Error::Success();
+}
+
+ffi::Error MakeProblems(const ffi::AnyBuffer& x, ffi::RemainingArgs& weights, ffi::RemainingRets& outs, bool transposed,
+                        std::vector<Problem>& problems) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() != 2) return ffi::Error::InvalidArgument("small_matmul: x must be 2-d");
+  return MakeProblems(x_dims[0], x_dims[1], x.element_type(), weights, outs, transposed, problems);
 }
 
 // x [M, K] times each weight w_i ([K, N_i], or [N_i, K] when transposed), into out_i [M, N_i] float32.
@@ -575,6 +580,38 @@ ffi::Error SmallMatmulNormed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+template <typename T>
+void GateAndRun(int64_t num_workers, const float* gate, const float* up, std::vector<Problem> problems) {
+  const auto gated = SiluGatedRows<T>(gate, up, problems[0].rows, problems[0].depth, num_workers);
+  WidenAndRun<T>(num_workers, gated.data(), std::move(problems), /*transposed=*/false);
+}
+
+// silu(gate) * up [M, F] in the weights' dtype (cpu_gated_rows.h; gate and up [M, F] float32: the gate and up
+// projections' results) times each weight w_i [F, N_i], into out_i [M, N_i] float32.
+ffi::Error SmallMatmulGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> up,
+                            ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+  const auto dims = gate.dimensions();
+  if (dims.size() != 2 || up.dimensions().size() != 2 || up.dimensions()[0] != dims[0] ||
+      up.dimensions()[1] != dims[1]) {
+    return ffi::Error::InvalidArgument("small_matmul_gated: gate and up must be [M, F] alike");
+  }
+  if (weights.size() == 0) return ffi::Error::InvalidArgument("small_matmul_gated: at least one weight");
+  auto first = weights.get<ffi::AnyBuffer>(0);
+  if (!first.has_value()) return ffi::Error::InvalidArgument("small_matmul_gated: bad weight");
+  const ffi::DataType type = first->element_type();
+  std::vector<Problem> problems;
+  if (ffi::Error error = MakeProblems(dims[0], dims[1], type, weights, outs, false, problems); error.failure()) {
+    return error;
+  }
+  const int64_t num_workers = std::max<int64_t>(1, pool.num_threads());
+  switch (type) {
+    case ffi::DataType::BF16: GateAndRun<BF16>(num_workers, gate.typed_data(), up.typed_data(), std::move(problems)); break;
+    case ffi::DataType::F16: GateAndRun<F16>(num_workers, gate.typed_data(), up.typed_data(), std::move(problems)); break;
+    default: GateAndRun<F32>(num_workers, gate.typed_data(), up.typed_data(), std::move(problems)); break;
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The instruction path this library was compiled for: "avx512", "avx2" or "portable".
@@ -604,3 +641,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmulNormed, SmallMatmulNormed,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSmallMatmulGated, SmallMatmulGated,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());

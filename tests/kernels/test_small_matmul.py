@@ -204,3 +204,97 @@ def test_project_many_takes_the_norm_into_the_kernels_call(dtype, rows):
     served = rows <= KERNEL_ROWS[str(jnp.dtype(dtype))]
     assert hlo.count(f'custom_call_target="{cpu.NORMED_TARGET}"') == (1 if served else 0)
     assert (cpu.MATMUL_TARGET in hlo) == served  # else the norm, then XLA's dots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_gated_activation_inside_the_call_is_the_models(dtype):
+    """small_matmuls_gated(gate, up) by a one-element identity weight returns silu(gate) * up as the model's
+    gated_activation computes and rounds it, one value a row: over gates from 1e-3 to 90 in magnitude, with the
+    edges (exp's overflow and underflow, +-inf, NaN): float32 within 2 ulps, 16-bit values equal or one ulp apart
+    where the float32 sat on a rounding boundary (the kernel's exp is not XLA's by construction; on the machine
+    it was written on they agreed to the bit, session 51). A -0 comes out +0 (the product's sum starts at +0)."""
+    from jaxserve.models.layers import gated_activation
+
+    rng = np.random.default_rng(9)
+    magnitudes = np.exp(rng.uniform(np.log(1e-3), np.log(90.0), 240)) * rng.choice([-1.0, 1.0], 240)
+    edges = [-100.0, -88.8, -87.0, 88.8, 100.0, np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-30, -5.5, 30.0, -30.0, 1.0, -1.0]
+    gate = jnp.asarray(np.concatenate([magnitudes, edges])[:, None], jnp.float32)
+    up = jnp.asarray(rng.uniform(-2, 2, (gate.shape[0], 1)), jnp.float32)
+    one = jnp.ones((1, 1), dtype)
+    (got,) = jax.jit(lambda g, u, w: cpu.small_matmuls_gated(g, u, (w,)))(gate, up, one)
+    expected = np.asarray(gated_activation(jax.nn.silu, gate.astype(dtype), up.astype(dtype)), np.float32) + 0.0
+    got = np.asarray(got)
+    assert np.array_equal(np.isnan(got), np.isnan(expected))
+    finite = ~np.isnan(expected)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got[finite], expected[finite], rtol=2.5e-7, atol=1e-37)
+    else:
+        assert np.mean(got[finite] == expected[finite]) > 0.98
+        one_ulp = 2.0**-7 if dtype == jnp.bfloat16 else 2.0**-10
+        np.testing.assert_allclose(got[finite], expected[finite], rtol=one_ulp, atol=1e-37)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 37])
+def test_a_gated_row_is_its_one_row_calls_and_the_product_numpys(dtype, width):
+    """Rows of a many-row gated call are the bits of their one-row calls (a verify or batched row is a decode row;
+    a width that is no multiple of the vector lanes goes through the same lanes from a padded tail), and the
+    result is the product of the gated rows, as numpy computes it from them; gate and up must match, float32."""
+    from jaxserve.models.layers import gated_activation
+
+    rng = np.random.default_rng(10)
+    gate = jnp.asarray(3 * rng.standard_normal((12, width)), jnp.float32)
+    up = jnp.asarray(rng.standard_normal((12, width)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((width, 24)) / np.sqrt(width), dtype)
+    call = jax.jit(lambda g, u, w: cpu.small_matmuls_gated(g, u, (w,))[0])
+    many = np.asarray(call(gate, up, w))
+    for r in (0, 5, 11):
+        np.testing.assert_array_equal(np.asarray(call(gate[r : r + 1], up[r : r + 1], w))[0], many[r])
+    _assert_is_product(many, gated_activation(jax.nn.silu, gate.astype(dtype), up.astype(dtype)), w, False)
+    with pytest.raises(ValueError, match="gate and up"):
+        cpu.small_matmuls_gated(gate, up[:, :-1], (w,))
+    with pytest.raises(ValueError, match="gate and up"):
+        cpu.small_matmuls_gated(gate.astype(jnp.bfloat16), up, (w,))
+
+
+@pytest.mark.parametrize(
+    "dtype,rows,activation",
+    [(jnp.float32, 1, "silu"), (jnp.bfloat16, 9, "silu"), (jnp.float32, 3, "gelu_pytorch_tanh")],
+)
+def test_the_mlp_takes_its_activation_into_the_down_projections_call(dtype, rows, activation):
+    """An MLP on the CPU plan runs gate and up in one call (the norm in it) and silu(gate) * up inside the down
+    projection's call: no XLA op between the calls, the same values as the MLP on the reference plan's path
+    (project_many, gated_activation, down_proj); an activation the kernel does not compute stays in XLA."""
+    from flax import nnx
+
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.layers import MLP, RMSNorm
+
+    config = ModelConfig(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+        hidden_act=activation,
+    )
+    mlp = MLP(config, dtype, CPU_PLAN, nnx.Rngs(0))
+    norm = RMSNorm(64, 1e-6, dtype)
+    norm.weight[...] = jnp.asarray(np.random.default_rng(11).uniform(0.5, 1.5, 64), dtype)
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((rows, 64)), dtype)
+    got = nnx.jit(lambda x: mlp(x, norm))(x)
+    mlp_xla = MLP(config, dtype, choose_matmul("tpu", 1), nnx.Rngs(0))  # the reference plan, same params
+    expected = nnx.jit(lambda x: mlp_xla(norm(x)))(x)
+    tolerance = 1e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=tolerance, atol=tolerance
+    )
+    hlo = jax.jit(lambda x: mlp(x, norm)).lower(x).compile().as_text() or ""
+    fused = activation in cpu.GATED_ACTIVATIONS
+    assert hlo.count(f'custom_call_target="{cpu.GATED_TARGET}"') == (1 if fused else 0)
+    assert hlo.count(f'custom_call_target="{cpu.NORMED_TARGET}"') == 1
+    if fused:
+        assert "exponential" not in hlo  # silu's exp is the kernel's, no XLA fusion left between the calls

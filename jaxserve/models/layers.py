@@ -323,22 +323,33 @@ def project_many(x, linears, norm: RMSNorm | None = None):
 def _project_normed(x, linears, norm: RMSNorm) -> list | None:
     """project_many(norm(x), linears) in one call with the norm inside, where the plan's kernel does that: plain
     Linears (no adapters) of x's dtype and a norm without Gemma's unit offset; else None."""
+    ys = _joined_float32(x, linears, norm)
+    if ys is None:
+        return None
+    lead = x.shape[:-1]
+    return [
+        _finish(y, None if linear.bias is None else linear.bias[...], x.dtype, lead) for y, linear in zip(ys, linears)
+    ]
+
+
+def _joined_float32(x, linears, norm: RMSNorm | None) -> tuple | None:
+    """x [..., E] (through `norm` first, inside the call) by plain Linears (no adapters, of x's dtype) in one
+    kernel call -> their float32 results [rows, N_i], before bias and the cast to x's dtype; None where the plan
+    does not join them (or take the norm: Gemma's unit offset, a norm of another dtype)."""
     dtype = x.dtype
     plain = all(
         isinstance(linear, Linear) and linear.lora is None and linear.dtype in (None, dtype) for linear in linears
     )
-    if not plain or norm.unit_offset or norm.weight.dtype != dtype:
+    if not plain or (norm is not None and (norm.unit_offset or norm.weight.dtype != dtype)):
         return None
     weights = [linear.kernel[...] for linear in linears]
     if any(w.dtype != dtype for w in weights):
         return None
-    *lead, size = x.shape
-    ys = linears[0].matmul.together_normed(x.reshape(-1, size), norm.weight[...], norm.eps, weights)
-    if ys is None:
-        return None
-    return [
-        _finish(y, None if linear.bias is None else linear.bias[...], dtype, lead) for y, linear in zip(ys, linears)
-    ]
+    rows = x.reshape(-1, x.shape[-1])
+    matmul = linears[0].matmul
+    if norm is None:
+        return matmul.together(rows, weights)
+    return matmul.together_normed(rows, norm.weight[...], norm.eps, weights)
 
 
 class Linear(nnx.Linear):
@@ -479,33 +490,18 @@ class MLP(nnx.Module):
         fusion over its pool in a step of several rows, and the split waits for a pool thread to wake). Plain
         Linears of x's dtype only (no adapters; gate and up without bias), the norm without Gemma's unit offset; else
         None, and nothing computed."""
-        linears = (self.gate_proj, self.up_proj, self.down_proj)
-        dtype = x.dtype
-        plain = all(
-            isinstance(linear, Linear) and linear.lora is None and linear.dtype in (None, dtype) for linear in linears
-        )
-        if not plain:
+        down = self.down_proj
+        if not isinstance(down, Linear) or down.lora is not None or down.dtype not in (None, x.dtype):
             return None
-        if self.gate_proj.bias is not None or self.up_proj.bias is not None:
+        if self.gate_proj.bias is not None or self.up_proj.bias is not None or down.kernel.dtype != x.dtype:
             return None
-        gate_w, up_w, down_w = (linear.kernel[...] for linear in linears)
-        if any(w.dtype != dtype for w in (gate_w, up_w, down_w)):
-            return None
-        *lead, size = x.shape
-        rows = x.reshape(-1, size)
-        if norm is not None and (norm.unit_offset or norm.weight.dtype != dtype):
-            return None
-        matmul = self.down_proj.matmul
-        if norm is not None:
-            gate_up = matmul.together_normed(rows, norm.weight[...], norm.eps, (gate_w, up_w))
-        else:
-            gate_up = matmul.together(rows, (gate_w, up_w))
+        gate_up = _joined_float32(x, (self.gate_proj, self.up_proj), norm)
         if gate_up is None:
             return None
-        gate_f32, up_f32 = gate_up
-        y = matmul.gated(self.activation, gate_f32, up_f32, down_w)
+        gate, up = gate_up
+        lead = x.shape[:-1]
+        y = down.matmul.gated(self.activation, gate, up, down.kernel[...])
         if y is None:  # the kernel joined gate and up but does not compute this activation: as project_many would
-            gate, up = (_finish(part, None, dtype, lead) for part in gate_up)
-            return self.down_proj(gated_activation(ACTIVATIONS[self.activation], gate, up))
-        bias = None if self.down_proj.bias is None else self.down_proj.bias[...]
-        return _finish(y, bias, dtype, lead)
+            gate, up = (_finish(part, None, x.dtype, lead) for part in gate_up)
+            return down(gated_activation(ACTIVATIONS[self.activation], gate, up))
+        return _finish(y, None if down.bias is None else down.bias[...], x.dtype, lead)

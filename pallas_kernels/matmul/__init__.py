@@ -129,12 +129,8 @@ class SmallMatmul:
         the kernel's call; None for an activation it does not compute."""
         if activation not in cpu.GATED_ACTIVATIONS:
             return None
-        block, num_rows = self._block(weights), gate.shape[0]
-        parts = [
-            cpu.small_matmuls_gated(gate[start : start + block], up[start : start + block], weights)
-            for start in range(0, num_rows, block)
-        ]
-        return parts[0] if len(parts) == 1 else tuple(jnp.concatenate(outs, axis=0) for outs in zip(*parts))
+        compute = lambda gate, up: cpu.small_matmuls_gated(gate, up, weights)  # noqa: E731
+        return in_row_blocks(compute, gate, up, block=self._block(weights))
 
     def _limit(self, weights: tuple) -> int:
         return dict(self.max_rows).get(str(jnp.dtype(weights[0].dtype)), 0)

@@ -494,8 +494,8 @@ void WidenAndRun(int64_t num_workers, const typename T::Stored* in, std::vector<
   Run<T>(std::move(problems), transposed, num_workers);
 }
 
-// x [M, K] times each weight, validated into `problems` (one per weight, its result's buffer).
-// Rows x [M, K] of `type` (the weights' dtype) times each weight, validated into `problems`.
+// Rows x [M, K] of `type` (the weights' dtype) times each weight, validated into `problems` (one per weight, its
+// result's buffer).
 ffi::Error MakeProblems(int64_t rows, int64_t depth, ffi::DataType type, ffi::RemainingArgs& weights,
                         ffi::RemainingRets& outs, bool transposed, std::vector<Problem>& problems) {
   if (rows > kMaxRows) return ffi::Error::InvalidArgument("small_matmul: too many rows");
@@ -532,6 +532,7 @@ ffi::Error MakeProblems(int64_t rows, int64_t depth, ffi::DataType type, ffi::Re
   return ffi::Error::Success();
 }
 
+// x [M, K] times each weight, validated as above.
 ffi::Error MakeProblems(const ffi::AnyBuffer& x, ffi::RemainingArgs& weights, ffi::RemainingRets& outs, bool transposed,
                         std::vector<Problem>& problems) {
   const auto x_dims = x.dimensions();

@@ -28,12 +28,15 @@ ROW_INVARIANT_ROWS = 64  # the kernels' rows are alike up to here (the largest d
 _VERIFY_ROWS = contextvars.ContextVar("verify_rows", default=False)
 
 
-def in_row_blocks(compute: Callable[..., tuple], rows, *args, block: int = ROW_INVARIANT_ROWS) -> tuple:
-    """compute(rows [m, K], *args) -> ([m, N_i], ...) over rows [M, K] in blocks of `block` rows, joined."""
+def in_row_blocks(compute: Callable[..., tuple], rows, *more_rows, block: int = ROW_INVARIANT_ROWS) -> tuple:
+    """compute(rows [m, K], *more_rows [m, ...]) -> ([m, N_i], ...) over rows [M, K] (and more arrays of the same M
+    rows, cut alike: a gated call's gate and up) in blocks of `block` rows, joined."""
     num_rows = rows.shape[0]
     if num_rows <= block:
-        return compute(rows, *args)
-    parts = [compute(rows[start : start + block], *args) for start in range(0, num_rows, block)]
+        return compute(rows, *more_rows)
+    parts = [
+        compute(*(array[start : start + block] for array in (rows, *more_rows))) for start in range(0, num_rows, block)
+    ]
     return tuple(jnp.concatenate(outputs, axis=0) for outputs in zip(*parts, strict=True))
 
 

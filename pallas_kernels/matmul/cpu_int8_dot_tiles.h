@@ -303,21 +303,33 @@ void TiledRowsRun(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t r
 // store per chunk, which costs little beside the products; fewer columns re-read x's rows and the scales more
 // often). Cache-hot Q4_0 layers, one thread, alternating with the chunk-by-chunk walk this replaced
 // (bench/cpu_int8_dot_rows.cc): rows 1 1.06-1.21x, 2 1.43-1.49x, 3-7 1.29-1.55x, 64 1.41-1.45x; Q8_0 0.98-1.5x.
-// On AVX-512 (32 registers, 64 columns a vector; not measured: no such machine at hand) the same columns a
-// pass: one row all four, more two.
-constexpr int TiledJ(int R) { return sizeof(VecI) == 64 ? (R == 1 ? 4 : 2) : (R == 1 ? 8 : 4); }
+// On AVX-512 (32 registers, 64 columns a vector) all four for 8-bit rows and for up to 3 4-bit rows, two for the
+// rest: two passes re-read a tile's run (up to 96 KiB on SmolLM2-135M, past L1) from L2, and the second pass's
+// columns wait for it. bench/cpu_int8_dot_calls.cc TILED=1, one worker, a step's 121 calls (AMD EPYC Zen 4, session
+// 52): 8-bit 2 rows 8.1-8.4 -> 5.7-6.2 ms, 3 rows 8.4-8.7 -> 7.4-7.6, 4 rows 9.3-9.9 -> 7.9-8.2, 8 rows 14.7-15.0 ->
+// 13.4-13.6, 32 rows 47.3-48.3 -> 41.6-41.9; 4-bit 2 rows 4.8-4.9 -> 3.6-3.8, 3 rows 5.5-5.7 -> 4.4-4.6, but 4-row
+// runs 0.96x (8 and 32 rows: the four rows' nibbles and sums spill). K-quants' two-level scales (Q4_K, Q5_K) and
+// 5- and 6-bit values were not measured: two, as before (`measured` false). Per-output-channel int8 (an int8
+// self-draft's weights: float32 scales, one group over K), two workers, wall (session 53): 2 rows 6.5-6.9 -> 5.2-5.9
+// ms, 3 rows 7.0-7.3 -> 5.4-5.7, 4 rows 6.7-7.6 -> 6.1-6.5, 8 rows 10.3-11.0 -> 9.1-9.9, 32 rows within noise; in
+// the engine the draft's two-token catch-up step went from 1.30-1.51x its one-token step to 1.14-1.27x.
+constexpr int TiledJ(int R, int Bits, bool measured = true) {
+  if (sizeof(VecI) != 64) return R == 1 ? 8 : 4;
+  return R == 1 || (measured && (Bits == 8 || (Bits == 4 && R <= 3))) ? 4 : 2;
+}
 
 // TiledRowsRun for the problem's scale width and mins.
 template <int R, int Bits>
 void TiledRows(const Problem& p, int64_t t, int64_t g0, int64_t g1, int64_t r0, float* out, int64_t out_stride) {
-  constexpr int J = TiledJ(R);
+  constexpr int J = TiledJ(R, Bits);
   if constexpr (Bits == 6) {  // Q6_K only (the FFI refuses other 6-bit scales): int8 sc per 16 k, no mins
     return TiledRowsRun<R, J, Bits, false, ffi::DataType::S8>(p, t, g0, g1, r0, out, out_stride);
   } else {
     const bool mins = p.mins.data != nullptr;
     if constexpr (Bits == 4 || Bits == 5) {
       if (p.scales.type == ffi::DataType::U8) {  // two-level (Q4_K, Q5_K: always with mins)
-        return TiledRowsRun<R, J, Bits, true, ffi::DataType::U8>(p, t, g0, g1, r0, out, out_stride);
+        constexpr int kTwoLevelJ = TiledJ(R, Bits, false);
+        return TiledRowsRun<R, kTwoLevelJ, Bits, true, ffi::DataType::U8>(p, t, g0, g1, r0, out, out_stride);
       }
     }
     switch (p.scales.type) {

@@ -5,7 +5,7 @@ run; and batched throughput with speculation on vs off (goal: not below).
 
     .venv/bin/python bench/speculative.py [--precision f32] [--requests 3] [--repeats 1] [--max-tokens 256] [--batch 32]
         [--variants plain,ngram,ngram-forced,draft,draft-forced,ngram-forced:k4:min2] [--k 7] [--lookup-min 1]
-        [--draft-k 4] [--draft-quantization auto|int4|int8|source] [--llamacpp-build auto] [--request-timeout 300]
+        [--draft-k K] [--draft-quantization auto|int4|int8|source] [--llamacpp-build auto] [--request-timeout 300]
         [--llamacpp-budget 1200]
 
 Draft rows: jaxserve's target is the --precision file (F32, or Q8_0 served with quantization auto), its
@@ -85,11 +85,22 @@ def self_draft_quantization(args) -> str:
     return "int8" if args.precision == "f32" else "int4"
 
 
+def draft_k(args) -> int:
+    """--draft-k, or the engine's own default for this draft (6 for an int8 self-draft, else 4:
+    jaxserve.config.default_speculative_tokens); llama.cpp's --spec-draft-n-max gets the same."""
+    if args.draft_k is not None:
+        return args.draft_k
+    from jaxserve.config import default_speculative_tokens
+
+    quantization = self_draft_quantization(args)
+    return default_speculative_tokens("draft", "self" if quantization in ("int4", "int8") else "", quantization)
+
+
 def draft_pair(args, ggufs: dict) -> tuple[dict, str]:
     """(jaxserve's draft settings, llama.cpp's --model-draft file) for --draft-quantization: int4 / int8 a
     self-draft quantized as it loads beside llama-quantize's Q4_0 / Q8_0 file; source the model's own GGUF
     file in both engines (quantization auto)."""
-    draft = dict(method="draft", num_speculative_tokens=args.draft_k)
+    draft = dict(method="draft", num_speculative_tokens=draft_k(args))
     quantization = self_draft_quantization(args)
     if quantization == "source":
         from jaxserve.loading.default_model import resolve_model_path
@@ -348,7 +359,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engines", default="jaxserve,llamacpp")
     parser.add_argument("--variants", default="plain,ngram,ngram-forced,draft,draft-forced", help="jaxserve's")
-    parser.add_argument("--draft-k", type=int, default=4, help="num_speculative_tokens with a draft model")
+    parser.add_argument(
+        "--draft-k",
+        type=int,
+        default=None,
+        help="num_speculative_tokens with a draft model (default: the engine's own)",
+    )
     parser.add_argument(
         "--draft-quantization",
         default="auto",
@@ -444,7 +460,7 @@ def main() -> None:
             "plain": [],
             "lookup": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.lookup_max),
                        "--spec-ngram-simple-size-m", str(args.k)],
-            "draft": ["--model-draft", draft_gguf, "--spec-draft-n-max", str(args.draft_k),
+            "draft": ["--model-draft", draft_gguf, "--spec-draft-n-max", str(draft_k(args)),
                       "--threads-draft", str(args.threads)],
         }  # fmt: skip
         limits = (args.request_timeout, args.llamacpp_budget)

@@ -5,7 +5,7 @@ greedy run of bench/speculative.py's code or chat workload on the default model.
 
     .venv/bin/python bench/speculative_profile.py [--workload code] [--requests 3] [--max-tokens 128]
         [--variants plain,ngram-forced,ngram-forced:k4:min2] [--k 7] [--lookup-min 1] [--lookup-max 4]
-        [--draft-k 4] [--draft-quantization int8]
+        [--draft-k K] [--draft-quantization int8]
 
 Every executable's dispatch and completion are timed (a watcher thread blocks on each result in dispatch
 order, as engine/device_clock.py does). Its device time runs from max(the return of the runner's execute
@@ -146,7 +146,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--variants", default="plain,ngram-forced")
     parser.add_argument("--k", type=int, default=7, help="ngram's num_speculative_tokens")
-    parser.add_argument("--draft-k", type=int, default=4, help="a draft model's num_speculative_tokens")
+    parser.add_argument(
+        "--draft-k", type=int, default=None, help="a draft model's num_speculative_tokens (default: the engine's own)"
+    )
     parser.add_argument("--lookup-min", type=int, default=1)
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--draft-quantization", default="int8", choices=DRAFT_QUANTIZATIONS)

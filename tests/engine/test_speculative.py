@@ -214,13 +214,22 @@ def test_a_config_file_section_turns_speculation_on(tmp_path):
 
 def test_k_defaults_to_the_methods_own():
     """Prompt lookup proposes up to 7 tokens (a verify step's cost grows far slower than its width), a
-    draft model 4 (each proposal is a draft decode step); an explicit k wins."""
+    draft model 4 (each proposal is a draft decode step), the target's own int8 copy 6 (it agrees with its
+    target on most tokens: longer rounds pay); an explicit k wins."""
     from jaxserve.config import SpeculativeConfig
 
     ngram = SpeculativeConfig(method="ngram")
     assert (ngram.num_speculative_tokens, ngram.verify_width, ngram.prompt_lookup_min) == (7, 8, 1)
-    draft = SpeculativeConfig(method="draft", draft_quantization="int8")
+    draft = SpeculativeConfig(method="draft", draft_quantization="int4")
     assert (draft.num_speculative_tokens, draft.verify_width) == (4, 5)
+    self_int8 = SpeculativeConfig(method="draft", draft_quantization="int8")
+    assert (self_int8.num_speculative_tokens, self_int8.verify_width) == (6, 7)
+    # another model's int8 weights say nothing of how often it agrees with the target
+    assert (
+        SpeculativeConfig(method="draft", draft_model="/models/small", draft_quantization="int8").num_speculative_tokens
+        == 4
+    )
+    assert SpeculativeConfig(method="draft", draft_quantization="int8", num_speculative_tokens=3).verify_width == 4
     assert SpeculativeConfig(method="ngram", num_speculative_tokens=2).verify_width == 3
     assert SpeculativeConfig().verify_width == 0
 

@@ -3,13 +3,13 @@ under tensor, data and expert parallelism. Prints one JSON object keyed by run (
 outputs and first-token logprobs equal transformers', compiles after warm-up, the KV pool's partition spec and
 heads, and how much of the routed experts' and the attention's weights device 0 holds."""
 
-import json
 import sys
 
 import jax
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
+from tests.support.fake_devices import report_and_exit
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 
@@ -77,4 +77,4 @@ def run(spec: str) -> dict:
 results = {"num_devices": len(jax.devices())}
 for spec in sys.argv[1:]:
     results[spec] = run(spec)
-print(json.dumps(results))
+report_and_exit(results)

@@ -1,14 +1,13 @@
 """Run by test_sharding.py with 8 fake CPU devices: the expert-parallel MoE layer against dense math, with
 expert counts that divide the devices and counts that do not (padded, some devices holding one more)."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sharding import build_mesh
 from sharding.moe import LocalExperts, expert_parallel_moe, place_experts, store_experts
+from tests.support.fake_devices import report_and_exit
 
 
 def dense_moe(x, router, gate, up, down, top_k):
@@ -79,4 +78,4 @@ try:  # weights not padded to the stored rows
     report["unpadded_error"] = None
 except ValueError as error:
     report["unpadded_error"] = str(error)
-print(json.dumps(report))
+report_and_exit(report)

@@ -4,8 +4,6 @@
 rows) and Qwen3-MoE with int8 experts (a quantized weight's values and scales). Prints one JSON line: per
 model, the params whose arrays differ after a move, and after writing out in canonical order."""
 
-import json
-
 import jax
 import numpy as np
 from flax import nnx
@@ -13,6 +11,7 @@ from flax import nnx
 from jaxserve import LLM
 from jaxserve.distributed.experts import canonical_everywhere, rebalance_everywhere
 from sharding.expert_placement import canonical_params, device_of_experts, rebalance
+from tests.support.fake_devices import report_and_exit
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 
 MODELS = {"gpt_oss": {}, "qwen3_moe": {"quantization": "int8"}}
@@ -55,7 +54,7 @@ def main() -> None:
                 nnx.to_pure_dict(canonical_params(moved)), nnx.to_pure_dict(canonical_everywhere(moved))
             ),
         }
-    print(json.dumps(results))
+    report_and_exit(results)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Runs a helper module on N fake CPU devices, in a subprocess of its own: JAX fixes the device count when
 it starts, and the test process already started it with one device.
 
-The helper (tests/support/*_run.py and the like) prints one JSON object as its last line of stdout;
-tests read its results from a module-scoped fixture, so one subprocess answers a whole test module.
+The helper (tests/support/*_run.py and the like) prints one JSON object as its last line of stdout
+(`report_and_exit`); tests read its results from a module-scoped fixture, so one subprocess answers a whole
+test module.
 """
 
 import json
@@ -36,8 +37,21 @@ def run_on_fake_devices(
         [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
     lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0 and lines, f"{module} exited with {done.returncode}:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0 and lines, (
+        f"{module} exited with {done.returncode} ({'after' if lines else 'before'} printing its results):\n"
+        f"{done.stderr[-4000:]}"
+    )
     return json.loads(lines[-1])
+
+
+def report_and_exit(results: dict[str, Any]) -> None:
+    """For a helper: print its results as the JSON line run_on_fake_devices reads, then leave at once. The
+    interpreter's teardown of JAX's native threads has aborted helpers that had already printed ("terminate
+    called ... FATAL: exception not rethrown", SIGABRT: docs/notes/test-suite.md, sessions 21, 32 and 53), failing
+    every test of their module on work that was done."""
+    print(json.dumps(results), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def results_per_case(run, cases) -> dict[str, Any]:

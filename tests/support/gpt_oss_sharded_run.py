@@ -6,13 +6,13 @@ Prints one JSON object: per run name:tp:dp[:ep], whether greedy tokens and first
 transformers', the params' partition specs and the compiles after warm-up.
 """
 
-import json
 import sys
 
 import numpy as np
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
+from tests.support.fake_devices import report_and_exit
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 
@@ -71,4 +71,4 @@ for run in sys.argv[1:]:
         outcome["after_rebalance"] = parity(llm, name)
     outcome["compiles_after_warmup"] = llm.stats()["num_compiles_after_warmup"]
     results[run] = outcome
-print(json.dumps(results))
+report_and_exit(results)

@@ -3,11 +3,11 @@
 prints one JSON line: per mesh, the pages per rank and the most KV bytes any one device holds."""
 
 import collections
-import json
 
 import jax
 
 from jaxserve import LLM
+from tests.support.fake_devices import report_and_exit
 from tests.support.fixtures import SMALL_ENGINE, fixture_dir
 
 BUDGET_GIB = 2**-11  # 512 KiB: below what max_num_seqs full-length sequences would use, so the budget binds
@@ -31,7 +31,7 @@ def main() -> None:
             max_device_bytes=max(per_device.values()),
             budget_bytes=int(BUDGET_GIB * 2**30),
         )
-    print(json.dumps(results))
+    report_and_exit(results)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,8 @@ int8 KV cache on one device, tensor parallel 2 and 4 (4: each KV head stored twi
 parallel 2 in bfloat16 with int8 weights; prints
 one JSON line: per mesh, greedy tokens, the scale pools' partition spec and compiles after warm-up."""
 
-import json
-
 from jaxserve import LLM, SamplingParams
+from tests.support.fake_devices import report_and_exit
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 MESHES = {"one": {}, "tp2": {"tensor_parallel_size": 2}, "tp4": {"tensor_parallel_size": 4}}
@@ -28,7 +27,7 @@ def main() -> None:
             scales_spec=[str(axis) for axis in getattr(scales.sharding, "spec", ())],
             compiles_after_warmup=llm.stats()["num_compiles_after_warmup"],
         )
-    print(json.dumps(results))
+    report_and_exit(results)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
+from tests.support.fake_devices import report_and_exit
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 
 results = {"num_devices": len(jax.devices())}
@@ -221,4 +222,4 @@ for run in runs:
         "device_tokens": llm.stats().get("expert_device_tokens"),
         "device_imbalance": llm.stats().get("expert_device_imbalance"),
     }
-print(json.dumps(results))
+report_and_exit(results)

@@ -3,11 +3,10 @@ of the two (the default device: no mesh; parallel.device_ids (1,): a mesh of one
 the matmul plan's entries (builder.choose_matmul spied on), the attention implementation, the greedy tokens and
 logprobs of a few prompts, and compiles after warm-up."""
 
-import json
-
 from jaxserve import LLM
 from jaxserve.engine import builder
 from tests.engine.test_one_device_engine import ENGINE, ENGINES, PARAMS, PROMPTS, outputs_of
+from tests.support.fake_devices import report_and_exit
 
 
 def main() -> None:
@@ -28,7 +27,7 @@ def main() -> None:
             outputs=outputs_of(llm.generate(PROMPTS, PARAMS)),
             compiles_after_warmup=llm.stats()["num_compiles_after_warmup"],
         )
-    print(json.dumps(results))
+    report_and_exit(results)
 
 
 if __name__ == "__main__":

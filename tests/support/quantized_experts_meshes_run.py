@@ -6,8 +6,6 @@ under tensor parallelism 2 (every expert on both devices, split along its F axis
 Prints one JSON object: greedy tokens and first logprobs per run, the expert values' partition spec, whether
 canonical_params gives back one device's quantized arrays exactly, and compiles after warm-up."""
 
-import json
-
 import jax
 import numpy as np
 from flax import nnx
@@ -15,6 +13,7 @@ from flax import nnx
 from jaxserve import LLM, SamplingParams
 from pallas_kernels.matmul.quantized import QuantizedWeight
 from sharding.expert_placement import canonical_params
+from tests.support.fake_devices import report_and_exit
 from tests.support.fixtures import SMALL_ENGINE, expected, fixture_dir
 from tests.support.quantized_twin import dequantized_twin, params_by_path
 
@@ -94,4 +93,4 @@ report["rebalanced"]["canonical_equal"] = (
     == canonical_one
 )
 report["rebalanced"]["compiles_after_warmup"] = ep.stats()["num_compiles_after_warmup"]
-print(json.dumps(report))
+report_and_exit(report)

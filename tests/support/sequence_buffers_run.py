@@ -4,14 +4,13 @@ starts. For each mesh given as dp:tp: an engine over llama_gqa serving penalised
 and where its sequence buffers sit: each array's bytes on the device holding the most of it, and its whole
 size. The same requests on one device first. Prints one JSON object."""
 
-import json
 import sys
 
 import jax
 
 from jaxserve import LLM
 from tests.distributed.penalised_requests import ENGINE, generate_rounds
-from tests.support.fake_devices import results_per_case
+from tests.support.fake_devices import report_and_exit, results_per_case
 from tests.support.fixtures import fixture_dir
 
 
@@ -39,4 +38,4 @@ def run(mesh: str) -> dict:
 
 results = dict(num_devices=len(jax.devices()), one_device=generate_rounds(LLM(fixture_dir("llama_gqa"), **ENGINE)))
 results.update(results_per_case(run, sys.argv[1:]))
-print(json.dumps(results))
+report_and_exit(results)

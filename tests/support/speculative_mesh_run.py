@@ -2,12 +2,12 @@
 mesh), greedy and seeded sampled outputs with speculation (n-gram or a draft model) on and off, and what the engines held and
 compiled afterwards. Prints one JSON object."""
 
-import json
 import sys
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.host.request import GuidedDecodingParams
 from tests.engine.test_speculative import ENGINE, NGRAM, summary, workload
+from tests.support.fake_devices import report_and_exit
 from tests.support.fixtures import fixture_dir
 
 SELF_INT8 = {"method": "draft", "draft_quantization": "int8", "speculative_adaptive": False}
@@ -65,4 +65,4 @@ for case in sys.argv[1:]:
         # a draft's proposals after each round's first, in chained executables (device/step.py chained_steps)
         chained_steps=speculative_stats.get("speculative_draft_chained_steps", 0),
     )
-print(json.dumps(results))
+report_and_exit(results)

@@ -37,9 +37,10 @@ the model's template and sent to both engines as the same token ids; greedy; a r
 
 Single stream: --requests requests one after another per workload; rate = generated tokens / wall time
 (prefill included). --repeats N (jaxserve): every variant's engine is started first, then N rounds run each
-variant's workloads in turn, and each keeps its fastest run (on a shared machine the load shifts between
-variants run one after another; the idle runs' ngram-forced code ratio read 1.65-1.83x over three runs of
-one variant each). jaxserve's ngram engine runs its default adaptive policy and, as a second line, with
+variant's workloads in turn (in reverse order every other round), and each keeps its fastest run (on a shared
+machine the load shifts between variants run one after another; the idle runs' ngram-forced code ratio read
+1.65-1.83x over three runs of one variant each); a last table gives each round's speculation / plain and their
+median ("taking turns": the figure to quote where the machine's speed drifts within minutes). jaxserve's ngram engine runs its default adaptive policy and, as a second line, with
 speculation forced on (speculative_adaptive false). Batched: --batch chat requests at once (EOS ignored,
 --batch-tokens each), jaxserve only, one of each round's workloads under --repeats (best of the rounds).
 Greedy outputs with speculation on and off are compared (they must be identical). Prints JSON lines, then
@@ -52,6 +53,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -314,24 +316,45 @@ def variant_config(variants: dict, name: str) -> dict | None:
     return config
 
 
-def best_single_runs(engines: dict, workloads: dict, max_tokens: int, repeats: int, batch: tuple) -> dict:
-    """{(variant, workload): (token ids, seconds)}, the fastest of `repeats` runs, the engines taking turns
-    round after round (a shift in the machine's load hits every variant alike). `batch` is (prompts,
-    max_tokens) of the batched run (workload "batch": all at once, EOS ignored; not for forced variants),
-    or () for none."""
+def best_single_runs(engines: dict, workloads: dict, max_tokens: int, repeats: int, batch: tuple) -> tuple[dict, dict]:
+    """({(variant, workload): (token ids, seconds)}, the fastest of `repeats` runs; {(variant, workload): [tokens/s
+    of each round]}), the engines taking turns round after round, in reverse order every other round (a shift in
+    the machine's load hits every variant alike, and none is always first). `batch` is (prompts, max_tokens) of the
+    batched run (workload "batch": all at once, EOS ignored; not for forced variants), or () for none."""
     best: dict = {}
+    rounds: dict = {}
 
     def keep(variant, workload, run):
+        rounds.setdefault((variant, workload), []).append(rate(*run))
         if (variant, workload) not in best or run[1] < best[variant, workload][1]:
             best[variant, workload] = run
 
-    for _ in range(repeats if engines else 0):
-        for variant, engine in engines.items():
+    for round_index in range(repeats if engines else 0):
+        order = list(engines.items())
+        for variant, engine in order if round_index % 2 == 0 else order[::-1]:
             for workload, prompts in workloads.items():
                 keep(variant, workload, engine.run(prompts, max_tokens, False))
             if batch and not is_forced(variant):
                 keep(variant, "batch", engine.run(batch[0], batch[1], at_once=True, ignore_eos=True))
-    return best
+    return best, rounds
+
+
+def taking_turns(rounds: dict) -> None:
+    """Per variant and workload, speculation / plain in each round of --repeats and their median: on a machine
+    whose speed drifts within minutes, the ratio of runs seconds apart says more than the ratio of best-ofs taken
+    at different moments."""
+    rows = []
+    for (variant, workload), rates in rounds.items():
+        plain = rounds.get(("plain", workload))
+        if variant == "plain" or not plain:
+            continue
+        ratios = [round(ours / base, 3) for ours, base in zip(rates, plain)]
+        median = round(statistics.median(ratios), 3)
+        emit(taking_turns=f"jaxserve-{variant}", workload=workload, vs_plain_median=median, vs_plain_per_round=ratios)
+        rows.append(f"| jaxserve-{variant} | {workload} | {median:.2f}x | {', '.join(f'{r:.2f}' for r in ratios)} |")
+    if rows:
+        print("\n| taking turns | workload | speculation / plain, median of rounds | per round |\n|---|---|---|---|")
+        print("\n".join(rows))
 
 
 def is_forced(variant: str) -> bool:
@@ -412,6 +435,7 @@ def main() -> None:
     variants["draft-gguf"] = draft_file  # the very pair of files llama.cpp's draft row serves, blocks as stored
     variants = {name: variant_config(variants, name) for name in args.variants.split(",")}
     single: dict[str, dict] = {}
+    rounds: dict = {}  # each round's tokens/s per (variant, workload) under --repeats
     if "jaxserve" in args.engines:
 
         def start(speculative):
@@ -421,10 +445,11 @@ def main() -> None:
             engine.run(workloads["chat"][:1], 8, at_once=False)  # warm-up
             return engine
 
-        # --repeats > 1: every engine started first, then rounds of every variant in turn (best of each)
+        # --repeats > 1: every engine started first, then rounds of every variant in turn (best of each, and
+        # each round's ratios: taking_turns)
         kept = {variant: start(speculative) for variant, speculative in variants.items()} if args.repeats > 1 else {}
         batch = (batch_prompts, args.batch_tokens) if args.batch else ()
-        best = best_single_runs(kept, workloads, args.max_tokens, args.repeats, batch)
+        best, rounds = best_single_runs(kept, workloads, args.max_tokens, args.repeats, batch)
         for variant, speculative in variants.items():
             engine = kept.pop(variant, None) or start(speculative)
             single[f"jaxserve-{variant}"] = {
@@ -474,6 +499,7 @@ def main() -> None:
                 emit(engine=engine, workload=w, tokens_per_s=rate(tokens, seconds), generated=sum(map(len, tokens)),
                      requests=len(tokens), **({} if finished else {"partial": True}))  # fmt: skip
     report(single)
+    taking_turns(rounds)
 
 
 PEERS = {"plain": "llamacpp-plain", "ngram": "llamacpp-lookup", "draft": "llamacpp-draft"}  # same kind of row

@@ -40,9 +40,10 @@ Single stream: --requests requests one after another per workload; rate = genera
 variant's workloads in turn (in reverse order every other round), and each keeps its fastest run (on a shared
 machine the load shifts between variants run one after another; the idle runs' ngram-forced code ratio read
 1.65-1.83x over three runs of one variant each); a last table gives each round's speculation / plain and their
-median ("taking turns": the figure to quote where the machine's speed drifts within minutes). jaxserve's ngram engine runs its default adaptive policy and, as a second line, with
-speculation forced on (speculative_adaptive false). Batched: --batch chat requests at once (EOS ignored,
---batch-tokens each), jaxserve only, one of each round's workloads under --repeats (best of the rounds).
+median ("taking turns": the figure to quote where the machine's speed drifts within minutes). jaxserve's ngram
+engine runs its default adaptive policy and, as a second line, with speculation forced on (speculative_adaptive
+false). Batched: --batch chat requests at once (EOS ignored, --batch-tokens each), jaxserve only, one of each
+round's workloads under --repeats (best of the rounds).
 Greedy outputs with speculation on and off are compared (they must be identical). Prints JSON lines, then
 a table of ratios (speculation / plain in each engine, and jaxserve / llama.cpp for the same kind of row:
 plain, ngram vs lookup, draft vs draft).
@@ -87,22 +88,13 @@ def self_draft_quantization(args) -> str:
     return "int8" if args.precision == "f32" else "int4"
 
 
-def draft_k(args) -> int:
-    """--draft-k, or the engine's own default for this draft (6 for an int8 self-draft, else 4:
-    jaxserve.config.default_speculative_tokens); llama.cpp's --spec-draft-n-max gets the same."""
-    if args.draft_k is not None:
-        return args.draft_k
-    from jaxserve.config import default_speculative_tokens
-
-    quantization = self_draft_quantization(args)
-    return default_speculative_tokens("draft", "self" if quantization in ("int4", "int8") else "", quantization)
-
-
 def draft_pair(args, ggufs: dict) -> tuple[dict, str]:
     """(jaxserve's draft settings, llama.cpp's --model-draft file) for --draft-quantization: int4 / int8 a
     self-draft quantized as it loads beside llama-quantize's Q4_0 / Q8_0 file; source the model's own GGUF
-    file in both engines (quantization auto)."""
-    draft = dict(method="draft", num_speculative_tokens=draft_k(args))
+    file in both engines (quantization auto). k is --draft-k, or the engine's own default for these settings
+    (6 for an int8 self-draft, else 4), which llama.cpp's --spec-draft-n-max gets too."""
+    from jaxserve.config import SpeculativeConfig
+
     quantization = self_draft_quantization(args)
     if quantization == "source":
         from jaxserve.loading.default_model import resolve_model_path
@@ -110,10 +102,12 @@ def draft_pair(args, ggufs: dict) -> tuple[dict, str]:
         path = resolve_model_path(args.model)
         if not path.endswith(".gguf"):
             raise SystemExit(f"--draft-quantization source needs a model published as a GGUF file, not {path}")
-        return {**draft, "draft_model": path, "draft_quantization": "auto"}, path
-    return {**draft, "draft_model": "self", "draft_quantization": quantization}, quantized_gguf(
-        ggufs, DRAFT_FILES[quantization]
-    )
+        draft, draft_gguf = dict(method="draft", draft_model=path, draft_quantization="auto"), path
+    else:
+        draft = dict(method="draft", draft_model="self", draft_quantization=quantization)
+        draft_gguf = quantized_gguf(ggufs, DRAFT_FILES[quantization])
+    k = args.draft_k if args.draft_k is not None else SpeculativeConfig(**draft).num_speculative_tokens
+    return {**draft, "num_speculative_tokens": k}, draft_gguf
 
 
 CODE_SNIPPETS = (
@@ -485,7 +479,7 @@ def main() -> None:
             "plain": [],
             "lookup": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.lookup_max),
                        "--spec-ngram-simple-size-m", str(args.k)],
-            "draft": ["--model-draft", draft_gguf, "--spec-draft-n-max", str(draft_k(args)),
+            "draft": ["--model-draft", draft_gguf, "--spec-draft-n-max", str(draft["num_speculative_tokens"]),
                       "--threads-draft", str(args.threads)],
         }  # fmt: skip
         limits = (args.request_timeout, args.llamacpp_budget)
